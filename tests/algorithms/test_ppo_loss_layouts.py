@@ -1,0 +1,169 @@
+"""PPOLoss through TrainEngine on several (dp, sp) layouts == a single-process PPO reference.
+
+The reference uses no engine, packing or loss-contract code: one plain model forward per
+sequence, the per-token PPO loss on the token-aligned wire tensors, the aggregation formula of
+each loss_agg_mode written out, torch.optim.AdamW. Every layout must match it (loss, metrics,
+parameters after one step) for fixed and token-capped micro-batches and every agg mode.
+"""
+
+import itertools
+import os
+import socket
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+
+from verl_balance.algorithms import PolicyLossConfig, PPOLoss, compute_grpo_outcome_advantage, ppo_clip_token_loss
+from verl_balance.loss import AGG_MODES
+from verl_balance.models import LlamaForCausalLM
+from verl_balance.parity import ParitySettings, make_global_batch
+
+SETTINGS = ParitySettings()
+LOSS_CONFIG = PolicyLossConfig(clip_ratio=0.2, clip_ratio_high=0.28, use_kl_loss=True, kl_loss_coef=0.1,
+                               kl_loss_type="low_var_kl", entropy_coeff=0.01)
+CASES = [(micro, True, mode) for micro, mode in itertools.product(("fixed", "dynamic"), AGG_MODES)]
+CASES.append(("dynamic", False, "token-mean"))
+METRICS = ("pg_loss", "pg_clipfrac", "ppo_kl", "kl", "entropy")
+
+
+def _reference_model() -> LlamaForCausalLM:
+    torch.manual_seed(SETTINGS.seed)  # TrainEngine builds its model from the same seed
+    return LlamaForCausalLM(SETTINGS.model, attn_impl="sdpa_masked")
+
+
+def _sequence_outputs(model, ids):
+    length = len(ids)
+    logits = model(input_ids=ids, position_ids=torch.arange(length), cu_seqlens=torch.tensor([0, length]),
+                   max_seqlen=length).float()
+    logp = torch.log_softmax(logits[:-1], -1)
+    return logp.gather(-1, ids[1:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+def _ppo_batch() -> dict[str, torch.Tensor]:
+    """The parity batch plus token-aligned old/ref log-probs near the policy's and GRPO advantages."""
+    batch = make_global_batch(SETTINGS)
+    gen = torch.Generator().manual_seed(7)
+    model = _reference_model()
+    current = torch.zeros(batch["input_ids"].shape)
+    with torch.no_grad():
+        for i in range(len(current)):
+            length = int(batch["attention_mask"][i].sum())
+            current[i, 1:length] = _sequence_outputs(model, batch["input_ids"][i, :length])[0]
+    mask = batch["attention_mask"].float()
+    batch["old_log_probs"] = (current + 0.3 * torch.randn(current.shape, generator=gen)) * mask
+    batch["ref_log_prob"] = (current + 0.3 * torch.randn(current.shape, generator=gen)) * mask
+    scores = torch.randint(0, 2, (len(current),), generator=gen).float()
+    batch["advantages"] = compute_grpo_outcome_advantage(
+        scores=scores, index=np.arange(len(current)) // 4, loss_mask=batch["loss_mask"])
+    return batch
+
+
+def _reference(batch, *, agg_mode: str, config: PolicyLossConfig) -> dict:
+    model = _reference_model()
+    sums, counts, metric_sums = [], [], dict.fromkeys(METRICS, 0.0)
+    for i in range(len(batch["input_ids"])):
+        length = int(batch["attention_mask"][i].sum())
+        logp, entropy = _sequence_outputs(model, batch["input_ids"][i, :length])
+        aligned = {k: batch[k][i, 1:length] for k in ("old_log_probs", "ref_log_prob", "advantages", "loss_mask")}
+        loss, metrics = ppo_clip_token_loss(log_probs=logp, old_log_probs=aligned["old_log_probs"],
+                                            advantages=aligned["advantages"], ref_log_probs=aligned["ref_log_prob"],
+                                            entropy=entropy, config=config)
+        mask = aligned["loss_mask"]
+        sums.append((loss * mask).sum())
+        counts.append(mask.sum())
+        for name in METRICS:
+            metric_sums[name] += float((metrics[name] * mask).sum())
+    sums, counts = torch.stack(sums), torch.stack(counts)
+    has = counts > 0
+    loss = {
+        "token-mean": lambda: sums.sum() / counts.sum(),
+        "seq-mean-token-mean": lambda: (sums[has] / counts[has]).mean(),
+        "seq-mean-token-sum": lambda: sums[has].mean(),
+        "seq-mean-token-sum-norm": lambda: sums[has].mean() / SETTINGS.loss_scale_factor,
+    }[agg_mode]()
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), SETTINGS.grad_clip)
+    cfg = SETTINGS.engine_config(agg_mode=agg_mode)
+    torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay).step()
+    return {"loss": float(loss), "grad_norm": float(grad_norm),
+            "metrics": {k: v / float(counts.sum()) for k, v in metric_sums.items()},
+            "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def _worker(rank, dp, sp, port, batch, out_path):
+    import torch.distributed as dist
+
+    from verl_balance.balance import plan_balance
+    from verl_balance.distributed import ParallelLayout
+    from verl_balance.engine import TrainEngine
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=dp * sp)
+    try:
+        layout = ParallelLayout(dp=dp, sp=sp, device_type="cpu")
+        results = []
+        for micro, balance, agg_mode in CASES:
+            fixed = micro == "fixed"
+            plan = plan_balance(seq_lens=batch["attention_mask"].sum(1).numpy(), dp_size=dp, sp_size=sp,
+                                micro_batch_size=SETTINGS.micro_batch_size if fixed else None,
+                                max_token_len_per_gpu=None if fixed else -(-SETTINGS.tokens_per_micro_batch // sp),
+                                balance=balance)
+            micro_batches = [{k: v[torch.as_tensor(np.asarray(idx, dtype=np.int64))] for k, v in batch.items()}
+                             for idx in plan.micro_batches[layout.dp_rank]]
+            engine = TrainEngine(model_config=SETTINGS.model, layout=layout,
+                                 engine_config=SETTINGS.engine_config(agg_mode=agg_mode))
+            loss_fn = PPOLoss(LOSS_CONFIG)
+            evaluated = engine.eval_loss(micro_batches, loss_fn=loss_fn)
+            trained = engine.train_step(micro_batches, loss_fn=loss_fn)
+            results.append((evaluated, trained, engine.full_state_dict()))
+        if rank == 0:
+            torch.save(results, out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def batch_and_references():
+    batch = _ppo_batch()
+    return batch, {mode: _reference(batch, agg_mode=mode, config=LOSS_CONFIG) for mode in AGG_MODES}
+
+
+def test_reference_is_sensitive_to_clipping_and_kl(batch_and_references):
+    """Negative control: the batch exercises every term, so a wrong loss could not pass by luck."""
+    batch, refs = batch_and_references
+    base = refs["token-mean"]
+    assert 0.05 < base["metrics"]["pg_clipfrac"] < 0.95 and base["metrics"]["kl"] > 1e-3
+    for change in ({"clip_ratio_high": 0.2}, {"kl_loss_coef": 0.0}, {"entropy_coeff": 0.0}):
+        config = PolicyLossConfig(**{**LOSS_CONFIG.__dict__, **change})
+        other = _reference(batch, agg_mode="token-mean", config=config)
+        assert abs(other["loss"] - base["loss"]) > 1e-4 * abs(base["loss"]), change
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dp,sp", [(1, 1), (2, 1), (1, 2)])
+def test_ppo_loss_is_layout_invariant(batch_and_references, dp, sp):
+    import torch.multiprocessing as mp
+
+    batch, refs = batch_and_references
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "results.pt")
+        mp.spawn(_worker, args=(dp, sp, _free_port(), batch, out_path), nprocs=dp * sp, join=True)
+        results = torch.load(out_path, weights_only=False)
+    for (micro, balance, agg_mode), (evaluated, trained, params) in zip(CASES, results):
+        ref, where = refs[agg_mode], f"dp={dp} sp={sp} {micro} balance={balance} {agg_mode}"
+        assert evaluated["loss"] == pytest.approx(ref["loss"], rel=1e-5), where
+        assert trained["loss"] == pytest.approx(ref["loss"], rel=1e-5), where
+        assert trained["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5), where
+        for name in METRICS:
+            assert trained[name] == pytest.approx(ref["metrics"][name], rel=1e-5, abs=1e-7), (where, name)
+        delta = max(float((params[k] - v).abs().max()) for k, v in ref["params"].items())
+        assert delta <= 1e-5, where

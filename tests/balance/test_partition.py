@@ -1,0 +1,89 @@
+"""balanced_partition and the cell refinement against brute force on tiny inputs."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from verl_balance.balance import balanced_partition, plan_balance
+from verl_balance.balance.partition import descending_order
+
+# Stated quality factors, checked below against exhaustive search:
+DP_FACTOR = 4 / 3  # max part / optimal max part, equal or free counts (the classic LPT factor)
+SYNC_FACTOR = 4 / 3  # sync cost / optimal sync cost, fixed micro_batch_size
+
+
+def _brute_force_max_part(costs, k, equal_size):
+    n, best = len(costs), np.inf
+    for labels in itertools.product(range(k), repeat=n):
+        counts = np.bincount(labels, minlength=k)
+        if equal_size and counts.max() - counts.min() > 1:
+            continue
+        best = min(best, np.bincount(labels, weights=costs, minlength=k).max())
+    return best
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.lists(st.integers(1, 100), min_size=2, max_size=8), st.integers(2, 3), st.booleans())
+def test_partition_within_factor_of_brute_force_optimum(costs, k, equal_size):
+    costs = np.array(costs, dtype=np.float64)
+    if equal_size and len(costs) < k:
+        return
+    parts = balanced_partition(costs=costs, num_parts=k, equal_size=equal_size)
+    ours = max(costs[p].sum() for p in parts)
+    assert ours <= DP_FACTOR * _brute_force_max_part(costs, k, equal_size) + 1e-9
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 1000), min_size=1, max_size=300), st.integers(1, 40), st.booleans())
+def test_partition_assigns_every_item_once_with_equal_counts(costs, k, equal_size):
+    costs = np.array(costs, dtype=np.float64)
+    parts = balanced_partition(costs=costs, num_parts=k, equal_size=equal_size)
+    assert len(parts) == k
+    np.testing.assert_array_equal(np.sort(np.concatenate(parts)), np.arange(len(costs)))
+    if equal_size:
+        sizes = [len(p) for p in parts]
+        assert max(sizes) - min(sizes) <= 1
+
+
+def _brute_force_sync_cost(costs, dp, mbs):
+    """Optimal sum_j max_d over all placements with equal per-rank counts and fixed micro size."""
+    n = len(costs)
+    per_rank = n // dp
+    num_micro = -(-per_rank // mbs)
+    best = np.inf
+    for perm in itertools.permutations(range(n)):
+        grid = np.zeros((dp, num_micro))
+        for pos, item in enumerate(perm):
+            rank, within = divmod(pos, per_rank)
+            grid[rank, within // mbs] += costs[item]
+        best = min(best, grid.max(axis=0).sum())
+    return best
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.sampled_from([(2, 1), (2, 2), (3, 1), (2, 3)]), st.data())
+def test_sync_cost_within_factor_of_brute_force_optimum(layout, data):
+    dp, mbs = layout
+    n = dp * data.draw(st.integers(1, 6 // dp))
+    costs = np.array(data.draw(st.lists(st.integers(1, 100), min_size=n, max_size=n)), dtype=np.float64)
+    plan = plan_balance(seq_lens=costs.astype(np.int64), dp_size=dp, micro_batch_size=mbs)
+    assert plan.stats["sync_cost"] <= SYNC_FACTOR * _brute_force_sync_cost(costs, dp, mbs) + 1e-9
+
+
+def test_refinement_reaches_the_tolerance_on_a_large_equal_count_split():
+    rng = np.random.default_rng(0)
+    costs = np.clip(np.round(rng.lognormal(np.log(1000), 1.0, 32768)), 16, 32768)
+    parts = balanced_partition(costs=costs, num_parts=128, equal_size=True)
+    loads = np.array([costs[p].sum() for p in parts])
+    assert loads.max() / loads.mean() <= 1.0001
+    unrefined = balanced_partition(costs=costs, num_parts=128, equal_size=True, refine=False)
+    assert max(costs[p].sum() for p in unrefined) > loads.max()  # negative control: refinement matters
+
+
+def test_descending_order_breaks_ties_by_index():
+    order = descending_order(np.array([3.0, 5.0, 3.0, 5.0, 0.0]))
+    np.testing.assert_array_equal(order, [1, 3, 0, 2, 4])

@@ -1,0 +1,57 @@
+"""A worker process that dies mid-call surfaces in the driver as an error naming it, without a hang."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from ray import cloudpickle
+
+from verl_balance.single_controller import (
+    Dispatch,
+    RayClassWithInitArgs,
+    RayResourcePool,
+    RayWorkerGroup,
+    Worker,
+    WorkerDiedError,
+    register,
+)
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class CrashingWorker(Worker):
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_dist(self) -> None:
+        dist.init_process_group("gloo", init_method="env://", rank=self.rank, world_size=self.world_size)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def all_reduce_or_die(self, dying_rank: int) -> float:
+        if self.rank == dying_rank:
+            os._exit(3)
+        value = torch.ones(1)
+        dist.all_reduce(value)  # blocks forever on the surviving ranks: the dead peer never joins
+        return value.item()
+
+
+def test_killed_worker_raises_naming_rank_actor_and_method(ray_cluster):
+    pool = RayResourcePool(n_gpus_per_node=2, use_gpu=False)
+    wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(CrashingWorker))
+    try:
+        wg.init_dist()
+        dying_actor = wg.workers[1]._actor_id.hex()
+        start = time.monotonic()
+        with pytest.raises(WorkerDiedError) as info:
+            wg.all_reduce_or_die(1)
+        assert time.monotonic() - start < 30
+        error = info.value
+        assert (error.rank, error.actor_id, error.method) == (1, dying_actor, "all_reduce_or_die")
+        message = str(error)
+        assert "worker rank 1" in message and dying_actor in message and "CrashingWorker.all_reduce_or_die" in message
+    finally:
+        wg.shutdown()
+        pool.remove()

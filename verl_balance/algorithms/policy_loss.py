@@ -1,0 +1,153 @@
+"""PPO-clip policy loss (with optional dual clip, KL-to-reference and entropy bonus), per token.
+
+Invariants:
+- Everything here is elementwise over tokens: ``loss[..., t]`` depends only on the inputs at
+  ``[..., t]``. No reduction happens here; the engine applies the loss contract weights
+  (``loss_agg_mode``) to the per-token loss and turns the per-token metrics into true global
+  means over the loss-masked tokens of the mini-batch. Hence the result is the same on any
+  (dp, sp) layout, micro-batching or padding.
+- Per-token loss, with ratio r = exp(clamp(log_prob - old_log_prob, -20, 20)) and advantage A
+  (verl's ``vanilla`` policy loss):
+      pg = max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high))
+      if A < 0 and clip_ratio_c is set: pg = min(pg, -A clip_ratio_c)     (dual clip)
+      loss = pg + kl_loss_coef * kl(log_prob, ref_log_prob) - entropy_coeff * entropy
+  so aggregating ``loss`` with one set of weights equals verl's pg_loss + kl_coef * kl_loss -
+  entropy_coeff * entropy_loss aggregated term by term.
+- Metrics (detached, per token): pg_loss, pg_clipfrac (the clipped branch is strictly larger),
+  pg_clipfrac_lower (dual clip active), ppo_kl (= old_log_prob - log_prob, the k1 estimate of
+  KL(old || new)), kl (when use_kl_loss), entropy (when given).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from verl_balance.algorithms.kl import canonical_kl_type, kl_penalty
+
+
+class PolicyLossConfigError(ValueError):
+    """Invalid policy-loss configuration or missing input tensor."""
+
+
+@dataclass
+class PolicyLossConfig:
+    """verl's actor keys: ``actor_rollout_ref.actor.{clip_ratio, ..., entropy_coeff}``."""
+
+    clip_ratio: float = 0.2
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float | None = None
+    clip_ratio_c: float | None = 3.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    entropy_coeff: float = 0.0
+
+    def __post_init__(self):
+        for key in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
+            value = getattr(self, key)
+            if value is not None and not value >= 0:
+                raise PolicyLossConfigError(f"{key}={value} must be >= 0 (or None to inherit clip_ratio)")
+        if self.clip_ratio_low_value >= 1:
+            raise PolicyLossConfigError(f"clip_ratio_low={self.clip_ratio_low_value} must be < 1 so 1 - low > 0")
+        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
+            raise PolicyLossConfigError(f"clip_ratio_c={self.clip_ratio_c} must be > 1 (or None to disable dual clip)")
+        if self.use_kl_loss:
+            self.kl_loss_type = canonical_kl_type(self.kl_loss_type)
+
+    @property
+    def clip_ratio_low_value(self) -> float:
+        return self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
+
+    @property
+    def clip_ratio_high_value(self) -> float:
+        return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
+
+    @property
+    def needs_ref_log_prob(self) -> bool:
+        return self.use_kl_loss
+
+    @property
+    def needs_entropy(self) -> bool:
+        return self.entropy_coeff != 0
+
+
+def ppo_clip_token_loss(
+    *,
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    config: PolicyLossConfig,
+    ref_log_probs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token PPO-clip loss (same shape as ``log_probs``) and per-token detached metrics."""
+    if config.use_kl_loss and ref_log_probs is None:
+        raise PolicyLossConfigError("use_kl_loss=True needs ref_log_probs (compute them with the reference policy)")
+    if config.needs_entropy and entropy is None:
+        raise PolicyLossConfigError(f"entropy_coeff={config.entropy_coeff} needs the per-token entropy")
+
+    log_ratio = torch.clamp(log_probs - old_log_probs, min=-20.0, max=20.0)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - config.clip_ratio_low_value, 1 + config.clip_ratio_high_value)
+    pg = torch.maximum(unclipped, clipped)
+    metrics = {"pg_clipfrac": (clipped > unclipped).float()}
+    if config.clip_ratio_c is not None:
+        dual_bound = -advantages * config.clip_ratio_c
+        negative = advantages < 0
+        metrics["pg_clipfrac_lower"] = ((pg > dual_bound) & negative).float()
+        pg = torch.where(negative, torch.minimum(pg, dual_bound), pg)
+    metrics["pg_loss"] = pg.detach()
+    metrics["ppo_kl"] = (-log_ratio).detach()
+
+    loss = pg
+    if config.use_kl_loss:
+        kl = kl_penalty(log_probs=log_probs, ref_log_probs=ref_log_probs, kl_type=config.kl_loss_type)
+        metrics["kl"] = kl.detach()
+        loss = loss + config.kl_loss_coef * kl
+    if entropy is not None:
+        metrics["entropy"] = entropy.detach()
+        if config.needs_entropy:
+            loss = loss - config.entropy_coeff * entropy
+    return loss, metrics
+
+
+class PPOLoss:
+    """The PPO-clip ``LossFn`` for ``TrainEngine.train_step`` / ``eval_loss`` (see verl_balance/loss.py).
+
+    Reads verl's per-token keys from ``inputs`` (target-aligned local slices): ``old_log_probs``,
+    ``advantages`` and, with ``use_kl_loss``, ``ref_log_prob``. Padding and prompt tokens carry
+    advantage 0 and equal log-probs there, so their loss is a finite 0 (weights 0 remove them).
+    """
+
+    OLD_LOG_PROBS_KEY = "old_log_probs"
+    ADVANTAGES_KEY = "advantages"
+    REF_LOG_PROB_KEY = "ref_log_prob"
+
+    def __init__(self, config: PolicyLossConfig, *, report_entropy: bool = True):
+        """``report_entropy`` asks the engine for per-token entropy even when entropy_coeff == 0."""
+        self.config = config
+        self.needs_entropy = config.needs_entropy or report_entropy
+
+    def required_keys(self) -> tuple[str, ...]:
+        """Per-token wire tensors every micro-batch must carry."""
+        keys = (self.OLD_LOG_PROBS_KEY, self.ADVANTAGES_KEY)
+        return keys + ((self.REF_LOG_PROB_KEY,) if self.config.use_kl_loss else ())
+
+    def __call__(self, *, log_probs: torch.Tensor, entropy: torch.Tensor | None,
+                 inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Per-token loss [T_local] and per-token metrics for one micro-batch slice."""
+        missing = [k for k in self.required_keys() if k not in inputs]
+        if missing:
+            raise PolicyLossConfigError(
+                f"micro-batch lacks {missing} needed by the PPO loss; it has {sorted(inputs)}")
+        return ppo_clip_token_loss(
+            log_probs=log_probs,
+            old_log_probs=inputs[self.OLD_LOG_PROBS_KEY].to(log_probs.dtype),
+            advantages=inputs[self.ADVANTAGES_KEY].to(log_probs.dtype),
+            config=self.config,
+            ref_log_probs=inputs[self.REF_LOG_PROB_KEY].to(log_probs.dtype) if self.config.use_kl_loss else None,
+            entropy=entropy,
+        )

@@ -1,0 +1,360 @@
+"""``plan_balance``: which DP rank and which micro-batch every sample goes to, and why.
+
+Invariants (each asserted by tests/balance):
+- every kept sample appears in exactly one micro-batch of exactly one rank; ``skipped`` lists
+  the others (only with overlong="skip"), and ``order[inverse_permutation]`` is the kept samples
+  in ascending input order;
+- every rank has the same number of micro-batches; a micro-batch is empty only when unavoidable
+  (a rank has fewer samples than the others, or fewer rows than slots);
+- equal_size=True: per-rank sample counts differ by at most one (by at most one group when
+  group_ids is given; equal when all groups have the same size);
+- micro_batch_size: every micro-batch holds exactly micro_batch_size samples, except the last of
+  each rank; max_token_len_per_gpu: every micro-batch of T tokens satisfies
+  ceil(T / sp) <= max_token_len_per_gpu (the per-SP-rank size after Ulysses padding);
+- a group (same group id) is never split across ranks or micro-batches;
+- samples inside a micro-batch are in ascending input order; the same input gives the same plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from verl_balance.balance.errors import (
+    BalanceConfigError,
+    EmptyBatchError,
+    InvalidLengthError,
+    OverlongSampleError,
+    TooFewSamplesError,
+)
+from verl_balance.balance.micro_batch import (
+    assign_cells_to_ranks,
+    balanced_fixed_size_cells,
+    balanced_token_cap_cells,
+    naive_layout,
+)
+from verl_balance.balance.workload import resolve_workload
+
+OVERLONG_POLICIES = ("error", "skip", "truncate")
+
+
+@dataclass(frozen=True)
+class BalanceConfig:
+    """Knobs of the balanced planner (defaults meet the targets in benchmarks/balance_bench.py)."""
+
+    refine: bool = True  # pairwise-swap refinement after the greedy deal
+    rel_tol: float = 1e-5  # stop refining a slot once its max cell is within this of its mean
+    max_refine_passes: int = 16
+    polish_passes: int = 8  # cross-slot swaps lowering sum_j max_d cost(d, j)
+
+
+@dataclass
+class BalancePlan:
+    """For each DP rank its micro-batches, each an int64 array of sample indices into the input."""
+
+    micro_batches: list[list[np.ndarray]]
+    stats: dict = field(default_factory=dict)
+    skipped: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    truncated: dict = field(default_factory=dict)
+    cell_costs: np.ndarray | None = None  # [dp_rank, micro_idx] predicted cost
+    cell_tokens: np.ndarray | None = None  # [dp_rank, micro_idx] tokens (after truncation)
+
+    @property
+    def dp_size(self) -> int:
+        """Number of DP ranks."""
+        return len(self.micro_batches)
+
+    @property
+    def num_micro_batches(self) -> int:
+        """Micro-batches per rank (the same on every rank)."""
+        return len(self.micro_batches[0])
+
+    def rank_indices(self, dp_rank: int) -> np.ndarray:
+        """All sample indices of one DP rank, in micro-batch order."""
+        mbs = self.micro_batches[dp_rank]
+        return np.concatenate(mbs) if mbs else np.zeros(0, dtype=np.int64)
+
+    def micro_batch_sizes(self, dp_rank: int) -> list[int]:
+        """Number of samples in each micro-batch of one DP rank."""
+        return [len(mb) for mb in self.micro_batches[dp_rank]]
+
+    @property
+    def order(self) -> np.ndarray:
+        """Concatenation of every rank's indices, rank-major then micro-batch-major."""
+        return np.concatenate([self.rank_indices(r) for r in range(self.dp_size)])
+
+    @property
+    def inverse_permutation(self) -> np.ndarray:
+        """inv such that order[inv] is the kept samples in ascending input order."""
+        return np.argsort(self.order, kind="stable")
+
+    @property
+    def slot_costs(self) -> np.ndarray:
+        """Per micro-batch index j: max over ranks of the predicted cost (what FSDP waits for)."""
+        return self.cell_costs.max(axis=0)
+
+
+def plan_balance(
+    *,
+    seq_lens,
+    dp_size: int,
+    sp_size: int = 1,
+    micro_batch_size: int | None = None,
+    max_token_len_per_gpu: int | None = None,
+    balance: bool = True,
+    group_ids=None,
+    workload=None,
+    equal_size: bool = True,
+    overlong: str = "error",
+    config: BalanceConfig | None = None,
+) -> BalancePlan:
+    """Plan DP ranks x micro-batches for one global batch (see module docstring for guarantees).
+
+    seq_lens: per-sample token counts (what a micro-batch packs). workload: None/"tokens" or a
+    ``FlopsWorkload`` (any object with ``cost(lengths)``). group_ids: samples sharing an id stay on
+    one rank and in one micro-batch. overlong: "error" | "skip" | "truncate" for samples longer
+    than the token cap (cap mode only). balance=False gives the naive contiguous plan.
+    """
+    config = config or BalanceConfig()
+    _check_config(dp_size, sp_size, micro_batch_size, max_token_len_per_gpu, overlong)
+    lengths = _check_lengths(seq_lens)
+    cost_model = resolve_workload(workload)
+    token_cap = None if max_token_len_per_gpu is None else int(max_token_len_per_gpu) * int(sp_size)
+
+    unit_of_sample = _unit_ids(group_ids, len(lengths))
+    skipped, truncated = np.zeros(0, dtype=np.int64), {}
+    if token_cap is not None:
+        lengths, unit_of_sample, skipped, truncated = _apply_overlong(
+            lengths, unit_of_sample, token_cap, int(max_token_len_per_gpu), int(sp_size), overlong, group_ids is not None
+        )
+    kept = np.flatnonzero(unit_of_sample >= 0)
+    if len(kept) == 0:
+        raise EmptyBatchError(
+            f"all {len(lengths)} samples were skipped as longer than the token cap {token_cap}; "
+            "raise max_token_len_per_gpu or use overlong='truncate'"
+        )
+    num_units = int(unit_of_sample.max()) + 1
+    if equal_size and num_units < dp_size:
+        what = "groups" if group_ids is not None else "samples"
+        raise TooFewSamplesError(
+            f"{num_units} {what} cannot be split into dp_size={dp_size} ranks with equal counts; "
+            f"valid: dp_size <= {num_units}, more {what}, or equal_size=False"
+        )
+    sample_costs = cost_model.cost(lengths)
+    unit_cost = np.bincount(unit_of_sample[kept], weights=sample_costs[kept], minlength=num_units)
+    unit_tokens = np.bincount(unit_of_sample[kept], weights=lengths[kept], minlength=num_units).astype(np.int64)
+    unit_size = np.bincount(unit_of_sample[kept], minlength=num_units)
+    unit_mbs = None if micro_batch_size is None else _units_per_micro_batch(unit_size, int(micro_batch_size), group_ids)
+
+    naive_units = naive_layout(tokens=unit_tokens, dp_size=dp_size, micro_batch_size=unit_mbs, token_cap=token_cap)
+    if balance:
+        if unit_mbs is not None:
+            cells = balanced_fixed_size_cells(
+                costs=unit_cost, dp_size=dp_size, micro_batch_size=unit_mbs,
+                rel_tol=config.rel_tol if config.refine else np.inf, max_passes=config.max_refine_passes,
+                polish_passes=config.polish_passes if config.refine else 0,
+            )
+        else:
+            cells = balanced_token_cap_cells(
+                costs=unit_cost, tokens=unit_tokens, dp_size=dp_size, token_cap=token_cap, equal_size=equal_size,
+                rel_tol=config.rel_tol if config.refine else np.inf, max_passes=config.max_refine_passes,
+                polish_passes=config.polish_passes if config.refine else 0,
+            )
+            # Heaviest micro-batch first: an out-of-memory shows up on the first micro-batch.
+            cells = cells[np.argsort(-np.append(unit_tokens, 0)[cells].sum(axis=(1, 2)), kind="stable")]
+        layout = assign_cells_to_ranks(cells, unit_cost)
+        unit_micro_batches = [[cell[cell >= 0] for cell in rank] for rank in layout]
+    else:
+        unit_micro_batches = naive_units
+
+    micro_batches = _expand_units(unit_micro_batches, unit_of_sample)
+    plan = BalancePlan(micro_batches=micro_batches, skipped=skipped, truncated=truncated)
+    plan.cell_costs = _cell_sums(unit_micro_batches, unit_cost)
+    plan.cell_tokens = _cell_sums(unit_micro_batches, unit_tokens.astype(np.float64)).astype(np.int64)
+    naive_costs = plan.cell_costs if not balance else _cell_sums(naive_units, unit_cost)
+    plan.stats = _stats(
+        plan, unit_cost, unit_tokens, naive_costs, len(naive_units[0]), dp_size, sp_size,
+        micro_batch_size, token_cap, num_samples=len(lengths), num_units=num_units,
+    )
+    if token_cap is not None:
+        assert plan.cell_tokens.max() <= token_cap, "balancer produced a micro-batch over the token cap"
+    return plan
+
+
+def _check_config(dp_size, sp_size, micro_batch_size, max_token_len_per_gpu, overlong) -> None:
+    for key, value in (("dp_size", dp_size), ("sp_size", sp_size)):
+        if not isinstance(value, (int, np.integer)) or value < 1:
+            raise BalanceConfigError(f"{key}={value!r} is invalid; valid: an integer >= 1")
+    if (micro_batch_size is None) == (max_token_len_per_gpu is None):
+        raise BalanceConfigError(
+            f"give exactly one of micro_batch_size (got {micro_batch_size!r}) and "
+            f"max_token_len_per_gpu (got {max_token_len_per_gpu!r})"
+        )
+    for key, value in (("micro_batch_size", micro_batch_size), ("max_token_len_per_gpu", max_token_len_per_gpu)):
+        if value is not None and (not isinstance(value, (int, np.integer)) or value < 1):
+            raise BalanceConfigError(f"{key}={value!r} is invalid; valid: an integer >= 1")
+    if overlong not in OVERLONG_POLICIES:
+        raise BalanceConfigError(f"overlong={overlong!r} is invalid; valid: {OVERLONG_POLICIES}")
+
+
+def _check_lengths(seq_lens) -> np.ndarray:
+    raw = np.asarray(seq_lens)
+    if raw.ndim != 1:
+        raise InvalidLengthError(f"seq_lens must be one length per sample (1-D); got shape {raw.shape}")
+    if raw.size == 0:
+        raise EmptyBatchError("seq_lens is empty; a plan needs at least one sample")
+    if raw.dtype.kind not in "iub":
+        bad = np.flatnonzero(~np.isfinite(raw.astype(np.float64)) | (raw != np.round(raw)))
+        if raw.dtype.kind != "f" or len(bad):
+            i = int(bad[0]) if len(bad) else 0
+            raise InvalidLengthError(f"sample {i} has length {raw[i].item()!r}; valid: a non-negative integer token count")
+    lengths = raw.astype(np.int64)
+    negative = np.flatnonzero(lengths < 0)
+    if len(negative):
+        i = int(negative[0])
+        raise InvalidLengthError(
+            f"sample {i} has negative length {lengths[i]} ({len(negative)} negative in total); "
+            "valid: a non-negative integer token count"
+        )
+    return lengths
+
+
+def _unit_ids(group_ids, num_samples: int) -> np.ndarray:
+    """Unit id per sample: the sample itself, or its group numbered by first appearance."""
+    if group_ids is None:
+        return np.arange(num_samples, dtype=np.int64)
+    groups = np.asarray(group_ids)
+    if groups.shape != (num_samples,):
+        raise BalanceConfigError(f"group_ids has shape {groups.shape}; valid: one id per sample, shape ({num_samples},)")
+    _, first, inverse = np.unique(groups, return_index=True, return_inverse=True)
+    rank_by_first = np.empty(len(first), dtype=np.int64)
+    rank_by_first[np.argsort(first, kind="stable")] = np.arange(len(first))
+    return rank_by_first[inverse.ravel()]
+
+
+def _apply_overlong(lengths, unit_of_sample, token_cap, cap_per_gpu, sp_size, policy, grouped):
+    """Enforce the cap on samples and units; returns (lengths, unit ids with -1 = skipped, skipped, truncated)."""
+    lengths = lengths.copy()
+    unit_of_sample = unit_of_sample.copy()
+    valid = f"valid: length <= max_token_len_per_gpu * sp_size = {cap_per_gpu} * {sp_size} = {token_cap}"
+    over = np.flatnonzero(lengths > token_cap)
+    truncated: dict[int, int] = {}
+    if len(over) and policy == "error":
+        i = int(over[0])
+        raise OverlongSampleError(
+            f"sample {i} has length {lengths[i]} > token cap ({len(over)} such samples); {valid}; "
+            "or set overlong='skip'/'truncate'"
+        )
+    if len(over) and policy == "truncate":
+        truncated = {int(i): token_cap for i in over}
+        lengths[over] = token_cap
+    unit_tokens = np.bincount(unit_of_sample, weights=lengths)
+    over_units = np.flatnonzero(unit_tokens > token_cap)
+    if len(over_units) and (policy == "error" or (policy == "truncate" and grouped)):
+        u = int(over_units[0])
+        members = np.flatnonzero(unit_of_sample == u)
+        raise OverlongSampleError(
+            f"group of samples {members.tolist()} has {int(unit_tokens[u])} tokens > token cap and a group is "
+            f"never split; {valid} per group, or overlong='skip'"
+        )
+    dropped = np.isin(unit_of_sample, over_units)
+    skipped = np.flatnonzero(dropped)
+    # Renumber the surviving units densely, in order of first appearance.
+    keep_units = np.setdiff1d(np.arange(len(unit_tokens)), over_units)
+    new_id = np.full(len(unit_tokens), -1, dtype=np.int64)
+    new_id[keep_units] = np.arange(len(keep_units))
+    return lengths, new_id[unit_of_sample], skipped, truncated
+
+
+def _units_per_micro_batch(unit_size: np.ndarray, micro_batch_size: int, group_ids) -> int:
+    """Fixed micro-batch size in units; groups must all have one size that divides it."""
+    if group_ids is None:
+        return micro_batch_size
+    sizes = np.unique(unit_size)
+    if len(sizes) != 1 or micro_batch_size % int(sizes[0]):
+        odd = int(np.flatnonzero(unit_size != unit_size[0])[0]) if len(sizes) != 1 else 0
+        raise BalanceConfigError(
+            f"micro_batch_size={micro_batch_size} with groups needs every group to have the same size dividing "
+            f"it; group {odd} (by first appearance) has {int(unit_size[odd])} samples, group sizes are "
+            f"{sizes.tolist()}; valid: a multiple of the common group size, or use max_token_len_per_gpu"
+        )
+    return micro_batch_size // int(sizes[0])
+
+
+def _expand_units(unit_micro_batches, unit_of_sample) -> list[list[np.ndarray]]:
+    """Unit ids per cell -> sorted sample ids per cell."""
+    kept = np.flatnonzero(unit_of_sample >= 0)
+    by_unit = kept[np.argsort(unit_of_sample[kept], kind="stable")]
+    sizes = np.bincount(unit_of_sample[kept])
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    if len(by_unit) == len(sizes):  # one sample per unit
+        return [[np.sort(by_unit[cell]) for cell in rank] for rank in unit_micro_batches]
+    out = []
+    for rank in unit_micro_batches:
+        cells = []
+        for cell in rank:
+            counts = sizes[cell]
+            flat = np.repeat(starts[cell] - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts)
+            cells.append(np.sort(by_unit[flat + np.arange(int(counts.sum()))]))
+        out.append(cells)
+    return out
+
+
+def _cell_sums(unit_micro_batches, unit_values: np.ndarray) -> np.ndarray:
+    """[rank, micro] sums of ``unit_values`` over each micro-batch's units."""
+    dp_size, num_micro = len(unit_micro_batches), len(unit_micro_batches[0])
+    flat = [cell for rank in unit_micro_batches for cell in rank]
+    cell_of = np.repeat(np.arange(len(flat)), [len(c) for c in flat])
+    units = np.concatenate(flat)
+    return np.bincount(cell_of, weights=unit_values[units], minlength=len(flat)).reshape(dp_size, num_micro)
+
+
+def _sync_figures(cell_costs: np.ndarray, lower_bound: float) -> tuple[float, float, float]:
+    """(max rank cost / bound, sum_j max_d cost, that / bound); ratios are 1 for an all-zero batch."""
+    rank_max = float(cell_costs.sum(axis=1).max())
+    sync = float(cell_costs.max(axis=0).sum())
+    if lower_bound <= 0:
+        return 1.0, sync, 1.0
+    return rank_max / lower_bound, sync, sync / lower_bound
+
+
+def _stats(plan, unit_cost, unit_tokens, naive_costs, naive_micro, dp_size, sp_size, micro_batch_size, token_cap,
+           *, num_samples, num_units) -> dict:
+    total = float(unit_cost.sum())
+    lower_bound = max(total / dp_size, float(unit_cost.max()))
+    imbalance, sync, sync_ratio = _sync_figures(plan.cell_costs, lower_bound)
+    naive_imbalance, naive_sync, naive_sync_ratio = _sync_figures(naive_costs, lower_bound)
+    total_tokens = int(unit_tokens.sum())
+    if token_cap is not None:
+        bound = max(1, -(-total_tokens // (dp_size * token_cap)))
+    else:
+        bound = max(1, -(-(-(-num_units // dp_size)) // micro_batch_size))
+    per_sp_rank = -(-plan.cell_tokens // sp_size)
+    slot = plan.cell_costs
+    slot_mean = slot.mean(axis=0)
+    slot_ratio = np.divide(slot.max(axis=0), slot_mean, out=np.ones_like(slot_mean), where=slot_mean > 0)
+    return {
+        "num_samples": num_samples,
+        "num_kept": num_samples - len(plan.skipped),
+        "num_skipped": len(plan.skipped),
+        "num_truncated": len(plan.truncated),
+        "truncated_tokens": int(sum(plan.truncated.values())) if plan.truncated else 0,
+        "dp_size": dp_size,
+        "sp_size": sp_size,
+        "total_cost": total,
+        "total_tokens": total_tokens,
+        "lower_bound": lower_bound,
+        "max_rank_cost": float(plan.cell_costs.sum(axis=1).max()),
+        "imbalance": imbalance,
+        "sync_cost": sync,
+        "sync_ratio": sync_ratio,
+        "max_slot_ratio": float(slot_ratio.max()),
+        "num_micro_batches": plan.num_micro_batches,
+        "micro_batch_bound": bound,
+        "max_tokens_per_sp_rank": int(per_sp_rank.max()),
+        "naive_imbalance": naive_imbalance,
+        "naive_sync_cost": naive_sync,
+        "naive_sync_ratio": naive_sync_ratio,
+        "naive_num_micro_batches": naive_micro,
+    }

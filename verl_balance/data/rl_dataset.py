@@ -1,0 +1,217 @@
+"""RL prompt dataset (verl's RL parquet schema) and its collator.
+
+Row schema: ``data_source`` (str), ``prompt`` (list of {"role", "content"}, or a plain string
+taken as one user message), ``reward_model`` ({"style": ..., "ground_truth": ...}), optional
+``extra_info`` (dict). A prompt is tokenized with the generation prompt appended, so the rollout
+continues it directly.
+
+Invariants: every row is either kept, filtered as over-long (``num_filtered``), or skipped as
+malformed (``skipped``); nothing is dropped without being counted. Kept prompts have at most
+``max_prompt_length`` tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .io import (
+    MALFORMED_POLICIES,
+    TRUNCATION_MODES,
+    DataError,
+    MalformedRowError,
+    SequenceTooLongError,
+    as_file_list,
+    check_choice,
+    iter_rows,
+)
+from .tokenizer import Tokenizer, validate_messages
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RLDataConfig:
+    """Columns and length policy of the RL prompt data (verl's key names).
+
+    Over-long prompts are dropped and counted when ``filter_overlong_prompts``; otherwise
+    ``truncation`` applies: error | left (keep the prompt's end) | right (keep its start).
+    """
+
+    prompt_key: str = "prompt"
+    data_source_key: str = "data_source"
+    reward_model_key: str = "reward_model"
+    extra_info_key: str = "extra_info"
+    max_prompt_length: int = 512
+    filter_overlong_prompts: bool = True
+    truncation: str = "error"
+    on_malformed: str = "error"
+
+    def __post_init__(self):
+        check_choice("truncation", self.truncation, TRUNCATION_MODES)
+        check_choice("on_malformed", self.on_malformed, MALFORMED_POLICIES)
+        if self.max_prompt_length < 1:
+            raise DataError(f"max_prompt_length={self.max_prompt_length} must be >= 1")
+
+
+@dataclass(frozen=True)
+class RLPrompt:
+    """One prompt: its token ids, chat, reward target and provenance."""
+
+    prompt_ids: np.ndarray
+    raw_prompt: list[dict[str, str]]
+    data_source: str
+    ground_truth: Any
+    reward_model: dict[str, Any]
+    extra_info: dict[str, Any]
+    index: int
+
+
+class RLPromptDataset(torch.utils.data.Dataset):
+    """Prompts with ground truth and data_source; item i -> ``RLPrompt``."""
+
+    def __init__(self, *, files: Any, tokenizer: Tokenizer, config: RLDataConfig | None = None):
+        self.config = config = config or RLDataConfig()
+        self.tokenizer = tokenizer
+        self.files = as_file_list(files)
+        self._prompts: list[RLPrompt] = []
+        self.skipped: list[MalformedRowError] = []
+        self.num_filtered = 0
+        self.num_truncated = 0
+        for path in self.files:
+            self._read_file(path)
+        if self.skipped:
+            logger.warning(
+                "skipped %d malformed row(s) (on_malformed=skip); first: %s", len(self.skipped), self.skipped[0]
+            )
+        if self.num_filtered:
+            logger.warning(
+                "filtered %d prompt(s) longer than max_prompt_length=%d (filter_overlong_prompts=True)",
+                self.num_filtered, config.max_prompt_length,
+            )
+        if not self._prompts:
+            raise DataError(
+                f"no usable prompts in {self.files}: {self.num_filtered} over-long, {len(self.skipped)} malformed"
+            )
+
+    def _parse(self, row: dict[str, Any] | str) -> tuple[list[dict[str, str]], str, dict[str, Any], dict[str, Any]]:
+        """(messages, data_source, reward_model, extra_info) of a row, or ValueError with the reason."""
+        config = self.config
+        if isinstance(row, str):
+            raise ValueError(row)
+        for key in (config.prompt_key, config.data_source_key, config.reward_model_key):
+            if row.get(key) is None:
+                raise ValueError(f"missing or null key {key!r}")
+        prompt = row[config.prompt_key]
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else validate_messages(prompt)
+        if not messages:
+            raise ValueError(f"key {config.prompt_key!r} is an empty chat")
+        data_source = row[config.data_source_key]
+        if not isinstance(data_source, str):
+            raise ValueError(f"key {config.data_source_key!r} must be a string, got {type(data_source).__name__}")
+        reward_model = row[config.reward_model_key]
+        if not isinstance(reward_model, Mapping) or reward_model.get("ground_truth") is None:
+            raise ValueError(f"key {config.reward_model_key!r} must be a dict with a non-null 'ground_truth'")
+        extra_info = row.get(config.extra_info_key) or {}
+        if not isinstance(extra_info, Mapping):
+            raise ValueError(f"key {config.extra_info_key!r} must be a dict, got {type(extra_info).__name__}")
+        return messages, data_source, dict(reward_model), dict(extra_info)
+
+    def _read_file(self, path: str) -> None:
+        config = self.config
+        columns = [config.prompt_key, config.data_source_key, config.reward_model_key]
+        for row_index, row in iter_rows(path, columns=columns, optional_columns=[config.extra_info_key]):
+            try:
+                messages, data_source, reward_model, extra_info = self._parse(row)
+            except ValueError as err:
+                error = MalformedRowError(path, row_index, str(err), hint="fix the row or set on_malformed=skip")
+                if config.on_malformed == "error":
+                    raise error from None
+                self.skipped.append(error)
+                continue
+            prompt_ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            if len(prompt_ids) > config.max_prompt_length:
+                if config.filter_overlong_prompts:
+                    self.num_filtered += 1
+                    continue
+                self.num_truncated += 1
+                if config.truncation == "left":
+                    prompt_ids = prompt_ids[-config.max_prompt_length :]
+                elif config.truncation == "right":
+                    prompt_ids = prompt_ids[: config.max_prompt_length]
+                else:
+                    raise SequenceTooLongError(
+                        f"{path}: row {row_index}: prompt has {len(prompt_ids)} tokens > max_prompt_length="
+                        f"{config.max_prompt_length}; raise it, set filter_overlong_prompts=True, or truncation "
+                        "to 'left' or 'right'"
+                    )
+            self._prompts.append(
+                RLPrompt(
+                    prompt_ids=np.asarray(prompt_ids, dtype=np.int64),
+                    raw_prompt=messages,
+                    data_source=data_source,
+                    ground_truth=reward_model["ground_truth"],
+                    reward_model=reward_model,
+                    extra_info=extra_info,
+                    index=len(self._prompts),
+                )
+            )
+
+    def __len__(self) -> int:
+        return len(self._prompts)
+
+    def __getitem__(self, index: int) -> RLPrompt:
+        return self._prompts[index]
+
+    @property
+    def prompt_lens(self) -> np.ndarray:
+        """Token count of every prompt (int64)."""
+        return np.array([len(p.prompt_ids) for p in self._prompts], dtype=np.int64)
+
+    def collate(self, samples: Sequence[RLPrompt]) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
+        """``collate_rl`` with this dataset's tokenizer's pad id."""
+        return collate_rl(samples, pad_token_id=self.tokenizer.pad_token_id)
+
+
+def _object_array(values: Sequence[Any]) -> np.ndarray:
+    array = np.empty(len(values), dtype=object)
+    array[:] = list(values)
+    return array
+
+
+def collate_rl(
+    samples: Sequence[RLPrompt], *, pad_token_id: int
+) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
+    """Prompts -> (tensors, non_tensors) for ``Batch.from_dict``.
+
+    tensors: right-padded (B, Lp) int64 ``input_ids``, ``attention_mask``, ``position_ids``.
+    non_tensors (object arrays, verl's names): ``raw_prompt_ids`` (list[int]), ``raw_prompt``,
+    ``data_source``, ``ground_truth``, ``reward_model``, ``extra_info``, ``index``.
+    """
+    if not samples:
+        raise DataError("cannot collate an empty list of prompts")
+    lengths = [len(s.prompt_ids) for s in samples]
+    batch_size, max_len = len(samples), max(lengths)
+    input_ids = torch.full((batch_size, max_len), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((batch_size, max_len), dtype=torch.long)
+    position_ids = torch.zeros((batch_size, max_len), dtype=torch.long)
+    for i, (sample, length) in enumerate(zip(samples, lengths)):
+        input_ids[i, :length] = torch.from_numpy(sample.prompt_ids)
+        attention_mask[i, :length] = 1
+        position_ids[i, :length] = torch.arange(length)
+    tensors = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+    non_tensors = {
+        "raw_prompt_ids": _object_array([s.prompt_ids.tolist() for s in samples]),
+        "raw_prompt": _object_array([s.raw_prompt for s in samples]),
+        "data_source": _object_array([s.data_source for s in samples]),
+        "ground_truth": _object_array([s.ground_truth for s in samples]),
+        "reward_model": _object_array([s.reward_model for s in samples]),
+        "extra_info": _object_array([s.extra_info for s in samples]),
+        "index": _object_array([s.index for s in samples]),
+    }
+    return tensors, non_tensors

@@ -1,0 +1,111 @@
+"""Ulysses sequence-parallel primitives (DeepSpeed-Ulysses style) as autograd functions.
+
+Invariants:
+- A packed micro-batch of T tokens is padded to T_pad = ceil(T / sp) * sp and SP rank r holds
+  the contiguous token slice [r * T_pad / sp, (r + 1) * T_pad / sp). Every per-token tensor
+  (input ids, position ids, targets, loss mask, weights) is sliced the same way, so position ids
+  travel with their tokens; sequence boundaries (cu_seqlens) refer to the padded, unsliced
+  sequence and are identical on every SP rank.
+- all_to_all_seq_to_head turns [T_pad / sp, heads, d] (sequence-sharded) into
+  [T_pad, heads / sp, d] (head-sharded): attention then sees whole sequences for a subset of
+  heads and stays exact across shard edges. all_to_all_head_to_seq is its inverse. The backward
+  of each is the other one.
+- gather_and_unpad assumes the gathered tensor feeds a computation that is replicated on every
+  SP rank, so its backward hands each rank the gradient of its own slice (no sum).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+def _all_to_all(x: Tensor, *, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int) -> Tensor:
+    world = dist.get_world_size(group)
+    if world == 1:
+        return x
+    chunks = x.chunk(world, dim=scatter_dim)
+    send = torch.stack(chunks, dim=0).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send, group=group)
+    # recv[j] is rank j's sequence block of this rank's head block.
+    return torch.cat(recv.unbind(0), dim=gather_dim).contiguous()
+
+
+class _SeqAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, scatter_dim, gather_dim):
+        ctx.group, ctx.scatter_dim, ctx.gather_dim = group, scatter_dim, gather_dim
+        return _all_to_all(x, group=group, scatter_dim=scatter_dim, gather_dim=gather_dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (_all_to_all(grad, group=ctx.group, scatter_dim=ctx.gather_dim,
+                            gather_dim=ctx.scatter_dim), None, None, None)
+
+
+def all_to_all_seq_to_head(x: Tensor, *, group: dist.ProcessGroup, seq_dim: int = 0,
+                           head_dim: int = 1) -> Tensor:
+    """[T/sp, H, d] sequence-sharded -> [T, H/sp, d] head-sharded (differentiable)."""
+    return _SeqAllToAll.apply(x, group, head_dim, seq_dim)
+
+
+def all_to_all_head_to_seq(x: Tensor, *, group: dist.ProcessGroup, seq_dim: int = 0,
+                           head_dim: int = 1) -> Tensor:
+    """[T, H/sp, d] head-sharded -> [T/sp, H, d] sequence-sharded (differentiable)."""
+    return _SeqAllToAll.apply(x, group, seq_dim, head_dim)
+
+
+def padded_length(length: int, *, multiple: int) -> int:
+    """Smallest multiple of `multiple` that is >= length, and at least `multiple`.
+
+    An empty micro-batch still gets `multiple` dummy tokens so every SP rank runs a forward.
+    """
+    return max(multiple, -(-length // multiple) * multiple)
+
+
+def pad_to_multiple(x: Tensor, *, multiple: int, dim: int = 0, value: float = 0) -> Tensor:
+    """Right-pad x along dim to padded_length(x.shape[dim], multiple=multiple) with `value`."""
+    pad = padded_length(x.shape[dim], multiple=multiple) - x.shape[dim]
+    if pad == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = pad
+    return torch.cat([x, x.new_full(shape, value)], dim=dim)
+
+
+def slice_for_rank(x: Tensor, *, rank: int, world: int, dim: int = 0) -> Tensor:
+    """The rank-th of `world` equal contiguous slices of x along dim (length must divide)."""
+    length = x.shape[dim]
+    assert length % world == 0, f"length {length} is not a multiple of {world}; pad first"
+    return x.narrow(dim, rank * (length // world), length // world)
+
+
+def pad_and_slice(x: Tensor, *, rank: int, world: int, dim: int = 0, value: float = 0) -> Tensor:
+    """Pad a packed sequence to a multiple of world and return this rank's slice."""
+    return slice_for_rank(pad_to_multiple(x, multiple=world, dim=dim, value=value),
+                          rank=rank, world=world, dim=dim)
+
+
+class _GatherSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        world = dist.get_world_size(group)
+        if world == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        world = dist.get_world_size(ctx.group)
+        rank = dist.get_rank(ctx.group)
+        return slice_for_rank(grad, rank=rank, world=world, dim=ctx.dim).contiguous(), None, None
+
+
+def gather_and_unpad(x: Tensor, *, group: dist.ProcessGroup, length: int, dim: int = 0) -> Tensor:
+    """All-gather SP slices along dim and drop the padding beyond `length` (differentiable)."""
+    return _GatherSeq.apply(x, group, dim).narrow(dim, 0, length)

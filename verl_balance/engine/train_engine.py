@@ -1,0 +1,269 @@
+"""TrainEngine: one rank of an FSDP2 + Ulysses model, its optimizer and the loss contract.
+
+Invariants:
+- Parameters are sharded by FSDP2 over the flattened ("dp", "sp") mesh of all W ranks; FSDP2
+  averages gradients over those W ranks, so the gradient divide factor G is W.
+- Every SP rank of a DP group receives the same micro-batches; every rank of the mesh receives
+  the same number of micro-batches (checked: a mismatch would otherwise hang a collective).
+- train_step and eval_loss run the same code (_run); eval skips backward and the optimizer.
+  Per micro-batch a rank back-propagates G * sum(w * l) over its token slice (see loss.py), and
+  the logged loss is all_reduce_sum over the world of those sums: the exact global objective.
+- Zero valid tokens in the whole mini-batch: no forward, no optimizer step, a warning, loss 0.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections.abc import Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from verl_balance.distributed.layout import ParallelLayout
+from verl_balance.distributed.ulysses import gather_and_unpad
+from verl_balance.engine.config import EngineConfig
+from verl_balance.engine.optim import build_optimizer
+from verl_balance.engine.packing import MicroBatchError, PackedMicroBatch, pack_micro_batch
+from verl_balance.loss import LossFn, SFTLoss, compute_token_weights
+from verl_balance.models import ModelConfig, build_model
+from verl_balance.models.base import PackedCausalLM
+
+_ENGINE_STATE_FILE = "engine_state.pt"
+
+
+def token_log_probs(logits: Tensor, targets: Tensor, *, with_entropy: bool = False
+                    ) -> tuple[Tensor, Tensor | None]:
+    """log p(target_t) per position (fp32) and optionally the entropy of each distribution."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    picked = logp.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1) if with_entropy else None
+    return picked, entropy
+
+
+class TrainEngine:
+    """One rank of the training engine (no Ray); see the module docstring for invariants."""
+
+    def __init__(self, *, model_config: ModelConfig, engine_config: EngineConfig,
+                 layout: ParallelLayout, model: PackedCausalLM | None = None):
+        self.model_config, self.config, self.layout = model_config, engine_config, layout
+        self.device = layout.device
+        if model is None:
+            # Built on CPU from the seed so every rank (and every device type) starts from the
+            # same weights; FSDP2 then keeps this rank's shard.
+            torch.manual_seed(engine_config.seed)
+            model = build_model(model_config, sp_size=layout.sp, attn_impl=engine_config.attn_impl)
+        model.set_sequence_parallel_group(layout.sp_group if layout.sp > 1 else None)
+        model.to(self.device)
+        param_dtype = torch.bfloat16 if engine_config.param_dtype == "bfloat16" else torch.float32
+        mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        mesh = layout.fsdp_mesh
+        for unit in model.fsdp_units():
+            fully_shard(unit, mesh=mesh, mp_policy=mp_policy,
+                        reshard_after_forward=engine_config.reshard_after_forward)
+        fully_shard(model, mesh=mesh, mp_policy=mp_policy,
+                    reshard_after_forward=engine_config.reshard_after_forward)
+        self.model = model
+        self.optimizer, self.scheduler = build_optimizer(model.parameters(), config=engine_config)
+        self.global_step = 0
+
+    @property
+    def gradient_divide_factor(self) -> int:
+        """G: FSDP2 averages gradients over every rank of its (flattened dp x sp) mesh."""
+        return self.layout.world_size
+
+    # ------------------------------------------------------------------ micro-batch handling
+    def _check_micro_batches(self, micro_batches: Sequence[Mapping[str, Tensor]]) -> None:
+        tokens = sum(int(mb["attention_mask"].sum()) if "attention_mask" in mb else 0
+                     for mb in micro_batches)
+        mine = torch.tensor([len(micro_batches), tokens], dtype=torch.int64, device=self.device)
+        gathered = [torch.empty_like(mine) for _ in range(self.layout.world_size)]
+        dist.all_gather(gathered, mine, group=self.layout.world_group)
+        everyone = torch.stack(gathered).cpu()
+        counts = everyone[:, 0].tolist()
+        if len(set(counts)) != 1:
+            raise MicroBatchError(f"every rank must get the same number of micro-batches; got "
+                                  f"{counts} by global rank (use a BalancePlan)")
+        if counts[0] == 0:
+            raise MicroBatchError("need at least one micro-batch (an empty one is fine)")
+        per_dp = everyone[:, 1].reshape(self.layout.dp, self.layout.sp)
+        if (per_dp != per_dp[:, :1]).any():
+            raise MicroBatchError("the SP ranks of a DP group must get identical micro-batches; "
+                                  f"tokens per rank (dp x sp): {per_dp.tolist()}")
+
+    def _pack(self, micro_batches, *, require_loss_mask: bool) -> list[PackedMicroBatch]:
+        return [pack_micro_batch(mb, sp_size=self.layout.sp, sp_rank=self.layout.sp_rank,
+                                 device=self.device, require_loss_mask=require_loss_mask,
+                                 roll_after_slice=self.config.inject_bug == "roll_after_slice")
+                for mb in micro_batches]
+
+    def _forward(self, packed: PackedMicroBatch) -> Tensor:
+        return self.model(input_ids=packed.local("input_ids"),
+                          position_ids=packed.local("position_ids"),
+                          cu_seqlens=packed.cu_seqlens_padded, max_seqlen=packed.max_seqlen)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    # ------------------------------------------------------------------ train / eval
+    def _run(self, micro_batches: Sequence[Mapping[str, Tensor]], *, loss_fn: LossFn | None,
+             training: bool) -> dict:
+        loss_fn = loss_fn if loss_fn is not None else SFTLoss()
+        self._check_micro_batches(micro_batches)
+        packed = self._pack(micro_batches, require_loss_mask=True)
+        token_weights = compute_token_weights(
+            loss_masks=[p.tensors["loss_mask"] for p in packed],
+            cu_seqlens=[p.cu_seqlens for p in packed], agg_mode=self.config.loss_agg_mode,
+            loss_scale_factor=self.config.loss_scale_factor, dp_group=self.layout.dp_group,
+            world_group=self.layout.world_group, local_slices=[p.local_slice for p in packed],
+            training=training, bug=self.config.inject_bug)
+        metrics: dict = {"valid_tokens": token_weights.num_tokens,
+                         "num_sequences": token_weights.num_sequences,
+                         "lr": self.scheduler.get_last_lr()[0]}
+        if token_weights.num_tokens == 0:
+            # Counts are global, so every rank takes this branch together (no collective skew).
+            warnings.warn("mini-batch has zero valid (loss-mask) tokens: "
+                          + ("optimizer step skipped" if training else "eval loss is 0"),
+                          stacklevel=3)
+            return {**metrics, "loss": 0.0, "grad_norm": 0.0, "step_skipped": training,
+                    "micro_batch_seconds": [], "compute_seconds": 0.0}
+
+        scale = float(self.gradient_divide_factor)
+        local_objective = torch.zeros((), dtype=torch.float64, device=self.device)
+        metric_sums: dict[str, Tensor] = {}
+        seconds = []
+        if training:
+            self.model.train()
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.model.eval()
+        for p, weights in zip(packed, token_weights.weights):
+            self._sync()
+            start = time.perf_counter()
+            with torch.set_grad_enabled(training):
+                logits = self._forward(p)
+                inputs = p.local_inputs()
+                log_probs, entropy = token_log_probs(
+                    logits, inputs["targets"], with_entropy=getattr(loss_fn, "needs_entropy", False))
+                per_token_loss, per_token_metrics = loss_fn(log_probs=log_probs, entropy=entropy,
+                                                            inputs=inputs)
+                objective = (weights[p.local_slice] * per_token_loss).sum()
+                if training:
+                    (objective * scale).backward()
+            self._sync()
+            seconds.append(time.perf_counter() - start)
+            local_objective += objective.detach().double()
+            mask = inputs["loss_mask"]
+            for name, value in per_token_metrics.items():
+                contribution = (mask * value.detach().float()).sum().double()
+                metric_sums[name] = metric_sums.get(name, 0) + contribution
+
+        # Token slices are disjoint over the world (DP splits samples, SP splits tokens): the sum
+        # of local objectives is J and the sum of masked metric values is the global numerator.
+        names = sorted(metric_sums)
+        totals = torch.stack([local_objective] + [metric_sums[n] for n in names])
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.layout.world_group)
+        metrics["loss"] = float(totals[0])
+        for i, name in enumerate(names):
+            metrics[name] = float(totals[i + 1]) / token_weights.num_tokens
+        metrics["micro_batch_seconds"] = seconds
+        metrics["compute_seconds"] = float(sum(seconds))
+        if training:
+            metrics.update(self._optimizer_step())
+        return metrics
+
+    def _optimizer_step(self) -> dict:
+        max_norm = self.config.grad_clip if self.config.grad_clip is not None else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        grad_norm = float(grad_norm)
+        if not torch.isfinite(torch.tensor(grad_norm)):
+            # The norm is reduced over the mesh, so every rank skips together.
+            warnings.warn(f"non-finite grad_norm={grad_norm}: optimizer step skipped", stacklevel=3)
+            self.optimizer.zero_grad(set_to_none=True)
+            return {"grad_norm": grad_norm, "step_skipped": True}
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.global_step += 1
+        return {"grad_norm": grad_norm, "step_skipped": False}
+
+    def train_step(self, micro_batches: Sequence[Mapping[str, Tensor]], *,
+                   loss_fn: LossFn | None = None) -> dict:
+        """One optimizer step over this DP rank's micro-batches.
+
+        Returns loss (exact global objective J), grad_norm (before clipping), lr, valid_tokens,
+        num_sequences, micro_batch_seconds (this rank), compute_seconds, step_skipped, and each
+        loss_fn metric as a global loss-mask-weighted token mean. Collective over the mesh.
+        """
+        return self._run(micro_batches, loss_fn=loss_fn, training=True)
+
+    @torch.no_grad()
+    def eval_loss(self, micro_batches: Sequence[Mapping[str, Tensor]], *,
+                  loss_fn: LossFn | None = None) -> dict:
+        """The training objective and metrics on these micro-batches, without backward."""
+        return self._run(micro_batches, loss_fn=loss_fn, training=False)
+
+    @torch.no_grad()
+    def compute_log_prob(self, micro_batches: Sequence[Mapping[str, Tensor]], *,
+                         with_entropy: bool = False) -> list[dict[str, Tensor]]:
+        """Per micro-batch {"log_probs": (b, L)[, "entropy": (b, L)]} on every rank.
+
+        log_probs[i, t] = log p(token t | tokens < t) of sample i (0 at t = 0 and at padding);
+        entropy[i, t] is the entropy of that same predictive distribution.
+        """
+        self._check_micro_batches(micro_batches)
+        self.model.eval()
+        outputs = []
+        for p in self._pack(micro_batches, require_loss_mask=False):
+            logits = self._forward(p)
+            log_probs, entropy = token_log_probs(logits, p.local("targets"),
+                                                 with_entropy=with_entropy)
+            group = self.layout.sp_group
+            result = {"log_probs": p.unpack(gather_and_unpad(log_probs, group=group,
+                                                             length=p.total_len))}
+            if with_entropy:
+                result["entropy"] = p.unpack(gather_and_unpad(entropy, group=group,
+                                                              length=p.total_len))
+            outputs.append(result)
+        return outputs
+
+    # ------------------------------------------------------------------ state
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """Unsharded parameters on CPU, every rank (names as in HELPERS.md). Collective."""
+        out = {}
+        for name, value in self.model.state_dict().items():
+            if isinstance(value, DTensor):
+                value = value.full_tensor()
+            out[name] = value.detach().cpu().clone()
+        return out
+
+    def save_checkpoint(self, path: str, *, step: int, extra: dict | None = None) -> None:
+        """Sharded DCP checkpoint of model + optimizer, plus scheduler/step/extra. Collective."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        if dist.get_rank() == 0:
+            torch.save({"step": step, "global_step": self.global_step,
+                        "scheduler": self.scheduler.state_dict(), "extra": extra or {}},
+                       os.path.join(path, _ENGINE_STATE_FILE))
+        dist.barrier(group=self.layout.world_group)
+
+    def load_checkpoint(self, path: str) -> dict:
+        """Restore a save_checkpoint directory (any layout with the same W); returns `extra`."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        meta = torch.load(os.path.join(path, _ENGINE_STATE_FILE), weights_only=False)
+        self.scheduler.load_state_dict(meta["scheduler"])
+        self.global_step = meta["global_step"]
+        return meta["extra"]

@@ -1,0 +1,23 @@
+"""``python -m verl_balance.main_sft [key=value ...]``: the SFT recipe entry point (Hydra)."""
+
+from __future__ import annotations
+
+import hydra
+
+from verl_balance.trainer.config import register_schemas
+
+register_schemas()
+
+
+@hydra.main(config_path="config", config_name="sft", version_base="1.3")
+def main(cfg) -> None:
+    """Train with the merged config (config/sft.yaml + command-line overrides)."""
+    from verl_balance.trainer.sft_trainer import SFTTrainer, format_summary
+
+    trainer = SFTTrainer(cfg)
+    summary = trainer.fit()
+    print(format_summary(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Built-in Llama-style decoder over packed, padding-free batches, with Ulysses SP around attention.
+
+Invariants:
+- Parameter names and semantics are a contract (HELPERS.md): embed_tokens, layers.{i}.input_norm,
+  layers.{i}.attn.{q,k,v,o}_proj, layers.{i}.post_attn_norm, layers.{i}.mlp.{gate,up,down}_proj,
+  norm, lm_head (absent when tie_word_embeddings). HF-Llama math: rotate_half RoPE, fp32 RMSNorm,
+  SwiGLU, GQA by repeating kv heads.
+- Input is one packed token stream: input_ids / position_ids [T_local] (this rank's SP slice) and
+  cu_seqlens over the full padded stream (same on every SP rank). With sp > 1 the q/k/v of the
+  local slice are exchanged by all-to-all so that attention sees whole sequences for a subset of
+  heads; everything else is token-local. Output logits are [T_local, V] for the local slice.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from verl_balance.distributed.ulysses import all_to_all_head_to_seq, all_to_all_seq_to_head
+from verl_balance.models.attention import varlen_causal_attention
+from verl_balance.models.config import ModelConfig, ModelConfigError
+
+
+def check_sequence_parallel(config: ModelConfig, sp_size: int) -> None:
+    """Raise ModelConfigError unless Ulysses with sp_size can split the heads of `config`.
+
+    Query heads must divide by sp; kv heads must divide by sp or be repeatable to sp
+    (sp % num_kv_heads == 0).
+    """
+    if sp_size < 1:
+        raise ModelConfigError(f"ulysses_sequence_parallel_size={sp_size} must be >= 1")
+    if config.num_heads % sp_size:
+        raise ModelConfigError(
+            f"ulysses_sequence_parallel_size={sp_size} must divide num_heads={config.num_heads}")
+    if config.num_kv_heads % sp_size and sp_size % config.num_kv_heads:
+        raise ModelConfigError(
+            f"ulysses_sequence_parallel_size={sp_size} must divide num_kv_heads="
+            f"{config.num_kv_heads} or be a multiple of it (kv heads are then repeated)")
+
+
+class RMSNorm(nn.Module):
+    """y = weight * x * rsqrt(mean(x^2) + eps), normalized in fp32 (HF-Llama)."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def rotary_cos_sin(position_ids: Tensor, *, head_dim: int, theta: float,
+                   dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos, sin [T, 1, head_dim] for HF rotate_half RoPE (frequencies computed in fp32)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device,
+                                             dtype=torch.float32) / head_dim))
+    freqs = position_ids.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+class Attention(nn.Module):
+    """GQA self-attention; Ulysses all-to-all around the varlen kernel when sp > 1."""
+
+    def __init__(self, config: ModelConfig, *, sp_size: int, attn_impl: str):
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.sp_size, self.attn_impl = sp_size, attn_impl
+        h, hd = config.hidden_size, config.head_dim
+        self.q_proj = nn.Linear(h, self.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * hd, h, bias=False)
+
+    def forward(self, x: Tensor, *, cos: Tensor, sin: Tensor, cu_seqlens: Tensor, max_seqlen: int,
+                sp_group: dist.ProcessGroup | None) -> Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if self.sp_size > 1:
+            if self.num_kv_heads % self.sp_size:
+                # sp is a multiple of num_kv_heads: repeat so each SP rank gets one kv head, the
+                # one its contiguous block of query heads is grouped with.
+                rep = self.sp_size // self.num_kv_heads
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            q, k, v = (all_to_all_seq_to_head(z, group=sp_group) for z in (q, k, v))
+        out = varlen_causal_attention(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                                      impl=self.attn_impl)
+        if self.sp_size > 1:
+            out = all_to_all_head_to_seq(out, group=sp_group)
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block: x + attn(input_norm(x)), then + mlp(post_attn_norm(x))."""
+
+    def __init__(self, config: ModelConfig, *, sp_size: int, attn_impl: str):
+        super().__init__()
+        self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn = Attention(config, sp_size=sp_size, attn_impl=attn_impl)
+        self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: Tensor, **attn_kwargs) -> Tensor:
+        x = x + self.attn(self.input_norm(x), **attn_kwargs)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama-style causal LM over one packed token stream (see module docstring)."""
+
+    def __init__(self, config: ModelConfig, *, sp_size: int = 1, attn_impl: str = "auto"):
+        super().__init__()
+        check_sequence_parallel(config, sp_size)
+        self.config, self.sp_size = config, sp_size
+        self.sp_group: dist.ProcessGroup | None = None
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, sp_size=sp_size, attn_impl=attn_impl)
+                                    for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Normal(0, initializer_range) for matrices, ones for norms (draws from torch's RNG)."""
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(param)
+            else:
+                nn.init.normal_(param, mean=0.0, std=self.config.initializer_range)
+
+    def set_sequence_parallel_group(self, group: dist.ProcessGroup | None) -> None:
+        """The Ulysses group; its size must equal the sp_size the model was built for."""
+        size = 1 if group is None else dist.get_world_size(group)
+        if size != self.sp_size:
+            raise ModelConfigError(f"SP group has {size} ranks, model was built for "
+                                   f"sp_size={self.sp_size}")
+        self.sp_group = group
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """Submodules to shard as separate FSDP2 units (the root is sharded last)."""
+        return list(self.layers)
+
+    def forward(self, *, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor,
+                max_seqlen: int) -> Tensor:
+        """Logits [T_local, V] for this rank's slice of the packed stream."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = rotary_cos_sin(position_ids, head_dim=self.config.head_dim,
+                                  theta=self.config.rope_theta, dtype=x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos=cos, sin=sin, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                      sp_group=self.sp_group)
+        x = self.norm(x)
+        weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+        return F.linear(x, weight)

@@ -1,0 +1,303 @@
+"""Layout-invariance harness: every (dp, sp) layout must reproduce a single-process reference.
+
+For each layout one gloo process group is spawned (CPU, fp32); inside it every case of the
+matrix {fixed micro-batch size, dynamic token cap} x {balance on, off} x {loss_agg_mode} builds
+a TrainEngine from the same seed, forms this DP rank's micro-batches with
+verl_balance.balance.plan_balance, and runs eval_loss then train_step on the same global batch.
+The reference is computed in one process WITHOUT any distributed, packing, or loss-contract
+code: a plain forward of the model per sequence, the aggregation formula written out directly,
+torch.optim.AdamW. A case passes when the eval loss and train loss match the reference to
+rtol 1e-5, the gradient norm to rtol 1e-5, and every parameter after the step to 1e-5.
+
+Negative controls switch in the known-bad normalizers of verl_balance.loss.KNOWN_BUGS on a
+layout where each one matters; they must FAIL.
+
+Run `python -m verl_balance.parity` for the full table (`--help` for options).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from verl_balance.engine.config import EngineConfig
+from verl_balance.loss import AGG_MODES
+from verl_balance.models import LlamaForCausalLM, ModelConfig
+
+PARITY_LAYOUTS = ((1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (1, 4))
+LOSS_RTOL = 1e-5
+GRAD_NORM_RTOL = 1e-5
+PARAM_ATOL = 1e-5
+
+
+@dataclass(frozen=True)
+class ParitySettings:
+    """The shared problem: model, optimizer, global batch and micro-batching knobs."""
+
+    model: ModelConfig = ModelConfig.preset("tiny")
+    num_samples: int = 16
+    max_len: int = 40
+    micro_batch_size: int = 3
+    tokens_per_micro_batch: int = 96   # dynamic cap per SP rank = ceil(this / sp)
+    loss_scale_factor: float = 32.0
+    lr: float = 1e-2
+    # Adam's first step is g / (|g| + eps): with eps = 1e-8 a gradient entry near 1e-8 turns
+    # float-rounding noise into a visible parameter difference. A larger eps keeps the step a
+    # well-conditioned function of the gradient (and sensitive to its scale) for the comparison.
+    adam_eps: float = 1e-5
+    grad_clip: float = 1.0
+    seed: int = 1234
+
+    def engine_config(self, *, agg_mode: str, bug: str | None = None) -> EngineConfig:
+        """EngineConfig of one case (constant lr, no warmup: the first step uses lr)."""
+        return EngineConfig(lr=self.lr, eps=self.adam_eps, grad_clip=self.grad_clip, loss_agg_mode=agg_mode,
+                            loss_scale_factor=self.loss_scale_factor, seed=self.seed,
+                            attn_impl="sdpa_masked", inject_bug=bug)
+
+
+@dataclass(frozen=True)
+class ParityCase:
+    """One cell of the matrix on one layout (bug set only for negative controls)."""
+
+    micro: str          # "fixed" | "dynamic"
+    balance: bool
+    agg_mode: str
+    bug: str | None = None
+
+
+@dataclass
+class ParityResult:
+    """Measured vs reference for one (layout, case)."""
+
+    layout: tuple[int, int]
+    case: ParityCase
+    ref_loss: float
+    eval_loss: float
+    train_loss: float
+    ref_grad_norm: float
+    grad_norm: float
+    max_param_delta: float
+
+    @staticmethod
+    def _rel(value: float, ref: float) -> float:
+        return abs(value - ref) / max(abs(ref), 1e-30)
+
+    @property
+    def eval_rel(self) -> float:
+        return self._rel(self.eval_loss, self.ref_loss)
+
+    @property
+    def train_rel(self) -> float:
+        return self._rel(self.train_loss, self.ref_loss)
+
+    @property
+    def grad_norm_rel(self) -> float:
+        return self._rel(self.grad_norm, self.ref_grad_norm)
+
+    @property
+    def passed(self) -> bool:
+        return (self.eval_rel <= LOSS_RTOL and self.train_rel <= LOSS_RTOL
+                and self.grad_norm_rel <= GRAD_NORM_RTOL and self.max_param_delta <= PARAM_ATOL)
+
+
+def matrix_cases() -> list[ParityCase]:
+    """{fixed, dynamic} x {balance on, off} x every loss_agg_mode."""
+    return [ParityCase(micro=m, balance=b, agg_mode=a)
+            for m, b, a in itertools.product(("fixed", "dynamic"), (True, False), AGG_MODES)]
+
+
+# bug -> (layout where it must show, case). Each reproduces a failure mode named in DESIGN.md.
+NEGATIVE_CONTROLS: dict[str, tuple[tuple[int, int], ParityCase]] = {
+    "count_over_world": ((1, 2), ParityCase("fixed", True, "token-mean", "count_over_world")),
+    "count_local_shard": ((2, 2), ParityCase("fixed", True, "token-mean", "count_local_shard")),
+    "eval_local_denominator": ((1, 2), ParityCase("fixed", True, "token-mean",
+                                                  "eval_local_denominator")),
+    "roll_after_slice": ((1, 2), ParityCase("fixed", True, "token-mean", "roll_after_slice")),
+    "micro_batch_mean": ((1, 1), ParityCase("fixed", False, "token-mean", "micro_batch_mean")),
+}
+
+
+def make_global_batch(settings: ParitySettings) -> dict[str, torch.Tensor]:
+    """Seeded right-padded global batch: input_ids, attention_mask, loss_mask (B, max_len).
+
+    Lengths vary widely; each sample's loss mask covers a response suffix; sample 1 has no loss
+    tokens at all (it must not count as a sequence in the seq-mean modes).
+    """
+    gen = torch.Generator().manual_seed(settings.seed)
+    b, width = settings.num_samples, settings.max_len
+    lengths = torch.randint(2, width + 1, (b,), generator=gen)
+    lengths[0] = width
+    prompt = (torch.rand(b, generator=gen) * (lengths - 1)).long() + 1
+    pos = torch.arange(width)[None, :]
+    attention_mask = (pos < lengths[:, None]).long()
+    loss_mask = ((pos >= prompt[:, None]) & (pos < lengths[:, None])).float()
+    loss_mask[1] = 0
+    input_ids = torch.randint(0, settings.model.vocab_size, (b, width), generator=gen)
+    return {"input_ids": input_ids * attention_mask, "attention_mask": attention_mask,
+            "loss_mask": loss_mask}
+
+
+def reference_step(settings: ParitySettings, *, agg_mode: str) -> dict:
+    """Single-process reference: loss, grad norm and parameters after one AdamW step."""
+    batch = make_global_batch(settings)
+    torch.manual_seed(settings.seed)
+    model = LlamaForCausalLM(settings.model, attn_impl="sdpa_masked")
+    seq_sums, seq_counts = [], []
+    for i in range(settings.num_samples):
+        length = int(batch["attention_mask"][i].sum())
+        ids = batch["input_ids"][i, :length]
+        logits = model(input_ids=ids, position_ids=torch.arange(length),
+                       cu_seqlens=torch.tensor([0, length]), max_seqlen=length)
+        logp = torch.log_softmax(logits[:-1].float(), -1).gather(-1, ids[1:, None]).squeeze(-1)
+        mask = batch["loss_mask"][i, 1:length]
+        seq_sums.append((-logp * mask).sum())
+        seq_counts.append(mask.sum())
+    sums, counts = torch.stack(seq_sums), torch.stack(seq_counts)
+    has_tokens = counts > 0
+    if agg_mode == "token-mean":
+        loss = sums.sum() / counts.sum()
+    elif agg_mode == "seq-mean-token-mean":
+        loss = (sums[has_tokens] / counts[has_tokens]).mean()
+    elif agg_mode == "seq-mean-token-sum":
+        loss = sums[has_tokens].mean()
+    else:
+        loss = sums[has_tokens].mean() / settings.loss_scale_factor
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
+    cfg = settings.engine_config(agg_mode=agg_mode)
+    torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                      weight_decay=cfg.weight_decay).step()
+    return {"loss": loss.item(), "grad_norm": grad_norm.item(),
+            "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _layout_worker(rank: int, dp: int, sp: int, port: int, cases: list[ParityCase],
+                   settings: ParitySettings, out_path: str) -> None:
+    import torch.distributed as dist
+
+    from verl_balance.balance import plan_balance
+    from verl_balance.distributed import ParallelLayout
+    from verl_balance.engine import TrainEngine
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=dp * sp)
+    try:
+        layout = ParallelLayout(dp=dp, sp=sp, device_type="cpu")
+        batch = make_global_batch(settings)
+        seq_lens = batch["attention_mask"].sum(1).numpy()
+        results = []
+        for case in cases:
+            fixed = case.micro == "fixed"
+            plan = plan_balance(
+                seq_lens=seq_lens, dp_size=dp, sp_size=sp,
+                micro_batch_size=settings.micro_batch_size if fixed else None,
+                max_token_len_per_gpu=None if fixed else -(-settings.tokens_per_micro_batch // sp),
+                balance=case.balance)
+            micro_batches = [{k: v[torch.as_tensor(np.asarray(idx, dtype=np.int64))]
+                              for k, v in batch.items()}
+                             for idx in plan.micro_batches[layout.dp_rank]]
+            engine = TrainEngine(model_config=settings.model, layout=layout,
+                                 engine_config=settings.engine_config(agg_mode=case.agg_mode,
+                                                                      bug=case.bug))
+            evaluated = engine.eval_loss(micro_batches)
+            trained = engine.train_step(micro_batches)
+            params = engine.full_state_dict()
+            results.append((case, evaluated["loss"], trained["loss"], trained["grad_norm"], params))
+        if rank == 0:
+            torch.save(results, out_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_layout(*, dp: int, sp: int, cases: list[ParityCase], settings: ParitySettings,
+               references: dict[str, dict] | None = None) -> list[ParityResult]:
+    """Spawn dp*sp gloo ranks once, run every case, compare with the reference."""
+    import torch.multiprocessing as mp
+
+    references = references if references is not None else {}
+    for case in cases:
+        if case.agg_mode not in references:
+            references[case.agg_mode] = reference_step(settings, agg_mode=case.agg_mode)
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "results.pt")
+        mp.spawn(_layout_worker, args=(dp, sp, _free_port(), cases, settings, out_path),
+                 nprocs=dp * sp, join=True)
+        raw = torch.load(out_path, weights_only=False)
+    results = []
+    for case, eval_loss, train_loss, grad_norm, params in raw:
+        ref = references[case.agg_mode]
+        delta = max(float((params[k] - v).abs().max()) for k, v in ref["params"].items())
+        results.append(ParityResult(layout=(dp, sp), case=case, ref_loss=ref["loss"],
+                                    eval_loss=eval_loss, train_loss=train_loss,
+                                    ref_grad_norm=ref["grad_norm"], grad_norm=grad_norm,
+                                    max_param_delta=delta))
+    return results
+
+
+def format_table(results: list[ParityResult], *, expect_fail: bool = False) -> str:
+    """Plain-text table, one row per (layout, case)."""
+    header = (f"{'dp x sp':>7} {'micro':>7} {'bal':>3} {'loss_agg_mode':>23} {'bug':>22} "
+              f"{'ref loss':>10} {'eval rel':>9} {'train rel':>9} {'gnorm rel':>9} "
+              f"{'max|dp|':>8} {'result':>6}")
+    lines = [header, "-" * len(header)]
+    for r in results:
+        ok = r.passed != expect_fail
+        verdict = ("FAIL" if not r.passed else "pass") + ("" if ok else "!")
+        lines.append(f"{r.layout[0]:>3} x {r.layout[1]:<1} {r.case.micro:>7} "
+                     f"{'on' if r.case.balance else 'off':>3} {r.case.agg_mode:>23} "
+                     f"{r.case.bug or '-':>22} {r.ref_loss:>10.6f} {r.eval_rel:>9.1e} "
+                     f"{r.train_rel:>9.1e} {r.grad_norm_rel:>9.1e} {r.max_param_delta:>8.1e} "
+                     f"{verdict:>6}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: print the parity table for the matrix (and the negative controls)."""
+    parser = argparse.ArgumentParser(prog="python -m verl_balance.parity", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layouts", default=",".join(f"{d}x{s}" for d, s in PARITY_LAYOUTS),
+                        help="comma-separated DPxSP list (default: the full matrix)")
+    parser.add_argument("--no-controls", action="store_true", help="skip negative controls")
+    args = parser.parse_args(argv)
+    layouts = [tuple(int(x) for x in item.split("x")) for item in args.layouts.split(",")]
+    settings = ParitySettings()
+    references: dict[str, dict] = {}
+    start = time.perf_counter()
+    matrix, controls = [], []
+    for dp, sp in layouts:
+        layout_controls = [] if args.no_controls else [
+            case for (lay, case) in NEGATIVE_CONTROLS.values() if lay == (dp, sp)]
+        results = run_layout(dp=dp, sp=sp, cases=matrix_cases() + layout_controls,
+                             settings=settings, references=references)
+        matrix += [r for r in results if r.case.bug is None]
+        controls += [r for r in results if r.case.bug is not None]
+    print(format_table(matrix))
+    ok = all(r.passed for r in matrix)
+    if controls:
+        print("\nnegative controls (must FAIL):")
+        print(format_table(controls, expect_fail=True))
+        ok = ok and not any(r.passed for r in controls)
+    print(f"\n{sum(r.passed for r in matrix)}/{len(matrix)} matrix cells pass, "
+          f"{sum(not r.passed for r in controls)}/{len(controls)} controls fail as they must; "
+          f"{time.perf_counter() - start:.1f}s")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

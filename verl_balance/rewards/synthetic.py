@@ -1,0 +1,44 @@
+"""Rule-based scorers for the synthetic tasks of ``verl_balance.data.synthetic``.
+
+The answer is the first non-empty line of the response, stripped of surrounding whitespace.
+Score: 1.0 for an exact match with the ground truth; ``format_score`` (default 0.0) for a
+well-formed but wrong answer (right character set for the task); 0.0 for a malformed one.
+Every scorer returns ``{"score", "acc", "format_ok"}``, all floats, so accuracy stays
+measurable when a format reward is configured.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from ..data.synthetic import DATA_SOURCE_PREFIX, TASKS
+
+ANSWER_PATTERNS = {
+    "add": re.compile(r"-?\d+"),
+    "sort": re.compile(r"\d+"),
+    "reverse": re.compile(r"[a-z]+"),
+    "copy": re.compile(r"[a-z]+"),
+}
+
+
+def extract_answer(solution_str: str) -> str:
+    """First non-empty line of the response, stripped ('' when there is none)."""
+    for line in solution_str.splitlines():
+        if line.strip():
+            return line.strip()
+    return ""
+
+
+def score_task(
+    *, task: str, solution_str: str, ground_truth: Any, format_score: float = 0.0
+) -> dict[str, float]:
+    """Exact-match score of one response to a synthetic task."""
+    answer = extract_answer(solution_str)
+    format_ok = ANSWER_PATTERNS[task].fullmatch(answer) is not None
+    correct = format_ok and answer == str(ground_truth).strip()
+    score = 1.0 if correct else (float(format_score) if format_ok else 0.0)
+    return {"score": score, "acc": float(correct), "format_ok": float(format_ok)}
+
+
+SYNTHETIC_DATA_SOURCES = tuple(DATA_SOURCE_PREFIX + task for task in TASKS)

@@ -1,0 +1,67 @@
+"""Wire tensors for the trainer from prompts and a RolloutOutput.
+
+Invariants (HELPERS.md "Tensors on the wire"): one row per response, in RolloutOutput order;
+``input_ids[k] = prompt + response`` right-padded to L = the longest prompt + response;
+``attention_mask`` is 1 on those real tokens (contiguous from position 0); ``loss_mask[k, t] = 1``
+exactly on the response tokens (token t is a target: its log-prob p(tok_t | tok_<t) counts);
+``position_ids`` restart at 0 for each sequence (0 on padding); ``rollout_log_probs`` is
+token-aligned like ``loss_mask`` (0 elsewhere).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from verl_balance.rollout.base import RolloutInputError, RolloutOutput
+
+
+def build_rollout_tensors(
+    *, prompts: Sequence[Sequence[int]], output: RolloutOutput, pad_token_id: int = 0
+) -> dict[str, torch.Tensor]:
+    """(N, L) ``input_ids``, ``attention_mask``, ``loss_mask``, ``position_ids``,
+    ``rollout_log_probs`` (if the rollout returned them) and (N,) ``prompt_lengths``,
+    ``response_lengths``, all on CPU. ``output.prompt_index`` maps rows to ``prompts``."""
+    if len(output) and int(output.prompt_index.max()) >= len(prompts):
+        raise RolloutInputError(
+            f"output answers prompt {int(output.prompt_index.max())} but only {len(prompts)} prompts were given"
+        )
+    prompt_rows = [list(prompts[i]) for i in output.prompt_index.tolist()]
+    responses = output.response_token_lists()
+    prompt_lengths = torch.tensor([len(p) for p in prompt_rows], dtype=torch.int64)
+    response_lengths = output.response_lengths.cpu().to(torch.int64)
+    total = prompt_lengths + response_lengths
+    width = int(total.max()) if len(total) else 0
+
+    input_ids = torch.full((len(prompt_rows), width), pad_token_id, dtype=torch.int64)
+    for row, (prompt, response) in enumerate(zip(prompt_rows, responses)):
+        input_ids[row, : len(prompt) + len(response)] = torch.tensor(prompt + response, dtype=torch.int64)
+    slot = torch.arange(width)[None, :]
+    attention_mask = (slot < total[:, None]).long()
+    loss_mask = ((slot >= prompt_lengths[:, None]) & (slot < total[:, None])).long()
+    tensors = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "loss_mask": loss_mask,
+        "position_ids": slot.expand(len(prompt_rows), width) * attention_mask,
+        "prompt_lengths": prompt_lengths,
+        "response_lengths": response_lengths,
+    }
+    if output.log_probs is not None:
+        rollout_log_probs = torch.zeros(len(prompt_rows), width, dtype=torch.float32)
+        source = output.log_probs.detach().cpu().float()
+        response_slot = (slot - prompt_lengths[:, None]).clamp(min=0, max=max(source.shape[1] - 1, 0))
+        if source.shape[1]:
+            rollout_log_probs = torch.where(loss_mask.bool(), source.gather(1, response_slot), rollout_log_probs)
+        tensors["rollout_log_probs"] = rollout_log_probs
+    return tensors
+
+
+def group_uids(output: RolloutOutput, *, prompt_uids: Sequence | None = None) -> np.ndarray:
+    """Group label of each row for advantage estimation: ``prompt_uids[prompt_index]`` (object
+    array) or, without uids, the prompt index itself."""
+    if prompt_uids is None:
+        return output.prompt_index.copy()
+    return np.asarray(prompt_uids, dtype=object)[output.prompt_index]

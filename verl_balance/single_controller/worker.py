@@ -1,0 +1,117 @@
+"""`Worker`: base class of every process a worker group drives (one rank of a torch job).
+
+The group passes the torch.distributed rendezvous through the environment, as torchrun does:
+``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``
+(a free port on the node of rank 0). A subclass initializes its process group with
+``init_method="env://"``. Constructed outside a group (no ``RANK`` in the environment), a Worker
+is rank 0 of a world of 1, which lets tests and scripts use worker classes in-process.
+
+On an accelerator, the worker binds the device Ray assigned: Ray sets ``CUDA_VISIBLE_DEVICES``
+to the one GPU of the worker's bundle, so the visible index is 0; with several visible devices
+(no Ray isolation) it binds ``LOCAL_RANK``.
+
+This module does not import Ray, so worker classes can be imported and unit-tested without it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from verl_balance.single_controller.decorator import Dispatch, MeshInfo, MeshLayoutError, register
+
+__all__ = ["Worker", "NUM_THREADS_ENV"]
+
+NUM_THREADS_ENV = "VERL_BALANCE_NUM_THREADS"
+"""Set by the worker group to the CPUs reserved per worker; the Worker sizes torch's thread pool to it."""
+
+
+class Worker:
+    """One rank of a worker group: rendezvous info from the environment plus mesh registration."""
+
+    def __init__(self) -> None:
+        self._rank = int(os.environ.get("RANK", "0"))
+        self._world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self._local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self._local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        self._master_addr = os.environ.get("MASTER_ADDR", "127.0.0.1")
+        self._master_port = int(os.environ["MASTER_PORT"]) if "MASTER_PORT" in os.environ else None
+        self._mesh_infos: dict[str, MeshInfo] = {}
+        if NUM_THREADS_ENV in os.environ:
+            # workers share the node's cores: one intra-op pool per reserved CPU, not per core
+            torch.set_num_threads(max(1, int(os.environ[NUM_THREADS_ENV])))
+        if torch.accelerator.is_available():
+            count = torch.accelerator.device_count()
+            torch.accelerator.set_device_index(0 if count == 1 else self._local_rank % count)
+
+    @property
+    def rank(self) -> int:
+        """Global rank of this worker in its group."""
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of workers in the group."""
+        return self._world_size
+
+    @property
+    def local_rank(self) -> int:
+        """Index of this worker among the group's workers on its node."""
+        return self._local_rank
+
+    @property
+    def local_world_size(self) -> int:
+        """Number of the group's workers on this worker's node."""
+        return self._local_world_size
+
+    @property
+    def master_addr(self) -> str:
+        """Address of rank 0's node (torch.distributed rendezvous)."""
+        return self._master_addr
+
+    @property
+    def master_port(self) -> int | None:
+        """Free port on rank 0's node chosen by the group (None outside a group)."""
+        return self._master_port
+
+    @property
+    def device(self) -> torch.device:
+        """The accelerator this worker computes on, or the CPU."""
+        if torch.accelerator.is_available():
+            accelerator = torch.accelerator.current_accelerator()
+            return torch.device(accelerator.type, torch.accelerator.current_device_index())
+        return torch.device("cpu")
+
+    def register_mesh(self, mesh_name: str, *, dp_rank: int, dp_size: int, is_collect: bool) -> None:
+        """Declare this worker's DP coordinates for ``make_mesh_dispatch(mesh_name)`` methods.
+
+        Call once per mesh, after building the device mesh; ``is_collect`` should be true on
+        exactly one worker per DP group (SP rank 0).
+        """
+        if mesh_name in self._mesh_infos:
+            raise MeshLayoutError(f"worker rank {self._rank} already registered mesh {mesh_name!r}")
+        self._mesh_infos[mesh_name] = MeshInfo(dp_rank=int(dp_rank), dp_size=int(dp_size), is_collect=bool(is_collect))
+
+    def mesh_info(self, mesh_name: str) -> MeshInfo | None:
+        """This worker's registered info for ``mesh_name``, or None."""
+        return self._mesh_infos.get(mesh_name)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def _query_mesh_info(self, mesh_name: str) -> MeshInfo | None:
+        return self.mesh_info(mesh_name)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def get_rank_info(self) -> dict:
+        """Rank, world size, node address and device of this worker (for logs and checks)."""
+        return {
+            "rank": self._rank,
+            "world_size": self._world_size,
+            "local_rank": self._local_rank,
+            "master_addr": self._master_addr,
+            "master_port": self._master_port,
+            "pid": os.getpid(),
+            "device": str(self.device),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "num_threads": torch.get_num_threads(),
+        }

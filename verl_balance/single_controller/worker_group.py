@@ -1,0 +1,306 @@
+"""`RayWorkerGroup`: the driver's handle on one Ray actor per bundle of a `RayResourcePool`.
+
+Every method of the worker class decorated with ``@register`` becomes a method of the group that
+runs dispatch -> execute (one ``.remote`` call per worker) -> collect (see ``decorator.py``).
+
+Failure contract: the driver never waits on a worker that is gone. Results are awaited one at a
+time with ``ray.wait``; the first worker that died (process exit, OOM kill, node loss) raises
+``WorkerDiedError`` naming its rank, actor id and the method, even while the other ranks are
+still blocked in a collective with it. An exception raised inside a worker method is re-raised
+with its original type plus a note naming the rank and method. After a ``WorkerDiedError`` the
+group's collectives are broken: ``shutdown()`` it and build a new one.
+
+Running against a cluster instead of an embedded Ray:
+
+    ray start --head --num-cpus=4          # once, in a shell (add --num-gpus=N on a GPU box)
+    python -c "import ray; ray.init(address='auto')  ..."   # or address='127.0.0.1:6379'
+    ray stop                                # when done
+
+``RayResourcePool`` / ``RayWorkerGroup`` are used unchanged; workers must be able to import the
+package, so run from the repository root with ``PYTHONPATH`` set or with the package installed.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from verl_balance.protocol import Batch
+from verl_balance.single_controller.decorator import (
+    Execute,
+    MeshDispatch,
+    MeshLayout,
+    Registration,
+    collect_outputs,
+    dispatch_args,
+    get_registration,
+)
+from verl_balance.single_controller.resource_pool import RayResourcePool
+from verl_balance.single_controller.worker import NUM_THREADS_ENV
+
+__all__ = ["RayClassWithInitArgs", "RayWorkerGroup", "GroupFuture", "WorkerDiedError", "WorkerGroupError"]
+
+_PROTECTED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", NUM_THREADS_ENV)
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process disappeared while running a method."""
+
+    def __init__(self, message: str, *, rank: int, actor_id: str, method: str) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.actor_id = actor_id
+        self.method = method
+
+
+class WorkerGroupError(ValueError):
+    """The worker group was configured or called incorrectly."""
+
+
+class RayClassWithInitArgs:
+    """A worker class plus the arguments for its constructor (and extra Ray actor options).
+
+    ``cls`` may be the plain class or ``ray.remote(cls)``.
+    """
+
+    def __init__(self, cls: type, *args: Any, **kwargs: Any) -> None:
+        self.cls = getattr(cls, "__ray_actor_class__", cls)
+        self.args = args
+        self.kwargs = kwargs
+        self.options: dict[str, Any] = {}
+
+    def update_options(self, options: dict[str, Any]) -> None:
+        """Extra ``ActorClass.options(...)`` (e.g. ``max_concurrency``); placement is the group's."""
+        self.options.update(options)
+
+
+@ray.remote(num_cpus=0)
+def _node_address_and_free_port() -> tuple[str, int]:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        port = sock.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
+
+
+class GroupFuture:
+    """Pending result of a non-blocking group call; ``get()`` waits, checks failures, collects."""
+
+    def __init__(self, group: RayWorkerGroup, method: str, refs: list, ranks: list[int], finish: Callable[[list], Any]) -> None:
+        self._group, self._method, self._refs, self._ranks, self._finish = group, method, refs, ranks, finish
+
+    def get(self, timeout_s: float | None = None) -> Any:
+        """The collected result; raises ``WorkerDiedError`` as soon as one worker is gone."""
+        return self._finish(self._group._wait(self._method, self._refs, self._ranks, timeout_s=timeout_s))
+
+
+class _GroupMethod:
+    def __init__(self, group: RayWorkerGroup, name: str, registration: Registration, doc: str | None) -> None:
+        self._group, self._name, self._registration = group, name, registration
+        self.__name__ = name
+        self.__doc__ = doc
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        future = self._group._call(self._name, self._registration, args, kwargs)
+        return future.get() if self._registration.blocking else future
+
+    def __repr__(self) -> str:
+        r = self._registration
+        return f"<group method {self._name} dispatch={r.dispatch_mode} execute={r.execute_mode.name}>"
+
+
+class RayWorkerGroup:
+    """One Ray actor per bundle of ``resource_pool``, rank = bundle order (node-major).
+
+    Args:
+        resource_pool: where the workers go (placed here if not placed yet).
+        ray_cls_with_init: the worker class (a ``Worker`` subclass) and its constructor arguments.
+        worker_env: extra environment variables for every worker (may not override the
+            rendezvous variables the group sets).
+        name_prefix: prefix of the actor names (default: random).
+        ready_timeout_s: how long to wait for all workers' constructors to finish.
+    """
+
+    def __init__(
+        self,
+        *,
+        resource_pool: RayResourcePool,
+        ray_cls_with_init: RayClassWithInitArgs,
+        worker_env: dict[str, str] | None = None,
+        name_prefix: str | None = None,
+        ready_timeout_s: float | None = 300.0,
+    ) -> None:
+        worker_env = dict(worker_env or {})
+        clash = sorted(set(worker_env) & set(_PROTECTED_ENV))
+        if clash:
+            raise WorkerGroupError(f"worker_env may not set {clash}: the group sets them for the rendezvous")
+        self.resource_pool = resource_pool
+        self.ray_cls_with_init = ray_cls_with_init
+        self.name_prefix = name_prefix or f"vb_{uuid.uuid4().hex[:6]}"
+        self._mesh_layouts: dict[str, MeshLayout] = {}
+        self._workers: list[ray.actor.ActorHandle] = []
+        self._worker_names: list[str] = []
+
+        pgs = resource_pool.get_placement_groups()
+        master_addr, master_port = ray.get(
+            _node_address_and_free_port.options(
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pgs[0], placement_group_bundle_index=0)
+            ).remote()
+        )
+        self._master_addr, self._master_port = master_addr, master_port
+        actor_cls = ray.remote(ray_cls_with_init.cls)
+        cls_name = ray_cls_with_init.cls.__name__
+        for pg_index, pg in enumerate(pgs):
+            for local_rank in range(resource_pool.n_gpus_per_node):
+                rank = len(self._workers)
+                env = {
+                    **worker_env,
+                    "RANK": str(rank),
+                    "WORLD_SIZE": str(resource_pool.world_size),
+                    "LOCAL_RANK": str(local_rank),
+                    "LOCAL_WORLD_SIZE": str(resource_pool.n_gpus_per_node),
+                    "MASTER_ADDR": str(master_addr),
+                    "MASTER_PORT": str(master_port),
+                    NUM_THREADS_ENV: str(resource_pool.threads_per_worker),
+                    "OMP_NUM_THREADS": str(resource_pool.threads_per_worker),
+                }
+                name = f"{self.name_prefix}_{cls_name}_{pg_index}:{local_rank}"
+                options = {
+                    **ray_cls_with_init.options,
+                    "num_cpus": resource_pool.cpus_per_worker,
+                    "num_gpus": 1 if resource_pool.use_gpu else 0,
+                    "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=local_rank),
+                    "runtime_env": {"env_vars": env},
+                    "name": name,
+                }
+                self._workers.append(actor_cls.options(**options).remote(*ray_cls_with_init.args, **ray_cls_with_init.kwargs))
+                self._worker_names.append(name)
+        ranks = list(range(self.world_size))
+        self._wait("__init__", [w.__ray_ready__.remote() for w in self._workers], ranks, timeout_s=ready_timeout_s)
+        self._bind_registered_methods(ray_cls_with_init.cls)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def world_size(self) -> int:
+        """Number of workers."""
+        return len(self._workers)
+
+    @property
+    def workers(self) -> list[ray.actor.ActorHandle]:
+        """Actor handles in rank order."""
+        return list(self._workers)
+
+    @property
+    def worker_names(self) -> list[str]:
+        """Ray actor names in rank order."""
+        return list(self._worker_names)
+
+    @property
+    def master_address(self) -> tuple[str, int]:
+        """(address, port) of the torch.distributed rendezvous on rank 0's node."""
+        return self._master_addr, self._master_port
+
+    # ------------------------------------------------------------------ binding
+    def _bind_registered_methods(self, cls: type) -> None:
+        for name in dir(cls):
+            registration = get_registration(getattr(cls, name, None))
+            if registration is None:
+                continue
+            if hasattr(type(self), name) or name in self.__dict__:
+                raise WorkerGroupError(f"registered method {cls.__name__}.{name} clashes with a RayWorkerGroup attribute; rename it")
+            setattr(self, name, _GroupMethod(self, name, registration, getattr(cls, name).__doc__))
+
+    # ------------------------------------------------------------------ execution
+    def mesh_layout(self, mesh_name: str) -> MeshLayout:
+        """The validated DP routing table the workers registered for ``mesh_name`` (cached)."""
+        if mesh_name not in self._mesh_layouts:
+            infos = self.execute_all("_query_mesh_info", mesh_name)
+            self._mesh_layouts[mesh_name] = MeshLayout.from_worker_infos(mesh_name, infos)
+        return self._mesh_layouts[mesh_name]
+
+    def _call(self, method: str, registration: Registration, args: tuple, kwargs: dict) -> GroupFuture:
+        mode = registration.dispatch_mode
+        mesh = self.mesh_layout(mode.mesh_name) if isinstance(mode, MeshDispatch) else None
+        calls = dispatch_args(mode, args, kwargs, world_size=self.world_size, mesh=mesh)
+        if registration.execute_mode is Execute.RANK_ZERO:
+            refs = self._submit(method, calls[:1])
+            return GroupFuture(self, method, refs, [0], lambda outputs: outputs[0])
+        refs = self._submit(method, calls)
+        return GroupFuture(self, method, refs, list(range(self.world_size)), lambda outputs: collect_outputs(mode, outputs, mesh=mesh))
+
+    def _submit(self, method: str, calls: list[tuple[tuple, dict]]) -> list:
+        # A Batch handed to several workers (SP replicas, ONE_TO_ALL) is serialized once.
+        stored: dict[int, Any] = {}
+
+        def put_once(value: Any) -> Any:
+            if not isinstance(value, Batch):
+                return value
+            if id(value) not in stored:
+                stored[id(value)] = ray.put(value)
+            return stored[id(value)]
+
+        refs = []
+        for worker, (args, kwargs) in zip(self._workers, calls):
+            remote_method = getattr(worker, method)
+            refs.append(remote_method.remote(*map(put_once, args), **{k: put_once(v) for k, v in kwargs.items()}))
+        return refs
+
+    def _wait(self, method: str, refs: list, ranks: list[int], *, timeout_s: float | None = None) -> list:
+        position = {ref: i for i, ref in enumerate(refs)}
+        outputs: list[Any] = [None] * len(refs)
+        pending = list(refs)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while pending:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+            if not ready:
+                waiting = sorted(ranks[position[ref]] for ref in pending)
+                raise TimeoutError(f"{self._describe_method(method)}: worker rank(s) {waiting} did not finish within {timeout_s}s")
+            for ref in ready:
+                i = position[ref]
+                try:
+                    outputs[i] = ray.get(ref)
+                except ray.exceptions.RayActorError as error:
+                    rank = ranks[i]
+                    actor_id = self._workers[rank]._actor_id.hex()
+                    reason = " ".join(str(error).split())[:600]
+                    raise WorkerDiedError(
+                        f"worker rank {rank} (actor {actor_id}, name {self._worker_names[rank]}) died during "
+                        f"{self._describe_method(method)}; the group is unusable, call shutdown(). Ray says: {reason}",
+                        rank=rank,
+                        actor_id=actor_id,
+                        method=method,
+                    ) from error
+                except ray.exceptions.RayTaskError as error:
+                    error.add_note(f"raised by worker rank {ranks[i]} ({self._worker_names[ranks[i]]}) in {self._describe_method(method)}")
+                    raise
+        return outputs
+
+    def _describe_method(self, method: str) -> str:
+        return f"{self.ray_cls_with_init.cls.__name__}.{method}"
+
+    def execute_all_async(self, method: str, *args: Any, **kwargs: Any) -> GroupFuture:
+        """Call ``method`` with the same arguments on every worker; ``.get()`` gives the W outputs."""
+        refs = self._submit(method, [(args, kwargs)] * self.world_size)
+        return GroupFuture(self, method, refs, list(range(self.world_size)), lambda outputs: outputs)
+
+    def execute_all(self, method: str, *args: Any, **kwargs: Any) -> list:
+        """Call ``method`` with the same arguments on every worker and return the outputs in rank order."""
+        return self.execute_all_async(method, *args, **kwargs).get()
+
+    def execute_rank_zero(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call ``method`` on rank 0 only and return its output."""
+        return GroupFuture(self, method, self._submit(method, [(args, kwargs)]), [0], lambda outputs: outputs[0]).get()
+
+    def shutdown(self) -> None:
+        """Kill the workers (the resource pool stays reserved; ``resource_pool.remove()`` frees it)."""
+        for worker in self._workers:
+            ray.kill(worker, no_restart=True)
+        self._workers = []
+        self._worker_names = []
+        self._mesh_layouts = {}

@@ -1,0 +1,182 @@
+"""Structured (dataclass) schemas for the Hydra recipes, and their validation.
+
+The YAML files in ``config/`` fill these schemas; Hydra rejects unknown keys at startup
+because the merged config is typed by them. ``validate_*`` checks combinations that a
+type cannot express and raises :class:`ConfigError` naming the key.
+Key names follow verl's wherever the concept is the same, so a verl user's overrides
+carry over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+
+
+class ConfigError(ValueError):
+    """A config key has an invalid value or an invalid combination with another key."""
+
+
+@dataclass
+class SyntheticDataConfig:
+    """Generated task data used when no data files are given (no downloads needed)."""
+
+    num_train: int = 2048
+    num_val: int = 128
+    seed: int = 0
+    out_dir: Optional[str] = None
+
+
+@dataclass
+class SFTDataConfig:
+    train_files: Optional[Any] = None
+    val_files: Optional[Any] = None
+    prompt_key: str = "prompt"
+    response_key: str = "response"
+    messages_key: Optional[str] = None
+    max_length: int = 512
+    truncation: str = "error"
+    on_malformed: str = "error"
+    train_batch_size: int = 32
+    micro_batch_size_per_gpu: int = 4
+    use_dynamic_bsz: bool = False
+    max_token_len_per_gpu: int = 2048
+    balance_dp_token: bool = True
+    shuffle: bool = True
+    synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
+
+
+@dataclass
+class ModelSection:
+    """A built-in preset ('tiny', 'small', '100m') plus optional dimension overrides."""
+
+    name: str = "tiny"
+    tokenizer: str = "byte"
+    override: dict = field(default_factory=dict)
+    param_dtype: str = "float32"
+
+
+@dataclass
+class BalanceSection:
+    enable: bool = True
+    workload: str = "flops"
+    overlong: str = "error"
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    betas: list = field(default_factory=lambda: [0.9, 0.95])
+    warmup_steps_ratio: float = 0.05
+    lr_scheduler: str = "cosine"
+    min_lr_ratio: float = 0.1
+    clip_grad: float = 1.0
+
+
+@dataclass
+class TrainerSection:
+    device: str = "auto"
+    nnodes: int = 1
+    n_gpus_per_node: int = 4
+    total_epochs: int = 1
+    total_training_steps: Optional[int] = None
+    logger: list = field(default_factory=lambda: ["console", "jsonl"])
+    project_name: str = "verl_balance"
+    experiment_name: str = "sft"
+    default_local_dir: str = "outputs/${trainer.project_name}/${trainer.experiment_name}"
+    save_freq: int = -1
+    test_freq: int = -1
+    resume_mode: str = "auto"
+    resume_from_path: Optional[str] = None
+    seed: int = 1
+    ray_address: Optional[str] = None
+    placement_timeout_s: float = 120.0
+    plot: bool = True
+
+
+@dataclass
+class SFTConfig:
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    model: ModelSection = field(default_factory=ModelSection)
+    ulysses_sequence_parallel_size: int = 1
+    use_remove_padding: bool = True
+    balance: BalanceSection = field(default_factory=BalanceSection)
+    loss_agg_mode: str = "token-mean"
+    loss_scale_factor: Optional[float] = None
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+
+
+def register_schemas() -> None:
+    """Register the schemas so YAML files can name them in their defaults list."""
+    cs = ConfigStore.instance()
+    cs.store(name="sft_schema", node=SFTConfig)
+
+
+def _choice(key: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not valid; expected one of {list(allowed)}")
+
+
+def _positive(key: str, value) -> None:
+    if value is None or value <= 0:
+        raise ConfigError(f"{key}={value!r} must be a positive number")
+
+
+def validate_common(cfg) -> None:
+    """Checks shared by the SFT and GRPO recipes (parallel layout, trainer, loss)."""
+    sp = cfg.ulysses_sequence_parallel_size
+    _positive("ulysses_sequence_parallel_size", sp)
+    _positive("trainer.nnodes", cfg.trainer.nnodes)
+    _positive("trainer.n_gpus_per_node", cfg.trainer.n_gpus_per_node)
+    world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    if world % sp:
+        raise ConfigError(
+            f"ulysses_sequence_parallel_size={sp} must divide the number of workers "
+            f"trainer.nnodes * trainer.n_gpus_per_node = {world}"
+        )
+    _choice("trainer.device", cfg.trainer.device, ("auto", "cpu", "cuda"))
+    _choice("trainer.resume_mode", cfg.trainer.resume_mode, ("auto", "disable", "resume_path"))
+    if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
+        raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
+    _choice("balance.workload", cfg.balance.workload, ("tokens", "flops"))
+    _choice("balance.overlong", cfg.balance.overlong, ("error", "skip", "truncate"))
+    _choice("optim.lr_scheduler", cfg.optim.lr_scheduler, ("constant", "cosine"))
+    if not cfg.use_remove_padding:
+        raise ConfigError(
+            "use_remove_padding=false is not supported: the engine always runs packed "
+            "(padding-free) sequences, which Ulysses sequence parallelism requires"
+        )
+    for name in cfg.trainer.logger:
+        _choice("trainer.logger", name, ("console", "jsonl", "tensorboard", "wandb"))
+    if cfg.trainer.total_training_steps is not None:
+        _positive("trainer.total_training_steps", cfg.trainer.total_training_steps)
+    _positive("trainer.total_epochs", cfg.trainer.total_epochs)
+
+
+def validate_sft(cfg) -> None:
+    """Raise ConfigError naming the key when the SFT config is invalid."""
+    validate_common(cfg)
+    _choice("loss_agg_mode", cfg.loss_agg_mode, LOSS_AGG_MODES)
+    if cfg.loss_agg_mode == "seq-mean-token-sum-norm" and cfg.loss_scale_factor is None:
+        raise ConfigError("loss_agg_mode=seq-mean-token-sum-norm needs loss_scale_factor (the constant C)")
+    d = cfg.data
+    _positive("data.train_batch_size", d.train_batch_size)
+    _positive("data.max_length", d.max_length)
+    _choice("data.truncation", d.truncation, ("error", "left", "right"))
+    _choice("data.on_malformed", d.on_malformed, ("error", "skip"))
+    dp = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node // cfg.ulysses_sequence_parallel_size
+    if d.train_batch_size < dp:
+        raise ConfigError(
+            f"data.train_batch_size={d.train_batch_size} is smaller than the data-parallel size {dp} "
+            "(workers / ulysses_sequence_parallel_size); every DP rank needs at least one sample"
+        )
+    if d.use_dynamic_bsz:
+        _positive("data.max_token_len_per_gpu", d.max_token_len_per_gpu)
+    else:
+        _positive("data.micro_batch_size_per_gpu", d.micro_batch_size_per_gpu)

@@ -1,0 +1,214 @@
+"""SFT driver: dataloader -> BalancePlan per step -> actor worker group -> metrics/checkpoints.
+
+One optimizer step per global mini-batch of ``data.train_batch_size`` samples. The plan places
+every sample on a DP rank and a micro-batch; the engine normalises the loss over the whole
+mini-batch (loss contract), so the logged loss does not depend on the layout or the plan.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import time
+
+from omegaconf import OmegaConf
+
+from verl_balance.data.loader import StatefulDataLoader
+from verl_balance.data.sft_dataset import SFTDataConfig as DatasetConfig
+from verl_balance.data.sft_dataset import SFTDataset
+from verl_balance.data.synthetic import write_dataset
+from verl_balance.data.tokenizer import build_tokenizer
+from verl_balance.trainer import common
+from verl_balance.trainer.config import validate_sft
+from verl_balance.utils.tracking import Tracking, read_metrics
+from verl_balance.workers.actor import ActorWorkerConfig
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_data_files(cfg) -> tuple[list | str, list | str | None]:
+    """The configured files, or a generated synthetic task under ``default_local_dir/data``."""
+    d = cfg.data
+    if d.train_files is not None:
+        return d.train_files, d.val_files
+    out_dir = d.synthetic.out_dir or os.path.join(cfg.trainer.default_local_dir, "data")
+    train = os.path.join(out_dir, "sft_train.parquet")
+    val = os.path.join(out_dir, "sft_val.parquet")
+    if not (os.path.exists(train) and os.path.exists(val)):
+        print(f"[data] data.train_files is null: generating the synthetic task into {out_dir}", flush=True)
+        write_dataset(out_dir=out_dir, num_train=d.synthetic.num_train, num_val=d.synthetic.num_val,
+                      seed=d.synthetic.seed, progress=True)
+    return train, (d.val_files if d.val_files is not None else val)
+
+
+def truncate_metrics_after(path: str, step: int) -> None:
+    """Drop records past ``step`` so a resumed run's metrics file reads as one uninterrupted curve."""
+    if not os.path.exists(path):
+        return
+    keep = [r for r in read_metrics(path) if int(r.get("step", 0)) <= step]
+    with open(path, "w", encoding="utf-8") as f:
+        for record in keep:
+            f.write(json.dumps(record) + "\n")
+
+
+class SFTTrainer:
+    """Builds data, workers and trackers from a validated config; ``fit()`` trains."""
+
+    def __init__(self, cfg) -> None:
+        validate_sft(cfg)
+        self.cfg = cfg
+        t = cfg.trainer
+        self.sp = cfg.ulysses_sequence_parallel_size
+        self.world = t.nnodes * t.n_gpus_per_node
+        self.dp = self.world // self.sp
+        self.out_dir = t.default_local_dir
+        os.makedirs(self.out_dir, exist_ok=True)
+
+        self.tokenizer = build_tokenizer(cfg.model.tokenizer)
+        train_files, val_files = resolve_data_files(cfg)
+        ds_cfg = DatasetConfig(prompt_key=cfg.data.prompt_key, response_key=cfg.data.response_key,
+                               messages_key=cfg.data.messages_key, max_length=cfg.data.max_length,
+                               truncation=cfg.data.truncation, on_malformed=cfg.data.on_malformed)
+        self.train_set = SFTDataset(files=train_files, tokenizer=self.tokenizer, config=ds_cfg)
+        self.val_set = SFTDataset(files=val_files, tokenizer=self.tokenizer, config=ds_cfg) if val_files else None
+        self.loader = StatefulDataLoader(self.train_set, batch_size=cfg.data.train_batch_size,
+                                         collate_fn=self.train_set.collate, shuffle=cfg.data.shuffle,
+                                         seed=t.seed, drop_last=True)
+        self.total_steps = t.total_training_steps or t.total_epochs * len(self.loader)
+
+        self.model_config = common.build_model_config(cfg.model, vocab_size=self.tokenizer.vocab_size)
+        self.workload = common.build_workload(cfg.balance.workload, self.model_config)
+        self.token_cap = cfg.data.max_token_len_per_gpu if cfg.data.use_dynamic_bsz else None
+        engine_config = common.engine_config_from(cfg, total_steps=self.total_steps,
+                                                  loss_agg_mode=cfg.loss_agg_mode,
+                                                  loss_scale_factor=cfg.loss_scale_factor, seed=t.seed)
+        common.start_ray(address=t.ray_address, num_workers=self.world,
+                         use_gpu=None if t.device == "auto" else t.device == "cuda")
+        use_gpu = common.resolve_use_gpu(t.device)
+        print(f"[trainer] {self.world} {'GPU' if use_gpu else 'CPU'} workers: dp={self.dp} x sp={self.sp}; "
+              f"model {cfg.model.name} ({self.model_config.num_layers} layers, hidden "
+              f"{self.model_config.hidden_size}); {len(self.train_set)} train samples, "
+              f"{self.total_steps} steps", flush=True)
+        self.actor = common.build_actor_group(
+            worker_config=ActorWorkerConfig(model=self.model_config, engine=engine_config, sp_size=self.sp),
+            trainer_cfg=t, use_gpu=use_gpu)
+        self.global_step = 0
+        self._stop_requested = False
+
+    # ------------------------------------------------------------------ steps
+    def _plan(self, batch):
+        return common.plan_for(batch, dp_size=self.dp, sp_size=self.sp,
+                               data_cfg_mbs=self.cfg.data.micro_batch_size_per_gpu, token_cap=self.token_cap,
+                               balance_cfg=self.cfg.balance, workload=self.workload)
+
+    def train_step(self, tensors: dict) -> dict:
+        """One optimizer step on one global mini-batch; returns the step's metrics."""
+        start = time.perf_counter()
+        batch = common.to_batch(tensors)
+        plan = self._plan(batch)
+        per_rank = self.actor.update_actor(common.dispatch_chunks(batch, plan))
+        metrics = common.reduce_rank_metrics(per_rank, plan, prefix="train/")
+        elapsed = time.perf_counter() - start
+        tokens = int(batch["attention_mask"].sum())
+        metrics.update({"timing/step_s": elapsed, "perf/tokens_per_s": tokens / elapsed,
+                        "perf/tokens": tokens, "train/epoch": float(self.loader.epoch)})
+        return metrics
+
+    def evaluate(self) -> dict:
+        """Loss over the whole validation set as one mini-batch: the exact token/sequence mean."""
+        if self.val_set is None:
+            return {}
+        batch = common.to_batch(self.val_set.collate([self.val_set[i] for i in range(len(self.val_set))]))
+        plan = self._plan(batch)
+        per_rank = self.actor.eval_loss(common.dispatch_chunks(batch, plan))
+        return {"val/loss": float(per_rank[0]["loss"]), "val/valid_tokens": float(per_rank[0]["valid_tokens"])}
+
+    # ------------------------------------------------------------------ state
+    def _trainer_state(self) -> dict:
+        return {"global_step": self.global_step, "loader": self.loader.state_dict()}
+
+    def save(self) -> str:
+        path = common.save_trainer_checkpoint(self.actor, root=self.out_dir, step=self.global_step,
+                                              trainer_state=self._trainer_state())
+        print(f"[checkpoint] saved step {self.global_step} -> {path}", flush=True)
+        return path
+
+    def maybe_resume(self) -> None:
+        t = self.cfg.trainer
+        if t.resume_mode == "disable":
+            return
+        path = t.resume_from_path if t.resume_mode == "resume_path" else common.latest_checkpoint(self.out_dir)
+        if path is None:
+            return
+        state = common.load_trainer_checkpoint(self.actor, path)
+        self.global_step = int(state["global_step"])
+        self.loader.load_state_dict(state["loader"])
+        truncate_metrics_after(os.path.join(self.out_dir, "metrics.jsonl"), self.global_step)
+        print(f"[checkpoint] resumed from {path} at step {self.global_step}", flush=True)
+
+    def _request_stop(self, signum, frame) -> None:
+        if self._stop_requested:
+            raise KeyboardInterrupt
+        self._stop_requested = True
+        print("\n[trainer] stop requested: finishing this step, saving a checkpoint, then exiting "
+              "(press Ctrl-C again to abort without saving)", flush=True)
+
+    # ------------------------------------------------------------------ loop
+    def fit(self) -> dict:
+        """Train until total steps (or a stop request); returns a summary dict."""
+        t = self.cfg.trainer
+        self.maybe_resume()
+        tracker = Tracking(t.project_name, t.experiment_name, log_dir=self.out_dir, backends=list(t.logger),
+                           config=OmegaConf.to_container(self.cfg, resolve=True), total_steps=self.total_steps)
+        previous_handler = signal.signal(signal.SIGINT, self._request_stop)
+        first_loss = last_loss = None
+        val_metrics: dict = {}
+        run_start = time.perf_counter()
+        try:
+            while self.global_step < self.total_steps and not self._stop_requested:
+                for tensors in self.loader:
+                    metrics = self.train_step(tensors)
+                    self.global_step += 1
+                    first_loss = metrics["train/loss"] if first_loss is None else first_loss
+                    last_loss = metrics["train/loss"]
+                    is_last = self.global_step >= self.total_steps
+                    if t.test_freq > 0 and (self.global_step % t.test_freq == 0 or is_last):
+                        val_metrics = self.evaluate()
+                        metrics.update(val_metrics)
+                    tracker.log(metrics, step=self.global_step)
+                    if t.save_freq > 0 and (self.global_step % t.save_freq == 0 or is_last):
+                        self.save()
+                    if is_last or self._stop_requested:
+                        break
+            if self._stop_requested and not (t.save_freq > 0 and self.global_step % t.save_freq == 0):
+                self.save()
+        finally:
+            signal.signal(signal.SIGINT, previous_handler)
+            tracker.close()
+        summary = {"steps": self.global_step, "first_loss": first_loss, "final_loss": last_loss,
+                   "wall_s": time.perf_counter() - run_start, "metrics": tracker.metrics_path,
+                   **{k: v for k, v in val_metrics.items() if k == "val/loss"}}
+        if t.plot:
+            from verl_balance.utils.plotting import plot_runs
+
+            summary["plot"] = plot_runs([tracker.metrics_path], out=os.path.join(self.out_dir, "curves.png"))
+        return summary
+
+
+def format_summary(summary: dict) -> str:
+    """The end-of-run lines a user reads: loss first -> last, eval loss, where the files are."""
+    lines = ["", "==== SFT summary ===="]
+    lines.append(f"steps: {summary['steps']} in {summary['wall_s']:.1f} s")
+    if summary.get("first_loss") is not None:
+        lines.append(f"train loss: first {summary['first_loss']:.4f} -> final {summary['final_loss']:.4f}")
+    if "val/loss" in summary:
+        lines.append(f"eval loss: {summary['val/loss']:.4f}")
+    lines.append(f"metrics: {summary['metrics']}")
+    if summary.get("plot"):
+        lines.append(f"plot: {summary['plot']}")
+    return "\n".join(lines)
+
+
+__all__ = ["SFTTrainer", "format_summary"]

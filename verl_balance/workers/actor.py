@@ -1,0 +1,129 @@
+"""ActorWorker: one Ray actor process = one rank of the FSDP2 + Ulysses training engine.
+
+The driver sends each DP group one ``Batch`` (rows in the BalancePlan's micro-batch order, meta
+``micro_batch_sizes``); mesh dispatch gives every SP rank of that DP group the same rows, and only
+SP rank 0's output comes back. Every rank of the mesh must receive the same number of
+micro-batches (the plan guarantees it), or the engine's collectives would not line up.
+
+Each call to ``update_actor`` is exactly one optimizer step (one global mini-batch); PPO epochs and
+mini-batches are driven from the trainer so that every mini-batch gets its own BalancePlan.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from verl_balance.algorithms.policy_loss import PolicyLossConfig, PPOLoss
+from verl_balance.distributed.layout import ParallelLayout, init_distributed
+from verl_balance.engine.config import EngineConfig
+from verl_balance.engine.train_engine import TrainEngine
+from verl_balance.loss import SFTLoss
+from verl_balance.models.config import ModelConfig
+from verl_balance.protocol import MICRO_BATCH_SIZES_KEY, Batch
+from verl_balance.single_controller import Dispatch, Worker, make_mesh_dispatch, register
+
+ACTOR_MESH = "actor"
+WIRE_KEYS = ("input_ids", "attention_mask", "loss_mask", "position_ids",
+             "old_log_probs", "advantages", "ref_log_prob")
+
+
+@dataclass
+class ActorWorkerConfig:
+    """What one actor rank needs: model dims, engine settings, SP size, and the loss it trains."""
+
+    model: ModelConfig
+    engine: EngineConfig
+    sp_size: int = 1
+    # None = SFT negative log-likelihood; a PolicyLossConfig = the PPO-clip policy loss.
+    policy_loss: PolicyLossConfig | None = None
+
+
+class ActorWorker(Worker):
+    """Registered methods: init_model, update_actor, eval_loss, compute_log_prob, checkpoints."""
+
+    def __init__(self, config: ActorWorkerConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.engine: TrainEngine | None = None
+        self.layout: ParallelLayout | None = None
+
+    # ------------------------------------------------------------------ setup
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> dict:
+        """Join the process group, build the (dp, sp) mesh and the sharded engine."""
+        init_distributed()
+        sp = self.config.sp_size
+        if self.world_size % sp:
+            raise ValueError(f"ulysses_sequence_parallel_size={sp} does not divide the {self.world_size} workers")
+        self.layout = ParallelLayout(dp=self.world_size // sp, sp=sp)
+        self.engine = TrainEngine(model_config=self.config.model, engine_config=self.config.engine,
+                                  layout=self.layout)
+        self.register_mesh(ACTOR_MESH, dp_rank=self.layout.dp_rank, dp_size=self.layout.dp,
+                           is_collect=self.layout.sp_rank == 0)
+        return {"rank": self.rank, "dp_rank": self.layout.dp_rank, "sp_rank": self.layout.sp_rank,
+                "device": str(self.layout.device)}
+
+    def _loss_fn(self):
+        if self.config.policy_loss is None:
+            return SFTLoss()
+        return PPOLoss(self.config.policy_loss)
+
+    @staticmethod
+    def _micro_batches(batch: Batch) -> list[dict[str, torch.Tensor]]:
+        """The DP chunk's micro-batches as plain tensor dicts (only wire keys travel on)."""
+        sizes = batch.meta.get(MICRO_BATCH_SIZES_KEY)
+        if sizes is None:
+            raise ValueError(f"batch meta lacks {MICRO_BATCH_SIZES_KEY!r}; build DP chunks with split_by_plan")
+        keys = [k for k in WIRE_KEYS if k in batch.tensors.keys()]
+        out = []
+        for part in batch.split(list(sizes)):
+            out.append({k: part.tensors[k] for k in keys})
+        return out
+
+    # ------------------------------------------------------------------ compute
+    @register(dispatch_mode=make_mesh_dispatch(ACTOR_MESH))
+    def update_actor(self, batch: Batch) -> dict:
+        """One optimizer step over this DP rank's micro-batches; metrics of this rank."""
+        start = time.perf_counter()
+        metrics = self.engine.train_step(self._micro_batches(batch), loss_fn=self._loss_fn())
+        metrics["step_seconds"] = time.perf_counter() - start
+        metrics["dp_rank"] = self.layout.dp_rank
+        return metrics
+
+    @register(dispatch_mode=make_mesh_dispatch(ACTOR_MESH))
+    def eval_loss(self, batch: Batch) -> dict:
+        """The training objective on this batch without backward (same normalisation)."""
+        metrics = self.engine.eval_loss(self._micro_batches(batch), loss_fn=self._loss_fn())
+        metrics["dp_rank"] = self.layout.dp_rank
+        return metrics
+
+    @register(dispatch_mode=make_mesh_dispatch(ACTOR_MESH))
+    def compute_log_prob(self, batch: Batch, with_entropy: bool = False) -> Batch:
+        """Per-token log-probs (B, L) of this chunk's rows, in the chunk's row order."""
+        outputs = self.engine.compute_log_prob(self._micro_batches(batch), with_entropy=with_entropy)
+        tensors = {"log_probs": _cat_padded([o["log_probs"] for o in outputs])}
+        if with_entropy:
+            tensors["entropy"] = _cat_padded([o["entropy"] for o in outputs])
+        return Batch.from_dict(tensors=tensors)
+
+    # ------------------------------------------------------------------ state
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, path: str, step: int, extra: dict | None = None) -> None:
+        """Sharded checkpoint of model + optimizer + scheduler under ``path`` (collective)."""
+        os.makedirs(path, exist_ok=True)
+        self.engine.save_checkpoint(path, step=step, extra=extra)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, path: str) -> dict:
+        """Restore ``save_checkpoint(path)``; returns the saved ``extra`` dict."""
+        return self.engine.load_checkpoint(path)
+
+
+def _cat_padded(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate (b_i, L_i) tensors along rows, right-padding to the widest L with zeros."""
+    width = max(p.shape[1] for p in parts)
+    return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts], dim=0)
