@@ -272,3 +272,12 @@ def test_merge_by_plan_rejects_wrong_sizes():
         merge_by_plan(make_batch(8), plan)
     with pytest.raises(BatchError, match="batch has 5 rows"):
         split_by_plan(make_batch(5), plan)
+
+
+def test_round_trip_through_verl_dataproto():
+    pytest.importorskip("verl")
+    b = make_batch(4)
+    data_proto = b.to_dataproto().repeat(2)  # a DataProto op in between
+    back = Batch.from_dataproto(data_proto)
+    assert_rows(back, [0, 0, 1, 1, 2, 2, 3, 3])
+    assert back.meta == b.meta

@@ -15,7 +15,10 @@ def main(cfg) -> None:
     from verl_balance.trainer.sft_trainer import SFTTrainer, format_summary
 
     trainer = SFTTrainer(cfg)
-    summary = trainer.fit()
+    try:
+        summary = trainer.fit()
+    finally:
+        trainer.close()
     print(format_summary(summary), flush=True)
 
 

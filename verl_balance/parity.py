@@ -1,8 +1,8 @@
 """Layout-invariance harness: every (dp, sp) layout must reproduce a single-process reference.
 
-For each layout one gloo process group is spawned (CPU, fp32); inside it every case of the
-matrix {fixed micro-batch size, dynamic token cap} x {balance on, off} x {loss_agg_mode} builds
-a TrainEngine from the same seed, forms this DP rank's micro-batches with
+One set of processes is spawned for all layouts; each layout gets its own gloo process group
+(CPU, fp32), inside which every case of the matrix {fixed micro-batch size, dynamic token cap}
+x {balance on, off} x {loss_agg_mode} builds a TrainEngine from the same seed, forms this DP rank's micro-batches with
 verl_balance.balance.plan_balance, and runs eval_loss then train_step on the same global batch.
 The reference is computed in one process WITHOUT any distributed, packing, or loss-contract
 code: a plain forward of the model per sequence, the aggregation formula written out directly,
@@ -146,11 +146,16 @@ def make_global_batch(settings: ParitySettings) -> dict[str, torch.Tensor]:
             "loss_mask": loss_mask}
 
 
-def reference_step(settings: ParitySettings, *, agg_mode: str) -> dict:
-    """Single-process reference: loss, grad norm and parameters after one AdamW step."""
+def reference_steps(settings: ParitySettings, *, agg_modes=AGG_MODES) -> dict[str, dict]:
+    """Single-process reference per agg mode: loss, grad norm, parameters after one AdamW step.
+
+    One plain forward per sequence (no packing, no SP, no FSDP), the aggregation formulas of
+    DESIGN.md written out directly, and torch.optim.AdamW on a fresh copy of the initial model.
+    """
     batch = make_global_batch(settings)
     torch.manual_seed(settings.seed)
     model = LlamaForCausalLM(settings.model, attn_impl="sdpa_masked")
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     seq_sums, seq_counts = [], []
     for i in range(settings.num_samples):
         length = int(batch["attention_mask"][i].sum())
@@ -163,21 +168,28 @@ def reference_step(settings: ParitySettings, *, agg_mode: str) -> dict:
         seq_counts.append(mask.sum())
     sums, counts = torch.stack(seq_sums), torch.stack(seq_counts)
     has_tokens = counts > 0
-    if agg_mode == "token-mean":
-        loss = sums.sum() / counts.sum()
-    elif agg_mode == "seq-mean-token-mean":
-        loss = (sums[has_tokens] / counts[has_tokens]).mean()
-    elif agg_mode == "seq-mean-token-sum":
-        loss = sums[has_tokens].mean()
-    else:
-        loss = sums[has_tokens].mean() / settings.loss_scale_factor
-    loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), settings.grad_clip)
-    cfg = settings.engine_config(agg_mode=agg_mode)
-    torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                      weight_decay=cfg.weight_decay).step()
-    return {"loss": loss.item(), "grad_norm": grad_norm.item(),
-            "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    objectives = {
+        "token-mean": sums.sum() / counts.sum(),
+        "seq-mean-token-mean": (sums[has_tokens] / counts[has_tokens]).mean(),
+        "seq-mean-token-sum": sums[has_tokens].mean(),
+        "seq-mean-token-sum-norm": sums[has_tokens].mean() / settings.loss_scale_factor,
+    }
+    names = [n for n, _ in model.named_parameters()]
+    out = {}
+    for mode in agg_modes:
+        grads = torch.autograd.grad(objectives[mode], list(model.parameters()), retain_graph=True)
+        step_model = LlamaForCausalLM(settings.model, attn_impl="sdpa_masked")
+        step_model.load_state_dict(initial)
+        for param, grad in zip(step_model.parameters(), grads):
+            param.grad = grad.clone()
+        grad_norm = torch.nn.utils.clip_grad_norm_(step_model.parameters(), settings.grad_clip)
+        cfg = settings.engine_config(agg_mode=mode)
+        torch.optim.AdamW(step_model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                          weight_decay=cfg.weight_decay).step()
+        assert names == [n for n, _ in step_model.named_parameters()]
+        out[mode] = {"loss": objectives[mode].item(), "grad_norm": grad_norm.item(),
+                     "params": {k: v.detach().clone() for k, v in step_model.state_dict().items()}}
+    return out
 
 
 def _free_port() -> int:
@@ -186,68 +198,92 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _layout_worker(rank: int, dp: int, sp: int, port: int, cases: list[ParityCase],
-                   settings: ParitySettings, out_path: str) -> None:
-    import torch.distributed as dist
-
+def _run_cases(*, dp: int, sp: int, cases: list[ParityCase], settings: ParitySettings) -> list:
     from verl_balance.balance import plan_balance
     from verl_balance.distributed import ParallelLayout
     from verl_balance.engine import TrainEngine
 
+    layout = ParallelLayout(dp=dp, sp=sp, device_type="cpu")
+    batch = make_global_batch(settings)
+    seq_lens = batch["attention_mask"].sum(1).numpy()
+    results = []
+    for case in cases:
+        fixed = case.micro == "fixed"
+        plan = plan_balance(
+            seq_lens=seq_lens, dp_size=dp, sp_size=sp,
+            micro_batch_size=settings.micro_batch_size if fixed else None,
+            max_token_len_per_gpu=None if fixed else -(-settings.tokens_per_micro_batch // sp),
+            balance=case.balance)
+        micro_batches = [{k: v[torch.as_tensor(np.asarray(idx, dtype=np.int64))]
+                          for k, v in batch.items()}
+                         for idx in plan.micro_batches[layout.dp_rank]]
+        engine = TrainEngine(model_config=settings.model, layout=layout,
+                             engine_config=settings.engine_config(agg_mode=case.agg_mode,
+                                                                  bug=case.bug))
+        evaluated = engine.eval_loss(micro_batches)
+        trained = engine.train_step(micro_batches)
+        params = engine.full_state_dict()
+        results.append((case, evaluated["loss"], trained["loss"], trained["grad_norm"], params))
+    return results
+
+
+def _parity_worker(rank: int, jobs: list, settings: ParitySettings, out_dir: str) -> None:
+    import torch.distributed as dist
+
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=dp * sp)
-    try:
-        layout = ParallelLayout(dp=dp, sp=sp, device_type="cpu")
-        batch = make_global_batch(settings)
-        seq_lens = batch["attention_mask"].sum(1).numpy()
-        results = []
-        for case in cases:
-            fixed = case.micro == "fixed"
-            plan = plan_balance(
-                seq_lens=seq_lens, dp_size=dp, sp_size=sp,
-                micro_batch_size=settings.micro_batch_size if fixed else None,
-                max_token_len_per_gpu=None if fixed else -(-settings.tokens_per_micro_batch // sp),
-                balance=case.balance)
-            micro_batches = [{k: v[torch.as_tensor(np.asarray(idx, dtype=np.int64))]
-                              for k, v in batch.items()}
-                             for idx in plan.micro_batches[layout.dp_rank]]
-            engine = TrainEngine(model_config=settings.model, layout=layout,
-                                 engine_config=settings.engine_config(agg_mode=case.agg_mode,
-                                                                      bug=case.bug))
-            evaluated = engine.eval_loss(micro_batches)
-            trained = engine.train_step(micro_batches)
-            params = engine.full_state_dict()
-            results.append((case, evaluated["loss"], trained["loss"], trained["grad_norm"], params))
+    for index, (dp, sp, port, cases) in enumerate(jobs):
+        if rank >= dp * sp:
+            continue  # this process sits out a smaller layout
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=dp * sp)
+        try:
+            results = _run_cases(dp=dp, sp=sp, cases=cases, settings=settings)
+        finally:
+            dist.destroy_process_group()
         if rank == 0:
-            torch.save(results, out_path)
-    finally:
-        dist.destroy_process_group()
+            torch.save(results, os.path.join(out_dir, f"{index}.pt"))
 
 
-def run_layout(*, dp: int, sp: int, cases: list[ParityCase], settings: ParitySettings,
-               references: dict[str, dict] | None = None) -> list[ParityResult]:
-    """Spawn dp*sp gloo ranks once, run every case, compare with the reference."""
+def run_layouts(*, jobs: list[tuple[tuple[int, int], list[ParityCase]]],
+                settings: ParitySettings, references: dict[str, dict] | None = None
+                ) -> list[ParityResult]:
+    """Run (layout, cases) jobs in ONE set of spawned processes (max dp*sp of them).
+
+    Each layout gets a fresh gloo process group of dp*sp ranks; processes beyond that size sit
+    it out. Results are compared with reference_steps.
+    """
     import torch.multiprocessing as mp
 
     references = references if references is not None else {}
-    for case in cases:
-        if case.agg_mode not in references:
-            references[case.agg_mode] = reference_step(settings, agg_mode=case.agg_mode)
+    missing = sorted({c.agg_mode for _, cases in jobs for c in cases} - set(references))
+    if missing:
+        references.update(reference_steps(settings, agg_modes=missing))
+    spawn_jobs = [(dp, sp, _free_port(), cases) for (dp, sp), cases in jobs]
     with tempfile.TemporaryDirectory() as tmp:
-        out_path = os.path.join(tmp, "results.pt")
-        mp.spawn(_layout_worker, args=(dp, sp, _free_port(), cases, settings, out_path),
-                 nprocs=dp * sp, join=True)
-        raw = torch.load(out_path, weights_only=False)
+        mp.spawn(_parity_worker, args=(spawn_jobs, settings, tmp),
+                 nprocs=max(dp * sp for (dp, sp), _ in jobs), join=True)
+        raw = [(layout, torch.load(os.path.join(tmp, f"{i}.pt"), weights_only=False))
+               for i, (layout, _) in enumerate(jobs)]
     results = []
-    for case, eval_loss, train_loss, grad_norm, params in raw:
-        ref = references[case.agg_mode]
-        delta = max(float((params[k] - v).abs().max()) for k, v in ref["params"].items())
-        results.append(ParityResult(layout=(dp, sp), case=case, ref_loss=ref["loss"],
-                                    eval_loss=eval_loss, train_loss=train_loss,
-                                    ref_grad_norm=ref["grad_norm"], grad_norm=grad_norm,
-                                    max_param_delta=delta))
+    for layout, layout_results in raw:
+        for case, eval_loss, train_loss, grad_norm, params in layout_results:
+            ref = references[case.agg_mode]
+            delta = max(float((params[k] - v).abs().max()) for k, v in ref["params"].items())
+            results.append(ParityResult(layout=layout, case=case, ref_loss=ref["loss"],
+                                        eval_loss=eval_loss, train_loss=train_loss,
+                                        ref_grad_norm=ref["grad_norm"], grad_norm=grad_norm,
+                                        max_param_delta=delta))
     return results
+
+
+def parity_jobs(*, layouts=PARITY_LAYOUTS, controls: bool = True
+                ) -> list[tuple[tuple[int, int], list[ParityCase]]]:
+    """The full matrix on each layout, plus the negative controls that belong to it."""
+    jobs = []
+    for layout in layouts:
+        extra = [case for lay, case in NEGATIVE_CONTROLS.values() if lay == layout] if controls else []
+        jobs.append((tuple(layout), matrix_cases() + extra))
+    return jobs
 
 
 def format_table(results: list[ParityResult], *, expect_fail: bool = False) -> str:
@@ -276,17 +312,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-controls", action="store_true", help="skip negative controls")
     args = parser.parse_args(argv)
     layouts = [tuple(int(x) for x in item.split("x")) for item in args.layouts.split(",")]
+    torch.set_num_threads(1)
     settings = ParitySettings()
-    references: dict[str, dict] = {}
     start = time.perf_counter()
-    matrix, controls = [], []
-    for dp, sp in layouts:
-        layout_controls = [] if args.no_controls else [
-            case for (lay, case) in NEGATIVE_CONTROLS.values() if lay == (dp, sp)]
-        results = run_layout(dp=dp, sp=sp, cases=matrix_cases() + layout_controls,
-                             settings=settings, references=references)
-        matrix += [r for r in results if r.case.bug is None]
-        controls += [r for r in results if r.case.bug is not None]
+    results = run_layouts(jobs=parity_jobs(layouts=layouts, controls=not args.no_controls),
+                          settings=settings)
+    matrix = [r for r in results if r.case.bug is None]
+    controls = [r for r in results if r.case.bug is not None]
     print(format_table(matrix))
     ok = all(r.passed for r in matrix)
     if controls:

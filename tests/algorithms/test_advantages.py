@@ -4,7 +4,12 @@ import numpy as np
 import pytest
 import torch
 
-from verl_balance.algorithms import AdvantageInputError, compute_advantages, compute_grpo_outcome_advantage, group_outcome_advantages
+from verl_balance.algorithms import (
+    AdvantageInputError,
+    compute_advantages,
+    compute_grpo_outcome_advantage,
+    group_outcome_advantages,
+)
 
 # Groups interleaved on purpose: a = [1, 2, 3] (mean 2, unbiased std 1), b = [5, 5] (std 0), c = [7] alone.
 SCORES = torch.tensor([1.0, 5.0, 2.0, 7.0, 5.0, 3.0])
@@ -66,7 +71,8 @@ def test_advantages_match_per_group_loop_reference():
 
 def test_token_aligned_broadcast_is_zero_outside_loss_mask():
     loss_mask = torch.tensor([[0, 0, 1, 1, 0], [0, 1, 1, 1, 1], [0, 0, 0, 1, 0]])
-    adv = compute_grpo_outcome_advantage(scores=[0.0, 1.0, 2.0], index=["p", "p", "p"], loss_mask=loss_mask, epsilon=0.0)
+    adv = compute_grpo_outcome_advantage(scores=[0.0, 1.0, 2.0], index=["p", "p", "p"], loss_mask=loss_mask,
+                                         epsilon=0.0)
     expected = torch.tensor([[0, 0, -1, -1, 0], [0, 0, 0, 0, 0], [0, 0, 0, 1, 0]], dtype=torch.float32)
     torch.testing.assert_close(adv, expected)
     assert adv.dtype == torch.float32

@@ -78,7 +78,8 @@ def test_matches_direct_scalar_computation_with_kl_and_entropy():
     loss, metrics = ppo_clip_token_loss(log_probs=log_p, old_log_probs=old, advantages=adv, config=cfg,
                                         ref_log_probs=ref, entropy=entropy)
     expected = torch.tensor([
-        [_reference_token_loss(*(t[i, j].item() for t in (log_p, old, adv, ref, entropy)), cfg) for j in range(shape[1])]
+        [_reference_token_loss(*(t[i, j].item() for t in (log_p, old, adv, ref, entropy)), cfg)
+         for j in range(shape[1])]
         for i in range(shape[0])
     ], dtype=torch.float64)
     torch.testing.assert_close(loss, expected)

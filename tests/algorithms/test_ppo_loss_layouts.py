@@ -6,6 +6,7 @@ each loss_agg_mode written out, torch.optim.AdamW. Every layout must match it (l
 parameters after one step) for fixed and token-capped micro-batches and every agg mode.
 """
 
+import dataclasses
 import itertools
 import os
 import socket
@@ -26,6 +27,13 @@ LOSS_CONFIG = PolicyLossConfig(clip_ratio=0.2, clip_ratio_high=0.28, use_kl_loss
 CASES = [(micro, True, mode) for micro, mode in itertools.product(("fixed", "dynamic"), AGG_MODES)]
 CASES.append(("dynamic", False, "token-mean"))
 METRICS = ("pg_loss", "pg_clipfrac", "ppo_kl", "kl", "entropy")
+
+
+def _engine_config(agg_mode: str):
+    # Adam's first step is lr * g / (|g| + eps): with the default eps = 1e-8 a parameter whose
+    # gradient is ~1e-8 (pure float round-off) moves by ~lr/2, so a larger eps keeps the
+    # parameter comparison a comparison of gradients rather than of round-off.
+    return dataclasses.replace(SETTINGS.engine_config(agg_mode=agg_mode), eps=1e-4)
 
 
 def _reference_model() -> LlamaForCausalLM:
@@ -85,9 +93,9 @@ def _reference(batch, *, agg_mode: str, config: PolicyLossConfig) -> dict:
     }[agg_mode]()
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), SETTINGS.grad_clip)
-    cfg = SETTINGS.engine_config(agg_mode=agg_mode)
+    cfg = _engine_config(agg_mode)
     torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay).step()
-    return {"loss": float(loss), "grad_norm": float(grad_norm),
+    return {"loss": loss.item(), "grad_norm": float(grad_norm),
             "metrics": {k: v / float(counts.sum()) for k, v in metric_sums.items()},
             "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
@@ -114,7 +122,7 @@ def _worker(rank, dp, sp, port, batch, out_path):
             micro_batches = [{k: v[torch.as_tensor(np.asarray(idx, dtype=np.int64))] for k, v in batch.items()}
                              for idx in plan.micro_batches[layout.dp_rank]]
             engine = TrainEngine(model_config=SETTINGS.model, layout=layout,
-                                 engine_config=SETTINGS.engine_config(agg_mode=agg_mode))
+                                 engine_config=_engine_config(agg_mode))
             loss_fn = PPOLoss(LOSS_CONFIG)
             evaluated = engine.eval_loss(micro_batches, loss_fn=loss_fn)
             trained = engine.train_step(micro_batches, loss_fn=loss_fn)
@@ -132,34 +140,44 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def batch_and_references():
-    batch = _ppo_batch()
-    return batch, {mode: _reference(batch, agg_mode=mode, config=LOSS_CONFIG) for mode in AGG_MODES}
+def batch():
+    return _ppo_batch()
 
 
-def test_reference_is_sensitive_to_clipping_and_kl(batch_and_references):
+@pytest.fixture(scope="module")
+def reference(batch):
+    """reference(agg_mode, config=LOSS_CONFIG), computed once per argument pair."""
+    cache = {}
+
+    def get(agg_mode: str, config: PolicyLossConfig = LOSS_CONFIG) -> dict:
+        key = (agg_mode, repr(config))
+        if key not in cache:
+            cache[key] = _reference(batch, agg_mode=agg_mode, config=config)
+        return cache[key]
+
+    return get
+
+
+def test_reference_is_sensitive_to_clipping_kl_and_entropy(reference):
     """Negative control: the batch exercises every term, so a wrong loss could not pass by luck."""
-    batch, refs = batch_and_references
-    base = refs["token-mean"]
+    base = reference("token-mean")
     assert 0.05 < base["metrics"]["pg_clipfrac"] < 0.95 and base["metrics"]["kl"] > 1e-3
     for change in ({"clip_ratio_high": 0.2}, {"kl_loss_coef": 0.0}, {"entropy_coeff": 0.0}):
-        config = PolicyLossConfig(**{**LOSS_CONFIG.__dict__, **change})
-        other = _reference(batch, agg_mode="token-mean", config=config)
+        other = reference("token-mean", PolicyLossConfig(**{**LOSS_CONFIG.__dict__, **change}))
         assert abs(other["loss"] - base["loss"]) > 1e-4 * abs(base["loss"]), change
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dp,sp", [(1, 1), (2, 1), (1, 2)])
-def test_ppo_loss_is_layout_invariant(batch_and_references, dp, sp):
+@pytest.mark.parametrize("dp,sp", [(2, 1), (1, 2)])
+def test_ppo_loss_is_layout_invariant(batch, reference, dp, sp):
     import torch.multiprocessing as mp
 
-    batch, refs = batch_and_references
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "results.pt")
         mp.spawn(_worker, args=(dp, sp, _free_port(), batch, out_path), nprocs=dp * sp, join=True)
         results = torch.load(out_path, weights_only=False)
     for (micro, balance, agg_mode), (evaluated, trained, params) in zip(CASES, results):
-        ref, where = refs[agg_mode], f"dp={dp} sp={sp} {micro} balance={balance} {agg_mode}"
+        ref, where = reference(agg_mode), f"dp={dp} sp={sp} {micro} balance={balance} {agg_mode}"
         assert evaluated["loss"] == pytest.approx(ref["loss"], rel=1e-5), where
         assert trained["loss"] == pytest.approx(ref["loss"], rel=1e-5), where
         assert trained["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5), where

@@ -40,6 +40,7 @@ CAP = dict(max_token_len_per_gpu=100)
             OverlongSampleError, "group of samples \\[0, 1\\] has 120 tokens",
         ),
         (dict(seq_lens=[1, 2], dp_size=1, overlong="drop", **CAP), BalanceConfigError, "overlong='drop'"),
+        (dict(seq_lens=[1, 2], dp_size=1, group_scope="node", **CAP), BalanceConfigError, "group_scope='node'"),
         (dict(seq_lens=[1, 2], dp_size=1, workload="bytes", **CAP), BalanceConfigError, "workload='bytes'"),
         (
             dict(seq_lens=[1, 2, 3], dp_size=1, group_ids=[0, 0, 1], micro_batch_size=2),
@@ -86,3 +87,10 @@ def test_overlong_truncate_reports_the_new_lengths():
     assert plan.stats["num_truncated"] == 1 and plan.stats["truncated_tokens"] == 200
     assert int(plan.cell_tokens.max()) <= 200
     assert sorted(np.concatenate([plan.rank_indices(r) for r in range(2)]).tolist()) == [0, 1, 2, 3]
+
+
+def test_group_longer_than_the_cap_is_fine_when_groups_only_share_a_rank():
+    lengths = [60, 60, 7, 1]
+    plan = plan_balance(seq_lens=lengths, dp_size=1, group_ids=[0, 0, 1, 1], group_scope="rank", **CAP)
+    assert plan.num_micro_batches == 2
+    assert all(np.asarray(lengths)[mb].sum() <= 100 for mb in plan.micro_batches[0])

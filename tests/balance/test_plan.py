@@ -39,6 +39,7 @@ def cases(draw):
     n = num_groups * group_size
     lengths = np.array(draw(st.lists(st.integers(0, 300), min_size=n, max_size=n)), dtype=np.int64)
     group_ids = None
+    group_scope = draw(st.sampled_from(["micro_batch", "rank"]))
     if group_size > 1:
         # Non-contiguous, arbitrary labels: a permutation of repeated ids.
         labels = np.repeat(np.arange(num_groups) * 7 + 3, group_size)
@@ -51,11 +52,14 @@ def cases(draw):
         group_ids=group_ids,
         workload=draw(st.sampled_from([None, FLOPS])),
         equal_size=draw(st.booleans()),
+        group_scope=group_scope,
     )
+    atomic = group_scope == "micro_batch"
     if draw(st.booleans()):
-        kwargs["micro_batch_size"] = group_size * draw(st.integers(1, 6))
+        kwargs["micro_batch_size"] = (group_size if atomic else 1) * draw(st.integers(1, 6))
     else:
-        biggest_unit = int(np.bincount(_units(group_ids, n), weights=lengths).max()) if n else 0
+        units = _units(group_ids if atomic else None, n)
+        biggest_unit = int(np.bincount(units, weights=lengths).max()) if n else 0
         kwargs["max_token_len_per_gpu"] = max(1, -(-biggest_unit // sp)) + draw(st.integers(0, 400))
     return kwargs
 
@@ -98,8 +102,9 @@ def test_equal_counts_differ_by_at_most_one_when_asked(kw):
 def test_token_cap_never_exceeded_after_sp_padding(kw):
     if "max_token_len_per_gpu" not in kw:
         kw.pop("micro_batch_size")
+        atomic_groups = kw["group_ids"] is not None and kw["group_scope"] == "micro_batch"
         kw["max_token_len_per_gpu"] = max(1, -(-int(kw["seq_lens"].max(initial=0)) // kw["sp_size"])) * (
-            1 if kw["group_ids"] is None else 4
+            4 if atomic_groups else 1
         )
     plan = plan_balance(**kw)
     sp, cap = kw["sp_size"], kw["max_token_len_per_gpu"]
@@ -117,12 +122,16 @@ def test_fixed_micro_batches_hold_exactly_micro_batch_size_except_the_last(kw):
         return
     plan = plan_balance(**kw)
     mbs = kw["micro_batch_size"]
+    counts = [len(plan.rank_indices(r)) for r in range(plan.dp_size)]
+    # As few micro-batches as the fullest rank needs: trailing empty ones are unavoidable padding.
+    assert plan.num_micro_batches == max(1, -(-max(counts) // mbs))
     for r in range(plan.dp_size):
         sizes = plan.micro_batch_sizes(r)
-        assert all(s == mbs for s in sizes[:-1]), sizes
-        assert 0 <= sizes[-1] <= mbs
-        # Empty only when unavoidable: this rank ran out of samples.
-        assert sum(sizes) > (len(sizes) - 1) * mbs or sizes[-1] == 0
+        used = -(-counts[r] // mbs)
+        assert all(s == mbs for s in sizes[: used - 1]), sizes
+        assert sizes[used:] == [0] * (len(sizes) - used), sizes
+        if used:
+            assert 1 <= sizes[used - 1] <= mbs
 
 
 @SETTINGS
@@ -147,6 +156,7 @@ def test_inverse_permutation_restores_input_order(kw):
 @SETTINGS
 @given(cases())
 def test_groups_never_split_across_ranks_or_micro_batches(kw):
+    """group_scope="micro_batch": one (rank, micro-batch) per group; "rank": one rank per group."""
     if kw["group_ids"] is None:
         return
     plan = plan_balance(**kw)
@@ -154,7 +164,8 @@ def test_groups_never_split_across_ranks_or_micro_batches(kw):
     for r, rank in enumerate(plan.micro_batches):
         for j, mb in enumerate(rank):
             for g in np.unique(kw["group_ids"][mb]):
-                assert home.setdefault(int(g), (r, j)) == (r, j)
+                where = (r, j) if kw["group_scope"] == "micro_batch" else r
+                assert home.setdefault(int(g), where) == where
 
 
 @SETTINGS

@@ -80,11 +80,12 @@ def test_verl_engine_prepare_micro_batches_uses_our_packing():
 class _StubTrainer:
     """The attributes RayPPOTrainer._balance_batch reads, without Ray."""
 
-    def __init__(self, model_path, dp_size, mini_batch_size=8, n=1):
+    def __init__(self, model_path, dp_size, mini_batch_size=8, n=1, use_dynamic_bsz=False):
         self.config = OmegaConf.create({
             "actor_rollout_ref": {
                 "model": {"path": str(model_path)},
-                "actor": {"ppo_mini_batch_size": mini_batch_size},
+                "actor": {"ppo_mini_batch_size": mini_batch_size, "use_dynamic_bsz": use_dynamic_bsz,
+                          "ppo_max_token_len_per_gpu": 4096, "ulysses_sequence_parallel_size": 1},
                 "rollout": {"n": n},
             }
         })
@@ -112,7 +113,7 @@ def _rollout_batch(num_rows, seed):
     width = int(lengths.max())
     mask = (torch.arange(width)[None, :] < torch.as_tensor(lengths)[:, None]).long()
     return DataProto.from_dict(
-        tensors={"attention_mask": mask, "row_id": torch.arange(num_rows)},
+        tensors={"input_ids": mask.clone(), "attention_mask": mask, "row_id": torch.arange(num_rows)},
         non_tensors={"uid": np.array([f"p{i // 4}" for i in range(num_rows)], dtype=object)},
         meta_info={"temperature": 1.0},
     ), lengths
@@ -123,16 +124,29 @@ def _max_rank_cost(batch, dp_size, workload):
     return max(workload.cost(chunk).sum() for chunk in np.split(lengths, dp_size))
 
 
+def _sync_cost_after_worker_split(batch, dp_size, cap, workload, rearrange):
+    """What every rank waits for: per micro-batch slot the slowest rank, after each DP chunk is
+    split by ``rearrange`` with a DP-agreed micro-batch count (as verl's engine does)."""
+    chunks = batch.chunk(dp_size)
+    count = max(len(rearrange(c.batch, cap)[1]) for c in chunks)
+    rank_costs = []
+    for chunk in chunks:
+        costs = workload.cost(chunk.batch["attention_mask"].sum(-1).numpy())
+        _, indices = rearrange(chunk.batch, cap, min_num_micro_batch=count)
+        rank_costs.append([costs[idx].sum() for idx in indices])
+    return np.max(np.array(rank_costs), axis=0).sum()
+
+
 def test_workload_is_built_from_the_actor_model_config(llama_dir):
     workload = integration._workload_of_actor(_StubTrainer(llama_dir, dp_size=2))
     assert workload == FlopsWorkload(num_layers=4, hidden_size=256, intermediate_size=688, num_heads=8,
                                      num_kv_heads=4, vocab_size=1000, head_dim=workload.head_dim)
 
 
-@pytest.mark.parametrize("keep_minibatch", [False, True])
-def test_balance_batch_keeps_every_row_and_beats_verls_flops_balance(llama_dir, keep_minibatch):
+@pytest.mark.parametrize("keep_minibatch, use_dynamic_bsz", [(False, False), (True, False), (False, True)])
+def test_balance_batch_keeps_every_row_and_beats_verls_flops_balance(llama_dir, keep_minibatch, use_dynamic_bsz):
     dp_size, num_rows = 4, 32
-    trainer = _StubTrainer(llama_dir, dp_size=dp_size, mini_batch_size=16)
+    trainer = _StubTrainer(llama_dir, dp_size=dp_size, mini_batch_size=16, use_dynamic_bsz=use_dynamic_bsz)
     flops = integration._workload_of_actor(trainer)
     theirs, _ = _rollout_batch(num_rows, seed=3)
     ray_trainer.RayPPOTrainer._balance_batch(trainer, theirs, metrics={}, keep_minibatch=keep_minibatch)
@@ -148,6 +162,13 @@ def test_balance_batch_keeps_every_row_and_beats_verls_flops_balance(llama_dir, 
         for r in range(dp_size):
             share = ours.batch["row_id"][r * 8:(r + 1) * 8].tolist()
             assert all(i < 16 for i in share[:4]) and all(i >= 16 for i in share[4:]), share
-    assert _max_rank_cost(ours, dp_size, flops) <= _max_rank_cost(theirs, dp_size, flops) * (1 + 1e-9)
+    if use_dynamic_bsz:
+        # what the workers then run: each chunk re-split by rearrange_micro_batches (ours once patched)
+        ours_sync = _sync_cost_after_worker_split(ours, dp_size, 4096, flops, integration.rearrange_micro_batches)
+        verl_sync = _sync_cost_after_worker_split(theirs, dp_size, 4096, flops, verl_sb.rearrange_micro_batches)
+        assert ours_sync <= verl_sync * (1 + 1e-9)
+    else:
+        assert _max_rank_cost(ours, dp_size, flops) <= _max_rank_cost(theirs, dp_size, flops) * (1 + 1e-9)
     assert {"global_seqlen/balanced_max", "global_seqlen/min", "verl_balance/imbalance"} <= set(metrics)
-    assert len(ours.meta_info["verl_balance/micro_batch_sizes"]) == dp_size
+    planned = ours.meta_info["verl_balance/micro_batch_sizes"]
+    assert len(planned) == dp_size and all(sum(sizes) == num_rows // dp_size for sizes in planned)

@@ -27,6 +27,7 @@ from verl_balance.workers.actor import ActorWorkerConfig  # noqa: E402
 pytestmark = pytest.mark.slow
 
 NUM_WORKERS = 2
+SETUP_HOOK = "verl_balance.integrations.verl.patch_verl"
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -37,7 +38,9 @@ def worker_group():
         python_path = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
         ray.init(num_cpus=NUM_WORKERS, include_dashboard=False,
                  runtime_env={"env_vars": {"PYTHONPATH": python_path, "OMP_NUM_THREADS": "1",
-                                           "VERL_BALANCE_NUM_THREADS": "1"}})
+                                           "VERL_BALANCE_NUM_THREADS": "1"},
+                              # what docs/verl.md tells users to add to ray_kwargs.ray_init.runtime_env
+                              "worker_process_setup_hook": SETUP_HOOK})
     config = ActorWorkerConfig(model=ModelConfig.preset("tiny"), engine=EngineConfig(lr=1e-2, seed=0))
     # max_colocate_count=1: one CPU per bundle (verl's default reserves 10 CPUs per worker).
     pool = RayResourcePool([NUM_WORKERS], use_gpu=False, max_colocate_count=1)
@@ -45,6 +48,7 @@ def worker_group():
                                micro_batch_size_per_gpu=2)
     group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=cls, device_name="cpu")
     group.init_model()
+    group.started_ray_here = started_here
     yield group
     for handle in group.workers:
         ray.kill(handle)
@@ -70,6 +74,20 @@ def test_trainer_reads_dp_size_from_the_actor_mesh(worker_group):
 
     stub = type("Stub", (), {"_get_dp_size": RayPPOTrainer._get_dp_size})()
     assert stub._get_dp_size(worker_group, "actor") == NUM_WORKERS
+
+
+def test_setup_hook_patches_verl_in_every_ray_worker(worker_group):
+    if not worker_group.started_ray_here:
+        pytest.skip("Ray was started elsewhere without the setup hook")
+
+    @ray.remote(num_cpus=0)
+    def patched_names():
+        import verl.trainer.ppo.ray_trainer as ray_trainer
+        import verl.workers.engine.utils as engine_utils
+
+        return {engine_utils.rearrange_micro_batches.__module__, ray_trainer.RayPPOTrainer._balance_batch.__module__}
+
+    assert ray.get(patched_names.remote()) == {"verl_balance.integrations.verl"}
 
 
 def test_log_probs_are_layout_invariant_and_in_input_order(worker_group):

@@ -3,13 +3,8 @@
 import pytest
 import torch
 
-from verl_balance.models import ModelConfig
+from verl_balance.models import LlamaForCausalLM, ModelConfig
 from verl_balance.rollout import NaiveRollout, RolloutInputError, StateDictError, build_rollout_tensors
-
-try:
-    from verl_balance.models import LlamaForCausalLM
-except ImportError as err:  # pragma: no cover - the model is owned by another component
-    LlamaForCausalLM, _MODEL_IMPORT_ERROR = None, err
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 PROMPTS = [[5, 17, 3, 9, 1], [2], [40, 41, 42], [7, 7, 7, 7, 7, 7, 7], [99, 3]]
@@ -104,7 +99,8 @@ def test_build_rollout_tensors_is_token_aligned():
         assert tensors["attention_mask"][row].tolist() == [1] * n_real + [0] * (tensors["input_ids"].shape[1] - n_real)
         assert tensors["loss_mask"][row].nonzero().flatten().tolist() == list(range(len(prompt), n_real))
         assert tensors["position_ids"][row, :n_real].tolist() == list(range(n_real))
-        torch.testing.assert_close(tensors["rollout_log_probs"][row, len(prompt):n_real], out.log_probs[row, : len(response)])
+        torch.testing.assert_close(tensors["rollout_log_probs"][row, len(prompt):n_real],
+                                   out.log_probs[row, : len(response)])
         assert (tensors["rollout_log_probs"][row][tensors["loss_mask"][row] == 0] == 0).all()
 
 
@@ -139,10 +135,6 @@ def _training_logits(config, state_dict, sequences):
     return list(logits.split(lengths))
 
 
-requires_model = pytest.mark.skipif(LlamaForCausalLM is None, reason="verl_balance.models.LlamaForCausalLM not importable")
-
-
-@requires_model
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("tie", [False, True])
 def test_cached_logits_equal_training_model_logits(tie, device):
@@ -162,7 +154,6 @@ def test_cached_logits_equal_training_model_logits(tie, device):
     assert not torch.allclose(wrong.forward_logits(sequences)[0], expected[0], rtol=1e-4, atol=1e-4)
 
 
-@requires_model
 def test_sampling_log_probs_equal_training_model_log_probs_at_temperature():
     config = _config()
     state_dict = _random_state_dict(config, seed=5)
@@ -177,3 +168,29 @@ def test_sampling_log_probs_equal_training_model_log_probs_at_temperature():
         token_aligned[1 : len(ids)] = log_probs[:-1].gather(1, ids[1:, None]).squeeze(1)
         mask = tensors["loss_mask"][row].bool()
         torch.testing.assert_close(tensors["rollout_log_probs"][row][mask], token_aligned[mask], rtol=1e-4, atol=1e-4)
+
+
+def test_rollout_batch_repeats_prompt_columns_per_response():
+    from verl_balance.rollout import build_rollout_batch
+
+    rollout = _rollout()
+    prompts = [[3, 4, 5], [6]]
+    out = rollout.generate(prompts, n=3, temperature=1.0, max_response_length=4, seed=0)
+    batch = build_rollout_batch(prompts=prompts, output=out, prompt_columns={"uid": ["u0", "u1"], "answer": [7, 8]})
+    assert len(batch) == 6
+    assert batch.non_tensors["uid"].tolist() == ["u0"] * 3 + ["u1"] * 3
+    assert batch.non_tensors["answer"].tolist() == [7] * 3 + [8] * 3
+    assert torch.equal(batch["loss_mask"], build_rollout_tensors(prompts=prompts, output=out)["loss_mask"])
+    with pytest.raises(RolloutInputError, match="prompt column 'uid' has 1 entries for 2 prompts"):
+        build_rollout_batch(prompts=prompts, output=out, prompt_columns={"uid": ["u0"]})
+
+
+def test_weights_are_referenced_by_default_and_converted_on_request():
+    config = _config()
+    state_dict = _random_state_dict(config, seed=0)
+    shared = NaiveRollout(model_config=config, state_dict=state_dict)
+    assert shared._weights["norm.weight"].data_ptr() == state_dict["norm.weight"].data_ptr()
+    half = NaiveRollout(model_config=config, state_dict=state_dict, dtype=torch.bfloat16)
+    assert half.dtype == torch.bfloat16 and state_dict["norm.weight"].dtype == torch.float32
+    out = half.generate(PROMPTS, temperature=0.0, max_response_length=4)
+    assert out.responses.shape == (len(PROMPTS), 4) and out.log_probs.dtype == torch.float32

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from ray import cloudpickle
 
+from tests.conftest import RAY_NUM_CPUS
 from verl_balance.balance.plan import BalancePlan
 from verl_balance.protocol import Batch, merge_by_plan, split_by_plan
 from verl_balance.single_controller import (
@@ -182,18 +183,22 @@ def test_worker_exception_keeps_its_type_and_names_the_rank(group):
 
 
 def test_infeasible_pool_fails_at_once_naming_asked_and_available(ray_cluster):
-    pool = RayResourcePool(n_gpus_per_node=8, use_gpu=False, placement_timeout_s=30)
+    asked = RAY_NUM_CPUS + 4
+    pool = RayResourcePool(n_gpus_per_node=asked, use_gpu=False, placement_timeout_s=30)
     start = time.monotonic()
-    with pytest.raises(UnplaceableResourcePoolError, match=r"Asked for 1 node\(s\) x 8 bundle\(s\) of \{CPU=1.0\}.*CPU=4.0"):
+    with pytest.raises(UnplaceableResourcePoolError,
+                       match=rf"Asked for 1 node\(s\) x {asked} bundle\(s\) of \{{CPU=1.0\}}.*CPU={RAY_NUM_CPUS}.0"):
         pool.get_placement_groups()
     assert time.monotonic() - start < 10
 
 
 def test_busy_pool_fails_within_its_timeout(group):
-    # the module's group holds all 4 CPUs, so one more bundle can only wait
-    pool = RayResourcePool(n_gpus_per_node=1, use_gpu=False, placement_timeout_s=1.5)
+    # the module's group holds 4 CPUs, so a pool of one bundle more than the rest can only wait
+    free = RAY_NUM_CPUS - 4
+    pool = RayResourcePool(n_gpus_per_node=free + 1, use_gpu=False, placement_timeout_s=1.5)
     start = time.monotonic()
-    with pytest.raises(UnplaceableResourcePoolError, match=r"not placed within placement_timeout_s=1.5s.*currently free \{CPU=0.0"):
+    with pytest.raises(UnplaceableResourcePoolError,
+                       match=rf"not placed within placement_timeout_s=1.5s.*currently free \{{CPU={free}.0"):
         pool.get_placement_groups()
     elapsed = time.monotonic() - start
     assert 1.5 <= elapsed < 10

@@ -34,8 +34,15 @@ class CrashingWorker(Worker):
         if self.rank == dying_rank:
             os._exit(3)
         value = torch.ones(1)
-        dist.all_reduce(value)  # blocks forever on the surviving ranks: the dead peer never joins
+        dist.all_reduce(value)  # blocks (or fails with a connection error) on the survivors
         return value.item()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def raise_then_peer_dies(self) -> int:
+        if self.rank == 0:
+            raise RuntimeError("connection closed by peer")  # what a survivor of a dead peer often sees first
+        time.sleep(0.5)
+        os._exit(3)
 
 
 def test_killed_worker_raises_naming_rank_actor_and_method(ray_cluster):
@@ -52,6 +59,19 @@ def test_killed_worker_raises_naming_rank_actor_and_method(ray_cluster):
         assert (error.rank, error.actor_id, error.method) == (1, dying_actor, "all_reduce_or_die")
         message = str(error)
         assert "worker rank 1" in message and dying_actor in message and "CrashingWorker.all_reduce_or_die" in message
+    finally:
+        wg.shutdown()
+        pool.remove()
+
+
+def test_dead_peer_is_reported_even_when_a_survivor_errors_first(ray_cluster):
+    pool = RayResourcePool(n_gpus_per_node=2, use_gpu=False)
+    wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(CrashingWorker))
+    try:
+        with pytest.raises(WorkerDiedError, match="worker rank 1 .* died during CrashingWorker.raise_then_peer_dies") as info:
+            wg.raise_then_peer_dies()
+        assert any("worker rank 0 raised meanwhile" in note for note in info.value.__notes__)
+        assert isinstance(info.value.__cause__, RuntimeError)  # the survivor's error is kept as the cause
     finally:
         wg.shutdown()
         pool.remove()

@@ -58,18 +58,22 @@ class PolicyLossConfig:
 
     @property
     def clip_ratio_low_value(self) -> float:
+        """Effective lower clip range (clip_ratio_low, else clip_ratio)."""
         return self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
 
     @property
     def clip_ratio_high_value(self) -> float:
+        """Effective upper clip range (clip_ratio_high, else clip_ratio)."""
         return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
 
     @property
     def needs_ref_log_prob(self) -> bool:
+        """Whether micro-batches must carry reference log-probs."""
         return self.use_kl_loss
 
     @property
     def needs_entropy(self) -> bool:
+        """Whether the loss itself needs per-token entropy (entropy_coeff != 0)."""
         return self.entropy_coeff != 0
 
 

@@ -9,7 +9,13 @@ With FSDP every micro-batch ends in collectives, so each step costs
 directly: units are sorted by cost and cut into rows of ``dp`` (near-equal units); whole rows go
 to micro-batch slots, and inside a slot the rows are dealt across the DP ranks and refined by
 swaps (``partition.refine_cells``) until the ranks' cells in that slot are equal to a relative
-tolerance. Then sum_j max_d = sum_j mean_d + (small excess per slot) = total / dp + excess.
+tolerance. Then sum_j max_d = sum_j mean_d + (small excess per slot) = total / dp + excess;
+``partition.polish_sync_cost`` then trims that excess with swaps across slots (a slot's heaviest
+cell trades with any cell that has room below its own slot's maximum).
+
+When groups only have to share a rank (``balanced_per_rank_micro_batches``), groups are first
+split across ranks (``balanced_partition``) and each rank's samples are then packed into the
+shared number of micro-batches, balanced within the rank and aligned across ranks by size.
 
 Invariants:
 - fixed micro_batch_size (in units): every rank has ceil(max_count / mbs) slots; slot j < last
@@ -135,12 +141,12 @@ def assign_cells_to_ranks(cells: np.ndarray, costs: np.ndarray) -> np.ndarray:
 
 
 def naive_layout(
-    *, tokens: np.ndarray, dp_size: int, micro_batch_size: int | None, token_cap: int | None
+    *, rank_items: list[np.ndarray], tokens: np.ndarray, micro_batch_size: int | None, token_cap: int | None
 ) -> list[list[np.ndarray]]:
-    """Contiguous baseline: ranks take array_split chunks in input order; micro-batches are
-    contiguous chunks of ``micro_batch_size`` units or a greedy sequential fill up to ``token_cap``."""
+    """Contiguous baseline: rank d keeps ``rank_items[d]`` in order; its micro-batches are contiguous
+    chunks of ``micro_batch_size`` items or a greedy sequential fill up to ``token_cap`` tokens."""
     per_rank: list[list[np.ndarray]] = []
-    for chunk in np.array_split(np.arange(len(tokens), dtype=np.int64), dp_size):
+    for chunk in rank_items:
         if micro_batch_size is not None:
             bounds = list(range(0, len(chunk), micro_batch_size)) + [len(chunk)]
         else:
@@ -154,3 +160,77 @@ def naive_layout(
     num_micro = max(1, max(len(m) for m in per_rank))
     empty = np.zeros(0, dtype=np.int64)
     return [m + [empty] * (num_micro - len(m)) for m in per_rank]
+
+
+def balanced_per_rank_micro_batches(
+    *,
+    rank_items: list[np.ndarray],
+    costs: np.ndarray,
+    tokens: np.ndarray,
+    micro_batch_size: int | None,
+    token_cap: int | None,
+    rel_tol: float,
+    max_passes: int,
+) -> list[list[np.ndarray]]:
+    """Micro-batches for a fixed DP assignment (groups kept on one rank, not in one micro-batch).
+
+    Each rank is one slot of a cell grid whose parts are its micro-batches: the rank's items are
+    dealt largest-to-lightest and refined, so its micro-batches are near-equal in cost; then each
+    rank's micro-batches are sorted by cost (descending) so that index j pairs like-sized
+    micro-batches across ranks. With ``micro_batch_size`` the counts are exact (mbs, ..., rest,
+    the rest last); with ``token_cap`` the micro-batch count is shared and grown until every
+    micro-batch fits. Returns [rank][micro] arrays of item ids.
+    """
+    dp_size = len(rank_items)
+    if micro_batch_size is not None:
+        num_micro = max(1, max(-(-len(items) // micro_batch_size) for items in rank_items))
+        layout = []
+        for items in rank_items:
+            order = items[np.argsort(-costs[items], kind="stable")]
+            capacities = np.zeros(num_micro, dtype=np.int64)
+            full, rest = divmod(len(items), micro_batch_size)
+            capacities[:full] = micro_batch_size
+            if rest:
+                capacities[full] = rest
+            cell_of = assign_rows_capacity(costs[order], capacities)
+            width = max(1, int(capacities.max()))
+            grid = np.full((1, num_micro, width), -1, dtype=np.int64)
+            by_cell = np.lexsort((np.arange(len(order)), cell_of))
+            position = np.arange(len(order)) - np.repeat(np.concatenate([[0], np.cumsum(capacities)[:-1]]), capacities)
+            grid[0, cell_of[by_cell], position] = order[by_cell]
+            # Swaps keep counts, so only the micro-batches holding exactly mbs items are refined
+            # together; the partial one stays last.
+            if full > 1:
+                refine_cells(grid[:, :full], costs, rel_tol=rel_tol, max_passes=max_passes)
+            loads = np.append(costs, 0.0)[grid[0, :full]].sum(axis=-1)
+            full_order = np.argsort(-loads, kind="stable")
+            cells = [grid[0, c] for c in full_order] + [grid[0, c] for c in range(full, num_micro)]
+            layout.append([c[c >= 0] for c in cells])
+        return layout
+    padded_tokens = np.append(tokens, 0)
+    num_micro = max(1, max(-(-int(tokens[items].sum()) // token_cap) for items in rank_items))
+    while True:
+        rows, row_slot = [], []
+        for rank, items in enumerate(rank_items):
+            order = items[np.argsort(-costs[items], kind="stable")]
+            padded = np.full(-(-len(order) // num_micro) * num_micro, -1, dtype=np.int64)
+            padded[: len(order)] = order
+            rows.append(padded.reshape(-1, num_micro))
+            row_slot.append(np.full(len(rows[-1]), rank, dtype=np.int64))
+        rows_all = np.concatenate(rows) if rows else np.zeros((0, num_micro), dtype=np.int64)
+        slots_all = np.concatenate(row_slot)
+        extra = max(1, rows_all.shape[0] // max(dp_size, 1) // 4 + 1)
+        grid = fill_cells(rows=rows_all, row_slot=slots_all, num_slots=dp_size, costs=costs, extra_width=extra)
+        refine_cells(grid, costs, allow_moves=True, rel_tol=rel_tol, max_passes=max_passes)
+        cell_tokens = padded_tokens[grid].sum(axis=-1)
+        if cell_tokens.max() <= token_cap:
+            break
+        # One item per micro-batch always fits (every item <= cap), so this ends.
+        assert num_micro < max(len(items) for items in rank_items), "token cap unsatisfiable"
+        num_micro += 1
+    loads = np.append(costs, 0.0)[grid].sum(axis=-1)
+    layout = []
+    for rank in range(dp_size):
+        cells = grid[rank, np.argsort(-loads[rank], kind="stable")]
+        layout.append([c[c >= 0] for c in cells])
+    return layout

@@ -26,6 +26,8 @@ Invariants:
 
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 
 
@@ -135,7 +137,7 @@ def refine_cells(
         a_valid = valid[pair_slot, heavy]
         b_usable = valid[pair_slot, light] | allow_moves
         b = np.where(valid[pair_slot, light], values[pair_slot, light], 0.0)
-        search = _best_swaps_dense if len(heavy) * width * width <= 2_000_000 else _best_swaps_sorted
+        search = _best_swaps_dense if len(heavy) * width * width <= 200_000 else _best_swaps_sorted
         best_score, best_a, best_b = search(a, a_valid, b, b_usable, gap)
         # Only a strict decrease of the pair's maximum counts (score < gap / 2 <=> new max < old max).
         apply = np.isfinite(best_score) & (best_score < gap / 2.0 * (1.0 - 1e-12))
@@ -207,8 +209,6 @@ def assign_rows_lpt(row_weights: np.ndarray, num_slots: int) -> np.ndarray:
     """Free-count LPT: rows (in the given, descending order) each go to the lightest slot.
 
     Returns the slot of every row. Deterministic: ties go to the lowest slot index."""
-    import heapq
-
     heap = [(0.0, s) for s in range(num_slots)]
     slot_of = np.empty(len(row_weights), dtype=np.int64)
     for r, w in enumerate(row_weights.tolist()):
@@ -248,7 +248,8 @@ def balanced_partition(
     costs = np.asarray(costs, dtype=np.float64)
     rows = sort_into_rows(costs, num_parts)
     extra = 0 if equal_size else max(1, rows.shape[0] // 4)
-    cells = fill_cells(rows=rows, row_slot=np.zeros(len(rows), dtype=np.int64), num_slots=1, costs=costs, extra_width=extra)
+    single_slot = np.zeros(len(rows), dtype=np.int64)
+    cells = fill_cells(rows=rows, row_slot=single_slot, num_slots=1, costs=costs, extra_width=extra)
     if refine:
         refine_cells(cells, costs, allow_moves=not equal_size, rel_tol=rel_tol)
     return [np.sort(c[c >= 0]) for c in cells[0]]

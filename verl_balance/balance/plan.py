@@ -31,12 +31,15 @@ from verl_balance.balance.errors import (
 from verl_balance.balance.micro_batch import (
     assign_cells_to_ranks,
     balanced_fixed_size_cells,
+    balanced_per_rank_micro_batches,
     balanced_token_cap_cells,
     naive_layout,
 )
+from verl_balance.balance.partition import balanced_partition
 from verl_balance.balance.workload import resolve_workload
 
 OVERLONG_POLICIES = ("error", "skip", "truncate")
+GROUP_SCOPES = ("micro_batch", "rank")
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,17 @@ class BalanceConfig:
 
 @dataclass
 class BalancePlan:
-    """For each DP rank its micro-batches, each an int64 array of sample indices into the input."""
+    """For each DP rank its micro-batches, each an int64 array of sample indices into the input.
+
+    ``stats`` (plain floats/ints, for logging): ``imbalance`` = max rank cost / lower bound,
+    lower bound = max(total cost / dp, largest sample or group); ``sync_cost`` = sum over
+    micro-batch index j of max over ranks of cost(rank, j) and ``sync_ratio`` = that / lower bound;
+    ``max_slot_ratio`` = worst max/mean over ranks within one micro-batch index;
+    ``num_micro_batches`` vs ``micro_batch_bound`` (ceil(tokens / (dp * cap * sp)) with a token cap,
+    ceil(ceil(n / dp) / micro_batch_size) otherwise); ``max_tokens_per_sp_rank``; the same figures
+    of the naive contiguous plan as ``naive_imbalance``, ``naive_sync_cost``, ``naive_sync_ratio``,
+    ``naive_num_micro_batches``; ``num_skipped``, ``num_truncated``, ``truncated_tokens``, counts.
+    """
 
     micro_batches: list[list[np.ndarray]]
     stats: dict = field(default_factory=dict)
@@ -107,26 +120,36 @@ def plan_balance(
     workload=None,
     equal_size: bool = True,
     overlong: str = "error",
+    group_scope: str = "micro_batch",
     config: BalanceConfig | None = None,
 ) -> BalancePlan:
     """Plan DP ranks x micro-batches for one global batch (see module docstring for guarantees).
 
     seq_lens: per-sample token counts (what a micro-batch packs). workload: None/"tokens" or a
     ``FlopsWorkload`` (any object with ``cost(lengths)``). group_ids: samples sharing an id stay on
-    one rank and in one micro-batch. overlong: "error" | "skip" | "truncate" for samples longer
-    than the token cap (cap mode only). balance=False gives the naive contiguous plan.
+    one rank, and in one micro-batch when group_scope="micro_batch" (verl's force_group_size; a group
+    is then atomic under the token cap) or only on one rank when group_scope="rank" (verl's
+    uid-grouped balance_batch; equal_size then counts groups per rank).
+    overlong: "error" | "skip" | "truncate" for samples longer than the token cap (cap mode only).
+    balance=False gives the naive contiguous plan (its figures are always in ``stats`` as naive_*).
     """
     config = config or BalanceConfig()
     _check_config(dp_size, sp_size, micro_batch_size, max_token_len_per_gpu, overlong)
+    if group_scope not in GROUP_SCOPES:
+        raise BalanceConfigError(f"group_scope={group_scope!r} is invalid; valid: {GROUP_SCOPES}")
     lengths = _check_lengths(seq_lens)
     cost_model = resolve_workload(workload)
     token_cap = None if max_token_len_per_gpu is None else int(max_token_len_per_gpu) * int(sp_size)
 
-    unit_of_sample = _unit_ids(group_ids, len(lengths))
+    groups_atomic = group_ids is not None and group_scope == "micro_batch"
+    group_of_sample = _unit_ids(group_ids, len(lengths))
+    # Units are what the micro-batch packer may not split: groups, or single samples when groups
+    # only have to share a rank.
+    unit_of_sample = group_of_sample if groups_atomic else np.arange(len(lengths), dtype=np.int64)
     skipped, truncated = np.zeros(0, dtype=np.int64), {}
     if token_cap is not None:
         lengths, unit_of_sample, skipped, truncated = _apply_overlong(
-            lengths, unit_of_sample, token_cap, int(max_token_len_per_gpu), int(sp_size), overlong, group_ids is not None
+            lengths, unit_of_sample, token_cap, int(max_token_len_per_gpu), int(sp_size), overlong, groups_atomic
         )
     kept = np.flatnonzero(unit_of_sample >= 0)
     if len(kept) == 0:
@@ -134,48 +157,82 @@ def plan_balance(
             f"all {len(lengths)} samples were skipped as longer than the token cap {token_cap}; "
             "raise max_token_len_per_gpu or use overlong='truncate'"
         )
-    num_units = int(unit_of_sample.max()) + 1
-    if equal_size and num_units < dp_size:
+    # Rank-level units: groups (kept samples only, renumbered by first appearance) or samples.
+    rank_unit_of_sample = np.full(len(lengths), -1, dtype=np.int64)
+    rank_unit_of_sample[kept] = (
+        _unit_ids(np.asarray(group_ids)[kept], len(kept)) if group_ids is not None else np.arange(len(kept))
+    )
+    num_rank_units = int(rank_unit_of_sample.max()) + 1
+    if equal_size and num_rank_units < dp_size:
         what = "groups" if group_ids is not None else "samples"
         raise TooFewSamplesError(
-            f"{num_units} {what} cannot be split into dp_size={dp_size} ranks with equal counts; "
-            f"valid: dp_size <= {num_units}, more {what}, or equal_size=False"
+            f"{num_rank_units} {what} cannot be split into dp_size={dp_size} ranks with equal counts; "
+            f"valid: dp_size <= {num_rank_units}, more {what}, or equal_size=False"
         )
     sample_costs = cost_model.cost(lengths)
-    unit_cost = np.bincount(unit_of_sample[kept], weights=sample_costs[kept], minlength=num_units)
-    unit_tokens = np.bincount(unit_of_sample[kept], weights=lengths[kept], minlength=num_units).astype(np.int64)
-    unit_size = np.bincount(unit_of_sample[kept], minlength=num_units)
-    unit_mbs = None if micro_batch_size is None else _units_per_micro_batch(unit_size, int(micro_batch_size), group_ids)
+    sample_costs[unit_of_sample < 0] = 0.0
+    lengths_kept = np.where(unit_of_sample >= 0, lengths, 0)
+    rank_unit_cost = np.bincount(rank_unit_of_sample[kept], weights=sample_costs[kept], minlength=num_rank_units)
+    refine_kwargs = dict(rel_tol=config.rel_tol if config.refine else np.inf, max_passes=config.max_refine_passes)
+    polish_passes = config.polish_passes if config.refine else 0
 
-    naive_units = naive_layout(tokens=unit_tokens, dp_size=dp_size, micro_batch_size=unit_mbs, token_cap=token_cap)
-    if balance:
-        if unit_mbs is not None:
-            cells = balanced_fixed_size_cells(
-                costs=unit_cost, dp_size=dp_size, micro_batch_size=unit_mbs,
-                rel_tol=config.rel_tol if config.refine else np.inf, max_passes=config.max_refine_passes,
-                polish_passes=config.polish_passes if config.refine else 0,
-            )
-        else:
-            cells = balanced_token_cap_cells(
-                costs=unit_cost, tokens=unit_tokens, dp_size=dp_size, token_cap=token_cap, equal_size=equal_size,
-                rel_tol=config.rel_tol if config.refine else np.inf, max_passes=config.max_refine_passes,
-                polish_passes=config.polish_passes if config.refine else 0,
-            )
-            # Heaviest micro-batch first: an out-of-memory shows up on the first micro-batch.
-            cells = cells[np.argsort(-np.append(unit_tokens, 0)[cells].sum(axis=(1, 2)), kind="stable")]
-        layout = assign_cells_to_ranks(cells, unit_cost)
-        unit_micro_batches = [[cell[cell >= 0] for cell in rank] for rank in layout]
+    if groups_atomic or group_ids is None:
+        num_units = int(unit_of_sample.max()) + 1
+        unit_cost = np.bincount(unit_of_sample[kept], weights=sample_costs[kept], minlength=num_units)
+        unit_tokens = np.bincount(unit_of_sample[kept], weights=lengths[kept], minlength=num_units).astype(np.int64)
+        unit_size = np.bincount(unit_of_sample[kept], minlength=num_units)
+        unit_mbs = (
+            None if micro_batch_size is None else _units_per_micro_batch(unit_size, int(micro_batch_size), group_ids)
+        )
+        naive_rank_items = np.array_split(np.arange(num_units, dtype=np.int64), dp_size)
+        naive = naive_layout(
+            rank_items=naive_rank_items, tokens=unit_tokens, micro_batch_size=unit_mbs, token_cap=token_cap
+        )
+        naive = _expand_units(naive, unit_of_sample)
+        bound_items, bound_mbs = num_units, unit_mbs
+        if balance:
+            if unit_mbs is not None:
+                cells = balanced_fixed_size_cells(
+                    costs=unit_cost, dp_size=dp_size, micro_batch_size=unit_mbs, polish_passes=polish_passes,
+                    **refine_kwargs,
+                )
+            else:
+                cells = balanced_token_cap_cells(
+                    costs=unit_cost, tokens=unit_tokens, dp_size=dp_size, token_cap=token_cap, equal_size=equal_size,
+                    polish_passes=polish_passes, **refine_kwargs,
+                )
+                # Heaviest micro-batch first: an out-of-memory shows up on the first micro-batch.
+                cells = cells[np.argsort(-np.append(unit_tokens, 0)[cells].sum(axis=(1, 2)), kind="stable")]
+            layout = assign_cells_to_ranks(cells, unit_cost)
+            micro_batches = _expand_units([[cell[cell >= 0] for cell in rank] for rank in layout], unit_of_sample)
     else:
-        unit_micro_batches = naive_units
+        # group_scope="rank": groups pick ranks, then each rank's samples are packed freely.
+        naive_rank_items = _expand_units([np.array_split(np.arange(num_rank_units), dp_size)], rank_unit_of_sample)[0]
+        naive = naive_layout(
+            rank_items=naive_rank_items, tokens=lengths_kept, micro_batch_size=micro_batch_size, token_cap=token_cap
+        )
+        bound_items, bound_mbs = len(kept), micro_batch_size
+        if balance:
+            rank_units = balanced_partition(
+                costs=rank_unit_cost, num_parts=dp_size, equal_size=equal_size, refine=config.refine,
+                rel_tol=config.rel_tol,
+            )
+            rank_items = _expand_units([rank_units], rank_unit_of_sample)[0]
+            micro_batches = balanced_per_rank_micro_batches(
+                rank_items=rank_items, costs=sample_costs, tokens=lengths_kept, micro_batch_size=micro_batch_size,
+                token_cap=token_cap, **refine_kwargs,
+            )
+            micro_batches = [[np.sort(mb) for mb in rank] for rank in micro_batches]
+    if not balance:
+        micro_batches = naive
 
-    micro_batches = _expand_units(unit_micro_batches, unit_of_sample)
     plan = BalancePlan(micro_batches=micro_batches, skipped=skipped, truncated=truncated)
-    plan.cell_costs = _cell_sums(unit_micro_batches, unit_cost)
-    plan.cell_tokens = _cell_sums(unit_micro_batches, unit_tokens.astype(np.float64)).astype(np.int64)
-    naive_costs = plan.cell_costs if not balance else _cell_sums(naive_units, unit_cost)
+    plan.cell_costs = _cell_sums(micro_batches, sample_costs)
+    plan.cell_tokens = _cell_sums(micro_batches, lengths_kept.astype(np.float64)).astype(np.int64)
+    naive_costs = plan.cell_costs if not balance else _cell_sums(naive, sample_costs)
     plan.stats = _stats(
-        plan, unit_cost, unit_tokens, naive_costs, len(naive_units[0]), dp_size, sp_size,
-        micro_batch_size, token_cap, num_samples=len(lengths), num_units=num_units,
+        plan, sample_costs, rank_unit_cost, int(lengths_kept.sum()), naive_costs, len(naive[0]), dp_size, sp_size,
+        bound_items, bound_mbs, token_cap, num_samples=len(lengths),
     )
     if token_cap is not None:
         assert plan.cell_tokens.max() <= token_cap, "balancer produced a micro-batch over the token cap"
@@ -208,7 +265,9 @@ def _check_lengths(seq_lens) -> np.ndarray:
         bad = np.flatnonzero(~np.isfinite(raw.astype(np.float64)) | (raw != np.round(raw)))
         if raw.dtype.kind != "f" or len(bad):
             i = int(bad[0]) if len(bad) else 0
-            raise InvalidLengthError(f"sample {i} has length {raw[i].item()!r}; valid: a non-negative integer token count")
+            raise InvalidLengthError(
+                f"sample {i} has length {raw[i].item()!r}; valid: a non-negative integer token count"
+            )
     lengths = raw.astype(np.int64)
     negative = np.flatnonzero(lengths < 0)
     if len(negative):
@@ -226,7 +285,9 @@ def _unit_ids(group_ids, num_samples: int) -> np.ndarray:
         return np.arange(num_samples, dtype=np.int64)
     groups = np.asarray(group_ids)
     if groups.shape != (num_samples,):
-        raise BalanceConfigError(f"group_ids has shape {groups.shape}; valid: one id per sample, shape ({num_samples},)")
+        raise BalanceConfigError(
+            f"group_ids has shape {groups.shape}; valid: one id per sample, shape ({num_samples},)"
+        )
     _, first, inverse = np.unique(groups, return_index=True, return_inverse=True)
     rank_by_first = np.empty(len(first), dtype=np.int64)
     rank_by_first[np.argsort(first, kind="stable")] = np.arange(len(first))
@@ -256,7 +317,7 @@ def _apply_overlong(lengths, unit_of_sample, token_cap, cap_per_gpu, sp_size, po
         members = np.flatnonzero(unit_of_sample == u)
         raise OverlongSampleError(
             f"group of samples {members.tolist()} has {int(unit_tokens[u])} tokens > token cap and a group is "
-            f"never split; {valid} per group, or overlong='skip'"
+            f"never split; {valid} per group, or overlong='skip', or group_scope='rank' (groups share a rank only)"
         )
     dropped = np.isin(unit_of_sample, over_units)
     skipped = np.flatnonzero(dropped)
@@ -283,7 +344,7 @@ def _units_per_micro_batch(unit_size: np.ndarray, micro_batch_size: int, group_i
 
 
 def _expand_units(unit_micro_batches, unit_of_sample) -> list[list[np.ndarray]]:
-    """Unit ids per cell -> sorted sample ids per cell."""
+    """Unit ids per cell -> sorted sample ids per cell (samples with unit -1 are dropped)."""
     kept = np.flatnonzero(unit_of_sample >= 0)
     by_unit = kept[np.argsort(unit_of_sample[kept], kind="stable")]
     sizes = np.bincount(unit_of_sample[kept])
@@ -319,17 +380,16 @@ def _sync_figures(cell_costs: np.ndarray, lower_bound: float) -> tuple[float, fl
     return rank_max / lower_bound, sync, sync / lower_bound
 
 
-def _stats(plan, unit_cost, unit_tokens, naive_costs, naive_micro, dp_size, sp_size, micro_batch_size, token_cap,
-           *, num_samples, num_units) -> dict:
-    total = float(unit_cost.sum())
-    lower_bound = max(total / dp_size, float(unit_cost.max()))
+def _stats(plan, sample_costs, rank_unit_cost, total_tokens, naive_costs, naive_micro, dp_size, sp_size,
+           bound_items, bound_mbs, token_cap, *, num_samples) -> dict:
+    total = float(sample_costs.sum())
+    lower_bound = max(total / dp_size, float(rank_unit_cost.max()))
     imbalance, sync, sync_ratio = _sync_figures(plan.cell_costs, lower_bound)
     naive_imbalance, naive_sync, naive_sync_ratio = _sync_figures(naive_costs, lower_bound)
-    total_tokens = int(unit_tokens.sum())
     if token_cap is not None:
         bound = max(1, -(-total_tokens // (dp_size * token_cap)))
     else:
-        bound = max(1, -(-(-(-num_units // dp_size)) // micro_batch_size))
+        bound = max(1, -(-(-(-bound_items // dp_size)) // bound_mbs))
     per_sp_rank = -(-plan.cell_tokens // sp_size)
     slot = plan.cell_costs
     slot_mean = slot.mean(axis=0)

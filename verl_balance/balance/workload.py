@@ -90,7 +90,9 @@ class FlopsWorkload:
         keys = ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "vocab_size")
         missing = [k for k in keys if not hasattr(cfg, k)]
         if missing:
-            raise BalanceConfigError(f"model config {type(cfg).__name__} lacks {missing}; FlopsWorkload needs {list(keys)}")
+            raise BalanceConfigError(
+                f"model config {type(cfg).__name__} lacks {missing}; FlopsWorkload needs {list(keys)}"
+            )
         return cls(**{k: int(getattr(cfg, k)) for k in keys}, head_dim=getattr(cfg, "head_dim", None))
 
 

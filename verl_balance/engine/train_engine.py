@@ -80,9 +80,14 @@ class TrainEngine:
 
     # ------------------------------------------------------------------ micro-batch handling
     def _check_micro_batches(self, micro_batches: Sequence[Mapping[str, Tensor]]) -> None:
-        tokens = sum(int(mb["attention_mask"].sum()) if "attention_mask" in mb else 0
-                     for mb in micro_batches)
-        mine = torch.tensor([len(micro_batches), tokens], dtype=torch.int64, device=self.device)
+        fingerprint = [len(micro_batches), 0, 0]
+        for k, mb in enumerate(micro_batches):
+            if "attention_mask" not in mb or "input_ids" not in mb:
+                continue  # pack_micro_batch names the missing key
+            real = mb["attention_mask"] != 0
+            fingerprint[1] += (k + 1) * int(real.sum())
+            fingerprint[2] += int((mb["input_ids"] * real).sum()) % 1_000_003
+        mine = torch.tensor(fingerprint, dtype=torch.int64, device=self.device)
         gathered = [torch.empty_like(mine) for _ in range(self.layout.world_size)]
         dist.all_gather(gathered, mine, group=self.layout.world_group)
         everyone = torch.stack(gathered).cpu()
@@ -92,10 +97,11 @@ class TrainEngine:
                                   f"{counts} by global rank (use a BalancePlan)")
         if counts[0] == 0:
             raise MicroBatchError("need at least one micro-batch (an empty one is fine)")
-        per_dp = everyone[:, 1].reshape(self.layout.dp, self.layout.sp)
+        per_dp = everyone[:, 1:].reshape(self.layout.dp, self.layout.sp, 2)
         if (per_dp != per_dp[:, :1]).any():
-            raise MicroBatchError("the SP ranks of a DP group must get identical micro-batches; "
-                                  f"tokens per rank (dp x sp): {per_dp.tolist()}")
+            raise MicroBatchError("the SP ranks of a DP group must get identical micro-batches "
+                                  "in the same order; (tokens, ids) fingerprints per rank "
+                                  f"(dp x sp): {per_dp.tolist()}")
 
     def _pack(self, micro_batches, *, require_loss_mask: bool) -> list[PackedMicroBatch]:
         return [pack_micro_batch(mb, sp_size=self.layout.sp, sp_rank=self.layout.sp_rank,

@@ -6,8 +6,9 @@ Everything here is usable from an existing verl (0.9.x) pipeline without leaving
   signatures and return values of ``verl.utils.seqlen_balancing``'s functions, backed by
   ``verl_balance.balance``;
 - ``patch_verl()``: swaps them into verl (and into every verl module that imported the names
-  directly) and replaces ``RayPPOTrainer._balance_batch`` by our joint DP x micro-batch plan with
-  a FLOPs workload of the actor's model; the returned handle (also a context manager) undoes it;
+  directly) and replaces ``RayPPOTrainer._balance_batch`` by our DP partition with a FLOPs
+  workload of the actor's model; the returned handle (also a context manager) undoes it;
+- ``balance_batch``: reorders a DataProto by our joint DP x micro-batch plan (for our worker);
 - ``batch_from_dataproto`` / ``batch_to_dataproto`` / ``batch_from_tensordict``: conversions;
 - ``loss_counts`` + ``agg_loss``: the loss contract of ``verl_balance.loss`` for verl-shaped
   ``(bs, response_length)`` loss matrices;
@@ -409,6 +410,8 @@ def _balanced_balance_batch(self, batch, metrics, logging_prefix="global_seqlen"
     mini = None
     if keep_minibatch:
         mini = int(actor_cfg.ppo_mini_batch_size) * int(self.config.actor_rollout_ref.rollout.n)
+    # DP assignment only: verl's workers re-split their chunk into micro-batches themselves
+    # (rearrange_micro_batches, ours once patched), so a planned micro-batch layout would be dropped.
     stats = balance_batch(batch, dp_size=dp_size, workload=workload, group_key=group_key, mini_batch_size=mini)
     # verl's metrics, computed on the reordered batch: partition r is rows [r*n/dp, (r+1)*n/dp).
     n = len(batch)

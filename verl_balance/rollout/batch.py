@@ -10,11 +10,13 @@ token-aligned like ``loss_mask`` (0 elsewhere).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
+from verl_balance.protocol import Batch
 from verl_balance.rollout.base import RolloutInputError, RolloutOutput
 
 
@@ -65,3 +67,25 @@ def group_uids(output: RolloutOutput, *, prompt_uids: Sequence | None = None) ->
     if prompt_uids is None:
         return output.prompt_index.copy()
     return np.asarray(prompt_uids, dtype=object)[output.prompt_index]
+
+
+def build_rollout_batch(
+    *,
+    prompts: Sequence[Sequence[int]],
+    output: RolloutOutput,
+    pad_token_id: int = 0,
+    prompt_columns: Mapping[str, Sequence[Any]] | None = None,
+    meta: Mapping[str, Any] | None = None,
+) -> Batch:
+    """A Batch with one row per response: the tensors of ``build_rollout_tensors`` plus non-tensor
+    columns ``prompt_index``, ``finish_reason`` and every per-prompt column of ``prompt_columns``
+    (e.g. ``uid``, ``data_source``, ``ground_truth``) repeated for that prompt's responses."""
+    tensors = build_rollout_tensors(prompts=prompts, output=output, pad_token_id=pad_token_id)
+    non_tensors = {"prompt_index": output.prompt_index.copy(), "finish_reason": output.finish_reasons.copy()}
+    for name, values in (prompt_columns or {}).items():
+        if len(values) != len(prompts):
+            raise RolloutInputError(f"prompt column {name!r} has {len(values)} entries for {len(prompts)} prompts")
+        column = np.empty(len(values), dtype=object)
+        column[:] = list(values)
+        non_tensors[name] = column[output.prompt_index]
+    return Batch.from_dict(tensors=tensors, non_tensors=non_tensors, meta=dict(meta or {}))

@@ -135,21 +135,28 @@ class NaiveRollout(RolloutEngine):
         state_dict: Mapping[str, torch.Tensor] | None = None,
         pad_token_id: int = 0,
         max_batch_size: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ):
         """``model_config``: a ModelConfig (vocab_size, hidden_size, ..., tie_word_embeddings).
-        ``max_batch_size`` bounds the sequences decoded together (memory); None = all at once."""
+        ``max_batch_size`` bounds the sequences decoded together (memory); None = all at once.
+        ``device`` / ``dtype``: where and in which precision to decode; None keeps those of the
+        state dict (its tensors are then referenced, not copied)."""
         if max_batch_size is not None and max_batch_size < 1:
             raise RolloutInputError(f"max_batch_size={max_batch_size} must be >= 1 or None")
         self.dims = _Dims.from_config(model_config)
         self.pad_token_id = int(pad_token_id)
         self.max_batch_size = max_batch_size
+        self._target_device = None if device is None else torch.device(device)
+        self._target_dtype = dtype
         self._weights: dict[str, torch.Tensor] | None = None
         if state_dict is not None:
             self.update_weights(state_dict)
 
     # ------------------------------------------------------------------ weights
     def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Reference (no copy) the given weights; checks every expected name and shape."""
+        """Use the given weights (moved to ``device``/``dtype`` if set, else referenced without a
+        copy); checks every expected name and shape."""
         expected = self.dims.expected_shapes()
         missing = [k for k in expected if k not in state_dict]
         if missing:
@@ -157,7 +164,9 @@ class NaiveRollout(RolloutEngine):
         for name, shape in expected.items():
             if tuple(state_dict[name].shape) != shape:
                 raise StateDictError(f"{name} has shape {tuple(state_dict[name].shape)}, expected {shape}")
-        weights = {k: state_dict[k].detach() for k in expected}
+        weights = {
+            k: state_dict[k].detach().to(device=self._target_device, dtype=self._target_dtype) for k in expected
+        }
         devices = {w.device for w in weights.values()}
         dtypes = {w.dtype for w in weights.values()}
         if len(devices) != 1 or len(dtypes) != 1:
@@ -166,10 +175,12 @@ class NaiveRollout(RolloutEngine):
 
     @property
     def device(self) -> torch.device:
+        """Device the decoder runs on (that of its weights)."""
         return self._require_weights()["embed_tokens.weight"].device
 
     @property
     def dtype(self) -> torch.dtype:
+        """Compute dtype (that of its weights; RMSNorm still normalizes in fp32)."""
         return self._require_weights()["embed_tokens.weight"].dtype
 
     def _require_weights(self) -> dict[str, torch.Tensor]:
@@ -214,9 +225,10 @@ class NaiveRollout(RolloutEngine):
         for i in range(d.num_layers):
             p = f"layers.{i}."
             x = _rms_norm(hidden, w[p + "input_norm.weight"], d.rms_norm_eps)
-            q = F.linear(x, w[p + "attn.q_proj.weight"]).view(batch, num_new, d.num_heads, d.head_dim).transpose(1, 2)
-            k = F.linear(x, w[p + "attn.k_proj.weight"]).view(batch, num_new, d.num_kv_heads, d.head_dim).transpose(1, 2)
-            v = F.linear(x, w[p + "attn.v_proj.weight"]).view(batch, num_new, d.num_kv_heads, d.head_dim).transpose(1, 2)
+            q = F.linear(x, w[p + "attn.q_proj.weight"]).view(batch, num_new, d.num_heads, d.head_dim)
+            k = F.linear(x, w[p + "attn.k_proj.weight"]).view(batch, num_new, d.num_kv_heads, d.head_dim)
+            v = F.linear(x, w[p + "attn.v_proj.weight"]).view(batch, num_new, d.num_kv_heads, d.head_dim)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             cache.keys[i][:, :, start:end] = k
@@ -371,7 +383,8 @@ class NaiveRollout(RolloutEngine):
         self._require_weights()
         sequences = validate_prompts(sequences, vocab_size=self.dims.vocab_size)
         prefill_lengths = [len(s) for s in sequences] if prefill_lengths is None else list(prefill_lengths)
-        if len(prefill_lengths) != len(sequences) or not all(1 <= p <= len(s) for p, s in zip(prefill_lengths, sequences)):
+        valid = all(1 <= p <= len(s) for p, s in zip(prefill_lengths, sequences))
+        if len(prefill_lengths) != len(sequences) or not valid:
             raise RolloutInputError("prefill_lengths needs one entry per sequence with 1 <= prefill_length <= len")
         prefixes = [s[:p] for s, p in zip(sequences, prefill_lengths)]
         longest_prefix = max(len(p) for p in prefixes)

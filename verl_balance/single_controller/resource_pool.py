@@ -1,9 +1,11 @@
 """`RayResourcePool`: the placement groups a worker group's processes live in.
 
 One placement group per node (``STRICT_PACK``: all bundles of a node on one Ray node), each with
-``n_gpus_per_node`` bundles of ``{"CPU": cpus_per_worker, "GPU": 1}`` (or CPU only). On a
-CPU-only cluster ``n_gpus_per_node`` is simply the number of CPU workers per node, so the same
-config runs a laptop demo and a GPU cluster.
+``n_gpus_per_node`` bundles of ``{"CPU": cpus_per_worker * max_colocate_count, "GPU": 1}`` (or CPU
+only). On a CPU-only cluster ``n_gpus_per_node`` is simply the number of CPU workers per node, so
+the same config runs a laptop demo and a GPU cluster. Up to ``max_colocate_count`` worker groups
+can be built on one pool (e.g. actor and rollout sharing GPUs): each of their workers takes
+``cpus_per_worker`` CPUs and ``1 / max_colocate_count`` of its bundle's GPU.
 
 Invariant: placement either succeeds within ``placement_timeout_s`` or raises
 ``UnplaceableResourcePoolError`` naming the resources asked for and those the cluster has, and
@@ -53,6 +55,7 @@ class RayResourcePool:
         use_gpu: reserve one GPU per worker; ``None`` means "if the cluster has GPUs".
         cpus_per_worker: CPUs reserved per worker (also its torch thread count).
         placement_timeout_s: how long to wait for the cluster to place the bundles.
+        max_colocate_count: how many worker groups may share each bundle.
         name_prefix: prefix of the placement-group names (default: random).
     """
 
@@ -64,16 +67,20 @@ class RayResourcePool:
         use_gpu: bool | None = None,
         cpus_per_worker: float = 1.0,
         placement_timeout_s: float = 60.0,
+        max_colocate_count: int = 1,
         name_prefix: str | None = None,
     ) -> None:
         if n_gpus_per_node < 1 or nnodes < 1:
             raise UnplaceableResourcePoolError(f"n_gpus_per_node and nnodes must be >= 1, got {n_gpus_per_node} and {nnodes}")
+        if max_colocate_count < 1:
+            raise UnplaceableResourcePoolError(f"max_colocate_count must be >= 1, got {max_colocate_count}")
         if cpus_per_worker < 0:
             raise UnplaceableResourcePoolError(f"cpus_per_worker must be >= 0, got {cpus_per_worker}")
         self.n_gpus_per_node = int(n_gpus_per_node)
         self.nnodes = int(nnodes)
         self._use_gpu = use_gpu
         self.cpus_per_worker = float(cpus_per_worker)
+        self.max_colocate_count = int(max_colocate_count)
         self.placement_timeout_s = float(placement_timeout_s)
         self.name_prefix = name_prefix or f"vb_{uuid.uuid4().hex[:6]}"
         self._pgs: list[PlacementGroup] | None = None
@@ -101,8 +108,8 @@ class RayResourcePool:
         return max(1, math.floor(self.cpus_per_worker))
 
     def bundle(self) -> dict[str, float]:
-        """Resources of one worker's bundle."""
-        bundle = {"CPU": self.cpus_per_worker}
+        """Resources of one bundle (shared by up to ``max_colocate_count`` workers)."""
+        bundle = {"CPU": self.cpus_per_worker * self.max_colocate_count}
         if self.use_gpu:
             bundle["GPU"] = 1.0
         return bundle

@@ -7,17 +7,21 @@ Failure contract: the driver never waits on a worker that is gone. Results are a
 time with ``ray.wait``; the first worker that died (process exit, OOM kill, node loss) raises
 ``WorkerDiedError`` naming its rank, actor id and the method, even while the other ranks are
 still blocked in a collective with it. An exception raised inside a worker method is re-raised
-with its original type plus a note naming the rank and method. After a ``WorkerDiedError`` the
-group's collectives are broken: ``shutdown()`` it and build a new one.
+with its original type plus a note naming the rank and method, unless another worker of the same
+call is found dead within ``failure_grace_s`` (survivors of a dead peer typically fail with a
+connection error first): then the death, the root cause, is raised as ``WorkerDiedError``.
+After a ``WorkerDiedError`` the group's collectives are broken: ``shutdown()`` it, build a new one.
 
-Running against a cluster instead of an embedded Ray:
+Running against a cluster instead of an embedded Ray (checked with Ray 2.60):
 
-    ray start --head --num-cpus=4          # once, in a shell (add --num-gpus=N on a GPU box)
-    python -c "import ray; ray.init(address='auto')  ..."   # or address='127.0.0.1:6379'
-    ray stop                                # when done
+    ray start --head --num-cpus=4        # on a GPU node add --num-gpus=N; prints the head address
+    export RAY_AUTH_MODE=token           # `ray start` enables token auth; the driver then reads ~/.ray/auth_token
+    python my_driver.py                  # calls ray.init(address="auto") (or address="HOST:6379")
+    ray stop                             # stops every Ray process on this machine
 
-``RayResourcePool`` / ``RayWorkerGroup`` are used unchanged; workers must be able to import the
-package, so run from the repository root with ``PYTHONPATH`` set or with the package installed.
+The workers must import ``verl_balance``: install the package, export ``PYTHONPATH`` before
+``ray start``, or pass ``ray.init(address=..., runtime_env={"env_vars": {"PYTHONPATH": repo}})``.
+``RayResourcePool`` / ``RayWorkerGroup`` are used unchanged.
 """
 
 from __future__ import annotations
@@ -85,7 +89,7 @@ def _node_address_and_free_port() -> tuple[str, int]:
     with socket.socket() as sock:
         sock.bind(("", 0))
         port = sock.getsockname()[1]
-    return ray.util.get_node_ip_address(), port
+    return ray.util.get_node_ip_address().strip("[]"), port
 
 
 class GroupFuture:
@@ -124,6 +128,7 @@ class RayWorkerGroup:
             rendezvous variables the group sets).
         name_prefix: prefix of the actor names (default: random).
         ready_timeout_s: how long to wait for all workers' constructors to finish.
+        failure_grace_s: after a worker raises, how long to look for a dead peer that caused it.
     """
 
     def __init__(
@@ -134,6 +139,7 @@ class RayWorkerGroup:
         worker_env: dict[str, str] | None = None,
         name_prefix: str | None = None,
         ready_timeout_s: float | None = 300.0,
+        failure_grace_s: float = 5.0,
     ) -> None:
         worker_env = dict(worker_env or {})
         clash = sorted(set(worker_env) & set(_PROTECTED_ENV))
@@ -145,6 +151,7 @@ class RayWorkerGroup:
         self._mesh_layouts: dict[str, MeshLayout] = {}
         self._workers: list[ray.actor.ActorHandle] = []
         self._worker_names: list[str] = []
+        self.failure_grace_s = failure_grace_s
 
         pgs = resource_pool.get_placement_groups()
         master_addr, master_port = ray.get(
@@ -170,18 +177,24 @@ class RayWorkerGroup:
                     "OMP_NUM_THREADS": str(resource_pool.threads_per_worker),
                 }
                 name = f"{self.name_prefix}_{cls_name}_{pg_index}:{local_rank}"
+                runtime_env = dict(ray_cls_with_init.options.get("runtime_env", {}))
+                runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **env}
                 options = {
                     **ray_cls_with_init.options,
                     "num_cpus": resource_pool.cpus_per_worker,
-                    "num_gpus": 1 if resource_pool.use_gpu else 0,
+                    "num_gpus": 1 / resource_pool.max_colocate_count if resource_pool.use_gpu else 0,
                     "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=local_rank),
-                    "runtime_env": {"env_vars": env},
+                    "runtime_env": runtime_env,
                     "name": name,
                 }
                 self._workers.append(actor_cls.options(**options).remote(*ray_cls_with_init.args, **ray_cls_with_init.kwargs))
                 self._worker_names.append(name)
-        ranks = list(range(self.world_size))
-        self._wait("__init__", [w.__ray_ready__.remote() for w in self._workers], ranks, timeout_s=ready_timeout_s)
+        try:
+            ranks = list(range(self.world_size))
+            self._wait("__init__", [w.__ray_ready__.remote() for w in self._workers], ranks, timeout_s=ready_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
         self._bind_registered_methods(ray_cls_with_init.cls)
 
     # ------------------------------------------------------------------ properties
@@ -266,20 +279,42 @@ class RayWorkerGroup:
                 try:
                     outputs[i] = ray.get(ref)
                 except ray.exceptions.RayActorError as error:
-                    rank = ranks[i]
-                    actor_id = self._workers[rank]._actor_id.hex()
-                    reason = " ".join(str(error).split())[:600]
-                    raise WorkerDiedError(
-                        f"worker rank {rank} (actor {actor_id}, name {self._worker_names[rank]}) died during "
-                        f"{self._describe_method(method)}; the group is unusable, call shutdown(). Ray says: {reason}",
-                        rank=rank,
-                        actor_id=actor_id,
-                        method=method,
-                    ) from error
+                    raise self._died_error(method, ranks[i], error) from error
                 except ray.exceptions.RayTaskError as error:
+                    # A peer that died mid-collective often surfaces first as a connection error on the
+                    # survivors; report the dead worker (the cause) if one shows up within the grace period.
+                    died = self._find_death(method, {r: ranks[position[r]] for r in pending}, self.failure_grace_s)
+                    if died is not None:
+                        died.add_note(f"worker rank {ranks[i]} raised meanwhile: {type(error).__name__}")
+                        raise died from error
                     error.add_note(f"raised by worker rank {ranks[i]} ({self._worker_names[ranks[i]]}) in {self._describe_method(method)}")
                     raise
         return outputs
+
+    def _find_death(self, method: str, rank_of: dict, grace_s: float) -> WorkerDiedError | None:
+        deadline = time.monotonic() + grace_s
+        pending = list(rank_of)
+        while pending and time.monotonic() < deadline:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as error:
+                    return self._died_error(method, rank_of[ref], error)
+                except Exception:  # noqa: BLE001 - other ranks' errors are secondary here
+                    pass
+        return None
+
+    def _died_error(self, method: str, rank: int, error: Exception) -> WorkerDiedError:
+        actor_id = self._workers[rank]._actor_id.hex()
+        reason = " ".join(str(error).split())[:600]
+        return WorkerDiedError(
+            f"worker rank {rank} (actor {actor_id}, name {self._worker_names[rank]}) died during "
+            f"{self._describe_method(method)}; the group is unusable, call shutdown(). Ray says: {reason}",
+            rank=rank,
+            actor_id=actor_id,
+            method=method,
+        )
 
     def _describe_method(self, method: str) -> str:
         return f"{self.ray_cls_with_init.cls.__name__}.{method}"

@@ -52,16 +52,17 @@ def resolve_use_gpu(device: str) -> bool:
     return gpus > 0
 
 
+MODEL_DIMENSION_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                        "num_kv_heads", "max_position_embeddings", "tie_word_embeddings")
+
+
 def build_model_config(model_cfg, *, vocab_size: int) -> ModelConfig:
-    """A built-in preset with the tokenizer's vocabulary and the user's dimension overrides."""
+    """A built-in preset with the tokenizer's vocabulary and the dimensions the config sets."""
     base = ModelConfig.preset(model_cfg.name)
-    overrides = dict(model_cfg.override or {})
-    unknown = sorted(set(overrides) - set(base.to_dict()))
-    if unknown:
-        raise ConfigError(f"model.override has unknown keys {unknown}; valid: {sorted(base.to_dict())}")
+    overrides = {k: model_cfg[k] for k in MODEL_DIMENSION_KEYS if model_cfg.get(k) is not None}
     overrides.setdefault("vocab_size", vocab_size)
     if overrides["vocab_size"] < vocab_size:
-        raise ConfigError(f"model.override.vocab_size={overrides['vocab_size']} is smaller than the "
+        raise ConfigError(f"model.vocab_size={overrides['vocab_size']} is smaller than the "
                           f"tokenizer's vocabulary ({vocab_size})")
     return replace(base, **overrides)
 
@@ -127,32 +128,39 @@ def dispatch_chunks(batch: Batch, plan) -> list[Batch]:
     return split_by_plan(apply_truncation(batch, plan), plan)
 
 
-def reduce_rank_metrics(per_rank: list[dict], plan, *, prefix: str = "") -> dict:
-    """Driver-side view of one step: global figures (equal on every rank) and per-rank timing.
+def reduce_rank_metrics(per_rank: list[dict], *, prefix: str) -> dict:
+    """Driver-side view of one engine call: global figures and measured per-rank timing.
 
     Engine metrics such as loss and grad_norm are already global (all-reduced over the mesh),
-    so rank 0's value is taken; compute time differs per rank and gives measured imbalance.
+    so DP rank 0's value is taken; compute time differs per rank and gives measured imbalance
+    (max / mean over DP ranks of the per-rank compute seconds).
     """
-    first = per_rank[0]
     out = {}
-    for key, value in first.items():
-        if isinstance(value, (int, float, bool)) and key not in ("dp_rank",) and not key.endswith("seconds"):
+    for key, value in per_rank[0].items():
+        if isinstance(value, (int, float, bool)) and key != "dp_rank" and not key.endswith("seconds"):
             out[prefix + key] = float(value)
     compute = np.array([m.get("compute_seconds", 0.0) for m in per_rank], dtype=np.float64)
     if compute.size and compute.mean() > 0:
-        out[prefix + "balance/imbalance_measured"] = float(compute.max() / compute.mean())
-        out[prefix + "timing/compute_max_s"] = float(compute.max())
-        out[prefix + "timing/compute_mean_s"] = float(compute.mean())
+        out["balance/imbalance_measured"] = float(compute.max() / compute.mean())
+        out["timing_s/compute_max"] = float(compute.max())
+        out["timing_s/compute_mean"] = float(compute.mean())
+    return out
+
+
+def plan_metrics(plan) -> dict:
+    """Predicted balance of the plan and of the naive contiguous split, from the plan's stats."""
     s = plan.stats
-    out[prefix + "balance/imbalance_pred"] = float(s["imbalance"])
-    out[prefix + "balance/imbalance_pred_naive"] = float(s["naive_imbalance"])
-    out[prefix + "balance/sync_ratio_pred"] = float(s["sync_ratio"])
-    out[prefix + "balance/sync_ratio_pred_naive"] = float(s["naive_sync_ratio"])
-    out[prefix + "balance/micro_batches"] = float(s["num_micro_batches"])
-    out[prefix + "balance/micro_batches_naive"] = float(s["naive_num_micro_batches"])
+    out = {
+        "balance/imbalance_predicted": float(s["imbalance"]),
+        "balance/imbalance_predicted_naive": float(s["naive_imbalance"]),
+        "balance/sync_ratio_predicted": float(s["sync_ratio"]),
+        "balance/sync_ratio_predicted_naive": float(s["naive_sync_ratio"]),
+        "balance/num_micro_batches": float(s["num_micro_batches"]),
+        "balance/num_micro_batches_naive": float(s["naive_num_micro_batches"]),
+    }
     if s.get("num_skipped") or s.get("num_truncated"):
-        out[prefix + "balance/skipped"] = float(s["num_skipped"])
-        out[prefix + "balance/truncated"] = float(s["num_truncated"])
+        out["balance/skipped"] = float(s["num_skipped"])
+        out["balance/truncated"] = float(s["num_truncated"])
     return out
 
 

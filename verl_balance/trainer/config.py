@@ -52,12 +52,22 @@ class SFTDataConfig:
 
 @dataclass
 class ModelSection:
-    """A built-in preset ('tiny', 'small', '100m') plus optional dimension overrides."""
+    """A built-in preset ('tiny', 'small', '100m'); any dimension set here overrides the preset.
+
+    vocab_size null means the tokenizer's vocabulary size.
+    """
 
     name: str = "tiny"
     tokenizer: str = "byte"
-    override: dict = field(default_factory=dict)
     param_dtype: str = "float32"
+    vocab_size: Optional[int] = None
+    hidden_size: Optional[int] = None
+    intermediate_size: Optional[int] = None
+    num_layers: Optional[int] = None
+    num_heads: Optional[int] = None
+    num_kv_heads: Optional[int] = None
+    max_position_embeddings: Optional[int] = None
+    tie_word_embeddings: Optional[bool] = None
 
 
 @dataclass

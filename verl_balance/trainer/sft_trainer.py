@@ -97,6 +97,11 @@ class SFTTrainer:
         self.global_step = 0
         self._stop_requested = False
 
+    def close(self) -> None:
+        """Stop the worker processes and free their placement (the Ray cluster stays up)."""
+        self.actor.shutdown()
+        self.actor.resource_pool.remove()
+
     # ------------------------------------------------------------------ steps
     def _plan(self, batch):
         return common.plan_for(batch, dp_size=self.dp, sp_size=self.sp,
@@ -109,10 +114,10 @@ class SFTTrainer:
         batch = common.to_batch(tensors)
         plan = self._plan(batch)
         per_rank = self.actor.update_actor(common.dispatch_chunks(batch, plan))
-        metrics = common.reduce_rank_metrics(per_rank, plan, prefix="train/")
+        metrics = {**common.reduce_rank_metrics(per_rank, prefix="train/"), **common.plan_metrics(plan)}
         elapsed = time.perf_counter() - start
         tokens = int(batch["attention_mask"].sum())
-        metrics.update({"timing/step_s": elapsed, "perf/tokens_per_s": tokens / elapsed,
+        metrics.update({"timing_s/step": elapsed, "perf/tokens_per_s": tokens / elapsed,
                         "perf/tokens": tokens, "train/epoch": float(self.loader.epoch)})
         return metrics
 

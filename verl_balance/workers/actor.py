@@ -110,6 +110,17 @@ class ActorWorker(Worker):
             tensors["entropy"] = _cat_padded([o["entropy"] for o in outputs])
         return Batch.from_dict(tensors=tensors)
 
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def describe(self) -> dict:
+        """What this rank runs: layout, model dims and engine settings (for logs and tests)."""
+        from dataclasses import asdict
+
+        return {"rank": self.rank, "dp": self.layout.dp, "sp": self.layout.sp,
+                "dp_rank": self.layout.dp_rank, "sp_rank": self.layout.sp_rank,
+                "device": str(self.layout.device), "model": self.config.model.to_dict(),
+                "engine": asdict(self.config.engine),
+                "num_threads": torch.get_num_threads()}
+
     # ------------------------------------------------------------------ state
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str, step: int, extra: dict | None = None) -> None:

@@ -1,0 +1,416 @@
+"""SFT training benchmarks, each printed as one side-by-side table (issue 5, "Benchmarks").
+
+    PYTHONPATH=. python benchmarks/sft_bench.py                # all three tables (a few minutes)
+    PYTHONPATH=. python benchmarks/sft_bench.py step           # or: overhead | memory
+    PYTHONPATH=. python benchmarks/sft_bench.py --quick        # smoke run (< 1 min after Ray start)
+
+step      Step time on dp=2 CPU workers (one Ray worker group, reused): each step is 32 sequences
+          with lengths lognormal(median, sigma=1.2) in random order, clipped to [8, max_len].
+          Micro-batching is fixed (micro_batch_size_per_gpu=4) or a token cap per worker. Plans:
+          ours (plan_balance, FLOPs workload, as the SFT trainer runs it), contiguous
+          (balance=False) and verl 0.9.1's two-stage balancing (benchmarks/verl_plans.py runs
+          verl's own code under --verl-python; the row is "n/a" when verl is not importable).
+          The worker group, the batches and everything else are shared; only the plan differs.
+          Methods are interleaved step by step (order rotated) so load drifts hit them alike. Figures:
+          median driver wall time of update_actor, median per-rank CPU seconds of the step (max
+          over ranks; waiting in a blocking collective costs no CPU), the plan's predicted sync
+          cost (sum over micro-batch slots of the max rank cost, FLOPs model) relative to
+          contiguous. FSDP synchronises every micro-batch, so wall time follows the sync cost.
+overhead  Training tokens/s at dp=1: SFTTrainer.train_step (plan, split, Ray dispatch, FSDP2
+          engine) vs a plain single-process PyTorch loop (build_model, AdamW, packed forward,
+          token-mean NLL, grad clipping) in a spawned process, same batches and the same
+          micro-batch membership (the trainer's plan), one torch thread each, interleaved.
+memory    Peak RSS per worker (VmHWM after resetting it via /proc/self/clear_refs, plus the
+          lifetime getrusage ru_maxrss) for each plan at dp=2, and for the dp=1 trainer worker vs
+          the plain loop's process.
+
+The attention kernel is "sdpa_loop" (per-sequence causal SDPA, cost quadratic per sequence as
+flash-attn's on GPU) for the step table; CPU's default "sdpa_masked" is quadratic in the packed
+micro-batch length, which no per-sequence workload model describes (--attn-impl to change).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import multiprocessing as mp
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from verl_balance.balance import BalancePlan, FlopsWorkload, plan_balance
+from verl_balance.engine.config import EngineConfig
+from verl_balance.models import ModelConfig, build_model
+from verl_balance.protocol import Batch
+from verl_balance.single_controller import Dispatch, make_mesh_dispatch, register
+from verl_balance.trainer import common
+from verl_balance.workers.actor import ACTOR_MESH, ActorWorker, ActorWorkerConfig
+
+REPO = Path(__file__).resolve().parents[1]
+MIB = 1024.0
+
+
+# ---------------------------------------------------------------------- memory probes
+def _status_mib(*keys: str) -> dict[str, float]:
+    """Fields of /proc/self/status (kB) in MiB; {} off Linux."""
+    out = {}
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name in keys:
+                    out[name] = float(value.split()[0]) / MIB
+    except OSError:
+        pass
+    return out
+
+
+def memory_snapshot(*, reset_peak: bool = False) -> dict:
+    """RSS now, peak since the last reset (VmHWM) and lifetime peak (getrusage), in MiB."""
+    status = _status_mib("VmRSS", "VmHWM")
+    snap = {"rss_mib": status.get("VmRSS", float("nan")), "peak_mib": status.get("VmHWM", float("nan")),
+            "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / MIB}
+    if reset_peak:
+        try:  # "5" resets VmHWM to the current RSS (Linux >= 4.0); getrusage keeps the lifetime peak
+            with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+                f.write("5")
+            snap["peak_reset"] = True
+        except OSError:
+            snap["peak_reset"] = False
+    return snap
+
+
+class BenchActorWorker(ActorWorker):
+    """ActorWorker plus per-step CPU time and memory probes (benchmark only)."""
+
+    @register(dispatch_mode=make_mesh_dispatch(ACTOR_MESH))
+    def timed_update_actor(self, batch: Batch) -> dict:
+        """update_actor, plus this process's CPU seconds for the step."""
+        cpu = time.process_time()
+        metrics = self.update_actor(batch)
+        metrics["cpu_seconds"] = time.process_time() - cpu
+        return metrics
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def memory(self, reset_peak: bool = False) -> dict:
+        """memory_snapshot() of this worker (optionally resetting its peak afterwards)."""
+        return {"rank": self.rank, **memory_snapshot(reset_peak=reset_peak)}
+
+
+# ---------------------------------------------------------------------- data
+@dataclass(frozen=True)
+class StepWorkload:
+    """Global batches of lognormal lengths; the figures the tables state."""
+
+    batch_size: int = 32
+    median: int = 24
+    sigma: float = 1.2
+    min_len: int = 8
+    max_len: int = 288
+    seed: int = 0
+
+
+def make_batches(workload: StepWorkload, *, num: int, vocab_size: int) -> list[dict[str, torch.Tensor]]:
+    """``num`` right-padded batches (input_ids, attention_mask, loss_mask, position_ids).
+
+    Lengths in random order; loss on every token but the first (its target is token 1 onward).
+    """
+    rng = np.random.default_rng(workload.seed)
+    gen = torch.Generator().manual_seed(workload.seed)
+    batches = []
+    for _ in range(num):
+        lengths = np.clip(np.round(rng.lognormal(np.log(workload.median), workload.sigma, workload.batch_size)),
+                          workload.min_len, workload.max_len).astype(np.int64)
+        width = int(lengths.max())
+        mask = (torch.arange(width)[None, :] < torch.from_numpy(lengths)[:, None]).long()
+        loss_mask = mask.clone()
+        loss_mask[:, 0] = 0
+        batches.append({
+            "input_ids": torch.randint(0, vocab_size, (workload.batch_size, width), generator=gen) * mask,
+            "attention_mask": mask,
+            "loss_mask": loss_mask,
+            "position_ids": (torch.cumsum(mask, 1) - 1).clamp_min(0) * mask,
+        })
+    return batches
+
+
+def seq_lens(tensors: dict[str, torch.Tensor]) -> np.ndarray:
+    return tensors["attention_mask"].sum(1).numpy()
+
+
+# ---------------------------------------------------------------------- plans
+def verl_plans(lengths: list[np.ndarray], *, dp: int, cases: list[dict], verl_python: str):
+    """verl's two-stage plans per case and batch, from benchmarks/verl_plans.py under verl's venv.
+
+    Returns (plans per case or None, a note saying which verl ran or why it did not).
+    """
+    if not verl_python or not os.path.exists(verl_python):
+        return None, f"verl not run: no python at {verl_python!r}"
+    request = [{"dp": dp, "micro_batch_size": c["micro_batch_size"], "max_token_len_per_gpu": c["token_cap"],
+                "batches": [[int(x) for x in lens] for lens in lengths]} for c in cases]
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    proc = subprocess.run([verl_python, str(REPO / "benchmarks" / "verl_plans.py")], input=json.dumps(request),
+                          capture_output=True, text=True, env=env, check=False)
+    if proc.returncode != 0:
+        lines = proc.stderr.strip().splitlines()
+        return None, f"verl not importable: {lines[-1] if lines else f'exit {proc.returncode}'}"
+    reply = json.loads(proc.stdout)
+    plans = [[BalancePlan(micro_batches=[[np.asarray(mb, dtype=np.int64) for mb in rank] for rank in cells])
+              for cells in case] for case in reply["cases"]]
+    return plans, f"verl {reply['verl_version']} (its own code, under {verl_python})"
+
+
+def sync_cost(plan: BalancePlan, costs: np.ndarray) -> float:
+    """sum over micro-batch slots of the max over DP ranks of the slot's cost (what FSDP waits for)."""
+    grid = np.array([[costs[mb].sum() for mb in rank] for rank in plan.micro_batches])
+    return float(grid.max(axis=0).sum())
+
+
+# ---------------------------------------------------------------------- step table
+def run_step_bench(args, memory_rows: list) -> list[tuple]:
+    model_config = ModelConfig.preset(args.model)
+    workload = StepWorkload(median=args.median, max_len=args.max_len)
+    engine = EngineConfig(lr=1e-4, attn_impl=args.attn_impl, seed=0)
+    flops = FlopsWorkload.from_model_config(model_config)
+    total = args.warmup + args.steps
+    batches = make_batches(workload, num=total, vocab_size=model_config.vocab_size)
+    lengths = [seq_lens(b) for b in batches]
+    token_cap = args.token_cap or workload.max_len
+    cases = [("fixed mbs=4", dict(micro_batch_size=4, token_cap=None)),
+             (f"token cap {token_cap}", dict(micro_batch_size=None, token_cap=token_cap))]
+
+    plans: dict[tuple[str, str], list] = {}
+    verl, note = verl_plans(lengths, dp=2, cases=[kw for _, kw in cases], verl_python=args.verl_python)
+    print(f"[step] verl column: {note}", flush=True)
+    for i, (case, kw) in enumerate(cases):
+        for method, balance in (("contiguous", False), ("ours", True)):
+            plans[case, method] = [plan_balance(seq_lens=lens, dp_size=2, micro_batch_size=kw["micro_batch_size"],
+                                                max_token_len_per_gpu=kw["token_cap"], balance=balance,
+                                                workload=flops) for lens in lengths]
+        if verl is not None:
+            plans[case, "verl"] = verl[i]
+
+    common.start_ray(address=None, num_workers=2, use_gpu=False)
+    start = time.perf_counter()
+    group = common.build_actor_group(
+        worker_config=ActorWorkerConfig(model=model_config, engine=engine),
+        trainer_cfg=SimpleNamespace(n_gpus_per_node=2, nnodes=1, placement_timeout_s=300.0),
+        use_gpu=False, worker_cls=BenchActorWorker)
+    print(f"[step] dp=2 worker group up in {time.perf_counter() - start:.1f} s", flush=True)
+    try:
+        samples: dict[tuple[str, str], list] = {key: [] for key in plans}
+        keys = list(plans)
+        for step in range(total):
+            for key in keys[step % len(keys):] + keys[:step % len(keys)]:  # rotate: no fixed position
+                plan = plans[key][step]
+                chunks = common.dispatch_chunks(Batch.from_dict(tensors=batches[step]), plan)
+                t0 = time.perf_counter()
+                per_rank = group.timed_update_actor(chunks)
+                wall = time.perf_counter() - t0
+                if step >= args.warmup:
+                    samples[key].append((wall, max(r["cpu_seconds"] for r in per_rank),
+                                         max(r["compute_seconds"] for r in per_rank), plan.num_micro_batches))
+            print(f"[step] {step + 1}/{total} done", flush=True)
+        if memory_rows is not None:
+            for key in plans:
+                group.memory(True)
+                for step in range(min(2, total)):
+                    group.timed_update_actor(common.dispatch_chunks(Batch.from_dict(tensors=batches[step]),
+                                                                    plans[key][step]))
+                for snap in group.memory(False):
+                    memory_rows.append((f"dp=2 {key[0]}", f"{key[1]} worker {snap['rank']}", snap))
+    finally:
+        group.shutdown()
+        group.resource_pool.remove()
+
+    rows = []
+    for case, _ in cases:
+        costs = [flops.cost(lens) for lens in lengths[args.warmup:]]
+        base_sync = np.mean([sync_cost(p, c) for p, c in zip(plans[case, "contiguous"][args.warmup:], costs)])
+        base_wall = statistics.median(s[0] for s in samples[case, "contiguous"])
+        for method in ("contiguous", "ours", "verl"):
+            if (case, method) not in plans:
+                rows.append((case, method) + ("n/a",) * 7 + (note,))
+                continue
+            s = samples[case, method]
+            pred = np.mean([sync_cost(p, c) for p, c in zip(plans[case, method][args.warmup:], costs)]) / base_sync
+            wall = statistics.median(x[0] for x in s)
+            rows.append((case, method, f"{np.mean([x[3] for x in s]):.2f}", f"{wall:.3f}",
+                         f"{statistics.median(x[1] for x in s):.3f}", f"{statistics.median(x[2] for x in s):.3f}",
+                         f"{pred:.3f}", f"{wall / base_wall:.3f}",
+                         "<= 0.75" if case.startswith("fixed") and method == "ours" else "", ""))
+    return rows
+
+
+# ---------------------------------------------------------------------- overhead table
+def _plain_loop_process(conn, model_config: ModelConfig, workload: StepWorkload, num: int, lr: float,
+                        attn_impl: str) -> None:
+    """A plain PyTorch training loop, one process, one thread; steps on request over ``conn``."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = build_model(model_config, attn_impl=attn_impl)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    batches = make_batches(workload, num=num, vocab_size=model_config.vocab_size)
+    conn.send(memory_snapshot(reset_peak=True))
+    while True:
+        request = conn.recv()
+        if request is None:
+            conn.send(memory_snapshot())
+            return
+        step, micro_batches = request
+        t0 = time.perf_counter()
+        tensors = batches[step]
+        lengths = tensors["attention_mask"].sum(1)
+        num_targets = int(tensors["loss_mask"][:, 1:].sum())
+        optimizer.zero_grad(set_to_none=True)
+        for rows in micro_batches:
+            rows = torch.as_tensor(rows, dtype=torch.long)
+            real = tensors["attention_mask"][rows].bool()
+            ids = tensors["input_ids"][rows][real]
+            pos = tensors["position_ids"][rows][real]
+            # target of packed token t is token t+1 of the same sequence, if it is a loss token
+            targets = torch.roll(ids, -1)
+            target_mask = torch.roll(tensors["loss_mask"][rows][real].float(), -1)
+            cu = torch.zeros(len(rows) + 1, dtype=torch.long)
+            cu[1:] = torch.cumsum(lengths[rows], 0)
+            target_mask[cu[1:] - 1] = 0.0
+            logits = model(input_ids=ids, position_ids=pos, cu_seqlens=cu, max_seqlen=int(lengths[rows].max()))
+            nll = -torch.log_softmax(logits.float(), -1).gather(-1, targets[:, None]).squeeze(-1)
+            ((nll * target_mask).sum() / num_targets).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        conn.send(time.perf_counter() - t0)
+
+
+def run_overhead_bench(args, memory_rows: list) -> list[tuple]:
+    from hydra import compose, initialize_config_dir
+
+    from verl_balance.trainer.config import register_schemas
+    from verl_balance.trainer.sft_trainer import SFTTrainer
+
+    workload = StepWorkload(median=args.median, max_len=args.max_len, seed=1)
+    total = args.warmup + args.steps
+    tmp = tempfile.mkdtemp(prefix="vb_overhead_")
+    register_schemas()
+    with initialize_config_dir(config_dir=str(REPO / "verl_balance" / "config"), version_base="1.3"):
+        cfg = compose(config_name="sft", overrides=[
+            "trainer.device=cpu", "trainer.n_gpus_per_node=1", f"model.name={args.model}",
+            "data.train_batch_size=32", "data.micro_batch_size_per_gpu=4", "data.synthetic.num_train=64",
+            "data.synthetic.num_val=8", f"data.synthetic.out_dir={tmp}/data", f"trainer.default_local_dir={tmp}/run",
+            "trainer.logger=[jsonl]", "trainer.plot=false", "trainer.resume_mode=disable",
+            f"data.max_length={max(512, args.max_len)}"])
+    common.start_ray(address=None, num_workers=1, use_gpu=False)
+    start = time.perf_counter()
+    # SFTTrainer builds its group with common.build_actor_group; give it the probing worker class.
+    build_group = common.build_actor_group
+    common.build_actor_group = functools.partial(build_group, worker_cls=BenchActorWorker)
+    try:
+        trainer = SFTTrainer(cfg)
+    finally:
+        common.build_actor_group = build_group
+    print(f"[overhead] dp=1 SFTTrainer up in {time.perf_counter() - start:.1f} s", flush=True)
+    model_config = trainer.model_config
+    batches = make_batches(workload, num=total, vocab_size=model_config.vocab_size)
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    attn_impl = trainer.actor.describe()[0]["engine"]["attn_impl"]
+    proc = ctx.Process(target=_plain_loop_process, args=(child, model_config, workload, total, 1e-4, attn_impl))
+    proc.start()
+    plain_start_mem = parent.recv()
+    ours, plain, tokens = [], [], []
+    try:
+        trainer.actor.memory(True)
+        for step in range(total):
+            plan = common.plan_for(common.to_batch(batches[step]), dp_size=1, sp_size=1,
+                                   data_cfg_mbs=cfg.data.micro_batch_size_per_gpu, token_cap=trainer.token_cap,
+                                   balance_cfg=cfg.balance, workload=trainer.workload)
+            parent.send((step, [mb.tolist() for mb in plan.micro_batches[0]]))
+            plain_s = parent.recv()
+            metrics = trainer.train_step(batches[step])
+            if step >= args.warmup:
+                plain.append(plain_s)
+                ours.append(metrics["timing_s/step"])
+                tokens.append(metrics["perf/tokens"])
+            print(f"[overhead] {step + 1}/{total} done", flush=True)
+        worker_mem = trainer.actor.memory(False)[0]
+        parent.send(None)
+        plain_mem = parent.recv()
+    finally:
+        proc.join(timeout=60)
+        trainer.close()
+    if memory_rows is not None:
+        memory_rows.append(("dp=1 SFT", "ours: trainer worker", worker_mem))
+        memory_rows.append(("dp=1 SFT", "plain loop process", plain_mem))
+        print(f"[overhead] plain loop RSS before its first step: {plain_start_mem['rss_mib']:.0f} MiB", flush=True)
+    tok = float(np.sum(tokens))
+    ours_tps, plain_tps = tok / float(np.sum(ours)), tok / float(np.sum(plain))
+    return [("plain PyTorch loop", f"{statistics.median(plain):.3f}", f"{plain_tps:.0f}", "1.000", ""),
+            ("ours: SFTTrainer dp=1", f"{statistics.median(ours):.3f}", f"{ours_tps:.0f}",
+             f"{ours_tps / plain_tps:.3f}", ">= 0.9")]
+
+
+# ---------------------------------------------------------------------- output
+def print_table(title: str, header: tuple, rows: list[tuple]) -> None:
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    print(f"\n{title}")
+    for line in [header, tuple("-" * w for w in widths), *rows]:
+        print("  ".join(str(x).ljust(w) for x, w in zip(line, widths)).rstrip())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("bench", nargs="?", default="all", choices=("all", "step", "overhead", "memory"))
+    parser.add_argument("--quick", action="store_true", help="smoke run: 1 warm-up + 3 steps, tiny model")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per method")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per method first")
+    parser.add_argument("--model", default="small", help="ModelConfig preset")
+    parser.add_argument("--median", type=int, default=24, help="median sequence length (tokens)")
+    parser.add_argument("--max-len", type=int, default=288, help="lengths are clipped to [8, max_len]")
+    parser.add_argument("--token-cap", type=int, default=None, help="max_token_len_per_gpu (default: max_len)")
+    parser.add_argument("--attn-impl", default="sdpa_loop", help="attention kernel of the step table")
+    parser.add_argument("--verl-python", default="/work/venv-verl/bin/python",
+                        help="python of an environment with verl installed (for the verl rows)")
+    args = parser.parse_args()
+    if args.quick:
+        args.steps, args.warmup, args.model = 3, 1, "tiny"
+    if args.bench == "memory":
+        args.steps = min(args.steps, 3)
+    torch.set_num_threads(1)
+    print(f"[setup] model={args.model} lengths lognormal(median {args.median}, sigma 1.2) clipped to "
+          f"[8, {args.max_len}], 32 per step; {args.warmup} warm-up + {args.steps} timed steps per method; "
+          f"cores {os.cpu_count()}, load {os.getloadavg()}", flush=True)
+
+    memory_rows = [] if args.bench in ("all", "memory") else None
+    step_rows = run_step_bench(args, memory_rows) if args.bench in ("all", "step", "memory") else None
+    overhead_rows = run_overhead_bench(args, memory_rows) if args.bench in ("all", "overhead", "memory") else None
+
+    if step_rows is not None and args.bench != "memory":
+        print_table("Step time, dp=2 CPU workers (median over timed steps; ratio = wall / contiguous wall)",
+                    ("case", "plan", "micro/rank", "wall [s]", "cpu max-rank [s]", "compute max-rank [s]",
+                     "pred sync/contig", "wall/contig", "target", "note"), step_rows)
+    if overhead_rows is not None and args.bench != "memory":
+        print_table("Framework overhead, dp=1 (tokens/s over timed steps; ratio = ours / plain)",
+                    ("path", "median step [s]", "tokens/s", "ratio", "target"), overhead_rows)
+    if memory_rows:
+        print_table("Peak memory (MiB): peak = VmHWM since reset before the measured steps; "
+                    "lifetime = getrusage ru_maxrss",
+                    ("layout", "process", "rss now", "peak", "lifetime peak"),
+                    [(a, b, f"{m['rss_mib']:.0f}", f"{m['peak_mib']:.0f}", f"{m['maxrss_mib']:.0f}")
+                     for a, b, m in memory_rows])
+    print(f"\nload average (1, 5, 15 min) after the run: {os.getloadavg()}; cores: {os.cpu_count()}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""Session-wide fixtures: one embedded Ray cluster for every Ray test (start-up is the slow part)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# 4 workers of the largest test layout + headroom for a second group being torn down.
+RAY_NUM_CPUS = 6
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """Start Ray once (or reuse a running session) and stop it at the end if we started it."""
+    ray = pytest.importorskip("ray")
+    started_here = not ray.is_initialized()
+    if started_here:
+        python_path = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
+        ray.init(
+            num_cpus=RAY_NUM_CPUS,
+            include_dashboard=False,
+            log_to_driver=False,
+            # workers import verl_balance from this checkout even when it is not pip-installed;
+            # one intra-op thread per worker process: the workers share a few cores
+            runtime_env={"env_vars": {"PYTHONPATH": python_path, "OMP_NUM_THREADS": "1"}},
+        )
+    yield ray
+    if started_here:
+        ray.shutdown()

@@ -1,0 +1,189 @@
+"""TrainEngine on a 2 x 2 (dp x sp) gloo mesh, checked against single-process references.
+
+One spawn runs every scenario; the assertions run in the parent on the collected results.
+"""
+
+import functools
+import warnings
+
+import pytest
+import torch
+
+from _spawn import run_on_ranks
+from verl_balance.distributed import ParallelLayout
+from verl_balance.engine import EngineConfig, MicroBatchError, TrainEngine
+from verl_balance.engine.optim import lr_multiplier
+from verl_balance.models import LlamaForCausalLM
+from verl_balance.parity import ParitySettings, make_global_batch, reference_steps
+
+SETTINGS = ParitySettings(num_samples=8, seed=99)
+# DP rank 0: two micro-batches; DP rank 1: one micro-batch and an EMPTY one (a dummy forward).
+RANK_SAMPLES = {0: [[0, 1], [2]], 1: [[3, 4, 5, 6, 7], []]}
+
+
+def rank_micro_batches(batch, dp_rank):
+    return [{k: v[torch.tensor(idx, dtype=torch.long)] for k, v in batch.items()}
+            for idx in RANK_SAMPLES[dp_rank]]
+
+
+class ProbeLoss:
+    """SFT loss plus two per-token metrics whose global token means are known exactly."""
+
+    needs_entropy = True
+
+    def __call__(self, *, log_probs, entropy, inputs):
+        return -log_probs, {"one": torch.ones_like(log_probs), "nll": -log_probs,
+                            "entropy": entropy}
+
+
+def _engine_scenarios(rank, *, ckpt_dir):
+    layout = ParallelLayout(dp=2, sp=2, device_type="cpu")
+    batch = make_global_batch(SETTINGS)
+    mbs = rank_micro_batches(batch, layout.dp_rank)
+    config = SETTINGS.engine_config(agg_mode="token-mean")
+    out = {}
+
+    engine = TrainEngine(model_config=SETTINGS.model, engine_config=config, layout=layout)
+    out["log_probs"] = engine.compute_log_prob(mbs, with_entropy=True)
+    out["eval"] = engine.eval_loss(mbs, loss_fn=ProbeLoss())
+    out["train"] = engine.train_step(mbs)
+    out["params"] = engine.full_state_dict()
+
+    # Zero loss tokens in the whole mini-batch: warning, no step, no NaN.
+    silent = [{**mb, "loss_mask": torch.zeros_like(mb["loss_mask"])} for mb in mbs]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["zero"] = engine.train_step(silent)
+    out["zero_warned"] = any("zero valid" in str(w.message) for w in caught)
+    out["zero_params_unchanged"] = all(torch.equal(engine.full_state_dict()[k], v)
+                                       for k, v in out["params"].items())
+
+    # Checkpoint round trip: save, move on, load -> same params, extra and schedule.
+    engine.save_checkpoint(ckpt_dir, step=7, extra={"data_cursor": 17})
+    saved_step = engine.global_step
+    engine.train_step(mbs)
+    moved = any(not torch.equal(engine.full_state_dict()[k], v) for k, v in out["params"].items())
+    extra = engine.load_checkpoint(ckpt_dir)
+    restored = all(torch.equal(engine.full_state_dict()[k], v) for k, v in out["params"].items())
+    fresh = TrainEngine(model_config=SETTINGS.model, layout=layout,
+                        engine_config=EngineConfig(**{**config.__dict__, "seed": 5}))
+    fresh.load_checkpoint(ckpt_dir)
+    fresh_ok = all(torch.equal(fresh.full_state_dict()[k], v) for k, v in out["params"].items())
+    # Same optimizer state => the next step is identical on both engines.
+    engine.train_step(mbs)
+    fresh.train_step(mbs)
+    next_same = all(torch.equal(a, b) for a, b in zip(engine.full_state_dict().values(),
+                                                       fresh.full_state_dict().values()))
+    out["ckpt"] = dict(moved=moved, extra=extra, restored=restored, fresh=fresh_ok,
+                       step=engine.global_step - 1 == saved_step, next_same=next_same)
+
+    bf16 = TrainEngine(model_config=SETTINGS.model, layout=layout,
+                       engine_config=EngineConfig(**{**config.__dict__, "param_dtype": "bfloat16"}))
+    out["bf16_eval"] = bf16.eval_loss(mbs)
+
+    # Mismatched micro-batch counts must raise on every rank instead of hanging.
+    try:
+        engine.eval_loss(mbs + mbs[:1] if layout.rank == 0 else mbs)
+        out["count_mismatch"] = None
+    except MicroBatchError as err:
+        out["count_mismatch"] = str(err)
+    try:
+        engine.eval_loss(mbs[::-1] if layout.sp_rank == 1 and layout.dp_rank == 0 else mbs)
+        out["sp_mismatch"] = None
+    except MicroBatchError as err:
+        out["sp_mismatch"] = str(err)
+    return out
+
+
+@pytest.fixture(scope="module")
+def scenario(tmp_path_factory):
+    ckpt_dir = str(tmp_path_factory.mktemp("ckpt"))
+    return run_on_ranks(functools.partial(_engine_scenarios, ckpt_dir=ckpt_dir), world=4)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return reference_steps(SETTINGS, agg_modes=["token-mean"])["token-mean"]
+
+
+def test_train_step_with_an_empty_micro_batch_matches_single_process(scenario, reference):
+    for out in scenario:
+        metrics = out["train"]
+        assert metrics["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+        assert metrics["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
+        assert metrics["valid_tokens"] == int(make_global_batch(SETTINGS)["loss_mask"][:, 1:].sum())
+        assert not metrics["step_skipped"] and len(metrics["micro_batch_seconds"]) == 2
+        assert metrics["lr"] == SETTINGS.lr
+        for name, value in out["params"].items():
+            torch.testing.assert_close(value, reference["params"][name], rtol=0, atol=1e-5)
+
+
+def test_eval_loss_and_metrics_are_global_token_means(scenario, reference):
+    for out in scenario:
+        metrics = out["eval"]
+        assert metrics["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+        assert metrics["one"] == pytest.approx(1.0, rel=1e-6)
+        assert metrics["nll"] == pytest.approx(reference["loss"], rel=1e-5)
+
+
+def test_bf16_params_give_the_fp32_loss_to_bf16_tolerance(scenario, reference):
+    for out in scenario:
+        assert out["bf16_eval"]["loss"] == pytest.approx(reference["loss"], rel=2e-2)
+
+
+def test_log_probs_and_entropy_match_a_plain_per_sequence_forward(scenario):
+    batch = make_global_batch(SETTINGS)
+    torch.manual_seed(SETTINGS.seed)
+    model = LlamaForCausalLM(SETTINGS.model, attn_impl="sdpa_masked")
+    for out in scenario:
+        dp_rank = 0 if len(out["log_probs"][0]["log_probs"]) == 2 else 1
+        for idx, got in zip(RANK_SAMPLES[dp_rank], out["log_probs"]):
+            assert got["log_probs"].shape == (len(idx), SETTINGS.max_len)
+            for row, i in enumerate(idx):
+                n = int(batch["attention_mask"][i].sum())
+                ids = batch["input_ids"][i, :n]
+                with torch.no_grad():
+                    logits = model(input_ids=ids, position_ids=torch.arange(n),
+                                   cu_seqlens=torch.tensor([0, n]), max_seqlen=n)
+                logp = torch.log_softmax(logits, -1)
+                want = torch.zeros(SETTINGS.max_len)
+                want[1:n] = logp[:-1].gather(-1, ids[1:, None]).squeeze(-1)
+                ent = torch.zeros(SETTINGS.max_len)
+                ent[1:n] = -(logp.exp() * logp).sum(-1)[:-1]
+                torch.testing.assert_close(got["log_probs"][row], want, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(got["entropy"][row], ent, rtol=1e-5, atol=1e-5)
+
+
+def test_zero_valid_tokens_skips_the_step_with_a_warning_and_no_nan(scenario):
+    for out in scenario:
+        assert out["zero"]["step_skipped"] and out["zero"]["loss"] == 0.0
+        assert out["zero_warned"] and out["zero_params_unchanged"]
+
+
+def test_checkpoint_round_trip_restores_params_optimizer_and_extra(scenario):
+    for out in scenario:
+        ckpt = out["ckpt"]
+        assert ckpt["moved"] and ckpt["restored"] and ckpt["fresh"] and ckpt["next_same"]
+        assert ckpt["extra"] == {"data_cursor": 17} and ckpt["step"]
+
+
+def test_full_state_dict_is_unsharded_with_contract_names(scenario, reference):
+    for out in scenario:
+        assert set(out["params"]) == set(reference["params"])
+        for name, value in out["params"].items():
+            assert value.shape == reference["params"][name].shape and value.device.type == "cpu"
+
+
+def test_inconsistent_micro_batches_raise_on_every_rank_instead_of_hanging(scenario):
+    for out in scenario:
+        assert out["count_mismatch"] and "same number of micro-batches" in out["count_mismatch"]
+        assert out["sp_mismatch"] and "SP ranks" in out["sp_mismatch"]
+
+
+def test_lr_schedule_warmup_then_cosine():
+    cfg = EngineConfig(lr=1.0, warmup_steps=4, lr_schedule="cosine", total_steps=14,
+                       min_lr_ratio=0.1)
+    assert [lr_multiplier(s, config=cfg) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_multiplier(9, config=cfg) == pytest.approx(0.55)
+    assert lr_multiplier(14, config=cfg) == pytest.approx(0.1)
+    assert lr_multiplier(100, config=EngineConfig(warmup_steps=2)) == 1.0

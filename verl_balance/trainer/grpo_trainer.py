@@ -1,0 +1,416 @@
+"""GRPO driver: prompts -> rollout -> reward -> balanced old/ref log-probs -> advantages -> PPO updates.
+
+One training step, for ``data.train_batch_size`` prompts:
+
+1. generate ``rollout.n`` responses per prompt on the colocated rollout (every worker samples for
+   its share of the prompts with the actor's current weights);
+2. score every response with the reward function (``custom_reward_function`` or the built-in
+   rule for its ``data_source``);
+3. plan the whole batch over DP ranks (``trainer.balance_batch``: by workload, a prompt's responses
+   kept on one DP rank, ``group_scope="rank"``), compute old (and reference) log-probs through that
+   plan and merge them back to the batch's own row order;
+4. group-normalised advantages (``algorithm.adv_estimator``);
+5. for each of ``ppo_epochs``, for each mini-batch of ``ppo_mini_batch_size`` prompts (all their
+   responses): its own plan and one ``update_actor`` call = one optimizer step.
+
+Invariants: rows keep the rollout's prompt-major order on the driver; every per-row tensor that
+comes back from workers goes through ``merge_by_plan`` before it is attached. A response is never
+dropped or cut after it was scored (GRPO accepts ``balance.overlong=error`` only), so every plan
+places every row. Each logged actor metric is the mean over the step's optimizer steps of the
+engine's exact global values (loss-mask-weighted token means over each mini-batch).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+from verl_balance.algorithms import PolicyLossConfig, compute_advantages
+from verl_balance.balance import plan_balance
+from verl_balance.data.loader import StatefulDataLoader
+from verl_balance.data.rl_dataset import RLDataConfig, RLPromptDataset
+from verl_balance.data.synthetic import SyntheticConfig, write_dataset
+from verl_balance.data.tokenizer import build_tokenizer
+from verl_balance.protocol import Batch, merge_by_plan
+from verl_balance.rewards import load_reward_fn, score_batch
+from verl_balance.rollout import RolloutOutput, build_rollout_batch
+from verl_balance.trainer import common
+from verl_balance.trainer.grpo_config import sp_size_of, validate_grpo
+from verl_balance.trainer.sft_trainer import truncate_metrics_after
+from verl_balance.utils.tracking import Tracking
+from verl_balance.workers.actor_rollout import PROMPT_IDS_KEY, ActorRolloutWorker, ActorRolloutWorkerConfig
+
+UID_KEY = "uid"
+
+
+# ---------------------------------------------------------------------- driver-side helpers
+def plan_grouped(batch: Batch, *, group_ids, dp_size: int, sp_size: int, micro_batch_size: int | None,
+                 token_cap: int | None, balance: bool, workload):
+    """BalancePlan of a rollout batch: every group (a prompt's responses) on one DP rank.
+
+    ``group_scope="rank"``: the responses of a group share a rank but are packed into micro-batches
+    freely, so a group may be larger than one micro-batch or token cap.
+    """
+    return plan_balance(
+        seq_lens=batch["attention_mask"].sum(dim=1).cpu().numpy(), dp_size=dp_size, sp_size=sp_size,
+        micro_batch_size=None if token_cap is not None else micro_batch_size, max_token_len_per_gpu=token_cap,
+        balance=balance, group_ids=np.asarray(group_ids), group_scope="rank", workload=workload, overlong="error",
+    )
+
+
+def run_by_plan(batch: Batch, plan, call) -> Batch:
+    """``call(per-rank chunks)`` (a worker-group method) with its output rows back in ``batch`` order."""
+    return merge_by_plan(call(common.dispatch_chunks(batch, plan)), plan)
+
+
+def merge_rollout_outputs(outputs: list[RolloutOutput | None], *, prompt_offsets: list[int],
+                          pad_token_id: int) -> RolloutOutput:
+    """One RolloutOutput from per-worker outputs; worker w answered prompts from ``prompt_offsets[w]``."""
+    parts = [(o, off) for o, off in zip(outputs, prompt_offsets) if o is not None]
+    width = max(o.responses.shape[1] for o, _ in parts)
+
+    def pad(t, value):
+        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+    has_log_probs = all(o.log_probs is not None for o, _ in parts)
+    return RolloutOutput(
+        prompt_index=np.concatenate([o.prompt_index + off for o, off in parts]),
+        responses=torch.cat([pad(o.responses, pad_token_id) for o, _ in parts]),
+        response_mask=torch.cat([pad(o.response_mask, 0) for o, _ in parts]),
+        response_lengths=torch.cat([o.response_lengths for o, _ in parts]),
+        finish_reasons=np.concatenate([o.finish_reasons for o, _ in parts]),
+        log_probs=torch.cat([pad(o.log_probs, 0.0) for o, _ in parts]) if has_log_probs else None,
+    )
+
+
+def mean_metrics(records: list[dict]) -> dict:
+    """Key-wise mean over records (a key missing from a record is averaged over the others)."""
+    keys = {k for r in records for k in r}
+    return {k: float(np.mean([r[k] for r in records if k in r])) for k in sorted(keys)}
+
+
+@contextlib.contextmanager
+def _timed(metrics: dict, name: str):
+    start = time.perf_counter()
+    yield
+    metrics[f"timing_s/{name}"] = metrics.get(f"timing_s/{name}", 0.0) + time.perf_counter() - start
+
+
+def resolve_rl_files(cfg) -> tuple:
+    """The configured files, or the synthetic task generated under ``default_local_dir/data``."""
+    d = cfg.data
+    if d.train_files is not None:
+        return d.train_files, d.val_files
+    s = d.synthetic
+    out_dir = s.out_dir or os.path.join(cfg.trainer.default_local_dir, "data")
+    train, val = os.path.join(out_dir, "rl_train.parquet"), os.path.join(out_dir, "rl_val.parquet")
+    if not (os.path.exists(train) and os.path.exists(val)):
+        print(f"[data] data.train_files is null: generating the synthetic task into {out_dir}", flush=True)
+        write_dataset(out_dir=out_dir, num_train=s.num_train, num_val=s.num_val, seed=s.seed, progress=True,
+                      config=SyntheticConfig(tasks=tuple(s.tasks), median_size=s.median_size, sigma=s.sigma,
+                                             min_size=s.min_size, max_size=s.max_size))
+    return train, (d.val_files if d.val_files is not None else val)
+
+
+# ---------------------------------------------------------------------- trainer
+class GRPOTrainer:
+    """Builds data, the actor-rollout worker group and the reward function; ``fit()`` trains."""
+
+    def __init__(self, cfg) -> None:
+        validate_grpo(cfg)
+        self.cfg = cfg
+        t, arr = cfg.trainer, cfg.actor_rollout_ref
+        self.actor_cfg, self.rollout_cfg = arr.actor, arr.rollout
+        self.sp = sp_size_of(cfg)
+        self.world = t.nnodes * t.n_gpus_per_node
+        self.dp = self.world // self.sp
+        self.out_dir = t.default_local_dir
+        os.makedirs(self.out_dir, exist_ok=True)
+
+        self.tokenizer = build_tokenizer(arr.model.tokenizer)
+        train_files, val_files = resolve_rl_files(cfg)
+        d = cfg.data
+        ds_cfg = RLDataConfig(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
+                              filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation,
+                              on_malformed=d.on_malformed)
+        self.train_set = RLPromptDataset(files=train_files, tokenizer=self.tokenizer, config=ds_cfg)
+        self.val_set = RLPromptDataset(files=val_files, tokenizer=self.tokenizer, config=ds_cfg) if val_files else None
+        self.loader = StatefulDataLoader(self.train_set, batch_size=d.train_batch_size, collate_fn=self.train_set.collate,
+                                         shuffle=d.shuffle, seed=t.seed, drop_last=True)
+        self.total_steps = t.total_training_steps or t.total_epochs * len(self.loader)
+        self.reward_fn = load_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name,
+                                        reward_kwargs=dict(cfg.custom_reward_function.reward_kwargs))
+
+        a, r = self.actor_cfg, self.rollout_cfg
+        self.model_config = common.build_model_config(arr.model, vocab_size=self.tokenizer.vocab_size)
+        self.workload = common.build_workload(cfg.balance.workload, self.model_config)
+        self.update_cap = a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None
+        self.log_prob_cap = (r.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu) if a.use_dynamic_bsz else None
+        self.log_prob_mbs = r.log_prob_micro_batch_size_per_gpu or a.ppo_micro_batch_size_per_gpu
+        self.updates_per_step = a.ppo_epochs * (d.train_batch_size // a.ppo_mini_batch_size)
+        engine_config = common.engine_config_from(
+            SimpleNamespace(optim=a.optim, model=arr.model), total_steps=self.total_steps * self.updates_per_step,
+            loss_agg_mode=a.loss_agg_mode, loss_scale_factor=a.loss_scale_factor, seed=t.seed)
+        self.policy_loss = PolicyLossConfig(
+            clip_ratio=a.clip_ratio, clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
+            clip_ratio_c=a.clip_ratio_c, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef,
+            kl_loss_type=a.kl_loss_type, entropy_coeff=a.entropy_coeff)
+        worker_config = ActorRolloutWorkerConfig(
+            model=self.model_config, engine=engine_config, sp_size=self.sp, policy_loss=self.policy_loss,
+            pad_token_id=self.tokenizer.pad_token_id, stop_token_ids=(self.tokenizer.eos_token_id,),
+            rollout_max_batch_size=r.max_num_seqs, use_reference_policy=a.use_kl_loss)
+
+        common.start_ray(address=t.ray_address, num_workers=self.world,
+                         use_gpu=None if t.device == "auto" else t.device == "cuda")
+        use_gpu = common.resolve_use_gpu(t.device)
+        print(f"[trainer] {self.world} {'GPU' if use_gpu else 'CPU'} workers: dp={self.dp} x sp={self.sp}; model "
+              f"{arr.model.name} ({self.model_config.num_layers} layers, hidden {self.model_config.hidden_size}); "
+              f"{len(self.train_set)} train prompts x n={r.n}, {self.total_steps} steps of "
+              f"{self.updates_per_step} optimizer step(s)", flush=True)
+        self.actor = common.build_actor_group(worker_config=worker_config, trainer_cfg=t, use_gpu=use_gpu,
+                                              worker_cls=ActorRolloutWorker)
+        try:
+            if arr.model.path:
+                self.actor.load_model_weights(os.path.abspath(arr.model.path))
+                print(f"[model] warm start: weights of {arr.model.path}", flush=True)
+            if a.use_kl_loss:
+                self.actor.sync_reference_policy()
+        except BaseException:
+            self.close()
+            raise
+        self.global_step = 0
+        self._stop_requested = False
+
+    def close(self) -> None:
+        """Stop the worker processes and free their placement (the Ray cluster stays up)."""
+        self.actor.shutdown()
+        self.actor.resource_pool.remove()
+
+    # ------------------------------------------------------------------ phases
+    def generate(self, prompts: tuple[dict, dict], *, n: int, temperature: float, top_p: float, seed: int) -> Batch:
+        """Rollout batch (one row per response, prompt-major) with uid/data_source/ground_truth columns."""
+        tensors, non_tensors = prompts
+        num_prompts = len(non_tensors[PROMPT_IDS_KEY])
+        bounds = np.linspace(0, num_prompts, self.world + 1).round().astype(int)
+        prompt_batch = Batch.from_dict(tensors={"num_tokens": tensors["attention_mask"].sum(1)},
+                                       non_tensors={PROMPT_IDS_KEY: non_tensors[PROMPT_IDS_KEY]})
+        chunks = [prompt_batch.index_select(np.arange(lo, hi)) for lo, hi in zip(bounds[:-1], bounds[1:])]
+        sampling = {"n": n, "temperature": temperature, "top_p": top_p,
+                    "max_response_length": self.rollout_cfg.response_length}
+        outputs = self.actor.generate_sequences(chunks, sampling, seed)
+        output = merge_rollout_outputs(outputs, prompt_offsets=bounds[:-1].tolist(),
+                                       pad_token_id=self.tokenizer.pad_token_id)
+        columns = {UID_KEY: non_tensors["index"]}
+        for key in ("data_source", "ground_truth", "extra_info"):
+            columns[key] = non_tensors[key]
+        return build_rollout_batch(prompts=list(non_tensors[PROMPT_IDS_KEY]), output=output,
+                                   pad_token_id=self.tokenizer.pad_token_id, prompt_columns=columns)
+
+    def score(self, batch: Batch) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Reward of every response: (scores [B], extra per-sample metrics such as ``acc``)."""
+        width = batch["input_ids"].shape[1]
+        starts = batch["prompt_lengths"].tolist()
+        ends = (batch["prompt_lengths"] + batch["response_lengths"]).tolist()
+        ids = batch["input_ids"].tolist()
+        solutions = [self.tokenizer.decode(row[s:e]) for row, s, e in zip(ids, starts, ends)]
+        assert all(e <= width for e in ends)
+        return score_batch(reward_fn=self.reward_fn, data_sources=list(batch["data_source"]), solutions=solutions,
+                           ground_truths=list(batch["ground_truth"]), extra_infos=list(batch["extra_info"]))
+
+    def _plan(self, batch: Batch, *, micro_batch_size, token_cap):
+        return plan_grouped(batch, group_ids=batch["prompt_index"], dp_size=self.dp, sp_size=self.sp,
+                            micro_batch_size=micro_batch_size, token_cap=token_cap,
+                            balance=bool(self.cfg.trainer.balance_batch), workload=self.workload)
+
+    def _mini_batches(self, batch: Batch) -> list[np.ndarray]:
+        """Row indices of each mini-batch: ``ppo_mini_batch_size`` consecutive prompts, all responses."""
+        prompt_of_row = np.asarray(batch["prompt_index"], dtype=np.int64)
+        size = self.actor_cfg.ppo_mini_batch_size
+        num = -(-int(prompt_of_row.max() + 1) // size)
+        return [np.flatnonzero(prompt_of_row // size == k) for k in range(num)]
+
+    def train_step(self, prompts: tuple[dict, dict]) -> dict:
+        """One GRPO step on one batch of prompts; returns the step's metrics."""
+        metrics: dict = {}
+        r, a = self.rollout_cfg, self.actor_cfg
+        with _timed(metrics, "step"):
+            with _timed(metrics, "gen"):
+                batch = self.generate(prompts, n=r.n, temperature=r.temperature, top_p=r.top_p,
+                                      seed=self.cfg.trainer.seed * 7919 + self.global_step)
+            with _timed(metrics, "reward"):
+                scores, extras = self.score(batch)
+            plan = self._plan(batch, micro_batch_size=self.log_prob_mbs, token_cap=self.log_prob_cap)
+            with _timed(metrics, "old_log_prob"):
+                old = run_by_plan(batch, plan, self.actor.compute_log_prob)
+            batch["old_log_probs"] = old["log_probs"]
+            if a.use_kl_loss:
+                with _timed(metrics, "ref"):
+                    batch["ref_log_prob"] = run_by_plan(batch, plan, self.actor.compute_ref_log_prob)["ref_log_prob"]
+            with _timed(metrics, "adv"):
+                batch["advantages"] = compute_advantages(
+                    adv_estimator=self.cfg.algorithm.adv_estimator, scores=torch.from_numpy(scores),
+                    index=batch["prompt_index"], loss_mask=batch["loss_mask"],
+                    norm_adv_by_std_in_grpo=self.cfg.algorithm.norm_adv_by_std_in_grpo)
+            with _timed(metrics, "update"):
+                metrics.update(self.update_actor(batch))
+        metrics.update(self._rollout_metrics(batch, scores, extras, prefix=""))
+        tokens = int(batch["attention_mask"].sum())
+        metrics.update({"perf/tokens": tokens, "perf/tokens_per_s": tokens / metrics["timing_s/step"],
+                        "train/epoch": float(self.loader.epoch)})
+        return metrics
+
+    def update_actor(self, batch: Batch) -> dict:
+        """ppo_epochs x mini-batches optimizer steps; mean actor metrics, plan and measured balance."""
+        a = self.actor_cfg
+        actor_records, plan_records = [], []
+        compute = np.zeros(self.dp)
+        for _ in range(a.ppo_epochs):
+            for rows in self._mini_batches(batch):
+                mini = batch.index_select(rows)
+                plan = self._plan(mini, micro_batch_size=a.ppo_micro_batch_size_per_gpu, token_cap=self.update_cap)
+                per_rank = self.actor.update_actor(common.dispatch_chunks(mini, plan))
+                reduced = common.reduce_rank_metrics(per_rank, prefix="actor/")
+                actor_records.append({k: v for k, v in reduced.items() if k.startswith("actor/")})
+                plan_records.append(common.plan_metrics(plan))
+                compute += [m.get("compute_seconds", 0.0) for m in per_rank]
+        out = {**mean_metrics(actor_records), **mean_metrics(plan_records)}
+        out["actor/num_optimizer_steps"] = float(len(actor_records))
+        if compute.mean() > 0:
+            # Summed over the step's mini-batches: the time every rank waits for the slowest.
+            out["balance/imbalance_measured"] = float(compute.max() / compute.mean())
+        return out
+
+    def _rollout_metrics(self, batch: Batch, scores: np.ndarray, extras: dict, *, prefix: str) -> dict:
+        lengths = batch["response_lengths"].double()
+        accuracy = extras["acc"] if "acc" in extras else scores
+        out = {f"{prefix}reward/mean": float(scores.mean()), f"{prefix}reward/std": float(scores.std()),
+               f"{prefix}reward/accuracy": float(np.nanmean(accuracy)),
+               f"{prefix}response_length/mean": float(lengths.mean()),
+               f"{prefix}response_length/max": float(lengths.max()),
+               f"{prefix}response_length/clip_ratio": float(np.mean(batch["finish_reason"] == "length"))}
+        for key, values in extras.items():
+            if key != "acc" and np.isfinite(values).any():
+                out[f"{prefix}reward/{key}"] = float(np.nanmean(values))
+        return out
+
+    def evaluate(self) -> dict:
+        """Held-out accuracy with ``rollout.val_kwargs`` sampling (greedy by default), overall and per source."""
+        if self.val_set is None:
+            return {}
+        count = len(self.val_set) if self.cfg.data.val_batch_size is None else min(self.cfg.data.val_batch_size,
+                                                                                   len(self.val_set))
+        prompts = self.val_set.collate([self.val_set[i] for i in range(count)])
+        v = self.rollout_cfg.val_kwargs
+        start = time.perf_counter()
+        batch = self.generate(prompts, n=v.n, temperature=v.temperature, top_p=v.top_p, seed=self.cfg.trainer.seed)
+        scores, extras = self.score(batch)
+        metrics = self._rollout_metrics(batch, scores, extras, prefix="val/")
+        metrics["val/accuracy"] = metrics.pop("val/reward/accuracy")
+        accuracy = extras["acc"] if "acc" in extras else scores
+        sources = np.asarray(batch["data_source"])
+        for source in sorted(set(sources.tolist())):
+            metrics[f"val/accuracy/{source}"] = float(np.nanmean(accuracy[sources == source]))
+        metrics["timing_s/val"] = time.perf_counter() - start
+        return metrics
+
+    # ------------------------------------------------------------------ state
+    def _trainer_state(self) -> dict:
+        return {"global_step": self.global_step, "loader": self.loader.state_dict()}
+
+    def save(self) -> str:
+        path = common.save_trainer_checkpoint(self.actor, root=self.out_dir, step=self.global_step,
+                                              trainer_state=self._trainer_state())
+        print(f"[checkpoint] saved step {self.global_step} -> {path}", flush=True)
+        return path
+
+    def maybe_resume(self) -> None:
+        t = self.cfg.trainer
+        if t.resume_mode == "disable":
+            return
+        path = t.resume_from_path if t.resume_mode == "resume_path" else common.latest_checkpoint(self.out_dir)
+        if path is None:
+            return
+        state = common.load_trainer_checkpoint(self.actor, path)
+        self.global_step = int(state["global_step"])
+        self.loader.load_state_dict(state["loader"])
+        truncate_metrics_after(os.path.join(self.out_dir, "metrics.jsonl"), self.global_step)
+        print(f"[checkpoint] resumed from {path} at step {self.global_step}", flush=True)
+
+    def _request_stop(self, signum, frame) -> None:
+        if self._stop_requested:
+            raise KeyboardInterrupt
+        self._stop_requested = True
+        print("\n[trainer] stop requested: finishing this step, saving a checkpoint, then exiting "
+              "(press Ctrl-C again to abort without saving)", flush=True)
+
+    # ------------------------------------------------------------------ loop
+    def fit(self) -> dict:
+        """Train until total steps (or a stop request); returns a summary dict."""
+        t = self.cfg.trainer
+        self.maybe_resume()
+        tracker = Tracking(t.project_name, t.experiment_name, log_dir=self.out_dir, backends=list(t.logger),
+                           config=OmegaConf.to_container(self.cfg, resolve=True), total_steps=self.total_steps)
+        previous_handler = signal.signal(signal.SIGINT, self._request_stop)
+        first_val = last_val = first_reward = last_reward = None
+        run_start = time.perf_counter()
+        try:
+            if t.test_freq > 0 and t.val_before_train and self.global_step == 0:
+                first_val = self.evaluate()
+                tracker.log(first_val, step=0)
+            while self.global_step < self.total_steps and not self._stop_requested:
+                for prompts in self.loader:
+                    metrics = self.train_step(prompts)
+                    self.global_step += 1
+                    first_reward = metrics["reward/mean"] if first_reward is None else first_reward
+                    last_reward = metrics["reward/mean"]
+                    is_last = self.global_step >= self.total_steps
+                    if t.test_freq > 0 and (self.global_step % t.test_freq == 0 or is_last):
+                        last_val = self.evaluate()
+                        metrics.update(last_val)
+                    tracker.log(metrics, step=self.global_step)
+                    if t.save_freq > 0 and (self.global_step % t.save_freq == 0 or is_last):
+                        self.save()
+                    if is_last or self._stop_requested:
+                        break
+            if self._stop_requested and not (t.save_freq > 0 and self.global_step % t.save_freq == 0):
+                self.save()
+        finally:
+            signal.signal(signal.SIGINT, previous_handler)
+            tracker.close()
+        summary = {"steps": self.global_step, "first_reward": first_reward, "final_reward": last_reward,
+                   "wall_s": time.perf_counter() - run_start, "metrics": tracker.metrics_path,
+                   "initial_val_accuracy": (first_val or {}).get("val/accuracy"),
+                   "final_val_accuracy": (last_val or {}).get("val/accuracy")}
+        if t.plot:
+            from verl_balance.utils.plotting import DEFAULT_PANELS, plot_runs
+
+            panels = (*DEFAULT_PANELS, ("response length", r"^(val/)?response_length/mean$"))
+            summary["plot"] = plot_runs([tracker.metrics_path], out=os.path.join(self.out_dir, "curves.png"),
+                                        panels=panels)
+        return summary
+
+
+def format_summary(summary: dict) -> str:
+    """The end-of-run lines a user reads: reward and held-out accuracy first -> last, files."""
+    lines = ["", "==== GRPO summary ===="]
+    lines.append(f"steps: {summary['steps']} in {summary['wall_s']:.1f} s")
+    if summary.get("first_reward") is not None:
+        lines.append(f"train reward: first {summary['first_reward']:.4f} -> final {summary['final_reward']:.4f}")
+    if summary.get("initial_val_accuracy") is not None or summary.get("final_val_accuracy") is not None:
+        first, last = summary.get("initial_val_accuracy"), summary.get("final_val_accuracy")
+        fmt = lambda x: "n/a" if x is None else f"{x:.4f}"  # noqa: E731
+        lines.append(f"held-out accuracy: before {fmt(first)} -> after {fmt(last)}")
+    lines.append(f"metrics: {summary['metrics']}")
+    if summary.get("plot"):
+        lines.append(f"plot: {summary['plot']}")
+    return "\n".join(lines)
+
+
+__all__ = ["GRPOTrainer", "format_summary", "merge_rollout_outputs", "plan_grouped", "run_by_plan"]
