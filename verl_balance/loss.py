@@ -122,7 +122,8 @@ def _all_reduce_sum(values: Tensor, group: dist.ProcessGroup | None) -> Tensor:
 
 def compute_token_weights(*, loss_masks: Sequence[Tensor], cu_seqlens: Sequence[Tensor],
                           agg_mode: str, loss_scale_factor: float | None = None,
-                          dp_group: dist.ProcessGroup | None, world_group=None,
+                          dp_group: dist.ProcessGroup | None,
+                          world_group: dist.ProcessGroup | None = None,
                           local_slices: Sequence[slice] | None = None, training: bool = True,
                           bug: str | None = None) -> TokenWeights:
     """Per-token weights of each micro-batch of this DP rank (full padded stream, not sliced).

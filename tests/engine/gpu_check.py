@@ -79,7 +79,7 @@ def main() -> None:
         tokens = int(data["attention_mask"].sum())
         rate = tokens * args.steps / (time.perf_counter() - start)
         params = sum(p.numel() for p in engine.model.parameters())
-        print(f"{preset:>6} {params / 1e6:>7.1f}M {tokens:>11} {rate:>10.0f}")
+        print(f"{preset:>6} {params / 1e6:>7.2f}M {tokens:>11} {rate:>10.0f}")
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ weights.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -183,6 +182,7 @@ def grpo_run(ray_cluster, tmp_path_factory):
         "trainer.device=cpu", "trainer.n_gpus_per_node=2", "trainer.logger=[jsonl]", "trainer.plot=false",
         "trainer.resume_mode=disable", "data.synthetic.num_train=256", "data.synthetic.num_val=8",
         f"data.synthetic.out_dir={root / 'data'}", "data.synthetic.tasks=[copy]", "data.synthetic.max_size=6",
+        "data.max_prompt_length=32",
         "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
         "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.rollout.response_length=8",
         f"custom_reward_function.path={reward_file}",

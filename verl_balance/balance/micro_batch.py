@@ -38,6 +38,8 @@ import numpy as np
 from verl_balance.balance.partition import (
     assign_rows_capacity,
     assign_rows_lpt,
+    balanced_partition,
+    cell_loads,
     fill_cells,
     polish_sync_cost,
     refine_cells,
@@ -66,7 +68,7 @@ def balanced_fixed_size_cells(
     return polish_sync_cost(cells, costs, max_passes=polish_passes)
 
 
-def balanced_token_cap_cells(
+def balanced_token_cap_layout(
     *,
     costs: np.ndarray,
     tokens: np.ndarray,
@@ -76,27 +78,208 @@ def balanced_token_cap_cells(
     rel_tol: float,
     max_passes: int,
     polish_passes: int,
+    joint_tries: int = 2,
 ) -> np.ndarray:
-    """Balanced layout where no cell holds more than ``token_cap`` tokens, fewest slots found."""
+    """Balanced ``layout[rank, slot, position]`` with no cell over ``token_cap`` tokens: fewest slots
+    found first, then the lowest synchronised cost at that count (see module docstring)."""
+    lower = max(1, -(-int(tokens.sum()) // (dp_size * token_cap)))
+    cells = _joint_cells(costs, tokens, dp_size, token_cap, lower, equal_size, rel_tol, max_passes, polish_passes)
+    if cells is not None:
+        return assign_cells_to_ranks(cells, costs)
+    rank_items = balanced_partition(costs=costs, num_parts=dp_size, equal_size=equal_size, refine=rel_tol < np.inf,
+                                    rel_tol=rel_tol)
+    two_stage = pack_ranks_under_cap(
+        rank_items=rank_items, costs=costs, tokens=tokens, token_cap=token_cap, rel_tol=rel_tol,
+        max_passes=max(max_passes, 64),
+    )
+    if two_stage.shape[1] > lower and not np.array_equal(costs, tokens):
+        # A cost-balanced split can leave one rank with more tokens than a packing into `lower`
+        # micro-batches allows; a token-balanced split trades some cost balance for fewer of them.
+        by_tokens = balanced_partition(costs=tokens.astype(np.float64), num_parts=dp_size, equal_size=equal_size,
+                                       refine=rel_tol < np.inf, rel_tol=rel_tol)
+        token_split = pack_ranks_under_cap(
+            rank_items=by_tokens, costs=costs, tokens=tokens, token_cap=token_cap, rel_tol=rel_tol,
+            max_passes=max(max_passes, 64),
+        )
+        if token_split.shape[1] < two_stage.shape[1]:
+            two_stage = token_split
+    # Swaps keep every cell's count and moves stay inside one rank, so every rank keeps its count.
+    cells = polish_sync_cost(
+        two_stage.transpose(1, 0, 2).copy(), costs, tokens=tokens, token_cap=token_cap, max_passes=polish_passes,
+        moves_within_part=True,
+    )
+    best = cells.transpose(1, 0, 2).copy()
+    best_sync = cell_loads(cells, costs).max(axis=1).sum()
+    # The joint layout balances better when it fits: try it at the two-stage count and below.
+    for num_slots in range(lower + 1, min(best.shape[1], lower + joint_tries) + 1):
+        cells = _joint_cells(
+            costs, tokens, dp_size, token_cap, num_slots, equal_size, rel_tol, max_passes, polish_passes
+        )
+        if cells is None:
+            continue
+        if num_slots < best.shape[1] or cell_loads(cells, costs).max(axis=1).sum() < best_sync:
+            return assign_cells_to_ranks(cells, costs)
+        break
+    return best
+
+
+def _joint_cells(costs, tokens, dp_size, token_cap, num_slots, equal_size, rel_tol, max_passes, polish_passes):
+    """The joint (row-based) layout with exactly ``num_slots`` slots, or None if it breaks the cap.
+
+    Every cell of a slot takes one unit of each of the slot's rows, so a unit near the cap forces its
+    whole row into a nearly empty slot: heavy-tailed lengths can make this layout need many more
+    slots than a packing does, which is why the caller falls back to the two-stage layout."""
     rows = sort_into_rows(costs, dp_size)
     padded_tokens = np.append(tokens, 0)
     row_tokens = padded_tokens[rows].sum(axis=1).astype(np.float64)
-    num_slots = max(1, -(-int(tokens.sum()) // (dp_size * token_cap)))
-    while True:
-        row_slot = _pack_rows(row_tokens, num_slots, dp_size * token_cap, rel_tol, max_passes)
-        extra = 0 if equal_size else max(1, len(rows) // num_slots // 4 + 1)
-        cells = fill_cells(rows=rows, row_slot=row_slot, num_slots=num_slots, costs=costs, extra_width=extra)
-        refine_cells(cells, costs, allow_moves=not equal_size, rel_tol=rel_tol, max_passes=max_passes)
-        if padded_tokens[cells].sum(axis=-1).max() <= token_cap:
-            # With cost == tokens a swap never lifts a cell above its slot's (capped) maximum.
-            same = np.array_equal(costs, tokens)
-            return polish_sync_cost(
-                cells, costs, tokens=None if same else tokens, token_cap=None if same else token_cap,
-                max_passes=polish_passes,
-            )
-        # One row per slot always fits (every unit <= cap), so this loop ends by num_slots == rows.
-        assert num_slots < len(rows), "token cap unsatisfiable with one row per slot"
-        num_slots += 1
+    if num_slots > len(rows):
+        return None
+    row_slot = _pack_rows(row_tokens, num_slots, dp_size * token_cap, rel_tol, max_passes)
+    if np.bincount(row_slot, weights=row_tokens, minlength=num_slots).max() > dp_size * token_cap:
+        return None
+    extra = 0 if equal_size else max(1, len(rows) // num_slots // 4 + 1)
+    cells = fill_cells(rows=rows, row_slot=row_slot, num_slots=num_slots, costs=costs, extra_width=extra)
+    refine_cells(cells, costs, allow_moves=not equal_size, rel_tol=rel_tol, max_passes=max_passes)
+    if padded_tokens[cells].sum(axis=-1).max() > token_cap:
+        # Cost refinement may have lifted a cell over the cap: refine tokens down to the cap,
+        # then cost again under the cap.
+        refine_cells(cells, tokens.astype(np.float64), allow_moves=not equal_size, rel_tol=0.0,
+                     max_passes=max_passes, stop_at=token_cap)
+        if padded_tokens[cells].sum(axis=-1).max() > token_cap:
+            return None
+        refine_cells(cells, costs, allow_moves=not equal_size, rel_tol=rel_tol, max_passes=max_passes,
+                     tokens=tokens, token_cap=token_cap)
+    # With cost == tokens a swap never lifts a cell above its slot's (capped) maximum.
+    same = np.array_equal(costs, tokens)
+    return polish_sync_cost(
+        cells, costs, tokens=None if same else tokens, token_cap=None if same else token_cap,
+        max_passes=polish_passes,
+    )
+
+
+def pack_ranks_under_cap(
+    *, rank_items: list[np.ndarray], costs: np.ndarray, tokens: np.ndarray, token_cap: int, rel_tol: float,
+    max_passes: int,
+) -> np.ndarray:
+    """Pack each rank's items into one shared number K of micro-batches of at most ``token_cap``
+    tokens, K as small as found, then balance cost among each rank's micro-batches under the cap.
+
+    K is at most the first-fit-decreasing count (which always fits) and at least the bound
+    max_d ceil(tokens_d / cap); the two counts below the FFD count are tried first (``_pack_at``).
+    Returns ``layout[rank, micro, position]``,
+    each rank's micro-batches sorted by cost, heaviest first (index j pairs like-sized ones)."""
+    tokens = np.asarray(tokens, dtype=np.int64)
+    by_tokens = _rank_matrix(rank_items, tokens)
+    by_cost = _rank_matrix(rank_items, costs)
+    rank_tokens = np.array([int(tokens[items].sum()) for items in rank_items])
+    lower = max(1, int(-(-rank_tokens.max() // token_cap)))
+    ffd_bin = _greedy_pack(by_tokens, tokens, costs, token_cap, max(lower, _ffd_bins_bound(rank_tokens, token_cap,
+                           by_tokens)), rule="first")
+    ffd_count = ffd_bin.max(axis=1, initial=-1) + 1
+    num_micro = max(1, int(ffd_count.max()))
+    grid = None
+    for k in range(max(lower, num_micro - 2), num_micro + 1):
+        grid = _pack_at(k, by_cost, by_tokens, ffd_bin, ffd_count, costs, tokens, token_cap, max_passes)
+        if grid is not None:
+            break
+    assert grid is not None, "first fit decreasing always fits in its own count"
+    refine_cells(grid, costs, allow_moves=True, rel_tol=rel_tol, max_passes=max_passes, tokens=tokens,
+                 token_cap=token_cap)
+    assert np.append(tokens, 0)[grid].sum(axis=-1).max() <= token_cap, "per-rank packing broke the token cap"
+    loads = np.append(costs, 0.0)[grid].sum(axis=-1)
+    heaviest_first = np.argsort(-loads, axis=1, kind="stable")
+    return np.take_along_axis(grid, heaviest_first[:, :, None], axis=1)
+
+
+def _pack_at(num_bins, by_cost, by_tokens, ffd_bin, ffd_count, costs, tokens, token_cap, max_passes):
+    """Every rank's items in ``num_bins`` bins within the cap as ``grid[rank, bin, position]``, or
+    None. Per rank, the first that fits of: capacity-constrained LPT on cost (the best start for
+    balancing), first fit decreasing, worst fit decreasing on tokens refined by token swaps/moves."""
+    dp_size = by_cost.shape[0]
+    lpt_bin = _greedy_pack(by_cost, tokens, costs, token_cap, num_bins, rule="lightest")
+    lpt_ok = ((lpt_bin >= 0) | (by_cost < 0)).all(axis=1)
+    use_ffd = ~lpt_ok & (ffd_count <= num_bins)
+    items = np.where(lpt_ok[:, None], by_cost, by_tokens)
+    bins = np.where(lpt_ok[:, None], lpt_bin, ffd_bin)
+    repair = np.flatnonzero(~lpt_ok & ~use_ffd)
+    items[repair] = -1  # filled below
+    grid = _grid_from_bins(items, bins, num_bins)
+    if len(repair):
+        worst_fit = _greedy_pack(by_tokens[repair], tokens, costs, token_cap, num_bins, rule="emptiest")
+        repaired = _grid_from_bins(by_tokens[repair], worst_fit, num_bins)
+        refine_cells(repaired, tokens.astype(np.float64), allow_moves=True, rel_tol=0.0, max_passes=max_passes,
+                     stop_at=token_cap)
+        if np.append(tokens, 0)[repaired].sum(axis=-1).max() > token_cap:
+            return None
+        width = max(grid.shape[2], repaired.shape[2])
+        grid = np.pad(grid, ((0, 0), (0, 0), (0, width - grid.shape[2])), constant_values=-1)
+        grid[repair] = np.pad(repaired, ((0, 0), (0, 0), (0, width - repaired.shape[2])), constant_values=-1)
+    assert grid.shape[0] == dp_size
+    return grid
+
+
+def _rank_matrix(rank_items: list[np.ndarray], key: np.ndarray) -> np.ndarray:
+    """[rank, t]: the rank's items by descending ``key`` (stable), padded with -1."""
+    width = max(1, max(len(items) for items in rank_items))
+    out = np.full((len(rank_items), width), -1, dtype=np.int64)
+    for rank, items in enumerate(rank_items):
+        out[rank, : len(items)] = items[np.argsort(-key[items], kind="stable")]
+    return out
+
+
+def _ffd_bins_bound(rank_tokens: np.ndarray, token_cap: int, items: np.ndarray) -> int:
+    """First fit never opens more than 2 * tokens / cap + 1 bins (two consecutive bins exceed the cap)."""
+    return int(min(items.shape[1], 2 * (-(-rank_tokens.max() // token_cap)) + 1))
+
+
+def _greedy_pack(items: np.ndarray, tokens: np.ndarray, costs: np.ndarray, token_cap: int, num_bins: int, *,
+                 rule: str) -> np.ndarray:
+    """Place ``items[rank, t]`` in order into ``num_bins`` bins per rank with token room:
+    rule "first" = the first bin that fits (first fit), "lightest" = the fitting bin of least cost,
+    "emptiest" = the bin with the most room, even if it overflows (worst fit).
+    All ranks advance together, one item each per round. Returns the bin per entry (-1: padding,
+    or no bin had room)."""
+    dp_size, rounds = items.shape
+    room = np.full((dp_size, num_bins), float(token_cap))
+    load = np.zeros((dp_size, num_bins))
+    bin_of = np.full(items.shape, -1, dtype=np.int64)
+    tok = np.append(tokens, 0).astype(np.float64)[items]
+    cost = np.append(costs, 0.0)[items]
+    ranks = np.arange(dp_size)
+    for t in range(rounds):
+        fits = room >= tok[:, t, None]
+        if rule == "emptiest":
+            chosen = room.argmax(axis=1)
+            fits[:] = True
+        elif rule == "first":
+            chosen = fits.argmax(axis=1)
+        else:
+            chosen = np.where(fits, load, np.inf).argmin(axis=1)
+        ok = (items[:, t] >= 0) & fits[ranks, chosen]
+        r, b = ranks[ok], chosen[ok]
+        room[r, b] -= tok[ok, t]
+        load[r, b] += cost[ok, t]
+        bin_of[ok, t] = b
+    return bin_of
+
+
+def _grid_from_bins(items: np.ndarray, bins: np.ndarray, num_bins: int) -> np.ndarray:
+    """``grid[rank, bin, position]`` of item ids from a per-entry bin assignment, with spare
+    positions (a quarter more, at least two) so refinement can move items between bins."""
+    dp_size = items.shape[0]
+    placed = items >= 0
+    rank_of = np.broadcast_to(np.arange(dp_size)[:, None], items.shape)[placed]
+    bin_of, item_of = bins[placed], items[placed]
+    flat = rank_of * num_bins + bin_of
+    counts = np.bincount(flat, minlength=dp_size * num_bins)
+    width = int(counts.max(initial=0))
+    width += max(2, width // 4)
+    order = np.argsort(flat, kind="stable")
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    position = np.arange(len(flat)) - starts[flat[order]]
+    grid = np.full((dp_size * num_bins, width), -1, dtype=np.int64)
+    grid[flat[order], position] = item_of[order]
+    return grid.reshape(dp_size, num_bins, width)
 
 
 def _pack_rows(row_tokens: np.ndarray, num_slots: int, slot_cap: int, rel_tol: float, max_passes: int) -> np.ndarray:
@@ -207,30 +390,8 @@ def balanced_per_rank_micro_batches(
             cells = [grid[0, c] for c in full_order] + [grid[0, c] for c in range(full, num_micro)]
             layout.append([c[c >= 0] for c in cells])
         return layout
-    padded_tokens = np.append(tokens, 0)
-    num_micro = max(1, max(-(-int(tokens[items].sum()) // token_cap) for items in rank_items))
-    while True:
-        rows, row_slot = [], []
-        for rank, items in enumerate(rank_items):
-            order = items[np.argsort(-costs[items], kind="stable")]
-            padded = np.full(-(-len(order) // num_micro) * num_micro, -1, dtype=np.int64)
-            padded[: len(order)] = order
-            rows.append(padded.reshape(-1, num_micro))
-            row_slot.append(np.full(len(rows[-1]), rank, dtype=np.int64))
-        rows_all = np.concatenate(rows) if rows else np.zeros((0, num_micro), dtype=np.int64)
-        slots_all = np.concatenate(row_slot)
-        extra = max(1, rows_all.shape[0] // max(dp_size, 1) // 4 + 1)
-        grid = fill_cells(rows=rows_all, row_slot=slots_all, num_slots=dp_size, costs=costs, extra_width=extra)
-        refine_cells(grid, costs, allow_moves=True, rel_tol=rel_tol, max_passes=max_passes)
-        cell_tokens = padded_tokens[grid].sum(axis=-1)
-        if cell_tokens.max() <= token_cap:
-            break
-        # One item per micro-batch always fits (every item <= cap), so this ends.
-        assert num_micro < max(len(items) for items in rank_items), "token cap unsatisfiable"
-        num_micro += 1
-    loads = np.append(costs, 0.0)[grid].sum(axis=-1)
-    layout = []
-    for rank in range(dp_size):
-        cells = grid[rank, np.argsort(-loads[rank], kind="stable")]
-        layout.append([c[c >= 0] for c in cells])
-    return layout
+    layout = pack_ranks_under_cap(
+        rank_items=rank_items, costs=costs, tokens=tokens, token_cap=token_cap, rel_tol=rel_tol,
+        max_passes=max(max_passes, 64),
+    )
+    return [[c[c >= 0] for c in rank] for rank in layout]

@@ -104,11 +104,15 @@ def refine_cells(
     rel_tol: float = 1e-5,
     max_passes: int = 64,
     stop_at: float | None = None,
+    tokens: np.ndarray | None = None,
+    token_cap: float | None = None,
 ) -> np.ndarray:
     """Pairwise-swap refinement of ``cells`` in place (see module docstring); returns ``cells``.
 
     Stops when every slot's heaviest part is within ``rel_tol`` of its slot mean (or at most
     ``stop_at``, when given), when no pairing improves any slot, or after ``max_passes`` passes.
+    With ``tokens`` and ``token_cap`` a swap is applied only if both cells end with at most
+    ``token_cap`` tokens, so a grid that fits the cap keeps fitting it.
     """
     num_slots, num_parts, width = cells.shape
     if num_parts < 2 or cells.size == 0:
@@ -117,6 +121,10 @@ def refine_cells(
     values = padded_costs[cells]
     valid = cells >= 0
     loads = values.sum(axis=-1)
+    capped = tokens is not None and token_cap is not None
+    if capped:
+        tok_values = np.append(np.asarray(tokens, dtype=np.float64), 0.0)[cells]
+        tok_loads = tok_values.sum(axis=-1)
     half = num_parts // 2
     slot_ids = np.repeat(np.arange(num_slots), half)
     shift, failed_shifts = 0, 0
@@ -137,8 +145,14 @@ def refine_cells(
         a_valid = valid[pair_slot, heavy]
         b_usable = valid[pair_slot, light] | allow_moves
         b = np.where(valid[pair_slot, light], values[pair_slot, light], 0.0)
-        search = _best_swaps_dense if len(heavy) * width * width <= 200_000 else _best_swaps_sorted
-        best_score, best_a, best_b = search(a, a_valid, b, b_usable, gap)
+        if capped:
+            best_score, best_a, best_b = _best_swaps_capped(
+                a, a_valid, b, b_usable, gap, tok_values[pair_slot, heavy], tok_values[pair_slot, light],
+                token_cap - tok_loads[pair_slot, heavy], token_cap - tok_loads[pair_slot, light],
+            )
+        else:
+            search = _best_swaps_dense if len(heavy) * width * width <= 200_000 else _best_swaps_sorted
+            best_score, best_a, best_b = search(a, a_valid, b, b_usable, gap)
         # Only a strict decrease of the pair's maximum counts (score < gap / 2 <=> new max < old max).
         apply = np.isfinite(best_score) & (best_score < gap / 2.0 * (1.0 - 1e-12))
         if not apply.any():
@@ -157,17 +171,42 @@ def refine_cells(
         valid[s_i, h_i, pa], valid[s_i, l_i, pb] = item_b >= 0, item_a >= 0
         loads[s_i, h_i] += val_b - val_a
         loads[s_i, l_i] += val_a - val_b
+        if capped:
+            tok_a, tok_b = tok_values[s_i, h_i, pa].copy(), tok_values[s_i, l_i, pb].copy()
+            tok_values[s_i, h_i, pa], tok_values[s_i, l_i, pb] = tok_b, tok_a
+            tok_loads[s_i, h_i] += tok_b - tok_a
+            tok_loads[s_i, l_i] += tok_a - tok_b
     return cells
 
 
-def _best_swaps_dense(a, a_valid, b, b_usable, gap):
-    """For each pair (row): the (i, j) with 0 < a_i - b_j < gap closest to gap / 2, all pairs at once.
+def _best_swaps_capped(a, a_valid, b, b_usable, gap, ta, tb, room_heavy, room_light, chunk_elems=1_000_000):
+    """``_best_swaps_dense`` restricted to swaps that keep both cells within their token room:
+    tb_j - ta_i <= room_heavy and ta_i - tb_j <= room_light. Dense, in chunks of pairs."""
+    num_pairs, width = a.shape
+    best_score = np.full(num_pairs, np.inf)
+    best_a = np.zeros(num_pairs, dtype=np.int64)
+    best_b = np.zeros(num_pairs, dtype=np.int64)
+    step = max(1, chunk_elems // max(1, width * width))
+    for lo in range(0, num_pairs, step):
+        sl = slice(lo, lo + step)
+        tok_delta = ta[sl, :, None] - tb[sl, None, :]
+        fits = (-tok_delta <= room_heavy[sl, None, None]) & (tok_delta <= room_light[sl, None, None])
+        score, i, j = _best_swaps_dense(a[sl], a_valid[sl], b[sl], b_usable[sl], gap[sl], allowed=fits)
+        best_score[sl], best_a[sl], best_b[sl] = score, i, j
+    return best_score, best_a, best_b
+
+
+def _best_swaps_dense(a, a_valid, b, b_usable, gap, allowed=None):
+    """For each pair (row): the (i, j) with 0 < a_i - b_j < gap closest to gap / 2, all pairs at once
+    (only among ``allowed[pair, i, j]`` when given).
 
     Returns (score = |a_i - b_j - gap / 2| or inf, i, j)."""
     num_pairs, width = a.shape
     delta = a[:, :, None] - b[:, None, :]
     half_gap = (gap / 2.0)[:, None, None]
     usable = a_valid[:, :, None] & b_usable[:, None, :] & (delta > 0) & (delta < 2.0 * half_gap)
+    if allowed is not None:
+        usable &= allowed
     score = np.where(usable, np.abs(delta - half_gap), np.inf).reshape(num_pairs, -1)
     flat = score.argmin(axis=1)
     return score[np.arange(num_pairs), flat], flat // width, flat % width
@@ -263,6 +302,7 @@ def polish_sync_cost(
     token_cap: int | None = None,
     max_passes: int = 16,
     partners: int = 16,
+    moves_within_part: bool = False,
 ) -> np.ndarray:
     """Lower ``sum_s max_p load(s, p)`` by swaps between any two cells, across slots too.
 
@@ -270,11 +310,13 @@ def polish_sync_cost(
     that have the most *slack* (room below their own slot's maximum; for a cell of the same
     slot, room below the slot's second maximum), so the swap lowers this slot's maximum by
     min(delta, excess over the second maximum) without raising any other slot's maximum. Swaps
-    keep every cell's count; with ``token_cap`` no cell may exceed it. Candidates are applied
-    best first, at most one per slot touched per pass. Works in place; returns ``cells``.
+    keep every cell's count; with ``token_cap`` no cell may exceed it. With ``moves_within_part``
+    an item may also move to an empty position of another slot's cell of the same part (a DP
+    rank), which keeps every part's count. Candidates are applied best first, at most one per
+    slot touched per pass. Works in place; returns ``cells``.
     """
     num_slots, num_parts, width = cells.shape
-    if num_slots < 2 or num_parts < 2:
+    if num_slots < 2 or (num_parts < 2 and not moves_within_part):
         return cells
     padded_costs = np.append(costs, np.nan)  # empty positions never match (NaN comparisons are False)
     padded_tokens = None if tokens is None else np.append(tokens, 0).astype(np.float64)
@@ -285,7 +327,8 @@ def polish_sync_cost(
         loads = np.nan_to_num(values).sum(axis=-1)
         by_load = np.sort(loads, axis=1)
         heavy = loads.argmax(axis=1)
-        top, second = by_load[:, -1], by_load[:, -2]
+        top = by_load[:, -1]
+        second = by_load[:, -2] if num_parts > 1 else np.zeros(num_slots)
         excess = top - second
         # Room of every cell as a partner of slot s's heavy cell: up to its own slot's maximum,
         # or up to the second maximum inside slot s; the heavy cell itself has none.
@@ -296,6 +339,9 @@ def polish_sync_cost(
         partner_room = np.take_along_axis(room, partner, axis=1)
         a = values[slot_range, heavy]  # (S, W)
         b = values.reshape(-1, width)[partner]  # (S, K, W)
+        if moves_within_part:
+            same_part = (partner % num_parts) == heavy[:, None]
+            b = np.where(np.isnan(b) & same_part[:, :, None], 0.0, b)
         delta = a[:, None, :, None] - b[:, :, None, :]  # (S, K, W, W)
         usable = (delta > 0) & (delta <= partner_room[:, :, None, None])
         if token_cap is not None:

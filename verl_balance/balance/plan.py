@@ -32,7 +32,7 @@ from verl_balance.balance.micro_batch import (
     assign_cells_to_ranks,
     balanced_fixed_size_cells,
     balanced_per_rank_micro_batches,
-    balanced_token_cap_cells,
+    balanced_token_cap_layout,
     naive_layout,
 )
 from verl_balance.balance.partition import balanced_partition
@@ -196,14 +196,14 @@ def plan_balance(
                     costs=unit_cost, dp_size=dp_size, micro_batch_size=unit_mbs, polish_passes=polish_passes,
                     **refine_kwargs,
                 )
+                layout = assign_cells_to_ranks(cells, unit_cost)
             else:
-                cells = balanced_token_cap_cells(
+                layout = balanced_token_cap_layout(
                     costs=unit_cost, tokens=unit_tokens, dp_size=dp_size, token_cap=token_cap, equal_size=equal_size,
                     polish_passes=polish_passes, **refine_kwargs,
                 )
                 # Heaviest micro-batch first: an out-of-memory shows up on the first micro-batch.
-                cells = cells[np.argsort(-np.append(unit_tokens, 0)[cells].sum(axis=(1, 2)), kind="stable")]
-            layout = assign_cells_to_ranks(cells, unit_cost)
+                layout = layout[:, np.argsort(-np.append(unit_tokens, 0)[layout].sum(axis=(0, 2)), kind="stable")]
             micro_batches = _expand_units([[cell[cell >= 0] for cell in rank] for rank in layout], unit_of_sample)
     else:
         # group_scope="rank": groups pick ranks, then each rank's samples are packed freely.

@@ -57,8 +57,10 @@ class TrainEngine:
         if model is None:
             # Built on CPU from the seed so every rank (and every device type) starts from the
             # same weights; FSDP2 then keeps this rank's shard.
-            torch.manual_seed(engine_config.seed)
-            model = build_model(model_config, sp_size=layout.sp, attn_impl=engine_config.attn_impl)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(engine_config.seed)
+                model = build_model(model_config, sp_size=layout.sp,
+                                    attn_impl=engine_config.attn_impl)
         model.set_sequence_parallel_group(layout.sp_group if layout.sp > 1 else None)
         model.to(self.device)
         param_dtype = torch.bfloat16 if engine_config.param_dtype == "bfloat16" else torch.float32
@@ -139,12 +141,12 @@ class TrainEngine:
                           + ("optimizer step skipped" if training else "eval loss is 0"),
                           stacklevel=3)
             return {**metrics, "loss": 0.0, "grad_norm": 0.0, "step_skipped": training,
-                    "micro_batch_seconds": [], "compute_seconds": 0.0}
+                    "micro_batch_seconds": [], "compute_seconds": 0.0, "busy_seconds": 0.0}
 
         scale = float(self.gradient_divide_factor)
         local_objective = torch.zeros((), dtype=torch.float64, device=self.device)
         metric_sums: dict[str, Tensor] = {}
-        seconds = []
+        seconds, busy_seconds = [], []
         if training:
             self.model.train()
             self.optimizer.zero_grad(set_to_none=True)
@@ -152,7 +154,7 @@ class TrainEngine:
             self.model.eval()
         for p, weights in zip(packed, token_weights.weights):
             self._sync()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             with torch.set_grad_enabled(training):
                 logits = self._forward(p)
                 inputs = p.local_inputs()
@@ -165,6 +167,7 @@ class TrainEngine:
                     (objective * scale).backward()
             self._sync()
             seconds.append(time.perf_counter() - start)
+            busy_seconds.append(time.process_time() - start_cpu)
             local_objective += objective.detach().double()
             mask = inputs["loss_mask"]
             for name, value in per_token_metrics.items():
@@ -181,6 +184,11 @@ class TrainEngine:
             metrics[name] = float(totals[i + 1]) / token_weights.num_tokens
         metrics["micro_batch_seconds"] = seconds
         metrics["compute_seconds"] = float(sum(seconds))
+        # Wall time includes waiting in FSDP's collectives for the slowest rank, so it is nearly
+        # equal on every rank. On CPU, process time excludes blocking waits and measures this
+        # rank's own work. On accelerators the host cannot tell kernels from collective waits,
+        # so busy falls back to wall time there (it then understates the imbalance).
+        metrics["busy_seconds"] = float(sum(busy_seconds)) if self.device.type == "cpu" else float(sum(seconds))
         if training:
             metrics.update(self._optimizer_step())
         return metrics

@@ -133,17 +133,17 @@ def reduce_rank_metrics(per_rank: list[dict], *, prefix: str) -> dict:
 
     Engine metrics such as loss and grad_norm are already global (all-reduced over the mesh),
     so DP rank 0's value is taken; compute time differs per rank and gives measured imbalance
-    (max / mean over DP ranks of the per-rank compute seconds).
+    (max / mean over DP ranks of the per-rank busy seconds: compute without collective waits).
     """
     out = {}
     for key, value in per_rank[0].items():
         if isinstance(value, (int, float, bool)) and key != "dp_rank" and not key.endswith("seconds"):
             out[prefix + key] = float(value)
-    compute = np.array([m.get("compute_seconds", 0.0) for m in per_rank], dtype=np.float64)
-    if compute.size and compute.mean() > 0:
-        out["balance/imbalance_measured"] = float(compute.max() / compute.mean())
-        out["timing_s/compute_max"] = float(compute.max())
-        out["timing_s/compute_mean"] = float(compute.mean())
+    busy = np.array([m.get("busy_seconds", 0.0) for m in per_rank], dtype=np.float64)
+    if busy.size and busy.mean() > 0:
+        out["balance/imbalance_measured"] = float(busy.max() / busy.mean())
+        out["timing_s/busy_max"] = float(busy.max())
+        out["timing_s/busy_mean"] = float(busy.mean())
     return out
 
 

@@ -149,6 +149,8 @@ class GRPOTrainerSection(TrainerSection):
     # plan each batch over DP ranks by workload, a prompt's responses on one rank
     balance_batch: bool = True
     val_before_train: bool = True
+    # validation samples printed to the console (prompt, response, score)
+    log_val_generations: int = 0
 
 
 @dataclass

@@ -90,6 +90,18 @@ def merge_rollout_outputs(outputs: list[RolloutOutput | None], *, prompt_offsets
     )
 
 
+def rollout_probs_diff(batch: Batch) -> dict:
+    """How far the rollout's token probabilities are from the actor's recomputed ones (verl's
+    ``training/rollout_probs_diff_*``): large values mean the two forwards disagree."""
+    if "rollout_log_probs" not in batch:
+        return {}
+    mask = batch["loss_mask"].bool()
+    diff = (batch["rollout_log_probs"].exp() - batch["old_log_probs"].exp()).abs()[mask]
+    if diff.numel() == 0:
+        return {}
+    return {"rollout/probs_diff_mean": float(diff.mean()), "rollout/probs_diff_max": float(diff.max())}
+
+
 def mean_metrics(records: list[dict]) -> dict:
     """Key-wise mean over records (a key missing from a record is averaged over the others)."""
     keys = {k for r in records for k in r}
@@ -142,8 +154,9 @@ class GRPOTrainer:
                               on_malformed=d.on_malformed)
         self.train_set = RLPromptDataset(files=train_files, tokenizer=self.tokenizer, config=ds_cfg)
         self.val_set = RLPromptDataset(files=val_files, tokenizer=self.tokenizer, config=ds_cfg) if val_files else None
-        self.loader = StatefulDataLoader(self.train_set, batch_size=d.train_batch_size, collate_fn=self.train_set.collate,
-                                         shuffle=d.shuffle, seed=t.seed, drop_last=True)
+        self.loader = StatefulDataLoader(self.train_set, batch_size=d.train_batch_size,
+                                         collate_fn=self.train_set.collate, shuffle=d.shuffle, seed=t.seed,
+                                         drop_last=True)
         self.total_steps = t.total_training_steps or t.total_epochs * len(self.loader)
         self.reward_fn = load_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name,
                                         reward_kwargs=dict(cfg.custom_reward_function.reward_kwargs))
@@ -152,7 +165,8 @@ class GRPOTrainer:
         self.model_config = common.build_model_config(arr.model, vocab_size=self.tokenizer.vocab_size)
         self.workload = common.build_workload(cfg.balance.workload, self.model_config)
         self.update_cap = a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None
-        self.log_prob_cap = (r.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu) if a.use_dynamic_bsz else None
+        self.log_prob_cap = ((r.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu)
+                             if a.use_dynamic_bsz else None)
         self.log_prob_mbs = r.log_prob_micro_batch_size_per_gpu or a.ppo_micro_batch_size_per_gpu
         self.updates_per_step = a.ppo_epochs * (d.train_batch_size // a.ppo_mini_batch_size)
         engine_config = common.engine_config_from(
@@ -215,12 +229,10 @@ class GRPOTrainer:
 
     def score(self, batch: Batch) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Reward of every response: (scores [B], extra per-sample metrics such as ``acc``)."""
-        width = batch["input_ids"].shape[1]
         starts = batch["prompt_lengths"].tolist()
         ends = (batch["prompt_lengths"] + batch["response_lengths"]).tolist()
         ids = batch["input_ids"].tolist()
         solutions = [self.tokenizer.decode(row[s:e]) for row, s, e in zip(ids, starts, ends)]
-        assert all(e <= width for e in ends)
         return score_batch(reward_fn=self.reward_fn, data_sources=list(batch["data_source"]), solutions=solutions,
                            ground_truths=list(batch["ground_truth"]), extra_infos=list(batch["extra_info"]))
 
@@ -250,6 +262,7 @@ class GRPOTrainer:
             with _timed(metrics, "old_log_prob"):
                 old = run_by_plan(batch, plan, self.actor.compute_log_prob)
             batch["old_log_probs"] = old["log_probs"]
+            metrics.update(rollout_probs_diff(batch))
             if a.use_kl_loss:
                 with _timed(metrics, "ref"):
                     batch["ref_log_prob"] = run_by_plan(batch, plan, self.actor.compute_ref_log_prob)["ref_log_prob"]
@@ -318,7 +331,18 @@ class GRPOTrainer:
         for source in sorted(set(sources.tolist())):
             metrics[f"val/accuracy/{source}"] = float(np.nanmean(accuracy[sources == source]))
         metrics["timing_s/val"] = time.perf_counter() - start
+        self._print_generations(batch, scores, count=self.cfg.trainer.log_val_generations)
         return metrics
+
+    def _print_generations(self, batch: Batch, scores: np.ndarray, *, count: int) -> None:
+        """verl's ``trainer.log_val_generations``: the first ``count`` validation samples on the console."""
+        starts, lengths = batch["prompt_lengths"].tolist(), batch["response_lengths"].tolist()
+        for i in range(min(count, len(batch))):
+            row = batch["input_ids"][i].tolist()
+            prompt = self.tokenizer.decode(row[:starts[i]], skip_special_tokens=False)
+            response = self.tokenizer.decode(row[starts[i]:starts[i] + lengths[i]], skip_special_tokens=False)
+            print(f"[val sample {i}] {prompt!r} -> {response!r} (score {scores[i]:g}, "
+                  f"truth {batch['ground_truth'][i]!r})", flush=True)
 
     # ------------------------------------------------------------------ state
     def _trainer_state(self) -> dict:
