@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/sft_bench.py                # all three tables (a few minutes)
     PYTHONPATH=. python benchmarks/sft_bench.py step           # or: overhead | memory
-    PYTHONPATH=. python benchmarks/sft_bench.py --quick        # smoke run (< 1 min after Ray start)
+    PYTHONPATH=. python benchmarks/sft_bench.py --quick        # smoke run: tiny model, 1 + 3 steps (mostly Ray start-up)
 
 step      Step time on dp=2 CPU workers (one Ray worker group, reused): each step is 32 sequences
           with lengths lognormal(median, sigma=1.2) in random order, clipped to [8, max_len].
@@ -11,11 +11,13 @@ step      Step time on dp=2 CPU workers (one Ray worker group, reused): each ste
           (balance=False) and verl 0.9.1's two-stage balancing (benchmarks/verl_plans.py runs
           verl's own code under --verl-python; the row is "n/a" when verl is not importable).
           The worker group, the batches and everything else are shared; only the plan differs.
-          Methods are interleaved step by step (order rotated) so load drifts hit them alike. Figures:
-          median driver wall time of update_actor, median per-rank CPU seconds of the step (max
-          over ranks; waiting in a blocking collective costs no CPU), the plan's predicted sync
-          cost (sum over micro-batch slots of the max rank cost, FLOPs model) relative to
-          contiguous. FSDP synchronises every micro-batch, so wall time follows the sync cost.
+          Methods are interleaved step by step (order rotated) so load drifts hit them alike.
+          Figures (medians over timed steps): driver wall time of update_actor; "cpu sync" = sum
+          over micro-batch slots of the max over ranks of the slot's CPU seconds, i.e. the step
+          time the ranks would take on cores of their own (a blocking gloo wait costs no CPU;
+          this is the load-robust figure on a shared machine); the plan's predicted sync cost
+          (same sum with the FLOPs model); each relative to contiguous. FSDP synchronises every
+          micro-batch, so on dedicated cores wall time follows the sync cost.
 overhead  Training tokens/s at dp=1: SFTTrainer.train_step (plan, split, Ray dispatch, FSDP2
           engine) vs a plain single-process PyTorch loop (build_model, AdamW, packed forward,
           token-mean NLL, grad clipping) in a spawned process, same batches and the same
@@ -39,7 +41,6 @@ import os
 import resource
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass

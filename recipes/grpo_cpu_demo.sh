@@ -8,7 +8,7 @@
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-outputs/grpo_cpu_demo}
-SFT_STEPS=${SFT_STEPS:-300}
+SFT_STEPS=${SFT_STEPS:-400}
 DIMS="hidden_size=64 intermediate_size=192 num_layers=2"
 
 python -m verl_balance.data.synthetic --out "$OUT/data" --num-train 4096 --num-val 128 --seed 0 \
@@ -20,7 +20,7 @@ python -m verl_balance.main_sft \
     model.name=tiny $(for d in $DIMS; do printf 'model.%s ' "$d"; done) \
     data.train_files="$OUT/data/sft_train.parquet" data.val_files="$OUT/data/sft_val.parquet" \
     data.train_batch_size=32 data.micro_batch_size_per_gpu=16 \
-    optim.lr=5e-3 optim.lr_scheduler=constant \
+    optim.lr=5e-3 \
     trainer.total_training_steps="$SFT_STEPS" trainer.save_freq="$SFT_STEPS" trainer.test_freq=100 \
     trainer.experiment_name=grpo_demo_sft trainer.default_local_dir="$OUT/sft"
 
@@ -35,7 +35,7 @@ python -m verl_balance.main_grpo \
     actor_rollout_ref.rollout.response_length=10 \
     actor_rollout_ref.actor.ppo_mini_batch_size=16 \
     actor_rollout_ref.actor.use_dynamic_bsz=true actor_rollout_ref.actor.ppo_max_token_len_per_gpu=256 \
-    actor_rollout_ref.actor.optim.lr=5e-4 \
+    actor_rollout_ref.actor.optim.lr=3e-4 \
     actor_rollout_ref.actor.use_kl_loss=true actor_rollout_ref.actor.kl_loss_coef=0.001 \
     algorithm.adv_estimator=grpo trainer.balance_batch=true \
     trainer.total_training_steps=40 trainer.test_freq=5 trainer.log_val_generations=4 \

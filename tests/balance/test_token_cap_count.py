@@ -44,11 +44,13 @@ def reference_two_stage_count(lengths: np.ndarray, dp_size: int, token_cap: int)
 
 
 def heavy_tailed(n: int, cap: int, seed: int, sigma: float = 0.9) -> np.ndarray:
+    """Lognormal lengths (median ~665) clipped to 16..cap: a few samples sit exactly at the cap."""
     rng = np.random.default_rng(seed)
     return np.clip(rng.lognormal(6.5, sigma, n).astype(np.int64), 16, cap)
 
 
 def assert_cap_and_count(plan, lengths, dp_size, sp_size, cap_per_gpu):
+    """Cap per SP rank after padding, equal counts, and count <= reference (<= bound + 1 when it is)."""
     token_cap = cap_per_gpu * sp_size
     for rank in plan.micro_batches:
         assert len(rank) == plan.num_micro_batches
@@ -77,11 +79,11 @@ def test_micro_batch_count_at_most_two_stage_reference_on_reported_cases(dp_size
 
 def test_heavy_tailed_case_keeps_joint_quality():
     # dp 8, seed 1 holds a sample at the cap: the count must be the bound and the synchronised cost
-    # must stay well below the 1.09 the 14-micro-batch plan had (1.047 today; 1.07 for verl).
+    # must stay well below the 1.09 the 14-micro-batch plan had (1.038 today; 1.073 for verl).
     lengths = heavy_tailed(1024, 16384, 1)
     plan = plan_balance(seq_lens=lengths, dp_size=8, max_token_len_per_gpu=16384, workload=FLOPS_7B)
     assert plan.num_micro_batches == plan.stats["micro_batch_bound"] == 8
-    assert plan.stats["sync_ratio"] < 1.06
+    assert plan.stats["sync_ratio"] < 1.05
 
 
 def test_samples_at_the_cap_each_get_a_micro_batch_without_extra_slots():

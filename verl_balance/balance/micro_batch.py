@@ -13,6 +13,19 @@ tolerance. Then sum_j max_d = sum_j mean_d + (small excess per slot) = total / d
 ``partition.polish_sync_cost`` then trims that excess with swaps across slots (a slot's heaviest
 cell trades with any cell that has room below its own slot's maximum).
 
+Token cap rule: **fewest micro-batches first, then balance within that count.** With FSDP each
+micro-batch costs a collective round (all-gather + reduce-scatter), so one more micro-batch is
+never traded for a better sync ratio. The row layout above puts one unit of every row of a slot
+in every cell of that slot, so a unit near the cap drags its whole row into a nearly empty slot;
+with heavy-tailed lengths it can need far more slots than a packing (14 vs 8 at dp 8, cap 16k).
+``balanced_token_cap_layout`` therefore tries the row layout at the bound
+B = ceil(total_tokens / (dp * C)) only; if that does not fit, it builds the two-stage layout
+(``pack_ranks_under_cap``: cost-balanced DP split, then each rank packed into the shared count K,
+at most first-fit-decreasing's count, with a token-balanced DP split as a second candidate when
+K > B), balances cost inside each rank under the cap toward the common slot profile, and polishes
+the sum of slot maxima; the row layout is then tried again between B + 1 and K and wins only
+with fewer slots, or with the same count and a lower synchronised cost.
+
 When groups only have to share a rank (``balanced_per_rank_micro_batches``), groups are first
 split across ranks (``balanced_partition``) and each rank's samples are then packed into the
 shared number of micro-batches, balanced within the rank and aligned across ranks by size.
@@ -23,8 +36,8 @@ Invariants:
   differ by at most one (only the last slot holds the partial row);
 - token cap C = max_token_len_per_gpu * sp (a micro-batch of T tokens is padded to ceil(T/sp)*sp
   and each SP rank holds ceil(T/sp), so ceil(T/sp) <= cap <=> T <= C): no cell exceeds C; the
-  slot count starts at the bound ceil(total_tokens / (dp * C)) and grows by one only when the
-  refined layout does not fit (it always fits at one row per slot, so the search terminates);
+  slot count is at least the bound B and at most the count of first-fit-decreasing on every
+  rank of the cost-balanced DP split (which always fits, as every unit <= C);
 - the naive layout (balance=False) is contiguous in input order: rank d holds units
   array_split(range(U), dp)[d]; its micro-batches are contiguous chunks of mbs units or a
   greedy sequential fill up to C; ranks with fewer micro-batches get empty ones at the end;
@@ -86,8 +99,9 @@ def balanced_token_cap_layout(
     cells = _joint_cells(costs, tokens, dp_size, token_cap, lower, equal_size, rel_tol, max_passes, polish_passes)
     if cells is not None:
         return assign_cells_to_ranks(cells, costs)
-    rank_items = balanced_partition(costs=costs, num_parts=dp_size, equal_size=equal_size, refine=rel_tol < np.inf,
-                                    rel_tol=rel_tol)
+    rank_items = [np.arange(len(costs), dtype=np.int64)] if dp_size == 1 else balanced_partition(
+        costs=costs, num_parts=dp_size, equal_size=equal_size, refine=rel_tol < np.inf, rel_tol=rel_tol
+    )
     two_stage = pack_ranks_under_cap(
         rank_items=rank_items, costs=costs, tokens=tokens, token_cap=token_cap, rel_tol=rel_tol,
         max_passes=max(max_passes, 64),
@@ -103,6 +117,9 @@ def balanced_token_cap_layout(
         )
         if token_split.shape[1] < two_stage.shape[1]:
             two_stage = token_split
+    if dp_size == 1:
+        return two_stage
+    two_stage = _match_slot_profile(two_stage, costs, tokens, token_cap, rel_tol, max(max_passes, 64))
     # Swaps keep every cell's count and moves stay inside one rank, so every rank keeps its count.
     cells = polish_sync_cost(
         two_stage.transpose(1, 0, 2).copy(), costs, tokens=tokens, token_cap=token_cap, max_passes=polish_passes,
@@ -137,6 +154,8 @@ def _joint_cells(costs, tokens, dp_size, token_cap, num_slots, equal_size, rel_t
     row_slot = _pack_rows(row_tokens, num_slots, dp_size * token_cap, rel_tol, max_passes)
     if np.bincount(row_slot, weights=row_tokens, minlength=num_slots).max() > dp_size * token_cap:
         return None
+    if dp_size == 1:  # a slot is one cell: nothing to deal or refine
+        return _grid_from_bins(rows[:, 0][None, :], row_slot[None, :], num_slots).transpose(1, 0, 2).copy()
     extra = 0 if equal_size else max(1, len(rows) // num_slots // 4 + 1)
     cells = fill_cells(rows=rows, row_slot=row_slot, num_slots=num_slots, costs=costs, extra_width=extra)
     refine_cells(cells, costs, allow_moves=not equal_size, rel_tol=rel_tol, max_passes=max_passes)
@@ -173,10 +192,15 @@ def pack_ranks_under_cap(
     by_cost = _rank_matrix(rank_items, costs)
     rank_tokens = np.array([int(tokens[items].sum()) for items in rank_items])
     lower = max(1, int(-(-rank_tokens.max() // token_cap)))
-    ffd_bin = _greedy_pack(by_tokens, tokens, costs, token_cap, max(lower, _ffd_bins_bound(rank_tokens, token_cap,
-                           by_tokens)), rule="first")
+    ffd_bin = np.full(by_tokens.shape, -1, dtype=np.int64)
+    for rank, row in enumerate(by_tokens):
+        placed = row >= 0
+        ffd_bin[rank, placed] = _first_fit(tokens[row[placed]].tolist(), token_cap)
     ffd_count = ffd_bin.max(axis=1, initial=-1) + 1
     num_micro = max(1, int(ffd_count.max()))
+    if len(rank_items) == 1:
+        # One rank: every layout with K micro-batches costs the same step time (their sum).
+        return _grid_from_bins(by_tokens, ffd_bin, num_micro)
     grid = None
     for k in range(max(lower, num_micro - 2), num_micro + 1):
         grid = _pack_at(k, by_cost, by_tokens, ffd_bin, ffd_count, costs, tokens, token_cap, max_passes)
@@ -189,6 +213,29 @@ def pack_ranks_under_cap(
     loads = np.append(costs, 0.0)[grid].sum(axis=-1)
     heaviest_first = np.argsort(-loads, axis=1, kind="stable")
     return np.take_along_axis(grid, heaviest_first[:, :, None], axis=1)
+
+
+def _match_slot_profile(layout, costs, tokens, token_cap, rel_tol, max_passes):
+    """Re-balance each rank's micro-batches toward the common slot profile.
+
+    The synchronised cost is sum_j max_d; when one rank cannot make its micro-batches equal (a
+    sample near the cap is a heavy micro-batch on its own), the other ranks should match that
+    heavy slot rather than stay flat. Target for rank d: the slot maxima scaled to its total;
+    refinement equalises load - target. Returns the layout re-sorted heaviest first."""
+    loads = np.append(costs, 0.0)[layout].sum(axis=-1)
+    profile = loads.max(axis=0)
+    if profile.sum() <= 0:
+        return layout
+    target = profile[None, :] * (loads.sum(axis=1, keepdims=True) / profile.sum())
+    matched = layout.copy()
+    refine_cells(matched, costs, allow_moves=True, rel_tol=rel_tol, max_passes=max_passes, tokens=tokens,
+                 token_cap=token_cap, offsets=-target)
+    if ((matched >= 0).any(axis=-1) < (layout >= 0).any(axis=-1)).any():
+        return layout  # a move emptied a micro-batch: keep the flat layout (empty only when unavoidable)
+    layout = matched
+    loads = np.append(costs, 0.0)[layout].sum(axis=-1)
+    heaviest_first = np.argsort(-loads, axis=1, kind="stable")
+    return np.take_along_axis(layout, heaviest_first[:, :, None], axis=1)
 
 
 def _pack_at(num_bins, by_cost, by_tokens, ffd_bin, ffd_count, costs, tokens, token_cap, max_passes):
@@ -227,16 +274,44 @@ def _rank_matrix(rank_items: list[np.ndarray], key: np.ndarray) -> np.ndarray:
     return out
 
 
-def _ffd_bins_bound(rank_tokens: np.ndarray, token_cap: int, items: np.ndarray) -> int:
-    """First fit never opens more than 2 * tokens / cap + 1 bins (two consecutive bins exceed the cap)."""
-    return int(min(items.shape[1], 2 * (-(-rank_tokens.max() // token_cap)) + 1))
+def _first_fit(sizes: list[int], capacity: int) -> list[int]:
+    """First fit of ``sizes`` (in the given order) into bins of ``capacity``: the bin of each.
+
+    A max-segment-tree over the bins' free room finds the first bin with room in O(log bins).
+    First fit never opens more than 2 * sum / capacity + 1 bins (any two bins together exceed
+    the capacity), which sizes the tree."""
+    num_bins = max(1, min(len(sizes), 2 * (-(-sum(sizes) // capacity)) + 1))
+    size = 1
+    while size < num_bins:
+        size *= 2
+    tree = [-1] * (2 * size)
+    tree[size : size + num_bins] = [capacity] * num_bins
+    for i in range(size - 1, 0, -1):
+        tree[i] = max(tree[2 * i], tree[2 * i + 1])
+    out = []
+    for s in sizes:
+        assert tree[1] >= s, "first fit ran out of bins: an item exceeds the capacity"
+        i = 1
+        while i < size:
+            i = 2 * i if tree[2 * i] >= s else 2 * i + 1
+        out.append(i - size)
+        tree[i] -= s
+        i //= 2
+        while i:
+            left, right = tree[2 * i], tree[2 * i + 1]
+            room = left if left > right else right
+            if tree[i] == room:
+                break  # ancestors are unchanged too
+            tree[i] = room
+            i //= 2
+    return out
 
 
 def _greedy_pack(items: np.ndarray, tokens: np.ndarray, costs: np.ndarray, token_cap: int, num_bins: int, *,
                  rule: str) -> np.ndarray:
     """Place ``items[rank, t]`` in order into ``num_bins`` bins per rank with token room:
-    rule "first" = the first bin that fits (first fit), "lightest" = the fitting bin of least cost,
-    "emptiest" = the bin with the most room, even if it overflows (worst fit).
+    rule "lightest" = the fitting bin of least cost, "emptiest" = the bin with the most room, even
+    if it overflows (worst fit).
     All ranks advance together, one item each per round. Returns the bin per entry (-1: padding,
     or no bin had room)."""
     dp_size, rounds = items.shape
@@ -251,8 +326,6 @@ def _greedy_pack(items: np.ndarray, tokens: np.ndarray, costs: np.ndarray, token
         if rule == "emptiest":
             chosen = room.argmax(axis=1)
             fits[:] = True
-        elif rule == "first":
-            chosen = fits.argmax(axis=1)
         else:
             chosen = np.where(fits, load, np.inf).argmin(axis=1)
         ok = (items[:, t] >= 0) & fits[ranks, chosen]
@@ -361,8 +434,8 @@ def balanced_per_rank_micro_batches(
     dealt largest-to-lightest and refined, so its micro-batches are near-equal in cost; then each
     rank's micro-batches are sorted by cost (descending) so that index j pairs like-sized
     micro-batches across ranks. With ``micro_batch_size`` the counts are exact (mbs, ..., rest,
-    the rest last); with ``token_cap`` the micro-batch count is shared and grown until every
-    micro-batch fits. Returns [rank][micro] arrays of item ids.
+    the rest last); with ``token_cap`` see ``pack_ranks_under_cap`` (shared count, fewest found
+    first). Returns [rank][micro] arrays of item ids.
     """
     dp_size = len(rank_items)
     if micro_batch_size is not None:
@@ -394,4 +467,6 @@ def balanced_per_rank_micro_batches(
         rank_items=rank_items, costs=costs, tokens=tokens, token_cap=token_cap, rel_tol=rel_tol,
         max_passes=max(max_passes, 64),
     )
+    if dp_size > 1:
+        layout = _match_slot_profile(layout, costs, tokens, token_cap, rel_tol, max(max_passes, 64))
     return [[c[c >= 0] for c in rank] for rank in layout]

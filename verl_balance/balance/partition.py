@@ -106,13 +106,15 @@ def refine_cells(
     stop_at: float | None = None,
     tokens: np.ndarray | None = None,
     token_cap: float | None = None,
+    offsets: np.ndarray | None = None,
 ) -> np.ndarray:
     """Pairwise-swap refinement of ``cells`` in place (see module docstring); returns ``cells``.
 
     Stops when every slot's heaviest part is within ``rel_tol`` of its slot mean (or at most
     ``stop_at``, when given), when no pairing improves any slot, or after ``max_passes`` passes.
     With ``tokens`` and ``token_cap`` a swap is applied only if both cells end with at most
-    ``token_cap`` tokens, so a grid that fits the cap keeps fitting it.
+    ``token_cap`` tokens, so a grid that fits the cap keeps fitting it. ``offsets[slot, part]``
+    is added to every load (a target profile: equal loads + offsets means loads = -offsets + c).
     """
     num_slots, num_parts, width = cells.shape
     if num_parts < 2 or cells.size == 0:
@@ -120,7 +122,7 @@ def refine_cells(
     padded_costs = np.append(costs, 0.0)
     values = padded_costs[cells]
     valid = cells >= 0
-    loads = values.sum(axis=-1)
+    loads = values.sum(axis=-1) + (0.0 if offsets is None else offsets)
     capped = tokens is not None and token_cap is not None
     if capped:
         tok_values = np.append(np.asarray(tokens, dtype=np.float64), 0.0)[cells]
@@ -316,7 +318,7 @@ def polish_sync_cost(
     slot touched per pass. Works in place; returns ``cells``.
     """
     num_slots, num_parts, width = cells.shape
-    if num_slots < 2 or (num_parts < 2 and not moves_within_part):
+    if num_slots < 2 or num_parts < 2:
         return cells
     padded_costs = np.append(costs, np.nan)  # empty positions never match (NaN comparisons are False)
     padded_tokens = None if tokens is None else np.append(tokens, 0).astype(np.float64)
@@ -327,8 +329,7 @@ def polish_sync_cost(
         loads = np.nan_to_num(values).sum(axis=-1)
         by_load = np.sort(loads, axis=1)
         heavy = loads.argmax(axis=1)
-        top = by_load[:, -1]
-        second = by_load[:, -2] if num_parts > 1 else np.zeros(num_slots)
+        top, second = by_load[:, -1], by_load[:, -2]
         excess = top - second
         # Room of every cell as a partner of slot s's heavy cell: up to its own slot's maximum,
         # or up to the second maximum inside slot s; the heavy cell itself has none.

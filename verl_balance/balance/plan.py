@@ -13,6 +13,11 @@ Invariants (each asserted by tests/balance):
   ceil(T / sp) <= max_token_len_per_gpu (the per-SP-rank size after Ulysses padding);
 - a group (same group id) is never split across ranks or micro-batches;
 - samples inside a micro-batch are in ascending input order; the same input gives the same plan.
+
+With a token cap the micro-batch count comes first: the plan uses the fewest micro-batches it
+finds (at most first-fit-decreasing's count per rank, usually the bound
+ceil(tokens / (dp * cap * sp))), and only then balances cost within that count, because with FSDP
+every micro-batch costs a collective round (see micro_batch.py).
 """
 
 from __future__ import annotations

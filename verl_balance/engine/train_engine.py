@@ -38,10 +38,19 @@ from verl_balance.models.base import PackedCausalLM
 _ENGINE_STATE_FILE = "engine_state.pt"
 
 
-def token_log_probs(logits: Tensor, targets: Tensor, *, with_entropy: bool = False
-                    ) -> tuple[Tensor, Tensor | None]:
-    """log p(target_t) per position (fp32) and optionally the entropy of each distribution."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
+def token_log_probs(logits: Tensor, targets: Tensor, *, with_entropy: bool = False,
+                    temperature: float = 1.0) -> tuple[Tensor, Tensor | None]:
+    """log p(target_t) per position (fp32) and optionally the entropy of each distribution.
+
+    ``temperature`` divides the logits first, so the log-probs are those of the policy the
+    rollout sampled from (verl's convention for the PPO ratio).
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature} must be > 0")
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)
     picked = logp.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
     entropy = -(logp.exp() * logp).sum(-1) if with_entropy else None
     return picked, entropy
@@ -122,7 +131,7 @@ class TrainEngine:
 
     # ------------------------------------------------------------------ train / eval
     def _run(self, micro_batches: Sequence[Mapping[str, Tensor]], *, loss_fn: LossFn | None,
-             training: bool) -> dict:
+             training: bool, temperature: float = 1.0) -> dict:
         loss_fn = loss_fn if loss_fn is not None else SFTLoss()
         self._check_micro_batches(micro_batches)
         packed = self._pack(micro_batches, require_loss_mask=True)
@@ -159,7 +168,8 @@ class TrainEngine:
                 logits = self._forward(p)
                 inputs = p.local_inputs()
                 log_probs, entropy = token_log_probs(
-                    logits, inputs["targets"], with_entropy=getattr(loss_fn, "needs_entropy", False))
+                    logits, inputs["targets"], with_entropy=getattr(loss_fn, "needs_entropy", False),
+                    temperature=temperature)
                 per_token_loss, per_token_metrics = loss_fn(log_probs=log_probs, entropy=entropy,
                                                             inputs=inputs)
                 objective = (weights[p.local_slice] * per_token_loss).sum()
@@ -211,28 +221,29 @@ class TrainEngine:
         return {"grad_norm": grad_norm, "step_skipped": False}
 
     def train_step(self, micro_batches: Sequence[Mapping[str, Tensor]], *,
-                   loss_fn: LossFn | None = None) -> dict:
+                   loss_fn: LossFn | None = None, temperature: float = 1.0) -> dict:
         """One optimizer step over this DP rank's micro-batches.
 
         Returns loss (exact global objective J), grad_norm (before clipping), lr, valid_tokens,
         num_sequences, micro_batch_seconds (this rank), compute_seconds, step_skipped, and each
         loss_fn metric as a global loss-mask-weighted token mean. Collective over the mesh.
+        ``temperature`` divides the logits (the sampling temperature of on-policy data).
         """
-        return self._run(micro_batches, loss_fn=loss_fn, training=True)
+        return self._run(micro_batches, loss_fn=loss_fn, training=True, temperature=temperature)
 
     @torch.no_grad()
     def eval_loss(self, micro_batches: Sequence[Mapping[str, Tensor]], *,
-                  loss_fn: LossFn | None = None) -> dict:
+                  loss_fn: LossFn | None = None, temperature: float = 1.0) -> dict:
         """The training objective and metrics on these micro-batches, without backward."""
-        return self._run(micro_batches, loss_fn=loss_fn, training=False)
+        return self._run(micro_batches, loss_fn=loss_fn, training=False, temperature=temperature)
 
     @torch.no_grad()
     def compute_log_prob(self, micro_batches: Sequence[Mapping[str, Tensor]], *,
-                         with_entropy: bool = False) -> list[dict[str, Tensor]]:
+                         with_entropy: bool = False, temperature: float = 1.0) -> list[dict[str, Tensor]]:
         """Per micro-batch {"log_probs": (b, L)[, "entropy": (b, L)]} on every rank.
 
         log_probs[i, t] = log p(token t | tokens < t) of sample i (0 at t = 0 and at padding);
-        entropy[i, t] is the entropy of that same predictive distribution.
+        entropy[i, t] is the entropy of that same predictive distribution; both at ``temperature``.
         """
         self._check_micro_batches(micro_batches)
         self.model.eval()
@@ -240,7 +251,7 @@ class TrainEngine:
         for p in self._pack(micro_batches, require_loss_mask=False):
             logits = self._forward(p)
             log_probs, entropy = token_log_probs(logits, p.local("targets"),
-                                                 with_entropy=with_entropy)
+                                                 with_entropy=with_entropy, temperature=temperature)
             group = self.layout.sp_group
             result = {"log_probs": p.unpack(gather_and_unpad(log_probs, group=group,
                                                              length=p.total_len))}

@@ -22,6 +22,7 @@ from verl_balance.models.config import ModelConfig
 from verl_balance.protocol import Batch, split_by_plan
 from verl_balance.single_controller import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from verl_balance.trainer.config import ConfigError
+from verl_balance.utils.tracking import read_metrics
 from verl_balance.workers.actor import ActorWorker, ActorWorkerConfig
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -204,6 +205,16 @@ def load_trainer_checkpoint(group: RayWorkerGroup, path: str) -> dict:
     group.load_checkpoint(path)
     with open(os.path.join(path, TRAINER_STATE_FILE), encoding="utf-8") as f:
         return json.load(f)
+
+
+def truncate_metrics_after(path: str, step: int) -> None:
+    """Drop records past ``step`` so a resumed run's metrics file reads as one uninterrupted curve."""
+    if not os.path.exists(path):
+        return
+    keep = [r for r in read_metrics(path) if int(r.get("step", 0)) <= step]
+    with open(path, "w", encoding="utf-8") as f:
+        for record in keep:
+            f.write(json.dumps(record) + "\n")
 
 
 def to_batch(tensors: dict[str, torch.Tensor], non_tensors: dict | None = None) -> Batch:

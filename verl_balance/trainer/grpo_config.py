@@ -14,7 +14,6 @@ after checking the GRPO-specific spellings of the keys it shares with SFT.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -249,11 +248,6 @@ def validate_grpo(cfg) -> None:
     if not rollout.temperature > 0:
         raise ConfigError(f"actor_rollout_ref.rollout.temperature={rollout.temperature} must be > 0 for "
                           "training rollouts (greedy samples are identical within a group)")
-    if rollout.temperature != 1.0:
-        warnings.warn(
-            f"actor_rollout_ref.rollout.temperature={rollout.temperature}: the actor's log-probs are those "
-            "of the untempered policy (temperature 1), so the PPO ratio is taken against a different "
-            "distribution than the one sampled from", stacklevel=2)
     if not 0 < rollout.top_p <= 1:
         raise ConfigError(f"actor_rollout_ref.rollout.top_p={rollout.top_p} must be in (0, 1]")
     if not rollout.val_kwargs.temperature >= 0:

@@ -43,11 +43,19 @@ from verl_balance.rewards import load_reward_fn, score_batch
 from verl_balance.rollout import RolloutOutput, build_rollout_batch
 from verl_balance.trainer import common
 from verl_balance.trainer.grpo_config import sp_size_of, validate_grpo
-from verl_balance.trainer.sft_trainer import truncate_metrics_after
 from verl_balance.utils.tracking import Tracking
+from verl_balance.workers.actor import TEMPERATURE_KEY
 from verl_balance.workers.actor_rollout import PROMPT_IDS_KEY, ActorRolloutWorker, ActorRolloutWorkerConfig
 
 UID_KEY = "uid"
+PLOT_PANELS = (
+    ("train reward (sampled rollouts)", r"^reward/(mean|accuracy)$"),
+    ("held-out accuracy (val_kwargs sampling, greedy by default)", r"^val/accuracy$"),
+    ("policy loss", r"^actor/(loss|pg_loss)$"),
+    ("KL to reference, entropy, clip fraction", r"^actor/(kl|ppo_kl|entropy|pg_clipfrac)$"),
+    ("imbalance (1.0 = perfectly balanced)", r"^balance/imbalance"),
+    ("response length", r"^(val/)?response_length/mean$"),
+)
 
 
 # ---------------------------------------------------------------------- driver-side helpers
@@ -213,7 +221,7 @@ class GRPOTrainer:
         tensors, non_tensors = prompts
         num_prompts = len(non_tensors[PROMPT_IDS_KEY])
         bounds = np.linspace(0, num_prompts, self.world + 1).round().astype(int)
-        prompt_batch = Batch.from_dict(tensors={"num_tokens": tensors["attention_mask"].sum(1)},
+        prompt_batch = Batch.from_dict(tensors={"prompt_lengths": tensors["attention_mask"].sum(1)},
                                        non_tensors={PROMPT_IDS_KEY: non_tensors[PROMPT_IDS_KEY]})
         chunks = [prompt_batch.index_select(np.arange(lo, hi)) for lo, hi in zip(bounds[:-1], bounds[1:])]
         sampling = {"n": n, "temperature": temperature, "top_p": top_p,
@@ -256,6 +264,8 @@ class GRPOTrainer:
             with _timed(metrics, "gen"):
                 batch = self.generate(prompts, n=r.n, temperature=r.temperature, top_p=r.top_p,
                                       seed=self.cfg.trainer.seed * 7919 + self.global_step)
+            # Old, reference and new log-probs are all taken at the sampling temperature.
+            batch.meta[TEMPERATURE_KEY] = float(r.temperature)
             with _timed(metrics, "reward"):
                 scores, extras = self.score(batch)
             plan = self._plan(batch, micro_batch_size=self.log_prob_mbs, token_cap=self.log_prob_cap)
@@ -364,7 +374,7 @@ class GRPOTrainer:
         state = common.load_trainer_checkpoint(self.actor, path)
         self.global_step = int(state["global_step"])
         self.loader.load_state_dict(state["loader"])
-        truncate_metrics_after(os.path.join(self.out_dir, "metrics.jsonl"), self.global_step)
+        common.truncate_metrics_after(os.path.join(self.out_dir, "metrics.jsonl"), self.global_step)
         print(f"[checkpoint] resumed from {path} at step {self.global_step}", flush=True)
 
     def _request_stop(self, signum, frame) -> None:
@@ -413,11 +423,10 @@ class GRPOTrainer:
                    "initial_val_accuracy": (first_val or {}).get("val/accuracy"),
                    "final_val_accuracy": (last_val or {}).get("val/accuracy")}
         if t.plot:
-            from verl_balance.utils.plotting import DEFAULT_PANELS, plot_runs
+            from verl_balance.utils.plotting import plot_runs
 
-            panels = (*DEFAULT_PANELS, ("response length", r"^(val/)?response_length/mean$"))
             summary["plot"] = plot_runs([tracker.metrics_path], out=os.path.join(self.out_dir, "curves.png"),
-                                        panels=panels)
+                                        panels=PLOT_PANELS)
         return summary
 
 

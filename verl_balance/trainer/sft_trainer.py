@@ -7,7 +7,6 @@ mini-batch (loss contract), so the logged loss does not depend on the layout or 
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -22,7 +21,7 @@ from verl_balance.data.synthetic import write_dataset
 from verl_balance.data.tokenizer import build_tokenizer
 from verl_balance.trainer import common
 from verl_balance.trainer.config import validate_sft
-from verl_balance.utils.tracking import Tracking, read_metrics
+from verl_balance.utils.tracking import Tracking
 from verl_balance.workers.actor import ActorWorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -41,16 +40,6 @@ def resolve_data_files(cfg) -> tuple[list | str, list | str | None]:
         write_dataset(out_dir=out_dir, num_train=d.synthetic.num_train, num_val=d.synthetic.num_val,
                       seed=d.synthetic.seed, progress=True)
     return train, (d.val_files if d.val_files is not None else val)
-
-
-def truncate_metrics_after(path: str, step: int) -> None:
-    """Drop records past ``step`` so a resumed run's metrics file reads as one uninterrupted curve."""
-    if not os.path.exists(path):
-        return
-    keep = [r for r in read_metrics(path) if int(r.get("step", 0)) <= step]
-    with open(path, "w", encoding="utf-8") as f:
-        for record in keep:
-            f.write(json.dumps(record) + "\n")
 
 
 class SFTTrainer:
@@ -150,7 +139,7 @@ class SFTTrainer:
         state = common.load_trainer_checkpoint(self.actor, path)
         self.global_step = int(state["global_step"])
         self.loader.load_state_dict(state["loader"])
-        truncate_metrics_after(os.path.join(self.out_dir, "metrics.jsonl"), self.global_step)
+        common.truncate_metrics_after(os.path.join(self.out_dir, "metrics.jsonl"), self.global_step)
         print(f"[checkpoint] resumed from {path} at step {self.global_step}", flush=True)
 
     def _request_stop(self, signum, frame) -> None:

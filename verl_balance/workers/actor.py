@@ -27,6 +27,7 @@ from verl_balance.protocol import MICRO_BATCH_SIZES_KEY, Batch
 from verl_balance.single_controller import Dispatch, Worker, make_mesh_dispatch, register
 
 ACTOR_MESH = "actor"
+TEMPERATURE_KEY = "temperature"
 WIRE_KEYS = ("input_ids", "attention_mask", "loss_mask", "position_ids",
              "old_log_probs", "advantages", "ref_log_prob")
 
@@ -89,7 +90,8 @@ class ActorWorker(Worker):
     def update_actor(self, batch: Batch) -> dict:
         """One optimizer step over this DP rank's micro-batches; metrics of this rank."""
         start = time.perf_counter()
-        metrics = self.engine.train_step(self._micro_batches(batch), loss_fn=self._loss_fn())
+        metrics = self.engine.train_step(self._micro_batches(batch), loss_fn=self._loss_fn(),
+                                         temperature=_temperature(batch))
         metrics["step_seconds"] = time.perf_counter() - start
         metrics["dp_rank"] = self.layout.dp_rank
         return metrics
@@ -97,17 +99,19 @@ class ActorWorker(Worker):
     @register(dispatch_mode=make_mesh_dispatch(ACTOR_MESH))
     def eval_loss(self, batch: Batch) -> dict:
         """The training objective on this batch without backward (same normalisation)."""
-        metrics = self.engine.eval_loss(self._micro_batches(batch), loss_fn=self._loss_fn())
+        metrics = self.engine.eval_loss(self._micro_batches(batch), loss_fn=self._loss_fn(),
+                                        temperature=_temperature(batch))
         metrics["dp_rank"] = self.layout.dp_rank
         return metrics
 
     @register(dispatch_mode=make_mesh_dispatch(ACTOR_MESH))
     def compute_log_prob(self, batch: Batch, with_entropy: bool = False) -> Batch:
         """Per-token log-probs (B, L) of this chunk's rows, in the chunk's row order."""
-        outputs = self.engine.compute_log_prob(self._micro_batches(batch), with_entropy=with_entropy)
-        tensors = {"log_probs": _cat_padded([o["log_probs"] for o in outputs])}
+        outputs = self.engine.compute_log_prob(self._micro_batches(batch), with_entropy=with_entropy,
+                                               temperature=_temperature(batch))
+        tensors = {"log_probs": cat_padded([o["log_probs"] for o in outputs])}
         if with_entropy:
-            tensors["entropy"] = _cat_padded([o["entropy"] for o in outputs])
+            tensors["entropy"] = cat_padded([o["entropy"] for o in outputs])
         return Batch.from_dict(tensors=tensors)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -134,7 +138,12 @@ class ActorWorker(Worker):
         return self.engine.load_checkpoint(path)
 
 
-def _cat_padded(parts: list[torch.Tensor]) -> torch.Tensor:
+def _temperature(batch: Batch) -> float:
+    """The sampling temperature of on-policy rows (meta "temperature", verl's key); 1 otherwise."""
+    return float(batch.meta.get(TEMPERATURE_KEY, 1.0))
+
+
+def cat_padded(parts: list[torch.Tensor]) -> torch.Tensor:
     """Concatenate (b_i, L_i) tensors along rows, right-padding to the widest L with zeros."""
     width = max(p.shape[1] for p in parts)
     return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts], dim=0)
