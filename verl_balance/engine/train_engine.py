@@ -2,7 +2,8 @@
 
 Invariants:
 - Parameters are sharded by FSDP2 over the flattened ("dp", "sp") mesh of all W ranks; FSDP2
-  averages gradients over those W ranks, so the gradient divide factor G is W.
+  averages gradients over those W ranks, so the gradient divide factor G is W. A single fp32
+  rank (W = 1) runs the plain module: G = 1 and there is nothing to shard.
 - Every SP rank of a DP group receives the same micro-batches; every rank of the mesh receives
   the same number of micro-batches (checked: a mismatch would otherwise hang a collective).
 - train_step and eval_loss run the same code (_run); eval skips backward and the optimizer.
@@ -74,12 +75,16 @@ class TrainEngine:
         model.to(self.device)
         param_dtype = torch.bfloat16 if engine_config.param_dtype == "bfloat16" else torch.float32
         mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-        mesh = layout.fsdp_mesh
-        for unit in model.fsdp_units():
-            fully_shard(unit, mesh=mesh, mp_policy=mp_policy,
+        # One fp32 rank has nothing to shard, reduce or cast: FSDP2 would only add an unshard and
+        # reshard per unit and micro-batch (measured ~20% of CPU step time on the small model).
+        self.sharded = layout.world_size > 1 or param_dtype != torch.float32
+        if self.sharded:
+            mesh = layout.fsdp_mesh
+            for unit in model.fsdp_units():
+                fully_shard(unit, mesh=mesh, mp_policy=mp_policy,
+                            reshard_after_forward=engine_config.reshard_after_forward)
+            fully_shard(model, mesh=mesh, mp_policy=mp_policy,
                         reshard_after_forward=engine_config.reshard_after_forward)
-        fully_shard(model, mesh=mesh, mp_policy=mp_policy,
-                    reshard_after_forward=engine_config.reshard_after_forward)
         self.model = model
         self.optimizer, self.scheduler = build_optimizer(model.parameters(), config=engine_config)
         self.global_step = 0
