@@ -128,12 +128,14 @@ def register_schemas() -> None:
     cs.store(name="sft_schema", node=SFTConfig)
 
 
-def _choice(key: str, value, allowed) -> None:
+def check_choice(key: str, value, allowed) -> None:
+    """Raise ConfigError naming ``key`` unless ``value`` is one of ``allowed``."""
     if value not in allowed:
         raise ConfigError(f"{key}={value!r} is not valid; expected one of {list(allowed)}")
 
 
-def _positive(key: str, value) -> None:
+def check_positive(key: str, value) -> None:
+    """Raise ConfigError naming ``key`` unless ``value`` is a positive number."""
     if value is None or value <= 0:
         raise ConfigError(f"{key}={value!r} must be a positive number")
 
@@ -141,45 +143,45 @@ def _positive(key: str, value) -> None:
 def validate_common(cfg) -> None:
     """Checks shared by the SFT and GRPO recipes (parallel layout, trainer, loss)."""
     sp = cfg.ulysses_sequence_parallel_size
-    _positive("ulysses_sequence_parallel_size", sp)
-    _positive("trainer.nnodes", cfg.trainer.nnodes)
-    _positive("trainer.n_gpus_per_node", cfg.trainer.n_gpus_per_node)
+    check_positive("ulysses_sequence_parallel_size", sp)
+    check_positive("trainer.nnodes", cfg.trainer.nnodes)
+    check_positive("trainer.n_gpus_per_node", cfg.trainer.n_gpus_per_node)
     world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     if world % sp:
         raise ConfigError(
             f"ulysses_sequence_parallel_size={sp} must divide the number of workers "
             f"trainer.nnodes * trainer.n_gpus_per_node = {world}"
         )
-    _choice("trainer.device", cfg.trainer.device, ("auto", "cpu", "cuda"))
-    _choice("trainer.resume_mode", cfg.trainer.resume_mode, ("auto", "disable", "resume_path"))
+    check_choice("trainer.device", cfg.trainer.device, ("auto", "cpu", "cuda"))
+    check_choice("trainer.resume_mode", cfg.trainer.resume_mode, ("auto", "disable", "resume_path"))
     if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
-    _choice("balance.workload", cfg.balance.workload, ("tokens", "flops"))
-    _choice("balance.overlong", cfg.balance.overlong, ("error", "skip", "truncate"))
-    _choice("optim.lr_scheduler", cfg.optim.lr_scheduler, ("constant", "cosine"))
+    check_choice("balance.workload", cfg.balance.workload, ("tokens", "flops"))
+    check_choice("balance.overlong", cfg.balance.overlong, ("error", "skip", "truncate"))
+    check_choice("optim.lr_scheduler", cfg.optim.lr_scheduler, ("constant", "cosine"))
     if not cfg.use_remove_padding:
         raise ConfigError(
             "use_remove_padding=false is not supported: the engine always runs packed "
             "(padding-free) sequences, which Ulysses sequence parallelism requires"
         )
     for name in cfg.trainer.logger:
-        _choice("trainer.logger", name, ("console", "jsonl", "tensorboard", "wandb"))
+        check_choice("trainer.logger", name, ("console", "jsonl", "tensorboard", "wandb"))
     if cfg.trainer.total_training_steps is not None:
-        _positive("trainer.total_training_steps", cfg.trainer.total_training_steps)
-    _positive("trainer.total_epochs", cfg.trainer.total_epochs)
+        check_positive("trainer.total_training_steps", cfg.trainer.total_training_steps)
+    check_positive("trainer.total_epochs", cfg.trainer.total_epochs)
 
 
 def validate_sft(cfg) -> None:
     """Raise ConfigError naming the key when the SFT config is invalid."""
     validate_common(cfg)
-    _choice("loss_agg_mode", cfg.loss_agg_mode, LOSS_AGG_MODES)
+    check_choice("loss_agg_mode", cfg.loss_agg_mode, LOSS_AGG_MODES)
     if cfg.loss_agg_mode == "seq-mean-token-sum-norm" and cfg.loss_scale_factor is None:
         raise ConfigError("loss_agg_mode=seq-mean-token-sum-norm needs loss_scale_factor (the constant C)")
     d = cfg.data
-    _positive("data.train_batch_size", d.train_batch_size)
-    _positive("data.max_length", d.max_length)
-    _choice("data.truncation", d.truncation, ("error", "left", "right"))
-    _choice("data.on_malformed", d.on_malformed, ("error", "skip"))
+    check_positive("data.train_batch_size", d.train_batch_size)
+    check_positive("data.max_length", d.max_length)
+    check_choice("data.truncation", d.truncation, ("error", "left", "right"))
+    check_choice("data.on_malformed", d.on_malformed, ("error", "skip"))
     dp = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node // cfg.ulysses_sequence_parallel_size
     if d.train_batch_size < dp:
         raise ConfigError(
@@ -187,6 +189,6 @@ def validate_sft(cfg) -> None:
             "(workers / ulysses_sequence_parallel_size); every DP rank needs at least one sample"
         )
     if d.use_dynamic_bsz:
-        _positive("data.max_token_len_per_gpu", d.max_token_len_per_gpu)
+        check_positive("data.max_token_len_per_gpu", d.max_token_len_per_gpu)
     else:
-        _positive("data.micro_batch_size_per_gpu", d.micro_batch_size_per_gpu)
+        check_positive("data.micro_batch_size_per_gpu", d.micro_batch_size_per_gpu)

@@ -31,6 +31,8 @@ from verl_balance.trainer.config import (
     OptimConfig,
     SyntheticDataConfig,
     TrainerSection,
+    check_choice,
+    check_positive,
     register_schemas,
     validate_common,
 )
@@ -183,14 +185,6 @@ def sp_size_of(cfg) -> int:
     return int(verl_key if verl_key is not None else (top_key if top_key is not None else 1))
 
 
-def _choice(key: str, value, allowed) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key}={value!r} is not valid; expected one of {list(allowed)}")
-
-
-def _positive(key: str, value) -> None:
-    if value is None or value <= 0:
-        raise ConfigError(f"{key}={value!r} must be a positive number")
 
 
 def validate_grpo(cfg) -> None:
@@ -198,7 +192,7 @@ def validate_grpo(cfg) -> None:
     arr = cfg.actor_rollout_ref
     actor, rollout, model = arr.actor, arr.rollout, arr.model
     # Keys shared with SFT but spelled differently here are checked first under their GRPO names.
-    _choice("actor_rollout_ref.actor.optim.lr_scheduler", actor.optim.lr_scheduler, ("constant", "cosine"))
+    check_choice("actor_rollout_ref.actor.optim.lr_scheduler", actor.optim.lr_scheduler, ("constant", "cosine"))
     if not model.use_remove_padding:
         raise ConfigError(
             "actor_rollout_ref.model.use_remove_padding=false is not supported: the engine always runs "
@@ -216,12 +210,12 @@ def validate_grpo(cfg) -> None:
         raise ConfigError(f"balance.overlong={cfg.balance.overlong!r}: GRPO never drops or cuts a scored "
                           "response; use 'error' and size the token caps to hold a full sequence")
 
-    _choice("actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode, LOSS_AGG_MODES)
+    check_choice("actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode, LOSS_AGG_MODES)
     if actor.loss_agg_mode == "seq-mean-token-sum-norm" and actor.loss_scale_factor is None:
         raise ConfigError("actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm needs "
                           "actor_rollout_ref.actor.loss_scale_factor (the constant C, e.g. response_length)")
-    _positive("actor_rollout_ref.actor.optim.lr", actor.optim.lr)
-    _positive("actor_rollout_ref.actor.ppo_epochs", actor.ppo_epochs)
+    check_positive("actor_rollout_ref.actor.optim.lr", actor.optim.lr)
+    check_positive("actor_rollout_ref.actor.ppo_epochs", actor.ppo_epochs)
     for key in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
         value = actor[key]
         if value is not None and not 0 <= value:
@@ -237,14 +231,14 @@ def validate_grpo(cfg) -> None:
         except KLEstimatorError as err:
             raise ConfigError(f"actor_rollout_ref.actor.{err}") from None
 
-    _positive("actor_rollout_ref.rollout.n", rollout.n)
+    check_positive("actor_rollout_ref.rollout.n", rollout.n)
     if rollout.n < 2:
         raise ConfigError(
             f"actor_rollout_ref.rollout.n={rollout.n}: {cfg.algorithm.adv_estimator} compares the responses "
             "to one prompt, so it needs n >= 2 (a group of one has advantage 0 and teaches nothing)"
         )
-    _choice("actor_rollout_ref.rollout.name", rollout.name, ("naive",))
-    _positive("actor_rollout_ref.rollout.response_length", rollout.response_length)
+    check_choice("actor_rollout_ref.rollout.name", rollout.name, ("naive",))
+    check_positive("actor_rollout_ref.rollout.response_length", rollout.response_length)
     if not rollout.temperature > 0:
         raise ConfigError(f"actor_rollout_ref.rollout.temperature={rollout.temperature} must be > 0 for "
                           "training rollouts (greedy samples are identical within a group)")
@@ -253,22 +247,22 @@ def validate_grpo(cfg) -> None:
     if not rollout.val_kwargs.temperature >= 0:
         raise ConfigError(f"actor_rollout_ref.rollout.val_kwargs.temperature={rollout.val_kwargs.temperature} "
                           "must be >= 0 (0 = greedy)")
-    _positive("actor_rollout_ref.rollout.val_kwargs.n", rollout.val_kwargs.n)
+    check_positive("actor_rollout_ref.rollout.val_kwargs.n", rollout.val_kwargs.n)
 
-    _choice("algorithm.adv_estimator", cfg.algorithm.adv_estimator, ADV_ESTIMATORS)
+    check_choice("algorithm.adv_estimator", cfg.algorithm.adv_estimator, ADV_ESTIMATORS)
 
     d = cfg.data
-    _positive("data.max_prompt_length", d.max_prompt_length)
-    _choice("data.truncation", d.truncation, ("error", "left", "right"))
-    _choice("data.on_malformed", d.on_malformed, ("error", "skip"))
-    _positive("data.train_batch_size", d.train_batch_size)
+    check_positive("data.max_prompt_length", d.max_prompt_length)
+    check_choice("data.truncation", d.truncation, ("error", "left", "right"))
+    check_choice("data.on_malformed", d.on_malformed, ("error", "skip"))
+    check_positive("data.train_batch_size", d.train_batch_size)
     if d.val_batch_size is not None:
-        _positive("data.val_batch_size", d.val_batch_size)
+        check_positive("data.val_batch_size", d.val_batch_size)
     unknown = [t for t in d.synthetic.tasks if t not in TASKS]
     if unknown or not d.synthetic.tasks:
         raise ConfigError(f"data.synthetic.tasks={list(d.synthetic.tasks)} is not valid; "
                           f"choose a non-empty subset of {list(TASKS)}")
-    _positive("actor_rollout_ref.actor.ppo_mini_batch_size", actor.ppo_mini_batch_size)
+    check_positive("actor_rollout_ref.actor.ppo_mini_batch_size", actor.ppo_mini_batch_size)
     if d.train_batch_size % actor.ppo_mini_batch_size:
         raise ConfigError(
             f"actor_rollout_ref.actor.ppo_mini_batch_size={actor.ppo_mini_batch_size} must divide "
@@ -280,24 +274,24 @@ def validate_grpo(cfg) -> None:
 
     max_len = d.max_prompt_length + rollout.response_length
     if actor.use_dynamic_bsz:
-        _positive("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", actor.ppo_max_token_len_per_gpu)
+        check_positive("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", actor.ppo_max_token_len_per_gpu)
         caps = {"actor_rollout_ref.actor.ppo_max_token_len_per_gpu": actor.ppo_max_token_len_per_gpu}
         if rollout.log_prob_max_token_len_per_gpu is not None:
             caps["actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"] = rollout.log_prob_max_token_len_per_gpu
         for key, cap in caps.items():
-            _positive(key, cap)
+            check_positive(key, cap)
             # A sequence is split over the sp ranks of its DP group, so each holds ceil(len / sp).
             if cap * sp < max_len:
                 raise ConfigError(
                     f"{key}={cap} x sp={sp} cannot hold one sequence of data.max_prompt_length + "
                     f"rollout.response_length = {max_len} tokens; raise it to >= {-(-max_len // sp)}")
     else:
-        _positive("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", actor.ppo_micro_batch_size_per_gpu)
+        check_positive("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", actor.ppo_micro_batch_size_per_gpu)
         if rollout.log_prob_micro_batch_size_per_gpu is not None:
-            _positive("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+            check_positive("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
                       rollout.log_prob_micro_batch_size_per_gpu)
     if rollout.max_num_seqs is not None:
-        _positive("actor_rollout_ref.rollout.max_num_seqs", rollout.max_num_seqs)
+        check_positive("actor_rollout_ref.rollout.max_num_seqs", rollout.max_num_seqs)
     if (cfg.custom_reward_function.name is not None) and cfg.custom_reward_function.path is None:
         raise ConfigError(f"custom_reward_function.name={cfg.custom_reward_function.name!r} is set but "
                           "custom_reward_function.path is not")

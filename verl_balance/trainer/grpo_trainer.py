@@ -42,6 +42,7 @@ from verl_balance.protocol import Batch, merge_by_plan
 from verl_balance.rewards import load_reward_fn, score_batch
 from verl_balance.rollout import RolloutOutput, build_rollout_batch
 from verl_balance.trainer import common
+from verl_balance.trainer.driver import DriverBase
 from verl_balance.trainer.grpo_config import sp_size_of, validate_grpo
 from verl_balance.utils.tracking import Tracking
 from verl_balance.workers.actor import TEMPERATURE_KEY
@@ -140,7 +141,7 @@ def resolve_rl_files(cfg) -> tuple:
 
 
 # ---------------------------------------------------------------------- trainer
-class GRPOTrainer:
+class GRPOTrainer(DriverBase):
     """Builds data, the actor-rollout worker group and the reward function; ``fit()`` trains."""
 
     def __init__(self, cfg) -> None:
@@ -209,11 +210,6 @@ class GRPOTrainer:
             raise
         self.global_step = 0
         self._stop_requested = False
-
-    def close(self) -> None:
-        """Stop the worker processes and free their placement (the Ray cluster stays up)."""
-        self.actor.shutdown()
-        self.actor.resource_pool.remove()
 
     # ------------------------------------------------------------------ phases
     def generate(self, prompts: tuple[dict, dict], *, n: int, temperature: float, top_p: float, seed: int) -> Batch:
@@ -353,36 +349,6 @@ class GRPOTrainer:
             response = self.tokenizer.decode(row[starts[i]:starts[i] + lengths[i]], skip_special_tokens=False)
             print(f"[val sample {i}] {prompt!r} -> {response!r} (score {scores[i]:g}, "
                   f"truth {batch['ground_truth'][i]!r})", flush=True)
-
-    # ------------------------------------------------------------------ state
-    def _trainer_state(self) -> dict:
-        return {"global_step": self.global_step, "loader": self.loader.state_dict()}
-
-    def save(self) -> str:
-        path = common.save_trainer_checkpoint(self.actor, root=self.out_dir, step=self.global_step,
-                                              trainer_state=self._trainer_state())
-        print(f"[checkpoint] saved step {self.global_step} -> {path}", flush=True)
-        return path
-
-    def maybe_resume(self) -> None:
-        t = self.cfg.trainer
-        if t.resume_mode == "disable":
-            return
-        path = t.resume_from_path if t.resume_mode == "resume_path" else common.latest_checkpoint(self.out_dir)
-        if path is None:
-            return
-        state = common.load_trainer_checkpoint(self.actor, path)
-        self.global_step = int(state["global_step"])
-        self.loader.load_state_dict(state["loader"])
-        common.truncate_metrics_after(os.path.join(self.out_dir, "metrics.jsonl"), self.global_step)
-        print(f"[checkpoint] resumed from {path} at step {self.global_step}", flush=True)
-
-    def _request_stop(self, signum, frame) -> None:
-        if self._stop_requested:
-            raise KeyboardInterrupt
-        self._stop_requested = True
-        print("\n[trainer] stop requested: finishing this step, saving a checkpoint, then exiting "
-              "(press Ctrl-C again to abort without saving)", flush=True)
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict:

@@ -20,6 +20,7 @@ from verl_balance.data.sft_dataset import SFTDataset
 from verl_balance.data.synthetic import write_dataset
 from verl_balance.data.tokenizer import build_tokenizer
 from verl_balance.trainer import common
+from verl_balance.trainer.driver import DriverBase
 from verl_balance.trainer.config import validate_sft
 from verl_balance.utils.tracking import Tracking
 from verl_balance.workers.actor import ActorWorkerConfig
@@ -42,7 +43,7 @@ def resolve_data_files(cfg) -> tuple[list | str, list | str | None]:
     return train, (d.val_files if d.val_files is not None else val)
 
 
-class SFTTrainer:
+class SFTTrainer(DriverBase):
     """Builds data, workers and trackers from a validated config; ``fit()`` trains."""
 
     def __init__(self, cfg) -> None:
@@ -86,11 +87,6 @@ class SFTTrainer:
         self.global_step = 0
         self._stop_requested = False
 
-    def close(self) -> None:
-        """Stop the worker processes and free their placement (the Ray cluster stays up)."""
-        self.actor.shutdown()
-        self.actor.resource_pool.remove()
-
     # ------------------------------------------------------------------ steps
     def _plan(self, batch):
         return common.plan_for(batch, dp_size=self.dp, sp_size=self.sp,
@@ -118,36 +114,6 @@ class SFTTrainer:
         plan = self._plan(batch)
         per_rank = self.actor.eval_loss(common.dispatch_chunks(batch, plan))
         return {"val/loss": float(per_rank[0]["loss"]), "val/valid_tokens": float(per_rank[0]["valid_tokens"])}
-
-    # ------------------------------------------------------------------ state
-    def _trainer_state(self) -> dict:
-        return {"global_step": self.global_step, "loader": self.loader.state_dict()}
-
-    def save(self) -> str:
-        path = common.save_trainer_checkpoint(self.actor, root=self.out_dir, step=self.global_step,
-                                              trainer_state=self._trainer_state())
-        print(f"[checkpoint] saved step {self.global_step} -> {path}", flush=True)
-        return path
-
-    def maybe_resume(self) -> None:
-        t = self.cfg.trainer
-        if t.resume_mode == "disable":
-            return
-        path = t.resume_from_path if t.resume_mode == "resume_path" else common.latest_checkpoint(self.out_dir)
-        if path is None:
-            return
-        state = common.load_trainer_checkpoint(self.actor, path)
-        self.global_step = int(state["global_step"])
-        self.loader.load_state_dict(state["loader"])
-        common.truncate_metrics_after(os.path.join(self.out_dir, "metrics.jsonl"), self.global_step)
-        print(f"[checkpoint] resumed from {path} at step {self.global_step}", flush=True)
-
-    def _request_stop(self, signum, frame) -> None:
-        if self._stop_requested:
-            raise KeyboardInterrupt
-        self._stop_requested = True
-        print("\n[trainer] stop requested: finishing this step, saving a checkpoint, then exiting "
-              "(press Ctrl-C again to abort without saving)", flush=True)
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict:
