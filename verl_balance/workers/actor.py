@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -91,7 +91,7 @@ class ActorWorker(Worker):
         """One optimizer step over this DP rank's micro-batches; metrics of this rank."""
         start = time.perf_counter()
         metrics = self.engine.train_step(self._micro_batches(batch), loss_fn=self._loss_fn(),
-                                         temperature=_temperature(batch))
+                                         temperature=batch_temperature(batch))
         metrics["step_seconds"] = time.perf_counter() - start
         metrics["dp_rank"] = self.layout.dp_rank
         return metrics
@@ -100,7 +100,7 @@ class ActorWorker(Worker):
     def eval_loss(self, batch: Batch) -> dict:
         """The training objective on this batch without backward (same normalisation)."""
         metrics = self.engine.eval_loss(self._micro_batches(batch), loss_fn=self._loss_fn(),
-                                        temperature=_temperature(batch))
+                                        temperature=batch_temperature(batch))
         metrics["dp_rank"] = self.layout.dp_rank
         return metrics
 
@@ -108,7 +108,7 @@ class ActorWorker(Worker):
     def compute_log_prob(self, batch: Batch, with_entropy: bool = False) -> Batch:
         """Per-token log-probs (B, L) of this chunk's rows, in the chunk's row order."""
         outputs = self.engine.compute_log_prob(self._micro_batches(batch), with_entropy=with_entropy,
-                                               temperature=_temperature(batch))
+                                               temperature=batch_temperature(batch))
         tensors = {"log_probs": cat_padded([o["log_probs"] for o in outputs])}
         if with_entropy:
             tensors["entropy"] = cat_padded([o["entropy"] for o in outputs])
@@ -117,8 +117,6 @@ class ActorWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def describe(self) -> dict:
         """What this rank runs: layout, model dims and engine settings (for logs and tests)."""
-        from dataclasses import asdict
-
         return {"rank": self.rank, "dp": self.layout.dp, "sp": self.layout.sp,
                 "dp_rank": self.layout.dp_rank, "sp_rank": self.layout.sp_rank,
                 "device": str(self.layout.device), "model": self.config.model.to_dict(),
@@ -138,7 +136,7 @@ class ActorWorker(Worker):
         return self.engine.load_checkpoint(path)
 
 
-def _temperature(batch: Batch) -> float:
+def batch_temperature(batch: Batch) -> float:
     """The sampling temperature of on-policy rows (meta "temperature", verl's key); 1 otherwise."""
     return float(batch.meta.get(TEMPERATURE_KEY, 1.0))
 

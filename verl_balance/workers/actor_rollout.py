@@ -31,7 +31,7 @@ from verl_balance.engine.train_engine import TrainEngine
 from verl_balance.protocol import Batch
 from verl_balance.rollout import NaiveRollout, RolloutOutput
 from verl_balance.single_controller import Dispatch, make_mesh_dispatch, register
-from verl_balance.workers.actor import ACTOR_MESH, ActorWorker, ActorWorkerConfig, _temperature, cat_padded
+from verl_balance.workers.actor import ACTOR_MESH, ActorWorker, ActorWorkerConfig, batch_temperature, cat_padded
 
 ROLLOUT_MESH = "rollout"
 PROMPT_IDS_KEY = "raw_prompt_ids"
@@ -132,7 +132,7 @@ class ActorRolloutWorker(ActorWorker):
         if self.ref_engine is None:
             raise RuntimeError("the worker was built without a reference policy (use_reference_policy=False)")
         outputs = self.ref_engine.compute_log_prob(self._micro_batches(batch),
-                                                   temperature=_temperature(batch))
+                                                   temperature=batch_temperature(batch))
         return Batch.from_dict(tensors={"ref_log_prob": cat_padded([o["log_probs"] for o in outputs])})
 
 
