@@ -41,6 +41,7 @@ import os
 import resource
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -407,8 +408,9 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=288, help="lengths are clipped to [8, max_len]")
     parser.add_argument("--token-cap", type=int, default=None, help="max_token_len_per_gpu (default: max_len)")
     parser.add_argument("--attn-impl", default="sdpa_loop", help="attention kernel of the step table")
-    parser.add_argument("--verl-python", default="/work/venv-verl/bin/python",
-                        help="python of an environment with verl installed (for the verl rows)")
+    parser.add_argument("--verl-python", default=sys.executable,
+                        help="python of an environment with verl installed (for the verl rows; "
+                             "default: this one)")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.warmup, args.model = 3, 1, "tiny"

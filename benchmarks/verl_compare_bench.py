@@ -1,6 +1,6 @@
 """Joint DP x micro-batch plans under a token cap: ours vs verl 0.9.1's two-stage pipeline.
 
-    PYTHONPATH=. /work/venv-verl/bin/python benchmarks/verl_compare_bench.py           # with verl rows
+    PYTHONPATH=. python benchmarks/verl_compare_bench.py    # with verl rows when verl is installed
     PYTHONPATH=. python benchmarks/verl_compare_bench.py --quick                       # ours only if no verl
 
 Workload: heavy-tailed lengths (lognormal mu 6.5, sigma 0.9, i.e. median ~665, clipped 16..cap, so

@@ -10,7 +10,7 @@ Used by ``sft_bench.py`` for its "verl" rows, so that column calls verl's code i
    agreed by an all-reduce MAX over DP, replayed here on one process with ``min_num_micro_batch``.
 
     echo '[{"dp": 2, "micro_batch_size": 4, "max_token_len_per_gpu": null, "batches": [[...]]}]' \\
-        | /work/venv-verl/bin/python benchmarks/verl_plans.py
+        | python benchmarks/verl_plans.py   # a Python with verl 0.9.x installed
 
 Input: a list of cases (micro_batch_size or max_token_len_per_gpu set, the other null).
 Output: {"verl_version": ..., "cases": [[plan per batch] per case]}, plan[dp_rank][micro_idx] =
