@@ -1,16 +1,23 @@
-"""DriverBase: what every trainer loop on the driver shares — checkpoint, resume, graceful stop.
+"""DriverBase: the trainer loop every driver shares — steps, validation, tracking, checkpoint,
+resume and graceful stop.
 
 A subclass sets ``cfg`` (with a ``trainer`` section), ``actor`` (the worker group), ``loader``
-(a StatefulDataLoader), ``out_dir`` and ``global_step``. Checkpoints hold the workers' sharded
-engine state plus the driver's step and data position, so a resumed run continues the curve
-exactly.
+(a StatefulDataLoader), ``out_dir`` and ``total_steps``, and implements ``train_step(item)`` and
+``evaluate()``; ``summarize`` and ``plot_panels`` shape the end-of-run summary. Checkpoints hold
+the workers' sharded engine state plus the driver's step and data position, so a resumed run
+continues the curve exactly.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import time
+
+from omegaconf import OmegaConf
 
 from verl_balance.trainer import common
+from verl_balance.utils.tracking import Tracking
 
 
 class DriverBase:
@@ -20,9 +27,72 @@ class DriverBase:
     actor: object
     loader: object
     out_dir: str
+    total_steps: int
     global_step: int = 0
     _stop_requested: bool = False
+    plot_panels: tuple | None = None
 
+    # ------------------------------------------------------------------ subclass hooks
+    def train_step(self, item) -> dict:
+        """One optimizer step (SFT) or one rollout + update round (GRPO) on one loader item."""
+        raise NotImplementedError
+
+    def evaluate(self) -> dict:
+        """Validation metrics (``val/*``); {} when there is no validation set."""
+        raise NotImplementedError
+
+    def before_training(self, tracker: Tracking) -> dict:
+        """Metrics logged at step 0 before the first update (none by default)."""
+        return {}
+
+    def summarize(self, *, first: dict, last: dict, first_val: dict, last_val: dict) -> dict:
+        """Run-specific summary fields from the first/last step and validation metrics."""
+        return {}
+
+    # ------------------------------------------------------------------ loop
+    def fit(self) -> dict:
+        """Train until total steps (or a stop request); returns a summary dict."""
+        t = self.cfg.trainer
+        self.maybe_resume()
+        tracker = Tracking(t.project_name, t.experiment_name, log_dir=self.out_dir, backends=list(t.logger),
+                           config=OmegaConf.to_container(self.cfg, resolve=True), total_steps=self.total_steps)
+        previous_handler = signal.signal(signal.SIGINT, self._request_stop)
+        first: dict = {}
+        last: dict = {}
+        last_val: dict = {}
+        run_start = time.perf_counter()
+        try:
+            first_val = self.before_training(tracker) if self.global_step == 0 else {}
+            while self.global_step < self.total_steps and not self._stop_requested:
+                for item in self.loader:
+                    metrics = self.train_step(item)
+                    self.global_step += 1
+                    first, last = first or metrics, metrics
+                    is_last = self.global_step >= self.total_steps
+                    if t.test_freq > 0 and (self.global_step % t.test_freq == 0 or is_last):
+                        last_val = self.evaluate()
+                        metrics.update(last_val)
+                    tracker.log(metrics, step=self.global_step)
+                    if t.save_freq > 0 and (self.global_step % t.save_freq == 0 or is_last):
+                        self.save()
+                    if is_last or self._stop_requested:
+                        break
+            if self._stop_requested and not (t.save_freq > 0 and self.global_step % t.save_freq == 0):
+                self.save()
+        finally:
+            signal.signal(signal.SIGINT, previous_handler)
+            tracker.close()
+        summary = {"steps": self.global_step, "wall_s": time.perf_counter() - run_start,
+                   "metrics": tracker.metrics_path,
+                   **self.summarize(first=first, last=last, first_val=first_val, last_val=last_val)}
+        if t.plot:
+            from verl_balance.utils.plotting import DEFAULT_PANELS, plot_runs
+
+            summary["plot"] = plot_runs([tracker.metrics_path], out=os.path.join(self.out_dir, "curves.png"),
+                                        panels=self.plot_panels or DEFAULT_PANELS)
+        return summary
+
+    # ------------------------------------------------------------------ state
     def close(self) -> None:
         """Stop the worker processes and free their placement (the Ray cluster stays up)."""
         self.actor.shutdown()

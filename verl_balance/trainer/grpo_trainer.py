@@ -24,13 +24,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import time
 from types import SimpleNamespace
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 
 from verl_balance.algorithms import PolicyLossConfig, compute_advantages
 from verl_balance.balance import plan_balance
@@ -143,6 +141,8 @@ def resolve_rl_files(cfg) -> tuple:
 # ---------------------------------------------------------------------- trainer
 class GRPOTrainer(DriverBase):
     """Builds data, the actor-rollout worker group and the reward function; ``fit()`` trains."""
+
+    plot_panels = PLOT_PANELS
 
     def __init__(self, cfg) -> None:
         validate_grpo(cfg)
@@ -350,50 +350,19 @@ class GRPOTrainer(DriverBase):
             print(f"[val sample {i}] {prompt!r} -> {response!r} (score {scores[i]:g}, "
                   f"truth {batch['ground_truth'][i]!r})", flush=True)
 
-    # ------------------------------------------------------------------ loop
-    def fit(self) -> dict:
-        """Train until total steps (or a stop request); returns a summary dict."""
+    def before_training(self, tracker: Tracking) -> dict:
+        """verl's ``trainer.val_before_train``: held-out accuracy of the initial policy at step 0."""
         t = self.cfg.trainer
-        self.maybe_resume()
-        tracker = Tracking(t.project_name, t.experiment_name, log_dir=self.out_dir, backends=list(t.logger),
-                           config=OmegaConf.to_container(self.cfg, resolve=True), total_steps=self.total_steps)
-        previous_handler = signal.signal(signal.SIGINT, self._request_stop)
-        first_val = last_val = first_reward = last_reward = None
-        run_start = time.perf_counter()
-        try:
-            if t.test_freq > 0 and t.val_before_train and self.global_step == 0:
-                first_val = self.evaluate()
-                tracker.log(first_val, step=0)
-            while self.global_step < self.total_steps and not self._stop_requested:
-                for prompts in self.loader:
-                    metrics = self.train_step(prompts)
-                    self.global_step += 1
-                    first_reward = metrics["reward/mean"] if first_reward is None else first_reward
-                    last_reward = metrics["reward/mean"]
-                    is_last = self.global_step >= self.total_steps
-                    if t.test_freq > 0 and (self.global_step % t.test_freq == 0 or is_last):
-                        last_val = self.evaluate()
-                        metrics.update(last_val)
-                    tracker.log(metrics, step=self.global_step)
-                    if t.save_freq > 0 and (self.global_step % t.save_freq == 0 or is_last):
-                        self.save()
-                    if is_last or self._stop_requested:
-                        break
-            if self._stop_requested and not (t.save_freq > 0 and self.global_step % t.save_freq == 0):
-                self.save()
-        finally:
-            signal.signal(signal.SIGINT, previous_handler)
-            tracker.close()
-        summary = {"steps": self.global_step, "first_reward": first_reward, "final_reward": last_reward,
-                   "wall_s": time.perf_counter() - run_start, "metrics": tracker.metrics_path,
-                   "initial_val_accuracy": (first_val or {}).get("val/accuracy"),
-                   "final_val_accuracy": (last_val or {}).get("val/accuracy")}
-        if t.plot:
-            from verl_balance.utils.plotting import plot_runs
+        if not (t.test_freq > 0 and t.val_before_train):
+            return {}
+        metrics = self.evaluate()
+        tracker.log(metrics, step=0)
+        return metrics
 
-            summary["plot"] = plot_runs([tracker.metrics_path], out=os.path.join(self.out_dir, "curves.png"),
-                                        panels=PLOT_PANELS)
-        return summary
+    def summarize(self, *, first: dict, last: dict, first_val: dict, last_val: dict) -> dict:
+        return {"first_reward": first.get("reward/mean"), "final_reward": last.get("reward/mean"),
+                "initial_val_accuracy": first_val.get("val/accuracy"),
+                "final_val_accuracy": last_val.get("val/accuracy")}
 
 
 def format_summary(summary: dict) -> str:

@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import time
-
-from omegaconf import OmegaConf
 
 from verl_balance.data.loader import StatefulDataLoader
 from verl_balance.data.sft_dataset import SFTDataConfig as DatasetConfig
@@ -22,7 +19,6 @@ from verl_balance.data.tokenizer import build_tokenizer
 from verl_balance.trainer import common
 from verl_balance.trainer.driver import DriverBase
 from verl_balance.trainer.config import validate_sft
-from verl_balance.utils.tracking import Tracking
 from verl_balance.workers.actor import ActorWorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -115,46 +111,11 @@ class SFTTrainer(DriverBase):
         per_rank = self.actor.eval_loss(common.dispatch_chunks(batch, plan))
         return {"val/loss": float(per_rank[0]["loss"]), "val/valid_tokens": float(per_rank[0]["valid_tokens"])}
 
-    # ------------------------------------------------------------------ loop
-    def fit(self) -> dict:
-        """Train until total steps (or a stop request); returns a summary dict."""
-        t = self.cfg.trainer
-        self.maybe_resume()
-        tracker = Tracking(t.project_name, t.experiment_name, log_dir=self.out_dir, backends=list(t.logger),
-                           config=OmegaConf.to_container(self.cfg, resolve=True), total_steps=self.total_steps)
-        previous_handler = signal.signal(signal.SIGINT, self._request_stop)
-        first_loss = last_loss = None
-        val_metrics: dict = {}
-        run_start = time.perf_counter()
-        try:
-            while self.global_step < self.total_steps and not self._stop_requested:
-                for tensors in self.loader:
-                    metrics = self.train_step(tensors)
-                    self.global_step += 1
-                    first_loss = metrics["train/loss"] if first_loss is None else first_loss
-                    last_loss = metrics["train/loss"]
-                    is_last = self.global_step >= self.total_steps
-                    if t.test_freq > 0 and (self.global_step % t.test_freq == 0 or is_last):
-                        val_metrics = self.evaluate()
-                        metrics.update(val_metrics)
-                    tracker.log(metrics, step=self.global_step)
-                    if t.save_freq > 0 and (self.global_step % t.save_freq == 0 or is_last):
-                        self.save()
-                    if is_last or self._stop_requested:
-                        break
-            if self._stop_requested and not (t.save_freq > 0 and self.global_step % t.save_freq == 0):
-                self.save()
-        finally:
-            signal.signal(signal.SIGINT, previous_handler)
-            tracker.close()
-        summary = {"steps": self.global_step, "first_loss": first_loss, "final_loss": last_loss,
-                   "wall_s": time.perf_counter() - run_start, "metrics": tracker.metrics_path,
-                   **{k: v for k, v in val_metrics.items() if k == "val/loss"}}
-        if t.plot:
-            from verl_balance.utils.plotting import plot_runs
-
-            summary["plot"] = plot_runs([tracker.metrics_path], out=os.path.join(self.out_dir, "curves.png"))
-        return summary
+    def summarize(self, *, first: dict, last: dict, first_val: dict, last_val: dict) -> dict:
+        out = {"first_loss": first.get("train/loss"), "final_loss": last.get("train/loss")}
+        if "val/loss" in last_val:
+            out["val/loss"] = last_val["val/loss"]
+        return out
 
 
 def format_summary(summary: dict) -> str:
