@@ -19,7 +19,7 @@ for layout in "4 1" "2 2" "1 4"; do
         trainer.experiment_name=$name trainer.default_local_dir=$out/$name
     runs+=("$out/$name")
 done
-python -m verl_balance.utils.plotting "${runs[@]}" --keys 'train/loss$' --out "$out/parity.png" \
+python -m verl_balance.utils.plotting "${runs[@]}" --out "$out/parity.png" \
     --title "SFT loss on (4,1), (2,2), (1,4): identical curves"
 python - "${runs[@]}" <<'PY'
 import sys
