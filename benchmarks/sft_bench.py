@@ -222,7 +222,7 @@ def run_step_bench(args, memory_rows: list) -> list[tuple]:
         if verl is not None:
             plans[case, "verl"] = verl[i]
 
-    common.start_ray(address=None, num_workers=2, use_gpu=False)
+    common.start_ray(address=None, num_workers=2)
     start = time.perf_counter()
     group = common.build_actor_group(
         worker_config=ActorWorkerConfig(model=model_config, engine=engine),
@@ -334,7 +334,7 @@ def run_overhead_bench(args, memory_rows: list) -> list[tuple]:
             "data.synthetic.num_val=8", f"data.synthetic.out_dir={tmp}/data", f"trainer.default_local_dir={tmp}/run",
             "trainer.logger=[jsonl]", "trainer.plot=false", "trainer.resume_mode=disable",
             f"data.max_length={max(512, args.max_len)}"])
-    common.start_ray(address=None, num_workers=1, use_gpu=False)
+    common.start_ray(address=None, num_workers=1)
     start = time.perf_counter()
     # SFTTrainer builds its group with common.build_actor_group; give it the probing worker class.
     build_group = common.build_actor_group

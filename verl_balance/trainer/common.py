@@ -29,7 +29,7 @@ LATEST_FILE = "latest_checkpointed_iteration.txt"
 TRAINER_STATE_FILE = "trainer_state.json"
 
 
-def start_ray(*, address: str | None, num_workers: int, use_gpu: bool | None) -> None:
+def start_ray(*, address: str | None, num_workers: int) -> None:
     """Connect to a cluster (``address``) or start an embedded one sized for the workers."""
     if ray.is_initialized():
         return

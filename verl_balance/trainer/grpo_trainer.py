@@ -190,8 +190,7 @@ class GRPOTrainer(DriverBase):
             pad_token_id=self.tokenizer.pad_token_id, stop_token_ids=(self.tokenizer.eos_token_id,),
             rollout_max_batch_size=r.max_num_seqs, use_reference_policy=a.use_kl_loss)
 
-        common.start_ray(address=t.ray_address, num_workers=self.world,
-                         use_gpu=None if t.device == "auto" else t.device == "cuda")
+        common.start_ray(address=t.ray_address, num_workers=self.world)
         use_gpu = common.resolve_use_gpu(t.device)
         print(f"[trainer] {self.world} {'GPU' if use_gpu else 'CPU'} workers: dp={self.dp} x sp={self.sp}; model "
               f"{arr.model.name} ({self.model_config.num_layers} layers, hidden {self.model_config.hidden_size}); "

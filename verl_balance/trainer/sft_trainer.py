@@ -70,8 +70,7 @@ class SFTTrainer(DriverBase):
         engine_config = common.engine_config_from(cfg, total_steps=self.total_steps,
                                                   loss_agg_mode=cfg.loss_agg_mode,
                                                   loss_scale_factor=cfg.loss_scale_factor, seed=t.seed)
-        common.start_ray(address=t.ray_address, num_workers=self.world,
-                         use_gpu=None if t.device == "auto" else t.device == "cuda")
+        common.start_ray(address=t.ray_address, num_workers=self.world)
         use_gpu = common.resolve_use_gpu(t.device)
         print(f"[trainer] {self.world} {'GPU' if use_gpu else 'CPU'} workers: dp={self.dp} x sp={self.sp}; "
               f"model {cfg.model.name} ({self.model_config.num_layers} layers, hidden "
