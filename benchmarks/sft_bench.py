@@ -358,7 +358,7 @@ def run_overhead_bench(args, memory_rows: list) -> list[tuple]:
         trainer.actor.memory(True)
         for step in range(total):
             plan = common.plan_for(common.to_batch(batches[step]), dp_size=1, sp_size=1,
-                                   data_cfg_mbs=cfg.data.micro_batch_size_per_gpu, token_cap=trainer.token_cap,
+                                   micro_batch_size=cfg.data.micro_batch_size_per_gpu, token_cap=trainer.token_cap,
                                    balance_cfg=cfg.balance, workload=trainer.workload)
             parent.send((step, [mb.tolist() for mb in plan.micro_batches[0]]))
             plain_wall, plain_cpu = parent.recv()

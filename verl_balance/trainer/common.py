@@ -96,13 +96,13 @@ def build_actor_group(*, worker_config: ActorWorkerConfig, trainer_cfg, use_gpu:
     return group
 
 
-def plan_for(batch: Batch, *, dp_size: int, sp_size: int, data_cfg_mbs: int | None, token_cap: int | None,
+def plan_for(batch: Batch, *, dp_size: int, sp_size: int, micro_batch_size: int | None, token_cap: int | None,
              balance_cfg, workload, group_ids=None):
     """BalancePlan for one global mini-batch (balance.enable=false gives the contiguous split)."""
     seq_lens = batch["attention_mask"].sum(dim=1).cpu().numpy()
     return plan_balance(
         seq_lens=seq_lens, dp_size=dp_size, sp_size=sp_size,
-        micro_batch_size=None if token_cap is not None else data_cfg_mbs,
+        micro_batch_size=None if token_cap is not None else micro_batch_size,
         max_token_len_per_gpu=token_cap, balance=bool(balance_cfg.enable), group_ids=group_ids,
         workload=workload, overlong=balance_cfg.overlong,
     )

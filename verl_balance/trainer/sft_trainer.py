@@ -85,7 +85,7 @@ class SFTTrainer(DriverBase):
     # ------------------------------------------------------------------ steps
     def _plan(self, batch):
         return common.plan_for(batch, dp_size=self.dp, sp_size=self.sp,
-                               data_cfg_mbs=self.cfg.data.micro_batch_size_per_gpu, token_cap=self.token_cap,
+                               micro_batch_size=self.cfg.data.micro_batch_size_per_gpu, token_cap=self.token_cap,
                                balance_cfg=self.cfg.balance, workload=self.workload)
 
     def train_step(self, tensors: dict) -> dict:
