@@ -192,6 +192,23 @@ def reference_steps(settings: ParitySettings, *, agg_modes=AGG_MODES) -> dict[st
     return out
 
 
+def reference_log_probs(settings: ParitySettings, batch: dict[str, torch.Tensor], *,
+                        temperature: float = 1.0) -> torch.Tensor:
+    """(B, L) log p(token t | tokens < t) under softmax(logits / temperature) of the seeded initial
+    model, from one plain forward per sequence (0 at t = 0 and on padding); no distributed code."""
+    torch.manual_seed(settings.seed)
+    model = LlamaForCausalLM(settings.model, attn_impl="sdpa_masked")
+    out = torch.zeros(batch["input_ids"].shape)
+    with torch.no_grad():
+        for i, length in enumerate(batch["attention_mask"].sum(1).tolist()):
+            ids = batch["input_ids"][i, :length]
+            logits = model(input_ids=ids, position_ids=torch.arange(length),
+                           cu_seqlens=torch.tensor([0, length]), max_seqlen=length)
+            logp = torch.log_softmax(logits[:-1].float() / temperature, -1)
+            out[i, 1:length] = logp.gather(-1, ids[1:, None]).squeeze(-1)
+    return out
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

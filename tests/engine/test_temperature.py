@@ -9,8 +9,7 @@ from _spawn import run_on_ranks
 
 from verl_balance.distributed.layout import ParallelLayout
 from verl_balance.engine.train_engine import TrainEngine
-from verl_balance.models import LlamaForCausalLM
-from verl_balance.parity import ParitySettings, make_global_batch
+from verl_balance.parity import ParitySettings, make_global_batch, reference_log_probs
 
 SETTINGS = ParitySettings()
 TEMPERATURE = 0.7
@@ -28,14 +27,7 @@ def _engine_outputs(rank):
 
 def test_log_probs_and_loss_use_the_sampling_temperature():
     batch = make_global_batch(SETTINGS)
-    torch.manual_seed(SETTINGS.seed)
-    model = LlamaForCausalLM(SETTINGS.model, attn_impl="sdpa_masked")
-    want = torch.zeros(batch["input_ids"].shape)
-    with torch.no_grad():
-        for i, n in enumerate(batch["attention_mask"].sum(1).tolist()):
-            ids = batch["input_ids"][i, :n]
-            logits = model(input_ids=ids, position_ids=torch.arange(n), cu_seqlens=torch.tensor([0, n]), max_seqlen=n)
-            want[i, 1:n] = torch.log_softmax(logits[:-1] / TEMPERATURE, -1).gather(-1, ids[1:, None]).squeeze(-1)
+    want = reference_log_probs(SETTINGS, batch, temperature=TEMPERATURE)
     mask = batch["loss_mask"].clone()
     mask[:, 0] = 0
     want_loss = float(-(want * mask).sum() / mask.sum())

@@ -12,8 +12,7 @@ import pytest
 import torch
 
 from verl_balance.balance import plan_balance
-from verl_balance.models import LlamaForCausalLM
-from verl_balance.parity import ParitySettings, make_global_batch, reference_steps
+from verl_balance.parity import ParitySettings, make_global_batch, reference_log_probs, reference_steps
 from verl_balance.protocol import Batch, merge_by_plan, split_by_plan
 from verl_balance.workers.actor import ActorWorker, ActorWorkerConfig
 
@@ -38,23 +37,10 @@ def _close(group) -> None:
     group.resource_pool.remove()
 
 
-def _reference_log_probs(batch: dict) -> torch.Tensor:
-    torch.manual_seed(SETTINGS.seed)
-    model = LlamaForCausalLM(SETTINGS.model, attn_impl="sdpa_masked")
-    out = torch.zeros(batch["input_ids"].shape)
-    with torch.no_grad():
-        for i, length in enumerate(batch["attention_mask"].sum(1).tolist()):
-            ids = batch["input_ids"][i, :length]
-            logits = model(input_ids=ids, position_ids=torch.arange(length),
-                           cu_seqlens=torch.tensor([0, length]), max_seqlen=length)
-            out[i, 1:length] = torch.log_softmax(logits[:-1].float(), -1).gather(-1, ids[1:, None]).squeeze(-1)
-    return out
-
-
 @pytest.fixture(scope="module")
 def reference():
     batch = make_global_batch(SETTINGS)
-    return batch, reference_steps(SETTINGS, agg_modes=(AGG_MODE,))[AGG_MODE], _reference_log_probs(batch)
+    return batch, reference_steps(SETTINGS, agg_modes=(AGG_MODE,))[AGG_MODE], reference_log_probs(SETTINGS, batch)
 
 
 @pytest.mark.parametrize("dp, sp", [(4, 1), (2, 2), (1, 4)])
