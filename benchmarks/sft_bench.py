@@ -52,7 +52,7 @@ import numpy as np
 import torch
 
 from verl_balance.balance import BalancePlan, FlopsWorkload, plan_balance
-from verl_balance.engine.config import EngineConfig
+from verl_balance.engine.config import EngineConfig, OptimConfig
 from verl_balance.models import ModelConfig, build_model
 from verl_balance.protocol import Batch
 from verl_balance.single_controller import Dispatch, make_mesh_dispatch, register
@@ -202,7 +202,7 @@ def sync_cost(plan: BalancePlan, costs: np.ndarray) -> float:
 def run_step_bench(args, memory_rows: list) -> list[tuple]:
     model_config = ModelConfig.preset(args.model)
     workload = StepWorkload(median=args.median, max_len=args.max_len)
-    engine = EngineConfig(lr=1e-4, attn_impl=args.attn_impl, seed=0)
+    engine = EngineConfig(optim=OptimConfig(lr=1e-4), attn_impl=args.attn_impl, seed=0)
     flops = FlopsWorkload.from_model_config(model_config)
     total = args.warmup + args.steps
     batches = make_batches(workload, num=total, vocab_size=model_config.vocab_size)

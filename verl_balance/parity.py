@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from verl_balance.engine.config import EngineConfig
+from verl_balance.engine.config import EngineConfig, OptimConfig
 from verl_balance.loss import AGG_MODES
 from verl_balance.models import LlamaForCausalLM, ModelConfig
 
@@ -59,7 +59,8 @@ class ParitySettings:
 
     def engine_config(self, *, agg_mode: str, bug: str | None = None) -> EngineConfig:
         """EngineConfig of one case (constant lr, no warmup: the first step uses lr)."""
-        return EngineConfig(lr=self.lr, eps=self.adam_eps, grad_clip=self.grad_clip, loss_agg_mode=agg_mode,
+        optim = OptimConfig(lr=self.lr, eps=self.adam_eps, clip_grad=self.grad_clip)
+        return EngineConfig(optim=optim, loss_agg_mode=agg_mode,
                             loss_scale_factor=self.loss_scale_factor, seed=self.seed,
                             attn_impl="sdpa_masked", inject_bug=bug)
 
@@ -183,8 +184,8 @@ def reference_steps(settings: ParitySettings, *, agg_modes=AGG_MODES) -> dict[st
         for param, grad in zip(step_model.parameters(), grads):
             param.grad = grad.clone()
         grad_norm = torch.nn.utils.clip_grad_norm_(step_model.parameters(), settings.grad_clip)
-        cfg = settings.engine_config(agg_mode=mode)
-        torch.optim.AdamW(step_model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+        cfg = settings.engine_config(agg_mode=mode).optim
+        torch.optim.AdamW(step_model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
                           weight_decay=cfg.weight_decay).step()
         assert names == [n for n, _ in step_model.named_parameters()]
         out[mode] = {"loss": objectives[mode].item(), "grad_norm": grad_norm.item(),

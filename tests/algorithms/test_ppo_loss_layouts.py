@@ -33,7 +33,8 @@ def _engine_config(agg_mode: str):
     # Adam's first step is lr * g / (|g| + eps): with the default eps = 1e-8 a parameter whose
     # gradient is ~1e-8 (pure float round-off) moves by ~lr/2, so a larger eps keeps the
     # parameter comparison a comparison of gradients rather than of round-off.
-    return dataclasses.replace(SETTINGS.engine_config(agg_mode=agg_mode), eps=1e-4)
+    config = SETTINGS.engine_config(agg_mode=agg_mode)
+    return dataclasses.replace(config, optim=dataclasses.replace(config.optim, eps=1e-4))
 
 
 def _reference_model() -> LlamaForCausalLM:
@@ -93,8 +94,8 @@ def _reference(batch, *, agg_mode: str, config: PolicyLossConfig) -> dict:
     }[agg_mode]()
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), SETTINGS.grad_clip)
-    cfg = _engine_config(agg_mode)
-    torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay).step()
+    cfg = _engine_config(agg_mode).optim
+    torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay).step()
     return {"loss": loss.item(), "grad_norm": float(grad_norm),
             "metrics": {k: v / float(counts.sum()) for k, v in metric_sums.items()},
             "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}

@@ -16,6 +16,7 @@ import torch
 
 from verl_balance.distributed import ParallelLayout, init_distributed
 from verl_balance.engine import EngineConfig, TrainEngine
+from verl_balance.engine.config import OptimConfig
 from verl_balance.models import ModelConfig
 from verl_balance.parity import ParitySettings, make_global_batch, reference_steps
 
@@ -63,7 +64,7 @@ def main() -> None:
     for preset in ("tiny", "100m"):
         cfg = ModelConfig.preset(preset)
         engine = TrainEngine(model_config=cfg, layout=layout,
-                             engine_config=EngineConfig(lr=1e-4, param_dtype=dtype))
+                             engine_config=EngineConfig(optim=OptimConfig(lr=1e-4), param_dtype=dtype))
         data = random_batch(vocab=cfg.vocab_size, samples=args.samples, seq_len=args.seq_len,
                             seed=0)
         mbs = [{k: v[i:i + args.micro_batch].to(layout.device) for k, v in data.items()}

@@ -12,6 +12,7 @@ import torch
 from _spawn import run_on_ranks
 from verl_balance.distributed import ParallelLayout
 from verl_balance.engine import EngineConfig, MicroBatchError, TrainEngine
+from verl_balance.engine.config import OptimConfig
 from verl_balance.engine.optim import lr_multiplier
 from verl_balance.models import LlamaForCausalLM
 from verl_balance.parity import ParitySettings, make_global_batch, reference_steps
@@ -181,9 +182,10 @@ def test_inconsistent_micro_batches_raise_on_every_rank_instead_of_hanging(scena
 
 
 def test_lr_schedule_warmup_then_cosine():
-    cfg = EngineConfig(lr=1.0, warmup_steps=4, lr_schedule="cosine", total_steps=14,
-                       min_lr_ratio=0.1)
+    optim = OptimConfig(lr=1.0, warmup_steps_ratio=4 / 14, lr_scheduler="cosine", min_lr_ratio=0.1)
+    cfg = EngineConfig(optim=optim, total_steps=14)
+    assert cfg.warmup_steps == 4
     assert [lr_multiplier(s, config=cfg) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert lr_multiplier(9, config=cfg) == pytest.approx(0.55)
     assert lr_multiplier(14, config=cfg) == pytest.approx(0.1)
-    assert lr_multiplier(100, config=EngineConfig(warmup_steps=2)) == 1.0
+    assert lr_multiplier(100, config=EngineConfig(optim=OptimConfig(warmup_steps_ratio=0.02), total_steps=100)) == 1.0

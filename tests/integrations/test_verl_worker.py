@@ -19,7 +19,7 @@ ray = pytest.importorskip("ray")
 from verl import DataProto  # noqa: E402
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup  # noqa: E402
 
-from verl_balance.engine.config import EngineConfig  # noqa: E402
+from verl_balance.engine.config import EngineConfig, OptimConfig  # noqa: E402
 from verl_balance.integrations import verl as integration  # noqa: E402
 from verl_balance.models.config import ModelConfig  # noqa: E402
 from verl_balance.workers.actor import ActorWorkerConfig  # noqa: E402
@@ -41,7 +41,7 @@ def worker_group():
                                            "VERL_BALANCE_NUM_THREADS": "1"},
                               # what docs/verl.md tells users to add to ray_kwargs.ray_init.runtime_env
                               "worker_process_setup_hook": SETUP_HOOK})
-    config = ActorWorkerConfig(model=ModelConfig.preset("tiny"), engine=EngineConfig(lr=1e-2, seed=0))
+    config = ActorWorkerConfig(model=ModelConfig.preset("tiny"), engine=EngineConfig(optim=OptimConfig(lr=1e-2), seed=0))
     # max_colocate_count=1: one CPU per bundle (verl's default reserves 10 CPUs per worker).
     pool = RayResourcePool([NUM_WORKERS], use_gpu=False, max_colocate_count=1)
     cls = RayClassWithInitArgs(cls=ray.remote(integration.VerlActorWorker), config=config,

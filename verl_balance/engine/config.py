@@ -1,13 +1,19 @@
-"""EngineConfig: optimizer, schedule, precision and loss settings of one TrainEngine."""
+"""Typed configs of one TrainEngine: the optimizer (``OptimConfig``, the recipes' ``optim``
+section as it is), FSDP2 behaviour (``FSDPConfig``) and the engine itself (``EngineConfig``).
+
+Choices are plain ``str`` fields checked in ``__post_init__`` against the module-level tuples:
+OmegaConf structured configs cannot hold ``Literal`` annotations, and the Hydra recipes nest these
+classes directly, so the check runs when the merged config is turned into objects.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from verl_balance.loss import check_agg_mode, check_bug
 from verl_balance.models.attention import ATTN_IMPLS
 
-LR_SCHEDULES = ("constant", "cosine")
+LR_SCHEDULERS = ("constant", "cosine")
 PARAM_DTYPES = ("float32", "bfloat16")
 
 
@@ -16,42 +22,84 @@ class EngineConfigError(ValueError):
 
 
 @dataclass
+class OptimConfig:
+    """AdamW with linear warmup, then a constant or cosine learning rate (verl's SFT key names)."""
+
+    lr: float = 1e-5
+    """Peak learning rate."""
+    weight_decay: float = 0.01
+    """AdamW decoupled weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW (beta1, beta2)."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    clip_grad: float | None = 1.0
+    """Max global gradient norm; null (or 0) disables clipping. The norm is logged either way."""
+    warmup_steps_ratio: float = 0.0
+    """Fraction of the run's optimizer steps spent in linear warmup (rounded to whole steps)."""
+    lr_scheduler: str = "constant"
+    """After warmup: 'constant' or 'cosine' (decays to min_lr_ratio * lr at the last step)."""
+    min_lr_ratio: float = 0.0
+    """Floor of the cosine schedule as a fraction of lr."""
+
+    def __post_init__(self) -> None:
+        if self.lr_scheduler not in LR_SCHEDULERS:
+            raise EngineConfigError(f"optim.lr_scheduler={self.lr_scheduler!r}; valid: {list(LR_SCHEDULERS)}")
+        if not self.lr > 0:
+            raise EngineConfigError(f"optim.lr={self.lr} must be > 0")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise EngineConfigError(f"optim.betas={list(self.betas)} must be two numbers in [0, 1)")
+        if not 0 <= self.warmup_steps_ratio <= 1:
+            raise EngineConfigError(f"optim.warmup_steps_ratio={self.warmup_steps_ratio} must be in [0, 1]")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise EngineConfigError(f"optim.min_lr_ratio={self.min_lr_ratio} must be in [0, 1]")
+        if self.clip_grad is not None and self.clip_grad < 0:
+            raise EngineConfigError(f"optim.clip_grad={self.clip_grad} must be > 0, or null/0 for no clipping")
+
+    @property
+    def max_grad_norm(self) -> float:
+        """The clipping threshold, inf when clipping is off."""
+        return float(self.clip_grad) if self.clip_grad else float("inf")
+
+
+@dataclass
+class FSDPConfig:
+    """How FSDP2 (``fully_shard``) shards and synchronises; memory costs are per rank."""
+
+    reshard_after_forward: bool = True
+    """Free the all-gathered parameters after each unit's forward (saves one unsharded copy of the
+    model per rank; costs a second all-gather in backward)."""
+
+
+@dataclass
 class EngineConfig:
     """Settings of TrainEngine (names follow verl where the concept is the same)."""
 
-    lr: float = 1e-5
-    weight_decay: float = 0.01
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    grad_clip: float | None = 1.0
-    warmup_steps: int = 0
-    lr_schedule: str = "constant"
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     total_steps: int | None = None
-    min_lr_ratio: float = 0.0
     loss_agg_mode: str = "token-mean"
     loss_scale_factor: float | None = None
     param_dtype: str = "float32"
     attn_impl: str = "auto"
     seed: int = 0
-    reshard_after_forward: bool = True
     inject_bug: str | None = None  # parity negative controls only (verl_balance.loss.KNOWN_BUGS)
 
     def __post_init__(self) -> None:
         check_agg_mode(self.loss_agg_mode)
         check_bug(self.inject_bug)
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise EngineConfigError(f"lr_schedule={self.lr_schedule!r}; valid: {LR_SCHEDULES}")
-        if self.lr_schedule == "cosine" and not self.total_steps:
-            raise EngineConfigError("lr_schedule='cosine' needs total_steps > 0")
+        if self.optim.lr_scheduler == "cosine" and not self.total_steps:
+            raise EngineConfigError("optim.lr_scheduler='cosine' needs total_steps > 0")
         if self.param_dtype not in PARAM_DTYPES:
-            raise EngineConfigError(f"param_dtype={self.param_dtype!r}; valid: {PARAM_DTYPES}")
+            raise EngineConfigError(f"param_dtype={self.param_dtype!r}; valid: {list(PARAM_DTYPES)}")
         if self.attn_impl not in ATTN_IMPLS:
-            raise EngineConfigError(f"attn_impl={self.attn_impl!r}; valid: {ATTN_IMPLS}")
-        if self.warmup_steps < 0:
-            raise EngineConfigError(f"warmup_steps={self.warmup_steps} must be >= 0")
-        if self.grad_clip is not None and self.grad_clip <= 0:
-            raise EngineConfigError(f"grad_clip={self.grad_clip} must be > 0 or None")
+            raise EngineConfigError(f"attn_impl={self.attn_impl!r}; valid: {list(ATTN_IMPLS)}")
         if (self.loss_agg_mode == "seq-mean-token-sum-norm"
                 and not (self.loss_scale_factor and self.loss_scale_factor > 0)):
             raise EngineConfigError("loss_agg_mode='seq-mean-token-sum-norm' needs "
                                     "loss_scale_factor > 0 (the constant C)")
+
+    @property
+    def warmup_steps(self) -> int:
+        """Whole warmup steps: optim.warmup_steps_ratio of total_steps."""
+        return int(round(self.optim.warmup_steps_ratio * (self.total_steps or 0)))

@@ -82,9 +82,9 @@ class TrainEngine:
             mesh = layout.fsdp_mesh
             for unit in model.fsdp_units():
                 fully_shard(unit, mesh=mesh, mp_policy=mp_policy,
-                            reshard_after_forward=engine_config.reshard_after_forward)
+                            reshard_after_forward=engine_config.fsdp.reshard_after_forward)
             fully_shard(model, mesh=mesh, mp_policy=mp_policy,
-                        reshard_after_forward=engine_config.reshard_after_forward)
+                        reshard_after_forward=engine_config.fsdp.reshard_after_forward)
         self.model = model
         self.optimizer, self.scheduler = build_optimizer(model.parameters(), config=engine_config)
         self.global_step = 0
@@ -209,7 +209,7 @@ class TrainEngine:
         return metrics
 
     def _optimizer_step(self) -> dict:
-        max_norm = self.config.grad_clip if self.config.grad_clip is not None else float("inf")
+        max_norm = self.config.optim.max_grad_norm
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()

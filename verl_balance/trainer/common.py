@@ -17,7 +17,7 @@ import ray
 import torch
 
 from verl_balance.balance import FlopsWorkload, TokenWorkload, plan_balance
-from verl_balance.engine.config import EngineConfig
+from verl_balance.engine.config import EngineConfig, OptimConfig
 from verl_balance.models.config import ModelConfig
 from verl_balance.protocol import Batch, split_by_plan
 from verl_balance.single_controller import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
@@ -76,11 +76,12 @@ def build_workload(name: str, model_config: ModelConfig):
 def engine_config_from(cfg, *, total_steps: int, loss_agg_mode: str, loss_scale_factor, seed: int) -> EngineConfig:
     """EngineConfig from the recipe's optim section and the run length."""
     o = cfg.optim
+    optim = OptimConfig(lr=float(o.lr), weight_decay=float(o.weight_decay), betas=[float(b) for b in o.betas],
+                        clip_grad=float(o.clip_grad) if o.clip_grad else None,
+                        warmup_steps_ratio=float(o.warmup_steps_ratio), lr_scheduler=o.lr_scheduler,
+                        min_lr_ratio=float(o.min_lr_ratio))
     return EngineConfig(
-        lr=float(o.lr), weight_decay=float(o.weight_decay), betas=tuple(float(b) for b in o.betas),
-        grad_clip=float(o.clip_grad) if o.clip_grad else None,
-        warmup_steps=int(round(float(o.warmup_steps_ratio) * total_steps)),
-        lr_schedule=o.lr_scheduler, total_steps=total_steps, min_lr_ratio=float(o.min_lr_ratio),
+        optim=optim, total_steps=total_steps,
         loss_agg_mode=loss_agg_mode, loss_scale_factor=loss_scale_factor,
         param_dtype=cfg.model.param_dtype, seed=seed,
     )
