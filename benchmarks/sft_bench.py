@@ -56,7 +56,7 @@ from verl_balance.engine.config import EngineConfig, OptimConfig
 from verl_balance.models import ModelConfig, build_model
 from verl_balance.protocol import Batch
 from verl_balance.single_controller import Dispatch, make_mesh_dispatch, register
-from verl_balance.trainer import common
+from verl_balance.trainer import cluster, common
 from verl_balance.workers.actor import ACTOR_MESH, ActorWorker, ActorWorkerConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -222,9 +222,9 @@ def run_step_bench(args, memory_rows: list) -> list[tuple]:
         if verl is not None:
             plans[case, "verl"] = verl[i]
 
-    common.start_ray(address=None, num_workers=2)
+    cluster.start_ray(address=None, num_workers=2)
     start = time.perf_counter()
-    group = common.build_actor_group(
+    group = cluster.build_actor_group(
         worker_config=ActorWorkerConfig(model=model_config, engine=engine),
         trainer_cfg=SimpleNamespace(n_gpus_per_node=2, nnodes=1, placement_timeout_s=300.0),
         use_gpu=False, worker_cls=BenchActorWorker)
@@ -334,15 +334,15 @@ def run_overhead_bench(args, memory_rows: list) -> list[tuple]:
             "data.synthetic.num_val=8", f"data.synthetic.out_dir={tmp}/data", f"trainer.default_local_dir={tmp}/run",
             "trainer.logger=[jsonl]", "trainer.plot=false", "trainer.resume_mode=disable",
             f"data.max_length={max(512, args.max_len)}"])
-    common.start_ray(address=None, num_workers=1)
+    cluster.start_ray(address=None, num_workers=1)
     start = time.perf_counter()
-    # SFTTrainer builds its group with common.build_actor_group; give it the probing worker class.
-    build_group = common.build_actor_group
-    common.build_actor_group = functools.partial(build_group, worker_cls=BenchActorWorker)
+    # SFTTrainer builds its group with cluster.build_actor_group; give it the probing worker class.
+    build_group = cluster.build_actor_group
+    cluster.build_actor_group = functools.partial(build_group, worker_cls=BenchActorWorker)
     try:
         trainer = SFTTrainer(cfg)
     finally:
-        common.build_actor_group = build_group
+        cluster.build_actor_group = build_group
     print(f"[overhead] dp=1 SFTTrainer up in {time.perf_counter() - start:.1f} s", flush=True)
     model_config = trainer.model_config
     batches = make_batches(workload, num=total, vocab_size=model_config.vocab_size)

@@ -64,7 +64,7 @@ def test_cli_overrides_reach_the_workers(ray_cluster, tiny_sft_overrides):
     assert [(r["dp_rank"], r["sp_rank"]) for r in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for r in ranks:
         assert (r["dp"], r["sp"]) == (2, 2)
-        assert r["engine"]["lr"] == pytest.approx(0.0123)
+        assert r["engine"]["optim"]["lr"] == pytest.approx(0.0123)
         assert r["engine"]["loss_agg_mode"] == "seq-mean-token-mean"
         assert r["model"]["hidden_size"] == 48
         assert r["model"]["vocab_size"] == trainer.tokenizer.vocab_size

@@ -1,5 +1,5 @@
-"""Driver-side pieces shared by the SFT and GRPO trainers: Ray start-up, the actor worker
-group, plan -> dispatch, per-rank metric reduction and checkpoint bookkeeping.
+"""Driver-side pieces still shared by the SFT and GRPO trainers: config -> object builders and
+plan -> dispatch (the architecture pass moves each to its own home).
 
 The driver never calls torch.distributed: it plans (balance/), splits batches (protocol.py) and
 talks to workers through the worker group.
@@ -7,50 +7,15 @@ talks to workers through the worker group.
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 from dataclasses import replace
 
-import numpy as np
-import ray
 import torch
 
 from verl_balance.balance import FlopsWorkload, TokenWorkload, plan_balance
 from verl_balance.engine.config import EngineConfig, OptimConfig
 from verl_balance.models.config import ModelConfig
 from verl_balance.protocol import Batch, split_by_plan
-from verl_balance.single_controller import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from verl_balance.trainer.config import ConfigError
-from verl_balance.utils.tracking import read_metrics
-from verl_balance.workers.actor import ActorWorker, ActorWorkerConfig
-
-LATEST_FILE = "latest_checkpointed_iteration.txt"
-TRAINER_STATE_FILE = "trainer_state.json"
-
-
-def start_ray(*, address: str | None, num_workers: int) -> None:
-    """Connect to a cluster (``address``) or start an embedded one sized for the workers."""
-    if ray.is_initialized():
-        return
-    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
-    if address:
-        ray.init(address=address, runtime_env=env, log_to_driver=True)
-    else:
-        # An embedded cluster gets one CPU slot per worker plus one for the driver's tasks, even
-        # on a 2-core laptop: the workers are mostly waiting on each other's collectives.
-        ray.init(num_cpus=max(num_workers + 1, os.cpu_count() or 1), include_dashboard=False,
-                 runtime_env=env, log_to_driver=True)
-
-
-def resolve_use_gpu(device: str) -> bool:
-    """trainer.device auto|cpu|cuda -> whether workers take GPU bundles (auto: the cluster has GPUs)."""
-    if device == "cpu":
-        return False
-    gpus = ray.cluster_resources().get("GPU", 0)
-    if device == "cuda" and gpus == 0:
-        raise ConfigError("trainer.device=cuda but the Ray cluster has no GPUs; use trainer.device=cpu or auto")
-    return gpus > 0
 
 
 MODEL_DIMENSION_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -87,16 +52,6 @@ def engine_config_from(cfg, *, total_steps: int, loss_agg_mode: str, loss_scale_
     )
 
 
-def build_actor_group(*, worker_config: ActorWorkerConfig, trainer_cfg, use_gpu: bool,
-                      worker_cls: type = ActorWorker) -> RayWorkerGroup:
-    """Place nnodes x n_gpus_per_node workers and build the sharded model on them."""
-    pool = RayResourcePool(n_gpus_per_node=trainer_cfg.n_gpus_per_node, nnodes=trainer_cfg.nnodes,
-                           use_gpu=use_gpu, placement_timeout_s=trainer_cfg.placement_timeout_s)
-    group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(worker_cls, worker_config))
-    group.init_model()
-    return group
-
-
 def plan_for(batch: Batch, *, dp_size: int, sp_size: int, micro_batch_size: int | None, token_cap: int | None,
              balance_cfg, workload, group_ids=None):
     """BalancePlan for one global mini-batch (balance.enable=false gives the contiguous split)."""
@@ -128,94 +83,6 @@ def apply_truncation(batch: Batch, plan) -> Batch:
 def dispatch_chunks(batch: Batch, plan) -> list[Batch]:
     """Per-DP-rank chunks in the plan's micro-batch order."""
     return split_by_plan(apply_truncation(batch, plan), plan)
-
-
-def reduce_rank_metrics(per_rank: list[dict], *, prefix: str) -> dict:
-    """Driver-side view of one engine call: global figures and measured per-rank timing.
-
-    Engine metrics such as loss and grad_norm are already global (all-reduced over the mesh),
-    so DP rank 0's value is taken; compute time differs per rank and gives measured imbalance
-    (max / mean over DP ranks of the per-rank busy seconds: compute without collective waits).
-    """
-    out = {}
-    for key, value in per_rank[0].items():
-        if isinstance(value, (int, float, bool)) and key != "dp_rank" and not key.endswith("seconds"):
-            out[prefix + key] = float(value)
-    busy = np.array([m.get("busy_seconds", 0.0) for m in per_rank], dtype=np.float64)
-    if busy.size and busy.mean() > 0:
-        out["balance/imbalance_measured"] = float(busy.max() / busy.mean())
-        out["timing_s/busy_max"] = float(busy.max())
-        out["timing_s/busy_mean"] = float(busy.mean())
-    return out
-
-
-def plan_metrics(plan) -> dict:
-    """Predicted balance of the plan and of the naive contiguous split, from the plan's stats."""
-    s = plan.stats
-    out = {
-        "balance/imbalance_predicted": float(s["imbalance"]),
-        "balance/imbalance_predicted_naive": float(s["naive_imbalance"]),
-        "balance/sync_ratio_predicted": float(s["sync_ratio"]),
-        "balance/sync_ratio_predicted_naive": float(s["naive_sync_ratio"]),
-        "balance/num_micro_batches": float(s["num_micro_batches"]),
-        "balance/num_micro_batches_naive": float(s["naive_num_micro_batches"]),
-    }
-    if s.get("num_skipped") or s.get("num_truncated"):
-        out["balance/skipped"] = float(s["num_skipped"])
-        out["balance/truncated"] = float(s["num_truncated"])
-    return out
-
-
-# ---------------------------------------------------------------------- checkpoints
-def checkpoint_dir(root: str, step: int) -> str:
-    return os.path.join(root, f"global_step_{step}")
-
-
-def latest_checkpoint(root: str) -> str | None:
-    """The directory named by ``latest_checkpointed_iteration.txt`` under root, if complete."""
-    marker = os.path.join(root, LATEST_FILE)
-    if not os.path.exists(marker):
-        return None
-    with open(marker, encoding="utf-8") as f:
-        step = int(f.read().strip())
-    path = checkpoint_dir(root, step)
-    return path if os.path.exists(os.path.join(path, TRAINER_STATE_FILE)) else None
-
-
-def save_trainer_checkpoint(group: RayWorkerGroup, *, root: str, step: int, trainer_state: dict) -> str:
-    """Workers write the sharded engine state; the driver writes its own state, then the marker.
-
-    The marker is written last, so a stop mid-save leaves the previous checkpoint as latest.
-    """
-    path = checkpoint_dir(root, step)
-    if os.path.exists(path):
-        shutil.rmtree(path)
-    group.save_checkpoint(path, step)
-    with open(os.path.join(path, TRAINER_STATE_FILE), "w", encoding="utf-8") as f:
-        json.dump(trainer_state, f)
-    with open(os.path.join(root, LATEST_FILE), "w", encoding="utf-8") as f:
-        f.write(str(step))
-    return path
-
-
-def load_trainer_checkpoint(group: RayWorkerGroup, path: str) -> dict:
-    """Restore workers from ``path`` and return the driver's saved state."""
-    if not os.path.exists(os.path.join(path, TRAINER_STATE_FILE)):
-        raise ConfigError(f"trainer.resume_from_path={path!r} is not a complete checkpoint "
-                          f"(no {TRAINER_STATE_FILE}); pick a global_step_N directory")
-    group.load_checkpoint(path)
-    with open(os.path.join(path, TRAINER_STATE_FILE), encoding="utf-8") as f:
-        return json.load(f)
-
-
-def truncate_metrics_after(path: str, step: int) -> None:
-    """Drop records past ``step`` so a resumed run's metrics file reads as one uninterrupted curve."""
-    if not os.path.exists(path):
-        return
-    keep = [r for r in read_metrics(path) if int(r.get("step", 0)) <= step]
-    with open(path, "w", encoding="utf-8") as f:
-        for record in keep:
-            f.write(json.dumps(record) + "\n")
 
 
 def to_batch(tensors: dict[str, torch.Tensor], non_tensors: dict | None = None) -> Batch:

@@ -16,7 +16,7 @@ import time
 
 from omegaconf import OmegaConf
 
-from verl_balance.trainer import common
+from verl_balance.trainer import checkpoint
 from verl_balance.utils.tracking import Tracking
 
 
@@ -103,7 +103,7 @@ class DriverBase:
 
     def save(self) -> str:
         """Checkpoint workers and driver state as ``global_step_N``; returns its path."""
-        path = common.save_trainer_checkpoint(self.actor, root=self.out_dir, step=self.global_step,
+        path = checkpoint.save_trainer_checkpoint(self.actor, root=self.out_dir, step=self.global_step,
                                               trainer_state=self._trainer_state())
         print(f"[checkpoint] saved step {self.global_step} -> {path}", flush=True)
         return path
@@ -113,13 +113,13 @@ class DriverBase:
         t = self.cfg.trainer
         if t.resume_mode == "disable":
             return
-        path = t.resume_from_path if t.resume_mode == "resume_path" else common.latest_checkpoint(self.out_dir)
+        path = t.resume_from_path if t.resume_mode == "resume_path" else checkpoint.latest_checkpoint(self.out_dir)
         if path is None:
             return
-        state = common.load_trainer_checkpoint(self.actor, path)
+        state = checkpoint.load_trainer_checkpoint(self.actor, path)
         self.global_step = int(state["global_step"])
         self.loader.load_state_dict(state["loader"])
-        common.truncate_metrics_after(os.path.join(self.out_dir, "metrics.jsonl"), self.global_step)
+        checkpoint.truncate_metrics_after(os.path.join(self.out_dir, "metrics.jsonl"), self.global_step)
         print(f"[checkpoint] resumed from {path} at step {self.global_step}", flush=True)
 
     def _request_stop(self, signum, frame) -> None:

@@ -39,7 +39,8 @@ from verl_balance.data.tokenizer import build_tokenizer
 from verl_balance.protocol import Batch, merge_by_plan
 from verl_balance.rewards import load_reward_fn, score_batch
 from verl_balance.rollout import RolloutOutput, build_rollout_batch
-from verl_balance.trainer import common
+from verl_balance.trainer import cluster, common
+from verl_balance.trainer.metrics import plan_metrics, reduce_rank_metrics
 from verl_balance.trainer.driver import DriverBase
 from verl_balance.trainer.grpo_config import sp_size_of, validate_grpo
 from verl_balance.utils.tracking import Tracking
@@ -190,13 +191,13 @@ class GRPOTrainer(DriverBase):
             pad_token_id=self.tokenizer.pad_token_id, stop_token_ids=(self.tokenizer.eos_token_id,),
             rollout_max_batch_size=r.max_num_seqs, use_reference_policy=a.use_kl_loss)
 
-        common.start_ray(address=t.ray_address, num_workers=self.world)
-        use_gpu = common.resolve_use_gpu(t.device)
+        cluster.start_ray(address=t.ray_address, num_workers=self.world)
+        use_gpu = cluster.resolve_use_gpu(t.device)
         print(f"[trainer] {self.world} {'GPU' if use_gpu else 'CPU'} workers: dp={self.dp} x sp={self.sp}; model "
               f"{arr.model.name} ({self.model_config.num_layers} layers, hidden {self.model_config.hidden_size}); "
               f"{len(self.train_set)} train prompts x n={r.n}, {self.total_steps} steps of "
               f"{self.updates_per_step} optimizer step(s)", flush=True)
-        self.actor = common.build_actor_group(worker_config=worker_config, trainer_cfg=t, use_gpu=use_gpu,
+        self.actor = cluster.build_actor_group(worker_config=worker_config, trainer_cfg=t, use_gpu=use_gpu,
                                               worker_cls=ActorRolloutWorker)
         try:
             if arr.model.path:
@@ -294,9 +295,9 @@ class GRPOTrainer(DriverBase):
                 mini = batch.index_select(rows)
                 plan = self._plan(mini, micro_batch_size=a.ppo_micro_batch_size_per_gpu, token_cap=self.update_cap)
                 per_rank = self.actor.update_actor(common.dispatch_chunks(mini, plan))
-                reduced = common.reduce_rank_metrics(per_rank, prefix="actor/")
+                reduced = reduce_rank_metrics(per_rank, prefix="actor/")
                 actor_records.append({k: v for k, v in reduced.items() if k.startswith("actor/")})
-                plan_records.append(common.plan_metrics(plan))
+                plan_records.append(plan_metrics(plan))
                 compute += [m.get("compute_seconds", 0.0) for m in per_rank]
         out = {**mean_metrics(actor_records), **mean_metrics(plan_records)}
         out["actor/num_optimizer_steps"] = float(len(actor_records))

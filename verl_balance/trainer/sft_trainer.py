@@ -16,7 +16,8 @@ from verl_balance.data.sft_dataset import SFTDataConfig as DatasetConfig
 from verl_balance.data.sft_dataset import SFTDataset
 from verl_balance.data.synthetic import write_dataset
 from verl_balance.data.tokenizer import build_tokenizer
-from verl_balance.trainer import common
+from verl_balance.trainer import cluster, common
+from verl_balance.trainer.metrics import plan_metrics, reduce_rank_metrics
 from verl_balance.trainer.driver import DriverBase
 from verl_balance.trainer.config import validate_sft
 from verl_balance.workers.actor import ActorWorkerConfig
@@ -70,13 +71,13 @@ class SFTTrainer(DriverBase):
         engine_config = common.engine_config_from(cfg, total_steps=self.total_steps,
                                                   loss_agg_mode=cfg.loss_agg_mode,
                                                   loss_scale_factor=cfg.loss_scale_factor, seed=t.seed)
-        common.start_ray(address=t.ray_address, num_workers=self.world)
-        use_gpu = common.resolve_use_gpu(t.device)
+        cluster.start_ray(address=t.ray_address, num_workers=self.world)
+        use_gpu = cluster.resolve_use_gpu(t.device)
         print(f"[trainer] {self.world} {'GPU' if use_gpu else 'CPU'} workers: dp={self.dp} x sp={self.sp}; "
               f"model {cfg.model.name} ({self.model_config.num_layers} layers, hidden "
               f"{self.model_config.hidden_size}); {len(self.train_set)} train samples, "
               f"{self.total_steps} steps", flush=True)
-        self.actor = common.build_actor_group(
+        self.actor = cluster.build_actor_group(
             worker_config=ActorWorkerConfig(model=self.model_config, engine=engine_config, sp_size=self.sp),
             trainer_cfg=t, use_gpu=use_gpu)
         self.global_step = 0
@@ -94,7 +95,7 @@ class SFTTrainer(DriverBase):
         batch = common.to_batch(tensors)
         plan = self._plan(batch)
         per_rank = self.actor.update_actor(common.dispatch_chunks(batch, plan))
-        metrics = {**common.reduce_rank_metrics(per_rank, prefix="train/"), **common.plan_metrics(plan)}
+        metrics = {**reduce_rank_metrics(per_rank, prefix="train/"), **plan_metrics(plan)}
         elapsed = time.perf_counter() - start
         tokens = int(batch["attention_mask"].sum())
         metrics.update({"timing_s/step": elapsed, "perf/tokens_per_s": tokens / elapsed,

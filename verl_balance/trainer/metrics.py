@@ -1,0 +1,42 @@
+"""Driver-side metrics: per-rank engine results reduced to global figures, and a plan's
+predicted balance."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def reduce_rank_metrics(per_rank: list[dict], *, prefix: str) -> dict:
+    """Driver-side view of one engine call: global figures and measured per-rank timing.
+
+    Engine metrics such as loss and grad_norm are already global (all-reduced over the mesh),
+    so DP rank 0's value is taken; compute time differs per rank and gives measured imbalance
+    (max / mean over DP ranks of the per-rank busy seconds: compute without collective waits).
+    """
+    out = {}
+    for key, value in per_rank[0].items():
+        if isinstance(value, (int, float, bool)) and key != "dp_rank" and not key.endswith("seconds"):
+            out[prefix + key] = float(value)
+    busy = np.array([m.get("busy_seconds", 0.0) for m in per_rank], dtype=np.float64)
+    if busy.size and busy.mean() > 0:
+        out["balance/imbalance_measured"] = float(busy.max() / busy.mean())
+        out["timing_s/busy_max"] = float(busy.max())
+        out["timing_s/busy_mean"] = float(busy.mean())
+    return out
+
+
+def plan_metrics(plan) -> dict:
+    """Predicted balance of the plan and of the naive contiguous split, from the plan's stats."""
+    s = plan.stats
+    out = {
+        "balance/imbalance_predicted": float(s["imbalance"]),
+        "balance/imbalance_predicted_naive": float(s["naive_imbalance"]),
+        "balance/sync_ratio_predicted": float(s["sync_ratio"]),
+        "balance/sync_ratio_predicted_naive": float(s["naive_sync_ratio"]),
+        "balance/num_micro_batches": float(s["num_micro_batches"]),
+        "balance/num_micro_batches_naive": float(s["naive_num_micro_batches"]),
+    }
+    if s.get("num_skipped") or s.get("num_truncated"):
+        out["balance/skipped"] = float(s["num_skipped"])
+        out["balance/truncated"] = float(s["num_truncated"])
+    return out
