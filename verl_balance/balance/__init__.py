@@ -13,7 +13,7 @@ from verl_balance.balance.errors import (
     TooFewSamplesError,
 )
 from verl_balance.balance.partition import balanced_partition
-from verl_balance.balance.plan import BalanceConfig, BalancePlan, plan_balance
+from verl_balance.balance.plan import BalanceConfig, BalancePlan, BalanceStats, plan_balance
 from verl_balance.balance.workload import FlopsWorkload, TokenWorkload, from_model_config
 
 __all__ = [
@@ -21,6 +21,7 @@ __all__ = [
     "BalanceConfigError",
     "BalanceInputError",
     "BalancePlan",
+    "BalanceStats",
     "EmptyBatchError",
     "FlopsWorkload",
     "InvalidLengthError",

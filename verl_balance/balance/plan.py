@@ -23,6 +23,7 @@ every micro-batch costs a collective round (see micro_batch.py).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypedDict
 
 import numpy as np
 
@@ -57,22 +58,51 @@ class BalanceConfig:
     polish_passes: int = 8  # cross-slot swaps lowering sum_j max_d cost(d, j)
 
 
+class BalanceStats(TypedDict):
+    """Predicted figures of one plan (plain numbers, for logging); costs are in workload units.
+
+    The lower bound is max(total cost / dp, largest sample or group cost): no plan can do better.
+    ``sync_cost`` is what FSDP pays: the sum over micro-batch index j of the slowest rank's cost(j).
+    """
+
+    num_samples: int
+    num_kept: int
+    num_skipped: int
+    num_truncated: int
+    truncated_tokens: int
+    dp_size: int
+    sp_size: int
+    total_cost: float
+    total_tokens: int
+    lower_bound: float
+    max_rank_cost: float
+    imbalance: float
+    """max rank cost / lower bound."""
+    sync_cost: float
+    sync_ratio: float
+    """sync_cost / lower bound."""
+    max_slot_ratio: float
+    """Worst max/mean over ranks within one micro-batch index."""
+    num_micro_batches: int
+    micro_batch_bound: int
+    """ceil(tokens / (dp * cap * sp)) with a per-SP-rank token cap, ceil(ceil(n / dp) / micro_batch_size) otherwise."""
+    max_tokens_per_sp_rank: int
+    naive_imbalance: float
+    naive_sync_cost: float
+    naive_sync_ratio: float
+    naive_num_micro_batches: int
+
+
 @dataclass
 class BalancePlan:
     """For each DP rank its micro-batches, each an int64 array of sample indices into the input.
 
-    ``stats`` (plain floats/ints, for logging): ``imbalance`` = max rank cost / lower bound,
-    lower bound = max(total cost / dp, largest sample or group); ``sync_cost`` = sum over
-    micro-batch index j of max over ranks of cost(rank, j) and ``sync_ratio`` = that / lower bound;
-    ``max_slot_ratio`` = worst max/mean over ranks within one micro-batch index;
-    ``num_micro_batches`` vs ``micro_batch_bound`` (ceil(tokens / (dp * cap * sp)) with a token cap,
-    ceil(ceil(n / dp) / micro_batch_size) otherwise); ``max_tokens_per_sp_rank``; the same figures
-    of the naive contiguous plan as ``naive_imbalance``, ``naive_sync_cost``, ``naive_sync_ratio``,
-    ``naive_num_micro_batches``; ``num_skipped``, ``num_truncated``, ``truncated_tokens``, counts.
+    ``stats`` is a :class:`BalanceStats`: the plan's predicted figures and the same figures of the
+    naive contiguous plan (``naive_*``), for logging and benchmarks.
     """
 
     micro_batches: list[list[np.ndarray]]
-    stats: dict = field(default_factory=dict)
+    stats: BalanceStats = field(default_factory=dict)  # type: ignore[assignment]
     skipped: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     truncated: dict = field(default_factory=dict)
     cell_costs: np.ndarray | None = None  # [dp_rank, micro_idx] predicted cost
@@ -386,7 +416,7 @@ def _sync_figures(cell_costs: np.ndarray, lower_bound: float) -> tuple[float, fl
 
 
 def _stats(plan, sample_costs, rank_unit_cost, total_tokens, naive_costs, naive_micro, dp_size, sp_size,
-           bound_items, bound_mbs, token_cap, *, num_samples) -> dict:
+           bound_items, bound_mbs, token_cap, *, num_samples) -> BalanceStats:
     total = float(sample_costs.sum())
     lower_bound = max(total / dp_size, float(rank_unit_cost.max()))
     imbalance, sync, sync_ratio = _sync_figures(plan.cell_costs, lower_bound)
@@ -399,27 +429,27 @@ def _stats(plan, sample_costs, rank_unit_cost, total_tokens, naive_costs, naive_
     slot = plan.cell_costs
     slot_mean = slot.mean(axis=0)
     slot_ratio = np.divide(slot.max(axis=0), slot_mean, out=np.ones_like(slot_mean), where=slot_mean > 0)
-    return {
-        "num_samples": num_samples,
-        "num_kept": num_samples - len(plan.skipped),
-        "num_skipped": len(plan.skipped),
-        "num_truncated": len(plan.truncated),
-        "truncated_tokens": int(sum(plan.truncated.values())) if plan.truncated else 0,
-        "dp_size": dp_size,
-        "sp_size": sp_size,
-        "total_cost": total,
-        "total_tokens": total_tokens,
-        "lower_bound": lower_bound,
-        "max_rank_cost": float(plan.cell_costs.sum(axis=1).max()),
-        "imbalance": imbalance,
-        "sync_cost": sync,
-        "sync_ratio": sync_ratio,
-        "max_slot_ratio": float(slot_ratio.max()),
-        "num_micro_batches": plan.num_micro_batches,
-        "micro_batch_bound": bound,
-        "max_tokens_per_sp_rank": int(per_sp_rank.max()),
-        "naive_imbalance": naive_imbalance,
-        "naive_sync_cost": naive_sync,
-        "naive_sync_ratio": naive_sync_ratio,
-        "naive_num_micro_batches": naive_micro,
-    }
+    return BalanceStats(
+        num_samples=num_samples,
+        num_kept=num_samples - len(plan.skipped),
+        num_skipped=len(plan.skipped),
+        num_truncated=len(plan.truncated),
+        truncated_tokens=int(sum(plan.truncated.values())) if plan.truncated else 0,
+        dp_size=dp_size,
+        sp_size=sp_size,
+        total_cost=total,
+        total_tokens=total_tokens,
+        lower_bound=lower_bound,
+        max_rank_cost=float(plan.cell_costs.sum(axis=1).max()),
+        imbalance=imbalance,
+        sync_cost=sync,
+        sync_ratio=sync_ratio,
+        max_slot_ratio=float(slot_ratio.max()),
+        num_micro_batches=plan.num_micro_batches,
+        micro_batch_bound=bound,
+        max_tokens_per_sp_rank=int(per_sp_rank.max()),
+        naive_imbalance=naive_imbalance,
+        naive_sync_cost=naive_sync,
+        naive_sync_ratio=naive_sync_ratio,
+        naive_num_micro_batches=naive_micro,
+    )
