@@ -48,7 +48,8 @@ class SFTTrainer(DriverBase):
         train_files, val_files = resolve_data_files(config)
         dataset_config = config.data.dataset_config()
         self.train_set = SFTDataset(files=train_files, tokenizer=self.tokenizer, config=dataset_config)
-        self.val_set = SFTDataset(files=val_files, tokenizer=self.tokenizer, config=dataset_config) if val_files else None
+        self.val_set = (SFTDataset(files=val_files, tokenizer=self.tokenizer, config=dataset_config)
+                        if val_files else None)
         self.setup_loader(self.train_set, batch_size=config.data.train_batch_size, shuffle=config.data.shuffle)
         self.token_cap = config.data.max_token_len_per_gpu if config.data.use_dynamic_bsz else None
         engine_config = build_engine_config(
