@@ -79,6 +79,15 @@ class DriverBase:
         self.actor = cluster.build_actor_group(worker_config=worker_config, trainer_cfg=t, use_gpu=use_gpu,
                                               worker_cls=worker_cls)
 
+    @classmethod
+    def train(cls, cfg: DictConfig) -> dict:
+        """Build the trainer from ``cfg``, fit, and release its workers (also on error); the summary."""
+        trainer = cls(cfg)
+        try:
+            return trainer.fit()
+        finally:
+            trainer.close()
+
     # ------------------------------------------------------------------ subclass hooks
     def train_step(self, item) -> dict:
         """One optimizer step (SFT) or one rollout + update round (GRPO) on one loader item."""

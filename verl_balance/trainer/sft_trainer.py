@@ -63,7 +63,8 @@ class SFTTrainer(DriverBase):
                          f"{self.total_steps} steps"))
 
     # ------------------------------------------------------------------ steps
-    def _plan(self, batch: Batch):
+    def plan_mini_batch(self, batch: Batch):
+        """The BalancePlan of one global mini-batch (DP ranks x micro-batches)."""
         return plan_batch(batch, dp_size=self.dp, sp_size=self.sp,
                           micro_batch_size=self.config.data.micro_batch_size_per_gpu, token_cap=self.token_cap,
                           balance=self.config.balance.enable, workload=self.workload,
@@ -73,7 +74,7 @@ class SFTTrainer(DriverBase):
         """One optimizer step on one global mini-batch; returns the step's metrics."""
         start = time.perf_counter()
         batch = Batch.from_dict(tensors=tensors)
-        plan = self._plan(batch)
+        plan = self.plan_mini_batch(batch)
         per_rank = self.actor.update_actor(split_by_plan(batch, plan))
         metrics = {**reduce_rank_metrics(per_rank, prefix="train/"), **plan_metrics(plan)}
         elapsed = time.perf_counter() - start
@@ -87,7 +88,7 @@ class SFTTrainer(DriverBase):
         if self.val_set is None:
             return {}
         batch = Batch.from_dict(tensors=self.val_set.collate([self.val_set[i] for i in range(len(self.val_set))]))
-        plan = self._plan(batch)
+        plan = self.plan_mini_batch(batch)
         per_rank = self.actor.eval_loss(split_by_plan(batch, plan))
         return {"val/loss": float(per_rank[0]["loss"]), "val/valid_tokens": float(per_rank[0]["valid_tokens"])}
 
