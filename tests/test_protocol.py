@@ -1,4 +1,4 @@
-"""Batch operations against hand-built expectations; split_by_plan / merge_by_plan round trips."""
+"""Batch operations against hand-built expectations (plan dispatch: tests/trainer/test_plan_dispatch.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from verl_balance.balance.plan import BalancePlan, plan_balance
-from verl_balance.protocol import Batch, BatchError, UnknownKeyError, merge_by_plan, split_by_plan
+from verl_balance.protocol import Batch, BatchError, UnknownKeyError
 
 
 def make_batch(n: int = 6) -> Batch:
@@ -204,80 +203,3 @@ def test_non_tensor_only_batch_has_rows():
     b = Batch.from_dict(non_tensors={"uid": ["a", "b", "c"]})
     assert len(b) == 3 and [len(c) for c in b.chunk(2)] == [2, 1]
     assert Batch.concat(b.chunk(2))["uid"].tolist() == ["a", "b", "c"]
-
-
-def test_from_dataproto_duck_typed():
-    class FakeDataProto:
-        batch = TensorDict({"a": torch.arange(2)}, batch_size=[2])
-        non_tensor_batch = {"u": np.array(["x", "y"], dtype=object)}
-        meta_info = {"k": 1}
-
-    b = Batch.from_dataproto(FakeDataProto())
-    assert b["a"].tolist() == [0, 1] and b["u"].tolist() == ["x", "y"] and b.meta == {"k": 1}
-
-
-# ---------------------------------------------------------------- split_by_plan / merge_by_plan
-
-
-def hand_plan() -> BalancePlan:
-    # rank 0: micro-batches [5, 1] and [7]; rank 1: [0, 3] and [2, 6]; sample 4 skipped
-    return BalancePlan(
-        micro_batches=[[np.array([5, 1]), np.array([7])], [np.array([0, 3]), np.array([2, 6])]],
-        skipped=np.array([4]),
-    )
-
-
-def test_split_by_plan_gives_each_rank_its_rows_in_micro_batch_order():
-    chunks = split_by_plan(make_batch(8), hand_plan())
-    assert len(chunks) == 2
-    assert_rows(chunks[0], [5, 1, 7])
-    assert_rows(chunks[1], [0, 3, 2, 6])
-    assert chunks[0].meta["micro_batch_sizes"] == [2, 1] and chunks[1].meta["micro_batch_sizes"] == [2, 2]
-    micro = chunks[1].split(chunks[1].meta["micro_batch_sizes"])
-    assert_rows(micro[1], [2, 6])
-
-
-def test_merge_by_plan_restores_input_order_of_kept_samples():
-    plan = hand_plan()
-    chunks = split_by_plan(make_batch(8), plan)
-    # a worker output: per-sample values computed from the rows it received
-    outputs = [c.select(batch_keys=["score"], non_tensor_batch_keys=["uid"]) for c in chunks]
-    merged = merge_by_plan(outputs, plan)
-    assert merged["uid"].tolist() == ["s0", "s1", "s2", "s3", "s5", "s6", "s7"]  # s4 was skipped
-    assert torch.equal(merged["score"], torch.tensor([0, 1, 2, 3, 5, 6, 7]) / 10)
-    assert "micro_batch_sizes" not in merged.meta
-    # the same from one Batch concatenated in DP order (what a DP dispatch collects)
-    assert merge_by_plan(Batch.concat(outputs), plan)["uid"].tolist() == merged["uid"].tolist()
-
-
-def test_split_merge_round_trip_for_random_plans():
-    rng = np.random.default_rng(0)
-    for dp_size in (1, 2, 3, 4):
-        n = int(rng.integers(dp_size, 40))
-        seq_lens = rng.integers(1, 100, size=n)
-        plan = plan_balance(seq_lens=seq_lens, dp_size=dp_size, max_token_len_per_gpu=int(seq_lens.max()) * 3)
-        merged = merge_by_plan(split_by_plan(make_batch(n), plan), plan)
-        kept = np.setdiff1d(np.arange(n), plan.skipped)
-        assert_rows(merged, kept.tolist())
-
-
-def test_merge_by_plan_rejects_wrong_sizes():
-    plan = hand_plan()
-    chunks = split_by_plan(make_batch(8), plan)
-    with pytest.raises(BatchError, match="DP rank 1 has 3 rows"):
-        merge_by_plan([chunks[0], chunks[1][:3]], plan)
-    with pytest.raises(BatchError, match="dp_size=2"):
-        merge_by_plan(chunks[:1], plan)
-    with pytest.raises(BatchError, match="plan places 7"):
-        merge_by_plan(make_batch(8), plan)
-    with pytest.raises(BatchError, match="batch has 5 rows"):
-        split_by_plan(make_batch(5), plan)
-
-
-def test_round_trip_through_verl_dataproto():
-    pytest.importorskip("verl")
-    b = make_batch(4)
-    data_proto = b.to_dataproto().repeat(2)  # a DataProto op in between
-    back = Batch.from_dataproto(data_proto)
-    assert_rows(back, [0, 0, 1, 1, 2, 2, 3, 3])
-    assert back.meta == b.meta

@@ -11,15 +11,10 @@ register_grpo_schema()
 
 @hydra.main(config_path="config", config_name="grpo", version_base="1.3")
 def main(cfg) -> None:
-    """Train with the merged config (config/grpo.yaml + command-line overrides)."""
+    """Train with the merged config (config/grpo.yaml + command-line overrides); print the summary."""
     from verl_balance.trainer.grpo_trainer import GRPOTrainer, format_summary
 
-    trainer = GRPOTrainer(cfg)
-    try:
-        summary = trainer.fit()
-    finally:
-        trainer.close()
-    print(format_summary(summary), flush=True)
+    print(format_summary(GRPOTrainer.train(cfg)), flush=True)
 
 
 if __name__ == "__main__":

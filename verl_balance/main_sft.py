@@ -11,15 +11,10 @@ register_schemas()
 
 @hydra.main(config_path="config", config_name="sft", version_base="1.3")
 def main(cfg) -> None:
-    """Train with the merged config (config/sft.yaml + command-line overrides)."""
+    """Train with the merged config (config/sft.yaml + command-line overrides); print the summary."""
     from verl_balance.trainer.sft_trainer import SFTTrainer, format_summary
 
-    trainer = SFTTrainer(cfg)
-    try:
-        summary = trainer.fit()
-    finally:
-        trainer.close()
-    print(format_summary(summary), flush=True)
+    print(format_summary(SFTTrainer.train(cfg)), flush=True)
 
 
 if __name__ == "__main__":

@@ -19,36 +19,23 @@ Names follow verl's ``DataProto`` so code written against it carries over: the a
 ``batch`` / ``non_tensor_batch`` / ``meta_info`` and the keyword names of ``select`` / ``pop``.
 Like DataProto, ``union``, ``reorder`` and ``to`` act in place (and return ``self`` for chaining);
 every other operation returns a new Batch that shares tensor storage where torch does.
-
-``split_by_plan`` / ``merge_by_plan`` move a global batch to and from the per-DP-rank order of a
-``BalancePlan``: ``merge_by_plan(split_by_plan(b, plan), plan)`` equals ``b`` (minus samples the
-plan skipped), whatever the plan's permutation.
+Applying a ``BalancePlan`` to a Batch lives in ``trainer/plan_dispatch.py``; converting to and
+from verl's ``DataProto`` lives in ``integrations/`` (``batch_from_dataproto``/``batch_to_dataproto``).
 """
 
 from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 from tensordict import TensorDict
 
-if TYPE_CHECKING:
-    from verl_balance.balance.plan import BalancePlan
+from verl_balance.batch_keys import MICRO_BATCH_SIZES_KEY
 
-__all__ = [
-    "Batch",
-    "BatchError",
-    "UnknownKeyError",
-    "MICRO_BATCH_SIZES_KEY",
-    "split_by_plan",
-    "merge_by_plan",
-]
-
-MICRO_BATCH_SIZES_KEY = "micro_batch_sizes"
-"""Meta key set by `split_by_plan`: this DP rank's micro-batch sizes, in row order."""
+__all__ = ["Batch", "BatchError", "UnknownKeyError"]
 
 
 class BatchError(ValueError):
@@ -178,18 +165,6 @@ class Batch:
         tensors = {k: v for k, v in data.items() if isinstance(v, torch.Tensor)}
         non_tensors = {k: v for k, v in data.items() if not isinstance(v, torch.Tensor)}
         return cls(tensors=tensors, non_tensors=non_tensors, meta=meta)
-
-    @classmethod
-    def from_dataproto(cls, data: Any) -> Batch:
-        """Convert a verl ``DataProto`` (duck-typed: ``batch``, ``non_tensor_batch``, ``meta_info``)."""
-        tensors = data.batch if data.batch is not None else None
-        return cls(tensors=tensors, non_tensors=dict(data.non_tensor_batch or {}), meta=dict(data.meta_info or {}))
-
-    def to_dataproto(self) -> Any:
-        """Convert to a verl ``DataProto`` (requires the optional ``verl`` dependency)."""
-        from verl import DataProto  # optional dependency, imported only here
-
-        return DataProto(batch=self._tensors, non_tensor_batch=dict(self._non_tensors), meta_info=dict(self._meta))
 
     def _derive(self, tensors: TensorDict, non_tensors: dict[str, np.ndarray], meta: dict | None = None) -> Batch:
         out = Batch.__new__(Batch)
@@ -479,53 +454,3 @@ class Batch:
         self._non_tensors = non_tensors
         self._meta = meta
 
-
-def _plan_rank_indices(plan: BalancePlan) -> list[np.ndarray]:
-    return [np.asarray(plan.rank_indices(r), dtype=np.int64) for r in range(plan.dp_size)]
-
-
-def split_by_plan(batch: Batch, plan: BalancePlan) -> list[Batch]:
-    """One Batch per DP rank holding that rank's rows in the plan's micro-batch order.
-
-    Each chunk's meta gets ``"micro_batch_sizes"`` (list of ints) so the worker recovers its
-    micro-batches with ``chunk.split(chunk.meta["micro_batch_sizes"])``. Samples the plan skipped
-    appear in no chunk.
-    """
-    rank_indices = _plan_rank_indices(plan)
-    used = np.concatenate(rank_indices) if rank_indices else np.zeros(0, dtype=np.int64)
-    if used.size and (used.min() < 0 or used.max() >= len(batch)):
-        raise BatchError(f"the plan indexes samples up to {int(used.max())}, but the batch has {len(batch)} rows")
-    if np.unique(used).size != used.size:
-        raise BatchError("the plan assigns some sample to more than one place")
-    chunks = []
-    for r, indices in enumerate(rank_indices):
-        chunk = batch.index_select(indices)
-        sizes = [int(s) for s in plan.micro_batch_sizes(r)]
-        assert sum(sizes) == len(indices), "plan micro-batch sizes disagree with its rank indices"
-        chunk.meta[MICRO_BATCH_SIZES_KEY] = sizes
-        chunks.append(chunk)
-    return chunks
-
-
-def merge_by_plan(outputs: Batch | Sequence[Batch], plan: BalancePlan) -> Batch:
-    """Undo `split_by_plan`: rows back in input order (ascending sample index over kept samples).
-
-    ``outputs`` is either the per-DP-rank list (rank r must have exactly the plan's rows for r, in
-    plan order) or one Batch already concatenated in DP-rank order, as a DP dispatch collects it.
-    """
-    rank_sizes = [len(ix) for ix in _plan_rank_indices(plan)]
-    if isinstance(outputs, Batch):
-        if len(outputs) != sum(rank_sizes):
-            raise BatchError(f"merged output has {len(outputs)} rows; the plan places {sum(rank_sizes)} samples")
-        merged = outputs.select()
-    else:
-        outputs = list(outputs)
-        if len(outputs) != plan.dp_size:
-            raise BatchError(f"got {len(outputs)} per-rank outputs for a plan with dp_size={plan.dp_size}")
-        for r, (out, size) in enumerate(zip(outputs, rank_sizes)):
-            if len(out) != size:
-                raise BatchError(f"output of DP rank {r} has {len(out)} rows; the plan gave that rank {size} samples")
-        merged = Batch.concat(outputs)
-    merged = merged.index_select(np.asarray(plan.inverse_permutation, dtype=np.int64))
-    merged.meta.pop(MICRO_BATCH_SIZES_KEY, None)
-    return merged

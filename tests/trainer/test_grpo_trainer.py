@@ -25,7 +25,8 @@ from verl_balance.protocol import Batch
 from verl_balance.rollout import RolloutOutput
 from verl_balance.trainer.config import ConfigError
 from verl_balance.trainer.grpo_config import register_grpo_schema, validate_grpo
-from verl_balance.trainer.grpo_trainer import merge_rollout_outputs, plan_grouped, run_by_plan
+from verl_balance.trainer.grpo_trainer import merge_rollout_outputs
+from verl_balance.trainer.plan_dispatch import plan_batch, run_by_plan, split_by_plan
 from verl_balance.utils.tracking import read_metrics
 
 register_grpo_schema()
@@ -68,9 +69,9 @@ def test_balance_batch_keeps_groups_on_one_rank_and_restores_row_order(dp, micro
     for seed in range(4):
         batch = _rollout_like_batch(num_prompts=7, n=4, seed=seed)
         # A cap smaller than a whole group: group_scope="rank" must still keep the group on one rank.
-        plan = plan_grouped(batch, group_ids=batch["prompt_index"], dp_size=dp, sp_size=1,
-                            micro_batch_size=3 if micro == "fixed" else None,
-                            token_cap=80 if micro == "cap" else None, balance=balance, workload=workload)
+        plan = plan_batch(batch, group_ids=batch["prompt_index"], group_scope="rank", dp_size=dp, sp_size=1,
+                          micro_batch_size=3 if micro == "fixed" else None,
+                          token_cap=80 if micro == "cap" else None, balance=balance, workload=workload)
         groups = np.asarray(batch["prompt_index"])
         ranks_of_group = {}
         for r in range(dp):
@@ -85,11 +86,9 @@ def test_balance_batch_keeps_groups_on_one_rank_and_restores_row_order(dp, micro
 def test_without_merge_the_balanced_outputs_are_out_of_order():
     """Negative control for the test above: the plan really permutes rows."""
     batch = _rollout_like_batch(num_prompts=7, n=4, seed=0)
-    plan = plan_grouped(batch, group_ids=batch["prompt_index"], dp_size=2, sp_size=1, micro_batch_size=None,
-                        token_cap=80, balance=True, workload=None)
-    from verl_balance.trainer import common
-
-    unmerged = _fake_worker_group_call(common.dispatch_chunks(batch, plan))
+    plan = plan_batch(batch, group_ids=batch["prompt_index"], group_scope="rank", dp_size=2, sp_size=1,
+                      micro_batch_size=None, token_cap=80, balance=True, workload=None)
+    unmerged = _fake_worker_group_call(split_by_plan(batch, plan))
     assert not torch.equal(unmerged["signature"], _row_signature(batch))
 
 

@@ -13,7 +13,8 @@ import torch
 
 from verl_balance.balance import plan_balance
 from verl_balance.parity import ParitySettings, make_global_batch, reference_log_probs, reference_steps
-from verl_balance.protocol import Batch, merge_by_plan, split_by_plan
+from verl_balance.protocol import Batch
+from verl_balance.trainer.plan_dispatch import merge_by_plan, split_by_plan
 from verl_balance.workers.actor import ActorWorker, ActorWorkerConfig
 
 pytestmark = pytest.mark.slow

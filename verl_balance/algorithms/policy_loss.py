@@ -33,16 +33,28 @@ class PolicyLossConfigError(ValueError):
 
 @dataclass
 class PolicyLossConfig:
-    """verl's actor keys: ``actor_rollout_ref.actor.{clip_ratio, ..., entropy_coeff}``."""
+    """verl's actor keys: ``actor_rollout_ref.actor.{clip_ratio, ..., entropy_coeff}``.
+
+    The GRPO recipe's ``actor_rollout_ref.actor`` section extends this class, so these keys have
+    one definition and one default.
+    """
 
     clip_ratio: float = 0.2
+    """Clip range of the probability ratio: [1 - low, 1 + high], both default to this."""
     clip_ratio_low: float | None = None
+    """Lower clip range (null = clip_ratio); must be < 1."""
     clip_ratio_high: float | None = None
+    """Upper clip range (null = clip_ratio; DAPO's clip-higher sets it larger)."""
     clip_ratio_c: float | None = 3.0
+    """Dual-clip bound for negative advantages, > 1 (null disables dual clip)."""
     use_kl_loss: bool = False
+    """Add kl_loss_coef * KL(policy || reference) to the per-token loss (needs the reference policy)."""
     kl_loss_coef: float = 0.001
+    """Weight of the KL term."""
     kl_loss_type: str = "low_var_kl"
+    """KL estimator: one of algorithms.kl.KL_ESTIMATORS or verl's aliases k3, kl, mse."""
     entropy_coeff: float = 0.0
+    """Weight of the entropy bonus (subtracted from the loss)."""
 
     def __post_init__(self):
         for key in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):

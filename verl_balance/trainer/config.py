@@ -1,131 +1,45 @@
-"""Structured (dataclass) schemas for the Hydra recipes, and their validation.
+"""Typed configs of the Hydra recipes: each section is, or nests, the config class of the component
+it configures, and ``to_typed`` turns the merged config into those objects.
 
-The YAML files in ``config/`` fill these schemas; Hydra rejects unknown keys at startup
-because the merged config is typed by them. ``validate_*`` checks combinations that a
-type cannot express and raises :class:`ConfigError` naming the key.
-Key names follow verl's wherever the concept is the same, so a verl user's overrides
-carry over.
+The YAML files in ``config/`` fill the schemas with the recipe's values; Hydra rejects unknown
+keys at startup because the merged config is typed by them. Choices are ``str`` fields checked in
+``__post_init__`` against module-level tuples (OmegaConf cannot hold ``Literal`` annotations), so
+the checks run when ``to_typed`` instantiates the sections; its ``ConfigError`` names the full
+key. ``validate_*`` adds only the checks that combine several sections.
+
+Key names follow verl's wherever the concept is the same, so a verl user's overrides carry over.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+from verl_balance.balance import FlopsWorkload, TokenWorkload
+from verl_balance.balance.plan import OVERLONG_POLICIES
+from verl_balance.data.sft_dataset import SFTDataConfig
+from verl_balance.engine.config import PARAM_DTYPES, EngineConfig, OptimConfig
+from verl_balance.loss import check_agg_mode
+from verl_balance.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+WORKLOADS = ("tokens", "flops")
+DEVICES = ("auto", "cpu", "cuda")
+RESUME_MODES = ("auto", "disable", "resume_path")
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+MODEL_DIMENSION_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                        "num_kv_heads", "max_position_embeddings", "tie_word_embeddings")
 
 
 class ConfigError(ValueError):
     """A config key has an invalid value or an invalid combination with another key."""
-
-
-@dataclass
-class SyntheticDataConfig:
-    """Generated task data used when no data files are given (no downloads needed)."""
-
-    num_train: int = 2048
-    num_val: int = 128
-    seed: int = 0
-    out_dir: Optional[str] = None
-
-
-@dataclass
-class SFTDataConfig:
-    train_files: Optional[Any] = None
-    val_files: Optional[Any] = None
-    prompt_key: str = "prompt"
-    response_key: str = "response"
-    messages_key: Optional[str] = None
-    max_length: int = 512
-    truncation: str = "error"
-    on_malformed: str = "error"
-    train_batch_size: int = 32
-    micro_batch_size_per_gpu: int = 4
-    use_dynamic_bsz: bool = False
-    max_token_len_per_gpu: int = 2048
-    balance_dp_token: bool = True
-    shuffle: bool = True
-    synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
-
-
-@dataclass
-class ModelSection:
-    """A built-in preset ('tiny', 'small', '100m'); any dimension set here overrides the preset.
-
-    vocab_size null means the tokenizer's vocabulary size.
-    """
-
-    name: str = "tiny"
-    tokenizer: str = "byte"
-    param_dtype: str = "float32"
-    vocab_size: Optional[int] = None
-    hidden_size: Optional[int] = None
-    intermediate_size: Optional[int] = None
-    num_layers: Optional[int] = None
-    num_heads: Optional[int] = None
-    num_kv_heads: Optional[int] = None
-    max_position_embeddings: Optional[int] = None
-    tie_word_embeddings: Optional[bool] = None
-
-
-@dataclass
-class BalanceSection:
-    enable: bool = True
-    workload: str = "flops"
-    overlong: str = "error"
-
-
-@dataclass
-class OptimConfig:
-    lr: float = 1e-3
-    weight_decay: float = 0.01
-    betas: list = field(default_factory=lambda: [0.9, 0.95])
-    warmup_steps_ratio: float = 0.05
-    lr_scheduler: str = "cosine"
-    min_lr_ratio: float = 0.1
-    clip_grad: float = 1.0
-
-
-@dataclass
-class TrainerSection:
-    device: str = "auto"
-    nnodes: int = 1
-    n_gpus_per_node: int = 4
-    total_epochs: int = 1
-    total_training_steps: Optional[int] = None
-    logger: list = field(default_factory=lambda: ["console", "jsonl"])
-    project_name: str = "verl_balance"
-    experiment_name: str = "sft"
-    default_local_dir: str = "outputs/${trainer.project_name}/${trainer.experiment_name}"
-    save_freq: int = -1
-    test_freq: int = -1
-    resume_mode: str = "auto"
-    resume_from_path: Optional[str] = None
-    seed: int = 1
-    ray_address: Optional[str] = None
-    placement_timeout_s: float = 120.0
-    plot: bool = True
-
-
-@dataclass
-class SFTConfig:
-    data: SFTDataConfig = field(default_factory=SFTDataConfig)
-    model: ModelSection = field(default_factory=ModelSection)
-    ulysses_sequence_parallel_size: int = 1
-    use_remove_padding: bool = True
-    balance: BalanceSection = field(default_factory=BalanceSection)
-    loss_agg_mode: str = "token-mean"
-    loss_scale_factor: Optional[float] = None
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    trainer: TrainerSection = field(default_factory=TrainerSection)
-
-
-def register_schemas() -> None:
-    """Register the schemas so YAML files can name them in their defaults list."""
-    cs = ConfigStore.instance()
-    cs.store(name="sft_schema", node=SFTConfig)
 
 
 def check_choice(key: str, value, allowed) -> None:
@@ -140,55 +54,300 @@ def check_positive(key: str, value) -> None:
         raise ConfigError(f"{key}={value!r} must be a positive number")
 
 
-def validate_common(cfg) -> None:
-    """Checks shared by the SFT and GRPO recipes (parallel layout, trainer, loss)."""
-    sp = cfg.ulysses_sequence_parallel_size
-    check_positive("ulysses_sequence_parallel_size", sp)
-    check_positive("trainer.nnodes", cfg.trainer.nnodes)
-    check_positive("trainer.n_gpus_per_node", cfg.trainer.n_gpus_per_node)
-    world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
-    if world % sp:
-        raise ConfigError(
-            f"ulysses_sequence_parallel_size={sp} must divide the number of workers "
-            f"trainer.nnodes * trainer.n_gpus_per_node = {world}"
-        )
-    check_choice("trainer.device", cfg.trainer.device, ("auto", "cpu", "cuda"))
-    check_choice("trainer.resume_mode", cfg.trainer.resume_mode, ("auto", "disable", "resume_path"))
-    if cfg.trainer.resume_mode == "resume_path" and not cfg.trainer.resume_from_path:
-        raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
-    check_choice("balance.workload", cfg.balance.workload, ("tokens", "flops"))
-    check_choice("balance.overlong", cfg.balance.overlong, ("error", "skip", "truncate"))
-    check_choice("optim.lr_scheduler", cfg.optim.lr_scheduler, ("constant", "cosine"))
-    if not cfg.use_remove_padding:
-        raise ConfigError(
-            "use_remove_padding=false is not supported: the engine always runs packed "
-            "(padding-free) sequences, which Ulysses sequence parallelism requires"
-        )
-    for name in cfg.trainer.logger:
-        check_choice("trainer.logger", name, ("console", "jsonl", "tensorboard", "wandb"))
-    if cfg.trainer.total_training_steps is not None:
-        check_positive("trainer.total_training_steps", cfg.trainer.total_training_steps)
-    check_positive("trainer.total_epochs", cfg.trainer.total_epochs)
+# ---------------------------------------------------------------------- sections shared by the recipes
+@dataclass
+class SyntheticDataConfig:
+    """Generated task data used when no data files are given (no downloads needed)."""
+
+    num_train: int = 2048
+    """Training samples to generate."""
+    num_val: int = 128
+    """Validation samples to generate."""
+    seed: int = 0
+    """Seed of the generator (the same seed gives the same files)."""
+    out_dir: Optional[str] = None
+    """Where the files go; null = ``trainer.default_local_dir``/data."""
 
 
-def validate_sft(cfg) -> None:
-    """Raise ConfigError naming the key when the SFT config is invalid."""
-    validate_common(cfg)
-    check_choice("loss_agg_mode", cfg.loss_agg_mode, LOSS_AGG_MODES)
-    if cfg.loss_agg_mode == "seq-mean-token-sum-norm" and cfg.loss_scale_factor is None:
-        raise ConfigError("loss_agg_mode=seq-mean-token-sum-norm needs loss_scale_factor (the constant C)")
-    d = cfg.data
-    check_positive("data.train_batch_size", d.train_batch_size)
-    check_positive("data.max_length", d.max_length)
-    check_choice("data.truncation", d.truncation, ("error", "left", "right"))
-    check_choice("data.on_malformed", d.on_malformed, ("error", "skip"))
-    dp = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node // cfg.ulysses_sequence_parallel_size
-    if d.train_batch_size < dp:
+@dataclass
+class ModelSection:
+    """A built-in preset ('tiny', 'small', '100m'); any dimension set here overrides the preset."""
+
+    name: str = "tiny"
+    """Built-in preset (``models.config.ModelConfig.preset``)."""
+    tokenizer: str = "byte"
+    """Tokenizer name (``data.tokenizer.build_tokenizer``)."""
+    param_dtype: str = "float32"
+    """Dtype of the parameters the engine computes in: one of engine.config.PARAM_DTYPES."""
+    vocab_size: Optional[int] = None
+    """null = the tokenizer's vocabulary size (a larger value pads the embedding)."""
+    hidden_size: Optional[int] = None
+    """Override of the preset's hidden size."""
+    intermediate_size: Optional[int] = None
+    """Override of the preset's MLP width."""
+    num_layers: Optional[int] = None
+    """Override of the preset's layer count."""
+    num_heads: Optional[int] = None
+    """Override of the preset's attention heads."""
+    num_kv_heads: Optional[int] = None
+    """Override of the preset's key/value heads (grouped-query attention)."""
+    max_position_embeddings: Optional[int] = None
+    """Override of the preset's longest position."""
+    tie_word_embeddings: Optional[bool] = None
+    """Override: share the input embedding with the output projection."""
+
+    def __post_init__(self) -> None:
+        check_choice("param_dtype", self.param_dtype, PARAM_DTYPES)
+
+    def model_config(self, *, vocab_size: int) -> ModelConfig:
+        """The preset with the tokenizer's vocabulary and the dimensions set here."""
+        base = ModelConfig.preset(self.name)
+        overrides = {k: getattr(self, k) for k in MODEL_DIMENSION_KEYS if getattr(self, k) is not None}
+        overrides.setdefault("vocab_size", vocab_size)
+        if overrides["vocab_size"] < vocab_size:
+            raise ConfigError(f"model.vocab_size={overrides['vocab_size']} is smaller than the "
+                              f"tokenizer's vocabulary ({vocab_size})")
+        return dataclasses.replace(base, **overrides)
+
+
+@dataclass
+class BalanceSection:
+    """The workload balancer (``balance.plan_balance``)."""
+
+    enable: bool = True
+    """Balance DP ranks and micro-batches by workload; false = the contiguous split."""
+    workload: str = "flops"
+    """Cost model: 'tokens' (linear) or 'flops' (linear layers + quadratic causal attention)."""
+    overlong: str = "error"
+    """A sample longer than the token cap: 'error', 'skip' (drop it) or 'truncate' (cut it)."""
+
+    def __post_init__(self) -> None:
+        check_choice("workload", self.workload, WORKLOADS)
+        check_choice("overlong", self.overlong, OVERLONG_POLICIES)
+
+    def workload_for(self, model_config: ModelConfig):
+        """The balancer's cost model: tokens, or FLOPs from the model's dimensions."""
+        return FlopsWorkload.from_model_config(model_config) if self.workload == "flops" else TokenWorkload()
+
+
+@dataclass
+class TrainerSection:
+    """Cluster size, run length, logging, checkpoints (verl's ``trainer`` keys)."""
+
+    device: str = "auto"
+    """'auto' (GPUs when the Ray cluster has them), 'cpu' or 'cuda'."""
+    nnodes: int = 1
+    """Nodes of the worker group."""
+    n_gpus_per_node: int = 4
+    """Workers per node (on CPU: CPU worker processes)."""
+    total_epochs: int = 1
+    """Passes over the training set (when total_training_steps is null)."""
+    total_training_steps: Optional[int] = None
+    """Steps to train; null = total_epochs x steps per epoch."""
+    logger: list = field(default_factory=lambda: ["console", "jsonl"])
+    """Tracking backends: any of LOGGERS."""
+    project_name: str = "verl_balance"
+    """Tracking project."""
+    experiment_name: str = "sft"
+    """Tracking run name."""
+    default_local_dir: str = "outputs/${trainer.project_name}/${trainer.experiment_name}"
+    """Run directory: metrics, checkpoints, plots, generated data."""
+    save_freq: int = -1
+    """Checkpoint every N steps (and at the end); <= 0 = never."""
+    test_freq: int = -1
+    """Validate every N steps (and at the end); <= 0 = never."""
+    resume_mode: str = "auto"
+    """'auto' (latest checkpoint of default_local_dir, if any), 'disable' or 'resume_path'."""
+    resume_from_path: Optional[str] = None
+    """Checkpoint directory for resume_mode=resume_path."""
+    seed: int = 1
+    """Seed of the data order, the model initialisation and the rollout sampling."""
+    ray_address: Optional[str] = None
+    """Address of a running Ray cluster; null = start an embedded one."""
+    placement_timeout_s: float = 120.0
+    """How long to wait for the workers' resources before failing."""
+    plot: bool = True
+    """Write curves.png at the end of the run."""
+
+    def __post_init__(self) -> None:
+        check_choice("device", self.device, DEVICES)
+        check_positive("nnodes", self.nnodes)
+        check_positive("n_gpus_per_node", self.n_gpus_per_node)
+        check_positive("total_epochs", self.total_epochs)
+        if self.total_training_steps is not None:
+            check_positive("total_training_steps", self.total_training_steps)
+        check_choice("resume_mode", self.resume_mode, RESUME_MODES)
+        if self.resume_mode == "resume_path" and not self.resume_from_path:
+            raise ConfigError("resume_mode=resume_path needs resume_from_path")
+        for name in self.logger:
+            check_choice("logger", name, LOGGERS)
+
+    @property
+    def world_size(self) -> int:
+        """Workers in the group: nnodes x n_gpus_per_node."""
+        return self.nnodes * self.n_gpus_per_node
+
+
+# ---------------------------------------------------------------------- the SFT recipe
+@dataclass
+class SFTDataSection(SFTDataConfig):
+    """The dataset's own ``SFTDataConfig`` plus the files, the batching and the synthetic task."""
+
+    train_files: Optional[Any] = None
+    """Parquet/jsonl file(s) in verl's SFT schema; null = generate the synthetic task."""
+    val_files: Optional[Any] = None
+    """Validation file(s); null with synthetic data = the generated validation split."""
+    train_batch_size: int = 32
+    """Global mini-batch: samples per optimizer step over all DP ranks."""
+    micro_batch_size_per_gpu: int = 4
+    """Samples per micro-batch (when use_dynamic_bsz is false)."""
+    use_dynamic_bsz: bool = False
+    """Pack micro-batches up to max_token_len_per_gpu tokens instead of a fixed sample count."""
+    max_token_len_per_gpu: int = 2048
+    """Token cap of a micro-batch per worker (per SP rank, after Ulysses padding)."""
+    balance_dp_token: bool = True
+    """verl's switch for DP-global token counts. Always true here: the loss contract takes its
+    token and sequence counts over the whole mini-batch (every DP rank and micro-batch); false is
+    rejected rather than silently ignored."""
+    shuffle: bool = True
+    """Reshuffle the training set every epoch (seeded by trainer.seed)."""
+    synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
+    """The generated task used when train_files is null."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_positive("train_batch_size", self.train_batch_size)
+        if self.use_dynamic_bsz:
+            check_positive("max_token_len_per_gpu", self.max_token_len_per_gpu)
+        else:
+            check_positive("micro_batch_size_per_gpu", self.micro_batch_size_per_gpu)
+        if not self.balance_dp_token:
+            raise ConfigError(
+                "balance_dp_token=false is not supported: token and sequence counts are always taken over "
+                "the whole mini-batch (all DP ranks and micro-batches), so the loss is the global mean on any "
+                "layout; remove the key or set it to true")
+
+    def dataset_config(self) -> SFTDataConfig:
+        """The dataset's own fields, as ``SFTDataset`` takes them."""
+        return narrow(self, SFTDataConfig)
+
+
+@dataclass
+class SFTConfig:
+    """The SFT recipe (``config/sft.yaml``)."""
+
+    data: SFTDataSection = field(default_factory=SFTDataSection)
+    """Files, columns, length policy and batching."""
+    model: ModelSection = field(default_factory=ModelSection)
+    """Model preset and dimension overrides."""
+    ulysses_sequence_parallel_size: int = 1
+    """Ulysses degree: workers per DP group that split each sequence."""
+    use_remove_padding: bool = True
+    """verl's key; must be true (the engine always runs packed, padding-free sequences)."""
+    balance: BalanceSection = field(default_factory=BalanceSection)
+    """Workload balancer."""
+    loss_agg_mode: str = "token-mean"
+    """Loss aggregation: one of loss.AGG_MODES (the loss contract)."""
+    loss_scale_factor: Optional[float] = None
+    """The constant C of seq-mean-token-sum-norm."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """The engine's optimizer and learning-rate schedule."""
+    trainer: TrainerSection = field(default_factory=TrainerSection)
+    """Cluster, run length, logging, checkpoints."""
+
+    def __post_init__(self) -> None:
+        check_positive("ulysses_sequence_parallel_size", self.ulysses_sequence_parallel_size)
+        check_agg_mode(self.loss_agg_mode)
+        check_remove_padding("use_remove_padding", self.use_remove_padding)
+
+
+def register_schemas() -> None:
+    """Register the schemas so YAML files can name them in their defaults list."""
+    ConfigStore.instance().store(name="sft_schema", node=SFTConfig)
+
+
+# ---------------------------------------------------------------------- DictConfig -> objects
+def narrow(instance, cls):
+    """An instance of ``cls`` (a dataclass base of ``instance``'s class) with ``instance``'s values."""
+    return cls(**{f.name: getattr(instance, f.name) for f in dataclasses.fields(cls)})
+
+
+def check_remove_padding(key: str, value: bool) -> None:
+    """Reject use_remove_padding=false: the engine always runs packed sequences."""
+    if not value:
+        raise ConfigError(f"{key}=false is not supported: the engine always runs packed (padding-free) "
+                          "sequences, which Ulysses sequence parallelism requires")
+
+
+def qualify(message: str, prefixes: dict[str, str]) -> str:
+    """``message`` with every bare key name in ``prefixes`` written as its full key."""
+    if not prefixes:
+        return message
+    names = "|".join(sorted(map(re.escape, prefixes), key=len, reverse=True))
+    return re.sub(rf"(?<![\w.'\"])({names})\b", lambda m: prefixes[m.group(1)] + m.group(1), message)
+
+
+def _section_prefixes(node: DictConfig, path: str) -> dict[str, str]:
+    parent, _, leaf = path.rpartition(".")
+    prefixes = {str(key): f"{path}." for key in node.keys()}
+    prefixes[leaf] = f"{parent}." if parent else ""
+    return prefixes
+
+
+def _instantiate(node: DictConfig, path: str):
+    """``OmegaConf.to_object(node)`` after its subsections, a ValueError from a ``__post_init__``
+    re-raised as ConfigError with the keys written out in full."""
+    for key in node.keys():
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(child)):
+            _instantiate(child, f"{path}.{key}" if path else str(key))
+    try:
+        return OmegaConf.to_object(node)
+    except ValueError as err:
+        message = qualify(str(err), _section_prefixes(node, path) if path else {})
+        raise ConfigError(message if not path or path in message else f"{message} (in {path})") from err
+
+
+def to_typed(cfg: DictConfig):
+    """The merged Hydra config as its schema's objects (every ``__post_init__`` check has run)."""
+    return _instantiate(cfg, "")
+
+
+def build_engine_config(*, optim: OptimConfig, loss_agg_mode: str, loss_scale_factor: float | None,
+                        param_dtype: str, seed: int, total_steps: int, keys: dict[str, str]) -> EngineConfig:
+    """The engine's config for a run of ``total_steps`` optimizer steps; ``keys`` maps its field
+    names (optim, loss_agg_mode, loss_scale_factor, param_dtype) to the recipe's keys for errors."""
+    try:
+        return EngineConfig(optim=optim, total_steps=total_steps, loss_agg_mode=loss_agg_mode,
+                            loss_scale_factor=loss_scale_factor, param_dtype=param_dtype, seed=seed)
+    except ValueError as err:
+        prefixes = {name: key[: -len(name)] for name, key in keys.items()}
+        raise ConfigError(qualify(str(err), prefixes)) from err
+
+
+def check_layout(*, sp_size: int, trainer: TrainerSection, sp_key: str) -> int:
+    """The DP size; ConfigError unless the Ulysses degree divides the worker count."""
+    world = trainer.world_size
+    if world % sp_size:
+        raise ConfigError(f"{sp_key}={sp_size} must divide the number of workers "
+                          f"trainer.nnodes * trainer.n_gpus_per_node = {world}")
+    return world // sp_size
+
+
+SFT_ENGINE_KEYS = {"optim": "optim", "loss_agg_mode": "loss_agg_mode", "loss_scale_factor": "loss_scale_factor",
+                   "param_dtype": "model.param_dtype"}
+
+
+def validate_sft(cfg: DictConfig) -> SFTConfig:
+    """The SFT config as typed objects; ConfigError naming the key when it is invalid."""
+    config: SFTConfig = to_typed(cfg)
+    dp = check_layout(sp_size=config.ulysses_sequence_parallel_size, trainer=config.trainer,
+                      sp_key="ulysses_sequence_parallel_size")
+    if config.data.train_batch_size < dp:
         raise ConfigError(
-            f"data.train_batch_size={d.train_batch_size} is smaller than the data-parallel size {dp} "
-            "(workers / ulysses_sequence_parallel_size); every DP rank needs at least one sample"
-        )
-    if d.use_dynamic_bsz:
-        check_positive("data.max_token_len_per_gpu", d.max_token_len_per_gpu)
-    else:
-        check_positive("data.micro_batch_size_per_gpu", d.micro_batch_size_per_gpu)
+            f"data.train_batch_size={config.data.train_batch_size} is smaller than the data-parallel size {dp} "
+            "(workers / ulysses_sequence_parallel_size); every DP rank needs at least one sample")
+    build_engine_config(optim=config.optim, loss_agg_mode=config.loss_agg_mode,
+                        loss_scale_factor=config.loss_scale_factor, param_dtype=config.model.param_dtype,
+                        seed=config.trainer.seed, total_steps=1, keys=SFT_ENGINE_KEYS)
+    return config

@@ -1,36 +1,92 @@
-"""DriverBase: the trainer loop every driver shares — steps, validation, tracking, checkpoint,
-resume and graceful stop.
+"""DriverBase: the set-up both trainers share (layout, tokenizer, model, loader, Ray, worker group)
+and the trainer loop every driver shares — steps, validation, tracking, checkpoint, resume and
+graceful stop.
 
-A subclass sets ``cfg`` (with a ``trainer`` section), ``actor`` (the worker group), ``loader``
-(a StatefulDataLoader), ``out_dir`` and ``total_steps``, and implements ``train_step(item)`` and
-``evaluate()``; ``summarize`` and ``plot_panels`` shape the end-of-run summary. Checkpoints hold
-the workers' sharded engine state plus the driver's step and data position, so a resumed run
-continues the curve exactly.
+A subclass calls ``setup_run`` (layout, run directory, tokenizer, model config, workload model),
+builds its datasets, calls ``setup_loader`` and then ``start_workers`` with its worker config;
+it implements ``train_step(item)`` and ``evaluate()``; ``summarize`` and ``plot_panels`` shape the
+end-of-run summary. Checkpoints hold the workers' sharded engine state plus the driver's step and
+data position, so a resumed run continues the curve exactly.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
-from verl_balance.trainer import checkpoint
+from verl_balance.data.loader import StatefulDataLoader
+from verl_balance.data.tokenizer import Tokenizer, build_tokenizer
+from verl_balance.models.config import ModelConfig
+from verl_balance.trainer import checkpoint, cluster
+from verl_balance.trainer.config import BalanceSection, ModelSection, TrainerSection
 from verl_balance.utils.tracking import Tracking
+from verl_balance.workers.actor import ActorWorker, ActorWorkerConfig
+from verl_balance.workers.group import ActorGroup
+
+logger = logging.getLogger(__name__)
 
 
 class DriverBase:
-    """Checkpoint/resume and Ctrl-C handling shared by the SFT and GRPO trainers."""
+    """Set-up, checkpoint/resume and Ctrl-C handling shared by the SFT and GRPO trainers."""
 
-    cfg: object
-    actor: object
-    loader: object
+    cfg: DictConfig
+    """The merged Hydra config as given (logged with the run; ``trainer`` keys drive the loop)."""
+    actor: ActorGroup
+    """The worker group (``workers.group.ActorGroup``: the registered ``ActorWorker`` methods)."""
+    loader: StatefulDataLoader
     out_dir: str
     total_steps: int
     global_step: int = 0
     _stop_requested: bool = False
     plot_panels: tuple | None = None
+
+    # ------------------------------------------------------------------ set-up
+    def setup_run(self, cfg: DictConfig, *, trainer: TrainerSection, sp_size: int, model: ModelSection,
+                  balance: BalanceSection) -> None:
+        """Layout (world, dp, sp), run directory, tokenizer, model config and workload model."""
+        self.cfg = cfg
+        self.trainer_config = trainer
+        self.sp = sp_size
+        self.world = trainer.world_size
+        self.dp = self.world // self.sp
+        self.out_dir = trainer.default_local_dir
+        os.makedirs(self.out_dir, exist_ok=True)
+        self.tokenizer: Tokenizer = build_tokenizer(model.tokenizer)
+        self.model_config: ModelConfig = model.model_config(vocab_size=self.tokenizer.vocab_size)
+        self.workload = balance.workload_for(self.model_config)
+        self.global_step = 0
+        self._stop_requested = False
+
+    def setup_loader(self, train_set, *, batch_size: int, shuffle: bool) -> None:
+        """The resumable loader over ``train_set`` and the run length in steps."""
+        t = self.trainer_config
+        self.loader = StatefulDataLoader(train_set, batch_size=batch_size, collate_fn=train_set.collate,
+                                         shuffle=shuffle, seed=t.seed, drop_last=True)
+        self.total_steps = t.total_training_steps or t.total_epochs * len(self.loader)
+
+    def start_workers(self, *, worker_config: ActorWorkerConfig, worker_cls: type = ActorWorker,
+                      description: str) -> None:
+        """Start (or join) Ray, place the worker group and build the sharded model on it."""
+        t = self.trainer_config
+        cluster.start_ray(address=t.ray_address, num_workers=self.world)
+        use_gpu = cluster.resolve_use_gpu(t.device)
+        logger.info("%d %s workers: dp=%d x sp=%d; %s", self.world, "GPU" if use_gpu else "CPU", self.dp, self.sp,
+                    description)
+        self.actor = cluster.build_actor_group(worker_config=worker_config, trainer_cfg=t, use_gpu=use_gpu,
+                                              worker_cls=worker_cls)
+
+    @classmethod
+    def train(cls, cfg: DictConfig) -> dict:
+        """Build the trainer from ``cfg``, fit, and release its workers (also on error); the summary."""
+        trainer = cls(cfg)
+        try:
+            return trainer.fit()
+        finally:
+            trainer.close()
 
     # ------------------------------------------------------------------ subclass hooks
     def train_step(self, item) -> dict:

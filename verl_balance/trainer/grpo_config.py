@@ -1,4 +1,4 @@
-"""Structured schema of the GRPO recipe (``config/grpo.yaml``) and its validation.
+"""Typed schema of the GRPO recipe (``config/grpo.yaml``) and its cross-section checks.
 
 Key names are verl's (``actor_rollout_ref.actor.ppo_mini_batch_size``, ``algorithm.adv_estimator``,
 ``trainer.balance_batch``, ...) so a verl user's overrides carry over. Sizes follow verl's units:
@@ -6,10 +6,11 @@ Key names are verl's (``actor_rollout_ref.actor.ppo_mini_batch_size``, ``algorit
 carries ``rollout.n`` responses); ``*_micro_batch_size_per_gpu`` counts responses; token caps are
 per worker (per SP rank, after Ulysses padding).
 
+Sections nest their component's config: ``data`` extends the dataset's ``RLDataConfig``,
+``actor_rollout_ref.actor`` extends ``PolicyLossConfig`` and nests the engine's ``OptimConfig``.
 The Ulysses degree may be given as verl's ``actor_rollout_ref.actor.ulysses_sequence_parallel_size``
 or as the top-level ``ulysses_sequence_parallel_size`` of the SFT recipe; setting both to different
-values is an error. ``validate_grpo`` reuses ``config.validate_common`` on a view of this config
-after checking the GRPO-specific spellings of the keys it shares with SFT.
+values is an error.
 """
 
 from __future__ import annotations
@@ -18,24 +19,30 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import OmegaConf
+from omegaconf import DictConfig
 
-from verl_balance.algorithms import ADV_ESTIMATORS
-from verl_balance.algorithms.kl import KLEstimatorError, canonical_kl_type
-from verl_balance.data.synthetic import TASKS
+from verl_balance.algorithms import ADV_ESTIMATORS, PolicyLossConfig
+from verl_balance.data.rl_dataset import RLDataConfig
+from verl_balance.data.synthetic import TASKS, SyntheticConfig
+from verl_balance.engine.config import OptimConfig
+from verl_balance.loss import check_agg_mode
 from verl_balance.trainer.config import (
-    LOSS_AGG_MODES,
     BalanceSection,
     ConfigError,
     ModelSection,
-    OptimConfig,
     SyntheticDataConfig,
     TrainerSection,
+    build_engine_config,
     check_choice,
+    check_layout,
     check_positive,
+    check_remove_padding,
+    narrow,
     register_schemas,
-    validate_common,
+    to_typed,
 )
+
+ROLLOUT_NAMES = ("naive",)
 
 
 @dataclass
@@ -43,27 +50,51 @@ class GRPOSyntheticConfig(SyntheticDataConfig):
     """The generated task used when ``data.train_files`` is null (see data/synthetic.py)."""
 
     tasks: list = field(default_factory=lambda: list(TASKS))
+    """A non-empty subset of data.synthetic.TASKS."""
     median_size: float = 8.0
+    """Median problem size (log-normal)."""
     sigma: float = 1.0
+    """Log-normal spread of the problem size."""
     min_size: int = 1
+    """Smallest problem size."""
     max_size: int = 96
+    """Largest problem size."""
+
+    def __post_init__(self) -> None:
+        self.task_config()  # the generator checks its own settings
+
+    def task_config(self) -> SyntheticConfig:
+        """The generator's own config."""
+        return SyntheticConfig(tasks=tuple(self.tasks), median_size=self.median_size, sigma=self.sigma,
+                               min_size=self.min_size, max_size=self.max_size)
 
 
 @dataclass
-class GRPODataConfig:
+class GRPODataSection(RLDataConfig):
+    """The dataset's own ``RLDataConfig`` plus the files, the batch sizes and the synthetic task."""
+
     train_files: Optional[Any] = None
+    """RL parquet/jsonl file(s) in verl's schema; null = generate the synthetic task."""
     val_files: Optional[Any] = None
-    prompt_key: str = "prompt"
-    max_prompt_length: int = 512
-    filter_overlong_prompts: bool = True
-    truncation: str = "error"
-    on_malformed: str = "error"
-    # prompts per step (each gets actor_rollout_ref.rollout.n responses)
+    """Validation file(s); null with synthetic data = the generated validation split."""
     train_batch_size: int = 16
-    # prompts scored per validation (null = the whole validation set)
+    """Prompts per step (each gets actor_rollout_ref.rollout.n responses)."""
     val_batch_size: Optional[int] = None
+    """Prompts scored per validation (null = the whole validation set)."""
     shuffle: bool = True
+    """Reshuffle the prompts every epoch (seeded by trainer.seed)."""
     synthetic: GRPOSyntheticConfig = field(default_factory=GRPOSyntheticConfig)
+    """The generated task used when train_files is null."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_positive("train_batch_size", self.train_batch_size)
+        if self.val_batch_size is not None:
+            check_positive("val_batch_size", self.val_batch_size)
+
+    def dataset_config(self) -> RLDataConfig:
+        """The dataset's own fields, as ``RLPromptDataset`` takes them."""
+        return narrow(self, RLDataConfig)
 
 
 @dataclass
@@ -71,30 +102,54 @@ class ActorModelSection(ModelSection):
     """A built-in preset plus dimension overrides, and ``path``: an SFT ``global_step_N`` to start from."""
 
     path: Optional[str] = None
+    """Warm start: a global_step_N directory of an engine checkpoint (model weights only)."""
     use_remove_padding: bool = True
+    """verl's key; must be true (the engine always runs packed, padding-free sequences)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_remove_padding("use_remove_padding", self.use_remove_padding)
 
 
 @dataclass
-class ActorSection:
-    """verl's ``actor_rollout_ref.actor``: PPO mini-batching and the policy loss."""
+class ActorSection(PolicyLossConfig):
+    """verl's ``actor_rollout_ref.actor``: the policy loss (``PolicyLossConfig``'s keys), its
+    aggregation, PPO mini-batching and the optimizer."""
 
     ppo_mini_batch_size: int = 8
+    """Prompts per optimizer step (all their responses)."""
     ppo_micro_batch_size_per_gpu: Optional[int] = 8
+    """Responses per micro-batch (when use_dynamic_bsz is false)."""
     use_dynamic_bsz: bool = False
+    """Pack micro-batches up to ppo_max_token_len_per_gpu tokens instead of a fixed count."""
     ppo_max_token_len_per_gpu: int = 4096
+    """Token cap of a micro-batch per worker (per SP rank, after Ulysses padding)."""
     ppo_epochs: int = 1
-    clip_ratio: float = 0.2
-    clip_ratio_low: Optional[float] = None
-    clip_ratio_high: Optional[float] = None
-    clip_ratio_c: Optional[float] = 3.0
+    """Passes over each step's rollout batch."""
     loss_agg_mode: str = "token-mean"
+    """Loss aggregation: one of loss.AGG_MODES (seq-mean-token-sum-norm is Dr.GRPO's)."""
     loss_scale_factor: Optional[float] = None
-    entropy_coeff: float = 0.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
+    """The constant C of seq-mean-token-sum-norm (e.g. the response length)."""
     ulysses_sequence_parallel_size: Optional[int] = None
+    """Ulysses degree (verl's spelling; the top-level key of the SFT recipe works too)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
+    """The engine's optimizer and learning-rate schedule."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_agg_mode(self.loss_agg_mode)
+        check_positive("ppo_mini_batch_size", self.ppo_mini_batch_size)
+        check_positive("ppo_epochs", self.ppo_epochs)
+        if self.use_dynamic_bsz:
+            check_positive("ppo_max_token_len_per_gpu", self.ppo_max_token_len_per_gpu)
+        else:
+            check_positive("ppo_micro_batch_size_per_gpu", self.ppo_micro_batch_size_per_gpu)
+        if self.ulysses_sequence_parallel_size is not None:
+            check_positive("ulysses_sequence_parallel_size", self.ulysses_sequence_parallel_size)
+
+    def policy_loss(self) -> PolicyLossConfig:
+        """The policy loss's own config, as the workers take it."""
+        return narrow(self, PolicyLossConfig)
 
 
 @dataclass
@@ -102,8 +157,16 @@ class ValSamplingConfig:
     """verl's ``rollout.val_kwargs``: greedy single answers by default."""
 
     n: int = 1
+    """Responses per validation prompt."""
     temperature: float = 0.0
+    """Sampling temperature; 0 = greedy."""
     top_p: float = 1.0
+    """Nucleus sampling mass."""
+
+    def __post_init__(self) -> None:
+        check_positive("n", self.n)
+        if not self.temperature >= 0:
+            raise ConfigError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
 
 
 @dataclass
@@ -111,60 +174,126 @@ class RolloutSection:
     """verl's ``actor_rollout_ref.rollout`` for the built-in colocated (naive) rollout."""
 
     name: str = "naive"
+    """Rollout engine: one of ROLLOUT_NAMES."""
     n: int = 4
+    """Responses per prompt (a group)."""
     temperature: float = 1.0
+    """Sampling temperature of training rollouts (> 0); log-probs are taken at it too."""
     top_p: float = 1.0
+    """Nucleus sampling mass, in (0, 1]."""
     response_length: int = 64
-    # responses per micro-batch / token cap of the old- and reference log-prob passes
-    # (null = the actor's ppo_micro_batch_size_per_gpu / ppo_max_token_len_per_gpu)
+    """Most tokens of one response."""
     log_prob_micro_batch_size_per_gpu: Optional[int] = None
+    """Responses per micro-batch of the old/reference log-prob passes (null = the actor's)."""
     log_prob_max_token_len_per_gpu: Optional[int] = None
-    # sequences decoded together on one worker (memory bound); null = all of its prompts at once
+    """Token cap of the old/reference log-prob passes (null = the actor's)."""
     max_num_seqs: Optional[int] = None
+    """Sequences decoded together on one worker (memory bound); null = all of its prompts at once."""
     val_kwargs: ValSamplingConfig = field(default_factory=ValSamplingConfig)
+    """Sampling of validation rollouts."""
+
+    def __post_init__(self) -> None:
+        check_choice("name", self.name, ROLLOUT_NAMES)
+        check_positive("n", self.n)
+        check_positive("response_length", self.response_length)
+        if not self.temperature > 0:
+            raise ConfigError(f"temperature={self.temperature} must be > 0 for training rollouts "
+                              "(greedy samples are identical within a group)")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p={self.top_p} must be in (0, 1]")
+        for key in ("log_prob_micro_batch_size_per_gpu", "log_prob_max_token_len_per_gpu", "max_num_seqs"):
+            if getattr(self, key) is not None:
+                check_positive(key, getattr(self, key))
 
 
 @dataclass
 class ActorRolloutRefSection:
+    """verl's ``actor_rollout_ref``: one model, trained by the actor and sampled by the rollout."""
+
     model: ActorModelSection = field(default_factory=ActorModelSection)
+    """Model preset, overrides and warm start."""
     actor: ActorSection = field(default_factory=ActorSection)
+    """Policy loss, mini-batching and optimizer."""
     rollout: RolloutSection = field(default_factory=RolloutSection)
+    """Sampling."""
 
 
 @dataclass
 class AlgorithmSection:
+    """verl's ``algorithm``: the advantage estimator."""
+
     adv_estimator: str = "grpo"
+    """One of algorithms.ADV_ESTIMATORS."""
     norm_adv_by_std_in_grpo: bool = True
+    """Divide GRPO advantages by the group's standard deviation."""
+
+    def __post_init__(self) -> None:
+        check_choice("adv_estimator", self.adv_estimator, ADV_ESTIMATORS)
 
 
 @dataclass
 class CustomRewardSection:
+    """verl's ``custom_reward_function``: a python file with the reward function."""
+
     path: Optional[str] = None
+    """Python file; null = the built-in rule of each sample's data_source."""
     name: Optional[str] = None
+    """Function name in that file (null = compute_score)."""
     reward_kwargs: dict = field(default_factory=dict)
+    """Extra keyword arguments of every call."""
+
+    def __post_init__(self) -> None:
+        if self.name is not None and self.path is None:
+            raise ConfigError(f"name={self.name!r} is set but path is not")
 
 
 @dataclass
 class GRPOTrainerSection(TrainerSection):
+    """``trainer`` plus GRPO's balancing and validation switches."""
+
     experiment_name: str = "grpo"
-    # plan each batch over DP ranks by workload, a prompt's responses on one rank
+    """Tracking run name."""
     balance_batch: bool = True
+    """Plan each batch over DP ranks by workload, a prompt's responses on one rank."""
     val_before_train: bool = True
-    # validation samples printed to the console (prompt, response, score)
+    """Validate the initial policy at step 0 (when test_freq > 0)."""
     log_val_generations: int = 0
+    """Validation samples logged (prompt, response, score)."""
 
 
 @dataclass
 class GRPOConfig:
-    data: GRPODataConfig = field(default_factory=GRPODataConfig)
+    """The GRPO recipe (``config/grpo.yaml``)."""
+
+    data: GRPODataSection = field(default_factory=GRPODataSection)
+    """Files, columns, prompt-length policy and batch sizes."""
     actor_rollout_ref: ActorRolloutRefSection = field(default_factory=ActorRolloutRefSection)
+    """Model, actor and rollout."""
     algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
+    """Advantage estimation."""
     custom_reward_function: CustomRewardSection = field(default_factory=CustomRewardSection)
-    # SFT-recipe spelling of actor_rollout_ref.actor.ulysses_sequence_parallel_size (either works)
+    """Reward function."""
     ulysses_sequence_parallel_size: Optional[int] = None
-    # workload model and overlong policy of the balancer; trainer.balance_batch switches it on
+    """SFT-recipe spelling of actor_rollout_ref.actor.ulysses_sequence_parallel_size (either works)."""
     balance: BalanceSection = field(default_factory=BalanceSection)
+    """Workload model of the balancer (trainer.balance_batch switches it on; overlong must be error)."""
     trainer: GRPOTrainerSection = field(default_factory=GRPOTrainerSection)
+    """Cluster, run length, logging, checkpoints."""
+
+    @property
+    def sp_size(self) -> int:
+        """The Ulysses degree from either spelling; 1 when neither is set."""
+        verl_key = self.actor_rollout_ref.actor.ulysses_sequence_parallel_size
+        top_key = self.ulysses_sequence_parallel_size
+        return int(verl_key if verl_key is not None else (top_key if top_key is not None else 1))
+
+    def __post_init__(self) -> None:
+        verl_key = self.actor_rollout_ref.actor.ulysses_sequence_parallel_size
+        top_key = self.ulysses_sequence_parallel_size
+        if verl_key is not None and top_key is not None and verl_key != top_key:
+            raise ConfigError(
+                f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={verl_key} and "
+                f"ulysses_sequence_parallel_size={top_key} disagree; set one of them")
 
 
 def register_grpo_schema() -> None:
@@ -173,96 +302,26 @@ def register_grpo_schema() -> None:
     ConfigStore.instance().store(name="grpo_schema", node=GRPOConfig)
 
 
-def sp_size_of(cfg) -> int:
-    """The Ulysses degree from either spelling (see the module docstring); 1 when neither is set."""
-    verl_key = cfg.actor_rollout_ref.actor.ulysses_sequence_parallel_size
-    top_key = cfg.ulysses_sequence_parallel_size
-    if verl_key is not None and top_key is not None and verl_key != top_key:
-        raise ConfigError(
-            f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={verl_key} and "
-            f"ulysses_sequence_parallel_size={top_key} disagree; set one of them"
-        )
-    return int(verl_key if verl_key is not None else (top_key if top_key is not None else 1))
+GRPO_ENGINE_KEYS = {"optim": "actor_rollout_ref.actor.optim",
+                    "loss_agg_mode": "actor_rollout_ref.actor.loss_agg_mode",
+                    "loss_scale_factor": "actor_rollout_ref.actor.loss_scale_factor",
+                    "param_dtype": "actor_rollout_ref.model.param_dtype"}
 
 
-
-
-def validate_grpo(cfg) -> None:
-    """Raise ConfigError naming the key when the GRPO config is invalid."""
-    arr = cfg.actor_rollout_ref
-    actor, rollout, model = arr.actor, arr.rollout, arr.model
-    # Keys shared with SFT but spelled differently here are checked first under their GRPO names.
-    check_choice("actor_rollout_ref.actor.optim.lr_scheduler", actor.optim.lr_scheduler, ("constant", "cosine"))
-    if not model.use_remove_padding:
-        raise ConfigError(
-            "actor_rollout_ref.model.use_remove_padding=false is not supported: the engine always runs "
-            "packed (padding-free) sequences, which Ulysses sequence parallelism requires"
-        )
-    sp = sp_size_of(cfg)
-    validate_common(OmegaConf.create({
-        "ulysses_sequence_parallel_size": sp, "use_remove_padding": True,
-        "trainer": OmegaConf.to_container(cfg.trainer, resolve=False),
-        "balance": OmegaConf.to_container(cfg.balance), "optim": OmegaConf.to_container(actor.optim),
-    }))
-    world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
-    dp = world // sp
-    if cfg.balance.overlong != "error":
-        raise ConfigError(f"balance.overlong={cfg.balance.overlong!r}: GRPO never drops or cuts a scored "
+def validate_grpo(cfg: DictConfig) -> GRPOConfig:
+    """The GRPO config as typed objects; ConfigError naming the key when it is invalid."""
+    config: GRPOConfig = to_typed(cfg)
+    arr = config.actor_rollout_ref
+    actor, rollout, d = arr.actor, arr.rollout, config.data
+    sp = config.sp_size
+    dp = check_layout(sp_size=sp, trainer=config.trainer, sp_key="ulysses_sequence_parallel_size")
+    if config.balance.overlong != "error":
+        raise ConfigError(f"balance.overlong={config.balance.overlong!r}: GRPO never drops or cuts a scored "
                           "response; use 'error' and size the token caps to hold a full sequence")
-
-    check_choice("actor_rollout_ref.actor.loss_agg_mode", actor.loss_agg_mode, LOSS_AGG_MODES)
-    if actor.loss_agg_mode == "seq-mean-token-sum-norm" and actor.loss_scale_factor is None:
-        raise ConfigError("actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm needs "
-                          "actor_rollout_ref.actor.loss_scale_factor (the constant C, e.g. response_length)")
-    check_positive("actor_rollout_ref.actor.optim.lr", actor.optim.lr)
-    check_positive("actor_rollout_ref.actor.ppo_epochs", actor.ppo_epochs)
-    for key in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
-        value = actor[key]
-        if value is not None and not 0 <= value:
-            raise ConfigError(f"actor_rollout_ref.actor.{key}={value} must be >= 0")
-    low = actor.clip_ratio if actor.clip_ratio_low is None else actor.clip_ratio_low
-    if low >= 1:
-        raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_low={low} must be < 1 (the ratio is clipped at 1 - low)")
-    if actor.clip_ratio_c is not None and not actor.clip_ratio_c > 1:
-        raise ConfigError(f"actor_rollout_ref.actor.clip_ratio_c={actor.clip_ratio_c} must be > 1 (or null)")
-    if actor.use_kl_loss:
-        try:
-            canonical_kl_type(actor.kl_loss_type)
-        except KLEstimatorError as err:
-            raise ConfigError(f"actor_rollout_ref.actor.{err}") from None
-
-    check_positive("actor_rollout_ref.rollout.n", rollout.n)
     if rollout.n < 2:
         raise ConfigError(
-            f"actor_rollout_ref.rollout.n={rollout.n}: {cfg.algorithm.adv_estimator} compares the responses "
-            "to one prompt, so it needs n >= 2 (a group of one has advantage 0 and teaches nothing)"
-        )
-    check_choice("actor_rollout_ref.rollout.name", rollout.name, ("naive",))
-    check_positive("actor_rollout_ref.rollout.response_length", rollout.response_length)
-    if not rollout.temperature > 0:
-        raise ConfigError(f"actor_rollout_ref.rollout.temperature={rollout.temperature} must be > 0 for "
-                          "training rollouts (greedy samples are identical within a group)")
-    if not 0 < rollout.top_p <= 1:
-        raise ConfigError(f"actor_rollout_ref.rollout.top_p={rollout.top_p} must be in (0, 1]")
-    if not rollout.val_kwargs.temperature >= 0:
-        raise ConfigError(f"actor_rollout_ref.rollout.val_kwargs.temperature={rollout.val_kwargs.temperature} "
-                          "must be >= 0 (0 = greedy)")
-    check_positive("actor_rollout_ref.rollout.val_kwargs.n", rollout.val_kwargs.n)
-
-    check_choice("algorithm.adv_estimator", cfg.algorithm.adv_estimator, ADV_ESTIMATORS)
-
-    d = cfg.data
-    check_positive("data.max_prompt_length", d.max_prompt_length)
-    check_choice("data.truncation", d.truncation, ("error", "left", "right"))
-    check_choice("data.on_malformed", d.on_malformed, ("error", "skip"))
-    check_positive("data.train_batch_size", d.train_batch_size)
-    if d.val_batch_size is not None:
-        check_positive("data.val_batch_size", d.val_batch_size)
-    unknown = [t for t in d.synthetic.tasks if t not in TASKS]
-    if unknown or not d.synthetic.tasks:
-        raise ConfigError(f"data.synthetic.tasks={list(d.synthetic.tasks)} is not valid; "
-                          f"choose a non-empty subset of {list(TASKS)}")
-    check_positive("actor_rollout_ref.actor.ppo_mini_batch_size", actor.ppo_mini_batch_size)
+            f"actor_rollout_ref.rollout.n={rollout.n}: {config.algorithm.adv_estimator} compares the responses "
+            "to one prompt, so it needs n >= 2 (a group of one has advantage 0 and teaches nothing)")
     if d.train_batch_size % actor.ppo_mini_batch_size:
         raise ConfigError(
             f"actor_rollout_ref.actor.ppo_mini_batch_size={actor.ppo_mini_batch_size} must divide "
@@ -271,30 +330,21 @@ def validate_grpo(cfg) -> None:
         raise ConfigError(
             f"actor_rollout_ref.actor.ppo_mini_batch_size={actor.ppo_mini_batch_size} is smaller than the "
             f"data-parallel size {dp}: a prompt's responses stay on one DP rank, so every rank needs a prompt")
-
-    max_len = d.max_prompt_length + rollout.response_length
     if actor.use_dynamic_bsz:
-        check_positive("actor_rollout_ref.actor.ppo_max_token_len_per_gpu", actor.ppo_max_token_len_per_gpu)
+        max_len = d.max_prompt_length + rollout.response_length
         caps = {"actor_rollout_ref.actor.ppo_max_token_len_per_gpu": actor.ppo_max_token_len_per_gpu}
         if rollout.log_prob_max_token_len_per_gpu is not None:
             caps["actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"] = rollout.log_prob_max_token_len_per_gpu
         for key, cap in caps.items():
-            check_positive(key, cap)
             # A sequence is split over the sp ranks of its DP group, so each holds ceil(len / sp).
             if cap * sp < max_len:
                 raise ConfigError(
                     f"{key}={cap} x sp={sp} cannot hold one sequence of data.max_prompt_length + "
                     f"rollout.response_length = {max_len} tokens; raise it to >= {-(-max_len // sp)}")
-    else:
-        check_positive("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", actor.ppo_micro_batch_size_per_gpu)
-        if rollout.log_prob_micro_batch_size_per_gpu is not None:
-            check_positive("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
-                      rollout.log_prob_micro_batch_size_per_gpu)
-    if rollout.max_num_seqs is not None:
-        check_positive("actor_rollout_ref.rollout.max_num_seqs", rollout.max_num_seqs)
-    if (cfg.custom_reward_function.name is not None) and cfg.custom_reward_function.path is None:
-        raise ConfigError(f"custom_reward_function.name={cfg.custom_reward_function.name!r} is set but "
-                          "custom_reward_function.path is not")
+    build_engine_config(optim=actor.optim, loss_agg_mode=actor.loss_agg_mode,
+                        loss_scale_factor=actor.loss_scale_factor, param_dtype=arr.model.param_dtype,
+                        seed=config.trainer.seed, total_steps=1, keys=GRPO_ENGINE_KEYS)
+    return config
 
 
-__all__ = ["GRPOConfig", "register_grpo_schema", "sp_size_of", "validate_grpo"]
+__all__ = ["GRPOConfig", "register_grpo_schema", "validate_grpo"]

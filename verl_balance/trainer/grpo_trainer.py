@@ -23,31 +23,30 @@ engine's exact global values (loss-mask-weighted token means over each mini-batc
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
-from types import SimpleNamespace
 
 import numpy as np
 import torch
 
-from verl_balance.algorithms import PolicyLossConfig, compute_advantages
-from verl_balance.balance import plan_balance
-from verl_balance.data.loader import StatefulDataLoader
-from verl_balance.data.rl_dataset import RLDataConfig, RLPromptDataset
-from verl_balance.data.synthetic import SyntheticConfig, write_dataset
-from verl_balance.data.tokenizer import build_tokenizer
-from verl_balance.protocol import Batch, merge_by_plan
+from verl_balance.algorithms import compute_advantages
+from verl_balance.batch_keys import PROMPT_IDS_KEY, PROMPT_INDEX_KEY, TEMPERATURE_KEY, UID_KEY
+from verl_balance.data.rl_dataset import RLPromptDataset
+from verl_balance.data.synthetic import write_dataset
+from verl_balance.protocol import Batch
 from verl_balance.rewards import load_reward_fn, score_batch
 from verl_balance.rollout import RolloutOutput, build_rollout_batch
-from verl_balance.trainer import cluster, common
-from verl_balance.trainer.metrics import plan_metrics, reduce_rank_metrics
+from verl_balance.trainer.config import build_engine_config
 from verl_balance.trainer.driver import DriverBase
-from verl_balance.trainer.grpo_config import sp_size_of, validate_grpo
+from verl_balance.trainer.grpo_config import GRPO_ENGINE_KEYS, GRPOConfig, validate_grpo
+from verl_balance.trainer.metrics import plan_metrics, reduce_rank_metrics
+from verl_balance.trainer.plan_dispatch import plan_batch, run_by_plan, split_by_plan
 from verl_balance.utils.tracking import Tracking
-from verl_balance.workers.actor import TEMPERATURE_KEY
-from verl_balance.workers.actor_rollout import PROMPT_IDS_KEY, ActorRolloutWorker, ActorRolloutWorkerConfig
+from verl_balance.workers.actor_rollout import ActorRolloutWorker, ActorRolloutWorkerConfig
+from verl_balance.workers.group import ActorRolloutGroup
 
-UID_KEY = "uid"
+logger = logging.getLogger(__name__)
 PLOT_PANELS = (
     ("train reward (sampled rollouts)", r"^reward/(mean|accuracy)$"),
     ("held-out accuracy (val_kwargs sampling, greedy by default)", r"^val/accuracy$"),
@@ -59,25 +58,6 @@ PLOT_PANELS = (
 
 
 # ---------------------------------------------------------------------- driver-side helpers
-def plan_grouped(batch: Batch, *, group_ids, dp_size: int, sp_size: int, micro_batch_size: int | None,
-                 token_cap: int | None, balance: bool, workload):
-    """BalancePlan of a rollout batch: every group (a prompt's responses) on one DP rank.
-
-    ``group_scope="rank"``: the responses of a group share a rank but are packed into micro-batches
-    freely, so a group may be larger than one micro-batch or token cap.
-    """
-    return plan_balance(
-        seq_lens=batch["attention_mask"].sum(dim=1).cpu().numpy(), dp_size=dp_size, sp_size=sp_size,
-        micro_batch_size=None if token_cap is not None else micro_batch_size, max_token_len_per_gpu=token_cap,
-        balance=balance, group_ids=np.asarray(group_ids), group_scope="rank", workload=workload, overlong="error",
-    )
-
-
-def run_by_plan(batch: Batch, plan, call) -> Batch:
-    """``call(per-rank chunks)`` (a worker-group method) with its output rows back in ``batch`` order."""
-    return merge_by_plan(call(common.dispatch_chunks(batch, plan)), plan)
-
-
 def merge_rollout_outputs(outputs: list[RolloutOutput | None], *, prompt_offsets: list[int],
                           pad_token_id: int) -> RolloutOutput:
     """One RolloutOutput from per-worker outputs; worker w answered prompts from ``prompt_offsets[w]``."""
@@ -123,19 +103,18 @@ def _timed(metrics: dict, name: str):
     metrics[f"timing_s/{name}"] = metrics.get(f"timing_s/{name}", 0.0) + time.perf_counter() - start
 
 
-def resolve_rl_files(cfg) -> tuple:
+def resolve_rl_files(config: GRPOConfig) -> tuple:
     """The configured files, or the synthetic task generated under ``default_local_dir/data``."""
-    d = cfg.data
+    d = config.data
     if d.train_files is not None:
         return d.train_files, d.val_files
     s = d.synthetic
-    out_dir = s.out_dir or os.path.join(cfg.trainer.default_local_dir, "data")
+    out_dir = s.out_dir or os.path.join(config.trainer.default_local_dir, "data")
     train, val = os.path.join(out_dir, "rl_train.parquet"), os.path.join(out_dir, "rl_val.parquet")
     if not (os.path.exists(train) and os.path.exists(val)):
-        print(f"[data] data.train_files is null: generating the synthetic task into {out_dir}", flush=True)
+        logger.info("data.train_files is null: generating the synthetic task into %s", out_dir)
         write_dataset(out_dir=out_dir, num_train=s.num_train, num_val=s.num_val, seed=s.seed, progress=True,
-                      config=SyntheticConfig(tasks=tuple(s.tasks), median_size=s.median_size, sigma=s.sigma,
-                                             min_size=s.min_size, max_size=s.max_size))
+                      config=s.task_config())
     return train, (d.val_files if d.val_files is not None else val)
 
 
@@ -144,72 +123,52 @@ class GRPOTrainer(DriverBase):
     """Builds data, the actor-rollout worker group and the reward function; ``fit()`` trains."""
 
     plot_panels = PLOT_PANELS
+    actor: ActorRolloutGroup
 
     def __init__(self, cfg) -> None:
-        validate_grpo(cfg)
-        self.cfg = cfg
-        t, arr = cfg.trainer, cfg.actor_rollout_ref
-        self.actor_cfg, self.rollout_cfg = arr.actor, arr.rollout
-        self.sp = sp_size_of(cfg)
-        self.world = t.nnodes * t.n_gpus_per_node
-        self.dp = self.world // self.sp
-        self.out_dir = t.default_local_dir
-        os.makedirs(self.out_dir, exist_ok=True)
+        self.config = config = validate_grpo(cfg)
+        arr = config.actor_rollout_ref
+        self.actor_cfg, self.rollout_cfg = a, r = arr.actor, arr.rollout
+        self.setup_run(cfg, trainer=config.trainer, sp_size=config.sp_size, model=arr.model,
+                       balance=config.balance)
+        train_files, val_files = resolve_rl_files(config)
+        d = config.data
+        dataset_config = d.dataset_config()
+        self.train_set = RLPromptDataset(files=train_files, tokenizer=self.tokenizer, config=dataset_config)
+        self.val_set = (RLPromptDataset(files=val_files, tokenizer=self.tokenizer, config=dataset_config)
+                        if val_files else None)
+        self.setup_loader(self.train_set, batch_size=d.train_batch_size, shuffle=d.shuffle)
+        reward = config.custom_reward_function
+        self.reward_fn = load_reward_fn(reward.path, reward.name, reward_kwargs=dict(reward.reward_kwargs))
 
-        self.tokenizer = build_tokenizer(arr.model.tokenizer)
-        train_files, val_files = resolve_rl_files(cfg)
-        d = cfg.data
-        ds_cfg = RLDataConfig(prompt_key=d.prompt_key, max_prompt_length=d.max_prompt_length,
-                              filter_overlong_prompts=d.filter_overlong_prompts, truncation=d.truncation,
-                              on_malformed=d.on_malformed)
-        self.train_set = RLPromptDataset(files=train_files, tokenizer=self.tokenizer, config=ds_cfg)
-        self.val_set = RLPromptDataset(files=val_files, tokenizer=self.tokenizer, config=ds_cfg) if val_files else None
-        self.loader = StatefulDataLoader(self.train_set, batch_size=d.train_batch_size,
-                                         collate_fn=self.train_set.collate, shuffle=d.shuffle, seed=t.seed,
-                                         drop_last=True)
-        self.total_steps = t.total_training_steps or t.total_epochs * len(self.loader)
-        self.reward_fn = load_reward_fn(cfg.custom_reward_function.path, cfg.custom_reward_function.name,
-                                        reward_kwargs=dict(cfg.custom_reward_function.reward_kwargs))
-
-        a, r = self.actor_cfg, self.rollout_cfg
-        self.model_config = common.build_model_config(arr.model, vocab_size=self.tokenizer.vocab_size)
-        self.workload = common.build_workload(cfg.balance.workload, self.model_config)
         self.update_cap = a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None
         self.log_prob_cap = ((r.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu)
                              if a.use_dynamic_bsz else None)
         self.log_prob_mbs = r.log_prob_micro_batch_size_per_gpu or a.ppo_micro_batch_size_per_gpu
         self.updates_per_step = a.ppo_epochs * (d.train_batch_size // a.ppo_mini_batch_size)
-        engine_config = common.engine_config_from(
-            SimpleNamespace(optim=a.optim, model=arr.model), total_steps=self.total_steps * self.updates_per_step,
-            loss_agg_mode=a.loss_agg_mode, loss_scale_factor=a.loss_scale_factor, seed=t.seed)
-        self.policy_loss = PolicyLossConfig(
-            clip_ratio=a.clip_ratio, clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
-            clip_ratio_c=a.clip_ratio_c, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef,
-            kl_loss_type=a.kl_loss_type, entropy_coeff=a.entropy_coeff)
+        engine_config = build_engine_config(
+            optim=a.optim, loss_agg_mode=a.loss_agg_mode, loss_scale_factor=a.loss_scale_factor,
+            param_dtype=arr.model.param_dtype, seed=config.trainer.seed,
+            total_steps=self.total_steps * self.updates_per_step, keys=GRPO_ENGINE_KEYS)
+        self.policy_loss = a.policy_loss()
         worker_config = ActorRolloutWorkerConfig(
             model=self.model_config, engine=engine_config, sp_size=self.sp, policy_loss=self.policy_loss,
             pad_token_id=self.tokenizer.pad_token_id, stop_token_ids=(self.tokenizer.eos_token_id,),
             rollout_max_batch_size=r.max_num_seqs, use_reference_policy=a.use_kl_loss)
-
-        cluster.start_ray(address=t.ray_address, num_workers=self.world)
-        use_gpu = cluster.resolve_use_gpu(t.device)
-        print(f"[trainer] {self.world} {'GPU' if use_gpu else 'CPU'} workers: dp={self.dp} x sp={self.sp}; model "
-              f"{arr.model.name} ({self.model_config.num_layers} layers, hidden {self.model_config.hidden_size}); "
-              f"{len(self.train_set)} train prompts x n={r.n}, {self.total_steps} steps of "
-              f"{self.updates_per_step} optimizer step(s)", flush=True)
-        self.actor = cluster.build_actor_group(worker_config=worker_config, trainer_cfg=t, use_gpu=use_gpu,
-                                              worker_cls=ActorRolloutWorker)
+        self.start_workers(
+            worker_config=worker_config, worker_cls=ActorRolloutWorker,
+            description=(f"model {arr.model.name} ({self.model_config.num_layers} layers, hidden "
+                         f"{self.model_config.hidden_size}); {len(self.train_set)} train prompts x n={r.n}, "
+                         f"{self.total_steps} steps of {self.updates_per_step} optimizer step(s)"))
         try:
             if arr.model.path:
                 self.actor.load_model_weights(os.path.abspath(arr.model.path))
-                print(f"[model] warm start: weights of {arr.model.path}", flush=True)
+                logger.info("warm start: weights of %s", arr.model.path)
             if a.use_kl_loss:
                 self.actor.sync_reference_policy()
         except BaseException:
             self.close()
             raise
-        self.global_step = 0
-        self._stop_requested = False
 
     # ------------------------------------------------------------------ phases
     def generate(self, prompts: tuple[dict, dict], *, n: int, temperature: float, top_p: float, seed: int) -> Batch:
@@ -241,13 +200,14 @@ class GRPOTrainer(DriverBase):
                            ground_truths=list(batch["ground_truth"]), extra_infos=list(batch["extra_info"]))
 
     def _plan(self, batch: Batch, *, micro_batch_size, token_cap):
-        return plan_grouped(batch, group_ids=batch["prompt_index"], dp_size=self.dp, sp_size=self.sp,
-                            micro_batch_size=micro_batch_size, token_cap=token_cap,
-                            balance=bool(self.cfg.trainer.balance_batch), workload=self.workload)
+        """Every group (a prompt's responses) on one DP rank, packed into micro-batches freely."""
+        return plan_batch(batch, dp_size=self.dp, sp_size=self.sp, micro_batch_size=micro_batch_size,
+                          token_cap=token_cap, balance=self.config.trainer.balance_batch, workload=self.workload,
+                          overlong="error", group_ids=batch[PROMPT_INDEX_KEY], group_scope="rank")
 
     def _mini_batches(self, batch: Batch) -> list[np.ndarray]:
         """Row indices of each mini-batch: ``ppo_mini_batch_size`` consecutive prompts, all responses."""
-        prompt_of_row = np.asarray(batch["prompt_index"], dtype=np.int64)
+        prompt_of_row = np.asarray(batch[PROMPT_INDEX_KEY], dtype=np.int64)
         size = self.actor_cfg.ppo_mini_batch_size
         num = -(-int(prompt_of_row.max() + 1) // size)
         return [np.flatnonzero(prompt_of_row // size == k) for k in range(num)]
@@ -259,7 +219,7 @@ class GRPOTrainer(DriverBase):
         with _timed(metrics, "step"):
             with _timed(metrics, "gen"):
                 batch = self.generate(prompts, n=r.n, temperature=r.temperature, top_p=r.top_p,
-                                      seed=self.cfg.trainer.seed * 7919 + self.global_step)
+                                      seed=self.config.trainer.seed * 7919 + self.global_step)
             # Old, reference and new log-probs are all taken at the sampling temperature.
             batch.meta[TEMPERATURE_KEY] = float(r.temperature)
             with _timed(metrics, "reward"):
@@ -274,9 +234,9 @@ class GRPOTrainer(DriverBase):
                     batch["ref_log_prob"] = run_by_plan(batch, plan, self.actor.compute_ref_log_prob)["ref_log_prob"]
             with _timed(metrics, "adv"):
                 batch["advantages"] = compute_advantages(
-                    adv_estimator=self.cfg.algorithm.adv_estimator, scores=torch.from_numpy(scores),
-                    index=batch["prompt_index"], loss_mask=batch["loss_mask"],
-                    norm_adv_by_std_in_grpo=self.cfg.algorithm.norm_adv_by_std_in_grpo)
+                    adv_estimator=self.config.algorithm.adv_estimator, scores=torch.from_numpy(scores),
+                    index=batch[PROMPT_INDEX_KEY], loss_mask=batch["loss_mask"],
+                    norm_adv_by_std_in_grpo=self.config.algorithm.norm_adv_by_std_in_grpo)
             with _timed(metrics, "update"):
                 metrics.update(self.update_actor(batch))
         metrics.update(self._rollout_metrics(batch, scores, extras, prefix=""))
@@ -294,7 +254,7 @@ class GRPOTrainer(DriverBase):
             for rows in self._mini_batches(batch):
                 mini = batch.index_select(rows)
                 plan = self._plan(mini, micro_batch_size=a.ppo_micro_batch_size_per_gpu, token_cap=self.update_cap)
-                per_rank = self.actor.update_actor(common.dispatch_chunks(mini, plan))
+                per_rank = self.actor.update_actor(split_by_plan(mini, plan))
                 reduced = reduce_rank_metrics(per_rank, prefix="actor/")
                 actor_records.append({k: v for k, v in reduced.items() if k.startswith("actor/")})
                 plan_records.append(plan_metrics(plan))
@@ -323,12 +283,13 @@ class GRPOTrainer(DriverBase):
         """Held-out accuracy with ``rollout.val_kwargs`` sampling (greedy by default), overall and per source."""
         if self.val_set is None:
             return {}
-        count = len(self.val_set) if self.cfg.data.val_batch_size is None else min(self.cfg.data.val_batch_size,
-                                                                                   len(self.val_set))
+        val_batch_size = self.config.data.val_batch_size
+        count = len(self.val_set) if val_batch_size is None else min(val_batch_size, len(self.val_set))
         prompts = self.val_set.collate([self.val_set[i] for i in range(count)])
         v = self.rollout_cfg.val_kwargs
         start = time.perf_counter()
-        batch = self.generate(prompts, n=v.n, temperature=v.temperature, top_p=v.top_p, seed=self.cfg.trainer.seed)
+        batch = self.generate(prompts, n=v.n, temperature=v.temperature, top_p=v.top_p,
+                              seed=self.config.trainer.seed)
         scores, extras = self.score(batch)
         metrics = self._rollout_metrics(batch, scores, extras, prefix="val/")
         metrics["val/accuracy"] = metrics.pop("val/reward/accuracy")
@@ -337,22 +298,22 @@ class GRPOTrainer(DriverBase):
         for source in sorted(set(sources.tolist())):
             metrics[f"val/accuracy/{source}"] = float(np.nanmean(accuracy[sources == source]))
         metrics["timing_s/val"] = time.perf_counter() - start
-        self._print_generations(batch, scores, count=self.cfg.trainer.log_val_generations)
+        self._log_generations(batch, scores, count=self.config.trainer.log_val_generations)
         return metrics
 
-    def _print_generations(self, batch: Batch, scores: np.ndarray, *, count: int) -> None:
-        """verl's ``trainer.log_val_generations``: the first ``count`` validation samples on the console."""
+    def _log_generations(self, batch: Batch, scores: np.ndarray, *, count: int) -> None:
+        """verl's ``trainer.log_val_generations``: the first ``count`` validation samples, logged."""
         starts, lengths = batch["prompt_lengths"].tolist(), batch["response_lengths"].tolist()
         for i in range(min(count, len(batch))):
             row = batch["input_ids"][i].tolist()
             prompt = self.tokenizer.decode(row[:starts[i]], skip_special_tokens=False)
             response = self.tokenizer.decode(row[starts[i]:starts[i] + lengths[i]], skip_special_tokens=False)
-            print(f"[val sample {i}] {prompt!r} -> {response!r} (score {scores[i]:g}, "
-                  f"truth {batch['ground_truth'][i]!r})", flush=True)
+            logger.info("val sample %d: %r -> %r (score %g, truth %r)", i, prompt, response, scores[i],
+                        batch["ground_truth"][i])
 
     def before_training(self, tracker: Tracking) -> dict:
         """verl's ``trainer.val_before_train``: held-out accuracy of the initial policy at step 0."""
-        t = self.cfg.trainer
+        t = self.config.trainer
         if not (t.test_freq > 0 and t.val_before_train):
             return {}
         metrics = self.evaluate()
@@ -360,6 +321,7 @@ class GRPOTrainer(DriverBase):
         return metrics
 
     def summarize(self, *, first: dict, last: dict, first_val: dict, last_val: dict) -> dict:
+        """First/final train reward and held-out accuracy before/after training."""
         return {"first_reward": first.get("reward/mean"), "final_reward": last.get("reward/mean"),
                 "initial_val_accuracy": first_val.get("val/accuracy"),
                 "final_val_accuracy": last_val.get("val/accuracy")}
@@ -381,4 +343,4 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["GRPOTrainer", "format_summary", "merge_rollout_outputs", "plan_grouped", "run_by_plan"]
+__all__ = ["GRPOTrainer", "format_summary", "merge_rollout_outputs"]

@@ -23,13 +23,11 @@ from verl_balance.engine.config import EngineConfig
 from verl_balance.engine.train_engine import TrainEngine
 from verl_balance.loss import SFTLoss
 from verl_balance.models.config import ModelConfig
-from verl_balance.protocol import MICRO_BATCH_SIZES_KEY, Batch
+from verl_balance.batch_keys import MICRO_BATCH_SIZES_KEY, TEMPERATURE_KEY, WIRE_KEYS
+from verl_balance.protocol import Batch
 from verl_balance.single_controller import Dispatch, Worker, make_mesh_dispatch, register
 
 ACTOR_MESH = "actor"
-TEMPERATURE_KEY = "temperature"
-WIRE_KEYS = ("input_ids", "attention_mask", "loss_mask", "position_ids",
-             "old_log_probs", "advantages", "ref_log_prob")
 
 
 @dataclass
@@ -37,10 +35,13 @@ class ActorWorkerConfig:
     """What one actor rank needs: model dims, engine settings, SP size, and the loss it trains."""
 
     model: ModelConfig
+    """Model dimensions (the same on every rank)."""
     engine: EngineConfig
+    """Optimizer, loss aggregation and FSDP settings of the rank's engine."""
     sp_size: int = 1
-    # None = SFT negative log-likelihood; a PolicyLossConfig = the PPO-clip policy loss.
+    """Ulysses sequence-parallel degree; the DP size is the worker count divided by it."""
     policy_loss: PolicyLossConfig | None = None
+    """None = SFT negative log-likelihood; a PolicyLossConfig = the PPO-clip policy loss."""
 
 
 class ActorWorker(Worker):
@@ -78,7 +79,8 @@ class ActorWorker(Worker):
         """The DP chunk's micro-batches as plain tensor dicts (only wire keys travel on)."""
         sizes = batch.meta.get(MICRO_BATCH_SIZES_KEY)
         if sizes is None:
-            raise ValueError(f"batch meta lacks {MICRO_BATCH_SIZES_KEY!r}; build DP chunks with split_by_plan")
+            raise ValueError(f"batch meta lacks {MICRO_BATCH_SIZES_KEY!r}; build DP chunks with "
+                             "trainer.plan_dispatch.split_by_plan")
         keys = [k for k in WIRE_KEYS if k in batch.tensors.keys()]
         out = []
         for part in batch.split(list(sizes)):

@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
+from verl_balance.batch_keys import PROMPT_IDS_KEY
 from verl_balance.engine.train_engine import TrainEngine
 from verl_balance.protocol import Batch
 from verl_balance.rollout import NaiveRollout, RolloutOutput
@@ -34,7 +35,6 @@ from verl_balance.single_controller import Dispatch, make_mesh_dispatch, registe
 from verl_balance.workers.actor import ACTOR_MESH, ActorWorker, ActorWorkerConfig, batch_temperature, cat_padded
 
 ROLLOUT_MESH = "rollout"
-PROMPT_IDS_KEY = "raw_prompt_ids"
 # Decorrelates the sampling streams of the workers of one generate call.
 _RANK_SEED_STRIDE = 1_000_003
 
@@ -48,10 +48,13 @@ class ActorRolloutWorkerConfig(ActorWorkerConfig):
     """ActorWorkerConfig plus what the rollout and the reference policy need."""
 
     pad_token_id: int = 0
+    """Token id that right-pads responses."""
     stop_token_ids: tuple = ()
-    # sequences decoded together on one worker; None = all of its prompts at once
+    """Token ids that end a response (kept in it, finish reason "stop")."""
     rollout_max_batch_size: int | None = None
+    """Sequences decoded together on one worker; None = all of its prompts at once."""
     use_reference_policy: bool = False
+    """Build the frozen reference engine (needed for the KL loss)."""
 
 
 class ActorRolloutWorker(ActorWorker):

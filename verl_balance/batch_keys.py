@@ -1,0 +1,36 @@
+"""Names of the ``Batch`` columns and meta keys that cross a module or process boundary.
+
+The driver writes them and the workers (or the integration) read them, so both sides import the
+names from here instead of from each other.
+"""
+
+from __future__ import annotations
+
+MICRO_BATCH_SIZES_KEY = "micro_batch_sizes"
+"""Meta key of one DP rank's chunk: its micro-batch sizes in row order (set by ``split_by_plan``);
+the worker recovers its micro-batches with ``chunk.split(chunk.meta[MICRO_BATCH_SIZES_KEY])``."""
+
+PLANNED_MICRO_BATCH_SIZES_KEY = "verl_balance/micro_batch_sizes"
+"""Meta key of a whole verl ``DataProto`` reordered by a plan: one list of micro-batch sizes per
+DP rank (the integration's drop-ins set it; each rank's worker takes its own list)."""
+
+TEMPERATURE_KEY = "temperature"
+"""Meta key (verl's): the sampling temperature at which old, reference and new log-probs are
+taken; absent means 1."""
+
+WIRE_KEYS = ("input_ids", "attention_mask", "loss_mask", "position_ids",
+             "old_log_probs", "advantages", "ref_log_prob")
+"""Tensor columns a worker hands to the engine (every other column stays on the driver side)."""
+
+UID_KEY = "uid"
+"""Non-tensor column of a rollout batch: the id of the prompt a response answers (verl's key)."""
+
+PROMPT_IDS_KEY = "raw_prompt_ids"
+"""Non-tensor column of a prompt batch: each prompt's token ids (verl's key)."""
+
+PROMPT_INDEX_KEY = "prompt_index"
+"""Column of a rollout batch: the position of the response's prompt in the step's prompt batch;
+a prompt's responses form one balancing group."""
+
+__all__ = ["MICRO_BATCH_SIZES_KEY", "PLANNED_MICRO_BATCH_SIZES_KEY", "PROMPT_IDS_KEY", "PROMPT_INDEX_KEY",
+           "TEMPERATURE_KEY", "UID_KEY", "WIRE_KEYS"]

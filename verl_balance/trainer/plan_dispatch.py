@@ -1,0 +1,116 @@
+"""Applying a ``BalancePlan`` to a global batch: plan it, cut it into per-DP-rank chunks, and put
+the workers' per-row outputs back in the batch's row order.
+
+The balancer (``balance/``, numpy only) decides where every sample goes and which samples an
+``overlong="truncate"`` cap cuts; this module is the one place that applies those decisions to a
+``Batch``. ``merge_by_plan(split_by_plan(b, plan), plan)`` equals ``b`` (minus the samples the plan
+skipped, and with the truncated samples cut), whatever the plan's permutation.
+
+The driver never calls torch.distributed: it plans here and talks to workers through the worker
+group, which sends chunk r to every SP rank of DP rank r.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from verl_balance.balance import BalancePlan, plan_balance
+from verl_balance.batch_keys import MICRO_BATCH_SIZES_KEY
+from verl_balance.protocol import Batch, BatchError
+
+__all__ = ["apply_truncation", "merge_by_plan", "plan_batch", "run_by_plan", "split_by_plan"]
+
+
+def plan_batch(batch: Batch, *, dp_size: int, sp_size: int, micro_batch_size: int | None, token_cap: int | None,
+               balance: bool, workload, overlong: str = "error", group_ids=None,
+               group_scope: str = "micro_batch") -> BalancePlan:
+    """BalancePlan of one global batch from its ``attention_mask`` lengths.
+
+    ``token_cap`` (tokens per SP rank) takes precedence over ``micro_batch_size``; ``balance=False``
+    gives the contiguous split. ``group_ids``: rows sharing an id stay on one DP rank, and also in
+    one micro-batch when ``group_scope="micro_batch"``; ``group_scope="rank"`` (GRPO's prompt
+    groups) lets a group span micro-batches, so a group may exceed one micro-batch or token cap.
+    """
+    return plan_balance(
+        seq_lens=batch["attention_mask"].sum(dim=1).cpu().numpy(), dp_size=dp_size, sp_size=sp_size,
+        micro_batch_size=None if token_cap is not None else micro_batch_size, max_token_len_per_gpu=token_cap,
+        balance=balance, group_ids=None if group_ids is None else np.asarray(group_ids), group_scope=group_scope,
+        workload=workload, overlong=overlong,
+    )
+
+
+def apply_truncation(batch: Batch, plan: BalancePlan) -> Batch:
+    """``batch`` with each sample the plan truncated (``overlong="truncate"``) cut to its planned
+    length: positions past it get attention mask 0 and every (B, L) tensor is zeroed there."""
+    if not plan.truncated:
+        return batch
+    mask = batch["attention_mask"].clone()
+    for index, new_len in plan.truncated.items():
+        mask[int(index), int(new_len):] = 0
+    out = batch.select()
+    for key in out.tensor_keys:
+        value = out[key]
+        if key != "attention_mask" and value.shape == mask.shape:
+            out[key] = value * mask.to(value.dtype)
+    out["attention_mask"] = mask
+    return out
+
+
+def _rank_indices(plan: BalancePlan) -> list[np.ndarray]:
+    return [np.asarray(plan.rank_indices(r), dtype=np.int64) for r in range(plan.dp_size)]
+
+
+def split_by_plan(batch: Batch, plan: BalancePlan) -> list[Batch]:
+    """One Batch per DP rank holding that rank's rows in the plan's micro-batch order.
+
+    Samples the plan truncated are cut first; samples it skipped appear in no chunk. Each chunk's
+    meta gets ``MICRO_BATCH_SIZES_KEY`` (list of ints) so the worker recovers its micro-batches
+    with ``chunk.split(chunk.meta[MICRO_BATCH_SIZES_KEY])``.
+    """
+    rank_indices = _rank_indices(plan)
+    used = np.concatenate(rank_indices) if rank_indices else np.zeros(0, dtype=np.int64)
+    if used.size and (used.min() < 0 or used.max() >= len(batch)):
+        raise BatchError(f"the plan indexes samples up to {int(used.max())}, but the batch has {len(batch)} rows")
+    if np.unique(used).size != used.size:
+        raise BatchError("the plan assigns some sample to more than one place")
+    batch = apply_truncation(batch, plan)
+    chunks = []
+    for r, indices in enumerate(rank_indices):
+        chunk = batch.index_select(indices)
+        sizes = [int(s) for s in plan.micro_batch_sizes(r)]
+        assert sum(sizes) == len(indices), "plan micro-batch sizes disagree with its rank indices"
+        chunk.meta[MICRO_BATCH_SIZES_KEY] = sizes
+        chunks.append(chunk)
+    return chunks
+
+
+def merge_by_plan(outputs: Batch | Sequence[Batch], plan: BalancePlan) -> Batch:
+    """Undo ``split_by_plan``: rows back in input order (ascending sample index over kept samples).
+
+    ``outputs`` is either the per-DP-rank list (rank r must have exactly the plan's rows for r, in
+    plan order) or one Batch already concatenated in DP-rank order, as a DP dispatch collects it.
+    """
+    rank_sizes = [len(ix) for ix in _rank_indices(plan)]
+    if isinstance(outputs, Batch):
+        if len(outputs) != sum(rank_sizes):
+            raise BatchError(f"merged output has {len(outputs)} rows; the plan places {sum(rank_sizes)} samples")
+        merged = outputs.select()
+    else:
+        outputs = list(outputs)
+        if len(outputs) != plan.dp_size:
+            raise BatchError(f"got {len(outputs)} per-rank outputs for a plan with dp_size={plan.dp_size}")
+        for r, (out, size) in enumerate(zip(outputs, rank_sizes)):
+            if len(out) != size:
+                raise BatchError(f"output of DP rank {r} has {len(out)} rows; the plan gave that rank {size} samples")
+        merged = Batch.concat(outputs)
+    merged = merged.index_select(np.asarray(plan.inverse_permutation, dtype=np.int64))
+    merged.meta.pop(MICRO_BATCH_SIZES_KEY, None)
+    return merged
+
+
+def run_by_plan(batch: Batch, plan: BalancePlan, call: Callable[[list[Batch]], Batch]) -> Batch:
+    """``call(split_by_plan(batch, plan))`` (a worker-group method returning per-row outputs) with
+    its rows put back in ``batch`` order."""
+    return merge_by_plan(call(split_by_plan(batch, plan)), plan)
