@@ -323,6 +323,9 @@ class RayWorkerGroup:
         ]
 
     def _call(self, method: str, registration: Registration, args: tuple, kwargs: dict) -> GroupFuture:
+        # a pending non-blocking result passed on (verl passes DataProtoFutures this way) is awaited here
+        args = tuple(a.get() if isinstance(a, GroupFuture) else a for a in args)
+        kwargs = {k: v.get() if isinstance(v, GroupFuture) else v for k, v in kwargs.items()}
         mode = registration.dispatch_mode
         mesh = self.mesh_layout(mode.mesh_name) if isinstance(mode, MeshDispatch) else None
         padding = 0

@@ -30,7 +30,7 @@ def start_ray(*, address: str | None, num_workers: int | None = None) -> None:
     The embedded cluster has ``embedded_cluster_cpus()`` CPU slots (and the GPUs Ray detects),
     whatever is asked: a worker group that cannot fit then fails at once with the same
     ``UnplaceableResourcePoolError`` an external cluster gives. ``num_workers`` only serves a
-    warning when CPU workers outnumber the cores.
+    warning when CPU workers fit but outnumber the cores.
     """
     if ray.is_initialized():
         return
@@ -41,7 +41,7 @@ def start_ray(*, address: str | None, num_workers: int | None = None) -> None:
     cpus = embedded_cluster_cpus()
     ray.init(num_cpus=cpus, include_dashboard=False, runtime_env=env, log_to_driver=True)
     cores = cpus // CPU_WORKERS_PER_CORE
-    if num_workers is not None and num_workers > cores and ray.cluster_resources().get("GPU", 0) == 0:
+    if num_workers is not None and cores < num_workers <= cpus and ray.cluster_resources().get("GPU", 0) == 0:
         logger.warning("%d CPU workers on %d core(s): they share the cores (the embedded cluster offers %d CPU slots)",
                        num_workers, cores, cpus)
 
