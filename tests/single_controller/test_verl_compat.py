@@ -256,8 +256,55 @@ calls = dispatch_args(Dispatch.DP_COMPUTE_PROTO, (Batch.from_dict(tensors={"x": 
 assert [c[0][0]["x"].tolist() for c in calls] == [[0, 1], [2, 3]]
 assert RayResourcePool([2], use_gpu=False).world_size == 2
 assert not any(m == "verl" or m.startswith("verl.") for m in sys.modules)
+from tensordict import TensorDict
+from verl_balance.single_controller import DispatchError
+try:
+    dispatch_args(Dispatch.DP_COMPUTE_PROTO, (TensorDict({"x": torch.arange(4)}, batch_size=[4]),), {}, world_size=2)
+    raise AssertionError("a bare TensorDict was broadcast")
+except DispatchError as error:
+    assert "bare TensorDict" in str(error)
 print("ok")
 """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)}
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def test_auto_padded_dataproto_is_padded_on_a_copy_and_the_padding_dropped():
+    from verl_balance.single_controller.verl_compat import drop_padding, pad_for_even_chunks
+
+    data = _rows(5, auto_padding=True)
+    (padded,), _, padding = pad_for_even_chunks((data,), {}, 2)
+    assert padding == 1 and len(padded) == 6 and padded.batch["x"].tolist() == [0, 1, 2, 3, 4, 4]  # last row repeated
+    assert len(data) == 5  # the caller's DataProto is untouched (verl pads it in place)
+    assert drop_padding(padded, padding).batch["x"].tolist() == [0, 1, 2, 3, 4]
+    # without auto-padding nothing is padded, and an uneven split is refused rather than guessed
+    assert pad_for_even_chunks((_rows(5),), {}, 2)[2] == 0
+    with pytest.raises(ours.DispatchError, match="argument #0: a DataProto of 5 rows"):
+        ours.decorator.dispatch_args(ours.Dispatch.DP_COMPUTE_PROTO, (_rows(5),), {}, world_size=2)
+
+
+def test_dp_compute_metric_splits_rows_and_returns_the_per_rank_list():
+    calls = ours.decorator.dispatch_args(ours.Dispatch.DP_COMPUTE_METRIC, (_rows(4),), {}, world_size=2)
+    assert [c[0][0].batch["x"].tolist() for c in calls] == [[0, 1], [2, 3]]
+    outputs = [_rows(2), _rows(2)]
+    assert ours.decorator.collect_outputs(ours.Dispatch.DP_COMPUTE_METRIC, outputs) is outputs
+
+
+def test_worker_group_rejects_verl_options_it_cannot_honour_before_starting_anything():
+    from verl.single_controller.ray import RayClassWithInitArgs as VerlClassWithInitArgs
+
+    pool = ours.RayResourcePool([2], use_gpu=False)
+    cia = ours.RayClassWithInitArgs(cls=Accumulator, offset=0.5)
+    for kwargs, match in [({"bin_pack": False}, "bin_pack=False"), ({"detached": True}, "detached=True"),
+                          ({"worker_names": ["a"]}, "attaching to existing"),
+                          ({"ray_wait_register_center_timeout": 5, "ready_timeout_s": 5}, "not both")]:
+        with pytest.raises(ours.WorkerGroupError, match=match):
+            ours.RayWorkerGroup(pool, cia, **kwargs)
+    assert pool.pgs is None  # nothing was placed
+    # verl's own RayClassWithInitArgs is taken over with its class, arguments and actor options
+    verl_cia = VerlClassWithInitArgs(Accumulator, 0.5, tag="x")
+    verl_cia.update_options({"max_concurrency": 2})
+    coerced = ours.RayClassWithInitArgs.coerce(verl_cia)
+    assert (coerced.cls, coerced.args, coerced.kwargs, coerced.options) == (
+        Accumulator.__ray_actor_class__, (0.5,), {"tag": "x"}, {"max_concurrency": 2})
