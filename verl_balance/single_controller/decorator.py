@@ -197,7 +197,9 @@ def register(
         if isinstance(dispatch_mode, UnsupportedDispatch):
             raise DispatchError(dispatch_mode.reason)
     if not isinstance(dispatch_mode, (Dispatch, MeshDispatch)):
-        raise DispatchError(f"dispatch_mode must be a Dispatch member or make_mesh_dispatch(name), got {dispatch_mode!r}")
+        raise DispatchError(
+            f"dispatch_mode must be a Dispatch member or make_mesh_dispatch(name), got {dispatch_mode!r}"
+        )
     if not isinstance(execute_mode, Execute):
         raise DispatchError(f"execute_mode must be an Execute member, got {execute_mode!r}")
 

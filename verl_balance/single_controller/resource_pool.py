@@ -144,7 +144,9 @@ class RayResourcePool:
             )
         nnodes = 1 if nnodes is None else nnodes
         if n_gpus_per_node < 1 or nnodes < 1:
-            raise UnplaceableResourcePoolError(f"n_gpus_per_node and nnodes must be >= 1, got {n_gpus_per_node} and {nnodes}")
+            raise UnplaceableResourcePoolError(
+                f"n_gpus_per_node and nnodes must be >= 1, got {n_gpus_per_node} and {nnodes}"
+            )
         return int(n_gpus_per_node), int(nnodes)
 
     @property
@@ -231,7 +233,8 @@ class RayResourcePool:
         if len(hosting) < self.nnodes:
             return (
                 f"nnodes={self.nnodes} needs {self.nnodes} distinct Ray nodes that can each host one node's bundles, "
-                f"but the cluster has {len(hosting)} such node(s); lower nnodes (and raise n_gpus_per_node) or add nodes"
+                f"but the cluster has {len(hosting)} such node(s); lower nnodes (and raise n_gpus_per_node) "
+                "or add nodes"
             )
         total = ray.cluster_resources()
         if any(total.get(k, 0) < v * self.world_size for k, v in self.bundle().items()):
@@ -253,12 +256,16 @@ class RayResourcePool:
                 f"strategy={strategy!r} is not supported: each node's workers form one STRICT_PACK placement group"
             )
         if not ray.is_initialized():
-            raise UnplaceableResourcePoolError("Ray is not initialized; call ray.init() (or ray.init(address=...)) first")
+            raise UnplaceableResourcePoolError(
+                "Ray is not initialized; call ray.init() (or ray.init(address=...)) first"
+            )
         check_device_name(device_name, use_gpu=self.use_gpu)
         hosting = self._hosting_nodes()
         reason = self._infeasible_reason(hosting)
         if reason is not None:
-            raise UnplaceableResourcePoolError(f"cannot place resource pool: {reason}. Asked for {self._asked()}; {self._available()}")
+            raise UnplaceableResourcePoolError(
+                f"cannot place resource pool: {reason}. Asked for {self._asked()}; {self._available()}"
+            )
         prefix = name or self.name_prefix
         bundles = [self.bundle() for _ in range(self.n_gpus_per_node)]
         if self.nnodes == 1:
@@ -319,7 +326,9 @@ def check_device_name(device_name: str | None, *, use_gpu: bool) -> None:
     if device_name is None:
         return
     if device_name not in DEVICE_NAMES:
-        raise UnplaceableResourcePoolError(f"device_name={device_name!r} is not supported; expected one of {list(DEVICE_NAMES)}")
+        raise UnplaceableResourcePoolError(
+            f"device_name={device_name!r} is not supported; expected one of {list(DEVICE_NAMES)}"
+        )
     if device_name == "cpu" and use_gpu:
         raise UnplaceableResourcePoolError(
             "device_name='cpu' but the resource pool reserves GPUs (use_gpu); pass use_gpu=False for CPU workers"

@@ -103,9 +103,12 @@ def translate_verl_modes(dispatch_mode: Any, execute_mode: Any, *, method: str) 
     execute_is_verl = _is_verl_member(execute_mode, "Execute")
     if not dispatch_is_verl and not execute_is_verl:
         return None
-    execute = Execute[execute_mode.name] if execute_is_verl and execute_mode.name in Execute.__members__ else execute_mode
+    execute = execute_mode
+    if execute_is_verl and execute_mode.name in Execute.__members__:
+        execute = Execute[execute_mode.name]
     if not isinstance(execute, Execute):
-        return UnsupportedDispatch(f"{method}: execute_mode {execute_mode!r} has no equivalent here (ALL, RANK_ZERO)"), execute_mode
+        reason = f"{method}: execute_mode {execute_mode!r} has no equivalent here (ALL, RANK_ZERO)"
+        return UnsupportedDispatch(reason), execute_mode
     if not dispatch_is_verl:
         return dispatch_mode, execute
     mesh_name = _nd_mesh_name(dispatch_mode)

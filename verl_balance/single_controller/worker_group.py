@@ -192,13 +192,16 @@ class RayWorkerGroup:
                 f"got {type(resource_pool).__module__}.{type(resource_pool).__name__}"
             )
         if not bin_pack:
-            raise WorkerGroupError("bin_pack=False is not supported: each node's workers form one STRICT_PACK placement group")
+            raise WorkerGroupError(
+                "bin_pack=False is not supported: each node's workers form one STRICT_PACK placement group"
+            )
         if detached:
             raise WorkerGroupError("detached=True is not supported: the workers live as long as the driver")
         if ray_wait_register_center_timeout is not None and ready_timeout_s is not None:
             raise WorkerGroupError("give ready_timeout_s or verl's ray_wait_register_center_timeout, not both")
         if ready_timeout_s is None:
-            ready_timeout_s = 300.0 if ray_wait_register_center_timeout is None else float(ray_wait_register_center_timeout)
+            verl_timeout = ray_wait_register_center_timeout
+            ready_timeout_s = 300.0 if verl_timeout is None else float(verl_timeout)
         worker_env = dict(worker_env or {})
         clash = sorted(set(worker_env) & set(_PROTECTED_ENV))
         if clash:
@@ -307,7 +310,10 @@ class RayWorkerGroup:
     def mesh_layout(self, mesh_name: str) -> MeshLayout:
         """The validated DP routing table the workers registered for ``mesh_name`` (cached)."""
         if mesh_name not in self._mesh_layouts:
-            infos = self._verl_mesh_infos(mesh_name) if self._is_verl_worker else self.execute_all("_query_mesh_info", mesh_name)
+            if self._is_verl_worker:
+                infos = self._verl_mesh_infos(mesh_name)
+            else:
+                infos = self.execute_all("_query_mesh_info", mesh_name)
             self._mesh_layouts[mesh_name] = MeshLayout.from_worker_infos(mesh_name, infos)
         return self._mesh_layouts[mesh_name]
 
