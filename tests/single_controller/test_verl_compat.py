@@ -75,6 +75,10 @@ class Accumulator(Worker):
         )
         return out
 
+    @register(Dispatch.DP_COMPUTE_PROTO, blocking=False)
+    def stamp_async(self, data: DataProto) -> DataProto:
+        return self.stamp(data)
+
     @register(Dispatch.DP_COMPUTE_METRIC)
     def count(self, data: DataProto) -> dict:
         return {"rank": self.rank, "rows": len(data), "first": int(data.batch["x"][0])}
@@ -129,6 +133,9 @@ def _scenario(group) -> dict:
         "stamp": _plain(group.stamp(_rows(6))),
         "stamp_padded": _plain(group.stamp(_rows(5, auto_padding=True))),
         "count": _plain(group.count(_rows(4))),
+        # a pending result (verl: DataProtoFuture, ours: GroupFuture) is awaited with .get() or passed on
+        "stamp_async": _plain(group.stamp_async(_rows(4)).get()),
+        "count_of_future": _plain(group.count(group.stamp_async(_rows(4)))),
         "stamp_replicated": _plain(group.stamp_replicated(_rows(3))),
         "stamp_dp": _plain(group.stamp_dp(_rows(4))),
         "first_rank": _plain(group.first_rank([7, 8])),
