@@ -28,6 +28,8 @@ from verl_balance.single_controller import (
 )
 from verl_balance.single_controller.worker_group import GroupFuture
 
+pytestmark = pytest.mark.slow  # Ray worker processes
+
 # the worker class below is shipped to the Ray workers by value (this test module is not importable there)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
