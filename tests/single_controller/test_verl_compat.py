@@ -10,7 +10,6 @@ rows with the wrong ranks.
 
 from __future__ import annotations
 
-import os
 import sys
 
 import numpy as np
@@ -36,7 +35,6 @@ from verl_balance.single_controller.decorator import get_registration  # noqa: E
 # the worker class below is shipped to the Ray workers by value (this test module is not importable there)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NUM_WORKERS = 2
 
 
