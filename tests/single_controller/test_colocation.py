@@ -6,6 +6,8 @@ import pytest
 
 from verl_balance.single_controller import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup, Worker
 
+pytestmark = pytest.mark.slow  # Ray worker processes
+
 
 def test_groups_share_bundles_up_to_max_colocate_count(ray_cluster):
     pool = RayResourcePool(n_gpus_per_node=1, use_gpu=False, max_colocate_count=2)

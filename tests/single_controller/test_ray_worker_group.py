@@ -28,6 +28,8 @@ from verl_balance.single_controller import (
 )
 from verl_balance.single_controller.worker_group import GroupFuture
 
+pytestmark = pytest.mark.slow  # Ray worker processes
+
 # the worker class below is shipped to the Ray workers by value (this test module is not importable there)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
@@ -105,7 +107,8 @@ def rows(n: int) -> Batch:
 
 @pytest.fixture(scope="module")
 def group(ray_cluster):
-    pool = RayResourcePool(n_gpus_per_node=2, nnodes=2, use_gpu=False, placement_timeout_s=60)
+    # one node of the session cluster: nnodes=2 would need two Ray nodes (see test_multinode.py)
+    pool = RayResourcePool(n_gpus_per_node=4, use_gpu=False, placement_timeout_s=60)
     wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(ProbeWorker, "probe"))
     init_results = wg.init_dist()
     yield wg, init_results
@@ -117,7 +120,8 @@ def test_workers_rendezvous_over_the_group_env(group):
     wg, infos = group
     assert wg.world_size == 4
     assert [i["rank"] for i in infos] == [0, 1, 2, 3]
-    assert [i["local_rank"] for i in infos] == [0, 1, 0, 1]  # two placement groups ("nodes") of two
+    assert [i["local_rank"] for i in infos] == [0, 1, 2, 3]
+    assert len({i["node_id"] for i in infos}) == 1 and infos[0]["node_id"] == wg.resource_pool.node_ids()[0]
     assert {i["world_size"] for i in infos} == {4}
     assert len({(i["master_addr"], i["master_port"]) for i in infos}) == 1 and infos[0]["master_port"] > 0
     assert [i["all_reduce_sum"] for i in infos] == [10.0] * 4  # 1 + 2 + 3 + 4 over gloo

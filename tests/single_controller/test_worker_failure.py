@@ -21,6 +21,8 @@ from verl_balance.single_controller import (
     register,
 )
 
+pytestmark = pytest.mark.slow  # Ray worker processes
+
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 

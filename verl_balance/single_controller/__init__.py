@@ -4,6 +4,11 @@ Ray-free (importable by worker classes and tests without Ray): ``Worker``, ``reg
 ``Dispatch``, ``Execute``, ``make_mesh_dispatch``. The Ray-backed classes (``RayResourcePool``,
 ``RayClassWithInitArgs``, ``RayWorkerGroup``, ``WorkerDiedError``, ...) are imported on first
 access, so ``import verl_balance.single_controller`` alone does not import Ray.
+
+verl-style code runs unchanged: ``RayResourcePool([2], use_gpu=False)``, ``RayWorkerGroup(pool,
+RayClassWithInitArgs(cls=ray.remote(MyWorker)), device_name="cpu")``, workers subclassing verl's
+``Worker`` with verl's ``register`` / ``Dispatch`` / ``make_nd_compute_dataproto_dispatch_fn``, and
+verl ``DataProto`` arguments (see ``verl_compat``). verl stays optional and is never imported here.
 """
 
 from __future__ import annotations

@@ -16,21 +16,28 @@ mode                   dispatch                                      collect
 ONE_TO_ALL             every rank gets the same arguments            list of W outputs
 ALL_TO_ALL             every argument is a list of W; rank i gets    list of W outputs
                        item i
-DP_COMPUTE_PROTO       every ``Batch`` argument is chunked into W    ``Batch.concat`` in rank order
-                       (rank i gets chunk i); other arguments are    (a list if outputs are not
-                       passed to every rank                          Batches)
+DP_COMPUTE_PROTO       every row argument (``Batch``, verl           ``Batch.concat`` in rank order
+                       ``DataProto``, ``TensorDict``) is chunked      (verl's concat for DataProto /
+                       into W (rank i gets chunk i); other            TensorDict; a list otherwise)
+                       arguments are passed to every rank
+DP_COMPUTE_METRIC      as DP_COMPUTE_PROTO                           list of W outputs
 MeshDispatch(name)     DP-mesh aware, see below                      outputs of the ``is_collect``
                                                                      rank of each DP group, in DP
                                                                      order, concatenated if Batches
 =====================  ============================================  =============================
 
 Mesh dispatch. After ``init``, each worker calls ``self.register_mesh(name, dp_rank=...,
-dp_size=..., is_collect=...)``; the group reads that table once per mesh name. A ``Batch``
+dp_size=..., is_collect=...)`` (a verl worker: ``self._register_dispatch_collect_info(name,
+dp_rank=..., is_collect=...)``); the group reads that table once per mesh name. A row
 argument is chunked into ``dp_size`` pieces, or the driver passes a list of ``dp_size`` Batches
 (e.g. from ``split_by_plan``); DP chunk d goes to every worker whose ``dp_rank == d`` (all SP
 ranks of the DP group see the same rows, as sequence parallelism requires); non-Batch arguments go
 to every worker. Exactly one worker per DP group has ``is_collect`` (SP rank 0), and only those
 outputs are returned, so replicated SP outputs are not counted twice.
+
+verl's ``Dispatch`` / ``Execute`` members and ``make_nd_compute_dataproto_dispatch_fn`` are
+accepted by ``register`` and by the worker group where we have the same mode (see
+``verl_compat``); verl itself is never imported here.
 
 This module does not import Ray.
 """
@@ -43,6 +50,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from verl_balance.protocol import Batch
+from verl_balance.single_controller.verl_compat import (
+    UnsupportedDispatch,
+    chunk_verl_rows,
+    concat_verl_rows,
+    translate_verl_modes,
+)
 
 __all__ = [
     "Dispatch",
@@ -71,6 +84,7 @@ class Dispatch(enum.Enum):
     ONE_TO_ALL = "one_to_all"
     ALL_TO_ALL = "all_to_all"
     DP_COMPUTE_PROTO = "dp_compute_proto"
+    DP_COMPUTE_METRIC = "dp_compute_metric"
 
 
 class Execute(enum.Enum):
@@ -160,7 +174,7 @@ class MeshLayout:
 class Registration:
     """What ``register`` attached to a worker method."""
 
-    dispatch_mode: Dispatch | MeshDispatch
+    dispatch_mode: Dispatch | MeshDispatch | UnsupportedDispatch
     execute_mode: Execute
     blocking: bool
 
@@ -173,10 +187,19 @@ def register(
     """Mark a worker method as callable from the driver's worker group with these modes.
 
     ``blocking=False`` makes the group method return a ``GroupFuture`` (call ``.get()``).
-    The method itself is unchanged and still callable directly on the worker.
+    The method itself is unchanged and still callable directly on the worker. verl's
+    ``Dispatch``/``Execute`` members and ``make_nd_compute_dataproto_dispatch_fn(name)`` are
+    translated to ours; verl modes without an equivalent raise ``DispatchError`` here.
     """
+    translated = translate_verl_modes(dispatch_mode, execute_mode, method="register")
+    if translated is not None:
+        dispatch_mode, execute_mode = translated
+        if isinstance(dispatch_mode, UnsupportedDispatch):
+            raise DispatchError(dispatch_mode.reason)
     if not isinstance(dispatch_mode, (Dispatch, MeshDispatch)):
-        raise DispatchError(f"dispatch_mode must be a Dispatch member or make_mesh_dispatch(name), got {dispatch_mode!r}")
+        raise DispatchError(
+            f"dispatch_mode must be a Dispatch member or make_mesh_dispatch(name), got {dispatch_mode!r}"
+        )
     if not isinstance(execute_mode, Execute):
         raise DispatchError(f"execute_mode must be an Execute member, got {execute_mode!r}")
 
@@ -187,20 +210,42 @@ def register(
     return decorator
 
 
-def get_registration(func: Any) -> Registration | None:
-    """The ``Registration`` of a worker method, or None if it was not registered."""
-    return getattr(func, MAGIC_ATTR, None)
+def get_registration(func: Any, *, name: str | None = None) -> Registration | None:
+    """The ``Registration`` of a worker method (ours, or verl's translated), or None if not registered.
+
+    A verl registration without an equivalent here comes back with an ``UnsupportedDispatch``
+    mode: the group binds it to a method that raises ``DispatchError`` with the reason.
+    """
+    registration = getattr(func, MAGIC_ATTR, None)
+    if registration is not None:
+        return registration
+    from verl_balance.single_controller.verl_compat import verl_registration_modes
+
+    modes = verl_registration_modes(func, method=name or getattr(func, "__name__", repr(func)))
+    if modes is None:
+        return None
+    dispatch_mode, execute_mode, blocking = modes
+    if not isinstance(execute_mode, Execute):
+        execute_mode = Execute.ALL
+    return Registration(dispatch_mode, execute_mode, blocking)
 
 
-def _chunk_or_broadcast(num_chunks: int, value: Any) -> list:
+def _row_chunks(num_chunks: int, value: Any, *, name: str) -> list | None:
+    """``num_chunks`` row chunks of a Batch / verl DataProto / TensorDict, None for other values."""
     if isinstance(value, Batch):
         return value.chunk(num_chunks)
-    return [value] * num_chunks
+    return chunk_verl_rows(value, num_chunks, name=name)
+
+
+def _chunk_or_broadcast(num_chunks: int, value: Any, *, name: str) -> list:
+    chunks = _row_chunks(num_chunks, value, name=name)
+    return [value] * num_chunks if chunks is None else chunks
 
 
 def _per_dp_rank(dp_size: int, value: Any, *, name: str) -> list:
-    if isinstance(value, Batch):
-        return value.chunk(dp_size)
+    chunks = _row_chunks(dp_size, value, name=name)
+    if chunks is not None:
+        return chunks
     if isinstance(value, (list, tuple)) and value and all(isinstance(v, Batch) for v in value):
         if len(value) != dp_size:
             raise DispatchError(f"argument {name} is a list of {len(value)} Batches; the mesh has dp_size={dp_size}")
@@ -233,9 +278,9 @@ def dispatch_args(
                 got = f"a {type(value).__name__} of length {len(value)}" if isinstance(value, (list, tuple)) else type(value).__name__
                 raise DispatchError(f"ALL_TO_ALL argument {name} must be a list of {world_size} (one per worker), got {got}")
         return _transpose(world_size, [list(a) for a in args], {k: list(v) for k, v in kwargs.items()})
-    if mode is Dispatch.DP_COMPUTE_PROTO:
-        per_args = [_chunk_or_broadcast(world_size, a) for a in args]
-        per_kwargs = {k: _chunk_or_broadcast(world_size, v) for k, v in kwargs.items()}
+    if mode in (Dispatch.DP_COMPUTE_PROTO, Dispatch.DP_COMPUTE_METRIC):
+        per_args = [_chunk_or_broadcast(world_size, a, name=n) for n, a in zip(names, args)]
+        per_kwargs = {k: _chunk_or_broadcast(world_size, v, name=k) for k, v in kwargs.items()}
         return _transpose(world_size, per_args, per_kwargs)
     if isinstance(mode, MeshDispatch):
         assert mesh is not None and mesh.mesh_name == mode.mesh_name and len(mesh.dp_rank_of_worker) == world_size
@@ -245,18 +290,21 @@ def dispatch_args(
         per_args = [[chunks[d] for d in mesh.dp_rank_of_worker] for chunks in per_dp_args]
         per_kwargs = {k: [chunks[d] for d in mesh.dp_rank_of_worker] for k, chunks in per_dp_kwargs.items()}
         return _transpose(world_size, per_args, per_kwargs)
+    if isinstance(mode, UnsupportedDispatch):
+        raise DispatchError(mode.reason)
     raise DispatchError(f"unknown dispatch mode {mode!r}")
 
 
 def _concat_if_batches(outputs: list) -> Any:
     if outputs and all(isinstance(o, Batch) for o in outputs):
         return Batch.concat(outputs)
-    return outputs
+    concatenated = concat_verl_rows(outputs)
+    return outputs if concatenated is None else concatenated
 
 
 def collect_outputs(mode: Dispatch | MeshDispatch, outputs: list, *, mesh: MeshLayout | None = None) -> Any:
     """Turn the per-rank outputs (rank order) into the driver's return value (see module doc)."""
-    if mode in (Dispatch.ONE_TO_ALL, Dispatch.ALL_TO_ALL):
+    if mode in (Dispatch.ONE_TO_ALL, Dispatch.ALL_TO_ALL, Dispatch.DP_COMPUTE_METRIC):
         return outputs
     if mode is Dispatch.DP_COMPUTE_PROTO:
         return _concat_if_batches(outputs)

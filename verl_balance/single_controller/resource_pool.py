@@ -1,6 +1,8 @@
 """`RayResourcePool`: the placement groups a worker group's processes live in.
 
-One placement group per node (``STRICT_PACK``: all bundles of a node on one Ray node), each with
+One placement group per node (``STRICT_PACK``: all bundles of a node on one Ray node; with
+``nnodes > 1`` each group is pinned to a different Ray node by its ``ray.io/node-id`` label, so two
+"nodes" never share a machine), each with
 ``n_gpus_per_node`` bundles of ``{"CPU": cpus_per_worker * max_colocate_count, "GPU": 1}`` (or CPU
 only). On a CPU-only cluster ``n_gpus_per_node`` is simply the number of CPU workers per node, so
 the same config runs a laptop demo and a GPU cluster. Up to ``max_colocate_count`` worker groups
@@ -9,16 +11,24 @@ can be built on one pool (e.g. actor and rollout sharing GPUs): each of their wo
 
 Invariant: placement either succeeds within ``placement_timeout_s`` or raises
 ``UnplaceableResourcePoolError`` naming the resources asked for and those the cluster has, and
-releases whatever it reserved. (A request larger than any node or than the whole cluster fails at
-once; one that only waits for busy resources fails at the timeout.) Placement groups are ordered by
-node address so that ranks map to nodes the same way across restarts (sharded checkpoints are
-written per rank).
+releases whatever it reserved. (A request larger than any node, than the whole cluster, or for
+more nodes than the cluster has nodes able to host one node's bundles fails at once; one that only
+waits for busy resources fails at the timeout.) Placement groups are ordered by node address (then
+node id) so that ranks map to nodes the same way across restarts (sharded checkpoints are written
+per rank), and ranks are node-major: the workers of one node have consecutive ranks.
+
+verl's constructor is accepted as is: ``RayResourcePool([2, 2], use_gpu=False)`` (positional
+``process_on_nodes, use_gpu, name_prefix, max_colocate_count, detached, accelerator_type``) is
+``RayResourcePool(n_gpus_per_node=2, nnodes=2, use_gpu=False)``. Two defaults differ on purpose:
+``max_colocate_count=1`` (verl's 10 reserves 10 CPUs per bundle and hangs small clusters) and
+``use_gpu=None`` (GPU bundles only if the cluster has GPUs).
 """
 
 from __future__ import annotations
 
 import math
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import ray
@@ -31,12 +41,24 @@ class UnplaceableResourcePoolError(ValueError):
     """The cluster cannot (or not within the timeout) provide the requested bundles."""
 
 
+NODE_ID_LABEL = "ray.io/node-id"
+"""The label every Ray node carries with its own id: a bundle label selector on it pins a bundle to a node."""
+
+
 def _node_resources() -> list[dict[str, Any]]:
     return [
         {"node": node["NodeManagerAddress"], "id": node["NodeID"], "resources": node["Resources"]}
         for node in ray.nodes()
         if node.get("Alive", False)
     ]
+
+
+def _free_resources_per_node() -> dict[str, dict[str, float]]:
+    """Currently free resources by node id (Ray has no public per-node view; verl uses the same call)."""
+    try:
+        return dict(ray._private.state.available_resources_per_node())
+    except Exception:  # noqa: BLE001 - only a preference for free nodes is lost
+        return {}
 
 
 def _format_resources(resources: dict[str, float], keys: tuple[str, ...] | None = None) -> str:
@@ -47,43 +69,85 @@ def _format_resources(resources: dict[str, float], keys: tuple[str, ...] | None 
 
 
 class RayResourcePool:
-    """``nnodes`` placement groups of ``n_gpus_per_node`` worker bundles each.
+    """``nnodes`` placement groups (one per Ray node) of ``n_gpus_per_node`` worker bundles each.
 
-    Args:
-        n_gpus_per_node: workers per node (GPUs per node; CPU workers when ``use_gpu`` is false).
-        nnodes: number of placement groups (one per node).
+    Args (verl's positional order first):
+        process_on_nodes: verl's form of the size: workers per node, one entry per node (all
+            equal), e.g. ``[4, 4]``; give either this or ``n_gpus_per_node``.
         use_gpu: reserve one GPU per worker; ``None`` means "if the cluster has GPUs".
+        name_prefix: prefix of the placement-group names (default: random).
+        max_colocate_count: how many worker groups may share each bundle.
+        detached: verl's detached placement groups; not supported (must be False).
+        accelerator_type: Ray accelerator resource each GPU bundle also asks for (as verl does).
+        n_gpus_per_node: workers per node (GPUs per node; CPU workers when ``use_gpu`` is false).
+        nnodes: number of nodes (placement groups) when ``n_gpus_per_node`` is given; default 1.
         cpus_per_worker: CPUs reserved per worker (also its torch thread count).
         placement_timeout_s: how long to wait for the cluster to place the bundles.
-        max_colocate_count: how many worker groups may share each bundle.
-        name_prefix: prefix of the placement-group names (default: random).
     """
 
     def __init__(
         self,
-        *,
-        n_gpus_per_node: int,
-        nnodes: int = 1,
+        process_on_nodes: Sequence[int] | None = None,
         use_gpu: bool | None = None,
+        name_prefix: str | None = None,
+        max_colocate_count: int = 1,
+        detached: bool = False,
+        accelerator_type: str | None = None,
+        *,
+        n_gpus_per_node: int | None = None,
+        nnodes: int | None = None,
         cpus_per_worker: float = 1.0,
         placement_timeout_s: float = 60.0,
-        max_colocate_count: int = 1,
-        name_prefix: str | None = None,
     ) -> None:
-        if n_gpus_per_node < 1 or nnodes < 1:
-            raise UnplaceableResourcePoolError(f"n_gpus_per_node and nnodes must be >= 1, got {n_gpus_per_node} and {nnodes}")
+        n_gpus_per_node, nnodes = self._resolve_size(process_on_nodes, n_gpus_per_node, nnodes)
         if max_colocate_count < 1:
             raise UnplaceableResourcePoolError(f"max_colocate_count must be >= 1, got {max_colocate_count}")
         if cpus_per_worker < 0:
             raise UnplaceableResourcePoolError(f"cpus_per_worker must be >= 0, got {cpus_per_worker}")
-        self.n_gpus_per_node = int(n_gpus_per_node)
-        self.nnodes = int(nnodes)
+        if detached:
+            raise UnplaceableResourcePoolError(
+                "detached=True is not supported: placement groups live as long as the driver that created them"
+            )
+        self.n_gpus_per_node = n_gpus_per_node
+        self.nnodes = nnodes
         self._use_gpu = use_gpu
         self.cpus_per_worker = float(cpus_per_worker)
         self.max_colocate_count = int(max_colocate_count)
+        self.accelerator_type = accelerator_type
         self.placement_timeout_s = float(placement_timeout_s)
         self.name_prefix = name_prefix or f"vb_{uuid.uuid4().hex[:6]}"
         self._pgs: list[PlacementGroup] | None = None
+
+    @staticmethod
+    def _resolve_size(process_on_nodes: Sequence[int] | None, n_gpus_per_node: int | None,
+                      nnodes: int | None) -> tuple[int, int]:
+        if process_on_nodes is not None:
+            if n_gpus_per_node is not None or nnodes is not None:
+                raise UnplaceableResourcePoolError(
+                    f"give either process_on_nodes={list(process_on_nodes)} (verl's form) or "
+                    f"n_gpus_per_node/nnodes, not both (got n_gpus_per_node={n_gpus_per_node}, nnodes={nnodes})"
+                )
+            counts = list(process_on_nodes)
+            if not counts or any(not isinstance(c, int) or isinstance(c, bool) or c < 1 for c in counts):
+                raise UnplaceableResourcePoolError(
+                    f"process_on_nodes must be a non-empty list of positive worker counts per node, got {counts}"
+                )
+            if len(set(counts)) != 1:
+                raise UnplaceableResourcePoolError(
+                    f"process_on_nodes={counts}: every node must run the same number of workers "
+                    "(ranks and the device mesh assume it; verl's worker group does too)"
+                )
+            return counts[0], len(counts)
+        if n_gpus_per_node is None:
+            raise UnplaceableResourcePoolError(
+                "give the pool's size: process_on_nodes=[workers per node, ...] or n_gpus_per_node=... (and nnodes=...)"
+            )
+        nnodes = 1 if nnodes is None else nnodes
+        if n_gpus_per_node < 1 or nnodes < 1:
+            raise UnplaceableResourcePoolError(
+                f"n_gpus_per_node and nnodes must be >= 1, got {n_gpus_per_node} and {nnodes}"
+            )
+        return int(n_gpus_per_node), int(nnodes)
 
     @property
     def world_size(self) -> int:
@@ -94,6 +158,24 @@ class RayResourcePool:
     def process_on_nodes(self) -> list[int]:
         """Workers per placement group (verl's name)."""
         return [self.n_gpus_per_node] * self.nnodes
+
+    @property
+    def store(self) -> list[int]:
+        """Workers per placement group (verl's ``ResourcePool.store``)."""
+        return self.process_on_nodes
+
+    def local_world_size_list(self) -> list[int]:
+        """For each rank, the number of workers on its node (verl's ``ResourcePool`` API)."""
+        return [self.n_gpus_per_node] * self.world_size
+
+    def local_rank_list(self) -> list[int]:
+        """For each rank, its index on its node (verl's ``ResourcePool`` API)."""
+        return [local for _ in range(self.nnodes) for local in range(self.n_gpus_per_node)]
+
+    @property
+    def pgs(self) -> list[PlacementGroup] | None:
+        """The placement groups once placed, else None (verl's attribute)."""
+        return self._pgs
 
     @property
     def use_gpu(self) -> bool:
@@ -112,13 +194,19 @@ class RayResourcePool:
         bundle = {"CPU": self.cpus_per_worker * self.max_colocate_count}
         if self.use_gpu:
             bundle["GPU"] = 1.0
+            if self.accelerator_type is not None:
+                bundle[self.accelerator_type] = 1e-4
         return bundle
 
+    def _per_node(self) -> dict[str, float]:
+        return {k: v * self.n_gpus_per_node for k, v in self.bundle().items()}
+
     def _asked(self) -> str:
+        keys = tuple(self.bundle())
         return (
-            f"{self.nnodes} node(s) x {self.n_gpus_per_node} bundle(s) of {{{_format_resources(self.bundle())}}} "
-            f"(per node {_format_resources({k: v * self.n_gpus_per_node for k, v in self.bundle().items()})}, "
-            f"total {_format_resources({k: v * self.world_size for k, v in self.bundle().items()})})"
+            f"{self.nnodes} node(s) x {self.n_gpus_per_node} bundle(s) of {{{_format_resources(self.bundle(), keys)}}} "
+            f"(per node {_format_resources(self._per_node(), keys)}, "
+            f"total {_format_resources({k: v * self.world_size for k, v in self.bundle().items()}, keys)})"
         )
 
     def _available(self) -> str:
@@ -127,29 +215,68 @@ class RayResourcePool:
         shown = tuple(k for k in ("CPU", "GPU", "memory") if k in ray.cluster_resources())
         return f"cluster total [{nodes}], currently free {{{_format_resources(ray.available_resources(), shown)}}}"
 
-    def _infeasible_reason(self) -> str | None:
-        per_node = {k: v * self.n_gpus_per_node for k, v in self.bundle().items()}
-        nodes = _node_resources()
-        if not any(all(n["resources"].get(k, 0) >= v for k, v in per_node.items()) for n in nodes):
+    def _hosting_nodes(self) -> list[dict[str, Any]]:
+        """Alive nodes large enough (in total) for one node's bundles, in placement order."""
+        per_node = self._per_node()
+        fits = [n for n in _node_resources() if all(n["resources"].get(k, 0) >= v for k, v in per_node.items())]
+        free = _free_resources_per_node()
+
+        def order(node: dict[str, Any]) -> tuple[bool, str, str]:
+            free_now = all(free.get(node["id"], node["resources"]).get(k, 0) >= v for k, v in per_node.items())
+            return not free_now, node["node"], node["id"]
+
+        return sorted(fits, key=order)
+
+    def _infeasible_reason(self, hosting: list[dict[str, Any]]) -> str | None:
+        if not hosting:
             return "no node of the cluster is large enough for one node's bundles"
+        if len(hosting) < self.nnodes:
+            return (
+                f"nnodes={self.nnodes} needs {self.nnodes} distinct Ray nodes that can each host one node's bundles, "
+                f"but the cluster has {len(hosting)} such node(s); lower nnodes (and raise n_gpus_per_node) "
+                "or add nodes"
+            )
         total = ray.cluster_resources()
         if any(total.get(k, 0) < v * self.world_size for k, v in self.bundle().items()):
             return "the cluster as a whole is too small"
         return None
 
-    def get_placement_groups(self) -> list[PlacementGroup]:
-        """Create (once) and return the placement groups, ordered by node address."""
+    def get_placement_groups(self, strategy: str = "STRICT_PACK", name: str | None = None,
+                             device_name: str | None = None) -> list[PlacementGroup]:
+        """Create (once) and return the placement groups, ordered by node.
+
+        ``strategy``, ``name`` and ``device_name`` are verl's arguments: only ``STRICT_PACK`` (one
+        group per node) is supported, ``name`` replaces the name prefix, ``device_name`` must agree
+        with ``use_gpu`` (see ``check_device_name``).
+        """
         if self._pgs is not None:
             return self._pgs
+        if strategy != "STRICT_PACK":
+            raise UnplaceableResourcePoolError(
+                f"strategy={strategy!r} is not supported: each node's workers form one STRICT_PACK placement group"
+            )
         if not ray.is_initialized():
-            raise UnplaceableResourcePoolError("Ray is not initialized; call ray.init() (or ray.init(address=...)) first")
-        reason = self._infeasible_reason()
+            raise UnplaceableResourcePoolError(
+                "Ray is not initialized; call ray.init() (or ray.init(address=...)) first"
+            )
+        check_device_name(device_name, use_gpu=self.use_gpu)
+        hosting = self._hosting_nodes()
+        reason = self._infeasible_reason(hosting)
         if reason is not None:
-            raise UnplaceableResourcePoolError(f"cannot place resource pool: {reason}. Asked for {self._asked()}; {self._available()}")
-        pgs = [
-            placement_group([self.bundle() for _ in range(self.n_gpus_per_node)], strategy="STRICT_PACK", name=f"{self.name_prefix}_pg{i}")
-            for i in range(self.nnodes)
-        ]
+            raise UnplaceableResourcePoolError(
+                f"cannot place resource pool: {reason}. Asked for {self._asked()}; {self._available()}"
+            )
+        prefix = name or self.name_prefix
+        bundles = [self.bundle() for _ in range(self.n_gpus_per_node)]
+        if self.nnodes == 1:
+            pgs = [placement_group(bundles, strategy="STRICT_PACK", name=f"{prefix}_pg0")]
+        else:
+            # Several STRICT_PACK groups may land on one big node; pin group i to node i instead.
+            pgs = [
+                placement_group(bundles, strategy="STRICT_PACK", name=f"{prefix}_pg{i}",
+                                bundle_label_selector=[{NODE_ID_LABEL: node["id"]}] * len(bundles))
+                for i, node in enumerate(hosting[: self.nnodes])
+            ]
         ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=self.placement_timeout_s)
         if len(ready) < len(pgs):
             available = self._available()
@@ -162,19 +289,47 @@ class RayResourcePool:
         self._pgs = self._sort_by_node(pgs)
         return self._pgs
 
+    def node_ids(self) -> list[str]:
+        """The Ray node id of each placement group, in placement-group (= rank-block) order."""
+        return [_pg_node_id(pg) for pg in self.get_placement_groups()]
+
     @staticmethod
     def _sort_by_node(pgs: list[PlacementGroup]) -> list[PlacementGroup]:
         address_of = {n["id"]: n["node"] for n in _node_resources()}
-
-        def node_address(indexed: tuple[int, PlacementGroup]) -> tuple[str, int]:
-            index, pg = indexed
-            node_ids = ray.util.placement_group_table(pg).get("bundles_to_node_id", {})
-            return address_of.get(node_ids.get(0, ""), ""), index
-
-        return [pg for _, pg in sorted(enumerate(pgs), key=node_address)]
+        node_ids = [_pg_node_id(pg) for pg in pgs]
+        assert len(pgs) == 1 or len(set(node_ids)) == len(pgs), f"placement groups share a node: {node_ids}"
+        order = sorted(range(len(pgs)), key=lambda i: (address_of.get(node_ids[i], ""), node_ids[i], i))
+        return [pgs[i] for i in order]
 
     def remove(self) -> None:
         """Release the placement groups (workers in them are killed by Ray)."""
         for pg in self._pgs or []:
             remove_placement_group(pg)
         self._pgs = None
+
+
+def _pg_node_id(pg: PlacementGroup) -> str:
+    node_ids = set(ray.util.placement_group_table(pg).get("bundles_to_node_id", {}).values())
+    assert len(node_ids) == 1, f"a STRICT_PACK placement group spans nodes {node_ids}"
+    return node_ids.pop()
+
+
+DEVICE_NAMES = ("cpu", "cuda")
+
+
+def check_device_name(device_name: str | None, *, use_gpu: bool) -> None:
+    """verl's ``device_name``: None/"cuda"/"cpu"; "cpu" contradicts GPU bundles (an error).
+
+    verl defaults to "cuda" even for CPU pools, so "cuda" with a CPU pool is accepted (the workers
+    simply have no GPU), as in verl.
+    """
+    if device_name is None:
+        return
+    if device_name not in DEVICE_NAMES:
+        raise UnplaceableResourcePoolError(
+            f"device_name={device_name!r} is not supported; expected one of {list(DEVICE_NAMES)}"
+        )
+    if device_name == "cpu" and use_gpu:
+        raise UnplaceableResourcePoolError(
+            "device_name='cpu' but the resource pool reserves GPUs (use_gpu); pass use_gpu=False for CPU workers"
+        )

@@ -16,6 +16,7 @@ This module does not import Ray, so worker classes can be imported and unit-test
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
@@ -114,4 +115,13 @@ class Worker:
             "device": str(self.device),
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "num_threads": torch.get_num_threads(),
+            "node_id": _ray_node_id(),
         }
+
+
+def _ray_node_id() -> str | None:
+    """The Ray node this process runs on, or None outside Ray (this module does not import Ray)."""
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return None
+    return ray.get_runtime_context().get_node_id()

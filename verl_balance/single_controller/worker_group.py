@@ -22,10 +22,18 @@ Running against a cluster instead of an embedded Ray (checked with Ray 2.60):
 The workers must import ``verl_balance``: install the package, export ``PYTHONPATH`` before
 ``ray start``, or pass ``ray.init(address=..., runtime_env={"env_vars": {"PYTHONPATH": repo}})``.
 ``RayResourcePool`` / ``RayWorkerGroup`` are used unchanged.
+
+verl compatibility: ``RayWorkerGroup(resource_pool, ray_cls_with_init, ..., device_name=...)`` takes
+verl's constructor (positional or keyword), a worker class subclassing verl's ``Worker`` gets the
+environment verl's group sets (``WG_BACKEND``, ``WG_PREFIX``, ``RAY_LOCAL_WORLD_SIZE``), its methods
+marked by verl's ``register`` are bound with the translated modes (``verl_compat``), and
+``execute_all_sync`` / ``execute_rank_zero_sync`` behave as verl's. One difference: verl's
+``execute_all`` is asynchronous (returns object refs); ours returns the results.
 """
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 import uuid
@@ -37,16 +45,26 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from verl_balance.protocol import Batch
 from verl_balance.single_controller.decorator import (
+    Dispatch,
     Execute,
     MeshDispatch,
+    MeshInfo,
     MeshLayout,
     Registration,
     collect_outputs,
     dispatch_args,
     get_registration,
 )
-from verl_balance.single_controller.resource_pool import RayResourcePool
+from verl_balance.single_controller.resource_pool import RayResourcePool, check_device_name
+from verl_balance.single_controller.verl_compat import (
+    UnsupportedDispatch,
+    drop_padding,
+    is_verl_worker_class,
+    pad_for_even_chunks,
+)
 from verl_balance.single_controller.worker import NUM_THREADS_ENV
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["RayClassWithInitArgs", "RayWorkerGroup", "GroupFuture", "WorkerDiedError", "WorkerGroupError"]
 
@@ -70,7 +88,7 @@ class WorkerGroupError(ValueError):
 class RayClassWithInitArgs:
     """A worker class plus the arguments for its constructor (and extra Ray actor options).
 
-    ``cls`` may be the plain class or ``ray.remote(cls)``.
+    ``cls`` may be the plain class or ``ray.remote(cls)`` (verl's form).
     """
 
     def __init__(self, cls: type, *args: Any, **kwargs: Any) -> None:
@@ -82,6 +100,17 @@ class RayClassWithInitArgs:
     def update_options(self, options: dict[str, Any]) -> None:
         """Extra ``ActorClass.options(...)`` (e.g. ``max_concurrency``); placement is the group's."""
         self.options.update(options)
+
+    @classmethod
+    def coerce(cls, value: Any) -> RayClassWithInitArgs:
+        """Ours unchanged; verl's ``RayClassWithInitArgs`` (cls, args, kwargs, _options) converted."""
+        if isinstance(value, cls):
+            return value
+        if all(hasattr(value, a) for a in ("cls", "args", "kwargs")):
+            ours = cls(value.cls, *value.args, **value.kwargs)
+            ours.update_options(dict(getattr(value, "_options", {}) or {}))
+            return ours
+        raise WorkerGroupError(f"ray_cls_with_init must be a RayClassWithInitArgs, got {type(value).__name__}")
 
 
 @ray.remote(num_cpus=0)
@@ -121,30 +150,63 @@ class _GroupMethod:
 class RayWorkerGroup:
     """One Ray actor per bundle of ``resource_pool``, rank = bundle order (node-major).
 
-    Args:
+    Args (verl's positional order first):
         resource_pool: where the workers go (placed here if not placed yet).
-        ray_cls_with_init: the worker class (a ``Worker`` subclass) and its constructor arguments.
+        ray_cls_with_init: the worker class (our or verl's ``Worker`` subclass, plain or
+            ``ray.remote``) and its constructor arguments.
+        bin_pack: verl's flag; only True (each node's workers in one STRICT_PACK group).
+        name_prefix: prefix of the actor names (default: random).
+        detached, worker_names, worker_handles: verl's detached / attach modes; not supported.
+        ray_wait_register_center_timeout: verl's name for ``ready_timeout_s`` (give one of them).
+        device_name: verl's "cuda" / "cpu" (None: from the pool); "cpu" with GPU bundles is an error.
         worker_env: extra environment variables for every worker (may not override the
             rendezvous variables the group sets).
-        name_prefix: prefix of the actor names (default: random).
-        ready_timeout_s: how long to wait for all workers' constructors to finish.
+        ready_timeout_s: how long to wait for all workers' constructors to finish (default 300 s).
         failure_grace_s: after a worker raises, how long to look for a dead peer that caused it.
     """
 
     def __init__(
         self,
-        *,
-        resource_pool: RayResourcePool,
-        ray_cls_with_init: RayClassWithInitArgs,
-        worker_env: dict[str, str] | None = None,
+        resource_pool: RayResourcePool | None = None,
+        ray_cls_with_init: RayClassWithInitArgs | None = None,
+        bin_pack: bool = True,
         name_prefix: str | None = None,
-        ready_timeout_s: float | None = 300.0,
+        detached: bool = False,
+        worker_names: list[str] | None = None,
+        worker_handles: list | None = None,
+        ray_wait_register_center_timeout: float | None = None,
+        *,
+        device_name: str | None = None,
+        worker_env: dict[str, str] | None = None,
+        ready_timeout_s: float | None = None,
         failure_grace_s: float = 5.0,
     ) -> None:
+        if resource_pool is None or ray_cls_with_init is None or worker_names is not None or worker_handles is not None:
+            raise WorkerGroupError(
+                "RayWorkerGroup needs resource_pool and ray_cls_with_init; attaching to existing (detached) workers "
+                "via worker_names/worker_handles is not supported"
+            )
+        if not isinstance(resource_pool, RayResourcePool):
+            raise WorkerGroupError(
+                f"resource_pool must be verl_balance's RayResourcePool (same constructor as verl's), "
+                f"got {type(resource_pool).__module__}.{type(resource_pool).__name__}"
+            )
+        if not bin_pack:
+            raise WorkerGroupError(
+                "bin_pack=False is not supported: each node's workers form one STRICT_PACK placement group"
+            )
+        if detached:
+            raise WorkerGroupError("detached=True is not supported: the workers live as long as the driver")
+        if ray_wait_register_center_timeout is not None and ready_timeout_s is not None:
+            raise WorkerGroupError("give ready_timeout_s or verl's ray_wait_register_center_timeout, not both")
+        if ready_timeout_s is None:
+            verl_timeout = ray_wait_register_center_timeout
+            ready_timeout_s = 300.0 if verl_timeout is None else float(verl_timeout)
         worker_env = dict(worker_env or {})
         clash = sorted(set(worker_env) & set(_PROTECTED_ENV))
         if clash:
             raise WorkerGroupError(f"worker_env may not set {clash}: the group sets them for the rendezvous")
+        ray_cls_with_init = RayClassWithInitArgs.coerce(ray_cls_with_init)
         self.resource_pool = resource_pool
         self.ray_cls_with_init = ray_cls_with_init
         self.name_prefix = name_prefix or f"vb_{uuid.uuid4().hex[:6]}"
@@ -152,8 +214,12 @@ class RayWorkerGroup:
         self._workers: list[ray.actor.ActorHandle] = []
         self._worker_names: list[str] = []
         self.failure_grace_s = failure_grace_s
+        self._is_verl_worker = is_verl_worker_class(ray_cls_with_init.cls)
+        self._bind_registered_methods(ray_cls_with_init.cls)  # before any worker starts: fails cheaply
 
         pgs = resource_pool.get_placement_groups()
+        check_device_name(device_name, use_gpu=resource_pool.use_gpu)
+        self.device_name = device_name or ("cuda" if resource_pool.use_gpu else "cpu")
         master_addr, master_port = ray.get(
             _node_address_and_free_port.options(
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pgs[0], placement_group_bundle_index=0)
@@ -176,6 +242,10 @@ class RayWorkerGroup:
                     NUM_THREADS_ENV: str(resource_pool.threads_per_worker),
                     "OMP_NUM_THREADS": str(resource_pool.threads_per_worker),
                 }
+                if self._is_verl_worker:
+                    # what verl's own group sets; verl's Worker reads WG_BACKEND for its node address
+                    env.update({"WG_PREFIX": self.name_prefix, "WG_BACKEND": "ray",
+                                "RAY_LOCAL_WORLD_SIZE": str(resource_pool.n_gpus_per_node)})
                 name = f"{self.name_prefix}_{cls_name}_{pg_index}:{local_rank}"
                 runtime_env = dict(ray_cls_with_init.options.get("runtime_env", {}))
                 runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **env}
@@ -195,7 +265,6 @@ class RayWorkerGroup:
         except BaseException:
             self.shutdown()
             raise
-        self._bind_registered_methods(ray_cls_with_init.cls)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -220,31 +289,64 @@ class RayWorkerGroup:
 
     # ------------------------------------------------------------------ binding
     def _bind_registered_methods(self, cls: type) -> None:
+        bound = []
         for name in dir(cls):
-            registration = get_registration(getattr(cls, name, None))
+            registration = get_registration(getattr(cls, name, None), name=f"{cls.__name__}.{name}")
             if registration is None:
                 continue
             if hasattr(type(self), name) or name in self.__dict__:
-                raise WorkerGroupError(f"registered method {cls.__name__}.{name} clashes with a RayWorkerGroup attribute; rename it")
+                raise WorkerGroupError(
+                    f"registered method {cls.__name__}.{name} clashes with a RayWorkerGroup attribute; rename it"
+                )
+            if isinstance(registration.dispatch_mode, UnsupportedDispatch):
+                logger.warning("%s: calling it from the group will raise: %s", name, registration.dispatch_mode.reason)
             setattr(self, name, _GroupMethod(self, name, registration, getattr(cls, name).__doc__))
+            bound.append(name)
+        if self._is_verl_worker and not bound:
+            raise WorkerGroupError(f"{cls.__name__} subclasses verl's Worker but no registered method could be bound")
+        self.method_names = bound
 
     # ------------------------------------------------------------------ execution
     def mesh_layout(self, mesh_name: str) -> MeshLayout:
         """The validated DP routing table the workers registered for ``mesh_name`` (cached)."""
         if mesh_name not in self._mesh_layouts:
-            infos = self.execute_all("_query_mesh_info", mesh_name)
+            if self._is_verl_worker:
+                infos = self._verl_mesh_infos(mesh_name)
+            else:
+                infos = self.execute_all("_query_mesh_info", mesh_name)
             self._mesh_layouts[mesh_name] = MeshLayout.from_worker_infos(mesh_name, infos)
         return self._mesh_layouts[mesh_name]
 
+    def _verl_mesh_infos(self, mesh_name: str) -> list[MeshInfo | None]:
+        # verl workers register (dp_rank, is_collect) only; verl infers dp_size = max dp_rank + 1
+        tables = self.execute_all("get_dispatch_collect")
+        dp_ranks = [t["dispatch_dp_rank"].get(mesh_name) for t in tables]
+        dp_size = max((r for r in dp_ranks if r is not None), default=0) + 1
+        return [
+            None if r is None or mesh_name not in t["collect_dp_rank"]
+            else MeshInfo(dp_rank=int(r), dp_size=dp_size, is_collect=bool(t["collect_dp_rank"][mesh_name]))
+            for r, t in zip(dp_ranks, tables)
+        ]
+
     def _call(self, method: str, registration: Registration, args: tuple, kwargs: dict) -> GroupFuture:
+        # a pending non-blocking result passed on (verl passes DataProtoFutures this way) is awaited here
+        args = tuple(a.get() if isinstance(a, GroupFuture) else a for a in args)
+        kwargs = {k: v.get() if isinstance(v, GroupFuture) else v for k, v in kwargs.items()}
         mode = registration.dispatch_mode
         mesh = self.mesh_layout(mode.mesh_name) if isinstance(mode, MeshDispatch) else None
+        padding = 0
+        if mode in (Dispatch.DP_COMPUTE_PROTO, Dispatch.DP_COMPUTE_METRIC):
+            args, kwargs, padding = pad_for_even_chunks(args, kwargs, self.world_size)
         calls = dispatch_args(mode, args, kwargs, world_size=self.world_size, mesh=mesh)
         if registration.execute_mode is Execute.RANK_ZERO:
             refs = self._submit(method, calls[:1])
             return GroupFuture(self, method, refs, [0], lambda outputs: outputs[0])
         refs = self._submit(method, calls)
-        return GroupFuture(self, method, refs, list(range(self.world_size)), lambda outputs: collect_outputs(mode, outputs, mesh=mesh))
+
+        def finish(outputs: list) -> Any:
+            return drop_padding(collect_outputs(mode, outputs, mesh=mesh), padding)
+
+        return GroupFuture(self, method, refs, list(range(self.world_size)), finish)
 
     def _submit(self, method: str, calls: list[tuple[tuple, dict]]) -> list:
         # A Batch handed to several workers (SP replicas, ONE_TO_ALL) is serialized once.
@@ -331,6 +433,20 @@ class RayWorkerGroup:
     def execute_rank_zero(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call ``method`` on rank 0 only and return its output."""
         return GroupFuture(self, method, self._submit(method, [(args, kwargs)]), [0], lambda outputs: outputs[0]).get()
+
+    def execute_all_sync(self, method: str, *args: Any, **kwargs: Any) -> list:
+        """verl's ``execute_all_sync``: if every argument is a list of ``world_size`` items, rank i gets
+        item i; otherwise every rank gets the same arguments. Returns the outputs in rank order."""
+        values = [*args, *kwargs.values()]
+        if values and all(isinstance(v, list) and len(v) == self.world_size for v in values):
+            calls = dispatch_args(Dispatch.ALL_TO_ALL, args, kwargs, world_size=self.world_size)
+            refs = self._submit(method, calls)
+            return GroupFuture(self, method, refs, list(range(self.world_size)), lambda outputs: outputs).get()
+        return self.execute_all(method, *args, **kwargs)
+
+    def execute_rank_zero_sync(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """verl's name for ``execute_rank_zero``."""
+        return self.execute_rank_zero(method, *args, **kwargs)
 
     def shutdown(self) -> None:
         """Kill the workers (the resource pool stays reserved; ``resource_pool.remove()`` frees it)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import ray
@@ -10,19 +11,39 @@ from verl_balance.single_controller import RayClassWithInitArgs, RayResourcePool
 from verl_balance.trainer.config import ConfigError
 from verl_balance.workers.actor import ActorWorker, ActorWorkerConfig
 
+logger = logging.getLogger(__name__)
 
-def start_ray(*, address: str | None, num_workers: int) -> None:
-    """Connect to a cluster (``address``) or start an embedded one sized for the workers."""
+CPU_WORKERS_PER_CORE = 4
+"""CPU slots an embedded cluster offers per core: CPU workers mostly wait on each other's
+collectives, so a 2-core laptop runs a dp=2 x sp=2 demo; a request beyond this fails at once."""
+
+
+def embedded_cluster_cpus() -> int:
+    """CPU slots of an embedded cluster: sized to this machine (cores usable by this process), never to a request."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return CPU_WORKERS_PER_CORE * max(1, cores)
+
+
+def start_ray(*, address: str | None, num_workers: int | None = None) -> None:
+    """Connect to a cluster (``address``) or start an embedded one sized to this machine.
+
+    The embedded cluster has ``embedded_cluster_cpus()`` CPU slots (and the GPUs Ray detects),
+    whatever is asked: a worker group that cannot fit then fails at once with the same
+    ``UnplaceableResourcePoolError`` an external cluster gives. ``num_workers`` only serves a
+    warning when CPU workers fit but outnumber the cores.
+    """
     if ray.is_initialized():
         return
     env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=True)
-    else:
-        # An embedded cluster gets one CPU slot per worker plus one for the driver's tasks, even
-        # on a 2-core laptop: the workers are mostly waiting on each other's collectives.
-        ray.init(num_cpus=max(num_workers + 1, os.cpu_count() or 1), include_dashboard=False,
-                 runtime_env=env, log_to_driver=True)
+        return
+    cpus = embedded_cluster_cpus()
+    ray.init(num_cpus=cpus, include_dashboard=False, runtime_env=env, log_to_driver=True)
+    cores = cpus // CPU_WORKERS_PER_CORE
+    if num_workers is not None and cores < num_workers <= cpus and ray.cluster_resources().get("GPU", 0) == 0:
+        logger.warning("%d CPU workers on %d core(s): they share the cores (the embedded cluster offers %d CPU slots)",
+                       num_workers, cores, cpus)
 
 
 def resolve_use_gpu(device: str) -> bool:
