@@ -31,8 +31,9 @@ def _runtime_env() -> dict:
 
 def _dp_chunks(dp: int, step: int) -> list:
     """The global batch of ``step`` as ``dp`` DP chunks of two micro-batches each (rows in order)."""
+    from verl_balance.batch_keys import MICRO_BATCH_SIZES_KEY
     from verl_balance.models.config import ModelConfig
-    from verl_balance.protocol import MICRO_BATCH_SIZES_KEY, Batch
+    from verl_balance.protocol import Batch
 
     gen = torch.Generator().manual_seed(100 + step)
     width = 24
@@ -115,9 +116,9 @@ def multinode() -> dict:
 
 def oversized() -> dict:
     """The trainer's embedded cluster asked for 64 workers on this machine: error at once, nothing spawned."""
-    import ray
-
     from types import SimpleNamespace
+
+    import ray
 
     from verl_balance.engine.config import EngineConfig
     from verl_balance.models.config import ModelConfig

@@ -13,7 +13,7 @@ from ray import cloudpickle
 
 from tests.conftest import RAY_NUM_CPUS
 from verl_balance.balance.plan import BalancePlan
-from verl_balance.protocol import Batch, merge_by_plan, split_by_plan
+from verl_balance.protocol import Batch
 from verl_balance.single_controller import (
     Dispatch,
     Execute,
@@ -27,6 +27,7 @@ from verl_balance.single_controller import (
     register,
 )
 from verl_balance.single_controller.worker_group import GroupFuture
+from verl_balance.trainer.plan_dispatch import merge_by_plan, split_by_plan
 
 pytestmark = pytest.mark.slow  # Ray worker processes
 
