@@ -1,0 +1,172 @@
+"""SFT dataset build: rows/s and driver bytes/token, compact store vs the original per-row build.
+
+Generates a prompt/response parquet locally (lognormal sample lengths, mean about 450 tokens with
+the byte tokenizer; written in row groups, so generating 1M rows needs little memory), then builds
+the dataset in a fresh subprocess per case and reports:
+
+- build s, rows/s: wall time of ``SFTDataset(...)`` (or the original build) and its row rate;
+- tokens: total stored tokens;
+- store B/tok: bytes of the arrays the dataset keeps, per token (``SFTDataset.nbytes``; for the
+  original build, the int64 arrays plus numpy's per-array overhead);
+- retained B/tok: resident memory after the build minus before it, per token;
+- peak B/tok: peak resident memory during the build minus before it, per token.
+
+"original" is the build of commit 450ed95 (``table.to_pylist()``, per-row ``tokenize_chat``, two
+int64 numpy arrays per sample), reproduced below so it runs side by side; it is skipped above
+``--original-max-rows`` (its memory at 1M rows would not fit a shared machine).
+
+    PYTHONPATH=. python benchmarks/data_bench.py                  # 10k, 100k, 1M rows
+    PYTHONPATH=. python benchmarks/data_bench.py --rows 10000 100000 --original-max-rows 100000
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+MEAN_TOKENS = 450.0
+SIGMA = 0.8
+PROMPT_FRACTION = 0.3
+ROW_GROUP = 50_000
+
+
+def write_parquet(path: str, *, num_rows: int, seed: int = 0) -> None:
+    """prompt/response rows of lowercase ASCII; prompt+response bytes are lognormal, mean ~447 (+3 specials)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(seed)
+    mu = np.log(MEAN_TOKENS - 3) - SIGMA**2 / 2
+    letters = rng.integers(ord("a"), ord("z") + 1, size=1 << 20, dtype=np.uint8)
+    with pq.ParquetWriter(path, pa.schema([("prompt", pa.string()), ("response", pa.string())])) as writer:
+        for start in range(0, num_rows, ROW_GROUP):
+            n = min(ROW_GROUP, num_rows - start)
+            total = np.maximum(2, np.rint(rng.lognormal(mu, SIGMA, size=n))).astype(np.int64)
+            total = np.minimum(total, len(letters) // 2)
+            prompt_len = np.maximum(1, (total * PROMPT_FRACTION).astype(np.int64))
+            response_len = total - prompt_len
+            columns = []
+            for lengths in (prompt_len, response_len):
+                offsets = np.zeros(n + 1, dtype=np.int32)
+                np.cumsum(lengths, out=offsets[1:])
+                shifts = rng.integers(0, len(letters) // 2, size=n)
+                data = np.concatenate([letters[s : s + k] for s, k in zip(shifts, lengths)])
+                columns.append(pa.Array.from_buffers(pa.string(), n, [None, pa.py_buffer(offsets),
+                                                                      pa.py_buffer(data)]))
+            writer.write_table(pa.table({"prompt": columns[0], "response": columns[1]}))
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _original_build(path: str):
+    """The SFT build of commit 450ed95: whole table to Python dicts, per-row tokenize, int64 arrays."""
+    import pyarrow.parquet as pq
+
+    from verl_balance.data import ByteTokenizer, tokenize_chat
+
+    tokenizer = ByteTokenizer()
+    input_ids_list, loss_mask_list, origin = [], [], []
+    table = pq.read_table(path, columns=["prompt", "response"])
+    for row_index, row in enumerate(table.to_pylist()):
+        messages = [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["response"]}]
+        input_ids, loss_mask = tokenize_chat(tokenizer, messages)
+        loss_mask[0] = 0
+        input_ids_list.append(np.asarray(input_ids, dtype=np.int64))
+        loss_mask_list.append(np.asarray(loss_mask, dtype=np.int64))
+        origin.append((path, row_index))
+    del table
+    tokens = sum(len(x) for x in input_ids_list)
+    # data plus numpy's ~112-byte array header, twice per sample
+    store = sum(x.nbytes + m.nbytes + 2 * 112 for x, m in zip(input_ids_list, loss_mask_list))
+    return (input_ids_list, loss_mask_list, origin), tokens, store
+
+
+def _new_build(path: str):
+    from verl_balance.data import ByteTokenizer, SFTDataConfig, SFTDataset
+
+    dataset = SFTDataset(files=path, tokenizer=ByteTokenizer(), config=SFTDataConfig(max_length=1 << 20))
+    return dataset, int(dataset.seq_lens.sum()), dataset.nbytes
+
+
+def _child(impl: str, path: str) -> None:
+    import pyarrow  # noqa: F401  (imports outside the measured window)
+    import torch  # noqa: F401
+
+    import verl_balance.data  # noqa: F401
+
+    before = _rss_bytes()
+    start = time.perf_counter()
+    kept, tokens, store = (_original_build if impl == "original" else _new_build)(path)
+    elapsed = time.perf_counter() - start
+    after = _rss_bytes()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rows = len(kept[0]) if impl == "original" else len(kept)
+    print(json.dumps({"rows": rows, "tokens": tokens, "seconds": elapsed, "store": store,
+                      "retained": after - before, "peak": peak - before}))
+
+
+def _run_case(impl: str, path: str) -> dict:
+    out = subprocess.run([sys.executable, __file__, "--child", impl, path], capture_output=True, text=True,
+                         check=False)
+    if out.returncode != 0:
+        raise RuntimeError(f"{impl} on {path} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    """Print the table (see the module docstring)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
+    parser.add_argument("--original-max-rows", type=int, default=100_000,
+                        help="run the original build only up to this many rows")
+    parser.add_argument("--tmp", default=None, help="directory for the generated parquet files")
+    parser.add_argument("--child", nargs=2, metavar=("IMPL", "PATH"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        _child(*args.child)
+        return
+
+    header = (f"{'rows':>9} {'impl':>8} {'tokens':>12} {'build s':>8} {'rows/s':>9} {'store B/tok':>11} "
+              f"{'retained B/tok':>14} {'peak B/tok':>10} {'s/row vs 10k':>12}")
+    print(header)
+    print("-" * len(header))
+    per_row_first: dict[str, float] = {}
+    speedups = []
+    with tempfile.TemporaryDirectory(dir=args.tmp) as tmp:
+        for num_rows in args.rows:
+            path = os.path.join(tmp, f"sft_{num_rows}.parquet")
+            write_parquet(path, num_rows=num_rows)
+            results = {}
+            for impl in ("original", "compact"):
+                if impl == "original" and num_rows > args.original_max_rows:
+                    print(f"{num_rows:>9} {impl:>8} {'(skipped: memory)':>30}")
+                    continue
+                r = results[impl] = _run_case(impl, path)
+                per_row = r["seconds"] / r["rows"]
+                per_row_first.setdefault(impl, per_row)
+                print(f"{r['rows']:>9} {impl:>8} {r['tokens']:>12} {r['seconds']:>8.2f} "
+                      f"{r['rows'] / r['seconds']:>9.0f} "
+                      f"{r['store'] / r['tokens']:>11.2f} {r['retained'] / r['tokens']:>14.2f} "
+                      f"{r['peak'] / r['tokens']:>10.2f} {per_row / per_row_first[impl]:>12.2f}", flush=True)
+            if len(results) == 2:
+                speedups.append((num_rows, results["original"]["seconds"] / results["compact"]["seconds"],
+                                 results["original"]["peak"] / max(1, results["compact"]["peak"])))
+            os.remove(path)
+    for num_rows, time_ratio, peak_ratio in speedups:
+        print(f"{num_rows} rows: compact build {time_ratio:.1f}x faster, peak memory {peak_ratio:.1f}x smaller")
+    print("s/row vs 10k = build seconds per row relative to the same implementation's first size (1.0 = linear)")
+
+
+if __name__ == "__main__":
+    main()
