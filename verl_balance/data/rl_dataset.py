@@ -7,12 +7,16 @@ continues it directly.
 
 Invariants: every row is either kept, filtered as over-long (``num_filtered``), or skipped as
 malformed (``skipped``); nothing is dropped without being counted. Kept prompts have at most
-``max_prompt_length`` tokens.
+``max_prompt_length`` tokens. Prompt token ids live in one flat int32 array with offsets (not one
+int64 array per prompt); ``RLPrompt`` items are assembled on access.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import operator
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +32,7 @@ from .io import (
     SequenceTooLongError,
     as_file_list,
     check_choice,
+    find_invalid_text,
     iter_rows,
 )
 from .tokenizer import Tokenizer, validate_messages
@@ -79,7 +84,10 @@ class RLPromptDataset(torch.utils.data.Dataset):
         self.config = config = config or RLDataConfig()
         self.tokenizer = tokenizer
         self.files = as_file_list(files)
-        self._prompts: list[RLPrompt] = []
+        self._prompt_ids = array("i")
+        self._offsets = array("q", [0])
+        self._meta: list[tuple[list[dict[str, str]], str, dict[str, Any], dict[str, Any], str, int]] = []
+        self._fingerprint: str | None = None
         self.skipped: list[MalformedRowError] = []
         self.num_filtered = 0
         self.num_truncated = 0
@@ -94,7 +102,7 @@ class RLPromptDataset(torch.utils.data.Dataset):
                 "filtered %d prompt(s) longer than max_prompt_length=%d (filter_overlong_prompts=True)",
                 self.num_filtered, config.max_prompt_length,
             )
-        if not self._prompts:
+        if not self._meta:
             raise DataError(
                 f"no usable prompts in {self.files}: {self.num_filtered} over-long, {len(self.skipped)} malformed"
             )
@@ -122,6 +130,12 @@ class RLPromptDataset(torch.utils.data.Dataset):
             raise ValueError(f"key {config.extra_info_key!r} must be a dict, got {type(extra_info).__name__}")
         return messages, data_source, dict(reward_model), dict(extra_info)
 
+    def _malformed(self, path: str, row_index: int, reason: str) -> None:
+        error = MalformedRowError(path, row_index, reason, hint="fix the row or set on_malformed=skip")
+        if self.config.on_malformed == "error":
+            raise error from None
+        self.skipped.append(error)
+
     def _read_file(self, path: str) -> None:
         config = self.config
         columns = [config.prompt_key, config.data_source_key, config.reward_model_key]
@@ -129,12 +143,13 @@ class RLPromptDataset(torch.utils.data.Dataset):
             try:
                 messages, data_source, reward_model, extra_info = self._parse(row)
             except ValueError as err:
-                error = MalformedRowError(path, row_index, str(err), hint="fix the row or set on_malformed=skip")
-                if config.on_malformed == "error":
-                    raise error from None
-                self.skipped.append(error)
+                self._malformed(path, row_index, str(err))
                 continue
-            prompt_ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            try:
+                prompt_ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            except UnicodeError as err:
+                self._malformed(path, row_index, find_invalid_text(messages) or f"text is not valid Unicode ({err})")
+                continue
             if len(prompt_ids) > config.max_prompt_length:
                 if config.filter_overlong_prompts:
                     self.num_filtered += 1
@@ -150,28 +165,55 @@ class RLPromptDataset(torch.utils.data.Dataset):
                         f"{config.max_prompt_length}; raise it, set filter_overlong_prompts=True, or truncation "
                         "to 'left' or 'right'"
                     )
-            self._prompts.append(
-                RLPrompt(
-                    prompt_ids=np.asarray(prompt_ids, dtype=np.int64),
-                    raw_prompt=messages,
-                    data_source=data_source,
-                    ground_truth=reward_model["ground_truth"],
-                    reward_model=reward_model,
-                    extra_info=extra_info,
-                    index=len(self._prompts),
-                )
-            )
+            try:
+                self._prompt_ids.extend(prompt_ids)
+            except OverflowError as err:
+                raise DataError(f"{path}: row {row_index}: the tokenizer returned a token id outside int32 ({err})") \
+                    from None
+            self._offsets.append(len(self._prompt_ids))
+            self._meta.append((messages, data_source, reward_model, extra_info, path, row_index))
 
     def __len__(self) -> int:
-        return len(self._prompts)
+        return len(self._meta)
 
     def __getitem__(self, index: int) -> RLPrompt:
-        return self._prompts[index]
+        index = operator.index(index)
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"prompt index {index} is out of range for {len(self)} prompts")
+        messages, data_source, reward_model, extra_info, _, _ = self._meta[index]
+        start, end = self._offsets[index], self._offsets[index + 1]
+        return RLPrompt(
+            prompt_ids=np.asarray(self._prompt_ids[start:end], dtype=np.int64),
+            raw_prompt=messages,
+            data_source=data_source,
+            ground_truth=reward_model["ground_truth"],
+            reward_model=reward_model,
+            extra_info=extra_info,
+            index=index,
+        )
 
     @property
     def prompt_lens(self) -> np.ndarray:
         """Token count of every prompt (int64)."""
-        return np.array([len(p.prompt_ids) for p in self._prompts], dtype=np.int64)
+        return np.diff(np.frombuffer(self._offsets, dtype=np.int64))
+
+    def origin(self, index: int) -> tuple[str, int]:
+        """(file, row) a prompt came from, for error messages."""
+        _, _, _, _, path, row = self._meta[index]
+        return path, row
+
+    def fingerprint(self) -> str:
+        """A hash of every prompt's token ids, reward target and data source (see ``StatefulDataLoader``)."""
+        if self._fingerprint is None:
+            digest = hashlib.blake2b(digest_size=16)
+            digest.update(np.frombuffer(self._offsets, dtype=np.int64).data)
+            digest.update(np.frombuffer(self._prompt_ids, dtype=np.int32).data)
+            for _, data_source, reward_model, _, _, _ in self._meta:
+                digest.update(repr((data_source, reward_model.get("ground_truth"))).encode("utf-8", "replace"))
+            self._fingerprint = digest.hexdigest()
+        return self._fingerprint
 
     def collate(self, samples: Sequence[RLPrompt]) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
         """``collate_rl`` with this dataset's tokenizer's pad id."""
