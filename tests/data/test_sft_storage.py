@@ -171,3 +171,44 @@ def test_resume_on_changed_data_is_refused(tmp_path):
                                                                                         truncation="left"))
     with pytest.raises(DataError, match="fingerprint"):
         StatefulDataLoader(truncated, batch_size=2, collate_fn=truncated.collate).load_state_dict(state)
+
+
+class _BatchingTokenizer(ByteTokenizer):
+    """Byte tokenizer with the optional batch method; records the batch sizes it was called with."""
+
+    def __init__(self):
+        self.batch_sizes = []
+
+    def apply_chat_template_batch(self, conversations, *, add_generation_prompt=False):
+        self.batch_sizes.append(len(conversations))
+        return [self.apply_chat_template(c, add_generation_prompt=add_generation_prompt) for c in conversations]
+
+
+def test_tokenizer_batch_method_is_used_per_chunk_and_gives_identical_samples(tmp_path):
+    rows = _rows(1500, seed=7, max_len=30)
+    path = _write_parquet(tmp_path / "d.parquet", rows)
+    tokenizer = _BatchingTokenizer()
+    batched = SFTDataset(files=path, tokenizer=tokenizer)
+    plain = SFTDataset(files=path, tokenizer=ByteTokenizer())
+    assert max(tokenizer.batch_sizes) > 1000  # one call per chunk and flag, not per row
+    assert len(tokenizer.batch_sizes) == 4
+    assert batched.fingerprint() == plain.fingerprint()
+    for i in (0, 777, 1499):
+        assert batched[i]["input_ids"].tolist() == _reference(*rows[i])[0]
+
+
+def test_a_failing_batch_falls_back_per_row_and_names_the_row(tmp_path):
+    path = str(tmp_path / "u.jsonl")
+    with open(path, "w") as f:
+        f.write('{"prompt": "a", "response": "b"}\n{"prompt": "x", "response": "y"}\n')
+
+    class _Failing(_BatchingTokenizer):
+        def apply_chat_template(self, messages, *, add_generation_prompt=False):
+            if messages[0]["content"] == "x":
+                raise UnicodeEncodeError("utf-8", "x", 0, 1, "surrogates not allowed")
+            return super().apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+
+    with pytest.raises(DataError, match=r"u\.jsonl: row 1: text is not valid Unicode"):
+        SFTDataset(files=path, tokenizer=_Failing())
+    ds = SFTDataset(files=path, tokenizer=_Failing(), config=SFTDataConfig(on_malformed="skip"))
+    assert len(ds) == 1 and [e.row for e in ds.skipped] == [1]

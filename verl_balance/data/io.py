@@ -166,6 +166,15 @@ def _parse_jsonl_line(raw: bytes, *, line_number: int, keys: Sequence[str]) -> d
     return record
 
 
+def num_rows_hint(path: str) -> int | None:
+    """Rows of a parquet file from its footer (cheap), or None for jsonl (not known before reading it)."""
+    if not path.endswith(".parquet"):
+        return None
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(path).metadata.num_rows
+
+
 def check_choice(name: str, value: str, valid: Sequence[str]) -> None:
     """Raise DataError naming the key when ``value`` is not one of ``valid``."""
     if value not in valid:

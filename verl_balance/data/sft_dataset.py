@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import operator
+import os
 from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -38,12 +39,14 @@ from .io import (
     check_choice,
     find_invalid_text,
     iter_rows,
+    num_rows_hint,
 )
 from .tokenizer import Tokenizer, TokenizerError, validate_messages
 
 logger = logging.getLogger(__name__)
 
 ROWS_PER_CHUNK = 1024
+PROGRESS_MIN_ROWS = 50_000  # a tqdm bar for files at least this long (or this many bytes x 1000 of jsonl)
 Span = tuple[int, int]
 
 
@@ -356,14 +359,22 @@ class SFTDataset(torch.utils.data.Dataset):
         self.skipped.append(error)
 
     def _read_file(self, path: str, file_index: int, store: _SampleStore) -> None:
+        from tqdm import tqdm
+
+        total = num_rows_hint(path)
+        large = (total or 0) >= PROGRESS_MIN_ROWS or os.path.getsize(path) >= 1000 * PROGRESS_MIN_ROWS
         chunk: list[tuple[int, dict[str, Any] | str]] = []
-        for row_index, row in iter_rows(path, columns=self.columns):
-            chunk.append((row_index, row))
-            if len(chunk) == ROWS_PER_CHUNK:
+        with tqdm(total=total, desc=f"tokenizing {os.path.basename(path)}", unit="row", disable=not large,
+                  mininterval=2.0) as progress:
+            for row_index, row in iter_rows(path, columns=self.columns):
+                chunk.append((row_index, row))
+                if len(chunk) == ROWS_PER_CHUNK:
+                    self._add_chunk(path, file_index, chunk, store)
+                    progress.update(len(chunk))
+                    chunk = []
+            if chunk:
                 self._add_chunk(path, file_index, chunk, store)
-                chunk = []
-        if chunk:
-            self._add_chunk(path, file_index, chunk, store)
+                progress.update(len(chunk))
 
     def _add_chunk(self, path: str, file_index: int, chunk: list, store: _SampleStore) -> None:
         """Tokenize a chunk of rows together, then add or report them in row order."""
