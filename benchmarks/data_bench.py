@@ -101,8 +101,9 @@ def _new_build(path: str):
 
 
 def _child(impl: str, path: str) -> None:
-    import pyarrow  # noqa: F401  (imports outside the measured window)
+    import pyarrow.parquet  # noqa: F401  (imports outside the measured window)
     import torch  # noqa: F401
+    import tqdm  # noqa: F401
 
     import verl_balance.data  # noqa: F401
 

@@ -33,6 +33,7 @@ from .io import (
     as_file_list,
     check_choice,
     find_invalid_text,
+    gc_paused,
     iter_rows,
 )
 from .tokenizer import Tokenizer, validate_messages
@@ -91,8 +92,9 @@ class RLPromptDataset(torch.utils.data.Dataset):
         self.skipped: list[MalformedRowError] = []
         self.num_filtered = 0
         self.num_truncated = 0
-        for path in self.files:
-            self._read_file(path)
+        with gc_paused():
+            for path in self.files:
+                self._read_file(path)
         if self.skipped:
             logger.warning(
                 "skipped %d malformed row(s) (on_malformed=skip); first: %s", len(self.skipped), self.skipped[0]

@@ -38,6 +38,7 @@ from .io import (
     as_file_list,
     check_choice,
     find_invalid_text,
+    gc_paused,
     iter_rows,
     num_rows_hint,
 )
@@ -214,13 +215,6 @@ def _truncate_spans(
     raise AssertionError("unreachable")
 
 
-_ONES = memoryview(b"\x01" * 65536)
-
-
-def _ones(count: int) -> memoryview | bytes:
-    return _ONES[:count] if count <= len(_ONES) else b"\x01" * count
-
-
 class TokenIdError(Exception):
     """A token id that does not fit the store's id dtype (internal; re-raised as DataError naming the row)."""
 
@@ -249,8 +243,21 @@ class _SampleStore:
     def append_chunk(self, samples: Sequence[tuple[list[int], Sequence[Span], int]], *, file_index: int) -> None:
         """Add (input_ids, target spans, row) samples; TokenIdError for an id outside the id dtype."""
         flat_ids: list[int] = []
-        for input_ids, _, _ in samples:
+        span_starts: list[int] = []
+        span_stops: list[int] = []
+        end = len(self.token_ids)
+        offsets, loss_tokens, rows = [], [], []
+        for input_ids, spans, row in samples:
+            chunk_pos = len(flat_ids)
             flat_ids += input_ids
+            count = 0
+            for start, stop in spans:
+                span_starts.append(chunk_pos + start)
+                span_stops.append(chunk_pos + stop)
+                count += stop - start
+            offsets.append(end + len(flat_ids))
+            loss_tokens.append(count)
+            rows.append(row)
         try:
             chunk_ids = array(self.id_typecode, flat_ids)
         except (OverflowError, TypeError):
@@ -260,19 +267,15 @@ class _SampleStore:
                 except (OverflowError, TypeError) as err:
                     raise TokenIdError(row, str(err)) from None
             raise
-        end = len(self.token_ids)
-        loss_mask = self.loss_mask
-        for input_ids, spans, row in samples:
-            loss_mask += bytes(len(input_ids))
-            loss_tokens = 0
-            for start, stop in spans:
-                loss_mask[end + start : end + stop] = _ones(stop - start)
-                loss_tokens += stop - start
-            end += len(input_ids)
-            self.offsets.append(end)
-            self.loss_tokens.append(loss_tokens)
-            self.row.append(row)
+        # Loss mask of the whole chunk at once: +1 at each span start, -1 at its stop, running sum.
+        edges = np.zeros(len(flat_ids) + 1, dtype=np.int32)
+        np.add.at(edges, np.asarray(span_starts, dtype=np.int64), 1)
+        np.add.at(edges, np.asarray(span_stops, dtype=np.int64), -1)
+        self.loss_mask += (np.cumsum(edges[:-1]) > 0).view(np.uint8).data
         self.token_ids += chunk_ids
+        self.offsets.extend(offsets)
+        self.loss_tokens.extend(loss_tokens)
+        self.row.extend(rows)
         self.file_index.extend([file_index] * len(samples))
 
     def arrays(self) -> dict[str, np.ndarray]:
@@ -302,8 +305,9 @@ class SFTDataset(torch.utils.data.Dataset):
         self.num_without_targets = 0
         self._fingerprint: str | None = None
         store = _SampleStore(vocab_size=tokenizer.vocab_size)
-        for file_index, path in enumerate(self.files):
-            self._read_file(path, file_index, store)
+        with gc_paused():
+            for file_index, path in enumerate(self.files):
+                self._read_file(path, file_index, store)
         arrays = store.arrays()
         self._token_ids, self._loss_mask, self._offsets = arrays["token_ids"], arrays["loss_mask"], arrays["offsets"]
         self._loss_tokens, self._file_index, self._row = arrays["loss_tokens"], arrays["file_index"], arrays["row"]
