@@ -12,6 +12,10 @@ the dataset in a fresh subprocess per case and reports:
 - retained B/tok: resident memory after the build minus before it, per token;
 - peak B/tok: peak resident memory during the build minus before it, per token.
 
+Each child first warms Arrow's reader (its thread pool and allocator arenas, ~35 MB once per
+process), so the memory columns are what grows with the data; at 10k rows a fixed ~40 MB of
+Python/Arrow allocator state still weighs in, so read the per-token columns at 100k and 1M.
+
 "original" is the build of commit 450ed95 (``table.to_pylist()``, per-row ``tokenize_chat``, two
 int64 numpy arrays per sample), reproduced below so it runs side by side; it is skipped above
 ``--original-max-rows`` (its memory at 1M rows would not fit a shared machine).
@@ -107,6 +111,9 @@ def _child(impl: str, path: str) -> None:
 
     import verl_balance.data  # noqa: F401
 
+    # Arrow's first read starts its thread pool and allocator arenas (~35 MB, once per process);
+    # warm it so the figures below are what grows with the data.
+    next(pyarrow.parquet.ParquetFile(path).iter_batches(batch_size=16, columns=["prompt"]))
     before = _rss_bytes()
     start, cpu_start = time.perf_counter(), time.process_time()
     kept, tokens, store = (_original_build if impl == "original" else _new_build)(path)

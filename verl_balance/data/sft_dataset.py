@@ -122,7 +122,7 @@ def _render_many(tokenizer: Tokenizer, requests: Sequence[tuple[list[dict[str, s
             except ValueError:
                 continue
             for i, ids in zip(where, ids_list):
-                rendered[i] = ids
+                rendered[i] = list(ids)
     for i, (messages, generation) in enumerate(requests):
         if rendered[i] is None:
             try:
@@ -192,9 +192,12 @@ def truncate(
         return input_ids[-max_length:], loss_mask[-max_length:]
     if truncation == "right":
         return input_ids[:max_length], loss_mask[:max_length]
-    raise SequenceTooLongError(
-        f"{where}: {len(input_ids)} tokens > max_length={max_length}; raise max_length or set "
-        "truncation to 'left' or 'right'"
+    raise _too_long(len(input_ids), max_length=max_length, where=where)
+
+
+def _too_long(length: int, *, max_length: int, where: str) -> SequenceTooLongError:
+    return SequenceTooLongError(
+        f"{where}: {length} tokens > max_length={max_length}; raise max_length or set truncation to 'left' or 'right'"
     )
 
 
@@ -211,8 +214,7 @@ def _truncate_spans(
         return input_ids[shift:], spans
     if truncation == "right":
         return input_ids[:max_length], [(start, min(end, max_length)) for start, end in spans if start < max_length]
-    truncate(input_ids, [], max_length=max_length, truncation=truncation, where=where)  # raises
-    raise AssertionError("unreachable")
+    raise _too_long(length, max_length=max_length, where=where)
 
 
 class TokenIdError(Exception):
