@@ -170,10 +170,12 @@ def _parse_jsonl_line(raw: bytes, *, line_number: int, keys: Sequence[str]) -> d
 
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector while building a dataset; restore its state after.
+    """Pause Python's automatic cyclic garbage collection while building a dataset; restore it after.
 
     A build allocates millions of short lists and dicts without reference cycles; the collector
     would rescan the live ones over and over (measured: 40% of the build time at 10k rows).
+    Builders call ``collect_young_garbage()`` after each chunk of rows, so cycles a tokenizer may
+    create (template engines) are still freed, at the cost of one young-generation pass per chunk.
     """
     was_enabled = gc.isenabled()
     gc.disable()
@@ -182,6 +184,11 @@ def gc_paused() -> Iterator[None]:
     finally:
         if was_enabled:
             gc.enable()
+
+
+def collect_young_garbage() -> None:
+    """Collect reference cycles among recently created objects (generations 0 and 1 only)."""
+    gc.collect(1)
 
 
 def num_rows_hint(path: str) -> int | None:

@@ -32,6 +32,7 @@ from .io import (
     SequenceTooLongError,
     as_file_list,
     check_choice,
+    collect_young_garbage,
     find_invalid_text,
     gc_paused,
     iter_rows,
@@ -142,6 +143,8 @@ class RLPromptDataset(torch.utils.data.Dataset):
         config = self.config
         columns = [config.prompt_key, config.data_source_key, config.reward_model_key]
         for row_index, row in iter_rows(path, columns=columns, optional_columns=[config.extra_info_key]):
+            if row_index % 1024 == 1023:
+                collect_young_garbage()
             try:
                 messages, data_source, reward_model, extra_info = self._parse(row)
             except ValueError as err:

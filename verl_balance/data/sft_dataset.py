@@ -37,6 +37,7 @@ from .io import (
     SequenceTooLongError,
     as_file_list,
     check_choice,
+    collect_young_garbage,
     find_invalid_text,
     gc_paused,
     iter_rows,
@@ -378,6 +379,7 @@ class SFTDataset(torch.utils.data.Dataset):
                     self._add_chunk(path, file_index, chunk, store)
                     progress.update(len(chunk))
                     chunk = []
+                    collect_young_garbage()
             if chunk:
                 self._add_chunk(path, file_index, chunk, store)
                 progress.update(len(chunk))
