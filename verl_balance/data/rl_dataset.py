@@ -7,8 +7,9 @@ continues it directly.
 
 Invariants: every row is either kept, filtered as over-long (``num_filtered``), or skipped as
 malformed (``skipped``); nothing is dropped without being counted. Kept prompts have at most
-``max_prompt_length`` tokens. Prompt token ids live in one flat int32 array with offsets (not one
-int64 array per prompt); ``RLPrompt`` items are assembled on access.
+``max_prompt_length`` tokens. Storage is flat: prompt token ids in one uint16 (int32 for a large
+vocabulary) array with offsets, and each prompt's chat, data_source, reward_model and extra_info
+as one pickled record in a flat byte buffer; ``RLPrompt`` items are assembled on access.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import operator
+import pickle
 from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -86,16 +88,19 @@ class RLPromptDataset(torch.utils.data.Dataset):
         self.config = config = config or RLDataConfig()
         self.tokenizer = tokenizer
         self.files = as_file_list(files)
-        self._prompt_ids = array("i")
+        self._prompt_ids = array("H" if tokenizer.vocab_size <= 1 << 16 else "i")
         self._offsets = array("q", [0])
-        self._meta: list[tuple[list[dict[str, str]], str, dict[str, Any], dict[str, Any], str, int]] = []
+        self._records = bytearray()  # pickled (raw_prompt, data_source, reward_model, extra_info) per prompt
+        self._record_offsets = array("q", [0])
+        self._file_index = array("i")
+        self._row = array("q")
         self._fingerprint: str | None = None
         self.skipped: list[MalformedRowError] = []
         self.num_filtered = 0
         self.num_truncated = 0
         with gc_paused():
-            for path in self.files:
-                self._read_file(path)
+            for file_index, path in enumerate(self.files):
+                self._read_file(path, file_index)
         if self.skipped:
             logger.warning(
                 "skipped %d malformed row(s) (on_malformed=skip); first: %s", len(self.skipped), self.skipped[0]
@@ -105,7 +110,7 @@ class RLPromptDataset(torch.utils.data.Dataset):
                 "filtered %d prompt(s) longer than max_prompt_length=%d (filter_overlong_prompts=True)",
                 self.num_filtered, config.max_prompt_length,
             )
-        if not self._meta:
+        if not len(self):
             raise DataError(
                 f"no usable prompts in {self.files}: {self.num_filtered} over-long, {len(self.skipped)} malformed"
             )
@@ -139,7 +144,7 @@ class RLPromptDataset(torch.utils.data.Dataset):
             raise error from None
         self.skipped.append(error)
 
-    def _read_file(self, path: str) -> None:
+    def _read_file(self, path: str, file_index: int) -> None:
         config = self.config
         columns = [config.prompt_key, config.data_source_key, config.reward_model_key]
         for row_index, row in iter_rows(path, columns=columns, optional_columns=[config.extra_info_key]):
@@ -171,15 +176,22 @@ class RLPromptDataset(torch.utils.data.Dataset):
                         "to 'left' or 'right'"
                     )
             try:
-                self._prompt_ids.extend(prompt_ids)
+                ids = array(self._prompt_ids.typecode, prompt_ids)
             except OverflowError as err:
-                raise DataError(f"{path}: row {row_index}: the tokenizer returned a token id outside int32 ({err})") \
-                    from None
+                raise DataError(
+                    f"{path}: row {row_index}: the tokenizer returned a token id outside "
+                    f"[0, vocab_size={self.tokenizer.vocab_size}) ({err})"
+                ) from None
+            self._prompt_ids += ids
             self._offsets.append(len(self._prompt_ids))
-            self._meta.append((messages, data_source, reward_model, extra_info, path, row_index))
+            self._records += pickle.dumps((messages, data_source, reward_model, extra_info),
+                                          protocol=pickle.HIGHEST_PROTOCOL)
+            self._record_offsets.append(len(self._records))
+            self._file_index.append(file_index)
+            self._row.append(row_index)
 
     def __len__(self) -> int:
-        return len(self._meta)
+        return len(self._offsets) - 1
 
     def __getitem__(self, index: int) -> RLPrompt:
         index = operator.index(index)
@@ -187,7 +199,8 @@ class RLPromptDataset(torch.utils.data.Dataset):
             index += len(self)
         if not 0 <= index < len(self):
             raise IndexError(f"prompt index {index} is out of range for {len(self)} prompts")
-        messages, data_source, reward_model, extra_info, _, _ = self._meta[index]
+        record = memoryview(self._records)[self._record_offsets[index] : self._record_offsets[index + 1]]
+        messages, data_source, reward_model, extra_info = pickle.loads(record)
         start, end = self._offsets[index], self._offsets[index + 1]
         return RLPrompt(
             prompt_ids=np.asarray(self._prompt_ids[start:end], dtype=np.int64),
@@ -206,17 +219,20 @@ class RLPromptDataset(torch.utils.data.Dataset):
 
     def origin(self, index: int) -> tuple[str, int]:
         """(file, row) a prompt came from, for error messages."""
-        _, _, _, _, path, row = self._meta[index]
-        return path, row
+        return self.files[self._file_index[index]], self._row[index]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffers that hold the prompts (ids, offsets, pickled records, origins)."""
+        return sum(memoryview(b).nbytes for b in (self._prompt_ids, self._offsets, self._records,
+                                                  self._record_offsets, self._file_index, self._row))
 
     def fingerprint(self) -> str:
-        """A hash of every prompt's token ids, reward target and data source (see ``StatefulDataLoader``)."""
+        """A hash of every prompt's token ids and record (chat, data_source, reward, extra_info); see the loader."""
         if self._fingerprint is None:
             digest = hashlib.blake2b(digest_size=16)
-            digest.update(np.frombuffer(self._offsets, dtype=np.int64).data)
-            digest.update(np.frombuffer(self._prompt_ids, dtype=np.int32).data)
-            for _, data_source, reward_model, _, _, _ in self._meta:
-                digest.update(repr((data_source, reward_model.get("ground_truth"))).encode("utf-8", "replace"))
+            for part in (self._offsets, self._prompt_ids, self._record_offsets, self._records):
+                digest.update(memoryview(part).cast("B"))
             self._fingerprint = digest.hexdigest()
         return self._fingerprint
 
