@@ -1,5 +1,8 @@
 """RL prompt dataset: verl schema, generation prompt, overlong filtering counted, malformed rows."""
 
+import tracemalloc
+
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -74,3 +77,40 @@ def test_malformed_rl_rows_error_naming_row_or_are_skipped(tmp_path):
     ds = _dataset(path, on_malformed="skip")
     assert len(ds) == 1 and [e.row for e in ds.skipped] == [1, 2]
     assert "data_source" in str(ds.skipped[1])
+
+
+def _long_prompts(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return ["".join(rng.choice(list("abcdefgh "), size=int(k))) for k in rng.integers(100, 400, size=n)]
+
+
+def test_prompts_are_stored_in_at_most_6_bytes_per_token_and_read_back_exactly(tmp_path):
+    prompts = _long_prompts(1500)
+    truths = [str(i) for i in range(len(prompts))]
+    path = _write(tmp_path / "p.parquet", prompts, truths=truths)
+    RLPromptDataset(files=path, tokenizer=ByteTokenizer())  # warm lazy imports
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        ds = RLPromptDataset(files=path, tokenizer=ByteTokenizer())
+        retained = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    tokens = int(ds.prompt_lens.sum())
+    assert ds.nbytes / tokens <= 6 and retained / tokens <= 6, (ds.nbytes / tokens, retained / tokens)
+    for i in (0, 700, len(prompts) - 1):
+        item = ds[i]
+        assert item.prompt_ids.tolist() == [BOS, *prompts[i].encode(), SEP] and item.prompt_ids.dtype == np.int64
+        assert item.raw_prompt == [{"role": "user", "content": prompts[i]}] and item.ground_truth == truths[i]
+        assert item.extra_info == {"index": i} and item.index == i and ds.origin(i) == (path, i)
+
+
+def test_fingerprint_changes_with_the_reward_target_only_when_it_changes(tmp_path):
+    prompts = ["ab", "c", "de"]
+    ds = RLPromptDataset(files=_write(tmp_path / "a.parquet", prompts, truths=["1", "2", "3"]),
+                         tokenizer=ByteTokenizer())
+    same = RLPromptDataset(files=_write(tmp_path / "b.parquet", prompts, truths=["1", "2", "3"]),
+                           tokenizer=ByteTokenizer())
+    other = RLPromptDataset(files=_write(tmp_path / "c.parquet", prompts, truths=["1", "2", "4"]),
+                            tokenizer=ByteTokenizer())
+    assert ds.fingerprint() == same.fingerprint() != other.fingerprint()

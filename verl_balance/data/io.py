@@ -2,18 +2,30 @@
 
 Rows are numbered from 0 in file order, for parquet and jsonl alike (jsonl row i is line i + 1;
 blank lines are not rows). Every error about data names the file and the row.
+
+Readers stream: parquet is read one record batch at a time and jsonl one line at a time, so
+reading never holds a whole file as Python objects. Text that is not valid Unicode (a non-UTF-8
+byte in a jsonl line or a parquet string, or a lone surrogate escape such as ``"\\ud800"`` in a
+jsonl string) makes that row malformed, so the caller's malformed-row policy applies to it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
-from collections.abc import Iterator, Sequence
+import re
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 SUPPORTED_SUFFIXES = (".parquet", ".jsonl")
 MALFORMED_POLICIES = ("error", "skip")
 TRUNCATION_MODES = ("error", "left", "right")
+PARQUET_BATCH_ROWS = 1024
+
+# A JSON \u escape of a UTF-16 surrogate (pairs are legal; json.loads joins them, lone ones survive).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 
 
 class DataError(ValueError):
@@ -21,7 +33,7 @@ class DataError(ValueError):
 
 
 class MalformedRowError(DataError):
-    """A row that is missing a key, has the wrong type, or an empty target."""
+    """A row that is missing a key, has the wrong type, an empty target or text that is not valid Unicode."""
 
     def __init__(self, path: str, row: int, reason: str, *, hint: str = ""):
         self.path, self.row, self.reason = path, row, reason
@@ -29,7 +41,7 @@ class MalformedRowError(DataError):
 
 
 class SequenceTooLongError(DataError):
-    """A sample longer than the configured maximum under truncation='error'."""
+    """A sample longer than the configured maximum (or a token cap) under a policy that forbids it."""
 
 
 def as_file_list(files: str | os.PathLike | Sequence[str | os.PathLike]) -> list[str]:
@@ -47,41 +59,145 @@ def as_file_list(files: str | os.PathLike | Sequence[str | os.PathLike]) -> list
     return paths
 
 
+def find_invalid_text(value: Any, *, where: str = "") -> str | None:
+    """Where a nested row value holds a string that cannot be encoded as UTF-8 (a lone surrogate), or None.
+
+    Returns a reason such as ``"key 'prompt' holds a lone surrogate '\\ud800' at character 3"``.
+    """
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            bad = value[err.start : err.end].encode("unicode_escape").decode("ascii")
+            return f"{where or 'a value'} holds a lone surrogate '{bad}' at character {err.start} (not valid Unicode)"
+        return None
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            inner = f"key {key!r}" if not where else f"{where}[{key!r}]"
+            found = find_invalid_text(item, where=inner)
+            if found:
+                return found
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            found = find_invalid_text(item, where=f"{where or 'a list'}[{i}]")
+            if found:
+                return found
+    return None
+
+
 def iter_rows(
     path: str, *, columns: Sequence[str], optional_columns: Sequence[str] = ()
 ) -> Iterator[tuple[int, dict[str, Any] | str]]:
     """Yield (row index, row) for a parquet or jsonl file, keeping only the named columns.
 
-    A row is a dict of the available requested columns; a jsonl line that is not a JSON object is
-    yielded as the error string (so the caller's malformed-row policy applies to it). A parquet
-    file missing a column is a whole-file error naming the column and the columns present.
+    A row is a dict of the available requested columns; a row that cannot be read (a jsonl line
+    that is not a JSON object, or text that is not valid Unicode) is yielded as the error string,
+    so the caller's malformed-row policy applies to it. A parquet file missing a column is a
+    whole-file error naming the column and the columns present.
     """
     if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
+        yield from _iter_parquet(path, columns=columns, optional_columns=optional_columns)
+    else:
+        yield from _iter_jsonl(path, keys=(*columns, *optional_columns))
 
-        schema_names = pq.read_schema(path).names
-        missing = [c for c in columns if c not in schema_names]
-        if missing:
-            raise DataError(f"{path}: missing column(s) {missing}; columns present: {schema_names}")
-        present_optional = [c for c in optional_columns if c in schema_names]
-        table = pq.read_table(path, columns=[*columns, *present_optional])
-        yield from enumerate(table.to_pylist())
-        return
-    with open(path, encoding="utf-8") as f:
-        row = 0
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
+
+def _iter_parquet(path: str, *, columns: Sequence[str], optional_columns: Sequence[str]):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    parquet_file = pq.ParquetFile(path)
+    schema_names = parquet_file.schema_arrow.names
+    missing = [c for c in columns if c not in schema_names]
+    if missing:
+        raise DataError(f"{path}: missing column(s) {missing}; columns present: {schema_names}")
+    names = [*columns, *(c for c in optional_columns if c in schema_names)]
+    row = 0
+    for batch in parquet_file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=names):
+        try:
+            values = [batch.column(name).to_pylist() for name in names]
+        except UnicodeDecodeError:
+            yield from _parquet_rows_one_by_one(batch, names, first_row=row)
+        else:
+            for offset, row_values in enumerate(zip(*values)):
+                yield row + offset, dict(zip(names, row_values))
+        row += batch.num_rows
+    del parquet_file
+    pa.default_memory_pool().release_unused()  # Arrow's allocator keeps freed pages otherwise
+
+
+def _parquet_rows_one_by_one(batch, names: Sequence[str], *, first_row: int):
+    """Rows of a record batch that holds invalid UTF-8 somewhere; the bad rows become error strings."""
+    for offset in range(batch.num_rows):
+        record, reason = {}, None
+        for name in names:
             try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                yield row, f"line {line_number} is not valid JSON ({err.msg})"
-            else:
-                if isinstance(record, dict):
-                    yield row, {c: record[c] for c in (*columns, *optional_columns) if c in record}
-                else:
-                    yield row, f"line {line_number} is a JSON {type(record).__name__}, expected an object"
+                record[name] = batch.column(name)[offset].as_py()
+            except UnicodeDecodeError as err:
+                reason = f"column {name!r} is not valid UTF-8 ({err.reason} at byte {err.start})"
+                break
+        yield first_row + offset, (record if reason is None else reason)
+
+
+def _iter_jsonl(path: str, *, keys: Sequence[str]):
+    with open(path, "rb") as f:
+        row = 0
+        for line_number, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            yield row, _parse_jsonl_line(raw, line_number=line_number, keys=keys)
             row += 1
+
+
+def _parse_jsonl_line(raw: bytes, *, line_number: int, keys: Sequence[str]) -> dict[str, Any] | str:
+    try:
+        line = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        return (f"line {line_number} is not valid UTF-8 (byte 0x{raw[err.start]:02x} at byte offset {err.start}: "
+                f"{err.reason})")
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as err:
+        return f"line {line_number} is not valid JSON ({err.msg})"
+    if not isinstance(record, dict):
+        return f"line {line_number} is a JSON {type(record).__name__}, expected an object"
+    record = {c: record[c] for c in keys if c in record}
+    if _SURROGATE_ESCAPE.search(raw):
+        found = find_invalid_text(record)
+        if found:
+            return f"line {line_number}: {found}"
+    return record
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause Python's automatic cyclic garbage collection while building a dataset; restore it after.
+
+    A build allocates millions of short lists and dicts without reference cycles; the collector
+    would rescan the live ones over and over (measured: 40% of the build time at 10k rows).
+    Builders call ``collect_young_garbage()`` after each chunk of rows, so cycles a tokenizer may
+    create (template engines) are still freed, at the cost of one young-generation pass per chunk.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def collect_young_garbage() -> None:
+    """Collect reference cycles among recently created objects (generations 0 and 1 only)."""
+    gc.collect(1)
+
+
+def num_rows_hint(path: str) -> int | None:
+    """Rows of a parquet file from its footer (cheap), or None for jsonl (not known before reading it)."""
+    if not path.endswith(".parquet"):
+        return None
+    import pyarrow.parquet as pq
+
+    return pq.ParquetFile(path).metadata.num_rows
 
 
 def check_choice(name: str, value: str, valid: Sequence[str]) -> None:

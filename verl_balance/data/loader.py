@@ -10,7 +10,10 @@ next epoch's permutation is different, so no sample is excluded for good. With
 ``drop_last=False`` the last batch of an epoch is smaller.
 
 State: ``{"epoch", "position"}`` where position counts the batches of the current epoch already
-handed out. A batch counts as consumed once it is yielded, so save the state after processing a
+handed out, plus the order-defining settings and, for a dataset with a ``fingerprint()``
+(``SFTDataset``, ``RLPromptDataset``), the dataset's fingerprint: resuming on different data
+(other files, tokenizer, max_length, truncation) is refused rather than silently continued.
+A batch counts as consumed once it is yielded, so save the state after processing a
 batch: resuming from it continues with the next batch, exactly as an uninterrupted run would.
 When an epoch is exhausted, the next iteration starts epoch + 1 at position 0.
 """
@@ -118,10 +121,29 @@ class StatefulDataLoader:
             self.last_indices = indices
             yield self.collate_fn([self.dataset[int(i)] for i in indices])
 
+    def _dataset_fingerprint(self) -> str | None:
+        fingerprint = getattr(self.dataset, "fingerprint", None)
+        return fingerprint() if callable(fingerprint) else None
+
     def state_dict(self) -> dict[str, Any]:
-        """Sampler state (epoch, position, order settings)."""
-        return self.sampler.state_dict()
+        """Sampler state (epoch, position, order settings) and the dataset fingerprint when it has one."""
+        state = self.sampler.state_dict()
+        fingerprint = self._dataset_fingerprint()
+        if fingerprint is not None:
+            state["dataset_fingerprint"] = fingerprint
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume so the next batch is the one an uninterrupted run would produce next."""
+        """Resume so the next batch is the one an uninterrupted run would produce next.
+
+        Refused (DataError) when the saved dataset fingerprint differs from this dataset's.
+        """
+        saved = state.get("dataset_fingerprint")
+        current = self._dataset_fingerprint() if saved is not None else None
+        if saved is not None and current is not None and saved != current:
+            raise DataError(
+                f"cannot resume the data loader: the dataset differs from the checkpoint's (fingerprint {saved} "
+                f"then, {current} now): the data files, tokenizer, max_length or truncation changed; restore them "
+                "to continue this run, or start a new one"
+            )
         self.sampler.load_state_dict(state)

@@ -7,12 +7,18 @@ continues it directly.
 
 Invariants: every row is either kept, filtered as over-long (``num_filtered``), or skipped as
 malformed (``skipped``); nothing is dropped without being counted. Kept prompts have at most
-``max_prompt_length`` tokens.
+``max_prompt_length`` tokens. Storage is flat: prompt token ids in one uint16 (int32 for a large
+vocabulary) array with offsets, and each prompt's chat, data_source, reward_model and extra_info
+as one pickled record in a flat byte buffer; ``RLPrompt`` items are assembled on access.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import operator
+import pickle
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +34,9 @@ from .io import (
     SequenceTooLongError,
     as_file_list,
     check_choice,
+    collect_young_garbage,
+    find_invalid_text,
+    gc_paused,
     iter_rows,
 )
 from .tokenizer import Tokenizer, validate_messages
@@ -79,12 +88,19 @@ class RLPromptDataset(torch.utils.data.Dataset):
         self.config = config = config or RLDataConfig()
         self.tokenizer = tokenizer
         self.files = as_file_list(files)
-        self._prompts: list[RLPrompt] = []
+        self._prompt_ids = array("H" if tokenizer.vocab_size <= 1 << 16 else "i")
+        self._offsets = array("q", [0])
+        self._records = bytearray()  # pickled (raw_prompt, data_source, reward_model, extra_info) per prompt
+        self._record_offsets = array("q", [0])
+        self._file_index = array("i")
+        self._row = array("q")
+        self._fingerprint: str | None = None
         self.skipped: list[MalformedRowError] = []
         self.num_filtered = 0
         self.num_truncated = 0
-        for path in self.files:
-            self._read_file(path)
+        with gc_paused():
+            for file_index, path in enumerate(self.files):
+                self._read_file(path, file_index)
         if self.skipped:
             logger.warning(
                 "skipped %d malformed row(s) (on_malformed=skip); first: %s", len(self.skipped), self.skipped[0]
@@ -94,7 +110,7 @@ class RLPromptDataset(torch.utils.data.Dataset):
                 "filtered %d prompt(s) longer than max_prompt_length=%d (filter_overlong_prompts=True)",
                 self.num_filtered, config.max_prompt_length,
             )
-        if not self._prompts:
+        if not len(self):
             raise DataError(
                 f"no usable prompts in {self.files}: {self.num_filtered} over-long, {len(self.skipped)} malformed"
             )
@@ -122,19 +138,28 @@ class RLPromptDataset(torch.utils.data.Dataset):
             raise ValueError(f"key {config.extra_info_key!r} must be a dict, got {type(extra_info).__name__}")
         return messages, data_source, dict(reward_model), dict(extra_info)
 
-    def _read_file(self, path: str) -> None:
+    def _malformed(self, path: str, row_index: int, reason: str) -> None:
+        error = MalformedRowError(path, row_index, reason, hint="fix the row or set on_malformed=skip")
+        if self.config.on_malformed == "error":
+            raise error from None
+        self.skipped.append(error)
+
+    def _read_file(self, path: str, file_index: int) -> None:
         config = self.config
         columns = [config.prompt_key, config.data_source_key, config.reward_model_key]
         for row_index, row in iter_rows(path, columns=columns, optional_columns=[config.extra_info_key]):
+            if row_index % 1024 == 1023:
+                collect_young_garbage()
             try:
                 messages, data_source, reward_model, extra_info = self._parse(row)
             except ValueError as err:
-                error = MalformedRowError(path, row_index, str(err), hint="fix the row or set on_malformed=skip")
-                if config.on_malformed == "error":
-                    raise error from None
-                self.skipped.append(error)
+                self._malformed(path, row_index, str(err))
                 continue
-            prompt_ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            try:
+                prompt_ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            except UnicodeError as err:
+                self._malformed(path, row_index, find_invalid_text(messages) or f"text is not valid Unicode ({err})")
+                continue
             if len(prompt_ids) > config.max_prompt_length:
                 if config.filter_overlong_prompts:
                     self.num_filtered += 1
@@ -150,28 +175,66 @@ class RLPromptDataset(torch.utils.data.Dataset):
                         f"{config.max_prompt_length}; raise it, set filter_overlong_prompts=True, or truncation "
                         "to 'left' or 'right'"
                     )
-            self._prompts.append(
-                RLPrompt(
-                    prompt_ids=np.asarray(prompt_ids, dtype=np.int64),
-                    raw_prompt=messages,
-                    data_source=data_source,
-                    ground_truth=reward_model["ground_truth"],
-                    reward_model=reward_model,
-                    extra_info=extra_info,
-                    index=len(self._prompts),
-                )
-            )
+            try:
+                ids = array(self._prompt_ids.typecode, prompt_ids)
+            except OverflowError as err:
+                raise DataError(
+                    f"{path}: row {row_index}: the tokenizer returned a token id outside "
+                    f"[0, vocab_size={self.tokenizer.vocab_size}) ({err})"
+                ) from None
+            self._prompt_ids += ids
+            self._offsets.append(len(self._prompt_ids))
+            self._records += pickle.dumps((messages, data_source, reward_model, extra_info),
+                                          protocol=pickle.HIGHEST_PROTOCOL)
+            self._record_offsets.append(len(self._records))
+            self._file_index.append(file_index)
+            self._row.append(row_index)
 
     def __len__(self) -> int:
-        return len(self._prompts)
+        return len(self._offsets) - 1
 
     def __getitem__(self, index: int) -> RLPrompt:
-        return self._prompts[index]
+        index = operator.index(index)
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"prompt index {index} is out of range for {len(self)} prompts")
+        record = memoryview(self._records)[self._record_offsets[index] : self._record_offsets[index + 1]]
+        messages, data_source, reward_model, extra_info = pickle.loads(record)
+        start, end = self._offsets[index], self._offsets[index + 1]
+        return RLPrompt(
+            prompt_ids=np.asarray(self._prompt_ids[start:end], dtype=np.int64),
+            raw_prompt=messages,
+            data_source=data_source,
+            ground_truth=reward_model["ground_truth"],
+            reward_model=reward_model,
+            extra_info=extra_info,
+            index=index,
+        )
 
     @property
     def prompt_lens(self) -> np.ndarray:
         """Token count of every prompt (int64)."""
-        return np.array([len(p.prompt_ids) for p in self._prompts], dtype=np.int64)
+        return np.diff(np.frombuffer(self._offsets, dtype=np.int64))
+
+    def origin(self, index: int) -> tuple[str, int]:
+        """(file, row) a prompt came from, for error messages."""
+        return self.files[self._file_index[index]], self._row[index]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the buffers that hold the prompts (ids, offsets, pickled records, origins)."""
+        return sum(memoryview(b).nbytes for b in (self._prompt_ids, self._offsets, self._records,
+                                                  self._record_offsets, self._file_index, self._row))
+
+    def fingerprint(self) -> str:
+        """A hash of every prompt's token ids and record (chat, data_source, reward, extra_info); see the loader."""
+        if self._fingerprint is None:
+            digest = hashlib.blake2b(digest_size=16)
+            for part in (self._offsets, self._prompt_ids, self._record_offsets, self._records):
+                digest.update(memoryview(part).cast("B"))
+            self._fingerprint = digest.hexdigest()
+        return self._fingerprint
 
     def collate(self, samples: Sequence[RLPrompt]) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
         """``collate_rl`` with this dataset's tokenizer's pad id."""

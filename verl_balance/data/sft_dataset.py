@@ -8,11 +8,20 @@ Invariants (the "tensors on the wire" contract):
   prefix, ``position_ids`` count 0.. over real tokens and are 0 on padding.
 - Rows are tokenized once, at construction, so every malformed row is reported (or counted and
   skipped) before training starts, and ``seq_lens`` is known up front for balancing.
+
+Storage scales with the dataset: all samples live in one flat token array (uint16 when the
+vocabulary fits, else int32), one flat uint8 loss mask and int64 offsets, about 3-5 bytes per
+token in total; items are sliced out (and widened to int64) on access. Files are streamed in
+record batches and tokenized a chunk of rows at a time, so the build time is linear in the rows.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import operator
+import os
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,11 +37,19 @@ from .io import (
     SequenceTooLongError,
     as_file_list,
     check_choice,
+    collect_young_garbage,
+    find_invalid_text,
+    gc_paused,
     iter_rows,
+    num_rows_hint,
 )
 from .tokenizer import Tokenizer, TokenizerError, validate_messages
 
 logger = logging.getLogger(__name__)
+
+ROWS_PER_CHUNK = 1024
+PROGRESS_MIN_ROWS = 50_000  # a tqdm bar for files at least this long (or this many bytes x 1000 of jsonl)
+Span = tuple[int, int]
 
 
 @dataclass
@@ -41,16 +58,23 @@ class SFTDataConfig:
 
     With ``messages_key`` set, each row is a chat and every assistant turn is a target; otherwise
     ``prompt_key``/``response_key`` hold one user prompt and one assistant response.
-    ``truncation``: error | left (drop the oldest tokens) | right (drop the newest tokens).
-    ``on_malformed``: error | skip (count and drop the row, with a warning).
     """
 
     prompt_key: str = "prompt"
+    """Column of the user prompt (a string) when ``messages_key`` is null."""
     response_key: str = "response"
+    """Column of the assistant response (a non-empty string) when ``messages_key`` is null."""
     messages_key: str | None = None
+    """Column of a chat (a list of {"role", "content"}); every assistant turn is a target. Null: prompt/response."""
     max_length: int = 1024
+    """Most tokens a sample may have after the chat template; longer ones follow ``truncation``."""
     truncation: str = "error"
+    """error (a too-long sample stops the load, naming file and row) | left (drop the oldest tokens) |
+    right (drop the newest tokens)."""
     on_malformed: str = "error"
+    """error (stop at the first malformed row, naming file and row) | skip (count and drop it, with a warning).
+    Malformed: a missing/null/mistyped key, an empty target, a line that is not a JSON object, or text
+    that is not valid Unicode (a non-UTF-8 byte, a lone surrogate)."""
 
     def __post_init__(self):
         check_choice("truncation", self.truncation, TRUNCATION_MODES)
@@ -66,19 +90,97 @@ def tokenize_chat(tokenizer: Tokenizer, messages: Sequence[Mapping[str, str]]) -
     messages[:k] and the rendering of messages[:k+1]; both must be prefixes of the full rendering.
     """
     messages = validate_messages(messages)
-    input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=False)
-    loss_mask = [0] * len(input_ids)
-    for k, message in enumerate(messages):
-        if message["role"] != "assistant":
+    (result,) = _tokenize_chats(tokenizer, [messages])
+    if isinstance(result, Exception):
+        raise result
+    input_ids, spans = result
+    return input_ids, _mask_list(len(input_ids), spans)
+
+
+def _mask_list(length: int, spans: Sequence[Span]) -> list[int]:
+    mask = [0] * length
+    for start, end in spans:
+        mask[start:end] = [1] * (end - start)
+    return mask
+
+
+def _render_many(tokenizer: Tokenizer, requests: Sequence[tuple[list[dict[str, str]], bool]]) -> list[Any]:
+    """``apply_chat_template`` of every (messages, add_generation_prompt); a failed one yields its exception.
+
+    Uses the tokenizer's ``apply_chat_template_batch(conversations, *, add_generation_prompt)`` when it
+    has one (e.g. a fast Hugging Face tokenizer encoding a batch in Rust), one call per flag; a batch
+    that fails is redone one by one so the error lands on its own conversation.
+    """
+    rendered: list[Any] = [None] * len(requests)
+    render_batch = getattr(tokenizer, "apply_chat_template_batch", None)
+    if render_batch is not None:
+        for flag in (False, True):
+            where = [i for i, (_, generation) in enumerate(requests) if generation is flag]
+            if not where:
+                continue
+            try:
+                ids_list = render_batch([requests[i][0] for i in where], add_generation_prompt=flag)
+            except ValueError:
+                continue
+            for i, ids in zip(where, ids_list):
+                rendered[i] = list(ids)
+    for i, (messages, generation) in enumerate(requests):
+        if rendered[i] is None:
+            try:
+                rendered[i] = tokenizer.apply_chat_template(messages, add_generation_prompt=generation)
+            except ValueError as err:  # UnicodeError, TokenizerError
+                rendered[i] = err
+    return rendered
+
+
+def _tokenize_chats(tokenizer: Tokenizer, chats: Sequence[list[dict[str, str]]]) -> list[Any]:
+    """(input_ids, target spans) of every validated chat, or the exception that chat raised.
+
+    The last message's rendering is the full rendering itself, so it is not rendered twice.
+    """
+    requests: list[tuple[list[dict[str, str]], bool]] = []
+    layout = []  # per chat: (index of the full rendering, [(assistant turn, before index, through index)])
+    for messages in chats:
+        full = len(requests)
+        requests.append((messages, False))
+        turns = []
+        for k, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            before = len(requests)
+            requests.append((messages[:k], True))
+            through = full
+            if k != len(messages) - 1:
+                through = len(requests)
+                requests.append((messages[: k + 1], False))
+            turns.append((k, before, through))
+        layout.append((full, turns))
+    rendered = _render_many(tokenizer, requests)
+    results: list[Any] = []
+    for full, turns in layout:
+        input_ids = rendered[full]
+        if isinstance(input_ids, Exception):
+            results.append(input_ids)
             continue
-        before = tokenizer.apply_chat_template(messages[:k], add_generation_prompt=True)
-        through = tokenizer.apply_chat_template(messages[: k + 1], add_generation_prompt=False)
-        if input_ids[: len(before)] != before or input_ids[: len(through)] != through:
-            raise TokenizerError(
-                f"the chat template is not prefix-stable at assistant message {k}; cannot locate its target tokens"
-            )
-        loss_mask[len(before) : len(through)] = [1] * (len(through) - len(before))
-    return input_ids, loss_mask
+        spans: list[Span] = []
+        for k, before_index, through_index in turns:
+            before, through = rendered[before_index], rendered[through_index]
+            if isinstance(before, Exception):
+                spans = before
+                break
+            if isinstance(through, Exception):
+                spans = through
+                break
+            if input_ids[: len(before)] != before or not (
+                through is input_ids or input_ids[: len(through)] == through
+            ):
+                spans = TokenizerError(
+                    f"the chat template is not prefix-stable at assistant message {k}; cannot locate its target tokens"
+                )
+                break
+            spans.append((len(before), len(through)))
+        results.append(spans if isinstance(spans, Exception) else (input_ids, spans))
+    return results
 
 
 def truncate(
@@ -91,10 +193,107 @@ def truncate(
         return input_ids[-max_length:], loss_mask[-max_length:]
     if truncation == "right":
         return input_ids[:max_length], loss_mask[:max_length]
-    raise SequenceTooLongError(
-        f"{where}: {len(input_ids)} tokens > max_length={max_length}; raise max_length or set "
-        "truncation to 'left' or 'right'"
+    raise _too_long(len(input_ids), max_length=max_length, where=where)
+
+
+def _too_long(length: int, *, max_length: int, where: str) -> SequenceTooLongError:
+    return SequenceTooLongError(
+        f"{where}: {length} tokens > max_length={max_length}; raise max_length or set truncation to 'left' or 'right'"
     )
+
+
+def _truncate_spans(
+    input_ids: list[int], spans: list[Span], *, max_length: int, truncation: str, where: str
+) -> tuple[list[int], list[Span]]:
+    """``truncate`` on target spans instead of a mask list."""
+    length = len(input_ids)
+    if length <= max_length:
+        return input_ids, spans
+    if truncation == "left":
+        shift = length - max_length
+        spans = [(max(start - shift, 0), end - shift) for start, end in spans if end > shift]
+        return input_ids[shift:], spans
+    if truncation == "right":
+        return input_ids[:max_length], [(start, min(end, max_length)) for start, end in spans if start < max_length]
+    raise _too_long(length, max_length=max_length, where=where)
+
+
+class TokenIdError(Exception):
+    """A token id that does not fit the store's id dtype (internal; re-raised as DataError naming the row)."""
+
+    def __init__(self, row: int, reason: str):
+        self.row, self.reason = row, reason
+        super().__init__(row, reason)
+
+
+class _SampleStore:
+    """Growable flat storage of samples: token ids, uint8 loss mask, offsets, origin (file, row).
+
+    Samples arrive a chunk at a time; each chunk's ids are converted from Python ints once, then
+    appended with a memory copy (``array`` grows in place, so there is no second full-size copy).
+    """
+
+    def __init__(self, *, vocab_size: int):
+        self.id_typecode = "H" if vocab_size <= 1 << 16 else "i"
+        assert array(self.id_typecode).itemsize in (2, 4)
+        self.token_ids = array(self.id_typecode)
+        self.loss_mask = bytearray()
+        self.offsets = array("q", [0])
+        self.loss_tokens = array("q")
+        self.file_index = array("i")
+        self.row = array("q")
+
+    def append_chunk(self, samples: Sequence[tuple[list[int], Sequence[Span], int]], *, file_index: int) -> None:
+        """Add (input_ids, target spans, row) samples; TokenIdError for an id outside the id dtype."""
+        flat_ids: list[int] = []
+        span_starts: list[int] = []
+        span_stops: list[int] = []
+        end = len(self.token_ids)
+        offsets, loss_tokens, rows = [], [], []
+        for input_ids, spans, row in samples:
+            chunk_pos = len(flat_ids)
+            flat_ids += input_ids
+            count = 0
+            for start, stop in spans:
+                span_starts.append(chunk_pos + start)
+                span_stops.append(chunk_pos + stop)
+                count += stop - start
+            offsets.append(end + len(flat_ids))
+            loss_tokens.append(count)
+            rows.append(row)
+        try:
+            chunk_ids = array(self.id_typecode, flat_ids)
+        except (OverflowError, TypeError):
+            for input_ids, _, row in samples:
+                try:
+                    array(self.id_typecode, input_ids)
+                except (OverflowError, TypeError) as err:
+                    raise TokenIdError(row, str(err)) from None
+            raise
+        # Loss mask of the whole chunk at once: +1 at each span start, -1 at its stop, running sum.
+        edges = np.zeros(len(flat_ids) + 1, dtype=np.int32)
+        np.add.at(edges, np.asarray(span_starts, dtype=np.int64), 1)
+        np.add.at(edges, np.asarray(span_stops, dtype=np.int64), -1)
+        self.loss_mask += (np.cumsum(edges[:-1]) > 0).view(np.uint8).data
+        self.token_ids += chunk_ids
+        self.offsets.extend(offsets)
+        self.loss_tokens.extend(loss_tokens)
+        self.row.extend(rows)
+        self.file_index.extend([file_index] * len(samples))
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """Read-only numpy views of the buffers (no copy)."""
+        views = {
+            "token_ids": np.frombuffer(self.token_ids, dtype=np.uint16 if self.id_typecode == "H" else np.int32),
+            "loss_mask": np.frombuffer(self.loss_mask, dtype=np.uint8),
+            "offsets": np.frombuffer(self.offsets, dtype=np.int64),
+            "loss_tokens": np.frombuffer(self.loss_tokens, dtype=np.int64),
+            "file_index": np.frombuffer(self.file_index, dtype=np.int32),
+            "row": np.frombuffer(self.row, dtype=np.int64),
+        }
+        for view in views.values():
+            view.flags.writeable = False
+        return views
 
 
 class SFTDataset(torch.utils.data.Dataset):
@@ -104,14 +303,17 @@ class SFTDataset(torch.utils.data.Dataset):
         self.config = config = config or SFTDataConfig()
         self.tokenizer = tokenizer
         self.files = as_file_list(files)
-        self._input_ids: list[np.ndarray] = []
-        self._loss_mask: list[np.ndarray] = []
-        self._origin: list[tuple[str, int]] = []
         self.skipped: list[MalformedRowError] = []
         self.num_truncated = 0
         self.num_without_targets = 0
-        for path in self.files:
-            self._read_file(path)
+        self._fingerprint: str | None = None
+        store = _SampleStore(vocab_size=tokenizer.vocab_size)
+        with gc_paused():
+            for file_index, path in enumerate(self.files):
+                self._read_file(path, file_index, store)
+        arrays = store.arrays()
+        self._token_ids, self._loss_mask, self._offsets = arrays["token_ids"], arrays["loss_mask"], arrays["offsets"]
+        self._loss_tokens, self._file_index, self._row = arrays["loss_tokens"], arrays["file_index"], arrays["row"]
         if self.skipped:
             logger.warning(
                 "skipped %d malformed row(s) (on_malformed=skip); first: %s", len(self.skipped), self.skipped[0]
@@ -121,8 +323,11 @@ class SFTDataset(torch.utils.data.Dataset):
                 "truncated %d sample(s) to max_length=%d (truncation=%s); %d of them kept no target token",
                 self.num_truncated, config.max_length, config.truncation, self.num_without_targets,
             )
-        if not self._input_ids:
+        if len(self) == 0:
             raise DataError(f"no usable rows in {self.files} ({len(self.skipped)} malformed rows skipped)")
+        self._check_vocab()
+        logger.info("SFT dataset: %d samples, %d tokens, %.1f MB in memory", len(self),
+                    len(self._token_ids), self.nbytes / 1e6)
 
     @property
     def columns(self) -> list[str]:
@@ -154,54 +359,162 @@ class SFTDataset(torch.utils.data.Dataset):
             raise ValueError(f"key {self.config.response_key!r} is an empty string")
         return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
 
-    def _read_file(self, path: str) -> None:
-        for row_index, row in iter_rows(path, columns=self.columns):
+    def _malformed(self, path: str, row_index: int, reason: str) -> None:
+        error = MalformedRowError(path, row_index, reason, hint="fix the row or set on_malformed=skip")
+        if self.config.on_malformed == "error":
+            raise error from None
+        self.skipped.append(error)
+
+    def _read_file(self, path: str, file_index: int, store: _SampleStore) -> None:
+        from tqdm import tqdm
+
+        total = num_rows_hint(path)
+        large = (total or 0) >= PROGRESS_MIN_ROWS or os.path.getsize(path) >= 1000 * PROGRESS_MIN_ROWS
+        chunk: list[tuple[int, dict[str, Any] | str]] = []
+        with tqdm(total=total, desc=f"tokenizing {os.path.basename(path)}", unit="row", disable=not large,
+                  mininterval=2.0) as progress:
+            for row_index, row in iter_rows(path, columns=self.columns):
+                chunk.append((row_index, row))
+                if len(chunk) == ROWS_PER_CHUNK:
+                    self._add_chunk(path, file_index, chunk, store)
+                    progress.update(len(chunk))
+                    chunk = []
+                    collect_young_garbage()
+            if chunk:
+                self._add_chunk(path, file_index, chunk, store)
+                progress.update(len(chunk))
+
+    def _add_chunk(self, path: str, file_index: int, chunk: list, store: _SampleStore) -> None:
+        """Tokenize a chunk of rows together, then add or report them in row order."""
+        parsed: list[tuple[int, Any]] = []
+        for row_index, row in chunk:
             try:
-                messages = self._messages_of(row)
+                parsed.append((row_index, self._messages_of(row)))
             except ValueError as err:  # TokenizerError is a ValueError too
-                error = MalformedRowError(path, row_index, str(err), hint="fix the row or set on_malformed=skip")
-                if self.config.on_malformed == "error":
-                    raise error from None
-                self.skipped.append(error)
+                parsed.append((row_index, err))
+        chats = [messages for _, messages in parsed if not isinstance(messages, Exception)]
+        tokenized = iter(_tokenize_chats(self.tokenizer, chats))
+        config = self.config
+        samples = []
+        for row_index, messages in parsed:
+            where = f"{path}: row {row_index}"
+            if isinstance(messages, Exception):
+                self._malformed(path, row_index, str(messages))
                 continue
-            try:
-                input_ids, loss_mask = tokenize_chat(self.tokenizer, messages)
-            except TokenizerError as err:
-                raise DataError(f"{path}: row {row_index}: {err}") from err
-            if len(input_ids) > self.config.max_length:
+            result = next(tokenized)
+            if isinstance(result, UnicodeError):
+                self._malformed(path, row_index, find_invalid_text(messages) or f"text is not valid Unicode ({result})")
+                continue
+            if isinstance(result, Exception):
+                raise DataError(f"{where}: {result}") from result
+            input_ids, spans = result
+            if len(input_ids) > config.max_length:
                 self.num_truncated += 1
-            input_ids, loss_mask = truncate(
-                input_ids, loss_mask, max_length=self.config.max_length, truncation=self.config.truncation,
-                where=f"{path}: row {row_index}",
+            input_ids, spans = _truncate_spans(
+                input_ids, spans, max_length=config.max_length, truncation=config.truncation, where=where
             )
-            loss_mask[0] = 0
-            self.num_without_targets += not any(loss_mask)
-            self._input_ids.append(np.asarray(input_ids, dtype=np.int64))
-            self._loss_mask.append(np.asarray(loss_mask, dtype=np.int64))
-            self._origin.append((path, row_index))
+            spans = [(max(start, 1), end) for start, end in spans if end > 1]  # position 0 is never a target
+            self.num_without_targets += not spans
+            samples.append((input_ids, spans, row_index))
+        try:
+            store.append_chunk(samples, file_index=file_index)
+        except TokenIdError as err:
+            raise DataError(
+                f"{path}: row {err.row}: the tokenizer returned a token id outside "
+                f"[0, vocab_size={self.tokenizer.vocab_size}) ({err.reason})"
+            ) from None
+
+    def _check_vocab(self) -> None:
+        """Raise DataError naming file and row of the first token id outside [0, vocab_size)."""
+        ids, vocab_size = self._token_ids, self.tokenizer.vocab_size
+        if not len(ids) or (int(ids.max()) < vocab_size and int(ids.min()) >= 0):
+            return
+        step = 1 << 24  # bounded temporaries on a large store
+        first = next(start + int(np.argmax(outside)) for start in range(0, len(ids), step)
+                     for outside in [(ids[start : start + step] >= vocab_size) | (ids[start : start + step] < 0)]
+                     if outside.any())
+        path, row = self.origin(int(np.searchsorted(self._offsets, first, side="right")) - 1)
+        raise DataError(
+            f"{path}: row {row}: token id {int(ids[first])} is outside the tokenizer's vocab [0, {vocab_size})"
+        )
 
     def __len__(self) -> int:
-        return len(self._input_ids)
+        return len(self._offsets) - 1
+
+    def _check_index(self, index: int) -> int:
+        index = operator.index(index)
+        size = len(self)
+        if index < 0:
+            index += size
+        if not 0 <= index < size:
+            raise IndexError(f"sample index {index} is out of range for {size} samples")
+        return index
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        index = self._check_index(index)
+        start, end = int(self._offsets[index]), int(self._offsets[index + 1])
         return {
-            "input_ids": torch.from_numpy(self._input_ids[index]),
-            "loss_mask": torch.from_numpy(self._loss_mask[index]),
+            "input_ids": torch.from_numpy(self._token_ids[start:end].astype(np.int64)),
+            "loss_mask": torch.from_numpy(self._loss_mask[start:end].astype(np.int64)),
         }
 
     @property
     def seq_lens(self) -> np.ndarray:
         """Token count of every sample (int64), for balancing and dynamic micro-batches."""
-        return np.array([len(ids) for ids in self._input_ids], dtype=np.int64)
+        return np.diff(self._offsets)
 
     @property
     def num_loss_tokens(self) -> np.ndarray:
         """Target-token count of every sample (int64)."""
-        return np.array([int(mask.sum()) for mask in self._loss_mask], dtype=np.int64)
+        return self._loss_tokens.copy()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the arrays that hold the samples (ids, mask, offsets, per-sample counts and origins)."""
+        return sum(a.nbytes for a in (self._token_ids, self._loss_mask, self._offsets, self._loss_tokens,
+                                      self._file_index, self._row))
 
     def origin(self, index: int) -> tuple[str, int]:
         """(file, row) a sample came from, for error messages."""
-        return self._origin[index]
+        index = self._check_index(index)
+        return self.files[int(self._file_index[index])], int(self._row[index])
+
+    def fingerprint(self) -> str:
+        """A hash of every sample's tokens and loss mask: equal iff the data would train identically.
+
+        The loader stores it with its state, so resuming on different data (other files, tokenizer,
+        max_length or truncation) is refused instead of silently continuing on other samples.
+        """
+        if self._fingerprint is None:
+            digest = hashlib.blake2b(digest_size=16)
+            for part in (self._offsets, self._token_ids, self._loss_mask):
+                digest.update(part.dtype.str.encode())
+                digest.update(part.data)
+            self._fingerprint = digest.hexdigest()
+        return self._fingerprint
+
+    def check_token_cap(self, cap: int, *, sp_size: int = 1, key: str = "data.max_token_len_per_gpu") -> None:
+        """Raise SequenceTooLongError naming file and row of the first sample longer than ``cap * sp_size``.
+
+        Same rule as the balancer's ``overlong='error'`` (a sample is split over the sp ranks, so it
+        may hold up to ``cap * sp_size`` tokens), checked for every sample at load time instead of
+        when its batch comes up. ``key`` names the config key of ``cap`` in the message.
+        """
+        if cap < 1 or sp_size < 1:
+            raise DataError(f"{key}={cap} and sp_size={sp_size} must be >= 1")
+        limit = cap * sp_size
+        lengths = self.seq_lens
+        over = np.flatnonzero(lengths > limit)
+        if not len(over):
+            return
+        first = int(over[0])
+        path, row = self.origin(first)
+        raise SequenceTooLongError(
+            f"{path}: row {row}: {int(lengths[first])} tokens > {key}={cap} * sp_size={sp_size} = {limit} "
+            f"({len(over)} sample(s) over it, longest {int(lengths[over].max())} tokens); raise {key}, lower "
+            f"max_length={self.config.max_length} with truncation='left'/'right', or set balance.overlong to "
+            "'skip'/'truncate'"
+        )
 
     def collate(self, samples: Sequence[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """``collate_sft`` with this dataset's tokenizer's pad id."""
