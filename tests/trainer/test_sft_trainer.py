@@ -143,3 +143,18 @@ def test_malformed_row_fails_naming_file_and_row(tmp_path, tiny_sft_overrides):
     cfg = compose_config("sft", tiny_sft_overrides + [f"data.train_files={path}", f"data.val_files={path}"])
     with pytest.raises(MalformedRowError, match=r"bad\.jsonl.*row 1|row 1.*bad\.jsonl"):
         SFTTrainer(cfg)
+
+
+def test_overlong_sample_fails_at_startup_naming_file_and_row(tmp_path, tiny_sft_overrides):
+    """balance.overlong=error is checked on every train and val sample before any worker starts."""
+    from verl_balance.data.io import SequenceTooLongError
+    from verl_balance.trainer.sft_trainer import SFTTrainer
+
+    path = tmp_path / "long.jsonl"
+    rows = [{"prompt": "1+1=", "response": "2"}] * 3 + [{"prompt": "x" * 300, "response": "y"}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = compose_config("sft", tiny_sft_overrides + [
+        f"data.train_files={path}", f"data.val_files={path}", "data.train_batch_size=2",
+        "trainer.n_gpus_per_node=2", "data.use_dynamic_bsz=true", "data.max_token_len_per_gpu=128"])
+    with pytest.raises(SequenceTooLongError, match=r"long\.jsonl.*row 3.*data\.max_token_len_per_gpu"):
+        SFTTrainer(cfg)

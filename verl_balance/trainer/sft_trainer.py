@@ -50,6 +50,13 @@ class SFTTrainer(DriverBase):
         self.train_set = SFTDataset(files=train_files, tokenizer=self.tokenizer, config=dataset_config)
         self.val_set = (SFTDataset(files=val_files, tokenizer=self.tokenizer, config=dataset_config)
                         if val_files else None)
+        if config.data.use_dynamic_bsz and config.balance.overlong == "error":
+            # Every length is known at load time: an over-long sample fails now, naming its file and
+            # row, instead of at the step whose plan first meets it.
+            for dataset in (self.train_set, self.val_set):
+                if dataset is not None:
+                    dataset.check_token_cap(config.data.max_token_len_per_gpu, sp_size=self.sp,
+                                            key="data.max_token_len_per_gpu")
         self.setup_loader(self.train_set, batch_size=config.data.train_batch_size, shuffle=config.data.shuffle)
         self.token_cap = config.data.max_token_len_per_gpu if config.data.use_dynamic_bsz else None
         engine_config = build_engine_config(
