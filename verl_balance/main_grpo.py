@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hydra
 
+from verl_balance.trainer.config import check_known_keys
 from verl_balance.trainer.grpo_config import register_grpo_schema
 
 register_grpo_schema()
@@ -14,6 +15,7 @@ def main(cfg) -> None:
     """Train with the merged config (config/grpo.yaml + command-line overrides)."""
     from verl_balance.trainer.grpo_trainer import GRPOTrainer, format_summary
 
+    check_known_keys(cfg)
     trainer = GRPOTrainer(cfg)
     try:
         summary = trainer.fit()

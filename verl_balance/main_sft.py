@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hydra
 
-from verl_balance.trainer.config import register_schemas
+from verl_balance.trainer.config import check_known_keys, register_schemas
 
 register_schemas()
 
@@ -14,6 +14,7 @@ def main(cfg) -> None:
     """Train with the merged config (config/sft.yaml + command-line overrides)."""
     from verl_balance.trainer.sft_trainer import SFTTrainer, format_summary
 
+    check_known_keys(cfg)
     trainer = SFTTrainer(cfg)
     try:
         summary = trainer.fit()

@@ -107,6 +107,9 @@ class TrainerSection:
     ray_address: Optional[str] = None
     placement_timeout_s: float = 120.0
     plot: bool = True
+    # reliability (docs/fault_tolerance.md): null keeps every checkpoint; restarts after a worker dies
+    max_ckpt_to_keep: Optional[int] = None
+    max_restarts: int = 0
 
 
 @dataclass
@@ -140,8 +143,45 @@ def check_positive(key: str, value) -> None:
         raise ConfigError(f"{key}={value!r} must be a positive number")
 
 
+def check_known_keys(cfg, path: str = "") -> None:
+    """Raise ConfigError naming any key a typed section does not declare (e.g. Hydra's
+    ``+data.trian_files=x`` append syntax, which bypasses the schema's own check)."""
+    import dataclasses
+
+    from omegaconf import DictConfig, OmegaConf
+
+    schema = OmegaConf.get_type(cfg)
+    if dataclasses.is_dataclass(schema):
+        fields = {f.name for f in dataclasses.fields(schema)}
+        unknown = sorted(str(k) for k in cfg.keys() if k not in fields)
+        if unknown:
+            raise ConfigError(f"unknown config key(s) {[path + k for k in unknown]}; valid keys of "
+                              f"{path.rstrip('.') or 'the root'}: {sorted(fields)}")
+    for key in cfg.keys():
+        node = cfg._get_node(key)
+        if isinstance(node, DictConfig) and not node._is_missing() and not node._is_none():
+            check_known_keys(node, f"{path}{key}.")
+
+
+def check_writable_dir(key: str, path: str) -> None:
+    """Raise ConfigError naming ``key`` unless ``path`` is (or can be created as) a writable directory."""
+    import os
+
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
+        why = "is not a directory" if not os.path.isdir(probe) else "is not writable"
+        raise ConfigError(f"{key}={path!r} cannot be used: {probe!r} {why}; point {key} at a writable directory")
+
+
 def validate_common(cfg) -> None:
     """Checks shared by the SFT and GRPO recipes (parallel layout, trainer, loss)."""
+    check_writable_dir("trainer.default_local_dir", cfg.trainer.default_local_dir)
+    if cfg.trainer.get("max_ckpt_to_keep") is not None:
+        check_positive("trainer.max_ckpt_to_keep", cfg.trainer.max_ckpt_to_keep)
+    if (cfg.trainer.get("max_restarts") or 0) < 0:
+        raise ConfigError(f"trainer.max_restarts={cfg.trainer.max_restarts} must be >= 0")
     sp = cfg.ulysses_sequence_parallel_size
     check_positive("ulysses_sequence_parallel_size", sp)
     check_positive("trainer.nnodes", cfg.trainer.nnodes)

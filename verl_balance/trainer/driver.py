@@ -5,19 +5,25 @@ A subclass sets ``cfg`` (with a ``trainer`` section), ``actor`` (the worker grou
 (a StatefulDataLoader), ``out_dir`` and ``total_steps``, and implements ``train_step(item)`` and
 ``evaluate()``; ``summarize`` and ``plot_panels`` shape the end-of-run summary. Checkpoints hold
 the workers' sharded engine state plus the driver's step and data position, so a resumed run
-continues the curve exactly.
+continues the curve exactly; each carries the run's identity and lineage (``checkpoint.py``), and a
+dead worker can be replaced up to ``trainer.max_restarts`` times (docs/fault_tolerance.md).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
 
 from omegaconf import OmegaConf
 
-from verl_balance.trainer import checkpoint
+from verl_balance.single_controller import WorkerDiedError
+from verl_balance.trainer import checkpoint, cluster
+from verl_balance.trainer.config import ConfigError
 from verl_balance.utils.tracking import Tracking
+
+logger = logging.getLogger(__name__)
 
 
 class DriverBase:
@@ -29,6 +35,7 @@ class DriverBase:
     out_dir: str
     total_steps: int
     global_step: int = 0
+    run_identity: checkpoint.RunIdentity | None = None
     _stop_requested: bool = False
     plot_panels: tuple | None = None
 
@@ -51,46 +58,70 @@ class DriverBase:
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict:
-        """Train until total steps (or a stop request); returns a summary dict."""
+        """Train until total steps (or a stop request); returns a summary dict.
+
+        A worker that dies (``WorkerDiedError``) ends the run unless ``trainer.max_restarts`` allows
+        a restart: the worker group is rebuilt and training continues from the lineage's newest
+        complete checkpoint, the metrics file cut back to that step.
+        """
         t = self.cfg.trainer
+        self._initial_loader_state = self.loader.state_dict()
         self.maybe_resume()
         tracker = Tracking(t.project_name, t.experiment_name, log_dir=self.out_dir, backends=list(t.logger),
                            config=OmegaConf.to_container(self.cfg, resolve=True), total_steps=self.total_steps)
         previous_handler = signal.signal(signal.SIGINT, self._request_stop)
-        first: dict = {}
-        last: dict = {}
-        last_val: dict = {}
+        record = {"first": {}, "last": {}, "last_val": {}, "first_val": {}}
         run_start = time.perf_counter()
+        restarts = 0
         try:
-            first_val = self.before_training(tracker) if self.global_step == 0 else {}
-            while self.global_step < self.total_steps and not self._stop_requested:
-                for item in self.loader:
-                    metrics = self.train_step(item)
-                    self.global_step += 1
-                    first, last = first or metrics, metrics
-                    is_last = self.global_step >= self.total_steps
-                    if t.test_freq > 0 and (self.global_step % t.test_freq == 0 or is_last):
-                        last_val = self.evaluate()
-                        metrics.update(last_val)
-                    tracker.log(metrics, step=self.global_step)
-                    if t.save_freq > 0 and (self.global_step % t.save_freq == 0 or is_last):
-                        self.save()
-                    if is_last or self._stop_requested:
-                        break
-            if self._stop_requested and not (t.save_freq > 0 and self.global_step % t.save_freq == 0):
-                self.save()
+            while True:
+                try:
+                    self._train_loop(tracker, record)
+                    break
+                except WorkerDiedError as err:
+                    if restarts >= self._max_restarts():
+                        raise
+                    restarts += 1
+                    logger.warning("worker died (%s); restart %d of trainer.max_restarts=%d from the last complete "
+                                   "checkpoint", err, restarts, self._max_restarts())
+                    self.restart_workers()
+                    tracker.truncate_after(self.global_step)
         finally:
             signal.signal(signal.SIGINT, previous_handler)
             tracker.close()
         summary = {"steps": self.global_step, "wall_s": time.perf_counter() - run_start,
-                   "metrics": tracker.metrics_path,
-                   **self.summarize(first=first, last=last, first_val=first_val, last_val=last_val)}
+                   "metrics": tracker.metrics_path, "restarts": restarts,
+                   **self.summarize(first=record["first"], last=record["last"], first_val=record["first_val"],
+                                    last_val=record["last_val"])}
         if t.plot:
             from verl_balance.utils.plotting import DEFAULT_PANELS, plot_runs
 
             summary["plot"] = plot_runs([tracker.metrics_path], out=os.path.join(self.out_dir, "curves.png"),
                                         panels=self.plot_panels or DEFAULT_PANELS)
         return summary
+
+    def _train_loop(self, tracker: Tracking, record: dict) -> None:
+        """Steps from ``global_step`` to the end (or a stop request), with validation and saves."""
+        t = self.cfg.trainer
+        if self.global_step == 0 and not record["first_val"]:
+            record["first_val"] = self.before_training(tracker)
+        while self.global_step < self.total_steps and not self._stop_requested:
+            for item in self.loader:
+                metrics = self.train_step(item)
+                self.global_step += 1
+                record["first"] = record["first"] or metrics
+                record["last"] = metrics
+                is_last = self.global_step >= self.total_steps
+                if t.test_freq > 0 and (self.global_step % t.test_freq == 0 or is_last):
+                    record["last_val"] = self.evaluate()
+                    metrics.update(record["last_val"])
+                tracker.log(metrics, step=self.global_step)
+                if t.save_freq > 0 and (self.global_step % t.save_freq == 0 or is_last):
+                    self.save()
+                if is_last or self._stop_requested:
+                    break
+        if self._stop_requested and not (t.save_freq > 0 and self.global_step % t.save_freq == 0):
+            self.save()
 
     # ------------------------------------------------------------------ state
     def close(self) -> None:
@@ -102,25 +133,65 @@ class DriverBase:
         return {"global_step": self.global_step, "loader": self.loader.state_dict()}
 
     def save(self) -> str:
-        """Checkpoint workers and driver state as ``global_step_N``; returns its path."""
-        path = checkpoint.save_trainer_checkpoint(self.actor, root=self.out_dir, step=self.global_step,
-                                              trainer_state=self._trainer_state())
+        """Checkpoint workers and driver state as ``global_step_N`` (atomically); returns its path."""
+        path = checkpoint.save_trainer_checkpoint(
+            self.actor, root=self.out_dir, step=self.global_step, trainer_state=self._trainer_state(),
+            identity=self.run_identity, max_to_keep=self.cfg.trainer.get("max_ckpt_to_keep"))
+        logger.info("checkpoint: saved step %d -> %s", self.global_step, path)
         print(f"[checkpoint] saved step {self.global_step} -> {path}", flush=True)
         return path
 
     def maybe_resume(self) -> None:
-        """Honour trainer.resume_mode: auto (latest checkpoint, if any), disable, resume_path."""
+        """Honour trainer.resume_mode (auto: this directory's lineage only; disable; resume_path).
+
+        See ``checkpoint.start_run`` for what each mode does with checkpoints of other runs."""
         t = self.cfg.trainer
-        if t.resume_mode == "disable":
-            return
-        path = t.resume_from_path if t.resume_mode == "resume_path" else checkpoint.latest_checkpoint(self.out_dir)
-        if path is None:
-            return
+        self.run_identity, path = checkpoint.start_run(
+            self.out_dir, resume_mode=t.resume_mode, resume_from_path=t.resume_from_path,
+            config=OmegaConf.to_container(self.cfg, resolve=True))
+        if path is not None:
+            self._load(path)
+            print(f"[checkpoint] resumed from {path} at step {self.global_step} "
+                  f"(lineage {self.run_identity.lineage_id}, run {self.run_identity.run_id})", flush=True)
+
+    def _load(self, path: str) -> None:
         state = checkpoint.load_trainer_checkpoint(self.actor, path)
         self.global_step = int(state["global_step"])
         self.loader.load_state_dict(state["loader"])
-        checkpoint.truncate_metrics_after(os.path.join(self.out_dir, "metrics.jsonl"), self.global_step)
-        print(f"[checkpoint] resumed from {path} at step {self.global_step}", flush=True)
+
+    # ------------------------------------------------------------------ restarts
+    def _max_restarts(self) -> int:
+        value = self.cfg.trainer.get("max_restarts") or 0
+        if value < 0:
+            raise ConfigError(f"trainer.max_restarts={value} must be >= 0")
+        return int(value)
+
+    def prepare_workers(self) -> None:
+        """Set-up a freshly built worker group needs before a checkpoint is loaded (e.g. a warm start
+        or the reference policy); called after a restart. Nothing by default."""
+
+    def restart_workers(self) -> None:
+        """Replace a broken worker group with a new one (same class, config and placement request),
+        then continue from this lineage's newest complete checkpoint (or where the lineage began)."""
+        old = self.actor
+        for release in (old.shutdown, old.resource_pool.remove):
+            try:
+                release()
+            except Exception as err:  # the group is broken already; freeing it is best effort
+                logger.warning("restart: releasing the old worker group failed: %s", err)
+        init = old.ray_cls_with_init
+        self.actor = cluster.build_actor_group(worker_config=init.args[0], trainer_cfg=self.cfg.trainer,
+                                               use_gpu=old.resource_pool.use_gpu, worker_cls=init.cls)
+        self.prepare_workers()
+        identity = self.run_identity
+        path = checkpoint.latest_checkpoint(self.out_dir, lineage_id=identity.lineage_id) or identity.branch_checkpoint
+        if path is not None:
+            self._load(path)
+        else:
+            self.global_step = 0
+            self.loader.load_state_dict(self._initial_loader_state)
+        print(f"[trainer] restarted the workers; continuing from step {self.global_step}"
+              f"{f' ({path})' if path else ''}", flush=True)
 
     def _request_stop(self, signum, frame) -> None:
         """SIGINT handler: the first Ctrl-C stops after this step (and saves), the second aborts."""
