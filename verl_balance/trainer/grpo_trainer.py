@@ -45,7 +45,13 @@ from verl_balance.trainer.driver import DriverBase
 from verl_balance.trainer.grpo_config import sp_size_of, validate_grpo
 from verl_balance.utils.tracking import Tracking
 from verl_balance.workers.actor import TEMPERATURE_KEY
-from verl_balance.workers.actor_rollout import PROMPT_IDS_KEY, ActorRolloutWorker, ActorRolloutWorkerConfig
+from verl_balance.workers.actor_rollout import (
+    PROMPT_IDS_KEY,
+    SAMPLE_INDEX_KEY,
+    ActorRolloutWorker,
+    ActorRolloutWorkerConfig,
+    sampling_seed,
+)
 
 UID_KEY = "uid"
 PLOT_PANELS = (
@@ -218,7 +224,8 @@ class GRPOTrainer(DriverBase):
         num_prompts = len(non_tensors[PROMPT_IDS_KEY])
         bounds = np.linspace(0, num_prompts, self.world + 1).round().astype(int)
         prompt_batch = Batch.from_dict(tensors={"prompt_lengths": tensors["attention_mask"].sum(1)},
-                                       non_tensors={PROMPT_IDS_KEY: non_tensors[PROMPT_IDS_KEY]})
+                                       non_tensors={PROMPT_IDS_KEY: non_tensors[PROMPT_IDS_KEY],
+                                                    SAMPLE_INDEX_KEY: np.asarray(non_tensors["index"], dtype=np.int64)})
         chunks = [prompt_batch.index_select(np.arange(lo, hi)) for lo, hi in zip(bounds[:-1], bounds[1:])]
         sampling = {"n": n, "temperature": temperature, "top_p": top_p,
                     "max_response_length": self.rollout_cfg.response_length}
@@ -259,7 +266,7 @@ class GRPOTrainer(DriverBase):
         with _timed(metrics, "step"):
             with _timed(metrics, "gen"):
                 batch = self.generate(prompts, n=r.n, temperature=r.temperature, top_p=r.top_p,
-                                      seed=self.cfg.trainer.seed * 7919 + self.global_step)
+                                      seed=sampling_seed(self.cfg.trainer.seed, self.global_step))
             # Old, reference and new log-probs are all taken at the sampling temperature.
             batch.meta[TEMPERATURE_KEY] = float(r.temperature)
             with _timed(metrics, "reward"):
