@@ -285,3 +285,15 @@ def test_cli_rejects_appended_unknown_key_and_logs_into_the_run_dir(tmp_path):
     assert not (cwd / "main_sft.log").exists(), "the log belongs in the run's directory"
     assert (tmp_path / "run" / "main_sft.log").exists()
     shutil.rmtree(tmp_path / "run")
+
+
+# ---------------------------------------------------------------------- 9. rollout seeds
+def test_rollout_seeds_are_distinct_per_step_and_sample_where_the_old_formula_collided():
+    from verl_balance.workers.actor_rollout import sampling_seed
+
+    # The old per-step seed seed*7919 + step gave (seed 1, step 7919) and (seed 2, step 0) one stream.
+    assert 1 * 7919 + 7919 == 2 * 7919 + 0
+    assert sampling_seed(1, 7919) != sampling_seed(2, 0)
+    seeds = {sampling_seed(sampling_seed(1, step), index) for step in range(20) for index in range(50)}
+    assert len(seeds) == 1000 and all(0 <= s < 2**63 for s in seeds)
+    assert sampling_seed(3, 4) == sampling_seed(3, 4)
