@@ -297,3 +297,13 @@ def test_rollout_seeds_are_distinct_per_step_and_sample_where_the_old_formula_co
     seeds = {sampling_seed(sampling_seed(1, step), index) for step in range(20) for index in range(50)}
     assert len(seeds) == 1000 and all(0 <= s < 2**63 for s in seeds)
     assert sampling_seed(3, 4) == sampling_seed(3, 4)
+
+
+def test_auto_resume_with_a_changed_trajectory_config_warns_naming_the_key(tmp_path, caplog):
+    _run(tmp_path, saves=[2])
+    changed = {**CONFIG, "optim": {"lr": 5e-3}, "trainer": {"seed": 1, "save_freq": 7}}
+    with caplog.at_level(logging.WARNING, logger="verl_balance.trainer.checkpoint"):
+        _, path = _run(tmp_path, "auto", config=changed)
+    assert path == str(tmp_path / "global_step_2")
+    assert "optim.lr: 0.001 -> 0.005" in caplog.text
+    assert "save_freq" not in caplog.text, "run-control keys may change between resumes"

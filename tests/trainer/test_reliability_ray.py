@@ -6,6 +6,7 @@ on 4 workers is compared with the same run on 2 workers.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -52,13 +53,15 @@ def test_worker_killed_mid_run_restarts_from_the_checkpoint_and_matches_the_unin
     expected = read_metrics(str(tmp_path / "straight"))
 
     healed = _sft_trainer(base + [f"trainer.default_local_dir={tmp_path / 'healed'}", "trainer.max_restarts=1"],
-                          kill_before_step=5)
+                          kill_before_step=6)  # step 5 is logged but not saved: it must be redone
     try:
         summary = healed.fit()
     finally:
         healed.close()
     records = read_metrics(str(tmp_path / "healed"))
     assert summary["restarts"] == 1 and summary["steps"] == 6
+    raw_steps = [json.loads(line)["step"] for line in (tmp_path / "healed" / "metrics.jsonl").read_text().splitlines()]
+    assert raw_steps == [1, 2, 3, 4, 5, 6], "the step logged after the checkpoint is cut back, then logged once"
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     np.testing.assert_allclose([r["train/loss"] for r in records], [r["train/loss"] for r in expected], rtol=1e-6)
     np.testing.assert_allclose([r["train/grad_norm"] for r in records], [r["train/grad_norm"] for r in expected],

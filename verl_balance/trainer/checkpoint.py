@@ -50,7 +50,14 @@ RUN_CONTROL_KEYS = frozenset({
     "trainer.resume_mode", "trainer.resume_from_path", "trainer.logger", "trainer.plot", "trainer.save_freq",
     "trainer.test_freq", "trainer.total_training_steps", "trainer.total_epochs", "trainer.max_ckpt_to_keep",
     "trainer.max_restarts", "trainer.ray_address", "trainer.placement_timeout_s", "trainer.default_local_dir",
-    "trainer.log_val_generations", "trainer.val_before_train",
+    "trainer.log_val_generations", "trainer.val_before_train", "trainer.nnodes", "trainer.n_gpus_per_node",
+    "trainer.device", "trainer.balance_batch", "balance.enable", "balance.workload",
+})
+# The parallel layout and micro-batching do not change the curve (the loss contract): any key so named.
+LAYOUT_KEY_NAMES = frozenset({
+    "ulysses_sequence_parallel_size", "micro_batch_size_per_gpu", "max_token_len_per_gpu", "use_dynamic_bsz",
+    "ppo_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu", "log_prob_micro_batch_size_per_gpu",
+    "log_prob_max_token_len_per_gpu", "max_num_seqs", "balance_dp_token",
 })
 
 
@@ -106,8 +113,9 @@ def flatten_config(config: dict, prefix: str = "") -> dict:
 
 
 def trajectory_config(config: dict) -> dict:
-    """The flattened config without the run-control keys (what decides the loss curve)."""
-    return {k: v for k, v in flatten_config(config).items() if k not in RUN_CONTROL_KEYS}
+    """The flattened config without the run-control and layout keys (what decides the loss curve)."""
+    return {k: v for k, v in flatten_config(config).items()
+            if k not in RUN_CONTROL_KEYS and k.rsplit(".", 1)[-1] not in LAYOUT_KEY_NAMES}
 
 
 def config_hash(config: dict) -> str:

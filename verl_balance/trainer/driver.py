@@ -72,20 +72,25 @@ class DriverBase:
         previous_handler = signal.signal(signal.SIGINT, self._request_stop)
         record = {"first": {}, "last": {}, "last_val": {}, "first_val": {}}
         run_start = time.perf_counter()
-        restarts = 0
+        restarts, max_restarts, must_restart = 0, self._max_restarts(), False
         try:
             while True:
                 try:
+                    if must_restart:  # inside the try: a worker dying during the restart counts too
+                        self.restart_workers()
+                        tracker.truncate_after(self.global_step)
+                        must_restart = False
                     self._train_loop(tracker, record)
                     break
                 except WorkerDiedError as err:
-                    if restarts >= self._max_restarts():
+                    if restarts >= max_restarts:
                         raise
                     restarts += 1
+                    must_restart = True
                     logger.warning("worker died (%s); restart %d of trainer.max_restarts=%d from the last complete "
-                                   "checkpoint", err, restarts, self._max_restarts())
-                    self.restart_workers()
-                    tracker.truncate_after(self.global_step)
+                                   "checkpoint", err, restarts, max_restarts)
+                    print(f"[trainer] a worker died: {err}\n[trainer] restart {restarts} of "
+                          f"trainer.max_restarts={max_restarts}", flush=True)
         finally:
             signal.signal(signal.SIGINT, previous_handler)
             tracker.close()
