@@ -66,6 +66,27 @@ class DriverBase:
         """
         t = self.cfg.trainer
         self._initial_loader_state = self.loader.state_dict()
+        log_file = self._attach_log_file()
+        try:
+            return self._fit(t)
+        finally:
+            logging.getLogger().removeHandler(log_file)
+            log_file.close()
+
+    def _attach_log_file(self) -> logging.Handler:
+        """Log records of the run go to ``<default_local_dir>/<job>.log`` (``main_sft.log`` from the CLI)."""
+        name = "train"
+        from hydra.core.hydra_config import HydraConfig
+
+        if HydraConfig.initialized():
+            name = HydraConfig.get().job.name or name
+        os.makedirs(self.out_dir, exist_ok=True)
+        handler = logging.FileHandler(os.path.join(self.out_dir, f"{name}.log"), encoding="utf-8")
+        handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+        logging.getLogger().addHandler(handler)
+        return handler
+
+    def _fit(self, t) -> dict:
         self.maybe_resume()
         tracker = Tracking(t.project_name, t.experiment_name, log_dir=self.out_dir, backends=list(t.logger),
                            config=OmegaConf.to_container(self.cfg, resolve=True), total_steps=self.total_steps)
