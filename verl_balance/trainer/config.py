@@ -158,9 +158,8 @@ def check_known_keys(cfg, path: str = "") -> None:
             raise ConfigError(f"unknown config key(s) {[path + k for k in unknown]}; valid keys of "
                               f"{path.rstrip('.') or 'the root'}: {sorted(fields)}")
     for key in cfg.keys():
-        node = cfg._get_node(key)
-        if isinstance(node, DictConfig) and not node._is_missing() and not node._is_none():
-            check_known_keys(node, f"{path}{key}.")
+        if not OmegaConf.is_missing(cfg, key) and isinstance(cfg[key], DictConfig):
+            check_known_keys(cfg[key], f"{path}{key}.")
 
 
 def check_writable_dir(key: str, path: str) -> None:
@@ -177,6 +176,7 @@ def check_writable_dir(key: str, path: str) -> None:
 
 def validate_common(cfg) -> None:
     """Checks shared by the SFT and GRPO recipes (parallel layout, trainer, loss)."""
+    check_known_keys(cfg)
     check_writable_dir("trainer.default_local_dir", cfg.trainer.default_local_dir)
     if cfg.trainer.get("max_ckpt_to_keep") is not None:
         check_positive("trainer.max_ckpt_to_keep", cfg.trainer.max_ckpt_to_keep)
