@@ -108,10 +108,8 @@ class DriverBase:
                         raise
                     restarts += 1
                     must_restart = True
-                    logger.warning("worker died (%s); restart %d of trainer.max_restarts=%d from the last complete "
-                                   "checkpoint", err, restarts, max_restarts)
-                    print(f"[trainer] a worker died: {err}\n[trainer] restart {restarts} of "
-                          f"trainer.max_restarts={max_restarts}", flush=True)
+                    logger.warning("a worker died (%s); restart %d of trainer.max_restarts=%d from the last "
+                                   "complete checkpoint", err, restarts, max_restarts)
         finally:
             signal.signal(signal.SIGINT, previous_handler)
             tracker.close()
@@ -164,7 +162,6 @@ class DriverBase:
             self.actor, root=self.out_dir, step=self.global_step, trainer_state=self._trainer_state(),
             identity=self.run_identity, max_to_keep=self.cfg.trainer.get("max_ckpt_to_keep"))
         logger.info("checkpoint: saved step %d -> %s", self.global_step, path)
-        print(f"[checkpoint] saved step {self.global_step} -> {path}", flush=True)
         return path
 
     def maybe_resume(self) -> None:
@@ -177,8 +174,8 @@ class DriverBase:
             config=OmegaConf.to_container(self.cfg, resolve=True))
         if path is not None:
             self._load(path)
-            print(f"[checkpoint] resumed from {path} at step {self.global_step} "
-                  f"(lineage {self.run_identity.lineage_id}, run {self.run_identity.run_id})", flush=True)
+            logger.info("checkpoint: resumed from %s at step %d (lineage %s, run %s)", path, self.global_step,
+                        self.run_identity.lineage_id, self.run_identity.run_id)
 
     def _load(self, path: str) -> None:
         state = checkpoint.load_trainer_checkpoint(self.actor, path)
@@ -216,13 +213,13 @@ class DriverBase:
         else:
             self.global_step = 0
             self.loader.load_state_dict(self._initial_loader_state)
-        print(f"[trainer] restarted the workers; continuing from step {self.global_step}"
-              f"{f' ({path})' if path else ''}", flush=True)
+        logger.warning("restarted the workers; continuing from step %d%s", self.global_step,
+                       f" ({path})" if path else " (no checkpoint yet: from the start)")
 
     def _request_stop(self, signum, frame) -> None:
         """SIGINT handler: the first Ctrl-C stops after this step (and saves), the second aborts."""
         if self._stop_requested:
             raise KeyboardInterrupt
         self._stop_requested = True
-        print("\n[trainer] stop requested: finishing this step, saving a checkpoint, then exiting "
-              "(press Ctrl-C again to abort without saving)", flush=True)
+        logger.warning("stop requested: finishing this step, saving a checkpoint, then exiting "
+                       "(press Ctrl-C again to abort without saving)")

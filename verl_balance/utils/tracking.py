@@ -27,7 +27,6 @@ import math
 import os
 import sys
 import time
-import warnings
 from collections.abc import Iterable, Mapping
 from numbers import Integral, Real
 from typing import Any
@@ -118,10 +117,8 @@ class Tracking:
         self._tensorboard = None
         if "tensorboard" in backends:
             if importlib.util.find_spec("tensorboard") is None:
-                warnings.warn(
-                    "logger 'tensorboard' requested but the tensorboard package is not installed "
-                    "(pip install tensorboard); continuing without it", stacklevel=2,
-                )
+                logger.warning("logger 'tensorboard' requested but the tensorboard package is not installed "
+                               "(pip install tensorboard); continuing without it")
             else:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -129,10 +126,8 @@ class Tracking:
         self._wandb = None
         if "wandb" in backends:
             if importlib.util.find_spec("wandb") is None:
-                warnings.warn(
-                    "logger 'wandb' requested but the wandb package is not installed (pip install wandb); "
-                    "continuing without it", stacklevel=2,
-                )
+                logger.warning("logger 'wandb' requested but the wandb package is not installed (pip install wandb); "
+                               "continuing without it")
             else:
                 import wandb
 
