@@ -178,9 +178,9 @@ def validate_common(cfg) -> None:
     """Checks shared by the SFT and GRPO recipes (parallel layout, trainer, loss)."""
     check_known_keys(cfg)
     check_writable_dir("trainer.default_local_dir", cfg.trainer.default_local_dir)
-    if cfg.trainer.get("max_ckpt_to_keep") is not None:
+    if getattr(cfg.trainer, "max_ckpt_to_keep", None) is not None:
         check_positive("trainer.max_ckpt_to_keep", cfg.trainer.max_ckpt_to_keep)
-    if (cfg.trainer.get("max_restarts") or 0) < 0:
+    if (getattr(cfg.trainer, "max_restarts", 0) or 0) < 0:
         raise ConfigError(f"trainer.max_restarts={cfg.trainer.max_restarts} must be >= 0")
     sp = cfg.ulysses_sequence_parallel_size
     check_positive("ulysses_sequence_parallel_size", sp)

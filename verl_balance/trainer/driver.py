@@ -16,12 +16,10 @@ import os
 import signal
 import time
 
-from omegaconf import OmegaConf
-
 from verl_balance.single_controller import WorkerDiedError
 from verl_balance.trainer import checkpoint, cluster
 from verl_balance.trainer.config import ConfigError
-from verl_balance.utils.tracking import Tracking
+from verl_balance.utils.tracking import Tracking, plain_config
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +87,7 @@ class DriverBase:
     def _fit(self, t) -> dict:
         self.maybe_resume()
         tracker = Tracking(t.project_name, t.experiment_name, log_dir=self.out_dir, backends=list(t.logger),
-                           config=OmegaConf.to_container(self.cfg, resolve=True), total_steps=self.total_steps)
+                           config=plain_config(self.cfg), total_steps=self.total_steps)
         previous_handler = signal.signal(signal.SIGINT, self._request_stop)
         record = {"first": {}, "last": {}, "last_val": {}, "first_val": {}}
         run_start = time.perf_counter()
@@ -160,7 +158,7 @@ class DriverBase:
         """Checkpoint workers and driver state as ``global_step_N`` (atomically); returns its path."""
         path = checkpoint.save_trainer_checkpoint(
             self.actor, root=self.out_dir, step=self.global_step, trainer_state=self._trainer_state(),
-            identity=self.run_identity, max_to_keep=self.cfg.trainer.get("max_ckpt_to_keep"))
+            identity=self.run_identity, max_to_keep=getattr(self.cfg.trainer, "max_ckpt_to_keep", None))
         logger.info("checkpoint: saved step %d -> %s", self.global_step, path)
         return path
 
@@ -171,7 +169,7 @@ class DriverBase:
         t = self.cfg.trainer
         self.run_identity, path = checkpoint.start_run(
             self.out_dir, resume_mode=t.resume_mode, resume_from_path=t.resume_from_path,
-            config=OmegaConf.to_container(self.cfg, resolve=True))
+            config=plain_config(self.cfg))
         if path is not None:
             self._load(path)
             logger.info("checkpoint: resumed from %s at step %d (lineage %s, run %s)", path, self.global_step,
@@ -184,7 +182,7 @@ class DriverBase:
 
     # ------------------------------------------------------------------ restarts
     def _max_restarts(self) -> int:
-        value = self.cfg.trainer.get("max_restarts") or 0
+        value = getattr(self.cfg.trainer, "max_restarts", 0) or 0
         if value < 0:
             raise ConfigError(f"trainer.max_restarts={value} must be >= 0")
         return int(value)

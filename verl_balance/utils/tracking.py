@@ -61,8 +61,8 @@ def to_scalar(key: str, value: Any) -> float | int | str:
     raise TrackingError(f"metric {key!r} must be a scalar number or string, got {type(value).__name__}")
 
 
-def _plain_config(config: Any) -> Any:
-    """OmegaConf/dataclass/mapping config -> JSON-able containers."""
+def plain_config(config: Any) -> Any:
+    """OmegaConf/dataclass/mapping config -> JSON-able containers (interpolations resolved)."""
     if config is None:
         return None
     try:
@@ -100,9 +100,9 @@ class Tracking:
         self.project, self.experiment, self.log_dir = project, experiment, log_dir
         self.console_patterns = tuple(console_patterns)
         os.makedirs(log_dir, exist_ok=True)
-        plain_config = _plain_config(config)
+        config_dict = plain_config(config)
         atomic_write_json(os.path.join(log_dir, RUN_FILE),
-                          {"project": project, "experiment": experiment, "config": plain_config}, indent=2)
+                          {"project": project, "experiment": experiment, "config": config_dict}, indent=2)
         drop_torn_last_line(self.metrics_path)
         self._jsonl = open(self.metrics_path, "a", encoding="utf-8")
         self._progress = None
@@ -133,7 +133,7 @@ class Tracking:
 
                 os.environ.setdefault("WANDB_MODE", "offline")
                 self._wandb = wandb.init(
-                    project=project, name=experiment, dir=log_dir, config=plain_config
+                    project=project, name=experiment, dir=log_dir, config=config_dict
                 )
 
     @property
