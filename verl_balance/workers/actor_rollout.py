@@ -127,12 +127,16 @@ class ActorRolloutWorker(ActorWorker):
         ``prompts`` carries the token ids in the non-tensor column ``raw_prompt_ids`` and each
         prompt's global index in ``sample_index``; ``sampling`` holds the ``RolloutEngine.generate``
         keywords other than ``seed`` and ``stop_token_ids``. Each prompt is sampled on its own with
-        seed ``sampling_seed(seed, sample_index)``, so the output is the same on any worker count.
+        seed ``sampling_seed(seed, sample_index)``, so the output is the same on any worker count
+        (greedy decoding, which draws no random numbers, runs all prompts in one batch).
         """
         self._refresh_rollout_weights()  # collective: before any early return
         if len(prompts) == 0:
             return None
         prompt_ids = [list(p) for p in prompts.non_tensors[PROMPT_IDS_KEY]]
+        if sampling.get("temperature", 1.0) == 0:  # greedy draws nothing: one batched call
+            return _to_cpu(self.rollout.generate(prompt_ids, stop_token_ids=self.config.stop_token_ids,
+                                                 seed=seed, **sampling))
         sample_index = prompts.non_tensors[SAMPLE_INDEX_KEY]
         outputs = [self.rollout.generate([ids], stop_token_ids=self.config.stop_token_ids,
                                          seed=sampling_seed(seed, int(index)), **sampling)
