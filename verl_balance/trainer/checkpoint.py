@@ -156,7 +156,10 @@ def is_complete(path: str) -> bool:
 
 def _recover_interrupted_renames(root: str) -> None:
     """Finish a save stopped between its renames: a complete staging (or retiring) directory
-    whose ``global_step_N`` is missing is moved into place."""
+    whose ``global_step_N`` is missing is moved into place; a half-deleted pruned one is removed."""
+    for name in os.listdir(root):
+        if name.startswith(RETIRING_PREFIX + "pruned_"):  # a deletion stopped half-way: finish it
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     for prefix in (STAGING_PREFIX, RETIRING_PREFIX):
         for name in sorted(os.listdir(root)):
             if not name.startswith(prefix):
