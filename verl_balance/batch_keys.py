@@ -32,5 +32,10 @@ PROMPT_INDEX_KEY = "prompt_index"
 """Column of a rollout batch: the position of the response's prompt in the step's prompt batch;
 a prompt's responses form one balancing group."""
 
+SAMPLE_INDEX_KEY = "sample_index"
+"""Non-tensor column of a prompt batch: each prompt's global (dataset) index. With the call's seed it
+fixes the prompt's sampling stream, so its responses do not depend on which worker samples it or
+which prompts share the call (GRPO rollouts are the same on any layout)."""
+
 __all__ = ["MICRO_BATCH_SIZES_KEY", "PLANNED_MICRO_BATCH_SIZES_KEY", "PROMPT_IDS_KEY", "PROMPT_INDEX_KEY",
-           "TEMPERATURE_KEY", "UID_KEY", "WIRE_KEYS"]
+           "SAMPLE_INDEX_KEY", "TEMPERATURE_KEY", "UID_KEY", "WIRE_KEYS"]

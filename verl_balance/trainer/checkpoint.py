@@ -1,66 +1,449 @@
-"""Checkpoint bookkeeping on the driver: ``global_step_N`` directories, the latest-step marker
-and the driver's own state beside the workers' sharded engine state."""
+"""Checkpoint bookkeeping on the driver: ``global_step_N`` directories, run lineage, retention and
+the driver's own state beside the workers' sharded engine state.
+
+Layout of ``trainer.default_local_dir``::
+
+    run_lineage.json                  which lineage owns the directory now (written at run start)
+    latest_checkpointed_iteration.txt verl's marker (informational: resume never trusts it)
+    global_step_N/                    complete checkpoints: engine shards, trainer_state.json and,
+                                      written last, checkpoint_complete.json (identity + lineage)
+    .staging_global_step_N/           a save in progress (renamed to global_step_N when complete)
+    superseded/<time>_<lineage>/      another lineage's checkpoints and metrics, moved aside
+    metrics.jsonl                     this lineage's metrics, truncated to the resumed step
+
+Guarantees: a checkpoint is visible under ``global_step_N`` only once complete (written to a
+staging directory, then renamed); a complete checkpoint is never removed before a newer one is
+complete; small state files are written to a temporary file, fsynced and renamed; ``auto`` resume
+picks the newest complete checkpoint *of the directory's lineage* and never one of another run.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import errno
+import hashlib
 import json
+import logging
 import os
+import re
 import shutil
+import time
+import uuid
 
-from verl_balance.single_controller import RayWorkerGroup
 from verl_balance.trainer.config import ConfigError
-from verl_balance.utils.tracking import read_metrics
+from verl_balance.utils.atomic_io import atomic_write_json, atomic_write_text, fsync_dir
+from verl_balance.utils.tracking import METRICS_FILE, rewrite_metrics_up_to
+
+logger = logging.getLogger(__name__)
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 TRAINER_STATE_FILE = "trainer_state.json"
+COMPLETE_FILE = "checkpoint_complete.json"
+LINEAGE_FILE = "run_lineage.json"
+SUPERSEDED_DIR = "superseded"
+STAGING_PREFIX = ".staging_"
+RETIRING_PREFIX = ".retiring_"
+RESUME_MODES = ("auto", "disable", "resume_path")
+_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+# Keys that steer a run but not its trajectory: changing them between resumes is expected.
+RUN_CONTROL_KEYS = frozenset({
+    "trainer.resume_mode", "trainer.resume_from_path", "trainer.logger", "trainer.plot", "trainer.save_freq",
+    "trainer.test_freq", "trainer.total_training_steps", "trainer.total_epochs", "trainer.max_ckpt_to_keep",
+    "trainer.max_restarts", "trainer.ray_address", "trainer.placement_timeout_s", "trainer.default_local_dir",
+    "trainer.log_val_generations", "trainer.val_before_train", "trainer.nnodes", "trainer.n_gpus_per_node",
+    "trainer.device", "trainer.balance_batch", "balance.enable", "balance.workload",
+})
+# The parallel layout and micro-batching do not change the curve (the loss contract): any key so named.
+LAYOUT_KEY_NAMES = frozenset({
+    "ulysses_sequence_parallel_size", "micro_batch_size_per_gpu", "max_token_len_per_gpu", "use_dynamic_bsz",
+    "ppo_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu", "log_prob_micro_batch_size_per_gpu",
+    "log_prob_max_token_len_per_gpu", "max_num_seqs", "balance_dp_token",
+})
+
+
+class CheckpointError(ConfigError):
+    """The checkpoint directory holds something the run cannot continue from, or cannot be written."""
+
+
+class CheckpointDiskFullError(CheckpointError):
+    """A checkpoint does not fit on the disk of ``trainer.default_local_dir``."""
+
+
+def _read_json(path: str) -> dict | None:
+    """The JSON object in ``path``; None when missing, empty or torn."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+# ---------------------------------------------------------------------- identity and lineage
+@dataclasses.dataclass(frozen=True)
+class RunIdentity:
+    """Who wrote a checkpoint: this process's run, the lineage it continues and where it started.
+
+    A lineage is a chain of runs that resumed one another (``auto``); ``disable`` and
+    ``resume_path`` start a new one. ``branch_checkpoint`` is the checkpoint the lineage started
+    from (``resume_path``), so a lineage killed before its first save restarts from there.
+    """
+
+    run_id: str
+    lineage_id: str
+    start_step: int
+    branch_checkpoint: str | None
+    config_hash: str
+
+    def to_dict(self) -> dict:
+        """Plain dict for the JSON files."""
+        return dataclasses.asdict(self)
+
+
+def flatten_config(config: dict, prefix: str = "") -> dict:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (lists stay values)."""
+    out = {}
+    for key, value in (config or {}).items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten_config(value, name + "."))
+        else:
+            out[name] = value
+    return out
+
+
+def trajectory_config(config: dict) -> dict:
+    """The flattened config without the run-control and layout keys (what decides the loss curve)."""
+    return {k: v for k, v in flatten_config(config).items()
+            if k not in RUN_CONTROL_KEYS and k.rsplit(".", 1)[-1] not in LAYOUT_KEY_NAMES}
+
+
+def config_hash(config: dict) -> str:
+    """Short stable hash of ``trajectory_config(config)``."""
+    blob = json.dumps(trajectory_config(config), sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def read_lineage(root: str) -> dict | None:
+    """The directory's ``run_lineage.json`` (None when absent or unreadable)."""
+    return _read_json(os.path.join(root, LINEAGE_FILE))
+
+
+# ---------------------------------------------------------------------- scanning
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+    """A complete checkpoint: its directory, step and completeness record."""
+
+    path: str
+    step: int
+    record: dict
+
+    @property
+    def lineage_id(self) -> str | None:
+        """The lineage that wrote it (None for checkpoints of older versions without one)."""
+        return self.record.get("lineage_id")
 
 
 def checkpoint_dir(root: str, step: int) -> str:
+    """``root/global_step_{step}``."""
     return os.path.join(root, f"global_step_{step}")
 
 
-def latest_checkpoint(root: str) -> str | None:
-    """The directory named by ``latest_checkpointed_iteration.txt`` under root, if complete."""
-    marker = os.path.join(root, LATEST_FILE)
-    if not os.path.exists(marker):
+def is_complete(path: str) -> bool:
+    """Whether ``path`` holds a completeness record (written last by ``save_trainer_checkpoint``)."""
+    return _read_json(os.path.join(path, COMPLETE_FILE)) is not None
+
+
+def _recover_interrupted_renames(root: str) -> None:
+    """Finish a save stopped between its renames: a complete staging (or retiring) directory
+    whose ``global_step_N`` is missing is moved into place; a half-deleted pruned one is removed."""
+    for name in os.listdir(root):
+        if name.startswith(RETIRING_PREFIX + "pruned_"):  # a deletion stopped half-way: finish it
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    for prefix in (STAGING_PREFIX, RETIRING_PREFIX):
+        for name in sorted(os.listdir(root)):
+            if not name.startswith(prefix):
+                continue
+            final = os.path.join(root, name[len(prefix):])
+            source = os.path.join(root, name)
+            if _STEP_DIR.match(name[len(prefix):]) and not os.path.exists(final) and is_complete(source):
+                logger.warning("checkpoint: finishing an interrupted save, %s -> %s", source, final)
+                os.rename(source, final)
+                fsync_dir(root)
+
+
+def scan_checkpoints(root: str) -> tuple[list[CheckpointInfo], list[str]]:
+    """(complete checkpoints sorted by step, incomplete ``global_step_N``/staging directories)."""
+    if not os.path.isdir(root):
+        return [], []
+    _recover_interrupted_renames(root)
+    complete, incomplete = [], []
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        match = _STEP_DIR.match(name)
+        if match and os.path.isdir(path):
+            record = _read_json(os.path.join(path, COMPLETE_FILE))
+            if record is None:
+                incomplete.append(path)
+            else:
+                complete.append(CheckpointInfo(path=path, step=int(match.group(1)), record=record))
+        elif name.startswith(STAGING_PREFIX):
+            incomplete.append(path)
+    complete.sort(key=lambda c: c.step)
+    return complete, sorted(incomplete)
+
+
+def latest_checkpoint(root: str, *, lineage_id: str | None = None) -> str | None:
+    """The newest complete checkpoint under ``root`` (of ``lineage_id`` when given).
+
+    Incomplete directories (a save that was stopped) are skipped with a warning, so an older
+    complete checkpoint is used rather than none."""
+    complete, incomplete = scan_checkpoints(root)
+    if lineage_id is not None:
+        complete = [c for c in complete if c.lineage_id == lineage_id]
+    newest = complete[-1] if complete else None
+    for path in incomplete:
+        logger.warning("checkpoint: %s is incomplete (a save was interrupted) and is ignored%s", path,
+                       f"; using {newest.path}" if newest else "")
+    return newest.path if newest else None
+
+
+# ---------------------------------------------------------------------- run start
+def _move_aside(root: str, names: list[str], *, label: str) -> str | None:
+    """Move ``names`` (entries of ``root``) into ``root/superseded/<time>_<label>/``; returns it."""
+    names = [n for n in names if os.path.exists(os.path.join(root, n))]
+    if not names:
         return None
-    with open(marker, encoding="utf-8") as f:
-        step = int(f.read().strip())
-    path = checkpoint_dir(root, step)
-    return path if os.path.exists(os.path.join(path, TRAINER_STATE_FILE)) else None
+    dest = os.path.join(root, SUPERSEDED_DIR, f"{time.strftime('%Y%m%d-%H%M%S')}_{label}")
+    os.makedirs(dest, exist_ok=True)
+    for name in names:
+        os.rename(os.path.join(root, name), os.path.join(dest, name))
+    fsync_dir(root)
+    return dest
 
 
-def save_trainer_checkpoint(group: RayWorkerGroup, *, root: str, step: int, trainer_state: dict) -> str:
-    """Workers write the sharded engine state; the driver writes its own state, then the marker.
+def _warn_on_config_change(lineage: dict, config: dict) -> None:
+    old, new = trajectory_config(lineage.get("config") or {}), trajectory_config(config)
+    changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+    if changed:
+        shown = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed[:8])
+        logger.warning("resuming lineage %s with a changed config (%d key(s): %s%s); the curve will not match an "
+                       "uninterrupted run", lineage.get("lineage_id"), len(changed), shown,
+                       ", ..." if len(changed) > 8 else "")
 
-    The marker is written last, so a stop mid-save leaves the previous checkpoint as latest.
+
+def start_run(root: str, *, resume_mode: str, resume_from_path: str | None,
+              config: dict) -> tuple[RunIdentity, str | None]:
+    """Decide this run's lineage and the checkpoint to load (None: start from the beginning).
+
+    - ``auto``: continue the lineage recorded in ``run_lineage.json`` from its newest complete
+      checkpoint (or, with none yet, from where the lineage started). Checkpoints of other runs
+      are never picked. A directory with checkpoints but no lineage record (written by another
+      tool or version) is an error: say ``resume_path`` or ``disable``.
+    - ``disable``: a new lineage from step 0; the directory's checkpoints, lineage record and
+      metrics are moved to ``superseded/`` (nothing is deleted).
+    - ``resume_path``: a new lineage branching from ``resume_from_path``; checkpoints in this
+      directory past its step (another branch's future) are moved to ``superseded/``.
+
+    Writes the new ``run_lineage.json`` (atomically) and makes ``metrics.jsonl`` hold only this
+    lineage's records up to the start step.
     """
-    path = checkpoint_dir(root, step)
-    if os.path.exists(path):
-        shutil.rmtree(path)
-    group.save_checkpoint(path, step)
-    with open(os.path.join(path, TRAINER_STATE_FILE), "w", encoding="utf-8") as f:
-        json.dump(trainer_state, f)
-    with open(os.path.join(root, LATEST_FILE), "w", encoding="utf-8") as f:
-        f.write(str(step))
-    return path
+    if resume_mode not in RESUME_MODES:
+        raise ConfigError(f"trainer.resume_mode={resume_mode!r} is not valid; expected one of {list(RESUME_MODES)}")
+    os.makedirs(root, exist_ok=True)
+    run_id = uuid.uuid4().hex[:12]
+    digest = config_hash(config)
+    lineage = read_lineage(root)
+    complete, incomplete = scan_checkpoints(root)
+    load_path: str | None = None
+    metrics_path = os.path.join(root, METRICS_FILE)
+
+    if resume_mode == "auto" and lineage is not None:
+        lineage_id = lineage["lineage_id"]
+        branch = lineage.get("branch_checkpoint")
+        load_path = latest_checkpoint(root, lineage_id=lineage_id)
+        if load_path is None and branch is not None:
+            if not (is_complete(branch) or os.path.exists(os.path.join(branch, TRAINER_STATE_FILE))):
+                raise CheckpointError(f"lineage {lineage_id} in trainer.default_local_dir={root!r} started from "
+                                      f"{branch!r}, which is no longer a complete checkpoint")
+            load_path = branch
+        _warn_on_config_change(lineage, config)
+    elif resume_mode == "auto":
+        foreign = [c.path for c in complete] + [p for p in incomplete if _STEP_DIR.match(os.path.basename(p))]
+        if foreign:
+            raise CheckpointError(
+                f"trainer.default_local_dir={root!r} holds checkpoints of another run ({len(foreign)}, e.g. "
+                f"{max(foreign)!r}) but no {LINEAGE_FILE} saying which run they belong to; set "
+                "trainer.resume_mode=resume_path trainer.resume_from_path=<one of them> to continue it, or "
+                "trainer.resume_mode=disable to start fresh (they are moved to superseded/, not deleted)")
+        lineage_id, branch = run_id, None
+        if os.path.exists(metrics_path):
+            moved = _move_aside(root, [METRICS_FILE], label="no-lineage")
+            logger.warning("metrics.jsonl of an unknown run moved to %s", moved)
+    elif resume_mode == "disable":
+        lineage_id, branch = run_id, None
+        names = [os.path.basename(c.path) for c in complete] + [os.path.basename(p) for p in incomplete]
+        names += [LINEAGE_FILE, METRICS_FILE, LATEST_FILE]
+        moved = _move_aside(root, names, label=(lineage or {}).get("lineage_id", "unknown"))
+        if moved:
+            logger.warning("trainer.resume_mode=disable: the previous run's checkpoints and metrics in %s were "
+                           "moved to %s", root, moved)
+    else:
+        if not resume_from_path:
+            raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
+        load_path = os.path.abspath(resume_from_path)
+        if not (is_complete(load_path) or os.path.exists(os.path.join(load_path, TRAINER_STATE_FILE))):
+            raise CheckpointError(f"trainer.resume_from_path={resume_from_path!r} is not a complete checkpoint "
+                                  f"(no {COMPLETE_FILE}); pick a complete global_step_N directory")
+        start = _checkpoint_step(load_path)
+        lineage_id, branch = run_id, load_path
+        later = [os.path.basename(c.path) for c in complete if c.step > start and c.path != load_path]
+        later += [os.path.basename(p) for p in incomplete]
+        same_dir = os.path.dirname(load_path) == os.path.abspath(root)
+        moved = _move_aside(root, later + ([] if same_dir else [METRICS_FILE]) + [LATEST_FILE],
+                            label=f"after_step_{start}")
+        if moved:
+            logger.warning("trainer.resume_mode=resume_path: checkpoints past step %d (another branch) moved to %s",
+                           start, moved)
+
+    start_step = _checkpoint_step(load_path) if load_path else 0
+    identity = RunIdentity(run_id=run_id, lineage_id=lineage_id, start_step=start_step,
+                           branch_checkpoint=branch, config_hash=digest)
+    atomic_write_json(os.path.join(root, LINEAGE_FILE), {**identity.to_dict(), "config": config,
+                                                         "started": time.time()})
+    if os.path.exists(metrics_path):
+        rewrite_metrics_up_to(metrics_path, start_step)
+    return identity, load_path
 
 
-def load_trainer_checkpoint(group: RayWorkerGroup, path: str) -> dict:
+def _checkpoint_step(path: str) -> int:
+    record = _read_json(os.path.join(path, COMPLETE_FILE))
+    if record is not None and "step" in record:
+        return int(record["step"])
+    state = _read_json(os.path.join(path, TRAINER_STATE_FILE))
+    if state is not None and "global_step" in state:
+        return int(state["global_step"])
+    match = _STEP_DIR.match(os.path.basename(os.path.normpath(path)))
+    if match:
+        return int(match.group(1))
+    raise CheckpointError(f"cannot tell the step of checkpoint {path!r}")
+
+
+# ---------------------------------------------------------------------- save, load, retention
+def directory_size(path: str) -> int:
+    """Bytes in the files under ``path``."""
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(dirpath, name))
+            except OSError:
+                pass
+    return total
+
+
+def _is_disk_full(err: BaseException) -> bool:
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(err)
+        if "No space left" in text or "Disk quota exceeded" in text or "PytorchStreamWriter failed" in text:
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _disk_full_error(root: str, step: int, *, needed: int | None) -> CheckpointDiskFullError:
+    free = shutil.disk_usage(root).free
+    need = f"; the previous checkpoint took {_format_bytes(needed)}" if needed else ""
+    return CheckpointDiskFullError(
+        f"no space to save checkpoint step {step} in trainer.default_local_dir={os.path.abspath(root)!r}: "
+        f"{_format_bytes(free)} free{need}. Free space there, lower trainer.max_ckpt_to_keep, or point "
+        "trainer.default_local_dir at a larger disk")
+
+
+def save_trainer_checkpoint(group, *, root: str, step: int, trainer_state: dict, identity: RunIdentity,
+                            max_to_keep: int | None = None) -> str:
+    """Checkpoint workers and driver state as ``root/global_step_{step}``; returns its path.
+
+    Workers write their shards into a staging directory; the driver adds ``trainer_state.json``
+    and, last, ``checkpoint_complete.json``, then renames the directory into place. A stop at any
+    point leaves the previous complete checkpoints untouched. Afterwards checkpoints of this
+    lineage beyond the newest ``max_to_keep`` are deleted.
+    """
+    final = checkpoint_dir(root, step)
+    staging = os.path.join(root, STAGING_PREFIX + os.path.basename(final))
+    complete, _ = scan_checkpoints(root)
+    needed = directory_size(complete[-1].path) if complete else None
+    if needed and shutil.disk_usage(root).free < needed:
+        raise _disk_full_error(root, step, needed=needed)
+    if os.path.exists(staging):
+        shutil.rmtree(staging)
+    try:
+        group.save_checkpoint(staging, step)
+        atomic_write_json(os.path.join(staging, TRAINER_STATE_FILE), trainer_state)
+        atomic_write_json(os.path.join(staging, COMPLETE_FILE), {**identity.to_dict(), "step": step,
+                                                                  "time": time.time()})
+    except Exception as err:
+        if _is_disk_full(err):
+            shutil.rmtree(staging, ignore_errors=True)
+            raise _disk_full_error(root, step, needed=needed) from err
+        raise
+    if os.path.exists(final):
+        # Replacing a checkpoint of the same step: the old one stays complete until the new is in place.
+        retiring = os.path.join(root, RETIRING_PREFIX + os.path.basename(final))
+        shutil.rmtree(retiring, ignore_errors=True)
+        os.rename(final, retiring)
+        os.rename(staging, final)
+        shutil.rmtree(retiring)
+    else:
+        os.rename(staging, final)
+    fsync_dir(root)
+    atomic_write_text(os.path.join(root, LATEST_FILE), str(step))
+    if max_to_keep:
+        prune_checkpoints(root, lineage_id=identity.lineage_id, keep=max_to_keep)
+    return final
+
+
+def prune_checkpoints(root: str, *, lineage_id: str, keep: int) -> list[str]:
+    """Delete this lineage's complete checkpoints except the newest ``keep``; returns the deleted paths.
+
+    Other lineages' checkpoints (and incomplete directories) are never touched."""
+    assert keep >= 1, keep
+    own = [c for c in scan_checkpoints(root)[0] if c.lineage_id == lineage_id]
+    deleted = []
+    for info in own[:-keep]:
+        retiring = os.path.join(root, RETIRING_PREFIX + "pruned_" + os.path.basename(info.path))
+        os.rename(info.path, retiring)  # never a half-deleted directory under a global_step_N name
+        shutil.rmtree(retiring)
+        deleted.append(info.path)
+    if deleted:
+        fsync_dir(root)
+        logger.info("checkpoint: trainer.max_ckpt_to_keep=%d, deleted %s", keep, deleted)
+    return deleted
+
+
+def load_trainer_checkpoint(group, path: str) -> dict:
     """Restore workers from ``path`` and return the driver's saved state."""
-    if not os.path.exists(os.path.join(path, TRAINER_STATE_FILE)):
-        raise ConfigError(f"trainer.resume_from_path={path!r} is not a complete checkpoint "
-                          f"(no {TRAINER_STATE_FILE}); pick a global_step_N directory")
+    state = _read_json(os.path.join(path, TRAINER_STATE_FILE))
+    if state is None:
+        raise CheckpointError(f"trainer.resume_from_path={path!r} is not a complete checkpoint "
+                              f"(no readable {TRAINER_STATE_FILE}); pick a global_step_N directory")
     group.load_checkpoint(path)
-    with open(os.path.join(path, TRAINER_STATE_FILE), encoding="utf-8") as f:
-        return json.load(f)
+    return state
 
 
 def truncate_metrics_after(path: str, step: int) -> None:
     """Drop records past ``step`` so a resumed run's metrics file reads as one uninterrupted curve."""
-    if not os.path.exists(path):
-        return
-    keep = [r for r in read_metrics(path) if int(r.get("step", 0)) <= step]
-    with open(path, "w", encoding="utf-8") as f:
-        for record in keep:
-            f.write(json.dumps(record) + "\n")
+    if os.path.exists(path):
+        rewrite_metrics_up_to(path, step)

@@ -168,6 +168,12 @@ class TrainerSection:
     """How long to wait for the workers' resources before failing."""
     plot: bool = True
     """Write curves.png at the end of the run."""
+    max_ckpt_to_keep: Optional[int] = None
+    """Keep only the newest N complete checkpoints of this run (older ones are deleted after a newer one
+    is complete); null keeps every checkpoint. See docs/fault_tolerance.md."""
+    max_restarts: int = 0
+    """How often a run rebuilds its worker group after a worker dies and continues from the last complete
+    checkpoint; 0 = a dead worker ends the run."""
 
     def __post_init__(self) -> None:
         check_choice("device", self.device, DEVICES)
@@ -181,6 +187,10 @@ class TrainerSection:
             raise ConfigError("resume_mode=resume_path needs resume_from_path")
         for name in self.logger:
             check_choice("logger", name, LOGGERS)
+        if self.max_ckpt_to_keep is not None:
+            check_positive("max_ckpt_to_keep", self.max_ckpt_to_keep)
+        if self.max_restarts < 0:
+            raise ConfigError(f"max_restarts={self.max_restarts} must be >= 0")
 
     @property
     def world_size(self) -> int:
@@ -267,6 +277,37 @@ def register_schemas() -> None:
 
 
 # ---------------------------------------------------------------------- DictConfig -> objects
+def check_known_keys(cfg, path: str = "") -> None:
+    """Raise ConfigError naming any key a typed section does not declare (e.g. Hydra's
+    ``+data.trian_files=x`` append syntax, which bypasses the schema's own check)."""
+    import dataclasses
+
+    from omegaconf import DictConfig, OmegaConf
+
+    schema = OmegaConf.get_type(cfg)
+    if dataclasses.is_dataclass(schema):
+        fields = {f.name for f in dataclasses.fields(schema)}
+        unknown = sorted(str(k) for k in cfg.keys() if k not in fields)
+        if unknown:
+            raise ConfigError(f"unknown config key(s) {[path + k for k in unknown]}; valid keys of "
+                              f"{path.rstrip('.') or 'the root'}: {sorted(fields)}")
+    for key in cfg.keys():
+        if not OmegaConf.is_missing(cfg, key) and isinstance(cfg[key], DictConfig):
+            check_known_keys(cfg[key], f"{path}{key}.")
+
+
+def check_writable_dir(key: str, path: str) -> None:
+    """Raise ConfigError naming ``key`` unless ``path`` is (or can be created as) a writable directory."""
+    import os
+
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
+        why = "is not a directory" if not os.path.isdir(probe) else "is not writable"
+        raise ConfigError(f"{key}={path!r} cannot be used: {probe!r} {why}; point {key} at a writable directory")
+
+
 def narrow(instance, cls):
     """An instance of ``cls`` (a dataclass base of ``instance``'s class) with ``instance``'s values."""
     return cls(**{f.name: getattr(instance, f.name) for f in dataclasses.fields(cls)})
@@ -340,7 +381,9 @@ SFT_ENGINE_KEYS = {"optim": "optim", "loss_agg_mode": "loss_agg_mode", "loss_sca
 
 def validate_sft(cfg: DictConfig) -> SFTConfig:
     """The SFT config as typed objects; ConfigError naming the key when it is invalid."""
+    check_known_keys(cfg)
     config: SFTConfig = to_typed(cfg)
+    check_writable_dir("trainer.default_local_dir", config.trainer.default_local_dir)
     dp = check_layout(sp_size=config.ulysses_sequence_parallel_size, trainer=config.trainer,
                       sp_key="ulysses_sequence_parallel_size")
     if config.data.train_batch_size < dp:

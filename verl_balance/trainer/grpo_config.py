@@ -34,9 +34,11 @@ from verl_balance.trainer.config import (
     TrainerSection,
     build_engine_config,
     check_choice,
+    check_known_keys,
     check_layout,
     check_positive,
     check_remove_padding,
+    check_writable_dir,
     narrow,
     register_schemas,
     to_typed,
@@ -310,7 +312,9 @@ GRPO_ENGINE_KEYS = {"optim": "actor_rollout_ref.actor.optim",
 
 def validate_grpo(cfg: DictConfig) -> GRPOConfig:
     """The GRPO config as typed objects; ConfigError naming the key when it is invalid."""
+    check_known_keys(cfg)
     config: GRPOConfig = to_typed(cfg)
+    check_writable_dir("trainer.default_local_dir", config.trainer.default_local_dir)
     arr = config.actor_rollout_ref
     actor, rollout, d = arr.actor, arr.rollout, config.data
     sp = config.sp_size

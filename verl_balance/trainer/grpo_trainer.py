@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from verl_balance.algorithms import compute_advantages
-from verl_balance.batch_keys import PROMPT_IDS_KEY, PROMPT_INDEX_KEY, TEMPERATURE_KEY, UID_KEY
+from verl_balance.batch_keys import PROMPT_IDS_KEY, PROMPT_INDEX_KEY, SAMPLE_INDEX_KEY, TEMPERATURE_KEY, UID_KEY
 from verl_balance.data.rl_dataset import RLPromptDataset
 from verl_balance.data.synthetic import write_dataset
 from verl_balance.protocol import Batch
@@ -43,7 +43,7 @@ from verl_balance.trainer.grpo_config import GRPO_ENGINE_KEYS, GRPOConfig, valid
 from verl_balance.trainer.metrics import plan_metrics, reduce_rank_metrics
 from verl_balance.trainer.plan_dispatch import plan_batch, run_by_plan, split_by_plan
 from verl_balance.utils.tracking import Tracking
-from verl_balance.workers.actor_rollout import ActorRolloutWorker, ActorRolloutWorkerConfig
+from verl_balance.workers.actor_rollout import ActorRolloutWorker, ActorRolloutWorkerConfig, sampling_seed
 from verl_balance.workers.group import ActorRolloutGroup
 
 logger = logging.getLogger(__name__)
@@ -161,14 +161,20 @@ class GRPOTrainer(DriverBase):
                          f"{self.model_config.hidden_size}); {len(self.train_set)} train prompts x n={r.n}, "
                          f"{self.total_steps} steps of {self.updates_per_step} optimizer step(s)"))
         try:
-            if arr.model.path:
-                self.actor.load_model_weights(os.path.abspath(arr.model.path))
-                logger.info("warm start: weights of %s", arr.model.path)
-            if a.use_kl_loss:
-                self.actor.sync_reference_policy()
+            self.prepare_workers()
         except BaseException:
             self.close()
             raise
+
+    def prepare_workers(self) -> None:
+        """Warm start from ``actor_rollout_ref.model.path`` and the frozen reference policy (KL loss);
+        run on the first worker group and again on one rebuilt after a worker died."""
+        arr = self.config.actor_rollout_ref
+        if arr.model.path:
+            self.actor.load_model_weights(os.path.abspath(arr.model.path))
+            logger.info("warm start: weights of %s", arr.model.path)
+        if arr.actor.use_kl_loss:
+            self.actor.sync_reference_policy()
 
     # ------------------------------------------------------------------ phases
     def generate(self, prompts: tuple[dict, dict], *, n: int, temperature: float, top_p: float, seed: int) -> Batch:
@@ -177,7 +183,8 @@ class GRPOTrainer(DriverBase):
         num_prompts = len(non_tensors[PROMPT_IDS_KEY])
         bounds = np.linspace(0, num_prompts, self.world + 1).round().astype(int)
         prompt_batch = Batch.from_dict(tensors={"prompt_lengths": tensors["attention_mask"].sum(1)},
-                                       non_tensors={PROMPT_IDS_KEY: non_tensors[PROMPT_IDS_KEY]})
+                                       non_tensors={PROMPT_IDS_KEY: non_tensors[PROMPT_IDS_KEY],
+                                                    SAMPLE_INDEX_KEY: np.asarray(non_tensors["index"], dtype=np.int64)})
         chunks = [prompt_batch.index_select(np.arange(lo, hi)) for lo, hi in zip(bounds[:-1], bounds[1:])]
         sampling = {"n": n, "temperature": temperature, "top_p": top_p,
                     "max_response_length": self.rollout_cfg.response_length}
@@ -219,7 +226,7 @@ class GRPOTrainer(DriverBase):
         with _timed(metrics, "step"):
             with _timed(metrics, "gen"):
                 batch = self.generate(prompts, n=r.n, temperature=r.temperature, top_p=r.top_p,
-                                      seed=self.config.trainer.seed * 7919 + self.global_step)
+                                      seed=sampling_seed(self.config.trainer.seed, self.global_step))
             # Old, reference and new log-probs are all taken at the sampling temperature.
             batch.meta[TEMPERATURE_KEY] = float(r.temperature)
             with _timed(metrics, "reward"):

@@ -3,8 +3,11 @@
 ``<log_dir>/metrics.jsonl`` gets one JSON object per ``log`` call: ``{"step", "time", **metrics}``,
 appended and flushed, so a resumed run continues the same file (``read_metrics`` merges the
 records of one step, later values winning, so a step re-logged after a resume reads as the new
-values). ``<log_dir>/run.json``
-holds the project, experiment and config. TensorBoard and W&B are optional: asked for but not
+values). A line torn by a crash mid-write can only be the last one: it is dropped with a warning
+(on read, and before a new ``Tracking`` appends), never glued to the next record. The trainer
+truncates the file to the step it resumes from (``rewrite_metrics_up_to``, atomic), so one file
+holds one run's curve. ``<log_dir>/run.json`` holds the project, experiment and config (atomic).
+TensorBoard and W&B are optional: asked for but not
 installed gives a warning naming the package, never a crash; W&B runs offline unless WANDB_MODE
 is set.
 
@@ -19,15 +22,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import math
 import os
 import sys
 import time
-import warnings
 from collections.abc import Iterable, Mapping
 from numbers import Integral, Real
 from typing import Any
 
+from verl_balance.utils.atomic_io import atomic_write_json, atomic_write_text
+
+logger = logging.getLogger(__name__)
 BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
 DEFAULT_CONSOLE_PATTERNS = (
     "loss", "grad_norm", "lr", "tokens_per_s", "imbalance", "reward/mean", "accuracy", "response_length/mean",
@@ -55,8 +61,8 @@ def to_scalar(key: str, value: Any) -> float | int | str:
     raise TrackingError(f"metric {key!r} must be a scalar number or string, got {type(value).__name__}")
 
 
-def _plain_config(config: Any) -> Any:
-    """OmegaConf/dataclass/mapping config -> JSON-able containers."""
+def plain_config(config: Any) -> Any:
+    """OmegaConf/dataclass/mapping config -> JSON-able containers (interpolations resolved)."""
     if config is None:
         return None
     try:
@@ -94,10 +100,11 @@ class Tracking:
         self.project, self.experiment, self.log_dir = project, experiment, log_dir
         self.console_patterns = tuple(console_patterns)
         os.makedirs(log_dir, exist_ok=True)
-        plain_config = _plain_config(config)
-        with open(os.path.join(log_dir, RUN_FILE), "w", encoding="utf-8") as f:
-            json.dump({"project": project, "experiment": experiment, "config": plain_config}, f, indent=2, default=str)
-        self._jsonl = open(os.path.join(log_dir, METRICS_FILE), "a", encoding="utf-8")
+        config_dict = plain_config(config)
+        atomic_write_json(os.path.join(log_dir, RUN_FILE),
+                          {"project": project, "experiment": experiment, "config": config_dict}, indent=2)
+        drop_torn_last_line(self.metrics_path)
+        self._jsonl = open(self.metrics_path, "a", encoding="utf-8")
         self._progress = None
         self._console = "console" in backends
         if self._console:
@@ -110,10 +117,8 @@ class Tracking:
         self._tensorboard = None
         if "tensorboard" in backends:
             if importlib.util.find_spec("tensorboard") is None:
-                warnings.warn(
-                    "logger 'tensorboard' requested but the tensorboard package is not installed "
-                    "(pip install tensorboard); continuing without it", stacklevel=2,
-                )
+                logger.warning("logger 'tensorboard' requested but the tensorboard package is not installed "
+                               "(pip install tensorboard); continuing without it")
             else:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -121,16 +126,14 @@ class Tracking:
         self._wandb = None
         if "wandb" in backends:
             if importlib.util.find_spec("wandb") is None:
-                warnings.warn(
-                    "logger 'wandb' requested but the wandb package is not installed (pip install wandb); "
-                    "continuing without it", stacklevel=2,
-                )
+                logger.warning("logger 'wandb' requested but the wandb package is not installed (pip install wandb); "
+                               "continuing without it")
             else:
                 import wandb
 
                 os.environ.setdefault("WANDB_MODE", "offline")
                 self._wandb = wandb.init(
-                    project=project, name=experiment, dir=log_dir, config=plain_config
+                    project=project, name=experiment, dir=log_dir, config=config_dict
                 )
 
     @property
@@ -152,6 +155,14 @@ class Tracking:
             self._wandb.log(numeric, step=step)
         if self._console:
             self._print(numeric, step=step)
+
+    def truncate_after(self, step: int) -> None:
+        """Drop the records logged past ``step`` (a run that went back to a checkpoint)."""
+        self._jsonl.close()
+        rewrite_metrics_up_to(self.metrics_path, step)
+        self._jsonl = open(self.metrics_path, "a", encoding="utf-8")
+        if self._progress is not None:
+            self._progress.n = min(self._progress.n, step)
 
     def _print(self, numeric: Mapping[str, float | int], *, step: int) -> None:
         from tqdm import tqdm
@@ -192,22 +203,59 @@ def _format(value: float | int) -> str:
     return f"{value:.4g}" if 1e-3 <= abs(value) < 1e5 else f"{value:.3e}"
 
 
+def drop_torn_last_line(path: str) -> bool:
+    """Cut a last line without its newline (a write torn by a crash); True if one was dropped."""
+    if not os.path.exists(path):
+        return False
+    with open(path, "rb") as f:
+        data = f.read()
+    if not data or data.endswith(b"\n"):
+        return False
+    keep = data[:data.rfind(b"\n") + 1]
+    logger.warning("%s: dropping a torn last line (%d bytes, a write interrupted by a crash): %r",
+                   path, len(data) - len(keep), data[len(keep):][:80])
+    atomic_write_text(path, keep.decode("utf-8", errors="replace"))
+    return True
+
+
+def _parse_lines(path: str) -> list[tuple[str, dict]]:
+    """(line, record) of every non-empty line; a torn last line is dropped with a warning."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = f.read().split("\n")
+    out = []
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    for index, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or "step" not in record:
+                raise json.JSONDecodeError("not a record with a step", line, 0)
+        except json.JSONDecodeError as err:
+            if index == last:
+                logger.warning("%s: line %d is torn (%s), dropped: %r", path, index + 1, err.msg, line[:80])
+                continue
+            raise TrackingError(f"{path}: line {index + 1} is not valid JSON ({err.msg})") from err
+        out.append((line, record))
+    return out
+
+
+def rewrite_metrics_up_to(path: str, step: int) -> None:
+    """Keep the records of steps <= ``step`` (and drop a torn last line), atomically."""
+    kept = [line for line, record in _parse_lines(path) if int(record["step"]) <= step]
+    atomic_write_text(path, "".join(line + "\n" for line in kept))
+
+
 def read_metrics(path: str) -> list[dict[str, Any]]:
     """Records of a metrics.jsonl (or a run directory holding one), one per step, sorted by step.
 
     Records of the same step are merged, later values winning: a step logged in two calls
     (train, then eval) reads as one record, and a step re-logged after a resume reads as the
-    resumed run's values."""
+    resumed run's values. A torn last line is dropped with a warning; a bad line elsewhere is a
+    ``TrackingError`` naming it."""
     if os.path.isdir(path):
         path = os.path.join(path, METRICS_FILE)
     by_step: dict[int, dict[str, Any]] = {}
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise TrackingError(f"{path}: line {line_number} is not valid JSON ({err.msg})") from err
-            by_step.setdefault(int(record["step"]), {}).update(record)
+    for _, record in _parse_lines(path):
+        by_step.setdefault(int(record["step"]), {}).update(record)
     return [by_step[step] for step in sorted(by_step)]

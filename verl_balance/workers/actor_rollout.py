@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -27,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
-from verl_balance.batch_keys import PROMPT_IDS_KEY
+from verl_balance.batch_keys import PROMPT_IDS_KEY, SAMPLE_INDEX_KEY
 from verl_balance.engine.train_engine import TrainEngine
 from verl_balance.protocol import Batch
 from verl_balance.rollout import NaiveRollout, RolloutOutput
@@ -35,8 +37,12 @@ from verl_balance.single_controller import Dispatch, make_mesh_dispatch, registe
 from verl_balance.workers.actor import ACTOR_MESH, ActorWorker, ActorWorkerConfig, batch_temperature, cat_padded
 
 ROLLOUT_MESH = "rollout"
-# Decorrelates the sampling streams of the workers of one generate call.
-_RANK_SEED_STRIDE = 1_000_003
+
+
+def sampling_seed(*keys: int) -> int:
+    """A 63-bit seed mixed from integer keys, e.g. (trainer seed, step) or (call seed, sample index)."""
+    entropy = [int(k) & 0xFFFF_FFFF_FFFF_FFFF for k in keys]
+    return int(np.random.SeedSequence(entropy).generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
 
 
 class WarmStartError(ValueError):
@@ -118,16 +124,24 @@ class ActorRolloutWorker(ActorWorker):
     def generate_sequences(self, prompts: Batch, sampling: dict, seed: int) -> RolloutOutput | None:
         """Sample ``sampling["n"]`` responses for each of this worker's prompts (None for no prompts).
 
-        ``prompts`` carries the token ids in the non-tensor column ``raw_prompt_ids``; ``sampling``
-        holds the ``RolloutEngine.generate`` keywords other than ``seed`` and ``stop_token_ids``.
+        ``prompts`` carries the token ids in the non-tensor column ``raw_prompt_ids`` and each
+        prompt's global index in ``sample_index``; ``sampling`` holds the ``RolloutEngine.generate``
+        keywords other than ``seed`` and ``stop_token_ids``. Each prompt is sampled on its own with
+        seed ``sampling_seed(seed, sample_index)``, so the output is the same on any worker count
+        (greedy decoding, which draws no random numbers, runs all prompts in one batch).
         """
         self._refresh_rollout_weights()  # collective: before any early return
         if len(prompts) == 0:
             return None
         prompt_ids = [list(p) for p in prompts.non_tensors[PROMPT_IDS_KEY]]
-        output = self.rollout.generate(prompt_ids, stop_token_ids=self.config.stop_token_ids,
-                                       seed=seed + _RANK_SEED_STRIDE * self.rank, **sampling)
-        return _to_cpu(output)
+        if sampling.get("temperature", 1.0) == 0:  # greedy draws nothing: one batched call
+            return _to_cpu(self.rollout.generate(prompt_ids, stop_token_ids=self.config.stop_token_ids,
+                                                 seed=seed, **sampling))
+        sample_index = prompts.non_tensors[SAMPLE_INDEX_KEY]
+        outputs = [self.rollout.generate([ids], stop_token_ids=self.config.stop_token_ids,
+                                         seed=sampling_seed(seed, int(index)), **sampling)
+                   for ids, index in zip(prompt_ids, sample_index)]
+        return _to_cpu(_concat_prompt_outputs(outputs, pad_token_id=self.config.pad_token_id))
 
     @register(dispatch_mode=make_mesh_dispatch(ACTOR_MESH))
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
@@ -139,6 +153,23 @@ class ActorRolloutWorker(ActorWorker):
         return Batch.from_dict(tensors={"ref_log_prob": cat_padded([o["log_probs"] for o in outputs])})
 
 
+def _concat_prompt_outputs(outputs: list[RolloutOutput], *, pad_token_id: int) -> RolloutOutput:
+    """One output from single-prompt outputs, prompt i's rows with ``prompt_index`` i."""
+    width = max(o.responses.shape[1] for o in outputs)
+
+    def pad(t: torch.Tensor, value) -> torch.Tensor:
+        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+    has_log_probs = all(o.log_probs is not None for o in outputs)
+    return RolloutOutput(
+        prompt_index=np.concatenate([o.prompt_index + i for i, o in enumerate(outputs)]),
+        responses=torch.cat([pad(o.responses, pad_token_id) for o in outputs]),
+        response_mask=torch.cat([pad(o.response_mask, 0) for o in outputs]),
+        response_lengths=torch.cat([o.response_lengths for o in outputs]),
+        finish_reasons=np.concatenate([o.finish_reasons for o in outputs]),
+        log_probs=torch.cat([pad(o.log_probs, 0.0) for o in outputs]) if has_log_probs else None)
+
+
 def _to_cpu(output: RolloutOutput) -> RolloutOutput:
     return RolloutOutput(
         prompt_index=output.prompt_index, responses=output.responses.cpu(),
@@ -147,4 +178,5 @@ def _to_cpu(output: RolloutOutput) -> RolloutOutput:
         log_probs=None if output.log_probs is None else output.log_probs.cpu())
 
 
-__all__ = ["ActorRolloutWorker", "ActorRolloutWorkerConfig", "ROLLOUT_MESH", "WarmStartError"]
+__all__ = ["ActorRolloutWorker", "ActorRolloutWorkerConfig", "ROLLOUT_MESH", "WarmStartError",
+           "sampling_seed"]
