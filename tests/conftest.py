@@ -19,6 +19,7 @@ def ray_cluster():
     if started_here:
         python_path = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
         ray.init(
+            address="local",  # always a fresh embedded cluster, never another process's running one
             num_cpus=RAY_NUM_CPUS,
             include_dashboard=False,
             log_to_driver=False,
