@@ -32,6 +32,13 @@ def check_sequence_parallel(config: ModelConfig, sp_size: int) -> None:
                                   sp_size=sp_size)
 
 
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """weight * x * rsqrt(mean(x^2) + eps), normalized in fp32 and cast back (HF-Llama)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     """y = weight * x * rsqrt(mean(x^2) + eps), normalized in fp32 (HF-Llama)."""
 
@@ -41,18 +48,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rotary_cos_sin(position_ids: Tensor, *, head_dim: int, theta: float,
                    dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos, sin [T, 1, head_dim] for HF rotate_half RoPE (frequencies computed in fp32)."""
+    """cos, sin of shape position_ids.shape + (head_dim,) for HF rotate_half RoPE (frequencies in fp32)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device,
                                              dtype=torch.float32) / head_dim))
-    freqs = position_ids.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]
+    freqs = position_ids.float()[..., None] * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -159,6 +164,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = rotary_cos_sin(position_ids, head_dim=self.config.head_dim,
                                   theta=self.config.rope_theta, dtype=x.dtype)
+        cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, head_dim]: broadcast over heads
         for layer in self.layers:
             x = layer(x, cos=cos, sin=sin, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                       sp_group=self.sp_group)
