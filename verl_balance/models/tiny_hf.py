@@ -88,14 +88,19 @@ def build_config(family: str, *, vocab_size: int, num_kv_heads: int = 2, tie_wor
 
 
 def write_tiny_model(out: str, *, family: str, seed: int = 0, num_kv_heads: int = 2,
-                     tie_word_embeddings: bool | None = None, sliding_window: int | None = None) -> str:
-    """Write config.json, model.safetensors and the tokenizer files of a tiny random model to ``out``."""
+                     tie_word_embeddings: bool | None = None, sliding_window: int | None = None,
+                     initializer_range: float = 0.2) -> str:
+    """Write config.json, model.safetensors and the tokenizer files of a tiny random model to ``out``.
+
+    The default ``initializer_range`` (0.2) gives peaked logits, so greedy decoding has no near
+    ties; 0.02 (HF's usual) keeps gradients well scaled for optimizer-step comparisons."""
     from transformers import AutoModelForCausalLM
 
     tokenizer = build_tokenizer()
     vocab_size = -(-len(tokenizer) // 64) * 64  # padded like real checkpoints (model vocab >= tokenizer's)
     config = build_config(family, vocab_size=vocab_size, num_kv_heads=num_kv_heads,
                           tie_word_embeddings=tie_word_embeddings, sliding_window=sliding_window)
+    config.initializer_range = initializer_range
     config.pad_token_id = tokenizer.pad_token_id
     config.eos_token_id = tokenizer.eos_token_id
     torch.manual_seed(seed)
@@ -116,12 +121,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-kv-heads", type=int, default=2)
     parser.add_argument("--sliding-window", type=int, default=None)
+    parser.add_argument("--initializer-range", type=float, default=0.2)
     parser.add_argument("--tie", dest="tie", action="store_true", default=None)
     parser.add_argument("--no-tie", dest="tie", action="store_false")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     write_tiny_model(args.out, family=args.family, seed=args.seed, num_kv_heads=args.num_kv_heads,
-                     tie_word_embeddings=args.tie, sliding_window=args.sliding_window)
+                     tie_word_embeddings=args.tie, sliding_window=args.sliding_window,
+                     initializer_range=args.initializer_range)
     print(args.out)
 
 
