@@ -39,14 +39,16 @@ def _flash_attn_varlen():
 
 def resolve_attn_impl(impl: str, *, device: torch.device) -> str:
     """Concrete implementation for "auto": flash-attn varlen on CUDA if installed, else a
-    per-sequence SDPA loop on CUDA (fused kernels), else a block-diagonal-masked SDPA on CPU."""
+    per-sequence SDPA loop (fused causal kernels; cost and memory grow with sum(L_i^2), where the
+    block-diagonal mask of "sdpa_masked" grows with T^2: 2.5x slower on a heavy-tailed CPU batch,
+    benchmarks/hf_bench.py)."""
     if impl not in ATTN_IMPLS:
         raise ModelConfigError(f"attn_impl={impl!r}; valid: {ATTN_IMPLS}")
     if impl != "auto":
         return impl
-    if device.type == "cuda":
-        return "flash_attn" if _flash_attn_varlen() is not None else "sdpa_loop"
-    return "sdpa_masked"
+    if device.type == "cuda" and _flash_attn_varlen() is not None:
+        return "flash_attn"
+    return "sdpa_loop"
 
 
 def check_sequence_parallel_heads(*, num_heads: int, num_kv_heads: int, sp_size: int) -> None:
