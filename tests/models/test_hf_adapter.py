@@ -43,34 +43,37 @@ def _max_error_vs_per_sequence(adapter: HFCausalLM, reference, *, train: bool = 
     return worst
 
 
+@pytest.mark.parametrize("impl", ["sdpa_masked", "sdpa_loop"])
 @pytest.mark.parametrize("variant", list(TINY_VARIANTS))
-def test_packed_forward_equals_hf_per_sequence_forward(tiny_model_dirs, variant):
+def test_packed_forward_equals_hf_per_sequence_forward(tiny_model_dirs, variant, impl):
     cfg = HFModelConfig.from_pretrained(tiny_model_dirs[variant])
-    adapter, reference = HFCausalLM(cfg), build_hf_model(cfg, attn_implementation="sdpa")
+    adapter, reference = HFCausalLM(cfg, attn_impl=impl), build_hf_model(cfg, attn_implementation="sdpa")
     assert _max_error_vs_per_sequence(adapter, reference) <= 0
 
 
-def test_leaking_attention_is_detected(tiny_model_dirs, monkeypatch):
+@pytest.mark.parametrize("impl", ["sdpa_masked", "sdpa_loop"])
+def test_leaking_attention_is_detected(tiny_model_dirs, monkeypatch, impl):
     """Negative control: attention that ignores sequence boundaries must fail the comparison."""
     cfg = HFModelConfig.from_pretrained(tiny_model_dirs["llama"])
-    adapter, reference = HFCausalLM(cfg), build_hf_model(cfg, attn_implementation="sdpa")
-    real_mask = attention_module.packed_visibility_mask
+    adapter, reference = HFCausalLM(cfg, attn_impl=impl), build_hf_model(cfg, attn_implementation="sdpa")
+    real = attention_module.varlen_causal_attention
 
-    def leaking_mask(cu_seqlens, total, *, sliding_window):
-        return real_mask(torch.tensor([0, total]), total, sliding_window=sliding_window)
+    def leaking(q, k, v, *, cu_seqlens, **kw):
+        return real(q, k, v, cu_seqlens=torch.tensor([0, q.shape[0]]), **kw)
 
-    monkeypatch.setattr(attention_module, "packed_visibility_mask", leaking_mask)
+    monkeypatch.setattr(attention_module, "varlen_causal_attention", leaking)
     assert _max_error_vs_per_sequence(adapter, reference) > 0
 
 
-def test_sliding_window_is_honoured_not_ignored(tiny_model_dirs, monkeypatch):
+@pytest.mark.parametrize("impl", ["sdpa_masked", "sdpa_loop"])
+def test_sliding_window_is_honoured_not_ignored(tiny_model_dirs, monkeypatch, impl):
     """The mistral/qwen2 window configs only pass because the window is applied: dropping it fails."""
     cfg = HFModelConfig.from_pretrained(tiny_model_dirs["mistral"])
     assert cfg.sliding_window == 6 < max(LENGTHS)
-    adapter, reference = HFCausalLM(cfg), build_hf_model(cfg, attn_implementation="sdpa")
-    real_mask = attention_module.packed_visibility_mask
-    monkeypatch.setattr(attention_module, "packed_visibility_mask",
-                        lambda cu, total, *, sliding_window: real_mask(cu, total, sliding_window=None))
+    adapter, reference = HFCausalLM(cfg, attn_impl=impl), build_hf_model(cfg, attn_implementation="sdpa")
+    real = attention_module.varlen_causal_attention
+    monkeypatch.setattr(attention_module, "varlen_causal_attention",
+                        lambda *a, sliding_window=None, **kw: real(*a, sliding_window=None, **kw))
     assert _max_error_vs_per_sequence(adapter, reference) > 0
 
 
