@@ -4,13 +4,14 @@ Rows (same batch, same model dimensions, fp32, one table):
 - ``hf padded sdpa``: Hugging Face's own model, right-padded (B, L_max) with an attention mask
   (what a padded trainer does); the baseline of the ratio column.
 - ``adapter packed (sdpa_masked|sdpa_loop)``: ``HFCausalLM`` on one packed row, no padding.
-- ``built-in packed, 3-D sdpa (before)`` / ``(4-D sdpa, now)``: the built-in decoder with the old
-  3-D SDPA call (kept here, patched in) and the current 4-D call.
+- ``built-in packed, 3-D sdpa (before)`` / ``4-D sdpa (now)``: the built-in decoder's masked kernel
+  with the old 3-D SDPA call (kept here, patched in) and the current 4-D call; ``sdpa_loop``: the
+  per-sequence kernel that ``attn_impl=auto`` now picks on CPU.
 
 tokens/s counts real tokens only. Each case runs in a fresh process: peak memory is the growth of
 the process's max RSS during the measured steps (CPU) or ``torch.cuda.max_memory_allocated``.
 
-    PYTHONPATH=$PWD python benchmarks/hf_bench.py [--batch 12] [--steps 3] [--threads 1]
+    PYTHONPATH=$PWD python benchmarks/hf_bench.py [--batch 12] [--steps 5] [--threads 1]
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ def _run_case(case: str, model_dir: str, lengths: list[int], steps: int, threads
                 import verl_balance.models.attention as attention
 
                 attention._masked_sdpa = _masked_sdpa_3d
-            model = LlamaForCausalLM(ModelConfig(**DIMS, max_position_embeddings=2048), attn_impl="sdpa_masked")
+            impl = "sdpa_loop" if "sdpa_loop" in case else "sdpa_masked"
+            model = LlamaForCausalLM(ModelConfig(**DIMS, max_position_embeddings=2048), attn_impl=impl)
         model.to(dev)
         ids = torch.cat(seqs).to(dev)
         positions = torch.cat([torch.arange(n) for n in lengths]).to(dev)
@@ -134,14 +136,15 @@ def _run_case(case: str, model_dir: str, lengths: list[int], steps: int, threads
 
 
 CASES = ("hf padded sdpa", "adapter packed (sdpa_masked)", "adapter packed (sdpa_loop)",
-         "built-in packed, 3-D sdpa (before)", "built-in packed, 4-D sdpa (now)")
+         "built-in packed, 3-D sdpa (before)", "built-in packed, 4-D sdpa (now)",
+         "built-in packed, sdpa_loop (CPU auto)")
 
 
 def main() -> None:
     """Run every case in its own process and print one table."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=12)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
