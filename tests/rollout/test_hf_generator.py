@@ -90,3 +90,15 @@ def test_tied_state_dict_without_lm_head_loads(model_dirs):
     HFRollout(model_config=config, state_dict=state)
     with pytest.raises(ValueError, match="missing"):
         HFRollout(model_config=config, state_dict={k: v for k, v in state.items() if "layers.0" not in k})
+
+
+def test_weights_are_referenced_and_tied_embeddings_stay_tied(model_dirs):
+    config = HFModelConfig.from_pretrained(model_dirs["llama_kv1_tied"])
+    state = {k: v.clone() for k, v in HFCausalLM(config).state_dict().items()}  # gathered: two copies
+    rollout = HFRollout(model_config=config, state_dict=state)
+    embed = rollout.model.model.embed_tokens.weight
+    assert embed.data_ptr() == state["model.embed_tokens.weight"].data_ptr()
+    assert rollout.model.lm_head.weight is embed
+    half = HFRollout(model_config=config, state_dict=state, dtype=torch.bfloat16)
+    assert half.model.lm_head.weight.dtype == torch.bfloat16 and state["lm_head.weight"].dtype == torch.float32
+    assert half.generate([[3, 4]], temperature=0.0, max_response_length=3).responses.shape == (1, 3)

@@ -59,15 +59,18 @@ class HFRollout(CachedDecoder):
             self.model = build_hf_model(replace(model_config, init="random") if state_dict is not None
                                         else model_config, attn_implementation="sdpa")
         self.model.to(device=device, dtype=dtype).eval()
+        self._device, self._dtype = self.model.lm_head.weight.device, self.model.lm_head.weight.dtype
         self._has_weights = state_dict is not None or model_config.init == "pretrained"
         if state_dict is not None:
             self.update_weights(state_dict)
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Copy these weights (HF names; a tied ``lm_head.weight`` may be absent) into the model."""
-        state = dict(state_dict)
+        """Use these weights (HF names; a tied ``lm_head.weight`` may be absent). Tensors already on
+        the rollout's device and dtype are referenced, not copied (a colocated actor's gathered
+        state dict costs no second copy); tied embeddings are re-tied to the one embedding tensor."""
+        state = {k: v.detach().to(device=self._device, dtype=self._dtype) for k, v in state_dict.items()}
         if self.config.tie_word_embeddings:
-            state.setdefault("lm_head.weight", state.get("model.embed_tokens.weight"))
+            state["lm_head.weight"] = state.get("model.embed_tokens.weight")
         expected = self.model.state_dict()
         missing = [k for k in expected if state.get(k) is None]
         unexpected = [k for k in state if k not in expected]
@@ -77,7 +80,10 @@ class HFRollout(CachedDecoder):
         for name, tensor in expected.items():
             if tuple(state[name].shape) != tuple(tensor.shape):
                 raise StateDictError(f"{name} has shape {tuple(state[name].shape)}, expected {tuple(tensor.shape)}")
-        self.model.load_state_dict(state, strict=True)
+        self.model.load_state_dict(state, strict=True, assign=True)
+        if self.config.tie_word_embeddings:
+            # assign=True replaced both Parameters; make the head the embedding again.
+            self.model.lm_head.weight = self.model.model.embed_tokens.weight
         self._has_weights = True
 
     @property
