@@ -90,3 +90,45 @@ def test_export_errors_name_what_is_missing(tiny_model_dirs, tmp_path):
     with pytest.raises(ExportError, match="missing"):
         save_hf_pretrained({"model.norm.weight": torch.ones(config.hidden_size)}, model_config=config,
                            out=str(tmp_path / "bad"))
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_builtin_model_exports_as_hf_llama_with_the_same_logits(tmp_path, tie):
+    """Independent check of the built-in model's HF-Llama semantics, and its export path."""
+    from transformers import AutoModelForCausalLM
+
+    from verl_balance.export import save_builtin_as_hf_llama
+    from verl_balance.models import LlamaForCausalLM, ModelConfig
+
+    config = ModelConfig(**{**ModelConfig.preset("tiny").to_dict(), "tie_word_embeddings": tie, "rope_theta": 500.0})
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    out = save_builtin_as_hf_llama(model.state_dict(), model_config=config, out=str(tmp_path / "hf"))
+    hf = AutoModelForCausalLM.from_pretrained(out, local_files_only=True, attn_implementation="sdpa")
+    ids = torch.randint(0, config.vocab_size, (13,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(input_ids=ids, position_ids=torch.arange(13), cu_seqlens=torch.tensor([0, 13]), max_seqlen=13)
+        theirs = hf(input_ids=ids[None], use_cache=False).logits[0]
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_builtin_checkpoint_cli_export_reads_dcp(tmp_path):
+    import json
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoModelForCausalLM
+
+    from verl_balance.models import LlamaForCausalLM, ModelConfig
+
+    config = ModelConfig.preset("tiny")
+    torch.manual_seed(2)
+    model = LlamaForCausalLM(config)
+    ckpt = str(tmp_path / "global_step_1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": model.state_dict()}, checkpoint_id=ckpt, no_dist=True)
+    (tmp_path / "model_config.json").write_text(json.dumps(config.to_dict()))
+    export_main([ckpt, str(tmp_path / "hf"), "--builtin-config", str(tmp_path / "model_config.json")])
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), local_files_only=True)
+    torch.testing.assert_close(hf.model.layers[1].self_attn.k_proj.weight, model.layers[1].attn.k_proj.weight)
