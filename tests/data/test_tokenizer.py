@@ -108,3 +108,22 @@ def test_hf_tokenizer_keeps_the_prefix_invariant(tmp_path):
     targets = [t for t, m in zip(ids, mask) if m]
     assert tok.decode(targets, skip_special_tokens=False) == "a b</s>\n"
     assert tok.eos_token_id in targets and tok.decode(ids[: mask.index(1)]) == "user:hi\nassistant:"
+
+
+def test_hf_tokenizer_chat_template_returns_token_ids_not_a_batch_encoding(tmp_path):
+    """transformers' apply_chat_template(tokenize=True) returns a BatchEncoding unless
+    return_dict=False (shown); HFTokenizer returns plain ids that keep the prefix invariant."""
+    pytest.importorskip("transformers")
+    from verl_balance.models.tiny_hf import build_tokenizer as build_tiny_tokenizer
+
+    build_tiny_tokenizer().save_pretrained(str(tmp_path))
+    tok = build_tokenizer(str(tmp_path))
+    messages = [{"role": "user", "content": "what is 12+34"}, {"role": "assistant", "content": "46"}]
+    raw = tok.hf_tokenizer.apply_chat_template(messages, tokenize=True)
+    assert not isinstance(raw, list)  # the trap: a BatchEncoding (a dict), whose list() is its keys
+    ids = tok.apply_chat_template(messages)
+    assert isinstance(ids, list) and all(isinstance(i, int) for i in ids)
+    prompt = tok.apply_chat_template(messages[:1], add_generation_prompt=True)
+    assert ids[: len(prompt)] == prompt
+    assert ids[len(prompt):] == tok.encode("46") + [tok.eos_token_id] + tok.encode("\n")
+    assert tok.decode(ids[len(prompt):]).startswith("46")

@@ -85,15 +85,39 @@ class FlopsWorkload:
 
     @classmethod
     def from_model_config(cls, cfg) -> FlopsWorkload:
-        """Build from any object with num_layers, hidden_size, intermediate_size, num_heads,
-        num_kv_heads, vocab_size (and optionally head_dim), e.g. ``models.ModelConfig``."""
-        keys = ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "vocab_size")
-        missing = [k for k in keys if not hasattr(cfg, k)]
+        """Build from a model config: ``models.ModelConfig``, ``models.hf.HFModelConfig`` or a
+        transformers config (``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``,
+        explicit ``head_dim`` when it is not hidden_size / num_heads). A multimodal config's
+        ``text_config`` is used when it has one."""
+        text_config = getattr(cfg, "text_config", None)
+        if text_config is not None:
+            cfg = text_config
+        values = {}
+        for key, aliases in _DIMENSION_ALIASES.items():
+            found = next((getattr(cfg, a) for a in (key, *aliases) if getattr(cfg, a, None) is not None), None)
+            if found is not None:
+                values[key] = int(found)
+        if "num_kv_heads" not in values and "num_heads" in values:
+            values["num_kv_heads"] = values["num_heads"]  # HF: num_key_value_heads absent means MHA
+        missing = [k for k in _DIMENSION_ALIASES if k not in values]
         if missing:
             raise BalanceConfigError(
-                f"model config {type(cfg).__name__} lacks {missing}; FlopsWorkload needs {list(keys)}"
+                f"model config {type(cfg).__name__} lacks {missing}; FlopsWorkload needs {list(_DIMENSION_ALIASES)} "
+                "(or their Hugging Face names); use balance.workload=tokens otherwise"
             )
-        return cls(**{k: int(getattr(cfg, k)) for k in keys}, head_dim=getattr(cfg, "head_dim", None))
+        head_dim = getattr(cfg, "head_dim", None)
+        return cls(**values, head_dim=None if head_dim is None else int(head_dim))
+
+
+# Our dimension names -> the Hugging Face config names of the same quantity.
+_DIMENSION_ALIASES = {
+    "num_layers": ("num_hidden_layers",),
+    "hidden_size": (),
+    "intermediate_size": (),
+    "num_heads": ("num_attention_heads",),
+    "num_kv_heads": ("num_key_value_heads",),
+    "vocab_size": (),
+}
 
 
 def from_model_config(cfg) -> FlopsWorkload:

@@ -1,21 +1,79 @@
-"""Causal LMs over packed batches: the built-in Llama-style decoder and the interface it meets."""
+"""Causal LMs over packed batches: the built-in Llama-style decoder, Hugging Face models behind the
+same interface, and the one config loader that picks between them."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
 
 from verl_balance.models.base import PackedCausalLM
 from verl_balance.models.config import ModelConfig, ModelConfigError
 from verl_balance.models.llama import LlamaForCausalLM, check_sequence_parallel
 
+# Dimension keys a preset may override (HF directories fix theirs).
+MODEL_DIMENSION_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                        "num_kv_heads", "max_position_embeddings", "tie_word_embeddings")
+# Keys that only a Hugging Face model (model.path) understands.
+HF_ONLY_KEYS = ("init", "enable_gradient_checkpointing")
 
-def build_model(model_config: ModelConfig, *, sp_size: int = 1,
-                attn_impl: str = "auto") -> PackedCausalLM:
-    """The built-in decoder for `model_config` (weights drawn from torch's current RNG)."""
-    return LlamaForCausalLM(model_config, sp_size=sp_size, attn_impl=attn_impl)
+
+def build_model(model_config, *, sp_size: int = 1, attn_impl: str = "auto") -> PackedCausalLM:
+    """The model for `model_config`: the built-in decoder for a ``ModelConfig`` (weights drawn from
+    torch's current RNG), or ``HFCausalLM`` for an ``HFModelConfig``."""
+    if isinstance(model_config, ModelConfig):
+        return LlamaForCausalLM(model_config, sp_size=sp_size, attn_impl=attn_impl)
+    from verl_balance.models.hf import HFCausalLM, HFModelConfig
+
+    if isinstance(model_config, HFModelConfig):
+        return HFCausalLM(model_config, sp_size=sp_size, attn_impl=attn_impl)
+    raise ModelConfigError(f"model config of type {type(model_config).__name__}; valid: ModelConfig, HFModelConfig")
+
+
+def load_model_config(*, name: str | None, path: str | None, overrides: dict[str, Any] | None = None,
+                      vocab_size: int):
+    """``HFModelConfig`` for a local HF directory (``path``), else the built-in preset ``name``.
+
+    ``overrides`` (None values ignored): for a preset, any of MODEL_DIMENSION_KEYS; for an HF
+    directory, ``init``/``enable_gradient_checkpointing``, and dimension keys only if they equal the
+    directory's. ``vocab_size`` is the tokenizer's: the model's vocabulary must hold it (a preset
+    takes it as its default).
+    """
+    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    if path is None:
+        if name is None:
+            raise ModelConfigError("set model.name (a built-in preset) or model.path (a local HF directory)")
+        unknown = sorted(set(overrides) - set(MODEL_DIMENSION_KEYS))
+        if unknown:
+            raise ModelConfigError(f"model.{unknown[0]} does not apply to the built-in preset {name!r}; valid "
+                                   f"overrides: {MODEL_DIMENSION_KEYS} ({HF_ONLY_KEYS} need model.path)")
+        overrides.setdefault("vocab_size", vocab_size)
+        config = replace(ModelConfig.preset(name), **overrides)
+    else:
+        from verl_balance.models.hf import HFModelConfig
+
+        unknown = sorted(set(overrides) - set(MODEL_DIMENSION_KEYS) - set(HF_ONLY_KEYS))
+        if unknown:
+            raise ModelConfigError(f"model.{unknown[0]} is not a model key; valid: "
+                                   f"{MODEL_DIMENSION_KEYS + HF_ONLY_KEYS}")
+        config = HFModelConfig.from_pretrained(path, **{k: overrides[k] for k in HF_ONLY_KEYS if k in overrides})
+        for key in MODEL_DIMENSION_KEYS:
+            if key in overrides and overrides[key] != getattr(config, key):
+                raise ModelConfigError(f"model.{key}={overrides[key]!r} conflicts with model.path={path!r} "
+                                       f"({key}={getattr(config, key)!r}); remove model.{key}")
+    if config.vocab_size < vocab_size:
+        raise ModelConfigError(f"model vocab_size={config.vocab_size} is smaller than the tokenizer's vocabulary "
+                               f"({vocab_size})")
+    return config
 
 
 __all__ = [
+    "HF_ONLY_KEYS",
+    "MODEL_DIMENSION_KEYS",
     "LlamaForCausalLM",
     "ModelConfig",
     "ModelConfigError",
     "PackedCausalLM",
     "build_model",
     "check_sequence_parallel",
+    "load_model_config",
 ]

@@ -7,19 +7,22 @@ needs to know where attention happens.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from verl_balance.models.config import ModelConfig
 
+if TYPE_CHECKING:
+    from verl_balance.models.hf import HFModelConfig
+
 
 @runtime_checkable
 class PackedCausalLM(Protocol):
-    """What TrainEngine calls; see LlamaForCausalLM for the reference implementation."""
+    """What TrainEngine calls; LlamaForCausalLM (built-in) and HFCausalLM (Hugging Face) implement it."""
 
-    config: ModelConfig
+    config: ModelConfig | HFModelConfig
 
     def forward(self, *, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor,
                 max_seqlen: int) -> Tensor:

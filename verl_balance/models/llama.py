@@ -1,7 +1,7 @@
 """Built-in Llama-style decoder over packed, padding-free batches, with Ulysses SP around attention.
 
 Invariants:
-- Parameter names and semantics are a contract (HELPERS.md): embed_tokens, layers.{i}.input_norm,
+- Parameter names and semantics are a contract (docs/models.md): embed_tokens, layers.{i}.input_norm,
   layers.{i}.attn.{q,k,v,o}_proj, layers.{i}.post_attn_norm, layers.{i}.mlp.{gate,up,down}_proj,
   norm, lm_head (absent when tie_word_embeddings). HF-Llama math: rotate_half RoPE, fp32 RMSNorm,
   SwiGLU, GQA by repeating kv heads.
@@ -18,8 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from verl_balance.distributed.ulysses import all_to_all_head_to_seq, all_to_all_seq_to_head
-from verl_balance.models.attention import varlen_causal_attention
+from verl_balance.models.attention import check_sequence_parallel_heads, packed_attention
 from verl_balance.models.config import ModelConfig, ModelConfigError
 
 
@@ -29,15 +28,15 @@ def check_sequence_parallel(config: ModelConfig, sp_size: int) -> None:
     Query heads must divide by sp; kv heads must divide by sp or be repeatable to sp
     (sp % num_kv_heads == 0).
     """
-    if sp_size < 1:
-        raise ModelConfigError(f"ulysses_sequence_parallel_size={sp_size} must be >= 1")
-    if config.num_heads % sp_size:
-        raise ModelConfigError(
-            f"ulysses_sequence_parallel_size={sp_size} must divide num_heads={config.num_heads}")
-    if config.num_kv_heads % sp_size and sp_size % config.num_kv_heads:
-        raise ModelConfigError(
-            f"ulysses_sequence_parallel_size={sp_size} must divide num_kv_heads="
-            f"{config.num_kv_heads} or be a multiple of it (kv heads are then repeated)")
+    check_sequence_parallel_heads(num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
+                                  sp_size=sp_size)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """weight * x * rsqrt(mean(x^2) + eps), normalized in fp32 and cast back (HF-Llama)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -49,22 +48,21 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rotary_cos_sin(position_ids: Tensor, *, head_dim: int, theta: float,
                    dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos, sin [T, 1, head_dim] for HF rotate_half RoPE (frequencies computed in fp32)."""
+    """cos, sin of shape position_ids.shape + (head_dim,) for HF rotate_half RoPE (frequencies in fp32)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device,
                                              dtype=torch.float32) / head_dim))
-    freqs = position_ids.float()[:, None] * inv_freq[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]
+    freqs = position_ids.float()[..., None] * inv_freq
+    emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def rotate_half(x: Tensor) -> Tensor:
+    """[x1, x2] -> [-x2, x1] on the last dimension (HF-Llama RoPE convention)."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
 
@@ -91,17 +89,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        if self.sp_size > 1:
-            if self.num_kv_heads % self.sp_size:
-                # sp is a multiple of num_kv_heads: repeat so each SP rank gets one kv head, the
-                # one its contiguous block of query heads is grouped with.
-                rep = self.sp_size // self.num_kv_heads
-                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            q, k, v = (all_to_all_seq_to_head(z, group=sp_group) for z in (q, k, v))
-        out = varlen_causal_attention(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                                      impl=self.attn_impl)
-        if self.sp_size > 1:
-            out = all_to_all_head_to_seq(out, group=sp_group)
+        out = packed_attention(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+                               sp_group=sp_group if self.sp_size > 1 else None, impl=self.attn_impl)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -175,6 +164,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = rotary_cos_sin(position_ids, head_dim=self.config.head_dim,
                                   theta=self.config.rope_theta, dtype=x.dtype)
+        cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, head_dim]: broadcast over heads
         for layer in self.layers:
             x = layer(x, cos=cos, sin=sin, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
                       sp_group=self.sp_group)

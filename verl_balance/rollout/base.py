@@ -1,6 +1,6 @@
 """The rollout interface: sample n responses per prompt from the current policy weights.
 
-Invariants (every backend — the built-in ``NaiveRollout`` or a future vLLM/SGLang one):
+Invariants (every backend: the built-in ``KVCacheRollout``, ``HFRollout``, or a future vLLM/SGLang one):
 - Output rows are prompt-major and interleaved: row k answers prompt ``k // n``
   (``prompt_index[k]``), the same order as verl's ``repeat(n, interleave=True)``.
 - ``responses`` is right-padded with ``pad_token_id``; ``response_mask[k, j] = 1`` exactly for the
@@ -94,7 +94,7 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Use these (unsharded, HELPERS.md-named) policy weights for the next ``generate`` calls."""
+        """Use these unsharded policy weights (the training model's own parameter names) from now on."""
 
     @abc.abstractmethod
     def generate(

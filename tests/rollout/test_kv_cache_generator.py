@@ -1,10 +1,11 @@
-"""NaiveRollout: the KV-cached, left-padded decoder against no-cache recomputes and the training model."""
+"""KVCacheRollout: the KV-cached, left-padded decoder against no-cache recomputes and the training model."""
 
 import pytest
 import torch
 
 from verl_balance.models import LlamaForCausalLM, ModelConfig
-from verl_balance.rollout import NaiveRollout, RolloutInputError, StateDictError, build_rollout_tensors
+from verl_balance.rollout import KVCacheRollout, RolloutInputError, StateDictError, build_rollout_tensors
+from verl_balance.rollout.kv_cache_generator import expected_state_dict_shapes
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 PROMPTS = [[5, 17, 3, 9, 1], [2], [40, 41, 42], [7, 7, 7, 7, 7, 7, 7], [99, 3]]
@@ -18,7 +19,7 @@ def _config(*, tie: bool = False) -> ModelConfig:
 def _random_state_dict(config: ModelConfig, *, seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
     """Weights far from the tiny default init, so logits are peaked and greedy has no near-ties."""
     gen = torch.Generator().manual_seed(seed)
-    shapes = NaiveRollout(model_config=config).dims.expected_shapes()
+    shapes = expected_state_dict_shapes(config)
     state = {}
     for name, shape in shapes.items():
         if name.endswith("norm.weight"):
@@ -28,9 +29,10 @@ def _random_state_dict(config: ModelConfig, *, seed: int, device: str = "cpu") -
     return {k: v.to(device) for k, v in state.items()}
 
 
-def _rollout(*, tie=False, seed=0, device="cpu", **kwargs) -> NaiveRollout:
+def _rollout(*, tie=False, seed=0, device="cpu", **kwargs) -> KVCacheRollout:
     config = _config(tie=tie)
-    return NaiveRollout(model_config=config, state_dict=_random_state_dict(config, seed=seed, device=device), **kwargs)
+    state_dict = _random_state_dict(config, seed=seed, device=device)
+    return KVCacheRollout(model_config=config, state_dict=state_dict, **kwargs)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -117,7 +119,7 @@ def test_invalid_requests_raise_value_errors():
     bad = _random_state_dict(_config(), seed=0)
     bad["layers.1.attn.k_proj.weight"] = bad["layers.1.attn.k_proj.weight"][:8]
     with pytest.raises(StateDictError, match="layers.1.attn.k_proj.weight has shape"):
-        NaiveRollout(model_config=_config(), state_dict=bad)
+        KVCacheRollout(model_config=_config(), state_dict=bad)
 
 
 # --------------------------------------------------------------------- against the training model
@@ -140,7 +142,7 @@ def _training_logits(config, state_dict, sequences):
 def test_cached_logits_equal_training_model_logits(tie, device):
     config = _config(tie=tie)
     state_dict = _random_state_dict(config, seed=3, device=device)
-    rollout = NaiveRollout(model_config=config, state_dict=state_dict)
+    rollout = KVCacheRollout(model_config=config, state_dict=state_dict)
     gen = torch.Generator().manual_seed(0)
     sequences = [torch.randint(0, 128, (n,), generator=gen).tolist() for n in (9, 4, 13, 1, 6)]
     expected = _training_logits(config, state_dict, sequences)
@@ -150,14 +152,14 @@ def test_cached_logits_equal_training_model_logits(tie, device):
         for g, e in zip(got, expected):
             torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-4)
     # Negative control: a wrong RoPE base must be detected by the same comparison.
-    wrong = NaiveRollout(model_config=ModelConfig(**{**config.to_dict(), "rope_theta": 500.0}), state_dict=state_dict)
+    wrong = KVCacheRollout(model_config=ModelConfig(**{**config.to_dict(), "rope_theta": 500.0}), state_dict=state_dict)
     assert not torch.allclose(wrong.forward_logits(sequences)[0], expected[0], rtol=1e-4, atol=1e-4)
 
 
 def test_sampling_log_probs_equal_training_model_log_probs_at_temperature():
     config = _config()
     state_dict = _random_state_dict(config, seed=5)
-    rollout = NaiveRollout(model_config=config, state_dict=state_dict)
+    rollout = KVCacheRollout(model_config=config, state_dict=state_dict)
     out = rollout.generate(PROMPTS, n=2, temperature=0.7, top_p=0.95, max_response_length=10, seed=11)
     tensors = build_rollout_tensors(prompts=PROMPTS, output=out)
     sequences = [row[: int(n)].tolist() for row, n in zip(tensors["input_ids"], tensors["attention_mask"].sum(1))]
@@ -188,9 +190,25 @@ def test_rollout_batch_repeats_prompt_columns_per_response():
 def test_weights_are_referenced_by_default_and_converted_on_request():
     config = _config()
     state_dict = _random_state_dict(config, seed=0)
-    shared = NaiveRollout(model_config=config, state_dict=state_dict)
+    shared = KVCacheRollout(model_config=config, state_dict=state_dict)
     assert shared._weights["norm.weight"].data_ptr() == state_dict["norm.weight"].data_ptr()
-    half = NaiveRollout(model_config=config, state_dict=state_dict, dtype=torch.bfloat16)
+    half = KVCacheRollout(model_config=config, state_dict=state_dict, dtype=torch.bfloat16)
     assert half.dtype == torch.bfloat16 and state_dict["norm.weight"].dtype == torch.float32
     out = half.generate(PROMPTS, temperature=0.0, max_response_length=4)
     assert out.responses.shape == (len(PROMPTS), 4) and out.log_probs.dtype == torch.float32
+
+
+def test_old_module_path_and_class_name_still_import():
+    from verl_balance.rollout import NaiveRollout
+    from verl_balance.rollout.naive import NaiveRollout as old_path
+
+    assert NaiveRollout is KVCacheRollout and old_path is KVCacheRollout
+
+
+def test_rollout_reuses_the_model_primitives_instead_of_copies():
+    import verl_balance.rollout.kv_cache_generator as module
+    from verl_balance.models import llama
+
+    assert module.rms_norm is llama.rms_norm and module.rotate_half is llama.rotate_half
+    assert module.rotary_cos_sin is llama.rotary_cos_sin
+    assert not hasattr(module, "_Dims")

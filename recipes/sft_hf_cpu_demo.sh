@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# SFT of a tiny random Hugging Face model (written here, offline) on the synthetic task,
+# dp=2 x Ulysses sp=2 on 4 local CPU workers. FAMILY=llama|qwen2|qwen3|mistral (default qwen2).
+# Extra arguments are Hydra overrides. Afterwards export the last checkpoint with
+#   python -m verl_balance.export $OUT_DIR/<run>/global_step_N $OUT_DIR/hf --model-path $OUT_DIR/model
+set -euo pipefail
+export PYTHONUNBUFFERED=1
+out=${OUT_DIR:-outputs/sft_hf_cpu_demo}
+python -m verl_balance.models.tiny_hf --family "${FAMILY:-qwen2}" --out "$out/model"
+python -m verl_balance.main_sft \
+    trainer.device=cpu \
+    trainer.n_gpus_per_node=4 \
+    ulysses_sequence_parallel_size=2 \
+    model.path="$out/model" model.tokenizer="$out/model" \
+    data.train_batch_size=32 data.micro_batch_size_per_gpu=4 \
+    data.synthetic.out_dir="$out/data" \
+    balance.enable=true balance.workload=flops \
+    optim.lr=3e-3 \
+    trainer.total_epochs=1 trainer.test_freq=16 \
+    trainer.experiment_name=sft_hf_cpu_demo trainer.default_local_dir="$out/run" \
+    "$@"

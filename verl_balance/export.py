@@ -1,0 +1,209 @@
+"""Export a training checkpoint of a Hugging Face model as a ``save_pretrained`` directory.
+
+    python -m verl_balance.export CHECKPOINT OUT [--model-path DIR | --builtin-config CONFIG.json]
+
+CHECKPOINT is an engine checkpoint (``global_step_N/``: DCP shards of {"model", "optim"} written
+by ``TrainEngine.save_checkpoint``, any layout); OUT receives config.json, model.safetensors and
+the tokenizer of the model directory (``--model-path``, or the ``model_config.path`` recorded in
+the checkpoint's trainer_state.json). ``AutoModelForCausalLM.from_pretrained(OUT)`` then gives
+the trained model's logits exactly.
+
+Invariant: tied embeddings are written once. Weights are copied *into* a freshly built HF model,
+so ``lm_head.weight`` stays the same Parameter as ``model.embed_tokens.weight``; loading a
+gathered state dict by assignment would untie them and make HF write a duplicate ``lm_head``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import warnings
+from collections.abc import Mapping
+from dataclasses import replace
+
+import torch
+
+from verl_balance.models.config import ModelConfig, ModelConfigError
+from verl_balance.models.hf import HFModelConfig, build_hf_model
+from verl_balance.models.llama import LlamaForCausalLM
+
+logger = logging.getLogger(__name__)
+
+TRAINER_STATE_FILE = "trainer_state.json"
+
+
+class ExportError(ValueError):
+    """A checkpoint or model directory that cannot be exported."""
+
+
+def save_hf_pretrained(state_dict: Mapping[str, torch.Tensor], *, model_config: HFModelConfig, out: str,
+                       tokenizer_path: str | None = None) -> str:
+    """Write ``state_dict`` (HF names, full tensors; a tied ``lm_head.weight`` may be absent) as a
+    save_pretrained directory with safetensors, config and (from ``tokenizer_path``) tokenizer."""
+    with torch.random.fork_rng(devices=[]):
+        model = build_hf_model(replace(model_config, init="random"), attn_implementation="sdpa")
+    expected = model.state_dict()
+    state = dict(state_dict)
+    if model_config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing = [k for k in expected if k not in state and not (model_config.tie_word_embeddings
+                                                              and k == "lm_head.weight")]
+    unexpected = [k for k in state if k not in expected]
+    if missing or unexpected:
+        raise ExportError(f"state dict does not match {model_config.model_type} at {model_config.path!r}: "
+                          f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+    with torch.no_grad():
+        for name, tensor in state.items():
+            target = expected[name]
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ExportError(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
+            target.copy_(tensor.to(dtype=target.dtype, device=target.device))
+    if model_config.tie_word_embeddings:
+        assert model.lm_head.weight is model.model.embed_tokens.weight, "tied embeddings came untied"
+    os.makedirs(out, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    source = tokenizer_path or model_config.path
+    if source and os.path.exists(os.path.join(source, "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(source, local_files_only=True).save_pretrained(out)
+    else:
+        logger.warning("no tokenizer found at %r; %s has weights and config only", source, out)
+    return out
+
+
+# Built-in parameter name (models/llama.py) -> transformers LlamaForCausalLM name, per layer.
+_BUILTIN_LAYER_NAMES = {
+    "input_norm.weight": "input_layernorm.weight",
+    "attn.q_proj.weight": "self_attn.q_proj.weight",
+    "attn.k_proj.weight": "self_attn.k_proj.weight",
+    "attn.v_proj.weight": "self_attn.v_proj.weight",
+    "attn.o_proj.weight": "self_attn.o_proj.weight",
+    "post_attn_norm.weight": "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight": "mlp.gate_proj.weight",
+    "mlp.up_proj.weight": "mlp.up_proj.weight",
+    "mlp.down_proj.weight": "mlp.down_proj.weight",
+}
+
+
+def builtin_to_hf_llama(state_dict: Mapping[str, torch.Tensor], *, model_config: ModelConfig):
+    """(transformers LlamaConfig, HF-named state dict) of a built-in model: same math (fp32 RMSNorm,
+    rotate_half RoPE, GQA, SwiGLU, no biases), so HF's Llama gives the same logits."""
+    from transformers import LlamaConfig
+
+    c = model_config
+    hf_config = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                            num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
+                            num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
+                            max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
+                            rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings,
+                            initializer_range=c.initializer_range, attention_bias=False, mlp_bias=False,
+                            hidden_act="silu")
+    out = {"model.embed_tokens.weight": state_dict["embed_tokens.weight"],
+           "model.norm.weight": state_dict["norm.weight"]}
+    if not c.tie_word_embeddings:
+        out["lm_head.weight"] = state_dict["lm_head.weight"]
+    for i in range(c.num_layers):
+        for ours, theirs in _BUILTIN_LAYER_NAMES.items():
+            out[f"model.layers.{i}.{theirs}"] = state_dict[f"layers.{i}.{ours}"]
+    return hf_config, out
+
+
+def save_builtin_as_hf_llama(state_dict: Mapping[str, torch.Tensor], *, model_config: ModelConfig, out: str,
+                             tokenizer_path: str | None = None) -> str:
+    """Write a built-in model's weights as a transformers ``LlamaForCausalLM`` directory."""
+    from transformers import AutoModelForCausalLM
+
+    hf_config, hf_state = builtin_to_hf_llama(state_dict, model_config=model_config)
+    with torch.random.fork_rng(devices=[]):
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    with torch.no_grad():
+        params = model.state_dict()
+        for name, tensor in hf_state.items():
+            params[name].copy_(tensor)
+    os.makedirs(out, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    if tokenizer_path and os.path.exists(os.path.join(tokenizer_path, "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True).save_pretrained(out)
+    return out
+
+
+def load_checkpoint_model_state(checkpoint: str, *, model_config) -> dict[str, torch.Tensor]:
+    """Full (unsharded) model tensors of a DCP engine checkpoint, read in this process only
+    (``model_config``: the HFModelConfig or built-in ModelConfig it was trained with)."""
+    import torch.distributed.checkpoint as dcp
+
+    if not os.path.exists(os.path.join(checkpoint, ".metadata")):
+        raise ExportError(f"{checkpoint!r} is not an engine checkpoint (no DCP .metadata); pass a "
+                          "global_step_N directory")
+    metadata = dcp.FileSystemReader(checkpoint).read_metadata()
+    saved = {k.split(".", 1)[1] for k in metadata.state_dict_metadata if k.startswith("model.")}
+    with torch.random.fork_rng(devices=[]):
+        if isinstance(model_config, ModelConfig):
+            skeleton = LlamaForCausalLM(model_config).state_dict()
+        else:
+            skeleton = build_hf_model(replace(model_config, init="random"), attn_implementation="sdpa").state_dict()
+    wanted = {k: v for k, v in skeleton.items() if k in saved}
+    absent = [k for k in skeleton if k not in saved
+              and not (model_config.tie_word_embeddings and k == "lm_head.weight")]
+    if absent:
+        raise ExportError(f"checkpoint {checkpoint!r} lacks {absent[:5]}: it was not trained with this model "
+                          f"config ({getattr(model_config, 'path', model_config)})")
+    state = {"model": {k: v.clone() for k, v in wanted.items()}}
+    with warnings.catch_warnings():  # single-process load is the intent here, not a mistake
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=checkpoint, no_dist=True)
+    return state["model"]
+
+
+def _recorded_model_path(checkpoint: str) -> str | None:
+    trainer_state = os.path.join(checkpoint, TRAINER_STATE_FILE)
+    if not os.path.exists(trainer_state):
+        return None
+    with open(trainer_state, encoding="utf-8") as f:
+        state = json.load(f)
+    return (state.get("model_config") or {}).get("path") or state.get("model_path")
+
+
+def export_checkpoint(checkpoint: str, out: str, *, model_path: str | None = None,
+                      builtin_config: str | None = None) -> str:
+    """Export ``checkpoint`` to ``out``; returns ``out``. An HF model needs its directory
+    (``model_path``); a built-in model its ``ModelConfig`` as JSON (``builtin_config``, the
+    ``to_dict()`` fields) and is written as a Llama model."""
+    if builtin_config is not None:
+        with open(builtin_config, encoding="utf-8") as f:
+            config = ModelConfig(**json.load(f))
+        state = load_checkpoint_model_state(checkpoint, model_config=config)
+        return save_builtin_as_hf_llama(state, model_config=config, out=out)
+    model_path = model_path or _recorded_model_path(checkpoint)
+    if model_path is None:
+        raise ExportError(f"checkpoint {checkpoint!r} does not record its model directory; pass --model-path DIR "
+                          "(the model.path it was trained from)")
+    try:
+        model_config = HFModelConfig.from_pretrained(model_path)
+    except ModelConfigError as err:
+        raise ExportError(f"--model-path {model_path!r}: {err}") from err
+    state = load_checkpoint_model_state(checkpoint, model_config=model_config)
+    return save_hf_pretrained(state, model_config=model_config, out=out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """CLI entry point (see the module docstring)."""
+    parser = argparse.ArgumentParser(description="Export an engine checkpoint as a Hugging Face model directory.")
+    parser.add_argument("checkpoint", help="global_step_N directory written by the trainer")
+    parser.add_argument("out", help="output directory (save_pretrained layout)")
+    parser.add_argument("--model-path", default=None, help="the HF model directory the run started from")
+    parser.add_argument("--builtin-config", default=None,
+                        help="JSON of a built-in ModelConfig (to_dict()): export a built-in model as Llama")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(export_checkpoint(args.checkpoint, args.out, model_path=args.model_path,
+                            builtin_config=args.builtin_config))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""Hugging Face causal LMs (llama, qwen2, qwen3, mistral) behind ``PackedCausalLM``.
+
+``HFModelConfig`` describes a local HF directory (nothing is downloaded); ``HFCausalLM`` runs the
+HF model itself on one packed, padding-free row with the packed attention of
+``models/attention.py`` registered as its attention implementation.
+
+Invariants:
+- Parameter names are exactly HF's (``model.layers.0.self_attn.q_proj.weight``, ``lm_head.weight``):
+  the adapter's children are the HF model's own ``model`` and ``lm_head``; the HF top-level module
+  is held outside the module tree (``hf_model``), so ``state_dict()`` loads into
+  ``AutoModelForCausalLM`` unchanged and vice versa.
+- Tied embeddings stay one Parameter (``lm_head.weight is model.embed_tokens.weight``); both live
+  in the FSDP2 root unit, so sharding keeps them tied.
+- Sequence boundaries come from cu_seqlens only: the model is called with ``attention_mask=None``
+  and ``use_cache=False`` and the registered implementation has no mask function, so neither HF's
+  ``use_cache=True`` default nor a 2-D all-ones mask can disable packed masking.
+- Every HF model is built from a fresh copy of its config: ``from_config`` writes the attention
+  implementation into the config object it is given, so sharing one would silently switch the
+  attention of an earlier model.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from verl_balance.models.attention import (
+    HF_ATTN_IMPLEMENTATION,
+    check_sequence_parallel_heads,
+    register_hf_attention,
+)
+from verl_balance.models.config import ModelConfigError
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+INIT_MODES = ("pretrained", "random")
+
+
+def _effective_sliding_window(hf_config) -> int | None:
+    """The window any layer uses (None: full attention everywhere), as the HF modules apply it."""
+    window = getattr(hf_config, "sliding_window", None)
+    if window is None:
+        return None
+    layer_types = getattr(hf_config, "layer_types", None)
+    if layer_types is not None:
+        return int(window) if "sliding_attention" in layer_types else None
+    if hf_config.model_type in ("qwen2", "qwen3") and not getattr(hf_config, "use_sliding_window", False):
+        return None
+    return int(window)
+
+
+def load_hf_config(path: str):
+    """A fresh transformers config from ``path``/config.json (local only); checks the family."""
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise ModelConfigError(f"model.path={path!r} has no config.json; it must be a local Hugging Face "
+                               "model directory (save_pretrained output); nothing is downloaded")
+    with open(config_file) as f:
+        model_type = json.load(f).get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelConfigError(f"model.path={path!r} has model_type={model_type!r}; supported model types: "
+                               f"{SUPPORTED_MODEL_TYPES}")
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path, local_files_only=True)
+
+
+@dataclass(frozen=True)
+class HFModelConfig:
+    """Dimensions of a local Hugging Face causal LM plus how to build it.
+
+    ``init``: "pretrained" loads the directory's weights, "random" draws new ones from torch's RNG
+    (``from_config``). ``enable_gradient_checkpointing``: activation checkpointing per decoder layer
+    (verl's ``model.enable_gradient_checkpointing``).
+    """
+
+    path: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    sliding_window: int | None = None
+    init: str = "pretrained"
+    enable_gradient_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ModelConfigError(f"model_type={self.model_type!r} is not supported; valid: {SUPPORTED_MODEL_TYPES}")
+        if self.init not in INIT_MODES:
+            raise ModelConfigError(f"model.init={self.init!r}; valid: {INIT_MODES}")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelConfigError(f"num_heads={self.num_heads} must be divisible by num_kv_heads={self.num_kv_heads}")
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, init: str = "pretrained",
+                        enable_gradient_checkpointing: bool = False) -> HFModelConfig:
+        """Read ``path``/config.json; any model_type outside SUPPORTED_MODEL_TYPES is an error."""
+        path = os.path.abspath(os.path.expanduser(path))
+        hf = load_hf_config(path)
+        if getattr(hf, "attention_dropout", 0.0):
+            raise ModelConfigError(f"model.path={path!r} sets attention_dropout={hf.attention_dropout}; packed "
+                                   "attention supports 0 only")
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        return cls(path=path, model_type=hf.model_type, vocab_size=int(hf.vocab_size),
+                   hidden_size=int(hf.hidden_size), intermediate_size=int(hf.intermediate_size),
+                   num_layers=int(hf.num_hidden_layers), num_heads=int(hf.num_attention_heads),
+                   num_kv_heads=int(getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads),
+                   head_dim=int(head_dim), max_position_embeddings=int(hf.max_position_embeddings),
+                   tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+                   sliding_window=_effective_sliding_window(hf), init=init,
+                   enable_gradient_checkpointing=bool(enable_gradient_checkpointing))
+
+    def hf_config(self):
+        """A fresh transformers config object (never shared between two models)."""
+        return load_hf_config(self.path)
+
+    def to_dict(self) -> dict:
+        """Plain dict of the fields (for logging and checkpoints)."""
+        return asdict(self)
+
+
+def build_hf_model(config: HFModelConfig, *, attn_implementation: str = "sdpa"):
+    """A plain ``AutoModelForCausalLM`` (fp32) for ``config``: the directory's weights for
+    init="pretrained", else random from torch's RNG; built from its own copy of the HF config."""
+    from transformers import AutoModelForCausalLM
+
+    if attn_implementation == HF_ATTN_IMPLEMENTATION:
+        register_hf_attention()
+    hf_config = copy.deepcopy(config.hf_config())
+    if config.init == "pretrained":
+        return AutoModelForCausalLM.from_pretrained(config.path, config=hf_config, local_files_only=True,
+                                                    dtype=torch.float32, attn_implementation=attn_implementation)
+    return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, attn_implementation=attn_implementation)
+
+
+class HFCausalLM(nn.Module):
+    """An HF causal LM over one packed token stream (see module docstring for the invariants)."""
+
+    def __init__(self, config: HFModelConfig, *, sp_size: int = 1, attn_impl: str = "auto"):
+        super().__init__()
+        check_sequence_parallel_heads(num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
+                                      sp_size=sp_size)
+        self.config, self.sp_size, self.attn_impl = config, sp_size, attn_impl
+        self.sp_group: dist.ProcessGroup | None = None
+        hf_model = build_hf_model(config, attn_implementation=HF_ATTN_IMPLEMENTATION)
+        if config.enable_gradient_checkpointing:
+            hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model = hf_model.model
+        self.lm_head = hf_model.lm_head
+        # Not a submodule: registering it would prefix every parameter name with "hf_model.".
+        object.__setattr__(self, "hf_model", hf_model)
+        if config.tie_word_embeddings:
+            assert self.lm_head.weight is self.model.embed_tokens.weight, "HF did not tie the embeddings"
+
+    def set_sequence_parallel_group(self, group: dist.ProcessGroup | None) -> None:
+        """The Ulysses group; its size must equal the sp_size the model was built for."""
+        size = 1 if group is None else dist.get_world_size(group)
+        if size != self.sp_size:
+            raise ModelConfigError(f"SP group has {size} ranks, model was built for sp_size={self.sp_size}")
+        self.sp_group = group if size > 1 else None
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """The modules named in HF's ``_no_split_modules`` (the decoder layers)."""
+        names = set(getattr(self.hf_model, "_no_split_modules", None) or ())
+        units = [m for m in self.model.modules() if type(m).__name__ in names]
+        assert units, f"no module of {sorted(names)} found in {type(self.hf_model).__name__}"
+        return units
+
+    def forward(self, *, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor,
+                max_seqlen: int) -> Tensor:
+        """Logits [T_local, V] for this rank's slice of the packed stream."""
+        out = self.model(input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=None,
+                         use_cache=False, cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
+                         max_length_q=int(max_seqlen), max_length_k=int(max_seqlen),
+                         sp_group=self.sp_group, packed_attn_impl=self.attn_impl)
+        return self.lm_head(out.last_hidden_state[0])
