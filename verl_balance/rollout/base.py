@@ -10,6 +10,9 @@ Invariants (every backend: the built-in ``KVCacheRollout``, ``HFRollout``, or a 
   (temperature 1 for greedy), before top-p filtering: the policy's own log-prob, comparable to
   the trainer's recomputed old log-probs; 0 on padding.
 - Same prompts, parameters, seed and weights -> identical output.
+- With per-prompt ``seeds``, a prompt's responses do not depend on the rest of the call: adding,
+  removing or reordering other prompts, padding and chunking (``max_batch_size``) change nothing,
+  so a batched call equals one call per prompt.
 """
 
 from __future__ import annotations
@@ -107,5 +110,10 @@ class RolloutEngine(abc.ABC):
         max_response_length: int = 256,
         stop_token_ids: Sequence[int] = (),
         seed: int | None = None,
+        seeds: Sequence[int] | None = None,
     ) -> RolloutOutput:
-        """Sample ``n`` responses per prompt; see the module invariants for the output layout."""
+        """Sample ``n`` responses per prompt; see the module invariants for the output layout.
+
+        ``seeds``: one per prompt; response k of prompt i then depends only on the weights, the
+        prompt, the sampling parameters and ``(seeds[i], k)``, never on the other prompts of the
+        call (vLLM's per-request ``SamplingParams(seed=...)``). ``seed``: one seed for the call."""

@@ -26,7 +26,7 @@ from verl_balance.rollout.base import (
     SamplingParams,
     validate_prompts,
 )
-from verl_balance.rollout.sampling import sample_next_tokens
+from verl_balance.rollout.sampling import RowRandomStreams, check_seeds, sample_next_tokens
 
 
 class DecodeCache(Protocol):
@@ -83,8 +83,13 @@ class CachedDecoder(RolloutEngine):
         max_response_length: int = 256,
         stop_token_ids: Sequence[int] = (),
         seed: int | None = None,
+        seeds: Sequence[int] | None = None,
     ) -> RolloutOutput:
-        """Sample ``n`` responses per prompt (rows prompt-major, see ``RolloutOutput``)."""
+        """Sample ``n`` responses per prompt (rows prompt-major, see ``RolloutOutput``).
+
+        ``seeds`` (one per prompt): response k of prompt i samples from its own stream keyed by
+        ``(seeds[i], k)``, so it equals the response of a call with that prompt alone, in any batch,
+        order or chunking. ``seed`` instead seeds one generator shared by all rows."""
         self._require_weights()
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_response_length=max_response_length,
                                 stop_token_ids=tuple(stop_token_ids), seed=seed)
@@ -94,12 +99,20 @@ class CachedDecoder(RolloutEngine):
         if bad_stop:
             raise RolloutInputError(f"stop_token_ids {bad_stop} outside [0, vocab_size={self.vocab_size})")
 
-        generator = None
-        if params.seed is not None and not params.greedy:
+        if seeds is not None and params.seed is not None:
+            raise RolloutInputError("pass either seed (one generator for the call) or seeds (one per prompt), not both")
+        generator, streams = None, None
+        if seeds is not None:
+            seeds = check_seeds(seeds, num_prompts=len(prompts))
+            if not params.greedy:
+                streams = RowRandomStreams(seeds=seeds, n=params.n, max_steps=params.max_response_length,
+                                           device=self.device)
+        elif params.seed is not None and not params.greedy:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         rows = [p for p in prompts for _ in range(params.n)]
         chunk = self.max_batch_size or len(rows)
-        parts = [self._generate_chunk(rows[s:s + chunk], params, generator) for s in range(0, len(rows), chunk)]
+        parts = [self._generate_chunk(rows[s:s + chunk], params, generator=generator, streams=streams, first_row=s)
+                 for s in range(0, len(rows), chunk)]
 
         width = max(part[0].shape[1] for part in parts)
         responses = torch.cat([F.pad(t, (0, width - t.shape[1]), value=self.pad_token_id) for t, _, _ in parts])
@@ -129,9 +142,11 @@ class CachedDecoder(RolloutEngine):
                 )
 
     def _generate_chunk(
-        self, prompts: list[list[int]], params: SamplingParams, generator: torch.Generator | None
+        self, prompts: list[list[int]], params: SamplingParams, *, generator: torch.Generator | None,
+        streams: RowRandomStreams | None, first_row: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Decode one batch; returns responses (B, R), log-probs (B, R), lengths (B,)."""
+        """Decode one batch (rows ``first_row`` on of the call); returns responses (B, R), log-probs
+        (B, R), lengths (B,)."""
         device = self.device
         batch, max_len = len(prompts), params.max_response_length
         capacity = max(len(p) for p in prompts) + max_len
@@ -143,8 +158,9 @@ class CachedDecoder(RolloutEngine):
         lengths = torch.zeros(batch, dtype=torch.int64, device=device)
         running = torch.arange(batch, device=device)  # row of each sequence still in the cache
         for step in range(max_len):
+            uniforms = None if streams is None else streams.step(first_row + running, step)
             tokens, token_log_probs = sample_next_tokens(
-                logits, temperature=params.temperature, top_p=params.top_p, generator=generator
+                logits, temperature=params.temperature, top_p=params.top_p, generator=generator, uniforms=uniforms
             )
             responses[running, step] = tokens
             log_probs[running, step] = token_log_probs

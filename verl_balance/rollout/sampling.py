@@ -1,17 +1,62 @@
-"""Next-token sampling: greedy, temperature and nucleus (top-p), driven by a torch.Generator.
+"""Next-token sampling: greedy, temperature and nucleus (top-p).
+
+Randomness comes from one of two sources:
+- ``uniforms`` (B,): one number in [0, 1) per row, turned into a token by inverse-CDF sampling.
+  With ``RowRandomStreams`` each response row owns its stream, so a row's tokens depend only on its
+  own seed and logits: not on the other rows of the batch, their order, padding or chunking.
+- ``generator``: one ``torch.Generator`` shared by the whole batch (``torch.multinomial``); the
+  numbers a row gets depend on how many rows were drawn before it (the batch layout).
 
 Invariants:
 - temperature == 0 is argmax (ties -> lowest token id); the reported log-prob is then
-  log_softmax(logits) of that token.
+  log_softmax(logits) of that token. Greedy draws no random numbers.
 - top-p keeps the smallest prefix of tokens (sorted by probability, descending, ties by id)
   whose mass reaches top_p, always at least the most likely token; so top_p -> 0 is greedy.
 - The reported log-prob is log_softmax(logits / temperature) of the sampled token, before the
   top-p truncation (the policy's log-prob, not the truncated sampler's).
+- Inverse-CDF sampling never returns a token of probability 0 (after top-p).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import numpy as np
 import torch
+
+from verl_balance.rollout.base import RolloutInputError
+
+_SEED_LIMIT = 1 << 64
+
+
+class RowRandomStreams:
+    """Per-response-row uniform streams: row (prompt i, response k) draws, at decoding step t, the
+    t-th number of a Philox stream keyed by ``(seeds[i], k)`` (counter-based, as vLLM's per-request
+    ``SamplingParams(seed=...)``). Numbers are drawn on the host and copied to the device once, so
+    CPU and CUDA rollouts of the same logits sample the same tokens."""
+
+    def __init__(self, *, seeds: Sequence[int], n: int, max_steps: int, device: torch.device):
+        """One stream for each of the ``len(seeds) * n`` rows (prompt-major), ``max_steps`` long."""
+        rows = [
+            np.random.Generator(np.random.Philox(np.random.SeedSequence([int(seed), k]))).random(max_steps)
+            for seed in seeds for k in range(n)
+        ]
+        self.uniforms = torch.from_numpy(np.stack(rows)).to(device)  # (rows, max_steps) float64
+
+    def step(self, rows: torch.Tensor, step: int) -> torch.Tensor:
+        """The uniforms (len(rows),) of decoding step ``step`` for these rows (stream indices)."""
+        return self.uniforms[rows, step]
+
+
+def check_seeds(seeds: Sequence[int], *, num_prompts: int) -> tuple[int, ...]:
+    """Seeds as a tuple of ints in [0, 2**64), one per prompt; raise a ``RolloutInputError`` otherwise."""
+    seeds = tuple(seeds)
+    if len(seeds) != num_prompts:
+        raise RolloutInputError(f"seeds has {len(seeds)} entries; pass one per prompt ({num_prompts})")
+    for i, seed in enumerate(seeds):
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= int(seed) < _SEED_LIMIT:
+            raise RolloutInputError(f"seeds[{i}]={seed!r} must be an int in [0, 2**64)")
+    return tuple(int(s) for s in seeds)
 
 
 def sample_next_tokens(
@@ -19,14 +64,20 @@ def sample_next_tokens(
     *,
     temperature: float,
     top_p: float,
-    generator: torch.Generator | None,
+    generator: torch.Generator | None = None,
+    uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row of ``logits`` (B, V); return (tokens (B,) int64, log_probs (B,) fp32)."""
+    """Sample one token per row of ``logits`` (B, V); return (tokens (B,) int64, log_probs (B,) fp32).
+
+    ``uniforms`` (B,) in [0, 1): inverse-CDF sampling, row b decided by ``uniforms[b]`` alone;
+    otherwise ``torch.multinomial`` with ``generator`` (None: the global RNG)."""
     logits = logits.float()
     if temperature == 0:
         tokens = logits.argmax(dim=-1)
         log_probs = torch.log_softmax(logits, dim=-1)
         return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
+    if uniforms is not None:
+        assert uniforms.shape == logits.shape[:1], (uniforms.shape, logits.shape)
 
     log_probs = torch.log_softmax(logits / temperature, dim=-1)
     probs = log_probs.exp()
@@ -34,8 +85,26 @@ def sample_next_tokens(
         sorted_probs, sorted_ids = torch.sort(probs, dim=-1, descending=True, stable=True)
         mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
         sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
-        choice = torch.multinomial(sorted_probs, 1, generator=generator)
-        tokens = sorted_ids.gather(-1, choice).squeeze(-1)
-    else:
+        if uniforms is None:
+            choice = torch.multinomial(sorted_probs, 1, generator=generator).squeeze(-1)
+        else:
+            choice = _inverse_cdf(sorted_probs, uniforms)
+        tokens = sorted_ids.gather(-1, choice[:, None]).squeeze(-1)
+    elif uniforms is None:
         tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    else:
+        tokens = _inverse_cdf(probs, uniforms)
     return tokens, log_probs.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Index j (B,) of the first cumulative weight above ``uniforms * total``: j has probability
+    weights[j] / total. Cumulated in fp64, row by row, so a row's result ignores the other rows."""
+    cumulative = torch.cumsum(weights.double(), dim=-1)
+    threshold = uniforms.double()[:, None] * cumulative[:, -1:]
+    choice = torch.searchsorted(cumulative, threshold, right=True).squeeze(-1)
+    # threshold < total, but rounding can put it on the total: then take the last positive weight
+    # (a weight-0 token has cumulative == its predecessor's, so searchsorted never lands on one).
+    positive = weights > 0
+    last_positive = weights.shape[-1] - 1 - positive.flip(-1).int().argmax(-1)
+    return torch.minimum(choice, last_positive)

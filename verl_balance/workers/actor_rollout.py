@@ -21,7 +21,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -126,22 +125,17 @@ class ActorRolloutWorker(ActorWorker):
 
         ``prompts`` carries the token ids in the non-tensor column ``raw_prompt_ids`` and each
         prompt's global index in ``sample_index``; ``sampling`` holds the ``RolloutEngine.generate``
-        keywords other than ``seed`` and ``stop_token_ids``. Each prompt is sampled on its own with
-        seed ``sampling_seed(seed, sample_index)``, so the output is the same on any worker count
-        (greedy decoding, which draws no random numbers, runs all prompts in one batch).
+        keywords other than ``seed`` and ``stop_token_ids``. All prompts go in one batched call in
+        which prompt i samples with its own seed ``sampling_seed(seed, sample_index[i])`` (per-row
+        random streams, see ``rollout/sampling.py``), so the output is the same on any worker count.
         """
         self._refresh_rollout_weights()  # collective: before any early return
         if len(prompts) == 0:
             return None
         prompt_ids = [list(p) for p in prompts.non_tensors[PROMPT_IDS_KEY]]
-        if sampling.get("temperature", 1.0) == 0:  # greedy draws nothing: one batched call
-            return _to_cpu(self.rollout.generate(prompt_ids, stop_token_ids=self.config.stop_token_ids,
-                                                 seed=seed, **sampling))
-        sample_index = prompts.non_tensors[SAMPLE_INDEX_KEY]
-        outputs = [self.rollout.generate([ids], stop_token_ids=self.config.stop_token_ids,
-                                         seed=sampling_seed(seed, int(index)), **sampling)
-                   for ids, index in zip(prompt_ids, sample_index)]
-        return _to_cpu(_concat_prompt_outputs(outputs, pad_token_id=self.config.pad_token_id))
+        seeds = [sampling_seed(seed, int(index)) for index in prompts.non_tensors[SAMPLE_INDEX_KEY]]
+        return _to_cpu(self.rollout.generate(prompt_ids, stop_token_ids=self.config.stop_token_ids, seeds=seeds,
+                                             **sampling))
 
     @register(dispatch_mode=make_mesh_dispatch(ACTOR_MESH))
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
@@ -151,23 +145,6 @@ class ActorRolloutWorker(ActorWorker):
         outputs = self.ref_engine.compute_log_prob(self._micro_batches(batch),
                                                    temperature=batch_temperature(batch))
         return Batch.from_dict(tensors={"ref_log_prob": cat_padded([o["log_probs"] for o in outputs])})
-
-
-def _concat_prompt_outputs(outputs: list[RolloutOutput], *, pad_token_id: int) -> RolloutOutput:
-    """One output from single-prompt outputs, prompt i's rows with ``prompt_index`` i."""
-    width = max(o.responses.shape[1] for o in outputs)
-
-    def pad(t: torch.Tensor, value) -> torch.Tensor:
-        return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
-
-    has_log_probs = all(o.log_probs is not None for o in outputs)
-    return RolloutOutput(
-        prompt_index=np.concatenate([o.prompt_index + i for i, o in enumerate(outputs)]),
-        responses=torch.cat([pad(o.responses, pad_token_id) for o in outputs]),
-        response_mask=torch.cat([pad(o.response_mask, 0) for o in outputs]),
-        response_lengths=torch.cat([o.response_lengths for o in outputs]),
-        finish_reasons=np.concatenate([o.finish_reasons for o in outputs]),
-        log_probs=torch.cat([pad(o.log_probs, 0.0) for o in outputs]) if has_log_probs else None)
 
 
 def _to_cpu(output: RolloutOutput) -> RolloutOutput:
