@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import pytest
 import torch
 
@@ -170,3 +171,21 @@ def test_each_row_is_decided_by_its_own_uniform_alone():
     alone = [sample_next_tokens(logits[r:r + 1], temperature=0.8, top_p=0.9, uniforms=uniforms[r:r + 1])[0].item()
              for r in range(6)]
     assert together.tolist() == alone
+
+
+def test_blocked_row_streams_read_each_rows_stream_in_order_as_rows_finish():
+    from verl_balance.rollout.sampling import RowRandomStreams
+
+    seeds, n, steps = [3, 2**64 - 1], 2, 10
+    # Reference: the documented stream of row (prompt i, response k), read in one go.
+    expected = torch.tensor(np.stack([
+        np.random.Generator(np.random.Philox(np.random.SeedSequence([seed, k]))).random(steps)
+        for seed in seeds for k in range(n)]))
+    uniforms = RowRandomStreams(seeds=seeds, n=n).for_rows(1, 3, device=torch.device("cpu"), block_steps=3)
+    running = torch.arange(3)  # call rows 1, 2, 3
+    for step in range(steps):
+        if step == 4:
+            running = running[[0, 2]]  # call row 2 finished: its stream is no longer read
+        if step == 7:
+            running = running[[1]]
+        torch.testing.assert_close(uniforms(running, step), expected[1 + running, step], rtol=0, atol=0)

@@ -105,8 +105,7 @@ class CachedDecoder(RolloutEngine):
         if seeds is not None:
             seeds = check_seeds(seeds, num_prompts=len(prompts))
             if not params.greedy:
-                streams = RowRandomStreams(seeds=seeds, n=params.n, max_steps=params.max_response_length,
-                                           device=self.device)
+                streams = RowRandomStreams(seeds=seeds, n=params.n)
         elif params.seed is not None and not params.greedy:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         rows = [p for p in prompts for _ in range(params.n)]
@@ -157,8 +156,9 @@ class CachedDecoder(RolloutEngine):
         log_probs = torch.zeros(batch, max_len, dtype=torch.float32, device=device)
         lengths = torch.zeros(batch, dtype=torch.int64, device=device)
         running = torch.arange(batch, device=device)  # row of each sequence still in the cache
+        row_uniforms = None if streams is None else streams.for_rows(first_row, batch, device=device)
         for step in range(max_len):
-            uniforms = None if streams is None else streams.step(first_row + running, step)
+            uniforms = None if row_uniforms is None else row_uniforms(running, step)
             tokens, token_log_probs = sample_next_tokens(
                 logits, temperature=params.temperature, top_p=params.top_p, generator=generator, uniforms=uniforms
             )

@@ -32,20 +32,43 @@ _SEED_LIMIT = 1 << 64
 class RowRandomStreams:
     """Per-response-row uniform streams: row (prompt i, response k) draws, at decoding step t, the
     t-th number of a Philox stream keyed by ``(seeds[i], k)`` (counter-based, as vLLM's per-request
-    ``SamplingParams(seed=...)``). Numbers are drawn on the host and copied to the device once, so
-    CPU and CUDA rollouts of the same logits sample the same tokens."""
+    ``SamplingParams(seed=...)``). Numbers are drawn on the host and copied to the device, so CPU and
+    CUDA rollouts of the same logits sample the same tokens."""
 
-    def __init__(self, *, seeds: Sequence[int], n: int, max_steps: int, device: torch.device):
-        """One stream for each of the ``len(seeds) * n`` rows (prompt-major), ``max_steps`` long."""
-        rows = [
-            np.random.Generator(np.random.Philox(np.random.SeedSequence([int(seed), k]))).random(max_steps)
-            for seed in seeds for k in range(n)
-        ]
-        self.uniforms = torch.from_numpy(np.stack(rows)).to(device)  # (rows, max_steps) float64
+    def __init__(self, *, seeds: Sequence[int], n: int):
+        """One stream for each of the ``len(seeds) * n`` rows of a call (prompt-major)."""
+        self._keys = [(int(seed), k) for seed in seeds for k in range(n)]
 
-    def step(self, rows: torch.Tensor, step: int) -> torch.Tensor:
-        """The uniforms (len(rows),) of decoding step ``step`` for these rows (stream indices)."""
-        return self.uniforms[rows, step]
+    def for_rows(self, first_row: int, num_rows: int, *, device: torch.device,
+                 block_steps: int = 256) -> RowUniforms:
+        """Uniforms of rows ``first_row .. first_row + num_rows - 1`` (one decoded batch), from step 0."""
+        generators = [np.random.Generator(np.random.Philox(np.random.SeedSequence(list(key))))
+                      for key in self._keys[first_row:first_row + num_rows]]
+        return RowUniforms(generators, device=device, block_steps=block_steps)
+
+
+class RowUniforms:
+    """The uniforms of one decoded batch, drawn ``block_steps`` steps at a time for the rows still
+    running (host memory and copies: running rows x block_steps, not rows x max_response_length)."""
+
+    def __init__(self, generators: list[np.random.Generator], *, device: torch.device, block_steps: int):
+        """``generators[b]``: the unread stream of batch row b."""
+        assert block_steps >= 1
+        self._generators, self._device, self._block_steps = generators, device, block_steps
+        self._block: torch.Tensor | None = None  # (running rows at the block's start, block_steps)
+        self._slot = torch.full((len(generators),), -1, dtype=torch.int64, device=device)
+
+    def __call__(self, running: torch.Tensor, step: int) -> torch.Tensor:
+        """Uniforms (len(running),) of decoding step ``step`` for batch rows ``running``. Steps must
+        come in order from 0 and ``running`` may only shrink, so each stream is read in order."""
+        offset = step % self._block_steps
+        if offset == 0:
+            rows = running.tolist()
+            block = np.stack([self._generators[r].random(self._block_steps) for r in rows])
+            self._block = torch.from_numpy(block).to(self._device)
+            self._slot[running] = torch.arange(len(rows), device=self._device)
+        assert self._block is not None, "RowUniforms must be read from step 0"
+        return self._block[self._slot[running], offset]
 
 
 def check_seeds(seeds: Sequence[int], *, num_prompts: int) -> tuple[int, ...]:
