@@ -13,7 +13,12 @@ temperature 1, no stop tokens, so every call generates the same number of tokens
 - ``shared``: ``generate(prompts, seed=0)``, one batched call with one generator for all rows
   (fast but layout-dependent: a prompt's responses change with the rest of the batch).
 
-``same`` checks that the batched ``seeds`` call gives the per-prompt calls' tokens exactly.
+``same rows`` is the fraction of responses of the batched ``seeds`` call equal token for token to
+those of the per-prompt calls. The random numbers are the same by construction; a row can still
+differ when the model's logits for it differ in the last bits between a batch and a single prompt
+(CPU/GPU matmul kernels depend on the batch shape) and a uniform falls within that rounding of a
+CDF boundary: rare with peaked (trained) logits, more frequent with the near-uniform logits of a
+freshly initialised model, as here.
 Ratios are tokens/s over that of ``shared`` (1.0 = no cost for layout invariance). One torch
 thread, CPU; one warm-up call of each path; the best of ``--repeats`` timings.
 """
@@ -70,7 +75,7 @@ def main() -> None:
     torch.set_num_threads(1)
     header = (f"{'preset':>6} {'prompts':>7} {'n':>2} {'new':>4} | {'seeds tok/s':>11} {'per-prompt tok/s':>16} "
               f"{'shared tok/s':>12} | {'seeds/shared':>12} {'per-prompt/shared':>17} {'seeds/per-prompt':>16} "
-              f"{'same':>5}")
+              f"{'same rows':>9}")
     print(header)
     print("-" * len(header))
     for preset, num_prompts, n, new in QUICK_CASES if args.quick else FULL_CASES:
@@ -89,9 +94,10 @@ def main() -> None:
         t_prompt, out_prompt = _best_time(functools.partial(per_prompt_calls, **call), args.repeats)
         t_shared, _ = _best_time(functools.partial(batched_shared_seed, **call), args.repeats)
         tokens = num_prompts * n * new
+        same_rows = sum(a == b for a, b in zip(out_seeds, out_prompt)) / len(out_seeds)
         print(f"{preset:>6} {num_prompts:>7} {n:>2} {new:>4} | {tokens / t_seeds:>11.0f} {tokens / t_prompt:>16.0f} "
               f"{tokens / t_shared:>12.0f} | {t_shared / t_seeds:>12.2f} {t_shared / t_prompt:>17.2f} "
-              f"{t_prompt / t_seeds:>16.2f} {str(out_seeds == out_prompt):>5}")
+              f"{t_prompt / t_seeds:>16.2f} {same_rows:>9.3f}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 that prompt alone, whatever else is in the batch (other prompts, their order, padding, chunking).
 
 The reference is always a separate single-prompt call; the negative control is the call-wide
-``seed=`` (one generator shared by all rows), which must fail the same checks."""
+``seed=`` (one generator shared by all rows), which must fail the same checks. Exact equality also
+needs a row's logits to be the same in any batch; these models' peaked logits leave no sampled
+token within rounding of a CDF boundary (deterministically so: the seeds are fixed)."""
 
 from __future__ import annotations
 

@@ -10,9 +10,11 @@ Invariants (every backend: the built-in ``KVCacheRollout``, ``HFRollout``, or a 
   (temperature 1 for greedy), before top-p filtering: the policy's own log-prob, comparable to
   the trainer's recomputed old log-probs; 0 on padding.
 - Same prompts, parameters, seed and weights -> identical output.
-- With per-prompt ``seeds``, a prompt's responses do not depend on the rest of the call: adding,
-  removing or reordering other prompts, padding and chunking (``max_batch_size``) change nothing,
-  so a batched call equals one call per prompt.
+- With per-prompt ``seeds``, the random numbers a prompt's responses consume do not depend on the
+  rest of the call (other prompts, their order, padding, ``max_batch_size`` chunks), so a batched
+  call equals one call per prompt token for token as far as the backend's logits of a row are the
+  same in any batch. Matmul kernels chosen by batch shape can change a logit's last bits; a token
+  then differs only if its uniform falls within that rounding of a CDF boundary (rare, not never).
 """
 
 from __future__ import annotations

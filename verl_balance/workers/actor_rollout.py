@@ -127,7 +127,8 @@ class ActorRolloutWorker(ActorWorker):
         prompt's global index in ``sample_index``; ``sampling`` holds the ``RolloutEngine.generate``
         keywords other than ``seed`` and ``stop_token_ids``. All prompts go in one batched call in
         which prompt i samples with its own seed ``sampling_seed(seed, sample_index[i])`` (per-row
-        random streams, see ``rollout/sampling.py``), so the output is the same on any worker count.
+        random streams, see ``rollout/sampling.py``), so the output is the same on any worker count
+        (up to last-bit logit differences between batch shapes; see ``rollout/base.py``).
         """
         self._refresh_rollout_weights()  # collective: before any early return
         if len(prompts) == 0:
