@@ -33,7 +33,7 @@ class RowRandomStreams:
     """Per-response-row uniform streams: row (prompt i, response k) draws, at decoding step t, the
     t-th number of a Philox stream keyed by ``(seeds[i], k)`` (counter-based, as vLLM's per-request
     ``SamplingParams(seed=...)``). Numbers are drawn on the host and copied to the device, so CPU and
-    CUDA rollouts of the same logits sample the same tokens."""
+    CUDA rollouts consume the same numbers."""
 
     def __init__(self, *, seeds: Sequence[int], n: int):
         """One stream for each of the ``len(seeds) * n`` rows of a call (prompt-major)."""
