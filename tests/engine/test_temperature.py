@@ -5,7 +5,7 @@ Reference: a plain per-sequence forward of the same initial model, logits divide
 """
 
 import torch
-from _spawn import run_on_ranks
+from verl_balance.testing.multiprocess import run_on_ranks
 
 from verl_balance.distributed.layout import ParallelLayout
 from verl_balance.engine.train_engine import TrainEngine

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from _spawn import run_on_ranks
+from verl_balance.testing.multiprocess import run_on_ranks
 from verl_balance.distributed import (
     all_to_all_head_to_seq,
     all_to_all_seq_to_head,
