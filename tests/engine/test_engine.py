@@ -49,6 +49,31 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
+def _count_fsdp_collectives(engine, mbs):
+    """(all-gathers, reduce-scatters, FSDP parameter groups) of one train_step on this rank."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    counts = {"all_gather_single": 0, "reduce_scatter_single": 0}
+    originals = {name: getattr(dist, name) for name in counts}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in counts:
+        setattr(dist, name, counting(name))
+    try:
+        engine.train_step(mbs)
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    groups = sum(1 for m in engine.model.modules() if isinstance(m, FSDPModule))
+    return counts["all_gather_single"], counts["reduce_scatter_single"], groups
+
+
 def _engine_scenarios(rank, *, ckpt_dir, profile_dir):
     layout = ParallelLayout(dp=2, sp=2, device_type="cpu")
     batch = make_global_batch(SETTINGS)
@@ -87,6 +112,10 @@ def _engine_scenarios(rank, *, ckpt_dir, profile_dir):
     out["deferred_eval"] = deferred_engine.eval_loss(mbs)
     out["deferred_train"] = deferred_engine.train_step(mbs)
     out["deferred_params"] = deferred_engine.full_state_dict()
+    plain_engine = TrainEngine(model_config=SETTINGS.model, layout=layout,
+                               engine_config=dataclasses.replace(config, profile_steps=[]))
+    out["collectives"] = {"default": _count_fsdp_collectives(plain_engine, mbs),
+                          "deferred": _count_fsdp_collectives(deferred_engine, mbs)}
 
     # Checkpoint round trip: save, move on, load -> same params, extra and schedule.
     engine.save_checkpoint(ckpt_dir, step=7, extra={"data_cursor": 17})
@@ -160,6 +189,15 @@ def test_deferred_sync_and_unsharded_params_match_single_process(scenario, refer
         assert out["deferred_train"]["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
         for name, value in out["deferred_params"].items():
             torch.testing.assert_close(value, reference["params"][name], rtol=0, atol=1e-5)
+
+
+def test_deferred_sync_reduces_once_and_unsharded_step_gathers_once_per_step(scenario):
+    for out in scenario:
+        gathers, scatters, groups = out["collectives"]["deferred"]
+        assert (gathers, scatters) == (groups, groups)
+        # negative control: by default every one of the 2 micro-batches reduce-scatters
+        gathers, scatters, groups = out["collectives"]["default"]
+        assert scatters == 2 * groups and gathers >= 2 * groups
 
 
 def test_perf_metrics_count_every_real_token_once_and_no_mfu_on_cpu(scenario):

@@ -21,7 +21,7 @@ CUS = [torch.tensor([0, 3, 5]), torch.tensor([0, 5])]
 
 
 def hand_weights(mode, c=None):
-    n_tok, n_seq = 6, 2  # N = 2 + 4, S = |{a, c}|
+    n_seq = 2  # N = 2 + 4 = 6, S = |{a, c}| = 2
     if mode == "token-mean":
         return [[1 / 6, 1 / 6, 0, 0, 0], [1 / 6] * 4 + [0, 0]]
     if mode == "seq-mean-token-mean":

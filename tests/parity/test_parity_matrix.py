@@ -30,7 +30,7 @@ def parity_results():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", PARITY_LAYOUTS, ids=lambda l: f"dp{l[0]}_sp{l[1]}")
+@pytest.mark.parametrize("layout", PARITY_LAYOUTS, ids=lambda lay: f"dp{lay[0]}_sp{lay[1]}")
 def test_every_matrix_cell_matches_the_single_process_reference(parity_results, layout):
     cells = [r for r in parity_results if r.layout == layout and r.case.bug is None
              and r.case.fsdp == "default"]
@@ -40,7 +40,8 @@ def test_every_matrix_cell_matches_the_single_process_reference(parity_results, 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [l for l in PARITY_LAYOUTS if l[0] * l[1] > 1], ids=lambda l: f"dp{l[0]}_sp{l[1]}")
+@pytest.mark.parametrize("layout", [lay for lay in PARITY_LAYOUTS if lay[0] * lay[1] > 1],
+                         ids=lambda lay: f"dp{lay[0]}_sp{lay[1]}")
 def test_deferred_sync_and_unsharded_steps_match_the_single_process_reference(parity_results, layout):
     cells = [r for r in parity_results if r.layout == layout and r.case.bug is None
              and r.case.fsdp != "default"]
