@@ -91,8 +91,9 @@ def pack_micro_batch(micro_batch: Mapping[str, Tensor], *, sp_size: int, sp_rank
                      device: torch.device, require_loss_mask: bool = True) -> PackedMicroBatch:
     """Pack a right-padded micro-batch (the wire format of docs/design.md) for this SP rank.
 
-    Packing runs on the CPU, where the wire tensors arrive, and the packed stream then moves to
-    ``device`` in one non-blocking copy per tensor: nothing here waits for the device.
+    Packing runs on the CPU, where the wire tensors arrive (Ray delivers them there), and the
+    packed stream then moves to ``device`` in one non-blocking copy per tensor: nothing here waits
+    for the device. Wire tensors already on an accelerator are copied to the host first (a wait).
     """
     for key in ("input_ids", "attention_mask") + (("loss_mask",) if require_loss_mask else ()):
         if key not in micro_batch:

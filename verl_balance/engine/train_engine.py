@@ -219,7 +219,8 @@ class TrainEngine:
             if training:
                 self._advance_schedule()
             return {**metrics, "loss": 0.0, "grad_norm": 0.0, "step_skipped": training,
-                    "micro_batch_seconds": [], "compute_seconds": 0.0, "busy_seconds": 0.0}
+                    "micro_batch_seconds": [], "micro_batch_busy_seconds": [], "compute_seconds": 0.0,
+                    "busy_seconds": 0.0}
 
         scale = float(self.gradient_divide_factor)
         local_objective = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -272,6 +273,7 @@ class TrainEngine:
         # Wall time includes waiting in FSDP's collectives for the slowest rank, so it is nearly
         # equal on every rank; busy time is this rank's own work (see engine/timing.py).
         metrics["busy_seconds"] = float(sum(times.busy))
+        metrics["micro_batch_busy_seconds"] = times.busy
         if training:
             metrics.update(self._optimizer_step())
         if self.device.type == "cuda":
@@ -308,7 +310,8 @@ class TrainEngine:
         """One optimizer step over this DP rank's micro-batches.
 
         Returns loss (exact global objective J), grad_norm (before clipping), lr, valid_tokens,
-        num_sequences, micro_batch_seconds / compute_seconds / busy_seconds (this rank),
+        num_sequences, micro_batch_seconds / micro_batch_busy_seconds / compute_seconds /
+        busy_seconds (this rank; see engine/timing.py),
         step_skipped, each loss_fn metric as a global loss-mask-weighted token mean, and the
         global perf/* figures of engine/perf.py (the same on every rank). Collective over the
         mesh. ``temperature`` divides the logits (the sampling temperature of on-policy data).
