@@ -17,8 +17,12 @@ step      Step time on dp=2 CPU workers (one Ray worker group, reused): each ste
           over micro-batch slots of the max over ranks of the slot's CPU seconds, i.e. the step
           time the ranks would take on cores of their own (a blocking gloo wait costs no CPU;
           this is the load-robust figure on a shared machine); the plan's predicted sync cost
-          (same sum with the FLOPs model); each relative to contiguous. FSDP synchronises every
-          micro-batch, so on dedicated cores wall time follows the sync cost.
+          (same sum with the FLOPs model); each relative to contiguous; meas/pred = measured cpu
+          sync ratio / predicted ratio (target <= 1.05). "rank" columns: the max over ranks of the
+          rank's total busy CPU, measured and predicted (what a step costs when nothing
+          synchronises per micro-batch, --fsdp deferred+unsharded). With the default FSDP
+          settings every micro-batch synchronises, so on dedicated cores wall time follows the
+          sync cost.
 overhead  Training tokens/s at dp=1: SFTTrainer.train_step (plan, split, Ray dispatch, FSDP2
           engine) vs a plain single-process PyTorch loop (build_model, AdamW, packed forward,
           token-mean NLL, grad clipping) in a spawned process, same batches and the same
@@ -192,6 +196,11 @@ def sync_cost(plan: BalancePlan, costs: np.ndarray) -> float:
     return float(grid.max(axis=0).sum())
 
 
+def max_rank_cost(plan: BalancePlan, costs: np.ndarray) -> float:
+    """max over DP ranks of the rank's total cost (the step time when nothing syncs per micro-batch)."""
+    return float(max(sum(costs[mb].sum() for mb in rank) for rank in plan.micro_batches))
+
+
 # ---------------------------------------------------------------------- step table
 def run_step_bench(args, memory_rows: list) -> list[tuple]:
     model_config = ModelConfig.preset(args.model)
@@ -237,7 +246,8 @@ def run_step_bench(args, memory_rows: list) -> list[tuple]:
                 if step >= args.warmup:
                     micro_cpu = np.array([r["bench_micro_cpu"] for r in per_rank])  # [rank, micro]
                     samples[key].append((wall, float(micro_cpu.max(axis=0).sum()),
-                                         max(r["bench_thread_time"] for r in per_rank), plan.num_micro_batches))
+                                         max(r["bench_thread_time"] for r in per_rank), plan.num_micro_batches,
+                                         float(micro_cpu.sum(axis=1).max())))
             print(f"[step] {step + 1}/{total} done", flush=True)
         if memory_rows is not None:
             for key in plans:
@@ -255,20 +265,26 @@ def run_step_bench(args, memory_rows: list) -> list[tuple]:
     for case, _ in cases:
         costs = [flops.cost(lens) for lens in lengths[args.warmup:]]
         base_sync = np.mean([sync_cost(p, c) for p, c in zip(plans[case, "contiguous"][args.warmup:], costs)])
+        base_rank = np.mean([max_rank_cost(p, c) for p, c in zip(plans[case, "contiguous"][args.warmup:], costs)])
         base = samples[case, "contiguous"]
         base_wall = statistics.median(x[0] for x in base)
         base_cpu_sync = statistics.median(x[1] for x in base)
+        base_cpu_rank = statistics.median(x[4] for x in base)
         for method in ("contiguous", "ours", "verl"):
             if (case, method) not in plans:
-                rows.append((case, method) + ("n/a",) * 7 + ("", note))
+                rows.append((case, method) + ("n/a",) * 10 + ("", note))
                 continue
             s = samples[case, method]
             pred = np.mean([sync_cost(p, c) for p, c in zip(plans[case, method][args.warmup:], costs)]) / base_sync
+            pred_rank = np.mean([max_rank_cost(p, c)
+                                 for p, c in zip(plans[case, method][args.warmup:], costs)]) / base_rank
             wall, cpu_sync = statistics.median(x[0] for x in s), statistics.median(x[1] for x in s)
+            cpu_rank = statistics.median(x[4] for x in s)
             rows.append((case, method, f"{np.mean([x[3] for x in s]):.2f}", f"{wall:.3f}", f"{wall / base_wall:.3f}",
                          f"{cpu_sync:.3f}", f"{cpu_sync / base_cpu_sync:.3f}", f"{pred:.3f}",
-                         f"{statistics.median(x[2] for x in s):.3f}",
-                         "<= 0.75" if case.startswith("fixed") and method == "ours" else "", ""))
+                         f"{cpu_sync / base_cpu_sync / pred:.3f}", f"{cpu_rank / base_cpu_rank:.3f}",
+                         f"{pred_rank:.3f}", f"{statistics.median(x[2] for x in s):.3f}",
+                         "meas/pred <= 1.05" if case.startswith("fixed") and method == "ours" else "", ""))
     return rows
 
 
@@ -488,7 +504,8 @@ def main() -> None:
         print_table("Step time, dp=2 CPU workers (medians over timed steps; "
                     "x/contig = relative to the contiguous split)",
                     ("case", "plan", "micro/rank", "wall [s]", "wall/contig", "cpu sync [s]", "cpu sync/contig",
-                     "pred sync/contig", "cpu max-rank [s]", "target", "note"), step_rows)
+                     "pred sync/contig", "meas/pred", "cpu rank/contig", "pred rank/contig", "cpu max-rank [s]",
+                     "target", "note"), step_rows)
     if overhead_rows is not None and args.bench != "memory":
         print_table("Framework overhead, dp=1 (tokens/s over timed steps; tokens/cpu-s counts ours' worker + "
                     "driver CPU; ratios = ours / plain)",
