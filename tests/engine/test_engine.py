@@ -20,6 +20,8 @@ from verl_balance.models import LlamaForCausalLM
 from verl_balance.parity import ParitySettings, make_global_batch, reference_steps
 from verl_balance.testing.multiprocess import run_on_ranks
 
+pytestmark = pytest.mark.slow  # spawns a process group
+
 SETTINGS = ParitySettings(num_samples=8, seed=99)
 # DP rank 0: two micro-batches; DP rank 1: one micro-batch and an EMPTY one (a dummy forward).
 RANK_SAMPLES = {0: [[0, 1], [2]], 1: [[3, 4, 5, 6, 7], []]}
