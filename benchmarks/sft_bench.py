@@ -1,8 +1,9 @@
-"""SFT training benchmarks, each printed as one side-by-side table (issue 5, "Benchmarks").
+"""SFT training benchmarks, each printed as one side-by-side table.
 
-    PYTHONPATH=. python benchmarks/sft_bench.py                # all three tables (a few minutes)
-    PYTHONPATH=. python benchmarks/sft_bench.py step           # or: overhead | memory
-    PYTHONPATH=. python benchmarks/sft_bench.py --quick        # smoke run: tiny model, 1 + 3 steps (mostly Ray start-up)
+    PYTHONPATH=. python benchmarks/sft_bench.py                # all four tables (a few minutes)
+    PYTHONPATH=. python benchmarks/sft_bench.py step           # or: overhead | memory | sync
+    PYTHONPATH=. python benchmarks/sft_bench.py --quick        # smoke run: tiny model, 1 + 3 steps
+                                                               # (mostly Ray start-up)
 
 step      Step time on dp=2 CPU workers (one Ray worker group, reused): each step is 32 sequences
           with lengths lognormal(median, sigma=1.2) in random order, clipped to [8, max_len].
@@ -16,12 +17,21 @@ step      Step time on dp=2 CPU workers (one Ray worker group, reused): each ste
           over micro-batch slots of the max over ranks of the slot's CPU seconds, i.e. the step
           time the ranks would take on cores of their own (a blocking gloo wait costs no CPU;
           this is the load-robust figure on a shared machine); the plan's predicted sync cost
-          (same sum with the FLOPs model); each relative to contiguous. FSDP synchronises every
-          micro-batch, so on dedicated cores wall time follows the sync cost.
+          (same sum with the FLOPs model); each relative to contiguous; meas/pred = measured cpu
+          sync ratio / predicted ratio (target <= 1.05). "rank" columns: the max over ranks of the
+          rank's total busy CPU, measured and predicted (what a step costs when nothing
+          synchronises per micro-batch, --fsdp deferred+unsharded). With the default FSDP
+          settings every micro-batch synchronises, so on dedicated cores wall time follows the
+          sync cost.
 overhead  Training tokens/s at dp=1: SFTTrainer.train_step (plan, split, Ray dispatch, FSDP2
           engine) vs a plain single-process PyTorch loop (build_model, AdamW, packed forward,
           token-mean NLL, grad clipping) in a spawned process, same batches and the same
           micro-batch membership (the trainer's plan), one torch thread each, interleaved.
+sync      Tokens/s at dp=2 (same batches, same balanced plans, fixed micro-batches) for the FSDP2
+          gradient-accumulation settings of FSDPConfig: per-micro-batch gradient sync (default),
+          deferred gradient sync (one reduce-scatter per step), and deferred sync with parameters
+          kept unsharded for the whole step (one all-gather per step); one worker group each, all
+          up at once, steps interleaved; with the peak RSS (VmHWM) of each group's workers.
 memory    Peak RSS per worker (VmHWM after resetting it via /proc/self/clear_refs, plus the
           lifetime getrusage ru_maxrss) for each plan at dp=2, and for the dp=1 trainer worker vs
           the plain loop's process.
@@ -52,7 +62,7 @@ import numpy as np
 import torch
 
 from verl_balance.balance import BalancePlan, FlopsWorkload, plan_balance
-from verl_balance.engine.config import EngineConfig, OptimConfig
+from verl_balance.engine.config import EngineConfig, FSDPConfig, OptimConfig
 from verl_balance.models import ModelConfig, build_model
 from verl_balance.protocol import Batch
 from verl_balance.single_controller import Dispatch, make_mesh_dispatch, register
@@ -97,30 +107,18 @@ class BenchActorWorker(ActorWorker):
     """ActorWorker whose update_actor also reports CPU time (benchmark only).
 
     CPU time is what a rank would spend on a core of its own: time blocked in a gloo collective
-    costs none. Per micro-batch it is read at the engine's per-micro-batch device syncs (a no-op
-    on CPU that brackets each micro-batch's forward + backward; a private hook, hence benchmark
-    only). ``bench_micro_cpu[j]`` is the main thread's CPU seconds of micro-batch j.
+    costs none. Per micro-batch it is the engine's own busy time (process CPU seconds of each
+    micro-batch's forward + backward on CPU, engine/timing.py): ``bench_micro_cpu[j]``.
     """
 
     @register(dispatch_mode=make_mesh_dispatch(ACTOR_MESH))
     def update_actor(self, batch: Batch) -> dict:
         """ActorWorker.update_actor plus bench_cpu_time, bench_thread_time, bench_micro_cpu."""
-        stamps: list[float] = []
-        engine_sync = self.engine._sync
-
-        def sync_and_stamp() -> None:
-            engine_sync()
-            stamps.append(time.thread_time())
-
-        self.engine._sync = sync_and_stamp
         cpu, thread = time.process_time(), time.thread_time()
-        try:
-            metrics = super().update_actor(batch)
-        finally:
-            del self.engine._sync
+        metrics = super().update_actor(batch)
         metrics["bench_cpu_time"] = time.process_time() - cpu
         metrics["bench_thread_time"] = time.thread_time() - thread
-        metrics["bench_micro_cpu"] = [b - a for a, b in zip(stamps[0::2], stamps[1::2])]
+        metrics["bench_micro_cpu"] = list(metrics["micro_batch_busy_seconds"])
         return metrics
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -198,11 +196,17 @@ def sync_cost(plan: BalancePlan, costs: np.ndarray) -> float:
     return float(grid.max(axis=0).sum())
 
 
+def max_rank_cost(plan: BalancePlan, costs: np.ndarray) -> float:
+    """max over DP ranks of the rank's total cost (the step time when nothing syncs per micro-batch)."""
+    return float(max(sum(costs[mb].sum() for mb in rank) for rank in plan.micro_batches))
+
+
 # ---------------------------------------------------------------------- step table
 def run_step_bench(args, memory_rows: list) -> list[tuple]:
     model_config = ModelConfig.preset(args.model)
     workload = StepWorkload(median=args.median, max_len=args.max_len)
-    engine = EngineConfig(optim=OptimConfig(lr=1e-4), attn_impl=args.attn_impl, seed=0)
+    engine = EngineConfig(optim=OptimConfig(lr=1e-4), attn_impl=args.attn_impl, seed=0,
+                          fsdp=FSDPConfig(**FSDP_SETTINGS[args.fsdp]))
     flops = FlopsWorkload.from_model_config(model_config)
     total = args.warmup + args.steps
     batches = make_batches(workload, num=total, vocab_size=model_config.vocab_size)
@@ -242,7 +246,8 @@ def run_step_bench(args, memory_rows: list) -> list[tuple]:
                 if step >= args.warmup:
                     micro_cpu = np.array([r["bench_micro_cpu"] for r in per_rank])  # [rank, micro]
                     samples[key].append((wall, float(micro_cpu.max(axis=0).sum()),
-                                         max(r["bench_thread_time"] for r in per_rank), plan.num_micro_batches))
+                                         max(r["bench_thread_time"] for r in per_rank), plan.num_micro_batches,
+                                         float(micro_cpu.sum(axis=1).max())))
             print(f"[step] {step + 1}/{total} done", flush=True)
         if memory_rows is not None:
             for key in plans:
@@ -260,20 +265,86 @@ def run_step_bench(args, memory_rows: list) -> list[tuple]:
     for case, _ in cases:
         costs = [flops.cost(lens) for lens in lengths[args.warmup:]]
         base_sync = np.mean([sync_cost(p, c) for p, c in zip(plans[case, "contiguous"][args.warmup:], costs)])
+        base_rank = np.mean([max_rank_cost(p, c) for p, c in zip(plans[case, "contiguous"][args.warmup:], costs)])
         base = samples[case, "contiguous"]
         base_wall = statistics.median(x[0] for x in base)
         base_cpu_sync = statistics.median(x[1] for x in base)
+        base_cpu_rank = statistics.median(x[4] for x in base)
         for method in ("contiguous", "ours", "verl"):
             if (case, method) not in plans:
-                rows.append((case, method) + ("n/a",) * 7 + ("", note))
+                rows.append((case, method) + ("n/a",) * 10 + ("", note))
                 continue
             s = samples[case, method]
             pred = np.mean([sync_cost(p, c) for p, c in zip(plans[case, method][args.warmup:], costs)]) / base_sync
+            pred_rank = np.mean([max_rank_cost(p, c)
+                                 for p, c in zip(plans[case, method][args.warmup:], costs)]) / base_rank
             wall, cpu_sync = statistics.median(x[0] for x in s), statistics.median(x[1] for x in s)
+            cpu_rank = statistics.median(x[4] for x in s)
             rows.append((case, method, f"{np.mean([x[3] for x in s]):.2f}", f"{wall:.3f}", f"{wall / base_wall:.3f}",
                          f"{cpu_sync:.3f}", f"{cpu_sync / base_cpu_sync:.3f}", f"{pred:.3f}",
-                         f"{statistics.median(x[2] for x in s):.3f}",
-                         "<= 0.75" if case.startswith("fixed") and method == "ours" else "", ""))
+                         f"{cpu_sync / base_cpu_sync / pred:.3f}", f"{cpu_rank / base_cpu_rank:.3f}",
+                         f"{pred_rank:.3f}", f"{statistics.median(x[2] for x in s):.3f}",
+                         "meas/pred <= 1.05" if case.startswith("fixed") and method == "ours" else "", ""))
+    return rows
+
+
+# ---------------------------------------------------------------------- sync table
+FSDP_SETTINGS = {
+    "per-micro-batch": {},
+    "deferred": {"defer_gradient_sync": True},
+    "deferred+unsharded": {"defer_gradient_sync": True, "reshard_after_forward": False,
+                           "reshard_after_backward": False},
+}
+
+
+def run_sync_bench(args) -> list[tuple]:
+    """Tokens/s and peak RSS at dp=2 for each FSDP_SETTINGS entry (see the module docstring)."""
+    model_config = ModelConfig.preset(args.model)
+    workload = StepWorkload(median=args.median, max_len=args.max_len, seed=2)
+    flops = FlopsWorkload.from_model_config(model_config)
+    total = args.warmup + args.steps
+    batches = make_batches(workload, num=total, vocab_size=model_config.vocab_size)
+    plans = [plan_balance(seq_lens=seq_lens(b), dp_size=2, micro_batch_size=4, balance=True, workload=flops)
+             for b in batches]
+    cluster.start_ray(address=None, num_workers=2 * len(FSDP_SETTINGS))
+    groups = {}
+    try:
+        for name, fsdp in FSDP_SETTINGS.items():
+            engine = EngineConfig(optim=OptimConfig(lr=1e-4), attn_impl=args.attn_impl, seed=0,
+                                  fsdp=FSDPConfig(**fsdp))
+            groups[name] = cluster.build_actor_group(
+                worker_config=ActorWorkerConfig(model=model_config, engine=engine),
+                trainer_cfg=SimpleNamespace(n_gpus_per_node=2, nnodes=1, placement_timeout_s=300.0),
+                use_gpu=False, worker_cls=BenchActorWorker)
+        print(f"[sync] {len(groups)} dp=2 worker groups up", flush=True)
+        samples = {name: [] for name in groups}
+        names = list(groups)
+        for name in names:
+            groups[name].memory(True)
+        for step in range(total):
+            chunks = common.dispatch_chunks(Batch.from_dict(tensors=batches[step]), plans[step])
+            for name in names[step % len(names):] + names[:step % len(names)]:
+                t0 = time.perf_counter()
+                per_rank = groups[name].update_actor(chunks)
+                wall = time.perf_counter() - t0
+                if step >= args.warmup:
+                    cpu_sync = float(np.array([r["bench_micro_cpu"] for r in per_rank]).max(axis=0).sum())
+                    samples[name].append((wall, per_rank[0]["perf/tokens"], cpu_sync))
+            print(f"[sync] {step + 1}/{total} done", flush=True)
+        peaks = {name: max(m["peak_mib"] for m in groups[name].memory(False)) for name in names}
+    finally:
+        for group in groups.values():
+            group.shutdown()
+            group.resource_pool.remove()
+    base = samples[names[0]]
+    base_tps = sum(x[1] for x in base) / sum(x[0] for x in base)
+    rows = []
+    for name in names:
+        s = samples[name]
+        tps = sum(x[1] for x in s) / sum(x[0] for x in s)
+        rows.append((name, f"{statistics.median(x[0] for x in s):.3f}", f"{tps:.0f}", f"{tps / base_tps:.3f}",
+                     f"{statistics.median(x[2] for x in s):.3f}", f"{peaks[name]:.0f}",
+                     f"{peaks[name] - peaks[names[0]]:+.0f}"))
     return rows
 
 
@@ -399,7 +470,7 @@ def print_table(title: str, header: tuple, rows: list[tuple]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("bench", nargs="?", default="all", choices=("all", "step", "overhead", "memory"))
+    parser.add_argument("bench", nargs="?", default="all", choices=("all", "step", "overhead", "memory", "sync"))
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 warm-up + 3 steps, tiny model")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per method")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per method first")
@@ -408,6 +479,8 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=288, help="lengths are clipped to [8, max_len]")
     parser.add_argument("--token-cap", type=int, default=None, help="max_token_len_per_gpu (default: max_len)")
     parser.add_argument("--attn-impl", default="sdpa_loop", help="attention kernel of the step table")
+    parser.add_argument("--fsdp", default="per-micro-batch", choices=tuple(FSDP_SETTINGS),
+                        help="FSDPConfig of the step table's workers (see the sync table)")
     parser.add_argument("--verl-python", default=sys.executable,
                         help="python of an environment with verl installed (for the verl rows; "
                              "default: this one)")
@@ -417,23 +490,33 @@ def main() -> None:
     if args.bench == "memory":
         args.steps = min(args.steps, 3)
     torch.set_num_threads(1)
-    print(f"[setup] model={args.model} lengths lognormal(median {args.median}, sigma 1.2) clipped to "
+    print(f"[setup] step-table fsdp={args.fsdp}; model={args.model} "
+          f"lengths lognormal(median {args.median}, sigma 1.2) clipped to "
           f"[8, {args.max_len}], 32 per step; {args.warmup} warm-up + {args.steps} timed steps per method; "
           f"cores {os.cpu_count()}, load {os.getloadavg()}", flush=True)
 
     memory_rows = [] if args.bench in ("all", "memory") else None
     step_rows = run_step_bench(args, memory_rows) if args.bench in ("all", "step", "memory") else None
     overhead_rows = run_overhead_bench(args, memory_rows) if args.bench in ("all", "overhead", "memory") else None
+    sync_rows = run_sync_bench(args) if args.bench in ("all", "sync") else None
 
     if step_rows is not None and args.bench != "memory":
-        print_table("Step time, dp=2 CPU workers (medians over timed steps; x/contig = relative to the contiguous split)",
+        print_table("Step time, dp=2 CPU workers (medians over timed steps; "
+                    "x/contig = relative to the contiguous split)",
                     ("case", "plan", "micro/rank", "wall [s]", "wall/contig", "cpu sync [s]", "cpu sync/contig",
-                     "pred sync/contig", "cpu max-rank [s]", "target", "note"), step_rows)
+                     "pred sync/contig", "meas/pred", "cpu rank/contig", "pred rank/contig", "cpu max-rank [s]",
+                     "target", "note"), step_rows)
     if overhead_rows is not None and args.bench != "memory":
         print_table("Framework overhead, dp=1 (tokens/s over timed steps; tokens/cpu-s counts ours' worker + "
                     "driver CPU; ratios = ours / plain)",
                     ("path", "median step [s]", "tokens/s", "ratio", "tokens/cpu-s", "cpu ratio", "target"),
                     overhead_rows)
+    if sync_rows is not None:
+        print_table("FSDP2 gradient accumulation, dp=2, fixed micro-batches (4 per rank), balanced plans "
+                    "(tokens/s over timed steps; ratio = / per-micro-batch sync; peak = max VmHWM of the group's "
+                    "workers since before the first step)",
+                    ("fsdp", "median step [s]", "tokens/s", "ratio", "cpu sync [s]", "peak RSS [MiB]",
+                     "vs per-mb [MiB]"), sync_rows)
     if memory_rows:
         print_table("Peak memory (MiB): peak = VmHWM since reset before the measured steps; "
                     "lifetime = getrusage ru_maxrss",

@@ -22,8 +22,8 @@ Invariants:
   training and in evaluation alike (evaluation runs the same code without backward).
 - Zero valid tokens anywhere: weights are 0 (never 0/0); a rank still joins every collective.
 
-KNOWN_BUGS are deliberately wrong normalizers reproduced from other frameworks. They exist only
-so the parity tests can show that the tests catch them (negative controls); never set them.
+The parity negative controls (deliberately wrong normalizers) live in
+``verl_balance.testing.faults``; nothing in this module can be switched into a wrong mode.
 """
 
 from __future__ import annotations
@@ -38,18 +38,6 @@ from torch import Tensor
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
-KNOWN_BUGS = {
-    "count_over_world": "(a) token/sequence counts all-reduced over the whole world although SP "
-                        "ranks hold replicated labels (SFT loss divided by sp)",
-    "count_local_shard": "(b) counts taken on the local SP shard and reduced over the DP group "
-                         "only while gradients are scaled by the world size (loss inflated ~sp)",
-    "eval_local_denominator": "(c) eval numerator all-reduced but the denominator counted on the "
-                              "local shard only",
-    "roll_after_slice": "(d) targets shifted per SP shard after slicing: one token lost per shard",
-    "micro_batch_mean": "(e) mean of per-micro-batch means instead of the global token mean",
-}
-
-
 class LossConfigError(ValueError):
     """A bad loss configuration (unknown loss_agg_mode, bad loss_scale_factor, ...)."""
 
@@ -58,12 +46,6 @@ def check_agg_mode(agg_mode: str) -> None:
     """Raise LossConfigError unless agg_mode is one of AGG_MODES."""
     if agg_mode not in AGG_MODES:
         raise LossConfigError(f"loss_agg_mode={agg_mode!r}; valid: {AGG_MODES}")
-
-
-def check_bug(bug: str | None) -> None:
-    """Raise LossConfigError unless bug is None or a KNOWN_BUGS key."""
-    if bug is not None and bug not in KNOWN_BUGS:
-        raise LossConfigError(f"inject_bug={bug!r}; valid: None or one of {sorted(KNOWN_BUGS)}")
 
 
 class LossFn(Protocol):
@@ -93,16 +75,17 @@ class SFTLoss:
 
 
 def sequence_token_counts(loss_mask: Tensor, cu_seqlens: Tensor) -> Tensor:
-    """n_i = sum of the loss mask over each packed sequence (int64 [num_sequences]).
+    """n_i = sum of the loss mask over each packed sequence (int64 [num_sequences], on the mask's device).
 
-    Tokens beyond cu_seqlens[-1] (padding) are ignored.
+    Tokens beyond cu_seqlens[-1] (padding) are ignored. With cu_seqlens on the CPU (as the engine
+    passes it) this does not wait for the device.
     """
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    total = int(cu_seqlens[-1])
-    seg = torch.repeat_interleave(torch.arange(len(lengths), device=loss_mask.device), lengths,
-                                  output_size=total)
+    cu_host = cu_seqlens.cpu()
+    lengths = (cu_host[1:] - cu_host[:-1]).long()
+    total = int(cu_host[-1])
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), lengths, output_size=total)
     counts = torch.zeros(len(lengths), dtype=torch.int64, device=loss_mask.device)
-    return counts.index_add_(0, seg, (loss_mask[:total] > 0).long())
+    return counts.index_add_(0, seg.to(loss_mask.device, non_blocking=True), (loss_mask[:total] > 0).long())
 
 
 @dataclass(frozen=True)
@@ -114,69 +97,66 @@ class TokenWeights:
     num_sequences: int
 
 
-def _all_reduce_sum(values: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+def all_reduce_sum(values: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """In-place SUM over ``group`` (a no-op for None or a group of one); returns ``values``."""
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(values, op=dist.ReduceOp.SUM, group=group)
     return values
 
 
+def check_loss_scale_factor(agg_mode: str, loss_scale_factor: float | None) -> None:
+    """Raise LossConfigError when seq-mean-token-sum-norm lacks a positive constant C."""
+    if agg_mode == "seq-mean-token-sum-norm" and not (loss_scale_factor and loss_scale_factor > 0):
+        raise LossConfigError(f"loss_scale_factor={loss_scale_factor!r}: seq-mean-token-sum-norm "
+                              "needs a positive constant C")
+
+
+def contract_weights(*, loss_mask: Tensor, seq_counts: Tensor, cu_seqlens: Tensor, num_tokens: float,
+                     num_sequences: float, agg_mode: str, loss_scale_factor: float | None = None,
+                     scale: float = 1.0) -> Tensor:
+    """The table above for one micro-batch, given the global counts N (num_tokens), S
+    (num_sequences) and this micro-batch's full-sequence counts n_i (seq_counts); times ``scale``.
+
+    Zero counts give zero weights, never 0/0: when a count is 0 every mask it covers is 0 too.
+    """
+    m = (loss_mask > 0).to(torch.float32)
+    if agg_mode == "token-mean":
+        return m * (scale / max(num_tokens, 1))
+    if agg_mode == "seq-mean-token-mean":
+        per_seq = scale / (seq_counts.clamp(min=1).to(torch.float32) * max(num_sequences, 1))
+        cu_host = cu_seqlens.cpu()
+        lengths = (cu_host[1:] - cu_host[:-1]).long().to(per_seq.device, non_blocking=True)
+        per_tok = torch.repeat_interleave(per_seq, lengths, output_size=int(cu_host[-1]))
+        w = m.clone()
+        w[: per_tok.shape[0]] *= per_tok
+        return w
+    if agg_mode == "seq-mean-token-sum":
+        return m * (scale / max(num_sequences, 1))
+    return m * (scale / (max(num_sequences, 1) * loss_scale_factor))
+
+
 def compute_token_weights(*, loss_masks: Sequence[Tensor], cu_seqlens: Sequence[Tensor],
                           agg_mode: str, loss_scale_factor: float | None = None,
-                          dp_group: dist.ProcessGroup | None,
-                          world_group: dist.ProcessGroup | None = None,
-                          local_slices: Sequence[slice] | None = None, training: bool = True,
-                          bug: str | None = None) -> TokenWeights:
+                          dp_group: dist.ProcessGroup | None) -> TokenWeights:
     """Per-token weights of each micro-batch of this DP rank (full padded stream, not sliced).
 
     loss_masks[k] / cu_seqlens[k]: the target-aligned loss mask of micro-batch k and the
     boundaries of its real sequences (padding beyond cu_seqlens[k][-1] has mask 0). Collective
-    over dp_group (every rank of the mesh must call it). world_group and local_slices (this SP
-    rank's token range of each micro-batch) are read only by the KNOWN_BUGS controls.
+    over dp_group (every rank of the mesh must call it). One all-reduce and one device-to-host
+    read of the two global counts per call, however many micro-batches; pass cu_seqlens on the
+    CPU to avoid further waits.
     """
     check_agg_mode(agg_mode)
-    check_bug(bug)
-    if agg_mode == "seq-mean-token-sum-norm" and not (loss_scale_factor and loss_scale_factor > 0):
-        raise LossConfigError(f"loss_scale_factor={loss_scale_factor!r}: seq-mean-token-sum-norm "
-                              "needs a positive constant C")
+    check_loss_scale_factor(agg_mode, loss_scale_factor)
     device = loss_masks[0].device if loss_masks else torch.device("cpu")
     seq_counts = [sequence_token_counts(m, cu) for m, cu in zip(loss_masks, cu_seqlens)]
-    local = torch.tensor([[int(c.sum()), int((c > 0).sum())] for c in seq_counts],
-                         dtype=torch.int64, device=device).reshape(-1, 2)
+    local = torch.zeros(2, dtype=torch.int64, device=device)
+    for c in seq_counts:
+        local += torch.stack([c.sum(), (c > 0).sum()])
     # Full-sequence counts are identical on the SP ranks of a DP group: reduce over DP only.
-    true_totals = _all_reduce_sum(local.sum(0), dp_group)
-    per_mb = None
-    if bug == "count_over_world":
-        totals = _all_reduce_sum(local.sum(0), world_group)
-    elif bug == "count_local_shard" or (bug == "eval_local_denominator" and not training):
-        shard = torch.tensor([int((m[s] > 0).sum()) for m, s in zip(loss_masks, local_slices)],
-                             dtype=torch.int64, device=device)
-        totals = true_totals.clone()
-        totals[0] = shard.sum()
-        if bug == "count_local_shard":
-            totals[0] = _all_reduce_sum(totals[0:1], dp_group)[0]
-    elif bug == "micro_batch_mean":
-        totals = true_totals
-        per_mb = _all_reduce_sum(local.clone(), dp_group)
-    else:
-        totals = true_totals
-    weights = []
-    for k, (mask, counts, cu) in enumerate(zip(loss_masks, seq_counts, cu_seqlens)):
-        n_tok, n_seq = (per_mb[k] if per_mb is not None else totals).tolist()
-        scale = 1.0 / len(loss_masks) if per_mb is not None else 1.0
-        m = (mask > 0).to(torch.float32)
-        # max(., 1) only avoids 0/0: when a count is 0 every mask it covers is 0 as well.
-        if agg_mode == "token-mean":
-            w = m * (scale / max(n_tok, 1))
-        elif agg_mode == "seq-mean-token-mean":
-            per_seq = scale / (counts.clamp(min=1).to(torch.float32) * max(n_seq, 1))
-            lengths = (cu[1:] - cu[:-1]).long()
-            per_tok = torch.repeat_interleave(per_seq, lengths, output_size=int(cu[-1]))
-            w = m.clone()
-            w[: per_tok.shape[0]] *= per_tok
-        elif agg_mode == "seq-mean-token-sum":
-            w = m * (scale / max(n_seq, 1))
-        else:
-            w = m * (scale / (max(n_seq, 1) * loss_scale_factor))
-        weights.append(w)
-    n_tok, n_seq = true_totals.tolist()
-    return TokenWeights(weights=weights, num_tokens=int(n_tok), num_sequences=int(n_seq))
+    num_tokens, num_sequences = all_reduce_sum(local, dp_group).tolist()
+    weights = [contract_weights(loss_mask=mask, seq_counts=counts, cu_seqlens=cu, num_tokens=num_tokens,
+                                num_sequences=num_sequences, agg_mode=agg_mode,
+                                loss_scale_factor=loss_scale_factor)
+               for mask, counts, cu in zip(loss_masks, seq_counts, cu_seqlens)]
+    return TokenWeights(weights=weights, num_tokens=int(num_tokens), num_sequences=int(num_sequences))

@@ -9,8 +9,12 @@ code: a plain forward of the model per sequence, the aggregation formula written
 torch.optim.AdamW. A case passes when the eval loss and train loss match the reference to
 rtol 1e-5, the gradient norm to rtol 1e-5, and every parameter after the step to 1e-5.
 
-Negative controls switch in the known-bad normalizers of verl_balance.loss.KNOWN_BUGS on a
-layout where each one matters; they must FAIL.
+FSDP2 gradient-accumulation controls (FSDPConfig: deferred gradient sync, parameters kept
+unsharded across micro-batches, both) run on every multi-rank layout for both micro-batching
+modes and two aggregation modes: they change when gradients are reduced, never what is reduced.
+
+Negative controls run the known-bad normalizers of verl_balance.testing.faults.KNOWN_BUGS (a
+TrainEngine subclass, FaultyTrainEngine) on a layout where each one matters; they must FAIL.
 
 Run `python -m verl_balance.parity` for the full table (`--help` for options).
 """
@@ -18,18 +22,16 @@ Run `python -m verl_balance.parity` for the full table (`--help` for options).
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
-import os
-import socket
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from verl_balance.engine.config import EngineConfig, OptimConfig
+from verl_balance.engine.config import EngineConfig, FSDPConfig, OptimConfig
 from verl_balance.loss import AGG_MODES
 from verl_balance.models import LlamaForCausalLM, ModelConfig
 
@@ -37,6 +39,15 @@ PARITY_LAYOUTS = ((1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (1, 4))
 LOSS_RTOL = 1e-5
 GRAD_NORM_RTOL = 1e-5
 PARAM_ATOL = 1e-5
+
+# FSDPConfig variants of the matrix ("default" is FSDPConfig()).
+FSDP_VARIANTS: dict[str, dict] = {
+    "default": {},
+    "deferred_sync": {"defer_gradient_sync": True},
+    "unsharded_step": {"reshard_after_forward": False, "reshard_after_backward": False},
+    "deferred_unsharded": {"defer_gradient_sync": True, "reshard_after_forward": False,
+                           "reshard_after_backward": False},
+}
 
 
 @dataclass(frozen=True)
@@ -57,12 +68,12 @@ class ParitySettings:
     grad_clip: float = 1.0
     seed: int = 1234
 
-    def engine_config(self, *, agg_mode: str, bug: str | None = None) -> EngineConfig:
+    def engine_config(self, *, agg_mode: str, fsdp: str = "default") -> EngineConfig:
         """EngineConfig of one case (constant lr, no warmup: the first step uses lr)."""
         optim = OptimConfig(lr=self.lr, eps=self.adam_eps, clip_grad=self.grad_clip)
-        return EngineConfig(optim=optim, loss_agg_mode=agg_mode,
+        return EngineConfig(optim=optim, fsdp=FSDPConfig(**FSDP_VARIANTS[fsdp]), loss_agg_mode=agg_mode,
                             loss_scale_factor=self.loss_scale_factor, seed=self.seed,
-                            attn_impl="sdpa_masked", inject_bug=bug)
+                            attn_impl="sdpa_masked")
 
 
 @dataclass(frozen=True)
@@ -73,6 +84,7 @@ class ParityCase:
     balance: bool
     agg_mode: str
     bug: str | None = None
+    fsdp: str = "default"   # a FSDP_VARIANTS key
 
 
 @dataclass
@@ -116,7 +128,18 @@ def matrix_cases() -> list[ParityCase]:
             for m, b, a in itertools.product(("fixed", "dynamic"), (True, False), AGG_MODES)]
 
 
-# bug -> (layout where it must show, case). Each reproduces a failure mode named in DESIGN.md.
+FSDP_AGG_MODES = ("token-mean", "seq-mean-token-mean")
+
+
+def fsdp_cases() -> list[ParityCase]:
+    """The non-default FSDP_VARIANTS x {fixed, dynamic} x FSDP_AGG_MODES, balanced (multi-rank
+    layouts only: a single fp32 rank runs the plain module, without FSDP)."""
+    variants = [v for v in FSDP_VARIANTS if v != "default"]
+    return [ParityCase(micro=m, balance=True, agg_mode=a, fsdp=v)
+            for v, m, a in itertools.product(variants, ("fixed", "dynamic"), FSDP_AGG_MODES)]
+
+
+# bug -> (layout where it must show, case). Each reproduces a failure mode of docs/design.md.
 NEGATIVE_CONTROLS: dict[str, tuple[tuple[int, int], ParityCase]] = {
     "count_over_world": ((1, 2), ParityCase("fixed", True, "token-mean", "count_over_world")),
     "count_local_shard": ((2, 2), ParityCase("fixed", True, "token-mean", "count_local_shard")),
@@ -210,16 +233,11 @@ def reference_log_probs(settings: ParitySettings, batch: dict[str, torch.Tensor]
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_cases(*, dp: int, sp: int, cases: list[ParityCase], settings: ParitySettings) -> list:
     from verl_balance.balance import plan_balance
     from verl_balance.distributed import ParallelLayout
     from verl_balance.engine import TrainEngine
+    from verl_balance.testing.faults import FaultyTrainEngine
 
     layout = ParallelLayout(dp=dp, sp=sp, device_type="cpu")
     batch = make_global_batch(settings)
@@ -235,9 +253,9 @@ def _run_cases(*, dp: int, sp: int, cases: list[ParityCase], settings: ParitySet
         micro_batches = [{k: v[torch.as_tensor(np.asarray(idx, dtype=np.int64))]
                           for k, v in batch.items()}
                          for idx in plan.micro_batches[layout.dp_rank]]
-        engine = TrainEngine(model_config=settings.model, layout=layout,
-                             engine_config=settings.engine_config(agg_mode=case.agg_mode,
-                                                                  bug=case.bug))
+        kwargs = dict(model_config=settings.model, layout=layout,
+                      engine_config=settings.engine_config(agg_mode=case.agg_mode, fsdp=case.fsdp))
+        engine = FaultyTrainEngine(bug=case.bug, **kwargs) if case.bug else TrainEngine(**kwargs)
         evaluated = engine.eval_loss(micro_batches)
         trained = engine.train_step(micro_batches)
         params = engine.full_state_dict()
@@ -245,21 +263,18 @@ def _run_cases(*, dp: int, sp: int, cases: list[ParityCase], settings: ParitySet
     return results
 
 
-def _parity_worker(rank: int, jobs: list, settings: ParitySettings, out_dir: str) -> None:
-    import torch.distributed as dist
+def _parity_worker(rank: int, jobs: list, settings: ParitySettings) -> list:
+    from verl_balance.testing.multiprocess import gloo_group
 
     torch.set_num_threads(1)
-    for index, (dp, sp, port, cases) in enumerate(jobs):
+    out = []
+    for dp, sp, port, cases in jobs:
         if rank >= dp * sp:
             continue  # this process sits out a smaller layout
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=dp * sp)
-        try:
+        with gloo_group(rank=rank, world_size=dp * sp, port=port):
             results = _run_cases(dp=dp, sp=sp, cases=cases, settings=settings)
-        finally:
-            dist.destroy_process_group()
-        if rank == 0:
-            torch.save(results, os.path.join(out_dir, f"{index}.pt"))
+        out.append(results if rank == 0 else None)
+    return out
 
 
 def run_layouts(*, jobs: list[tuple[tuple[int, int], list[ParityCase]]],
@@ -270,18 +285,16 @@ def run_layouts(*, jobs: list[tuple[tuple[int, int], list[ParityCase]]],
     Each layout gets a fresh gloo process group of dp*sp ranks; processes beyond that size sit
     it out. Results are compared with reference_steps.
     """
-    import torch.multiprocessing as mp
+    from verl_balance.testing.multiprocess import free_port, run_on_ranks
 
     references = references if references is not None else {}
     missing = sorted({c.agg_mode for _, cases in jobs for c in cases} - set(references))
     if missing:
         references.update(reference_steps(settings, agg_modes=missing))
-    spawn_jobs = [(dp, sp, _free_port(), cases) for (dp, sp), cases in jobs]
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.spawn(_parity_worker, args=(spawn_jobs, settings, tmp),
-                 nprocs=max(dp * sp for (dp, sp), _ in jobs), join=True)
-        raw = [(layout, torch.load(os.path.join(tmp, f"{i}.pt"), weights_only=False))
-               for i, (layout, _) in enumerate(jobs)]
+    spawn_jobs = [(dp, sp, free_port(), cases) for (dp, sp), cases in jobs]
+    per_rank = run_on_ranks(functools.partial(_parity_worker, jobs=spawn_jobs, settings=settings),
+                            world=max(dp * sp for (dp, sp), _ in jobs), init_group=False)
+    raw = [(layout, layout_results) for (layout, _), layout_results in zip(jobs, per_rank[0])]
     results = []
     for layout, layout_results in raw:
         for case, eval_loss, train_loss, grad_norm, params in layout_results:
@@ -294,19 +307,21 @@ def run_layouts(*, jobs: list[tuple[tuple[int, int], list[ParityCase]]],
     return results
 
 
-def parity_jobs(*, layouts=PARITY_LAYOUTS, controls: bool = True
+def parity_jobs(*, layouts=PARITY_LAYOUTS, controls: bool = True, fsdp: bool = True
                 ) -> list[tuple[tuple[int, int], list[ParityCase]]]:
-    """The full matrix on each layout, plus the negative controls that belong to it."""
+    """The full matrix on each layout, the FSDP-control cells on multi-rank layouts, and the
+    negative controls that belong to each layout."""
     jobs = []
     for layout in layouts:
         extra = [case for lay, case in NEGATIVE_CONTROLS.values() if lay == layout] if controls else []
-        jobs.append((tuple(layout), matrix_cases() + extra))
+        fsdp_extra = fsdp_cases() if fsdp and layout[0] * layout[1] > 1 else []
+        jobs.append((tuple(layout), matrix_cases() + fsdp_extra + extra))
     return jobs
 
 
 def format_table(results: list[ParityResult], *, expect_fail: bool = False) -> str:
     """Plain-text table, one row per (layout, case)."""
-    header = (f"{'dp x sp':>7} {'micro':>7} {'bal':>3} {'loss_agg_mode':>23} {'bug':>22} "
+    header = (f"{'dp x sp':>7} {'micro':>7} {'bal':>3} {'loss_agg_mode':>23} {'fsdp':>18} {'bug':>22} "
               f"{'ref loss':>10} {'eval rel':>9} {'train rel':>9} {'gnorm rel':>9} "
               f"{'max|dp|':>8} {'result':>6}")
     lines = [header, "-" * len(header)]
@@ -315,7 +330,7 @@ def format_table(results: list[ParityResult], *, expect_fail: bool = False) -> s
         verdict = ("FAIL" if not r.passed else "pass") + ("" if ok else "!")
         lines.append(f"{r.layout[0]:>3} x {r.layout[1]:<1} {r.case.micro:>7} "
                      f"{'on' if r.case.balance else 'off':>3} {r.case.agg_mode:>23} "
-                     f"{r.case.bug or '-':>22} {r.ref_loss:>10.6f} {r.eval_rel:>9.1e} "
+                     f"{r.case.fsdp:>18} {r.case.bug or '-':>22} {r.ref_loss:>10.6f} {r.eval_rel:>9.1e} "
                      f"{r.train_rel:>9.1e} {r.grad_norm_rel:>9.1e} {r.max_param_delta:>8.1e} "
                      f"{verdict:>6}")
     return "\n".join(lines)
@@ -328,22 +343,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layouts", default=",".join(f"{d}x{s}" for d, s in PARITY_LAYOUTS),
                         help="comma-separated DPxSP list (default: the full matrix)")
     parser.add_argument("--no-controls", action="store_true", help="skip negative controls")
+    parser.add_argument("--no-fsdp", action="store_true", help="skip the FSDP-control cells")
     args = parser.parse_args(argv)
     layouts = [tuple(int(x) for x in item.split("x")) for item in args.layouts.split(",")]
     torch.set_num_threads(1)
     settings = ParitySettings()
     start = time.perf_counter()
-    results = run_layouts(jobs=parity_jobs(layouts=layouts, controls=not args.no_controls),
-                          settings=settings)
-    matrix = [r for r in results if r.case.bug is None]
+    results = run_layouts(jobs=parity_jobs(layouts=layouts, controls=not args.no_controls,
+                                           fsdp=not args.no_fsdp), settings=settings)
+    matrix = [r for r in results if r.case.bug is None and r.case.fsdp == "default"]
+    fsdp_cells = [r for r in results if r.case.bug is None and r.case.fsdp != "default"]
     controls = [r for r in results if r.case.bug is not None]
     print(format_table(matrix))
-    ok = all(r.passed for r in matrix)
+    ok = all(r.passed for r in matrix + fsdp_cells)
+    if fsdp_cells:
+        print("\nFSDP gradient-accumulation controls (must pass):")
+        print(format_table(fsdp_cells))
     if controls:
         print("\nnegative controls (must FAIL):")
         print(format_table(controls, expect_fail=True))
         ok = ok and not any(r.passed for r in controls)
     print(f"\n{sum(r.passed for r in matrix)}/{len(matrix)} matrix cells pass, "
+          f"{sum(r.passed for r in fsdp_cells)}/{len(fsdp_cells)} FSDP-control cells pass, "
           f"{sum(not r.passed for r in controls)}/{len(controls)} controls fail as they must; "
           f"{time.perf_counter() - start:.1f}s")
     return 0 if ok else 1

@@ -1,22 +1,27 @@
-"""GPU check for issue 3 (run by hand on a CUDA machine; not collected by pytest).
+"""GPU check (run by hand on a CUDA machine; not collected by pytest).
 
     PYTHONPATH=. python tests/engine/gpu_check.py [--seq-len 1024 --samples 16 --steps 5]
 
 1. The single-rank engine on CUDA with bf16 params and the fastest attention available gives
    the CPU fp32 reference loss (verl_balance.parity.reference_steps) to bf16 tolerance.
-2. Training throughput (tokens/s) of the "tiny" and "100m" presets.
+2. Training throughput of the "tiny" and "100m" presets for each FSDP2 gradient-accumulation
+   setting (per-micro-batch sync, deferred sync, deferred + unsharded step): the engine's own
+   perf/tokens_per_s_per_device, perf/mfu and perf/max_memory_allocated_gb (medians over steps),
+   next to tokens/s timed by this script around the steps.
 On a CPU-only machine it runs both parts on CPU with small sizes (a smoke test of the script).
+Micro-batches stay on the CPU, as Ray delivers them to a worker: the engine packs on the host.
 """
 
 import argparse
 import os
+import statistics
 import time
 
 import torch
 
 from verl_balance.distributed import ParallelLayout, init_distributed
 from verl_balance.engine import EngineConfig, TrainEngine
-from verl_balance.engine.config import OptimConfig
+from verl_balance.engine.config import FSDPConfig, OptimConfig
 from verl_balance.models import ModelConfig
 from verl_balance.parity import ParitySettings, make_global_batch, reference_steps
 
@@ -55,32 +60,43 @@ def main() -> None:
                              agg_mode="token-mean").__dict__, "param_dtype": dtype,
                              "attn_impl": "auto"}))
     batch = make_global_batch(settings)
-    got = engine.eval_loss([{k: v.to(layout.device) for k, v in batch.items()}])["loss"]
+    got = engine.eval_loss([batch])["loss"]
     rel = abs(got - ref) / ref
     print(f"device={layout.device} param_dtype={dtype} loss={got:.6f} cpu_fp32_ref={ref:.6f} "
           f"rel={rel:.2e} {'PASS' if rel < 2e-2 else 'FAIL'}")
 
-    print(f"{'preset':>6} {'params':>8} {'tokens/step':>11} {'tokens/s':>10}")
+    variants = {"per-micro-batch": FSDPConfig(), "deferred": FSDPConfig(defer_gradient_sync=True),
+                "deferred+unsharded": FSDPConfig(defer_gradient_sync=True, reshard_after_forward=False,
+                                                 reshard_after_backward=False)}
+    print(f"{'preset':>6} {'params':>8} {'fsdp':>18} {'tokens/step':>11} {'tokens/s':>10} "
+          f"{'engine tok/s':>12} {'mfu':>6} {'max alloc GB':>12}")
     for preset in ("tiny", "100m"):
         cfg = ModelConfig.preset(preset)
-        engine = TrainEngine(model_config=cfg, layout=layout,
-                             engine_config=EngineConfig(optim=OptimConfig(lr=1e-4), param_dtype=dtype))
-        data = random_batch(vocab=cfg.vocab_size, samples=args.samples, seq_len=args.seq_len,
-                            seed=0)
-        mbs = [{k: v[i:i + args.micro_batch].to(layout.device) for k, v in data.items()}
+        data = random_batch(vocab=cfg.vocab_size, samples=args.samples, seq_len=args.seq_len, seed=0)
+        mbs = [{k: v[i:i + args.micro_batch] for k, v in data.items()}
                for i in range(0, args.samples, args.micro_batch)]
-        engine.train_step(mbs)  # warm-up (allocations, kernels)
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            engine.train_step(mbs)
-        if cuda:
-            torch.cuda.synchronize()
         tokens = int(data["attention_mask"].sum())
-        rate = tokens * args.steps / (time.perf_counter() - start)
-        params = sum(p.numel() for p in engine.model.parameters())
-        print(f"{preset:>6} {params / 1e6:>7.2f}M {tokens:>11} {rate:>10.0f}")
+        for name, fsdp in variants.items():
+            engine = TrainEngine(model_config=cfg, layout=layout,
+                                 engine_config=EngineConfig(optim=OptimConfig(lr=1e-4), param_dtype=dtype,
+                                                            fsdp=fsdp))
+            engine.train_step(mbs)  # warm-up (allocations, kernels)
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            steps = [engine.train_step(mbs) for _ in range(args.steps)]
+            if cuda:
+                torch.cuda.synchronize()
+            rate = tokens * args.steps / (time.perf_counter() - start)
+            params = sum(p.numel() for p in engine.model.parameters())
+            mfu = [m["perf/mfu"] for m in steps if "perf/mfu" in m]
+            mem = max((m.get("perf/max_memory_allocated_gb", 0.0) for m in steps), default=0.0)
+            engine_rate = statistics.median(m["perf/tokens_per_s_per_device"] for m in steps)
+            print(f"{preset:>6} {params / 1e6:>7.2f}M {name:>18} {tokens:>11} {rate:>10.0f} {engine_rate:>12.0f} "
+                  f"{(f'{statistics.median(mfu):.3f}' if mfu else 'n/a'):>6} {mem:>12.2f}")
+            del engine
+            if cuda:
+                torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

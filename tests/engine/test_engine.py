@@ -3,19 +3,24 @@
 One spawn runs every scenario; the assertions run in the parent on the collected results.
 """
 
+import dataclasses
 import functools
-import warnings
+import glob
+import logging
+import os
 
 import pytest
 import torch
 
-from _spawn import run_on_ranks
 from verl_balance.distributed import ParallelLayout
 from verl_balance.engine import EngineConfig, MicroBatchError, TrainEngine
-from verl_balance.engine.config import OptimConfig
+from verl_balance.engine.config import FSDPConfig, OptimConfig
 from verl_balance.engine.optim import lr_multiplier
 from verl_balance.models import LlamaForCausalLM
 from verl_balance.parity import ParitySettings, make_global_batch, reference_steps
+from verl_balance.testing.multiprocess import run_on_ranks
+
+pytestmark = pytest.mark.slow  # spawns a process group
 
 SETTINGS = ParitySettings(num_samples=8, seed=99)
 # DP rank 0: two micro-batches; DP rank 1: one micro-batch and an EMPTY one (a dummy forward).
@@ -37,11 +42,46 @@ class ProbeLoss:
                             "entropy": entropy}
 
 
-def _engine_scenarios(rank, *, ckpt_dir):
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def _count_fsdp_collectives(engine, mbs):
+    """(all-gathers, reduce-scatters, FSDP parameter groups) of one train_step on this rank."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    counts = {"all_gather_single": 0, "reduce_scatter_single": 0}
+    originals = {name: getattr(dist, name) for name in counts}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in counts:
+        setattr(dist, name, counting(name))
+    try:
+        engine.train_step(mbs)
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    groups = sum(1 for m in engine.model.modules() if isinstance(m, FSDPModule))
+    return counts["all_gather_single"], counts["reduce_scatter_single"], groups
+
+
+def _engine_scenarios(rank, *, ckpt_dir, profile_dir):
     layout = ParallelLayout(dp=2, sp=2, device_type="cpu")
     batch = make_global_batch(SETTINGS)
     mbs = rank_micro_batches(batch, layout.dp_rank)
-    config = SETTINGS.engine_config(agg_mode="token-mean")
+    config = dataclasses.replace(SETTINGS.engine_config(agg_mode="token-mean"), profile_steps=[1],
+                                 profile_dir=profile_dir)
     out = {}
 
     engine = TrainEngine(model_config=SETTINGS.model, engine_config=config, layout=layout)
@@ -52,12 +92,32 @@ def _engine_scenarios(rank, *, ckpt_dir):
 
     # Zero loss tokens in the whole mini-batch: warning, no step, no NaN.
     silent = [{**mb, "loss_mask": torch.zeros_like(mb["loss_mask"])} for mb in mbs]
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out["zero"] = engine.train_step(silent)
-    out["zero_warned"] = any("zero valid" in str(w.message) for w in caught)
+    records = _Records()
+    logging.getLogger("verl_balance.engine.train_engine").addHandler(records)
+    out["zero"] = engine.train_step(silent)
+    logging.getLogger("verl_balance.engine.train_engine").removeHandler(records)
+    out["zero_warned"] = any("zero valid" in m for m in records.messages)
     out["zero_params_unchanged"] = all(torch.equal(engine.full_state_dict()[k], v)
                                        for k, v in out["params"].items())
+
+    # Warmup over 4 steps: a step skipped for zero tokens still moves the schedule on, so the
+    # lr of train step k is lr_multiplier(k - 1) whatever was skipped before it.
+    warm = dataclasses.replace(config, profile_steps=[], total_steps=4,
+                               optim=dataclasses.replace(config.optim, warmup_steps_ratio=1.0))
+    warm_engine = TrainEngine(model_config=SETTINGS.model, engine_config=warm, layout=layout)
+    out["warmup_lrs"] = [warm_engine.train_step(x)["lr"] for x in (mbs, silent, mbs)]
+
+    # Every FSDP2 gradient-accumulation control on, with an empty micro-batch on DP rank 1.
+    deferred = dataclasses.replace(config, profile_steps=[], fsdp=FSDPConfig(
+        reshard_after_forward=False, reshard_after_backward=False, defer_gradient_sync=True))
+    deferred_engine = TrainEngine(model_config=SETTINGS.model, engine_config=deferred, layout=layout)
+    out["deferred_eval"] = deferred_engine.eval_loss(mbs)
+    out["deferred_train"] = deferred_engine.train_step(mbs)
+    out["deferred_params"] = deferred_engine.full_state_dict()
+    plain_engine = TrainEngine(model_config=SETTINGS.model, layout=layout,
+                               engine_config=dataclasses.replace(config, profile_steps=[]))
+    out["collectives"] = {"default": _count_fsdp_collectives(plain_engine, mbs),
+                          "deferred": _count_fsdp_collectives(deferred_engine, mbs)}
 
     # Checkpoint round trip: save, move on, load -> same params, extra and schedule.
     engine.save_checkpoint(ckpt_dir, step=7, extra={"data_cursor": 17})
@@ -99,7 +159,12 @@ def _engine_scenarios(rank, *, ckpt_dir):
 @pytest.fixture(scope="module")
 def scenario(tmp_path_factory):
     ckpt_dir = str(tmp_path_factory.mktemp("ckpt"))
-    return run_on_ranks(functools.partial(_engine_scenarios, ckpt_dir=ckpt_dir), world=4)
+    profile_dir = str(tmp_path_factory.mktemp("profile"))
+    results = run_on_ranks(functools.partial(_engine_scenarios, ckpt_dir=ckpt_dir, profile_dir=profile_dir),
+                           world=4)
+    for out in results:
+        out["traces"] = sorted(os.path.relpath(p, profile_dir) for p in glob.glob(f"{profile_dir}/*/*"))
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -117,6 +182,44 @@ def test_train_step_with_an_empty_micro_batch_matches_single_process(scenario, r
         assert metrics["lr"] == SETTINGS.lr
         for name, value in out["params"].items():
             torch.testing.assert_close(value, reference["params"][name], rtol=0, atol=1e-5)
+
+
+def test_deferred_sync_and_unsharded_params_match_single_process(scenario, reference):
+    for out in scenario:
+        assert out["deferred_eval"]["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+        assert out["deferred_train"]["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+        assert out["deferred_train"]["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
+        for name, value in out["deferred_params"].items():
+            torch.testing.assert_close(value, reference["params"][name], rtol=0, atol=1e-5)
+
+
+def test_deferred_sync_reduces_once_and_unsharded_step_gathers_once_per_step(scenario):
+    for out in scenario:
+        gathers, scatters, groups = out["collectives"]["deferred"]
+        assert (gathers, scatters) == (groups, groups)
+        # negative control: by default every one of the 2 micro-batches reduce-scatters
+        gathers, scatters, groups = out["collectives"]["default"]
+        assert scatters == 2 * groups and gathers >= 2 * groups
+
+
+def test_perf_metrics_count_every_real_token_once_and_no_mfu_on_cpu(scenario):
+    tokens = int(make_global_batch(SETTINGS)["attention_mask"].sum())
+    for out in scenario:
+        metrics = out["train"]
+        assert metrics["perf/tokens"] == tokens  # not sp times: each DP group counted once
+        assert metrics["perf/tokens_per_s_per_device"] == pytest.approx(
+            tokens / (metrics["perf/step_seconds"] * 4))
+        assert "perf/mfu" not in metrics and "perf/max_memory_allocated_gb" not in metrics
+        assert len(metrics["micro_batch_seconds"]) == 2 and metrics["busy_seconds"] > 0
+
+
+def test_profile_steps_write_one_trace_per_rank(scenario):
+    assert scenario[0]["traces"] == [f"step_1/rank_{r}.trace.json" for r in range(4)]
+
+
+def test_skipped_zero_token_step_keeps_the_lr_schedule_on_the_step_counter(scenario):
+    for out in scenario:
+        assert out["warmup_lrs"] == pytest.approx([SETTINGS.lr * f for f in (0.25, 0.5, 0.75)])
 
 
 def test_eval_loss_and_metrics_are_global_token_means(scenario, reference):

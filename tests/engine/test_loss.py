@@ -10,6 +10,7 @@ from verl_balance.loss import (
     compute_token_weights,
     sequence_token_counts,
 )
+from verl_balance.testing.faults import faulty_token_weights, pack_rolled_after_slice
 
 CPU = torch.device("cpu")
 
@@ -20,7 +21,7 @@ CUS = [torch.tensor([0, 3, 5]), torch.tensor([0, 5])]
 
 
 def hand_weights(mode, c=None):
-    n_tok, n_seq = 6, 2  # N = 2 + 4, S = |{a, c}|
+    n_seq = 2  # N = 2 + 4 = 6, S = |{a, c}| = 2
     if mode == "token-mean":
         return [[1 / 6, 1 / 6, 0, 0, 0], [1 / 6] * 4 + [0, 0]]
     if mode == "seq-mean-token-mean":
@@ -49,8 +50,8 @@ def test_all_zero_mask_gives_zero_weights_not_nan():
 def test_micro_batch_mean_control_differs_from_global_mean():
     good = compute_token_weights(loss_masks=MASKS, cu_seqlens=CUS, agg_mode="token-mean",
                                  dp_group=None)
-    bad = compute_token_weights(loss_masks=MASKS, cu_seqlens=CUS, agg_mode="token-mean",
-                                dp_group=None, bug="micro_batch_mean")
+    bad = faulty_token_weights("micro_batch_mean", loss_masks=MASKS, cu_seqlens=CUS, agg_mode="token-mean",
+                               dp_group=None)
     assert float(bad.weights[0][0]) == pytest.approx(1 / 4)  # 1 / (n_mb0 * 2 micro-batches)
     assert not torch.allclose(good.weights[0], bad.weights[0])
 
@@ -142,7 +143,6 @@ def test_malformed_attention_mask_names_the_sample():
 def test_roll_after_slice_control_loses_a_target_at_each_shard_edge():
     batch = wire_batch()
     good = [pack_micro_batch(batch, sp_size=2, sp_rank=r, device=CPU) for r in range(2)]
-    bad = [pack_micro_batch(batch, sp_size=2, sp_rank=r, device=CPU, roll_after_slice=True)
-           for r in range(2)]
+    bad = [pack_rolled_after_slice(batch, sp_size=2, sp_rank=r, device=CPU) for r in range(2)]
     assert sum(float(p.local("loss_mask").sum()) for p in good) == 9
     assert sum(float(p.local("loss_mask").sum()) for p in bad) < 9

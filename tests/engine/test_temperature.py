@@ -4,12 +4,15 @@ the distribution the rollout sampled from, in compute_log_prob and in the loss a
 Reference: a plain per-sequence forward of the same initial model, logits divided by T.
 """
 
+import pytest
 import torch
-from _spawn import run_on_ranks
 
 from verl_balance.distributed.layout import ParallelLayout
 from verl_balance.engine.train_engine import TrainEngine
 from verl_balance.parity import ParitySettings, make_global_batch, reference_log_probs
+from verl_balance.testing.multiprocess import run_on_ranks
+
+pytestmark = pytest.mark.slow  # spawns a process group
 
 SETTINGS = ParitySettings()
 TEMPERATURE = 0.7

@@ -1,22 +1,25 @@
 """Parity property (DESIGN.md): every layout reproduces the single-process reference.
 
 The full matrix {(1,1),(2,1),(4,1),(1,2),(2,2),(1,4)} x {fixed, dynamic} x {balance on, off} x
-{4 loss_agg_modes} x {train, eval} and the negative controls run in ONE spawn of 4 gloo
-processes (a fresh process group per layout); each test below checks a slice of the results.
+{4 loss_agg_modes} x {train, eval}, the FSDP2 gradient-accumulation cells and the negative
+controls run in ONE spawn of 4 gloo processes (a fresh process group per layout); each test below
+checks a slice of the results.
 """
 
 import pytest
 
-from verl_balance.loss import KNOWN_BUGS
 from verl_balance.parity import (
+    FSDP_VARIANTS,
     NEGATIVE_CONTROLS,
     PARITY_LAYOUTS,
     ParitySettings,
     format_table,
+    fsdp_cases,
     matrix_cases,
     parity_jobs,
     run_layouts,
 )
+from verl_balance.testing.faults import KNOWN_BUGS
 
 
 @pytest.fixture(scope="module")
@@ -27,10 +30,22 @@ def parity_results():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", PARITY_LAYOUTS, ids=lambda l: f"dp{l[0]}_sp{l[1]}")
+@pytest.mark.parametrize("layout", PARITY_LAYOUTS, ids=lambda lay: f"dp{lay[0]}_sp{lay[1]}")
 def test_every_matrix_cell_matches_the_single_process_reference(parity_results, layout):
-    cells = [r for r in parity_results if r.layout == layout and r.case.bug is None]
+    cells = [r for r in parity_results if r.layout == layout and r.case.bug is None
+             and r.case.fsdp == "default"]
     assert len(cells) == len(matrix_cases())
+    failed = [r for r in cells if not r.passed]
+    assert not failed, "\n" + format_table(failed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [lay for lay in PARITY_LAYOUTS if lay[0] * lay[1] > 1],
+                         ids=lambda lay: f"dp{lay[0]}_sp{lay[1]}")
+def test_deferred_sync_and_unsharded_steps_match_the_single_process_reference(parity_results, layout):
+    cells = [r for r in parity_results if r.layout == layout and r.case.bug is None
+             and r.case.fsdp != "default"]
+    assert len(cells) == len(fsdp_cases()) and {c.case.fsdp for c in cells} == set(FSDP_VARIANTS) - {"default"}
     failed = [r for r in cells if not r.passed]
     assert not failed, "\n" + format_table(failed)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from verl_balance.loss import check_agg_mode, check_bug
+from verl_balance.loss import check_agg_mode
 from verl_balance.models.attention import ATTN_IMPLS
 
 LR_SCHEDULERS = ("constant", "cosine")
@@ -64,11 +64,29 @@ class OptimConfig:
 
 @dataclass
 class FSDPConfig:
-    """How FSDP2 (``fully_shard``) shards and synchronises; memory costs are per rank."""
+    """How FSDP2 (``fully_shard``) shards and synchronises across the micro-batches of one step.
+
+    Memory costs are per rank, for a model of P parameters on W ranks (param_dtype b bytes, fp32
+    gradients). The defaults keep memory lowest: every micro-batch all-gathers parameters and
+    reduce-scatters gradients. The gradient contract does not depend on any of these switches:
+    gradients are reduce-scattered exactly once into the sharded gradient (with the same divide
+    factor G), whether per micro-batch or once after the last one; the parity matrix runs them all.
+    """
 
     reshard_after_forward: bool = True
-    """Free the all-gathered parameters after each unit's forward (saves one unsharded copy of the
-    model per rank; costs a second all-gather in backward)."""
+    """Free each unit's all-gathered parameters after its forward. False keeps them until the
+    backward: saves one all-gather per unit per micro-batch and costs up to one unsharded copy of
+    the model (P * b bytes) held from forward to backward."""
+    reshard_after_backward: bool = True
+    """Free each unit's all-gathered parameters after its backward. False keeps them unsharded
+    from one micro-batch to the next (resharded after the step's last backward, before the
+    optimizer): together with reshard_after_forward=False a step all-gathers once instead of once
+    per micro-batch. Costs one unsharded copy of the model (P * b bytes) for the whole step."""
+    defer_gradient_sync: bool = False
+    """Accumulate unsharded gradients locally and reduce-scatter them once, after the last
+    micro-batch's backward (``set_requires_gradient_sync``), instead of after every micro-batch.
+    Saves (micro-batches - 1) reduce-scatters per step; costs one unsharded fp32 gradient per
+    parameter (4 * P bytes) for the whole step, on top of the sharded 4 * P / W."""
 
 
 @dataclass
@@ -83,11 +101,14 @@ class EngineConfig:
     param_dtype: str = "float32"
     attn_impl: str = "auto"
     seed: int = 0
-    inject_bug: str | None = None  # parity negative controls only (verl_balance.loss.KNOWN_BUGS)
+    profile_steps: list[int] = field(default_factory=list)
+    """1-based train steps (this engine's train_step calls) to trace with torch.profiler on every
+    rank; empty = never. Traces go to profile_dir (see engine/profiling.py)."""
+    profile_dir: str = "profile"
+    """Directory of the traces: <profile_dir>/step_<N>/rank_<R>.trace.json (Chrome/Perfetto)."""
 
     def __post_init__(self) -> None:
         check_agg_mode(self.loss_agg_mode)
-        check_bug(self.inject_bug)
         if self.optim.lr_scheduler == "cosine" and not self.total_steps:
             raise EngineConfigError("optim.lr_scheduler='cosine' needs total_steps > 0")
         if self.param_dtype not in PARAM_DTYPES:
@@ -98,6 +119,9 @@ class EngineConfig:
                 and not (self.loss_scale_factor and self.loss_scale_factor > 0)):
             raise EngineConfigError("loss_agg_mode='seq-mean-token-sum-norm' needs "
                                     "loss_scale_factor > 0 (the constant C)")
+        bad_steps = [s for s in self.profile_steps if int(s) < 1]
+        if bad_steps:
+            raise EngineConfigError(f"profile_steps={list(self.profile_steps)}: steps are 1-based, got {bad_steps}")
 
     @property
     def warmup_steps(self) -> int:

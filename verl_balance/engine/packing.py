@@ -37,13 +37,14 @@ class PackedMicroBatch:
     seq_lens: list[int]
     total_len: int
     padded_len: int
-    cu_seqlens: Tensor          # real sequences only, int64 [n + 1]
-    cu_seqlens_padded: Tensor   # + the padding segment, spans padded_len tokens
+    cu_seqlens: Tensor          # real sequences only, int64 [n + 1], on the device
+    cu_seqlens_padded: Tensor   # + the padding segment, spans padded_len tokens, on the device
     max_seqlen: int
     tensors: dict[str, Tensor]  # full padded stream, target-aligned (see module docstring)
     sp_rank: int
     sp_size: int
     attention_mask: Tensor = field(repr=False)  # the wire (b, L) mask, for unpacking
+    cu_seqlens_host: Tensor | None = field(default=None, repr=False)  # cu_seqlens on the CPU
 
     @property
     def num_samples(self) -> int:
@@ -78,7 +79,8 @@ class PackedMicroBatch:
         return out
 
 
-def _shift_targets(x: Tensor, ends: Tensor) -> Tensor:
+def shift_targets(x: Tensor, ends: Tensor) -> Tensor:
+    """x rolled one token left (x[p] <- x[p + 1]), zero at the given sequence-end positions."""
     shifted = torch.roll(x, shifts=-1, dims=0)
     if len(ends):
         shifted[ends] = 0
@@ -86,72 +88,55 @@ def _shift_targets(x: Tensor, ends: Tensor) -> Tensor:
 
 
 def pack_micro_batch(micro_batch: Mapping[str, Tensor], *, sp_size: int, sp_rank: int,
-                     device: torch.device, require_loss_mask: bool = True,
-                     roll_after_slice: bool = False) -> PackedMicroBatch:
-    """Pack a right-padded micro-batch (wire format of HELPERS.md) for this SP rank.
+                     device: torch.device, require_loss_mask: bool = True) -> PackedMicroBatch:
+    """Pack a right-padded micro-batch (the wire format of docs/design.md) for this SP rank.
 
-    roll_after_slice reproduces KNOWN_BUGS["roll_after_slice"] for the parity negative
-    controls only.
+    Packing runs on the CPU, where the wire tensors arrive (Ray delivers them there), and the
+    packed stream then moves to ``device`` in one non-blocking copy per tensor: nothing here waits
+    for the device. Wire tensors already on an accelerator are copied to the host first (a wait).
     """
     for key in ("input_ids", "attention_mask") + (("loss_mask",) if require_loss_mask else ()):
         if key not in micro_batch:
             raise MicroBatchError(f"micro-batch lacks {key!r}; it has {sorted(micro_batch)}")
-    attention_mask = micro_batch["attention_mask"].to(device)
+    attention_mask = micro_batch["attention_mask"].cpu()
     if attention_mask.dim() != 2:
         raise MicroBatchError(f"attention_mask must be (b, L), got {tuple(attention_mask.shape)}")
     b, width = attention_mask.shape
     lengths = attention_mask.long().sum(1)
-    expected = torch.arange(width, device=device)[None, :] < lengths[:, None]
-    bad = ((attention_mask != 0) != expected).any(1) | (lengths == 0)
+    real = torch.arange(width)[None, :] < lengths[:, None]
+    bad = ((attention_mask != 0) != real).any(1) | (lengths == 0)
     if bad.any():
         i = int(bad.nonzero()[0])
         raise MicroBatchError(f"sample {i} of the micro-batch: attention_mask must be 1 on a "
                               "non-empty prefix and 0 after it (right padding)")
-    real = expected
-    cu = torch.zeros(b + 1, dtype=torch.int64, device=device)
+    cu = torch.zeros(b + 1, dtype=torch.int64)
     cu[1:] = torch.cumsum(lengths, 0)
     total = int(cu[-1])
     padded = padded_length(total, multiple=sp_size)
+    pad = padded - total
     ends = cu[1:] - 1
 
     tensors: dict[str, Tensor] = {}
     for key, value in micro_batch.items():
         if key == "attention_mask" or not isinstance(value, Tensor) or value.shape[:2] != (b, width):
             continue
-        flat = value.to(device)[real]
-        if key not in _UNROLLED_KEYS and not roll_after_slice:
-            flat = _shift_targets(flat, ends)
-        tensors[key] = flat
-    tensors["targets"] = tensors["input_ids"] if roll_after_slice else _shift_targets(
-        tensors["input_ids"], ends)
-    tensors["position_ids"] = (torch.cumsum(attention_mask.long(), 1) - 1)[real]
+        flat = value.cpu()[real]
+        tensors[key] = flat if key in _UNROLLED_KEYS else shift_targets(flat, ends)
+    tensors["targets"] = shift_targets(tensors["input_ids"], ends)
+    tensors["position_ids"] = torch.arange(width).expand(b, width)[real]
     if "loss_mask" not in tensors:
-        tensors["loss_mask"] = torch.zeros(total, device=device)
+        tensors["loss_mask"] = torch.zeros(total)
     tensors["loss_mask"] = tensors["loss_mask"].to(torch.float32)
-
-    pad = padded - total
     for key, value in tensors.items():
-        filler = (torch.arange(pad, device=device, dtype=value.dtype) if key == "position_ids"
+        filler = (torch.arange(pad, dtype=value.dtype) if key == "position_ids"
                   else value.new_zeros((pad,) + value.shape[1:]))
-        tensors[key] = torch.cat([value, filler])
-    if roll_after_slice:
-        # The bug under test: each SP shard shifts its own slice, so every shard edge loses one
-        # target and each sequence end is still masked.
-        width_local = padded // sp_size
-        shard_ends = torch.cat([ends, torch.arange(1, sp_size + 1, device=device) * width_local - 1])
-        for key in list(tensors):
-            if key in _UNROLLED_KEYS:
-                continue
-            src = tensors["input_ids"] if key == "targets" else tensors[key]
-            chunks = [_shift_targets(c, torch.zeros(0, dtype=torch.long, device=device))
-                      for c in src.split(width_local)]
-            shifted = torch.cat(chunks)
-            shifted[shard_ends] = 0
-            tensors[key] = shifted
+        tensors[key] = torch.cat([value, filler]).to(device, non_blocking=True)
 
     cu_padded = torch.cat([cu, cu.new_tensor([padded])]) if pad else cu
-    max_seqlen = max([pad] + lengths.tolist())
-    return PackedMicroBatch(seq_lens=lengths.tolist(), total_len=total, padded_len=padded,
-                            cu_seqlens=cu, cu_seqlens_padded=cu_padded, max_seqlen=max_seqlen,
-                            tensors=tensors, sp_rank=sp_rank, sp_size=sp_size,
-                            attention_mask=attention_mask)
+    seq_lens = lengths.tolist()
+    return PackedMicroBatch(seq_lens=seq_lens, total_len=total, padded_len=padded,
+                            cu_seqlens=cu.to(device, non_blocking=True),
+                            cu_seqlens_padded=cu_padded.to(device, non_blocking=True),
+                            max_seqlen=max([pad] + seq_lens), tensors=tensors, sp_rank=sp_rank,
+                            sp_size=sp_size, attention_mask=attention_mask.to(device, non_blocking=True),
+                            cu_seqlens_host=cu)

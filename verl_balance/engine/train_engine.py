@@ -10,13 +10,21 @@ Invariants:
   Per micro-batch a rank back-propagates G * sum(w * l) over its token slice (see loss.py), and
   the logged loss is all_reduce_sum over the world of those sums: the exact global objective.
 - Zero valid tokens in the whole mini-batch: no forward, no optimizer step, a warning, loss 0.
+  The learning-rate schedule still advances (as it does for a step skipped for a non-finite
+  gradient norm): the schedule is a function of the train-step counter, not of the number of
+  optimizer updates, so a skipped step never shifts it against the trainer's step.
+- Gradient accumulation follows FSDPConfig: with defer_gradient_sync the reduce-scatter runs
+  once, after the last micro-batch's backward; with reshard_after_backward=False the parameters
+  stay unsharded until then. Either way each gradient is reduced exactly once with factor G.
+- Host/device: packing and counting happen on the CPU; a step waits for the device only for the
+  global counts, the logged sums, the gradient norm and the timing events (once each per step).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
-import warnings
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -24,7 +32,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from verl_balance.distributed.layout import ParallelLayout
@@ -32,11 +40,27 @@ from verl_balance.distributed.ulysses import gather_and_unpad
 from verl_balance.engine.config import EngineConfig
 from verl_balance.engine.optim import build_optimizer
 from verl_balance.engine.packing import MicroBatchError, PackedMicroBatch, pack_micro_batch
-from verl_balance.loss import LossFn, SFTLoss, compute_token_weights
+from verl_balance.engine.perf import TRAIN_FLOPS_PER_FORWARD, step_perf_metrics
+from verl_balance.engine.profiling import step_profiler
+from verl_balance.engine.timing import StepTimer
+from verl_balance.loss import LossFn, SFTLoss, TokenWeights, compute_token_weights
 from verl_balance.models import ModelConfig, build_model
 from verl_balance.models.base import PackedCausalLM
 
+logger = logging.getLogger(__name__)
+
 _ENGINE_STATE_FILE = "engine_state.pt"
+
+
+def _flops_workload(model_config):
+    """The FLOPs model of the network, or None when its config lacks the dimensions."""
+    from verl_balance.balance.errors import BalanceConfigError
+    from verl_balance.balance.workload import FlopsWorkload
+
+    try:
+        return FlopsWorkload.from_model_config(model_config)
+    except (BalanceConfigError, TypeError, ValueError):
+        return None
 
 
 def token_log_probs(logits: Tensor, targets: Tensor, *, with_entropy: bool = False,
@@ -88,6 +112,7 @@ class TrainEngine:
         self.model = model
         self.optimizer, self.scheduler = build_optimizer(model.parameters(), config=engine_config)
         self.global_step = 0
+        self.flops_workload = _flops_workload(model_config)
 
     @property
     def gradient_divide_factor(self) -> int:
@@ -120,93 +145,148 @@ class TrainEngine:
                                   f"(dp x sp): {per_dp.tolist()}")
 
     def _pack(self, micro_batches, *, require_loss_mask: bool) -> list[PackedMicroBatch]:
+        """Wire micro-batches -> packed streams (a seam for the testing.faults controls)."""
         return [pack_micro_batch(mb, sp_size=self.layout.sp, sp_rank=self.layout.sp_rank,
-                                 device=self.device, require_loss_mask=require_loss_mask,
-                                 roll_after_slice=self.config.inject_bug == "roll_after_slice")
+                                 device=self.device, require_loss_mask=require_loss_mask)
                 for mb in micro_batches]
+
+    def _token_weights(self, packed: Sequence[PackedMicroBatch], *, training: bool) -> TokenWeights:
+        """The loss-contract weights of this rank's micro-batches (a seam for testing.faults);
+        ``training`` is unused here: eval weighs tokens exactly as training does."""
+        return compute_token_weights(
+            loss_masks=[p.tensors["loss_mask"] for p in packed],
+            cu_seqlens=[p.cu_seqlens_host for p in packed], agg_mode=self.config.loss_agg_mode,
+            loss_scale_factor=self.config.loss_scale_factor, dp_group=self.layout.dp_group)
 
     def _forward(self, packed: PackedMicroBatch) -> Tensor:
         return self.model(input_ids=packed.local("input_ids"),
                           position_ids=packed.local("position_ids"),
                           cu_seqlens=packed.cu_seqlens_padded, max_seqlen=packed.max_seqlen)
 
-    def _sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+    def _fsdp_modules(self) -> list[FSDPModule]:
+        return [m for m in self.model.modules() if isinstance(m, FSDPModule)] if self.sharded else []
+
+    def _set_backward_policy(self, *, is_last: bool) -> None:
+        """Per micro-batch FSDP2 switches: reduce gradients and reshard only after the last
+        backward of the step when FSDPConfig defers them."""
+        fsdp = self.config.fsdp
+        if not self.sharded or (not fsdp.defer_gradient_sync and fsdp.reshard_after_backward):
+            return
+        if fsdp.defer_gradient_sync:
+            self.model.set_requires_gradient_sync(is_last)
+        if not fsdp.reshard_after_backward:
+            self.model.set_reshard_after_backward(is_last)
+
+    def _reshard(self) -> None:
+        """Free parameters left unsharded (reshard_after_forward=False keeps them after a forward
+        without backward); the sharded parameters are then the only copy an optimizer step or a
+        checkpoint load can change."""
+        fsdp = self.config.fsdp
+        if fsdp.reshard_after_forward and fsdp.reshard_after_backward:
+            return
+        for module in self._fsdp_modules():
+            module.reshard()
+
+    def _step_flops_and_tokens(self, packed: Sequence[PackedMicroBatch], *, training: bool) -> tuple[float, float]:
+        """Model FLOPs and tokens of this rank's share of the step; SP rank 0 of each DP group
+        counts its group's sequences, the others count 0, so a SUM over the world is global."""
+        if self.layout.sp_rank != 0:
+            return 0.0, 0.0
+        lengths = [n for p in packed for n in p.seq_lens]
+        flops = 0.0
+        if self.flops_workload is not None and lengths:
+            factor = TRAIN_FLOPS_PER_FORWARD if training else 1.0
+            flops = factor * float(self.flops_workload.cost(lengths).sum())
+        return flops, float(sum(lengths))
 
     # ------------------------------------------------------------------ train / eval
     def _run(self, micro_batches: Sequence[Mapping[str, Tensor]], *, loss_fn: LossFn | None,
              training: bool, temperature: float = 1.0) -> dict:
+        step_start = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
         loss_fn = loss_fn if loss_fn is not None else SFTLoss()
         self._check_micro_batches(micro_batches)
         packed = self._pack(micro_batches, require_loss_mask=True)
-        token_weights = compute_token_weights(
-            loss_masks=[p.tensors["loss_mask"] for p in packed],
-            cu_seqlens=[p.cu_seqlens for p in packed], agg_mode=self.config.loss_agg_mode,
-            loss_scale_factor=self.config.loss_scale_factor, dp_group=self.layout.dp_group,
-            world_group=self.layout.world_group, local_slices=[p.local_slice for p in packed],
-            training=training, bug=self.config.inject_bug)
+        token_weights = self._token_weights(packed, training=training)
         metrics: dict = {"valid_tokens": token_weights.num_tokens,
                          "num_sequences": token_weights.num_sequences,
                          "lr": self.scheduler.get_last_lr()[0]}
         if token_weights.num_tokens == 0:
             # Counts are global, so every rank takes this branch together (no collective skew).
-            warnings.warn("mini-batch has zero valid (loss-mask) tokens: "
-                          + ("optimizer step skipped" if training else "eval loss is 0"),
-                          stacklevel=3)
+            logger.warning("mini-batch has zero valid (loss-mask) tokens: %s",
+                           "optimizer step skipped" if training else "eval loss is 0")
+            if training:
+                self._advance_schedule()
             return {**metrics, "loss": 0.0, "grad_norm": 0.0, "step_skipped": training,
-                    "micro_batch_seconds": [], "compute_seconds": 0.0, "busy_seconds": 0.0}
+                    "micro_batch_seconds": [], "micro_batch_busy_seconds": [], "compute_seconds": 0.0,
+                    "busy_seconds": 0.0}
 
         scale = float(self.gradient_divide_factor)
         local_objective = torch.zeros((), dtype=torch.float64, device=self.device)
         metric_sums: dict[str, Tensor] = {}
-        seconds, busy_seconds = [], []
+        timer = StepTimer(self.device)
+        needs_entropy = getattr(loss_fn, "needs_entropy", False)
         if training:
             self.model.train()
             self.optimizer.zero_grad(set_to_none=True)
         else:
             self.model.eval()
-        for p, weights in zip(packed, token_weights.weights):
-            self._sync()
-            start, start_cpu = time.perf_counter(), time.process_time()
+        for k, (p, weights) in enumerate(zip(packed, token_weights.weights)):
+            if training:
+                self._set_backward_policy(is_last=k == len(packed) - 1)
+            timer.start()
             with torch.set_grad_enabled(training):
                 logits = self._forward(p)
                 inputs = p.local_inputs()
-                log_probs, entropy = token_log_probs(
-                    logits, inputs["targets"], with_entropy=getattr(loss_fn, "needs_entropy", False),
-                    temperature=temperature)
+                log_probs, entropy = token_log_probs(logits, inputs["targets"], with_entropy=needs_entropy,
+                                                     temperature=temperature)
                 per_token_loss, per_token_metrics = loss_fn(log_probs=log_probs, entropy=entropy,
                                                             inputs=inputs)
                 objective = (weights[p.local_slice] * per_token_loss).sum()
                 if training:
                     (objective * scale).backward()
-            self._sync()
-            seconds.append(time.perf_counter() - start)
-            busy_seconds.append(time.process_time() - start_cpu)
+            timer.stop()
             local_objective += objective.detach().double()
             mask = inputs["loss_mask"]
             for name, value in per_token_metrics.items():
                 contribution = (mask * value.detach().float()).sum().double()
                 metric_sums[name] = metric_sums.get(name, 0) + contribution
+        if not training:
+            self._reshard()
 
         # Token slices are disjoint over the world (DP splits samples, SP splits tokens): the sum
         # of local objectives is J and the sum of masked metric values is the global numerator.
+        # The step's model FLOPs and tokens ride along (counted once per DP group).
         names = sorted(metric_sums)
-        totals = torch.stack([local_objective] + [metric_sums[n] for n in names])
+        flops, tokens = self._step_flops_and_tokens(packed, training=training)
+        work = torch.tensor([flops, tokens], dtype=torch.float64).to(self.device, non_blocking=True)
+        totals = torch.cat([torch.stack([local_objective] + [metric_sums[n] for n in names]), work])
         dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.layout.world_group)
-        metrics["loss"] = float(totals[0])
+        totals = totals.tolist()
+        metrics["loss"] = totals[0]
         for i, name in enumerate(names):
-            metrics[name] = float(totals[i + 1]) / token_weights.num_tokens
-        metrics["micro_batch_seconds"] = seconds
-        metrics["compute_seconds"] = float(sum(seconds))
+            metrics[name] = totals[i + 1] / token_weights.num_tokens
+        times = timer.finish()
+        metrics["micro_batch_seconds"] = times.wall
+        metrics["compute_seconds"] = float(sum(times.wall))
         # Wall time includes waiting in FSDP's collectives for the slowest rank, so it is nearly
-        # equal on every rank. On CPU, process time excludes blocking waits and measures this
-        # rank's own work. On accelerators the host cannot tell kernels from collective waits,
-        # so busy falls back to wall time there (it then understates the imbalance).
-        metrics["busy_seconds"] = float(sum(busy_seconds)) if self.device.type == "cpu" else float(sum(seconds))
+        # equal on every rank; busy time is this rank's own work (see engine/timing.py).
+        metrics["busy_seconds"] = float(sum(times.busy))
+        metrics["micro_batch_busy_seconds"] = times.busy
         if training:
             metrics.update(self._optimizer_step())
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()  # once per step: honest step time
+        metrics.update(step_perf_metrics(flops=totals[-2], tokens=totals[-1],
+                                         seconds=time.perf_counter() - step_start,
+                                         world_size=self.layout.world_size, device=self.device))
         return metrics
+
+    def _advance_schedule(self) -> None:
+        """One train step has passed: the LR schedule and the step counter move on together."""
+        self.scheduler.step()
+        self.global_step += 1
 
     def _optimizer_step(self) -> dict:
         max_norm = self.config.optim.max_grad_norm
@@ -216,13 +296,13 @@ class TrainEngine:
         grad_norm = float(grad_norm)
         if not torch.isfinite(torch.tensor(grad_norm)):
             # The norm is reduced over the mesh, so every rank skips together.
-            warnings.warn(f"non-finite grad_norm={grad_norm}: optimizer step skipped", stacklevel=3)
+            logger.warning("non-finite grad_norm=%s: optimizer step skipped", grad_norm)
             self.optimizer.zero_grad(set_to_none=True)
+            self._advance_schedule()
             return {"grad_norm": grad_norm, "step_skipped": True}
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        self.global_step += 1
+        self._advance_schedule()
         return {"grad_norm": grad_norm, "step_skipped": False}
 
     def train_step(self, micro_batches: Sequence[Mapping[str, Tensor]], *,
@@ -230,11 +310,17 @@ class TrainEngine:
         """One optimizer step over this DP rank's micro-batches.
 
         Returns loss (exact global objective J), grad_norm (before clipping), lr, valid_tokens,
-        num_sequences, micro_batch_seconds (this rank), compute_seconds, step_skipped, and each
-        loss_fn metric as a global loss-mask-weighted token mean. Collective over the mesh.
-        ``temperature`` divides the logits (the sampling temperature of on-policy data).
+        num_sequences, micro_batch_seconds / micro_batch_busy_seconds / compute_seconds /
+        busy_seconds (this rank; see engine/timing.py),
+        step_skipped, each loss_fn metric as a global loss-mask-weighted token mean, and the
+        global perf/* figures of engine/perf.py (the same on every rank). Collective over the
+        mesh. ``temperature`` divides the logits (the sampling temperature of on-policy data).
+        Steps listed in config.profile_steps are traced (engine/profiling.py).
         """
-        return self._run(micro_batches, loss_fn=loss_fn, training=True, temperature=temperature)
+        step = self.global_step + 1
+        with step_profiler(enabled=step in self.config.profile_steps, out_dir=self.config.profile_dir,
+                           step=step, rank=self.layout.rank, device=self.device):
+            return self._run(micro_batches, loss_fn=loss_fn, training=True, temperature=temperature)
 
     @torch.no_grad()
     def eval_loss(self, micro_batches: Sequence[Mapping[str, Tensor]], *,
@@ -264,11 +350,12 @@ class TrainEngine:
                 result["entropy"] = p.unpack(gather_and_unpad(entropy, group=group,
                                                               length=p.total_len))
             outputs.append(result)
+        self._reshard()
         return outputs
 
     # ------------------------------------------------------------------ state
     def full_state_dict(self) -> dict[str, Tensor]:
-        """Unsharded parameters on CPU, every rank (names as in HELPERS.md). Collective."""
+        """Unsharded parameters on CPU, every rank (the model's own parameter names). Collective."""
         out = {}
         for name, value in self.model.state_dict().items():
             if isinstance(value, DTensor):
