@@ -66,7 +66,8 @@ from verl_balance.engine.config import EngineConfig, FSDPConfig, OptimConfig
 from verl_balance.models import ModelConfig, build_model
 from verl_balance.protocol import Batch
 from verl_balance.single_controller import Dispatch, make_mesh_dispatch, register
-from verl_balance.trainer import cluster, common
+from verl_balance.trainer import cluster
+from verl_balance.trainer.plan_dispatch import split_by_plan
 from verl_balance.workers.actor import ACTOR_MESH, ActorWorker, ActorWorkerConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -239,7 +240,7 @@ def run_step_bench(args, memory_rows: list) -> list[tuple]:
         for step in range(total):
             for key in keys[step % len(keys):] + keys[:step % len(keys)]:  # rotate: no fixed position
                 plan = plans[key][step]
-                chunks = common.dispatch_chunks(Batch.from_dict(tensors=batches[step]), plan)
+                chunks = split_by_plan(Batch.from_dict(tensors=batches[step]), plan)
                 t0 = time.perf_counter()
                 per_rank = group.update_actor(chunks)
                 wall = time.perf_counter() - t0
@@ -253,7 +254,7 @@ def run_step_bench(args, memory_rows: list) -> list[tuple]:
             for key in plans:
                 group.memory(True)
                 for step in range(min(2, total)):
-                    group.update_actor(common.dispatch_chunks(Batch.from_dict(tensors=batches[step]),
+                    group.update_actor(split_by_plan(Batch.from_dict(tensors=batches[step]),
                                                               plans[key][step]))
                 for snap in group.memory(False):
                     memory_rows.append((f"dp=2 {key[0]}", f"{key[1]} worker {snap['rank']}", snap))
@@ -322,7 +323,7 @@ def run_sync_bench(args) -> list[tuple]:
         for name in names:
             groups[name].memory(True)
         for step in range(total):
-            chunks = common.dispatch_chunks(Batch.from_dict(tensors=batches[step]), plans[step])
+            chunks = split_by_plan(Batch.from_dict(tensors=batches[step]), plans[step])
             for name in names[step % len(names):] + names[:step % len(names)]:
                 t0 = time.perf_counter()
                 per_rank = groups[name].update_actor(chunks)
@@ -428,9 +429,7 @@ def run_overhead_bench(args, memory_rows: list) -> list[tuple]:
     try:
         trainer.actor.memory(True)
         for step in range(total):
-            plan = common.plan_for(common.to_batch(batches[step]), dp_size=1, sp_size=1,
-                                   micro_batch_size=cfg.data.micro_batch_size_per_gpu, token_cap=trainer.token_cap,
-                                   balance_cfg=cfg.balance, workload=trainer.workload)
+            plan = trainer.plan_mini_batch(Batch.from_dict(tensors=batches[step]))
             parent.send((step, [mb.tolist() for mb in plan.micro_batches[0]]))
             plain_wall, plain_cpu = parent.recv()
             driver_cpu = time.process_time()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 
 import pytest
 import torch
@@ -16,9 +15,7 @@ from verl_balance.engine.config import OptimConfig
 from verl_balance.export import ExportError, export_checkpoint, save_hf_pretrained
 from verl_balance.export import main as export_main
 from verl_balance.models.hf import HFModelConfig, build_hf_model
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "engine"))
-from _spawn import run_on_ranks  # noqa: E402
+from verl_balance.testing.multiprocess import run_on_ranks
 
 
 def _micro_batches(vocab_size: int, rank: int):

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
-import sys
 
 import pytest
 import torch
@@ -12,9 +10,7 @@ import torch.distributed as dist
 
 from verl_balance.distributed.ulysses import pad_and_slice, padded_length
 from verl_balance.models.hf import HFCausalLM, HFModelConfig
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "engine"))
-from _spawn import run_on_ranks  # noqa: E402
+from verl_balance.testing.multiprocess import run_on_ranks
 
 LENGTHS = [5, 1, 12, 3, 8]
 SP = 2
