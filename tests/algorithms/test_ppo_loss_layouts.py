@@ -7,10 +7,8 @@ parameters after one step) for fixed and token-capped micro-batches and every ag
 """
 
 import dataclasses
+import functools
 import itertools
-import os
-import socket
-import tempfile
 
 import numpy as np
 import pytest
@@ -20,6 +18,7 @@ from verl_balance.algorithms import PolicyLossConfig, PPOLoss, compute_grpo_outc
 from verl_balance.loss import AGG_MODES
 from verl_balance.models import LlamaForCausalLM
 from verl_balance.parity import ParitySettings, make_global_batch
+from verl_balance.testing.multiprocess import run_on_ranks
 
 SETTINGS = ParitySettings()
 LOSS_CONFIG = PolicyLossConfig(clip_ratio=0.2, clip_ratio_high=0.28, use_kl_loss=True, kl_loss_coef=0.1,
@@ -101,43 +100,29 @@ def _reference(batch, *, agg_mode: str, config: PolicyLossConfig) -> dict:
             "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
-def _worker(rank, dp, sp, port, batch, out_path):
-    import torch.distributed as dist
-
+def _worker(rank, *, dp, sp, batch):
+    """Every case on this rank of a (dp, sp) mesh; (eval, train, params) per case."""
     from verl_balance.balance import plan_balance
     from verl_balance.distributed import ParallelLayout
     from verl_balance.engine import TrainEngine
 
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=dp * sp)
-    try:
-        layout = ParallelLayout(dp=dp, sp=sp, device_type="cpu")
-        results = []
-        for micro, balance, agg_mode in CASES:
-            fixed = micro == "fixed"
-            plan = plan_balance(seq_lens=batch["attention_mask"].sum(1).numpy(), dp_size=dp, sp_size=sp,
-                                micro_batch_size=SETTINGS.micro_batch_size if fixed else None,
-                                max_token_len_per_gpu=None if fixed else -(-SETTINGS.tokens_per_micro_batch // sp),
-                                balance=balance)
-            micro_batches = [{k: v[torch.as_tensor(np.asarray(idx, dtype=np.int64))] for k, v in batch.items()}
-                             for idx in plan.micro_batches[layout.dp_rank]]
-            engine = TrainEngine(model_config=SETTINGS.model, layout=layout,
-                                 engine_config=_engine_config(agg_mode))
-            loss_fn = PPOLoss(LOSS_CONFIG)
-            evaluated = engine.eval_loss(micro_batches, loss_fn=loss_fn)
-            trained = engine.train_step(micro_batches, loss_fn=loss_fn)
-            results.append((evaluated, trained, engine.full_state_dict()))
-        if rank == 0:
-            torch.save(results, out_path)
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    layout = ParallelLayout(dp=dp, sp=sp, device_type="cpu")
+    results = []
+    for micro, balance, agg_mode in CASES:
+        fixed = micro == "fixed"
+        plan = plan_balance(seq_lens=batch["attention_mask"].sum(1).numpy(), dp_size=dp, sp_size=sp,
+                            micro_batch_size=SETTINGS.micro_batch_size if fixed else None,
+                            max_token_len_per_gpu=None if fixed else -(-SETTINGS.tokens_per_micro_batch // sp),
+                            balance=balance)
+        micro_batches = [{k: v[torch.as_tensor(np.asarray(idx, dtype=np.int64))] for k, v in batch.items()}
+                         for idx in plan.micro_batches[layout.dp_rank]]
+        engine = TrainEngine(model_config=SETTINGS.model, layout=layout,
+                             engine_config=_engine_config(agg_mode))
+        loss_fn = PPOLoss(LOSS_CONFIG)
+        evaluated = engine.eval_loss(micro_batches, loss_fn=loss_fn)
+        trained = engine.train_step(micro_batches, loss_fn=loss_fn)
+        results.append((evaluated, trained, engine.full_state_dict()))
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -171,12 +156,7 @@ def test_reference_is_sensitive_to_clipping_kl_and_entropy(reference):
 @pytest.mark.slow
 @pytest.mark.parametrize("dp,sp", [(2, 1), (1, 2)])
 def test_ppo_loss_is_layout_invariant(batch, reference, dp, sp):
-    import torch.multiprocessing as mp
-
-    with tempfile.TemporaryDirectory() as tmp:
-        out_path = os.path.join(tmp, "results.pt")
-        mp.spawn(_worker, args=(dp, sp, _free_port(), batch, out_path), nprocs=dp * sp, join=True)
-        results = torch.load(out_path, weights_only=False)
+    results = run_on_ranks(functools.partial(_worker, dp=dp, sp=sp, batch=batch), world=dp * sp)[0]
     for (micro, balance, agg_mode), (evaluated, trained, params) in zip(CASES, results):
         ref, where = reference(agg_mode), f"dp={dp} sp={sp} {micro} balance={balance} {agg_mode}"
         assert evaluated["loss"] == pytest.approx(ref["loss"], rel=1e-5), where
