@@ -143,10 +143,10 @@ class ActorWorker(Worker):
         if self.config.save_hf_model:
             self.export_hf(os.path.join(path, HF_EXPORT_DIR))
 
-    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def export_hf(self, out: str) -> None:
-        """Write the current model as a Hugging Face save_pretrained directory ``out`` (collective:
-        every rank joins the gather; rank 0 alone holds the full tensors and writes)."""
+        """Write the current model as a Hugging Face save_pretrained directory ``out``. Collective,
+        called on every rank from ``save_checkpoint``: every rank joins the gather, rank 0 alone
+        holds the full tensors and writes."""
         from verl_balance.export import save_builtin_as_hf_llama, save_hf_pretrained
 
         # full_state_dict + cpu_offload: the unsharded tensors land on rank 0's CPU only.
