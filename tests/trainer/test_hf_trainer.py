@@ -259,3 +259,33 @@ def test_hf_grpo_runs_two_steps_end_to_end(ray_cluster, tiny_qwen2, tmp_path):
         assert r["response_length/mean"] > 0
         assert r["actor/num_optimizer_steps"] == 2
     assert "val/accuracy" in records[-1]
+
+
+@pytest.mark.slow
+def test_save_hf_model_writes_a_builtin_model_as_llama_with_its_logits(ray_cluster, tmp_path):
+    """The built-in preset exports as transformers' Llama (same math) from the same staged save."""
+    from transformers import AutoModelForCausalLM
+
+    from verl_balance.export import export_checkpoint, load_checkpoint_model_state, recorded_model_config
+    from verl_balance.models import LlamaForCausalLM, ModelConfig
+
+    _train_sft(["trainer.device=cpu", "model.name=tiny", "model.hidden_size=32", "model.num_layers=2",
+                "data.train_batch_size=8", "data.synthetic.num_train=32", "data.synthetic.num_val=8",
+                f"data.synthetic.out_dir={tmp_path / 'data'}", "trainer.logger=[jsonl]", "trainer.plot=false",
+                "trainer.n_gpus_per_node=2", "trainer.total_training_steps=1", "trainer.save_freq=1",
+                "trainer.save_hf_model=true", f"trainer.default_local_dir={tmp_path / 'run'}",
+                "trainer.resume_mode=disable"])
+    checkpoint = str(tmp_path / "run" / "global_step_1")
+    recorded = recorded_model_config(checkpoint)
+    assert recorded["kind"] == "builtin"
+    config = ModelConfig(**{k: v for k, v in recorded.items() if k != "kind"})
+    reference = LlamaForCausalLM(config)
+    reference.load_state_dict(load_checkpoint_model_state(checkpoint, model_config=config))
+    input_ids = torch.randint(0, config.vocab_size, (20,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = reference(input_ids=input_ids, position_ids=torch.arange(20),
+                             cu_seqlens=torch.tensor([0, 20], dtype=torch.int32), max_seqlen=20)
+    for directory in (os.path.join(checkpoint, "hf"), export_checkpoint(checkpoint, str(tmp_path / "cli"))):
+        exported = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32)
+        assert exported.config.model_type == "llama"
+        torch.testing.assert_close(_logits(exported, input_ids[None])[0], expected, rtol=1e-5, atol=1e-5)
