@@ -109,6 +109,24 @@ def test_missing_model_directory_fails_at_startup_naming_the_key(tmp_path, recip
         trainer_cls(cfg)
 
 
+def test_bad_tokenizer_fails_at_startup_naming_the_key(tmp_path):
+    from verl_balance.trainer.sft_trainer import SFTTrainer
+
+    cfg = compose_config("sft", [f"model.tokenizer={tmp_path / 'no_such_tokenizer'}",
+                                 f"trainer.default_local_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match=r"model.tokenizer='.*no_such_tokenizer'"):
+        SFTTrainer(cfg)
+
+
+def test_init_random_and_gradient_checkpointing_reach_the_hf_model_config(tmp_path, tiny_qwen2):
+    config = validate_sft(compose_config("sft", [
+        f"model.partial_pretrain={tiny_qwen2}", "model.init=random", "model.enable_gradient_checkpointing=true",
+        f"trainer.default_local_dir={tmp_path / 'run'}"]))
+    model_config = config.model.model_config(vocab_size=10)
+    assert (model_config.path, model_config.init, model_config.enable_gradient_checkpointing) == (
+        tiny_qwen2, "random", True)
+
+
 def test_partial_pretrain_and_path_that_disagree_are_rejected(tmp_path, tiny_qwen2):
     cfg = compose_config("sft", [f"model.path={tiny_qwen2}", f"model.partial_pretrain={tmp_path}",
                                  f"trainer.default_local_dir={tmp_path / 'run'}"])
