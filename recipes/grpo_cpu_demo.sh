@@ -24,11 +24,11 @@ python -m verl_balance.main_sft \
     trainer.total_training_steps="$SFT_STEPS" trainer.save_freq="$SFT_STEPS" trainer.test_freq=100 \
     trainer.experiment_name=grpo_demo_sft trainer.default_local_dir="$OUT/sft"
 
-# Stage 2: GRPO from the SFT weights (model.path loads the model weights only).
+# Stage 2: GRPO from the SFT weights (model.warm_start_path loads the model weights only).
 python -m verl_balance.main_grpo \
     trainer.device=cpu trainer.n_gpus_per_node=2 \
     actor_rollout_ref.model.name=tiny $(for d in $DIMS; do printf 'actor_rollout_ref.model.%s ' "$d"; done) \
-    actor_rollout_ref.model.path="$OUT/sft/global_step_$SFT_STEPS" \
+    actor_rollout_ref.model.warm_start_path="$OUT/sft/global_step_$SFT_STEPS" \
     data.train_files="$OUT/data/rl_train.parquet" data.val_files="$OUT/data/rl_val.parquet" \
     data.max_prompt_length=32 data.train_batch_size=32 \
     actor_rollout_ref.rollout.n=8 actor_rollout_ref.rollout.temperature=1.0 \

@@ -6,7 +6,8 @@
 # Point data.train_files at your own parquet (verl's SFT schema); override anything on the command line.
 set -euo pipefail
 if [[ -n "${MODEL_PATH:-}" ]]; then
-    model_args=(model.path="$MODEL_PATH" model.tokenizer="$MODEL_PATH" model.enable_gradient_checkpointing=true)
+    # the tokenizer and chat template come from MODEL_PATH; every checkpoint also gets global_step_N/hf
+    model_args=(model.path="$MODEL_PATH" model.enable_gradient_checkpointing=true trainer.save_hf_model=true)
     lr=1e-5
 else
     model_args=(model.name=100m)

@@ -4,9 +4,9 @@
 
 CHECKPOINT is an engine checkpoint (``global_step_N/``: DCP shards of {"model", "optim"} written
 by ``TrainEngine.save_checkpoint``, any layout); OUT receives config.json, model.safetensors and
-the tokenizer of the model directory (``--model-path``, or the ``model_config.path`` recorded in
-the checkpoint's trainer_state.json). ``AutoModelForCausalLM.from_pretrained(OUT)`` then gives
-the trained model's logits exactly.
+the tokenizer of the model directory (``--model-path``, or the ``model_config`` the trainer recorded
+in the checkpoint's trainer_state.json; a built-in model is written as Llama).
+``AutoModelForCausalLM.from_pretrained(OUT)`` then gives the trained model's logits exactly.
 
 Invariant: tied embeddings are written once. Weights are copied *into* a freshly built HF model,
 so ``lm_head.weight`` stays the same Parameter as ``model.embed_tokens.weight``; loading a
@@ -160,29 +160,43 @@ def load_checkpoint_model_state(checkpoint: str, *, model_config) -> dict[str, t
     return state["model"]
 
 
-def _recorded_model_path(checkpoint: str) -> str | None:
+def recorded_model_config(checkpoint: str) -> dict | None:
+    """The ``model_config`` the trainer recorded in the checkpoint's trainer_state.json (``kind``
+    "hf" with the HFModelConfig fields, or "builtin" with the ModelConfig fields); None if absent."""
     trainer_state = os.path.join(checkpoint, TRAINER_STATE_FILE)
     if not os.path.exists(trainer_state):
         return None
     with open(trainer_state, encoding="utf-8") as f:
         state = json.load(f)
-    return (state.get("model_config") or {}).get("path") or state.get("model_path")
+    recorded = state.get("model_config")
+    if recorded is None and state.get("model_path"):
+        recorded = {"kind": "hf", "path": state["model_path"]}
+    return recorded
 
 
 def export_checkpoint(checkpoint: str, out: str, *, model_path: str | None = None,
                       builtin_config: str | None = None) -> str:
     """Export ``checkpoint`` to ``out``; returns ``out``. An HF model needs its directory
     (``model_path``); a built-in model its ``ModelConfig`` as JSON (``builtin_config``, the
-    ``to_dict()`` fields) and is written as a Llama model."""
+    ``to_dict()`` fields) and is written as a Llama model. Without either, the model config the
+    trainer recorded in the checkpoint is used."""
+    builtin: ModelConfig | None = None
     if builtin_config is not None:
         with open(builtin_config, encoding="utf-8") as f:
-            config = ModelConfig(**json.load(f))
-        state = load_checkpoint_model_state(checkpoint, model_config=config)
-        return save_builtin_as_hf_llama(state, model_config=config, out=out)
-    model_path = model_path or _recorded_model_path(checkpoint)
-    if model_path is None:
-        raise ExportError(f"checkpoint {checkpoint!r} does not record its model directory; pass --model-path DIR "
-                          "(the model.path it was trained from)")
+            builtin = ModelConfig(**json.load(f))
+    elif model_path is None:
+        recorded = recorded_model_config(checkpoint)
+        if recorded is None:
+            raise ExportError(f"checkpoint {checkpoint!r} does not record its model; pass --model-path DIR (the "
+                              "model.path it was trained from) or --builtin-config CONFIG.json")
+        fields = {k: v for k, v in recorded.items() if k != "kind"}
+        if recorded.get("kind") == "builtin":
+            builtin = ModelConfig(**fields)
+        else:
+            model_path = fields["path"]
+    if builtin is not None:
+        state = load_checkpoint_model_state(checkpoint, model_config=builtin)
+        return save_builtin_as_hf_llama(state, model_config=builtin, out=out)
     try:
         model_config = HFModelConfig.from_pretrained(model_path)
     except ModelConfigError as err:

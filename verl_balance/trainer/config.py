@@ -13,10 +13,12 @@ Key names follow verl's wherever the concept is the same, so a verl user's overr
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 import re
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -26,7 +28,9 @@ from verl_balance.balance.plan import OVERLONG_POLICIES
 from verl_balance.data.sft_dataset import SFTDataConfig
 from verl_balance.engine.config import PARAM_DTYPES, EngineConfig, OptimConfig
 from verl_balance.loss import check_agg_mode
-from verl_balance.models.config import ModelConfig
+from verl_balance.models import MODEL_DIMENSION_KEYS, load_model_config
+from verl_balance.models.config import ModelConfig, ModelConfigError
+from verl_balance.models.hf import INIT_MODES, SUPPORTED_MODEL_TYPES, HFModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +38,6 @@ WORKLOADS = ("tokens", "flops")
 DEVICES = ("auto", "cpu", "cuda")
 RESUME_MODES = ("auto", "disable", "resume_path")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
-MODEL_DIMENSION_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                        "num_kv_heads", "max_position_embeddings", "tie_word_embeddings")
 
 
 class ConfigError(ValueError):
@@ -71,12 +73,24 @@ class SyntheticDataConfig:
 
 @dataclass
 class ModelSection:
-    """A built-in preset ('tiny', 'small', '100m'); any dimension set here overrides the preset."""
+    """The model: a local Hugging Face directory (``path``) or a built-in preset (``name``) whose
+    dimensions any key set here overrides."""
+
+    KEY_PREFIX: ClassVar[str] = "model."
 
     name: str = "tiny"
-    """Built-in preset (``models.config.ModelConfig.preset``)."""
-    tokenizer: str = "byte"
-    """Tokenizer name (``data.tokenizer.build_tokenizer``)."""
+    """Built-in preset (``models.config.ModelConfig.preset``); ignored when ``path`` is set."""
+    path: Optional[str] = None
+    """A local Hugging Face model directory (config.json + safetensors; families llama, qwen2, qwen3,
+    mistral); null = the built-in preset ``name``. Nothing is downloaded."""
+    tokenizer: Optional[str] = None
+    """'byte' (built-in) or a local HF tokenizer directory (its chat template is used); null = ``path``
+    when a model directory is given, else 'byte'."""
+    init: str = "pretrained"
+    """With ``path``: 'pretrained' loads the directory's weights, 'random' draws new ones of that
+    architecture (seeded by trainer.seed). A built-in preset is always random."""
+    enable_gradient_checkpointing: bool = False
+    """verl's key: activation checkpointing per decoder layer (HF models only)."""
     param_dtype: str = "float32"
     """Dtype of the parameters the engine computes in: one of engine.config.PARAM_DTYPES."""
     vocab_size: Optional[int] = None
@@ -98,16 +112,69 @@ class ModelSection:
 
     def __post_init__(self) -> None:
         check_choice("param_dtype", self.param_dtype, PARAM_DTYPES)
+        check_choice("init", self.init, INIT_MODES)
+        if self.path is not None:
+            check_hf_model_dir("path", self.path)
 
-    def model_config(self, *, vocab_size: int) -> ModelConfig:
-        """The preset with the tokenizer's vocabulary and the dimensions set here."""
-        base = ModelConfig.preset(self.name)
-        overrides = {k: getattr(self, k) for k in MODEL_DIMENSION_KEYS if getattr(self, k) is not None}
-        overrides.setdefault("vocab_size", vocab_size)
-        if overrides["vocab_size"] < vocab_size:
-            raise ConfigError(f"model.vocab_size={overrides['vocab_size']} is smaller than the "
-                              f"tokenizer's vocabulary ({vocab_size})")
-        return dataclasses.replace(base, **overrides)
+    @property
+    def tokenizer_path(self) -> str:
+        """The tokenizer to build: ``tokenizer``, else the model directory, else 'byte'."""
+        return self.tokenizer or self.path or "byte"
+
+    def model_config(self, *, vocab_size: int):
+        """``HFModelConfig`` of ``path``, or the preset with the tokenizer's vocabulary and the
+        dimensions set here; ConfigError naming the key when they do not fit together."""
+        overrides = {k: getattr(self, k) for k in MODEL_DIMENSION_KEYS}
+        # HF-only keys are passed only when set away from their defaults, so a preset rejects them.
+        if self.path is not None or self.init != "pretrained":
+            overrides["init"] = self.init
+        if self.path is not None or self.enable_gradient_checkpointing:
+            overrides["enable_gradient_checkpointing"] = self.enable_gradient_checkpointing
+        try:
+            return load_model_config(name=self.name, path=self.path, overrides=overrides, vocab_size=vocab_size)
+        except ModelConfigError as err:
+            raise ConfigError(re.sub(r"(?<![\w.])model[. ]", self.KEY_PREFIX, str(err))) from err
+
+    def describe(self, model_config) -> str:
+        """The start-up description of the model: family and directory, or the preset."""
+        dims = f"{model_config.num_layers} layers, hidden {model_config.hidden_size}"
+        if isinstance(model_config, HFModelConfig):
+            return (f"HF model_type={model_config.model_type} from {model_config.path} ({dims}, "
+                    f"init={model_config.init})")
+        return f"model {self.name} ({dims})"
+
+
+def check_hf_model_dir(key: str, path: str) -> None:
+    """Raise ConfigError naming ``key`` unless ``path`` is a local HF model directory of a supported family."""
+    config_file = os.path.join(os.path.expanduser(path), "config.json")
+    if not os.path.isfile(config_file):
+        raise ConfigError(f"{key}={path!r} is not a local Hugging Face directory (no config.json); point {key} at "
+                          "a save_pretrained output of a llama, qwen2, qwen3 or mistral checkpoint (nothing is "
+                          "downloaded)")
+    try:
+        with open(config_file, encoding="utf-8") as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError) as err:
+        raise ConfigError(f"{key}={path!r}: config.json cannot be read ({err})") from err
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(f"{key}={path!r} has model_type={model_type!r}, which is not supported; supported "
+                          f"model_type values: {list(SUPPORTED_MODEL_TYPES)}")
+
+
+@dataclass
+class SFTModelSection(ModelSection):
+    """``model`` of the SFT recipe: ModelSection plus verl's spelling of the model directory."""
+
+    partial_pretrain: Optional[str] = None
+    """verl's SFT key for the model directory: the same as ``path`` (set either)."""
+
+    def __post_init__(self) -> None:
+        if self.partial_pretrain is not None:
+            if self.path is not None and self.path != self.partial_pretrain:
+                raise ConfigError(f"path={self.path!r} and partial_pretrain={self.partial_pretrain!r} disagree; "
+                                  "set one of them")
+            self.path = self.partial_pretrain
+        super().__post_init__()
 
 
 @dataclass
@@ -154,6 +221,9 @@ class TrainerSection:
     """Run directory: metrics, checkpoints, plots, generated data."""
     save_freq: int = -1
     """Checkpoint every N steps (and at the end); <= 0 = never."""
+    save_hf_model: bool = False
+    """Also write each checkpoint's model as a Hugging Face ``save_pretrained`` directory,
+    ``global_step_N/hf`` (safetensors, config, tokenizer); a built-in model is written as Llama."""
     test_freq: int = -1
     """Validate every N steps (and at the end); <= 0 = never."""
     resume_mode: str = "auto"
@@ -248,8 +318,8 @@ class SFTConfig:
 
     data: SFTDataSection = field(default_factory=SFTDataSection)
     """Files, columns, length policy and batching."""
-    model: ModelSection = field(default_factory=ModelSection)
-    """Model preset and dimension overrides."""
+    model: SFTModelSection = field(default_factory=SFTModelSection)
+    """The model: an HF directory (model.path) or a preset with dimension overrides."""
     ulysses_sequence_parallel_size: int = 1
     """Ulysses degree: workers per DP group that split each sequence."""
     use_remove_padding: bool = True

@@ -21,11 +21,12 @@ import time
 from omegaconf import DictConfig
 
 from verl_balance.data.loader import StatefulDataLoader
-from verl_balance.data.tokenizer import Tokenizer, build_tokenizer
+from verl_balance.data.tokenizer import Tokenizer, TokenizerError, build_tokenizer
 from verl_balance.models.config import ModelConfig
+from verl_balance.models.hf import HFModelConfig
 from verl_balance.single_controller import WorkerDiedError
 from verl_balance.trainer import checkpoint, cluster
-from verl_balance.trainer.config import BalanceSection, ModelSection, TrainerSection
+from verl_balance.trainer.config import BalanceSection, ConfigError, ModelSection, TrainerSection
 from verl_balance.utils.tracking import Tracking, plain_config
 from verl_balance.workers.actor import ActorWorker, ActorWorkerConfig
 from verl_balance.workers.group import ActorGroup
@@ -59,8 +60,12 @@ class DriverBase:
         self.dp = self.world // self.sp
         self.out_dir = trainer.default_local_dir
         os.makedirs(self.out_dir, exist_ok=True)
-        self.tokenizer: Tokenizer = build_tokenizer(model.tokenizer)
-        self.model_config: ModelConfig = model.model_config(vocab_size=self.tokenizer.vocab_size)
+        try:
+            self.tokenizer: Tokenizer = build_tokenizer(model.tokenizer_path)
+        except TokenizerError as err:
+            raise ConfigError(f"{model.KEY_PREFIX}tokenizer={model.tokenizer_path!r}: {err}") from err
+        self.model_section = model
+        self.model_config: ModelConfig | HFModelConfig = model.model_config(vocab_size=self.tokenizer.vocab_size)
         self.workload = balance.workload_for(self.model_config)
         self.global_step = 0
         self._stop_requested = False
@@ -71,6 +76,12 @@ class DriverBase:
         self.loader = StatefulDataLoader(train_set, batch_size=batch_size, collate_fn=train_set.collate,
                                          shuffle=shuffle, seed=t.seed, drop_last=True)
         self.total_steps = t.total_training_steps or t.total_epochs * len(self.loader)
+
+    def export_options(self) -> dict:
+        """The worker-config fields of ``trainer.save_hf_model`` (the HF export in every checkpoint)."""
+        tokenizer = self.model_section.tokenizer_path
+        return {"save_hf_model": self.trainer_config.save_hf_model,
+                "hf_tokenizer_path": os.path.abspath(tokenizer) if os.path.isdir(tokenizer) else None}
 
     def start_workers(self, *, worker_config: ActorWorkerConfig, worker_cls: type = ActorWorker,
                       description: str) -> None:
@@ -207,7 +218,10 @@ class DriverBase:
         self.actor.resource_pool.remove()
 
     def _trainer_state(self) -> dict:
-        return {"global_step": self.global_step, "loader": self.loader.state_dict()}
+        # model_config lets ``python -m verl_balance.export CKPT OUT`` rebuild the model without flags.
+        return {"global_step": self.global_step, "loader": self.loader.state_dict(),
+                "model_config": {"kind": "hf" if isinstance(self.model_config, HFModelConfig) else "builtin",
+                                 **self.model_config.to_dict()}}
 
     def save(self) -> str:
         """Checkpoint workers and driver state as ``global_step_N`` (atomically); returns its path."""

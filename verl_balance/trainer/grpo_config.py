@@ -15,8 +15,10 @@ values is an error.
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
@@ -26,6 +28,7 @@ from verl_balance.data.rl_dataset import RLDataConfig
 from verl_balance.data.synthetic import TASKS, SyntheticConfig
 from verl_balance.engine.config import OptimConfig
 from verl_balance.loss import check_agg_mode
+from verl_balance.trainer.checkpoint import COMPLETE_FILE, TRAINER_STATE_FILE
 from verl_balance.trainer.config import (
     BalanceSection,
     ConfigError,
@@ -44,7 +47,10 @@ from verl_balance.trainer.config import (
     to_typed,
 )
 
+logger = logging.getLogger(__name__)
+
 ROLLOUT_NAMES = ("naive",)
+_WARNED_DEPRECATED_PATHS: set[str] = set()
 
 
 @dataclass
@@ -99,18 +105,42 @@ class GRPODataSection(RLDataConfig):
         return narrow(self, RLDataConfig)
 
 
+def is_engine_checkpoint(path: str) -> bool:
+    """Whether ``path`` is a ``global_step_N`` directory written by our trainers (not an HF model)."""
+    return any(os.path.exists(os.path.join(path, name)) for name in (TRAINER_STATE_FILE, COMPLETE_FILE))
+
+
 @dataclass
 class ActorModelSection(ModelSection):
-    """A built-in preset plus dimension overrides, and ``path``: an SFT ``global_step_N`` to start from."""
+    """verl's ``actor_rollout_ref.model``: an HF directory (``path``) or a built-in preset with
+    dimension overrides, optionally warm-started from an engine checkpoint (``warm_start_path``)."""
 
-    path: Optional[str] = None
-    """Warm start: a global_step_N directory of an engine checkpoint (model weights only)."""
+    KEY_PREFIX: ClassVar[str] = "actor_rollout_ref.model."
+
+    warm_start_path: Optional[str] = None
+    """A global_step_N directory of an engine checkpoint (e.g. the SFT trainer's) whose model weights
+    the run starts from (optimizer state and step are not restored); its model must match this one."""
     use_remove_padding: bool = True
     """verl's key; must be true (the engine always runs packed, padding-free sequences)."""
 
     def __post_init__(self) -> None:
+        if self.path is not None and is_engine_checkpoint(self.path):
+            # Before HF models, path named the warm-start checkpoint; keep that working for now.
+            if self.warm_start_path is not None:
+                raise ConfigError(f"path={self.path!r} is an engine checkpoint and warm_start_path="
+                                  f"{self.warm_start_path!r} is set too; set only warm_start_path")
+            if self.path not in _WARNED_DEPRECATED_PATHS:  # the section is instantiated more than once
+                _WARNED_DEPRECATED_PATHS.add(self.path)
+                logger.warning("actor_rollout_ref.model.path=%r is a training checkpoint, not a Hugging Face model "
+                               "directory: using it as actor_rollout_ref.model.warm_start_path (deprecated "
+                               "spelling; set actor_rollout_ref.model.warm_start_path instead)", self.path)
+            self.warm_start_path, self.path = self.path, None
         super().__post_init__()
         check_remove_padding("use_remove_padding", self.use_remove_padding)
+        if self.warm_start_path is not None and not is_engine_checkpoint(self.warm_start_path):
+            raise ConfigError(f"warm_start_path={self.warm_start_path!r} is not a checkpoint written by the "
+                              f"trainers (no {TRAINER_STATE_FILE} or {COMPLETE_FILE}); point it at a global_step_N "
+                              "directory")
 
 
 @dataclass
@@ -213,7 +243,7 @@ class ActorRolloutRefSection:
     """verl's ``actor_rollout_ref``: one model, trained by the actor and sampled by the rollout."""
 
     model: ActorModelSection = field(default_factory=ActorModelSection)
-    """Model preset, overrides and warm start."""
+    """The model (HF directory or preset), its tokenizer and the warm start."""
     actor: ActorSection = field(default_factory=ActorSection)
     """Policy loss, mini-batching and optimizer."""
     rollout: RolloutSection = field(default_factory=RolloutSection)

@@ -154,11 +154,10 @@ class GRPOTrainer(DriverBase):
         worker_config = ActorRolloutWorkerConfig(
             model=self.model_config, engine=engine_config, sp_size=self.sp, policy_loss=self.policy_loss,
             pad_token_id=self.tokenizer.pad_token_id, stop_token_ids=(self.tokenizer.eos_token_id,),
-            rollout_max_batch_size=r.max_num_seqs, use_reference_policy=a.use_kl_loss)
+            rollout_max_batch_size=r.max_num_seqs, use_reference_policy=a.use_kl_loss, **self.export_options())
         self.start_workers(
             worker_config=worker_config, worker_cls=ActorRolloutWorker,
-            description=(f"model {arr.model.name} ({self.model_config.num_layers} layers, hidden "
-                         f"{self.model_config.hidden_size}); {len(self.train_set)} train prompts x n={r.n}, "
+            description=(f"{arr.model.describe(self.model_config)}; {len(self.train_set)} train prompts x n={r.n}, "
                          f"{self.total_steps} steps of {self.updates_per_step} optimizer step(s)"))
         try:
             self.prepare_workers()
@@ -167,12 +166,12 @@ class GRPOTrainer(DriverBase):
             raise
 
     def prepare_workers(self) -> None:
-        """Warm start from ``actor_rollout_ref.model.path`` and the frozen reference policy (KL loss);
-        run on the first worker group and again on one rebuilt after a worker died."""
+        """Warm start from ``actor_rollout_ref.model.warm_start_path`` and the frozen reference policy
+        (KL loss); run on the first worker group and again on one rebuilt after a worker died."""
         arr = self.config.actor_rollout_ref
-        if arr.model.path:
-            self.actor.load_model_weights(os.path.abspath(arr.model.path))
-            logger.info("warm start: weights of %s", arr.model.path)
+        if arr.model.warm_start_path:
+            self.actor.load_model_weights(os.path.abspath(arr.model.warm_start_path))
+            logger.info("warm start: weights of %s", arr.model.warm_start_path)
         if arr.actor.use_kl_loss:
             self.actor.sync_reference_policy()
 

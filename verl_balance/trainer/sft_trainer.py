@@ -64,9 +64,9 @@ class SFTTrainer(DriverBase):
             param_dtype=config.model.param_dtype, seed=config.trainer.seed, total_steps=self.total_steps,
             keys=SFT_ENGINE_KEYS)
         self.start_workers(
-            worker_config=ActorWorkerConfig(model=self.model_config, engine=engine_config, sp_size=self.sp),
-            description=(f"model {config.model.name} ({self.model_config.num_layers} layers, hidden "
-                         f"{self.model_config.hidden_size}); {len(self.train_set)} train samples, "
+            worker_config=ActorWorkerConfig(model=self.model_config, engine=engine_config, sp_size=self.sp,
+                                            **self.export_options()),
+            description=(f"{config.model.describe(self.model_config)}; {len(self.train_set)} train samples, "
                          f"{self.total_steps} steps"))
 
     # ------------------------------------------------------------------ steps

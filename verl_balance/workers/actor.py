@@ -16,32 +16,40 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from verl_balance.algorithms.policy_loss import PolicyLossConfig, PPOLoss
+from verl_balance.batch_keys import MICRO_BATCH_SIZES_KEY, TEMPERATURE_KEY, WIRE_KEYS
 from verl_balance.distributed.layout import ParallelLayout, init_distributed
 from verl_balance.engine.config import EngineConfig
 from verl_balance.engine.train_engine import TrainEngine
 from verl_balance.loss import SFTLoss
 from verl_balance.models.config import ModelConfig
-from verl_balance.batch_keys import MICRO_BATCH_SIZES_KEY, TEMPERATURE_KEY, WIRE_KEYS
+from verl_balance.models.hf import HFModelConfig
 from verl_balance.protocol import Batch
 from verl_balance.single_controller import Dispatch, Worker, make_mesh_dispatch, register
 
 ACTOR_MESH = "actor"
+HF_EXPORT_DIR = "hf"
 
 
 @dataclass
 class ActorWorkerConfig:
     """What one actor rank needs: model dims, engine settings, SP size, and the loss it trains."""
 
-    model: ModelConfig
-    """Model dimensions (the same on every rank)."""
+    model: ModelConfig | HFModelConfig
+    """The built-in model's dimensions or the HF model directory (the same on every rank)."""
     engine: EngineConfig
     """Optimizer, loss aggregation and FSDP settings of the rank's engine."""
     sp_size: int = 1
     """Ulysses sequence-parallel degree; the DP size is the worker count divided by it."""
     policy_loss: PolicyLossConfig | None = None
     """None = SFT negative log-likelihood; a PolicyLossConfig = the PPO-clip policy loss."""
+    save_hf_model: bool = False
+    """``save_checkpoint`` also writes ``<path>/hf``, a Hugging Face save_pretrained directory."""
+    hf_tokenizer_path: str | None = None
+    """Directory whose HF tokenizer is copied into the export (None: the model directory's, if any)."""
 
 
 class ActorWorker(Worker):
@@ -128,9 +136,32 @@ class ActorWorker(Worker):
     # ------------------------------------------------------------------ state
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str, step: int, extra: dict | None = None) -> None:
-        """Sharded checkpoint of model + optimizer + scheduler under ``path`` (collective)."""
+        """Sharded checkpoint of model + optimizer + scheduler under ``path`` (collective); with
+        ``config.save_hf_model`` also the HF export ``<path>/hf`` (inside the same staged save)."""
         os.makedirs(path, exist_ok=True)
         self.engine.save_checkpoint(path, step=step, extra=extra)
+        if self.config.save_hf_model:
+            self.export_hf(os.path.join(path, HF_EXPORT_DIR))
+
+    def export_hf(self, out: str) -> None:
+        """Write the current model as a Hugging Face save_pretrained directory ``out``. Collective,
+        called on every rank from ``save_checkpoint``: every rank joins the gather, rank 0 alone
+        holds the full tensors and writes."""
+        from verl_balance.export import save_builtin_as_hf_llama, save_hf_pretrained
+
+        # full_state_dict + cpu_offload: the unsharded tensors land on rank 0's CPU only.
+        state = get_model_state_dict(self.engine.model,
+                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.rank == 0:
+            model = self.config.model
+            if isinstance(model, HFModelConfig):
+                save_hf_pretrained(state, model_config=model, out=out, tokenizer_path=self.config.hf_tokenizer_path)
+            else:
+                save_builtin_as_hf_llama(state, model_config=model, out=out,
+                                         tokenizer_path=self.config.hf_tokenizer_path)
+        del state
+        if dist.is_initialized():
+            dist.barrier(group=self.layout.world_group)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> dict:

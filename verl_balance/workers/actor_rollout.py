@@ -3,8 +3,9 @@
 Invariants:
 - The rollout reads the actor's own weights: before generating, every rank all-gathers the
   unsharded parameters (``TrainEngine.full_state_dict``, a collective over the whole mesh) and
-  hands them to its ``NaiveRollout`` by reference. The gather is redone only when the actor took an
-  optimizer step since the last one, so validation and training rollouts of one step share it.
+  hands them to its rollout engine (``rollout.build_rollout``) by reference. The gather is redone
+  only when the actor took an optimizer step since the last one, so validation and training
+  rollouts of one step share it.
 - Generation uses its own mesh, ``"rollout"``: every worker is its own DP rank (an SP group does
   not need to generate together), so the driver sends one prompt chunk per worker and gets back one
   ``RolloutOutput`` per worker, in worker-rank order. Because ``full_state_dict`` is collective,
@@ -31,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import (
 from verl_balance.batch_keys import PROMPT_IDS_KEY, SAMPLE_INDEX_KEY
 from verl_balance.engine.train_engine import TrainEngine
 from verl_balance.protocol import Batch
-from verl_balance.rollout import NaiveRollout, RolloutOutput
+from verl_balance.rollout import RolloutEngine, RolloutOutput, build_rollout
 from verl_balance.single_controller import Dispatch, make_mesh_dispatch, register
 from verl_balance.workers.actor import ACTOR_MESH, ActorWorker, ActorWorkerConfig, batch_temperature, cat_padded
 
@@ -45,7 +46,7 @@ def sampling_seed(*keys: int) -> int:
 
 
 class WarmStartError(ValueError):
-    """``actor_rollout_ref.model.path`` is not a checkpoint these model dimensions can load."""
+    """``actor_rollout_ref.model.warm_start_path`` is not a checkpoint this model can load."""
 
 
 @dataclass
@@ -67,7 +68,7 @@ class ActorRolloutWorker(ActorWorker):
 
     def __init__(self, config: ActorRolloutWorkerConfig) -> None:
         super().__init__(config)
-        self.rollout: NaiveRollout | None = None
+        self.rollout: RolloutEngine | None = None
         self.ref_engine: TrainEngine | None = None
         self._rollout_weights_step: int | None = None
 
@@ -76,8 +77,9 @@ class ActorRolloutWorker(ActorWorker):
         """The actor engine, the rollout engine (no weights yet) and, if asked, the reference engine."""
         info = super().init_model()
         self.register_mesh(ROLLOUT_MESH, dp_rank=self.rank, dp_size=self.world_size, is_collect=True)
-        self.rollout = NaiveRollout(model_config=self.config.model, pad_token_id=self.config.pad_token_id,
-                                    max_batch_size=self.config.rollout_max_batch_size)
+        # KVCacheRollout for the built-in model, HFRollout for an HF directory (rollout/factory.py).
+        self.rollout = build_rollout(self.config.model, pad_token_id=self.config.pad_token_id,
+                                     max_batch_size=self.config.rollout_max_batch_size, device=self.layout.device)
         if self.config.use_reference_policy:
             self.ref_engine = TrainEngine(model_config=self.config.model, engine_config=self.config.engine,
                                           layout=self.layout)
@@ -96,7 +98,7 @@ class ActorRolloutWorker(ActorWorker):
             dcp.load(state, checkpoint_id=path)
         except Exception as err:  # DCP raises several types for missing keys and shape mismatches
             raise WarmStartError(
-                f"actor_rollout_ref.model.path={path!r} could not be loaded into a model of "
+                f"actor_rollout_ref.model.warm_start_path={path!r} could not be loaded into a model of "
                 f"{self.config.model}: {err}") from err
         set_model_state_dict(self.engine.model, state["model"])
         self._rollout_weights_step = None
