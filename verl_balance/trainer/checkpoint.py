@@ -51,7 +51,8 @@ RUN_CONTROL_KEYS = frozenset({
     "trainer.test_freq", "trainer.total_training_steps", "trainer.total_epochs", "trainer.max_ckpt_to_keep",
     "trainer.max_restarts", "trainer.ray_address", "trainer.placement_timeout_s", "trainer.default_local_dir",
     "trainer.log_val_generations", "trainer.val_before_train", "trainer.nnodes", "trainer.n_gpus_per_node",
-    "trainer.device", "trainer.balance_batch", "balance.enable", "balance.workload",
+    "trainer.device", "trainer.balance_batch", "balance.enable", "balance.workload", "trainer.save_hf_model",
+    "trainer.profile_steps",
 })
 # The parallel layout and micro-batching do not change the curve (the loss contract): any key so named.
 LAYOUT_KEY_NAMES = frozenset({
