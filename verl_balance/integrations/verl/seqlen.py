@@ -69,22 +69,38 @@ def get_seqlen_balanced_partitions(seqlen_list, k_partitions: int, equal_size: b
 
 
 def _balanced_parts(costs: np.ndarray, k: int, *, equal_size: bool) -> list[np.ndarray]:
-    """``balance.balanced_partition`` tuned for the drop-in's budget (verl's Karmarkar-Karp time).
+    """``balance``'s pairwise-swap refinement, seeded so that the result is never worse than verl's.
 
-    Refinement stops once the heaviest part is down to the largest item (no part can weigh
-    less). With equal sizes and few items per part (< ``_TIGHT_ROWS``) verl's Karmarkar-Karp takes
-    well under a millisecond, so we refine at most 16 passes (the later passes change the max by
-    < 1e-5); with free sizes verl takes milliseconds to seconds, and with many items per part 100 ms
-    and more, so there we refine up to 64 passes, and to a 1e-8 tolerance where its result is
-    near-exact."""
-    rows = sort_into_rows(costs, k)
-    extra = 0 if equal_size else max(1, rows.shape[0] // 4)
-    cells = fill_cells(rows=rows, row_slot=np.zeros(len(rows), dtype=np.int64), num_slots=1, costs=costs,
-                       extra_width=extra)
-    tight = len(costs) // k >= _TIGHT_ROWS
+    With fewer than ``_TIGHT_ROWS`` items per part the seed is verl's own Karmarkar-Karp partition
+    (on a float list: verl's callers pass tensors, which makes its heap ~100x slower) and at most
+    16 refinement passes follow; a swap is applied only if it lowers the larger load of its pair,
+    so the max part never exceeds Karmarkar-Karp's, and the extra time is the refinement's.
+    With many items per part (verl takes 100 ms and more there) or without verl, the seed is
+    ``balance``'s largest-to-lightest deal, refined to a 1e-8 tolerance. Refinement stops once
+    the heaviest part is down to the largest item (no part can weigh less)."""
+    rows = -(-len(costs) // k)
+    extra = 0 if equal_size else max(1, rows // 4)
+    tight = rows >= _TIGHT_ROWS
+    seed = None if tight else _karmarkar_karp_seed(costs, k, equal_size=equal_size)
+    if seed is None:
+        cells = fill_cells(rows=sort_into_rows(costs, k), row_slot=np.zeros(rows, dtype=np.int64), num_slots=1,
+                           costs=costs, extra_width=extra)
+    else:
+        cells = np.full((1, k, max(len(p) for p in seed) + extra), -1, dtype=np.int64)
+        for part_index, part in enumerate(seed):
+            cells[0, part_index, : len(part)] = part
     refine_cells(cells, costs, allow_moves=not equal_size, rel_tol=1e-8 if tight else 1e-5,
-                 max_passes=64 if tight or not equal_size else 16, stop_at=float(costs.max(initial=0.0)))
+                 max_passes=64 if seed is None else 16, stop_at=float(costs.max(initial=0.0)))
     return [c[c >= 0] for c in cells[0]]
+
+
+def _karmarkar_karp_seed(costs: np.ndarray, k: int, *, equal_size: bool) -> list[list[int]] | None:
+    """verl's Karmarkar-Karp partition of ``costs`` (None when verl is not importable)."""
+    try:
+        from verl.utils.seqlen_balancing import karmarkar_karp
+    except ImportError:
+        return None
+    return karmarkar_karp(seqlen_list=costs.tolist(), k_partitions=k, equal_size=equal_size)
 
 
 _TIGHT_ROWS = 1024
