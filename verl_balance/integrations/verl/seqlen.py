@@ -71,27 +71,34 @@ def get_seqlen_balanced_partitions(seqlen_list, k_partitions: int, equal_size: b
 def _balanced_parts(costs: np.ndarray, k: int, *, equal_size: bool) -> list[np.ndarray]:
     """``balance``'s pairwise-swap refinement, seeded so that the result is never worse than verl's.
 
-    With fewer than ``_TIGHT_ROWS`` items per part the seed is verl's own Karmarkar-Karp partition
-    (on a float list: verl's callers pass tensors, which makes its heap ~100x slower) and at most
-    16 refinement passes follow; a swap is applied only if it lowers the larger load of its pair,
-    so the max part never exceeds Karmarkar-Karp's, and the extra time is the refinement's.
-    With many items per part (verl takes 100 ms and more there) or without verl, the seed is
-    ``balance``'s largest-to-lightest deal, refined to a 1e-8 tolerance. Refinement stops once
-    the heaviest part is down to the largest item (no part can weigh less)."""
+    Up to ``_SEED_MAX_ITEMS`` items (and fewer than ``_TIGHT_ROWS`` per part) the seed is verl's
+    own Karmarkar-Karp partition, computed on a float list (verl's trainers pass tensors, which
+    make its heap ~10-100x slower), then refined for 8 passes (4 above 1024 items): a swap is applied
+    only if it lowers the larger load of its pair, so the max part never exceeds Karmarkar-Karp's,
+    and the time over verl's is the refinement's. Larger inputs (where verl takes 10 ms to
+    seconds), or no verl: ``balance``'s largest-to-lightest deal refined to a 1e-8 tolerance.
+    Refinement stops once the heaviest part is down to the largest item (no part can weigh less)."""
     rows = -(-len(costs) // k)
     extra = 0 if equal_size else max(1, rows // 4)
-    tight = rows >= _TIGHT_ROWS
-    seed = None if tight else _karmarkar_karp_seed(costs, k, equal_size=equal_size)
+    stop_at = float(costs.max(initial=0.0))
+    seeded = len(costs) <= _SEED_MAX_ITEMS and rows < _TIGHT_ROWS
+    seed = _karmarkar_karp_seed(costs, k, equal_size=equal_size) if seeded else None
     if seed is None:
         cells = fill_cells(rows=sort_into_rows(costs, k), row_slot=np.zeros(rows, dtype=np.int64), num_slots=1,
                            costs=costs, extra_width=extra)
-    else:
-        cells = np.full((1, k, max(len(p) for p in seed) + extra), -1, dtype=np.int64)
-        for part_index, part in enumerate(seed):
-            cells[0, part_index, : len(part)] = part
-    refine_cells(cells, costs, allow_moves=not equal_size, rel_tol=1e-8 if tight else 1e-5,
-                 max_passes=64 if seed is None else 16, stop_at=float(costs.max(initial=0.0)))
+        refine_cells(cells, costs, allow_moves=not equal_size, rel_tol=1e-8, stop_at=stop_at)
+        return [c[c >= 0] for c in cells[0]]
+    cells = np.full((1, k, max(len(p) for p in seed) + extra), -1, dtype=np.int64)
+    for part_index, part in enumerate(seed):
+        cells[0, part_index, : len(part)] = part
+    # A fixed pass budget (not a clock): the same input always gives the same partition.
+    refine_cells(cells, costs, allow_moves=not equal_size, rel_tol=1e-5, max_passes=8 if len(costs) <= 1024 else 4,
+                 stop_at=stop_at)
     return [c[c >= 0] for c in cells[0]]
+
+
+_SEED_MAX_ITEMS = 2048
+_TIGHT_ROWS = 1024
 
 
 def _karmarkar_karp_seed(costs: np.ndarray, k: int, *, equal_size: bool) -> list[list[int]] | None:
@@ -101,9 +108,6 @@ def _karmarkar_karp_seed(costs: np.ndarray, k: int, *, equal_size: bool) -> list
     except ImportError:
         return None
     return karmarkar_karp(seqlen_list=costs.tolist(), k_partitions=k, equal_size=equal_size)
-
-
-_TIGHT_ROWS = 1024
 
 
 def _fill_empty_parts(parts: list[np.ndarray], values: np.ndarray) -> list[np.ndarray]:
