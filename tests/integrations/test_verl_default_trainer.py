@@ -90,6 +90,7 @@ def _max_rank_cost(tags, dp_size):
     return max(chunk.sum() for chunk in np.split(costs, dp_size))
 
 
+@pytest.mark.slow  # imports verl's whole v1 trainer
 def test_patch_replaces_the_v1_trainers_balance_batch_and_undo_restores_it(v1_trainer_base):
     original = v1_trainer_base.PPOTrainer.__dict__["_balance_batch"]
     with integration.patch_verl() as handle:
@@ -98,6 +99,7 @@ def test_patch_replaces_the_v1_trainers_balance_batch_and_undo_restores_it(v1_tr
     assert v1_trainer_base.PPOTrainer.__dict__["_balance_batch"] is original
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("seed", range(4))
 def test_v1_balance_batch_keeps_every_row_and_balances_at_least_as_well_as_verl(v1_trainer_base, seed):
     dp_size, num_rows = 4, 32
@@ -165,6 +167,7 @@ def test_packer_slowest_slots_are_no_worse_than_verls_under_verls_workload():
 
 
 # ----------------------------------------------------------------- VERL_USE_EXTERNAL_MODULES
+@pytest.mark.slow  # two fresh interpreters importing verl
 def test_external_modules_env_patches_verl_on_import_without_importing_trainers_early():
     script = textwrap.dedent(
         """

@@ -72,12 +72,13 @@ def _balanced_parts(costs: np.ndarray, k: int, *, equal_size: bool) -> list[np.n
     """``balance``'s pairwise-swap refinement, seeded so that the result is never worse than verl's.
 
     Up to ``_SEED_MAX_ITEMS`` items (and fewer than ``_TIGHT_ROWS`` per part) the seed is verl's
-    own Karmarkar-Karp partition, computed on a float list (verl's trainers pass tensors, which
-    make its heap ~10-100x slower), then refined for 8 passes (4 above 1024 items, 2 with free sizes): a swap is applied
-    only if it lowers the larger load of its pair, so the max part never exceeds Karmarkar-Karp's,
-    and the time over verl's is the refinement's. Larger inputs (where verl takes 10 ms to
-    seconds), or no verl: ``balance``'s largest-to-lightest deal refined to a 1e-8 tolerance.
-    Refinement stops once the heaviest part is down to the largest item (no part can weigh less)."""
+    own Karmarkar-Karp partition, computed on an int list when the costs are integral (verl's
+    trainers pass tensors, which make its heap ~10-100x slower), then refined for a fixed number
+    of passes (8, 4 above 1024 items; with free sizes 2, none above 1024). A swap is applied only
+    if it lowers the larger load of its pair, so the max part never exceeds Karmarkar-Karp's, and
+    the time over verl's is the refinement's. Larger inputs (where verl takes 10 ms to seconds),
+    or no verl: ``balance``'s largest-to-lightest deal refined to a 1e-8 tolerance. Refinement
+    stops once the heaviest part is down to the largest item (no part can weigh less)."""
     rows = -(-len(costs) // k)
     extra = 0 if equal_size else max(1, rows // 4)
     stop_at = float(costs.max(initial=0.0))
@@ -92,8 +93,11 @@ def _balanced_parts(costs: np.ndarray, k: int, *, equal_size: bool) -> list[np.n
     for part_index, part in enumerate(seed):
         cells[0, part_index, : len(part)] = part
     # A fixed pass budget (not a clock): the same input always gives the same partition. With free
-    # sizes Karmarkar-Karp is near-exact already, so two passes suffice there.
-    passes = (8 if len(costs) <= 1024 else 4) if equal_size else 2
+    # sizes Karmarkar-Karp is near-exact already: two passes, none above 1024 items.
+    if equal_size:
+        passes = 8 if len(costs) <= 1024 else 4
+    else:
+        passes = 2 if len(costs) <= 1024 else 0
     refine_cells(cells, costs, allow_moves=not equal_size, rel_tol=1e-5, max_passes=passes, stop_at=stop_at)
     return [c[c >= 0] for c in cells[0]]
 
