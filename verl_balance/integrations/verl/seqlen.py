@@ -68,7 +68,8 @@ def get_seqlen_balanced_partitions(seqlen_list, k_partitions: int, equal_size: b
     return [np.sort(p).tolist() for p in parts]
 
 
-def _balanced_parts(costs: np.ndarray, k: int, *, equal_size: bool) -> list[np.ndarray]:
+def _balanced_parts(costs: np.ndarray, k: int, *, equal_size: bool, tokens: np.ndarray | None = None,
+                    token_cap: int | None = None) -> list[np.ndarray]:
     """``balance``'s pairwise-swap refinement, seeded so that the result is never worse than verl's.
 
     Up to ``_SEED_MAX_ITEMS`` items (and fewer than ``_TIGHT_ROWS`` per part) the seed is verl's
@@ -78,7 +79,8 @@ def _balanced_parts(costs: np.ndarray, k: int, *, equal_size: bool) -> list[np.n
     if it lowers the larger load of its pair, so the max part never exceeds Karmarkar-Karp's, and
     the time over verl's is the refinement's. Larger inputs (where verl takes 10 ms to seconds),
     or no verl: ``balance``'s largest-to-lightest deal refined to a 1e-8 tolerance. Refinement
-    stops once the heaviest part is down to the largest item (no part can weigh less)."""
+    stops once the heaviest part is down to the largest item (no part can weigh less). With
+    ``tokens`` and ``token_cap`` no swap makes a part exceed the cap (a seed within it stays within)."""
     rows = -(-len(costs) // k)
     extra = 0 if equal_size else max(1, rows // 4)
     stop_at = float(costs.max(initial=0.0))
@@ -98,7 +100,8 @@ def _balanced_parts(costs: np.ndarray, k: int, *, equal_size: bool) -> list[np.n
         passes = 8 if len(costs) <= 1024 else 4
     else:
         passes = 2 if len(costs) <= 1024 else 0
-    refine_cells(cells, costs, allow_moves=not equal_size, rel_tol=1e-5, max_passes=passes, stop_at=stop_at)
+    refine_cells(cells, costs, allow_moves=not equal_size, rel_tol=1e-5, max_passes=passes, stop_at=stop_at,
+                 tokens=tokens, token_cap=token_cap)
     return [c[c >= 0] for c in cells[0]]
 
 
@@ -244,6 +247,11 @@ def rearrange_micro_batches(
     micro = local_micro if local_count else []
     if len(micro) < target:
         micro = _micro_batches_for_count(seq_lens, costs, target, max_token_len, unit, micro)
+    # verl's own choice at this count (Karmarkar-Karp by workload), refined without breaking the
+    # cap: keep it when its heaviest micro-batch is lighter, so ours is never behind verl's.
+    seeded = _seeded_micro_batches(seq_lens, costs, target, max_token_len, unit)
+    if seeded is not None and max(costs[mb].sum() for mb in seeded) < max(costs[mb].sum() for mb in micro):
+        micro = seeded
     assert len(micro) == target and sorted(sum(micro, [])) == list(range(n)), "micro-batches lost an index"
     assert all(seq_lens[mb].sum() <= max_token_len for mb in micro), "micro-batch over max_token_len"
 
@@ -255,6 +263,20 @@ def rearrange_micro_batches(
     from verl.utils import tensordict_utils as tu
 
     return [tu.index_select_tensor_dict(batch, mb) for mb in micro], micro
+
+
+def _seeded_micro_batches(seq_lens, costs, target, cap, unit) -> list[list[int]] | None:
+    """``target`` micro-batches from ``_balanced_parts`` on the units (verl's Karmarkar-Karp seed,
+    refined under the token cap), or None if they break the cap or one is empty."""
+    if target < 1 or len(seq_lens) // unit < target or len(seq_lens) // unit > _SEED_MAX_ITEMS:
+        return None
+    unit_costs = costs.reshape(-1, unit).sum(axis=1)
+    unit_tokens = seq_lens.reshape(-1, unit).sum(axis=1)
+    parts = _balanced_parts(unit_costs, target, equal_size=False, tokens=unit_tokens, token_cap=cap)
+    micro = [sorted((part[:, None] * unit + np.arange(unit)).ravel().tolist()) for part in parts]
+    if any(not mb for mb in micro) or any(seq_lens[mb].sum() > cap for mb in micro):
+        return None
+    return micro
 
 
 def _micro_batches_for_count(seq_lens, costs, target, cap, unit, fallback) -> list[list[int]]:
