@@ -105,7 +105,8 @@ def main() -> None:
             case = f"dp={dp_size} n={num_rows} cap={cap} s={seed}"
             if missing:
                 verl_cols = f"{'n/a':>10} {plan.num_micro_batches:>4} | {'n/a':>14} {ours_imb:>6.4f} | {'n/a':>9} "
-                print(f"{case:<28} | {bound:>5} | {verl_cols}{ours_sync:>6.4f} | {'n/a':>10} | {'n/a':>8} {ours_ms:>6.1f}")
+                print(f"{case:<28} | {bound:>5} | {verl_cols}{ours_sync:>6.4f} | {'n/a':>10} | "
+                      f"{'n/a':>8} {ours_ms:>6.1f}")
                 continue
             verl_plan, verl_s = verl_two_stage(lengths, dp_size, cap)
             verl_cells = np.array([[costs[mb].sum() for mb in rank] for rank in verl_plan])

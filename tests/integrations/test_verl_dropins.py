@@ -67,19 +67,22 @@ def test_partitions_cover_every_index_exactly_once_in_verl_format(lengths, k, eq
         assert {len(p) for p in parts} == {len(lengths) // k}
 
 
-def test_partitions_accept_verl_workload_tensors_and_are_at_least_as_balanced():
+@pytest.mark.parametrize("equal_size", [True, False])
+def test_partitions_accept_verl_workload_tensors_and_are_at_least_as_balanced(equal_size):
+    # Below 1024 items per part ours refines verl's own Karmarkar-Karp partition with swaps that
+    # never raise a pair's max, so its max part is never above verl's.
     rng = np.random.default_rng(0)
     for trial in range(20):
         k = int(rng.integers(2, 9))
         seqlens = torch.as_tensor(rng.integers(16, 4096, size=k * int(rng.integers(4, 33))))
         # ray_trainer passes calculate_workload(int tensor); sft_trainer_ray a float tensor.
         for workload in (verl_sb.calculate_workload(seqlens), verl_sb.calculate_workload(seqlens.float())):
-            ours = integration.get_seqlen_balanced_partitions(workload, k_partitions=k, equal_size=True)
-            theirs = verl_sb.get_seqlen_balanced_partitions(workload, k_partitions=k, equal_size=True)
+            ours = integration.get_seqlen_balanced_partitions(workload, k_partitions=k, equal_size=equal_size)
+            theirs = verl_sb.get_seqlen_balanced_partitions(workload, k_partitions=k, equal_size=equal_size)
             w = workload.double().numpy()
             ours_max = max(w[p].sum() for p in ours)
             theirs_max = max(w[p].sum() for p in theirs)
-            assert ours_max <= theirs_max * (1 + 1e-3), (trial, ours_max, theirs_max)
+            assert ours_max <= theirs_max * (1 + 1e-12), (trial, ours_max, theirs_max)
 
 
 def test_partitions_reject_indivisible_equal_size_like_verl():

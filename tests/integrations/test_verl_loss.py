@@ -1,6 +1,7 @@
 """loss_counts + agg_loss: the global loss does not depend on how rows are split into DP ranks and
 micro-batches. Reference: the contract weights applied to the whole batch at once. Negative
-control: verl's own agg_loss with per-micro-batch (local) normalisation, as a legacy actor uses it."""
+control: verl's own agg_loss with per-micro-batch (local) normalisation, as a legacy actor uses it.
+Tolerance 1e-6: the weights come from the one weights function, ``loss.compute_token_weights``, in fp32."""
 
 from __future__ import annotations
 
@@ -58,7 +59,7 @@ def test_summed_loss_equals_single_batch_reference_for_every_layout(mode):
             float(agg_loss(loss[mb], mask[mb], mode, counts=counts, loss_scale_factor=SCALE))
             for rank in layout for mb in rank
         )
-        assert total == pytest.approx(_reference(loss, mask, mode), rel=1e-12, abs=1e-12)
+        assert total == pytest.approx(_reference(loss, mask, mode), rel=1e-6, abs=1e-12)
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
@@ -77,7 +78,7 @@ def test_verls_local_normalisation_is_layout_dependent_negative_control(mode):
     counts = loss_counts([mask[mb] for rank in layout for mb in rank])
     ours = sum(float(agg_loss(loss[mb], mask[mb], mode, counts=counts)) for rank in layout for mb in rank)
     reference = _reference(loss, mask, mode)
-    assert ours == pytest.approx(reference, rel=1e-12)
+    assert ours == pytest.approx(reference, rel=1e-6)
     assert abs(verl_logged - reference) > 1e-3 * abs(reference)
 
 
@@ -96,7 +97,7 @@ def test_grad_scale_times_fsdp_average_gives_the_gradient_of_the_global_loss():
     reference = leaf.detach().clone().requires_grad_(True)
     n_i = mask.sum(-1, keepdim=True).clamp(min=1)
     ((reference * mask / n_i).sum() / counts.num_sequences).backward()
-    torch.testing.assert_close(fsdp_average, reference.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(fsdp_average, reference.grad, rtol=1e-6, atol=1e-12)
 
 
 def test_zero_loss_tokens_give_zero_not_nan():

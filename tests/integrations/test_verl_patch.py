@@ -19,6 +19,9 @@ from verl import DataProto  # noqa: E402
 
 from verl_balance.balance import FlopsWorkload  # noqa: E402
 from verl_balance.integrations import verl as integration  # noqa: E402
+from verl_balance.integrations.verl.state import PATCH_STATE  # noqa: E402
+from verl_balance.integrations.verl.workload import VerlWorkload  # noqa: E402
+from verl_balance.integrations.verl.trainer_balance import balanced_balance_batch  # noqa: E402
 
 TARGETS = [
     (verl_sb, "get_seqlen_balanced_partitions"),
@@ -42,7 +45,7 @@ def test_patch_swaps_every_imported_name_and_undo_restores_the_originals():
         assert verl_engine_utils.rearrange_micro_batches is integration.rearrange_micro_batches
         assert ray_trainer.get_seqlen_balanced_partitions is integration.get_seqlen_balanced_partitions
         assert verl_sb.get_reverse_idx is integration.get_reverse_idx
-        assert ray_trainer.RayPPOTrainer._balance_batch is integration._balanced_balance_batch
+        assert ray_trainer.RayPPOTrainer._balance_batch is balanced_balance_batch
         assert len(handle.patched) >= len(TARGETS) + 1
     after = _snapshot()
     assert all(a is b for a, b in zip(before, after))
@@ -56,10 +59,10 @@ def test_nested_patches_unwind_in_order():
     inner = integration.patch_verl(workload=FlopsWorkload(2, 64, 128, 4, 2, 100))
     inner.undo()
     assert verl_sb.rearrange_micro_batches is integration.rearrange_micro_batches
-    assert integration._PATCH_STATE.workload == "tokens"
+    assert PATCH_STATE.workload == "tokens"
     outer.undo()
     assert all(a is b for a, b in zip(before, _snapshot()))
-    assert integration._PATCH_STATE.workload is None
+    assert PATCH_STATE.workload is None
 
 
 def test_verl_engine_prepare_micro_batches_uses_our_packing():
@@ -138,16 +141,17 @@ def _sync_cost_after_worker_split(batch, dp_size, cap, workload, rearrange):
 
 
 def test_workload_is_built_from_the_actor_model_config(llama_dir):
-    workload = integration._workload_of_actor(_StubTrainer(llama_dir, dp_size=2))
+    workload = integration.workload_of_actor(_StubTrainer(llama_dir, dp_size=2))
     assert workload == FlopsWorkload(num_layers=4, hidden_size=256, intermediate_size=688, num_heads=8,
                                      num_kv_heads=4, vocab_size=1000, head_dim=workload.head_dim)
 
 
 @pytest.mark.parametrize("keep_minibatch, use_dynamic_bsz", [(False, False), (True, False), (False, True)])
-def test_balance_batch_keeps_every_row_and_beats_verls_flops_balance(llama_dir, keep_minibatch, use_dynamic_bsz):
+def test_balance_batch_keeps_every_row_and_balances_verls_workload_at_least_as_well(llama_dir, keep_minibatch,
+                                                                                    use_dynamic_bsz):
     dp_size, num_rows = 4, 32
     trainer = _StubTrainer(llama_dir, dp_size=dp_size, mini_batch_size=16, use_dynamic_bsz=use_dynamic_bsz)
-    flops = integration._workload_of_actor(trainer)
+    flops = VerlWorkload()  # the model both our DP partition and our packer weigh by by default
     theirs, _ = _rollout_batch(num_rows, seed=3)
     ray_trainer.RayPPOTrainer._balance_batch(trainer, theirs, metrics={}, keep_minibatch=keep_minibatch)
 

@@ -27,7 +27,7 @@ from verl_balance.workers.actor import ActorWorkerConfig  # noqa: E402
 pytestmark = pytest.mark.slow
 
 NUM_WORKERS = 2
-SETUP_HOOK = "verl_balance.integrations.verl.patch_verl"
+AUTOPATCH = "verl_balance.integrations.verl.autopatch"
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -38,10 +38,12 @@ def worker_group():
         python_path = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
         ray.init(num_cpus=NUM_WORKERS, include_dashboard=False,
                  runtime_env={"env_vars": {"PYTHONPATH": python_path, "OMP_NUM_THREADS": "1",
-                                           "VERL_BALANCE_NUM_THREADS": "1"},
-                              # what docs/verl.md tells users to add to ray_kwargs.ray_init.runtime_env
-                              "worker_process_setup_hook": SETUP_HOOK})
-    config = ActorWorkerConfig(model=ModelConfig.preset("tiny"), engine=EngineConfig(optim=OptimConfig(lr=1e-2), seed=0))
+                                           "VERL_BALANCE_NUM_THREADS": "1",
+                                           # what docs/verl.md tells users to export: verl imports it
+                                           # inside `import verl` in every process
+                                           "VERL_USE_EXTERNAL_MODULES": AUTOPATCH}})
+    config = ActorWorkerConfig(model=ModelConfig.preset("tiny"),
+                               engine=EngineConfig(optim=OptimConfig(lr=1e-2), seed=0))
     # max_colocate_count=1: one CPU per bundle (verl's default reserves 10 CPUs per worker).
     pool = RayResourcePool([NUM_WORKERS], use_gpu=False, max_colocate_count=1)
     cls = RayClassWithInitArgs(cls=ray.remote(integration.VerlActorWorker), config=config,
@@ -76,9 +78,9 @@ def test_trainer_reads_dp_size_from_the_actor_mesh(worker_group):
     assert stub._get_dp_size(worker_group, "actor") == NUM_WORKERS
 
 
-def test_setup_hook_patches_verl_in_every_ray_worker(worker_group):
+def test_external_modules_env_patches_verl_in_every_ray_worker(worker_group):
     if not worker_group.started_ray_here:
-        pytest.skip("Ray was started elsewhere without the setup hook")
+        pytest.skip("Ray was started elsewhere without VERL_USE_EXTERNAL_MODULES")
 
     @ray.remote(num_cpus=0)
     def patched_names():
@@ -87,7 +89,8 @@ def test_setup_hook_patches_verl_in_every_ray_worker(worker_group):
 
         return {engine_utils.rearrange_micro_batches.__module__, ray_trainer.RayPPOTrainer._balance_batch.__module__}
 
-    assert ray.get(patched_names.remote()) == {"verl_balance.integrations.verl"}
+    assert ray.get(patched_names.remote()) == {"verl_balance.integrations.verl.seqlen",
+                                               "verl_balance.integrations.verl.trainer_balance"}
 
 
 def test_log_probs_are_layout_invariant_and_in_input_order(worker_group):

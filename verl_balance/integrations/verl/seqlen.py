@@ -1,0 +1,296 @@
+"""Drop-ins for ``verl.utils.seqlen_balancing``: same signatures and return values, our balancer inside.
+
+- ``get_seqlen_balanced_partitions``: balanced k-way partition (``balance.balanced_partition``);
+- ``rearrange_micro_batches``: token-capped micro-batches with the fewest count, then balanced by
+  the workload (the one ``patch_verl(workload=...)`` set, else ``workload.workload_from_env``);
+- ``get_reverse_idx``: inverse permutation that checks its input is one.
+
+Invariants (verl's contracts): every index appears exactly once; partitions are lists of
+ascending ints; ``equal_size`` partitions have equal counts; every micro-batch's effective token
+count is <= max_token_len; with a ``dp_group`` every DP rank gets the same number of
+micro-batches, and every fatal condition is agreed by one all-reduce before any rank raises (so
+no rank is left waiting in a collective).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from verl_balance.balance import (
+    BalanceInputError,
+    OverlongSampleError,
+    TooFewSamplesError,
+    balanced_partition,
+    plan_balance,
+)
+from verl_balance.balance.partition import fill_cells, refine_cells, sort_into_rows
+from verl_balance.balance.workload import resolve_workload
+from verl_balance.integrations.verl.errors import require_verl
+from verl_balance.integrations.verl.state import current_workload
+
+__all__ = ["get_reverse_idx", "get_seqlen_balanced_partitions", "rearrange_micro_batches"]
+
+
+def _as_1d_numbers(values, what: str) -> np.ndarray:
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().numpy()
+    array = np.asarray(values)
+    if array.ndim != 1:
+        raise BalanceInputError(f"{what} must be one value per item (1-D), got shape {array.shape}")
+    if array.size and (not np.all(np.isfinite(array.astype(np.float64))) or array.min() < 0):
+        bad = int(np.flatnonzero(~np.isfinite(array.astype(np.float64)) | (array < 0))[0])
+        raise BalanceInputError(f"{what}[{bad}] = {array[bad]!r}; valid: a finite value >= 0")
+    return array
+
+
+def get_seqlen_balanced_partitions(seqlen_list, k_partitions: int, equal_size: bool) -> list[list[int]]:
+    """Drop-in for verl's function: ``k_partitions`` lists of ascending indices, balanced by sum.
+
+    ``seqlen_list`` may be a list, numpy array or tensor of lengths or workloads (verl passes the
+    output of ``calculate_workload``). With ``equal_size`` every partition has len / k items
+    (verl requires divisibility); otherwise sizes are free, but no partition is empty.
+    """
+    values = _as_1d_numbers(seqlen_list, "seqlen_list")
+    n, k = len(values), int(k_partitions)
+    if k < 1:
+        raise BalanceInputError(f"k_partitions={k_partitions!r}; valid: an integer >= 1")
+    if n < k:
+        raise TooFewSamplesError(f"number of items {n} < k_partitions {k}; valid: at least k_partitions items")
+    if equal_size and n % k:
+        raise TooFewSamplesError(
+            f"equal_size=True needs len(seqlen_list) divisible by k_partitions; got {n} items and k={k}"
+        )
+    parts = _balanced_parts(values.astype(np.float64), k, equal_size=bool(equal_size))
+    if not equal_size:
+        parts = _fill_empty_parts(parts, values)
+    assert np.array_equal(np.bincount(np.concatenate(parts), minlength=n), np.ones(n)), "partition lost an index"
+    return [np.sort(p).tolist() for p in parts]
+
+
+def _balanced_parts(costs: np.ndarray, k: int, *, equal_size: bool, tokens: np.ndarray | None = None,
+                    token_cap: int | None = None) -> list[np.ndarray]:
+    """``balance``'s pairwise-swap refinement, seeded so that the result is never worse than verl's.
+
+    Up to ``_SEED_MAX_ITEMS`` items (and fewer than ``_TIGHT_ROWS`` per part) the seed is verl's
+    own Karmarkar-Karp partition, computed on an int list when the costs are integral (verl's
+    trainers pass tensors, which make its heap ~10-100x slower), then refined for a fixed number
+    of passes (8, 4 above 1024 items; with free sizes 2, none above 1024). A swap is applied only
+    if it lowers the larger load of its pair, so the max part never exceeds Karmarkar-Karp's, and
+    the time over verl's is the refinement's. Larger inputs (where verl takes 10 ms to seconds),
+    or no verl: ``balance``'s largest-to-lightest deal refined to a 1e-8 tolerance. Refinement
+    stops once the heaviest part is down to the largest item (no part can weigh less). With
+    ``tokens`` and ``token_cap`` no swap makes a part exceed the cap (a seed within it stays within)."""
+    rows = -(-len(costs) // k)
+    extra = 0 if equal_size else max(1, rows // 4)
+    stop_at = float(costs.max(initial=0.0))
+    seeded = len(costs) <= _SEED_MAX_ITEMS and rows < _TIGHT_ROWS
+    seed = _karmarkar_karp_seed(costs, k, equal_size=equal_size) if seeded else None
+    if seed is None:
+        cells = fill_cells(rows=sort_into_rows(costs, k), row_slot=np.zeros(rows, dtype=np.int64), num_slots=1,
+                           costs=costs, extra_width=extra)
+        refine_cells(cells, costs, allow_moves=not equal_size, rel_tol=1e-8, stop_at=stop_at)
+        return [c[c >= 0] for c in cells[0]]
+    cells = np.full((1, k, max(len(p) for p in seed) + extra), -1, dtype=np.int64)
+    for part_index, part in enumerate(seed):
+        cells[0, part_index, : len(part)] = part
+    # A fixed pass budget (not a clock): the same input always gives the same partition. With free
+    # sizes Karmarkar-Karp is near-exact already: two passes, none above 1024 items.
+    if equal_size:
+        passes = 8 if len(costs) <= 1024 else 4
+    else:
+        passes = 2 if len(costs) <= 1024 else 0
+    refine_cells(cells, costs, allow_moves=not equal_size, rel_tol=1e-5, max_passes=passes, stop_at=stop_at,
+                 tokens=tokens, token_cap=token_cap)
+    return [c[c >= 0] for c in cells[0]]
+
+
+_SEED_MAX_ITEMS = 2048
+_TIGHT_ROWS = 1024
+
+
+def _karmarkar_karp_seed(costs: np.ndarray, k: int, *, equal_size: bool) -> list[list[int]] | None:
+    """verl's Karmarkar-Karp partition of ``costs`` (None when verl is not importable)."""
+    try:
+        from verl.utils.seqlen_balancing import karmarkar_karp
+    except ImportError:
+        return None
+    # Integral costs (verl's workloads) as ints: its heap compares ints ~10% faster than floats.
+    integral = bool(np.all(costs == np.floor(costs))) and float(costs.max(initial=0.0)) < 2.0**53
+    values = costs.astype(np.int64).tolist() if integral else costs.tolist()
+    return karmarkar_karp(seqlen_list=values, k_partitions=k, equal_size=equal_size)
+
+
+def _fill_empty_parts(parts: list[np.ndarray], values: np.ndarray) -> list[np.ndarray]:
+    """verl asserts every partition is non-empty; zero-cost items may leave one empty: give it the
+    cheapest item of the part with the most items (n >= k guarantees a donor with >= 2 items)."""
+    parts = [p.copy() for p in parts]
+    for i, part in enumerate(parts):
+        if len(part):
+            continue
+        donor = max(range(len(parts)), key=lambda j: (len(parts[j]), -j))
+        cheapest = parts[donor][np.argmin(values[parts[donor]])]
+        parts[donor] = parts[donor][parts[donor] != cheapest]
+        parts[i] = np.array([cheapest], dtype=np.int64)
+    return parts
+
+
+def get_reverse_idx(idx_map):
+    """Drop-in for verl's function: ``out[idx_map[i]] = i`` (a list, like verl's).
+
+    Unlike verl it checks that idx_map is a permutation of 0..n-1 (verl silently returns a wrong
+    map otherwise, which scrambles restored log-probs)."""
+    idx = np.asarray(idx_map.tolist() if isinstance(idx_map, torch.Tensor) else list(idx_map), dtype=np.int64)
+    n = len(idx)
+    if n and (idx.min() < 0 or idx.max() >= n or np.unique(idx).size != n):
+        raise BalanceInputError(f"idx_map must be a permutation of 0..{n - 1}; got {idx.tolist()[:16]}...")
+    reverse = np.empty(n, dtype=np.int64)
+    reverse[idx] = np.arange(n)
+    return reverse.tolist()
+
+
+def _effective_seq_lens(batch) -> np.ndarray:
+    input_ids = batch["input_ids"]
+    if getattr(input_ids, "is_nested", False):
+        return input_ids.offsets().diff().cpu().numpy().astype(np.int64)
+    return batch["attention_mask"].sum(dim=1).cpu().numpy().astype(np.int64)
+
+
+def _reduce_device(group) -> torch.device:
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _split_heaviest(micro: list[list[int]], costs: np.ndarray, unit: int) -> list[list[int]]:
+    """Split the costliest micro-batch with >= 2 units into two by alternating its units in
+    descending cost. Splitting never raises a micro-batch's token count, so the cap still holds."""
+    candidates = [i for i, mb in enumerate(micro) if len(mb) >= 2 * unit]
+    assert candidates, "caller checked that there are at least as many units as micro-batches"
+    heaviest = max(candidates, key=lambda i: (costs[micro[i]].sum(), -i))
+    members = np.asarray(micro[heaviest], dtype=np.int64).reshape(-1, unit)
+    order = np.argsort(-costs[members].sum(axis=1), kind="stable")
+    first, second = members[order[0::2]].ravel(), members[order[1::2]].ravel()
+    micro = micro[:heaviest] + micro[heaviest + 1:]
+    return micro + [sorted(first.tolist()), sorted(second.tolist())]
+
+
+def rearrange_micro_batches(
+    batch,
+    max_token_len,
+    dp_group=None,
+    num_batches_divided_by=None,
+    same_micro_num_in_dp=True,
+    min_num_micro_batch=None,
+    use_dynamic_bsz_balance=True,
+    force_group_size=1,
+    *,
+    workload=None,
+):
+    """Drop-in for verl's function: split a TensorDict into token-capped micro-batches.
+
+    Returns ``(micro_batches, micro_bsz_idx)`` like verl: a list of TensorDicts and, for each, the
+    ascending list of the sample indices it holds. Effective lengths come from ``attention_mask``
+    (or the nested ``input_ids`` offsets); every micro-batch holds <= max_token_len of them.
+    ``force_group_size`` consecutive samples stay in one micro-batch. With ``dp_group`` and
+    ``same_micro_num_in_dp`` the count is the maximum over the DP group, rounded up to
+    ``num_batches_divided_by`` and at least ``min_num_micro_batch``. ``workload`` (ours, keyword
+    only): None/"tokens" or a FlopsWorkload; default: ``state.current_workload()``.
+    """
+    import torch.distributed as dist
+
+    require_verl()
+    cost_model = resolve_workload(workload if workload is not None else current_workload())
+    seq_lens = _effective_seq_lens(batch)
+    n = len(seq_lens)
+    unit = int(force_group_size)
+    if unit < 1 or n % unit:
+        raise BalanceInputError(f"batch size {n} must be divisible by force_group_size={force_group_size}")
+    max_token_len = int(max_token_len)
+    num_units = n // unit
+    unit_tokens = seq_lens.reshape(num_units, unit).sum(axis=1)
+    group_ids = None if unit == 1 else np.repeat(np.arange(num_units), unit)
+
+    local_count = 0
+    if num_units and unit_tokens.max() <= max_token_len:
+        plan = plan_balance(seq_lens=seq_lens, dp_size=1, max_token_len_per_gpu=max_token_len, group_ids=group_ids,
+                            workload=cost_model, equal_size=False)
+        local_micro = [mb.tolist() for mb in plan.micro_batches[0] if len(mb)]
+        local_count = len(local_micro)
+    target = max(local_count, int(min_num_micro_batch or 0))
+    longest_unit = int(unit_tokens.max()) if num_units else 0
+    fewest_units = num_units
+    if dist.is_available() and dist.is_initialized() and same_micro_num_in_dp and dp_group is not None:
+        # One MAX all-reduce agrees on the count and on every fatal condition, so either all DP
+        # ranks raise or none does (a lone raise would leave the others hanging in the next collective).
+        agreed = torch.tensor([target, longest_unit, -fewest_units], dtype=torch.int64, device=_reduce_device(dp_group))
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=dp_group)
+        target, longest_unit, fewest_units = int(agreed[0]), int(agreed[1]), -int(agreed[2])
+    if num_batches_divided_by:
+        target = -(-target // int(num_batches_divided_by)) * int(num_batches_divided_by)
+    if longest_unit > max_token_len:
+        what = "sample" if unit == 1 else f"group of {unit} samples"
+        raise OverlongSampleError(
+            f"a {what} on some DP rank has {longest_unit} tokens > max_token_len={max_token_len}; "
+            "valid: raise ppo_max_token_len_per_gpu (max_token_len = per-GPU cap * sp size)"
+        )
+    if target > fewest_units:
+        raise TooFewSamplesError(
+            f"{target} micro-batches are needed on every DP rank, but some rank has only {fewest_units} "
+            f"{'samples' if unit == 1 else 'groups'}; valid: a larger batch or a larger max_token_len"
+        )
+
+    costs = cost_model.cost(seq_lens)
+    micro = local_micro if local_count else []
+    if len(micro) < target:
+        micro = _micro_batches_for_count(seq_lens, costs, target, max_token_len, unit, micro)
+    # verl's own choice at this count (Karmarkar-Karp by workload), refined without breaking the
+    # cap: keep it when its heaviest micro-batch is lighter, so ours is never behind verl's.
+    seeded = _seeded_micro_batches(seq_lens, costs, target, max_token_len, unit)
+    if seeded is not None and max(costs[mb].sum() for mb in seeded) < max(costs[mb].sum() for mb in micro):
+        micro = seeded
+    assert len(micro) == target and sorted(sum(micro, [])) == list(range(n)), "micro-batches lost an index"
+    assert all(seq_lens[mb].sum() <= max_token_len for mb in micro), "micro-batch over max_token_len"
+
+    if use_dynamic_bsz_balance:
+        # verl's order: heaviest first, then the light ones moved to both ends (pipeline bubbles).
+        micro.sort(key=lambda mb: (costs[mb].sum(), mb[0] if mb else 0), reverse=True)
+        micro = micro[::2][::-1] + micro[1::2]
+
+    from verl.utils import tensordict_utils as tu
+
+    return [tu.index_select_tensor_dict(batch, mb) for mb in micro], micro
+
+
+def _seeded_micro_batches(seq_lens, costs, target, cap, unit) -> list[list[int]] | None:
+    """``target`` micro-batches from ``_balanced_parts`` on the units (verl's Karmarkar-Karp seed,
+    refined under the token cap), or None if they break the cap or one is empty."""
+    if target < 1 or len(seq_lens) // unit < target or len(seq_lens) // unit > _SEED_MAX_ITEMS:
+        return None
+    unit_costs = costs.reshape(-1, unit).sum(axis=1)
+    unit_tokens = seq_lens.reshape(-1, unit).sum(axis=1)
+    parts = _balanced_parts(unit_costs, target, equal_size=False, tokens=unit_tokens, token_cap=cap)
+    micro = [sorted((part[:, None] * unit + np.arange(unit)).ravel().tolist()) for part in parts]
+    if any(not mb for mb in micro) or any(seq_lens[mb].sum() > cap for mb in micro):
+        return None
+    return micro
+
+
+def _micro_batches_for_count(seq_lens, costs, target, cap, unit, fallback) -> list[list[int]]:
+    """Exactly ``target`` non-empty capped micro-batches: a balanced target-way partition of the
+    units (groups of ``unit`` consecutive samples) if it respects the cap, else the capped plan
+    with its heaviest micro-batches split."""
+    unit_costs = costs.reshape(-1, unit).sum(axis=1)
+    parts = _fill_empty_parts(balanced_partition(costs=unit_costs, num_parts=target, equal_size=False), unit_costs)
+    micro = [sorted((part[:, None] * unit + np.arange(unit)).ravel().tolist()) for part in parts]
+    if all(seq_lens[mb].sum() <= cap for mb in micro):
+        return micro
+    micro = list(fallback) if fallback else [list(range(len(seq_lens)))]
+    while len(micro) < target:
+        micro = _split_heaviest(micro, costs, unit)
+    return micro
+
+
