@@ -7,13 +7,10 @@ every rank raise (no rank is left waiting in a collective); loss counts are summ
 
 from __future__ import annotations
 
-import os
-import pickle
-import socket
-
 import pytest
 import torch
-import torch.multiprocessing as mp
+
+from verl_balance.testing.multiprocess import run_on_ranks
 
 pytest.importorskip("verl", reason="verl is not installed; install the extra: pip install 'verl-balance[verl]'")
 
@@ -40,11 +37,10 @@ def _batch(lengths):
     return TensorDict({"input_ids": mask.clone(), "attention_mask": mask}, batch_size=[len(lengths)])
 
 
-def _worker(rank, port, out_dir):
+def _worker(rank):
+    """Every case on this rank of a 2-rank gloo group."""
     import torch.distributed as dist
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     from verl_balance.integrations.verl import loss_counts, rearrange_micro_batches
 
     results = {}
@@ -58,23 +54,12 @@ def _worker(rank, port, out_dir):
     mask = torch.ones(rank + 2, 3)  # rank 0: 2 rows x 3 tokens, rank 1: 3 rows x 3 tokens
     results["loss_counts"] = loss_counts([mask[:1], mask[1:]], dp_group=dist.group.WORLD)
     dist.barrier()
-    dist.destroy_process_group()
-    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
-        pickle.dump(results, f)
+    return results
 
 
 @pytest.fixture(scope="module")
-def rank_results(tmp_path_factory):
-    out_dir = str(tmp_path_factory.mktemp("dist"))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(_worker, args=(port, out_dir), nprocs=WORLD, join=True)
-    results = []
-    for rank in range(WORLD):
-        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as f:
-            results.append(pickle.load(f))
-    return results
+def rank_results():
+    return run_on_ranks(_worker, world=WORLD)
 
 
 @pytest.mark.parametrize("case", ["uneven_needs", "min_count", "divided_by"])

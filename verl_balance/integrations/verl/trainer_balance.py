@@ -22,12 +22,13 @@ import numpy as np
 import torch
 
 from verl_balance.balance import TooFewSamplesError, plan_balance
+from verl_balance.batch_keys import PLANNED_MICRO_BATCH_SIZES_KEY
 from verl_balance.integrations.verl.state import current_workload
 
 __all__ = ["PLANNED_SIZES_KEY", "balance_batch", "balanced_balance_batch", "balanced_balance_batch_v1",
            "plan_dp_order"]
 
-PLANNED_SIZES_KEY = "verl_balance/micro_batch_sizes"
+PLANNED_SIZES_KEY = PLANNED_MICRO_BATCH_SIZES_KEY
 _STAT_KEYS = ("imbalance", "naive_imbalance", "sync_ratio", "naive_sync_ratio")
 
 

@@ -42,7 +42,8 @@ from verl import DataProto  # noqa: E402
 from verl.single_controller.base import Worker  # noqa: E402
 from verl.single_controller.base.decorator import Dispatch, make_nd_compute_dataproto_dispatch_fn, register  # noqa: E402
 
-from verl_balance.protocol import MICRO_BATCH_SIZES_KEY, Batch  # noqa: E402
+from verl_balance.batch_keys import MICRO_BATCH_SIZES_KEY  # noqa: E402
+from verl_balance.protocol import Batch  # noqa: E402
 from verl_balance.workers.actor import ACTOR_MESH, ActorWorker, ActorWorkerConfig  # noqa: E402
 
 __all__ = ["PLANNED_SIZES_KEY", "VerlActorWorker", "VerlWorkerConfigError"]
