@@ -4,7 +4,7 @@
     PYTHONPATH=. python benchmarks/balance_bench.py --quick    # small smoke run
     --skip-verl-micro skips verl's rearrange_micro_batches on the 4096-sample case (about 1-2 min).
 
-Cases (lengths lognormal, sigma 1, fixed seeds), as in issue 2:
+Cases (lengths lognormal, sigma 1, fixed seeds):
   dp_partition   262,144 lengths (median 1000, clipped 16..32768) into 1024 ranks, equal counts;
                  metric: imbalance = max rank tokens / max(total / dp, longest); target <= 1.001, <= 0.2 s.
   micro_batching 4096 lengths (median 1000, clipped 16..16384), token cap 16384, one rank;

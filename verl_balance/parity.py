@@ -16,7 +16,9 @@ modes and two aggregation modes: they change when gradients are reduced, never w
 Negative controls run the known-bad normalizers of verl_balance.testing.faults.KNOWN_BUGS (a
 TrainEngine subclass, FaultyTrainEngine) on a layout where each one matters; they must FAIL.
 
-Run `python -m verl_balance.parity` for the full table (`--help` for options).
+Run `python -m verl_balance.parity` for the full table (`--help` for options);
+`python -m verl_balance.parity model.path=DIR` (or `--model-path DIR`) runs the same matrix on a
+local Hugging Face model (llama, qwen2, qwen3, mistral) instead of the built-in tiny decoder.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 
 from verl_balance.engine.config import EngineConfig, FSDPConfig, OptimConfig
 from verl_balance.loss import AGG_MODES
-from verl_balance.models import LlamaForCausalLM, ModelConfig
+from verl_balance.models import ModelConfig, build_model, load_model_config
 
 PARITY_LAYOUTS = ((1, 1), (2, 1), (4, 1), (1, 2), (2, 2), (1, 4))
 LOSS_RTOL = 1e-5
@@ -174,11 +176,11 @@ def reference_steps(settings: ParitySettings, *, agg_modes=AGG_MODES) -> dict[st
     """Single-process reference per agg mode: loss, grad norm, parameters after one AdamW step.
 
     One plain forward per sequence (no packing, no SP, no FSDP), the aggregation formulas of
-    DESIGN.md written out directly, and torch.optim.AdamW on a fresh copy of the initial model.
+    docs/design.md written out directly, and torch.optim.AdamW on a fresh copy of the initial model.
     """
     batch = make_global_batch(settings)
     torch.manual_seed(settings.seed)
-    model = LlamaForCausalLM(settings.model, attn_impl="sdpa_masked")
+    model = build_model(settings.model, attn_impl="sdpa_masked")
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     seq_sums, seq_counts = [], []
     for i in range(settings.num_samples):
@@ -202,7 +204,7 @@ def reference_steps(settings: ParitySettings, *, agg_modes=AGG_MODES) -> dict[st
     out = {}
     for mode in agg_modes:
         grads = torch.autograd.grad(objectives[mode], list(model.parameters()), retain_graph=True)
-        step_model = LlamaForCausalLM(settings.model, attn_impl="sdpa_masked")
+        step_model = build_model(settings.model, attn_impl="sdpa_masked")
         step_model.load_state_dict(initial)
         for param, grad in zip(step_model.parameters(), grads):
             param.grad = grad.clone()
@@ -221,7 +223,7 @@ def reference_log_probs(settings: ParitySettings, batch: dict[str, torch.Tensor]
     """(B, L) log p(token t | tokens < t) under softmax(logits / temperature) of the seeded initial
     model, from one plain forward per sequence (0 at t = 0 and on padding); no distributed code."""
     torch.manual_seed(settings.seed)
-    model = LlamaForCausalLM(settings.model, attn_impl="sdpa_masked")
+    model = build_model(settings.model, attn_impl="sdpa_masked")
     out = torch.zeros(batch["input_ids"].shape)
     with torch.no_grad():
         for i, length in enumerate(batch["attention_mask"].sum(1).tolist()):
@@ -344,10 +346,21 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated DPxSP list (default: the full matrix)")
     parser.add_argument("--no-controls", action="store_true", help="skip negative controls")
     parser.add_argument("--no-fsdp", action="store_true", help="skip the FSDP-control cells")
-    args = parser.parse_args(argv)
+    parser.add_argument("--model-path", default=None,
+                        help="a local Hugging Face model directory (also accepted as model.path=DIR); "
+                             "default: the built-in tiny decoder")
+    args, rest = parser.parse_known_args(argv)
+    for item in rest:
+        key, _, value = item.partition("=")
+        if key not in ("model.path", "model.partial_pretrain") or not value:
+            parser.error(f"unrecognized argument {item!r}; valid: model.path=DIR or the options above")
+        args.model_path = value
     layouts = [tuple(int(x) for x in item.split("x")) for item in args.layouts.split(",")]
     torch.set_num_threads(1)
     settings = ParitySettings()
+    if args.model_path:
+        settings = ParitySettings(model=load_model_config(name=None, path=args.model_path, vocab_size=1))
+        print(f"model: {args.model_path} ({type(settings.model).__name__})")
     start = time.perf_counter()
     results = run_layouts(jobs=parity_jobs(layouts=layouts, controls=not args.no_controls,
                                            fsdp=not args.no_fsdp), settings=settings)

@@ -1,4 +1,4 @@
-"""Parity property (DESIGN.md): every layout reproduces the single-process reference.
+"""Parity property (docs/design.md): every layout reproduces the single-process reference.
 
 The full matrix {(1,1),(2,1),(4,1),(1,2),(2,2),(1,4)} x {fixed, dynamic} x {balance on, off} x
 {4 loss_agg_modes} x {train, eval}, the FSDP2 gradient-accumulation cells and the negative

@@ -1,5 +1,5 @@
-"""Checkpoint lineage, completeness, atomic state files, retention and fail-fast config checks
-(issue 13 items 1-4 and the driver side of 8), without Ray.
+"""Checkpoint lineage, completeness, atomic state files, retention and fail-fast config checks,
+without Ray.
 
 The workers are replaced by a fake group that writes one shard file per save, so each test can
 stop a save at a chosen point. References are hand-worked: which step directories must exist,

@@ -1,4 +1,4 @@
-"""Fault and reproducibility tests on an embedded Ray cluster (issue 13 items 6 and 9).
+"""Fault and reproducibility tests on an embedded Ray cluster: worker restarts and layout-independent rollouts.
 
 References: a restarted run is compared with an uninterrupted run of the same config; a GRPO run
 on 4 workers is compared with the same run on 2 workers.

@@ -1,6 +1,6 @@
 """Wire tensors for the trainer from prompts and a RolloutOutput.
 
-Invariants (HELPERS.md "Tensors on the wire"): one row per response, in RolloutOutput order;
+Invariants (docs/design.md, "Wire format"): one row per response, in RolloutOutput order;
 ``input_ids[k] = prompt + response`` right-padded to L = the longest prompt + response;
 ``attention_mask`` is 1 on those real tokens (contiguous from position 0); ``loss_mask[k, t] = 1``
 exactly on the response tokens (token t is a target: its log-prob p(tok_t | tok_<t) counts);
