@@ -14,7 +14,7 @@ from verl_balance.balance.errors import (
 )
 from verl_balance.balance.partition import balanced_partition
 from verl_balance.balance.plan import BalanceConfig, BalancePlan, BalanceStats, plan_balance
-from verl_balance.balance.workload import FlopsWorkload, TokenWorkload, from_model_config
+from verl_balance.balance.workload import FlopsWorkload, TokenWorkload, Workload, from_model_config
 
 __all__ = [
     "BalanceConfig",
@@ -27,6 +27,7 @@ __all__ = [
     "InvalidLengthError",
     "OverlongSampleError",
     "TokenWorkload",
+    "Workload",
     "TooFewSamplesError",
     "balanced_partition",
     "from_model_config",

@@ -42,7 +42,7 @@ from verl_balance.balance.micro_batch import (
     naive_layout,
 )
 from verl_balance.balance.partition import balanced_partition
-from verl_balance.balance.workload import resolve_workload
+from verl_balance.balance.workload import Workload, resolve_workload
 
 OVERLONG_POLICIES = ("error", "skip", "truncate")
 GROUP_SCOPES = ("micro_batch", "rank")
@@ -152,7 +152,7 @@ def plan_balance(
     max_token_len_per_gpu: int | None = None,
     balance: bool = True,
     group_ids=None,
-    workload=None,
+    workload: Workload | str | None = None,
     equal_size: bool = True,
     overlong: str = "error",
     group_scope: str = "micro_batch",
