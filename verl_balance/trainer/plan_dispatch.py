@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from verl_balance.balance import BalancePlan, plan_balance
+from verl_balance.balance import BalancePlan, Workload, plan_balance
 from verl_balance.batch_keys import MICRO_BATCH_SIZES_KEY
 from verl_balance.protocol import Batch, BatchError
 
@@ -24,7 +24,7 @@ __all__ = ["apply_truncation", "merge_by_plan", "plan_batch", "run_by_plan", "sp
 
 
 def plan_batch(batch: Batch, *, dp_size: int, sp_size: int, micro_batch_size: int | None, token_cap: int | None,
-               balance: bool, workload, overlong: str = "error", group_ids=None,
+               balance: bool, workload: Workload, overlong: str = "error", group_ids=None,
                group_scope: str = "micro_batch") -> BalancePlan:
     """BalancePlan of one global batch from its ``attention_mask`` lengths.
 
