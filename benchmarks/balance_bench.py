@@ -194,11 +194,20 @@ def print_table(rows):
         ref_value, ref_time = reference.get(case, (None, None))
         ref_name = "verl" if any(r[0] == case and r[1] == "verl" for r in rows) else "naive"
         value_str = f"{value:.5f}" if isinstance(value, float) else str(value)
-        lines.append((
-            case, method, metric, value_str, target, f"{seconds[0]:.4f}", f"{seconds[1]:.4f}",
-            f"{value / ref_value:.4f}" if ref_value else "",
-            f"{seconds[1] / ref_time[1]:.4f}" if ref_time and ref_time[1] > 0 else "", ref_name,
-        ))
+        lines.append(
+            (
+                case,
+                method,
+                metric,
+                value_str,
+                target,
+                f"{seconds[0]:.4f}",
+                f"{seconds[1]:.4f}",
+                f"{value / ref_value:.4f}" if ref_value else "",
+                f"{seconds[1] / ref_time[1]:.4f}" if ref_time and ref_time[1] > 0 else "",
+                ref_name,
+            )
+        )
     widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
     fmt = " | ".join(f"{{:<{w}}}" for w in widths)
     print(fmt.format(*header))

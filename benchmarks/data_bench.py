@@ -69,8 +69,7 @@ def write_parquet(path: str, *, num_rows: int, seed: int = 0) -> None:
                 np.cumsum(lengths, out=offsets[1:])
                 shifts = rng.integers(0, len(letters) // 2, size=n)
                 data = np.concatenate([letters[s : s + k] for s, k in zip(shifts, lengths)])
-                columns.append(pa.Array.from_buffers(pa.string(), n, [None, pa.py_buffer(offsets),
-                                                                      pa.py_buffer(data)]))
+                columns.append(pa.Array.from_buffers(pa.string(), n, [None, pa.py_buffer(offsets), pa.py_buffer(data)]))
             writer.write_table(pa.table({"prompt": columns[0], "response": columns[1]}))
 
 
@@ -144,9 +143,17 @@ def _original_rl_build(path: str):
         messages = [{"role": m["role"], "content": m["content"]} for m in row["prompt"]]
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         reward_model = dict(row["reward_model"])
-        prompts.append(RLPrompt(prompt_ids=np.asarray(ids, dtype=np.int64), raw_prompt=messages,
-                                data_source=row["data_source"], ground_truth=reward_model["ground_truth"],
-                                reward_model=reward_model, extra_info={}, index=len(prompts)))
+        prompts.append(
+            RLPrompt(
+                prompt_ids=np.asarray(ids, dtype=np.int64),
+                raw_prompt=messages,
+                data_source=row["data_source"],
+                ground_truth=reward_model["ground_truth"],
+                reward_model=reward_model,
+                extra_info={},
+                index=len(prompts),
+            )
+        )
     del table
     return prompts, sum(len(p.prompt_ids) for p in prompts), None
 
@@ -190,13 +197,25 @@ def _child(dataset: str, impl: str, path: str) -> None:
     after = _rss_bytes()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     rows = len(kept[0]) if (dataset, impl) == ("sft", "original") else len(kept)
-    print(json.dumps({"rows": rows, "tokens": tokens, "seconds": elapsed, "cpu": cpu, "store": store,
-                      "retained": after - before, "peak": peak - before}))
+    print(
+        json.dumps(
+            {
+                "rows": rows,
+                "tokens": tokens,
+                "seconds": elapsed,
+                "cpu": cpu,
+                "store": store,
+                "retained": after - before,
+                "peak": peak - before,
+            }
+        )
+    )
 
 
 def _run_case(dataset: str, impl: str, path: str) -> dict:
-    out = subprocess.run([sys.executable, __file__, "--child", dataset, impl, path], capture_output=True,
-                         text=True, check=False)
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", dataset, impl, path], capture_output=True, text=True, check=False
+    )
     if out.returncode != 0:
         raise RuntimeError(f"{impl} on {path} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -206,8 +225,9 @@ def main() -> None:
     """Print the table (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[10_000, 100_000, 1_000_000])
-    parser.add_argument("--original-max-rows", type=int, default=100_000,
-                        help="run the original build only up to this many rows")
+    parser.add_argument(
+        "--original-max-rows", type=int, default=100_000, help="run the original build only up to this many rows"
+    )
     parser.add_argument("--tmp", default=None, help="directory for the generated parquet files")
     parser.add_argument("--dataset", choices=("sft", "rl"), default="sft")
     parser.add_argument("--child", nargs=3, metavar=("DATASET", "IMPL", "PATH"), help=argparse.SUPPRESS)
@@ -216,8 +236,10 @@ def main() -> None:
         _child(*args.child)
         return
 
-    header = (f"{'rows':>9} {'impl':>8} {'tokens':>12} {'build s':>8} {'cpu s':>7} {'rows/s':>9} {'store B/tok':>11} "
-              f"{'retained B/tok':>14} {'peak B/tok':>10} {'cpu s/row vs first':>18}")
+    header = (
+        f"{'rows':>9} {'impl':>8} {'tokens':>12} {'build s':>8} {'cpu s':>7} {'rows/s':>9} {'store B/tok':>11} "
+        f"{'retained B/tok':>14} {'peak B/tok':>10} {'cpu s/row vs first':>18}"
+    )
     print(header)
     print("-" * len(header))
     per_row_first: dict[str, float] = {}
@@ -234,19 +256,29 @@ def main() -> None:
                 r = results[impl] = _run_case(args.dataset, impl, path)
                 per_row = r["cpu"] / r["rows"]
                 per_row_first.setdefault(impl, per_row)
-                print(f"{r['rows']:>9} {impl:>8} {r['tokens']:>12} {r['seconds']:>8.2f} {r['cpu']:>7.2f} "
-                      f"{r['rows'] / r['seconds']:>9.0f} "
-                      f"{'-' if r['store'] is None else format(r['store'] / r['tokens'], '.2f'):>11} "
-                      f"{r['retained'] / r['tokens']:>14.2f} "
-                      f"{r['peak'] / r['tokens']:>10.2f} {per_row / per_row_first[impl]:>18.2f}", flush=True)
+                print(
+                    f"{r['rows']:>9} {impl:>8} {r['tokens']:>12} {r['seconds']:>8.2f} {r['cpu']:>7.2f} "
+                    f"{r['rows'] / r['seconds']:>9.0f} "
+                    f"{'-' if r['store'] is None else format(r['store'] / r['tokens'], '.2f'):>11} "
+                    f"{r['retained'] / r['tokens']:>14.2f} "
+                    f"{r['peak'] / r['tokens']:>10.2f} {per_row / per_row_first[impl]:>18.2f}",
+                    flush=True,
+                )
             if len(results) == 2:
-                speedups.append((num_rows, results["original"]["cpu"] / results["compact"]["cpu"],
-                                 results["original"]["peak"] / max(1, results["compact"]["peak"])))
+                speedups.append(
+                    (
+                        num_rows,
+                        results["original"]["cpu"] / results["compact"]["cpu"],
+                        results["original"]["peak"] / max(1, results["compact"]["peak"]),
+                    )
+                )
             os.remove(path)
     for num_rows, time_ratio, peak_ratio in speedups:
         print(f"{num_rows} rows: original/compact build CPU time {time_ratio:.2f}x, peak memory {peak_ratio:.1f}x")
-    print("cpu s/row vs first = build CPU seconds per row relative to the same implementation's smallest size "
-          "(1.0 = linear); CPU time is the robust figure on a shared machine, wall time (build s) is not")
+    print(
+        "cpu s/row vs first = build CPU seconds per row relative to the same implementation's smallest size "
+        "(1.0 = linear); CPU time is the robust figure on a shared machine, wall time (build s) is not"
+    )
 
 
 if __name__ == "__main__":

@@ -28,8 +28,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-DIMS = {"hidden_size": 128, "intermediate_size": 384, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
-        "vocab_size": 1024}
+DIMS = {
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_layers": 2,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "vocab_size": 1024,
+}
 
 
 def heavy_tailed_lengths(batch: int, *, seed: int = 0, cap: int = 1024) -> list[int]:
@@ -45,19 +51,27 @@ def _masked_sdpa_3d(q, k, v, *, cu_seqlens, scaling, sliding_window):
     from verl_balance.models.attention import packed_visibility_mask
 
     mask = packed_visibility_mask(cu_seqlens, q.shape[0], sliding_window=sliding_window)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                         attn_mask=mask, scale=scaling)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scaling
+    )
     return out.transpose(0, 1)
 
 
 def _write_model_dir(root: str) -> str:
-    from verl_balance.models.tiny_hf import build_config
-
     from transformers import AutoModelForCausalLM
 
-    config = build_config("llama", vocab_size=DIMS["vocab_size"], hidden_size=DIMS["hidden_size"],
-                          intermediate_size=DIMS["intermediate_size"], num_layers=DIMS["num_layers"],
-                          num_heads=DIMS["num_heads"], num_kv_heads=DIMS["num_kv_heads"], max_position_embeddings=2048)
+    from verl_balance.models.tiny_hf import build_config
+
+    config = build_config(
+        "llama",
+        vocab_size=DIMS["vocab_size"],
+        hidden_size=DIMS["hidden_size"],
+        intermediate_size=DIMS["intermediate_size"],
+        num_layers=DIMS["num_layers"],
+        num_heads=DIMS["num_heads"],
+        num_kv_heads=DIMS["num_kv_heads"],
+        max_position_embeddings=2048,
+    )
     config.initializer_range = 0.02
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(root)
@@ -82,7 +96,7 @@ def _run_case(case: str, model_dir: str, lengths: list[int], steps: int, threads
         ids = torch.zeros(len(seqs), width, dtype=torch.long)
         mask = torch.zeros(len(seqs), width, dtype=torch.long)
         for i, s in enumerate(seqs):
-            ids[i, :len(s)], mask[i, :len(s)] = s, 1
+            ids[i, : len(s)], mask[i, : len(s)] = s, 1
         ids, mask = ids.to(dev), mask.to(dev)
 
         def step():
@@ -135,9 +149,14 @@ def _run_case(case: str, model_dir: str, lengths: list[int], steps: int, threads
     queue.put((case, total / statistics.median(times), peak))
 
 
-CASES = ("hf padded sdpa", "adapter packed (sdpa_masked)", "adapter packed (sdpa_loop)",
-         "built-in packed, 3-D sdpa (before)", "built-in packed, 4-D sdpa (now)",
-         "built-in packed, sdpa_loop (CPU auto)")
+CASES = (
+    "hf padded sdpa",
+    "adapter packed (sdpa_masked)",
+    "adapter packed (sdpa_loop)",
+    "built-in packed, 3-D sdpa (before)",
+    "built-in packed, 4-D sdpa (now)",
+    "built-in packed, sdpa_loop (CPU auto)",
+)
 
 
 def main() -> None:
@@ -155,14 +174,17 @@ def main() -> None:
         model_dir = _write_model_dir(os.path.join(root, "model"))
         for case in CASES:
             queue = ctx.Queue()
-            proc = ctx.Process(target=_run_case, args=(case, model_dir, lengths, args.steps, args.threads,
-                                                       args.device, queue))
+            proc = ctx.Process(
+                target=_run_case, args=(case, model_dir, lengths, args.steps, args.threads, args.device, queue)
+            )
             proc.start()
             results[case] = queue.get()
             proc.join()
-    print(f"batch: {len(lengths)} sequences, {sum(lengths)} tokens, lengths min/median/max "
-          f"{min(lengths)}/{int(np.median(lengths))}/{max(lengths)}, padded to {len(lengths) * max(lengths)} tokens; "
-          f"model {DIMS}; device {args.device}, {args.threads} thread(s), median of {args.steps} steps")
+    print(
+        f"batch: {len(lengths)} sequences, {sum(lengths)} tokens, lengths min/median/max "
+        f"{min(lengths)}/{int(np.median(lengths))}/{max(lengths)}, padded to {len(lengths) * max(lengths)} tokens; "
+        f"model {DIMS}; device {args.device}, {args.threads} thread(s), median of {args.steps} steps"
+    )
     base_tps, base_mem = results[CASES[0]][1], results[CASES[0]][2]
     print(f"{'case':38s} {'tokens/s':>10s} {'vs padded':>10s} {'peak MiB':>9s} {'mem vs padded':>14s}")
     for case in CASES:

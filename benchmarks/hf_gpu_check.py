@@ -54,8 +54,7 @@ def main() -> None:
     if path is None:
         from verl_balance.models.tiny_hf import write_tiny_model
 
-        path = write_tiny_model(tempfile.mkdtemp(prefix="hf_gpu_check_") + "/m", family="qwen2",
-                                initializer_range=0.02)
+        path = write_tiny_model(tempfile.mkdtemp(prefix="hf_gpu_check_") + "/m", family="qwen2", initializer_range=0.02)
     config = HFModelConfig.from_pretrained(path)
     batch = _batch(config.vocab_size, num=args.sequences)
     tokens = int(batch[4].numel())
@@ -65,8 +64,10 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     impls = (["flash_attn"] if device.type == "cuda" and _flash_attn_varlen() else []) + ["sdpa_loop", "sdpa_masked"]
-    print(f"model {config.model_type} at {path}: {config.num_layers} layers, hidden {config.hidden_size}; "
-          f"{args.sequences} sequences, {tokens} tokens; fp32 CPU reference loss {ref_loss:.6f}")
+    print(
+        f"model {config.model_type} at {path}: {config.num_layers} layers, hidden {config.hidden_size}; "
+        f"{args.sequences} sequences, {tokens} tokens; fp32 CPU reference loss {ref_loss:.6f}"
+    )
     print(f"{'kernel':12s} {'dtype':9s} {'loss':>10s} {'rel diff':>9s} {'tokens/s':>10s} {'peak GiB':>9s}")
     for impl in impls:
         model = HFCausalLM(config, attn_impl=impl).to(device=device, dtype=dtype)
@@ -86,8 +87,10 @@ def main() -> None:
             times.append(time.perf_counter() - start)
             model.zero_grad(set_to_none=True)
         peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
-        print(f"{impl:12s} {str(dtype).split('.')[-1]:9s} {loss:10.6f} {abs(loss - ref_loss) / abs(ref_loss):9.1e} "
-              f"{tokens / float(np.median(times)):10.0f} {peak:9.2f}")
+        print(
+            f"{impl:12s} {str(dtype).split('.')[-1]:9s} {loss:10.6f} {abs(loss - ref_loss) / abs(ref_loss):9.1e} "
+            f"{tokens / float(np.median(times)):10.0f} {peak:9.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ def uncached_greedy(rollout: NaiveRollout, prompts: list[list[int]], steps: int)
         logits = rollout.forward_logits(sequences)
         for seq, seq_logits in zip(sequences, logits):
             seq.append(int(seq_logits[-1].argmax()))
-    return [seq[len(p):] for seq, p in zip(sequences, prompts)]
+    return [seq[len(p) :] for seq, p in zip(sequences, prompts)]
 
 
 def main() -> None:
@@ -41,8 +41,10 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    header = (f"{'preset':>6} {'batch':>5} {'prompt':>6} {'new':>4} | {'cached tok/s':>12} {'uncached tok/s':>14} | "
-              f"{'speedup':>7} {'same':>5}")
+    header = (
+        f"{'preset':>6} {'batch':>5} {'prompt':>6} {'new':>4} | {'cached tok/s':>12} {'uncached tok/s':>14} | "
+        f"{'speedup':>7} {'same':>5}"
+    )
     print(header)
     print("-" * len(header))
     for preset, batch, prompt_len, new in QUICK_CASES if args.quick else FULL_CASES:
@@ -61,8 +63,10 @@ def main() -> None:
         uncached = time.perf_counter() - start
         same = out.response_token_lists() == reference
         tokens = batch * new
-        print(f"{preset:>6} {batch:>5} {prompt_len:>6} {new:>4} | {tokens / cached:>12.0f} {tokens / uncached:>14.0f} | "
-              f"{uncached / cached:>7.1f} {str(same):>5}")
+        print(
+            f"{preset:>6} {batch:>5} {prompt_len:>6} {new:>4} | {tokens / cached:>12.0f} {tokens / uncached:>14.0f} | "
+            f"{uncached / cached:>7.1f} {str(same):>5}"
+        )
 
 
 if __name__ == "__main__":

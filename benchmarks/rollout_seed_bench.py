@@ -47,8 +47,11 @@ def batched_seeds(*, rollout, prompts, seeds, **kwargs) -> list[list[int]]:
 
 def per_prompt_calls(*, rollout, prompts, seeds, **kwargs) -> list[list[int]]:
     """One call per prompt with its own seed (the previous layout-invariant rollout)."""
-    return [response for prompt, seed in zip(prompts, seeds)
-            for response in rollout.generate([prompt], seeds=[seed], **kwargs).response_token_lists()]
+    return [
+        response
+        for prompt, seed in zip(prompts, seeds)
+        for response in rollout.generate([prompt], seeds=[seed], **kwargs).response_token_lists()
+    ]
 
 
 def batched_shared_seed(*, rollout, prompts, seeds, **kwargs) -> list[list[int]]:
@@ -73,9 +76,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    header = (f"{'preset':>6} {'prompts':>7} {'n':>2} {'new':>4} | {'seeds tok/s':>11} {'per-prompt tok/s':>16} "
-              f"{'shared tok/s':>12} | {'seeds/shared':>12} {'per-prompt/shared':>17} {'seeds/per-prompt':>16} "
-              f"{'same rows':>9}")
+    header = (
+        f"{'preset':>6} {'prompts':>7} {'n':>2} {'new':>4} | {'seeds tok/s':>11} {'per-prompt tok/s':>16} "
+        f"{'shared tok/s':>12} | {'seeds/shared':>12} {'per-prompt/shared':>17} {'seeds/per-prompt':>16} "
+        f"{'same rows':>9}"
+    )
     print(header)
     print("-" * len(header))
     for preset, num_prompts, n, new in QUICK_CASES if args.quick else FULL_CASES:
@@ -95,9 +100,11 @@ def main() -> None:
         t_shared, _ = _best_time(functools.partial(batched_shared_seed, **call), args.repeats)
         tokens = num_prompts * n * new
         same_rows = sum(a == b for a, b in zip(out_seeds, out_prompt)) / len(out_seeds)
-        print(f"{preset:>6} {num_prompts:>7} {n:>2} {new:>4} | {tokens / t_seeds:>11.0f} {tokens / t_prompt:>16.0f} "
-              f"{tokens / t_shared:>12.0f} | {t_shared / t_seeds:>12.2f} {t_shared / t_prompt:>17.2f} "
-              f"{t_prompt / t_seeds:>16.2f} {same_rows:>9.3f}")
+        print(
+            f"{preset:>6} {num_prompts:>7} {n:>2} {new:>4} | {tokens / t_seeds:>11.0f} {tokens / t_prompt:>16.0f} "
+            f"{tokens / t_shared:>12.0f} | {t_shared / t_seeds:>12.2f} {t_shared / t_prompt:>17.2f} "
+            f"{t_prompt / t_seeds:>16.2f} {same_rows:>9.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -92,8 +92,11 @@ def _status_mib(*keys: str) -> dict[str, float]:
 def memory_snapshot(*, reset_peak: bool = False) -> dict:
     """RSS now, peak since the last reset (VmHWM) and lifetime peak (getrusage), in MiB."""
     status = _status_mib("VmRSS", "VmHWM")
-    snap = {"rss_mib": status.get("VmRSS", float("nan")), "peak_mib": status.get("VmHWM", float("nan")),
-            "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / MIB}
+    snap = {
+        "rss_mib": status.get("VmRSS", float("nan")),
+        "peak_mib": status.get("VmHWM", float("nan")),
+        "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / MIB,
+    }
     if reset_peak:
         try:  # "5" resets VmHWM to the current RSS (Linux >= 4.0); getrusage keeps the lifetime peak
             with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
@@ -150,18 +153,23 @@ def make_batches(workload: StepWorkload, *, num: int, vocab_size: int) -> list[d
     gen = torch.Generator().manual_seed(workload.seed)
     batches = []
     for _ in range(num):
-        lengths = np.clip(np.round(rng.lognormal(np.log(workload.median), workload.sigma, workload.batch_size)),
-                          workload.min_len, workload.max_len).astype(np.int64)
+        lengths = np.clip(
+            np.round(rng.lognormal(np.log(workload.median), workload.sigma, workload.batch_size)),
+            workload.min_len,
+            workload.max_len,
+        ).astype(np.int64)
         width = int(lengths.max())
         mask = (torch.arange(width)[None, :] < torch.from_numpy(lengths)[:, None]).long()
         loss_mask = mask.clone()
         loss_mask[:, 0] = 0
-        batches.append({
-            "input_ids": torch.randint(0, vocab_size, (workload.batch_size, width), generator=gen) * mask,
-            "attention_mask": mask,
-            "loss_mask": loss_mask,
-            "position_ids": (torch.cumsum(mask, 1) - 1).clamp_min(0) * mask,
-        })
+        batches.append(
+            {
+                "input_ids": torch.randint(0, vocab_size, (workload.batch_size, width), generator=gen) * mask,
+                "attention_mask": mask,
+                "loss_mask": loss_mask,
+                "position_ids": (torch.cumsum(mask, 1) - 1).clamp_min(0) * mask,
+            }
+        )
     return batches
 
 
@@ -177,17 +185,35 @@ def verl_plans(lengths: list[np.ndarray], *, dp: int, cases: list[dict], verl_py
     """
     if not verl_python or not os.path.exists(verl_python):
         return None, f"verl not run: no python at {verl_python!r}"
-    request = [{"dp": dp, "micro_batch_size": c["micro_batch_size"], "max_token_len_per_gpu": c["token_cap"],
-                "batches": [[int(x) for x in lens] for lens in lengths]} for c in cases]
+    request = [
+        {
+            "dp": dp,
+            "micro_batch_size": c["micro_batch_size"],
+            "max_token_len_per_gpu": c["token_cap"],
+            "batches": [[int(x) for x in lens] for lens in lengths],
+        }
+        for c in cases
+    ]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    proc = subprocess.run([verl_python, str(REPO / "benchmarks" / "verl_plans.py")], input=json.dumps(request),
-                          capture_output=True, text=True, env=env, check=False)
+    proc = subprocess.run(
+        [verl_python, str(REPO / "benchmarks" / "verl_plans.py")],
+        input=json.dumps(request),
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
     if proc.returncode != 0:
         lines = proc.stderr.strip().splitlines()
         return None, f"verl not importable: {lines[-1] if lines else f'exit {proc.returncode}'}"
     reply = json.loads(proc.stdout)
-    plans = [[BalancePlan(micro_batches=[[np.asarray(mb, dtype=np.int64) for mb in rank] for rank in cells])
-              for cells in case] for case in reply["cases"]]
+    plans = [
+        [
+            BalancePlan(micro_batches=[[np.asarray(mb, dtype=np.int64) for mb in rank] for rank in cells])
+            for cells in case
+        ]
+        for case in reply["cases"]
+    ]
     return plans, f"verl {reply['verl_version']} (its own code, under {verl_python})"
 
 
@@ -206,24 +232,35 @@ def max_rank_cost(plan: BalancePlan, costs: np.ndarray) -> float:
 def run_step_bench(args, memory_rows: list) -> list[tuple]:
     model_config = ModelConfig.preset(args.model)
     workload = StepWorkload(median=args.median, max_len=args.max_len)
-    engine = EngineConfig(optim=OptimConfig(lr=1e-4), attn_impl=args.attn_impl, seed=0,
-                          fsdp=FSDPConfig(**FSDP_SETTINGS[args.fsdp]))
+    engine = EngineConfig(
+        optim=OptimConfig(lr=1e-4), attn_impl=args.attn_impl, seed=0, fsdp=FSDPConfig(**FSDP_SETTINGS[args.fsdp])
+    )
     flops = FlopsWorkload.from_model_config(model_config)
     total = args.warmup + args.steps
     batches = make_batches(workload, num=total, vocab_size=model_config.vocab_size)
     lengths = [seq_lens(b) for b in batches]
     token_cap = args.token_cap or workload.max_len
-    cases = [("fixed mbs=4", dict(micro_batch_size=4, token_cap=None)),
-             (f"token cap {token_cap}", dict(micro_batch_size=None, token_cap=token_cap))]
+    cases = [
+        ("fixed mbs=4", dict(micro_batch_size=4, token_cap=None)),
+        (f"token cap {token_cap}", dict(micro_batch_size=None, token_cap=token_cap)),
+    ]
 
     plans: dict[tuple[str, str], list] = {}
     verl, note = verl_plans(lengths, dp=2, cases=[kw for _, kw in cases], verl_python=args.verl_python)
     print(f"[step] verl column: {note}", flush=True)
     for i, (case, kw) in enumerate(cases):
         for method, balance in (("contiguous", False), ("ours", True)):
-            plans[case, method] = [plan_balance(seq_lens=lens, dp_size=2, micro_batch_size=kw["micro_batch_size"],
-                                                max_token_len_per_gpu=kw["token_cap"], balance=balance,
-                                                workload=flops) for lens in lengths]
+            plans[case, method] = [
+                plan_balance(
+                    seq_lens=lens,
+                    dp_size=2,
+                    micro_batch_size=kw["micro_batch_size"],
+                    max_token_len_per_gpu=kw["token_cap"],
+                    balance=balance,
+                    workload=flops,
+                )
+                for lens in lengths
+            ]
         if verl is not None:
             plans[case, "verl"] = verl[i]
 
@@ -232,13 +269,15 @@ def run_step_bench(args, memory_rows: list) -> list[tuple]:
     group = cluster.build_actor_group(
         worker_config=ActorWorkerConfig(model=model_config, engine=engine),
         trainer_cfg=SimpleNamespace(n_gpus_per_node=2, nnodes=1, placement_timeout_s=300.0),
-        use_gpu=False, worker_cls=BenchActorWorker)
+        use_gpu=False,
+        worker_cls=BenchActorWorker,
+    )
     print(f"[step] dp=2 worker group up in {time.perf_counter() - start:.1f} s", flush=True)
     try:
         samples: dict[tuple[str, str], list] = {key: [] for key in plans}
         keys = list(plans)
         for step in range(total):
-            for key in keys[step % len(keys):] + keys[:step % len(keys)]:  # rotate: no fixed position
+            for key in keys[step % len(keys) :] + keys[: step % len(keys)]:  # rotate: no fixed position
                 plan = plans[key][step]
                 chunks = split_by_plan(Batch.from_dict(tensors=batches[step]), plan)
                 t0 = time.perf_counter()
@@ -246,16 +285,21 @@ def run_step_bench(args, memory_rows: list) -> list[tuple]:
                 wall = time.perf_counter() - t0
                 if step >= args.warmup:
                     micro_cpu = np.array([r["bench_micro_cpu"] for r in per_rank])  # [rank, micro]
-                    samples[key].append((wall, float(micro_cpu.max(axis=0).sum()),
-                                         max(r["bench_thread_time"] for r in per_rank), plan.num_micro_batches,
-                                         float(micro_cpu.sum(axis=1).max())))
+                    samples[key].append(
+                        (
+                            wall,
+                            float(micro_cpu.max(axis=0).sum()),
+                            max(r["bench_thread_time"] for r in per_rank),
+                            plan.num_micro_batches,
+                            float(micro_cpu.sum(axis=1).max()),
+                        )
+                    )
             print(f"[step] {step + 1}/{total} done", flush=True)
         if memory_rows is not None:
             for key in plans:
                 group.memory(True)
                 for step in range(min(2, total)):
-                    group.update_actor(split_by_plan(Batch.from_dict(tensors=batches[step]),
-                                                              plans[key][step]))
+                    group.update_actor(split_by_plan(Batch.from_dict(tensors=batches[step]), plans[key][step]))
                 for snap in group.memory(False):
                     memory_rows.append((f"dp=2 {key[0]}", f"{key[1]} worker {snap['rank']}", snap))
     finally:
@@ -264,9 +308,9 @@ def run_step_bench(args, memory_rows: list) -> list[tuple]:
 
     rows = []
     for case, _ in cases:
-        costs = [flops.cost(lens) for lens in lengths[args.warmup:]]
-        base_sync = np.mean([sync_cost(p, c) for p, c in zip(plans[case, "contiguous"][args.warmup:], costs)])
-        base_rank = np.mean([max_rank_cost(p, c) for p, c in zip(plans[case, "contiguous"][args.warmup:], costs)])
+        costs = [flops.cost(lens) for lens in lengths[args.warmup :]]
+        base_sync = np.mean([sync_cost(p, c) for p, c in zip(plans[case, "contiguous"][args.warmup :], costs)])
+        base_rank = np.mean([max_rank_cost(p, c) for p, c in zip(plans[case, "contiguous"][args.warmup :], costs)])
         base = samples[case, "contiguous"]
         base_wall = statistics.median(x[0] for x in base)
         base_cpu_sync = statistics.median(x[1] for x in base)
@@ -276,16 +320,30 @@ def run_step_bench(args, memory_rows: list) -> list[tuple]:
                 rows.append((case, method) + ("n/a",) * 10 + ("", note))
                 continue
             s = samples[case, method]
-            pred = np.mean([sync_cost(p, c) for p, c in zip(plans[case, method][args.warmup:], costs)]) / base_sync
-            pred_rank = np.mean([max_rank_cost(p, c)
-                                 for p, c in zip(plans[case, method][args.warmup:], costs)]) / base_rank
+            pred = np.mean([sync_cost(p, c) for p, c in zip(plans[case, method][args.warmup :], costs)]) / base_sync
+            pred_rank = (
+                np.mean([max_rank_cost(p, c) for p, c in zip(plans[case, method][args.warmup :], costs)]) / base_rank
+            )
             wall, cpu_sync = statistics.median(x[0] for x in s), statistics.median(x[1] for x in s)
             cpu_rank = statistics.median(x[4] for x in s)
-            rows.append((case, method, f"{np.mean([x[3] for x in s]):.2f}", f"{wall:.3f}", f"{wall / base_wall:.3f}",
-                         f"{cpu_sync:.3f}", f"{cpu_sync / base_cpu_sync:.3f}", f"{pred:.3f}",
-                         f"{cpu_sync / base_cpu_sync / pred:.3f}", f"{cpu_rank / base_cpu_rank:.3f}",
-                         f"{pred_rank:.3f}", f"{statistics.median(x[2] for x in s):.3f}",
-                         "meas/pred <= 1.05" if case.startswith("fixed") and method == "ours" else "", ""))
+            rows.append(
+                (
+                    case,
+                    method,
+                    f"{np.mean([x[3] for x in s]):.2f}",
+                    f"{wall:.3f}",
+                    f"{wall / base_wall:.3f}",
+                    f"{cpu_sync:.3f}",
+                    f"{cpu_sync / base_cpu_sync:.3f}",
+                    f"{pred:.3f}",
+                    f"{cpu_sync / base_cpu_sync / pred:.3f}",
+                    f"{cpu_rank / base_cpu_rank:.3f}",
+                    f"{pred_rank:.3f}",
+                    f"{statistics.median(x[2] for x in s):.3f}",
+                    "meas/pred <= 1.05" if case.startswith("fixed") and method == "ours" else "",
+                    "",
+                )
+            )
     return rows
 
 
@@ -293,8 +351,11 @@ def run_step_bench(args, memory_rows: list) -> list[tuple]:
 FSDP_SETTINGS = {
     "per-micro-batch": {},
     "deferred": {"defer_gradient_sync": True},
-    "deferred+unsharded": {"defer_gradient_sync": True, "reshard_after_forward": False,
-                           "reshard_after_backward": False},
+    "deferred+unsharded": {
+        "defer_gradient_sync": True,
+        "reshard_after_forward": False,
+        "reshard_after_backward": False,
+    },
 }
 
 
@@ -305,18 +366,20 @@ def run_sync_bench(args) -> list[tuple]:
     flops = FlopsWorkload.from_model_config(model_config)
     total = args.warmup + args.steps
     batches = make_batches(workload, num=total, vocab_size=model_config.vocab_size)
-    plans = [plan_balance(seq_lens=seq_lens(b), dp_size=2, micro_batch_size=4, balance=True, workload=flops)
-             for b in batches]
+    plans = [
+        plan_balance(seq_lens=seq_lens(b), dp_size=2, micro_batch_size=4, balance=True, workload=flops) for b in batches
+    ]
     cluster.start_ray(address=None, num_workers=2 * len(FSDP_SETTINGS))
     groups = {}
     try:
         for name, fsdp in FSDP_SETTINGS.items():
-            engine = EngineConfig(optim=OptimConfig(lr=1e-4), attn_impl=args.attn_impl, seed=0,
-                                  fsdp=FSDPConfig(**fsdp))
+            engine = EngineConfig(optim=OptimConfig(lr=1e-4), attn_impl=args.attn_impl, seed=0, fsdp=FSDPConfig(**fsdp))
             groups[name] = cluster.build_actor_group(
                 worker_config=ActorWorkerConfig(model=model_config, engine=engine),
                 trainer_cfg=SimpleNamespace(n_gpus_per_node=2, nnodes=1, placement_timeout_s=300.0),
-                use_gpu=False, worker_cls=BenchActorWorker)
+                use_gpu=False,
+                worker_cls=BenchActorWorker,
+            )
         print(f"[sync] {len(groups)} dp=2 worker groups up", flush=True)
         samples = {name: [] for name in groups}
         names = list(groups)
@@ -324,7 +387,7 @@ def run_sync_bench(args) -> list[tuple]:
             groups[name].memory(True)
         for step in range(total):
             chunks = split_by_plan(Batch.from_dict(tensors=batches[step]), plans[step])
-            for name in names[step % len(names):] + names[:step % len(names)]:
+            for name in names[step % len(names) :] + names[: step % len(names)]:
                 t0 = time.perf_counter()
                 per_rank = groups[name].update_actor(chunks)
                 wall = time.perf_counter() - t0
@@ -343,15 +406,24 @@ def run_sync_bench(args) -> list[tuple]:
     for name in names:
         s = samples[name]
         tps = sum(x[1] for x in s) / sum(x[0] for x in s)
-        rows.append((name, f"{statistics.median(x[0] for x in s):.3f}", f"{tps:.0f}", f"{tps / base_tps:.3f}",
-                     f"{statistics.median(x[2] for x in s):.3f}", f"{peaks[name]:.0f}",
-                     f"{peaks[name] - peaks[names[0]]:+.0f}"))
+        rows.append(
+            (
+                name,
+                f"{statistics.median(x[0] for x in s):.3f}",
+                f"{tps:.0f}",
+                f"{tps / base_tps:.3f}",
+                f"{statistics.median(x[2] for x in s):.3f}",
+                f"{peaks[name]:.0f}",
+                f"{peaks[name] - peaks[names[0]]:+.0f}",
+            )
+        )
     return rows
 
 
 # ---------------------------------------------------------------------- overhead table
-def _plain_loop_process(conn, model_config: ModelConfig, workload: StepWorkload, num: int, lr: float,
-                        attn_impl: str) -> None:
+def _plain_loop_process(
+    conn, model_config: ModelConfig, workload: StepWorkload, num: int, lr: float, attn_impl: str
+) -> None:
     """A plain PyTorch training loop, one process, one thread; steps on request over ``conn``."""
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -400,12 +472,24 @@ def run_overhead_bench(args, memory_rows: list) -> list[tuple]:
     tmp = tempfile.mkdtemp(prefix="vb_overhead_")
     register_schemas()
     with initialize_config_dir(config_dir=str(REPO / "verl_balance" / "config"), version_base="1.3"):
-        cfg = compose(config_name="sft", overrides=[
-            "trainer.device=cpu", "trainer.n_gpus_per_node=1", f"model.name={args.model}",
-            "data.train_batch_size=32", "data.micro_batch_size_per_gpu=4", "data.synthetic.num_train=64",
-            "data.synthetic.num_val=8", f"data.synthetic.out_dir={tmp}/data", f"trainer.default_local_dir={tmp}/run",
-            "trainer.logger=[jsonl]", "trainer.plot=false", "trainer.resume_mode=disable",
-            f"data.max_length={max(512, args.max_len)}"])
+        cfg = compose(
+            config_name="sft",
+            overrides=[
+                "trainer.device=cpu",
+                "trainer.n_gpus_per_node=1",
+                f"model.name={args.model}",
+                "data.train_batch_size=32",
+                "data.micro_batch_size_per_gpu=4",
+                "data.synthetic.num_train=64",
+                "data.synthetic.num_val=8",
+                f"data.synthetic.out_dir={tmp}/data",
+                f"trainer.default_local_dir={tmp}/run",
+                "trainer.logger=[jsonl]",
+                "trainer.plot=false",
+                "trainer.resume_mode=disable",
+                f"data.max_length={max(512, args.max_len)}",
+            ],
+        )
     cluster.start_ray(address=None, num_workers=1)
     start = time.perf_counter()
     # SFTTrainer builds its group with cluster.build_actor_group; give it the probing worker class.
@@ -453,10 +537,26 @@ def run_overhead_bench(args, memory_rows: list) -> list[tuple]:
     tok = float(np.sum(tokens))
     plain_wall, plain_cpu = (float(np.sum(x)) for x in zip(*plain))
     ours_wall, ours_cpu = (float(np.sum(x)) for x in zip(*ours))
-    return [("plain PyTorch loop", f"{statistics.median(x[0] for x in plain):.3f}", f"{tok / plain_wall:.0f}",
-             "1.000", f"{tok / plain_cpu:.0f}", "1.000", ""),
-            ("ours: SFTTrainer dp=1", f"{statistics.median(x[0] for x in ours):.3f}", f"{tok / ours_wall:.0f}",
-             f"{plain_wall / ours_wall:.3f}", f"{tok / ours_cpu:.0f}", f"{plain_cpu / ours_cpu:.3f}", ">= 0.9")]
+    return [
+        (
+            "plain PyTorch loop",
+            f"{statistics.median(x[0] for x in plain):.3f}",
+            f"{tok / plain_wall:.0f}",
+            "1.000",
+            f"{tok / plain_cpu:.0f}",
+            "1.000",
+            "",
+        ),
+        (
+            "ours: SFTTrainer dp=1",
+            f"{statistics.median(x[0] for x in ours):.3f}",
+            f"{tok / ours_wall:.0f}",
+            f"{plain_wall / ours_wall:.3f}",
+            f"{tok / ours_cpu:.0f}",
+            f"{plain_cpu / ours_cpu:.3f}",
+            ">= 0.9",
+        ),
+    ]
 
 
 # ---------------------------------------------------------------------- output
@@ -478,21 +578,30 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=288, help="lengths are clipped to [8, max_len]")
     parser.add_argument("--token-cap", type=int, default=None, help="max_token_len_per_gpu (default: max_len)")
     parser.add_argument("--attn-impl", default="sdpa_loop", help="attention kernel of the step table")
-    parser.add_argument("--fsdp", default="per-micro-batch", choices=tuple(FSDP_SETTINGS),
-                        help="FSDPConfig of the step table's workers (see the sync table)")
-    parser.add_argument("--verl-python", default=sys.executable,
-                        help="python of an environment with verl installed (for the verl rows; "
-                             "default: this one)")
+    parser.add_argument(
+        "--fsdp",
+        default="per-micro-batch",
+        choices=tuple(FSDP_SETTINGS),
+        help="FSDPConfig of the step table's workers (see the sync table)",
+    )
+    parser.add_argument(
+        "--verl-python",
+        default=sys.executable,
+        help="python of an environment with verl installed (for the verl rows; default: this one)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.steps, args.warmup, args.model = 3, 1, "tiny"
     if args.bench == "memory":
         args.steps = min(args.steps, 3)
     torch.set_num_threads(1)
-    print(f"[setup] step-table fsdp={args.fsdp}; model={args.model} "
-          f"lengths lognormal(median {args.median}, sigma 1.2) clipped to "
-          f"[8, {args.max_len}], 32 per step; {args.warmup} warm-up + {args.steps} timed steps per method; "
-          f"cores {os.cpu_count()}, load {os.getloadavg()}", flush=True)
+    print(
+        f"[setup] step-table fsdp={args.fsdp}; model={args.model} "
+        f"lengths lognormal(median {args.median}, sigma 1.2) clipped to "
+        f"[8, {args.max_len}], 32 per step; {args.warmup} warm-up + {args.steps} timed steps per method; "
+        f"cores {os.cpu_count()}, load {os.getloadavg()}",
+        flush=True,
+    )
 
     memory_rows = [] if args.bench in ("all", "memory") else None
     step_rows = run_step_bench(args, memory_rows) if args.bench in ("all", "step", "memory") else None
@@ -500,28 +609,50 @@ def main() -> None:
     sync_rows = run_sync_bench(args) if args.bench in ("all", "sync") else None
 
     if step_rows is not None and args.bench != "memory":
-        print_table("Step time, dp=2 CPU workers (medians over timed steps; "
-                    "x/contig = relative to the contiguous split)",
-                    ("case", "plan", "micro/rank", "wall [s]", "wall/contig", "cpu sync [s]", "cpu sync/contig",
-                     "pred sync/contig", "meas/pred", "cpu rank/contig", "pred rank/contig", "cpu max-rank [s]",
-                     "target", "note"), step_rows)
+        print_table(
+            "Step time, dp=2 CPU workers (medians over timed steps; x/contig = relative to the contiguous split)",
+            (
+                "case",
+                "plan",
+                "micro/rank",
+                "wall [s]",
+                "wall/contig",
+                "cpu sync [s]",
+                "cpu sync/contig",
+                "pred sync/contig",
+                "meas/pred",
+                "cpu rank/contig",
+                "pred rank/contig",
+                "cpu max-rank [s]",
+                "target",
+                "note",
+            ),
+            step_rows,
+        )
     if overhead_rows is not None and args.bench != "memory":
-        print_table("Framework overhead, dp=1 (tokens/s over timed steps; tokens/cpu-s counts ours' worker + "
-                    "driver CPU; ratios = ours / plain)",
-                    ("path", "median step [s]", "tokens/s", "ratio", "tokens/cpu-s", "cpu ratio", "target"),
-                    overhead_rows)
+        print_table(
+            "Framework overhead, dp=1 (tokens/s over timed steps; tokens/cpu-s counts ours' worker + "
+            "driver CPU; ratios = ours / plain)",
+            ("path", "median step [s]", "tokens/s", "ratio", "tokens/cpu-s", "cpu ratio", "target"),
+            overhead_rows,
+        )
     if sync_rows is not None:
-        print_table("FSDP2 gradient accumulation, dp=2, fixed micro-batches (4 per rank), balanced plans "
-                    "(tokens/s over timed steps; ratio = / per-micro-batch sync; peak = max VmHWM of the group's "
-                    "workers since before the first step)",
-                    ("fsdp", "median step [s]", "tokens/s", "ratio", "cpu sync [s]", "peak RSS [MiB]",
-                     "vs per-mb [MiB]"), sync_rows)
+        print_table(
+            "FSDP2 gradient accumulation, dp=2, fixed micro-batches (4 per rank), balanced plans "
+            "(tokens/s over timed steps; ratio = / per-micro-batch sync; peak = max VmHWM of the group's "
+            "workers since before the first step)",
+            ("fsdp", "median step [s]", "tokens/s", "ratio", "cpu sync [s]", "peak RSS [MiB]", "vs per-mb [MiB]"),
+            sync_rows,
+        )
     if memory_rows:
-        print_table("Peak memory (MiB): peak = VmHWM since reset before the measured steps; "
-                    "lifetime = getrusage ru_maxrss",
-                    ("layout", "process", "rss now", "peak", "lifetime peak"),
-                    [(a, b, f"{m['rss_mib']:.0f}", f"{m['peak_mib']:.0f}", f"{m['maxrss_mib']:.0f}")
-                     for a, b, m in memory_rows])
+        print_table(
+            "Peak memory (MiB): peak = VmHWM since reset before the measured steps; lifetime = getrusage ru_maxrss",
+            ("layout", "process", "rss now", "peak", "lifetime peak"),
+            [
+                (a, b, f"{m['rss_mib']:.0f}", f"{m['peak_mib']:.0f}", f"{m['maxrss_mib']:.0f}")
+                for a, b, m in memory_rows
+            ],
+        )
     print(f"\nload average (1, 5, 15 min) after the run: {os.getloadavg()}; cores: {os.cpu_count()}")
 
 

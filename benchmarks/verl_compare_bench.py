@@ -49,8 +49,8 @@ def figures(cell_costs: np.ndarray, lower_bound: float) -> tuple[float, float]:
 def verl_two_stage(lengths: np.ndarray, dp_size: int, cap: int) -> tuple[list[list[np.ndarray]], float]:
     """verl 0.9.1's plan as [rank][micro] sample indices, and its CPU seconds."""
     import torch
-    from tensordict import TensorDict
     import verl.utils.seqlen_balancing as sb
+    from tensordict import TensorDict
 
     width = int(lengths.max())
     mask = (torch.arange(width)[None] < torch.as_tensor(lengths)[:, None]).long()
@@ -58,8 +58,10 @@ def verl_two_stage(lengths: np.ndarray, dp_size: int, cap: int) -> tuple[list[li
     workload = sb.calculate_workload(torch.as_tensor(lengths))
     parts = sb.get_seqlen_balanced_partitions(workload, k_partitions=dp_size, equal_size=True)
     rank_rows = [np.asarray(p, dtype=np.int64) for p in parts]
-    batches = [TensorDict({"input_ids": mask[rows], "attention_mask": mask[rows]}, batch_size=[len(rows)])
-               for rows in rank_rows]
+    batches = [
+        TensorDict({"input_ids": mask[rows], "attention_mask": mask[rows]}, batch_size=[len(rows)])
+        for rows in rank_rows
+    ]
     count = max(len(sb.rearrange_micro_batches(b, cap)[1]) for b in batches)
     plan = []
     for rows, b in zip(rank_rows, batches):
@@ -86,8 +88,10 @@ def main() -> None:
     missing = verl_available()
     if missing:
         print(f"[verl not importable ({missing}): verl columns read n/a; run under a venv with verl 0.9.1]")
-    header = (f"{'case':<28} | {'bound':>5} | {'micro verl':>10} {'ours':>4} | {'imbalance verl':>14} {'ours':>6} | "
-              f"{'sync verl':>9} {'ours':>6} | {'sync ratio':>10} | {'ms verl':>8} {'ours':>6}")
+    header = (
+        f"{'case':<28} | {'bound':>5} | {'micro verl':>10} {'ours':>4} | {'imbalance verl':>14} {'ours':>6} | "
+        f"{'sync verl':>9} {'ours':>6} | {'sync ratio':>10} | {'ms verl':>8} {'ours':>6}"
+    )
     print(header)
     print("-" * len(header))
     for dp_size, num_rows, cap in CASES:
@@ -105,15 +109,18 @@ def main() -> None:
             case = f"dp={dp_size} n={num_rows} cap={cap} s={seed}"
             if missing:
                 verl_cols = f"{'n/a':>10} {plan.num_micro_batches:>4} | {'n/a':>14} {ours_imb:>6.4f} | {'n/a':>9} "
-                print(f"{case:<28} | {bound:>5} | {verl_cols}{ours_sync:>6.4f} | {'n/a':>10} | "
-                      f"{'n/a':>8} {ours_ms:>6.1f}")
+                print(
+                    f"{case:<28} | {bound:>5} | {verl_cols}{ours_sync:>6.4f} | {'n/a':>10} | {'n/a':>8} {ours_ms:>6.1f}"
+                )
                 continue
             verl_plan, verl_s = verl_two_stage(lengths, dp_size, cap)
             verl_cells = np.array([[costs[mb].sum() for mb in rank] for rank in verl_plan])
             verl_imb, verl_sync = figures(verl_cells, lower_bound)
-            print(f"{case:<28} | {bound:>5} | {verl_cells.shape[1]:>10} {plan.num_micro_batches:>4} | "
-                  f"{verl_imb:>14.4f} {ours_imb:>6.4f} | {verl_sync:>9.4f} {ours_sync:>6.4f} | "
-                  f"{ours_sync / verl_sync:>10.3f} | {verl_s * 1e3:>8.1f} {ours_ms:>6.1f}")
+            print(
+                f"{case:<28} | {bound:>5} | {verl_cells.shape[1]:>10} {plan.num_micro_batches:>4} | "
+                f"{verl_imb:>14.4f} {ours_imb:>6.4f} | {verl_sync:>9.4f} {ours_sync:>6.4f} | "
+                f"{ours_sync / verl_sync:>10.3f} | {verl_s * 1e3:>8.1f} {ours_ms:>6.1f}"
+            )
 
 
 if __name__ == "__main__":

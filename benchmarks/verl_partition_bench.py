@@ -49,8 +49,10 @@ def main() -> None:
 
     sizes = [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
     grid = [(8, True)] if args.quick else [(8, True), (8, False), (2, True), (32, True), (32, False)]
-    print(f"{'k':>3} {'eq':>5} {'input':>6} {'n':>6} | {'ours ms':>8} {'verl ms':>9} {'+ms':>7} | "
-          f"{'ours imb':>10} {'verl imb':>10} {'imb ratio':>10}")
+    print(
+        f"{'k':>3} {'eq':>5} {'input':>6} {'n':>6} | {'ours ms':>8} {'verl ms':>9} {'+ms':>7} | "
+        f"{'ours imb':>10} {'verl imb':>10} {'imb ratio':>10}"
+    )
     worst_extra, worst_ratio = -float("inf"), 0.0
     for k, equal_size in grid:
         for kind in ("list", "tensor"):
@@ -72,9 +74,11 @@ def main() -> None:
                 ours_imb, verl_imb = imbalance(ours_parts, loads), imbalance(verl_parts, loads)
                 worst_extra = max(worst_extra, ours_ms - verl_ms)
                 worst_ratio = max(worst_ratio, ours_imb / verl_imb)
-                print(f"{k:>3} {str(equal_size):>5} {kind:>6} {n:>6} | {ours_ms:>8.2f} {verl_ms:>9.2f} "
-                      f"{ours_ms - verl_ms:>+7.2f} | {ours_imb:>10.6f} {verl_imb:>10.6f} {ours_imb / verl_imb:>10.6f}",
-                      flush=True)
+                print(
+                    f"{k:>3} {str(equal_size):>5} {kind:>6} {n:>6} | {ours_ms:>8.2f} {verl_ms:>9.2f} "
+                    f"{ours_ms - verl_ms:>+7.2f} | {ours_imb:>10.6f} {verl_imb:>10.6f} {ours_imb / verl_imb:>10.6f}",
+                    flush=True,
+                )
     print(f"worst +ms (ours - verl): {worst_extra:+.2f}   worst imbalance ratio (ours / verl): {worst_ratio:.6f}")
 
 

@@ -33,8 +33,9 @@ def balance_batch_order(lengths: list[int], dp: int) -> list[int]:
     width = max(lengths)
     mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).long()
     batch = DataProto.from_dict(tensors={"attention_mask": mask, "row": torch.arange(len(lengths))})
-    trainer = SimpleNamespace(_get_dp_size=lambda worker_group, role: dp, actor_rollout_wg=None,
-                              use_prefix_grouper=False)
+    trainer = SimpleNamespace(
+        _get_dp_size=lambda worker_group, role: dp, actor_rollout_wg=None, use_prefix_grouper=False
+    )
     RayPPOTrainer._balance_batch(trainer, batch, metrics={})
     return batch.batch["row"].tolist()
 
@@ -46,8 +47,7 @@ def rank_micro_batches(rank_rows: list[list[int]], lengths: list[int], *, micro_
     from verl.utils.seqlen_balancing import rearrange_micro_batches
 
     if micro_batch_size is not None:
-        return [[rows[i:i + micro_batch_size] for i in range(0, len(rows), micro_batch_size)]
-                for rows in rank_rows]
+        return [[rows[i : i + micro_batch_size] for i in range(0, len(rows), micro_batch_size)] for rows in rank_rows]
     tds = []
     for rows in rank_rows:
         lens = torch.tensor([lengths[r] for r in rows])
@@ -72,9 +72,12 @@ def plans_for(case: dict) -> list:
     for lengths in case["batches"]:
         order = balance_batch_order(lengths, dp)
         per_rank = len(order) // dp  # verl's DP dispatch: equal contiguous chunks
-        rank_rows = [order[r * per_rank:(r + 1) * per_rank] for r in range(dp)]
-        plans.append(rank_micro_batches(rank_rows, lengths, micro_batch_size=case["micro_batch_size"],
-                                        cap=case["max_token_len_per_gpu"]))
+        rank_rows = [order[r * per_rank : (r + 1) * per_rank] for r in range(dp)]
+        plans.append(
+            rank_micro_batches(
+                rank_rows, lengths, micro_batch_size=case["micro_batch_size"], cap=case["max_token_len_per_gpu"]
+            )
+        )
     return plans
 
 

@@ -97,7 +97,9 @@ def test_pop_moves_columns_out():
 
 def test_union_adds_columns_in_place_and_rejects_conflicts():
     b = make_batch()
-    extra = Batch.from_dict(tensors={"old_log_probs": torch.full((6, 3), -1.0)}, non_tensors={"uid": b["uid"]}, meta={"step": 2})
+    extra = Batch.from_dict(
+        tensors={"old_log_probs": torch.full((6, 3), -1.0)}, non_tensors={"uid": b["uid"]}, meta={"step": 2}
+    )
     out = b.union(extra)
     assert out is b and "old_log_probs" in b.tensor_keys and b.meta == {"temperature": 1.0, "step": 2}
     with pytest.raises(BatchError, match="'score' differs"):
@@ -168,8 +170,15 @@ def test_concat_inverts_split_and_checks_columns():
     with pytest.raises(BatchError, match="empty list"):
         Batch.concat([])
     with pytest.raises(BatchError, match="incompatible shapes"):
-        Batch.concat([b, Batch.from_dict(tensors={"input_ids": torch.zeros(1, 4, dtype=torch.long), "score": torch.zeros(1)},
-                                         non_tensors={"uid": ["x"], "tools": [[0]]})])
+        Batch.concat(
+            [
+                b,
+                Batch.from_dict(
+                    tensors={"input_ids": torch.zeros(1, 4, dtype=torch.long), "score": torch.zeros(1)},
+                    non_tensors={"uid": ["x"], "tools": [[0]]},
+                ),
+            ]
+        )
 
 
 def test_concat_merges_meta_and_gathers_metrics():

@@ -17,10 +17,15 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 def _fake_run(log_dir, *, experiment, losses, backends=("jsonl",)):
     with Tracking("proj", experiment, log_dir=str(log_dir), backends=backends) as tracker:
         for step, loss in enumerate(losses, start=1):
-            tracker.log({
-                "train/loss": loss, "balance/imbalance_predicted": 1.05,
-                "balance/imbalance_predicted_naive": 1.6, "balance/imbalance_measured": 1.1 + 0.01 * step,
-            }, step=step)
+            tracker.log(
+                {
+                    "train/loss": loss,
+                    "balance/imbalance_predicted": 1.05,
+                    "balance/imbalance_predicted_naive": 1.6,
+                    "balance/imbalance_measured": 1.1 + 0.01 * step,
+                },
+                step=step,
+            )
             if step % 2 == 0:
                 tracker.log({"val/loss": loss + 0.1}, step=step)
     return str(log_dir)
@@ -59,7 +64,8 @@ def test_bad_backend_and_bad_metric_are_named(tmp_path):
 def test_missing_optional_backends_warn_and_jsonl_still_works(tmp_path, monkeypatch, caplog):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
-        tracking.importlib.util, "find_spec",
+        tracking.importlib.util,
+        "find_spec",
         lambda name, *a: None if name in ("tensorboard", "wandb") else real_find_spec(name, *a),
     )
     with caplog.at_level(logging.WARNING, logger="verl_balance.utils.tracking"):

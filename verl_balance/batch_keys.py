@@ -18,8 +18,7 @@ TEMPERATURE_KEY = "temperature"
 """Meta key (verl's): the sampling temperature at which old, reference and new log-probs are
 taken; absent means 1."""
 
-WIRE_KEYS = ("input_ids", "attention_mask", "loss_mask", "position_ids",
-             "old_log_probs", "advantages", "ref_log_prob")
+WIRE_KEYS = ("input_ids", "attention_mask", "loss_mask", "position_ids", "old_log_probs", "advantages", "ref_log_prob")
 """Tensor columns a worker hands to the engine (every other column stays on the driver side)."""
 
 UID_KEY = "uid"
@@ -37,5 +36,13 @@ SAMPLE_INDEX_KEY = "sample_index"
 fixes the prompt's sampling stream, so its responses do not depend on which worker samples it or
 which prompts share the call (GRPO rollouts are the same on any layout)."""
 
-__all__ = ["MICRO_BATCH_SIZES_KEY", "PLANNED_MICRO_BATCH_SIZES_KEY", "PROMPT_IDS_KEY", "PROMPT_INDEX_KEY",
-           "SAMPLE_INDEX_KEY", "TEMPERATURE_KEY", "UID_KEY", "WIRE_KEYS"]
+__all__ = [
+    "MICRO_BATCH_SIZES_KEY",
+    "PLANNED_MICRO_BATCH_SIZES_KEY",
+    "PROMPT_IDS_KEY",
+    "PROMPT_INDEX_KEY",
+    "SAMPLE_INDEX_KEY",
+    "TEMPERATURE_KEY",
+    "UID_KEY",
+    "WIRE_KEYS",
+]

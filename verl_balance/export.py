@@ -38,8 +38,9 @@ class ExportError(ValueError):
     """A checkpoint or model directory that cannot be exported."""
 
 
-def save_hf_pretrained(state_dict: Mapping[str, torch.Tensor], *, model_config: HFModelConfig, out: str,
-                       tokenizer_path: str | None = None) -> str:
+def save_hf_pretrained(
+    state_dict: Mapping[str, torch.Tensor], *, model_config: HFModelConfig, out: str, tokenizer_path: str | None = None
+) -> str:
     """Write ``state_dict`` (HF names, full tensors; a tied ``lm_head.weight`` may be absent) as a
     save_pretrained directory with safetensors, config and (from ``tokenizer_path``) tokenizer."""
     with torch.random.fork_rng(devices=[]):
@@ -48,12 +49,15 @@ def save_hf_pretrained(state_dict: Mapping[str, torch.Tensor], *, model_config: 
     state = dict(state_dict)
     if model_config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    missing = [k for k in expected if k not in state and not (model_config.tie_word_embeddings
-                                                              and k == "lm_head.weight")]
+    missing = [
+        k for k in expected if k not in state and not (model_config.tie_word_embeddings and k == "lm_head.weight")
+    ]
     unexpected = [k for k in state if k not in expected]
     if missing or unexpected:
-        raise ExportError(f"state dict does not match {model_config.model_type} at {model_config.path!r}: "
-                          f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ExportError(
+            f"state dict does not match {model_config.model_type} at {model_config.path!r}: "
+            f"missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     with torch.no_grad():
         for name, tensor in state.items():
             target = expected[name]
@@ -94,15 +98,27 @@ def builtin_to_hf_llama(state_dict: Mapping[str, torch.Tensor], *, model_config:
     from transformers import LlamaConfig
 
     c = model_config
-    hf_config = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-                            num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
-                            num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim,
-                            max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
-                            rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings,
-                            initializer_range=c.initializer_range, attention_bias=False, mlp_bias=False,
-                            hidden_act="silu")
-    out = {"model.embed_tokens.weight": state_dict["embed_tokens.weight"],
-           "model.norm.weight": state_dict["norm.weight"]}
+    hf_config = LlamaConfig(
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        max_position_embeddings=c.max_position_embeddings,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_theta=c.rope_theta,
+        tie_word_embeddings=c.tie_word_embeddings,
+        initializer_range=c.initializer_range,
+        attention_bias=False,
+        mlp_bias=False,
+        hidden_act="silu",
+    )
+    out = {
+        "model.embed_tokens.weight": state_dict["embed_tokens.weight"],
+        "model.norm.weight": state_dict["norm.weight"],
+    }
     if not c.tie_word_embeddings:
         out["lm_head.weight"] = state_dict["lm_head.weight"]
     for i in range(c.num_layers):
@@ -111,8 +127,9 @@ def builtin_to_hf_llama(state_dict: Mapping[str, torch.Tensor], *, model_config:
     return hf_config, out
 
 
-def save_builtin_as_hf_llama(state_dict: Mapping[str, torch.Tensor], *, model_config: ModelConfig, out: str,
-                             tokenizer_path: str | None = None) -> str:
+def save_builtin_as_hf_llama(
+    state_dict: Mapping[str, torch.Tensor], *, model_config: ModelConfig, out: str, tokenizer_path: str | None = None
+) -> str:
     """Write a built-in model's weights as a transformers ``LlamaForCausalLM`` directory."""
     from transformers import AutoModelForCausalLM
 
@@ -138,8 +155,9 @@ def load_checkpoint_model_state(checkpoint: str, *, model_config) -> dict[str, t
     import torch.distributed.checkpoint as dcp
 
     if not os.path.exists(os.path.join(checkpoint, ".metadata")):
-        raise ExportError(f"{checkpoint!r} is not an engine checkpoint (no DCP .metadata); pass a "
-                          "global_step_N directory")
+        raise ExportError(
+            f"{checkpoint!r} is not an engine checkpoint (no DCP .metadata); pass a global_step_N directory"
+        )
     metadata = dcp.FileSystemReader(checkpoint).read_metadata()
     saved = {k.split(".", 1)[1] for k in metadata.state_dict_metadata if k.startswith("model.")}
     with torch.random.fork_rng(devices=[]):
@@ -148,11 +166,14 @@ def load_checkpoint_model_state(checkpoint: str, *, model_config) -> dict[str, t
         else:
             skeleton = build_hf_model(replace(model_config, init="random"), attn_implementation="sdpa").state_dict()
     wanted = {k: v for k, v in skeleton.items() if k in saved}
-    absent = [k for k in skeleton if k not in saved
-              and not (model_config.tie_word_embeddings and k == "lm_head.weight")]
+    absent = [
+        k for k in skeleton if k not in saved and not (model_config.tie_word_embeddings and k == "lm_head.weight")
+    ]
     if absent:
-        raise ExportError(f"checkpoint {checkpoint!r} lacks {absent[:5]}: it was not trained with this model "
-                          f"config ({getattr(model_config, 'path', model_config)})")
+        raise ExportError(
+            f"checkpoint {checkpoint!r} lacks {absent[:5]}: it was not trained with this model "
+            f"config ({getattr(model_config, 'path', model_config)})"
+        )
     state = {"model": {k: v.clone() for k, v in wanted.items()}}
     with warnings.catch_warnings():  # single-process load is the intent here, not a mistake
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -174,8 +195,9 @@ def recorded_model_config(checkpoint: str) -> dict | None:
     return recorded
 
 
-def export_checkpoint(checkpoint: str, out: str, *, model_path: str | None = None,
-                      builtin_config: str | None = None) -> str:
+def export_checkpoint(
+    checkpoint: str, out: str, *, model_path: str | None = None, builtin_config: str | None = None
+) -> str:
     """Export ``checkpoint`` to ``out``; returns ``out``. An HF model needs its directory
     (``model_path``); a built-in model its ``ModelConfig`` as JSON (``builtin_config``, the
     ``to_dict()`` fields) and is written as a Llama model. Without either, the model config the
@@ -187,8 +209,10 @@ def export_checkpoint(checkpoint: str, out: str, *, model_path: str | None = Non
     elif model_path is None:
         recorded = recorded_model_config(checkpoint)
         if recorded is None:
-            raise ExportError(f"checkpoint {checkpoint!r} does not record its model; pass --model-path DIR (the "
-                              "model.path it was trained from) or --builtin-config CONFIG.json")
+            raise ExportError(
+                f"checkpoint {checkpoint!r} does not record its model; pass --model-path DIR (the "
+                "model.path it was trained from) or --builtin-config CONFIG.json"
+            )
         fields = {k: v for k, v in recorded.items() if k != "kind"}
         if recorded.get("kind") == "builtin":
             builtin = ModelConfig(**fields)
@@ -211,12 +235,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("checkpoint", help="global_step_N directory written by the trainer")
     parser.add_argument("out", help="output directory (save_pretrained layout)")
     parser.add_argument("--model-path", default=None, help="the HF model directory the run started from")
-    parser.add_argument("--builtin-config", default=None,
-                        help="JSON of a built-in ModelConfig (to_dict()): export a built-in model as Llama")
+    parser.add_argument(
+        "--builtin-config",
+        default=None,
+        help="JSON of a built-in ModelConfig (to_dict()): export a built-in model as Llama",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    print(export_checkpoint(args.checkpoint, args.out, model_path=args.model_path,
-                            builtin_config=args.builtin_config))
+    print(export_checkpoint(args.checkpoint, args.out, model_path=args.model_path, builtin_config=args.builtin_config))
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ from torch import Tensor
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
+
 class LossConfigError(ValueError):
     """A bad loss configuration (unknown loss_agg_mode, bad loss_scale_factor, ...)."""
 
@@ -60,8 +61,9 @@ class LossFn(Protocol):
 
     needs_entropy: bool
 
-    def __call__(self, *, log_probs: Tensor, entropy: Tensor | None,
-                 inputs: Mapping[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]: ...
+    def __call__(
+        self, *, log_probs: Tensor, entropy: Tensor | None, inputs: Mapping[str, Tensor]
+    ) -> tuple[Tensor, dict[str, Tensor]]: ...
 
 
 class SFTLoss:
@@ -69,8 +71,9 @@ class SFTLoss:
 
     needs_entropy = False
 
-    def __call__(self, *, log_probs: Tensor, entropy: Tensor | None,
-                 inputs: Mapping[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+    def __call__(
+        self, *, log_probs: Tensor, entropy: Tensor | None, inputs: Mapping[str, Tensor]
+    ) -> tuple[Tensor, dict[str, Tensor]]:
         return -log_probs, {}
 
 
@@ -107,13 +110,22 @@ def all_reduce_sum(values: Tensor, group: dist.ProcessGroup | None) -> Tensor:
 def check_loss_scale_factor(agg_mode: str, loss_scale_factor: float | None) -> None:
     """Raise LossConfigError when seq-mean-token-sum-norm lacks a positive constant C."""
     if agg_mode == "seq-mean-token-sum-norm" and not (loss_scale_factor and loss_scale_factor > 0):
-        raise LossConfigError(f"loss_scale_factor={loss_scale_factor!r}: seq-mean-token-sum-norm "
-                              "needs a positive constant C")
+        raise LossConfigError(
+            f"loss_scale_factor={loss_scale_factor!r}: seq-mean-token-sum-norm needs a positive constant C"
+        )
 
 
-def contract_weights(*, loss_mask: Tensor, seq_counts: Tensor, cu_seqlens: Tensor, num_tokens: float,
-                     num_sequences: float, agg_mode: str, loss_scale_factor: float | None = None,
-                     scale: float = 1.0) -> Tensor:
+def contract_weights(
+    *,
+    loss_mask: Tensor,
+    seq_counts: Tensor,
+    cu_seqlens: Tensor,
+    num_tokens: float,
+    num_sequences: float,
+    agg_mode: str,
+    loss_scale_factor: float | None = None,
+    scale: float = 1.0,
+) -> Tensor:
     """The table above for one micro-batch, given the global counts N (num_tokens), S
     (num_sequences) and this micro-batch's full-sequence counts n_i (seq_counts); times ``scale``.
 
@@ -135,9 +147,14 @@ def contract_weights(*, loss_mask: Tensor, seq_counts: Tensor, cu_seqlens: Tenso
     return m * (scale / (max(num_sequences, 1) * loss_scale_factor))
 
 
-def compute_token_weights(*, loss_masks: Sequence[Tensor], cu_seqlens: Sequence[Tensor],
-                          agg_mode: str, loss_scale_factor: float | None = None,
-                          dp_group: dist.ProcessGroup | None) -> TokenWeights:
+def compute_token_weights(
+    *,
+    loss_masks: Sequence[Tensor],
+    cu_seqlens: Sequence[Tensor],
+    agg_mode: str,
+    loss_scale_factor: float | None = None,
+    dp_group: dist.ProcessGroup | None,
+) -> TokenWeights:
     """Per-token weights of each micro-batch of this DP rank (full padded stream, not sliced).
 
     loss_masks[k] / cu_seqlens[k]: the target-aligned loss mask of micro-batch k and the
@@ -155,8 +172,16 @@ def compute_token_weights(*, loss_masks: Sequence[Tensor], cu_seqlens: Sequence[
         local += torch.stack([c.sum(), (c > 0).sum()])
     # Full-sequence counts are identical on the SP ranks of a DP group: reduce over DP only.
     num_tokens, num_sequences = all_reduce_sum(local, dp_group).tolist()
-    weights = [contract_weights(loss_mask=mask, seq_counts=counts, cu_seqlens=cu, num_tokens=num_tokens,
-                                num_sequences=num_sequences, agg_mode=agg_mode,
-                                loss_scale_factor=loss_scale_factor)
-               for mask, counts, cu in zip(loss_masks, seq_counts, cu_seqlens)]
+    weights = [
+        contract_weights(
+            loss_mask=mask,
+            seq_counts=counts,
+            cu_seqlens=cu,
+            num_tokens=num_tokens,
+            num_sequences=num_sequences,
+            agg_mode=agg_mode,
+            loss_scale_factor=loss_scale_factor,
+        )
+        for mask, counts, cu in zip(loss_masks, seq_counts, cu_seqlens)
+    ]
     return TokenWeights(weights=weights, num_tokens=int(num_tokens), num_sequences=int(num_sequences))

@@ -47,8 +47,11 @@ FSDP_VARIANTS: dict[str, dict] = {
     "default": {},
     "deferred_sync": {"defer_gradient_sync": True},
     "unsharded_step": {"reshard_after_forward": False, "reshard_after_backward": False},
-    "deferred_unsharded": {"defer_gradient_sync": True, "reshard_after_forward": False,
-                           "reshard_after_backward": False},
+    "deferred_unsharded": {
+        "defer_gradient_sync": True,
+        "reshard_after_forward": False,
+        "reshard_after_backward": False,
+    },
 }
 
 
@@ -60,7 +63,7 @@ class ParitySettings:
     num_samples: int = 16
     max_len: int = 40
     micro_batch_size: int = 3
-    tokens_per_micro_batch: int = 96   # dynamic cap per SP rank = ceil(this / sp)
+    tokens_per_micro_batch: int = 96  # dynamic cap per SP rank = ceil(this / sp)
     loss_scale_factor: float = 32.0
     lr: float = 1e-2
     # Adam's first step is g / (|g| + eps): with eps = 1e-8 a gradient entry near 1e-8 turns
@@ -73,20 +76,25 @@ class ParitySettings:
     def engine_config(self, *, agg_mode: str, fsdp: str = "default") -> EngineConfig:
         """EngineConfig of one case (constant lr, no warmup: the first step uses lr)."""
         optim = OptimConfig(lr=self.lr, eps=self.adam_eps, clip_grad=self.grad_clip)
-        return EngineConfig(optim=optim, fsdp=FSDPConfig(**FSDP_VARIANTS[fsdp]), loss_agg_mode=agg_mode,
-                            loss_scale_factor=self.loss_scale_factor, seed=self.seed,
-                            attn_impl="sdpa_masked")
+        return EngineConfig(
+            optim=optim,
+            fsdp=FSDPConfig(**FSDP_VARIANTS[fsdp]),
+            loss_agg_mode=agg_mode,
+            loss_scale_factor=self.loss_scale_factor,
+            seed=self.seed,
+            attn_impl="sdpa_masked",
+        )
 
 
 @dataclass(frozen=True)
 class ParityCase:
     """One cell of the matrix on one layout (bug set only for negative controls)."""
 
-    micro: str          # "fixed" | "dynamic"
+    micro: str  # "fixed" | "dynamic"
     balance: bool
     agg_mode: str
     bug: str | None = None
-    fsdp: str = "default"   # a FSDP_VARIANTS key
+    fsdp: str = "default"  # a FSDP_VARIANTS key
 
 
 @dataclass
@@ -120,14 +128,20 @@ class ParityResult:
 
     @property
     def passed(self) -> bool:
-        return (self.eval_rel <= LOSS_RTOL and self.train_rel <= LOSS_RTOL
-                and self.grad_norm_rel <= GRAD_NORM_RTOL and self.max_param_delta <= PARAM_ATOL)
+        return (
+            self.eval_rel <= LOSS_RTOL
+            and self.train_rel <= LOSS_RTOL
+            and self.grad_norm_rel <= GRAD_NORM_RTOL
+            and self.max_param_delta <= PARAM_ATOL
+        )
 
 
 def matrix_cases() -> list[ParityCase]:
     """{fixed, dynamic} x {balance on, off} x every loss_agg_mode."""
-    return [ParityCase(micro=m, balance=b, agg_mode=a)
-            for m, b, a in itertools.product(("fixed", "dynamic"), (True, False), AGG_MODES)]
+    return [
+        ParityCase(micro=m, balance=b, agg_mode=a)
+        for m, b, a in itertools.product(("fixed", "dynamic"), (True, False), AGG_MODES)
+    ]
 
 
 FSDP_AGG_MODES = ("token-mean", "seq-mean-token-mean")
@@ -137,16 +151,17 @@ def fsdp_cases() -> list[ParityCase]:
     """The non-default FSDP_VARIANTS x {fixed, dynamic} x FSDP_AGG_MODES, balanced (multi-rank
     layouts only: a single fp32 rank runs the plain module, without FSDP)."""
     variants = [v for v in FSDP_VARIANTS if v != "default"]
-    return [ParityCase(micro=m, balance=True, agg_mode=a, fsdp=v)
-            for v, m, a in itertools.product(variants, ("fixed", "dynamic"), FSDP_AGG_MODES)]
+    return [
+        ParityCase(micro=m, balance=True, agg_mode=a, fsdp=v)
+        for v, m, a in itertools.product(variants, ("fixed", "dynamic"), FSDP_AGG_MODES)
+    ]
 
 
 # bug -> (layout where it must show, case). Each reproduces a failure mode of docs/design.md.
 NEGATIVE_CONTROLS: dict[str, tuple[tuple[int, int], ParityCase]] = {
     "count_over_world": ((1, 2), ParityCase("fixed", True, "token-mean", "count_over_world")),
     "count_local_shard": ((2, 2), ParityCase("fixed", True, "token-mean", "count_local_shard")),
-    "eval_local_denominator": ((1, 2), ParityCase("fixed", True, "token-mean",
-                                                  "eval_local_denominator")),
+    "eval_local_denominator": ((1, 2), ParityCase("fixed", True, "token-mean", "eval_local_denominator")),
     "roll_after_slice": ((1, 2), ParityCase("fixed", True, "token-mean", "roll_after_slice")),
     "micro_batch_mean": ((1, 1), ParityCase("fixed", False, "token-mean", "micro_batch_mean")),
 }
@@ -168,8 +183,7 @@ def make_global_batch(settings: ParitySettings) -> dict[str, torch.Tensor]:
     loss_mask = ((pos >= prompt[:, None]) & (pos < lengths[:, None])).float()
     loss_mask[1] = 0
     input_ids = torch.randint(0, settings.model.vocab_size, (b, width), generator=gen)
-    return {"input_ids": input_ids * attention_mask, "attention_mask": attention_mask,
-            "loss_mask": loss_mask}
+    return {"input_ids": input_ids * attention_mask, "attention_mask": attention_mask, "loss_mask": loss_mask}
 
 
 def reference_steps(settings: ParitySettings, *, agg_modes=AGG_MODES) -> dict[str, dict]:
@@ -186,8 +200,9 @@ def reference_steps(settings: ParitySettings, *, agg_modes=AGG_MODES) -> dict[st
     for i in range(settings.num_samples):
         length = int(batch["attention_mask"][i].sum())
         ids = batch["input_ids"][i, :length]
-        logits = model(input_ids=ids, position_ids=torch.arange(length),
-                       cu_seqlens=torch.tensor([0, length]), max_seqlen=length)
+        logits = model(
+            input_ids=ids, position_ids=torch.arange(length), cu_seqlens=torch.tensor([0, length]), max_seqlen=length
+        )
         logp = torch.log_softmax(logits[:-1].float(), -1).gather(-1, ids[1:, None]).squeeze(-1)
         mask = batch["loss_mask"][i, 1:length]
         seq_sums.append((-logp * mask).sum())
@@ -210,16 +225,21 @@ def reference_steps(settings: ParitySettings, *, agg_modes=AGG_MODES) -> dict[st
             param.grad = grad.clone()
         grad_norm = torch.nn.utils.clip_grad_norm_(step_model.parameters(), settings.grad_clip)
         cfg = settings.engine_config(agg_mode=mode).optim
-        torch.optim.AdamW(step_model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                          weight_decay=cfg.weight_decay).step()
+        torch.optim.AdamW(
+            step_model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
+        ).step()
         assert names == [n for n, _ in step_model.named_parameters()]
-        out[mode] = {"loss": objectives[mode].item(), "grad_norm": grad_norm.item(),
-                     "params": {k: v.detach().clone() for k, v in step_model.state_dict().items()}}
+        out[mode] = {
+            "loss": objectives[mode].item(),
+            "grad_norm": grad_norm.item(),
+            "params": {k: v.detach().clone() for k, v in step_model.state_dict().items()},
+        }
     return out
 
 
-def reference_log_probs(settings: ParitySettings, batch: dict[str, torch.Tensor], *,
-                        temperature: float = 1.0) -> torch.Tensor:
+def reference_log_probs(
+    settings: ParitySettings, batch: dict[str, torch.Tensor], *, temperature: float = 1.0
+) -> torch.Tensor:
     """(B, L) log p(token t | tokens < t) under softmax(logits / temperature) of the seeded initial
     model, from one plain forward per sequence (0 at t = 0 and on padding); no distributed code."""
     torch.manual_seed(settings.seed)
@@ -228,8 +248,12 @@ def reference_log_probs(settings: ParitySettings, batch: dict[str, torch.Tensor]
     with torch.no_grad():
         for i, length in enumerate(batch["attention_mask"].sum(1).tolist()):
             ids = batch["input_ids"][i, :length]
-            logits = model(input_ids=ids, position_ids=torch.arange(length),
-                           cu_seqlens=torch.tensor([0, length]), max_seqlen=length)
+            logits = model(
+                input_ids=ids,
+                position_ids=torch.arange(length),
+                cu_seqlens=torch.tensor([0, length]),
+                max_seqlen=length,
+            )
             logp = torch.log_softmax(logits[:-1].float() / temperature, -1)
             out[i, 1:length] = logp.gather(-1, ids[1:, None]).squeeze(-1)
     return out
@@ -248,15 +272,22 @@ def _run_cases(*, dp: int, sp: int, cases: list[ParityCase], settings: ParitySet
     for case in cases:
         fixed = case.micro == "fixed"
         plan = plan_balance(
-            seq_lens=seq_lens, dp_size=dp, sp_size=sp,
+            seq_lens=seq_lens,
+            dp_size=dp,
+            sp_size=sp,
             micro_batch_size=settings.micro_batch_size if fixed else None,
             max_token_len_per_gpu=None if fixed else -(-settings.tokens_per_micro_batch // sp),
-            balance=case.balance)
-        micro_batches = [{k: v[torch.as_tensor(np.asarray(idx, dtype=np.int64))]
-                          for k, v in batch.items()}
-                         for idx in plan.micro_batches[layout.dp_rank]]
-        kwargs = dict(model_config=settings.model, layout=layout,
-                      engine_config=settings.engine_config(agg_mode=case.agg_mode, fsdp=case.fsdp))
+            balance=case.balance,
+        )
+        micro_batches = [
+            {k: v[torch.as_tensor(np.asarray(idx, dtype=np.int64))] for k, v in batch.items()}
+            for idx in plan.micro_batches[layout.dp_rank]
+        ]
+        kwargs = dict(
+            model_config=settings.model,
+            layout=layout,
+            engine_config=settings.engine_config(agg_mode=case.agg_mode, fsdp=case.fsdp),
+        )
         engine = FaultyTrainEngine(bug=case.bug, **kwargs) if case.bug else TrainEngine(**kwargs)
         evaluated = engine.eval_loss(micro_batches)
         trained = engine.train_step(micro_batches)
@@ -279,9 +310,12 @@ def _parity_worker(rank: int, jobs: list, settings: ParitySettings) -> list:
     return out
 
 
-def run_layouts(*, jobs: list[tuple[tuple[int, int], list[ParityCase]]],
-                settings: ParitySettings, references: dict[str, dict] | None = None
-                ) -> list[ParityResult]:
+def run_layouts(
+    *,
+    jobs: list[tuple[tuple[int, int], list[ParityCase]]],
+    settings: ParitySettings,
+    references: dict[str, dict] | None = None,
+) -> list[ParityResult]:
     """Run (layout, cases) jobs in ONE set of spawned processes (max dp*sp of them).
 
     Each layout gets a fresh gloo process group of dp*sp ranks; processes beyond that size sit
@@ -294,23 +328,35 @@ def run_layouts(*, jobs: list[tuple[tuple[int, int], list[ParityCase]]],
     if missing:
         references.update(reference_steps(settings, agg_modes=missing))
     spawn_jobs = [(dp, sp, free_port(), cases) for (dp, sp), cases in jobs]
-    per_rank = run_on_ranks(functools.partial(_parity_worker, jobs=spawn_jobs, settings=settings),
-                            world=max(dp * sp for (dp, sp), _ in jobs), init_group=False)
+    per_rank = run_on_ranks(
+        functools.partial(_parity_worker, jobs=spawn_jobs, settings=settings),
+        world=max(dp * sp for (dp, sp), _ in jobs),
+        init_group=False,
+    )
     raw = [(layout, layout_results) for (layout, _), layout_results in zip(jobs, per_rank[0])]
     results = []
     for layout, layout_results in raw:
         for case, eval_loss, train_loss, grad_norm, params in layout_results:
             ref = references[case.agg_mode]
             delta = max(float((params[k] - v).abs().max()) for k, v in ref["params"].items())
-            results.append(ParityResult(layout=layout, case=case, ref_loss=ref["loss"],
-                                        eval_loss=eval_loss, train_loss=train_loss,
-                                        ref_grad_norm=ref["grad_norm"], grad_norm=grad_norm,
-                                        max_param_delta=delta))
+            results.append(
+                ParityResult(
+                    layout=layout,
+                    case=case,
+                    ref_loss=ref["loss"],
+                    eval_loss=eval_loss,
+                    train_loss=train_loss,
+                    ref_grad_norm=ref["grad_norm"],
+                    grad_norm=grad_norm,
+                    max_param_delta=delta,
+                )
+            )
     return results
 
 
-def parity_jobs(*, layouts=PARITY_LAYOUTS, controls: bool = True, fsdp: bool = True
-                ) -> list[tuple[tuple[int, int], list[ParityCase]]]:
+def parity_jobs(
+    *, layouts=PARITY_LAYOUTS, controls: bool = True, fsdp: bool = True
+) -> list[tuple[tuple[int, int], list[ParityCase]]]:
     """The full matrix on each layout, the FSDP-control cells on multi-rank layouts, and the
     negative controls that belong to each layout."""
     jobs = []
@@ -323,32 +369,43 @@ def parity_jobs(*, layouts=PARITY_LAYOUTS, controls: bool = True, fsdp: bool = T
 
 def format_table(results: list[ParityResult], *, expect_fail: bool = False) -> str:
     """Plain-text table, one row per (layout, case)."""
-    header = (f"{'dp x sp':>7} {'micro':>7} {'bal':>3} {'loss_agg_mode':>23} {'fsdp':>18} {'bug':>22} "
-              f"{'ref loss':>10} {'eval rel':>9} {'train rel':>9} {'gnorm rel':>9} "
-              f"{'max|dp|':>8} {'result':>6}")
+    header = (
+        f"{'dp x sp':>7} {'micro':>7} {'bal':>3} {'loss_agg_mode':>23} {'fsdp':>18} {'bug':>22} "
+        f"{'ref loss':>10} {'eval rel':>9} {'train rel':>9} {'gnorm rel':>9} "
+        f"{'max|dp|':>8} {'result':>6}"
+    )
     lines = [header, "-" * len(header)]
     for r in results:
         ok = r.passed != expect_fail
         verdict = ("FAIL" if not r.passed else "pass") + ("" if ok else "!")
-        lines.append(f"{r.layout[0]:>3} x {r.layout[1]:<1} {r.case.micro:>7} "
-                     f"{'on' if r.case.balance else 'off':>3} {r.case.agg_mode:>23} "
-                     f"{r.case.fsdp:>18} {r.case.bug or '-':>22} {r.ref_loss:>10.6f} {r.eval_rel:>9.1e} "
-                     f"{r.train_rel:>9.1e} {r.grad_norm_rel:>9.1e} {r.max_param_delta:>8.1e} "
-                     f"{verdict:>6}")
+        lines.append(
+            f"{r.layout[0]:>3} x {r.layout[1]:<1} {r.case.micro:>7} "
+            f"{'on' if r.case.balance else 'off':>3} {r.case.agg_mode:>23} "
+            f"{r.case.fsdp:>18} {r.case.bug or '-':>22} {r.ref_loss:>10.6f} {r.eval_rel:>9.1e} "
+            f"{r.train_rel:>9.1e} {r.grad_norm_rel:>9.1e} {r.max_param_delta:>8.1e} "
+            f"{verdict:>6}"
+        )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: print the parity table for the matrix (and the negative controls)."""
-    parser = argparse.ArgumentParser(prog="python -m verl_balance.parity", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layouts", default=",".join(f"{d}x{s}" for d, s in PARITY_LAYOUTS),
-                        help="comma-separated DPxSP list (default: the full matrix)")
+    parser = argparse.ArgumentParser(
+        prog="python -m verl_balance.parity", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--layouts",
+        default=",".join(f"{d}x{s}" for d, s in PARITY_LAYOUTS),
+        help="comma-separated DPxSP list (default: the full matrix)",
+    )
     parser.add_argument("--no-controls", action="store_true", help="skip negative controls")
     parser.add_argument("--no-fsdp", action="store_true", help="skip the FSDP-control cells")
-    parser.add_argument("--model-path", default=None,
-                        help="a local Hugging Face model directory (also accepted as model.path=DIR); "
-                             "default: the built-in tiny decoder")
+    parser.add_argument(
+        "--model-path",
+        default=None,
+        help="a local Hugging Face model directory (also accepted as model.path=DIR); "
+        "default: the built-in tiny decoder",
+    )
     args, rest = parser.parse_known_args(argv)
     for item in rest:
         key, _, value = item.partition("=")
@@ -362,8 +419,9 @@ def main(argv: list[str] | None = None) -> int:
         settings = ParitySettings(model=load_model_config(name=None, path=args.model_path, vocab_size=1))
         print(f"model: {args.model_path} ({type(settings.model).__name__})")
     start = time.perf_counter()
-    results = run_layouts(jobs=parity_jobs(layouts=layouts, controls=not args.no_controls,
-                                           fsdp=not args.no_fsdp), settings=settings)
+    results = run_layouts(
+        jobs=parity_jobs(layouts=layouts, controls=not args.no_controls, fsdp=not args.no_fsdp), settings=settings
+    )
     matrix = [r for r in results if r.case.bug is None and r.case.fsdp == "default"]
     fsdp_cells = [r for r in results if r.case.bug is None and r.case.fsdp != "default"]
     controls = [r for r in results if r.case.bug is not None]
@@ -376,10 +434,12 @@ def main(argv: list[str] | None = None) -> int:
         print("\nnegative controls (must FAIL):")
         print(format_table(controls, expect_fail=True))
         ok = ok and not any(r.passed for r in controls)
-    print(f"\n{sum(r.passed for r in matrix)}/{len(matrix)} matrix cells pass, "
-          f"{sum(r.passed for r in fsdp_cells)}/{len(fsdp_cells)} FSDP-control cells pass, "
-          f"{sum(not r.passed for r in controls)}/{len(controls)} controls fail as they must; "
-          f"{time.perf_counter() - start:.1f}s")
+    print(
+        f"\n{sum(r.passed for r in matrix)}/{len(matrix)} matrix cells pass, "
+        f"{sum(r.passed for r in fsdp_cells)}/{len(fsdp_cells)} FSDP-control cells pass, "
+        f"{sum(not r.passed for r in controls)}/{len(controls)} controls fail as they must; "
+        f"{time.perf_counter() - start:.1f}s"
+    )
     return 0 if ok else 1
 
 

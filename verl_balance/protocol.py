@@ -58,7 +58,9 @@ def _as_column(name: str, value: Any) -> np.ndarray:
     if isinstance(value, torch.Tensor):
         raise BatchError(f"non-tensor column {name!r} is a torch.Tensor; put it in `tensors`")
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
-        raise BatchError(f"non-tensor column {name!r} must be a sequence with one entry per row, got {type(value).__name__}")
+        raise BatchError(
+            f"non-tensor column {name!r} must be a sequence with one entry per row, got {type(value).__name__}"
+        )
     items = list(value)
     column = np.empty(len(items), dtype=object)
     # element-wise assignment keeps nested lists as objects instead of adding array dimensions
@@ -71,7 +73,12 @@ def _values_equal(a: Any, b: Any) -> bool:
     if a is b:
         return True
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and bool(torch.equal(a.cpu(), b.cpu()))
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and bool(torch.equal(a.cpu(), b.cpu()))
+        )
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         try:
             return bool(np.array_equal(np.asarray(a), np.asarray(b)))
@@ -115,7 +122,9 @@ class Batch:
         non_tensor_columns = {str(k): _as_column(str(k), v) for k, v in (non_tensors or {}).items()}
         if isinstance(tensors, TensorDict):
             if tensors.batch_dims != 1:
-                raise BatchError(f"tensors must have exactly one batch dimension, got batch_size={list(tensors.batch_size)}")
+                raise BatchError(
+                    f"tensors must have exactly one batch dimension, got batch_size={list(tensors.batch_size)}"
+                )
             for key in tensors.keys():
                 if not isinstance(key, str):
                     raise BatchError(f"nested TensorDict keys are not supported, got {key!r}")
@@ -124,7 +133,9 @@ class Batch:
             tensor_map = dict(tensors or {})
             for key, value in tensor_map.items():
                 if not isinstance(value, torch.Tensor):
-                    raise BatchError(f"tensor column {key!r} is a {type(value).__name__}; non-tensors go in `non_tensors`")
+                    raise BatchError(
+                        f"tensor column {key!r} is a {type(value).__name__}; non-tensors go in `non_tensors`"
+                    )
                 if value.dim() == 0:
                     raise BatchError(f"tensor column {key!r} is a 0-d tensor; it needs one entry per row")
             sizes = {key: value.shape[0] for key, value in tensor_map.items()}
@@ -212,7 +223,9 @@ class Batch:
 
     def __repr__(self) -> str:
         tensors = {k: (tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in self._tensors.items()}
-        return f"Batch(len={len(self)}, tensors={tensors}, non_tensors={self.non_tensor_keys}, meta={sorted(self._meta)})"
+        return (
+            f"Batch(len={len(self)}, tensors={tensors}, non_tensors={self.non_tensor_keys}, meta={sorted(self._meta)})"
+        )
 
     def __getitem__(self, item: Any) -> Any:
         """``batch["key"]`` -> the column; ``batch[a:b]`` / ``batch[indices]`` / ``batch[mask]`` -> Batch."""
@@ -221,7 +234,10 @@ class Batch:
                 return self._non_tensors[item]
             if item in self._tensors.keys():
                 return self._tensors[item]
-            raise UnknownKeyError(f"unknown column {item!r}; tensor columns: {self.tensor_keys}, non-tensor columns: {self.non_tensor_keys}")
+            raise UnknownKeyError(
+                f"unknown column {item!r}; tensor columns: {self.tensor_keys}, "
+                f"non-tensor columns: {self.non_tensor_keys}"
+            )
         if isinstance(item, slice):
             return self.slice(item.start, item.stop, item.step)
         if isinstance(item, (int, np.integer)):
@@ -259,7 +275,9 @@ class Batch:
         non_tensor_keys = _check_keys("non-tensor", non_tensor_batch_keys, self.non_tensor_keys)
         meta_keys = _check_keys("meta", meta_info_keys, self._meta)
         tensors = self._tensors.select(*tensor_keys) if tensor_keys is not None else self._tensors.copy()
-        non_tensors = {k: self._non_tensors[k] for k in (non_tensor_keys if non_tensor_keys is not None else self._non_tensors)}
+        non_tensors = {
+            k: self._non_tensors[k] for k in (non_tensor_keys if non_tensor_keys is not None else self._non_tensors)
+        }
         meta = {k: self._meta[k] for k in (meta_keys if meta_keys is not None else self._meta)}
         if deepcopy:
             tensors = tensors.clone()
@@ -343,7 +361,9 @@ class Batch:
         """Rows ``start:end:step`` (views of the tensors, as with torch slicing)."""
         rows = slice(start, end, step)
         num_rows = len(range(*rows.indices(len(self))))
-        tensors = TensorDict({k: v[rows] for k, v in self._tensors.items()}, batch_size=[num_rows], device=self._tensors.device)
+        tensors = TensorDict(
+            {k: v[rows] for k, v in self._tensors.items()}, batch_size=[num_rows], device=self._tensors.device
+        )
         return self._derive(tensors, {k: v[rows] for k, v in self._non_tensors.items()})
 
     def reorder(self, indices: Any) -> Batch:
@@ -422,7 +442,9 @@ class Batch:
                 raise BatchError(f"tensor column {key!r} has incompatible shapes/dtypes across batches: {shapes}")
             tensors[key] = torch.cat(parts, dim=0)
         num_rows = sum(len(b) for b in batches)
-        non_tensors = {key: np.concatenate([b._non_tensors[key] for b in batches], axis=0) for key in first.non_tensor_keys}
+        non_tensors = {
+            key: np.concatenate([b._non_tensors[key] for b in batches], axis=0) for key in first.non_tensor_keys
+        }
         meta: dict[str, Any] = {}
         metrics: list = []
         for b in batches:
@@ -433,11 +455,15 @@ class Batch:
                     if value is not None:
                         metrics.extend(value if isinstance(value, list) else [value])
                 elif key in meta and not _values_equal(meta[key], value):
-                    raise BatchError(f"meta key {key!r} differs across concatenated batches: {meta[key]!r} vs {value!r}")
+                    raise BatchError(
+                        f"meta key {key!r} differs across concatenated batches: {meta[key]!r} vs {value!r}"
+                    )
                 else:
                     meta.setdefault(key, value)
         if metrics:
-            meta["metrics"] = {k: [m[k] for m in metrics if k in m] for k in dict.fromkeys(k for m in metrics for k in m)}
+            meta["metrics"] = {
+                k: [m[k] for m in metrics if k in m] for k in dict.fromkeys(k for m in metrics for k in m)
+            }
         tensor_dict = TensorDict(tensors, batch_size=[num_rows], device=first._tensors.device)
         return first._derive(tensor_dict, non_tensors, meta)
 
@@ -453,4 +479,3 @@ class Batch:
         self._tensors = TensorDict(tensors, batch_size=[num_rows])
         self._non_tensors = non_tensors
         self._meta = meta
-

@@ -71,8 +71,9 @@ def test_advantages_match_per_group_loop_reference():
 
 def test_token_aligned_broadcast_is_zero_outside_loss_mask():
     loss_mask = torch.tensor([[0, 0, 1, 1, 0], [0, 1, 1, 1, 1], [0, 0, 0, 1, 0]])
-    adv = compute_grpo_outcome_advantage(scores=[0.0, 1.0, 2.0], index=["p", "p", "p"], loss_mask=loss_mask,
-                                         epsilon=0.0)
+    adv = compute_grpo_outcome_advantage(
+        scores=[0.0, 1.0, 2.0], index=["p", "p", "p"], loss_mask=loss_mask, epsilon=0.0
+    )
     expected = torch.tensor([[0, 0, -1, -1, 0], [0, 0, 0, 0, 0], [0, 0, 0, 1, 0]], dtype=torch.float32)
     torch.testing.assert_close(adv, expected)
     assert adv.dtype == torch.float32

@@ -73,15 +73,27 @@ def test_matches_direct_scalar_computation_with_kl_and_entropy():
     ref = log_p + 0.3 * torch.randn(shape, generator=gen, dtype=torch.float64)
     adv = torch.randn(shape, generator=gen, dtype=torch.float64)
     entropy = torch.rand(shape, generator=gen, dtype=torch.float64)
-    cfg = PolicyLossConfig(clip_ratio=0.2, clip_ratio_high=0.28, use_kl_loss=True, kl_loss_coef=0.05,
-                           kl_loss_type="low_var_kl", entropy_coeff=0.01)
-    loss, metrics = ppo_clip_token_loss(log_probs=log_p, old_log_probs=old, advantages=adv, config=cfg,
-                                        ref_log_probs=ref, entropy=entropy)
-    expected = torch.tensor([
-        [_reference_token_loss(*(t[i, j].item() for t in (log_p, old, adv, ref, entropy)), cfg)
-         for j in range(shape[1])]
-        for i in range(shape[0])
-    ], dtype=torch.float64)
+    cfg = PolicyLossConfig(
+        clip_ratio=0.2,
+        clip_ratio_high=0.28,
+        use_kl_loss=True,
+        kl_loss_coef=0.05,
+        kl_loss_type="low_var_kl",
+        entropy_coeff=0.01,
+    )
+    loss, metrics = ppo_clip_token_loss(
+        log_probs=log_p, old_log_probs=old, advantages=adv, config=cfg, ref_log_probs=ref, entropy=entropy
+    )
+    expected = torch.tensor(
+        [
+            [
+                _reference_token_loss(*(t[i, j].item() for t in (log_p, old, adv, ref, entropy)), cfg)
+                for j in range(shape[1])
+            ]
+            for i in range(shape[0])
+        ],
+        dtype=torch.float64,
+    )
     torch.testing.assert_close(loss, expected)
     torch.testing.assert_close(metrics["kl"], kl_penalty(log_probs=log_p, ref_log_probs=ref, kl_type="k3"))
     torch.testing.assert_close(metrics["entropy"], entropy)
@@ -90,10 +102,16 @@ def test_matches_direct_scalar_computation_with_kl_and_entropy():
 
 def test_entropy_is_reported_without_entering_the_loss_when_coeff_is_zero():
     log_p = torch.tensor([-1.0, -2.0])
-    loss_without, _ = ppo_clip_token_loss(log_probs=log_p, old_log_probs=log_p, advantages=torch.ones(2),
-                                          config=PolicyLossConfig())
-    loss_with, metrics = ppo_clip_token_loss(log_probs=log_p, old_log_probs=log_p, advantages=torch.ones(2),
-                                             config=PolicyLossConfig(), entropy=torch.tensor([5.0, 6.0]))
+    loss_without, _ = ppo_clip_token_loss(
+        log_probs=log_p, old_log_probs=log_p, advantages=torch.ones(2), config=PolicyLossConfig()
+    )
+    loss_with, metrics = ppo_clip_token_loss(
+        log_probs=log_p,
+        old_log_probs=log_p,
+        advantages=torch.ones(2),
+        config=PolicyLossConfig(),
+        entropy=torch.tensor([5.0, 6.0]),
+    )
     assert torch.equal(loss_without, loss_with) and torch.equal(metrics["entropy"], torch.tensor([5.0, 6.0]))
 
 
@@ -105,8 +123,16 @@ def test_config_errors_name_the_key():
     with pytest.raises(ValueError, match="kl_loss_type"):
         PolicyLossConfig(use_kl_loss=True, kl_loss_type="bogus")
     with pytest.raises(PolicyLossConfigError, match="ref_log_probs"):
-        ppo_clip_token_loss(log_probs=torch.zeros(1), old_log_probs=torch.zeros(1), advantages=torch.zeros(1),
-                            config=PolicyLossConfig(use_kl_loss=True))
+        ppo_clip_token_loss(
+            log_probs=torch.zeros(1),
+            old_log_probs=torch.zeros(1),
+            advantages=torch.zeros(1),
+            config=PolicyLossConfig(use_kl_loss=True),
+        )
     with pytest.raises(PolicyLossConfigError, match="entropy"):
-        ppo_clip_token_loss(log_probs=torch.zeros(1), old_log_probs=torch.zeros(1), advantages=torch.zeros(1),
-                            config=PolicyLossConfig(entropy_coeff=0.01))
+        ppo_clip_token_loss(
+            log_probs=torch.zeros(1),
+            old_log_probs=torch.zeros(1),
+            advantages=torch.zeros(1),
+            config=PolicyLossConfig(entropy_coeff=0.01),
+        )

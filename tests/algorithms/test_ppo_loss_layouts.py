@@ -21,8 +21,14 @@ from verl_balance.parity import ParitySettings, make_global_batch
 from verl_balance.testing.multiprocess import run_on_ranks
 
 SETTINGS = ParitySettings()
-LOSS_CONFIG = PolicyLossConfig(clip_ratio=0.2, clip_ratio_high=0.28, use_kl_loss=True, kl_loss_coef=0.1,
-                               kl_loss_type="low_var_kl", entropy_coeff=0.01)
+LOSS_CONFIG = PolicyLossConfig(
+    clip_ratio=0.2,
+    clip_ratio_high=0.28,
+    use_kl_loss=True,
+    kl_loss_coef=0.1,
+    kl_loss_type="low_var_kl",
+    entropy_coeff=0.01,
+)
 CASES = [(micro, True, mode) for micro, mode in itertools.product(("fixed", "dynamic"), AGG_MODES)]
 CASES.append(("dynamic", False, "token-mean"))
 METRICS = ("pg_loss", "pg_clipfrac", "ppo_kl", "kl", "entropy")
@@ -43,8 +49,9 @@ def _reference_model() -> LlamaForCausalLM:
 
 def _sequence_outputs(model, ids):
     length = len(ids)
-    logits = model(input_ids=ids, position_ids=torch.arange(length), cu_seqlens=torch.tensor([0, length]),
-                   max_seqlen=length).float()
+    logits = model(
+        input_ids=ids, position_ids=torch.arange(length), cu_seqlens=torch.tensor([0, length]), max_seqlen=length
+    ).float()
     logp = torch.log_softmax(logits[:-1], -1)
     return logp.gather(-1, ids[1:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
 
@@ -64,7 +71,8 @@ def _ppo_batch() -> dict[str, torch.Tensor]:
     batch["ref_log_prob"] = (current + 0.3 * torch.randn(current.shape, generator=gen)) * mask
     scores = torch.randint(0, 2, (len(current),), generator=gen).float()
     batch["advantages"] = compute_grpo_outcome_advantage(
-        scores=scores, index=np.arange(len(current)) // 4, loss_mask=batch["loss_mask"])
+        scores=scores, index=np.arange(len(current)) // 4, loss_mask=batch["loss_mask"]
+    )
     return batch
 
 
@@ -75,9 +83,14 @@ def _reference(batch, *, agg_mode: str, config: PolicyLossConfig) -> dict:
         length = int(batch["attention_mask"][i].sum())
         logp, entropy = _sequence_outputs(model, batch["input_ids"][i, :length])
         aligned = {k: batch[k][i, 1:length] for k in ("old_log_probs", "ref_log_prob", "advantages", "loss_mask")}
-        loss, metrics = ppo_clip_token_loss(log_probs=logp, old_log_probs=aligned["old_log_probs"],
-                                            advantages=aligned["advantages"], ref_log_probs=aligned["ref_log_prob"],
-                                            entropy=entropy, config=config)
+        loss, metrics = ppo_clip_token_loss(
+            log_probs=logp,
+            old_log_probs=aligned["old_log_probs"],
+            advantages=aligned["advantages"],
+            ref_log_probs=aligned["ref_log_prob"],
+            entropy=entropy,
+            config=config,
+        )
         mask = aligned["loss_mask"]
         sums.append((loss * mask).sum())
         counts.append(mask.sum())
@@ -94,10 +107,15 @@ def _reference(batch, *, agg_mode: str, config: PolicyLossConfig) -> dict:
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), SETTINGS.grad_clip)
     cfg = _engine_config(agg_mode).optim
-    torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay).step()
-    return {"loss": loss.item(), "grad_norm": float(grad_norm),
-            "metrics": {k: v / float(counts.sum()) for k, v in metric_sums.items()},
-            "params": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
+    ).step()
+    return {
+        "loss": loss.item(),
+        "grad_norm": float(grad_norm),
+        "metrics": {k: v / float(counts.sum()) for k, v in metric_sums.items()},
+        "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+    }
 
 
 def _worker(rank, *, dp, sp, batch):
@@ -110,14 +128,19 @@ def _worker(rank, *, dp, sp, batch):
     results = []
     for micro, balance, agg_mode in CASES:
         fixed = micro == "fixed"
-        plan = plan_balance(seq_lens=batch["attention_mask"].sum(1).numpy(), dp_size=dp, sp_size=sp,
-                            micro_batch_size=SETTINGS.micro_batch_size if fixed else None,
-                            max_token_len_per_gpu=None if fixed else -(-SETTINGS.tokens_per_micro_batch // sp),
-                            balance=balance)
-        micro_batches = [{k: v[torch.as_tensor(np.asarray(idx, dtype=np.int64))] for k, v in batch.items()}
-                         for idx in plan.micro_batches[layout.dp_rank]]
-        engine = TrainEngine(model_config=SETTINGS.model, layout=layout,
-                             engine_config=_engine_config(agg_mode))
+        plan = plan_balance(
+            seq_lens=batch["attention_mask"].sum(1).numpy(),
+            dp_size=dp,
+            sp_size=sp,
+            micro_batch_size=SETTINGS.micro_batch_size if fixed else None,
+            max_token_len_per_gpu=None if fixed else -(-SETTINGS.tokens_per_micro_batch // sp),
+            balance=balance,
+        )
+        micro_batches = [
+            {k: v[torch.as_tensor(np.asarray(idx, dtype=np.int64))] for k, v in batch.items()}
+            for idx in plan.micro_batches[layout.dp_rank]
+        ]
+        engine = TrainEngine(model_config=SETTINGS.model, layout=layout, engine_config=_engine_config(agg_mode))
         loss_fn = PPOLoss(LOSS_CONFIG)
         evaluated = engine.eval_loss(micro_batches, loss_fn=loss_fn)
         trained = engine.train_step(micro_batches, loss_fn=loss_fn)

@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 
 from verl_balance.balance import FlopsWorkload, plan_balance
 
-
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FLOPS = FlopsWorkload(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, vocab_size=97)
 
@@ -181,7 +180,7 @@ def test_samples_inside_a_micro_batch_keep_input_order(kw):
 @given(cases())
 def test_stats_match_an_independent_recomputation(kw):
     plan = plan_balance(**kw)
-    costs = (FLOPS.cost(kw["seq_lens"]) if kw["workload"] is FLOPS else kw["seq_lens"].astype(np.float64))
+    costs = FLOPS.cost(kw["seq_lens"]) if kw["workload"] is FLOPS else kw["seq_lens"].astype(np.float64)
     cells = cell_costs_of(plan, costs)
     units = _units(kw["group_ids"], len(costs))
     lower_bound = max(costs.sum() / kw["dp_size"], np.bincount(units, weights=costs).max())
@@ -209,7 +208,9 @@ def test_naive_plan_is_contiguous_with_greedy_fill():
     assert [mb.tolist() for mb in plan.micro_batches[1]] == [[5, 6, 7], [8, 9], []]
     plan = plan_balance(seq_lens=lengths, dp_size=3, micro_batch_size=2, balance=False)
     assert [[mb.tolist() for mb in rank] for rank in plan.micro_batches] == [
-        [[0, 1], [2, 3]], [[4, 5], [6]], [[7, 8], [9]],
+        [[0, 1], [2, 3]],
+        [[4, 5], [6]],
+        [[7, 8], [9]],
     ]
 
 

@@ -105,11 +105,15 @@ def test_samples_at_the_cap_each_get_a_micro_batch_without_extra_slots():
     seed=st.integers(0, 2**16),
     flops=st.booleans(),
 )
-def test_micro_batch_count_never_above_two_stage_reference(dp_size, sp_size, rows_per_rank, sigma, cap_per_gpu,
-                                                          seed, flops):
+def test_micro_batch_count_never_above_two_stage_reference(
+    dp_size, sp_size, rows_per_rank, sigma, cap_per_gpu, seed, flops
+):
     lengths = heavy_tailed(dp_size * rows_per_rank, cap_per_gpu * sp_size, seed, sigma)
     plan = plan_balance(
-        seq_lens=lengths, dp_size=dp_size, sp_size=sp_size, max_token_len_per_gpu=cap_per_gpu,
+        seq_lens=lengths,
+        dp_size=dp_size,
+        sp_size=sp_size,
+        max_token_len_per_gpu=cap_per_gpu,
         workload=FLOPS_7B if flops else None,
     )
     assert_cap_and_count(plan, lengths, dp_size, sp_size, cap_per_gpu)

@@ -57,8 +57,15 @@ def test_flops_rejects_heads_not_divisible_by_kv_heads():
 def test_hf_config_with_explicit_head_dim_and_gqa_matches_a_hand_count():
     """A transformers config (HF names): qwen3-style head_dim 8 != hidden 16 / 4 heads, 1 kv head."""
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.Qwen3Config(vocab_size=10, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=1, head_dim=8)
+    cfg = transformers.Qwen3Config(
+        vocab_size=10,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=8,
+    )
     w = from_model_config(cfg)
     q, o = 16 * (4 * 8), (4 * 8) * 16
     k = v = 16 * (1 * 8)
@@ -68,6 +75,7 @@ def test_hf_config_with_explicit_head_dim_and_gqa_matches_a_hand_count():
     length = 7
     expected = linear_per_token * length + attention_per_pair * length * (length + 1) / 2
     assert w.cost(np.array([length]))[0] == expected
+
     # The same dimensions under our names (e.g. models.hf.HFModelConfig) give the same workload.
     @dataclass
     class Ours:
@@ -86,6 +94,7 @@ def test_hf_config_with_explicit_head_dim_and_gqa_matches_a_hand_count():
 
 def test_hf_config_without_kv_heads_is_multi_head_attention():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=10, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
-                                   num_attention_heads=4)
+    cfg = transformers.LlamaConfig(
+        vocab_size=10, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=4
+    )
     assert from_model_config(cfg).num_kv_heads == 4

@@ -52,16 +52,22 @@ def test_unknown_data_source_names_the_known_ones():
 
 def test_score_batch_collects_scores_and_extras():
     scores, extras = score_batch(
-        reward_fn=compute_score, data_sources=["synthetic/copy", "synthetic/sort"],
-        solutions=["ab", "21"], ground_truths=["ab", "12"],
+        reward_fn=compute_score,
+        data_sources=["synthetic/copy", "synthetic/sort"],
+        solutions=["ab", "21"],
+        ground_truths=["ab", "12"],
     )
     assert scores.tolist() == [1.0, 0.0] and extras["acc"].tolist() == [1.0, 0.0]
 
 
 def test_score_batch_refuses_nan_and_non_numbers():
     with pytest.raises(RewardError, match="sample 1 .*finite"):
-        score_batch(reward_fn=lambda *a: [1.0, float("nan")][len(a[1])], data_sources=["s", "s"],
-                    solutions=["", "x"], ground_truths=["", ""])
+        score_batch(
+            reward_fn=lambda *a: [1.0, float("nan")][len(a[1])],
+            data_sources=["s", "s"],
+            solutions=["", "x"],
+            ground_truths=["", ""],
+        )
     with pytest.raises(RewardError, match="no 'score' key"):
         score_batch(reward_fn=lambda *a: {"acc": 1.0}, data_sources=["s"], solutions=["x"], ground_truths=["x"])
 
@@ -69,13 +75,15 @@ def test_score_batch_refuses_nan_and_non_numbers():
 @pytest.fixture
 def reward_file(tmp_path):
     path = tmp_path / "my_reward.py"
-    path.write_text(textwrap.dedent("""
+    path.write_text(
+        textwrap.dedent("""
         def length_reward(data_source, solution_str, ground_truth, extra_info=None, scale=1.0):
             return scale * len(solution_str)
 
         def compute_score(data_source, solution_str, ground_truth, extra_info=None):
             return float(solution_str == ground_truth)
-    """))
+    """)
+    )
     return str(path)
 
 

@@ -21,12 +21,14 @@ BOS, SEP, PAD = ByteTokenizer.BOS, ByteTokenizer.SEP, ByteTokenizer.PAD
 def _write(path, prompts, *, truths=None, sources=None):
     n = len(prompts)
     pq.write_table(
-        pa.table({
-            "data_source": sources or ["synthetic/copy"] * n,
-            "prompt": [[{"role": "user", "content": p}] for p in prompts],
-            "reward_model": [{"style": "rule", "ground_truth": t} for t in (truths or ["x"] * n)],
-            "extra_info": [{"index": i} for i in range(n)],
-        }),
+        pa.table(
+            {
+                "data_source": sources or ["synthetic/copy"] * n,
+                "prompt": [[{"role": "user", "content": p}] for p in prompts],
+                "reward_model": [{"style": "rule", "ground_truth": t} for t in (truths or ["x"] * n)],
+                "extra_info": [{"index": i} for i in range(n)],
+            }
+        ),
         path,
     )
     return str(path)
@@ -64,12 +66,17 @@ def test_overlong_prompt_without_filter_errors_or_truncates(tmp_path):
 def test_malformed_rl_rows_error_naming_row_or_are_skipped(tmp_path):
     path = str(tmp_path / "bad.parquet")
     pq.write_table(
-        pa.table({
-            "data_source": ["synthetic/copy", "synthetic/copy", None],
-            "prompt": [[{"role": "user", "content": "a"}]] * 3,
-            "reward_model": [{"style": "rule", "ground_truth": "a"}, {"style": "rule", "ground_truth": None},
-                             {"style": "rule", "ground_truth": "a"}],
-        }),
+        pa.table(
+            {
+                "data_source": ["synthetic/copy", "synthetic/copy", None],
+                "prompt": [[{"role": "user", "content": "a"}]] * 3,
+                "reward_model": [
+                    {"style": "rule", "ground_truth": "a"},
+                    {"style": "rule", "ground_truth": None},
+                    {"style": "rule", "ground_truth": "a"},
+                ],
+            }
+        ),
         path,
     )
     with pytest.raises(MalformedRowError, match=r"bad\.parquet: row 1: .*ground_truth"):
@@ -107,10 +114,13 @@ def test_prompts_are_stored_in_at_most_6_bytes_per_token_and_read_back_exactly(t
 
 def test_fingerprint_changes_with_the_reward_target_only_when_it_changes(tmp_path):
     prompts = ["ab", "c", "de"]
-    ds = RLPromptDataset(files=_write(tmp_path / "a.parquet", prompts, truths=["1", "2", "3"]),
-                         tokenizer=ByteTokenizer())
-    same = RLPromptDataset(files=_write(tmp_path / "b.parquet", prompts, truths=["1", "2", "3"]),
-                           tokenizer=ByteTokenizer())
-    other = RLPromptDataset(files=_write(tmp_path / "c.parquet", prompts, truths=["1", "2", "4"]),
-                            tokenizer=ByteTokenizer())
+    ds = RLPromptDataset(
+        files=_write(tmp_path / "a.parquet", prompts, truths=["1", "2", "3"]), tokenizer=ByteTokenizer()
+    )
+    same = RLPromptDataset(
+        files=_write(tmp_path / "b.parquet", prompts, truths=["1", "2", "3"]), tokenizer=ByteTokenizer()
+    )
+    other = RLPromptDataset(
+        files=_write(tmp_path / "c.parquet", prompts, truths=["1", "2", "4"]), tokenizer=ByteTokenizer()
+    )
     assert ds.fingerprint() == same.fingerprint() != other.fingerprint()

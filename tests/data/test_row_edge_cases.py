@@ -52,8 +52,7 @@ def test_skip_drops_invalid_unicode_rows_and_keeps_the_rest(tmp_path):
     ds = _sft(path, on_malformed="skip")
     assert len(ds) == 2 and [e.row for e in ds.skipped] == [1, 3]
     assert [ds.origin(i)[1] for i in range(2)] == [0, 2]
-    assert ds[1]["input_ids"].tolist() == [ByteTokenizer.BOS, ord("c"), ByteTokenizer.SEP, ord("a"),
-                                           ByteTokenizer.EOS]
+    assert ds[1]["input_ids"].tolist() == [ByteTokenizer.BOS, ord("c"), ByteTokenizer.SEP, ord("a"), ByteTokenizer.EOS]
 
 
 def test_escaped_surrogate_pair_is_valid_text(tmp_path):
@@ -79,8 +78,9 @@ def _parquet_with_invalid_utf8(path, *, bad_row, num_rows=3):
     for value in values:
         data += value
         offsets.append(len(data))
-    prompts = pa.Array.from_buffers(pa.string(), num_rows, [None, pa.array(offsets, pa.int32()).buffers()[1],
-                                                            pa.py_buffer(data)])
+    prompts = pa.Array.from_buffers(
+        pa.string(), num_rows, [None, pa.array(offsets, pa.int32()).buffers()[1], pa.py_buffer(data)]
+    )
     pq.write_table(pa.table({"prompt": prompts, "response": pa.array(["c"] * num_rows)}), str(path))
     return str(path)
 
@@ -95,8 +95,11 @@ def test_invalid_utf8_in_parquet_names_file_and_row_and_skip_skips_it(tmp_path):
 
 def test_rl_prompts_with_invalid_unicode_name_file_and_row_or_are_skipped(tmp_path):
     def row(content):
-        return {"data_source": "s", "prompt": [{"role": "user", "content": content}],
-                "reward_model": {"ground_truth": "x"}}
+        return {
+            "data_source": "s",
+            "prompt": [{"role": "user", "content": content}],
+            "reward_model": {"ground_truth": "x"},
+        }
 
     lines = [row("a"), json.dumps(row("b")).replace("b", "\\ud800").encode(), NON_UTF8, row("c")]
     path = _write_lines(tmp_path / "p.jsonl", lines)
@@ -109,18 +112,24 @@ def test_rl_prompts_with_invalid_unicode_name_file_and_row_or_are_skipped(tmp_pa
 def test_token_cap_check_names_file_and_row_of_the_first_overlong_sample(tmp_path):
     # byte tokenizer: length = len(prompt) + len(response) + 3 specials
     first = _write_lines(tmp_path / "a.jsonl", [{"prompt": "a", "response": "b"}])  # 5 tokens
-    second = _write_lines(tmp_path / "b.jsonl", [
-        {"prompt": "a"},  # malformed, skipped: sample indices and rows differ from here on
-        {"prompt": "abc", "response": "d"},  # 7 tokens
-        {"prompt": "abcdef", "response": "g"},  # 10 tokens
-        {"prompt": "abcdefgh", "response": "i"},  # 12 tokens
-    ])
+    second = _write_lines(
+        tmp_path / "b.jsonl",
+        [
+            {"prompt": "a"},  # malformed, skipped: sample indices and rows differ from here on
+            {"prompt": "abc", "response": "d"},  # 7 tokens
+            {"prompt": "abcdef", "response": "g"},  # 10 tokens
+            {"prompt": "abcdefgh", "response": "i"},  # 12 tokens
+        ],
+    )
     ds = _sft([first, second], on_malformed="skip")
     assert ds.seq_lens.tolist() == [5, 7, 10, 12]
     ds.check_token_cap(12)  # fits exactly: negative control
     ds.check_token_cap(6, sp_size=2)
-    with pytest.raises(SequenceTooLongError, match=r"b\.jsonl: row 2: 10 tokens > data\.max_token_len_per_gpu=9 "
-                                                   r"\* sp_size=1 = 9 \(2 sample\(s\) over it, longest 12 tokens\)"):
+    with pytest.raises(
+        SequenceTooLongError,
+        match=r"b\.jsonl: row 2: 10 tokens > data\.max_token_len_per_gpu=9 "
+        r"\* sp_size=1 = 9 \(2 sample\(s\) over it, longest 12 tokens\)",
+    ):
         ds.check_token_cap(9)
     with pytest.raises(SequenceTooLongError, match=r"b\.jsonl: row 1: 7 tokens > my\.cap=3 \* sp_size=2 = 6"):
         ds.check_token_cap(3, sp_size=2, key="my.cap")

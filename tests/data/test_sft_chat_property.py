@@ -15,8 +15,10 @@ NEWLINE = ord("\n")
 text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=12)
 message = st.tuples(st.sampled_from(["system", "user", "assistant"]), text)
 chat = st.lists(message, min_size=1, max_size=6).filter(
-    lambda messages: any(role == "assistant" and content for role, content in messages)
-    and all(content for role, content in messages if role == "assistant")
+    lambda messages: (
+        any(role == "assistant" and content for role, content in messages)
+        and all(content for role, content in messages if role == "assistant")
+    )
 )
 
 
@@ -39,16 +41,22 @@ def _reference(messages):
 
 
 @settings(max_examples=25, deadline=None)
-@given(chats=st.lists(chat, min_size=1, max_size=12), max_length=st.integers(2, 40),
-       truncation=st.sampled_from(["left", "right"]))
+@given(
+    chats=st.lists(chat, min_size=1, max_size=12),
+    max_length=st.integers(2, 40),
+    truncation=st.sampled_from(["left", "right"]),
+)
 def test_stored_chats_equal_the_hand_written_format_after_truncation(chats, max_length, truncation):
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "chats.jsonl")
         with open(path, "w") as f:
             for messages in chats:
                 f.write(json.dumps({"messages": [{"role": r, "content": c} for r, c in messages]}) + "\n")
-        ds = SFTDataset(files=path, tokenizer=ByteTokenizer(),
-                        config=SFTDataConfig(messages_key="messages", max_length=max_length, truncation=truncation))
+        ds = SFTDataset(
+            files=path,
+            tokenizer=ByteTokenizer(),
+            config=SFTDataConfig(messages_key="messages", max_length=max_length, truncation=truncation),
+        )
         assert len(ds) == len(chats)
         for i, messages in enumerate(chats):
             ids, mask = _reference(messages)

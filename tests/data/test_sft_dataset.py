@@ -75,8 +75,9 @@ def test_parquet_prompt_response_and_messages_give_identical_samples(tmp_path):
     ],
 )
 def test_truncation_modes_keep_the_documented_end(tmp_path, truncation, ids, mask):
-    ds = _dataset(_jsonl(tmp_path / "d.jsonl", [{"prompt": "ab", "response": "c"}]), max_length=2,
-                  truncation=truncation)
+    ds = _dataset(
+        _jsonl(tmp_path / "d.jsonl", [{"prompt": "ab", "response": "c"}]), max_length=2, truncation=truncation
+    )
     assert ds[0]["input_ids"].tolist() == ids and ds[0]["loss_mask"].tolist() == mask
     assert ds.num_truncated == 1
     assert ds.num_without_targets == (0 if truncation == "left" else 1)

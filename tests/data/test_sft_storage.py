@@ -52,8 +52,11 @@ def test_every_sample_equals_the_hand_built_reference(tmp_path):
 def test_truncated_samples_equal_the_truncated_reference(tmp_path, truncation):
     rows = _rows(200, seed=1)
     max_length = 64
-    ds = SFTDataset(files=_write_parquet(tmp_path / "d.parquet", rows), tokenizer=ByteTokenizer(),
-                    config=SFTDataConfig(max_length=max_length, truncation=truncation))
+    ds = SFTDataset(
+        files=_write_parquet(tmp_path / "d.parquet", rows),
+        tokenizer=ByteTokenizer(),
+        config=SFTDataConfig(max_length=max_length, truncation=truncation),
+    )
     for i, (prompt, response) in enumerate(rows):
         ids, mask = _reference(prompt, response)
         cut = slice(-max_length, None) if truncation == "left" else slice(0, max_length)
@@ -99,8 +102,11 @@ class _WideVocabTokenizer(ByteTokenizer):
 
 def test_ids_beyond_uint16_are_stored_exactly_as_int32(tmp_path):
     rows = _rows(50, seed=3)
-    ds = SFTDataset(files=_write_parquet(tmp_path / "d.parquet", rows), tokenizer=_WideVocabTokenizer(),
-                    config=SFTDataConfig(max_length=4096))
+    ds = SFTDataset(
+        files=_write_parquet(tmp_path / "d.parquet", rows),
+        tokenizer=_WideVocabTokenizer(),
+        config=SFTDataConfig(max_length=4096),
+    )
     for i, (prompt, response) in enumerate(rows):
         ids, mask = _reference(prompt, response)
         assert ds[i]["input_ids"].tolist() == [_WideVocabTokenizer.SHIFT + t for t in ids]
@@ -167,8 +173,7 @@ def test_resume_on_changed_data_is_refused(tmp_path):
     changed = SFTDataset(files=_write_parquet(tmp_path / "e.parquet", edited), tokenizer=ByteTokenizer())
     with pytest.raises(DataError, match="the dataset differs from the checkpoint's"):
         StatefulDataLoader(changed, batch_size=2, collate_fn=changed.collate).load_state_dict(state)
-    truncated = SFTDataset(files=path, tokenizer=ByteTokenizer(), config=SFTDataConfig(max_length=8,
-                                                                                        truncation="left"))
+    truncated = SFTDataset(files=path, tokenizer=ByteTokenizer(), config=SFTDataConfig(max_length=8, truncation="left"))
     with pytest.raises(DataError, match="fingerprint"):
         StatefulDataLoader(truncated, batch_size=2, collate_fn=truncated.collate).load_state_dict(state)
 

@@ -59,7 +59,8 @@ def test_written_files_follow_verl_schemas_and_ground_truth_scores_one(tmp_path)
     assert len(sft) == 50 and len(rl) == 10
     row = sft[0]
     assert row["messages"] == [
-        {"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["response"]}
+        {"role": "user", "content": row["prompt"]},
+        {"role": "assistant", "content": row["response"]},
     ]
     for r in rl:
         assert r["reward_model"]["style"] == "rule"
@@ -78,6 +79,9 @@ def test_val_split_does_not_depend_on_train_size(tmp_path):
 def test_cli_writes_four_files(tmp_path, capsys):
     main(["--out", str(tmp_path), "--num-train", "8", "--num-val", "4", "--seed", "1"])
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "rl_train.parquet", "rl_val.parquet", "sft_train.parquet", "sft_val.parquet"
+        "rl_train.parquet",
+        "rl_val.parquet",
+        "sft_train.parquet",
+        "sft_val.parquet",
     ]
     assert "train: 8 samples" in capsys.readouterr().err

@@ -125,5 +125,5 @@ def test_hf_tokenizer_chat_template_returns_token_ids_not_a_batch_encoding(tmp_p
     assert isinstance(ids, list) and all(isinstance(i, int) for i in ids)
     prompt = tok.apply_chat_template(messages[:1], add_generation_prompt=True)
     assert ids[: len(prompt)] == prompt
-    assert ids[len(prompt):] == tok.encode("46") + [tok.eos_token_id] + tok.encode("\n")
-    assert tok.decode(ids[len(prompt):]).startswith("46")
+    assert ids[len(prompt) :] == tok.encode("46") + [tok.eos_token_id] + tok.encode("\n")
+    assert tok.decode(ids[len(prompt) :]).startswith("46")

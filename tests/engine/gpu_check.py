@@ -31,8 +31,11 @@ def random_batch(*, vocab: int, samples: int, seq_len: int, seed: int) -> dict:
     lengths = torch.randint(seq_len // 2, seq_len + 1, (samples,), generator=gen)
     pos = torch.arange(seq_len)[None, :]
     mask = (pos < lengths[:, None]).long()
-    return {"input_ids": torch.randint(0, vocab, (samples, seq_len), generator=gen) * mask,
-            "attention_mask": mask, "loss_mask": mask.float()}
+    return {
+        "input_ids": torch.randint(0, vocab, (samples, seq_len), generator=gen) * mask,
+        "attention_mask": mask,
+        "loss_mask": mask.float(),
+    }
 
 
 def main() -> None:
@@ -55,31 +58,45 @@ def main() -> None:
 
     settings = ParitySettings()
     ref = reference_steps(settings, agg_modes=["token-mean"])["token-mean"]["loss"]
-    engine = TrainEngine(model_config=settings.model, layout=layout,
-                         engine_config=EngineConfig(**{**settings.engine_config(
-                             agg_mode="token-mean").__dict__, "param_dtype": dtype,
-                             "attn_impl": "auto"}))
+    engine = TrainEngine(
+        model_config=settings.model,
+        layout=layout,
+        engine_config=EngineConfig(
+            **{**settings.engine_config(agg_mode="token-mean").__dict__, "param_dtype": dtype, "attn_impl": "auto"}
+        ),
+    )
     batch = make_global_batch(settings)
     got = engine.eval_loss([batch])["loss"]
     rel = abs(got - ref) / ref
-    print(f"device={layout.device} param_dtype={dtype} loss={got:.6f} cpu_fp32_ref={ref:.6f} "
-          f"rel={rel:.2e} {'PASS' if rel < 2e-2 else 'FAIL'}")
+    print(
+        f"device={layout.device} param_dtype={dtype} loss={got:.6f} cpu_fp32_ref={ref:.6f} "
+        f"rel={rel:.2e} {'PASS' if rel < 2e-2 else 'FAIL'}"
+    )
 
-    variants = {"per-micro-batch": FSDPConfig(), "deferred": FSDPConfig(defer_gradient_sync=True),
-                "deferred+unsharded": FSDPConfig(defer_gradient_sync=True, reshard_after_forward=False,
-                                                 reshard_after_backward=False)}
-    print(f"{'preset':>6} {'params':>8} {'fsdp':>18} {'tokens/step':>11} {'tokens/s':>10} "
-          f"{'engine tok/s':>12} {'mfu':>6} {'max alloc GB':>12}")
+    variants = {
+        "per-micro-batch": FSDPConfig(),
+        "deferred": FSDPConfig(defer_gradient_sync=True),
+        "deferred+unsharded": FSDPConfig(
+            defer_gradient_sync=True, reshard_after_forward=False, reshard_after_backward=False
+        ),
+    }
+    print(
+        f"{'preset':>6} {'params':>8} {'fsdp':>18} {'tokens/step':>11} {'tokens/s':>10} "
+        f"{'engine tok/s':>12} {'mfu':>6} {'max alloc GB':>12}"
+    )
     for preset in ("tiny", "100m"):
         cfg = ModelConfig.preset(preset)
         data = random_batch(vocab=cfg.vocab_size, samples=args.samples, seq_len=args.seq_len, seed=0)
-        mbs = [{k: v[i:i + args.micro_batch] for k, v in data.items()}
-               for i in range(0, args.samples, args.micro_batch)]
+        mbs = [
+            {k: v[i : i + args.micro_batch] for k, v in data.items()} for i in range(0, args.samples, args.micro_batch)
+        ]
         tokens = int(data["attention_mask"].sum())
         for name, fsdp in variants.items():
-            engine = TrainEngine(model_config=cfg, layout=layout,
-                                 engine_config=EngineConfig(optim=OptimConfig(lr=1e-4), param_dtype=dtype,
-                                                            fsdp=fsdp))
+            engine = TrainEngine(
+                model_config=cfg,
+                layout=layout,
+                engine_config=EngineConfig(optim=OptimConfig(lr=1e-4), param_dtype=dtype, fsdp=fsdp),
+            )
             engine.train_step(mbs)  # warm-up (allocations, kernels)
             if cuda:
                 torch.cuda.synchronize()
@@ -92,8 +109,10 @@ def main() -> None:
             mfu = [m["perf/mfu"] for m in steps if "perf/mfu" in m]
             mem = max((m.get("perf/max_memory_allocated_gb", 0.0) for m in steps), default=0.0)
             engine_rate = statistics.median(m["perf/tokens_per_s_per_device"] for m in steps)
-            print(f"{preset:>6} {params / 1e6:>7.2f}M {name:>18} {tokens:>11} {rate:>10.0f} {engine_rate:>12.0f} "
-                  f"{(f'{statistics.median(mfu):.3f}' if mfu else 'n/a'):>6} {mem:>12.2f}")
+            print(
+                f"{preset:>6} {params / 1e6:>7.2f}M {name:>18} {tokens:>11} {rate:>10.0f} {engine_rate:>12.0f} "
+                f"{(f'{statistics.median(mfu):.3f}' if mfu else 'n/a'):>6} {mem:>12.2f}"
+            )
             del engine
             if cuda:
                 torch.cuda.empty_cache()

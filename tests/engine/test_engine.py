@@ -28,8 +28,7 @@ RANK_SAMPLES = {0: [[0, 1], [2]], 1: [[3, 4, 5, 6, 7], []]}
 
 
 def rank_micro_batches(batch, dp_rank):
-    return [{k: v[torch.tensor(idx, dtype=torch.long)] for k, v in batch.items()}
-            for idx in RANK_SAMPLES[dp_rank]]
+    return [{k: v[torch.tensor(idx, dtype=torch.long)] for k, v in batch.items()} for idx in RANK_SAMPLES[dp_rank]]
 
 
 class ProbeLoss:
@@ -38,8 +37,7 @@ class ProbeLoss:
     needs_entropy = True
 
     def __call__(self, *, log_probs, entropy, inputs):
-        return -log_probs, {"one": torch.ones_like(log_probs), "nll": -log_probs,
-                            "entropy": entropy}
+        return -log_probs, {"one": torch.ones_like(log_probs), "nll": -log_probs, "entropy": entropy}
 
 
 class _Records(logging.Handler):
@@ -63,6 +61,7 @@ def _count_fsdp_collectives(engine, mbs):
         def call(*args, **kwargs):
             counts[name] += 1
             return originals[name](*args, **kwargs)
+
         return call
 
     for name in counts:
@@ -80,8 +79,9 @@ def _engine_scenarios(rank, *, ckpt_dir, profile_dir):
     layout = ParallelLayout(dp=2, sp=2, device_type="cpu")
     batch = make_global_batch(SETTINGS)
     mbs = rank_micro_batches(batch, layout.dp_rank)
-    config = dataclasses.replace(SETTINGS.engine_config(agg_mode="token-mean"), profile_steps=[1],
-                                 profile_dir=profile_dir)
+    config = dataclasses.replace(
+        SETTINGS.engine_config(agg_mode="token-mean"), profile_steps=[1], profile_dir=profile_dir
+    )
     out = {}
 
     engine = TrainEngine(model_config=SETTINGS.model, engine_config=config, layout=layout)
@@ -97,27 +97,33 @@ def _engine_scenarios(rank, *, ckpt_dir, profile_dir):
     out["zero"] = engine.train_step(silent)
     logging.getLogger("verl_balance.engine.train_engine").removeHandler(records)
     out["zero_warned"] = any("zero valid" in m for m in records.messages)
-    out["zero_params_unchanged"] = all(torch.equal(engine.full_state_dict()[k], v)
-                                       for k, v in out["params"].items())
+    out["zero_params_unchanged"] = all(torch.equal(engine.full_state_dict()[k], v) for k, v in out["params"].items())
 
     # Warmup over 4 steps: a step skipped for zero tokens still moves the schedule on, so the
     # lr of train step k is lr_multiplier(k - 1) whatever was skipped before it.
-    warm = dataclasses.replace(config, profile_steps=[], total_steps=4,
-                               optim=dataclasses.replace(config.optim, warmup_steps_ratio=1.0))
+    warm = dataclasses.replace(
+        config, profile_steps=[], total_steps=4, optim=dataclasses.replace(config.optim, warmup_steps_ratio=1.0)
+    )
     warm_engine = TrainEngine(model_config=SETTINGS.model, engine_config=warm, layout=layout)
     out["warmup_lrs"] = [warm_engine.train_step(x)["lr"] for x in (mbs, silent, mbs)]
 
     # Every FSDP2 gradient-accumulation control on, with an empty micro-batch on DP rank 1.
-    deferred = dataclasses.replace(config, profile_steps=[], fsdp=FSDPConfig(
-        reshard_after_forward=False, reshard_after_backward=False, defer_gradient_sync=True))
+    deferred = dataclasses.replace(
+        config,
+        profile_steps=[],
+        fsdp=FSDPConfig(reshard_after_forward=False, reshard_after_backward=False, defer_gradient_sync=True),
+    )
     deferred_engine = TrainEngine(model_config=SETTINGS.model, engine_config=deferred, layout=layout)
     out["deferred_eval"] = deferred_engine.eval_loss(mbs)
     out["deferred_train"] = deferred_engine.train_step(mbs)
     out["deferred_params"] = deferred_engine.full_state_dict()
-    plain_engine = TrainEngine(model_config=SETTINGS.model, layout=layout,
-                               engine_config=dataclasses.replace(config, profile_steps=[]))
-    out["collectives"] = {"default": _count_fsdp_collectives(plain_engine, mbs),
-                          "deferred": _count_fsdp_collectives(deferred_engine, mbs)}
+    plain_engine = TrainEngine(
+        model_config=SETTINGS.model, layout=layout, engine_config=dataclasses.replace(config, profile_steps=[])
+    )
+    out["collectives"] = {
+        "default": _count_fsdp_collectives(plain_engine, mbs),
+        "deferred": _count_fsdp_collectives(deferred_engine, mbs),
+    }
 
     # Checkpoint round trip: save, move on, load -> same params, extra and schedule.
     engine.save_checkpoint(ckpt_dir, step=7, extra={"data_cursor": 17})
@@ -126,20 +132,31 @@ def _engine_scenarios(rank, *, ckpt_dir, profile_dir):
     moved = any(not torch.equal(engine.full_state_dict()[k], v) for k, v in out["params"].items())
     extra = engine.load_checkpoint(ckpt_dir)
     restored = all(torch.equal(engine.full_state_dict()[k], v) for k, v in out["params"].items())
-    fresh = TrainEngine(model_config=SETTINGS.model, layout=layout,
-                        engine_config=EngineConfig(**{**config.__dict__, "seed": 5}))
+    fresh = TrainEngine(
+        model_config=SETTINGS.model, layout=layout, engine_config=EngineConfig(**{**config.__dict__, "seed": 5})
+    )
     fresh.load_checkpoint(ckpt_dir)
     fresh_ok = all(torch.equal(fresh.full_state_dict()[k], v) for k, v in out["params"].items())
     # Same optimizer state => the next step is identical on both engines.
     engine.train_step(mbs)
     fresh.train_step(mbs)
-    next_same = all(torch.equal(a, b) for a, b in zip(engine.full_state_dict().values(),
-                                                       fresh.full_state_dict().values()))
-    out["ckpt"] = dict(moved=moved, extra=extra, restored=restored, fresh=fresh_ok,
-                       step=engine.global_step - 1 == saved_step, next_same=next_same)
+    next_same = all(
+        torch.equal(a, b) for a, b in zip(engine.full_state_dict().values(), fresh.full_state_dict().values())
+    )
+    out["ckpt"] = dict(
+        moved=moved,
+        extra=extra,
+        restored=restored,
+        fresh=fresh_ok,
+        step=engine.global_step - 1 == saved_step,
+        next_same=next_same,
+    )
 
-    bf16 = TrainEngine(model_config=SETTINGS.model, layout=layout,
-                       engine_config=EngineConfig(**{**config.__dict__, "param_dtype": "bfloat16"}))
+    bf16 = TrainEngine(
+        model_config=SETTINGS.model,
+        layout=layout,
+        engine_config=EngineConfig(**{**config.__dict__, "param_dtype": "bfloat16"}),
+    )
     out["bf16_eval"] = bf16.eval_loss(mbs)
 
     # Mismatched micro-batch counts must raise on every rank instead of hanging.
@@ -160,8 +177,7 @@ def _engine_scenarios(rank, *, ckpt_dir, profile_dir):
 def scenario(tmp_path_factory):
     ckpt_dir = str(tmp_path_factory.mktemp("ckpt"))
     profile_dir = str(tmp_path_factory.mktemp("profile"))
-    results = run_on_ranks(functools.partial(_engine_scenarios, ckpt_dir=ckpt_dir, profile_dir=profile_dir),
-                           world=4)
+    results = run_on_ranks(functools.partial(_engine_scenarios, ckpt_dir=ckpt_dir, profile_dir=profile_dir), world=4)
     for out in results:
         out["traces"] = sorted(os.path.relpath(p, profile_dir) for p in glob.glob(f"{profile_dir}/*/*"))
     return results
@@ -207,8 +223,7 @@ def test_perf_metrics_count_every_real_token_once_and_no_mfu_on_cpu(scenario):
     for out in scenario:
         metrics = out["train"]
         assert metrics["perf/tokens"] == tokens  # not sp times: each DP group counted once
-        assert metrics["perf/tokens_per_s_per_device"] == pytest.approx(
-            tokens / (metrics["perf/step_seconds"] * 4))
+        assert metrics["perf/tokens_per_s_per_device"] == pytest.approx(tokens / (metrics["perf/step_seconds"] * 4))
         assert "perf/mfu" not in metrics and "perf/max_memory_allocated_gb" not in metrics
         assert len(metrics["micro_batch_seconds"]) == 2 and metrics["busy_seconds"] > 0
 
@@ -247,8 +262,9 @@ def test_log_probs_and_entropy_match_a_plain_per_sequence_forward(scenario):
                 n = int(batch["attention_mask"][i].sum())
                 ids = batch["input_ids"][i, :n]
                 with torch.no_grad():
-                    logits = model(input_ids=ids, position_ids=torch.arange(n),
-                                   cu_seqlens=torch.tensor([0, n]), max_seqlen=n)
+                    logits = model(
+                        input_ids=ids, position_ids=torch.arange(n), cu_seqlens=torch.tensor([0, n]), max_seqlen=n
+                    )
                 logp = torch.log_softmax(logits, -1)
                 want = torch.zeros(SETTINGS.max_len)
                 want[1:n] = logp[:-1].gather(-1, ids[1:, None]).squeeze(-1)

@@ -32,8 +32,7 @@ def hand_weights(mode, c=None):
 
 @pytest.mark.parametrize("mode", AGG_MODES)
 def test_weights_match_hand_worked_example(mode):
-    out = compute_token_weights(loss_masks=MASKS, cu_seqlens=CUS, agg_mode=mode,
-                                loss_scale_factor=4.0, dp_group=None)
+    out = compute_token_weights(loss_masks=MASKS, cu_seqlens=CUS, agg_mode=mode, loss_scale_factor=4.0, dp_group=None)
     assert (out.num_tokens, out.num_sequences) == (6, 2)
     for got, want in zip(out.weights, hand_weights(mode, 4.0)):
         torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float32))
@@ -42,16 +41,17 @@ def test_weights_match_hand_worked_example(mode):
 def test_all_zero_mask_gives_zero_weights_not_nan():
     masks = [torch.zeros(4)]
     for mode in AGG_MODES:
-        out = compute_token_weights(loss_masks=masks, cu_seqlens=[torch.tensor([0, 4])],
-                                    agg_mode=mode, loss_scale_factor=1.0, dp_group=None)
+        out = compute_token_weights(
+            loss_masks=masks, cu_seqlens=[torch.tensor([0, 4])], agg_mode=mode, loss_scale_factor=1.0, dp_group=None
+        )
         assert out.num_tokens == 0 and torch.equal(out.weights[0], torch.zeros(4))
 
 
 def test_micro_batch_mean_control_differs_from_global_mean():
-    good = compute_token_weights(loss_masks=MASKS, cu_seqlens=CUS, agg_mode="token-mean",
-                                 dp_group=None)
-    bad = faulty_token_weights("micro_batch_mean", loss_masks=MASKS, cu_seqlens=CUS, agg_mode="token-mean",
-                               dp_group=None)
+    good = compute_token_weights(loss_masks=MASKS, cu_seqlens=CUS, agg_mode="token-mean", dp_group=None)
+    bad = faulty_token_weights(
+        "micro_batch_mean", loss_masks=MASKS, cu_seqlens=CUS, agg_mode="token-mean", dp_group=None
+    )
     assert float(bad.weights[0][0]) == pytest.approx(1 / 4)  # 1 / (n_mb0 * 2 micro-batches)
     assert not torch.allclose(good.weights[0], bad.weights[0])
 
@@ -65,8 +65,7 @@ def test_bad_config_is_rejected_with_valid_choices():
     with pytest.raises(LossConfigError, match="token-mean"):
         compute_token_weights(loss_masks=MASKS, cu_seqlens=CUS, agg_mode="mean", dp_group=None)
     with pytest.raises(LossConfigError, match="loss_scale_factor"):
-        compute_token_weights(loss_masks=MASKS, cu_seqlens=CUS, dp_group=None,
-                              agg_mode="seq-mean-token-sum-norm")
+        compute_token_weights(loss_masks=MASKS, cu_seqlens=CUS, dp_group=None, agg_mode="seq-mean-token-sum-norm")
 
 
 def wire_batch():
@@ -88,8 +87,7 @@ def wire_batch():
 def test_targets_are_shifted_on_the_unsliced_stream_and_no_shard_loses_one(sp):
     batch = wire_batch()
     shards = [pack_micro_batch(batch, sp_size=sp, sp_rank=r, device=CPU) for r in range(sp)]
-    full = {k: torch.cat([s.local(k) for s in shards]) for k in ("targets", "loss_mask",
-                                                                 "advantages", "position_ids")}
+    full = {k: torch.cat([s.local(k) for s in shards]) for k in ("targets", "loss_mask", "advantages", "position_ids")}
     total = 12
     assert shards[0].padded_len % sp == 0 and shards[0].padded_len >= total
     # Brute force: token t of sample i predicts token t+1 of sample i; the last predicts nothing.
@@ -118,7 +116,7 @@ def test_unpack_restores_wire_alignment():
     starts = [0, 4, 7]
     for i, n in enumerate([4, 3, 5]):
         assert out[i, 0] == 0
-        assert out[i, 1:n].tolist() == values[starts[i]:starts[i] + n - 1].tolist()
+        assert out[i, 1:n].tolist() == values[starts[i] : starts[i] + n - 1].tolist()
         assert out[i, n:].abs().sum() == 0
 
 
@@ -136,8 +134,7 @@ def test_malformed_attention_mask_names_the_sample():
     with pytest.raises(MicroBatchError, match="sample 1"):
         pack_micro_batch(batch, sp_size=1, sp_rank=0, device=CPU)
     with pytest.raises(MicroBatchError, match="loss_mask"):
-        pack_micro_batch({k: v for k, v in wire_batch().items() if k != "loss_mask"},
-                         sp_size=1, sp_rank=0, device=CPU)
+        pack_micro_batch({k: v for k, v in wire_batch().items() if k != "loss_mask"}, sp_size=1, sp_rank=0, device=CPU)
 
 
 def test_roll_after_slice_control_loses_a_target_at_each_shard_edge():

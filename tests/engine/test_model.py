@@ -16,9 +16,20 @@ def contract_names(cfg: ModelConfig) -> set[str]:
     if not cfg.tie_word_embeddings:
         names.add("lm_head.weight")
     for i in range(cfg.num_layers):
-        names |= {f"layers.{i}.{n}.weight" for n in (
-            "input_norm", "attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.o_proj",
-            "post_attn_norm", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+        names |= {
+            f"layers.{i}.{n}.weight"
+            for n in (
+                "input_norm",
+                "attn.q_proj",
+                "attn.k_proj",
+                "attn.v_proj",
+                "attn.o_proj",
+                "post_attn_norm",
+                "mlp.gate_proj",
+                "mlp.up_proj",
+                "mlp.down_proj",
+            )
+        }
     return names
 
 
@@ -81,8 +92,7 @@ def test_forward_matches_naive_llama_math(tie):
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     ids = torch.randint(0, cfg.vocab_size, (11,))
-    logits = model(input_ids=ids, position_ids=torch.arange(11), cu_seqlens=torch.tensor([0, 11]),
-                   max_seqlen=11)
+    logits = model(input_ids=ids, position_ids=torch.arange(11), cu_seqlens=torch.tensor([0, 11]), max_seqlen=11)
     expected = naive_llama_logits({k: v.detach() for k, v in model.state_dict().items()}, cfg, ids)
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
 
@@ -94,12 +104,20 @@ def test_packed_forward_equals_per_sequence_forward(impl):
     lengths = [5, 1, 9, 3]
     seqs = [torch.randint(0, TINY.vocab_size, (n,)) for n in lengths]
     cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)))
-    packed = model(input_ids=torch.cat(seqs), cu_seqlens=cu, max_seqlen=max(lengths),
-                   position_ids=torch.cat([torch.arange(n) for n in lengths]))
+    packed = model(
+        input_ids=torch.cat(seqs),
+        cu_seqlens=cu,
+        max_seqlen=max(lengths),
+        position_ids=torch.cat([torch.arange(n) for n in lengths]),
+    )
     for i, seq in enumerate(seqs):
-        alone = model(input_ids=seq, position_ids=torch.arange(len(seq)),
-                      cu_seqlens=torch.tensor([0, len(seq)]), max_seqlen=len(seq))
-        torch.testing.assert_close(packed[cu[i]:cu[i + 1]], alone, rtol=1e-5, atol=1e-6)
+        alone = model(
+            input_ids=seq,
+            position_ids=torch.arange(len(seq)),
+            cu_seqlens=torch.tensor([0, len(seq)]),
+            max_seqlen=len(seq),
+        )
+        torch.testing.assert_close(packed[cu[i] : cu[i + 1]], alone, rtol=1e-5, atol=1e-6)
 
 
 def test_attention_never_crosses_sequence_boundaries():
@@ -124,7 +142,7 @@ def test_sp_that_cannot_split_or_repeat_kv_heads_is_rejected():
     cfg = ModelConfig(**{**TINY.to_dict(), "hidden_size": 48, "num_heads": 12, "num_kv_heads": 4})
     with pytest.raises(ModelConfigError, match="num_kv_heads"):
         LlamaForCausalLM(cfg, sp_size=6)
-    LlamaForCausalLM(cfg, sp_size=2)   # kv heads split
+    LlamaForCausalLM(cfg, sp_size=2)  # kv heads split
     LlamaForCausalLM(TINY, sp_size=4)  # 2 kv heads repeated to 4
 
 

@@ -15,16 +15,23 @@ from verl_balance.models import ModelConfig
 def test_mfu_is_model_flops_over_step_time_peak_and_devices(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3e9)
-    out = perf.step_perf_metrics(flops=989e12, tokens=8000, seconds=2.0, world_size=4,
-                                 device=torch.device("cuda", 0))
+    out = perf.step_perf_metrics(flops=989e12, tokens=8000, seconds=2.0, world_size=4, device=torch.device("cuda", 0))
     assert out["perf/mfu"] == pytest.approx(989e12 / (2.0 * 989e12 * 4))
     assert out["perf/tokens_per_s_per_device"] == pytest.approx(1000.0)
     assert out["perf/max_memory_allocated_gb"] == pytest.approx(3.0)
 
 
-@pytest.mark.parametrize("name,peak", [("NVIDIA H100 PCIe", 756e12), ("NVIDIA H200", 989e12),
-                                       ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA A10G", 70e12),
-                                       ("NVIDIA L40S", 362e12), ("NVIDIA L4", 121e12)])
+@pytest.mark.parametrize(
+    "name,peak",
+    [
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA A10G", 70e12),
+        ("NVIDIA L40S", 362e12),
+        ("NVIDIA L4", 121e12),
+    ],
+)
 def test_peak_table_matches_the_most_specific_device_name(monkeypatch, name, peak):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     assert perf.peak_flops(torch.device("cuda", 0)) == peak

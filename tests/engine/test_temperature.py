@@ -20,8 +20,11 @@ TEMPERATURE = 0.7
 
 def _engine_outputs(rank):
     batch = make_global_batch(SETTINGS)
-    engine = TrainEngine(model_config=SETTINGS.model, engine_config=SETTINGS.engine_config(agg_mode="token-mean"),
-                         layout=ParallelLayout(dp=1, sp=2))
+    engine = TrainEngine(
+        model_config=SETTINGS.model,
+        engine_config=SETTINGS.engine_config(agg_mode="token-mean"),
+        layout=ParallelLayout(dp=1, sp=2),
+    )
     log_probs = engine.compute_log_prob([batch], temperature=TEMPERATURE)[0]["log_probs"]
     loss = engine.eval_loss([batch], temperature=TEMPERATURE)["loss"]
     untempered = engine.eval_loss([batch])["loss"]

@@ -66,8 +66,7 @@ def test_batch_round_trip_through_dataproto_survives_row_operations():
 
 
 def test_dataproto_without_tensors_round_trips_to_batch_none():
-    original = DataProto.from_dict(non_tensors={"uid": np.array(["a", "b", "c"], dtype=object)},
-                                   meta_info={"k": 1})
+    original = DataProto.from_dict(non_tensors={"uid": np.array(["a", "b", "c"], dtype=object)}, meta_info={"k": 1})
     batch = batch_from_dataproto(original)
     assert len(batch) == 3 and batch.tensor_keys == []
     _assert_same_dataproto(batch_to_dataproto(batch), original)

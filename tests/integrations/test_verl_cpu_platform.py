@@ -43,15 +43,29 @@ def _free_port() -> int:
 
 
 def _run_ranks(world_size: int, external_modules: str | None) -> list[subprocess.CompletedProcess]:
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world_size),
-               PYTHONPATH=os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p),
-               OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    env = dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        WORLD_SIZE=str(world_size),
+        PYTHONPATH=os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p),
+        OMP_NUM_THREADS="1",
+        CUDA_VISIBLE_DEVICES="",
+    )
     env.pop("VERL_USE_EXTERNAL_MODULES", None)
     env.pop("VERL_PLATFORM", None)
     if external_modules:
         env["VERL_USE_EXTERNAL_MODULES"] = external_modules
-    procs = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT], env=dict(env, RANK=str(r)),
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world_size)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK_SCRIPT],
+            env=dict(env, RANK=str(r)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(world_size)
+    ]
     results = []
     for proc in procs:
         try:

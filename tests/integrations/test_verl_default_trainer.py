@@ -104,8 +104,7 @@ def test_patch_replaces_the_v1_trainers_balance_batch_and_undo_restores_it(v1_tr
 def test_v1_balance_batch_keeps_every_row_and_balances_at_least_as_well_as_verl(v1_trainer_base, seed):
     dp_size, num_rows = 4, 32
     rng = np.random.default_rng(seed)
-    lengths = np.where(rng.random(num_rows) < 0.2, rng.integers(2000, 4000, num_rows),
-                       rng.integers(20, 400, num_rows))
+    lengths = np.where(rng.random(num_rows) < 0.2, rng.integers(2000, 4000, num_rows), rng.integers(20, 400, num_rows))
     theirs = v1_trainer_base.PPOTrainer._balance_batch(_V1Trainer(dp_size), _KVBatch(lengths), metrics={})
     metrics = {}
     with integration.patch_verl():
@@ -165,8 +164,9 @@ def test_packer_heaviest_micro_batch_is_never_above_verls_at_verls_count(mu, sig
         ours = _heaviest_micro_batch(lengths, cap, integration.rearrange_micro_batches, count)
         assert ours <= theirs * (1 + 1e-12), (trial, ours, theirs)
         # negative control: weighing by tokens (the packer's old default) is measurably worse
-        by_tokens = _heaviest_micro_batch(lengths, cap, partial(integration.rearrange_micro_batches,
-                                                                 workload="tokens"), count)
+        by_tokens = _heaviest_micro_batch(
+            lengths, cap, partial(integration.rearrange_micro_batches, workload="tokens"), count
+        )
         by_tokens_worse += by_tokens > theirs * (1 + 1e-9)
     assert by_tokens_worse >= 6
 
@@ -186,8 +186,11 @@ def test_external_modules_env_patches_verl_on_import_without_importing_trainers_
               ray_trainer.RayPPOTrainer._balance_batch.__module__)
         """
     )
-    env = dict(os.environ, VERL_USE_EXTERNAL_MODULES=AUTOPATCH,
-               PYTHONPATH=os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p))
+    env = dict(
+        os.environ,
+        VERL_USE_EXTERNAL_MODULES=AUTOPATCH,
+        PYTHONPATH=os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p),
+    )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     early, partition, packer, trainer = out.stdout.split()[-4:]

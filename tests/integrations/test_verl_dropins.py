@@ -106,12 +106,12 @@ def test_partitions_never_empty_with_zero_cost_items():
     divided_by=st.one_of(st.none(), st.integers(min_value=1, max_value=3)),
     balance_order=st.booleans(),
 )
-def test_micro_batches_respect_cap_cover_every_row_and_match_indices(lengths, cap_slack, min_num, divided_by,
-                                                                     balance_order):
+def test_micro_batches_respect_cap_cover_every_row_and_match_indices(
+    lengths, cap_slack, min_num, divided_by, balance_order
+):
     batch = _padded_batch(lengths, width=64)
     cap = 64 + cap_slack  # verl requires max_token_len >= padded width
-    kwargs = dict(min_num_micro_batch=min_num, num_batches_divided_by=divided_by,
-                  use_dynamic_bsz_balance=balance_order)
+    kwargs = dict(min_num_micro_batch=min_num, num_batches_divided_by=divided_by, use_dynamic_bsz_balance=balance_order)
     try:
         micro_batches, indices = integration.rearrange_micro_batches(batch, cap, **kwargs)
     except BalanceInputError:

@@ -80,8 +80,9 @@ def test_every_dp_rank_gets_the_same_number_of_capped_micro_batches(rank_results
         assert counts[0] % kwargs["num_batches_divided_by"] == 0
 
 
-@pytest.mark.parametrize("case, error", [("overlong_on_one_rank", "OverlongSampleError"),
-                                         ("too_few_rows_on_one_rank", "TooFewSamplesError")])
+@pytest.mark.parametrize(
+    "case, error", [("overlong_on_one_rank", "OverlongSampleError"), ("too_few_rows_on_one_rank", "TooFewSamplesError")]
+)
 def test_a_fatal_condition_on_one_rank_raises_on_every_rank(rank_results, case, error):
     assert [results[case] for results in rank_results] == [("error", error)] * WORLD
 

@@ -59,7 +59,20 @@ def test_cycle_finder_finds_a_planted_cycle_negative_control():
 
 
 def test_facade_keeps_the_public_names():
-    for name in ("get_seqlen_balanced_partitions", "rearrange_micro_batches", "get_reverse_idx", "patch_verl",
-                 "VerlPatch", "balance_batch", "batch_from_dataproto", "batch_to_dataproto", "batch_from_tensordict",
-                 "loss_counts", "agg_loss", "LossCounts", "workload_from_hf_config", "VerlNotInstalledError"):
+    for name in (
+        "get_seqlen_balanced_partitions",
+        "rearrange_micro_batches",
+        "get_reverse_idx",
+        "patch_verl",
+        "VerlPatch",
+        "balance_batch",
+        "batch_from_dataproto",
+        "batch_to_dataproto",
+        "batch_from_tensordict",
+        "loss_counts",
+        "agg_loss",
+        "LossCounts",
+        "workload_from_hf_config",
+        "VerlNotInstalledError",
+    ):
         assert callable(getattr(facade, name)), name

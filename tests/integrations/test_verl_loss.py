@@ -57,24 +57,25 @@ def test_summed_loss_equals_single_batch_reference_for_every_layout(mode):
         counts = LossCounts(sum(c.num_tokens for c in per_rank), sum(c.num_sequences for c in per_rank))
         total = sum(
             float(agg_loss(loss[mb], mask[mb], mode, counts=counts, loss_scale_factor=SCALE))
-            for rank in layout for mb in rank
+            for rank in layout
+            for mb in rank
         )
         assert total == pytest.approx(_reference(loss, mask, mode), rel=1e-6, abs=1e-12)
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
 def test_verls_local_normalisation_is_layout_dependent_negative_control(mode):
-    core_algos = pytest.importorskip("verl.trainer.ppo.core_algos", reason="verl is not installed; "
-                                     "install the extra: pip install 'verl-balance[verl]'")
+    core_algos = pytest.importorskip(
+        "verl.trainer.ppo.core_algos",
+        reason="verl is not installed; install the extra: pip install 'verl-balance[verl]'",
+    )
     verl_agg_loss = core_algos.agg_loss
 
     loss, mask = _global_batch(seed=3)
     layout = [[np.arange(0, 2), np.arange(2, 6)], [np.arange(6, 12)]]
     dp = len(layout)
     # legacy actor: each micro-batch normalised locally, divided by grad-accumulation steps, DP-averaged
-    verl_logged = sum(
-        float(verl_agg_loss(loss[mb], mask[mb], mode)) / len(rank) for rank in layout for mb in rank
-    ) / dp
+    verl_logged = sum(float(verl_agg_loss(loss[mb], mask[mb], mode)) / len(rank) for rank in layout for mb in rank) / dp
     counts = loss_counts([mask[mb] for rank in layout for mb in rank])
     ours = sum(float(agg_loss(loss[mb], mask[mb], mode, counts=counts)) for rank in layout for mb in rank)
     reference = _reference(loss, mask, mode)

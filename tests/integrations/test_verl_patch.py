@@ -20,8 +20,8 @@ from verl import DataProto  # noqa: E402
 from verl_balance.balance import FlopsWorkload  # noqa: E402
 from verl_balance.integrations import verl as integration  # noqa: E402
 from verl_balance.integrations.verl.state import PATCH_STATE  # noqa: E402
-from verl_balance.integrations.verl.workload import VerlWorkload  # noqa: E402
 from verl_balance.integrations.verl.trainer_balance import balanced_balance_batch  # noqa: E402
+from verl_balance.integrations.verl.workload import VerlWorkload  # noqa: E402
 
 TARGETS = [
     (verl_sb, "get_seqlen_balanced_partitions"),
@@ -84,14 +84,20 @@ class _StubTrainer:
     """The attributes RayPPOTrainer._balance_batch reads, without Ray."""
 
     def __init__(self, model_path, dp_size, mini_batch_size=8, n=1, use_dynamic_bsz=False):
-        self.config = OmegaConf.create({
-            "actor_rollout_ref": {
-                "model": {"path": str(model_path)},
-                "actor": {"ppo_mini_batch_size": mini_batch_size, "use_dynamic_bsz": use_dynamic_bsz,
-                          "ppo_max_token_len_per_gpu": 4096, "ulysses_sequence_parallel_size": 1},
-                "rollout": {"n": n},
+        self.config = OmegaConf.create(
+            {
+                "actor_rollout_ref": {
+                    "model": {"path": str(model_path)},
+                    "actor": {
+                        "ppo_mini_batch_size": mini_batch_size,
+                        "use_dynamic_bsz": use_dynamic_bsz,
+                        "ppo_max_token_len_per_gpu": 4096,
+                        "ulysses_sequence_parallel_size": 1,
+                    },
+                    "rollout": {"n": n},
+                }
             }
-        })
+        )
         self.actor_rollout_wg = object()
         self._dp_size = dp_size
 
@@ -104,8 +110,12 @@ def llama_dir(tmp_path_factory):
     transformers = pytest.importorskip("transformers")
     path = tmp_path_factory.mktemp("llama")
     transformers.LlamaConfig(
-        vocab_size=1000, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=4,
+        vocab_size=1000,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
     ).save_pretrained(path)
     return path
 
@@ -142,13 +152,21 @@ def _sync_cost_after_worker_split(batch, dp_size, cap, workload, rearrange):
 
 def test_workload_is_built_from_the_actor_model_config(llama_dir):
     workload = integration.workload_of_actor(_StubTrainer(llama_dir, dp_size=2))
-    assert workload == FlopsWorkload(num_layers=4, hidden_size=256, intermediate_size=688, num_heads=8,
-                                     num_kv_heads=4, vocab_size=1000, head_dim=workload.head_dim)
+    assert workload == FlopsWorkload(
+        num_layers=4,
+        hidden_size=256,
+        intermediate_size=688,
+        num_heads=8,
+        num_kv_heads=4,
+        vocab_size=1000,
+        head_dim=workload.head_dim,
+    )
 
 
 @pytest.mark.parametrize("keep_minibatch, use_dynamic_bsz", [(False, False), (True, False), (False, True)])
-def test_balance_batch_keeps_every_row_and_balances_verls_workload_at_least_as_well(llama_dir, keep_minibatch,
-                                                                                    use_dynamic_bsz):
+def test_balance_batch_keeps_every_row_and_balances_verls_workload_at_least_as_well(
+    llama_dir, keep_minibatch, use_dynamic_bsz
+):
     dp_size, num_rows = 4, 32
     trainer = _StubTrainer(llama_dir, dp_size=dp_size, mini_batch_size=16, use_dynamic_bsz=use_dynamic_bsz)
     flops = VerlWorkload()  # the model both our DP partition and our packer weigh by by default
@@ -160,11 +178,11 @@ def test_balance_batch_keeps_every_row_and_balances_verls_workload_at_least_as_w
     with integration.patch_verl():
         ray_trainer.RayPPOTrainer._balance_batch(trainer, ours, metrics=metrics, keep_minibatch=keep_minibatch)
     assert sorted(ours.batch["row_id"].tolist()) == list(range(num_rows))
-    for key, column in ours.non_tensor_batch.items():  # non-tensors moved with their rows
+    for column in ours.non_tensor_batch.values():  # non-tensors moved with their rows
         assert list(column) == [f"p{i // 4}" for i in ours.batch["row_id"].tolist()]
     if keep_minibatch:  # every mini-batch keeps its own rows
         for r in range(dp_size):
-            share = ours.batch["row_id"][r * 8:(r + 1) * 8].tolist()
+            share = ours.batch["row_id"][r * 8 : (r + 1) * 8].tolist()
             assert all(i < 16 for i in share[:4]) and all(i >= 16 for i in share[4:]), share
     if use_dynamic_bsz:
         # what the workers then run: each chunk re-split by rearrange_micro_batches (ours once patched)

@@ -36,18 +36,26 @@ def worker_group():
     started_here = not ray.is_initialized()
     if started_here:
         python_path = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
-        ray.init(num_cpus=NUM_WORKERS, include_dashboard=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": python_path, "OMP_NUM_THREADS": "1",
-                                           "VERL_BALANCE_NUM_THREADS": "1",
-                                           # what docs/verl.md tells users to export: verl imports it
-                                           # inside `import verl` in every process
-                                           "VERL_USE_EXTERNAL_MODULES": AUTOPATCH}})
-    config = ActorWorkerConfig(model=ModelConfig.preset("tiny"),
-                               engine=EngineConfig(optim=OptimConfig(lr=1e-2), seed=0))
+        ray.init(
+            num_cpus=NUM_WORKERS,
+            include_dashboard=False,
+            runtime_env={
+                "env_vars": {
+                    "PYTHONPATH": python_path,
+                    "OMP_NUM_THREADS": "1",
+                    "VERL_BALANCE_NUM_THREADS": "1",
+                    # what docs/verl.md tells users to export: verl imports it
+                    # inside `import verl` in every process
+                    "VERL_USE_EXTERNAL_MODULES": AUTOPATCH,
+                }
+            },
+        )
+    config = ActorWorkerConfig(
+        model=ModelConfig.preset("tiny"), engine=EngineConfig(optim=OptimConfig(lr=1e-2), seed=0)
+    )
     # max_colocate_count=1: one CPU per bundle (verl's default reserves 10 CPUs per worker).
     pool = RayResourcePool([NUM_WORKERS], use_gpu=False, max_colocate_count=1)
-    cls = RayClassWithInitArgs(cls=ray.remote(integration.VerlActorWorker), config=config,
-                               micro_batch_size_per_gpu=2)
+    cls = RayClassWithInitArgs(cls=ray.remote(integration.VerlActorWorker), config=config, micro_batch_size_per_gpu=2)
     group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=cls, device_name="cpu")
     group.init_model()
     group.started_ray_here = started_here
@@ -89,8 +97,10 @@ def test_external_modules_env_patches_verl_in_every_ray_worker(worker_group):
 
         return {engine_utils.rearrange_micro_batches.__module__, ray_trainer.RayPPOTrainer._balance_batch.__module__}
 
-    assert ray.get(patched_names.remote()) == {"verl_balance.integrations.verl.seqlen",
-                                               "verl_balance.integrations.verl.trainer_balance"}
+    assert ray.get(patched_names.remote()) == {
+        "verl_balance.integrations.verl.seqlen",
+        "verl_balance.integrations.verl.trainer_balance",
+    }
 
 
 def test_log_probs_are_layout_invariant_and_in_input_order(worker_group):

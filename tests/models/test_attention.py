@@ -20,9 +20,9 @@ def brute_force(q, k, v, lengths, *, scaling, window):
         for head in range(q.shape[1]):
             for t in range(length):
                 lo = 0 if window is None else max(0, t - window + 1)
-                keys = k[start + lo:start + t + 1, head // group]
+                keys = k[start + lo : start + t + 1, head // group]
                 scores = keys @ q[start + t, head] * scaling
-                out[start + t, head] = torch.softmax(scores, 0) @ v[start + lo:start + t + 1, head // group]
+                out[start + t, head] = torch.softmax(scores, 0) @ v[start + lo : start + t + 1, head // group]
         start += length
     return out
 
@@ -36,8 +36,9 @@ def test_packed_attention_equals_brute_force(impl, window, scaling):
     q = torch.randn(sum(lengths), 4, 8)
     k, v = torch.randn(sum(lengths), 2, 8), torch.randn(sum(lengths), 2, 8)
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
-    got = packed_attention(q, k, v, cu_seqlens=cu, max_seqlen=max(lengths), impl=impl, scaling=scaling,
-                           sliding_window=window)
+    got = packed_attention(
+        q, k, v, cu_seqlens=cu, max_seqlen=max(lengths), impl=impl, scaling=scaling, sliding_window=window
+    )
     expected = brute_force(q, k, v, lengths, scaling=1 / math.sqrt(8) if scaling is None else scaling, window=window)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     # Negative control: the default scaling differs from 0.37, the full window from 3.

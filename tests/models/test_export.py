@@ -28,8 +28,11 @@ def _micro_batches(vocab_size: int, rank: int):
 
 def _train_and_save(rank, *, path: str, ckpt: str):
     config = HFModelConfig.from_pretrained(path)
-    engine = TrainEngine(model_config=config, layout=ParallelLayout(dp=2, sp=1, device_type="cpu"),
-                         engine_config=EngineConfig(optim=OptimConfig(lr=1e-2), total_steps=2))
+    engine = TrainEngine(
+        model_config=config,
+        layout=ParallelLayout(dp=2, sp=1, device_type="cpu"),
+        engine_config=EngineConfig(optim=OptimConfig(lr=1e-2), total_steps=2),
+    )
     before = engine.full_state_dict()
     for _ in range(2):
         engine.train_step(_micro_batches(config.vocab_size, rank))
@@ -85,8 +88,9 @@ def test_export_errors_name_what_is_missing(tiny_model_dirs, tmp_path):
         export_checkpoint(str(tmp_path), str(tmp_path / "out"))
     config = HFModelConfig.from_pretrained(tiny_model_dirs["llama"])
     with pytest.raises(ExportError, match="missing"):
-        save_hf_pretrained({"model.norm.weight": torch.ones(config.hidden_size)}, model_config=config,
-                           out=str(tmp_path / "bad"))
+        save_hf_pretrained(
+            {"model.norm.weight": torch.ones(config.hidden_size)}, model_config=config, out=str(tmp_path / "bad")
+        )
 
 
 @pytest.mark.parametrize("tie", [False, True])

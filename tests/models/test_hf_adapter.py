@@ -37,7 +37,7 @@ def _max_error_vs_per_sequence(adapter: HFCausalLM, reference, *, train: bool = 
     with torch.no_grad():
         for i, seq in enumerate(seqs):
             alone = reference(input_ids=seq[None], use_cache=False).logits[0]
-            got = packed[cu[i]:cu[i + 1]].detach()
+            got = packed[cu[i] : cu[i + 1]].detach()
             excess = (got - alone).abs() - (ATOL + RTOL * alone.abs())
             worst = max(worst, float(excess.max()))
     return worst
@@ -72,8 +72,11 @@ def test_sliding_window_is_honoured_not_ignored(tiny_model_dirs, monkeypatch, im
     assert cfg.sliding_window == 6 < max(LENGTHS)
     adapter, reference = HFCausalLM(cfg, attn_impl=impl), build_hf_model(cfg, attn_implementation="sdpa")
     real = attention_module.varlen_causal_attention
-    monkeypatch.setattr(attention_module, "varlen_causal_attention",
-                        lambda *a, sliding_window=None, **kw: real(*a, sliding_window=None, **kw))
+    monkeypatch.setattr(
+        attention_module,
+        "varlen_causal_attention",
+        lambda *a, sliding_window=None, **kw: real(*a, sliding_window=None, **kw),
+    )
     assert _max_error_vs_per_sequence(adapter, reference) > 0
 
 
@@ -106,7 +109,7 @@ def test_use_cache_default_does_not_disable_packed_masking(tiny_model_dirs):
         hf_packed = reference(input_ids=inputs["input_ids"][None], position_ids=inputs["position_ids"][None]).logits[0]
         alone = reference(input_ids=seqs[1][None], use_cache=False).logits[0]
     cu = inputs["cu_seqlens"]
-    assert not torch.allclose(hf_packed[cu[1]:cu[2]], alone, rtol=RTOL, atol=ATOL)  # the trap
+    assert not torch.allclose(hf_packed[cu[1] : cu[2]], alone, rtol=RTOL, atol=ATOL)  # the trap
     adapter = HFCausalLM(cfg)
     assert adapter.hf_model.config.use_cache is True
     assert _max_error_vs_per_sequence(adapter, reference, train=True) <= 0
@@ -120,8 +123,9 @@ def test_all_ones_2d_mask_trap_does_not_reach_the_adapter(tiny_model_dirs):
     ids, pos = inputs["input_ids"][None], inputs["position_ids"][None]
     with torch.no_grad():
         detected = reference(input_ids=ids, position_ids=pos, use_cache=False).logits[0]
-        masked = reference(input_ids=ids, position_ids=pos, use_cache=False,
-                           attention_mask=torch.ones_like(ids)).logits[0]
+        masked = reference(
+            input_ids=ids, position_ids=pos, use_cache=False, attention_mask=torch.ones_like(ids)
+        ).logits[0]
     assert not torch.allclose(detected, masked, rtol=RTOL, atol=ATOL)  # the trap
     with pytest.raises(TypeError):
         HFCausalLM(cfg)(**inputs, attention_mask=torch.ones_like(ids))
@@ -135,8 +139,9 @@ def test_scaling_comes_from_the_model_not_from_hidden_over_heads(tiny_model_dirs
     assert _max_error_vs_per_sequence(adapter, reference) <= 0
     real = attention_module.packed_attention
     wrong = (cfg.hidden_size // cfg.num_heads) ** -0.5
-    monkeypatch.setattr(attention_module, "packed_attention",
-                        lambda *a, scaling=None, **kw: real(*a, scaling=wrong, **kw))
+    monkeypatch.setattr(
+        attention_module, "packed_attention", lambda *a, scaling=None, **kw: real(*a, scaling=wrong, **kw)
+    )
     assert _max_error_vs_per_sequence(adapter, reference) > 0
 
 
@@ -197,13 +202,20 @@ def test_unsupported_model_type_is_rejected_naming_it_and_the_list(tmp_path):
 
 
 def test_load_model_config_picks_preset_or_hf_and_checks_keys(tiny_model_dirs):
-    preset = load_model_config(name="tiny", path=None, overrides={"num_layers": 3, "hidden_size": None},
-                               vocab_size=100)
+    preset = load_model_config(name="tiny", path=None, overrides={"num_layers": 3, "hidden_size": None}, vocab_size=100)
     assert isinstance(preset, ModelConfig) and preset.num_layers == 3 and preset.vocab_size == 100
     hf = load_model_config(name="tiny", path=tiny_model_dirs["qwen3"], overrides={"init": "random"}, vocab_size=100)
     assert isinstance(hf, HFModelConfig) and hf.model_type == "qwen3" and hf.init == "random"
-    for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
-                "intermediate_size", "max_position_embeddings"):
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "intermediate_size",
+        "max_position_embeddings",
+    ):
         assert isinstance(getattr(hf, key), int) and isinstance(getattr(preset, key), int)
     assert set(hf.to_dict()) >= {"vocab_size", "num_layers", "head_dim"}
     with pytest.raises(ModelConfigError, match="num_layers"):

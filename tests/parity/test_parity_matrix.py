@@ -32,19 +32,18 @@ def parity_results():
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", PARITY_LAYOUTS, ids=lambda lay: f"dp{lay[0]}_sp{lay[1]}")
 def test_every_matrix_cell_matches_the_single_process_reference(parity_results, layout):
-    cells = [r for r in parity_results if r.layout == layout and r.case.bug is None
-             and r.case.fsdp == "default"]
+    cells = [r for r in parity_results if r.layout == layout and r.case.bug is None and r.case.fsdp == "default"]
     assert len(cells) == len(matrix_cases())
     failed = [r for r in cells if not r.passed]
     assert not failed, "\n" + format_table(failed)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [lay for lay in PARITY_LAYOUTS if lay[0] * lay[1] > 1],
-                         ids=lambda lay: f"dp{lay[0]}_sp{lay[1]}")
+@pytest.mark.parametrize(
+    "layout", [lay for lay in PARITY_LAYOUTS if lay[0] * lay[1] > 1], ids=lambda lay: f"dp{lay[0]}_sp{lay[1]}"
+)
 def test_deferred_sync_and_unsharded_steps_match_the_single_process_reference(parity_results, layout):
-    cells = [r for r in parity_results if r.layout == layout and r.case.bug is None
-             and r.case.fsdp != "default"]
+    cells = [r for r in parity_results if r.layout == layout and r.case.bug is None and r.case.fsdp != "default"]
     assert len(cells) == len(fsdp_cases()) and {c.case.fsdp for c in cells} == set(FSDP_VARIANTS) - {"default"}
     failed = [r for r in cells if not r.passed]
     assert not failed, "\n" + format_table(failed)

@@ -33,9 +33,12 @@ def _adapter_logits(config: HFModelConfig, state_dict, sequences):
     model.load_state_dict(state_dict)
     lengths = [len(s) for s in sequences]
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor([t for s in sequences for t in s]),
-                       position_ids=torch.cat([torch.arange(n) for n in lengths]),
-                       cu_seqlens=torch.tensor([0] + lengths).cumsum(0), max_seqlen=max(lengths))
+        logits = model(
+            input_ids=torch.tensor([t for s in sequences for t in s]),
+            position_ids=torch.cat([torch.arange(n) for n in lengths]),
+            cu_seqlens=torch.tensor([0] + lengths).cumsum(0),
+            max_seqlen=max(lengths),
+        )
     return list(logits.split(lengths))
 
 
@@ -49,7 +52,7 @@ def test_cached_greedy_generation_equals_uncached_recompute(model_dirs, variant)
     for prompt, response in zip(PROMPTS, out.response_token_lists()):
         with torch.no_grad():  # one unpadded sequence, no cache
             logits = rollout.model(input_ids=torch.tensor([prompt + response]), use_cache=False).logits[0]
-        assert logits[len(prompt) - 1:-1].argmax(-1).tolist() == response
+        assert logits[len(prompt) - 1 : -1].argmax(-1).tolist() == response
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -74,10 +77,12 @@ def test_batching_and_stop_tokens_match_one_at_a_time(model_dirs):
     config = HFModelConfig.from_pretrained(model_dirs["qwen2"])
     together = HFRollout(model_config=config).generate(PROMPTS, temperature=0.0, max_response_length=8)
     stop = together.response_token_lists()[0][2]
-    together = HFRollout(model_config=config).generate(PROMPTS, temperature=0.0, max_response_length=8,
-                                                       stop_token_ids=[stop])
-    alone = HFRollout(model_config=config, max_batch_size=1).generate(PROMPTS, temperature=0.0,
-                                                                      max_response_length=8, stop_token_ids=[stop])
+    together = HFRollout(model_config=config).generate(
+        PROMPTS, temperature=0.0, max_response_length=8, stop_token_ids=[stop]
+    )
+    alone = HFRollout(model_config=config, max_batch_size=1).generate(
+        PROMPTS, temperature=0.0, max_response_length=8, stop_token_ids=[stop]
+    )
     assert torch.equal(together.responses, alone.responses)
     torch.testing.assert_close(together.log_probs, alone.log_probs, rtol=1e-5, atol=1e-5)
     assert together.finish_reasons[0] == "stop" and together.response_lengths[0] == 3

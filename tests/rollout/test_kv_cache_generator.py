@@ -12,8 +12,16 @@ PROMPTS = [[5, 17, 3, 9, 1], [2], [40, 41, 42], [7, 7, 7, 7, 7, 7, 7], [99, 3]]
 
 
 def _config(*, tie: bool = False) -> ModelConfig:
-    return ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                       num_kv_heads=2, max_position_embeddings=64, tie_word_embeddings=tie)
+    return ModelConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tie,
+    )
 
 
 def _random_state_dict(config: ModelConfig, *, seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:
@@ -91,8 +99,14 @@ def test_tiny_top_p_equals_greedy():
 
 def test_build_rollout_tensors_is_token_aligned():
     rollout = _rollout()
-    out = rollout.generate([[3, 4, 5], [6]], n=2, temperature=1.0, max_response_length=4, seed=0,
-                           stop_token_ids=[int(t) for t in range(0, 128, 3)])
+    out = rollout.generate(
+        [[3, 4, 5], [6]],
+        n=2,
+        temperature=1.0,
+        max_response_length=4,
+        seed=0,
+        stop_token_ids=[int(t) for t in range(0, 128, 3)],
+    )
     tensors = build_rollout_tensors(prompts=[[3, 4, 5], [6]], output=out)
     for row, (prompt_id, response) in enumerate(zip(out.prompt_index, out.response_token_lists())):
         prompt = [[3, 4, 5], [6]][prompt_id]
@@ -101,8 +115,9 @@ def test_build_rollout_tensors_is_token_aligned():
         assert tensors["attention_mask"][row].tolist() == [1] * n_real + [0] * (tensors["input_ids"].shape[1] - n_real)
         assert tensors["loss_mask"][row].nonzero().flatten().tolist() == list(range(len(prompt), n_real))
         assert tensors["position_ids"][row, :n_real].tolist() == list(range(n_real))
-        torch.testing.assert_close(tensors["rollout_log_probs"][row, len(prompt):n_real],
-                                   out.log_probs[row, : len(response)])
+        torch.testing.assert_close(
+            tensors["rollout_log_probs"][row, len(prompt) : n_real], out.log_probs[row, : len(response)]
+        )
         assert (tensors["rollout_log_probs"][row][tensors["loss_mask"][row] == 0] == 0).all()
 
 

@@ -25,12 +25,22 @@ SAMPLING = dict(n=3, temperature=1.5, top_p=0.9, max_response_length=10)
 
 
 def _kv_cache_rollout(**kwargs) -> KVCacheRollout:
-    config = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                         num_kv_heads=2, max_position_embeddings=64)
+    config = ModelConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        max_position_embeddings=64,
+    )
     gen = torch.Generator().manual_seed(0)
-    state = {name: (1 + 0.1 * torch.randn(shape, generator=gen)) if name.endswith("norm.weight")
-             else torch.randn(shape, generator=gen) / shape[-1] ** 0.5 * 1.5
-             for name, shape in expected_state_dict_shapes(config).items()}
+    state = {
+        name: (1 + 0.1 * torch.randn(shape, generator=gen))
+        if name.endswith("norm.weight")
+        else torch.randn(shape, generator=gen) / shape[-1] ** 0.5 * 1.5
+        for name, shape in expected_state_dict_shapes(config).items()
+    }
     return KVCacheRollout(model_config=config, state_dict=state, **kwargs)
 
 
@@ -87,7 +97,7 @@ def test_batched_call_with_per_prompt_seeds_equals_one_call_per_prompt(make_roll
         _assert_same_rows(batched, i, alone)
     # The draws are really random: the 3 responses of a prompt are not all one (greedy) response.
     responses = batched.response_token_lists()
-    assert any(len({tuple(r) for r in responses[3 * i:3 * i + 3]}) > 1 for i in range(len(PROMPTS)))
+    assert any(len({tuple(r) for r in responses[3 * i : 3 * i + 3]}) > 1 for i in range(len(PROMPTS)))
 
 
 def test_a_prompts_responses_ignore_the_rest_of_the_call_and_the_shared_seed_does_not(make_rollout):
@@ -160,8 +170,9 @@ def test_evenly_spaced_uniforms_hit_each_token_in_proportion_to_its_renormalised
 def test_extreme_uniforms_never_pick_a_zero_probability_token():
     logits = torch.tensor([[0.0, 0.0, float("-inf"), float("-inf")], [float("-inf"), 0.0, 0.0, float("-inf")]])
     for u in (0.0, 1 - 2**-53):
-        tokens, _ = sample_next_tokens(logits, temperature=1.0, top_p=1.0,
-                                       uniforms=torch.full((2,), u, dtype=torch.float64))
+        tokens, _ = sample_next_tokens(
+            logits, temperature=1.0, top_p=1.0, uniforms=torch.full((2,), u, dtype=torch.float64)
+        )
         assert tokens.tolist() == ([0, 1] if u == 0 else [1, 2])
 
 
@@ -170,8 +181,10 @@ def test_each_row_is_decided_by_its_own_uniform_alone():
     logits = torch.randn(6, 50, generator=gen) * 3
     uniforms = torch.rand(6, generator=gen, dtype=torch.float64)
     together, _ = sample_next_tokens(logits, temperature=0.8, top_p=0.9, uniforms=uniforms)
-    alone = [sample_next_tokens(logits[r:r + 1], temperature=0.8, top_p=0.9, uniforms=uniforms[r:r + 1])[0].item()
-             for r in range(6)]
+    alone = [
+        sample_next_tokens(logits[r : r + 1], temperature=0.8, top_p=0.9, uniforms=uniforms[r : r + 1])[0].item()
+        for r in range(6)
+    ]
     assert together.tolist() == alone
 
 
@@ -180,9 +193,15 @@ def test_blocked_row_streams_read_each_rows_stream_in_order_as_rows_finish():
 
     seeds, n, steps = [3, 2**64 - 1], 2, 10
     # Reference: the documented stream of row (prompt i, response k), read in one go.
-    expected = torch.tensor(np.stack([
-        np.random.Generator(np.random.Philox(np.random.SeedSequence([seed, k]))).random(steps)
-        for seed in seeds for k in range(n)]))
+    expected = torch.tensor(
+        np.stack(
+            [
+                np.random.Generator(np.random.Philox(np.random.SeedSequence([seed, k]))).random(steps)
+                for seed in seeds
+                for k in range(n)
+            ]
+        )
+    )
     uniforms = RowRandomStreams(seeds=seeds, n=n).for_rows(1, 3, device=torch.device("cpu"), block_steps=3)
     running = torch.arange(3)  # call rows 1, 2, 3
     for step in range(steps):

@@ -46,10 +46,12 @@ def _dp_chunks(dp: int, step: int) -> list:
     chunks = []
     for d in range(dp):
         part = slice(d * rows_per_dp, (d + 1) * rows_per_dp)
-        chunks.append(Batch.from_dict(
-            tensors={"input_ids": ids[part], "attention_mask": mask[part], "loss_mask": loss_mask[part]},
-            meta={MICRO_BATCH_SIZES_KEY: [rows_per_dp // 2, rows_per_dp - rows_per_dp // 2]},
-        ))
+        chunks.append(
+            Batch.from_dict(
+                tensors={"input_ids": ids[part], "attention_mask": mask[part], "loss_mask": loss_mask[part]},
+                meta={MICRO_BATCH_SIZES_KEY: [rows_per_dp // 2, rows_per_dp - rows_per_dp // 2]},
+            )
+        )
     return chunks
 
 

@@ -23,8 +23,14 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 def run_scenario(name: str, timeout_s: float = 900) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)}
     env.pop("RAY_ADDRESS", None)
-    result = subprocess.run([sys.executable, "-m", "tests.single_controller.cluster_scenarios", name],
-                            capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=timeout_s)
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.single_controller.cluster_scenarios", name],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO_ROOT,
+        timeout=timeout_s,
+    )
     lines = [line for line in result.stdout.splitlines() if line.startswith("RESULT ")]
     output = f"{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
     assert result.returncode == 0 and lines, f"scenario {name} failed:\n{output}"

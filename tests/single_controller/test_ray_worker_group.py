@@ -49,7 +49,12 @@ class ProbeWorker(Worker):
     def init_dist(self) -> dict:
         dist.init_process_group("gloo", init_method="env://", rank=self.rank, world_size=self.world_size)
         self.register_mesh("dp", dp_rank=self.rank, dp_size=self.world_size, is_collect=True)
-        self.register_mesh("dp_sp", dp_rank=self.rank // SP_SIZE, dp_size=self.world_size // SP_SIZE, is_collect=self.rank % SP_SIZE == 0)
+        self.register_mesh(
+            "dp_sp",
+            dp_rank=self.rank // SP_SIZE,
+            dp_size=self.world_size // SP_SIZE,
+            is_collect=self.rank % SP_SIZE == 0,
+        )
         total = torch.tensor([float(self.rank + 1)])
         dist.all_reduce(total)
         return {**self.get_rank_info(), "all_reduce_sum": total.item(), "tag": self.tag}
@@ -103,7 +108,9 @@ class ProbeWorker(Worker):
 
 
 def rows(n: int) -> Batch:
-    return Batch.from_dict(tensors={"x": torch.arange(n)}, non_tensors={"uid": [f"u{i}" for i in range(n)]}, meta={"step": 7})
+    return Batch.from_dict(
+        tensors={"x": torch.arange(n)}, non_tensors={"uid": [f"u{i}" for i in range(n)]}, meta={"step": 7}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +167,9 @@ def test_mesh_dispatch_of_a_balance_plan_round_trips_to_input_order(group):
 
 def test_unregistered_mesh_names_the_ranks(group):
     wg, _ = group
-    with pytest.raises(MeshLayoutError, match=r"worker rank\(s\) \[0, 1, 2, 3\] did not register mesh 'never_registered'"):
+    with pytest.raises(
+        MeshLayoutError, match=r"worker rank\(s\) \[0, 1, 2, 3\] did not register mesh 'never_registered'"
+    ):
         wg.unroutable(rows(4))
 
 
@@ -191,8 +200,10 @@ def test_infeasible_pool_fails_at_once_naming_asked_and_available(ray_cluster):
     asked = RAY_NUM_CPUS + 4
     pool = RayResourcePool(n_gpus_per_node=asked, use_gpu=False, placement_timeout_s=30)
     start = time.monotonic()
-    with pytest.raises(UnplaceableResourcePoolError,
-                       match=rf"Asked for 1 node\(s\) x {asked} bundle\(s\) of \{{CPU=1.0\}}.*CPU={RAY_NUM_CPUS}.0"):
+    with pytest.raises(
+        UnplaceableResourcePoolError,
+        match=rf"Asked for 1 node\(s\) x {asked} bundle\(s\) of \{{CPU=1.0\}}.*CPU={RAY_NUM_CPUS}.0",
+    ):
         pool.get_placement_groups()
     assert time.monotonic() - start < 10
 
@@ -202,8 +213,10 @@ def test_busy_pool_fails_within_its_timeout(group):
     free = RAY_NUM_CPUS - 4
     pool = RayResourcePool(n_gpus_per_node=free + 1, use_gpu=False, placement_timeout_s=1.5)
     start = time.monotonic()
-    with pytest.raises(UnplaceableResourcePoolError,
-                       match=rf"not placed within placement_timeout_s=1.5s.*currently free \{{CPU={free}.0"):
+    with pytest.raises(
+        UnplaceableResourcePoolError,
+        match=rf"not placed within placement_timeout_s=1.5s.*currently free \{{CPU={free}.0",
+    ):
         pool.get_placement_groups()
     elapsed = time.monotonic() - start
     assert 1.5 <= elapsed < 10

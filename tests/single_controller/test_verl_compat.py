@@ -98,8 +98,10 @@ class Accumulator(Worker):
 
 
 def _rows(n: int, *, auto_padding: bool = False) -> DataProto:
-    data = DataProto.from_dict(tensors={"x": torch.arange(n, dtype=torch.float32)},
-                               non_tensors={"uid": np.array([f"u{i}" for i in range(n)], dtype=object)})
+    data = DataProto.from_dict(
+        tensors={"x": torch.arange(n, dtype=torch.float32)},
+        non_tensors={"uid": np.array([f"u{i}" for i in range(n)], dtype=object)},
+    )
     if auto_padding:
         data.meta_info["_verl_auto_padding"] = True
     return data
@@ -186,8 +188,10 @@ def test_verl_modes_without_an_equivalent_raise_on_call_not_silently(our_group):
 
 
 def test_verl_registrations_translate_to_our_modes():
-    modes = {name: get_registration(getattr(Accumulator.__ray_actor_class__, name), name=name)
-             for name in ("add", "scale", "tag", "stamp", "count", "stamp_replicated", "first_rank")}
+    modes = {
+        name: get_registration(getattr(Accumulator.__ray_actor_class__, name), name=name)
+        for name in ("add", "scale", "tag", "stamp", "count", "stamp_replicated", "first_rank")
+    }
     assert modes["add"].dispatch_mode is ours.Dispatch.ONE_TO_ALL
     assert modes["scale"].dispatch_mode is ours.Dispatch.ALL_TO_ALL
     assert modes["tag"].dispatch_mode is ours.Dispatch.ALL_TO_ALL
@@ -196,7 +200,9 @@ def test_verl_registrations_translate_to_our_modes():
     assert modes["stamp_replicated"].dispatch_mode == ours.make_mesh_dispatch("replicated")
     # verl hands rank 0 the call's own arguments for ALL_TO_ALL + RANK_ZERO
     assert (modes["first_rank"].dispatch_mode, modes["first_rank"].execute_mode) == (
-        ours.Dispatch.ONE_TO_ALL, ours.Execute.RANK_ZERO)
+        ours.Dispatch.ONE_TO_ALL,
+        ours.Execute.RANK_ZERO,
+    )
 
 
 def test_our_register_accepts_verl_members_and_rejects_what_has_no_equivalent():
@@ -229,7 +235,12 @@ def test_dp_compute_proto_splits_a_dataproto_like_a_batch():
 def test_resource_pool_takes_verls_positional_constructor():
     pool = ours.RayResourcePool([2, 2], False, "prefix", 2)
     assert (pool.n_gpus_per_node, pool.nnodes, pool.use_gpu, pool.name_prefix, pool.max_colocate_count) == (
-        2, 2, False, "prefix", 2)
+        2,
+        2,
+        False,
+        "prefix",
+        2,
+    )
     assert pool.store == [2, 2] and pool.world_size == 4 and pool.local_rank_list() == [0, 1, 0, 1]
     keyword = ours.RayResourcePool(process_on_nodes=[3], use_gpu=False)
     assert (keyword.n_gpus_per_node, keyword.nnodes, keyword.max_colocate_count) == (3, 1, 1)
@@ -269,9 +280,12 @@ def test_worker_group_rejects_verl_options_it_cannot_honour_before_starting_anyt
 
     pool = ours.RayResourcePool([2], use_gpu=False)
     cia = ours.RayClassWithInitArgs(cls=Accumulator, offset=0.5)
-    for kwargs, match in [({"bin_pack": False}, "bin_pack=False"), ({"detached": True}, "detached=True"),
-                          ({"worker_names": ["a"]}, "attaching to existing"),
-                          ({"ray_wait_register_center_timeout": 5, "ready_timeout_s": 5}, "not both")]:
+    for kwargs, match in [
+        ({"bin_pack": False}, "bin_pack=False"),
+        ({"detached": True}, "detached=True"),
+        ({"worker_names": ["a"]}, "attaching to existing"),
+        ({"ray_wait_register_center_timeout": 5, "ready_timeout_s": 5}, "not both"),
+    ]:
         with pytest.raises(ours.WorkerGroupError, match=match):
             ours.RayWorkerGroup(pool, cia, **kwargs)
     assert pool.pgs is None  # nothing was placed
@@ -280,4 +294,8 @@ def test_worker_group_rejects_verl_options_it_cannot_honour_before_starting_anyt
     verl_cia.update_options({"max_concurrency": 2})
     coerced = ours.RayClassWithInitArgs.coerce(verl_cia)
     assert (coerced.cls, coerced.args, coerced.kwargs, coerced.options) == (
-        Accumulator.__ray_actor_class__, (0.5,), {"tag": "x"}, {"max_concurrency": 2})
+        Accumulator.__ray_actor_class__,
+        (0.5,),
+        {"tag": "x"},
+        {"max_concurrency": 2},
+    )

@@ -70,7 +70,9 @@ def test_dead_peer_is_reported_even_when_a_survivor_errors_first(ray_cluster):
     pool = RayResourcePool(n_gpus_per_node=2, use_gpu=False)
     wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(CrashingWorker))
     try:
-        with pytest.raises(WorkerDiedError, match="worker rank 1 .* died during CrashingWorker.raise_then_peer_dies") as info:
+        with pytest.raises(
+            WorkerDiedError, match="worker rank 1 .* died during CrashingWorker.raise_then_peer_dies"
+        ) as info:
             wg.raise_then_peer_dies()
         assert any("worker rank 0 raised meanwhile" in note for note in info.value.__notes__)
         assert isinstance(info.value.__cause__, RuntimeError)  # the survivor's error is kept as the cause

@@ -24,9 +24,14 @@ def compose_config(name: str, overrides: list[str]):
 def tiny_sft_overrides(tmp_path) -> list[str]:
     """A small, fast SFT setup on the synthetic task, shared data dir per test."""
     return [
-        "trainer.device=cpu", "model.name=tiny", "data.train_batch_size=16",
-        "data.synthetic.num_train=128", "data.synthetic.num_val=32",
-        f"data.synthetic.out_dir={tmp_path / 'data'}", "trainer.logger=[jsonl]", "trainer.plot=false",
-        f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.resume_mode=disable",
+        "trainer.device=cpu",
+        "model.name=tiny",
+        "data.train_batch_size=16",
+        "data.synthetic.num_train=128",
+        "data.synthetic.num_val=32",
+        f"data.synthetic.out_dir={tmp_path / 'data'}",
+        "trainer.logger=[jsonl]",
+        "trainer.plot=false",
+        f"trainer.default_local_dir={tmp_path / 'run'}",
+        "trainer.resume_mode=disable",
     ]
-

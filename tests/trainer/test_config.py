@@ -20,10 +20,26 @@ register_grpo_schema()
 
 # The optimizer settings the recipes ran with before the sections nested OptimConfig (read off
 # the old trainer schema defaults + YAML): behaviour must not change.
-SFT_RECIPE_OPTIM = dict(lr=1e-3, weight_decay=0.01, betas=[0.9, 0.95], eps=1e-8, clip_grad=1.0,
-                        warmup_steps_ratio=0.05, lr_scheduler="cosine", min_lr_ratio=0.1)
-GRPO_RECIPE_OPTIM = dict(lr=1e-4, weight_decay=0.0, betas=[0.9, 0.95], eps=1e-8, clip_grad=1.0,
-                         warmup_steps_ratio=0.0, lr_scheduler="constant", min_lr_ratio=0.1)
+SFT_RECIPE_OPTIM = dict(
+    lr=1e-3,
+    weight_decay=0.01,
+    betas=[0.9, 0.95],
+    eps=1e-8,
+    clip_grad=1.0,
+    warmup_steps_ratio=0.05,
+    lr_scheduler="cosine",
+    min_lr_ratio=0.1,
+)
+GRPO_RECIPE_OPTIM = dict(
+    lr=1e-4,
+    weight_decay=0.0,
+    betas=[0.9, 0.95],
+    eps=1e-8,
+    clip_grad=1.0,
+    warmup_steps_ratio=0.0,
+    lr_scheduler="constant",
+    min_lr_ratio=0.1,
+)
 
 
 def test_optim_sections_are_the_engine_optim_config():
@@ -36,15 +52,26 @@ def test_recipe_values_reach_the_engine_unchanged(recipe, expected):
     cfg = compose_config(recipe, [])
     if recipe == "sft":
         config = validate_sft(cfg)
-        optim, agg, scale, dtype, keys = (config.optim, config.loss_agg_mode, config.loss_scale_factor,
-                                          config.model.param_dtype, SFT_ENGINE_KEYS)
+        optim, agg, scale, dtype, keys = (
+            config.optim,
+            config.loss_agg_mode,
+            config.loss_scale_factor,
+            config.model.param_dtype,
+            SFT_ENGINE_KEYS,
+        )
     else:
         config = validate_grpo(cfg)
         actor = config.actor_rollout_ref.actor
-        optim, agg, scale, dtype, keys = (actor.optim, actor.loss_agg_mode, actor.loss_scale_factor,
-                                          config.actor_rollout_ref.model.param_dtype, GRPO_ENGINE_KEYS)
-    engine = build_engine_config(optim=optim, loss_agg_mode=agg, loss_scale_factor=scale, param_dtype=dtype,
-                                 seed=1, total_steps=100, keys=keys)
+        optim, agg, scale, dtype, keys = (
+            actor.optim,
+            actor.loss_agg_mode,
+            actor.loss_scale_factor,
+            config.actor_rollout_ref.model.param_dtype,
+            GRPO_ENGINE_KEYS,
+        )
+    engine = build_engine_config(
+        optim=optim, loss_agg_mode=agg, loss_scale_factor=scale, param_dtype=dtype, seed=1, total_steps=100, keys=keys
+    )
     assert dataclasses.asdict(engine.optim) == expected
     assert engine.warmup_steps == round(expected["warmup_steps_ratio"] * 100)
     assert (engine.loss_agg_mode, engine.param_dtype) == ("token-mean", "float32")
@@ -58,9 +85,16 @@ def test_sft_data_section_is_the_dataset_config():
 
 
 def test_actor_section_is_the_policy_loss_config():
-    config = validate_grpo(compose_config("grpo", [
-        "actor_rollout_ref.actor.clip_ratio_high=0.28", "actor_rollout_ref.actor.use_kl_loss=true",
-        "actor_rollout_ref.actor.kl_loss_type=k3"]))
+    config = validate_grpo(
+        compose_config(
+            "grpo",
+            [
+                "actor_rollout_ref.actor.clip_ratio_high=0.28",
+                "actor_rollout_ref.actor.use_kl_loss=true",
+                "actor_rollout_ref.actor.kl_loss_type=k3",
+            ],
+        )
+    )
     actor = config.actor_rollout_ref.actor
     assert isinstance(actor, PolicyLossConfig)
     assert actor.policy_loss() == PolicyLossConfig(clip_ratio_high=0.28, use_kl_loss=True, kl_loss_type="low_var_kl")
@@ -76,19 +110,25 @@ def test_balance_dp_token_false_is_rejected_naming_the_key(value):
             validate_sft(cfg)
 
 
-@pytest.mark.parametrize("recipe, override, key", [
-    ("sft", "optim.lr=0", "optim.lr"),
-    ("sft", "optim.betas=[0.9,1.5]", "optim.betas"),
-    ("sft", "model.param_dtype=fp8", "model.param_dtype"),
-    ("sft", "trainer.logger=[stdout]", "trainer.logger"),
-    ("sft", "data.use_dynamic_bsz=true", None),
-    ("grpo", "actor_rollout_ref.actor.optim.lr=0", "actor_rollout_ref.actor.optim.lr"),
-    ("grpo", "actor_rollout_ref.actor.clip_ratio_low=1.5", "actor_rollout_ref.actor.clip_ratio_low"),
-    ("grpo", "actor_rollout_ref.rollout.val_kwargs.temperature=-1",
-     "actor_rollout_ref.rollout.val_kwargs.temperature"),
-    ("grpo", "actor_rollout_ref.rollout.top_p=0", "actor_rollout_ref.rollout.top_p"),
-    ("grpo", "custom_reward_function.name=score", "custom_reward_function.path"),
-])
+@pytest.mark.parametrize(
+    "recipe, override, key",
+    [
+        ("sft", "optim.lr=0", "optim.lr"),
+        ("sft", "optim.betas=[0.9,1.5]", "optim.betas"),
+        ("sft", "model.param_dtype=fp8", "model.param_dtype"),
+        ("sft", "trainer.logger=[stdout]", "trainer.logger"),
+        ("sft", "data.use_dynamic_bsz=true", None),
+        ("grpo", "actor_rollout_ref.actor.optim.lr=0", "actor_rollout_ref.actor.optim.lr"),
+        ("grpo", "actor_rollout_ref.actor.clip_ratio_low=1.5", "actor_rollout_ref.actor.clip_ratio_low"),
+        (
+            "grpo",
+            "actor_rollout_ref.rollout.val_kwargs.temperature=-1",
+            "actor_rollout_ref.rollout.val_kwargs.temperature",
+        ),
+        ("grpo", "actor_rollout_ref.rollout.top_p=0", "actor_rollout_ref.rollout.top_p"),
+        ("grpo", "custom_reward_function.name=score", "custom_reward_function.path"),
+    ],
+)
 def test_component_config_errors_name_the_full_key(recipe, override, key):
     validate = validate_sft if recipe == "sft" else validate_grpo
     cfg = compose_config(recipe, [override])
@@ -101,5 +141,7 @@ def test_component_config_errors_name_the_full_key(recipe, override, key):
 
 def test_qualify_writes_bare_keys_in_full_and_leaves_values_alone():
     prefixes = {"lr": "optim.", "clip_grad": "optim.", "optim": "actor."}
-    assert (qualify("lr=0 must be > 0; clip_grad='lr' and optim.eps stay", prefixes)
-            == "optim.lr=0 must be > 0; optim.clip_grad='lr' and actor.optim.eps stay")
+    assert (
+        qualify("lr=0 must be > 0; clip_grad='lr' and optim.eps stay", prefixes)
+        == "optim.lr=0 must be > 0; optim.clip_grad='lr' and actor.optim.eps stay"
+    )

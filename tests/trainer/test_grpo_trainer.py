@@ -45,8 +45,10 @@ def _rollout_like_batch(*, num_prompts: int, n: int, seed: int) -> Batch:
     width = int(lengths.max())
     ids = torch.from_numpy(rng.integers(0, 200, size=(len(lengths), width)))
     mask = (torch.arange(width)[None, :] < torch.from_numpy(lengths)[:, None]).long()
-    return Batch.from_dict(tensors={"input_ids": ids * mask, "attention_mask": mask, "loss_mask": mask},
-                           non_tensors={"prompt_index": np.repeat(np.arange(num_prompts), n)})
+    return Batch.from_dict(
+        tensors={"input_ids": ids * mask, "attention_mask": mask, "loss_mask": mask},
+        non_tensors={"prompt_index": np.repeat(np.arange(num_prompts), n)},
+    )
 
 
 def _row_signature(batch: Batch) -> torch.Tensor:
@@ -69,9 +71,17 @@ def test_balance_batch_keeps_groups_on_one_rank_and_restores_row_order(dp, micro
     for seed in range(4):
         batch = _rollout_like_batch(num_prompts=7, n=4, seed=seed)
         # A cap smaller than a whole group: group_scope="rank" must still keep the group on one rank.
-        plan = plan_batch(batch, group_ids=batch["prompt_index"], group_scope="rank", dp_size=dp, sp_size=1,
-                          micro_batch_size=3 if micro == "fixed" else None,
-                          token_cap=80 if micro == "cap" else None, balance=balance, workload=workload)
+        plan = plan_batch(
+            batch,
+            group_ids=batch["prompt_index"],
+            group_scope="rank",
+            dp_size=dp,
+            sp_size=1,
+            micro_batch_size=3 if micro == "fixed" else None,
+            token_cap=80 if micro == "cap" else None,
+            balance=balance,
+            workload=workload,
+        )
         groups = np.asarray(batch["prompt_index"])
         ranks_of_group = {}
         for r in range(dp):
@@ -86,8 +96,17 @@ def test_balance_batch_keeps_groups_on_one_rank_and_restores_row_order(dp, micro
 def test_without_merge_the_balanced_outputs_are_out_of_order():
     """Negative control for the test above: the plan really permutes rows."""
     batch = _rollout_like_batch(num_prompts=7, n=4, seed=0)
-    plan = plan_batch(batch, group_ids=batch["prompt_index"], group_scope="rank", dp_size=2, sp_size=1,
-                      micro_batch_size=None, token_cap=80, balance=True, workload=None)
+    plan = plan_batch(
+        batch,
+        group_ids=batch["prompt_index"],
+        group_scope="rank",
+        dp_size=2,
+        sp_size=1,
+        micro_batch_size=None,
+        token_cap=80,
+        balance=True,
+        workload=None,
+    )
     unmerged = _fake_worker_group_call(split_by_plan(batch, plan))
     assert not torch.equal(unmerged["signature"], _row_signature(batch))
 
@@ -97,15 +116,21 @@ def test_merged_rollout_outputs_answer_the_right_prompts():
         n = len(widths) // prompts
         lengths = torch.tensor(widths)
         width = int(lengths.max())
-        responses = torch.stack([torch.cat([torch.full((w,), 10 + i), torch.full((width - w,), 0)])
-                                 for i, w in enumerate(widths)])
-        return RolloutOutput(prompt_index=np.repeat(np.arange(prompts), n), responses=responses,
-                             response_mask=(responses != 0).long(), response_lengths=lengths,
-                             finish_reasons=np.array(["stop"] * len(widths), dtype=object),
-                             log_probs=-(responses != 0).float())
+        responses = torch.stack(
+            [torch.cat([torch.full((w,), 10 + i), torch.full((width - w,), 0)]) for i, w in enumerate(widths)]
+        )
+        return RolloutOutput(
+            prompt_index=np.repeat(np.arange(prompts), n),
+            responses=responses,
+            response_mask=(responses != 0).long(),
+            response_lengths=lengths,
+            finish_reasons=np.array(["stop"] * len(widths), dtype=object),
+            log_probs=-(responses != 0).float(),
+        )
 
-    merged = merge_rollout_outputs([output(2, [1, 3, 2, 2]), None, output(1, [5, 4])], prompt_offsets=[0, 2, 2],
-                                   pad_token_id=0)
+    merged = merge_rollout_outputs(
+        [output(2, [1, 3, 2, 2]), None, output(1, [5, 4])], prompt_offsets=[0, 2, 2], pad_token_id=0
+    )
     assert merged.prompt_index.tolist() == [0, 0, 1, 1, 2, 2]
     assert merged.responses.shape == (6, 5)
     assert merged.response_token_lists() == [[10], [11] * 3, [12] * 2, [13] * 2, [10] * 5, [11] * 4]
@@ -114,25 +139,37 @@ def test_merged_rollout_outputs_answer_the_right_prompts():
 
 
 # ---------------------------------------------------------------------- config errors
-@pytest.mark.parametrize("overrides, key", [
-    (["actor_rollout_ref.actor.loss_agg_mode=mean"], "actor_rollout_ref.actor.loss_agg_mode"),
-    (["algorithm.adv_estimator=ppo"], "algorithm.adv_estimator"),
-    (["actor_rollout_ref.rollout.n=1"], "actor_rollout_ref.rollout.n"),
-    (["actor_rollout_ref.actor.ppo_mini_batch_size=5"], "actor_rollout_ref.actor.ppo_mini_batch_size"),
-    (["actor_rollout_ref.actor.ulysses_sequence_parallel_size=3"], "ulysses_sequence_parallel_size"),
-    (["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "ulysses_sequence_parallel_size=1"],
-     "actor_rollout_ref.actor.ulysses_sequence_parallel_size"),
-    (["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64"],
-     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"),
-    (["actor_rollout_ref.actor.optim.lr_scheduler=linear"], "actor_rollout_ref.actor.optim.lr_scheduler"),
-    (["actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_type=k9"],
-     "actor_rollout_ref.actor.kl_loss_type"),
-    (["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm"], "actor_rollout_ref.actor.loss_scale_factor"),
-    (["balance.overlong=skip"], "balance.overlong"),
-    (["data.synthetic.tasks=[mul]"], "data.synthetic.tasks"),
-    (["actor_rollout_ref.model.use_remove_padding=false"], "actor_rollout_ref.model.use_remove_padding"),
-    (["trainer.resume_mode=resume_path"], "trainer.resume_from_path"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["actor_rollout_ref.actor.loss_agg_mode=mean"], "actor_rollout_ref.actor.loss_agg_mode"),
+        (["algorithm.adv_estimator=ppo"], "algorithm.adv_estimator"),
+        (["actor_rollout_ref.rollout.n=1"], "actor_rollout_ref.rollout.n"),
+        (["actor_rollout_ref.actor.ppo_mini_batch_size=5"], "actor_rollout_ref.actor.ppo_mini_batch_size"),
+        (["actor_rollout_ref.actor.ulysses_sequence_parallel_size=3"], "ulysses_sequence_parallel_size"),
+        (
+            ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "ulysses_sequence_parallel_size=1"],
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size",
+        ),
+        (
+            ["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64"],
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+        ),
+        (["actor_rollout_ref.actor.optim.lr_scheduler=linear"], "actor_rollout_ref.actor.optim.lr_scheduler"),
+        (
+            ["actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_type=k9"],
+            "actor_rollout_ref.actor.kl_loss_type",
+        ),
+        (
+            ["actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm"],
+            "actor_rollout_ref.actor.loss_scale_factor",
+        ),
+        (["balance.overlong=skip"], "balance.overlong"),
+        (["data.synthetic.tasks=[mul]"], "data.synthetic.tasks"),
+        (["actor_rollout_ref.model.use_remove_padding=false"], "actor_rollout_ref.model.use_remove_padding"),
+        (["trainer.resume_mode=resume_path"], "trainer.resume_from_path"),
+    ],
+)
 def test_invalid_values_fail_naming_the_key(overrides, key):
     cfg = _grpo_config(overrides)
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -144,9 +181,12 @@ def test_default_recipe_config_is_valid():
 
 
 def test_unknown_key_fails_at_startup_naming_it():
-    proc = subprocess.run([sys.executable, "-m", "verl_balance.main_grpo",
-                           "actor_rollout_ref.actor.ppo_mini_batch_sise=4"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "verl_balance.main_grpo", "actor_rollout_ref.actor.ppo_mini_batch_sise=4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0
     assert "ppo_mini_batch_sise" in proc.stderr
 
@@ -178,20 +218,37 @@ def grpo_run(ray_cluster, tmp_path_factory):
     reward_file = root / "letters.py"
     reward_file.write_text(LETTER_REWARD)
     base = [
-        "trainer.device=cpu", "trainer.n_gpus_per_node=2", "trainer.logger=[jsonl]", "trainer.plot=false",
-        "trainer.resume_mode=disable", "data.synthetic.num_train=256", "data.synthetic.num_val=8",
-        f"data.synthetic.out_dir={root / 'data'}", "data.synthetic.tasks=[copy]", "data.synthetic.max_size=6",
+        "trainer.device=cpu",
+        "trainer.n_gpus_per_node=2",
+        "trainer.logger=[jsonl]",
+        "trainer.plot=false",
+        "trainer.resume_mode=disable",
+        "data.synthetic.num_train=256",
+        "data.synthetic.num_val=8",
+        f"data.synthetic.out_dir={root / 'data'}",
+        "data.synthetic.tasks=[copy]",
+        "data.synthetic.max_size=6",
         "data.max_prompt_length=32",
-        "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "actor_rollout_ref.rollout.n=8", "actor_rollout_ref.rollout.response_length=8",
+        "data.train_batch_size=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.rollout.n=8",
+        "actor_rollout_ref.rollout.response_length=8",
         f"custom_reward_function.path={reward_file}",
     ]
-    records, summary = _run_grpo(base + [
-        f"trainer.default_local_dir={root / 'run'}", "trainer.total_training_steps=10", "trainer.test_freq=10",
-        "trainer.save_freq=10", "actor_rollout_ref.actor.optim.lr=1e-2",
-        "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=128",
-        "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.01",
-    ])
+    records, summary = _run_grpo(
+        base
+        + [
+            f"trainer.default_local_dir={root / 'run'}",
+            "trainer.total_training_steps=10",
+            "trainer.test_freq=10",
+            "trainer.save_freq=10",
+            "actor_rollout_ref.actor.optim.lr=1e-2",
+            "actor_rollout_ref.actor.use_dynamic_bsz=true",
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=128",
+            "actor_rollout_ref.actor.use_kl_loss=true",
+            "actor_rollout_ref.actor.kl_loss_coef=0.01",
+        ]
+    )
     return {"root": root, "base": base, "records": records, "summary": summary}
 
 
@@ -209,10 +266,26 @@ def test_short_grpo_run_raises_reward_beyond_a_random_policy(grpo_run):
 @pytest.mark.slow
 def test_step_metrics_are_logged_under_their_names(grpo_run):
     step = grpo_run["records"][1]
-    for key in ("reward/mean", "reward/std", "reward/accuracy", "response_length/mean", "response_length/max",
-                "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/kl", "actor/entropy",
-                "actor/grad_norm", "balance/imbalance_predicted", "balance/imbalance_measured",
-                "timing_s/gen", "timing_s/old_log_prob", "timing_s/ref", "timing_s/update", "timing_s/step"):
+    for key in (
+        "reward/mean",
+        "reward/std",
+        "reward/accuracy",
+        "response_length/mean",
+        "response_length/max",
+        "actor/pg_loss",
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
+        "actor/kl",
+        "actor/entropy",
+        "actor/grad_norm",
+        "balance/imbalance_predicted",
+        "balance/imbalance_measured",
+        "timing_s/gen",
+        "timing_s/old_log_prob",
+        "timing_s/ref",
+        "timing_s/update",
+        "timing_s/step",
+    ):
         assert key in step and np.isfinite(step[key]), key
     assert step["actor/num_optimizer_steps"] == 2  # 8 prompts / mini-batches of 4, one epoch
     assert "val/accuracy" in grpo_run["records"][0] and "val/accuracy" in grpo_run["records"][-1]
@@ -226,10 +299,15 @@ def test_warm_start_loads_the_checkpoint_weights(grpo_run):
     validation must reproduce the saved run's last validation, and differ from a cold start's.
     """
     root, records = grpo_run["root"], grpo_run["records"]
-    warm, _ = _run_grpo(grpo_run["base"] + [
-        f"trainer.default_local_dir={root / 'warm'}", "trainer.total_training_steps=1", "trainer.test_freq=1",
-        f"actor_rollout_ref.model.path={root / 'run' / 'global_step_10'}",
-    ])
+    warm, _ = _run_grpo(
+        grpo_run["base"]
+        + [
+            f"trainer.default_local_dir={root / 'warm'}",
+            "trainer.total_training_steps=1",
+            "trainer.test_freq=1",
+            f"actor_rollout_ref.model.path={root / 'run' / 'global_step_10'}",
+        ]
+    )
     keys = ("val/reward/mean", "val/response_length/mean")
     saved_final = {k: records[-1][k] for k in keys}
     cold_initial = {k: records[0][k] for k in keys}

@@ -35,9 +35,16 @@ def tiny_qwen2(tmp_path_factory) -> str:
 
 def _sft_overrides(model_dir: str, root) -> list[str]:
     return [
-        "trainer.device=cpu", f"model.path={model_dir}", "data.train_batch_size=16",
-        "data.synthetic.num_train=128", "data.synthetic.num_val=16", f"data.synthetic.out_dir={root / 'data'}",
-        "data.max_length=256", "trainer.logger=[jsonl]", "trainer.plot=false", "optim.lr=3e-3",
+        "trainer.device=cpu",
+        f"model.path={model_dir}",
+        "data.train_batch_size=16",
+        "data.synthetic.num_train=128",
+        "data.synthetic.num_val=16",
+        f"data.synthetic.out_dir={root / 'data'}",
+        "data.max_length=256",
+        "trainer.logger=[jsonl]",
+        "trainer.plot=false",
+        "optim.lr=3e-3",
         "optim.warmup_steps_ratio=0.0",
     ]
 
@@ -88,8 +95,9 @@ def test_unsupported_model_type_fails_at_startup_naming_key_and_families(tmp_pat
 
 def test_supported_model_type_passes_the_startup_check(tmp_path, tiny_qwen2):
     """Negative control of the test above: a supported directory is accepted by the same check."""
-    config = validate_sft(compose_config("sft", [f"model.path={tiny_qwen2}",
-                                                 f"trainer.default_local_dir={tmp_path / 'run'}"]))
+    config = validate_sft(
+        compose_config("sft", [f"model.path={tiny_qwen2}", f"trainer.default_local_dir={tmp_path / 'run'}"])
+    )
     assert config.model.path == tiny_qwen2
     assert config.model.tokenizer_path == tiny_qwen2  # the tokenizer defaults to the model directory
     model_config = config.model.model_config(vocab_size=10)
@@ -112,31 +120,52 @@ def test_missing_model_directory_fails_at_startup_naming_the_key(tmp_path, recip
 def test_bad_tokenizer_fails_at_startup_naming_the_key(tmp_path):
     from verl_balance.trainer.sft_trainer import SFTTrainer
 
-    cfg = compose_config("sft", [f"model.tokenizer={tmp_path / 'no_such_tokenizer'}",
-                                 f"trainer.default_local_dir={tmp_path / 'run'}"])
+    cfg = compose_config(
+        "sft", [f"model.tokenizer={tmp_path / 'no_such_tokenizer'}", f"trainer.default_local_dir={tmp_path / 'run'}"]
+    )
     with pytest.raises(ConfigError, match=r"model.tokenizer='.*no_such_tokenizer'"):
         SFTTrainer(cfg)
 
 
 def test_init_random_and_gradient_checkpointing_reach_the_hf_model_config(tmp_path, tiny_qwen2):
-    config = validate_sft(compose_config("sft", [
-        f"model.partial_pretrain={tiny_qwen2}", "model.init=random", "model.enable_gradient_checkpointing=true",
-        f"trainer.default_local_dir={tmp_path / 'run'}"]))
+    config = validate_sft(
+        compose_config(
+            "sft",
+            [
+                f"model.partial_pretrain={tiny_qwen2}",
+                "model.init=random",
+                "model.enable_gradient_checkpointing=true",
+                f"trainer.default_local_dir={tmp_path / 'run'}",
+            ],
+        )
+    )
     model_config = config.model.model_config(vocab_size=10)
     assert (model_config.path, model_config.init, model_config.enable_gradient_checkpointing) == (
-        tiny_qwen2, "random", True)
+        tiny_qwen2,
+        "random",
+        True,
+    )
 
 
 def test_partial_pretrain_and_path_that_disagree_are_rejected(tmp_path, tiny_qwen2):
-    cfg = compose_config("sft", [f"model.path={tiny_qwen2}", f"model.partial_pretrain={tmp_path}",
-                                 f"trainer.default_local_dir={tmp_path / 'run'}"])
+    cfg = compose_config(
+        "sft",
+        [
+            f"model.path={tiny_qwen2}",
+            f"model.partial_pretrain={tmp_path}",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+        ],
+    )
     with pytest.raises(ConfigError, match="model.path=.* and model.partial_pretrain=.* disagree"):
         validate_sft(cfg)
 
 
 def test_hf_only_keys_on_a_builtin_preset_fail_naming_the_key(tmp_path):
-    config = validate_sft(compose_config("sft", ["model.enable_gradient_checkpointing=true",
-                                                 f"trainer.default_local_dir={tmp_path / 'run'}"]))
+    config = validate_sft(
+        compose_config(
+            "sft", ["model.enable_gradient_checkpointing=true", f"trainer.default_local_dir={tmp_path / 'run'}"]
+        )
+    )
     with pytest.raises(ConfigError, match="model.enable_gradient_checkpointing does not apply to the built-in"):
         config.model.model_config(vocab_size=260)
 
@@ -149,16 +178,26 @@ def test_grpo_model_path_to_a_checkpoint_becomes_the_warm_start_with_a_deprecati
     checkpoint.mkdir()
     (checkpoint / "trainer_state.json").write_text('{"global_step": 3}')
     with caplog.at_level(logging.WARNING):
-        config = validate_grpo(compose_config("grpo", [f"actor_rollout_ref.model.path={checkpoint}",
-                                                       f"trainer.default_local_dir={tmp_path / 'run'}"]))
+        config = validate_grpo(
+            compose_config(
+                "grpo", [f"actor_rollout_ref.model.path={checkpoint}", f"trainer.default_local_dir={tmp_path / 'run'}"]
+            )
+        )
     model = config.actor_rollout_ref.model
     assert (model.path, model.warm_start_path) == (None, str(checkpoint))
     assert "actor_rollout_ref.model.warm_start_path" in caplog.text
     # Negative control: the new key says the same without the deprecation message.
     caplog.clear()
     with caplog.at_level(logging.WARNING):
-        config = validate_grpo(compose_config("grpo", [f"actor_rollout_ref.model.warm_start_path={checkpoint}",
-                                                       f"trainer.default_local_dir={tmp_path / 'run2'}"]))
+        config = validate_grpo(
+            compose_config(
+                "grpo",
+                [
+                    f"actor_rollout_ref.model.warm_start_path={checkpoint}",
+                    f"trainer.default_local_dir={tmp_path / 'run2'}",
+                ],
+            )
+        )
     assert config.actor_rollout_ref.model.warm_start_path == str(checkpoint)
     assert "deprecated" not in caplog.text
 
@@ -168,10 +207,17 @@ def test_grpo_model_path_to_a_checkpoint_becomes_the_warm_start_with_a_deprecati
 def test_hf_sft_on_dp2_sp2_lowers_the_loss_and_names_the_model(ray_cluster, tiny_qwen2, tmp_path, caplog):
     from verl_balance.trainer.sft_trainer import SFTTrainer
 
-    cfg = compose_config("sft", _sft_overrides(tiny_qwen2, tmp_path) + [
-        "trainer.n_gpus_per_node=4", "ulysses_sequence_parallel_size=2", "trainer.total_training_steps=6",
-        f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.resume_mode=disable",
-    ])
+    cfg = compose_config(
+        "sft",
+        _sft_overrides(tiny_qwen2, tmp_path)
+        + [
+            "trainer.n_gpus_per_node=4",
+            "ulysses_sequence_parallel_size=2",
+            "trainer.total_training_steps=6",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+            "trainer.resume_mode=disable",
+        ],
+    )
     with caplog.at_level(logging.INFO):
         trainer = SFTTrainer(cfg)
     try:
@@ -192,12 +238,15 @@ def hf_resume_runs(ray_cluster, tiny_qwen2, tmp_path_factory):
     """An uninterrupted 4-step run (checkpoints with HF export at steps 2 and 4) and the same run
     stopped by Ctrl-C after step 2 and resumed automatically."""
     root = tmp_path_factory.mktemp("hf_resume")
-    base = _sft_overrides(tiny_qwen2, root) + ["trainer.n_gpus_per_node=2", "trainer.total_training_steps=4",
-                                               "trainer.save_freq=2", "trainer.save_hf_model=true"]
+    base = _sft_overrides(tiny_qwen2, root) + [
+        "trainer.n_gpus_per_node=2",
+        "trainer.total_training_steps=4",
+        "trainer.save_freq=2",
+        "trainer.save_hf_model=true",
+    ]
     straight = _train_sft(base + [f"trainer.default_local_dir={root / 'straight'}", "trainer.resume_mode=disable"])
     resumed_dir = root / "resumed"
-    first = _train_sft(base + [f"trainer.default_local_dir={resumed_dir}", "trainer.resume_mode=auto"],
-                       stop_after=2)
+    first = _train_sft(base + [f"trainer.default_local_dir={resumed_dir}", "trainer.resume_mode=auto"], stop_after=2)
     resumed = _train_sft(base + [f"trainer.default_local_dir={resumed_dir}", "trainer.resume_mode=auto"])
     return {"root": root, "straight": straight, "first": first, "resumed": resumed}
 
@@ -208,8 +257,9 @@ def test_hf_resume_after_ctrl_c_continues_the_curve_exactly(hf_resume_runs):
     assert [r["step"] for r in runs["first"]] == [1, 2], "Ctrl-C must stop after the current step"
     assert [r["step"] for r in runs["resumed"]] == [1, 2, 3, 4]
     for key in ("train/loss", "train/grad_norm"):
-        np.testing.assert_allclose([r[key] for r in runs["resumed"]], [r[key] for r in runs["straight"]],
-                                   rtol=1e-6, err_msg=key)
+        np.testing.assert_allclose(
+            [r[key] for r in runs["resumed"]], [r[key] for r in runs["straight"]], rtol=1e-6, err_msg=key
+        )
     # Negative control: the steps after the resume point differ from each other (the curve moves).
     assert runs["straight"][2]["train/loss"] != pytest.approx(runs["straight"][3]["train/loss"], rel=1e-6)
 
@@ -254,15 +304,31 @@ def test_hf_grpo_runs_two_steps_end_to_end(ray_cluster, tiny_qwen2, tmp_path):
     from verl_balance.trainer.grpo_trainer import GRPOTrainer
 
     register_grpo_schema()
-    cfg = compose_config("grpo", [
-        "trainer.device=cpu", "trainer.n_gpus_per_node=2", "trainer.logger=[jsonl]", "trainer.plot=false",
-        "trainer.resume_mode=disable", f"trainer.default_local_dir={tmp_path / 'run'}",
-        f"actor_rollout_ref.model.path={tiny_qwen2}", "data.synthetic.num_train=64", "data.synthetic.num_val=4",
-        f"data.synthetic.out_dir={tmp_path / 'data'}", "data.synthetic.tasks=[copy]", "data.synthetic.max_size=6",
-        "data.max_prompt_length=64", "data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-        "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.response_length=8",
-        "actor_rollout_ref.actor.use_kl_loss=true", "trainer.total_training_steps=2", "trainer.test_freq=2",
-    ])
+    cfg = compose_config(
+        "grpo",
+        [
+            "trainer.device=cpu",
+            "trainer.n_gpus_per_node=2",
+            "trainer.logger=[jsonl]",
+            "trainer.plot=false",
+            "trainer.resume_mode=disable",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+            f"actor_rollout_ref.model.path={tiny_qwen2}",
+            "data.synthetic.num_train=64",
+            "data.synthetic.num_val=4",
+            f"data.synthetic.out_dir={tmp_path / 'data'}",
+            "data.synthetic.tasks=[copy]",
+            "data.synthetic.max_size=6",
+            "data.max_prompt_length=64",
+            "data.train_batch_size=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "actor_rollout_ref.rollout.n=4",
+            "actor_rollout_ref.rollout.response_length=8",
+            "actor_rollout_ref.actor.use_kl_loss=true",
+            "trainer.total_training_steps=2",
+            "trainer.test_freq=2",
+        ],
+    )
     trainer = GRPOTrainer(cfg)
     try:
         summary = trainer.fit()
@@ -287,12 +353,26 @@ def test_save_hf_model_writes_a_builtin_model_as_llama_with_its_logits(ray_clust
     from verl_balance.export import export_checkpoint, load_checkpoint_model_state, recorded_model_config
     from verl_balance.models import LlamaForCausalLM, ModelConfig
 
-    _train_sft(["trainer.device=cpu", "model.name=tiny", "model.hidden_size=32", "model.num_layers=2",
-                "data.train_batch_size=8", "data.synthetic.num_train=32", "data.synthetic.num_val=8",
-                f"data.synthetic.out_dir={tmp_path / 'data'}", "trainer.logger=[jsonl]", "trainer.plot=false",
-                "trainer.n_gpus_per_node=2", "trainer.total_training_steps=1", "trainer.save_freq=1",
-                "trainer.save_hf_model=true", f"trainer.default_local_dir={tmp_path / 'run'}",
-                "trainer.resume_mode=disable"])
+    _train_sft(
+        [
+            "trainer.device=cpu",
+            "model.name=tiny",
+            "model.hidden_size=32",
+            "model.num_layers=2",
+            "data.train_batch_size=8",
+            "data.synthetic.num_train=32",
+            "data.synthetic.num_val=8",
+            f"data.synthetic.out_dir={tmp_path / 'data'}",
+            "trainer.logger=[jsonl]",
+            "trainer.plot=false",
+            "trainer.n_gpus_per_node=2",
+            "trainer.total_training_steps=1",
+            "trainer.save_freq=1",
+            "trainer.save_hf_model=true",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+            "trainer.resume_mode=disable",
+        ]
+    )
     checkpoint = str(tmp_path / "run" / "global_step_1")
     recorded = recorded_model_config(checkpoint)
     assert recorded["kind"] == "builtin"
@@ -301,8 +381,12 @@ def test_save_hf_model_writes_a_builtin_model_as_llama_with_its_logits(ray_clust
     reference.load_state_dict(load_checkpoint_model_state(checkpoint, model_config=config))
     input_ids = torch.randint(0, config.vocab_size, (20,), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        expected = reference(input_ids=input_ids, position_ids=torch.arange(20),
-                             cu_seqlens=torch.tensor([0, 20], dtype=torch.int32), max_seqlen=20)
+        expected = reference(
+            input_ids=input_ids,
+            position_ids=torch.arange(20),
+            cu_seqlens=torch.tensor([0, 20], dtype=torch.int32),
+            max_seqlen=20,
+        )
     for directory in (os.path.join(checkpoint, "hf"), export_checkpoint(checkpoint, str(tmp_path / "cli"))):
         exported = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=torch.float32)
         assert exported.config.model_type == "llama"

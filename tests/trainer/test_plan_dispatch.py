@@ -97,8 +97,16 @@ def test_chunks_carry_the_truncation_the_plan_decided():
     """overlong=truncate: the sample the plan cut arrives cut (mask and every (B, L) tensor)."""
     lengths = [5, 30, 7, 6]
     batch = _padded_batch(lengths)
-    plan = plan_batch(batch, dp_size=2, sp_size=1, micro_batch_size=None, token_cap=12, balance=True,
-                      workload=None, overlong="truncate")
+    plan = plan_batch(
+        batch,
+        dp_size=2,
+        sp_size=1,
+        micro_batch_size=None,
+        token_cap=12,
+        balance=True,
+        workload=None,
+        overlong="truncate",
+    )
     assert plan.truncated == {1: 12}  # independent of this module: the planner's decision
     chunks = split_by_plan(batch, plan)
     rows = merge_by_plan(chunks, plan)
@@ -120,8 +128,17 @@ def test_plan_batch_keeps_groups_on_one_rank_in_either_scope(group_scope, token_
     lengths = rng.integers(2, 20, size=24).tolist()
     batch = _padded_batch(lengths)
     groups = np.repeat(np.arange(6), 4)
-    plan = plan_batch(batch, dp_size=3, sp_size=1, micro_batch_size=None, token_cap=token_cap, balance=True,
-                      workload=None, group_ids=groups, group_scope=group_scope)
+    plan = plan_batch(
+        batch,
+        dp_size=3,
+        sp_size=1,
+        micro_batch_size=None,
+        token_cap=token_cap,
+        balance=True,
+        workload=None,
+        group_ids=groups,
+        group_scope=group_scope,
+    )
     places = {"rank": {}, "micro_batch": {}}
     for r, rank in enumerate(plan.micro_batches):
         for j, mb in enumerate(rank):

@@ -61,9 +61,14 @@ def _run(root, mode="auto", *, resume_from_path=None, saves=(), group=None, keep
     """One run: start (lineage decision), then save at ``saves``; returns (identity, loaded path)."""
     identity, path = start_run(str(root), resume_mode=mode, resume_from_path=resume_from_path, config=config)
     for step in saves:
-        save_trainer_checkpoint(group or FakeGroup(), root=str(root), step=step,
-                                trainer_state={"global_step": step, "loader": {}}, identity=identity,
-                                max_to_keep=keep)
+        save_trainer_checkpoint(
+            group or FakeGroup(),
+            root=str(root),
+            step=step,
+            trainer_state={"global_step": step, "loader": {}},
+            identity=identity,
+            max_to_keep=keep,
+        )
     return identity, path
 
 
@@ -85,7 +90,7 @@ def test_checkpoint_records_run_identity_lineage_and_config_hash(tmp_path):
 
 def test_auto_does_not_resume_the_run_a_disable_run_replaced(tmp_path):
     first, _ = _run(tmp_path, saves=[2, 4])
-    fresh, path = _run(tmp_path, "disable")          # killed before its first save
+    fresh, path = _run(tmp_path, "disable")  # killed before its first save
     assert path is None and fresh.lineage_id != first.lineage_id
     assert _steps(tmp_path) == [], "the old run's checkpoints must be moved aside, not left to be resumed"
     moved = list((tmp_path / "superseded").iterdir())
@@ -100,7 +105,7 @@ def test_auto_after_a_rollback_resumes_the_branch_point_not_the_abandoned_branch
     branch, path = _run(tmp_path, "resume_path", resume_from_path=str(tmp_path / "global_step_2"))
     assert path == str(tmp_path / "global_step_2") and branch.start_step == 2
     assert _steps(tmp_path) == [2], "the abandoned branch's steps 4 and 6 are moved aside"
-    again, path = _run(tmp_path, "auto")              # the rollback was killed before its first save
+    again, path = _run(tmp_path, "auto")  # the rollback was killed before its first save
     assert path == str(tmp_path / "global_step_2") and again.lineage_id == branch.lineage_id
     _, _ = _run(tmp_path, "auto", saves=[4])
     _, path = _run(tmp_path, "auto")
@@ -123,10 +128,15 @@ def test_auto_in_a_directory_with_another_runs_checkpoints_is_an_error_naming_th
 def test_resume_picks_the_newest_complete_checkpoint_and_warns_about_an_incomplete_one(tmp_path, caplog):
     identity, _ = _run(tmp_path, saves=[2, 4])
     with pytest.raises(RuntimeError, match="mid-save"):
-        save_trainer_checkpoint(FakeGroup(fail_after_shard=True), root=str(tmp_path), step=6,
-                                trainer_state={"global_step": 6}, identity=identity)
-    (tmp_path / "global_step_8").mkdir()              # e.g. an older version's save, stopped half-way
-    (tmp_path / LATEST_FILE).write_text("")           # torn marker: must not matter
+        save_trainer_checkpoint(
+            FakeGroup(fail_after_shard=True),
+            root=str(tmp_path),
+            step=6,
+            trainer_state={"global_step": 6},
+            identity=identity,
+        )
+    (tmp_path / "global_step_8").mkdir()  # e.g. an older version's save, stopped half-way
+    (tmp_path / LATEST_FILE).write_text("")  # torn marker: must not matter
     with caplog.at_level(logging.WARNING, logger="verl_balance.trainer.checkpoint"):
         _, path = _run(tmp_path, "auto")
     assert path == str(tmp_path / "global_step_4")
@@ -136,20 +146,26 @@ def test_resume_picks_the_newest_complete_checkpoint_and_warns_about_an_incomple
 def test_a_failed_resave_keeps_the_complete_checkpoint_it_would_replace(tmp_path):
     identity, _ = _run(tmp_path, saves=[4])
     with pytest.raises(RuntimeError):
-        save_trainer_checkpoint(FakeGroup(fail_after_shard=True), root=str(tmp_path), step=4,
-                                trainer_state={"global_step": 4}, identity=identity)
+        save_trainer_checkpoint(
+            FakeGroup(fail_after_shard=True),
+            root=str(tmp_path),
+            step=4,
+            trainer_state={"global_step": 4},
+            identity=identity,
+        )
     assert checkpoint.is_complete(str(tmp_path / "global_step_4"))
     assert latest_checkpoint(str(tmp_path), lineage_id=identity.lineage_id) == str(tmp_path / "global_step_4")
     # A successful re-save replaces it, complete.
-    save_trainer_checkpoint(FakeGroup(), root=str(tmp_path), step=4, trainer_state={"global_step": 4, "v": 2},
-                            identity=identity)
+    save_trainer_checkpoint(
+        FakeGroup(), root=str(tmp_path), step=4, trainer_state={"global_step": 4, "v": 2}, identity=identity
+    )
     assert json.loads((tmp_path / "global_step_4" / "trainer_state.json").read_text())["v"] == 2
     assert sorted(os.listdir(tmp_path)) == sorted(["global_step_4", LATEST_FILE, checkpoint.LINEAGE_FILE])
 
 
 def test_a_save_stopped_between_its_renames_is_finished_on_the_next_scan(tmp_path):
     identity, _ = _run(tmp_path, saves=[2])
-    os.rename(tmp_path / "global_step_2", tmp_path / ".staging_global_step_2")   # complete, not yet renamed
+    os.rename(tmp_path / "global_step_2", tmp_path / ".staging_global_step_2")  # complete, not yet renamed
     assert latest_checkpoint(str(tmp_path), lineage_id=identity.lineage_id) == str(tmp_path / "global_step_2")
 
 
@@ -173,7 +189,7 @@ def test_torn_last_metrics_line_is_dropped_with_a_warning_and_not_glued_to_the_n
         tracker.log({"train/loss": 3.0}, step=1)
         tracker.log({"train/loss": 2.0}, step=2)
     with open(tmp_path / "metrics.jsonl", "a") as f:
-        f.write('{"step": 3, "train/lo')                # the driver died mid-write
+        f.write('{"step": 3, "train/lo')  # the driver died mid-write
     with caplog.at_level(logging.WARNING, logger="verl_balance.utils.tracking"):
         assert [r["step"] for r in read_metrics(str(tmp_path))] == [1, 2]
     assert "torn" in caplog.text
@@ -196,13 +212,13 @@ def _log_steps(root, steps, value):
 
 def test_each_run_has_its_own_metrics_never_a_mix(tmp_path):
     _run(tmp_path, saves=[2, 4])
-    _log_steps(tmp_path, range(1, 6), 10.0)           # the old run logged 1..5
+    _log_steps(tmp_path, range(1, 6), 10.0)  # the old run logged 1..5
     identity, _ = _run(tmp_path, "disable")
-    _log_steps(tmp_path, [1, 2], 20.0)                # the new run logged 1..2
+    _log_steps(tmp_path, [1, 2], 20.0)  # the new run logged 1..2
     assert [(r["step"], r["train/loss"]) for r in read_metrics(str(tmp_path))] == [(1, 21.0), (2, 22.0)]
     save_trainer_checkpoint(FakeGroup(), root=str(tmp_path), step=2, trainer_state={}, identity=identity)
-    _log_steps(tmp_path, [3], 30.0)                   # ... then died after logging step 3
-    _, path = _run(tmp_path, "auto")                  # resumes step 2: step 3 is cut back
+    _log_steps(tmp_path, [3], 30.0)  # ... then died after logging step 3
+    _, path = _run(tmp_path, "auto")  # resumes step 2: step 3 is cut back
     assert path == str(tmp_path / "global_step_2")
     assert [(r["step"], r["train/loss"]) for r in read_metrics(str(tmp_path))] == [(1, 21.0), (2, 22.0)]
 
@@ -217,8 +233,14 @@ def test_max_ckpt_to_keep_deletes_only_this_lineages_older_complete_checkpoints(
 def test_a_failed_save_prunes_nothing(tmp_path):
     identity, _ = _run(tmp_path, saves=[1, 2], keep=2)
     with pytest.raises(RuntimeError):
-        save_trainer_checkpoint(FakeGroup(fail_after_shard=True), root=str(tmp_path), step=3,
-                                trainer_state={}, identity=identity, max_to_keep=2)
+        save_trainer_checkpoint(
+            FakeGroup(fail_after_shard=True),
+            root=str(tmp_path),
+            step=3,
+            trainer_state={},
+            identity=identity,
+            max_to_keep=2,
+        )
     assert _steps(tmp_path) == [1, 2]
 
 
@@ -238,13 +260,13 @@ def test_no_space_error_during_a_save_names_the_directory_and_keeps_the_last_che
     # What a worker's torch.save reports on ENOSPC (re-raised on the driver with its message).
     error = RuntimeError("[enforce fail at inline_container.cc:626] . PytorchStreamWriter failed writing file")
     with pytest.raises(CheckpointDiskFullError, match=rf"default_local_dir='{tmp_path}'.*0 B free"):
-        save_trainer_checkpoint(FakeGroup(error=error), root=str(tmp_path), step=2, trainer_state={},
-                                identity=identity)
+        save_trainer_checkpoint(FakeGroup(error=error), root=str(tmp_path), step=2, trainer_state={}, identity=identity)
     assert os.listdir(tmp_path) == [checkpoint.LINEAGE_FILE], "the partial staging directory is removed"
     # Negative control: other failures keep their own type.
     with pytest.raises(ValueError, match="unrelated") as info:
-        save_trainer_checkpoint(FakeGroup(error=ValueError("unrelated")), root=str(tmp_path), step=2,
-                                trainer_state={}, identity=identity)
+        save_trainer_checkpoint(
+            FakeGroup(error=ValueError("unrelated")), root=str(tmp_path), step=2, trainer_state={}, identity=identity
+        )
     assert not isinstance(info.value, CheckpointDiskFullError)
 
 
@@ -265,18 +287,29 @@ def test_unusable_default_local_dir_names_the_config_key(tmp_path):
     validate_sft(compose_config("sft", [f"trainer.default_local_dir={tmp_path / 'new' / 'run'}"]))
 
 
-@pytest.mark.parametrize("override, key", [("trainer.max_ckpt_to_keep=0", "trainer.max_ckpt_to_keep"),
-                                           ("trainer.max_restarts=-1", "trainer.max_restarts")])
+@pytest.mark.parametrize(
+    "override, key",
+    [("trainer.max_ckpt_to_keep=0", "trainer.max_ckpt_to_keep"), ("trainer.max_restarts=-1", "trainer.max_restarts")],
+)
 def test_invalid_reliability_keys_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key):
         validate_sft(compose_config("sft", [override]))
 
 
 def _cli(args, *, cwd, timeout=300):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO_ROOT, os.environ.get("PYTHONPATH", "")]),
-           "RAY_ADDRESS": "local"}  # an embedded cluster even if another one runs on this machine
-    return subprocess.run([sys.executable, "-m", "verl_balance.main_sft", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd, env=env)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([REPO_ROOT, os.environ.get("PYTHONPATH", "")]),
+        "RAY_ADDRESS": "local",
+    }  # an embedded cluster even if another one runs on this machine
+    return subprocess.run(
+        [sys.executable, "-m", "verl_balance.main_sft", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+        env=env,
+    )
 
 
 @pytest.mark.slow
@@ -293,10 +326,23 @@ def test_cli_rejects_an_appended_unknown_key_and_an_unusable_output_dir_naming_t
 def test_cli_log_goes_into_the_run_directory_not_the_current_one(tmp_path):
     cwd = tmp_path / "cwd"
     cwd.mkdir()
-    proc = _cli(["trainer.device=cpu", "trainer.n_gpus_per_node=1", "trainer.total_training_steps=1",
-                 "trainer.save_freq=1", "data.train_batch_size=4", "data.synthetic.num_train=16",
-                 "data.synthetic.num_val=4", f"data.synthetic.out_dir={tmp_path / 'data'}", "trainer.logger=[jsonl]",
-                 "trainer.plot=false", f"trainer.default_local_dir={tmp_path / 'run'}"], cwd=cwd, timeout=600)
+    proc = _cli(
+        [
+            "trainer.device=cpu",
+            "trainer.n_gpus_per_node=1",
+            "trainer.total_training_steps=1",
+            "trainer.save_freq=1",
+            "data.train_batch_size=4",
+            "data.synthetic.num_train=16",
+            "data.synthetic.num_val=4",
+            f"data.synthetic.out_dir={tmp_path / 'data'}",
+            "trainer.logger=[jsonl]",
+            "trainer.plot=false",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+        ],
+        cwd=cwd,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert os.listdir(cwd) == [], "the CLI must leave nothing (main_sft.log) in the current directory"
     assert "checkpoint: saved step 1" in (tmp_path / "run" / "main_sft.log").read_text()

@@ -42,7 +42,8 @@ def _sft_trainer(overrides, *, kill_before_step: int | None = None):
 
 
 def test_worker_killed_mid_run_restarts_from_the_checkpoint_and_matches_the_uninterrupted_curve(
-        ray_cluster, tiny_sft_overrides, tmp_path):
+    ray_cluster, tiny_sft_overrides, tmp_path
+):
     base = [o for o in tiny_sft_overrides if not o.startswith(("trainer.default_local_dir", "trainer.resume_mode"))]
     base += ["trainer.n_gpus_per_node=2", "trainer.total_training_steps=6", "trainer.save_freq=2", "optim.lr=3e-3"]
     straight = _sft_trainer(base + [f"trainer.default_local_dir={tmp_path / 'straight'}"])
@@ -52,8 +53,9 @@ def test_worker_killed_mid_run_restarts_from_the_checkpoint_and_matches_the_unin
         straight.close()
     expected = read_metrics(str(tmp_path / "straight"))
 
-    healed = _sft_trainer(base + [f"trainer.default_local_dir={tmp_path / 'healed'}", "trainer.max_restarts=1"],
-                          kill_before_step=6)  # step 5 is logged but not saved: it must be redone
+    healed = _sft_trainer(
+        base + [f"trainer.default_local_dir={tmp_path / 'healed'}", "trainer.max_restarts=1"], kill_before_step=6
+    )  # step 5 is logged but not saved: it must be redone
     try:
         summary = healed.fit()
     finally:
@@ -64,15 +66,23 @@ def test_worker_killed_mid_run_restarts_from_the_checkpoint_and_matches_the_unin
     assert raw_steps == [1, 2, 3, 4, 5, 6], "the step logged after the checkpoint is cut back, then logged once"
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
     np.testing.assert_allclose([r["train/loss"] for r in records], [r["train/loss"] for r in expected], rtol=1e-6)
-    np.testing.assert_allclose([r["train/grad_norm"] for r in records], [r["train/grad_norm"] for r in expected],
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        [r["train/grad_norm"] for r in records], [r["train/grad_norm"] for r in expected], rtol=1e-6
+    )
 
 
 def test_without_max_restarts_a_killed_worker_ends_the_run(ray_cluster, tiny_sft_overrides, tmp_path):
     """Negative control for the restart test: max_restarts=0 (the default) keeps today's behaviour."""
     overrides = [o for o in tiny_sft_overrides if not o.startswith("trainer.default_local_dir")]
-    trainer = _sft_trainer(overrides + [f"trainer.default_local_dir={tmp_path / 'run'}", "trainer.n_gpus_per_node=2",
-                                        "trainer.total_training_steps=2"], kill_before_step=1)
+    trainer = _sft_trainer(
+        overrides
+        + [
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+            "trainer.n_gpus_per_node=2",
+            "trainer.total_training_steps=2",
+        ],
+        kill_before_step=1,
+    )
     try:
         with pytest.raises(WorkerDiedError):
             trainer.fit()
@@ -86,17 +96,31 @@ def test_grpo_rollouts_and_losses_are_identical_on_2_and_4_workers(ray_cluster, 
 
     register_grpo_schema()
     base = [
-        "trainer.device=cpu", "trainer.logger=[jsonl]", "trainer.plot=false", "trainer.resume_mode=disable",
-        "data.synthetic.num_train=64", "data.synthetic.num_val=8", f"data.synthetic.out_dir={tmp_path / 'data'}",
-        "data.synthetic.tasks=[copy]", "data.synthetic.max_size=6", "data.max_prompt_length=32",
-        "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "actor_rollout_ref.rollout.n=4", "actor_rollout_ref.rollout.response_length=8",
-        "trainer.total_training_steps=3", "actor_rollout_ref.actor.optim.lr=1e-2",
+        "trainer.device=cpu",
+        "trainer.logger=[jsonl]",
+        "trainer.plot=false",
+        "trainer.resume_mode=disable",
+        "data.synthetic.num_train=64",
+        "data.synthetic.num_val=8",
+        f"data.synthetic.out_dir={tmp_path / 'data'}",
+        "data.synthetic.tasks=[copy]",
+        "data.synthetic.max_size=6",
+        "data.max_prompt_length=32",
+        "data.train_batch_size=8",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.rollout.n=4",
+        "actor_rollout_ref.rollout.response_length=8",
+        "trainer.total_training_steps=3",
+        "actor_rollout_ref.actor.optim.lr=1e-2",
     ]
     responses, losses = {}, {}
     for workers in (2, 4):
-        trainer = GRPOTrainer(compose_config("grpo", base + [
-            f"trainer.n_gpus_per_node={workers}", f"trainer.default_local_dir={tmp_path / f'w{workers}'}"]))
+        trainer = GRPOTrainer(
+            compose_config(
+                "grpo",
+                base + [f"trainer.n_gpus_per_node={workers}", f"trainer.default_local_dir={tmp_path / f'w{workers}'}"],
+            )
+        )
         generate, seen = trainer.generate, []
 
         def generate_and_record(*args, _generate=generate, _seen=seen, **kwargs):

@@ -51,11 +51,20 @@ def _train(overrides, *, stop_after: int | None = None) -> list[dict]:
 def test_cli_overrides_reach_the_workers(ray_cluster, tiny_sft_overrides):
     from verl_balance.trainer.sft_trainer import SFTTrainer
 
-    cfg = compose_config("sft", tiny_sft_overrides + [
-        "trainer.n_gpus_per_node=4", "ulysses_sequence_parallel_size=2", "optim.lr=0.0123",
-        "model.hidden_size=48", "model.num_heads=4", "model.num_kv_heads=2",
-        "loss_agg_mode=seq-mean-token-mean", "trainer.total_training_steps=1",
-    ])
+    cfg = compose_config(
+        "sft",
+        tiny_sft_overrides
+        + [
+            "trainer.n_gpus_per_node=4",
+            "ulysses_sequence_parallel_size=2",
+            "optim.lr=0.0123",
+            "model.hidden_size=48",
+            "model.num_heads=4",
+            "model.num_kv_heads=2",
+            "loss_agg_mode=seq-mean-token-mean",
+            "trainer.total_training_steps=1",
+        ],
+    )
     trainer = SFTTrainer(cfg)
     try:
         ranks = trainer.actor.describe()
@@ -71,10 +80,15 @@ def test_cli_overrides_reach_the_workers(ray_cluster, tiny_sft_overrides):
 
 
 def test_short_sft_run_lowers_the_loss(ray_cluster, tiny_sft_overrides):
-    records = _train(tiny_sft_overrides + [
-        "trainer.n_gpus_per_node=2", "trainer.total_training_steps=12", "optim.lr=3e-3",
-        "trainer.test_freq=12",
-    ])
+    records = _train(
+        tiny_sft_overrides
+        + [
+            "trainer.n_gpus_per_node=2",
+            "trainer.total_training_steps=12",
+            "optim.lr=3e-3",
+            "trainer.test_freq=12",
+        ]
+    )
     losses = [r["train/loss"] for r in records if "train/loss" in r]
     assert len(losses) == 12
     assert np.mean(losses[-3:]) < losses[0] - 0.3, losses
@@ -86,12 +100,18 @@ def test_loss_curve_is_identical_on_4x1_2x2_1x4_with_dynamic_bsz(ray_cluster, ti
     curves = {}
     for dp, sp in ((4, 1), (2, 2), (1, 4)):
         overrides = [o for o in tiny_sft_overrides if not o.startswith("trainer.default_local_dir")]
-        records = _train(overrides + [
-            f"trainer.default_local_dir={tiny_sft_overrides[-2].split('=', 1)[1]}_dp{dp}_sp{sp}",
-            "trainer.n_gpus_per_node=4", f"ulysses_sequence_parallel_size={sp}",
-            "data.use_dynamic_bsz=true", "data.max_token_len_per_gpu=256", "data.balance_dp_token=true",
-            "trainer.total_training_steps=3",
-        ])
+        records = _train(
+            overrides
+            + [
+                f"trainer.default_local_dir={tiny_sft_overrides[-2].split('=', 1)[1]}_dp{dp}_sp{sp}",
+                "trainer.n_gpus_per_node=4",
+                f"ulysses_sequence_parallel_size={sp}",
+                "data.use_dynamic_bsz=true",
+                "data.max_token_len_per_gpu=256",
+                "data.balance_dp_token=true",
+                "trainer.total_training_steps=3",
+            ]
+        )
         curves[(dp, sp)] = np.array([r["train/loss"] for r in records])
     reference = curves[(4, 1)]
     assert len(reference) == 3
@@ -110,24 +130,32 @@ def test_resume_after_ctrl_c_continues_the_curve_exactly(ray_cluster, tiny_sft_o
     resumed = _train(base + [f"trainer.default_local_dir={resumed_dir}", "trainer.resume_mode=auto"])
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     np.testing.assert_allclose([r["train/loss"] for r in resumed], [r["train/loss"] for r in straight], rtol=1e-6)
-    np.testing.assert_allclose([r["train/grad_norm"] for r in resumed], [r["train/grad_norm"] for r in straight],
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        [r["train/grad_norm"] for r in resumed], [r["train/grad_norm"] for r in straight], rtol=1e-6
+    )
 
 
 def test_unknown_key_fails_at_startup_naming_it():
-    proc = subprocess.run([sys.executable, "-m", "verl_balance.main_sft", "data.train_batch_sise=8"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "verl_balance.main_sft", "data.train_batch_sise=8"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0
     assert "train_batch_sise" in proc.stderr
 
 
-@pytest.mark.parametrize("override, key", [
-    ("loss_agg_mode=mean", "loss_agg_mode"),
-    ("ulysses_sequence_parallel_size=3", "ulysses_sequence_parallel_size"),
-    ("data.truncation=middle", "data.truncation"),
-    ("balance.workload=time", "balance.workload"),
-    ("loss_agg_mode=seq-mean-token-sum-norm", "loss_scale_factor"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("loss_agg_mode=mean", "loss_agg_mode"),
+        ("ulysses_sequence_parallel_size=3", "ulysses_sequence_parallel_size"),
+        ("data.truncation=middle", "data.truncation"),
+        ("balance.workload=time", "balance.workload"),
+        ("loss_agg_mode=seq-mean-token-sum-norm", "loss_scale_factor"),
+    ],
+)
 def test_invalid_values_fail_naming_the_key(override, key):
     cfg = compose_config("sft", [override])
     with pytest.raises(ConfigError, match=key):
@@ -153,8 +181,17 @@ def test_overlong_sample_fails_at_startup_naming_file_and_row(tmp_path, tiny_sft
     path = tmp_path / "long.jsonl"
     rows = [{"prompt": "1+1=", "response": "2"}] * 3 + [{"prompt": "x" * 300, "response": "y"}]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    cfg = compose_config("sft", tiny_sft_overrides + [
-        f"data.train_files={path}", f"data.val_files={path}", "data.train_batch_size=2",
-        "trainer.n_gpus_per_node=2", "data.use_dynamic_bsz=true", "data.max_token_len_per_gpu=128"])
+    cfg = compose_config(
+        "sft",
+        tiny_sft_overrides
+        + [
+            f"data.train_files={path}",
+            f"data.val_files={path}",
+            "data.train_batch_size=2",
+            "trainer.n_gpus_per_node=2",
+            "data.use_dynamic_bsz=true",
+            "data.max_token_len_per_gpu=128",
+        ],
+    )
     with pytest.raises(SequenceTooLongError, match=r"long\.jsonl.*row 3.*data\.max_token_len_per_gpu"):
         SFTTrainer(cfg)

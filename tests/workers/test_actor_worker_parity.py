@@ -47,8 +47,13 @@ def reference():
 @pytest.mark.parametrize("dp, sp", [(4, 1), (2, 2), (1, 4)])
 def test_worker_group_matches_single_process_reference(ray_cluster, reference, dp, sp, tmp_path):
     batch, ref, ref_log_probs = reference
-    plan = plan_balance(seq_lens=batch["attention_mask"].sum(1).numpy(), dp_size=dp, sp_size=sp,
-                        max_token_len_per_gpu=-(-SETTINGS.tokens_per_micro_batch // sp), balance=True)
+    plan = plan_balance(
+        seq_lens=batch["attention_mask"].sum(1).numpy(),
+        dp_size=dp,
+        sp_size=sp,
+        max_token_len_per_gpu=-(-SETTINGS.tokens_per_micro_batch // sp),
+        balance=True,
+    )
     # The plan must actually reorder samples, or "returned in input order" would be vacuous.
     assert not np.array_equal(plan.order, np.arange(len(plan.order)))
     chunks = split_by_plan(Batch.from_dict(tensors=batch), plan)

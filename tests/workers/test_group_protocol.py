@@ -30,7 +30,11 @@ def test_every_protocol_method_is_a_registered_worker_method(protocol, worker_cl
 
 def test_every_registered_actor_method_is_in_the_protocols():
     # the workers' own methods (the Worker base's infrastructure methods are not the driver's API)
-    registered = {name for cls in (ActorWorker, ActorRolloutWorker) for name, value in vars(cls).items()
-                  if callable(value) and get_registration(value) is not None}
+    registered = {
+        name
+        for cls in (ActorWorker, ActorRolloutWorker)
+        for name, value in vars(cls).items()
+        if callable(value) and get_registration(value) is not None
+    }
     declared = _protocol_methods(ActorGroup) | _protocol_methods(ActorRolloutGroup)
     assert registered <= declared, registered - declared

@@ -152,13 +152,13 @@ class PPOLoss:
         keys = (self.OLD_LOG_PROBS_KEY, self.ADVANTAGES_KEY)
         return keys + ((self.REF_LOG_PROB_KEY,) if self.config.use_kl_loss else ())
 
-    def __call__(self, *, log_probs: torch.Tensor, entropy: torch.Tensor | None,
-                 inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def __call__(
+        self, *, log_probs: torch.Tensor, entropy: torch.Tensor | None, inputs
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Per-token loss [T_local] and per-token metrics for one micro-batch slice."""
         missing = [k for k in self.required_keys() if k not in inputs]
         if missing:
-            raise PolicyLossConfigError(
-                f"micro-batch lacks {missing} needed by the PPO loss; it has {sorted(inputs)}")
+            raise PolicyLossConfigError(f"micro-batch lacks {missing} needed by the PPO loss; it has {sorted(inputs)}")
         return ppo_clip_token_loss(
             log_probs=log_probs,
             old_log_probs=inputs[self.OLD_LOG_PROBS_KEY].to(log_probs.dtype),

@@ -99,20 +99,37 @@ def balanced_token_cap_layout(
     cells = _joint_cells(costs, tokens, dp_size, token_cap, lower, equal_size, rel_tol, max_passes, polish_passes)
     if cells is not None:
         return assign_cells_to_ranks(cells, costs)
-    rank_items = [np.arange(len(costs), dtype=np.int64)] if dp_size == 1 else balanced_partition(
-        costs=costs, num_parts=dp_size, equal_size=equal_size, refine=rel_tol < np.inf, rel_tol=rel_tol
+    rank_items = (
+        [np.arange(len(costs), dtype=np.int64)]
+        if dp_size == 1
+        else balanced_partition(
+            costs=costs, num_parts=dp_size, equal_size=equal_size, refine=rel_tol < np.inf, rel_tol=rel_tol
+        )
     )
     two_stage = pack_ranks_under_cap(
-        rank_items=rank_items, costs=costs, tokens=tokens, token_cap=token_cap, rel_tol=rel_tol,
+        rank_items=rank_items,
+        costs=costs,
+        tokens=tokens,
+        token_cap=token_cap,
+        rel_tol=rel_tol,
         max_passes=max(max_passes, 64),
     )
     if two_stage.shape[1] > lower and not np.array_equal(costs, tokens):
         # A cost-balanced split can leave one rank with more tokens than a packing into `lower`
         # micro-batches allows; a token-balanced split trades some cost balance for fewer of them.
-        by_tokens = balanced_partition(costs=tokens.astype(np.float64), num_parts=dp_size, equal_size=equal_size,
-                                       refine=rel_tol < np.inf, rel_tol=rel_tol)
+        by_tokens = balanced_partition(
+            costs=tokens.astype(np.float64),
+            num_parts=dp_size,
+            equal_size=equal_size,
+            refine=rel_tol < np.inf,
+            rel_tol=rel_tol,
+        )
         token_split = pack_ranks_under_cap(
-            rank_items=by_tokens, costs=costs, tokens=tokens, token_cap=token_cap, rel_tol=rel_tol,
+            rank_items=by_tokens,
+            costs=costs,
+            tokens=tokens,
+            token_cap=token_cap,
+            rel_tol=rel_tol,
             max_passes=max(max_passes, 64),
         )
         if token_split.shape[1] < two_stage.shape[1]:
@@ -122,7 +139,11 @@ def balanced_token_cap_layout(
     two_stage = _match_slot_profile(two_stage, costs, tokens, token_cap, rel_tol, max(max_passes, 64))
     # Swaps keep every cell's count and moves stay inside one rank, so every rank keeps its count.
     cells = polish_sync_cost(
-        two_stage.transpose(1, 0, 2).copy(), costs, tokens=tokens, token_cap=token_cap, max_passes=polish_passes,
+        two_stage.transpose(1, 0, 2).copy(),
+        costs,
+        tokens=tokens,
+        token_cap=token_cap,
+        max_passes=polish_passes,
         moves_within_part=True,
     )
     best = cells.transpose(1, 0, 2).copy()
@@ -162,22 +183,43 @@ def _joint_cells(costs, tokens, dp_size, token_cap, num_slots, equal_size, rel_t
     if padded_tokens[cells].sum(axis=-1).max() > token_cap:
         # Cost refinement may have lifted a cell over the cap: refine tokens down to the cap,
         # then cost again under the cap.
-        refine_cells(cells, tokens.astype(np.float64), allow_moves=not equal_size, rel_tol=0.0,
-                     max_passes=max_passes, stop_at=token_cap)
+        refine_cells(
+            cells,
+            tokens.astype(np.float64),
+            allow_moves=not equal_size,
+            rel_tol=0.0,
+            max_passes=max_passes,
+            stop_at=token_cap,
+        )
         if padded_tokens[cells].sum(axis=-1).max() > token_cap:
             return None
-        refine_cells(cells, costs, allow_moves=not equal_size, rel_tol=rel_tol, max_passes=max_passes,
-                     tokens=tokens, token_cap=token_cap)
+        refine_cells(
+            cells,
+            costs,
+            allow_moves=not equal_size,
+            rel_tol=rel_tol,
+            max_passes=max_passes,
+            tokens=tokens,
+            token_cap=token_cap,
+        )
     # With cost == tokens a swap never lifts a cell above its slot's (capped) maximum.
     same = np.array_equal(costs, tokens)
     return polish_sync_cost(
-        cells, costs, tokens=None if same else tokens, token_cap=None if same else token_cap,
+        cells,
+        costs,
+        tokens=None if same else tokens,
+        token_cap=None if same else token_cap,
         max_passes=polish_passes,
     )
 
 
 def pack_ranks_under_cap(
-    *, rank_items: list[np.ndarray], costs: np.ndarray, tokens: np.ndarray, token_cap: int, rel_tol: float,
+    *,
+    rank_items: list[np.ndarray],
+    costs: np.ndarray,
+    tokens: np.ndarray,
+    token_cap: int,
+    rel_tol: float,
     max_passes: int,
 ) -> np.ndarray:
     """Pack each rank's items into one shared number K of micro-batches of at most ``token_cap``
@@ -207,8 +249,9 @@ def pack_ranks_under_cap(
         if grid is not None:
             break
     assert grid is not None, "first fit decreasing always fits in its own count"
-    refine_cells(grid, costs, allow_moves=True, rel_tol=rel_tol, max_passes=max_passes, tokens=tokens,
-                 token_cap=token_cap)
+    refine_cells(
+        grid, costs, allow_moves=True, rel_tol=rel_tol, max_passes=max_passes, tokens=tokens, token_cap=token_cap
+    )
     assert np.append(tokens, 0)[grid].sum(axis=-1).max() <= token_cap, "per-rank packing broke the token cap"
     loads = np.append(costs, 0.0)[grid].sum(axis=-1)
     heaviest_first = np.argsort(-loads, axis=1, kind="stable")
@@ -228,8 +271,16 @@ def _match_slot_profile(layout, costs, tokens, token_cap, rel_tol, max_passes):
         return layout
     target = profile[None, :] * (loads.sum(axis=1, keepdims=True) / profile.sum())
     matched = layout.copy()
-    refine_cells(matched, costs, allow_moves=True, rel_tol=rel_tol, max_passes=max_passes, tokens=tokens,
-                 token_cap=token_cap, offsets=-target)
+    refine_cells(
+        matched,
+        costs,
+        allow_moves=True,
+        rel_tol=rel_tol,
+        max_passes=max_passes,
+        tokens=tokens,
+        token_cap=token_cap,
+        offsets=-target,
+    )
     if ((matched >= 0).any(axis=-1) < (layout >= 0).any(axis=-1)).any():
         return layout  # a move emptied a micro-batch: keep the flat layout (empty only when unavoidable)
     layout = matched
@@ -254,8 +305,9 @@ def _pack_at(num_bins, by_cost, by_tokens, ffd_bin, ffd_count, costs, tokens, to
     if len(repair):
         worst_fit = _greedy_pack(by_tokens[repair], tokens, costs, token_cap, num_bins, rule="emptiest")
         repaired = _grid_from_bins(by_tokens[repair], worst_fit, num_bins)
-        refine_cells(repaired, tokens.astype(np.float64), allow_moves=True, rel_tol=0.0, max_passes=max_passes,
-                     stop_at=token_cap)
+        refine_cells(
+            repaired, tokens.astype(np.float64), allow_moves=True, rel_tol=0.0, max_passes=max_passes, stop_at=token_cap
+        )
         if np.append(tokens, 0)[repaired].sum(axis=-1).max() > token_cap:
             return None
         width = max(grid.shape[2], repaired.shape[2])
@@ -307,8 +359,9 @@ def _first_fit(sizes: list[int], capacity: int) -> list[int]:
     return out
 
 
-def _greedy_pack(items: np.ndarray, tokens: np.ndarray, costs: np.ndarray, token_cap: int, num_bins: int, *,
-                 rule: str) -> np.ndarray:
+def _greedy_pack(
+    items: np.ndarray, tokens: np.ndarray, costs: np.ndarray, token_cap: int, num_bins: int, *, rule: str
+) -> np.ndarray:
     """Place ``items[rank, t]`` in order into ``num_bins`` bins per rank with token room:
     rule "lightest" = the fitting bin of least cost, "emptiest" = the bin with the most room, even
     if it overflows (worst fit).
@@ -464,7 +517,11 @@ def balanced_per_rank_micro_batches(
             layout.append([c[c >= 0] for c in cells])
         return layout
     layout = pack_ranks_under_cap(
-        rank_items=rank_items, costs=costs, tokens=tokens, token_cap=token_cap, rel_tol=rel_tol,
+        rank_items=rank_items,
+        costs=costs,
+        tokens=tokens,
+        token_cap=token_cap,
+        rel_tol=rel_tol,
         max_passes=max(max_passes, 64),
     )
     if dp_size > 1:

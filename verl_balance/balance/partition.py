@@ -149,8 +149,15 @@ def refine_cells(
         b = np.where(valid[pair_slot, light], values[pair_slot, light], 0.0)
         if capped:
             best_score, best_a, best_b = _best_swaps_capped(
-                a, a_valid, b, b_usable, gap, tok_values[pair_slot, heavy], tok_values[pair_slot, light],
-                token_cap - tok_loads[pair_slot, heavy], token_cap - tok_loads[pair_slot, light],
+                a,
+                a_valid,
+                b,
+                b_usable,
+                gap,
+                tok_values[pair_slot, heavy],
+                tok_values[pair_slot, light],
+                token_cap - tok_loads[pair_slot, heavy],
+                token_cap - tok_loads[pair_slot, light],
             )
         else:
             search = _best_swaps_dense if len(heavy) * width * width <= 200_000 else _best_swaps_sorted

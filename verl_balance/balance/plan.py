@@ -228,14 +228,22 @@ def plan_balance(
         if balance:
             if unit_mbs is not None:
                 cells = balanced_fixed_size_cells(
-                    costs=unit_cost, dp_size=dp_size, micro_batch_size=unit_mbs, polish_passes=polish_passes,
+                    costs=unit_cost,
+                    dp_size=dp_size,
+                    micro_batch_size=unit_mbs,
+                    polish_passes=polish_passes,
                     **refine_kwargs,
                 )
                 layout = assign_cells_to_ranks(cells, unit_cost)
             else:
                 layout = balanced_token_cap_layout(
-                    costs=unit_cost, tokens=unit_tokens, dp_size=dp_size, token_cap=token_cap, equal_size=equal_size,
-                    polish_passes=polish_passes, **refine_kwargs,
+                    costs=unit_cost,
+                    tokens=unit_tokens,
+                    dp_size=dp_size,
+                    token_cap=token_cap,
+                    equal_size=equal_size,
+                    polish_passes=polish_passes,
+                    **refine_kwargs,
                 )
                 # Heaviest micro-batch first: an out-of-memory shows up on the first micro-batch.
                 layout = layout[:, np.argsort(-np.append(unit_tokens, 0)[layout].sum(axis=(0, 2)), kind="stable")]
@@ -249,13 +257,20 @@ def plan_balance(
         bound_items, bound_mbs = len(kept), micro_batch_size
         if balance:
             rank_units = balanced_partition(
-                costs=rank_unit_cost, num_parts=dp_size, equal_size=equal_size, refine=config.refine,
+                costs=rank_unit_cost,
+                num_parts=dp_size,
+                equal_size=equal_size,
+                refine=config.refine,
                 rel_tol=config.rel_tol,
             )
             rank_items = _expand_units([rank_units], rank_unit_of_sample)[0]
             micro_batches = balanced_per_rank_micro_batches(
-                rank_items=rank_items, costs=sample_costs, tokens=lengths_kept, micro_batch_size=micro_batch_size,
-                token_cap=token_cap, **refine_kwargs,
+                rank_items=rank_items,
+                costs=sample_costs,
+                tokens=lengths_kept,
+                micro_batch_size=micro_batch_size,
+                token_cap=token_cap,
+                **refine_kwargs,
             )
             micro_batches = [[np.sort(mb) for mb in rank] for rank in micro_batches]
     if not balance:
@@ -266,8 +281,18 @@ def plan_balance(
     plan.cell_tokens = _cell_sums(micro_batches, lengths_kept.astype(np.float64)).astype(np.int64)
     naive_costs = plan.cell_costs if not balance else _cell_sums(naive, sample_costs)
     plan.stats = _stats(
-        plan, sample_costs, rank_unit_cost, int(lengths_kept.sum()), naive_costs, len(naive[0]), dp_size, sp_size,
-        bound_items, bound_mbs, token_cap, num_samples=len(lengths),
+        plan,
+        sample_costs,
+        rank_unit_cost,
+        int(lengths_kept.sum()),
+        naive_costs,
+        len(naive[0]),
+        dp_size,
+        sp_size,
+        bound_items,
+        bound_mbs,
+        token_cap,
+        num_samples=len(lengths),
     )
     if token_cap is not None:
         assert plan.cell_tokens.max() <= token_cap, "balancer produced a micro-batch over the token cap"
@@ -415,8 +440,21 @@ def _sync_figures(cell_costs: np.ndarray, lower_bound: float) -> tuple[float, fl
     return rank_max / lower_bound, sync, sync / lower_bound
 
 
-def _stats(plan, sample_costs, rank_unit_cost, total_tokens, naive_costs, naive_micro, dp_size, sp_size,
-           bound_items, bound_mbs, token_cap, *, num_samples) -> BalanceStats:
+def _stats(
+    plan,
+    sample_costs,
+    rank_unit_cost,
+    total_tokens,
+    naive_costs,
+    naive_micro,
+    dp_size,
+    sp_size,
+    bound_items,
+    bound_mbs,
+    token_cap,
+    *,
+    num_samples,
+) -> BalanceStats:
     total = float(sample_costs.sum())
     lower_bound = max(total / dp_size, float(rank_unit_cost.max()))
     imbalance, sync, sync_ratio = _sync_figures(plan.cell_costs, lower_bound)
@@ -424,7 +462,8 @@ def _stats(plan, sample_costs, rank_unit_cost, total_tokens, naive_costs, naive_
     if token_cap is not None:
         bound = max(1, -(-total_tokens // (dp_size * token_cap)))
     else:
-        bound = max(1, -(-(-(-bound_items // dp_size)) // bound_mbs))
+        items_per_rank = -(-bound_items // dp_size)
+        bound = max(1, -(-items_per_rank // bound_mbs))
     per_sp_rank = -(-plan.cell_tokens // sp_size)
     slot = plan.cell_costs
     slot_mean = slot.mean(axis=0)

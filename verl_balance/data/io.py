@@ -152,8 +152,10 @@ def _parse_jsonl_line(raw: bytes, *, line_number: int, keys: Sequence[str]) -> d
     try:
         line = raw.decode("utf-8")
     except UnicodeDecodeError as err:
-        return (f"line {line_number} is not valid UTF-8 (byte 0x{raw[err.start]:02x} at byte offset {err.start}: "
-                f"{err.reason})")
+        return (
+            f"line {line_number} is not valid UTF-8 (byte 0x{raw[err.start]:02x} at byte offset {err.start}: "
+            f"{err.reason})"
+        )
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:

@@ -31,8 +31,9 @@ from .io import DataError
 class StatefulSampler:
     """Yields int64 index batches over one epoch at a time; resumable via ``state_dict``."""
 
-    def __init__(self, *, num_samples: int, batch_size: int, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = True):
+    def __init__(
+        self, *, num_samples: int, batch_size: int, shuffle: bool = True, seed: int = 0, drop_last: bool = True
+    ):
         if batch_size < 1:
             raise DataError(f"batch_size={batch_size} must be >= 1")
         if drop_last and num_samples < batch_size:
@@ -99,8 +100,16 @@ class StatefulSampler:
 class StatefulDataLoader:
     """Batches of ``collate_fn([dataset[i] for i in indices])`` in ``StatefulSampler`` order."""
 
-    def __init__(self, dataset: Sequence[Any], *, batch_size: int, collate_fn: Callable[[list[Any]], Any],
-                 shuffle: bool = True, seed: int = 0, drop_last: bool = True):
+    def __init__(
+        self,
+        dataset: Sequence[Any],
+        *,
+        batch_size: int,
+        collate_fn: Callable[[list[Any]], Any],
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = True,
+    ):
         self.dataset = dataset
         self.collate_fn = collate_fn
         self.sampler = StatefulSampler(

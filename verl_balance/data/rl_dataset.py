@@ -108,7 +108,8 @@ class RLPromptDataset(torch.utils.data.Dataset):
         if self.num_filtered:
             logger.warning(
                 "filtered %d prompt(s) longer than max_prompt_length=%d (filter_overlong_prompts=True)",
-                self.num_filtered, config.max_prompt_length,
+                self.num_filtered,
+                config.max_prompt_length,
             )
         if not len(self):
             raise DataError(
@@ -184,8 +185,9 @@ class RLPromptDataset(torch.utils.data.Dataset):
                 ) from None
             self._prompt_ids += ids
             self._offsets.append(len(self._prompt_ids))
-            self._records += pickle.dumps((messages, data_source, reward_model, extra_info),
-                                          protocol=pickle.HIGHEST_PROTOCOL)
+            self._records += pickle.dumps(
+                (messages, data_source, reward_model, extra_info), protocol=pickle.HIGHEST_PROTOCOL
+            )
             self._record_offsets.append(len(self._records))
             self._file_index.append(file_index)
             self._row.append(row_index)
@@ -224,8 +226,10 @@ class RLPromptDataset(torch.utils.data.Dataset):
     @property
     def nbytes(self) -> int:
         """Bytes of the buffers that hold the prompts (ids, offsets, pickled records, origins)."""
-        return sum(memoryview(b).nbytes for b in (self._prompt_ids, self._offsets, self._records,
-                                                  self._record_offsets, self._file_index, self._row))
+        return sum(
+            memoryview(b).nbytes
+            for b in (self._prompt_ids, self._offsets, self._records, self._record_offsets, self._file_index, self._row)
+        )
 
     def fingerprint(self) -> str:
         """A hash of every prompt's token ids and record (chat, data_source, reward, extra_info); see the loader."""

@@ -171,9 +171,7 @@ def _tokenize_chats(tokenizer: Tokenizer, chats: Sequence[list[dict[str, str]]])
             if isinstance(through, Exception):
                 spans = through
                 break
-            if input_ids[: len(before)] != before or not (
-                through is input_ids or input_ids[: len(through)] == through
-            ):
+            if input_ids[: len(before)] != before or not (through is input_ids or input_ids[: len(through)] == through):
                 spans = TokenizerError(
                     f"the chat template is not prefix-stable at assistant message {k}; cannot locate its target tokens"
                 )
@@ -321,13 +319,17 @@ class SFTDataset(torch.utils.data.Dataset):
         if self.num_truncated:
             logger.warning(
                 "truncated %d sample(s) to max_length=%d (truncation=%s); %d of them kept no target token",
-                self.num_truncated, config.max_length, config.truncation, self.num_without_targets,
+                self.num_truncated,
+                config.max_length,
+                config.truncation,
+                self.num_without_targets,
             )
         if len(self) == 0:
             raise DataError(f"no usable rows in {self.files} ({len(self.skipped)} malformed rows skipped)")
         self._check_vocab()
-        logger.info("SFT dataset: %d samples, %d tokens, %.1f MB in memory", len(self),
-                    len(self._token_ids), self.nbytes / 1e6)
+        logger.info(
+            "SFT dataset: %d samples, %d tokens, %.1f MB in memory", len(self), len(self._token_ids), self.nbytes / 1e6
+        )
 
     @property
     def columns(self) -> list[str]:
@@ -371,8 +373,9 @@ class SFTDataset(torch.utils.data.Dataset):
         total = num_rows_hint(path)
         large = (total or 0) >= PROGRESS_MIN_ROWS or os.path.getsize(path) >= 1000 * PROGRESS_MIN_ROWS
         chunk: list[tuple[int, dict[str, Any] | str]] = []
-        with tqdm(total=total, desc=f"tokenizing {os.path.basename(path)}", unit="row", disable=not large,
-                  mininterval=2.0) as progress:
+        with tqdm(
+            total=total, desc=f"tokenizing {os.path.basename(path)}", unit="row", disable=not large, mininterval=2.0
+        ) as progress:
             for row_index, row in iter_rows(path, columns=self.columns):
                 chunk.append((row_index, row))
                 if len(chunk) == ROWS_PER_CHUNK:
@@ -430,9 +433,12 @@ class SFTDataset(torch.utils.data.Dataset):
         if not len(ids) or (int(ids.max()) < vocab_size and int(ids.min()) >= 0):
             return
         step = 1 << 24  # bounded temporaries on a large store
-        first = next(start + int(np.argmax(outside)) for start in range(0, len(ids), step)
-                     for outside in [(ids[start : start + step] >= vocab_size) | (ids[start : start + step] < 0)]
-                     if outside.any())
+        first = next(
+            start + int(np.argmax(outside))
+            for start in range(0, len(ids), step)
+            for outside in [(ids[start : start + step] >= vocab_size) | (ids[start : start + step] < 0)]
+            if outside.any()
+        )
         path, row = self.origin(int(np.searchsorted(self._offsets, first, side="right")) - 1)
         raise DataError(
             f"{path}: row {row}: token id {int(ids[first])} is outside the tokenizer's vocab [0, {vocab_size})"
@@ -471,8 +477,10 @@ class SFTDataset(torch.utils.data.Dataset):
     @property
     def nbytes(self) -> int:
         """Bytes of the arrays that hold the samples (ids, mask, offsets, per-sample counts and origins)."""
-        return sum(a.nbytes for a in (self._token_ids, self._loss_mask, self._offsets, self._loss_tokens,
-                                      self._file_index, self._row))
+        return sum(
+            a.nbytes
+            for a in (self._token_ids, self._loss_mask, self._offsets, self._loss_tokens, self._file_index, self._row)
+        )
 
     def origin(self, index: int) -> tuple[str, int]:
         """(file, row) a sample came from, for error messages."""

@@ -164,7 +164,12 @@ def write_parquet(columns: dict[str, list], path: str) -> None:
 
 
 def write_dataset(
-    *, out_dir: str, num_train: int, num_val: int, seed: int, config: SyntheticConfig = SyntheticConfig(),
+    *,
+    out_dir: str,
+    num_train: int,
+    num_val: int,
+    seed: int,
+    config: SyntheticConfig = SyntheticConfig(),
     progress: bool = False,
 ) -> dict[str, str]:
     """Write ``sft_{train,val}.parquet`` and ``rl_{train,val}.parquet``; returns name -> path."""
@@ -174,7 +179,9 @@ def write_dataset(
     paths = {}
     for split, (count, split_seed) in splits.items():
         samples = generate_samples(
-            num_samples=count, seed=split_seed.generate_state(1)[0], config=config,
+            num_samples=count,
+            seed=split_seed.generate_state(1)[0],
+            config=config,
             progress=f"synthetic {split}" if progress else None,
         )
         for kind, rows in (("sft", sft_rows(samples)), ("rl", rl_rows(samples, split=split))):
@@ -204,7 +211,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--max-size", type=int, default=SyntheticConfig.max_size)
     args = parser.parse_args(argv)
     config = SyntheticConfig(
-        tasks=tuple(t for t in args.tasks.split(",") if t), median_size=args.median_size, sigma=args.sigma,
+        tasks=tuple(t for t in args.tasks.split(",") if t),
+        median_size=args.median_size,
+        sigma=args.sigma,
         max_size=args.max_size,
     )
     paths = write_dataset(

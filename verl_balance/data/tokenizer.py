@@ -48,9 +48,7 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """Text of token ids; special tokens are dropped unless skip_special_tokens=False."""
 
-    def apply_chat_template(
-        self, messages: Sequence[Message], *, add_generation_prompt: bool = False
-    ) -> list[int]:
+    def apply_chat_template(self, messages: Sequence[Message], *, add_generation_prompt: bool = False) -> list[int]:
         """Token ids of a conversation; with add_generation_prompt, ends with the assistant opener."""
 
 
@@ -136,9 +134,7 @@ class ByteTokenizer:
         out.append(pending.decode("utf-8", errors="replace"))
         return "".join(out)
 
-    def apply_chat_template(
-        self, messages: Sequence[Message], *, add_generation_prompt: bool = False
-    ) -> list[int]:
+    def apply_chat_template(self, messages: Sequence[Message], *, add_generation_prompt: bool = False) -> list[int]:
         """Token ids of a conversation in the format of the class docstring."""
         ids = [self.BOS]
         previous_role = None
@@ -213,9 +209,7 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(
-        self, messages: Sequence[Message], *, add_generation_prompt: bool = False
-    ) -> list[int]:
+    def apply_chat_template(self, messages: Sequence[Message], *, add_generation_prompt: bool = False) -> list[int]:
         messages = validate_messages(messages)
         if getattr(self._tok, "chat_template", None):
             return self._encode_with_template(messages, add_generation_prompt=add_generation_prompt)

@@ -24,7 +24,7 @@ class LayoutError(ValueError):
 
 
 def default_device_type() -> str:
-    """"cuda" when a GPU is visible, else "cpu"."""
+    """ "cuda" when a GPU is visible, else "cpu"."""
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -74,14 +74,16 @@ class ParallelLayout:
         """2-D DeviceMesh with axes ("dp", "sp"); requires an initialized default process group."""
         if self._mesh is None:
             if not dist.is_initialized():
-                raise LayoutError("ParallelLayout.mesh: torch.distributed is not initialized "
-                                  "(call verl_balance.distributed.init_distributed() first)")
+                raise LayoutError(
+                    "ParallelLayout.mesh: torch.distributed is not initialized "
+                    "(call verl_balance.distributed.init_distributed() first)"
+                )
             if dist.get_world_size() != self.world_size:
                 raise LayoutError(
                     f"ParallelLayout(dp={self.dp}, sp={self.sp}) needs world size {self.world_size}, "
-                    f"but the process group has {dist.get_world_size()} ranks")
-            self._mesh = init_device_mesh(self.device_type, (self.dp, self.sp),
-                                          mesh_dim_names=("dp", "sp"))
+                    f"but the process group has {dist.get_world_size()} ranks"
+                )
+            self._mesh = init_device_mesh(self.device_type, (self.dp, self.sp), mesh_dim_names=("dp", "sp"))
         return self._mesh
 
     @property

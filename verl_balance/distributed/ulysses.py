@@ -41,18 +41,20 @@ class _SeqAllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return (_all_to_all(grad, group=ctx.group, scatter_dim=ctx.gather_dim,
-                            gather_dim=ctx.scatter_dim), None, None, None)
+        return (
+            _all_to_all(grad, group=ctx.group, scatter_dim=ctx.gather_dim, gather_dim=ctx.scatter_dim),
+            None,
+            None,
+            None,
+        )
 
 
-def all_to_all_seq_to_head(x: Tensor, *, group: dist.ProcessGroup, seq_dim: int = 0,
-                           head_dim: int = 1) -> Tensor:
+def all_to_all_seq_to_head(x: Tensor, *, group: dist.ProcessGroup, seq_dim: int = 0, head_dim: int = 1) -> Tensor:
     """[T/sp, H, d] sequence-sharded -> [T, H/sp, d] head-sharded (differentiable)."""
     return _SeqAllToAll.apply(x, group, head_dim, seq_dim)
 
 
-def all_to_all_head_to_seq(x: Tensor, *, group: dist.ProcessGroup, seq_dim: int = 0,
-                           head_dim: int = 1) -> Tensor:
+def all_to_all_head_to_seq(x: Tensor, *, group: dist.ProcessGroup, seq_dim: int = 0, head_dim: int = 1) -> Tensor:
     """[T, H/sp, d] head-sharded -> [T/sp, H, d] sequence-sharded (differentiable)."""
     return _SeqAllToAll.apply(x, group, seq_dim, head_dim)
 
@@ -84,8 +86,7 @@ def slice_for_rank(x: Tensor, *, rank: int, world: int, dim: int = 0) -> Tensor:
 
 def pad_and_slice(x: Tensor, *, rank: int, world: int, dim: int = 0, value: float = 0) -> Tensor:
     """Pad a packed sequence to a multiple of world and return this rank's slice."""
-    return slice_for_rank(pad_to_multiple(x, multiple=world, dim=dim, value=value),
-                          rank=rank, world=world, dim=dim)
+    return slice_for_rank(pad_to_multiple(x, multiple=world, dim=dim, value=value), rank=rank, world=world, dim=dim)
 
 
 class _GatherSeq(torch.autograd.Function):

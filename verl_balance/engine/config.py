@@ -115,10 +115,12 @@ class EngineConfig:
             raise EngineConfigError(f"param_dtype={self.param_dtype!r}; valid: {list(PARAM_DTYPES)}")
         if self.attn_impl not in ATTN_IMPLS:
             raise EngineConfigError(f"attn_impl={self.attn_impl!r}; valid: {list(ATTN_IMPLS)}")
-        if (self.loss_agg_mode == "seq-mean-token-sum-norm"
-                and not (self.loss_scale_factor and self.loss_scale_factor > 0)):
-            raise EngineConfigError("loss_agg_mode='seq-mean-token-sum-norm' needs "
-                                    "loss_scale_factor > 0 (the constant C)")
+        if self.loss_agg_mode == "seq-mean-token-sum-norm" and not (
+            self.loss_scale_factor and self.loss_scale_factor > 0
+        ):
+            raise EngineConfigError(
+                "loss_agg_mode='seq-mean-token-sum-norm' needs loss_scale_factor > 0 (the constant C)"
+            )
         bad_steps = [s for s in self.profile_steps if int(s) < 1]
         if bad_steps:
             raise EngineConfigError(f"profile_steps={list(self.profile_steps)}: steps are 1-based, got {bad_steps}")

@@ -37,8 +37,8 @@ class PackedMicroBatch:
     seq_lens: list[int]
     total_len: int
     padded_len: int
-    cu_seqlens: Tensor          # real sequences only, int64 [n + 1], on the device
-    cu_seqlens_padded: Tensor   # + the padding segment, spans padded_len tokens, on the device
+    cu_seqlens: Tensor  # real sequences only, int64 [n + 1], on the device
+    cu_seqlens_padded: Tensor  # + the padding segment, spans padded_len tokens, on the device
     max_seqlen: int
     tensors: dict[str, Tensor]  # full padded stream, target-aligned (see module docstring)
     sp_rank: int
@@ -87,8 +87,14 @@ def shift_targets(x: Tensor, ends: Tensor) -> Tensor:
     return shifted
 
 
-def pack_micro_batch(micro_batch: Mapping[str, Tensor], *, sp_size: int, sp_rank: int,
-                     device: torch.device, require_loss_mask: bool = True) -> PackedMicroBatch:
+def pack_micro_batch(
+    micro_batch: Mapping[str, Tensor],
+    *,
+    sp_size: int,
+    sp_rank: int,
+    device: torch.device,
+    require_loss_mask: bool = True,
+) -> PackedMicroBatch:
     """Pack a right-padded micro-batch (the wire format of docs/design.md) for this SP rank.
 
     Packing runs on the CPU, where the wire tensors arrive (Ray delivers them there), and the
@@ -107,8 +113,10 @@ def pack_micro_batch(micro_batch: Mapping[str, Tensor], *, sp_size: int, sp_rank
     bad = ((attention_mask != 0) != real).any(1) | (lengths == 0)
     if bad.any():
         i = int(bad.nonzero()[0])
-        raise MicroBatchError(f"sample {i} of the micro-batch: attention_mask must be 1 on a "
-                              "non-empty prefix and 0 after it (right padding)")
+        raise MicroBatchError(
+            f"sample {i} of the micro-batch: attention_mask must be 1 on a "
+            "non-empty prefix and 0 after it (right padding)"
+        )
     cu = torch.zeros(b + 1, dtype=torch.int64)
     cu[1:] = torch.cumsum(lengths, 0)
     total = int(cu[-1])
@@ -128,15 +136,23 @@ def pack_micro_batch(micro_batch: Mapping[str, Tensor], *, sp_size: int, sp_rank
         tensors["loss_mask"] = torch.zeros(total)
     tensors["loss_mask"] = tensors["loss_mask"].to(torch.float32)
     for key, value in tensors.items():
-        filler = (torch.arange(pad, dtype=value.dtype) if key == "position_ids"
-                  else value.new_zeros((pad,) + value.shape[1:]))
+        filler = (
+            torch.arange(pad, dtype=value.dtype) if key == "position_ids" else value.new_zeros((pad,) + value.shape[1:])
+        )
         tensors[key] = torch.cat([value, filler]).to(device, non_blocking=True)
 
     cu_padded = torch.cat([cu, cu.new_tensor([padded])]) if pad else cu
     seq_lens = lengths.tolist()
-    return PackedMicroBatch(seq_lens=seq_lens, total_len=total, padded_len=padded,
-                            cu_seqlens=cu.to(device, non_blocking=True),
-                            cu_seqlens_padded=cu_padded.to(device, non_blocking=True),
-                            max_seqlen=max([pad] + seq_lens), tensors=tensors, sp_rank=sp_rank,
-                            sp_size=sp_size, attention_mask=attention_mask.to(device, non_blocking=True),
-                            cu_seqlens_host=cu)
+    return PackedMicroBatch(
+        seq_lens=seq_lens,
+        total_len=total,
+        padded_len=padded,
+        cu_seqlens=cu.to(device, non_blocking=True),
+        cu_seqlens_padded=cu_padded.to(device, non_blocking=True),
+        max_seqlen=max([pad] + seq_lens),
+        tensors=tensors,
+        sp_rank=sp_rank,
+        sp_size=sp_size,
+        attention_mask=attention_mask.to(device, non_blocking=True),
+        cu_seqlens_host=cu,
+    )

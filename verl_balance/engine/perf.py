@@ -49,8 +49,9 @@ def peak_flops(device: torch.device) -> float | None:
     return None
 
 
-def step_perf_metrics(*, flops: float, tokens: float, seconds: float, world_size: int,
-                      device: torch.device) -> dict[str, float]:
+def step_perf_metrics(
+    *, flops: float, tokens: float, seconds: float, world_size: int, device: torch.device
+) -> dict[str, float]:
     """perf/* metrics of one step from its global model FLOPs and tokens and its wall seconds.
 
     perf/tokens_per_s_per_device = tokens / (seconds * world_size); perf/mfu where the device's

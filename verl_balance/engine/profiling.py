@@ -20,8 +20,9 @@ logger = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def step_profiler(*, enabled: bool, out_dir: str, step: int, rank: int,
-                  device: torch.device) -> Iterator[torch.profiler.profile | None]:
+def step_profiler(
+    *, enabled: bool, out_dir: str, step: int, rank: int, device: torch.device
+) -> Iterator[torch.profiler.profile | None]:
     """Profile the block into out_dir/step_<step>/rank_<rank>.trace.json when ``enabled``."""
     if not enabled:
         yield None

@@ -67,5 +67,6 @@ class StepTimer:
                 self._events[-1][1].synchronize()
             wall = [start.elapsed_time(end) / 1e3 for start, end in self._events]
             return MicroBatchTimes(wall=wall, busy=list(wall))
-        return MicroBatchTimes(wall=[w1 - w0 for w0, _, w1, _ in self._host],
-                               busy=[c1 - c0 for _, c0, _, c1 in self._host])
+        return MicroBatchTimes(
+            wall=[w1 - w0 for w0, _, w1, _ in self._host], busy=[c1 - c0 for _, c0, _, c1 in self._host]
+        )

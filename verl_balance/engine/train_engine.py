@@ -63,8 +63,9 @@ def _flops_workload(model_config):
         return None
 
 
-def token_log_probs(logits: Tensor, targets: Tensor, *, with_entropy: bool = False,
-                    temperature: float = 1.0) -> tuple[Tensor, Tensor | None]:
+def token_log_probs(
+    logits: Tensor, targets: Tensor, *, with_entropy: bool = False, temperature: float = 1.0
+) -> tuple[Tensor, Tensor | None]:
     """log p(target_t) per position (fp32) and optionally the entropy of each distribution.
 
     ``temperature`` divides the logits first, so the log-probs are those of the policy the
@@ -84,8 +85,14 @@ def token_log_probs(logits: Tensor, targets: Tensor, *, with_entropy: bool = Fal
 class TrainEngine:
     """One rank of the training engine (no Ray); see the module docstring for invariants."""
 
-    def __init__(self, *, model_config: ModelConfig, engine_config: EngineConfig,
-                 layout: ParallelLayout, model: PackedCausalLM | None = None):
+    def __init__(
+        self,
+        *,
+        model_config: ModelConfig,
+        engine_config: EngineConfig,
+        layout: ParallelLayout,
+        model: PackedCausalLM | None = None,
+    ):
         self.model_config, self.config, self.layout = model_config, engine_config, layout
         self.device = layout.device
         if model is None:
@@ -93,8 +100,7 @@ class TrainEngine:
             # same weights; FSDP2 then keeps this rank's shard.
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(engine_config.seed)
-                model = build_model(model_config, sp_size=layout.sp,
-                                    attn_impl=engine_config.attn_impl)
+                model = build_model(model_config, sp_size=layout.sp, attn_impl=engine_config.attn_impl)
         model.set_sequence_parallel_group(layout.sp_group if layout.sp > 1 else None)
         model.to(self.device)
         param_dtype = torch.bfloat16 if engine_config.param_dtype == "bfloat16" else torch.float32
@@ -105,10 +111,12 @@ class TrainEngine:
         if self.sharded:
             mesh = layout.fsdp_mesh
             for unit in model.fsdp_units():
-                fully_shard(unit, mesh=mesh, mp_policy=mp_policy,
-                            reshard_after_forward=engine_config.fsdp.reshard_after_forward)
-            fully_shard(model, mesh=mesh, mp_policy=mp_policy,
-                        reshard_after_forward=engine_config.fsdp.reshard_after_forward)
+                fully_shard(
+                    unit, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=engine_config.fsdp.reshard_after_forward
+                )
+            fully_shard(
+                model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=engine_config.fsdp.reshard_after_forward
+            )
         self.model = model
         self.optimizer, self.scheduler = build_optimizer(model.parameters(), config=engine_config)
         self.global_step = 0
@@ -134,34 +142,50 @@ class TrainEngine:
         everyone = torch.stack(gathered).cpu()
         counts = everyone[:, 0].tolist()
         if len(set(counts)) != 1:
-            raise MicroBatchError(f"every rank must get the same number of micro-batches; got "
-                                  f"{counts} by global rank (use a BalancePlan)")
+            raise MicroBatchError(
+                f"every rank must get the same number of micro-batches; got {counts} by global rank (use a BalancePlan)"
+            )
         if counts[0] == 0:
             raise MicroBatchError("need at least one micro-batch (an empty one is fine)")
         per_dp = everyone[:, 1:].reshape(self.layout.dp, self.layout.sp, 2)
         if (per_dp != per_dp[:, :1]).any():
-            raise MicroBatchError("the SP ranks of a DP group must get identical micro-batches "
-                                  "in the same order; (tokens, ids) fingerprints per rank "
-                                  f"(dp x sp): {per_dp.tolist()}")
+            raise MicroBatchError(
+                "the SP ranks of a DP group must get identical micro-batches "
+                "in the same order; (tokens, ids) fingerprints per rank "
+                f"(dp x sp): {per_dp.tolist()}"
+            )
 
     def _pack(self, micro_batches, *, require_loss_mask: bool) -> list[PackedMicroBatch]:
         """Wire micro-batches -> packed streams (a seam for the testing.faults controls)."""
-        return [pack_micro_batch(mb, sp_size=self.layout.sp, sp_rank=self.layout.sp_rank,
-                                 device=self.device, require_loss_mask=require_loss_mask)
-                for mb in micro_batches]
+        return [
+            pack_micro_batch(
+                mb,
+                sp_size=self.layout.sp,
+                sp_rank=self.layout.sp_rank,
+                device=self.device,
+                require_loss_mask=require_loss_mask,
+            )
+            for mb in micro_batches
+        ]
 
     def _token_weights(self, packed: Sequence[PackedMicroBatch], *, training: bool) -> TokenWeights:
         """The loss-contract weights of this rank's micro-batches (a seam for testing.faults);
         ``training`` is unused here: eval weighs tokens exactly as training does."""
         return compute_token_weights(
             loss_masks=[p.tensors["loss_mask"] for p in packed],
-            cu_seqlens=[p.cu_seqlens_host for p in packed], agg_mode=self.config.loss_agg_mode,
-            loss_scale_factor=self.config.loss_scale_factor, dp_group=self.layout.dp_group)
+            cu_seqlens=[p.cu_seqlens_host for p in packed],
+            agg_mode=self.config.loss_agg_mode,
+            loss_scale_factor=self.config.loss_scale_factor,
+            dp_group=self.layout.dp_group,
+        )
 
     def _forward(self, packed: PackedMicroBatch) -> Tensor:
-        return self.model(input_ids=packed.local("input_ids"),
-                          position_ids=packed.local("position_ids"),
-                          cu_seqlens=packed.cu_seqlens_padded, max_seqlen=packed.max_seqlen)
+        return self.model(
+            input_ids=packed.local("input_ids"),
+            position_ids=packed.local("position_ids"),
+            cu_seqlens=packed.cu_seqlens_padded,
+            max_seqlen=packed.max_seqlen,
+        )
 
     def _fsdp_modules(self) -> list[FSDPModule]:
         return [m for m in self.model.modules() if isinstance(m, FSDPModule)] if self.sharded else []
@@ -200,8 +224,14 @@ class TrainEngine:
         return flops, float(sum(lengths))
 
     # ------------------------------------------------------------------ train / eval
-    def _run(self, micro_batches: Sequence[Mapping[str, Tensor]], *, loss_fn: LossFn | None,
-             training: bool, temperature: float = 1.0) -> dict:
+    def _run(
+        self,
+        micro_batches: Sequence[Mapping[str, Tensor]],
+        *,
+        loss_fn: LossFn | None,
+        training: bool,
+        temperature: float = 1.0,
+    ) -> dict:
         step_start = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -209,18 +239,29 @@ class TrainEngine:
         self._check_micro_batches(micro_batches)
         packed = self._pack(micro_batches, require_loss_mask=True)
         token_weights = self._token_weights(packed, training=training)
-        metrics: dict = {"valid_tokens": token_weights.num_tokens,
-                         "num_sequences": token_weights.num_sequences,
-                         "lr": self.scheduler.get_last_lr()[0]}
+        metrics: dict = {
+            "valid_tokens": token_weights.num_tokens,
+            "num_sequences": token_weights.num_sequences,
+            "lr": self.scheduler.get_last_lr()[0],
+        }
         if token_weights.num_tokens == 0:
             # Counts are global, so every rank takes this branch together (no collective skew).
-            logger.warning("mini-batch has zero valid (loss-mask) tokens: %s",
-                           "optimizer step skipped" if training else "eval loss is 0")
+            logger.warning(
+                "mini-batch has zero valid (loss-mask) tokens: %s",
+                "optimizer step skipped" if training else "eval loss is 0",
+            )
             if training:
                 self._advance_schedule()
-            return {**metrics, "loss": 0.0, "grad_norm": 0.0, "step_skipped": training,
-                    "micro_batch_seconds": [], "micro_batch_busy_seconds": [], "compute_seconds": 0.0,
-                    "busy_seconds": 0.0}
+            return {
+                **metrics,
+                "loss": 0.0,
+                "grad_norm": 0.0,
+                "step_skipped": training,
+                "micro_batch_seconds": [],
+                "micro_batch_busy_seconds": [],
+                "compute_seconds": 0.0,
+                "busy_seconds": 0.0,
+            }
 
         scale = float(self.gradient_divide_factor)
         local_objective = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -239,10 +280,10 @@ class TrainEngine:
             with torch.set_grad_enabled(training):
                 logits = self._forward(p)
                 inputs = p.local_inputs()
-                log_probs, entropy = token_log_probs(logits, inputs["targets"], with_entropy=needs_entropy,
-                                                     temperature=temperature)
-                per_token_loss, per_token_metrics = loss_fn(log_probs=log_probs, entropy=entropy,
-                                                            inputs=inputs)
+                log_probs, entropy = token_log_probs(
+                    logits, inputs["targets"], with_entropy=needs_entropy, temperature=temperature
+                )
+                per_token_loss, per_token_metrics = loss_fn(log_probs=log_probs, entropy=entropy, inputs=inputs)
                 objective = (weights[p.local_slice] * per_token_loss).sum()
                 if training:
                     (objective * scale).backward()
@@ -278,9 +319,15 @@ class TrainEngine:
             metrics.update(self._optimizer_step())
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # once per step: honest step time
-        metrics.update(step_perf_metrics(flops=totals[-2], tokens=totals[-1],
-                                         seconds=time.perf_counter() - step_start,
-                                         world_size=self.layout.world_size, device=self.device))
+        metrics.update(
+            step_perf_metrics(
+                flops=totals[-2],
+                tokens=totals[-1],
+                seconds=time.perf_counter() - step_start,
+                world_size=self.layout.world_size,
+                device=self.device,
+            )
+        )
         return metrics
 
     def _advance_schedule(self) -> None:
@@ -305,8 +352,9 @@ class TrainEngine:
         self._advance_schedule()
         return {"grad_norm": grad_norm, "step_skipped": False}
 
-    def train_step(self, micro_batches: Sequence[Mapping[str, Tensor]], *,
-                   loss_fn: LossFn | None = None, temperature: float = 1.0) -> dict:
+    def train_step(
+        self, micro_batches: Sequence[Mapping[str, Tensor]], *, loss_fn: LossFn | None = None, temperature: float = 1.0
+    ) -> dict:
         """One optimizer step over this DP rank's micro-batches.
 
         Returns loss (exact global objective J), grad_norm (before clipping), lr, valid_tokens,
@@ -318,19 +366,26 @@ class TrainEngine:
         Steps listed in config.profile_steps are traced (engine/profiling.py).
         """
         step = self.global_step + 1
-        with step_profiler(enabled=step in self.config.profile_steps, out_dir=self.config.profile_dir,
-                           step=step, rank=self.layout.rank, device=self.device):
+        with step_profiler(
+            enabled=step in self.config.profile_steps,
+            out_dir=self.config.profile_dir,
+            step=step,
+            rank=self.layout.rank,
+            device=self.device,
+        ):
             return self._run(micro_batches, loss_fn=loss_fn, training=True, temperature=temperature)
 
     @torch.no_grad()
-    def eval_loss(self, micro_batches: Sequence[Mapping[str, Tensor]], *,
-                  loss_fn: LossFn | None = None, temperature: float = 1.0) -> dict:
+    def eval_loss(
+        self, micro_batches: Sequence[Mapping[str, Tensor]], *, loss_fn: LossFn | None = None, temperature: float = 1.0
+    ) -> dict:
         """The training objective and metrics on these micro-batches, without backward."""
         return self._run(micro_batches, loss_fn=loss_fn, training=False, temperature=temperature)
 
     @torch.no_grad()
-    def compute_log_prob(self, micro_batches: Sequence[Mapping[str, Tensor]], *,
-                         with_entropy: bool = False, temperature: float = 1.0) -> list[dict[str, Tensor]]:
+    def compute_log_prob(
+        self, micro_batches: Sequence[Mapping[str, Tensor]], *, with_entropy: bool = False, temperature: float = 1.0
+    ) -> list[dict[str, Tensor]]:
         """Per micro-batch {"log_probs": (b, L)[, "entropy": (b, L)]} on every rank.
 
         log_probs[i, t] = log p(token t | tokens < t) of sample i (0 at t = 0 and at padding);
@@ -341,14 +396,13 @@ class TrainEngine:
         outputs = []
         for p in self._pack(micro_batches, require_loss_mask=False):
             logits = self._forward(p)
-            log_probs, entropy = token_log_probs(logits, p.local("targets"),
-                                                 with_entropy=with_entropy, temperature=temperature)
+            log_probs, entropy = token_log_probs(
+                logits, p.local("targets"), with_entropy=with_entropy, temperature=temperature
+            )
             group = self.layout.sp_group
-            result = {"log_probs": p.unpack(gather_and_unpad(log_probs, group=group,
-                                                             length=p.total_len))}
+            result = {"log_probs": p.unpack(gather_and_unpad(log_probs, group=group, length=p.total_len))}
             if with_entropy:
-                result["entropy"] = p.unpack(gather_and_unpad(entropy, group=group,
-                                                              length=p.total_len))
+                result["entropy"] = p.unpack(gather_and_unpad(entropy, group=group, length=p.total_len))
             outputs.append(result)
         self._reshard()
         return outputs
@@ -368,9 +422,15 @@ class TrainEngine:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
         if dist.get_rank() == 0:
-            torch.save({"step": step, "global_step": self.global_step,
-                        "scheduler": self.scheduler.state_dict(), "extra": extra or {}},
-                       os.path.join(path, _ENGINE_STATE_FILE))
+            torch.save(
+                {
+                    "step": step,
+                    "global_step": self.global_step,
+                    "scheduler": self.scheduler.state_dict(),
+                    "extra": extra or {},
+                },
+                os.path.join(path, _ENGINE_STATE_FILE),
+            )
         dist.barrier(group=self.layout.world_group)
 
     def load_checkpoint(self, path: str) -> dict:
@@ -378,8 +438,7 @@ class TrainEngine:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=path)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         meta = torch.load(os.path.join(path, _ENGINE_STATE_FILE), weights_only=False)
         self.scheduler.load_state_dict(meta["scheduler"])
         self.global_step = meta["global_step"]

@@ -11,8 +11,16 @@ from verl_balance.models.config import ModelConfig, ModelConfigError
 from verl_balance.models.llama import LlamaForCausalLM, check_sequence_parallel
 
 # Dimension keys a preset may override (HF directories fix theirs).
-MODEL_DIMENSION_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                        "num_kv_heads", "max_position_embeddings", "tie_word_embeddings")
+MODEL_DIMENSION_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+)
 # Keys that only a Hugging Face model (model.path) understands.
 HF_ONLY_KEYS = ("init", "enable_gradient_checkpointing")
 
@@ -29,8 +37,7 @@ def build_model(model_config, *, sp_size: int = 1, attn_impl: str = "auto") -> P
     raise ModelConfigError(f"model config of type {type(model_config).__name__}; valid: ModelConfig, HFModelConfig")
 
 
-def load_model_config(*, name: str | None, path: str | None, overrides: dict[str, Any] | None = None,
-                      vocab_size: int):
+def load_model_config(*, name: str | None, path: str | None, overrides: dict[str, Any] | None = None, vocab_size: int):
     """``HFModelConfig`` for a local HF directory (``path``), else the built-in preset ``name``.
 
     ``overrides`` (None values ignored): for a preset, any of MODEL_DIMENSION_KEYS; for an HF
@@ -44,8 +51,10 @@ def load_model_config(*, name: str | None, path: str | None, overrides: dict[str
             raise ModelConfigError("set model.name (a built-in preset) or model.path (a local HF directory)")
         unknown = sorted(set(overrides) - set(MODEL_DIMENSION_KEYS))
         if unknown:
-            raise ModelConfigError(f"model.{unknown[0]} does not apply to the built-in preset {name!r}; valid "
-                                   f"overrides: {MODEL_DIMENSION_KEYS} ({HF_ONLY_KEYS} need model.path)")
+            raise ModelConfigError(
+                f"model.{unknown[0]} does not apply to the built-in preset {name!r}; valid "
+                f"overrides: {MODEL_DIMENSION_KEYS} ({HF_ONLY_KEYS} need model.path)"
+            )
         overrides.setdefault("vocab_size", vocab_size)
         config = replace(ModelConfig.preset(name), **overrides)
     else:
@@ -53,16 +62,20 @@ def load_model_config(*, name: str | None, path: str | None, overrides: dict[str
 
         unknown = sorted(set(overrides) - set(MODEL_DIMENSION_KEYS) - set(HF_ONLY_KEYS))
         if unknown:
-            raise ModelConfigError(f"model.{unknown[0]} is not a model key; valid: "
-                                   f"{MODEL_DIMENSION_KEYS + HF_ONLY_KEYS}")
+            raise ModelConfigError(
+                f"model.{unknown[0]} is not a model key; valid: {MODEL_DIMENSION_KEYS + HF_ONLY_KEYS}"
+            )
         config = HFModelConfig.from_pretrained(path, **{k: overrides[k] for k in HF_ONLY_KEYS if k in overrides})
         for key in MODEL_DIMENSION_KEYS:
             if key in overrides and overrides[key] != getattr(config, key):
-                raise ModelConfigError(f"model.{key}={overrides[key]!r} conflicts with model.path={path!r} "
-                                       f"({key}={getattr(config, key)!r}); remove model.{key}")
+                raise ModelConfigError(
+                    f"model.{key}={overrides[key]!r} conflicts with model.path={path!r} "
+                    f"({key}={getattr(config, key)!r}); remove model.{key}"
+                )
     if config.vocab_size < vocab_size:
-        raise ModelConfigError(f"model vocab_size={config.vocab_size} is smaller than the tokenizer's vocabulary "
-                               f"({vocab_size})")
+        raise ModelConfigError(
+            f"model vocab_size={config.vocab_size} is smaller than the tokenizer's vocabulary ({vocab_size})"
+        )
     return config
 
 

@@ -59,19 +59,18 @@ def check_sequence_parallel_heads(*, num_heads: int, num_kv_heads: int, sp_size:
     if sp_size < 1:
         raise ModelConfigError(f"ulysses_sequence_parallel_size={sp_size} must be >= 1")
     if num_heads % sp_size:
-        raise ModelConfigError(
-            f"ulysses_sequence_parallel_size={sp_size} must divide num_heads={num_heads}")
+        raise ModelConfigError(f"ulysses_sequence_parallel_size={sp_size} must divide num_heads={num_heads}")
     if num_kv_heads % sp_size and sp_size % num_kv_heads:
         raise ModelConfigError(
             f"ulysses_sequence_parallel_size={sp_size} must divide num_kv_heads={num_kv_heads} "
-            "or be a multiple of it (kv heads are then repeated)")
+            "or be a multiple of it (kv heads are then repeated)"
+        )
 
 
 def segment_ids(cu_seqlens: Tensor, total: int) -> Tensor:
     """Sequence index of each of the `total` packed tokens."""
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    return torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device), lengths,
-                                   output_size=total)
+    return torch.repeat_interleave(torch.arange(len(lengths), device=cu_seqlens.device), lengths, output_size=total)
 
 
 def packed_visibility_mask(cu_seqlens: Tensor, total: int, *, sliding_window: int | None) -> Tensor:
@@ -84,8 +83,9 @@ def packed_visibility_mask(cu_seqlens: Tensor, total: int, *, sliding_window: in
     return mask
 
 
-def _masked_sdpa(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor, scaling: float,
-                 sliding_window: int | None) -> Tensor:
+def _masked_sdpa(
+    q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor, scaling: float, sliding_window: int | None
+) -> Tensor:
     # 4-D [1, H, T, d]: a 3-D call makes SDPA fall back to its math kernel on CPU.
     total = q.shape[0]
     mask = packed_visibility_mask(cu_seqlens, total, sliding_window=sliding_window)
@@ -94,8 +94,9 @@ def _masked_sdpa(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor, scaling
     return out.squeeze(0).transpose(0, 1)
 
 
-def _sdpa_loop(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor, scaling: float,
-               sliding_window: int | None) -> Tensor:
+def _sdpa_loop(
+    q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor, scaling: float, sliding_window: int | None
+) -> Tensor:
     outs = []
     bounds = cu_seqlens.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
@@ -111,9 +112,17 @@ def _sdpa_loop(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor, scaling: 
     return torch.cat(outs, dim=0)
 
 
-def varlen_causal_attention(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor,
-                            max_seqlen: int, impl: str = "auto", scaling: float | None = None,
-                            sliding_window: int | None = None) -> Tensor:
+def varlen_causal_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    impl: str = "auto",
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+) -> Tensor:
     """Causal attention within each packed sequence on one rank (no SP exchange).
 
     q: [T, Hq, d]; k, v: [T, Hkv, d] with Hq % Hkv == 0 (GQA: kv head j serves query heads
@@ -121,13 +130,14 @@ def varlen_causal_attention(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tens
     """
     total, num_q_heads, head_dim = q.shape
     assert int(cu_seqlens[-1]) == total, "cu_seqlens must cover every packed token"
-    scaling = head_dim ** -0.5 if scaling is None else float(scaling)
+    scaling = head_dim**-0.5 if scaling is None else float(scaling)
     impl = resolve_attn_impl(impl, device=q.device)
     if impl == "flash_attn":
         cu = cu_seqlens.to(torch.int32)
         window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
-        return _flash_attn_varlen()(q, k, v, cu, cu, max_seqlen, max_seqlen, causal=True,
-                                    softmax_scale=scaling, window_size=window)
+        return _flash_attn_varlen()(
+            q, k, v, cu, cu, max_seqlen, max_seqlen, causal=True, softmax_scale=scaling, window_size=window
+        )
     rep = num_q_heads // k.shape[1]
     if rep > 1:
         k = k.repeat_interleave(rep, dim=1)
@@ -136,9 +146,18 @@ def varlen_causal_attention(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tens
     return kernel(q, k, v, cu_seqlens=cu_seqlens, scaling=scaling, sliding_window=sliding_window)
 
 
-def packed_attention(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor, max_seqlen: int,
-                     sp_group: dist.ProcessGroup | None = None, impl: str = "auto",
-                     scaling: float | None = None, sliding_window: int | None = None) -> Tensor:
+def packed_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    cu_seqlens: Tensor,
+    max_seqlen: int,
+    sp_group: dist.ProcessGroup | None = None,
+    impl: str = "auto",
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+) -> Tensor:
     """Exact packed causal attention for this rank's slice, Ulysses all-to-all included.
 
     q: [T_local, Hq, d], k/v: [T_local, Hkv, d] (T_local = T_pad / sp, this rank's slice);
@@ -154,18 +173,30 @@ def packed_attention(q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor, max
             rep = sp // num_kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         q, k, v = (all_to_all_seq_to_head(z, group=sp_group) for z in (q, k, v))
-    out = varlen_causal_attention(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, impl=impl,
-                                  scaling=scaling, sliding_window=sliding_window)
+    out = varlen_causal_attention(
+        q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, impl=impl, scaling=scaling, sliding_window=sliding_window
+    )
     if sp > 1:
         out = all_to_all_head_to_seq(out, group=sp_group)
     return out
 
 
-def hf_packed_attention_forward(module, query: Tensor, key: Tensor, value: Tensor, attention_mask,
-                                *, scaling: float | None = None, dropout: float = 0.0,
-                                sliding_window: int | None = None, cu_seq_lens_q: Tensor | None = None,
-                                max_length_q: int | None = None, sp_group=None,
-                                packed_attn_impl: str = "auto", **_ignored) -> tuple[Tensor, None]:
+def hf_packed_attention_forward(
+    module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask,
+    *,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    cu_seq_lens_q: Tensor | None = None,
+    max_length_q: int | None = None,
+    sp_group=None,
+    packed_attn_impl: str = "auto",
+    **_ignored,
+) -> tuple[Tensor, None]:
     """transformers AttentionInterface entry: [1, H, T, d] in, ([1, T, H, d], None) out.
 
     The boundaries come from ``cu_seq_lens_q`` (passed by ``HFCausalLM.forward``); a call without
@@ -174,16 +205,27 @@ def hf_packed_attention_forward(module, query: Tensor, key: Tensor, value: Tenso
     if cu_seq_lens_q is None or max_length_q is None:
         raise ModelConfigError(
             f"attn_implementation={HF_ATTN_IMPLEMENTATION!r} needs cu_seq_lens_q and max_length_q "
-            "(call the model through verl_balance.models.hf.HFCausalLM.forward)")
+            "(call the model through verl_balance.models.hf.HFCausalLM.forward)"
+        )
     if dropout:
-        raise ModelConfigError(f"attention dropout={dropout} is not supported by packed attention; "
-                               "set attention_dropout=0 in the model config")
+        raise ModelConfigError(
+            f"attention dropout={dropout} is not supported by packed attention; "
+            "set attention_dropout=0 in the model config"
+        )
     if query.shape[0] != 1:
         raise ModelConfigError(f"packed attention takes one packed row, got batch {query.shape[0]}")
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
-    out = packed_attention(q, k, v, cu_seqlens=cu_seq_lens_q, max_seqlen=int(max_length_q),
-                           sp_group=sp_group, impl=packed_attn_impl, scaling=scaling,
-                           sliding_window=sliding_window)
+    out = packed_attention(
+        q,
+        k,
+        v,
+        cu_seqlens=cu_seq_lens_q,
+        max_seqlen=int(max_length_q),
+        sp_group=sp_group,
+        impl=packed_attn_impl,
+        scaling=scaling,
+        sliding_window=sliding_window,
+    )
     return out.unsqueeze(0), None
 
 

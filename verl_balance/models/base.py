@@ -24,8 +24,7 @@ class PackedCausalLM(Protocol):
 
     config: ModelConfig | HFModelConfig
 
-    def forward(self, *, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor,
-                max_seqlen: int) -> Tensor:
+    def forward(self, *, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
         """Logits [T_local, V]; cu_seqlens spans the full padded stream (all SP slices)."""
         ...
 

@@ -58,13 +58,16 @@ def load_hf_config(path: str):
     """A fresh transformers config from ``path``/config.json (local only); checks the family."""
     config_file = os.path.join(path, "config.json")
     if not os.path.isfile(config_file):
-        raise ModelConfigError(f"model.path={path!r} has no config.json; it must be a local Hugging Face "
-                               "model directory (save_pretrained output); nothing is downloaded")
+        raise ModelConfigError(
+            f"model.path={path!r} has no config.json; it must be a local Hugging Face "
+            "model directory (save_pretrained output); nothing is downloaded"
+        )
     with open(config_file) as f:
         model_type = json.load(f).get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelConfigError(f"model.path={path!r} has model_type={model_type!r}; supported model types: "
-                               f"{SUPPORTED_MODEL_TYPES}")
+        raise ModelConfigError(
+            f"model.path={path!r} has model_type={model_type!r}; supported model types: {SUPPORTED_MODEL_TYPES}"
+        )
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(path, local_files_only=True)
@@ -103,23 +106,33 @@ class HFModelConfig:
             raise ModelConfigError(f"num_heads={self.num_heads} must be divisible by num_kv_heads={self.num_kv_heads}")
 
     @classmethod
-    def from_pretrained(cls, path: str, *, init: str = "pretrained",
-                        enable_gradient_checkpointing: bool = False) -> HFModelConfig:
+    def from_pretrained(
+        cls, path: str, *, init: str = "pretrained", enable_gradient_checkpointing: bool = False
+    ) -> HFModelConfig:
         """Read ``path``/config.json; any model_type outside SUPPORTED_MODEL_TYPES is an error."""
         path = os.path.abspath(os.path.expanduser(path))
         hf = load_hf_config(path)
         if getattr(hf, "attention_dropout", 0.0):
-            raise ModelConfigError(f"model.path={path!r} sets attention_dropout={hf.attention_dropout}; packed "
-                                   "attention supports 0 only")
+            raise ModelConfigError(
+                f"model.path={path!r} sets attention_dropout={hf.attention_dropout}; packed attention supports 0 only"
+            )
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        return cls(path=path, model_type=hf.model_type, vocab_size=int(hf.vocab_size),
-                   hidden_size=int(hf.hidden_size), intermediate_size=int(hf.intermediate_size),
-                   num_layers=int(hf.num_hidden_layers), num_heads=int(hf.num_attention_heads),
-                   num_kv_heads=int(getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads),
-                   head_dim=int(head_dim), max_position_embeddings=int(hf.max_position_embeddings),
-                   tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
-                   sliding_window=_effective_sliding_window(hf), init=init,
-                   enable_gradient_checkpointing=bool(enable_gradient_checkpointing))
+        return cls(
+            path=path,
+            model_type=hf.model_type,
+            vocab_size=int(hf.vocab_size),
+            hidden_size=int(hf.hidden_size),
+            intermediate_size=int(hf.intermediate_size),
+            num_layers=int(hf.num_hidden_layers),
+            num_heads=int(hf.num_attention_heads),
+            num_kv_heads=int(getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads),
+            head_dim=int(head_dim),
+            max_position_embeddings=int(hf.max_position_embeddings),
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            sliding_window=_effective_sliding_window(hf),
+            init=init,
+            enable_gradient_checkpointing=bool(enable_gradient_checkpointing),
+        )
 
     def hf_config(self):
         """A fresh transformers config object (never shared between two models)."""
@@ -139,8 +152,13 @@ def build_hf_model(config: HFModelConfig, *, attn_implementation: str = "sdpa"):
         register_hf_attention()
     hf_config = copy.deepcopy(config.hf_config())
     if config.init == "pretrained":
-        return AutoModelForCausalLM.from_pretrained(config.path, config=hf_config, local_files_only=True,
-                                                    dtype=torch.float32, attn_implementation=attn_implementation)
+        return AutoModelForCausalLM.from_pretrained(
+            config.path,
+            config=hf_config,
+            local_files_only=True,
+            dtype=torch.float32,
+            attn_implementation=attn_implementation,
+        )
     return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, attn_implementation=attn_implementation)
 
 
@@ -149,8 +167,7 @@ class HFCausalLM(nn.Module):
 
     def __init__(self, config: HFModelConfig, *, sp_size: int = 1, attn_impl: str = "auto"):
         super().__init__()
-        check_sequence_parallel_heads(num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
-                                      sp_size=sp_size)
+        check_sequence_parallel_heads(num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, sp_size=sp_size)
         self.config, self.sp_size, self.attn_impl = config, sp_size, attn_impl
         self.sp_group: dist.ProcessGroup | None = None
         hf_model = build_hf_model(config, attn_implementation=HF_ATTN_IMPLEMENTATION)
@@ -177,11 +194,18 @@ class HFCausalLM(nn.Module):
         assert units, f"no module of {sorted(names)} found in {type(self.hf_model).__name__}"
         return units
 
-    def forward(self, *, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor,
-                max_seqlen: int) -> Tensor:
+    def forward(self, *, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
         """Logits [T_local, V] for this rank's slice of the packed stream."""
-        out = self.model(input_ids=input_ids[None], position_ids=position_ids[None], attention_mask=None,
-                         use_cache=False, cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
-                         max_length_q=int(max_seqlen), max_length_k=int(max_seqlen),
-                         sp_group=self.sp_group, packed_attn_impl=self.attn_impl)
+        out = self.model(
+            input_ids=input_ids[None],
+            position_ids=position_ids[None],
+            attention_mask=None,
+            use_cache=False,
+            cu_seq_lens_q=cu_seqlens,
+            cu_seq_lens_k=cu_seqlens,
+            max_length_q=int(max_seqlen),
+            max_length_k=int(max_seqlen),
+            sp_group=self.sp_group,
+            packed_attn_impl=self.attn_impl,
+        )
         return self.lm_head(out.last_hidden_state[0])

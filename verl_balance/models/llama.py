@@ -28,8 +28,7 @@ def check_sequence_parallel(config: ModelConfig, sp_size: int) -> None:
     Query heads must divide by sp; kv heads must divide by sp or be repeatable to sp
     (sp % num_kv_heads == 0).
     """
-    check_sequence_parallel_heads(num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
-                                  sp_size=sp_size)
+    check_sequence_parallel_heads(num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, sp_size=sp_size)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -51,11 +50,11 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def rotary_cos_sin(position_ids: Tensor, *, head_dim: int, theta: float,
-                   dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+def rotary_cos_sin(position_ids: Tensor, *, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos, sin of shape position_ids.shape + (head_dim,) for HF rotate_half RoPE (frequencies in fp32)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=position_ids.device,
-                                             dtype=torch.float32) / head_dim))
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, device=position_ids.device, dtype=torch.float32) / head_dim)
+    )
     freqs = position_ids.float()[..., None] * inv_freq
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -81,16 +80,31 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, self.num_kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(self.num_heads * hd, h, bias=False)
 
-    def forward(self, x: Tensor, *, cos: Tensor, sin: Tensor, cu_seqlens: Tensor, max_seqlen: int,
-                sp_group: dist.ProcessGroup | None) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        cos: Tensor,
+        sin: Tensor,
+        cu_seqlens: Tensor,
+        max_seqlen: int,
+        sp_group: dist.ProcessGroup | None,
+    ) -> Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        out = packed_attention(q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                               sp_group=sp_group if self.sp_size > 1 else None, impl=self.attn_impl)
+        out = packed_attention(
+            q,
+            k,
+            v,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen,
+            sp_group=sp_group if self.sp_size > 1 else None,
+            impl=self.attn_impl,
+        )
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -131,8 +145,9 @@ class LlamaForCausalLM(nn.Module):
         self.config, self.sp_size = config, sp_size
         self.sp_group: dist.ProcessGroup | None = None
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, sp_size=sp_size, attn_impl=attn_impl)
-                                    for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, sp_size=sp_size, attn_impl=attn_impl) for _ in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -150,24 +165,22 @@ class LlamaForCausalLM(nn.Module):
         """The Ulysses group; its size must equal the sp_size the model was built for."""
         size = 1 if group is None else dist.get_world_size(group)
         if size != self.sp_size:
-            raise ModelConfigError(f"SP group has {size} ranks, model was built for "
-                                   f"sp_size={self.sp_size}")
+            raise ModelConfigError(f"SP group has {size} ranks, model was built for sp_size={self.sp_size}")
         self.sp_group = group
 
     def fsdp_units(self) -> list[nn.Module]:
         """Submodules to shard as separate FSDP2 units (the root is sharded last)."""
         return list(self.layers)
 
-    def forward(self, *, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor,
-                max_seqlen: int) -> Tensor:
+    def forward(self, *, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
         """Logits [T_local, V] for this rank's slice of the packed stream."""
         x = self.embed_tokens(input_ids)
-        cos, sin = rotary_cos_sin(position_ids, head_dim=self.config.head_dim,
-                                  theta=self.config.rope_theta, dtype=x.dtype)
+        cos, sin = rotary_cos_sin(
+            position_ids, head_dim=self.config.head_dim, theta=self.config.rope_theta, dtype=x.dtype
+        )
         cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, head_dim]: broadcast over heads
         for layer in self.layers:
-            x = layer(x, cos=cos, sin=sin, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
-                      sp_group=self.sp_group)
+            x = layer(x, cos=cos, sin=sin, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, sp_group=self.sp_group)
         x = self.norm(x)
         weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
         return F.linear(x, weight)

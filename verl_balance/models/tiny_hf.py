@@ -32,8 +32,26 @@ def _corpus() -> list[str]:
     for a in range(0, 100, 7):
         for b in range(0, 100, 11):
             lines.append(f"{a}+{b}={a + b}. {a}*{b}={a * b}.")
-    words = ["reverse", "sort", "copy", "the", "answer", "is", "user", "assistant", "system", "hello",
-             "world", "abc", "xyz", "please", "compute", "what", "count", "letters"]
+    words = [
+        "reverse",
+        "sort",
+        "copy",
+        "the",
+        "answer",
+        "is",
+        "user",
+        "assistant",
+        "system",
+        "hello",
+        "world",
+        "abc",
+        "xyz",
+        "please",
+        "compute",
+        "what",
+        "count",
+        "letters",
+    ]
     for i, w in enumerate(words):
         lines.append(f"{w} {words[(i * 5) % len(words)]} {w[::-1]} {''.join(sorted(w))}")
     lines.append("abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ 0123456789 \n\t.,;:!?'\"()[]{}+-*/=<>")
@@ -48,48 +66,94 @@ def build_tokenizer(*, vocab_size: int = 384):
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     bpe.train_from_iterator(_corpus(), trainer=trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                  additional_special_tokens=["<|im_start|>"])
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+    )
     tok.chat_template = CHAT_TEMPLATE
     return tok
 
 
-def build_config(family: str, *, vocab_size: int, num_kv_heads: int = 2, tie_word_embeddings: bool | None = None,
-                 sliding_window: int | None = None, hidden_size: int = 64, num_layers: int = 2,
-                 num_heads: int = 4, intermediate_size: int = 128, max_position_embeddings: int = 512):
+def build_config(
+    family: str,
+    *,
+    vocab_size: int,
+    num_kv_heads: int = 2,
+    tie_word_embeddings: bool | None = None,
+    sliding_window: int | None = None,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 512,
+):
     """A transformers config of ``family`` with tiny dimensions (qwen3 gets an explicit head_dim
     different from hidden_size / num_heads; mistral a sliding window unless one is given)."""
     import transformers
 
     if family not in SUPPORTED_FAMILIES:
         raise ValueError(f"--family {family!r} is not supported; valid: {SUPPORTED_FAMILIES}")
-    common = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                  num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-                  max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6, initializer_range=0.2,
-                  pad_token_id=0, eos_token_id=2, bos_token_id=None)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-6,
+        initializer_range=0.2,
+        pad_token_id=0,
+        eos_token_id=2,
+        bos_token_id=None,
+    )
     if family == "llama":
         cfg = transformers.LlamaConfig(**common, tie_word_embeddings=bool(tie_word_embeddings))
     elif family == "qwen2":
-        cfg = transformers.Qwen2Config(**common, tie_word_embeddings=tie_word_embeddings is not False,
-                                       use_sliding_window=sliding_window is not None,
-                                       sliding_window=sliding_window, max_window_layers=0)
+        cfg = transformers.Qwen2Config(
+            **common,
+            tie_word_embeddings=tie_word_embeddings is not False,
+            use_sliding_window=sliding_window is not None,
+            sliding_window=sliding_window,
+            max_window_layers=0,
+        )
     elif family == "qwen3":
-        cfg = transformers.Qwen3Config(**common, head_dim=2 * hidden_size // num_heads,
-                                       tie_word_embeddings=tie_word_embeddings is not False,
-                                       use_sliding_window=sliding_window is not None,
-                                       sliding_window=sliding_window, max_window_layers=0)
+        cfg = transformers.Qwen3Config(
+            **common,
+            head_dim=2 * hidden_size // num_heads,
+            tie_word_embeddings=tie_word_embeddings is not False,
+            use_sliding_window=sliding_window is not None,
+            sliding_window=sliding_window,
+            max_window_layers=0,
+        )
     else:
-        cfg = transformers.MistralConfig(**common, tie_word_embeddings=bool(tie_word_embeddings),
-                                         sliding_window=8 if sliding_window is None else sliding_window)
+        cfg = transformers.MistralConfig(
+            **common,
+            tie_word_embeddings=bool(tie_word_embeddings),
+            sliding_window=8 if sliding_window is None else sliding_window,
+        )
     return cfg
 
 
-def write_tiny_model(out: str, *, family: str, seed: int = 0, num_kv_heads: int = 2,
-                     tie_word_embeddings: bool | None = None, sliding_window: int | None = None,
-                     initializer_range: float = 0.2) -> str:
+def write_tiny_model(
+    out: str,
+    *,
+    family: str,
+    seed: int = 0,
+    num_kv_heads: int = 2,
+    tie_word_embeddings: bool | None = None,
+    sliding_window: int | None = None,
+    initializer_range: float = 0.2,
+) -> str:
     """Write config.json, model.safetensors and the tokenizer files of a tiny random model to ``out``.
 
     The default ``initializer_range`` (0.2) gives peaked logits, so greedy decoding has no near
@@ -98,8 +162,13 @@ def write_tiny_model(out: str, *, family: str, seed: int = 0, num_kv_heads: int 
 
     tokenizer = build_tokenizer()
     vocab_size = -(-len(tokenizer) // 64) * 64  # padded like real checkpoints (model vocab >= tokenizer's)
-    config = build_config(family, vocab_size=vocab_size, num_kv_heads=num_kv_heads,
-                          tie_word_embeddings=tie_word_embeddings, sliding_window=sliding_window)
+    config = build_config(
+        family,
+        vocab_size=vocab_size,
+        num_kv_heads=num_kv_heads,
+        tie_word_embeddings=tie_word_embeddings,
+        sliding_window=sliding_window,
+    )
     config.initializer_range = initializer_range
     config.pad_token_id = tokenizer.pad_token_id
     config.eos_token_id = tokenizer.eos_token_id
@@ -108,8 +177,7 @@ def write_tiny_model(out: str, *, family: str, seed: int = 0, num_kv_heads: int 
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    logger.info("wrote tiny %s model (%d parameters) to %s", family,
-                sum(p.numel() for p in model.parameters()), out)
+    logger.info("wrote tiny %s model (%d parameters) to %s", family, sum(p.numel() for p in model.parameters()), out)
     return out
 
 
@@ -126,9 +194,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-tie", dest="tie", action="store_false")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    write_tiny_model(args.out, family=args.family, seed=args.seed, num_kv_heads=args.num_kv_heads,
-                     tie_word_embeddings=args.tie, sliding_window=args.sliding_window,
-                     initializer_range=args.initializer_range)
+    write_tiny_model(
+        args.out,
+        family=args.family,
+        seed=args.seed,
+        num_kv_heads=args.num_kv_heads,
+        tie_word_embeddings=args.tie,
+        sliding_window=args.sliding_window,
+        initializer_range=args.initializer_range,
+    )
     print(args.out)
 
 

@@ -30,9 +30,7 @@ def extract_answer(solution_str: str) -> str:
     return ""
 
 
-def score_task(
-    *, task: str, solution_str: str, ground_truth: Any, format_score: float = 0.0
-) -> dict[str, float]:
+def score_task(*, task: str, solution_str: str, ground_truth: Any, format_score: float = 0.0) -> dict[str, float]:
     """Exact-match score of one response to a synthetic task."""
     answer = extract_answer(solution_str)
     format_ok = ANSWER_PATTERNS[task].fullmatch(answer) is not None

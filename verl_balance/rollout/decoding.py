@@ -62,8 +62,9 @@ class CachedDecoder(RolloutEngine):
         """Raise RuntimeError unless update_weights was called."""
 
     @abc.abstractmethod
-    def _prefill(self, prompts: list[list[int]], *, capacity: int,
-                 all_logits: bool) -> tuple[DecodeCache, torch.Tensor]:
+    def _prefill(
+        self, prompts: list[list[int]], *, capacity: int, all_logits: bool
+    ) -> tuple[DecodeCache, torch.Tensor]:
         """Left-pad ``prompts``, run them into a fresh cache with room for ``capacity`` slots, and
         return it with the logits (B, L, V) if ``all_logits`` else those of the last slot (B, V)."""
 
@@ -91,8 +92,14 @@ class CachedDecoder(RolloutEngine):
         ``(seeds[i], k)``, so it equals the response of a call with that prompt alone, in any batch,
         order or chunking. ``seed`` instead seeds one generator shared by all rows."""
         self._require_weights()
-        params = SamplingParams(n=n, temperature=temperature, top_p=top_p, max_response_length=max_response_length,
-                                stop_token_ids=tuple(stop_token_ids), seed=seed)
+        params = SamplingParams(
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            max_response_length=max_response_length,
+            stop_token_ids=tuple(stop_token_ids),
+            seed=seed,
+        )
         prompts = validate_prompts(prompts, vocab_size=self.vocab_size)
         self._check_positions(prompts, params.max_response_length)
         bad_stop = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
@@ -110,8 +117,10 @@ class CachedDecoder(RolloutEngine):
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         rows = [p for p in prompts for _ in range(params.n)]
         chunk = self.max_batch_size or len(rows)
-        parts = [self._generate_chunk(rows[s:s + chunk], params, generator=generator, streams=streams, first_row=s)
-                 for s in range(0, len(rows), chunk)]
+        parts = [
+            self._generate_chunk(rows[s : s + chunk], params, generator=generator, streams=streams, first_row=s)
+            for s in range(0, len(rows), chunk)
+        ]
 
         width = max(part[0].shape[1] for part in parts)
         responses = torch.cat([F.pad(t, (0, width - t.shape[1]), value=self.pad_token_id) for t, _, _ in parts])
@@ -141,8 +150,13 @@ class CachedDecoder(RolloutEngine):
                 )
 
     def _generate_chunk(
-        self, prompts: list[list[int]], params: SamplingParams, *, generator: torch.Generator | None,
-        streams: RowRandomStreams | None, first_row: int,
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        *,
+        generator: torch.Generator | None,
+        streams: RowRandomStreams | None,
+        first_row: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Decode one batch (rows ``first_row`` on of the call); returns responses (B, R), log-probs
         (B, R), lengths (B,)."""
@@ -195,7 +209,7 @@ class CachedDecoder(RolloutEngine):
         longest_prefix = max(len(p) for p in prefixes)
         steps = [len(s) - p for s, p in zip(sequences, prefill_lengths)]
         cache, prefill_logits = self._prefill(prefixes, capacity=longest_prefix + max(steps), all_logits=True)
-        per_sequence = [[prefill_logits[i, longest_prefix - len(p):]] for i, p in enumerate(prefixes)]
+        per_sequence = [[prefill_logits[i, longest_prefix - len(p) :]] for i, p in enumerate(prefixes)]
         running = list(range(len(sequences)))
         for step in range(max(steps)):
             kept = [j for j, row in enumerate(running) if steps[row] > step]
@@ -216,7 +230,7 @@ def left_pad(prompts: list[list[int]], *, pad_token_id: int, device: torch.devic
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     tokens = torch.full((len(prompts), longest), pad_token_id, dtype=torch.int64)
     for row, prompt in enumerate(prompts):
-        tokens[row, longest - len(prompt):] = torch.tensor(prompt)
+        tokens[row, longest - len(prompt) :] = torch.tensor(prompt)
     tokens = tokens.to(device)
     pad = (longest - lengths)[:, None]
     slot = torch.arange(longest, device=device)[None, :]

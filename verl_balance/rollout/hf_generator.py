@@ -40,9 +40,16 @@ class _HFDecodeCache:
 class HFRollout(CachedDecoder):
     """Rollout backend for ``HFModelConfig`` models: HF forward + DynamicCache, our sampling loop."""
 
-    def __init__(self, *, model_config, state_dict: Mapping[str, torch.Tensor] | None = None, pad_token_id: int = 0,
-                 max_batch_size: int | None = None, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        *,
+        model_config,
+        state_dict: Mapping[str, torch.Tensor] | None = None,
+        pad_token_id: int = 0,
+        max_batch_size: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ):
         """``model_config``: an ``HFModelConfig``. ``state_dict`` (HF names) replaces the weights;
         without one the directory's weights are used when ``model_config.init == "pretrained"``.
         ``device``/``dtype``: where and in which precision to decode (default: CPU, fp32)."""
@@ -56,8 +63,10 @@ class HFRollout(CachedDecoder):
         self.pad_token_id = int(pad_token_id)
         self.max_batch_size = max_batch_size
         with torch.random.fork_rng(devices=[]):  # random init must not move the caller's RNG
-            self.model = build_hf_model(replace(model_config, init="random") if state_dict is not None
-                                        else model_config, attn_implementation="sdpa")
+            self.model = build_hf_model(
+                replace(model_config, init="random") if state_dict is not None else model_config,
+                attn_implementation="sdpa",
+            )
         self.model.to(device=device, dtype=dtype).eval()
         self._device, self._dtype = self.model.lm_head.weight.device, self.model.lm_head.weight.dtype
         self._has_weights = state_dict is not None or model_config.init == "pretrained"
@@ -75,8 +84,10 @@ class HFRollout(CachedDecoder):
         missing = [k for k in expected if state.get(k) is None]
         unexpected = [k for k in state if k not in expected]
         if missing or unexpected:
-            raise StateDictError(f"state dict does not match {self.config.model_type} at {self.config.path!r}: "
-                                 f"missing {missing[:5]}, unexpected {unexpected[:5]}")
+            raise StateDictError(
+                f"state dict does not match {self.config.model_type} at {self.config.path!r}: "
+                f"missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
         for name, tensor in expected.items():
             if tuple(state[name].shape) != tuple(tensor.shape):
                 raise StateDictError(f"{name} has shape {tuple(state[name].shape)}, expected {tuple(tensor.shape)}")
@@ -107,8 +118,14 @@ class HFRollout(CachedDecoder):
 
         tokens, is_token, positions, lengths = left_pad(prompts, pad_token_id=self.pad_token_id, device=self.device)
         cache = _HFDecodeCache(DynamicCache(config=self.model.config), is_token.long(), lengths.clone())
-        out = self.model(input_ids=tokens, attention_mask=cache.attention_mask, position_ids=positions,
-                         past_key_values=cache.cache, use_cache=True, logits_to_keep=0 if all_logits else 1)
+        out = self.model(
+            input_ids=tokens,
+            attention_mask=cache.attention_mask,
+            position_ids=positions,
+            past_key_values=cache.cache,
+            use_cache=True,
+            logits_to_keep=0 if all_logits else 1,
+        )
         logits = out.logits.float()
         return cache, (logits if all_logits else logits[:, -1])
 
@@ -116,6 +133,11 @@ class HFRollout(CachedDecoder):
         positions = cache.next_position[:, None]
         cache.next_position = cache.next_position + 1
         cache.attention_mask = torch.cat([cache.attention_mask, torch.ones_like(positions)], dim=1)
-        out = self.model(input_ids=tokens[:, None], attention_mask=cache.attention_mask, position_ids=positions,
-                         past_key_values=cache.cache, use_cache=True)
+        out = self.model(
+            input_ids=tokens[:, None],
+            attention_mask=cache.attention_mask,
+            position_ids=positions,
+            past_key_values=cache.cache,
+            use_cache=True,
+        )
         return out.logits[:, -1].float()

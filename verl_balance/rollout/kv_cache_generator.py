@@ -41,17 +41,19 @@ def expected_state_dict_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]
         shapes["lm_head.weight"] = (config.vocab_size, h)
     for i in range(config.num_layers):
         p = f"layers.{i}."
-        shapes.update({
-            p + "input_norm.weight": (h,),
-            p + "attn.q_proj.weight": (config.num_heads * hd, h),
-            p + "attn.k_proj.weight": (config.num_kv_heads * hd, h),
-            p + "attn.v_proj.weight": (config.num_kv_heads * hd, h),
-            p + "attn.o_proj.weight": (h, config.num_heads * hd),
-            p + "post_attn_norm.weight": (h,),
-            p + "mlp.gate_proj.weight": (f, h),
-            p + "mlp.up_proj.weight": (f, h),
-            p + "mlp.down_proj.weight": (h, f),
-        })
+        shapes.update(
+            {
+                p + "input_norm.weight": (h,),
+                p + "attn.q_proj.weight": (config.num_heads * hd, h),
+                p + "attn.k_proj.weight": (config.num_kv_heads * hd, h),
+                p + "attn.v_proj.weight": (config.num_kv_heads * hd, h),
+                p + "attn.o_proj.weight": (h, config.num_heads * hd),
+                p + "post_attn_norm.weight": (h,),
+                p + "mlp.gate_proj.weight": (f, h),
+                p + "mlp.up_proj.weight": (f, h),
+                p + "mlp.down_proj.weight": (h, f),
+            }
+        )
     return shapes
 
 
@@ -92,8 +94,10 @@ class KVCacheRollout(CachedDecoder):
         ``device`` / ``dtype``: where and in which precision to decode; None keeps those of the
         state dict (its tensors are then referenced, not copied)."""
         if not isinstance(model_config, ModelConfig):
-            raise StateDictError(f"KVCacheRollout needs the built-in ModelConfig, got {type(model_config).__name__} "
-                                 "(use verl_balance.rollout.build_rollout to pick the backend)")
+            raise StateDictError(
+                f"KVCacheRollout needs the built-in ModelConfig, got {type(model_config).__name__} "
+                "(use verl_balance.rollout.build_rollout to pick the backend)"
+            )
         if max_batch_size is not None and max_batch_size < 1:
             raise RolloutInputError(f"max_batch_size={max_batch_size} must be >= 1 or None")
         self.config = model_config
@@ -116,9 +120,7 @@ class KVCacheRollout(CachedDecoder):
         for name, shape in expected.items():
             if tuple(state_dict[name].shape) != shape:
                 raise StateDictError(f"{name} has shape {tuple(state_dict[name].shape)}, expected {shape}")
-        weights = {
-            k: state_dict[k].detach().to(device=self._target_device, dtype=self._target_dtype) for k in expected
-        }
+        weights = {k: state_dict[k].detach().to(device=self._target_device, dtype=self._target_dtype) for k in expected}
         devices = {w.device for w in weights.values()}
         dtypes = {w.dtype for w in weights.values()}
         if len(devices) != 1 or len(dtypes) != 1:
@@ -150,8 +152,15 @@ class KVCacheRollout(CachedDecoder):
             raise RuntimeError("the rollout has no weights yet; call update_weights(state_dict) first")
 
     # ------------------------------------------------------------------ forward
-    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, is_token: torch.Tensor, cache: _KVCache, *,
-                 all_logits: bool) -> torch.Tensor:
+    def _forward(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        is_token: torch.Tensor,
+        cache: _KVCache,
+        *,
+        all_logits: bool,
+    ) -> torch.Tensor:
         """Run T new tokens per row through the model, appending them to ``cache``.
 
         tokens/positions/is_token: (B, T). Returns logits (B, T, V) or, unless ``all_logits``,
@@ -186,8 +195,12 @@ class KVCacheRollout(CachedDecoder):
             cache.keys[i][:, :, start:end] = k
             cache.values[i][:, :, start:end] = v
             attn = F.scaled_dot_product_attention(
-                q, cache.keys[i][:, :, :end], cache.values[i][:, :, :end], attn_mask=visible,
-                scale=c.head_dim ** -0.5, enable_gqa=c.num_heads != c.num_kv_heads,
+                q,
+                cache.keys[i][:, :, :end],
+                cache.values[i][:, :, :end],
+                attn_mask=visible,
+                scale=c.head_dim**-0.5,
+                enable_gqa=c.num_heads != c.num_kv_heads,
             )
             attn = attn.transpose(1, 2).reshape(batch, num_new, c.num_heads * c.head_dim)
             hidden = hidden + F.linear(attn, w[p + "attn.o_proj.weight"])
@@ -201,8 +214,9 @@ class KVCacheRollout(CachedDecoder):
 
     def _prefill(self, prompts: list[list[int]], *, capacity: int, all_logits: bool) -> tuple[_KVCache, torch.Tensor]:
         tokens, is_token, positions, lengths = left_pad(prompts, pad_token_id=self.pad_token_id, device=self.device)
-        cache = _KVCache(config=self.config, batch=len(prompts), capacity=capacity, dtype=self.dtype,
-                         device=self.device)
+        cache = _KVCache(
+            config=self.config, batch=len(prompts), capacity=capacity, dtype=self.dtype, device=self.device
+        )
         cache.next_position = lengths.clone()
         logits = self._forward(tokens, positions, is_token, cache, all_logits=all_logits)
         return cache, logits

@@ -39,11 +39,12 @@ class RowRandomStreams:
         """One stream for each of the ``len(seeds) * n`` rows of a call (prompt-major)."""
         self._keys = [(int(seed), k) for seed in seeds for k in range(n)]
 
-    def for_rows(self, first_row: int, num_rows: int, *, device: torch.device,
-                 block_steps: int = 256) -> RowUniforms:
+    def for_rows(self, first_row: int, num_rows: int, *, device: torch.device, block_steps: int = 256) -> RowUniforms:
         """Uniforms of rows ``first_row .. first_row + num_rows - 1`` (one decoded batch), from step 0."""
-        generators = [np.random.Generator(np.random.Philox(np.random.SeedSequence(list(key))))
-                      for key in self._keys[first_row:first_row + num_rows]]
+        generators = [
+            np.random.Generator(np.random.Philox(np.random.SeedSequence(list(key))))
+            for key in self._keys[first_row : first_row + num_rows]
+        ]
         return RowUniforms(generators, device=device, block_steps=block_steps)
 
 

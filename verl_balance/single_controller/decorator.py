@@ -160,7 +160,8 @@ class MeshLayout:
         wrong = {d: ranks for d, ranks in collectors.items() if len(ranks) != 1}
         if wrong:
             raise MeshLayoutError(
-                f"mesh {mesh_name!r}: each DP group needs exactly one is_collect worker; got {wrong} (dp_rank -> worker ranks)"
+                f"mesh {mesh_name!r}: each DP group needs exactly one is_collect worker; "
+                f"got {wrong} (dp_rank -> worker ranks)"
             )
         return cls(
             mesh_name=mesh_name,
@@ -255,8 +256,7 @@ def _per_dp_rank(dp_size: int, value: Any, *, name: str) -> list:
 
 def _transpose(world_size: int, per_rank_args: list[list], per_rank_kwargs: dict[str, list]) -> PerRankCalls:
     return [
-        (tuple(a[i] for a in per_rank_args), {k: v[i] for k, v in per_rank_kwargs.items()})
-        for i in range(world_size)
+        (tuple(a[i] for a in per_rank_args), {k: v[i] for k, v in per_rank_kwargs.items()}) for i in range(world_size)
     ]
 
 
@@ -275,8 +275,14 @@ def dispatch_args(
     if mode is Dispatch.ALL_TO_ALL:
         for name, value in [*zip(names, args), *kwargs.items()]:
             if not isinstance(value, (list, tuple)) or len(value) != world_size:
-                got = f"a {type(value).__name__} of length {len(value)}" if isinstance(value, (list, tuple)) else type(value).__name__
-                raise DispatchError(f"ALL_TO_ALL argument {name} must be a list of {world_size} (one per worker), got {got}")
+                got = (
+                    f"a {type(value).__name__} of length {len(value)}"
+                    if isinstance(value, (list, tuple))
+                    else type(value).__name__
+                )
+                raise DispatchError(
+                    f"ALL_TO_ALL argument {name} must be a list of {world_size} (one per worker), got {got}"
+                )
         return _transpose(world_size, [list(a) for a in args], {k: list(v) for k, v in kwargs.items()})
     if mode in (Dispatch.DP_COMPUTE_PROTO, Dispatch.DP_COMPUTE_METRIC):
         per_args = [_chunk_or_broadcast(world_size, a, name=n) for n, a in zip(names, args)]

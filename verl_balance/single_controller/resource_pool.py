@@ -119,8 +119,9 @@ class RayResourcePool:
         self._pgs: list[PlacementGroup] | None = None
 
     @staticmethod
-    def _resolve_size(process_on_nodes: Sequence[int] | None, n_gpus_per_node: int | None,
-                      nnodes: int | None) -> tuple[int, int]:
+    def _resolve_size(
+        process_on_nodes: Sequence[int] | None, n_gpus_per_node: int | None, nnodes: int | None
+    ) -> tuple[int, int]:
         if process_on_nodes is not None:
             if n_gpus_per_node is not None or nnodes is not None:
                 raise UnplaceableResourcePoolError(
@@ -241,8 +242,9 @@ class RayResourcePool:
             return "the cluster as a whole is too small"
         return None
 
-    def get_placement_groups(self, strategy: str = "STRICT_PACK", name: str | None = None,
-                             device_name: str | None = None) -> list[PlacementGroup]:
+    def get_placement_groups(
+        self, strategy: str = "STRICT_PACK", name: str | None = None, device_name: str | None = None
+    ) -> list[PlacementGroup]:
         """Create (once) and return the placement groups, ordered by node.
 
         ``strategy``, ``name`` and ``device_name`` are verl's arguments: only ``STRICT_PACK`` (one
@@ -273,8 +275,12 @@ class RayResourcePool:
         else:
             # Several STRICT_PACK groups may land on one big node; pin group i to node i instead.
             pgs = [
-                placement_group(bundles, strategy="STRICT_PACK", name=f"{prefix}_pg{i}",
-                                bundle_label_selector=[{NODE_ID_LABEL: node["id"]}] * len(bundles))
+                placement_group(
+                    bundles,
+                    strategy="STRICT_PACK",
+                    name=f"{prefix}_pg{i}",
+                    bundle_label_selector=[{NODE_ID_LABEL: node["id"]}] * len(bundles),
+                )
                 for i, node in enumerate(hosting[: self.nnodes])
             ]
         ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=self.placement_timeout_s)

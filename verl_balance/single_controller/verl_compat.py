@@ -86,8 +86,12 @@ def _nd_mesh_name(mode: Any) -> str | None:
     if not isinstance(mode, dict):
         return None
     fn = mode.get("dispatch_fn")
-    if (isinstance(fn, functools.partial) and getattr(fn.func, "__name__", "") == _ND_DISPATCH_FN
-            and getattr(fn.func, "__module__", "") == _VERL_DECORATOR and len(fn.args) == 1):
+    if (
+        isinstance(fn, functools.partial)
+        and getattr(fn.func, "__name__", "") == _ND_DISPATCH_FN
+        and getattr(fn.func, "__module__", "") == _VERL_DECORATOR
+        and len(fn.args) == 1
+    ):
         return fn.args[0]
     return None
 
@@ -163,8 +167,11 @@ def _divisible_or_raise(length: int, num_chunks: int, *, name: str, kind: str) -
         raise DispatchError(
             f"argument {name}: a {kind} of {length} rows cannot be split evenly into {num_chunks} chunks "
             f"(verl's chunk requires equal pieces); pass a multiple of {num_chunks} rows"
-            + (", or enable auto-padding (meta_info['_verl_auto_padding']=True) under DP_COMPUTE_PROTO"
-               if kind == "DataProto" else "")
+            + (
+                ", or enable auto-padding (meta_info['_verl_auto_padding']=True) under DP_COMPUTE_PROTO"
+                if kind == "DataProto"
+                else ""
+            )
         )
 
 
@@ -213,8 +220,9 @@ def pad_for_even_chunks(args: tuple, kwargs: dict, num_chunks: int) -> tuple[tup
     protocol = _module(_VERL_PROTOCOL)
     if protocol is None:
         return args, kwargs, 0
-    lengths = {len(v) for v in (*args, *kwargs.values())
-               if isinstance(v, protocol.DataProto) and v.is_padding_enabled()}
+    lengths = {
+        len(v) for v in (*args, *kwargs.values()) if isinstance(v, protocol.DataProto) and v.is_padding_enabled()
+    }
     if not lengths:
         return args, kwargs, 0
     if len(lengths) > 1:

@@ -124,7 +124,9 @@ def _node_address_and_free_port() -> tuple[str, int]:
 class GroupFuture:
     """Pending result of a non-blocking group call; ``get()`` waits, checks failures, collects."""
 
-    def __init__(self, group: RayWorkerGroup, method: str, refs: list, ranks: list[int], finish: Callable[[list], Any]) -> None:
+    def __init__(
+        self, group: RayWorkerGroup, method: str, refs: list, ranks: list[int], finish: Callable[[list], Any]
+    ) -> None:
         self._group, self._method, self._refs, self._ranks, self._finish = group, method, refs, ranks, finish
 
     def get(self, timeout_s: float | None = None) -> Any:
@@ -222,7 +224,9 @@ class RayWorkerGroup:
         self.device_name = device_name or ("cuda" if resource_pool.use_gpu else "cpu")
         master_addr, master_port = ray.get(
             _node_address_and_free_port.options(
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=pgs[0], placement_group_bundle_index=0)
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pgs[0], placement_group_bundle_index=0
+                )
             ).remote()
         )
         self._master_addr, self._master_port = master_addr, master_port
@@ -244,8 +248,13 @@ class RayWorkerGroup:
                 }
                 if self._is_verl_worker:
                     # what verl's own group sets; verl's Worker reads WG_BACKEND for its node address
-                    env.update({"WG_PREFIX": self.name_prefix, "WG_BACKEND": "ray",
-                                "RAY_LOCAL_WORLD_SIZE": str(resource_pool.n_gpus_per_node)})
+                    env.update(
+                        {
+                            "WG_PREFIX": self.name_prefix,
+                            "WG_BACKEND": "ray",
+                            "RAY_LOCAL_WORLD_SIZE": str(resource_pool.n_gpus_per_node),
+                        }
+                    )
                 name = f"{self.name_prefix}_{cls_name}_{pg_index}:{local_rank}"
                 runtime_env = dict(ray_cls_with_init.options.get("runtime_env", {}))
                 runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **env}
@@ -253,11 +262,15 @@ class RayWorkerGroup:
                     **ray_cls_with_init.options,
                     "num_cpus": resource_pool.cpus_per_worker,
                     "num_gpus": 1 / resource_pool.max_colocate_count if resource_pool.use_gpu else 0,
-                    "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=local_rank),
+                    "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                        placement_group=pg, placement_group_bundle_index=local_rank
+                    ),
                     "runtime_env": runtime_env,
                     "name": name,
                 }
-                self._workers.append(actor_cls.options(**options).remote(*ray_cls_with_init.args, **ray_cls_with_init.kwargs))
+                self._workers.append(
+                    actor_cls.options(**options).remote(*ray_cls_with_init.args, **ray_cls_with_init.kwargs)
+                )
                 self._worker_names.append(name)
         try:
             ranks = list(range(self.world_size))
@@ -323,7 +336,8 @@ class RayWorkerGroup:
         dp_ranks = [t["dispatch_dp_rank"].get(mesh_name) for t in tables]
         dp_size = max((r for r in dp_ranks if r is not None), default=0) + 1
         return [
-            None if r is None or mesh_name not in t["collect_dp_rank"]
+            None
+            if r is None or mesh_name not in t["collect_dp_rank"]
             else MeshInfo(dp_rank=int(r), dp_size=dp_size, is_collect=bool(t["collect_dp_rank"][mesh_name]))
             for r, t in zip(dp_ranks, tables)
         ]
@@ -375,7 +389,9 @@ class RayWorkerGroup:
             ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
             if not ready:
                 waiting = sorted(ranks[position[ref]] for ref in pending)
-                raise TimeoutError(f"{self._describe_method(method)}: worker rank(s) {waiting} did not finish within {timeout_s}s")
+                raise TimeoutError(
+                    f"{self._describe_method(method)}: worker rank(s) {waiting} did not finish within {timeout_s}s"
+                )
             for ref in ready:
                 i = position[ref]
                 try:
@@ -389,7 +405,10 @@ class RayWorkerGroup:
                     if died is not None:
                         died.add_note(f"worker rank {ranks[i]} raised meanwhile: {type(error).__name__}")
                         raise died from error
-                    error.add_note(f"raised by worker rank {ranks[i]} ({self._worker_names[ranks[i]]}) in {self._describe_method(method)}")
+                    error.add_note(
+                        f"raised by worker rank {ranks[i]} ({self._worker_names[ranks[i]]}) "
+                        f"in {self._describe_method(method)}"
+                    )
                     raise
         return outputs
 

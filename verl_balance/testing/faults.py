@@ -27,11 +27,10 @@ from verl_balance.loss import (
 
 KNOWN_BUGS = {
     "count_over_world": "(a) token/sequence counts all-reduced over the whole world although SP "
-                        "ranks hold replicated labels (SFT loss divided by sp)",
+    "ranks hold replicated labels (SFT loss divided by sp)",
     "count_local_shard": "(b) counts taken on the local SP shard and reduced over the DP group "
-                         "only while gradients are scaled by the world size (loss inflated ~sp)",
-    "eval_local_denominator": "(c) eval numerator all-reduced but the denominator counted on the "
-                              "local shard only",
+    "only while gradients are scaled by the world size (loss inflated ~sp)",
+    "eval_local_denominator": "(c) eval numerator all-reduced but the denominator counted on the local shard only",
     "roll_after_slice": "(d) targets shifted per SP shard after slicing: one token lost per shard",
     "micro_batch_mean": "(e) mean of per-micro-batch means instead of the global token mean",
 }
@@ -47,10 +46,18 @@ def check_bug(bug: str) -> None:
         raise UnknownBugError(f"bug={bug!r}; valid: {sorted(KNOWN_BUGS)}")
 
 
-def faulty_token_weights(bug: str, *, loss_masks: Sequence[Tensor], cu_seqlens: Sequence[Tensor],
-                         agg_mode: str, loss_scale_factor: float | None = None,
-                         dp_group: dist.ProcessGroup | None, world_group: dist.ProcessGroup | None = None,
-                         local_slices: Sequence[slice] | None = None, training: bool = True) -> TokenWeights:
+def faulty_token_weights(
+    bug: str,
+    *,
+    loss_masks: Sequence[Tensor],
+    cu_seqlens: Sequence[Tensor],
+    agg_mode: str,
+    loss_scale_factor: float | None = None,
+    dp_group: dist.ProcessGroup | None,
+    world_group: dist.ProcessGroup | None = None,
+    local_slices: Sequence[slice] | None = None,
+    training: bool = True,
+) -> TokenWeights:
     """compute_token_weights with the counting error ``bug`` (the true counts are still returned,
     as the broken frameworks log them). Collective over dp_group (and world_group for
     count_over_world) on every rank alike."""
@@ -59,15 +66,17 @@ def faulty_token_weights(bug: str, *, loss_masks: Sequence[Tensor], cu_seqlens: 
     check_loss_scale_factor(agg_mode, loss_scale_factor)
     device = loss_masks[0].device if loss_masks else torch.device("cpu")
     seq_counts = [sequence_token_counts(m, cu) for m, cu in zip(loss_masks, cu_seqlens)]
-    local = torch.tensor([[int(c.sum()), int((c > 0).sum())] for c in seq_counts],
-                         dtype=torch.int64, device=device).reshape(-1, 2)
+    local = torch.tensor(
+        [[int(c.sum()), int((c > 0).sum())] for c in seq_counts], dtype=torch.int64, device=device
+    ).reshape(-1, 2)
     true_totals = all_reduce_sum(local.sum(0), dp_group)
     per_mb = None
     if bug == "count_over_world":
         totals = all_reduce_sum(local.sum(0), world_group)
     elif bug == "count_local_shard" or (bug == "eval_local_denominator" and not training):
-        shard = torch.tensor([int((m[s] > 0).sum()) for m, s in zip(loss_masks, local_slices)],
-                             dtype=torch.int64, device=device)
+        shard = torch.tensor(
+            [int((m[s] > 0).sum()) for m, s in zip(loss_masks, local_slices)], dtype=torch.int64, device=device
+        )
         totals = true_totals.clone()
         totals[0] = shard.sum()
         if bug == "count_local_shard":
@@ -80,20 +89,35 @@ def faulty_token_weights(bug: str, *, loss_masks: Sequence[Tensor], cu_seqlens: 
     weights = []
     for k, (mask, counts, cu) in enumerate(zip(loss_masks, seq_counts, cu_seqlens)):
         n_tok, n_seq = (per_mb[k] if per_mb is not None else totals).tolist()
-        weights.append(contract_weights(loss_mask=mask, seq_counts=counts, cu_seqlens=cu, num_tokens=n_tok,
-                                        num_sequences=n_seq, agg_mode=agg_mode,
-                                        loss_scale_factor=loss_scale_factor,
-                                        scale=1.0 / len(loss_masks) if per_mb is not None else 1.0))
+        weights.append(
+            contract_weights(
+                loss_mask=mask,
+                seq_counts=counts,
+                cu_seqlens=cu,
+                num_tokens=n_tok,
+                num_sequences=n_seq,
+                agg_mode=agg_mode,
+                loss_scale_factor=loss_scale_factor,
+                scale=1.0 / len(loss_masks) if per_mb is not None else 1.0,
+            )
+        )
     n_tok, n_seq = true_totals.tolist()
     return TokenWeights(weights=weights, num_tokens=int(n_tok), num_sequences=int(n_seq))
 
 
-def pack_rolled_after_slice(micro_batch: Mapping[str, Tensor], *, sp_size: int, sp_rank: int,
-                            device: torch.device, require_loss_mask: bool = True) -> PackedMicroBatch:
+def pack_rolled_after_slice(
+    micro_batch: Mapping[str, Tensor],
+    *,
+    sp_size: int,
+    sp_rank: int,
+    device: torch.device,
+    require_loss_mask: bool = True,
+) -> PackedMicroBatch:
     """pack_micro_batch, except that every SP shard shifts its own slice: each shard edge loses one
     target (KNOWN_BUGS["roll_after_slice"]); sequence ends stay masked."""
-    packed = pack_micro_batch(micro_batch, sp_size=sp_size, sp_rank=sp_rank, device=device,
-                              require_loss_mask=require_loss_mask)
+    packed = pack_micro_batch(
+        micro_batch, sp_size=sp_size, sp_rank=sp_rank, device=device, require_loss_mask=require_loss_mask
+    )
     real = packed.attention_mask.cpu() != 0
     width_local = packed.padded_len // sp_size
     pad = packed.padded_len - packed.total_len
@@ -125,14 +149,26 @@ class FaultyTrainEngine(TrainEngine):
     def _pack(self, micro_batches, *, require_loss_mask: bool) -> list[PackedMicroBatch]:
         if self.bug != "roll_after_slice":
             return super()._pack(micro_batches, require_loss_mask=require_loss_mask)
-        return [pack_rolled_after_slice(mb, sp_size=self.layout.sp, sp_rank=self.layout.sp_rank,
-                                        device=self.device, require_loss_mask=require_loss_mask)
-                for mb in micro_batches]
+        return [
+            pack_rolled_after_slice(
+                mb,
+                sp_size=self.layout.sp,
+                sp_rank=self.layout.sp_rank,
+                device=self.device,
+                require_loss_mask=require_loss_mask,
+            )
+            for mb in micro_batches
+        ]
 
     def _token_weights(self, packed: Sequence[PackedMicroBatch], *, training: bool) -> TokenWeights:
         return faulty_token_weights(
-            self.bug, loss_masks=[p.tensors["loss_mask"] for p in packed],
-            cu_seqlens=[p.cu_seqlens_host for p in packed], agg_mode=self.config.loss_agg_mode,
-            loss_scale_factor=self.config.loss_scale_factor, dp_group=self.layout.dp_group,
-            world_group=self.layout.world_group, local_slices=[p.local_slice for p in packed],
-            training=training)
+            self.bug,
+            loss_masks=[p.tensors["loss_mask"] for p in packed],
+            cu_seqlens=[p.cu_seqlens_host for p in packed],
+            agg_mode=self.config.loss_agg_mode,
+            loss_scale_factor=self.config.loss_scale_factor,
+            dp_group=self.layout.dp_group,
+            world_group=self.layout.world_group,
+            local_slices=[p.local_slice for p in packed],
+            training=training,
+        )

@@ -46,20 +46,48 @@ RETIRING_PREFIX = ".retiring_"
 RESUME_MODES = ("auto", "disable", "resume_path")
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 # Keys that steer a run but not its trajectory: changing them between resumes is expected.
-RUN_CONTROL_KEYS = frozenset({
-    "trainer.resume_mode", "trainer.resume_from_path", "trainer.logger", "trainer.plot", "trainer.save_freq",
-    "trainer.test_freq", "trainer.total_training_steps", "trainer.total_epochs", "trainer.max_ckpt_to_keep",
-    "trainer.max_restarts", "trainer.ray_address", "trainer.placement_timeout_s", "trainer.default_local_dir",
-    "trainer.log_val_generations", "trainer.val_before_train", "trainer.nnodes", "trainer.n_gpus_per_node",
-    "trainer.device", "trainer.balance_batch", "balance.enable", "balance.workload", "trainer.save_hf_model",
-    "trainer.profile_steps",
-})
+RUN_CONTROL_KEYS = frozenset(
+    {
+        "trainer.resume_mode",
+        "trainer.resume_from_path",
+        "trainer.logger",
+        "trainer.plot",
+        "trainer.save_freq",
+        "trainer.test_freq",
+        "trainer.total_training_steps",
+        "trainer.total_epochs",
+        "trainer.max_ckpt_to_keep",
+        "trainer.max_restarts",
+        "trainer.ray_address",
+        "trainer.placement_timeout_s",
+        "trainer.default_local_dir",
+        "trainer.log_val_generations",
+        "trainer.val_before_train",
+        "trainer.nnodes",
+        "trainer.n_gpus_per_node",
+        "trainer.device",
+        "trainer.balance_batch",
+        "balance.enable",
+        "balance.workload",
+        "trainer.save_hf_model",
+        "trainer.profile_steps",
+    }
+)
 # The parallel layout and micro-batching do not change the curve (the loss contract): any key so named.
-LAYOUT_KEY_NAMES = frozenset({
-    "ulysses_sequence_parallel_size", "micro_batch_size_per_gpu", "max_token_len_per_gpu", "use_dynamic_bsz",
-    "ppo_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu", "log_prob_micro_batch_size_per_gpu",
-    "log_prob_max_token_len_per_gpu", "max_num_seqs", "balance_dp_token",
-})
+LAYOUT_KEY_NAMES = frozenset(
+    {
+        "ulysses_sequence_parallel_size",
+        "micro_batch_size_per_gpu",
+        "max_token_len_per_gpu",
+        "use_dynamic_bsz",
+        "ppo_micro_batch_size_per_gpu",
+        "ppo_max_token_len_per_gpu",
+        "log_prob_micro_batch_size_per_gpu",
+        "log_prob_max_token_len_per_gpu",
+        "max_num_seqs",
+        "balance_dp_token",
+    }
+)
 
 
 class CheckpointError(ConfigError):
@@ -115,8 +143,11 @@ def flatten_config(config: dict, prefix: str = "") -> dict:
 
 def trajectory_config(config: dict) -> dict:
     """The flattened config without the run-control and layout keys (what decides the loss curve)."""
-    return {k: v for k, v in flatten_config(config).items()
-            if k not in RUN_CONTROL_KEYS and k.rsplit(".", 1)[-1] not in LAYOUT_KEY_NAMES}
+    return {
+        k: v
+        for k, v in flatten_config(config).items()
+        if k not in RUN_CONTROL_KEYS and k.rsplit(".", 1)[-1] not in LAYOUT_KEY_NAMES
+    }
 
 
 def config_hash(config: dict) -> str:
@@ -165,9 +196,9 @@ def _recover_interrupted_renames(root: str) -> None:
         for name in sorted(os.listdir(root)):
             if not name.startswith(prefix):
                 continue
-            final = os.path.join(root, name[len(prefix):])
+            final = os.path.join(root, name[len(prefix) :])
             source = os.path.join(root, name)
-            if _STEP_DIR.match(name[len(prefix):]) and not os.path.exists(final) and is_complete(source):
+            if _STEP_DIR.match(name[len(prefix) :]) and not os.path.exists(final) and is_complete(source):
                 logger.warning("checkpoint: finishing an interrupted save, %s -> %s", source, final)
                 os.rename(source, final)
                 fsync_dir(root)
@@ -204,8 +235,11 @@ def latest_checkpoint(root: str, *, lineage_id: str | None = None) -> str | None
         complete = [c for c in complete if c.lineage_id == lineage_id]
     newest = complete[-1] if complete else None
     for path in incomplete:
-        logger.warning("checkpoint: %s is incomplete (a save was interrupted) and is ignored%s", path,
-                       f"; using {newest.path}" if newest else "")
+        logger.warning(
+            "checkpoint: %s is incomplete (a save was interrupted) and is ignored%s",
+            path,
+            f"; using {newest.path}" if newest else "",
+        )
     return newest.path if newest else None
 
 
@@ -228,13 +262,19 @@ def _warn_on_config_change(lineage: dict, config: dict) -> None:
     changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
     if changed:
         shown = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed[:8])
-        logger.warning("resuming lineage %s with a changed config (%d key(s): %s%s); the curve will not match an "
-                       "uninterrupted run", lineage.get("lineage_id"), len(changed), shown,
-                       ", ..." if len(changed) > 8 else "")
+        logger.warning(
+            "resuming lineage %s with a changed config (%d key(s): %s%s); the curve will not match an "
+            "uninterrupted run",
+            lineage.get("lineage_id"),
+            len(changed),
+            shown,
+            ", ..." if len(changed) > 8 else "",
+        )
 
 
-def start_run(root: str, *, resume_mode: str, resume_from_path: str | None,
-              config: dict) -> tuple[RunIdentity, str | None]:
+def start_run(
+    root: str, *, resume_mode: str, resume_from_path: str | None, config: dict
+) -> tuple[RunIdentity, str | None]:
     """Decide this run's lineage and the checkpoint to load (None: start from the beginning).
 
     - ``auto``: continue the lineage recorded in ``run_lineage.json`` from its newest complete
@@ -265,8 +305,10 @@ def start_run(root: str, *, resume_mode: str, resume_from_path: str | None,
         load_path = latest_checkpoint(root, lineage_id=lineage_id)
         if load_path is None and branch is not None:
             if not (is_complete(branch) or os.path.exists(os.path.join(branch, TRAINER_STATE_FILE))):
-                raise CheckpointError(f"lineage {lineage_id} in trainer.default_local_dir={root!r} started from "
-                                      f"{branch!r}, which is no longer a complete checkpoint")
+                raise CheckpointError(
+                    f"lineage {lineage_id} in trainer.default_local_dir={root!r} started from "
+                    f"{branch!r}, which is no longer a complete checkpoint"
+                )
             load_path = branch
         _warn_on_config_change(lineage, config)
     elif resume_mode == "auto":
@@ -276,7 +318,8 @@ def start_run(root: str, *, resume_mode: str, resume_from_path: str | None,
                 f"trainer.default_local_dir={root!r} holds checkpoints of another run ({len(foreign)}, e.g. "
                 f"{max(foreign)!r}) but no {LINEAGE_FILE} saying which run they belong to; set "
                 "trainer.resume_mode=resume_path trainer.resume_from_path=<one of them> to continue it, or "
-                "trainer.resume_mode=disable to start fresh (they are moved to superseded/, not deleted)")
+                "trainer.resume_mode=disable to start fresh (they are moved to superseded/, not deleted)"
+            )
         lineage_id, branch = run_id, None
         if os.path.exists(metrics_path):
             moved = _move_aside(root, [METRICS_FILE], label="no-lineage")
@@ -287,31 +330,40 @@ def start_run(root: str, *, resume_mode: str, resume_from_path: str | None,
         names += [LINEAGE_FILE, METRICS_FILE, LATEST_FILE]
         moved = _move_aside(root, names, label=(lineage or {}).get("lineage_id", "unknown"))
         if moved:
-            logger.warning("trainer.resume_mode=disable: the previous run's checkpoints and metrics in %s were "
-                           "moved to %s", root, moved)
+            logger.warning(
+                "trainer.resume_mode=disable: the previous run's checkpoints and metrics in %s were moved to %s",
+                root,
+                moved,
+            )
     else:
         if not resume_from_path:
             raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
         load_path = os.path.abspath(resume_from_path)
         if not (is_complete(load_path) or os.path.exists(os.path.join(load_path, TRAINER_STATE_FILE))):
-            raise CheckpointError(f"trainer.resume_from_path={resume_from_path!r} is not a complete checkpoint "
-                                  f"(no {COMPLETE_FILE}); pick a complete global_step_N directory")
+            raise CheckpointError(
+                f"trainer.resume_from_path={resume_from_path!r} is not a complete checkpoint "
+                f"(no {COMPLETE_FILE}); pick a complete global_step_N directory"
+            )
         start = _checkpoint_step(load_path)
         lineage_id, branch = run_id, load_path
         later = [os.path.basename(c.path) for c in complete if c.step > start and c.path != load_path]
         later += [os.path.basename(p) for p in incomplete]
         same_dir = os.path.dirname(load_path) == os.path.abspath(root)
-        moved = _move_aside(root, later + ([] if same_dir else [METRICS_FILE]) + [LATEST_FILE],
-                            label=f"after_step_{start}")
+        moved = _move_aside(
+            root, later + ([] if same_dir else [METRICS_FILE]) + [LATEST_FILE], label=f"after_step_{start}"
+        )
         if moved:
-            logger.warning("trainer.resume_mode=resume_path: checkpoints past step %d (another branch) moved to %s",
-                           start, moved)
+            logger.warning(
+                "trainer.resume_mode=resume_path: checkpoints past step %d (another branch) moved to %s", start, moved
+            )
 
     start_step = _checkpoint_step(load_path) if load_path else 0
-    identity = RunIdentity(run_id=run_id, lineage_id=lineage_id, start_step=start_step,
-                           branch_checkpoint=branch, config_hash=digest)
-    atomic_write_json(os.path.join(root, LINEAGE_FILE), {**identity.to_dict(), "config": config,
-                                                         "started": time.time()})
+    identity = RunIdentity(
+        run_id=run_id, lineage_id=lineage_id, start_step=start_step, branch_checkpoint=branch, config_hash=digest
+    )
+    atomic_write_json(
+        os.path.join(root, LINEAGE_FILE), {**identity.to_dict(), "config": config, "started": time.time()}
+    )
     if os.path.exists(metrics_path):
         rewrite_metrics_up_to(metrics_path, start_step)
     return identity, load_path
@@ -370,11 +422,13 @@ def _disk_full_error(root: str, step: int, *, needed: int | None) -> CheckpointD
     return CheckpointDiskFullError(
         f"no space to save checkpoint step {step} in trainer.default_local_dir={os.path.abspath(root)!r}: "
         f"{_format_bytes(free)} free{need}. Free space there, lower trainer.max_ckpt_to_keep, or point "
-        "trainer.default_local_dir at a larger disk")
+        "trainer.default_local_dir at a larger disk"
+    )
 
 
-def save_trainer_checkpoint(group, *, root: str, step: int, trainer_state: dict, identity: RunIdentity,
-                            max_to_keep: int | None = None) -> str:
+def save_trainer_checkpoint(
+    group, *, root: str, step: int, trainer_state: dict, identity: RunIdentity, max_to_keep: int | None = None
+) -> str:
     """Checkpoint workers and driver state as ``root/global_step_{step}``; returns its path.
 
     Workers write their shards into a staging directory; the driver adds ``trainer_state.json``
@@ -393,8 +447,9 @@ def save_trainer_checkpoint(group, *, root: str, step: int, trainer_state: dict,
     try:
         group.save_checkpoint(staging, step)
         atomic_write_json(os.path.join(staging, TRAINER_STATE_FILE), trainer_state)
-        atomic_write_json(os.path.join(staging, COMPLETE_FILE), {**identity.to_dict(), "step": step,
-                                                                  "time": time.time()})
+        atomic_write_json(
+            os.path.join(staging, COMPLETE_FILE), {**identity.to_dict(), "step": step, "time": time.time()}
+        )
     except Exception as err:
         if _is_disk_full(err):
             shutil.rmtree(staging, ignore_errors=True)
@@ -438,8 +493,10 @@ def load_trainer_checkpoint(group, path: str) -> dict:
     """Restore workers from ``path`` and return the driver's saved state."""
     state = _read_json(os.path.join(path, TRAINER_STATE_FILE))
     if state is None:
-        raise CheckpointError(f"trainer.resume_from_path={path!r} is not a complete checkpoint "
-                              f"(no readable {TRAINER_STATE_FILE}); pick a global_step_N directory")
+        raise CheckpointError(
+            f"trainer.resume_from_path={path!r} is not a complete checkpoint "
+            f"(no readable {TRAINER_STATE_FILE}); pick a global_step_N directory"
+        )
     group.load_checkpoint(path)
     return state
 

@@ -42,8 +42,12 @@ def start_ray(*, address: str | None, num_workers: int | None = None) -> None:
     ray.init(num_cpus=cpus, include_dashboard=False, runtime_env=env, log_to_driver=True)
     cores = cpus // CPU_WORKERS_PER_CORE
     if num_workers is not None and cores < num_workers <= cpus and ray.cluster_resources().get("GPU", 0) == 0:
-        logger.warning("%d CPU workers on %d core(s): they share the cores (the embedded cluster offers %d CPU slots)",
-                       num_workers, cores, cpus)
+        logger.warning(
+            "%d CPU workers on %d core(s): they share the cores (the embedded cluster offers %d CPU slots)",
+            num_workers,
+            cores,
+            cpus,
+        )
 
 
 def resolve_use_gpu(device: str) -> bool:
@@ -56,11 +60,16 @@ def resolve_use_gpu(device: str) -> bool:
     return gpus > 0
 
 
-def build_actor_group(*, worker_config: ActorWorkerConfig, trainer_cfg, use_gpu: bool,
-                      worker_cls: type = ActorWorker) -> RayWorkerGroup:
+def build_actor_group(
+    *, worker_config: ActorWorkerConfig, trainer_cfg, use_gpu: bool, worker_cls: type = ActorWorker
+) -> RayWorkerGroup:
     """Place nnodes x n_gpus_per_node workers and build the sharded model on them."""
-    pool = RayResourcePool(n_gpus_per_node=trainer_cfg.n_gpus_per_node, nnodes=trainer_cfg.nnodes,
-                           use_gpu=use_gpu, placement_timeout_s=trainer_cfg.placement_timeout_s)
+    pool = RayResourcePool(
+        n_gpus_per_node=trainer_cfg.n_gpus_per_node,
+        nnodes=trainer_cfg.nnodes,
+        use_gpu=use_gpu,
+        placement_timeout_s=trainer_cfg.placement_timeout_s,
+    )
     group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(worker_cls, worker_config))
     group.init_model()
     return group

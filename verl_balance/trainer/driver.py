@@ -50,8 +50,9 @@ class DriverBase:
     plot_panels: tuple | None = None
 
     # ------------------------------------------------------------------ set-up
-    def setup_run(self, cfg: DictConfig, *, trainer: TrainerSection, sp_size: int, model: ModelSection,
-                  balance: BalanceSection) -> None:
+    def setup_run(
+        self, cfg: DictConfig, *, trainer: TrainerSection, sp_size: int, model: ModelSection, balance: BalanceSection
+    ) -> None:
         """Layout (world, dp, sp), run directory, tokenizer, model config and workload model."""
         self.cfg = cfg
         self.trainer_config = trainer
@@ -73,26 +74,32 @@ class DriverBase:
     def setup_loader(self, train_set, *, batch_size: int, shuffle: bool) -> None:
         """The resumable loader over ``train_set`` and the run length in steps."""
         t = self.trainer_config
-        self.loader = StatefulDataLoader(train_set, batch_size=batch_size, collate_fn=train_set.collate,
-                                         shuffle=shuffle, seed=t.seed, drop_last=True)
+        self.loader = StatefulDataLoader(
+            train_set, batch_size=batch_size, collate_fn=train_set.collate, shuffle=shuffle, seed=t.seed, drop_last=True
+        )
         self.total_steps = t.total_training_steps or t.total_epochs * len(self.loader)
 
     def export_options(self) -> dict:
         """The worker-config fields of ``trainer.save_hf_model`` (the HF export in every checkpoint)."""
         tokenizer = self.model_section.tokenizer_path
-        return {"save_hf_model": self.trainer_config.save_hf_model,
-                "hf_tokenizer_path": os.path.abspath(tokenizer) if os.path.isdir(tokenizer) else None}
+        return {
+            "save_hf_model": self.trainer_config.save_hf_model,
+            "hf_tokenizer_path": os.path.abspath(tokenizer) if os.path.isdir(tokenizer) else None,
+        }
 
-    def start_workers(self, *, worker_config: ActorWorkerConfig, worker_cls: type = ActorWorker,
-                      description: str) -> None:
+    def start_workers(
+        self, *, worker_config: ActorWorkerConfig, worker_cls: type = ActorWorker, description: str
+    ) -> None:
         """Start (or join) Ray, place the worker group and build the sharded model on it."""
         t = self.trainer_config
         cluster.start_ray(address=t.ray_address, num_workers=self.world)
         use_gpu = cluster.resolve_use_gpu(t.device)
-        logger.info("%d %s workers: dp=%d x sp=%d; %s", self.world, "GPU" if use_gpu else "CPU", self.dp, self.sp,
-                    description)
-        self.actor = cluster.build_actor_group(worker_config=worker_config, trainer_cfg=t, use_gpu=use_gpu,
-                                              worker_cls=worker_cls)
+        logger.info(
+            "%d %s workers: dp=%d x sp=%d; %s", self.world, "GPU" if use_gpu else "CPU", self.dp, self.sp, description
+        )
+        self.actor = cluster.build_actor_group(
+            worker_config=worker_config, trainer_cfg=t, use_gpu=use_gpu, worker_cls=worker_cls
+        )
 
     @classmethod
     def train(cls, cfg: DictConfig) -> dict:
@@ -152,8 +159,14 @@ class DriverBase:
 
     def _fit(self, t) -> dict:
         self.maybe_resume()
-        tracker = Tracking(t.project_name, t.experiment_name, log_dir=self.out_dir, backends=list(t.logger),
-                           config=plain_config(self.cfg), total_steps=self.total_steps)
+        tracker = Tracking(
+            t.project_name,
+            t.experiment_name,
+            log_dir=self.out_dir,
+            backends=list(t.logger),
+            config=plain_config(self.cfg),
+            total_steps=self.total_steps,
+        )
         previous_handler = signal.signal(signal.SIGINT, self._request_stop)
         record = {"first": {}, "last": {}, "last_val": {}, "first_val": {}}
         run_start = time.perf_counter()
@@ -172,20 +185,32 @@ class DriverBase:
                         raise
                     restarts += 1
                     must_restart = True
-                    logger.warning("a worker died (%s); restart %d of trainer.max_restarts=%d from the last "
-                                   "complete checkpoint", err, restarts, max_restarts)
+                    logger.warning(
+                        "a worker died (%s); restart %d of trainer.max_restarts=%d from the last complete checkpoint",
+                        err,
+                        restarts,
+                        max_restarts,
+                    )
         finally:
             signal.signal(signal.SIGINT, previous_handler)
             tracker.close()
-        summary = {"steps": self.global_step, "wall_s": time.perf_counter() - run_start,
-                   "metrics": tracker.metrics_path, "restarts": restarts,
-                   **self.summarize(first=record["first"], last=record["last"], first_val=record["first_val"],
-                                    last_val=record["last_val"])}
+        summary = {
+            "steps": self.global_step,
+            "wall_s": time.perf_counter() - run_start,
+            "metrics": tracker.metrics_path,
+            "restarts": restarts,
+            **self.summarize(
+                first=record["first"], last=record["last"], first_val=record["first_val"], last_val=record["last_val"]
+            ),
+        }
         if t.plot:
             from verl_balance.utils.plotting import DEFAULT_PANELS, plot_runs
 
-            summary["plot"] = plot_runs([tracker.metrics_path], out=os.path.join(self.out_dir, "curves.png"),
-                                        panels=self.plot_panels or DEFAULT_PANELS)
+            summary["plot"] = plot_runs(
+                [tracker.metrics_path],
+                out=os.path.join(self.out_dir, "curves.png"),
+                panels=self.plot_panels or DEFAULT_PANELS,
+            )
         return summary
 
     def _train_loop(self, tracker: Tracking, record: dict) -> None:
@@ -219,15 +244,25 @@ class DriverBase:
 
     def _trainer_state(self) -> dict:
         # model_config lets ``python -m verl_balance.export CKPT OUT`` rebuild the model without flags.
-        return {"global_step": self.global_step, "loader": self.loader.state_dict(),
-                "model_config": {"kind": "hf" if isinstance(self.model_config, HFModelConfig) else "builtin",
-                                 **self.model_config.to_dict()}}
+        return {
+            "global_step": self.global_step,
+            "loader": self.loader.state_dict(),
+            "model_config": {
+                "kind": "hf" if isinstance(self.model_config, HFModelConfig) else "builtin",
+                **self.model_config.to_dict(),
+            },
+        }
 
     def save(self) -> str:
         """Checkpoint workers and driver state as ``global_step_N`` (atomically); returns its path."""
         path = checkpoint.save_trainer_checkpoint(
-            self.actor, root=self.out_dir, step=self.global_step, trainer_state=self._trainer_state(),
-            identity=self.run_identity, max_to_keep=self.trainer_config.max_ckpt_to_keep)
+            self.actor,
+            root=self.out_dir,
+            step=self.global_step,
+            trainer_state=self._trainer_state(),
+            identity=self.run_identity,
+            max_to_keep=self.trainer_config.max_ckpt_to_keep,
+        )
         logger.info("checkpoint: saved step %d -> %s", self.global_step, path)
         return path
 
@@ -237,12 +272,17 @@ class DriverBase:
         See ``checkpoint.start_run`` for what each mode does with checkpoints of other runs."""
         t = self.cfg.trainer
         self.run_identity, path = checkpoint.start_run(
-            self.out_dir, resume_mode=t.resume_mode, resume_from_path=t.resume_from_path,
-            config=plain_config(self.cfg))
+            self.out_dir, resume_mode=t.resume_mode, resume_from_path=t.resume_from_path, config=plain_config(self.cfg)
+        )
         if path is not None:
             self._load(path)
-            logger.info("checkpoint: resumed from %s at step %d (lineage %s, run %s)", path, self.global_step,
-                        self.run_identity.lineage_id, self.run_identity.run_id)
+            logger.info(
+                "checkpoint: resumed from %s at step %d (lineage %s, run %s)",
+                path,
+                self.global_step,
+                self.run_identity.lineage_id,
+                self.run_identity.run_id,
+            )
 
     def _load(self, path: str) -> None:
         state = checkpoint.load_trainer_checkpoint(self.actor, path)
@@ -264,8 +304,12 @@ class DriverBase:
             except Exception as err:  # the group is broken already; freeing it is best effort
                 logger.warning("restart: releasing the old worker group failed: %s", err)
         init = old.ray_cls_with_init
-        self.actor = cluster.build_actor_group(worker_config=init.args[0], trainer_cfg=self.trainer_config,
-                                               use_gpu=old.resource_pool.use_gpu, worker_cls=init.cls)
+        self.actor = cluster.build_actor_group(
+            worker_config=init.args[0],
+            trainer_cfg=self.trainer_config,
+            use_gpu=old.resource_pool.use_gpu,
+            worker_cls=init.cls,
+        )
         self.prepare_workers()
         identity = self.run_identity
         path = checkpoint.latest_checkpoint(self.out_dir, lineage_id=identity.lineage_id) or identity.branch_checkpoint
@@ -274,13 +318,18 @@ class DriverBase:
         else:
             self.global_step = 0
             self.loader.load_state_dict(self._initial_loader_state)
-        logger.warning("restarted the workers; continuing from step %d%s", self.global_step,
-                       f" ({path})" if path else " (no checkpoint yet: from the start)")
+        logger.warning(
+            "restarted the workers; continuing from step %d%s",
+            self.global_step,
+            f" ({path})" if path else " (no checkpoint yet: from the start)",
+        )
 
     def _request_stop(self, signum, frame) -> None:
         """SIGINT handler: the first Ctrl-C stops after this step (and saves), the second aborts."""
         if self._stop_requested:
             raise KeyboardInterrupt
         self._stop_requested = True
-        logger.warning("stop requested: finishing this step, saving a checkpoint, then exiting "
-                       "(press Ctrl-C again to abort without saving)")
+        logger.warning(
+            "stop requested: finishing this step, saving a checkpoint, then exiting "
+            "(press Ctrl-C again to abort without saving)"
+        )

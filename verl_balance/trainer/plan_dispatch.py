@@ -23,9 +23,19 @@ from verl_balance.protocol import Batch, BatchError
 __all__ = ["apply_truncation", "merge_by_plan", "plan_batch", "run_by_plan", "split_by_plan"]
 
 
-def plan_batch(batch: Batch, *, dp_size: int, sp_size: int, micro_batch_size: int | None, token_cap: int | None,
-               balance: bool, workload: Workload, overlong: str = "error", group_ids=None,
-               group_scope: str = "micro_batch") -> BalancePlan:
+def plan_batch(
+    batch: Batch,
+    *,
+    dp_size: int,
+    sp_size: int,
+    micro_batch_size: int | None,
+    token_cap: int | None,
+    balance: bool,
+    workload: Workload,
+    overlong: str = "error",
+    group_ids=None,
+    group_scope: str = "micro_batch",
+) -> BalancePlan:
     """BalancePlan of one global batch from its ``attention_mask`` lengths.
 
     ``token_cap`` (tokens per SP rank) takes precedence over ``micro_batch_size``; ``balance=False``
@@ -34,10 +44,16 @@ def plan_batch(batch: Batch, *, dp_size: int, sp_size: int, micro_batch_size: in
     groups) lets a group span micro-batches, so a group may exceed one micro-batch or token cap.
     """
     return plan_balance(
-        seq_lens=batch["attention_mask"].sum(dim=1).cpu().numpy(), dp_size=dp_size, sp_size=sp_size,
-        micro_batch_size=None if token_cap is not None else micro_batch_size, max_token_len_per_gpu=token_cap,
-        balance=balance, group_ids=None if group_ids is None else np.asarray(group_ids), group_scope=group_scope,
-        workload=workload, overlong=overlong,
+        seq_lens=batch["attention_mask"].sum(dim=1).cpu().numpy(),
+        dp_size=dp_size,
+        sp_size=sp_size,
+        micro_batch_size=None if token_cap is not None else micro_batch_size,
+        max_token_len_per_gpu=token_cap,
+        balance=balance,
+        group_ids=None if group_ids is None else np.asarray(group_ids),
+        group_scope=group_scope,
+        workload=workload,
+        overlong=overlong,
     )
 
 
@@ -48,7 +64,7 @@ def apply_truncation(batch: Batch, plan: BalancePlan) -> Batch:
         return batch
     mask = batch["attention_mask"].clone()
     for index, new_len in plan.truncated.items():
-        mask[int(index), int(new_len):] = 0
+        mask[int(index), int(new_len) :] = 0
     out = batch.select()
     for key in out.tensor_keys:
         value = out[key]

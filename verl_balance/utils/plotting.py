@@ -56,8 +56,15 @@ def plot_runs(
         raise ValueError(f"got {len(labels)} labels for {len(runs)} runs; give one label per run")
     records = [read_metrics(run) for run in runs]
     labels = list(labels) if labels is not None else [run_label(run) for run in runs]
-    series_keys = sorted({k for recs in records for r in recs for k, v in r.items()
-                          if k not in ("step", "time") and isinstance(v, (int, float))})
+    series_keys = sorted(
+        {
+            k
+            for recs in records
+            for r in recs
+            for k, v in r.items()
+            if k not in ("step", "time") and isinstance(v, (int, float))
+        }
+    )
     drawn = [(name, [k for k in series_keys if re.search(pattern, k)]) for name, pattern in panels]
     drawn = [(name, keys) for name, keys in drawn if keys]
     if not drawn:
@@ -75,8 +82,11 @@ def plot_runs(
                     continue
                 steps, values = zip(*points)
                 ax.plot(
-                    steps, values, color=colors[run_index % len(colors)],
-                    linestyle=LINE_STYLES[key_index % len(LINE_STYLES)], linewidth=width,
+                    steps,
+                    values,
+                    color=colors[run_index % len(colors)],
+                    linestyle=LINE_STYLES[key_index % len(LINE_STYLES)],
+                    linewidth=width,
                     marker="o" if len(points) == 1 else None,
                     label=f"{label}: {key}" if len(runs) > 1 else key,
                 )

@@ -36,7 +36,14 @@ from verl_balance.utils.atomic_io import atomic_write_json, atomic_write_text
 logger = logging.getLogger(__name__)
 BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
 DEFAULT_CONSOLE_PATTERNS = (
-    "loss", "grad_norm", "lr", "tokens_per_s", "imbalance", "reward/mean", "accuracy", "response_length/mean",
+    "loss",
+    "grad_norm",
+    "lr",
+    "tokens_per_s",
+    "imbalance",
+    "reward/mean",
+    "accuracy",
+    "response_length/mean",
 )
 METRICS_FILE = "metrics.jsonl"
 RUN_FILE = "run.json"
@@ -101,8 +108,11 @@ class Tracking:
         self.console_patterns = tuple(console_patterns)
         os.makedirs(log_dir, exist_ok=True)
         config_dict = plain_config(config)
-        atomic_write_json(os.path.join(log_dir, RUN_FILE),
-                          {"project": project, "experiment": experiment, "config": config_dict}, indent=2)
+        atomic_write_json(
+            os.path.join(log_dir, RUN_FILE),
+            {"project": project, "experiment": experiment, "config": config_dict},
+            indent=2,
+        )
         drop_torn_last_line(self.metrics_path)
         self._jsonl = open(self.metrics_path, "a", encoding="utf-8")
         self._progress = None
@@ -111,14 +121,19 @@ class Tracking:
             from tqdm import tqdm
 
             self._progress = tqdm(
-                total=total_steps, desc=f"{project}/{experiment}", unit="step", dynamic_ncols=True,
+                total=total_steps,
+                desc=f"{project}/{experiment}",
+                unit="step",
+                dynamic_ncols=True,
                 disable=not sys.stderr.isatty(),
             )
         self._tensorboard = None
         if "tensorboard" in backends:
             if importlib.util.find_spec("tensorboard") is None:
-                logger.warning("logger 'tensorboard' requested but the tensorboard package is not installed "
-                               "(pip install tensorboard); continuing without it")
+                logger.warning(
+                    "logger 'tensorboard' requested but the tensorboard package is not installed "
+                    "(pip install tensorboard); continuing without it"
+                )
             else:
                 from torch.utils.tensorboard import SummaryWriter
 
@@ -126,15 +141,15 @@ class Tracking:
         self._wandb = None
         if "wandb" in backends:
             if importlib.util.find_spec("wandb") is None:
-                logger.warning("logger 'wandb' requested but the wandb package is not installed (pip install wandb); "
-                               "continuing without it")
+                logger.warning(
+                    "logger 'wandb' requested but the wandb package is not installed (pip install wandb); "
+                    "continuing without it"
+                )
             else:
                 import wandb
 
                 os.environ.setdefault("WANDB_MODE", "offline")
-                self._wandb = wandb.init(
-                    project=project, name=experiment, dir=log_dir, config=config_dict
-                )
+                self._wandb = wandb.init(project=project, name=experiment, dir=log_dir, config=config_dict)
 
     @property
     def metrics_path(self) -> str:
@@ -211,9 +226,13 @@ def drop_torn_last_line(path: str) -> bool:
         data = f.read()
     if not data or data.endswith(b"\n"):
         return False
-    keep = data[:data.rfind(b"\n") + 1]
-    logger.warning("%s: dropping a torn last line (%d bytes, a write interrupted by a crash): %r",
-                   path, len(data) - len(keep), data[len(keep):][:80])
+    keep = data[: data.rfind(b"\n") + 1]
+    logger.warning(
+        "%s: dropping a torn last line (%d bytes, a write interrupted by a crash): %r",
+        path,
+        len(data) - len(keep),
+        data[len(keep) :][:80],
+    )
     atomic_write_text(path, keep.decode("utf-8", errors="replace"))
     return True
 

@@ -70,12 +70,16 @@ class ActorWorker(Worker):
         if self.world_size % sp:
             raise ValueError(f"ulysses_sequence_parallel_size={sp} does not divide the {self.world_size} workers")
         self.layout = ParallelLayout(dp=self.world_size // sp, sp=sp)
-        self.engine = TrainEngine(model_config=self.config.model, engine_config=self.config.engine,
-                                  layout=self.layout)
-        self.register_mesh(ACTOR_MESH, dp_rank=self.layout.dp_rank, dp_size=self.layout.dp,
-                           is_collect=self.layout.sp_rank == 0)
-        return {"rank": self.rank, "dp_rank": self.layout.dp_rank, "sp_rank": self.layout.sp_rank,
-                "device": str(self.layout.device)}
+        self.engine = TrainEngine(model_config=self.config.model, engine_config=self.config.engine, layout=self.layout)
+        self.register_mesh(
+            ACTOR_MESH, dp_rank=self.layout.dp_rank, dp_size=self.layout.dp, is_collect=self.layout.sp_rank == 0
+        )
+        return {
+            "rank": self.rank,
+            "dp_rank": self.layout.dp_rank,
+            "sp_rank": self.layout.sp_rank,
+            "device": str(self.layout.device),
+        }
 
     def _loss_fn(self):
         if self.config.policy_loss is None:
@@ -87,8 +91,9 @@ class ActorWorker(Worker):
         """The DP chunk's micro-batches as plain tensor dicts (only wire keys travel on)."""
         sizes = batch.meta.get(MICRO_BATCH_SIZES_KEY)
         if sizes is None:
-            raise ValueError(f"batch meta lacks {MICRO_BATCH_SIZES_KEY!r}; build DP chunks with "
-                             "trainer.plan_dispatch.split_by_plan")
+            raise ValueError(
+                f"batch meta lacks {MICRO_BATCH_SIZES_KEY!r}; build DP chunks with trainer.plan_dispatch.split_by_plan"
+            )
         keys = [k for k in WIRE_KEYS if k in batch.tensors.keys()]
         out = []
         for part in batch.split(list(sizes)):
@@ -100,8 +105,9 @@ class ActorWorker(Worker):
     def update_actor(self, batch: Batch) -> dict:
         """One optimizer step over this DP rank's micro-batches; metrics of this rank."""
         start = time.perf_counter()
-        metrics = self.engine.train_step(self._micro_batches(batch), loss_fn=self._loss_fn(),
-                                         temperature=batch_temperature(batch))
+        metrics = self.engine.train_step(
+            self._micro_batches(batch), loss_fn=self._loss_fn(), temperature=batch_temperature(batch)
+        )
         metrics["step_seconds"] = time.perf_counter() - start
         metrics["dp_rank"] = self.layout.dp_rank
         return metrics
@@ -109,16 +115,18 @@ class ActorWorker(Worker):
     @register(dispatch_mode=make_mesh_dispatch(ACTOR_MESH))
     def eval_loss(self, batch: Batch) -> dict:
         """The training objective on this batch without backward (same normalisation)."""
-        metrics = self.engine.eval_loss(self._micro_batches(batch), loss_fn=self._loss_fn(),
-                                        temperature=batch_temperature(batch))
+        metrics = self.engine.eval_loss(
+            self._micro_batches(batch), loss_fn=self._loss_fn(), temperature=batch_temperature(batch)
+        )
         metrics["dp_rank"] = self.layout.dp_rank
         return metrics
 
     @register(dispatch_mode=make_mesh_dispatch(ACTOR_MESH))
     def compute_log_prob(self, batch: Batch, with_entropy: bool = False) -> Batch:
         """Per-token log-probs (B, L) of this chunk's rows, in the chunk's row order."""
-        outputs = self.engine.compute_log_prob(self._micro_batches(batch), with_entropy=with_entropy,
-                                               temperature=batch_temperature(batch))
+        outputs = self.engine.compute_log_prob(
+            self._micro_batches(batch), with_entropy=with_entropy, temperature=batch_temperature(batch)
+        )
         tensors = {"log_probs": cat_padded([o["log_probs"] for o in outputs])}
         if with_entropy:
             tensors["entropy"] = cat_padded([o["entropy"] for o in outputs])
@@ -127,11 +135,17 @@ class ActorWorker(Worker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def describe(self) -> dict:
         """What this rank runs: layout, model dims and engine settings (for logs and tests)."""
-        return {"rank": self.rank, "dp": self.layout.dp, "sp": self.layout.sp,
-                "dp_rank": self.layout.dp_rank, "sp_rank": self.layout.sp_rank,
-                "device": str(self.layout.device), "model": self.config.model.to_dict(),
-                "engine": asdict(self.config.engine),
-                "num_threads": torch.get_num_threads()}
+        return {
+            "rank": self.rank,
+            "dp": self.layout.dp,
+            "sp": self.layout.sp,
+            "dp_rank": self.layout.dp_rank,
+            "sp_rank": self.layout.sp_rank,
+            "device": str(self.layout.device),
+            "model": self.config.model.to_dict(),
+            "engine": asdict(self.config.engine),
+            "num_threads": torch.get_num_threads(),
+        }
 
     # ------------------------------------------------------------------ state
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -150,15 +164,17 @@ class ActorWorker(Worker):
         from verl_balance.export import save_builtin_as_hf_llama, save_hf_pretrained
 
         # full_state_dict + cpu_offload: the unsharded tensors land on rank 0's CPU only.
-        state = get_model_state_dict(self.engine.model,
-                                     options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = get_model_state_dict(
+            self.engine.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
         if self.rank == 0:
             model = self.config.model
             if isinstance(model, HFModelConfig):
                 save_hf_pretrained(state, model_config=model, out=out, tokenizer_path=self.config.hf_tokenizer_path)
             else:
-                save_builtin_as_hf_llama(state, model_config=model, out=out,
-                                         tokenizer_path=self.config.hf_tokenizer_path)
+                save_builtin_as_hf_llama(
+                    state, model_config=model, out=out, tokenizer_path=self.config.hf_tokenizer_path
+                )
         del state
         if dist.is_initialized():
             dist.barrier(group=self.layout.world_group)

@@ -78,11 +78,16 @@ class ActorRolloutWorker(ActorWorker):
         info = super().init_model()
         self.register_mesh(ROLLOUT_MESH, dp_rank=self.rank, dp_size=self.world_size, is_collect=True)
         # KVCacheRollout for the built-in model, HFRollout for an HF directory (rollout/factory.py).
-        self.rollout = build_rollout(self.config.model, pad_token_id=self.config.pad_token_id,
-                                     max_batch_size=self.config.rollout_max_batch_size, device=self.layout.device)
+        self.rollout = build_rollout(
+            self.config.model,
+            pad_token_id=self.config.pad_token_id,
+            max_batch_size=self.config.rollout_max_batch_size,
+            device=self.layout.device,
+        )
         if self.config.use_reference_policy:
-            self.ref_engine = TrainEngine(model_config=self.config.model, engine_config=self.config.engine,
-                                          layout=self.layout)
+            self.ref_engine = TrainEngine(
+                model_config=self.config.model, engine_config=self.config.engine, layout=self.layout
+            )
         return info
 
     # ------------------------------------------------------------------ weights
@@ -99,7 +104,8 @@ class ActorRolloutWorker(ActorWorker):
         except Exception as err:  # DCP raises several types for missing keys and shape mismatches
             raise WarmStartError(
                 f"actor_rollout_ref.model.warm_start_path={path!r} could not be loaded into a model of "
-                f"{self.config.model}: {err}") from err
+                f"{self.config.model}: {err}"
+            ) from err
         set_model_state_dict(self.engine.model, state["model"])
         self._rollout_weights_step = None
 
@@ -109,8 +115,9 @@ class ActorRolloutWorker(ActorWorker):
         if self.ref_engine is None:
             raise RuntimeError("the worker was built without a reference policy (use_reference_policy=False)")
         full = self.engine.full_state_dict()
-        set_model_state_dict(self.ref_engine.model, full,
-                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False))
+        set_model_state_dict(
+            self.ref_engine.model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
+        )
 
     def _refresh_rollout_weights(self) -> None:
         step = self.engine.global_step
@@ -137,26 +144,28 @@ class ActorRolloutWorker(ActorWorker):
             return None
         prompt_ids = [list(p) for p in prompts.non_tensors[PROMPT_IDS_KEY]]
         seeds = [sampling_seed(seed, int(index)) for index in prompts.non_tensors[SAMPLE_INDEX_KEY]]
-        return _to_cpu(self.rollout.generate(prompt_ids, stop_token_ids=self.config.stop_token_ids, seeds=seeds,
-                                             **sampling))
+        return _to_cpu(
+            self.rollout.generate(prompt_ids, stop_token_ids=self.config.stop_token_ids, seeds=seeds, **sampling)
+        )
 
     @register(dispatch_mode=make_mesh_dispatch(ACTOR_MESH))
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         """Per-token log-probs (B, L) of this chunk's rows under the reference policy."""
         if self.ref_engine is None:
             raise RuntimeError("the worker was built without a reference policy (use_reference_policy=False)")
-        outputs = self.ref_engine.compute_log_prob(self._micro_batches(batch),
-                                                   temperature=batch_temperature(batch))
+        outputs = self.ref_engine.compute_log_prob(self._micro_batches(batch), temperature=batch_temperature(batch))
         return Batch.from_dict(tensors={"ref_log_prob": cat_padded([o["log_probs"] for o in outputs])})
 
 
 def _to_cpu(output: RolloutOutput) -> RolloutOutput:
     return RolloutOutput(
-        prompt_index=output.prompt_index, responses=output.responses.cpu(),
-        response_mask=output.response_mask.cpu(), response_lengths=output.response_lengths.cpu(),
+        prompt_index=output.prompt_index,
+        responses=output.responses.cpu(),
+        response_mask=output.response_mask.cpu(),
+        response_lengths=output.response_lengths.cpu(),
         finish_reasons=output.finish_reasons,
-        log_probs=None if output.log_probs is None else output.log_probs.cpu())
+        log_probs=None if output.log_probs is None else output.log_probs.cpu(),
+    )
 
 
-__all__ = ["ActorRolloutWorker", "ActorRolloutWorkerConfig", "ROLLOUT_MESH", "WarmStartError",
-           "sampling_seed"]
+__all__ = ["ActorRolloutWorker", "ActorRolloutWorkerConfig", "ROLLOUT_MESH", "WarmStartError", "sampling_seed"]

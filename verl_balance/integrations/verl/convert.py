@@ -71,5 +71,3 @@ def batch_from_tensordict(data) -> Any:
         width = tensors["input_ids"].shape[1]
         tensors["attention_mask"] = (torch.arange(width)[None, :] < lengths[:, None].cpu()).long()
     return Batch(tensors=tensors, non_tensors=non_tensors, meta=meta)
-
-

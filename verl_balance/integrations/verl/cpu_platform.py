@@ -44,8 +44,14 @@ def _cpu_device_module() -> types.ModuleType:
             setattr(module, name, getattr(torch.cpu, name))
     noop = lambda *args, **kwargs: None  # noqa: E731
     zero = lambda *args, **kwargs: 0  # noqa: E731
-    for name in ("empty_cache", "ipc_collect", "reset_peak_memory_stats", "set_per_process_memory_fraction",
-                 "synchronize", "set_device"):
+    for name in (
+        "empty_cache",
+        "ipc_collect",
+        "reset_peak_memory_stats",
+        "set_per_process_memory_fraction",
+        "synchronize",
+        "set_device",
+    ):
         setattr(module, name, noop)
     for name in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
         setattr(module, name, zero)
@@ -180,13 +186,18 @@ def install_gloo_backend() -> None:
         return original_ray(timeout_second=timeout_second, backend=backend or CPU_BACKEND)
 
     def initialize_global_process_group(timeout_second=36000):
-        torch.distributed.init_process_group(backend=CPU_BACKEND, timeout=timedelta(seconds=timeout_second),
-                                             init_method=os.environ.get("DIST_INIT_METHOD", None))
+        torch.distributed.init_process_group(
+            backend=CPU_BACKEND,
+            timeout=timedelta(seconds=timeout_second),
+            init_method=os.environ.get("DIST_INIT_METHOD", None),
+        )
         return int(os.environ["LOCAL_RANK"]), int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
     initialize_global_process_group_ray._verl_balance_cpu = True
-    replacements = {"initialize_global_process_group_ray": initialize_global_process_group_ray,
-                    "initialize_global_process_group": initialize_global_process_group}
+    replacements = {
+        "initialize_global_process_group_ray": initialize_global_process_group_ray,
+        "initialize_global_process_group": initialize_global_process_group,
+    }
     for module in [verl_distributed] + [m for n, m in list(sys.modules.items()) if n.startswith("verl.") and m]:
         for name, replacement in replacements.items():
             if getattr(module, name, None) is getattr(verl_distributed, name):

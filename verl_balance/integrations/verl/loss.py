@@ -46,8 +46,15 @@ def loss_counts(loss_masks: Sequence[torch.Tensor] | torch.Tensor, *, dp_group=N
     return LossCounts(num_tokens=int(totals[0]), num_sequences=int(totals[1]))
 
 
-def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str, *, counts: LossCounts,
-             grad_scale: float = 1.0, loss_scale_factor: float | None = None) -> torch.Tensor:
+def agg_loss(
+    loss_mat: torch.Tensor,
+    loss_mask: torch.Tensor,
+    loss_agg_mode: str,
+    *,
+    counts: LossCounts,
+    grad_scale: float = 1.0,
+    loss_scale_factor: float | None = None,
+) -> torch.Tensor:
     """Layout-invariant replacement for verl's ``core_algos.agg_loss`` on one micro-batch.
 
     Returns ``grad_scale * sum(w * loss_mat)`` with the contract weights w of ``verl_balance.loss``
@@ -63,8 +70,13 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
     cu_seqlens = torch.arange(rows + 1, device=loss_mask.device) * width
     # The one weights function, on this micro-batch alone: its normalisers are the local counts,
     # so rescale them to the mini-batch's global N (token-mean) or S (seq-mean-* modes).
-    local = compute_token_weights(loss_masks=[loss_mask.reshape(-1)], cu_seqlens=[cu_seqlens], agg_mode=loss_agg_mode,
-                                  loss_scale_factor=loss_scale_factor, dp_group=None)
+    local = compute_token_weights(
+        loss_masks=[loss_mask.reshape(-1)],
+        cu_seqlens=[cu_seqlens],
+        agg_mode=loss_agg_mode,
+        loss_scale_factor=loss_scale_factor,
+        dp_group=None,
+    )
     if loss_agg_mode == "token-mean":
         to_global = local.num_tokens / max(counts.num_tokens, 1)
     else:

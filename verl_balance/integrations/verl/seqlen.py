@@ -68,8 +68,9 @@ def get_seqlen_balanced_partitions(seqlen_list, k_partitions: int, equal_size: b
     return [np.sort(p).tolist() for p in parts]
 
 
-def _balanced_parts(costs: np.ndarray, k: int, *, equal_size: bool, tokens: np.ndarray | None = None,
-                    token_cap: int | None = None) -> list[np.ndarray]:
+def _balanced_parts(
+    costs: np.ndarray, k: int, *, equal_size: bool, tokens: np.ndarray | None = None, token_cap: int | None = None
+) -> list[np.ndarray]:
     """``balance``'s pairwise-swap refinement, seeded so that the result is never worse than verl's.
 
     Up to ``_SEED_MAX_ITEMS`` items (and fewer than ``_TIGHT_ROWS`` per part) the seed is verl's
@@ -87,8 +88,13 @@ def _balanced_parts(costs: np.ndarray, k: int, *, equal_size: bool, tokens: np.n
     seeded = len(costs) <= _SEED_MAX_ITEMS and rows < _TIGHT_ROWS
     seed = _karmarkar_karp_seed(costs, k, equal_size=equal_size) if seeded else None
     if seed is None:
-        cells = fill_cells(rows=sort_into_rows(costs, k), row_slot=np.zeros(rows, dtype=np.int64), num_slots=1,
-                           costs=costs, extra_width=extra)
+        cells = fill_cells(
+            rows=sort_into_rows(costs, k),
+            row_slot=np.zeros(rows, dtype=np.int64),
+            num_slots=1,
+            costs=costs,
+            extra_width=extra,
+        )
         refine_cells(cells, costs, allow_moves=not equal_size, rel_tol=1e-8, stop_at=stop_at)
         return [c[c >= 0] for c in cells[0]]
     cells = np.full((1, k, max(len(p) for p in seed) + extra), -1, dtype=np.int64)
@@ -100,8 +106,16 @@ def _balanced_parts(costs: np.ndarray, k: int, *, equal_size: bool, tokens: np.n
         passes = 8 if len(costs) <= 1024 else 4
     else:
         passes = 2 if len(costs) <= 1024 else 0
-    refine_cells(cells, costs, allow_moves=not equal_size, rel_tol=1e-5, max_passes=passes, stop_at=stop_at,
-                 tokens=tokens, token_cap=token_cap)
+    refine_cells(
+        cells,
+        costs,
+        allow_moves=not equal_size,
+        rel_tol=1e-5,
+        max_passes=passes,
+        stop_at=stop_at,
+        tokens=tokens,
+        token_cap=token_cap,
+    )
     return [c[c >= 0] for c in cells[0]]
 
 
@@ -174,7 +188,7 @@ def _split_heaviest(micro: list[list[int]], costs: np.ndarray, unit: int) -> lis
     members = np.asarray(micro[heaviest], dtype=np.int64).reshape(-1, unit)
     order = np.argsort(-costs[members].sum(axis=1), kind="stable")
     first, second = members[order[0::2]].ravel(), members[order[1::2]].ravel()
-    micro = micro[:heaviest] + micro[heaviest + 1:]
+    micro = micro[:heaviest] + micro[heaviest + 1 :]
     return micro + [sorted(first.tolist()), sorted(second.tolist())]
 
 
@@ -216,8 +230,14 @@ def rearrange_micro_batches(
 
     local_count = 0
     if num_units and unit_tokens.max() <= max_token_len:
-        plan = plan_balance(seq_lens=seq_lens, dp_size=1, max_token_len_per_gpu=max_token_len, group_ids=group_ids,
-                            workload=cost_model, equal_size=False)
+        plan = plan_balance(
+            seq_lens=seq_lens,
+            dp_size=1,
+            max_token_len_per_gpu=max_token_len,
+            group_ids=group_ids,
+            workload=cost_model,
+            equal_size=False,
+        )
         local_micro = [mb.tolist() for mb in plan.micro_batches[0] if len(mb)]
         local_count = len(local_micro)
     target = max(local_count, int(min_num_micro_batch or 0))
@@ -292,5 +312,3 @@ def _micro_batches_for_count(seq_lens, costs, target, cap, unit, fallback) -> li
     while len(micro) < target:
         micro = _split_heaviest(micro, costs, unit)
     return micro
-
-

@@ -25,8 +25,7 @@ from verl_balance.balance import TooFewSamplesError, plan_balance
 from verl_balance.batch_keys import PLANNED_MICRO_BATCH_SIZES_KEY
 from verl_balance.integrations.verl.state import current_workload
 
-__all__ = ["PLANNED_SIZES_KEY", "balance_batch", "balanced_balance_batch", "balanced_balance_batch_v1",
-           "plan_dp_order"]
+__all__ = ["PLANNED_SIZES_KEY", "balance_batch", "balanced_balance_batch", "balanced_balance_batch_v1", "plan_dp_order"]
 
 PLANNED_SIZES_KEY = PLANNED_MICRO_BATCH_SIZES_KEY
 _STAT_KEYS = ("imbalance", "naive_imbalance", "sync_ratio", "naive_sync_ratio")
@@ -59,9 +58,14 @@ def plan_dp_order(
     stats: dict[str, float] = {}
     for start, stop in spans:
         plan = plan_balance(
-            seq_lens=seq_lens[start:stop], dp_size=dp_size, sp_size=sp_size, micro_batch_size=micro_batch_size,
-            max_token_len_per_gpu=max_token_len_per_gpu, group_ids=None if group_ids is None else group_ids[start:stop],
-            workload=workload, equal_size=True,
+            seq_lens=seq_lens[start:stop],
+            dp_size=dp_size,
+            sp_size=sp_size,
+            micro_batch_size=micro_batch_size,
+            max_token_len_per_gpu=max_token_len_per_gpu,
+            group_ids=None if group_ids is None else group_ids[start:stop],
+            workload=workload,
+            equal_size=True,
         )
         sizes = {len(plan.rank_indices(r)) for r in range(dp_size)}
         if len(sizes) != 1:
@@ -100,8 +104,13 @@ def balance_batch(
     seq_lens = batch.batch["attention_mask"].reshape(len(batch), -1).sum(-1).cpu().numpy().astype(np.int64)
     group_ids = None if group_key is None else np.asarray(batch.non_tensor_batch[group_key])
     order, rank_sizes, stats = plan_dp_order(
-        seq_lens, dp_size=dp_size, workload=workload, micro_batch_size=micro_batch_size,
-        max_token_len_per_gpu=max_token_len_per_gpu, sp_size=sp_size, group_ids=group_ids,
+        seq_lens,
+        dp_size=dp_size,
+        workload=workload,
+        micro_batch_size=micro_batch_size,
+        max_token_len_per_gpu=max_token_len_per_gpu,
+        sp_size=sp_size,
+        group_ids=group_ids,
         mini_batch_size=mini_batch_size,
     )
     batch.reorder(torch.tensor(order, dtype=torch.long))
@@ -134,8 +143,9 @@ def balanced_balance_batch(self, batch, metrics, logging_prefix="global_seqlen",
         mini = int(actor_cfg.ppo_mini_batch_size) * int(self.config.actor_rollout_ref.rollout.n)
     # DP assignment only: verl's workers re-split their chunk into micro-batches themselves
     # (rearrange_micro_batches, ours once patched, with the same workload model).
-    stats = balance_batch(batch, dp_size=dp_size, workload=current_workload(), group_key=group_key,
-                          mini_batch_size=mini)
+    stats = balance_batch(
+        batch, dp_size=dp_size, workload=current_workload(), group_key=group_key, mini_batch_size=mini
+    )
     seqlens_after = batch.batch["attention_mask"].reshape(len(batch), -1).sum(-1).tolist()
     metrics.update(_verl_seqlen_metrics(seqlens_before, seqlens_after, dp_size, logging_prefix))
     metrics.update(stats)
@@ -155,8 +165,9 @@ def balanced_balance_batch_v1(self, batch, metrics, logging_prefix="global_seqle
         batch, self._get_required_batch_multiple(dp_size), self.tokenizer.eos_token_id
     )
     seqlens_before = [int(tag["seq_len"]) for tag in batch.tags]
-    order, _, stats = plan_dp_order(np.asarray(seqlens_before, dtype=np.int64), dp_size=dp_size,
-                                    workload=current_workload())
+    order, _, stats = plan_dp_order(
+        np.asarray(seqlens_before, dtype=np.int64), dp_size=dp_size, workload=current_workload()
+    )
     batch.reorder(order)
     seqlens_after = [seqlens_before[i] for i in order]
     metrics.update(_verl_seqlen_metrics(seqlens_before, seqlens_after, dp_size, logging_prefix))

@@ -58,8 +58,13 @@ class VerlWorkerConfigError(ValueError):
 class VerlActorWorker(Worker):
     """verl ``Worker`` that delegates to one rank of our ``ActorWorker`` (FSDP2 + Ulysses engine)."""
 
-    def __init__(self, config: ActorWorkerConfig, *, micro_batch_size_per_gpu: int | None = None,
-                 max_token_len_per_gpu: int | None = None) -> None:
+    def __init__(
+        self,
+        config: ActorWorkerConfig,
+        *,
+        micro_batch_size_per_gpu: int | None = None,
+        max_token_len_per_gpu: int | None = None,
+    ) -> None:
         Worker.__init__(self)
         if (micro_batch_size_per_gpu is None) == (max_token_len_per_gpu is None):
             raise VerlWorkerConfigError(
@@ -102,7 +107,9 @@ class VerlActorWorker(Worker):
             tensors = batch.tensors.select("input_ids", "attention_mask")
             # Every rank of the world joins this count agreement; SP peers hold the same rows.
             _, indices = rearrange_micro_batches(
-                tensors, self.max_token_len_per_gpu * self.actor.layout.sp, dp_group=dist.group.WORLD,
+                tensors,
+                self.max_token_len_per_gpu * self.actor.layout.sp,
+                dp_group=dist.group.WORLD,
                 use_dynamic_bsz_balance=False,
             )
             sizes = [len(idx) for idx in indices]

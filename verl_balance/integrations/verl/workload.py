@@ -58,8 +58,11 @@ def workload_from_model_path(path: str, *, trust_remote_code: bool = False) -> A
         hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
         return workload_from_hf_config(hf_config)
     except Exception as exc:  # noqa: BLE001 - see the docstring
-        logger.warning("verl_balance: could not build a FLOPs workload from model path %r (%s); "
-                       "balancing by token count instead", path, exc)
+        logger.warning(
+            "verl_balance: could not build a FLOPs workload from model path %r (%s); balancing by token count instead",
+            path,
+            exc,
+        )
         return "tokens"
 
 
