@@ -214,3 +214,36 @@ def test_fast_fsdp_switches_give_the_default_loss_curve(ray_cluster, tiny_sft_ov
     assert not np.allclose(curve["default"][0], curve["default"][-1], rtol=1e-3)  # the model trains
     np.testing.assert_allclose(curve["fast"], curve["default"], rtol=1e-6)
     np.testing.assert_allclose(grads["fast"], grads["default"], rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_grpo_profile_step_traces_each_update_and_logs_perf_metrics(ray_cluster, tmp_path):
+    from verl_balance.trainer.grpo_trainer import GRPOTrainer
+    from verl_balance.utils.tracking import read_metrics
+
+    # 8 prompts per step in mini-batches of 4, one epoch: U = 2 updates per driver step, so driver
+    # step 2 is engine steps 3 and 4.
+    cfg = compose_config("grpo", [
+        "trainer.device=cpu", "trainer.n_gpus_per_node=2", "trainer.logger=[jsonl]", "trainer.plot=false",
+        "trainer.resume_mode=disable", f"trainer.default_local_dir={tmp_path / 'run'}",
+        "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.profile_steps=[2]",
+        "data.synthetic.num_train=64", "data.synthetic.num_val=4", f"data.synthetic.out_dir={tmp_path / 'data'}",
+        "data.synthetic.tasks=[copy]", "data.synthetic.max_size=6", "data.max_prompt_length=32",
+        "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.response_length=8",
+    ])
+    trainer = GRPOTrainer(cfg)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    profile_dir = tmp_path / "run" / "profile"
+    traces = sorted(os.path.relpath(p, profile_dir) for p in glob.glob(str(profile_dir / "**" / "*"),
+                                                                          recursive=True) if os.path.isfile(p))
+    assert traces == [f"step_{s}/rank_{r}.trace.json" for s in (3, 4) for r in (0, 1)]
+    steps = [r for r in read_metrics(os.path.join(cfg.trainer.default_local_dir, "metrics.jsonl"))
+             if "actor/pg_loss" in r]
+    assert len(steps) == 2
+    for r in steps:
+        assert r["perf/tokens_per_s_per_device"] > 0 and r["actor/num_optimizer_steps"] == 2
+        assert "actor/perf/tokens_per_s_per_device" not in r
