@@ -17,6 +17,7 @@ import json
 import logging
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
@@ -26,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from verl_balance.balance import FlopsWorkload, TokenWorkload
 from verl_balance.balance.plan import OVERLONG_POLICIES
 from verl_balance.data.sft_dataset import SFTDataConfig
-from verl_balance.engine.config import PARAM_DTYPES, EngineConfig, OptimConfig
+from verl_balance.engine.config import PARAM_DTYPES, EngineConfig, FSDPConfig, OptimConfig
 from verl_balance.loss import check_agg_mode
 from verl_balance.models import MODEL_DIMENSION_KEYS, load_model_config
 from verl_balance.models.config import ModelConfig, ModelConfigError
@@ -167,6 +168,9 @@ class SFTModelSection(ModelSection):
 
     partial_pretrain: Optional[str] = None
     """verl's SFT key for the model directory: the same as ``path`` (set either)."""
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+    """verl's key: the engine's FSDP2 switches (reshard_after_forward, reshard_after_backward,
+    defer_gradient_sync); the defaults use the least memory. See docs/performance.md."""
 
     def __post_init__(self) -> None:
         if self.partial_pretrain is not None:
@@ -244,6 +248,11 @@ class TrainerSection:
     max_restarts: int = 0
     """How often a run rebuilds its worker group after a worker dies and continues from the last complete
     checkpoint; 0 = a dead worker ends the run."""
+    profile_steps: list[int] = field(default_factory=list)
+    """verl's key: 1-based driver steps (global_step as logged) to trace with torch.profiler on every
+    worker; empty = never. See docs/performance.md for where the traces go."""
+    profile_dir: Optional[str] = None
+    """Directory of the profiler traces; null = ``default_local_dir``/profile."""
 
     def __post_init__(self) -> None:
         check_choice("device", self.device, DEVICES)
@@ -261,6 +270,15 @@ class TrainerSection:
             check_positive("max_ckpt_to_keep", self.max_ckpt_to_keep)
         if self.max_restarts < 0:
             raise ConfigError(f"max_restarts={self.max_restarts} must be >= 0")
+        bad_steps = [s for s in self.profile_steps if s < 1]
+        if bad_steps:
+            raise ConfigError(f"profile_steps={list(self.profile_steps)}: steps are 1-based driver steps "
+                              f"(global_step as logged), got {bad_steps}")
+
+    @property
+    def profile_path(self) -> str:
+        """Absolute directory of the profiler traces: ``profile_dir``, else ``default_local_dir``/profile."""
+        return os.path.abspath(self.profile_dir or os.path.join(self.default_local_dir, "profile"))
 
     @property
     def world_size(self) -> int:
@@ -425,15 +443,41 @@ def to_typed(cfg: DictConfig):
 
 
 def build_engine_config(*, optim: OptimConfig, loss_agg_mode: str, loss_scale_factor: float | None,
-                        param_dtype: str, seed: int, total_steps: int, keys: dict[str, str]) -> EngineConfig:
+                        param_dtype: str, seed: int, total_steps: int, keys: dict[str, str],
+                        fsdp: FSDPConfig | None = None, profile_steps: Sequence[int] = (),
+                        profile_dir: str = "profile", updates_per_step: int = 1) -> EngineConfig:
     """The engine's config for a run of ``total_steps`` optimizer steps; ``keys`` maps its field
-    names (optim, loss_agg_mode, loss_scale_factor, param_dtype) to the recipe's keys for errors."""
+    names (optim, loss_agg_mode, loss_scale_factor, param_dtype) to the recipe's keys for errors.
+
+    ``profile_steps`` are driver steps; each driver step runs ``updates_per_step`` engine train
+    steps (GRPO: ppo_epochs x mini-batches), all of which are traced (``engine_profile_steps``).
+    """
     try:
         return EngineConfig(optim=optim, total_steps=total_steps, loss_agg_mode=loss_agg_mode,
-                            loss_scale_factor=loss_scale_factor, param_dtype=param_dtype, seed=seed)
+                            loss_scale_factor=loss_scale_factor, param_dtype=param_dtype, seed=seed,
+                            fsdp=fsdp if fsdp is not None else FSDPConfig(),
+                            profile_steps=engine_profile_steps(profile_steps, updates_per_step=updates_per_step),
+                            profile_dir=profile_dir)
     except ValueError as err:
         prefixes = {name: key[: -len(name)] for name, key in keys.items()}
         raise ConfigError(qualify(str(err), prefixes)) from err
+
+
+def engine_profile_steps(driver_steps: Sequence[int], *, updates_per_step: int) -> list[int]:
+    """The engine's 1-based train steps of the given 1-based driver steps: driver step s runs engine
+    steps (s - 1) * updates_per_step + 1 .. s * updates_per_step."""
+    assert updates_per_step >= 1, updates_per_step
+    return [(int(s) - 1) * updates_per_step + k for s in sorted(set(driver_steps))
+            for k in range(1, updates_per_step + 1)]
+
+
+def check_profile_steps(*, trainer: TrainerSection, total_steps: int) -> None:
+    """Raise ConfigError naming trainer.profile_steps when a step lies beyond the run's last step
+    (it would silently never be traced)."""
+    beyond = [s for s in trainer.profile_steps if s > total_steps]
+    if beyond:
+        raise ConfigError(f"trainer.profile_steps={list(trainer.profile_steps)}: steps {beyond} lie beyond the "
+                          f"run's last step {total_steps}; choose steps in 1..{total_steps}")
 
 
 def check_layout(*, sp_size: int, trainer: TrainerSection, sp_key: str) -> int:
@@ -446,7 +490,8 @@ def check_layout(*, sp_size: int, trainer: TrainerSection, sp_key: str) -> int:
 
 
 SFT_ENGINE_KEYS = {"optim": "optim", "loss_agg_mode": "loss_agg_mode", "loss_scale_factor": "loss_scale_factor",
-                   "param_dtype": "model.param_dtype"}
+                   "param_dtype": "model.param_dtype", "fsdp": "model.fsdp_config",
+                   "profile_steps": "trainer.profile_steps"}
 
 
 def validate_sft(cfg: DictConfig) -> SFTConfig:
@@ -462,5 +507,7 @@ def validate_sft(cfg: DictConfig) -> SFTConfig:
             "(workers / ulysses_sequence_parallel_size); every DP rank needs at least one sample")
     build_engine_config(optim=config.optim, loss_agg_mode=config.loss_agg_mode,
                         loss_scale_factor=config.loss_scale_factor, param_dtype=config.model.param_dtype,
-                        seed=config.trainer.seed, total_steps=1, keys=SFT_ENGINE_KEYS)
+                        seed=config.trainer.seed, total_steps=1, keys=SFT_ENGINE_KEYS,
+                        fsdp=config.model.fsdp_config, profile_steps=config.trainer.profile_steps,
+                        profile_dir=config.trainer.profile_path)
     return config

@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 from verl_balance.algorithms import ADV_ESTIMATORS, PolicyLossConfig
 from verl_balance.data.rl_dataset import RLDataConfig
 from verl_balance.data.synthetic import TASKS, SyntheticConfig
-from verl_balance.engine.config import OptimConfig
+from verl_balance.engine.config import FSDPConfig, OptimConfig
 from verl_balance.loss import check_agg_mode
 from verl_balance.trainer.checkpoint import COMPLETE_FILE, TRAINER_STATE_FILE
 from verl_balance.trainer.config import (
@@ -166,6 +166,9 @@ class ActorSection(PolicyLossConfig):
     """Ulysses degree (verl's spelling; the top-level key of the SFT recipe works too)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """The engine's optimizer and learning-rate schedule."""
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+    """verl's key: the engine's FSDP2 switches (reshard_after_forward, reshard_after_backward,
+    defer_gradient_sync); the defaults use the least memory. See docs/performance.md."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -337,7 +340,8 @@ def register_grpo_schema() -> None:
 GRPO_ENGINE_KEYS = {"optim": "actor_rollout_ref.actor.optim",
                     "loss_agg_mode": "actor_rollout_ref.actor.loss_agg_mode",
                     "loss_scale_factor": "actor_rollout_ref.actor.loss_scale_factor",
-                    "param_dtype": "actor_rollout_ref.model.param_dtype"}
+                    "param_dtype": "actor_rollout_ref.model.param_dtype",
+                    "fsdp": "actor_rollout_ref.actor.fsdp_config", "profile_steps": "trainer.profile_steps"}
 
 
 def validate_grpo(cfg: DictConfig) -> GRPOConfig:
@@ -377,7 +381,9 @@ def validate_grpo(cfg: DictConfig) -> GRPOConfig:
                     f"rollout.response_length = {max_len} tokens; raise it to >= {-(-max_len // sp)}")
     build_engine_config(optim=actor.optim, loss_agg_mode=actor.loss_agg_mode,
                         loss_scale_factor=actor.loss_scale_factor, param_dtype=arr.model.param_dtype,
-                        seed=config.trainer.seed, total_steps=1, keys=GRPO_ENGINE_KEYS)
+                        seed=config.trainer.seed, total_steps=1, keys=GRPO_ENGINE_KEYS,
+                        fsdp=actor.fsdp_config, profile_steps=config.trainer.profile_steps,
+                        profile_dir=config.trainer.profile_path)
     return config
 
 

@@ -37,10 +37,10 @@ from verl_balance.data.synthetic import write_dataset
 from verl_balance.protocol import Batch
 from verl_balance.rewards import load_reward_fn, score_batch
 from verl_balance.rollout import RolloutOutput, build_rollout_batch
-from verl_balance.trainer.config import build_engine_config
+from verl_balance.trainer.config import build_engine_config, check_profile_steps
 from verl_balance.trainer.driver import DriverBase
 from verl_balance.trainer.grpo_config import GRPO_ENGINE_KEYS, GRPOConfig, validate_grpo
-from verl_balance.trainer.metrics import plan_metrics, reduce_rank_metrics
+from verl_balance.trainer.metrics import PEAK_MEMORY_KEY, plan_metrics, reduce_rank_metrics
 from verl_balance.trainer.plan_dispatch import plan_batch, run_by_plan, split_by_plan
 from verl_balance.utils.tracking import Tracking
 from verl_balance.workers.actor_rollout import ActorRolloutWorker, ActorRolloutWorkerConfig, sampling_seed
@@ -146,10 +146,15 @@ class GRPOTrainer(DriverBase):
                              if a.use_dynamic_bsz else None)
         self.log_prob_mbs = r.log_prob_micro_batch_size_per_gpu or a.ppo_micro_batch_size_per_gpu
         self.updates_per_step = a.ppo_epochs * (d.train_batch_size // a.ppo_mini_batch_size)
+        check_profile_steps(trainer=config.trainer, total_steps=self.total_steps)
+        # trainer.profile_steps counts driver steps; each runs updates_per_step engine train steps,
+        # all of which are traced (engine step numbers in the trace directory names).
         engine_config = build_engine_config(
             optim=a.optim, loss_agg_mode=a.loss_agg_mode, loss_scale_factor=a.loss_scale_factor,
             param_dtype=arr.model.param_dtype, seed=config.trainer.seed,
-            total_steps=self.total_steps * self.updates_per_step, keys=GRPO_ENGINE_KEYS)
+            total_steps=self.total_steps * self.updates_per_step, keys=GRPO_ENGINE_KEYS,
+            fsdp=a.fsdp_config, profile_steps=config.trainer.profile_steps,
+            profile_dir=config.trainer.profile_path, updates_per_step=self.updates_per_step)
         self.policy_loss = a.policy_loss()
         worker_config = ActorRolloutWorkerConfig(
             model=self.model_config, engine=engine_config, sp_size=self.sp, policy_loss=self.policy_loss,
@@ -262,10 +267,13 @@ class GRPOTrainer(DriverBase):
                 plan = self._plan(mini, micro_batch_size=a.ppo_micro_batch_size_per_gpu, token_cap=self.update_cap)
                 per_rank = self.actor.update_actor(split_by_plan(mini, plan))
                 reduced = reduce_rank_metrics(per_rank, prefix="actor/")
-                actor_records.append({k: v for k, v in reduced.items() if k.startswith("actor/")})
+                actor_records.append({k: v for k, v in reduced.items() if k.startswith(("actor/", "perf/"))})
                 plan_records.append(plan_metrics(plan))
                 compute += [m.get("compute_seconds", 0.0) for m in per_rank]
         out = {**mean_metrics(actor_records), **mean_metrics(plan_records)}
+        peak_memory = [r[PEAK_MEMORY_KEY] for r in actor_records if PEAK_MEMORY_KEY in r]
+        if peak_memory:
+            out[PEAK_MEMORY_KEY] = float(max(peak_memory))  # the step's peak, not the mean of the updates'
         out["actor/num_optimizer_steps"] = float(len(actor_records))
         if compute.mean() > 0:
             # Summed over the step's mini-batches: the time every rank waits for the slowest.

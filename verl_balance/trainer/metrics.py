@@ -5,18 +5,30 @@ from __future__ import annotations
 
 import numpy as np
 
+PEAK_MEMORY_KEY = "perf/max_memory_allocated_gb"
+# The engine's throughput figures (engine/perf.py), logged under their own names: the driver's
+# perf/tokens and perf/tokens_per_s (whole driver step) are different figures and keep theirs.
+ENGINE_PERF_KEYS = ("perf/mfu", "perf/tokens_per_s_per_device", PEAK_MEMORY_KEY)
+
 
 def reduce_rank_metrics(per_rank: list[dict], *, prefix: str) -> dict:
     """Driver-side view of one engine call: global figures and measured per-rank timing.
 
     Engine metrics such as loss and grad_norm are already global (all-reduced over the mesh),
-    so DP rank 0's value is taken; compute time differs per rank and gives measured imbalance
-    (max / mean over DP ranks of the per-rank busy seconds: compute without collective waits).
+    so DP rank 0's value is taken, under ``prefix``; compute time differs per rank and gives
+    measured imbalance (max / mean over DP ranks of the per-rank busy seconds: compute without
+    collective waits). The engine's ENGINE_PERF_KEYS keep their names: MFU and tokens/s per
+    device are the same on every rank, the peak memory is the maximum over ranks.
     """
     out = {}
     for key, value in per_rank[0].items():
-        if isinstance(value, (int, float, bool)) and key != "dp_rank" and not key.endswith("seconds"):
+        if key in ENGINE_PERF_KEYS:
+            out[key] = float(value)
+        elif isinstance(value, (int, float, bool)) and key != "dp_rank" and not key.endswith("seconds"):
             out[prefix + key] = float(value)
+    peak_memory = [m[PEAK_MEMORY_KEY] for m in per_rank if PEAK_MEMORY_KEY in m]
+    if peak_memory:
+        out[PEAK_MEMORY_KEY] = float(max(peak_memory))
     busy = np.array([m.get("busy_seconds", 0.0) for m in per_rank], dtype=np.float64)
     if busy.size and busy.mean() > 0:
         out["balance/imbalance_measured"] = float(busy.max() / busy.mean())

@@ -14,7 +14,13 @@ import time
 from verl_balance.data.sft_dataset import SFTDataset
 from verl_balance.data.synthetic import write_dataset
 from verl_balance.protocol import Batch
-from verl_balance.trainer.config import SFT_ENGINE_KEYS, SFTConfig, build_engine_config, validate_sft
+from verl_balance.trainer.config import (
+    SFT_ENGINE_KEYS,
+    SFTConfig,
+    build_engine_config,
+    check_profile_steps,
+    validate_sft,
+)
 from verl_balance.trainer.driver import DriverBase
 from verl_balance.trainer.metrics import plan_metrics, reduce_rank_metrics
 from verl_balance.trainer.plan_dispatch import plan_batch, split_by_plan
@@ -59,10 +65,13 @@ class SFTTrainer(DriverBase):
                                             key="data.max_token_len_per_gpu")
         self.setup_loader(self.train_set, batch_size=config.data.train_batch_size, shuffle=config.data.shuffle)
         self.token_cap = config.data.max_token_len_per_gpu if config.data.use_dynamic_bsz else None
+        check_profile_steps(trainer=config.trainer, total_steps=self.total_steps)
+        # One driver step is one engine train step, so trainer.profile_steps map one to one.
         engine_config = build_engine_config(
             optim=config.optim, loss_agg_mode=config.loss_agg_mode, loss_scale_factor=config.loss_scale_factor,
             param_dtype=config.model.param_dtype, seed=config.trainer.seed, total_steps=self.total_steps,
-            keys=SFT_ENGINE_KEYS)
+            keys=SFT_ENGINE_KEYS, fsdp=config.model.fsdp_config, profile_steps=config.trainer.profile_steps,
+            profile_dir=config.trainer.profile_path)
         self.start_workers(
             worker_config=ActorWorkerConfig(model=self.model_config, engine=engine_config, sp_size=self.sp,
                                             **self.export_options()),
