@@ -35,10 +35,17 @@ MEMORY_SAFE = {"reshard_after_forward": True, "reshard_after_backward": True, "d
 def _sft_engine(overrides: list[str]):
     config = validate_sft(compose_config("sft", overrides))
     engine = build_engine_config(
-        optim=config.optim, loss_agg_mode=config.loss_agg_mode, loss_scale_factor=config.loss_scale_factor,
-        param_dtype=config.model.param_dtype, seed=config.trainer.seed, total_steps=10, keys=SFT_ENGINE_KEYS,
-        fsdp=config.model.fsdp_config, profile_steps=config.trainer.profile_steps,
-        profile_dir=config.trainer.profile_path)
+        optim=config.optim,
+        loss_agg_mode=config.loss_agg_mode,
+        loss_scale_factor=config.loss_scale_factor,
+        param_dtype=config.model.param_dtype,
+        seed=config.trainer.seed,
+        total_steps=10,
+        keys=SFT_ENGINE_KEYS,
+        fsdp=config.model.fsdp_config,
+        profile_steps=config.trainer.profile_steps,
+        profile_dir=config.trainer.profile_path,
+    )
     return config, engine
 
 
@@ -46,11 +53,18 @@ def _grpo_engine(overrides: list[str], *, updates_per_step: int):
     config = validate_grpo(compose_config("grpo", overrides))
     actor = config.actor_rollout_ref.actor
     engine = build_engine_config(
-        optim=actor.optim, loss_agg_mode=actor.loss_agg_mode, loss_scale_factor=actor.loss_scale_factor,
-        param_dtype=config.actor_rollout_ref.model.param_dtype, seed=config.trainer.seed,
-        total_steps=10 * updates_per_step, keys=GRPO_ENGINE_KEYS, fsdp=actor.fsdp_config,
-        profile_steps=config.trainer.profile_steps, profile_dir=config.trainer.profile_path,
-        updates_per_step=updates_per_step)
+        optim=actor.optim,
+        loss_agg_mode=actor.loss_agg_mode,
+        loss_scale_factor=actor.loss_scale_factor,
+        param_dtype=config.actor_rollout_ref.model.param_dtype,
+        seed=config.trainer.seed,
+        total_steps=10 * updates_per_step,
+        keys=GRPO_ENGINE_KEYS,
+        fsdp=actor.fsdp_config,
+        profile_steps=config.trainer.profile_steps,
+        profile_dir=config.trainer.profile_path,
+        updates_per_step=updates_per_step,
+    )
     return config, engine
 
 
@@ -63,8 +77,9 @@ def test_recipe_defaults_are_the_memory_safe_fsdp_config():
     assert (sft.profile_steps, grpo.profile_steps) == ([], [])
 
 
-@pytest.mark.parametrize("recipe, section", [("sft", "model.fsdp_config"),
-                                             ("grpo", "actor_rollout_ref.actor.fsdp_config")])
+@pytest.mark.parametrize(
+    "recipe, section", [("sft", "model.fsdp_config"), ("grpo", "actor_rollout_ref.actor.fsdp_config")]
+)
 def test_fsdp_config_overrides_reach_the_engine_config(recipe, section):
     overrides = [f"{section}.{k}={str(v).lower()}" for k, v in FAST_SWITCHES.items()]
     if recipe == "sft":
@@ -80,13 +95,19 @@ def test_fsdp_config_overrides_reach_the_engine_config(recipe, section):
         assert dataclasses.asdict(engine.fsdp) == {**MEMORY_SAFE, key: value}
 
 
-@pytest.mark.parametrize("recipe, override, key", [
-    ("sft", "model.fsdp_config.reshard_after_foward=false", "reshard_after_foward"),
-    ("sft", "model.fsdp_config.defer_gradient_sync=maybe", "model.fsdp_config.defer_gradient_sync"),
-    ("grpo", "actor_rollout_ref.actor.fsdp_config.reshard_after_backward=sometimes",
-     "actor_rollout_ref.actor.fsdp_config.reshard_after_backward"),
-    ("sft", "trainer.profile_steps=[two]", "trainer.profile_steps"),
-])
+@pytest.mark.parametrize(
+    "recipe, override, key",
+    [
+        ("sft", "model.fsdp_config.reshard_after_foward=false", "reshard_after_foward"),
+        ("sft", "model.fsdp_config.defer_gradient_sync=maybe", "model.fsdp_config.defer_gradient_sync"),
+        (
+            "grpo",
+            "actor_rollout_ref.actor.fsdp_config.reshard_after_backward=sometimes",
+            "actor_rollout_ref.actor.fsdp_config.reshard_after_backward",
+        ),
+        ("sft", "trainer.profile_steps=[two]", "trainer.profile_steps"),
+    ],
+)
 def test_unknown_or_invalid_switch_fails_at_compose_naming_the_key(recipe, override, key):
     with pytest.raises(ConfigCompositionException) as err:
         compose_config(recipe, [override])
@@ -132,9 +153,18 @@ def test_grpo_profile_step_traces_every_update_of_that_driver_step():
 
 # ---------------------------------------------------------------------- metrics
 def _rank_metrics(*, rank: int, memory_gb: float | None, busy: float) -> dict:
-    m = {"loss": 2.5, "grad_norm": 0.75, "dp_rank": rank, "perf/tokens": 640.0, "perf/step_seconds": 0.5,
-         "perf/tokens_per_s_per_device": 320.0, "perf/mfu": 0.41, "busy_seconds": busy,
-         "compute_seconds": 0.4, "micro_batch_busy_seconds": [busy / 2, busy / 2]}
+    m = {
+        "loss": 2.5,
+        "grad_norm": 0.75,
+        "dp_rank": rank,
+        "perf/tokens": 640.0,
+        "perf/step_seconds": 0.5,
+        "perf/tokens_per_s_per_device": 320.0,
+        "perf/mfu": 0.41,
+        "busy_seconds": busy,
+        "compute_seconds": 0.4,
+        "micro_batch_busy_seconds": [busy / 2, busy / 2],
+    }
     if memory_gb is not None:
         m["perf/max_memory_allocated_gb"] = memory_gb
     return m
@@ -177,13 +207,17 @@ def _sft_run(overrides: list[str]) -> tuple[list[dict], list[dict]]:
 
 
 @pytest.mark.slow
-def test_profile_step_writes_one_trace_per_rank_and_perf_metrics_are_logged(ray_cluster, tiny_sft_overrides,
-                                                                            tmp_path):
-    _, records = _sft_run(tiny_sft_overrides + ["trainer.n_gpus_per_node=2", "trainer.total_training_steps=3",
-                                                 "trainer.profile_steps=[2]"])
+def test_profile_step_writes_one_trace_per_rank_and_perf_metrics_are_logged(ray_cluster, tiny_sft_overrides, tmp_path):
+    _, records = _sft_run(
+        tiny_sft_overrides
+        + ["trainer.n_gpus_per_node=2", "trainer.total_training_steps=3", "trainer.profile_steps=[2]"]
+    )
     profile_dir = tmp_path / "run" / "profile"
-    traces = sorted(os.path.relpath(p, profile_dir) for p in glob.glob(str(profile_dir / "**" / "*"),
-                                                                          recursive=True) if os.path.isfile(p))
+    traces = sorted(
+        os.path.relpath(p, profile_dir)
+        for p in glob.glob(str(profile_dir / "**" / "*"), recursive=True)
+        if os.path.isfile(p)
+    )
     assert traces == ["step_2/rank_0.trace.json", "step_2/rank_1.trace.json"]
     steps = [r for r in records if "train/loss" in r]
     assert len(steps) == 3
@@ -198,18 +232,26 @@ def test_profile_step_writes_one_trace_per_rank_and_perf_metrics_are_logged(ray_
 def test_fast_fsdp_switches_give_the_default_loss_curve(ray_cluster, tiny_sft_overrides, tmp_path):
     # 16 samples on 2 DP ranks, 4 per micro-batch: 2 micro-batches per rank, so deferring the
     # gradient sync and keeping parameters unsharded between micro-batches change the schedule.
-    base = tiny_sft_overrides + ["trainer.n_gpus_per_node=2", "trainer.total_training_steps=4",
-                                 "data.micro_batch_size_per_gpu=4", "balance.enable=false"]
+    base = tiny_sft_overrides + [
+        "trainer.n_gpus_per_node=2",
+        "trainer.total_training_steps=4",
+        "data.micro_batch_size_per_gpu=4",
+        "balance.enable=false",
+    ]
     fast = [f"model.fsdp_config.{k}={str(v).lower()}" for k, v in FAST_SWITCHES.items()]
     ranks_default, default = _sft_run(base + [f"trainer.default_local_dir={tmp_path / 'default'}"])
     ranks_fast, switched = _sft_run(base + fast + [f"trainer.default_local_dir={tmp_path / 'fast'}"])
     # Negative control against a vacuous pass: the switches really reached every worker.
     assert all(r["engine"]["fsdp"] == MEMORY_SAFE for r in ranks_default)
     assert all(r["engine"]["fsdp"] == FAST_SWITCHES for r in ranks_fast)
-    curve = {name: np.array([r["train/loss"] for r in records if "train/loss" in r])
-             for name, records in (("default", default), ("fast", switched))}
-    grads = {name: np.array([r["train/grad_norm"] for r in records if "train/grad_norm" in r])
-             for name, records in (("default", default), ("fast", switched))}
+    curve = {
+        name: np.array([r["train/loss"] for r in records if "train/loss" in r])
+        for name, records in (("default", default), ("fast", switched))
+    }
+    grads = {
+        name: np.array([r["train/grad_norm"] for r in records if "train/grad_norm" in r])
+        for name, records in (("default", default), ("fast", switched))
+    }
     assert len(curve["default"]) == 4
     assert not np.allclose(curve["default"][0], curve["default"][-1], rtol=1e-3)  # the model trains
     np.testing.assert_allclose(curve["fast"], curve["default"], rtol=1e-6)
@@ -223,26 +265,45 @@ def test_grpo_profile_step_traces_each_update_and_logs_perf_metrics(ray_cluster,
 
     # 8 prompts per step in mini-batches of 4, one epoch: U = 2 updates per driver step, so driver
     # step 2 is engine steps 3 and 4.
-    cfg = compose_config("grpo", [
-        "trainer.device=cpu", "trainer.n_gpus_per_node=2", "trainer.logger=[jsonl]", "trainer.plot=false",
-        "trainer.resume_mode=disable", f"trainer.default_local_dir={tmp_path / 'run'}",
-        "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.profile_steps=[2]",
-        "data.synthetic.num_train=64", "data.synthetic.num_val=4", f"data.synthetic.out_dir={tmp_path / 'data'}",
-        "data.synthetic.tasks=[copy]", "data.synthetic.max_size=6", "data.max_prompt_length=32",
-        "data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
-        "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.rollout.response_length=8",
-    ])
+    cfg = compose_config(
+        "grpo",
+        [
+            "trainer.device=cpu",
+            "trainer.n_gpus_per_node=2",
+            "trainer.logger=[jsonl]",
+            "trainer.plot=false",
+            "trainer.resume_mode=disable",
+            f"trainer.default_local_dir={tmp_path / 'run'}",
+            "trainer.total_training_steps=2",
+            "trainer.val_before_train=false",
+            "trainer.profile_steps=[2]",
+            "data.synthetic.num_train=64",
+            "data.synthetic.num_val=4",
+            f"data.synthetic.out_dir={tmp_path / 'data'}",
+            "data.synthetic.tasks=[copy]",
+            "data.synthetic.max_size=6",
+            "data.max_prompt_length=32",
+            "data.train_batch_size=8",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+            "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.rollout.response_length=8",
+        ],
+    )
     trainer = GRPOTrainer(cfg)
     try:
         trainer.fit()
     finally:
         trainer.close()
     profile_dir = tmp_path / "run" / "profile"
-    traces = sorted(os.path.relpath(p, profile_dir) for p in glob.glob(str(profile_dir / "**" / "*"),
-                                                                          recursive=True) if os.path.isfile(p))
+    traces = sorted(
+        os.path.relpath(p, profile_dir)
+        for p in glob.glob(str(profile_dir / "**" / "*"), recursive=True)
+        if os.path.isfile(p)
+    )
     assert traces == [f"step_{s}/rank_{r}.trace.json" for s in (3, 4) for r in (0, 1)]
-    steps = [r for r in read_metrics(os.path.join(cfg.trainer.default_local_dir, "metrics.jsonl"))
-             if "actor/pg_loss" in r]
+    steps = [
+        r for r in read_metrics(os.path.join(cfg.trainer.default_local_dir, "metrics.jsonl")) if "actor/pg_loss" in r
+    ]
     assert len(steps) == 2
     for r in steps:
         assert r["perf/tokens_per_s_per_device"] > 0 and r["actor/num_optimizer_steps"] == 2

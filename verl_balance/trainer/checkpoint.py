@@ -71,12 +71,16 @@ RUN_CONTROL_KEYS = frozenset(
         "balance.workload",
         "trainer.save_hf_model",
         "trainer.profile_steps",
+        "trainer.profile_dir",
     }
 )
 # The parallel layout and micro-batching do not change the curve (the loss contract): any key so named.
 LAYOUT_KEY_NAMES = frozenset(
     {
         "ulysses_sequence_parallel_size",
+        "reshard_after_forward",
+        "reshard_after_backward",
+        "defer_gradient_sync",
         "micro_batch_size_per_gpu",
         "max_token_len_per_gpu",
         "use_dynamic_bsz",

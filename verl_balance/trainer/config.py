@@ -140,8 +140,9 @@ class ModelSection:
         """The start-up description of the model: family and directory, or the preset."""
         dims = f"{model_config.num_layers} layers, hidden {model_config.hidden_size}"
         if isinstance(model_config, HFModelConfig):
-            return (f"HF model_type={model_config.model_type} from {model_config.path} ({dims}, "
-                    f"init={model_config.init})")
+            return (
+                f"HF model_type={model_config.model_type} from {model_config.path} ({dims}, init={model_config.init})"
+            )
         return f"model {self.name} ({dims})"
 
 
@@ -149,17 +150,21 @@ def check_hf_model_dir(key: str, path: str) -> None:
     """Raise ConfigError naming ``key`` unless ``path`` is a local HF model directory of a supported family."""
     config_file = os.path.join(os.path.expanduser(path), "config.json")
     if not os.path.isfile(config_file):
-        raise ConfigError(f"{key}={path!r} is not a local Hugging Face directory (no config.json); point {key} at "
-                          "a save_pretrained output of a llama, qwen2, qwen3 or mistral checkpoint (nothing is "
-                          "downloaded)")
+        raise ConfigError(
+            f"{key}={path!r} is not a local Hugging Face directory (no config.json); point {key} at "
+            "a save_pretrained output of a llama, qwen2, qwen3 or mistral checkpoint (nothing is "
+            "downloaded)"
+        )
     try:
         with open(config_file, encoding="utf-8") as f:
             model_type = json.load(f).get("model_type")
     except (OSError, ValueError, AttributeError) as err:
         raise ConfigError(f"{key}={path!r}: config.json cannot be read ({err})") from err
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ConfigError(f"{key}={path!r} has model_type={model_type!r}, which is not supported; supported "
-                          f"model_type values: {list(SUPPORTED_MODEL_TYPES)}")
+        raise ConfigError(
+            f"{key}={path!r} has model_type={model_type!r}, which is not supported; supported "
+            f"model_type values: {list(SUPPORTED_MODEL_TYPES)}"
+        )
 
 
 @dataclass
@@ -175,8 +180,9 @@ class SFTModelSection(ModelSection):
     def __post_init__(self) -> None:
         if self.partial_pretrain is not None:
             if self.path is not None and self.path != self.partial_pretrain:
-                raise ConfigError(f"path={self.path!r} and partial_pretrain={self.partial_pretrain!r} disagree; "
-                                  "set one of them")
+                raise ConfigError(
+                    f"path={self.path!r} and partial_pretrain={self.partial_pretrain!r} disagree; set one of them"
+                )
             self.path = self.partial_pretrain
         super().__post_init__()
 
@@ -272,8 +278,10 @@ class TrainerSection:
             raise ConfigError(f"max_restarts={self.max_restarts} must be >= 0")
         bad_steps = [s for s in self.profile_steps if s < 1]
         if bad_steps:
-            raise ConfigError(f"profile_steps={list(self.profile_steps)}: steps are 1-based driver steps "
-                              f"(global_step as logged), got {bad_steps}")
+            raise ConfigError(
+                f"profile_steps={list(self.profile_steps)}: steps are 1-based driver steps "
+                f"(global_step as logged), got {bad_steps}"
+            )
 
     @property
     def profile_path(self) -> str:
@@ -323,7 +331,8 @@ class SFTDataSection(SFTDataConfig):
             raise ConfigError(
                 "balance_dp_token=false is not supported: token and sequence counts are always taken over "
                 "the whole mini-batch (all DP ranks and micro-batches), so the loss is the global mean on any "
-                "layout; remove the key or set it to true")
+                "layout; remove the key or set it to true"
+            )
 
     def dataset_config(self) -> SFTDataConfig:
         """The dataset's own fields, as ``SFTDataset`` takes them."""
@@ -377,8 +386,10 @@ def check_known_keys(cfg, path: str = "") -> None:
         fields = {f.name for f in dataclasses.fields(schema)}
         unknown = sorted(str(k) for k in cfg.keys() if k not in fields)
         if unknown:
-            raise ConfigError(f"unknown config key(s) {[path + k for k in unknown]}; valid keys of "
-                              f"{path.rstrip('.') or 'the root'}: {sorted(fields)}")
+            raise ConfigError(
+                f"unknown config key(s) {[path + k for k in unknown]}; valid keys of "
+                f"{path.rstrip('.') or 'the root'}: {sorted(fields)}"
+            )
     for key in cfg.keys():
         if not OmegaConf.is_missing(cfg, key) and isinstance(cfg[key], DictConfig):
             check_known_keys(cfg[key], f"{path}{key}.")
@@ -404,8 +415,10 @@ def narrow(instance, cls):
 def check_remove_padding(key: str, value: bool) -> None:
     """Reject use_remove_padding=false: the engine always runs packed sequences."""
     if not value:
-        raise ConfigError(f"{key}=false is not supported: the engine always runs packed (padding-free) "
-                          "sequences, which Ulysses sequence parallelism requires")
+        raise ConfigError(
+            f"{key}=false is not supported: the engine always runs packed (padding-free) "
+            "sequences, which Ulysses sequence parallelism requires"
+        )
 
 
 def qualify(message: str, prefixes: dict[str, str]) -> str:
@@ -442,10 +455,20 @@ def to_typed(cfg: DictConfig):
     return _instantiate(cfg, "")
 
 
-def build_engine_config(*, optim: OptimConfig, loss_agg_mode: str, loss_scale_factor: float | None,
-                        param_dtype: str, seed: int, total_steps: int, keys: dict[str, str],
-                        fsdp: FSDPConfig | None = None, profile_steps: Sequence[int] = (),
-                        profile_dir: str = "profile", updates_per_step: int = 1) -> EngineConfig:
+def build_engine_config(
+    *,
+    optim: OptimConfig,
+    loss_agg_mode: str,
+    loss_scale_factor: float | None,
+    param_dtype: str,
+    seed: int,
+    total_steps: int,
+    keys: dict[str, str],
+    fsdp: FSDPConfig | None = None,
+    profile_steps: Sequence[int] = (),
+    profile_dir: str = "profile",
+    updates_per_step: int = 1,
+) -> EngineConfig:
     """The engine's config for a run of ``total_steps`` optimizer steps; ``keys`` maps its field
     names (optim, loss_agg_mode, loss_scale_factor, param_dtype) to the recipe's keys for errors.
 
@@ -453,11 +476,17 @@ def build_engine_config(*, optim: OptimConfig, loss_agg_mode: str, loss_scale_fa
     steps (GRPO: ppo_epochs x mini-batches), all of which are traced (``engine_profile_steps``).
     """
     try:
-        return EngineConfig(optim=optim, total_steps=total_steps, loss_agg_mode=loss_agg_mode,
-                            loss_scale_factor=loss_scale_factor, param_dtype=param_dtype, seed=seed,
-                            fsdp=fsdp if fsdp is not None else FSDPConfig(),
-                            profile_steps=engine_profile_steps(profile_steps, updates_per_step=updates_per_step),
-                            profile_dir=profile_dir)
+        return EngineConfig(
+            optim=optim,
+            total_steps=total_steps,
+            loss_agg_mode=loss_agg_mode,
+            loss_scale_factor=loss_scale_factor,
+            param_dtype=param_dtype,
+            seed=seed,
+            fsdp=fsdp if fsdp is not None else FSDPConfig(),
+            profile_steps=engine_profile_steps(profile_steps, updates_per_step=updates_per_step),
+            profile_dir=profile_dir,
+        )
     except ValueError as err:
         prefixes = {name: key[: -len(name)] for name, key in keys.items()}
         raise ConfigError(qualify(str(err), prefixes)) from err
@@ -467,8 +496,9 @@ def engine_profile_steps(driver_steps: Sequence[int], *, updates_per_step: int) 
     """The engine's 1-based train steps of the given 1-based driver steps: driver step s runs engine
     steps (s - 1) * updates_per_step + 1 .. s * updates_per_step."""
     assert updates_per_step >= 1, updates_per_step
-    return [(int(s) - 1) * updates_per_step + k for s in sorted(set(driver_steps))
-            for k in range(1, updates_per_step + 1)]
+    return [
+        (int(s) - 1) * updates_per_step + k for s in sorted(set(driver_steps)) for k in range(1, updates_per_step + 1)
+    ]
 
 
 def check_profile_steps(*, trainer: TrainerSection, total_steps: int) -> None:
@@ -476,22 +506,30 @@ def check_profile_steps(*, trainer: TrainerSection, total_steps: int) -> None:
     (it would silently never be traced)."""
     beyond = [s for s in trainer.profile_steps if s > total_steps]
     if beyond:
-        raise ConfigError(f"trainer.profile_steps={list(trainer.profile_steps)}: steps {beyond} lie beyond the "
-                          f"run's last step {total_steps}; choose steps in 1..{total_steps}")
+        raise ConfigError(
+            f"trainer.profile_steps={list(trainer.profile_steps)}: steps {beyond} lie beyond the "
+            f"run's last step {total_steps}; choose steps in 1..{total_steps}"
+        )
 
 
 def check_layout(*, sp_size: int, trainer: TrainerSection, sp_key: str) -> int:
     """The DP size; ConfigError unless the Ulysses degree divides the worker count."""
     world = trainer.world_size
     if world % sp_size:
-        raise ConfigError(f"{sp_key}={sp_size} must divide the number of workers "
-                          f"trainer.nnodes * trainer.n_gpus_per_node = {world}")
+        raise ConfigError(
+            f"{sp_key}={sp_size} must divide the number of workers trainer.nnodes * trainer.n_gpus_per_node = {world}"
+        )
     return world // sp_size
 
 
-SFT_ENGINE_KEYS = {"optim": "optim", "loss_agg_mode": "loss_agg_mode", "loss_scale_factor": "loss_scale_factor",
-                   "param_dtype": "model.param_dtype", "fsdp": "model.fsdp_config",
-                   "profile_steps": "trainer.profile_steps"}
+SFT_ENGINE_KEYS = {
+    "optim": "optim",
+    "loss_agg_mode": "loss_agg_mode",
+    "loss_scale_factor": "loss_scale_factor",
+    "param_dtype": "model.param_dtype",
+    "fsdp": "model.fsdp_config",
+    "profile_steps": "trainer.profile_steps",
+}
 
 
 def validate_sft(cfg: DictConfig) -> SFTConfig:
@@ -499,15 +537,24 @@ def validate_sft(cfg: DictConfig) -> SFTConfig:
     check_known_keys(cfg)
     config: SFTConfig = to_typed(cfg)
     check_writable_dir("trainer.default_local_dir", config.trainer.default_local_dir)
-    dp = check_layout(sp_size=config.ulysses_sequence_parallel_size, trainer=config.trainer,
-                      sp_key="ulysses_sequence_parallel_size")
+    dp = check_layout(
+        sp_size=config.ulysses_sequence_parallel_size, trainer=config.trainer, sp_key="ulysses_sequence_parallel_size"
+    )
     if config.data.train_batch_size < dp:
         raise ConfigError(
             f"data.train_batch_size={config.data.train_batch_size} is smaller than the data-parallel size {dp} "
-            "(workers / ulysses_sequence_parallel_size); every DP rank needs at least one sample")
-    build_engine_config(optim=config.optim, loss_agg_mode=config.loss_agg_mode,
-                        loss_scale_factor=config.loss_scale_factor, param_dtype=config.model.param_dtype,
-                        seed=config.trainer.seed, total_steps=1, keys=SFT_ENGINE_KEYS,
-                        fsdp=config.model.fsdp_config, profile_steps=config.trainer.profile_steps,
-                        profile_dir=config.trainer.profile_path)
+            "(workers / ulysses_sequence_parallel_size); every DP rank needs at least one sample"
+        )
+    build_engine_config(
+        optim=config.optim,
+        loss_agg_mode=config.loss_agg_mode,
+        loss_scale_factor=config.loss_scale_factor,
+        param_dtype=config.model.param_dtype,
+        seed=config.trainer.seed,
+        total_steps=1,
+        keys=SFT_ENGINE_KEYS,
+        fsdp=config.model.fsdp_config,
+        profile_steps=config.trainer.profile_steps,
+        profile_dir=config.trainer.profile_path,
+    )
     return config

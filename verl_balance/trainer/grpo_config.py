@@ -73,8 +73,13 @@ class GRPOSyntheticConfig(SyntheticDataConfig):
 
     def task_config(self) -> SyntheticConfig:
         """The generator's own config."""
-        return SyntheticConfig(tasks=tuple(self.tasks), median_size=self.median_size, sigma=self.sigma,
-                               min_size=self.min_size, max_size=self.max_size)
+        return SyntheticConfig(
+            tasks=tuple(self.tasks),
+            median_size=self.median_size,
+            sigma=self.sigma,
+            min_size=self.min_size,
+            max_size=self.max_size,
+        )
 
 
 @dataclass
@@ -127,20 +132,27 @@ class ActorModelSection(ModelSection):
         if self.path is not None and is_engine_checkpoint(self.path):
             # Before HF models, path named the warm-start checkpoint; keep that working for now.
             if self.warm_start_path is not None:
-                raise ConfigError(f"path={self.path!r} is an engine checkpoint and warm_start_path="
-                                  f"{self.warm_start_path!r} is set too; set only warm_start_path")
+                raise ConfigError(
+                    f"path={self.path!r} is an engine checkpoint and warm_start_path="
+                    f"{self.warm_start_path!r} is set too; set only warm_start_path"
+                )
             if self.path not in _WARNED_DEPRECATED_PATHS:  # the section is instantiated more than once
                 _WARNED_DEPRECATED_PATHS.add(self.path)
-                logger.warning("actor_rollout_ref.model.path=%r is a training checkpoint, not a Hugging Face model "
-                               "directory: using it as actor_rollout_ref.model.warm_start_path (deprecated "
-                               "spelling; set actor_rollout_ref.model.warm_start_path instead)", self.path)
+                logger.warning(
+                    "actor_rollout_ref.model.path=%r is a training checkpoint, not a Hugging Face model "
+                    "directory: using it as actor_rollout_ref.model.warm_start_path (deprecated "
+                    "spelling; set actor_rollout_ref.model.warm_start_path instead)",
+                    self.path,
+                )
             self.warm_start_path, self.path = self.path, None
         super().__post_init__()
         check_remove_padding("use_remove_padding", self.use_remove_padding)
         if self.warm_start_path is not None and not is_engine_checkpoint(self.warm_start_path):
-            raise ConfigError(f"warm_start_path={self.warm_start_path!r} is not a checkpoint written by the "
-                              f"trainers (no {TRAINER_STATE_FILE} or {COMPLETE_FILE}); point it at a global_step_N "
-                              "directory")
+            raise ConfigError(
+                f"warm_start_path={self.warm_start_path!r} is not a checkpoint written by the "
+                f"trainers (no {TRAINER_STATE_FILE} or {COMPLETE_FILE}); point it at a global_step_N "
+                "directory"
+            )
 
 
 @dataclass
@@ -232,8 +244,10 @@ class RolloutSection:
         check_positive("n", self.n)
         check_positive("response_length", self.response_length)
         if not self.temperature > 0:
-            raise ConfigError(f"temperature={self.temperature} must be > 0 for training rollouts "
-                              "(greedy samples are identical within a group)")
+            raise ConfigError(
+                f"temperature={self.temperature} must be > 0 for training rollouts "
+                "(greedy samples are identical within a group)"
+            )
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p={self.top_p} must be in (0, 1]")
         for key in ("log_prob_micro_batch_size_per_gpu", "log_prob_max_token_len_per_gpu", "max_num_seqs"):
@@ -328,7 +342,8 @@ class GRPOConfig:
         if verl_key is not None and top_key is not None and verl_key != top_key:
             raise ConfigError(
                 f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={verl_key} and "
-                f"ulysses_sequence_parallel_size={top_key} disagree; set one of them")
+                f"ulysses_sequence_parallel_size={top_key} disagree; set one of them"
+            )
 
 
 def register_grpo_schema() -> None:
@@ -337,11 +352,14 @@ def register_grpo_schema() -> None:
     ConfigStore.instance().store(name="grpo_schema", node=GRPOConfig)
 
 
-GRPO_ENGINE_KEYS = {"optim": "actor_rollout_ref.actor.optim",
-                    "loss_agg_mode": "actor_rollout_ref.actor.loss_agg_mode",
-                    "loss_scale_factor": "actor_rollout_ref.actor.loss_scale_factor",
-                    "param_dtype": "actor_rollout_ref.model.param_dtype",
-                    "fsdp": "actor_rollout_ref.actor.fsdp_config", "profile_steps": "trainer.profile_steps"}
+GRPO_ENGINE_KEYS = {
+    "optim": "actor_rollout_ref.actor.optim",
+    "loss_agg_mode": "actor_rollout_ref.actor.loss_agg_mode",
+    "loss_scale_factor": "actor_rollout_ref.actor.loss_scale_factor",
+    "param_dtype": "actor_rollout_ref.model.param_dtype",
+    "fsdp": "actor_rollout_ref.actor.fsdp_config",
+    "profile_steps": "trainer.profile_steps",
+}
 
 
 def validate_grpo(cfg: DictConfig) -> GRPOConfig:
@@ -354,20 +372,25 @@ def validate_grpo(cfg: DictConfig) -> GRPOConfig:
     sp = config.sp_size
     dp = check_layout(sp_size=sp, trainer=config.trainer, sp_key="ulysses_sequence_parallel_size")
     if config.balance.overlong != "error":
-        raise ConfigError(f"balance.overlong={config.balance.overlong!r}: GRPO never drops or cuts a scored "
-                          "response; use 'error' and size the token caps to hold a full sequence")
+        raise ConfigError(
+            f"balance.overlong={config.balance.overlong!r}: GRPO never drops or cuts a scored "
+            "response; use 'error' and size the token caps to hold a full sequence"
+        )
     if rollout.n < 2:
         raise ConfigError(
             f"actor_rollout_ref.rollout.n={rollout.n}: {config.algorithm.adv_estimator} compares the responses "
-            "to one prompt, so it needs n >= 2 (a group of one has advantage 0 and teaches nothing)")
+            "to one prompt, so it needs n >= 2 (a group of one has advantage 0 and teaches nothing)"
+        )
     if d.train_batch_size % actor.ppo_mini_batch_size:
         raise ConfigError(
             f"actor_rollout_ref.actor.ppo_mini_batch_size={actor.ppo_mini_batch_size} must divide "
-            f"data.train_batch_size={d.train_batch_size} (both count prompts)")
+            f"data.train_batch_size={d.train_batch_size} (both count prompts)"
+        )
     if actor.ppo_mini_batch_size < dp:
         raise ConfigError(
             f"actor_rollout_ref.actor.ppo_mini_batch_size={actor.ppo_mini_batch_size} is smaller than the "
-            f"data-parallel size {dp}: a prompt's responses stay on one DP rank, so every rank needs a prompt")
+            f"data-parallel size {dp}: a prompt's responses stay on one DP rank, so every rank needs a prompt"
+        )
     if actor.use_dynamic_bsz:
         max_len = d.max_prompt_length + rollout.response_length
         caps = {"actor_rollout_ref.actor.ppo_max_token_len_per_gpu": actor.ppo_max_token_len_per_gpu}
@@ -378,12 +401,20 @@ def validate_grpo(cfg: DictConfig) -> GRPOConfig:
             if cap * sp < max_len:
                 raise ConfigError(
                     f"{key}={cap} x sp={sp} cannot hold one sequence of data.max_prompt_length + "
-                    f"rollout.response_length = {max_len} tokens; raise it to >= {-(-max_len // sp)}")
-    build_engine_config(optim=actor.optim, loss_agg_mode=actor.loss_agg_mode,
-                        loss_scale_factor=actor.loss_scale_factor, param_dtype=arr.model.param_dtype,
-                        seed=config.trainer.seed, total_steps=1, keys=GRPO_ENGINE_KEYS,
-                        fsdp=actor.fsdp_config, profile_steps=config.trainer.profile_steps,
-                        profile_dir=config.trainer.profile_path)
+                    f"rollout.response_length = {max_len} tokens; raise it to >= {-(-max_len // sp)}"
+                )
+    build_engine_config(
+        optim=actor.optim,
+        loss_agg_mode=actor.loss_agg_mode,
+        loss_scale_factor=actor.loss_scale_factor,
+        param_dtype=arr.model.param_dtype,
+        seed=config.trainer.seed,
+        total_steps=1,
+        keys=GRPO_ENGINE_KEYS,
+        fsdp=actor.fsdp_config,
+        profile_steps=config.trainer.profile_steps,
+        profile_dir=config.trainer.profile_path,
+    )
     return config
 
 

@@ -58,8 +58,9 @@ PLOT_PANELS = (
 
 
 # ---------------------------------------------------------------------- driver-side helpers
-def merge_rollout_outputs(outputs: list[RolloutOutput | None], *, prompt_offsets: list[int],
-                          pad_token_id: int) -> RolloutOutput:
+def merge_rollout_outputs(
+    outputs: list[RolloutOutput | None], *, prompt_offsets: list[int], pad_token_id: int
+) -> RolloutOutput:
     """One RolloutOutput from per-worker outputs; worker w answered prompts from ``prompt_offsets[w]``."""
     parts = [(o, off) for o, off in zip(outputs, prompt_offsets) if o is not None]
     width = max(o.responses.shape[1] for o, _ in parts)
@@ -113,8 +114,14 @@ def resolve_rl_files(config: GRPOConfig) -> tuple:
     train, val = os.path.join(out_dir, "rl_train.parquet"), os.path.join(out_dir, "rl_val.parquet")
     if not (os.path.exists(train) and os.path.exists(val)):
         logger.info("data.train_files is null: generating the synthetic task into %s", out_dir)
-        write_dataset(out_dir=out_dir, num_train=s.num_train, num_val=s.num_val, seed=s.seed, progress=True,
-                      config=s.task_config())
+        write_dataset(
+            out_dir=out_dir,
+            num_train=s.num_train,
+            num_val=s.num_val,
+            seed=s.seed,
+            progress=True,
+            config=s.task_config(),
+        )
     return train, (d.val_files if d.val_files is not None else val)
 
 
@@ -129,41 +136,60 @@ class GRPOTrainer(DriverBase):
         self.config = config = validate_grpo(cfg)
         arr = config.actor_rollout_ref
         self.actor_cfg, self.rollout_cfg = a, r = arr.actor, arr.rollout
-        self.setup_run(cfg, trainer=config.trainer, sp_size=config.sp_size, model=arr.model,
-                       balance=config.balance)
+        self.setup_run(cfg, trainer=config.trainer, sp_size=config.sp_size, model=arr.model, balance=config.balance)
         train_files, val_files = resolve_rl_files(config)
         d = config.data
         dataset_config = d.dataset_config()
         self.train_set = RLPromptDataset(files=train_files, tokenizer=self.tokenizer, config=dataset_config)
-        self.val_set = (RLPromptDataset(files=val_files, tokenizer=self.tokenizer, config=dataset_config)
-                        if val_files else None)
+        self.val_set = (
+            RLPromptDataset(files=val_files, tokenizer=self.tokenizer, config=dataset_config) if val_files else None
+        )
         self.setup_loader(self.train_set, batch_size=d.train_batch_size, shuffle=d.shuffle)
         reward = config.custom_reward_function
         self.reward_fn = load_reward_fn(reward.path, reward.name, reward_kwargs=dict(reward.reward_kwargs))
 
         self.update_cap = a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None
-        self.log_prob_cap = ((r.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu)
-                             if a.use_dynamic_bsz else None)
+        self.log_prob_cap = (
+            (r.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu) if a.use_dynamic_bsz else None
+        )
         self.log_prob_mbs = r.log_prob_micro_batch_size_per_gpu or a.ppo_micro_batch_size_per_gpu
         self.updates_per_step = a.ppo_epochs * (d.train_batch_size // a.ppo_mini_batch_size)
         check_profile_steps(trainer=config.trainer, total_steps=self.total_steps)
         # trainer.profile_steps counts driver steps; each runs updates_per_step engine train steps,
         # all of which are traced (engine step numbers in the trace directory names).
         engine_config = build_engine_config(
-            optim=a.optim, loss_agg_mode=a.loss_agg_mode, loss_scale_factor=a.loss_scale_factor,
-            param_dtype=arr.model.param_dtype, seed=config.trainer.seed,
-            total_steps=self.total_steps * self.updates_per_step, keys=GRPO_ENGINE_KEYS,
-            fsdp=a.fsdp_config, profile_steps=config.trainer.profile_steps,
-            profile_dir=config.trainer.profile_path, updates_per_step=self.updates_per_step)
+            optim=a.optim,
+            loss_agg_mode=a.loss_agg_mode,
+            loss_scale_factor=a.loss_scale_factor,
+            param_dtype=arr.model.param_dtype,
+            seed=config.trainer.seed,
+            total_steps=self.total_steps * self.updates_per_step,
+            keys=GRPO_ENGINE_KEYS,
+            fsdp=a.fsdp_config,
+            profile_steps=config.trainer.profile_steps,
+            profile_dir=config.trainer.profile_path,
+            updates_per_step=self.updates_per_step,
+        )
         self.policy_loss = a.policy_loss()
         worker_config = ActorRolloutWorkerConfig(
-            model=self.model_config, engine=engine_config, sp_size=self.sp, policy_loss=self.policy_loss,
-            pad_token_id=self.tokenizer.pad_token_id, stop_token_ids=(self.tokenizer.eos_token_id,),
-            rollout_max_batch_size=r.max_num_seqs, use_reference_policy=a.use_kl_loss, **self.export_options())
+            model=self.model_config,
+            engine=engine_config,
+            sp_size=self.sp,
+            policy_loss=self.policy_loss,
+            pad_token_id=self.tokenizer.pad_token_id,
+            stop_token_ids=(self.tokenizer.eos_token_id,),
+            rollout_max_batch_size=r.max_num_seqs,
+            use_reference_policy=a.use_kl_loss,
+            **self.export_options(),
+        )
         self.start_workers(
-            worker_config=worker_config, worker_cls=ActorRolloutWorker,
-            description=(f"{arr.model.describe(self.model_config)}; {len(self.train_set)} train prompts x n={r.n}, "
-                         f"{self.total_steps} steps of {self.updates_per_step} optimizer step(s)"))
+            worker_config=worker_config,
+            worker_cls=ActorRolloutWorker,
+            description=(
+                f"{arr.model.describe(self.model_config)}; {len(self.train_set)} train prompts x n={r.n}, "
+                f"{self.total_steps} steps of {self.updates_per_step} optimizer step(s)"
+            ),
+        )
         try:
             self.prepare_workers()
         except BaseException:
@@ -186,20 +212,33 @@ class GRPOTrainer(DriverBase):
         tensors, non_tensors = prompts
         num_prompts = len(non_tensors[PROMPT_IDS_KEY])
         bounds = np.linspace(0, num_prompts, self.world + 1).round().astype(int)
-        prompt_batch = Batch.from_dict(tensors={"prompt_lengths": tensors["attention_mask"].sum(1)},
-                                       non_tensors={PROMPT_IDS_KEY: non_tensors[PROMPT_IDS_KEY],
-                                                    SAMPLE_INDEX_KEY: np.asarray(non_tensors["index"], dtype=np.int64)})
+        prompt_batch = Batch.from_dict(
+            tensors={"prompt_lengths": tensors["attention_mask"].sum(1)},
+            non_tensors={
+                PROMPT_IDS_KEY: non_tensors[PROMPT_IDS_KEY],
+                SAMPLE_INDEX_KEY: np.asarray(non_tensors["index"], dtype=np.int64),
+            },
+        )
         chunks = [prompt_batch.index_select(np.arange(lo, hi)) for lo, hi in zip(bounds[:-1], bounds[1:])]
-        sampling = {"n": n, "temperature": temperature, "top_p": top_p,
-                    "max_response_length": self.rollout_cfg.response_length}
+        sampling = {
+            "n": n,
+            "temperature": temperature,
+            "top_p": top_p,
+            "max_response_length": self.rollout_cfg.response_length,
+        }
         outputs = self.actor.generate_sequences(chunks, sampling, seed)
-        output = merge_rollout_outputs(outputs, prompt_offsets=bounds[:-1].tolist(),
-                                       pad_token_id=self.tokenizer.pad_token_id)
+        output = merge_rollout_outputs(
+            outputs, prompt_offsets=bounds[:-1].tolist(), pad_token_id=self.tokenizer.pad_token_id
+        )
         columns = {UID_KEY: non_tensors["index"]}
         for key in ("data_source", "ground_truth", "extra_info"):
             columns[key] = non_tensors[key]
-        return build_rollout_batch(prompts=list(non_tensors[PROMPT_IDS_KEY]), output=output,
-                                   pad_token_id=self.tokenizer.pad_token_id, prompt_columns=columns)
+        return build_rollout_batch(
+            prompts=list(non_tensors[PROMPT_IDS_KEY]),
+            output=output,
+            pad_token_id=self.tokenizer.pad_token_id,
+            prompt_columns=columns,
+        )
 
     def score(self, batch: Batch) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Reward of every response: (scores [B], extra per-sample metrics such as ``acc``)."""
@@ -207,14 +246,28 @@ class GRPOTrainer(DriverBase):
         ends = (batch["prompt_lengths"] + batch["response_lengths"]).tolist()
         ids = batch["input_ids"].tolist()
         solutions = [self.tokenizer.decode(row[s:e]) for row, s, e in zip(ids, starts, ends)]
-        return score_batch(reward_fn=self.reward_fn, data_sources=list(batch["data_source"]), solutions=solutions,
-                           ground_truths=list(batch["ground_truth"]), extra_infos=list(batch["extra_info"]))
+        return score_batch(
+            reward_fn=self.reward_fn,
+            data_sources=list(batch["data_source"]),
+            solutions=solutions,
+            ground_truths=list(batch["ground_truth"]),
+            extra_infos=list(batch["extra_info"]),
+        )
 
     def _plan(self, batch: Batch, *, micro_batch_size, token_cap):
         """Every group (a prompt's responses) on one DP rank, packed into micro-batches freely."""
-        return plan_batch(batch, dp_size=self.dp, sp_size=self.sp, micro_batch_size=micro_batch_size,
-                          token_cap=token_cap, balance=self.config.trainer.balance_batch, workload=self.workload,
-                          overlong="error", group_ids=batch[PROMPT_INDEX_KEY], group_scope="rank")
+        return plan_batch(
+            batch,
+            dp_size=self.dp,
+            sp_size=self.sp,
+            micro_batch_size=micro_batch_size,
+            token_cap=token_cap,
+            balance=self.config.trainer.balance_batch,
+            workload=self.workload,
+            overlong="error",
+            group_ids=batch[PROMPT_INDEX_KEY],
+            group_scope="rank",
+        )
 
     def _mini_batches(self, batch: Batch) -> list[np.ndarray]:
         """Row indices of each mini-batch: ``ppo_mini_batch_size`` consecutive prompts, all responses."""
@@ -229,8 +282,13 @@ class GRPOTrainer(DriverBase):
         r, a = self.rollout_cfg, self.actor_cfg
         with _timed(metrics, "step"):
             with _timed(metrics, "gen"):
-                batch = self.generate(prompts, n=r.n, temperature=r.temperature, top_p=r.top_p,
-                                      seed=sampling_seed(self.config.trainer.seed, self.global_step))
+                batch = self.generate(
+                    prompts,
+                    n=r.n,
+                    temperature=r.temperature,
+                    top_p=r.top_p,
+                    seed=sampling_seed(self.config.trainer.seed, self.global_step),
+                )
             # Old, reference and new log-probs are all taken at the sampling temperature.
             batch.meta[TEMPERATURE_KEY] = float(r.temperature)
             with _timed(metrics, "reward"):
@@ -245,15 +303,23 @@ class GRPOTrainer(DriverBase):
                     batch["ref_log_prob"] = run_by_plan(batch, plan, self.actor.compute_ref_log_prob)["ref_log_prob"]
             with _timed(metrics, "adv"):
                 batch["advantages"] = compute_advantages(
-                    adv_estimator=self.config.algorithm.adv_estimator, scores=torch.from_numpy(scores),
-                    index=batch[PROMPT_INDEX_KEY], loss_mask=batch["loss_mask"],
-                    norm_adv_by_std_in_grpo=self.config.algorithm.norm_adv_by_std_in_grpo)
+                    adv_estimator=self.config.algorithm.adv_estimator,
+                    scores=torch.from_numpy(scores),
+                    index=batch[PROMPT_INDEX_KEY],
+                    loss_mask=batch["loss_mask"],
+                    norm_adv_by_std_in_grpo=self.config.algorithm.norm_adv_by_std_in_grpo,
+                )
             with _timed(metrics, "update"):
                 metrics.update(self.update_actor(batch))
         metrics.update(self._rollout_metrics(batch, scores, extras, prefix=""))
         tokens = int(batch["attention_mask"].sum())
-        metrics.update({"perf/tokens": tokens, "perf/tokens_per_s": tokens / metrics["timing_s/step"],
-                        "train/epoch": float(self.loader.epoch)})
+        metrics.update(
+            {
+                "perf/tokens": tokens,
+                "perf/tokens_per_s": tokens / metrics["timing_s/step"],
+                "train/epoch": float(self.loader.epoch),
+            }
+        )
         return metrics
 
     def update_actor(self, batch: Batch) -> dict:
@@ -283,11 +349,14 @@ class GRPOTrainer(DriverBase):
     def _rollout_metrics(self, batch: Batch, scores: np.ndarray, extras: dict, *, prefix: str) -> dict:
         lengths = batch["response_lengths"].double()
         accuracy = extras["acc"] if "acc" in extras else scores
-        out = {f"{prefix}reward/mean": float(scores.mean()), f"{prefix}reward/std": float(scores.std()),
-               f"{prefix}reward/accuracy": float(np.nanmean(accuracy)),
-               f"{prefix}response_length/mean": float(lengths.mean()),
-               f"{prefix}response_length/max": float(lengths.max()),
-               f"{prefix}response_length/clip_ratio": float(np.mean(batch["finish_reason"] == "length"))}
+        out = {
+            f"{prefix}reward/mean": float(scores.mean()),
+            f"{prefix}reward/std": float(scores.std()),
+            f"{prefix}reward/accuracy": float(np.nanmean(accuracy)),
+            f"{prefix}response_length/mean": float(lengths.mean()),
+            f"{prefix}response_length/max": float(lengths.max()),
+            f"{prefix}response_length/clip_ratio": float(np.mean(batch["finish_reason"] == "length")),
+        }
         for key, values in extras.items():
             if key != "acc" and np.isfinite(values).any():
                 out[f"{prefix}reward/{key}"] = float(np.nanmean(values))
@@ -302,8 +371,7 @@ class GRPOTrainer(DriverBase):
         prompts = self.val_set.collate([self.val_set[i] for i in range(count)])
         v = self.rollout_cfg.val_kwargs
         start = time.perf_counter()
-        batch = self.generate(prompts, n=v.n, temperature=v.temperature, top_p=v.top_p,
-                              seed=self.config.trainer.seed)
+        batch = self.generate(prompts, n=v.n, temperature=v.temperature, top_p=v.top_p, seed=self.config.trainer.seed)
         scores, extras = self.score(batch)
         metrics = self._rollout_metrics(batch, scores, extras, prefix="val/")
         metrics["val/accuracy"] = metrics.pop("val/reward/accuracy")
@@ -320,10 +388,11 @@ class GRPOTrainer(DriverBase):
         starts, lengths = batch["prompt_lengths"].tolist(), batch["response_lengths"].tolist()
         for i in range(min(count, len(batch))):
             row = batch["input_ids"][i].tolist()
-            prompt = self.tokenizer.decode(row[:starts[i]], skip_special_tokens=False)
-            response = self.tokenizer.decode(row[starts[i]:starts[i] + lengths[i]], skip_special_tokens=False)
-            logger.info("val sample %d: %r -> %r (score %g, truth %r)", i, prompt, response, scores[i],
-                        batch["ground_truth"][i])
+            prompt = self.tokenizer.decode(row[: starts[i]], skip_special_tokens=False)
+            response = self.tokenizer.decode(row[starts[i] : starts[i] + lengths[i]], skip_special_tokens=False)
+            logger.info(
+                "val sample %d: %r -> %r (score %g, truth %r)", i, prompt, response, scores[i], batch["ground_truth"][i]
+            )
 
     def before_training(self, tracker: Tracking) -> dict:
         """verl's ``trainer.val_before_train``: held-out accuracy of the initial policy at step 0."""
@@ -336,9 +405,12 @@ class GRPOTrainer(DriverBase):
 
     def summarize(self, *, first: dict, last: dict, first_val: dict, last_val: dict) -> dict:
         """First/final train reward and held-out accuracy before/after training."""
-        return {"first_reward": first.get("reward/mean"), "final_reward": last.get("reward/mean"),
-                "initial_val_accuracy": first_val.get("val/accuracy"),
-                "final_val_accuracy": last_val.get("val/accuracy")}
+        return {
+            "first_reward": first.get("reward/mean"),
+            "final_reward": last.get("reward/mean"),
+            "initial_val_accuracy": first_val.get("val/accuracy"),
+            "final_val_accuracy": last_val.get("val/accuracy"),
+        }
 
 
 def format_summary(summary: dict) -> str:

@@ -39,8 +39,13 @@ def resolve_data_files(config: SFTConfig) -> tuple[list | str, list | str | None
     val = os.path.join(out_dir, "sft_val.parquet")
     if not (os.path.exists(train) and os.path.exists(val)):
         logger.info("data.train_files is null: generating the synthetic task into %s", out_dir)
-        write_dataset(out_dir=out_dir, num_train=d.synthetic.num_train, num_val=d.synthetic.num_val,
-                      seed=d.synthetic.seed, progress=True)
+        write_dataset(
+            out_dir=out_dir,
+            num_train=d.synthetic.num_train,
+            num_val=d.synthetic.num_val,
+            seed=d.synthetic.seed,
+            progress=True,
+        )
     return train, (d.val_files if d.val_files is not None else val)
 
 
@@ -49,42 +54,66 @@ class SFTTrainer(DriverBase):
 
     def __init__(self, cfg) -> None:
         self.config = config = validate_sft(cfg)
-        self.setup_run(cfg, trainer=config.trainer, sp_size=config.ulysses_sequence_parallel_size,
-                       model=config.model, balance=config.balance)
+        self.setup_run(
+            cfg,
+            trainer=config.trainer,
+            sp_size=config.ulysses_sequence_parallel_size,
+            model=config.model,
+            balance=config.balance,
+        )
         train_files, val_files = resolve_data_files(config)
         dataset_config = config.data.dataset_config()
         self.train_set = SFTDataset(files=train_files, tokenizer=self.tokenizer, config=dataset_config)
-        self.val_set = (SFTDataset(files=val_files, tokenizer=self.tokenizer, config=dataset_config)
-                        if val_files else None)
+        self.val_set = (
+            SFTDataset(files=val_files, tokenizer=self.tokenizer, config=dataset_config) if val_files else None
+        )
         if config.data.use_dynamic_bsz and config.balance.overlong == "error":
             # Every length is known at load time: an over-long sample fails now, naming its file and
             # row, instead of at the step whose plan first meets it.
             for dataset in (self.train_set, self.val_set):
                 if dataset is not None:
-                    dataset.check_token_cap(config.data.max_token_len_per_gpu, sp_size=self.sp,
-                                            key="data.max_token_len_per_gpu")
+                    dataset.check_token_cap(
+                        config.data.max_token_len_per_gpu, sp_size=self.sp, key="data.max_token_len_per_gpu"
+                    )
         self.setup_loader(self.train_set, batch_size=config.data.train_batch_size, shuffle=config.data.shuffle)
         self.token_cap = config.data.max_token_len_per_gpu if config.data.use_dynamic_bsz else None
         check_profile_steps(trainer=config.trainer, total_steps=self.total_steps)
         # One driver step is one engine train step, so trainer.profile_steps map one to one.
         engine_config = build_engine_config(
-            optim=config.optim, loss_agg_mode=config.loss_agg_mode, loss_scale_factor=config.loss_scale_factor,
-            param_dtype=config.model.param_dtype, seed=config.trainer.seed, total_steps=self.total_steps,
-            keys=SFT_ENGINE_KEYS, fsdp=config.model.fsdp_config, profile_steps=config.trainer.profile_steps,
-            profile_dir=config.trainer.profile_path)
+            optim=config.optim,
+            loss_agg_mode=config.loss_agg_mode,
+            loss_scale_factor=config.loss_scale_factor,
+            param_dtype=config.model.param_dtype,
+            seed=config.trainer.seed,
+            total_steps=self.total_steps,
+            keys=SFT_ENGINE_KEYS,
+            fsdp=config.model.fsdp_config,
+            profile_steps=config.trainer.profile_steps,
+            profile_dir=config.trainer.profile_path,
+        )
         self.start_workers(
-            worker_config=ActorWorkerConfig(model=self.model_config, engine=engine_config, sp_size=self.sp,
-                                            **self.export_options()),
-            description=(f"{config.model.describe(self.model_config)}; {len(self.train_set)} train samples, "
-                         f"{self.total_steps} steps"))
+            worker_config=ActorWorkerConfig(
+                model=self.model_config, engine=engine_config, sp_size=self.sp, **self.export_options()
+            ),
+            description=(
+                f"{config.model.describe(self.model_config)}; {len(self.train_set)} train samples, "
+                f"{self.total_steps} steps"
+            ),
+        )
 
     # ------------------------------------------------------------------ steps
     def plan_mini_batch(self, batch: Batch):
         """The BalancePlan of one global mini-batch (DP ranks x micro-batches)."""
-        return plan_batch(batch, dp_size=self.dp, sp_size=self.sp,
-                          micro_batch_size=self.config.data.micro_batch_size_per_gpu, token_cap=self.token_cap,
-                          balance=self.config.balance.enable, workload=self.workload,
-                          overlong=self.config.balance.overlong)
+        return plan_batch(
+            batch,
+            dp_size=self.dp,
+            sp_size=self.sp,
+            micro_batch_size=self.config.data.micro_batch_size_per_gpu,
+            token_cap=self.token_cap,
+            balance=self.config.balance.enable,
+            workload=self.workload,
+            overlong=self.config.balance.overlong,
+        )
 
     def train_step(self, tensors: dict) -> dict:
         """One optimizer step on one global mini-batch; returns the step's metrics."""
@@ -95,8 +124,14 @@ class SFTTrainer(DriverBase):
         metrics = {**reduce_rank_metrics(per_rank, prefix="train/"), **plan_metrics(plan)}
         elapsed = time.perf_counter() - start
         tokens = int(batch["attention_mask"].sum())
-        metrics.update({"timing_s/step": elapsed, "perf/tokens_per_s": tokens / elapsed,
-                        "perf/tokens": tokens, "train/epoch": float(self.loader.epoch)})
+        metrics.update(
+            {
+                "timing_s/step": elapsed,
+                "perf/tokens_per_s": tokens / elapsed,
+                "perf/tokens": tokens,
+                "train/epoch": float(self.loader.epoch),
+            }
+        )
         return metrics
 
     def evaluate(self) -> dict:
