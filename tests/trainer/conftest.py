@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,31 @@ def compose_config(name: str, overrides: list[str]):
     register_schemas()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         return compose(config_name=name, overrides=overrides)
+
+
+def train_sft(overrides: list[str], *, stop_after: int | None = None) -> list[dict]:
+    """Run the SFT recipe with ``overrides``; with ``stop_after=k`` a Ctrl-C arrives during step k
+    (handled after it: save, exit). Returns the run's metrics records."""
+    from verl_balance.trainer.sft_trainer import SFTTrainer
+    from verl_balance.utils.tracking import read_metrics
+
+    cfg = compose_config("sft", overrides)
+    trainer = SFTTrainer(cfg)
+    if stop_after is not None:
+        step = trainer.train_step
+
+        def train_step_then_interrupt(tensors):
+            metrics = step(tensors)
+            if trainer.global_step + 1 == stop_after:
+                os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C does: handled after this step
+            return metrics
+
+        trainer.train_step = train_step_then_interrupt
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
+    return read_metrics(os.path.join(cfg.trainer.default_local_dir, "metrics.jsonl"))
 
 
 @pytest.fixture

@@ -12,13 +12,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 
 import numpy as np
 import pytest
 import torch
 
-from tests.trainer.conftest import compose_config
+from tests.trainer.conftest import compose_config, train_sft
 from verl_balance.trainer.config import ConfigError, validate_sft
 from verl_balance.utils.tracking import read_metrics
 
@@ -47,28 +46,6 @@ def _sft_overrides(model_dir: str, root) -> list[str]:
         "optim.lr=3e-3",
         "optim.warmup_steps_ratio=0.0",
     ]
-
-
-def _train_sft(overrides, *, stop_after: int | None = None) -> list[dict]:
-    from verl_balance.trainer.sft_trainer import SFTTrainer
-
-    cfg = compose_config("sft", overrides)
-    trainer = SFTTrainer(cfg)
-    if stop_after is not None:
-        step = trainer.train_step
-
-        def train_step_then_interrupt(tensors):
-            metrics = step(tensors)
-            if trainer.global_step + 1 == stop_after:
-                os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C does: handled after this step
-            return metrics
-
-        trainer.train_step = train_step_then_interrupt
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
-    return read_metrics(os.path.join(cfg.trainer.default_local_dir, "metrics.jsonl"))
 
 
 # ---------------------------------------------------------------------- start-up checks (no Ray)
@@ -244,10 +221,10 @@ def hf_resume_runs(ray_cluster, tiny_qwen2, tmp_path_factory):
         "trainer.save_freq=2",
         "trainer.save_hf_model=true",
     ]
-    straight = _train_sft(base + [f"trainer.default_local_dir={root / 'straight'}", "trainer.resume_mode=disable"])
+    straight = train_sft(base + [f"trainer.default_local_dir={root / 'straight'}", "trainer.resume_mode=disable"])
     resumed_dir = root / "resumed"
-    first = _train_sft(base + [f"trainer.default_local_dir={resumed_dir}", "trainer.resume_mode=auto"], stop_after=2)
-    resumed = _train_sft(base + [f"trainer.default_local_dir={resumed_dir}", "trainer.resume_mode=auto"])
+    first = train_sft(base + [f"trainer.default_local_dir={resumed_dir}", "trainer.resume_mode=auto"], stop_after=2)
+    resumed = train_sft(base + [f"trainer.default_local_dir={resumed_dir}", "trainer.resume_mode=auto"])
     return {"root": root, "straight": straight, "first": first, "resumed": resumed}
 
 
@@ -353,7 +330,7 @@ def test_save_hf_model_writes_a_builtin_model_as_llama_with_its_logits(ray_clust
     from verl_balance.export import export_checkpoint, load_checkpoint_model_state, recorded_model_config
     from verl_balance.models import LlamaForCausalLM, ModelConfig
 
-    _train_sft(
+    train_sft(
         [
             "trainer.device=cpu",
             "model.name=tiny",

@@ -10,42 +10,17 @@ uninterrupted run of the same config.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from tests.trainer.conftest import compose_config
+from tests.trainer.conftest import compose_config, train_sft
 from verl_balance.data.io import MalformedRowError
 from verl_balance.trainer.config import ConfigError, validate_sft
-from verl_balance.utils.tracking import read_metrics
 
 pytestmark = pytest.mark.slow
-
-
-def _train(overrides, *, stop_after: int | None = None) -> list[dict]:
-    from verl_balance.trainer.sft_trainer import SFTTrainer
-
-    cfg = compose_config("sft", overrides)
-    trainer = SFTTrainer(cfg)
-    if stop_after is not None:
-        step = trainer.train_step
-
-        def train_step_then_interrupt(tensors):
-            metrics = step(tensors)
-            if trainer.global_step + 1 == stop_after:
-                os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C does: handled after this step
-            return metrics
-
-        trainer.train_step = train_step_then_interrupt
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
-    return read_metrics(os.path.join(cfg.trainer.default_local_dir, "metrics.jsonl"))
 
 
 def test_cli_overrides_reach_the_workers(ray_cluster, tiny_sft_overrides):
@@ -80,7 +55,7 @@ def test_cli_overrides_reach_the_workers(ray_cluster, tiny_sft_overrides):
 
 
 def test_short_sft_run_lowers_the_loss(ray_cluster, tiny_sft_overrides):
-    records = _train(
+    records = train_sft(
         tiny_sft_overrides
         + [
             "trainer.n_gpus_per_node=2",
@@ -100,7 +75,7 @@ def test_loss_curve_is_identical_on_4x1_2x2_1x4_with_dynamic_bsz(ray_cluster, ti
     curves = {}
     for dp, sp in ((4, 1), (2, 2), (1, 4)):
         overrides = [o for o in tiny_sft_overrides if not o.startswith("trainer.default_local_dir")]
-        records = _train(
+        records = train_sft(
             overrides
             + [
                 f"trainer.default_local_dir={tiny_sft_overrides[-2].split('=', 1)[1]}_dp{dp}_sp{sp}",
@@ -122,12 +97,12 @@ def test_loss_curve_is_identical_on_4x1_2x2_1x4_with_dynamic_bsz(ray_cluster, ti
 def test_resume_after_ctrl_c_continues_the_curve_exactly(ray_cluster, tiny_sft_overrides, tmp_path):
     base = [o for o in tiny_sft_overrides if not o.startswith(("trainer.default_local_dir", "trainer.resume_mode"))]
     base += ["trainer.n_gpus_per_node=2", "trainer.total_training_steps=4", "optim.lr=3e-3"]
-    straight = _train(base + [f"trainer.default_local_dir={tmp_path / 'straight'}", "trainer.resume_mode=disable"])
+    straight = train_sft(base + [f"trainer.default_local_dir={tmp_path / 'straight'}", "trainer.resume_mode=disable"])
     resumed_dir = tmp_path / "resumed"
-    first = _train(base + [f"trainer.default_local_dir={resumed_dir}", "trainer.resume_mode=auto"], stop_after=2)
+    first = train_sft(base + [f"trainer.default_local_dir={resumed_dir}", "trainer.resume_mode=auto"], stop_after=2)
     assert [r["step"] for r in first] == [1, 2], "Ctrl-C must stop after the current step"
     assert (resumed_dir / "latest_checkpointed_iteration.txt").read_text() == "2"
-    resumed = _train(base + [f"trainer.default_local_dir={resumed_dir}", "trainer.resume_mode=auto"])
+    resumed = train_sft(base + [f"trainer.default_local_dir={resumed_dir}", "trainer.resume_mode=auto"])
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     np.testing.assert_allclose([r["train/loss"] for r in resumed], [r["train/loss"] for r in straight], rtol=1e-6)
     np.testing.assert_allclose(
