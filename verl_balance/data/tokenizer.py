@@ -169,7 +169,7 @@ class HFTokenizer:
         except ImportError as err:
             raise TokenizerError(
                 f"tokenizer {path!r} is a Hugging Face tokenizer but `transformers` is not installed; "
-                "install it (pip install 'verl-balance[hf]') or use tokenizer 'byte'"
+                "install it (pip install transformers, a dependency of verl-balance) or use tokenizer 'byte'"
             ) from err
         self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
         self._path = path
