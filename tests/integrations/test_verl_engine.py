@@ -53,7 +53,8 @@ def _tensordict(samples, *, global_batch_size: int, max_token_len_per_gpu: int):
                          "temperature": 1.0, "global_batch_size": global_batch_size, "pad_mode": "no_padding"})
 
 
-def _train_one_step(rank: int, *, model_dir: str, strategy: str, sp: int, corrupt_backward_scale: bool = False):
+def _train_one_step(rank: int, *, model_dir: str, strategy: str, sp: int, corrupt_backward_scale: bool = False,
+                    checkpoint_dir: str | None = None):
     """One verl train_batch on this rank's DP chunk; returns loss, grad_norm (None off verl's output
     ranks, as verl's engines do), metric keys and the log-probs of a following infer_batch."""
     import torch
@@ -77,9 +78,14 @@ def _train_one_step(rank: int, *, model_dir: str, strategy: str, sp: int, corrup
                                                           "buffer_dtype": "fp32"})
     else:
         engine_config = verl_engine.VerlBalanceEngineConfig(ulysses_sequence_parallel_size=sp)
-    engine = EngineRegistry.new(model_type="language_model", backend=strategy, model_config=model_config,
-                                engine_config=engine_config, optimizer_config=optim, checkpoint_config=None)
-    engine.initialize()
+
+    def new_engine():
+        built = EngineRegistry.new(model_type="language_model", backend=strategy, model_config=model_config,
+                                   engine_config=engine_config, optimizer_config=optim, checkpoint_config=None)
+        built.initialize()
+        return built
+
+    engine = new_engine()
     if corrupt_backward_scale:
         # Negative control: drop the G / dp factor (the SP-scaled gradient bug).
         engine._backward_scale = lambda: 1.0
@@ -101,7 +107,22 @@ def _train_one_step(rank: int, *, model_dir: str, strategy: str, sp: int, corrup
         infer = engine.infer_batch(_tensordict(mine, global_batch_size=len(samples), max_token_len_per_gpu=48),
                                    loss_function=None)
     log_probs = [t.detach().numpy() for t in infer["model_output"]["log_probs"].unbind()]
-    return {"loss": loss, "grad_norm": out["metrics"].get("grad_norm"), "metrics": sorted(out["metrics"]),
+    params = {name: t.detach().cpu().double().numpy() for name, t in engine.get_per_tensor_param()[0]}
+    result = {"params": params}
+    if checkpoint_dir is not None:
+        # Round trip: a fresh engine loaded from the checkpoint takes the same second step.
+        engine.save_checkpoint(checkpoint_dir, global_step=1)
+        restored = new_engine()
+        restored.load_checkpoint(checkpoint_dir)
+        second = []
+        for e in (engine, restored):
+            with e.train_mode():
+                again = e.train_batch(_tensordict(mine, global_batch_size=len(samples), max_token_len_per_gpu=48),
+                                      loss_function=loss_fn)
+            second.append((sum(again["loss"]), {n: t.detach().cpu().double().numpy()
+                                              for n, t in e.get_per_tensor_param()[0]}))
+        result["second_step"] = second
+    return result | {"loss": loss, "grad_norm": out["metrics"].get("grad_norm"), "metrics": sorted(out["metrics"]),
             "log_probs": log_probs, "dp_rank": dp_rank}
 
 
@@ -127,15 +148,42 @@ def _check_log_probs(reference, results, sp: int):
             np.testing.assert_allclose(got[:-1], want[:-1], rtol=1e-4, atol=1e-5)
 
 
+def _check_params(reference, params):
+    assert sorted(params) == sorted(reference["params"])  # the HF names verl's rollout sync expects
+    for name, value in params.items():
+        # Adam's first update is about lr * sign(g): an entry whose gradient is ~0 may move by a fraction of
+        # lr (1e-3) on rounding alone; the gradient itself is compared through grad_norm (rtol 1e-5).
+        np.testing.assert_allclose(value, reference["params"][name], rtol=1e-5, atol=5e-5, err_msg=name)
+
+
 @pytest.mark.slow
-def test_dp2_loss_grad_norm_and_log_probs_equal_verls_fsdp2_engine_at_dp1(model_dir):
+def test_dp2_loss_grad_norm_log_probs_and_weights_equal_verls_fsdp2_engine_at_dp1_and_checkpoint_round_trips(
+        model_dir, tmp_path):
     reference = _reference(model_dir)
-    results = _ours(model_dir, world=2, sp=1)
+    results = _ours(model_dir, world=2, sp=1, checkpoint_dir=str(tmp_path / "ckpt"))
     for r in results:
         assert r["loss"] == pytest.approx(reference["loss"], rel=1e-5)
         assert r["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
         assert "verl_balance/imbalance" in r["metrics"] and "verl_balance/naive_imbalance" in r["metrics"]
+        _check_params(reference, r["params"])
+        (loss_kept, params_kept), (loss_restored, params_restored) = r["second_step"]
+        assert loss_restored == pytest.approx(loss_kept, rel=1e-6)
+        for name, value in params_kept.items():
+            np.testing.assert_allclose(params_restored[name], value, rtol=1e-6, atol=1e-7, err_msg=name)
     _check_log_probs(reference, results, sp=1)
+
+
+@pytest.mark.slow
+def test_dp2_sp2_loss_grad_norm_and_log_probs_equal_verls_fsdp2_engine_at_dp1(model_dir):
+    reference = _reference(model_dir)
+    results = _ours(model_dir, world=4, sp=2)
+    assert [r["grad_norm"] is not None for r in results] == [True, False, True, False]
+    for r in results:
+        assert r["loss"] == pytest.approx(reference["loss"], rel=1e-5)
+        if r["grad_norm"] is not None:
+            assert r["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
+    _check_params(reference, results[0]["params"])
+    _check_log_probs(reference, results, sp=2)
 
 
 @pytest.mark.slow
@@ -146,6 +194,7 @@ def test_sp2_loss_and_grad_norm_equal_verls_fsdp2_engine_at_dp1_with_negative_co
     for r in results:
         assert r["loss"] == pytest.approx(reference["loss"], rel=1e-5)
     assert results[0]["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
+    _check_params(reference, results[0]["params"])
     _check_log_probs(reference, results, sp=2)
     # Without the G / dp backward factor the SP gradient is off by sp (the loss is not).
     broken = _ours(model_dir, world=2, sp=2, corrupt_backward_scale=True)

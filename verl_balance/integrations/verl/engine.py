@@ -103,6 +103,12 @@ def _our_engine_config(engine_config: VerlBalanceEngineConfig, optimizer_config)
                                                                                  None) or "constant"
     total = getattr(optimizer_config, "total_training_steps", None)
     warmup_ratio = getattr(optimizer_config, "lr_warmup_steps_ratio", 0.0) or 0.0
+    warmup_steps = getattr(optimizer_config, "lr_warmup_steps", None)
+    if warmup_steps is not None and warmup_steps > 0:
+        if not (total and total > 0):
+            raise VerlBalanceEngineConfigError(
+                f"optim.lr_warmup_steps={warmup_steps} needs optim.total_training_steps > 0 (got {total})")
+        warmup_ratio = warmup_steps / total
     optim = OptimConfig(lr=float(optimizer_config.lr), weight_decay=float(optimizer_config.weight_decay),
                         betas=list(optimizer_config.betas), clip_grad=optimizer_config.clip_grad,
                         warmup_steps_ratio=float(warmup_ratio), lr_scheduler=scheduler,
