@@ -53,8 +53,44 @@ def _tensordict(samples, *, global_batch_size: int, max_token_len_per_gpu: int):
                          "temperature": 1.0, "global_batch_size": global_batch_size, "pad_mode": "no_padding"})
 
 
+def _ppo_tensordict(vocab: int, *, loss_agg_mode: str, dp: int, dp_rank: int):
+    """verl's PPO actor input for this DP rank: left-padded prompts, right-padded responses,
+    ``old_log_probs``/``advantages``, converted by verl's own ``left_right_2_no_padding``."""
+    import torch
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.utils.padding import left_right_2_no_padding
+
+    rng = np.random.default_rng(11)
+    prompt_width, response_width = 8, 20
+    prompt_lens = rng.integers(2, prompt_width + 1, size=NUM_SAMPLES)
+    response_lens = rng.integers(1, response_width + 1, size=NUM_SAMPLES)
+    prompts = torch.zeros(NUM_SAMPLES, prompt_width, dtype=torch.long)
+    responses = torch.zeros(NUM_SAMPLES, response_width, dtype=torch.long)
+    attention_mask = torch.zeros(NUM_SAMPLES, prompt_width + response_width, dtype=torch.long)
+    for i, (p, r) in enumerate(zip(prompt_lens, response_lens)):
+        prompts[i, prompt_width - p:] = torch.as_tensor(rng.integers(3, vocab, size=p))
+        responses[i, :r] = torch.as_tensor(rng.integers(3, vocab, size=r))
+        attention_mask[i, prompt_width - p:prompt_width + r] = 1
+    response_mask = attention_mask[:, prompt_width:].clone()
+    position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
+    old_log_probs = torch.as_tensor(rng.normal(-6.0, 0.3, size=(NUM_SAMPLES, response_width)), dtype=torch.float32)
+    advantages = torch.as_tensor(rng.normal(0.0, 1.0, size=(NUM_SAMPLES, response_width)), dtype=torch.float32)
+    rows = list(range(dp_rank, NUM_SAMPLES, dp))
+    data = tu.get_tensordict(
+        tensor_dict={"input_ids": torch.cat([prompts, responses], 1)[rows], "prompts": prompts[rows],
+                     "responses": responses[rows], "attention_mask": attention_mask[rows],
+                     "response_mask": response_mask[rows], "position_ids": position_ids[rows],
+                     "old_log_probs": old_log_probs[rows] * response_mask[rows],
+                     "advantages": advantages[rows] * response_mask[rows]},
+        non_tensor_dict={"use_remove_padding": False, "use_dynamic_bsz": True, "max_token_len_per_gpu": 40,
+                         "micro_batch_size_per_gpu": None, "temperature": 1.0, "global_batch_size": NUM_SAMPLES,
+                         "pad_mode": "no_padding", "calculate_entropy": False})
+    return left_right_2_no_padding(data)
+
+
 def _train_one_step(rank: int, *, model_dir: str, strategy: str, sp: int, corrupt_backward_scale: bool = False,
-                    checkpoint_dir: str | None = None):
+                    corrupt_token_count: bool = False, checkpoint_dir: str | None = None,
+                    ppo_loss_agg_mode: str | None = None):
     """One verl train_batch on this rank's DP chunk; returns loss, grad_norm (None off verl's output
     ranks, as verl's engines do), metric keys and the log-probs of a following infer_batch."""
     import torch
@@ -89,6 +125,9 @@ def _train_one_step(rank: int, *, model_dir: str, strategy: str, sp: int, corrup
     if corrupt_backward_scale:
         # Negative control: drop the G / dp factor (the SP-scaled gradient bug).
         engine._backward_scale = lambda: 1.0
+    if corrupt_token_count:
+        # Negative control: normalise by this rank's loss tokens instead of the DP group's.
+        engine._global_loss_tokens = lambda data: float(data["loss_mask"].values().sum())
     vocab = model_config.hf_config.vocab_size
     samples = _samples(vocab)
     world = dist.get_world_size()
@@ -97,6 +136,20 @@ def _train_one_step(rank: int, *, model_dir: str, strategy: str, sp: int, corrup
     mine = samples[dp_rank::dp]
     data = _tensordict(mine, global_batch_size=len(samples), max_token_len_per_gpu=48)
     loss_fn = functools.partial(sft_loss, config=None)
+    if ppo_loss_agg_mode is not None:
+        from verl.workers.config import FSDPActorConfig
+        from verl.workers.utils.losses import ppo_loss
+
+        actor = FSDPActorConfig(strategy="fsdp2", rollout_n=1, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=40,
+                                ppo_mini_batch_size=NUM_SAMPLES, loss_agg_mode=ppo_loss_agg_mode)
+        with engine.train_mode():
+            out = engine.train_batch(_ppo_tensordict(vocab, loss_agg_mode=ppo_loss_agg_mode, dp=dp, dp_rank=dp_rank),
+                                     loss_function=functools.partial(ppo_loss, config=actor))
+        # verl's Metric for pg_loss sums its micro-batches (global normalizers); DP ranks are averaged.
+        pg_loss = torch.tensor(out["metrics"]["actor/pg_loss"].aggregate(), dtype=torch.float64)
+        dist.all_reduce(pg_loss)
+        return {"pg_loss": pg_loss.item() / world, "grad_norm": out["metrics"].get("grad_norm"),
+                "metrics": sorted(out["metrics"])}
     with engine.train_mode():
         out = engine.train_batch(data, loss_function=loss_fn)
     # verl's TrainingWorker logs sum(micro-batch losses) averaged over the DP group.
@@ -171,6 +224,8 @@ def test_dp2_loss_grad_norm_log_probs_and_weights_equal_verls_fsdp2_engine_at_dp
         for name, value in params_kept.items():
             np.testing.assert_allclose(params_restored[name], value, rtol=1e-6, atol=1e-7, err_msg=name)
     _check_log_probs(reference, results, sp=1)
+    broken = _ours(model_dir, world=2, sp=1, corrupt_token_count=True)
+    assert broken[0]["loss"] != pytest.approx(reference["loss"], rel=1e-3)
 
 
 @pytest.mark.slow
@@ -217,3 +272,15 @@ def test_backend_is_registered_for_cpu_and_cuda():
     registry = EngineRegistry._engines["language_model"]["verl_balance"]
     assert registry["cpu"] is VerlBalanceEngine and registry["cuda"] is VerlBalanceEngine
 
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-mean"])
+def test_ppo_loss_dp2_pg_loss_and_grad_norm_equal_verls_fsdp2_engine_at_dp1(model_dir, loss_agg_mode):
+    (reference,) = run_on_ranks(functools.partial(_train_one_step, model_dir=model_dir, strategy="fsdp2", sp=1,
+                                                  ppo_loss_agg_mode=loss_agg_mode), world=1)
+    results = _ours(model_dir, world=2, sp=1, ppo_loss_agg_mode=loss_agg_mode)
+    for r in results:
+        assert r["pg_loss"] == pytest.approx(reference["pg_loss"], rel=1e-5)
+        assert r["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
+        assert "verl_balance/imbalance" in r["metrics"]

@@ -43,6 +43,7 @@ require_verl()
 
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.utils.device import get_device_name  # noqa: E402
+from verl.utils.py_functional import append_to_dict  # noqa: E402
 from verl.workers.config import EngineConfig as VerlEngineConfig  # noqa: E402
 from verl.workers.engine.base import BaseEngine, EngineRegistry  # noqa: E402
 
@@ -290,6 +291,15 @@ class VerlBalanceEngine(BaseEngine):
                 gather_and_unpad(entropy, group=group, length=packed.total_len), offsets)
         return out
 
+    def _global_loss_tokens(self, data) -> float:
+        """verl's ``batch_num_tokens``: loss-mask tokens of the whole mini-batch (SUM over the DP group;
+        SP ranks hold the same rows, so the SP group is not summed)."""
+        mask = data["loss_mask"] if "loss_mask" in data.keys() else data["response_mask"]
+        local = mask.values().sum() if mask.is_nested else mask.sum()
+        total = local.to(self.layout.device, torch.float32).reshape(1)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.get_data_parallel_group())
+        return total.item()
+
     def _backward_scale(self) -> float:
         """G / dp: verl's loss undoes FSDP's average over dp only; ours averages over dp * sp ranks,
         and the Ulysses gather back-propagates each rank's token slice alone."""
@@ -300,14 +310,8 @@ class VerlBalanceEngine(BaseEngine):
         tu.assign_non_tensor(data, sp_size=self.layout.sp)
         return_model_output = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
         calculate_entropy = bool(tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False))
-        if "loss_mask" in data.keys():
-            num_tokens = data["loss_mask"].values().sum() if data["loss_mask"].is_nested else data["loss_mask"].sum()
-        else:
-            num_tokens = data["response_mask"].sum()
-        num_tokens = num_tokens.to(self.layout.device, torch.float32).reshape(1)
         dp_group = self.get_data_parallel_group()
-        dist.all_reduce(num_tokens, op=dist.ReduceOp.SUM, group=dp_group)
-        tu.assign_non_tensor(data, batch_num_tokens=num_tokens.item(), dp_size=self.layout.dp)
+        tu.assign_non_tensor(data, batch_num_tokens=self._global_loss_tokens(data), dp_size=self.layout.dp)
         micro, balance_metrics = self._plan(data)
         backward_scale = self._backward_scale()
         model = self.engine.model
@@ -332,8 +336,7 @@ class VerlBalanceEngine(BaseEngine):
             if is_filler:
                 continue
             losses.append(float(loss.detach()))
-            for key, value in mb_metrics.items():
-                metrics.setdefault(key, []).append(value)
+            append_to_dict(metrics, mb_metrics)  # verl's own merge (keeps its Metric aggregation types)
             if forward_only or return_model_output:
                 for key, value in model_output.items():
                     outputs.setdefault(key, []).extend(t.detach() for t in value.unbind())
