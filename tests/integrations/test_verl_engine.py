@@ -284,3 +284,20 @@ def test_ppo_loss_dp2_pg_loss_and_grad_norm_equal_verls_fsdp2_engine_at_dp1(mode
         assert r["pg_loss"] == pytest.approx(reference["pg_loss"], rel=1e-5)
         assert r["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
         assert "verl_balance/imbalance" in r["metrics"]
+
+
+def test_main_ppo_fsdp_engine_config_maps_to_the_backend_config():
+    from verl.workers.config import FSDPEngineConfig
+
+    from verl_balance.integrations.verl.engine import VerlBalanceEngineConfigError, as_verl_balance_config
+
+    fsdp = FSDPEngineConfig(strategy="fsdp2", ulysses_sequence_parallel_size=2, seed=3)
+    object.__setattr__(fsdp, "strategy", "verl_balance")  # what FSDPActorConfig does with actor.strategy
+    ours = as_verl_balance_config(fsdp)
+    assert (ours.ulysses_sequence_parallel_size, ours.seed, ours.param_dtype) == (2, 3, "bfloat16")  # verl: bf16
+    fp32 = FSDPEngineConfig(strategy="fsdp2", mixed_precision={"param_dtype": "fp32"})
+    assert as_verl_balance_config(fp32).param_dtype == "float32"
+    with pytest.raises(VerlBalanceEngineConfigError, match="param_dtype"):
+        as_verl_balance_config(FSDPEngineConfig(strategy="fsdp2", mixed_precision={"param_dtype": "fp16"}))
+    with pytest.raises(VerlBalanceEngineConfigError, match="offload"):
+        as_verl_balance_config(FSDPEngineConfig(strategy="fsdp2", param_offload=True))

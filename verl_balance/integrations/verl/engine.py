@@ -55,7 +55,8 @@ from verl_balance.engine.train_engine import TrainEngine  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BACKEND", "VerlBalanceEngine", "VerlBalanceEngineConfig", "VerlBalanceEngineConfigError"]
+__all__ = ["BACKEND", "VerlBalanceEngine", "VerlBalanceEngineConfig", "VerlBalanceEngineConfigError",
+           "as_verl_balance_config"]
 
 BACKEND = "verl_balance"
 WORKLOADS = ("flops", "tokens")
@@ -98,6 +99,34 @@ class VerlBalanceEngineConfig(VerlEngineConfig):
                 f"engine.ulysses_sequence_parallel_size={self.ulysses_sequence_parallel_size!r} must be an int >= 1")
 
 
+def as_verl_balance_config(engine_config) -> VerlBalanceEngineConfig:
+    """The backend's config from any verl ``EngineConfig``: returned as is when it already is one; an
+    ``FSDPEngineConfig`` (what ``main_ppo``'s ``actor.fsdp_config`` builds, its strategy then set to
+    ``verl_balance``) maps its shared keys, and its ``mixed_precision.param_dtype`` (verl's default
+    bf16) to ``param_dtype``."""
+    if isinstance(engine_config, VerlBalanceEngineConfig):
+        return engine_config
+    if not isinstance(engine_config, VerlEngineConfig):
+        raise VerlBalanceEngineConfigError(
+            f"engine config is a {type(engine_config).__name__}; strategy={BACKEND!r} needs a verl EngineConfig, "
+            "e.g. engine._target_=verl_balance.integrations.verl.engine.VerlBalanceEngineConfig")
+    mixed = dict(getattr(engine_config, "mixed_precision", None) or {})
+    dtype = str(mixed.get("param_dtype", "bf16")).lower()
+    dtypes = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
+    if dtype not in dtypes:
+        raise VerlBalanceEngineConfigError(
+            f"engine.mixed_precision.param_dtype={dtype!r}; the verl_balance backend supports {sorted(dtypes)}")
+    if getattr(engine_config, "param_offload", False) or getattr(engine_config, "optimizer_offload", False):
+        raise VerlBalanceEngineConfigError("engine.param_offload / engine.optimizer_offload: offload is not "
+                                           "implemented by the verl_balance backend; set both to false")
+    shared = ("forward_only", "use_dynamic_bsz", "max_token_len_per_gpu", "micro_batch_size_per_gpu",
+              "infer_max_token_len_per_gpu", "infer_micro_batch_size_per_gpu", "use_fused_kernels",
+              "use_remove_padding", "seed", "full_determinism", "ulysses_sequence_parallel_size",
+              "reshard_after_forward", "use_no_sync_for_gradient_accumulation")
+    kwargs = {key: getattr(engine_config, key) for key in shared if hasattr(engine_config, key)}
+    return VerlBalanceEngineConfig(param_dtype=dtypes[dtype], **kwargs)
+
+
 def _our_engine_config(engine_config: VerlBalanceEngineConfig, optimizer_config) -> EngineConfig:
     """verl's engine + optimizer configs -> verl_balance's EngineConfig (same optimizer semantics)."""
     scheduler = getattr(optimizer_config, "lr_scheduler_type", None) or getattr(optimizer_config, "warmup_style",
@@ -128,10 +157,7 @@ class VerlBalanceEngine(BaseEngine):
     def __init__(self, model_config, engine_config: VerlBalanceEngineConfig, optimizer_config,
                  checkpoint_config=None, **kwargs):
         super().__init__()
-        if not isinstance(engine_config, VerlBalanceEngineConfig):
-            raise VerlBalanceEngineConfigError(
-                f"engine config is a {type(engine_config).__name__}; strategy={BACKEND!r} needs "
-                f"engine._target_=verl_balance.integrations.verl.engine.VerlBalanceEngineConfig")
+        engine_config = as_verl_balance_config(engine_config)
         self.model_config, self.engine_config = model_config, engine_config
         self.optimizer_config, self.checkpoint_config = optimizer_config, checkpoint_config
         world = dist.get_world_size()
