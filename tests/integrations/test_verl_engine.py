@@ -113,7 +113,8 @@ def _train_one_step(rank: int, *, model_dir: str, strategy: str, sp: int, corrup
                                          mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32",
                                                           "buffer_dtype": "fp32"})
     else:
-        engine_config = verl_engine.VerlBalanceEngineConfig(ulysses_sequence_parallel_size=sp)
+        engine_config = verl_engine.VerlBalanceEngineConfig(ulysses_sequence_parallel_size=sp,
+                                                            mixed_precision={"param_dtype": "fp32"})
 
     def new_engine():
         built = EngineRegistry.new(model_type="language_model", backend=strategy, model_config=model_config,
@@ -294,9 +295,9 @@ def test_main_ppo_fsdp_engine_config_maps_to_the_backend_config():
     fsdp = FSDPEngineConfig(strategy="fsdp2", ulysses_sequence_parallel_size=2, seed=3)
     object.__setattr__(fsdp, "strategy", "verl_balance")  # what FSDPActorConfig does with actor.strategy
     ours = as_verl_balance_config(fsdp)
-    assert (ours.ulysses_sequence_parallel_size, ours.seed, ours.param_dtype) == (2, 3, "bfloat16")  # verl: bf16
+    assert (ours.ulysses_sequence_parallel_size, ours.seed, ours.param_dtype_name) == (2, 3, "bfloat16")  # verl: bf16
     fp32 = FSDPEngineConfig(strategy="fsdp2", mixed_precision={"param_dtype": "fp32"})
-    assert as_verl_balance_config(fp32).param_dtype == "float32"
+    assert as_verl_balance_config(fp32).param_dtype_name == "float32"
     with pytest.raises(VerlBalanceEngineConfigError, match="param_dtype"):
         as_verl_balance_config(FSDPEngineConfig(strategy="fsdp2", mixed_precision={"param_dtype": "fp16"}))
     with pytest.raises(VerlBalanceEngineConfigError, match="offload"):

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import torch
@@ -45,6 +45,7 @@ from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.utils.device import get_device_name  # noqa: E402
 from verl.utils.py_functional import append_to_dict  # noqa: E402
 from verl.workers.config import EngineConfig as VerlEngineConfig  # noqa: E402
+from verl.workers.config import FSDPEngineConfig  # noqa: E402
 from verl.workers.engine.base import BaseEngine, EngineRegistry  # noqa: E402
 
 from verl_balance.balance.plan import plan_balance  # noqa: E402
@@ -52,6 +53,7 @@ from verl_balance.distributed.layout import ParallelLayout  # noqa: E402
 from verl_balance.distributed.ulysses import gather_and_unpad  # noqa: E402
 from verl_balance.engine.config import EngineConfig, FSDPConfig, OptimConfig  # noqa: E402
 from verl_balance.engine.train_engine import TrainEngine  # noqa: E402
+from verl_balance.models.attention import ATTN_IMPLS  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -60,71 +62,74 @@ __all__ = ["BACKEND", "VerlBalanceEngine", "VerlBalanceEngineConfig", "VerlBalan
 
 BACKEND = "verl_balance"
 WORKLOADS = ("flops", "tokens")
-PARAM_DTYPES = ("float32", "bfloat16")
 
 
 class VerlBalanceEngineConfigError(ValueError):
     """A bad ``engine.*`` value for the verl_balance backend."""
 
 
-@dataclass
-class VerlBalanceEngineConfig(VerlEngineConfig):
-    """verl's ``EngineConfig`` plus what our engine needs (Hydra ``_target_`` of ``engine``)."""
+_PARAM_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
 
-    _mutable_fields = VerlEngineConfig._mutable_fields | {"ulysses_sequence_parallel_size"}
+
+@dataclass
+class VerlBalanceEngineConfig(FSDPEngineConfig):
+    """verl's ``FSDPEngineConfig`` keys (so verl's ``engine: fsdp`` YAML and ``actor.fsdp_config`` carry
+    over unchanged) plus this backend's own; the Hydra ``_target_`` of ``engine`` for the SFT trainers.
+
+    Read from the FSDP keys: ``ulysses_sequence_parallel_size``, ``seed``, ``reshard_after_forward``,
+    ``use_no_sync_for_gradient_accumulation``, ``mixed_precision.param_dtype`` (bf16 by default, as
+    verl; fp32 for exact parity). Offload is rejected; the other FSDP-only keys (wrap policy,
+    ``fsdp_size``, entropy chunking, ``pad_to_length``, ...) do not apply to this backend."""
 
     strategy: str = BACKEND
-    ulysses_sequence_parallel_size: int = 1
-    param_dtype: str = "float32"
-    """Parameter dtype of FSDP2's mixed precision ('float32' or 'bfloat16'); gradients reduce in fp32."""
     balance: bool = True
     """Plan micro-batches with verl_balance's planner (False: its naive contiguous plan)."""
     workload: str = "flops"
     """Cost model of a sample: 'flops' (the model's dimensions, quadratic attention) or 'tokens'."""
     attn_impl: str = "auto"
     """verl_balance's packed-attention implementation (see models/attention.py)."""
-    reshard_after_forward: bool = True
-    use_no_sync_for_gradient_accumulation: bool = False
 
     def __post_init__(self):
-        super().__post_init__()
+        VerlEngineConfig.__post_init__(self)  # FSDPEngineConfig's check admits only its own strategies
         if self.strategy != BACKEND:
             raise VerlBalanceEngineConfigError(f"engine.strategy={self.strategy!r}; this config is for {BACKEND!r}")
         if self.workload not in WORKLOADS:
             raise VerlBalanceEngineConfigError(f"engine.workload={self.workload!r}; valid: {list(WORKLOADS)}")
-        if self.param_dtype not in PARAM_DTYPES:
-            raise VerlBalanceEngineConfigError(f"engine.param_dtype={self.param_dtype!r}; valid: {list(PARAM_DTYPES)}")
+        if self.attn_impl not in ATTN_IMPLS:
+            raise VerlBalanceEngineConfigError(f"engine.attn_impl={self.attn_impl!r}; valid: {list(ATTN_IMPLS)}")
+        dtype = self.param_dtype_name  # validates mixed_precision.param_dtype
+        assert dtype in _PARAM_DTYPES.values()
+        if self.param_offload or self.optimizer_offload or self.offload_policy:
+            raise VerlBalanceEngineConfigError("engine.param_offload / optimizer_offload / offload_policy: offload "
+                                               "is not implemented by the verl_balance backend; set them to false")
         if not (isinstance(self.ulysses_sequence_parallel_size, int) and self.ulysses_sequence_parallel_size >= 1):
             raise VerlBalanceEngineConfigError(
                 f"engine.ulysses_sequence_parallel_size={self.ulysses_sequence_parallel_size!r} must be an int >= 1")
 
+    @property
+    def param_dtype_name(self) -> str:
+        """'float32' or 'bfloat16' from ``mixed_precision.param_dtype`` (verl's default: bf16)."""
+        dtype = str(dict(self.mixed_precision or {}).get("param_dtype", "bf16")).lower()
+        if dtype not in _PARAM_DTYPES:
+            raise VerlBalanceEngineConfigError(
+                f"engine.mixed_precision.param_dtype={dtype!r}; the verl_balance backend supports "
+                f"{sorted(_PARAM_DTYPES)}")
+        return _PARAM_DTYPES[dtype]
+
 
 def as_verl_balance_config(engine_config) -> VerlBalanceEngineConfig:
-    """The backend's config from any verl ``EngineConfig``: returned as is when it already is one; an
+    """The backend's config from a verl engine config: returned as is when it already is one; an
     ``FSDPEngineConfig`` (what ``main_ppo``'s ``actor.fsdp_config`` builds, its strategy then set to
-    ``verl_balance``) maps its shared keys, and its ``mixed_precision.param_dtype`` (verl's default
-    bf16) to ``param_dtype``."""
+    ``verl_balance`` by verl) is copied field by field."""
     if isinstance(engine_config, VerlBalanceEngineConfig):
         return engine_config
-    if not isinstance(engine_config, VerlEngineConfig):
+    if not isinstance(engine_config, FSDPEngineConfig):
         raise VerlBalanceEngineConfigError(
-            f"engine config is a {type(engine_config).__name__}; strategy={BACKEND!r} needs a verl EngineConfig, "
-            "e.g. engine._target_=verl_balance.integrations.verl.engine.VerlBalanceEngineConfig")
-    mixed = dict(getattr(engine_config, "mixed_precision", None) or {})
-    dtype = str(mixed.get("param_dtype", "bf16")).lower()
-    dtypes = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
-    if dtype not in dtypes:
-        raise VerlBalanceEngineConfigError(
-            f"engine.mixed_precision.param_dtype={dtype!r}; the verl_balance backend supports {sorted(dtypes)}")
-    if getattr(engine_config, "param_offload", False) or getattr(engine_config, "optimizer_offload", False):
-        raise VerlBalanceEngineConfigError("engine.param_offload / engine.optimizer_offload: offload is not "
-                                           "implemented by the verl_balance backend; set both to false")
-    shared = ("forward_only", "use_dynamic_bsz", "max_token_len_per_gpu", "micro_batch_size_per_gpu",
-              "infer_max_token_len_per_gpu", "infer_micro_batch_size_per_gpu", "use_fused_kernels",
-              "use_remove_padding", "seed", "full_determinism", "ulysses_sequence_parallel_size",
-              "reshard_after_forward", "use_no_sync_for_gradient_accumulation")
-    kwargs = {key: getattr(engine_config, key) for key in shared if hasattr(engine_config, key)}
-    return VerlBalanceEngineConfig(param_dtype=dtypes[dtype], **kwargs)
+            f"engine config is a {type(engine_config).__name__}; strategy={BACKEND!r} needs an FSDPEngineConfig "
+            "or engine._target_=verl_balance.integrations.verl.engine.VerlBalanceEngineConfig")
+    kwargs = {f.name: getattr(engine_config, f.name) for f in fields(FSDPEngineConfig)
+              if f.init and not f.name.startswith("_") and f.name != "strategy"}
+    return VerlBalanceEngineConfig(**kwargs)
 
 
 def _our_engine_config(engine_config: VerlBalanceEngineConfig, optimizer_config) -> EngineConfig:
@@ -146,7 +151,7 @@ def _our_engine_config(engine_config: VerlBalanceEngineConfig, optimizer_config)
     fsdp = FSDPConfig(reshard_after_forward=engine_config.reshard_after_forward,
                       defer_gradient_sync=engine_config.use_no_sync_for_gradient_accumulation)
     return EngineConfig(optim=optim, fsdp=fsdp, total_steps=total if total and total > 0 else None,
-                        param_dtype=engine_config.param_dtype, attn_impl=engine_config.attn_impl,
+                        param_dtype=engine_config.param_dtype_name, attn_impl=engine_config.attn_impl,
                         seed=engine_config.seed)
 
 
