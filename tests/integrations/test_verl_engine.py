@@ -5,6 +5,7 @@ gives the loss and gradient norm of verl's own fsdp2 engine at DP1 on the same m
 from __future__ import annotations
 
 import functools
+import os
 
 import numpy as np
 import pytest
@@ -302,3 +303,69 @@ def test_main_ppo_fsdp_engine_config_maps_to_the_backend_config():
         as_verl_balance_config(FSDPEngineConfig(strategy="fsdp2", mixed_precision={"param_dtype": "fp16"}))
     with pytest.raises(VerlBalanceEngineConfigError, match="offload"):
         as_verl_balance_config(FSDPEngineConfig(strategy="fsdp2", param_offload=True))
+
+
+# verl's own SFT trainer, unmodified, under torchrun on CPU. The extra module works around the CPU
+# shim's current_device() (index 0, which torch reads as cuda:0 in verl's ``module.to(get_device_id())``).
+_CPU_DEVICE_FIX = """
+from verl_balance.integrations.verl import cpu_platform
+if cpu_platform.wanted():
+    cpu_platform.platform_class().current_device = lambda self: "cpu"
+"""
+
+
+@pytest.fixture(scope="module")
+def sft_setup(tmp_path_factory, model_dir):
+    import pandas as pd
+
+    root = tmp_path_factory.mktemp("verl_sft")
+    (root / "verl_balance_cpu_device_fix.py").write_text(_CPU_DEVICE_FIX)
+    rng = np.random.default_rng(0)
+    words = "the cat sat on a mat and then ran to see the big red dog near our house".split()
+    rows = [{"messages": [{"role": "user", "content": " ".join(rng.choice(words, size=rng.integers(3, 12)))},
+                          {"role": "assistant", "content": " ".join(rng.choice(words, size=rng.integers(2, 30)))}]}
+            for _ in range(32)]
+    pd.DataFrame(rows).to_parquet(root / "train.parquet")
+    return root, model_dir
+
+
+def _run_sft_trainer(root, model_dir: str, *, strategy: str, nproc: int, sp: int) -> list[tuple[float, float]]:
+    """(loss, grad_norm) per step from verl.trainer.sft_trainer's console log."""
+    import re
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, str(root)]), OMP_NUM_THREADS="1",
+               CUDA_VISIBLE_DEVICES="",
+               VERL_USE_EXTERNAL_MODULES="verl_balance.integrations.verl.cpu_platform,"
+                                         "verl_balance_cpu_device_fix,verl_balance.integrations.verl.autopatch")
+    target = (["engine._target_=verl_balance.integrations.verl.engine.VerlBalanceEngineConfig"]
+              if strategy == "verl_balance" else [])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "verl.trainer.sft_trainer", f"data.train_files={root / 'train.parquet'}", "data.train_batch_size=8",
+           "data.max_length=256", "data.num_workers=0", "data.max_token_len_per_gpu=256", "data.use_dynamic_bsz=True",
+           f"model.path={model_dir}", "model.use_remove_padding=False",
+           "+model.override_config.attn_implementation=sdpa", f"engine.strategy={strategy}",
+           f"engine.ulysses_sequence_parallel_size={sp}", "engine.use_torch_compile=False",
+           "+engine.mixed_precision.param_dtype=fp32", *target, "optim.lr=1e-3", "trainer.device=cpu",
+           "trainer.logger=[console]", "trainer.total_training_steps=3", "trainer.total_epochs=1",
+           f"trainer.default_local_dir={root / f'ckpt_{strategy}_{nproc}_{sp}'}", "trainer.save_freq=-1",
+           "trainer.test_freq=-1", "trainer.resume_mode=disable"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=str(root))
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    losses = [float(x) for x in re.findall(r"train/loss:([0-9.eE+-]+)", proc.stdout)]
+    norms = [float(x) for x in re.findall(r"train/grad_norm:([0-9.eE+-]+)", proc.stdout)]
+    assert len(losses) == len(norms) == 3, proc.stdout[-3000:]
+    return list(zip(losses, norms))
+
+
+@pytest.mark.slow
+def test_verls_sft_trainer_with_strategy_verl_balance_matches_fsdp2_at_dp1_for_dp2_sp2_and_dp2xsp2(sft_setup):
+    root, model_dir = sft_setup
+    reference = _run_sft_trainer(root, model_dir, strategy="fsdp2", nproc=1, sp=1)
+    for nproc, sp in ((2, 1), (2, 2), (4, 2)):
+        ours = _run_sft_trainer(root, model_dir, strategy="verl_balance", nproc=nproc, sp=sp)
+        for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(ours, reference), start=1):
+            assert loss == pytest.approx(ref_loss, rel=1e-5), (nproc, sp, step)
+            assert norm == pytest.approx(ref_norm, rel=1e-5), (nproc, sp, step)
