@@ -329,21 +329,25 @@ def sft_setup(tmp_path_factory, model_dir):
     return root, model_dir
 
 
-def _run_sft_trainer(root, model_dir: str, *, strategy: str, nproc: int, sp: int) -> list[tuple[float, float]]:
-    """(loss, grad_norm) per step from verl.trainer.sft_trainer's console log."""
+def _run_sft_trainer(root, model_dir: str, *, strategy: str, nproc: int, sp: int,
+                     on_ray: bool = False) -> list[tuple[float, float]]:
+    """(loss, grad_norm) per step from the console log of verl.trainer.sft_trainer (torchrun), or of
+    verl.trainer.sft_trainer_ray (its own ``ray.init()``, ``nproc`` Ray workers) when ``on_ray``."""
     import re
     import subprocess
     import sys
 
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, str(root)]), OMP_NUM_THREADS="1",
-               CUDA_VISIBLE_DEVICES="",
+               CUDA_VISIBLE_DEVICES="", RAY_ADDRESS="local",  # a fresh Ray instance, never a running one
                VERL_USE_EXTERNAL_MODULES="verl_balance.integrations.verl.cpu_platform,"
                                          "verl_balance_cpu_device_fix,verl_balance.integrations.verl.autopatch")
     target = (["engine._target_=verl_balance.integrations.verl.engine.VerlBalanceEngineConfig"]
               if strategy == "verl_balance" else [])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "verl.trainer.sft_trainer", f"data.train_files={root / 'train.parquet'}", "data.train_batch_size=8",
+    launcher = (["-m", "verl.trainer.sft_trainer_ray", f"trainer.n_gpus_per_node={nproc}"] if on_ray else
+                ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                 "-m", "verl.trainer.sft_trainer"])
+    cmd = [sys.executable, *launcher, f"data.train_files={root / 'train.parquet'}", "data.train_batch_size=8",
            "data.max_length=256", "data.num_workers=0", "data.max_token_len_per_gpu=256", "data.use_dynamic_bsz=True",
            f"model.path={model_dir}", "model.use_remove_padding=False",
            "+model.override_config.attn_implementation=sdpa", f"engine.strategy={strategy}",
@@ -369,3 +373,13 @@ def test_verls_sft_trainer_with_strategy_verl_balance_matches_fsdp2_at_dp1_for_d
         for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(ours, reference), start=1):
             assert loss == pytest.approx(ref_loss, rel=1e-5), (nproc, sp, step)
             assert norm == pytest.approx(ref_norm, rel=1e-5), (nproc, sp, step)
+
+
+@pytest.mark.slow
+def test_verls_sft_trainer_ray_with_strategy_verl_balance_matches_fsdp2_at_dp1_for_dp2(sft_setup):
+    root, model_dir = sft_setup
+    reference = _run_sft_trainer(root, model_dir, strategy="fsdp2", nproc=1, sp=1)
+    ours = _run_sft_trainer(root, model_dir, strategy="verl_balance", nproc=2, sp=1, on_ray=True)
+    for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(ours, reference), start=1):
+        assert loss == pytest.approx(ref_loss, rel=1e-5), step
+        assert norm == pytest.approx(ref_norm, rel=1e-5), step
