@@ -16,7 +16,8 @@ Loaded in every verl process through ``VERL_USE_EXTERNAL_MODULES`` (or ``model.e
   micro-batches (agreed with one all-reduce; a rank short of samples runs a zero-weight filler);
 - output: verl's ``{"loss": [per micro-batch], "metrics": {...}, "model_output": {"log_probs",
   "entropy"}}`` with jagged tensors in the input row order, exactly what verl's ``FSDPEngine``
-  returns, plus ``verl_balance/*`` balance metrics (predicted imbalance before/after balancing).
+  returns, plus ``verl_balance/engine_*`` balance metrics (predicted FLOPs: DP imbalance, and the
+  per-slot sync ratio of the run order vs the planned order).
 
 Loss convention: the ``loss_function`` is verl's own (``sft_loss``, ``ppo_loss``, ...) applied to
 our model's log-probs, so values follow verl's documented conventions inside verl: e.g. verl's
@@ -281,12 +282,25 @@ class VerlBalanceEngine(BaseEngine):
             half = len(micro[k]) // 2
             micro[k:k + 1] = [micro[k][:half], micro[k][half:]]
         micro += [[] for _ in range(target - len(micro))]
-        stats = plan.stats
-        metrics = {"verl_balance/imbalance": float(stats.get("imbalance", 1.0)),
-                   "verl_balance/naive_imbalance": float(stats.get("naive_imbalance", 1.0)),
-                   "verl_balance/sync_ratio": float(stats.get("sync_ratio", 1.0)),
-                   "verl_balance/naive_sync_ratio": float(stats.get("naive_sync_ratio", 1.0)),
-                   "verl_balance/num_micro_batches": target}
+        workload = self.engine.flops_workload
+        sample_cost = workload.cost(lengths) if workload is not None else lengths.astype(np.float64)
+        planned_cost = np.array([float(sample_cost[m].sum()) for m in micro])
+        # FSDP synchronises micro-batch j of every DP rank: running each rank's micro-batches from the
+        # most to the least expensive lines up similar costs in the same slot (results do not depend
+        # on the order; the loss is a sum over micro-batches).
+        order = np.argsort(-planned_cost, kind="stable")
+        micro = [micro[k] for k in order]
+        mine = torch.tensor(np.stack([planned_cost, planned_cost[order]]), dtype=torch.float64,
+                            device=self.layout.device)
+        gathered = [torch.empty_like(mine) for _ in range(self.layout.dp)]
+        dist.all_gather(gathered, mine, group=self.layout.dp_group)
+        costs = torch.stack(gathered).cpu().numpy()  # [dp, (planned order, run order), micro]
+        rank_total = costs[:, 0].sum(-1)
+        bound = max(float(rank_total.max()), 1e-30)
+        metrics = {"verl_balance/engine_dp_imbalance": float(rank_total.max() / max(rank_total.mean(), 1e-30)),
+                   "verl_balance/engine_planned_order_sync_ratio": float(costs[:, 0].max(0).sum() / bound),
+                   "verl_balance/engine_sync_ratio": float(costs[:, 1].max(0).sum() / bound),
+                   "verl_balance/engine_num_micro_batches": target}
         return micro, metrics
 
     def _model_output(self, micro_batch, *, calculate_entropy: bool) -> dict:
