@@ -15,4 +15,4 @@ from verl_balance.integrations.verl.patch import patch_verl
 PATCH = patch_verl(import_modules=False)
 
 # Registers the ``verl_balance`` training-engine backend (``engine.strategy=verl_balance``).
-from verl_balance.integrations.verl import engine as _engine  # noqa: E402,F401
+import verl_balance.integrations.verl.engine  # noqa: E402,F401
