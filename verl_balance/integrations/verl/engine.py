@@ -207,10 +207,32 @@ class VerlBalanceEngine(BaseEngine):
         return _ModeCtx(self, "eval")
 
     def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True):
-        """Offload is not implemented: moving to the compute device is a no-op, to 'cpu' on CUDA raises."""
-        if device in ("cpu",) and self.layout.device.type != "cpu":
-            raise NotImplementedError("verl_balance engine: parameter/optimizer offload (engine.to('cpu')) is "
-                                      "not implemented; set param_offload=False and optimizer_offload=False")
+        """Move the (sharded) model and/or optimizer state to the host ('cpu') or back ('device' /
+        the device name), as verl's FSDP engine does for the hybrid engine's sleep; a no-op on CPU."""
+        from verl.utils.fsdp_utils import (
+            load_fsdp_model_to_gpu,
+            load_fsdp_optimizer,
+            offload_fsdp_model_to_cpu,
+            offload_fsdp_optimizer,
+        )
+
+        device_name = get_device_name()
+        if device == "device":
+            device = device_name
+        if device not in (device_name, "cpu"):
+            raise VerlBalanceEngineConfigError(f"engine.to(device={device!r}); valid: 'cpu', {device_name!r}, 'device'")
+        if device_name == "cpu" or self.engine_config.forward_only:
+            return
+        if device == "cpu":
+            if model:
+                offload_fsdp_model_to_cpu(self.engine.model)
+            if optimizer:
+                offload_fsdp_optimizer(self.engine.optimizer)
+        else:
+            if model:
+                load_fsdp_model_to_gpu(self.engine.model)
+            if optimizer:
+                load_fsdp_optimizer(self.engine.optimizer, self.layout.device)
 
     # ------------------------------------------------------------------ groups
     def get_data_parallel_rank(self):
