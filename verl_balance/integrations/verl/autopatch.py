@@ -13,3 +13,6 @@ from __future__ import annotations
 from verl_balance.integrations.verl.patch import patch_verl
 
 PATCH = patch_verl(import_modules=False)
+
+# Registers the ``verl_balance`` training-engine backend (``engine.strategy=verl_balance``).
+import verl_balance.integrations.verl.engine  # noqa: E402,F401

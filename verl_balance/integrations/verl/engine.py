@@ -1,0 +1,461 @@
+"""``verl_balance`` as a verl 0.9 training-engine backend (``EngineRegistry``), selected by config.
+
+Loaded in every verl process through ``VERL_USE_EXTERNAL_MODULES`` (or ``model.external_lib``)::
+
+    VERL_USE_EXTERNAL_MODULES=verl_balance.integrations.verl.engine
+    ... engine.strategy=verl_balance engine._target_=verl_balance.integrations.verl.engine.VerlBalanceEngineConfig
+
+``VerlBalanceEngine`` implements verl's ``BaseEngine`` contract with our FSDP2 + Ulysses
+``TrainEngine`` inside:
+
+- input: verl's no-padding TensorDict of one DP rank (jagged ``input_ids``/``position_ids``,
+  ``loss_mask``/``response_mask``, NonTensorData ``use_dynamic_bsz``, ``max_token_len_per_gpu`` or
+  ``micro_batch_size_per_gpu``, ``global_batch_size``, ``temperature``, ...);
+- micro-batches: planned by ``balance.plan_balance`` with the model's FLOPs workload (tokens when
+  the config lacks the dimensions) under verl's cap / size; every DP rank runs the same number of
+  micro-batches (agreed with one all-reduce; a rank short of samples runs a zero-weight filler);
+- output: verl's ``{"loss": [per micro-batch], "metrics": {...}, "model_output": {"log_probs",
+  "entropy"}}`` with jagged tensors in the input row order, exactly what verl's ``FSDPEngine``
+  returns, plus ``verl_balance/engine_*`` balance metrics (predicted FLOPs: DP imbalance, and the
+  per-slot sync ratio of the run order vs the planned order).
+
+Loss convention: the ``loss_function`` is verl's own (``sft_loss``, ``ppo_loss``, ...) applied to
+our model's log-probs, so values follow verl's documented conventions inside verl: e.g. verl's
+seq-mean modes divide by ``global_batch_size`` (every row), where verl_balance's own loss contract
+(``verl_balance.loss``) divides by the number of sequences with at least one loss token. verl's loss
+already multiplies by ``dp_size`` to undo FSDP's gradient average over DP; FSDP2 here averages over
+all W = dp * sp ranks and our Ulysses gather back-propagates only each rank's token slice, so the
+backward scales by G / dp (= sp) to give exactly verl's gradient.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from verl_balance.integrations.verl.errors import require_verl
+
+require_verl()
+
+from verl.utils import tensordict_utils as tu  # noqa: E402
+from verl.utils.device import get_device_name  # noqa: E402
+from verl.utils.py_functional import append_to_dict  # noqa: E402
+from verl.workers.config import EngineConfig as VerlEngineConfig  # noqa: E402
+from verl.workers.config import FSDPEngineConfig  # noqa: E402
+from verl.workers.engine.base import BaseEngine, EngineRegistry  # noqa: E402
+
+from verl_balance.balance.plan import plan_balance  # noqa: E402
+from verl_balance.distributed.layout import ParallelLayout  # noqa: E402
+from verl_balance.distributed.ulysses import gather_and_unpad  # noqa: E402
+from verl_balance.engine.config import EngineConfig, FSDPConfig, OptimConfig  # noqa: E402
+from verl_balance.engine.train_engine import TrainEngine  # noqa: E402
+from verl_balance.models.attention import ATTN_IMPLS  # noqa: E402
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["BACKEND", "VerlBalanceEngine", "VerlBalanceEngineConfig", "VerlBalanceEngineConfigError",
+           "as_verl_balance_config"]
+
+BACKEND = "verl_balance"
+WORKLOADS = ("flops", "tokens")
+
+
+class VerlBalanceEngineConfigError(ValueError):
+    """A bad ``engine.*`` value for the verl_balance backend."""
+
+
+_PARAM_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
+
+
+@dataclass
+class VerlBalanceEngineConfig(FSDPEngineConfig):
+    """verl's ``FSDPEngineConfig`` keys (so verl's ``engine: fsdp`` YAML and ``actor.fsdp_config`` carry
+    over unchanged) plus this backend's own; the Hydra ``_target_`` of ``engine`` for the SFT trainers.
+
+    Read from the FSDP keys: ``ulysses_sequence_parallel_size``, ``seed``, ``reshard_after_forward``,
+    ``use_no_sync_for_gradient_accumulation``, ``mixed_precision.param_dtype`` (bf16 by default, as
+    verl; fp32 for exact parity). Offload is rejected; the other FSDP-only keys (wrap policy,
+    ``fsdp_size``, entropy chunking, ``pad_to_length``, ...) do not apply to this backend."""
+
+    strategy: str = BACKEND
+    balance: bool = True
+    """Plan micro-batches with verl_balance's planner (False: its naive contiguous plan)."""
+    workload: str = "flops"
+    """Cost model of a sample: 'flops' (the model's dimensions, quadratic attention) or 'tokens'."""
+    attn_impl: str = "auto"
+    """verl_balance's packed-attention implementation (see models/attention.py)."""
+
+    def __post_init__(self):
+        VerlEngineConfig.__post_init__(self)  # FSDPEngineConfig's check admits only its own strategies
+        if self.strategy != BACKEND:
+            raise VerlBalanceEngineConfigError(f"engine.strategy={self.strategy!r}; this config is for {BACKEND!r}")
+        if self.workload not in WORKLOADS:
+            raise VerlBalanceEngineConfigError(f"engine.workload={self.workload!r}; valid: {list(WORKLOADS)}")
+        if self.attn_impl not in ATTN_IMPLS:
+            raise VerlBalanceEngineConfigError(f"engine.attn_impl={self.attn_impl!r}; valid: {list(ATTN_IMPLS)}")
+        dtype = self.param_dtype_name  # validates mixed_precision.param_dtype
+        assert dtype in _PARAM_DTYPES.values()
+        if self.param_offload or self.optimizer_offload or self.offload_policy:
+            raise VerlBalanceEngineConfigError("engine.param_offload / optimizer_offload / offload_policy: offload "
+                                               "is not implemented by the verl_balance backend; set them to false")
+        if not (isinstance(self.ulysses_sequence_parallel_size, int) and self.ulysses_sequence_parallel_size >= 1):
+            raise VerlBalanceEngineConfigError(
+                f"engine.ulysses_sequence_parallel_size={self.ulysses_sequence_parallel_size!r} must be an int >= 1")
+
+    @property
+    def param_dtype_name(self) -> str:
+        """'float32' or 'bfloat16' from ``mixed_precision.param_dtype`` (verl's default: bf16)."""
+        dtype = str(dict(self.mixed_precision or {}).get("param_dtype", "bf16")).lower()
+        if dtype not in _PARAM_DTYPES:
+            raise VerlBalanceEngineConfigError(
+                f"engine.mixed_precision.param_dtype={dtype!r}; the verl_balance backend supports "
+                f"{sorted(_PARAM_DTYPES)}")
+        return _PARAM_DTYPES[dtype]
+
+
+def as_verl_balance_config(engine_config) -> VerlBalanceEngineConfig:
+    """The backend's config from a verl engine config: returned as is when it already is one; an
+    ``FSDPEngineConfig`` (what ``main_ppo``'s ``actor.fsdp_config`` builds, its strategy then set to
+    ``verl_balance`` by verl) is copied field by field."""
+    if isinstance(engine_config, VerlBalanceEngineConfig):
+        return engine_config
+    if not isinstance(engine_config, FSDPEngineConfig):
+        raise VerlBalanceEngineConfigError(
+            f"engine config is a {type(engine_config).__name__}; strategy={BACKEND!r} needs an FSDPEngineConfig "
+            "or engine._target_=verl_balance.integrations.verl.engine.VerlBalanceEngineConfig")
+    kwargs = {f.name: getattr(engine_config, f.name) for f in fields(FSDPEngineConfig)
+              if f.init and not f.name.startswith("_") and f.name != "strategy"}
+    return VerlBalanceEngineConfig(**kwargs)
+
+
+def _our_engine_config(engine_config: VerlBalanceEngineConfig, optimizer_config) -> EngineConfig:
+    """verl's engine + optimizer configs -> verl_balance's EngineConfig (same optimizer semantics)."""
+    scheduler = getattr(optimizer_config, "lr_scheduler_type", None) or getattr(optimizer_config, "warmup_style",
+                                                                                 None) or "constant"
+    total = getattr(optimizer_config, "total_training_steps", None)
+    warmup_ratio = getattr(optimizer_config, "lr_warmup_steps_ratio", 0.0) or 0.0
+    warmup_steps = getattr(optimizer_config, "lr_warmup_steps", None)
+    if warmup_steps is not None and warmup_steps > 0:
+        if not (total and total > 0):
+            raise VerlBalanceEngineConfigError(
+                f"optim.lr_warmup_steps={warmup_steps} needs optim.total_training_steps > 0 (got {total})")
+        warmup_ratio = warmup_steps / total
+    optim = OptimConfig(lr=float(optimizer_config.lr), weight_decay=float(optimizer_config.weight_decay),
+                        betas=list(optimizer_config.betas), clip_grad=optimizer_config.clip_grad,
+                        warmup_steps_ratio=float(warmup_ratio), lr_scheduler=scheduler,
+                        min_lr_ratio=float(getattr(optimizer_config, "min_lr_ratio", None) or 0.0))
+    fsdp = FSDPConfig(reshard_after_forward=engine_config.reshard_after_forward,
+                      defer_gradient_sync=engine_config.use_no_sync_for_gradient_accumulation)
+    return EngineConfig(optim=optim, fsdp=fsdp, total_steps=total if total and total > 0 else None,
+                        param_dtype=engine_config.param_dtype_name, attn_impl=engine_config.attn_impl,
+                        seed=engine_config.seed)
+
+
+@EngineRegistry.register(model_type="language_model", backend=BACKEND, device=["cpu", "cuda"])
+class VerlBalanceEngine(BaseEngine):
+    """verl ``BaseEngine`` over verl_balance's FSDP2 + Ulysses ``TrainEngine`` (see module docstring)."""
+
+    def __init__(self, model_config, engine_config: VerlBalanceEngineConfig, optimizer_config,
+                 checkpoint_config=None, **kwargs):
+        super().__init__()
+        engine_config = as_verl_balance_config(engine_config)
+        self.model_config, self.engine_config = model_config, engine_config
+        self.optimizer_config, self.checkpoint_config = optimizer_config, checkpoint_config
+        world = dist.get_world_size()
+        sp = engine_config.ulysses_sequence_parallel_size
+        if world % sp:
+            raise VerlBalanceEngineConfigError(
+                f"engine.ulysses_sequence_parallel_size={sp} does not divide the world size {world}")
+        self.layout = ParallelLayout(dp=world // sp, sp=sp, device_type=get_device_name())
+        self.engine: TrainEngine | None = None
+        self.mode = None
+
+    # ------------------------------------------------------------------ setup
+    def initialize(self):
+        """Build the sharded model and optimizer (verl's HF directory, our HF adapter)."""
+        from verl_balance.models.hf import HFModelConfig
+
+        path = self.model_config.local_path or self.model_config.path
+        ours = HFModelConfig.from_pretrained(
+            path, enable_gradient_checkpointing=bool(getattr(self.model_config, "enable_gradient_checkpointing",
+                                                              False)))
+        self.engine = TrainEngine(model_config=ours, layout=self.layout,
+                                  engine_config=_our_engine_config(self.engine_config, self.optimizer_config))
+        if self.engine_config.workload == "tokens":
+            self.engine.flops_workload = None
+        self.module = self.engine.model
+
+    @property
+    def is_param_offload_enabled(self) -> bool:
+        return False
+
+    @property
+    def is_optimizer_offload_enabled(self) -> bool:
+        return False
+
+    def train_mode(self, **kwargs):
+        """Context: the model in train mode (no offload to undo)."""
+        return _ModeCtx(self, "train")
+
+    def eval_mode(self, **kwargs):
+        """Context: the model in eval mode."""
+        return _ModeCtx(self, "eval")
+
+    def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True):
+        """Move the (sharded) model and/or optimizer state to the host ('cpu') or back ('device' /
+        the device name), as verl's FSDP engine does for the hybrid engine's sleep; a no-op on CPU."""
+        from verl.utils.fsdp_utils import (
+            load_fsdp_model_to_gpu,
+            load_fsdp_optimizer,
+            offload_fsdp_model_to_cpu,
+            offload_fsdp_optimizer,
+        )
+
+        device_name = get_device_name()
+        if device == "device":
+            device = device_name
+        if device not in (device_name, "cpu"):
+            raise VerlBalanceEngineConfigError(f"engine.to(device={device!r}); valid: 'cpu', {device_name!r}, 'device'")
+        if device_name == "cpu" or self.engine_config.forward_only:
+            return
+        if device == "cpu":
+            if model:
+                offload_fsdp_model_to_cpu(self.engine.model)
+            if optimizer:
+                offload_fsdp_optimizer(self.engine.optimizer)
+        else:
+            if model:
+                load_fsdp_model_to_gpu(self.engine.model)
+            if optimizer:
+                load_fsdp_optimizer(self.engine.optimizer, self.layout.device)
+
+    # ------------------------------------------------------------------ groups
+    def get_data_parallel_rank(self):
+        """This rank's index in the DP group."""
+        return self.layout.dp_rank
+
+    def get_data_parallel_size(self):
+        """Number of DP groups (world / sp)."""
+        return self.layout.dp
+
+    def get_data_parallel_group(self):
+        """The process group of the ranks with this SP rank (disjoint samples)."""
+        return self.layout.dp_group
+
+    def get_context_parallel_group(self):
+        """The Ulysses SP group."""
+        return self.layout.sp_group
+
+    def is_mp_src_rank_with_outputs(self):
+        """SP rank 0 of each DP group reports (every SP rank holds the same outputs)."""
+        return self.layout.sp_rank == 0
+
+    # ------------------------------------------------------------------ optimizer
+    def optimizer_zero_grad(self):
+        """Clear gradients."""
+        self.engine.optimizer.zero_grad(set_to_none=True)
+
+    def optimizer_step(self):
+        """Clip, step (skipped on a non-finite norm, on every rank together); returns the pre-clip norm."""
+        engine = self.engine
+        grad_norm = torch.nn.utils.clip_grad_norm_(engine.model.parameters(), engine.config.optim.max_grad_norm)
+        if hasattr(grad_norm, "full_tensor"):
+            grad_norm = grad_norm.full_tensor()
+        grad_norm = float(grad_norm)
+        if np.isfinite(grad_norm):
+            engine.optimizer.step()
+        else:
+            logger.warning("non-finite grad_norm=%s: optimizer step skipped", grad_norm)
+        engine.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def lr_scheduler_step(self):
+        """Advance the LR schedule one step; returns the new learning rate."""
+        self.engine.scheduler.step()
+        self.engine.global_step += 1
+        return self.engine.scheduler.get_last_lr()[0]
+
+    # ------------------------------------------------------------------ micro-batches
+    def _plan(self, data) -> tuple[list[list[int]], dict]:
+        """Micro-batches (row indices, ascending) of this rank; the count agreed over the DP group."""
+        lengths = data["input_ids"].offsets().diff().cpu().numpy()
+        use_dynamic_bsz = tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True)
+        cap = size = None
+        if use_dynamic_bsz:
+            cap = int(tu.get_non_tensor_data(data=data, key="max_token_len_per_gpu", default=None))
+        else:
+            size = int(tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=None))
+        plan = plan_balance(seq_lens=lengths, dp_size=1, sp_size=self.layout.sp, micro_batch_size=size,
+                            max_token_len_per_gpu=cap, balance=self.engine_config.balance,
+                            workload=self.engine.flops_workload if self.engine.flops_workload else "tokens")
+        micro = [sorted(int(i) for i in mb) for mb in plan.micro_batches[0] if len(mb)]
+        count = torch.tensor([len(micro)], device=self.layout.device)
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.layout.dp_group)
+        target = int(count.item())
+        # Splitting a micro-batch never breaks the token cap; a rank with fewer rows than the agreed
+        # count runs zero-weight fillers (empty lists) so that it joins every FSDP collective.
+        while len(micro) < target and max(len(m) for m in micro) > 1:
+            k = max(range(len(micro)), key=lambda j: len(micro[j]))
+            half = len(micro[k]) // 2
+            micro[k:k + 1] = [micro[k][:half], micro[k][half:]]
+        micro += [[] for _ in range(target - len(micro))]
+        workload = self.engine.flops_workload
+        sample_cost = workload.cost(lengths) if workload is not None else lengths.astype(np.float64)
+        planned_cost = np.array([float(sample_cost[m].sum()) for m in micro])
+        # FSDP synchronises micro-batch j of every DP rank: running each rank's micro-batches from the
+        # most to the least expensive lines up similar costs in the same slot (results do not depend
+        # on the order; the loss is a sum over micro-batches).
+        order = np.argsort(-planned_cost, kind="stable")
+        micro = [micro[k] for k in order]
+        mine = torch.tensor(np.stack([planned_cost, planned_cost[order]]), dtype=torch.float64,
+                            device=self.layout.device)
+        gathered = [torch.empty_like(mine) for _ in range(self.layout.dp)]
+        dist.all_gather(gathered, mine, group=self.layout.dp_group)
+        costs = torch.stack(gathered).cpu().numpy()  # [dp, (planned order, run order), micro]
+        rank_total = costs[:, 0].sum(-1)
+        bound = max(float(rank_total.max()), 1e-30)
+        metrics = {"verl_balance/engine_dp_imbalance": float(rank_total.max() / max(rank_total.mean(), 1e-30)),
+                   "verl_balance/engine_planned_order_sync_ratio": float(costs[:, 0].max(0).sum() / bound),
+                   "verl_balance/engine_sync_ratio": float(costs[:, 1].max(0).sum() / bound),
+                   "verl_balance/engine_num_micro_batches": target}
+        return micro, metrics
+
+    def _model_output(self, micro_batch, *, calculate_entropy: bool) -> dict:
+        """Forward one micro-batch; log-probs (and entropy) as jagged tensors in verl's alignment:
+        position t of sample i holds log p(x[t+1] | x[<=t]), 0 at each sample's last position."""
+        engine = self.engine
+        ids = micro_batch["input_ids"]
+        lengths = ids.offsets().diff().cpu()
+        input_ids = torch.nested.to_padded_tensor(ids, 0).cpu()
+        attention_mask = (torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]).long()
+        packed = engine._pack([{"input_ids": input_ids, "attention_mask": attention_mask}],
+                              require_loss_mask=False)[0]
+        logits = engine._forward(packed).float()
+        temperature = tu.get_non_tensor_data(data=micro_batch, key="temperature", default=1.0)
+        if isinstance(temperature, torch.Tensor):
+            per_token = torch.repeat_interleave(temperature.float().cpu(), torch.as_tensor(packed.seq_lens))
+            per_token = torch.cat([per_token, per_token.new_ones(packed.padded_len - packed.total_len)])
+            logits = logits / per_token[packed.local_slice].to(logits.device)[:, None]
+        elif float(temperature) != 1.0:
+            logits = logits / float(temperature)
+        logp_all = torch.log_softmax(logits, dim=-1)
+        log_probs = logp_all.gather(-1, packed.local("targets").long().unsqueeze(-1)).squeeze(-1)
+        group = self.layout.sp_group
+        offsets = packed.cu_seqlens.to(log_probs.device)
+        ends = offsets[1:] - 1
+        keep = torch.ones(packed.total_len, device=log_probs.device)
+        keep[ends] = 0
+        out = {"log_probs": torch.nested.nested_tensor_from_jagged(
+            gather_and_unpad(log_probs, group=group, length=packed.total_len) * keep, offsets)}
+        if calculate_entropy:
+            entropy = -(logp_all.exp() * logp_all).sum(-1)
+            out["entropy"] = torch.nested.nested_tensor_from_jagged(
+                gather_and_unpad(entropy, group=group, length=packed.total_len), offsets)
+        return out
+
+    def _global_loss_tokens(self, data) -> float:
+        """verl's ``batch_num_tokens``: loss-mask tokens of the whole mini-batch (SUM over the DP group;
+        SP ranks hold the same rows, so the SP group is not summed)."""
+        mask = data["loss_mask"] if "loss_mask" in data.keys() else data["response_mask"]
+        local = mask.values().sum() if mask.is_nested else mask.sum()
+        total = local.to(self.layout.device, torch.float32).reshape(1)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.get_data_parallel_group())
+        return total.item()
+
+    def _backward_scale(self) -> float:
+        """G / dp: verl's loss undoes FSDP's average over dp only; ours averages over dp * sp ranks,
+        and the Ulysses gather back-propagates each rank's token slice alone."""
+        return self.engine.gradient_divide_factor / self.layout.dp
+
+    def forward_backward_batch(self, data, loss_function, forward_only=False):
+        """Plan, forward (and backward) every micro-batch with verl's ``loss_function``; verl's output dict."""
+        tu.assign_non_tensor(data, sp_size=self.layout.sp)
+        return_model_output = tu.get_non_tensor_data(data=data, key="return_model_output", default=False)
+        calculate_entropy = bool(tu.get_non_tensor_data(data=data, key="calculate_entropy", default=False))
+        dp_group = self.get_data_parallel_group()
+        tu.assign_non_tensor(data, batch_num_tokens=self._global_loss_tokens(data), dp_size=self.layout.dp)
+        micro, balance_metrics = self._plan(data)
+        backward_scale = self._backward_scale()
+        model = self.engine.model
+        model.train(not forward_only)
+        losses, metrics, outputs = [], {}, {}
+        for k, rows in enumerate(micro):
+            is_filler = not rows
+            micro_batch = tu.index_select_tensor_dict(data, rows if rows else [0]).to(self.layout.device)
+            if not forward_only:
+                self.engine._set_backward_policy(is_last=k == len(micro) - 1)
+            with torch.set_grad_enabled(not forward_only):
+                model_output = self._model_output(micro_batch, calculate_entropy=calculate_entropy)
+                if loss_function is not None:
+                    loss, mb_metrics = loss_function(model_output=model_output, data=micro_batch, dp_group=dp_group)
+                else:
+                    assert forward_only, "forward_only must be True when loss_function is None"
+                    loss, mb_metrics = torch.zeros(()), {}
+                if is_filler:
+                    loss = loss * 0.0
+                if not forward_only:
+                    (loss * backward_scale).backward()
+            if is_filler:
+                continue
+            losses.append(float(loss.detach()))
+            append_to_dict(metrics, mb_metrics)  # verl's own merge (keeps its Metric aggregation types)
+            if forward_only or return_model_output:
+                for key, value in model_output.items():
+                    outputs.setdefault(key, []).extend(t.detach() for t in value.unbind())
+        if forward_only:
+            self.engine._reshard()
+        order = [i for rows in micro for i in rows]
+        restore = np.argsort(np.asarray(order, dtype=np.int64), kind="stable")
+        model_output = {key: torch.nested.as_nested_tensor([values[i] for i in restore], layout=torch.jagged)
+                        for key, values in outputs.items()}
+        for key, value in balance_metrics.items():
+            metrics[key] = [value]
+        return {"model_output": model_output, "loss": losses, "metrics": metrics}
+
+    # ------------------------------------------------------------------ weights and checkpoints
+    def get_per_tensor_param(self, layered_summon=False, base_sync_done=False, **kwargs):
+        """(generator of (HF name, full tensor on the device), None): unsharded weights for rollout sync."""
+        if getattr(self.model_config, "lora_rank", 0):
+            raise NotImplementedError("verl_balance engine: LoRA weight sync is not implemented")
+        state = self.engine.full_state_dict()
+        device = self.layout.device
+        return ((name, tensor.to(device, non_blocking=True)) for name, tensor in state.items()), None
+
+    def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
+        """Sharded DCP checkpoint of model + optimizer + scheduler under ``local_path`` (collective)."""
+        if hdfs_path is not None:
+            raise NotImplementedError(f"verl_balance engine: hdfs_path={hdfs_path!r} is not supported")
+        if max_ckpt_to_keep is not None:
+            logger.warning("verl_balance engine ignores max_ckpt_to_keep=%s; prune old checkpoints outside",
+                           max_ckpt_to_keep)
+        os.makedirs(local_path, exist_ok=True)
+        self.engine.save_checkpoint(local_path, step=int(global_step), extra={"global_step": int(global_step)})
+
+    def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=False, **kwargs):
+        """Restore ``save_checkpoint(local_path)`` (collective)."""
+        if hdfs_path is not None:
+            raise NotImplementedError(f"verl_balance engine: hdfs_path={hdfs_path!r} is not supported")
+        if del_local_after_load:
+            raise NotImplementedError("verl_balance engine: del_local_after_load=True is not supported")
+        return self.engine.load_checkpoint(local_path)
+
+
+class _ModeCtx:
+    """verl's train_mode/eval_mode context: sets the module mode; resets on exit (nothing offloaded)."""
+
+    def __init__(self, engine: VerlBalanceEngine, mode: str):
+        self.engine, self.mode = engine, mode
+
+    def __enter__(self):
+        self.engine.mode = self.mode
+        self.engine.engine.model.train(self.mode == "train")
+        return self.engine
+
+    def __exit__(self, exc_type, exc, tb):
+        self.engine.mode = None
+        return False
