@@ -44,14 +44,21 @@ def _tensordict(samples, *, global_batch_size: int, max_token_len_per_gpu: int):
 
     ids = [torch.as_tensor(s[0]) for s in samples]
     return tu.get_tensordict(
-        tensor_dict={"input_ids": torch.nested.as_nested_tensor(ids, layout=torch.jagged),
-                     "position_ids": torch.nested.as_nested_tensor([torch.arange(len(x)) for x in ids],
-                                                                   layout=torch.jagged),
-                     "loss_mask": torch.nested.as_nested_tensor([torch.as_tensor(s[1]) for s in samples],
-                                                                layout=torch.jagged)},
-        non_tensor_dict={"use_remove_padding": False, "use_dynamic_bsz": True,
-                         "max_token_len_per_gpu": max_token_len_per_gpu, "micro_batch_size_per_gpu": None,
-                         "temperature": 1.0, "global_batch_size": global_batch_size, "pad_mode": "no_padding"})
+        tensor_dict={
+            "input_ids": torch.nested.as_nested_tensor(ids, layout=torch.jagged),
+            "position_ids": torch.nested.as_nested_tensor([torch.arange(len(x)) for x in ids], layout=torch.jagged),
+            "loss_mask": torch.nested.as_nested_tensor([torch.as_tensor(s[1]) for s in samples], layout=torch.jagged),
+        },
+        non_tensor_dict={
+            "use_remove_padding": False,
+            "use_dynamic_bsz": True,
+            "max_token_len_per_gpu": max_token_len_per_gpu,
+            "micro_batch_size_per_gpu": None,
+            "temperature": 1.0,
+            "global_batch_size": global_batch_size,
+            "pad_mode": "no_padding",
+        },
+    )
 
 
 def _plain(metrics: dict) -> dict:
@@ -83,29 +90,50 @@ def _ppo_tensordict(vocab: int, *, loss_agg_mode: str, dp: int, dp_rank: int):
     responses = torch.zeros(NUM_SAMPLES, response_width, dtype=torch.long)
     attention_mask = torch.zeros(NUM_SAMPLES, prompt_width + response_width, dtype=torch.long)
     for i, (p, r) in enumerate(zip(prompt_lens, response_lens)):
-        prompts[i, prompt_width - p:] = torch.as_tensor(rng.integers(3, vocab, size=p))
+        prompts[i, prompt_width - p :] = torch.as_tensor(rng.integers(3, vocab, size=p))
         responses[i, :r] = torch.as_tensor(rng.integers(3, vocab, size=r))
-        attention_mask[i, prompt_width - p:prompt_width + r] = 1
+        attention_mask[i, prompt_width - p : prompt_width + r] = 1
     response_mask = attention_mask[:, prompt_width:].clone()
     position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
     old_log_probs = torch.as_tensor(rng.normal(-6.0, 0.3, size=(NUM_SAMPLES, response_width)), dtype=torch.float32)
     advantages = torch.as_tensor(rng.normal(0.0, 1.0, size=(NUM_SAMPLES, response_width)), dtype=torch.float32)
     rows = list(range(dp_rank, NUM_SAMPLES, dp))
     data = tu.get_tensordict(
-        tensor_dict={"input_ids": torch.cat([prompts, responses], 1)[rows], "prompts": prompts[rows],
-                     "responses": responses[rows], "attention_mask": attention_mask[rows],
-                     "response_mask": response_mask[rows], "position_ids": position_ids[rows],
-                     "old_log_probs": old_log_probs[rows] * response_mask[rows],
-                     "advantages": advantages[rows] * response_mask[rows]},
-        non_tensor_dict={"use_remove_padding": False, "use_dynamic_bsz": True, "max_token_len_per_gpu": 40,
-                         "micro_batch_size_per_gpu": None, "temperature": 1.0, "global_batch_size": NUM_SAMPLES,
-                         "pad_mode": "no_padding", "calculate_entropy": False})
+        tensor_dict={
+            "input_ids": torch.cat([prompts, responses], 1)[rows],
+            "prompts": prompts[rows],
+            "responses": responses[rows],
+            "attention_mask": attention_mask[rows],
+            "response_mask": response_mask[rows],
+            "position_ids": position_ids[rows],
+            "old_log_probs": old_log_probs[rows] * response_mask[rows],
+            "advantages": advantages[rows] * response_mask[rows],
+        },
+        non_tensor_dict={
+            "use_remove_padding": False,
+            "use_dynamic_bsz": True,
+            "max_token_len_per_gpu": 40,
+            "micro_batch_size_per_gpu": None,
+            "temperature": 1.0,
+            "global_batch_size": NUM_SAMPLES,
+            "pad_mode": "no_padding",
+            "calculate_entropy": False,
+        },
+    )
     return left_right_2_no_padding(data)
 
 
-def _train_one_step(rank: int, *, model_dir: str, strategy: str, sp: int, corrupt_backward_scale: bool = False,
-                    corrupt_token_count: bool = False, checkpoint_dir: str | None = None,
-                    ppo_loss_agg_mode: str | None = None):
+def _train_one_step(
+    rank: int,
+    *,
+    model_dir: str,
+    strategy: str,
+    sp: int,
+    corrupt_backward_scale: bool = False,
+    corrupt_token_count: bool = False,
+    checkpoint_dir: str | None = None,
+    ppo_loss_agg_mode: str | None = None,
+):
     """One verl train_batch on this rank's DP chunk; returns loss, grad_norm (None off verl's output
     ranks, as verl's engines do), metric keys and the log-probs of a following infer_batch."""
     import torch
@@ -120,20 +148,31 @@ def _train_one_step(rank: int, *, model_dir: str, strategy: str, sp: int, corrup
     # verl's fsdp engine moves modules to ``get_device_id()``; the shim's index 0 means cuda:0 to torch.
     cpu_platform.platform_class().current_device = lambda self: "cpu"
 
-    model_config = HFModelConfig(path=model_dir, use_remove_padding=False,
-                                 override_config={"attn_implementation": "sdpa"})
+    model_config = HFModelConfig(
+        path=model_dir, use_remove_padding=False, override_config={"attn_implementation": "sdpa"}
+    )
     optim = FSDPOptimizerConfig(lr=1e-3, clip_grad=1e9, total_training_steps=1)
     if strategy == "fsdp2":
-        engine_config = FSDPEngineConfig(strategy="fsdp2", use_torch_compile=False, model_dtype="fp32",
-                                         mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32",
-                                                          "buffer_dtype": "fp32"})
+        engine_config = FSDPEngineConfig(
+            strategy="fsdp2",
+            use_torch_compile=False,
+            model_dtype="fp32",
+            mixed_precision={"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"},
+        )
     else:
-        engine_config = verl_engine.VerlBalanceEngineConfig(ulysses_sequence_parallel_size=sp,
-                                                            mixed_precision={"param_dtype": "fp32"})
+        engine_config = verl_engine.VerlBalanceEngineConfig(
+            ulysses_sequence_parallel_size=sp, mixed_precision={"param_dtype": "fp32"}
+        )
 
     def new_engine():
-        built = EngineRegistry.new(model_type="language_model", backend=strategy, model_config=model_config,
-                                   engine_config=engine_config, optimizer_config=optim, checkpoint_config=None)
+        built = EngineRegistry.new(
+            model_type="language_model",
+            backend=strategy,
+            model_config=model_config,
+            engine_config=engine_config,
+            optimizer_config=optim,
+            checkpoint_config=None,
+        )
         built.initialize()
         return built
 
@@ -156,16 +195,27 @@ def _train_one_step(rank: int, *, model_dir: str, strategy: str, sp: int, corrup
         from verl.workers.config import FSDPActorConfig
         from verl.workers.utils.losses import ppo_loss
 
-        actor = FSDPActorConfig(strategy="fsdp2", rollout_n=1, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=40,
-                                ppo_mini_batch_size=NUM_SAMPLES, loss_agg_mode=ppo_loss_agg_mode)
+        actor = FSDPActorConfig(
+            strategy="fsdp2",
+            rollout_n=1,
+            use_dynamic_bsz=True,
+            ppo_max_token_len_per_gpu=40,
+            ppo_mini_batch_size=NUM_SAMPLES,
+            loss_agg_mode=ppo_loss_agg_mode,
+        )
         with engine.train_mode():
-            out = engine.train_batch(_ppo_tensordict(vocab, loss_agg_mode=ppo_loss_agg_mode, dp=dp, dp_rank=dp_rank),
-                                     loss_function=functools.partial(ppo_loss, config=actor))
+            out = engine.train_batch(
+                _ppo_tensordict(vocab, loss_agg_mode=ppo_loss_agg_mode, dp=dp, dp_rank=dp_rank),
+                loss_function=functools.partial(ppo_loss, config=actor),
+            )
         # verl's Metric for pg_loss sums its micro-batches (global normalizers); DP ranks are averaged.
         pg_loss = torch.tensor(out["metrics"]["actor/pg_loss"].aggregate(), dtype=torch.float64)
         dist.all_reduce(pg_loss)
-        return {"pg_loss": pg_loss.item() / world, "grad_norm": out["metrics"].get("grad_norm"),
-                "metrics": _plain(out["metrics"])}
+        return {
+            "pg_loss": pg_loss.item() / world,
+            "grad_norm": out["metrics"].get("grad_norm"),
+            "metrics": _plain(out["metrics"]),
+        }
     with engine.train_mode():
         out = engine.train_batch(data, loss_function=loss_fn)
     # verl's TrainingWorker logs sum(micro-batch losses) averaged over the DP group.
@@ -173,8 +223,9 @@ def _train_one_step(rank: int, *, model_dir: str, strategy: str, sp: int, corrup
     dist.all_reduce(loss, op=dist.ReduceOp.SUM)
     loss = loss.item() / world
     with engine.eval_mode():
-        infer = engine.infer_batch(_tensordict(mine, global_batch_size=len(samples), max_token_len_per_gpu=48),
-                                   loss_function=None)
+        infer = engine.infer_batch(
+            _tensordict(mine, global_batch_size=len(samples), max_token_len_per_gpu=48), loss_function=None
+        )
     log_probs = [t.detach().numpy() for t in infer["model_output"]["log_probs"].unbind()]
     params = {name: t.detach().cpu().double().numpy() for name, t in engine.get_per_tensor_param()[0]}
     result = {"params": params}
@@ -186,31 +237,38 @@ def _train_one_step(rank: int, *, model_dir: str, strategy: str, sp: int, corrup
         second = []
         for e in (engine, restored):
             with e.train_mode():
-                again = e.train_batch(_tensordict(mine, global_batch_size=len(samples), max_token_len_per_gpu=48),
-                                      loss_function=loss_fn)
-            second.append((sum(again["loss"]), {n: t.detach().cpu().double().numpy()
-                                              for n, t in e.get_per_tensor_param()[0]}))
+                again = e.train_batch(
+                    _tensordict(mine, global_batch_size=len(samples), max_token_len_per_gpu=48), loss_function=loss_fn
+                )
+            second.append(
+                (sum(again["loss"]), {n: t.detach().cpu().double().numpy() for n, t in e.get_per_tensor_param()[0]})
+            )
         result["second_step"] = second
-    return result | {"loss": loss, "grad_norm": out["metrics"].get("grad_norm"), "metrics": _plain(out["metrics"]),
-            "log_probs": log_probs, "dp_rank": dp_rank}
+    return result | {
+        "loss": loss,
+        "grad_norm": out["metrics"].get("grad_norm"),
+        "metrics": _plain(out["metrics"]),
+        "log_probs": log_probs,
+        "dp_rank": dp_rank,
+    }
 
 
 @functools.cache
 def _reference(model_dir: str):
-    (result,) = run_on_ranks(functools.partial(_train_one_step, model_dir=model_dir, strategy="fsdp2", sp=1),
-                             world=1)
+    (result,) = run_on_ranks(functools.partial(_train_one_step, model_dir=model_dir, strategy="fsdp2", sp=1), world=1)
     return result
 
 
 def _ours(model_dir: str, *, world: int, sp: int, **kwargs):
-    return run_on_ranks(functools.partial(_train_one_step, model_dir=model_dir, strategy="verl_balance", sp=sp,
-                                          **kwargs), world=world)
+    return run_on_ranks(
+        functools.partial(_train_one_step, model_dir=model_dir, strategy="verl_balance", sp=sp, **kwargs), world=world
+    )
 
 
 def _check_log_probs(reference, results, sp: int):
     dp = len(results) // sp
     for r in results:
-        expected = [reference["log_probs"][i] for i in range(NUM_SAMPLES)][r["dp_rank"]::dp]
+        expected = [reference["log_probs"][i] for i in range(NUM_SAMPLES)][r["dp_rank"] :: dp]
         assert len(expected) == len(r["log_probs"])
         for got, want in zip(r["log_probs"], expected):
             # verl's last position predicts a token outside the sample: compare the in-sample ones.
@@ -227,7 +285,8 @@ def _check_params(reference, params):
 
 @pytest.mark.slow
 def test_dp2_loss_grad_norm_log_probs_and_weights_equal_verls_fsdp2_engine_at_dp1_and_checkpoint_round_trips(
-        model_dir, tmp_path):
+    model_dir, tmp_path
+):
     reference = _reference(model_dir)
     results = _ours(model_dir, world=2, sp=1, checkpoint_dir=str(tmp_path / "ckpt"))
     for r in results:
@@ -289,12 +348,15 @@ def test_backend_is_registered_for_cpu_and_cuda():
     assert registry["cpu"] is VerlBalanceEngine and registry["cuda"] is VerlBalanceEngine
 
 
-
 @pytest.mark.slow
 @pytest.mark.parametrize("loss_agg_mode", ["token-mean", "seq-mean-token-mean"])
 def test_ppo_loss_dp2_pg_loss_and_grad_norm_equal_verls_fsdp2_engine_at_dp1(model_dir, loss_agg_mode):
-    (reference,) = run_on_ranks(functools.partial(_train_one_step, model_dir=model_dir, strategy="fsdp2", sp=1,
-                                                  ppo_loss_agg_mode=loss_agg_mode), world=1)
+    (reference,) = run_on_ranks(
+        functools.partial(
+            _train_one_step, model_dir=model_dir, strategy="fsdp2", sp=1, ppo_loss_agg_mode=loss_agg_mode
+        ),
+        world=1,
+    )
     results = _ours(model_dir, world=2, sp=1, ppo_loss_agg_mode=loss_agg_mode)
     for r in results:
         assert r["pg_loss"] == pytest.approx(reference["pg_loss"], rel=1e-5)
@@ -336,15 +398,22 @@ def sft_setup(tmp_path_factory, model_dir):
     (root / "verl_balance_cpu_device_fix.py").write_text(_CPU_DEVICE_FIX)
     rng = np.random.default_rng(0)
     words = "the cat sat on a mat and then ran to see the big red dog near our house".split()
-    rows = [{"messages": [{"role": "user", "content": " ".join(rng.choice(words, size=rng.integers(3, 12)))},
-                          {"role": "assistant", "content": " ".join(rng.choice(words, size=rng.integers(2, 30)))}]}
-            for _ in range(32)]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": " ".join(rng.choice(words, size=rng.integers(3, 12)))},
+                {"role": "assistant", "content": " ".join(rng.choice(words, size=rng.integers(2, 30)))},
+            ]
+        }
+        for _ in range(32)
+    ]
     pd.DataFrame(rows).to_parquet(root / "train.parquet")
     return root, model_dir
 
 
-def _run_sft_trainer(root, model_dir: str, *, strategy: str, nproc: int, sp: int,
-                     on_ray: bool = False) -> list[tuple[float, float]]:
+def _run_sft_trainer(
+    root, model_dir: str, *, strategy: str, nproc: int, sp: int, on_ray: bool = False
+) -> list[tuple[float, float]]:
     """(loss, grad_norm) per step from the console log of verl.trainer.sft_trainer (torchrun), or of
     verl.trainer.sft_trainer_ray (its own ``ray.init()``, ``nproc`` Ray workers) when ``on_ray``."""
     import re
@@ -352,24 +421,59 @@ def _run_sft_trainer(root, model_dir: str, *, strategy: str, nproc: int, sp: int
     import sys
 
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([repo, str(root)]), OMP_NUM_THREADS="1",
-               CUDA_VISIBLE_DEVICES="", RAY_ADDRESS="local",  # a fresh Ray instance, never a running one
-               VERL_USE_EXTERNAL_MODULES="verl_balance.integrations.verl.cpu_platform,"
-                                         "verl_balance_cpu_device_fix,verl_balance.integrations.verl.autopatch")
-    target = (["engine._target_=verl_balance.integrations.verl.engine.VerlBalanceEngineConfig"]
-              if strategy == "verl_balance" else [])
-    launcher = (["-m", "verl.trainer.sft_trainer_ray", f"trainer.n_gpus_per_node={nproc}"] if on_ray else
-                ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-                 "-m", "verl.trainer.sft_trainer"])
-    cmd = [sys.executable, *launcher, f"data.train_files={root / 'train.parquet'}", "data.train_batch_size=8",
-           "data.max_length=256", "data.num_workers=0", "data.max_token_len_per_gpu=256", "data.use_dynamic_bsz=True",
-           f"model.path={model_dir}", "model.use_remove_padding=False",
-           "+model.override_config.attn_implementation=sdpa", f"engine.strategy={strategy}",
-           f"engine.ulysses_sequence_parallel_size={sp}", "engine.use_torch_compile=False",
-           "+engine.mixed_precision.param_dtype=fp32", *target, "optim.lr=1e-3", "trainer.device=cpu",
-           "trainer.logger=[console]", "trainer.total_training_steps=3", "trainer.total_epochs=1",
-           f"trainer.default_local_dir={root / f'ckpt_{strategy}_{nproc}_{sp}'}", "trainer.save_freq=-1",
-           "trainer.test_freq=-1", "trainer.resume_mode=disable"]
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([repo, str(root)]),
+        OMP_NUM_THREADS="1",
+        CUDA_VISIBLE_DEVICES="",
+        RAY_ADDRESS="local",  # a fresh Ray instance, never a running one
+        VERL_USE_EXTERNAL_MODULES="verl_balance.integrations.verl.cpu_platform,"
+        "verl_balance_cpu_device_fix,verl_balance.integrations.verl.autopatch",
+    )
+    target = (
+        ["engine._target_=verl_balance.integrations.verl.engine.VerlBalanceEngineConfig"]
+        if strategy == "verl_balance"
+        else []
+    )
+    launcher = (
+        ["-m", "verl.trainer.sft_trainer_ray", f"trainer.n_gpus_per_node={nproc}"]
+        if on_ray
+        else [
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "-m",
+            "verl.trainer.sft_trainer",
+        ]
+    )
+    cmd = [
+        sys.executable,
+        *launcher,
+        f"data.train_files={root / 'train.parquet'}",
+        "data.train_batch_size=8",
+        "data.max_length=256",
+        "data.num_workers=0",
+        "data.max_token_len_per_gpu=256",
+        "data.use_dynamic_bsz=True",
+        f"model.path={model_dir}",
+        "model.use_remove_padding=False",
+        "+model.override_config.attn_implementation=sdpa",
+        f"engine.strategy={strategy}",
+        f"engine.ulysses_sequence_parallel_size={sp}",
+        "engine.use_torch_compile=False",
+        "+engine.mixed_precision.param_dtype=fp32",
+        *target,
+        "optim.lr=1e-3",
+        "trainer.device=cpu",
+        "trainer.logger=[console]",
+        "trainer.total_training_steps=3",
+        "trainer.total_epochs=1",
+        f"trainer.default_local_dir={root / f'ckpt_{strategy}_{nproc}_{sp}'}",
+        "trainer.save_freq=-1",
+        "trainer.test_freq=-1",
+        "trainer.resume_mode=disable",
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=str(root))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     losses = [float(x) for x in re.findall(r"train/loss:([0-9.eE+-]+)", proc.stdout)]

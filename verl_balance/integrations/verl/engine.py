@@ -58,8 +58,13 @@ from verl_balance.models.attention import ATTN_IMPLS  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BACKEND", "VerlBalanceEngine", "VerlBalanceEngineConfig", "VerlBalanceEngineConfigError",
-           "as_verl_balance_config"]
+__all__ = [
+    "BACKEND",
+    "VerlBalanceEngine",
+    "VerlBalanceEngineConfig",
+    "VerlBalanceEngineConfigError",
+    "as_verl_balance_config",
+]
 
 BACKEND = "verl_balance"
 WORKLOADS = ("flops", "tokens")
@@ -101,11 +106,14 @@ class VerlBalanceEngineConfig(FSDPEngineConfig):
         dtype = self.param_dtype_name  # validates mixed_precision.param_dtype
         assert dtype in _PARAM_DTYPES.values()
         if self.param_offload or self.optimizer_offload or self.offload_policy:
-            raise VerlBalanceEngineConfigError("engine.param_offload / optimizer_offload / offload_policy: offload "
-                                               "is not implemented by the verl_balance backend; set them to false")
+            raise VerlBalanceEngineConfigError(
+                "engine.param_offload / optimizer_offload / offload_policy: offload "
+                "is not implemented by the verl_balance backend; set them to false"
+            )
         if not (isinstance(self.ulysses_sequence_parallel_size, int) and self.ulysses_sequence_parallel_size >= 1):
             raise VerlBalanceEngineConfigError(
-                f"engine.ulysses_sequence_parallel_size={self.ulysses_sequence_parallel_size!r} must be an int >= 1")
+                f"engine.ulysses_sequence_parallel_size={self.ulysses_sequence_parallel_size!r} must be an int >= 1"
+            )
 
     @property
     def param_dtype_name(self) -> str:
@@ -114,7 +122,8 @@ class VerlBalanceEngineConfig(FSDPEngineConfig):
         if dtype not in _PARAM_DTYPES:
             raise VerlBalanceEngineConfigError(
                 f"engine.mixed_precision.param_dtype={dtype!r}; the verl_balance backend supports "
-                f"{sorted(_PARAM_DTYPES)}")
+                f"{sorted(_PARAM_DTYPES)}"
+            )
         return _PARAM_DTYPES[dtype]
 
 
@@ -127,41 +136,62 @@ def as_verl_balance_config(engine_config) -> VerlBalanceEngineConfig:
     if not isinstance(engine_config, FSDPEngineConfig):
         raise VerlBalanceEngineConfigError(
             f"engine config is a {type(engine_config).__name__}; strategy={BACKEND!r} needs an FSDPEngineConfig "
-            "or engine._target_=verl_balance.integrations.verl.engine.VerlBalanceEngineConfig")
-    kwargs = {f.name: getattr(engine_config, f.name) for f in fields(FSDPEngineConfig)
-              if f.init and not f.name.startswith("_") and f.name != "strategy"}
+            "or engine._target_=verl_balance.integrations.verl.engine.VerlBalanceEngineConfig"
+        )
+    kwargs = {
+        f.name: getattr(engine_config, f.name)
+        for f in fields(FSDPEngineConfig)
+        if f.init and not f.name.startswith("_") and f.name != "strategy"
+    }
     return VerlBalanceEngineConfig(**kwargs)
 
 
 def _our_engine_config(engine_config: VerlBalanceEngineConfig, optimizer_config) -> EngineConfig:
     """verl's engine + optimizer configs -> verl_balance's EngineConfig (same optimizer semantics)."""
-    scheduler = getattr(optimizer_config, "lr_scheduler_type", None) or getattr(optimizer_config, "warmup_style",
-                                                                                 None) or "constant"
+    scheduler = (
+        getattr(optimizer_config, "lr_scheduler_type", None)
+        or getattr(optimizer_config, "warmup_style", None)
+        or "constant"
+    )
     total = getattr(optimizer_config, "total_training_steps", None)
     warmup_ratio = getattr(optimizer_config, "lr_warmup_steps_ratio", 0.0) or 0.0
     warmup_steps = getattr(optimizer_config, "lr_warmup_steps", None)
     if warmup_steps is not None and warmup_steps > 0:
         if not (total and total > 0):
             raise VerlBalanceEngineConfigError(
-                f"optim.lr_warmup_steps={warmup_steps} needs optim.total_training_steps > 0 (got {total})")
+                f"optim.lr_warmup_steps={warmup_steps} needs optim.total_training_steps > 0 (got {total})"
+            )
         warmup_ratio = warmup_steps / total
-    optim = OptimConfig(lr=float(optimizer_config.lr), weight_decay=float(optimizer_config.weight_decay),
-                        betas=list(optimizer_config.betas), clip_grad=optimizer_config.clip_grad,
-                        warmup_steps_ratio=float(warmup_ratio), lr_scheduler=scheduler,
-                        min_lr_ratio=float(getattr(optimizer_config, "min_lr_ratio", None) or 0.0))
-    fsdp = FSDPConfig(reshard_after_forward=engine_config.reshard_after_forward,
-                      defer_gradient_sync=engine_config.use_no_sync_for_gradient_accumulation)
-    return EngineConfig(optim=optim, fsdp=fsdp, total_steps=total if total and total > 0 else None,
-                        param_dtype=engine_config.param_dtype_name, attn_impl=engine_config.attn_impl,
-                        seed=engine_config.seed)
+    optim = OptimConfig(
+        lr=float(optimizer_config.lr),
+        weight_decay=float(optimizer_config.weight_decay),
+        betas=list(optimizer_config.betas),
+        clip_grad=optimizer_config.clip_grad,
+        warmup_steps_ratio=float(warmup_ratio),
+        lr_scheduler=scheduler,
+        min_lr_ratio=float(getattr(optimizer_config, "min_lr_ratio", None) or 0.0),
+    )
+    fsdp = FSDPConfig(
+        reshard_after_forward=engine_config.reshard_after_forward,
+        defer_gradient_sync=engine_config.use_no_sync_for_gradient_accumulation,
+    )
+    return EngineConfig(
+        optim=optim,
+        fsdp=fsdp,
+        total_steps=total if total and total > 0 else None,
+        param_dtype=engine_config.param_dtype_name,
+        attn_impl=engine_config.attn_impl,
+        seed=engine_config.seed,
+    )
 
 
 @EngineRegistry.register(model_type="language_model", backend=BACKEND, device=["cpu", "cuda"])
 class VerlBalanceEngine(BaseEngine):
     """verl ``BaseEngine`` over verl_balance's FSDP2 + Ulysses ``TrainEngine`` (see module docstring)."""
 
-    def __init__(self, model_config, engine_config: VerlBalanceEngineConfig, optimizer_config,
-                 checkpoint_config=None, **kwargs):
+    def __init__(
+        self, model_config, engine_config: VerlBalanceEngineConfig, optimizer_config, checkpoint_config=None, **kwargs
+    ):
         super().__init__()
         engine_config = as_verl_balance_config(engine_config)
         self.model_config, self.engine_config = model_config, engine_config
@@ -170,7 +200,8 @@ class VerlBalanceEngine(BaseEngine):
         sp = engine_config.ulysses_sequence_parallel_size
         if world % sp:
             raise VerlBalanceEngineConfigError(
-                f"engine.ulysses_sequence_parallel_size={sp} does not divide the world size {world}")
+                f"engine.ulysses_sequence_parallel_size={sp} does not divide the world size {world}"
+            )
         self.layout = ParallelLayout(dp=world // sp, sp=sp, device_type=get_device_name())
         self.engine: TrainEngine | None = None
         self.mode = None
@@ -182,10 +213,13 @@ class VerlBalanceEngine(BaseEngine):
 
         path = self.model_config.local_path or self.model_config.path
         ours = HFModelConfig.from_pretrained(
-            path, enable_gradient_checkpointing=bool(getattr(self.model_config, "enable_gradient_checkpointing",
-                                                              False)))
-        self.engine = TrainEngine(model_config=ours, layout=self.layout,
-                                  engine_config=_our_engine_config(self.engine_config, self.optimizer_config))
+            path, enable_gradient_checkpointing=bool(getattr(self.model_config, "enable_gradient_checkpointing", False))
+        )
+        self.engine = TrainEngine(
+            model_config=ours,
+            layout=self.layout,
+            engine_config=_our_engine_config(self.engine_config, self.optimizer_config),
+        )
         if self.engine_config.workload == "tokens":
             self.engine.flops_workload = None
         self.module = self.engine.model
@@ -290,9 +324,15 @@ class VerlBalanceEngine(BaseEngine):
             cap = int(tu.get_non_tensor_data(data=data, key="max_token_len_per_gpu", default=None))
         else:
             size = int(tu.get_non_tensor_data(data=data, key="micro_batch_size_per_gpu", default=None))
-        plan = plan_balance(seq_lens=lengths, dp_size=1, sp_size=self.layout.sp, micro_batch_size=size,
-                            max_token_len_per_gpu=cap, balance=self.engine_config.balance,
-                            workload=self.engine.flops_workload if self.engine.flops_workload else "tokens")
+        plan = plan_balance(
+            seq_lens=lengths,
+            dp_size=1,
+            sp_size=self.layout.sp,
+            micro_batch_size=size,
+            max_token_len_per_gpu=cap,
+            balance=self.engine_config.balance,
+            workload=self.engine.flops_workload if self.engine.flops_workload else "tokens",
+        )
         micro = [sorted(int(i) for i in mb) for mb in plan.micro_batches[0] if len(mb)]
         count = torch.tensor([len(micro)], device=self.layout.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.layout.dp_group)
@@ -302,7 +342,7 @@ class VerlBalanceEngine(BaseEngine):
         while len(micro) < target and max(len(m) for m in micro) > 1:
             k = max(range(len(micro)), key=lambda j: len(micro[j]))
             half = len(micro[k]) // 2
-            micro[k:k + 1] = [micro[k][:half], micro[k][half:]]
+            micro[k : k + 1] = [micro[k][:half], micro[k][half:]]
         micro += [[] for _ in range(target - len(micro))]
         workload = self.engine.flops_workload
         sample_cost = workload.cost(lengths) if workload is not None else lengths.astype(np.float64)
@@ -312,17 +352,20 @@ class VerlBalanceEngine(BaseEngine):
         # on the order; the loss is a sum over micro-batches).
         order = np.argsort(-planned_cost, kind="stable")
         micro = [micro[k] for k in order]
-        mine = torch.tensor(np.stack([planned_cost, planned_cost[order]]), dtype=torch.float64,
-                            device=self.layout.device)
+        mine = torch.tensor(
+            np.stack([planned_cost, planned_cost[order]]), dtype=torch.float64, device=self.layout.device
+        )
         gathered = [torch.empty_like(mine) for _ in range(self.layout.dp)]
         dist.all_gather(gathered, mine, group=self.layout.dp_group)
         costs = torch.stack(gathered).cpu().numpy()  # [dp, (planned order, run order), micro]
         rank_total = costs[:, 0].sum(-1)
         bound = max(float(rank_total.max()), 1e-30)
-        metrics = {"verl_balance/engine_dp_imbalance": float(rank_total.max() / max(rank_total.mean(), 1e-30)),
-                   "verl_balance/engine_planned_order_sync_ratio": float(costs[:, 0].max(0).sum() / bound),
-                   "verl_balance/engine_sync_ratio": float(costs[:, 1].max(0).sum() / bound),
-                   "verl_balance/engine_num_micro_batches": target}
+        metrics = {
+            "verl_balance/engine_dp_imbalance": float(rank_total.max() / max(rank_total.mean(), 1e-30)),
+            "verl_balance/engine_planned_order_sync_ratio": float(costs[:, 0].max(0).sum() / bound),
+            "verl_balance/engine_sync_ratio": float(costs[:, 1].max(0).sum() / bound),
+            "verl_balance/engine_num_micro_batches": target,
+        }
         return micro, metrics
 
     def _model_output(self, micro_batch, *, calculate_entropy: bool) -> dict:
@@ -333,8 +376,7 @@ class VerlBalanceEngine(BaseEngine):
         lengths = ids.offsets().diff().cpu()
         input_ids = torch.nested.to_padded_tensor(ids, 0).cpu()
         attention_mask = (torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]).long()
-        packed = engine._pack([{"input_ids": input_ids, "attention_mask": attention_mask}],
-                              require_loss_mask=False)[0]
+        packed = engine._pack([{"input_ids": input_ids, "attention_mask": attention_mask}], require_loss_mask=False)[0]
         logits = engine._forward(packed).float()
         temperature = tu.get_non_tensor_data(data=micro_batch, key="temperature", default=1.0)
         if isinstance(temperature, torch.Tensor):
@@ -350,12 +392,16 @@ class VerlBalanceEngine(BaseEngine):
         ends = offsets[1:] - 1
         keep = torch.ones(packed.total_len, device=log_probs.device)
         keep[ends] = 0
-        out = {"log_probs": torch.nested.nested_tensor_from_jagged(
-            gather_and_unpad(log_probs, group=group, length=packed.total_len) * keep, offsets)}
+        out = {
+            "log_probs": torch.nested.nested_tensor_from_jagged(
+                gather_and_unpad(log_probs, group=group, length=packed.total_len) * keep, offsets
+            )
+        }
         if calculate_entropy:
             entropy = -(logp_all.exp() * logp_all).sum(-1)
             out["entropy"] = torch.nested.nested_tensor_from_jagged(
-                gather_and_unpad(entropy, group=group, length=packed.total_len), offsets)
+                gather_and_unpad(entropy, group=group, length=packed.total_len), offsets
+            )
         return out
 
     def _global_loss_tokens(self, data) -> float:
@@ -411,8 +457,10 @@ class VerlBalanceEngine(BaseEngine):
             self.engine._reshard()
         order = [i for rows in micro for i in rows]
         restore = np.argsort(np.asarray(order, dtype=np.int64), kind="stable")
-        model_output = {key: torch.nested.as_nested_tensor([values[i] for i in restore], layout=torch.jagged)
-                        for key, values in outputs.items()}
+        model_output = {
+            key: torch.nested.as_nested_tensor([values[i] for i in restore], layout=torch.jagged)
+            for key, values in outputs.items()
+        }
         for key, value in balance_metrics.items():
             metrics[key] = [value]
         return {"model_output": model_output, "loss": losses, "metrics": metrics}
@@ -431,8 +479,9 @@ class VerlBalanceEngine(BaseEngine):
         if hdfs_path is not None:
             raise NotImplementedError(f"verl_balance engine: hdfs_path={hdfs_path!r} is not supported")
         if max_ckpt_to_keep is not None:
-            logger.warning("verl_balance engine ignores max_ckpt_to_keep=%s; prune old checkpoints outside",
-                           max_ckpt_to_keep)
+            logger.warning(
+                "verl_balance engine ignores max_ckpt_to_keep=%s; prune old checkpoints outside", max_ckpt_to_keep
+            )
         os.makedirs(local_path, exist_ok=True)
         self.engine.save_checkpoint(local_path, step=int(global_step), extra={"global_step": int(global_step)})
 
