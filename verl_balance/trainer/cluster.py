@@ -8,7 +8,7 @@ import os
 import ray
 
 from verl_balance.single_controller import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
-from verl_balance.trainer.config import ConfigError
+from verl_balance.trainer.config import ConfigError, TrainerSection
 from verl_balance.workers.actor import ActorWorker, ActorWorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ def resolve_use_gpu(device: str) -> bool:
 
 
 def build_actor_group(
-    *, worker_config: ActorWorkerConfig, trainer_cfg, use_gpu: bool, worker_cls: type = ActorWorker
+    *, worker_config: ActorWorkerConfig, trainer_cfg: TrainerSection, use_gpu: bool, worker_cls: type = ActorWorker
 ) -> RayWorkerGroup:
     """Place nnodes x n_gpus_per_node workers and build the sharded model on them."""
     pool = RayResourcePool(
