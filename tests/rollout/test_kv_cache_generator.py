@@ -1,5 +1,7 @@
 """KVCacheRollout: the KV-cached, left-padded decoder against no-cache recomputes and the training model."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -12,16 +14,7 @@ PROMPTS = [[5, 17, 3, 9, 1], [2], [40, 41, 42], [7, 7, 7, 7, 7, 7, 7], [99, 3]]
 
 
 def _config(*, tie: bool = False) -> ModelConfig:
-    return ModelConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=tie,
-    )
+    return dataclasses.replace(ModelConfig.preset("tiny"), max_position_embeddings=64, tie_word_embeddings=tie)
 
 
 def _random_state_dict(config: ModelConfig, *, seed: int, device: str = "cpu") -> dict[str, torch.Tensor]:

@@ -8,6 +8,7 @@ token within rounding of a CDF boundary (deterministically so: the seeds are fix
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -25,15 +26,7 @@ SAMPLING = dict(n=3, temperature=1.5, top_p=0.9, max_response_length=10)
 
 
 def _kv_cache_rollout(**kwargs) -> KVCacheRollout:
-    config = ModelConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        max_position_embeddings=64,
-    )
+    config = dataclasses.replace(ModelConfig.preset("tiny"), max_position_embeddings=64)
     gen = torch.Generator().manual_seed(0)
     state = {
         name: (1 + 0.1 * torch.randn(shape, generator=gen))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -39,18 +39,20 @@ class DecodeCache(Protocol):
 class CachedDecoder(RolloutEngine):
     """Batched KV-cached sampling on top of a backend's ``_prefill`` / ``_decode_step``."""
 
+    config: Any
+    """The model's config (built-in ``ModelConfig`` or ``HFModelConfig``)."""
     pad_token_id: int
     max_batch_size: int | None
 
     @property
-    @abc.abstractmethod
     def vocab_size(self) -> int:
         """Rows of the output embedding (token ids must be below it)."""
+        return self.config.vocab_size
 
     @property
-    @abc.abstractmethod
     def max_position_embeddings(self) -> int | None:
         """Longest prompt + response the model accepts (None: unbounded)."""
+        return self.config.max_position_embeddings
 
     @property
     @abc.abstractmethod

@@ -98,14 +98,6 @@ class HFRollout(CachedDecoder):
         self._has_weights = True
 
     @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
-    @property
-    def max_position_embeddings(self) -> int | None:
-        return self.config.max_position_embeddings
-
-    @property
     def device(self) -> torch.device:
         return self.model.lm_head.weight.device
 

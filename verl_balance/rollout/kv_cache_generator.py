@@ -128,14 +128,6 @@ class KVCacheRollout(CachedDecoder):
         self._weights = weights
 
     @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
-    @property
-    def max_position_embeddings(self) -> int | None:
-        return self.config.max_position_embeddings
-
-    @property
     def device(self) -> torch.device:
         """Device the decoder runs on (that of its weights)."""
         self._require_weights()
