@@ -22,7 +22,7 @@ RANK_SCRIPT = textwrap.dedent(
     """
     import torch, torch.distributed as dist
     import verl
-    from verl.utils.device import get_device_name, get_nccl_backend
+    from verl.utils.device import get_device_id, get_device_name, get_nccl_backend
     from verl.utils.distributed import initialize_global_process_group_ray
     import verl.workers.engine
     from verl.workers.engine.base import EngineRegistry
@@ -30,7 +30,8 @@ RANK_SCRIPT = textwrap.dedent(
     initialize_global_process_group_ray()
     value = torch.tensor([float(dist.get_rank() + 1)])
     dist.all_reduce(value)
-    print("RESULT", get_device_name(), get_nccl_backend(), dist.get_backend(), engine, int(value.item()))
+    moved = torch.nn.Linear(1, 1).to(get_device_id()).weight.device.type  # verl's module.to(get_device_id())
+    print("RESULT", get_device_name(), get_nccl_backend(), dist.get_backend(), engine, int(value.item()), moved)
     dist.destroy_process_group()
     """
 )
@@ -83,7 +84,7 @@ def test_verls_device_backend_engine_lookup_and_process_group_run_on_cpu_with_th
     for result in results:
         assert result.returncode == 0, result.stderr[-3000:]
         line = next(x for x in result.stdout.splitlines() if x.startswith("RESULT"))
-        assert line.split()[1:] == ["cpu", "gloo", "cpu:gloo", "FSDPEngineWithLMHead", "3"]  # 1 + 2 summed
+        assert line.split()[1:] == ["cpu", "gloo", "cpu:gloo", "FSDPEngineWithLMHead", "3", "cpu"]  # 1 + 2 summed
 
 
 @pytest.mark.slow

@@ -145,9 +145,6 @@ def _train_one_step(
     from verl_balance.integrations.verl import cpu_platform
     from verl_balance.integrations.verl import engine as verl_engine
 
-    # verl's fsdp engine moves modules to ``get_device_id()``; the shim's index 0 means cuda:0 to torch.
-    cpu_platform.platform_class().current_device = lambda self: "cpu"
-
     model_config = HFModelConfig(
         path=model_dir, use_remove_padding=False, override_config={"attn_implementation": "sdpa"}
     )
@@ -381,13 +378,7 @@ def test_main_ppo_fsdp_engine_config_maps_to_the_backend_config():
         as_verl_balance_config(FSDPEngineConfig(strategy="fsdp2", param_offload=True))
 
 
-# verl's own SFT trainer, unmodified, under torchrun on CPU. The extra module works around the CPU
-# shim's current_device() (index 0, which torch reads as cuda:0 in verl's ``module.to(get_device_id())``).
-_CPU_DEVICE_FIX = """
-from verl_balance.integrations.verl import cpu_platform
-if cpu_platform.wanted():
-    cpu_platform.platform_class().current_device = lambda self: "cpu"
-"""
+# verl's own SFT trainer, unmodified, under torchrun on CPU.
 
 
 @pytest.fixture(scope="module")
@@ -395,7 +386,6 @@ def sft_setup(tmp_path_factory, model_dir):
     import pandas as pd
 
     root = tmp_path_factory.mktemp("verl_sft")
-    (root / "verl_balance_cpu_device_fix.py").write_text(_CPU_DEVICE_FIX)
     rng = np.random.default_rng(0)
     words = "the cat sat on a mat and then ran to see the big red dog near our house".split()
     rows = [
@@ -427,8 +417,7 @@ def _run_sft_trainer(
         OMP_NUM_THREADS="1",
         CUDA_VISIBLE_DEVICES="",
         RAY_ADDRESS="local",  # a fresh Ray instance, never a running one
-        VERL_USE_EXTERNAL_MODULES="verl_balance.integrations.verl.cpu_platform,"
-        "verl_balance_cpu_device_fix,verl_balance.integrations.verl.autopatch",
+        VERL_USE_EXTERNAL_MODULES="verl_balance.integrations.verl.cpu_platform,verl_balance.integrations.verl.autopatch",
     )
     target = (
         ["engine._target_=verl_balance.integrations.verl.engine.VerlBalanceEngineConfig"]

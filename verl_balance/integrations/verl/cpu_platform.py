@@ -62,7 +62,6 @@ def _cpu_device_module() -> types.ModuleType:
     module.get_device_name = lambda *args, **kwargs: "cpu"
     module.is_available = lambda: True
     module.device_count = lambda: 1
-    module.current_device = lambda: 0
 
     def mem_get_info(*args, **kwargs):
         pages, page_size = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
@@ -101,8 +100,9 @@ def platform_class() -> type:
         def is_platform_available(self, use_smi_check=False) -> bool:
             return not torch.cuda.is_available()
 
-        def current_device(self) -> int:
-            return 0
+        def current_device(self) -> str:
+            # verl moves modules and batches to ``get_device_id()``; an index would mean cuda:<index>.
+            return "cpu"
 
         def device_count(self) -> int:
             return 1
