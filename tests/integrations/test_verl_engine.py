@@ -142,7 +142,7 @@ def _train_one_step(
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.utils.losses import sft_loss
 
-    from verl_balance.integrations.verl import cpu_platform
+    from verl_balance.integrations.verl import cpu_platform  # noqa: F401  (importing installs it on CPU)
     from verl_balance.integrations.verl import engine as verl_engine
 
     model_config = HFModelConfig(

@@ -1,0 +1,219 @@
+"""verl 0.9.1's own PPO step pieces on 2 CPU Ray workers, one JSON line of results on stdout.
+
+Runs, unmodified, what ``RayPPOTrainer.fit`` runs for one GRPO step after generation:
+``_balance_batch`` -> ``_compute_old_log_prob`` -> ``compute_advantage`` -> ``_update_actor``, with
+verl's ``ActorRolloutRefWorker`` (role ``actor``) in a verl ``RayWorkerGroup`` of 2 CPU workers, on a
+fixed synthetic rollout batch (what the agent loop would return). The actor's engine is chosen by
+``actor_rollout_ref.actor.strategy`` only. Used by ``test_verl_ppo_trainer.py``; run by hand with::
+
+    VERL_USE_EXTERNAL_MODULES=verl_balance.integrations.verl.cpu_platform,verl_balance.integrations.verl.autopatch \\
+    python tests/integrations/verl_ppo_pieces_runner.py --model-dir DIR --case verl_balance:2:1 --case fsdp2:2:1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import numpy as np
+
+NUM_PROMPTS = 4
+ROLLOUT_N = 2
+PROMPT_LEN = 10  # left-padded prompt width
+RESPONSE_LEN = 24  # right-padded response width
+
+
+def ppo_config(*, model_dir: str, strategy: str, mini_batches: int, loss_agg_mode: str, sp: int):
+    """verl's ``ppo_trainer`` config composed with Hydra, as ``main_ppo`` would, plus CPU-sized overrides."""
+    import verl
+    from hydra import compose, initialize_config_dir
+
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    actor = "actor_rollout_ref.actor"
+    overrides = [
+        f"actor_rollout_ref.model.path={model_dir}",
+        "actor_rollout_ref.model.use_remove_padding=False",
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        f"{actor}.strategy={strategy}",
+        f"{actor}.ppo_mini_batch_size={NUM_PROMPTS // mini_batches}",
+        f"{actor}.use_dynamic_bsz=True",
+        f"{actor}.ppo_max_token_len_per_gpu=48",
+        f"{actor}.loss_agg_mode={loss_agg_mode}",
+        f"{actor}.use_torch_compile=False",
+        f"{actor}.fsdp_config.use_torch_compile=False",
+        f"{actor}.fsdp_config.ulysses_sequence_parallel_size={sp}",
+        f"+{actor}.fsdp_config.mixed_precision.param_dtype=fp32",
+        f"+{actor}.fsdp_config.mixed_precision.reduce_dtype=fp32",
+        f"+{actor}.fsdp_config.mixed_precision.buffer_dtype=fp32",
+        f"{actor}.optim.lr=1e-3",
+        f"{actor}.optim.clip_grad=1e9",
+        f"actor_rollout_ref.rollout.n={ROLLOUT_N}",
+        "actor_rollout_ref.rollout.temperature=0.7",
+        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz=True",
+        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=48",
+        "algorithm.adv_estimator=grpo",
+        "trainer.n_gpus_per_node=2",
+        "trainer.nnodes=1",
+        "trainer.device=cpu",
+    ]
+    if strategy == "verl_balance":
+        # The documented way in: verl imports the model's external_lib in every worker before it
+        # builds the engine; importing our engine module registers the backend.
+        overrides.append("actor_rollout_ref.model.external_lib=verl_balance.integrations.verl.engine")
+    elif strategy.startswith("verl_balance_"):  # a negative-control backend from this test folder
+        overrides.append("actor_rollout_ref.model.external_lib=verl_faulty_engine")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        return compose(config_name="ppo_trainer", overrides=overrides)
+
+
+def rollout_batch(vocab_size: int):
+    """A GRPO rollout batch as verl's agent loop returns it: left-padded prompts, right-padded
+    responses, ``uid`` per prompt repeated ``n`` times, a scalar reward on each last response token."""
+    import torch
+    from verl import DataProto
+
+    rng = np.random.default_rng(11)
+    rows = NUM_PROMPTS * ROLLOUT_N
+    prompts = torch.zeros(rows, PROMPT_LEN, dtype=torch.long)
+    responses = torch.zeros(rows, RESPONSE_LEN, dtype=torch.long)
+    prompt_mask = torch.zeros(rows, PROMPT_LEN, dtype=torch.long)
+    response_mask = torch.zeros(rows, RESPONSE_LEN, dtype=torch.long)
+    scores = torch.zeros(rows, RESPONSE_LEN)
+    for p in range(NUM_PROMPTS):
+        prompt_len = int(rng.integers(3, PROMPT_LEN + 1))
+        prompt = torch.as_tensor(rng.integers(3, vocab_size, size=prompt_len))
+        for k in range(ROLLOUT_N):
+            row = p * ROLLOUT_N + k
+            response_len = int(rng.integers(2, RESPONSE_LEN + 1))
+            prompts[row, PROMPT_LEN - prompt_len :] = prompt
+            prompt_mask[row, PROMPT_LEN - prompt_len :] = 1
+            responses[row, :response_len] = torch.as_tensor(rng.integers(3, vocab_size, size=response_len))
+            response_mask[row, :response_len] = 1
+            scores[row, response_len - 1] = float(rng.normal())
+    attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0) * attention_mask
+    uid = np.array([f"prompt-{p}" for p in range(NUM_PROMPTS) for _ in range(ROLLOUT_N)], dtype=object)
+    return DataProto.from_dict(
+        tensors={
+            "prompts": prompts,
+            "responses": responses,
+            "input_ids": torch.cat([prompts, responses], dim=1),
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "response_mask": response_mask,
+            "token_level_scores": scores,
+            "token_level_rewards": scores,
+        },
+        non_tensors={"uid": uid, "row_id": np.arange(rows)},
+    )
+
+
+def run(*, model_dir: str, strategy: str, mini_batches: int, loss_agg_mode: str, sp: int) -> dict:
+    import ray
+    import transformers
+    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+    from verl.trainer.ppo.metric_utils import reduce_metrics
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer, compute_advantage
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    config = ppo_config(
+        model_dir=model_dir, strategy=strategy, mini_batches=mini_batches, loss_agg_mode=loss_agg_mode, sp=sp
+    )
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True)
+    try:
+        # main_ppo's pool for FSDP actors; verl's default of 10 CPUs per bundle does not fit a small host.
+        pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1)
+        worker_cls = RayClassWithInitArgs(
+            cls=ray.remote(ActorRolloutRefWorker), config=config.actor_rollout_ref, role="actor"
+        )
+        workers = RayWorkerGroup(pool, worker_cls, device_name="cpu")
+        workers.init_model()
+
+        # The trainer's own methods, on a trainer holding only what these pieces read.
+        trainer = RayPPOTrainer.__new__(RayPPOTrainer)
+        trainer.config = config
+        trainer.actor_rollout_wg = workers
+        trainer.distillation_config = None
+        trainer.use_prefix_grouper = False
+
+        vocab_size = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
+        batch = rollout_batch(vocab_size)
+        batch.meta_info["temperature"] = config.actor_rollout_ref.rollout.temperature  # as fit() sets it
+        metrics: dict = {}
+        trainer._balance_batch(batch, metrics=metrics)
+        batch.meta_info["global_token_num"] = batch.batch["attention_mask"].sum(-1).tolist()
+        balanced_order = batch.non_tensor_batch["uid"].tolist()
+        old_log_prob, _ = trainer._compute_old_log_prob(batch)
+        old_log_prob.batch.pop("entropys")
+        batch = batch.union(old_log_prob)
+        batch = compute_advantage(
+            batch,
+            adv_estimator=config.algorithm.adv_estimator,
+            num_repeat=config.actor_rollout_ref.rollout.n,
+            norm_adv_by_std_in_grpo=config.algorithm.norm_adv_by_std_in_grpo,
+            config=config.algorithm,
+        )
+        actor_metrics = trainer._update_actor(batch).meta_info["metrics"]
+        by_row = np.argsort(batch.non_tensor_batch["row_id"])  # the batch is in balanced order now
+        mask = batch.batch["response_mask"].bool()
+        old_log_probs = [batch.batch["old_log_probs"][i][mask[i]].tolist() for i in by_row.tolist()]
+        return {
+            "strategy": strategy,
+            "mini_batches": mini_batches,
+            "balanced_uids": balanced_order,
+            "old_log_probs": [x for row in old_log_probs for x in row],  # in rollout row order
+            "pg_loss": [float(x) for x in _flat(actor_metrics["actor/pg_loss"])],
+            "grad_norm": [float(x) for x in _flat(actor_metrics["actor/grad_norm"])],
+            "reduced": {k: float(v) for k, v in reduce_metrics(actor_metrics).items() if _is_number(v)},
+            "balance_metrics": {k: float(v) for k, v in metrics.items() if _is_number(v)},
+        }
+    finally:
+        ray.shutdown()
+
+
+def _flat(value) -> list:
+    """verl's per-mini-batch metric value (a number, a ``Metric``, or a list of them) as floats."""
+    from verl.utils.metric import Metric
+
+    if isinstance(value, Metric):
+        return [value.aggregate()]
+    if isinstance(value, list | tuple):
+        return [y for x in value for y in _flat(x)]
+    return [value]
+
+
+def _is_number(value) -> bool:
+    try:
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument(
+        "--case",
+        action="append",
+        required=True,
+        metavar="STRATEGY:MINI_BATCHES:SP",
+        help="one PPO step on fresh workers per case, e.g. fsdp2:2:1 or verl_balance:1:2",
+    )
+    parser.add_argument("--loss-agg-mode", default="token-mean")
+    args = parser.parse_args()
+    for case in args.case:
+        strategy, mini_batches, sp = case.split(":")
+        result = run(
+            model_dir=args.model_dir,
+            strategy=strategy,
+            mini_batches=int(mini_batches),
+            loss_agg_mode=args.loss_agg_mode,
+            sp=int(sp),
+        )
+        print("RESULT " + json.dumps(dict(result, case=case)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
