@@ -113,7 +113,7 @@ def _save_three_times(rank: int, *, model_dir: str, root: str, max_ckpt_to_keep)
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.utils.losses import sft_loss
 
-    from verl_balance.integrations.verl import cpu_platform  # noqa: F401  (verl's device helpers on CPU)
+    from verl_balance.integrations.verl import cpu_platform  # noqa: F401  (verl's CPU platform: get_device_name() is "cpu")
     from verl_balance.integrations.verl import engine as verl_engine
 
     model_config = HFModelConfig(
