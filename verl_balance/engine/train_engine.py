@@ -7,6 +7,9 @@ Invariants:
 - Every SP rank of a DP group receives the same micro-batches; every rank of the mesh receives
   the same number of micro-batches (checked: a mismatch would otherwise hang a collective).
 - train_step and eval_loss run the same code (_run); eval skips backward and the optimizer.
+  _run is composed of the public micro-batch methods (check_micro_batches, pack_micro_batches,
+  prepare_backward, forward_logits, reshard, zero_grad, optimizer_step, advance_schedule), so an
+  external loop (verl's engine backend) that calls them in the same order takes the same step.
   Per micro-batch a rank back-propagates G * sum(w * l) over its token slice (see loss.py), and
   the logged loss is all_reduce_sum over the world of those sums: the exact global objective.
 - Zero valid tokens in the whole mini-batch: no forward, no optimizer step, a warning, loss 0.
@@ -127,8 +130,18 @@ class TrainEngine:
         """G: FSDP2 averages gradients over every rank of its (flattened dp x sp) mesh."""
         return self.layout.world_size
 
-    # ------------------------------------------------------------------ micro-batch handling
-    def _check_micro_batches(self, micro_batches: Sequence[Mapping[str, Tensor]]) -> None:
+    # ------------------------------------------------------------------ micro-batch loop (public)
+    # The steps of train_step, public for a loop that drives micro-batches itself (verl's engine
+    # backend in integrations/verl/engine.py); _run is built from the same calls. One train step:
+    #   check_micro_batches -> zero_grad -> per micro-batch k of n: prepare_backward(is_last=k == n-1),
+    #   forward_logits, the caller's loss, (G * local objective).backward() -> optimizer_step ->
+    #   advance_schedule; forward-only passes end with reshard().
+    def check_micro_batches(self, micro_batches: Sequence[Mapping[str, Tensor]]) -> None:
+        """Raise MicroBatchError unless every rank has the same number (>= 1) of micro-batches and
+        the SP ranks of each DP group hold identical ones in the same order.
+
+        Collective: one all_gather over the world group (all W ranks); call it on every rank with
+        that rank's micro-batches before a step (a count mismatch would otherwise hang FSDP)."""
         fingerprint = [len(micro_batches), 0, 0]
         for k, mb in enumerate(micro_batches):
             if "attention_mask" not in mb or "input_ids" not in mb:
@@ -155,6 +168,95 @@ class TrainEngine:
                 f"(dp x sp): {per_dp.tolist()}"
             )
 
+    def pack_micro_batches(
+        self, micro_batches: Sequence[Mapping[str, Tensor]], *, require_loss_mask: bool
+    ) -> list[PackedMicroBatch]:
+        """Wire micro-batches (right-padded (b, L) tensors) -> packed, target-aligned streams holding
+        this SP rank's slice, copied to the device without waiting.
+
+        No collective (host-side packing, per rank). ``require_loss_mask`` rejects a micro-batch
+        without ``loss_mask`` (training / eval); log-prob passes set it False. Runs through the
+        ``_pack`` seam, so the testing.faults controls reach every caller."""
+        return self._pack(micro_batches, require_loss_mask=require_loss_mask)
+
+    def forward_logits(self, packed: PackedMicroBatch) -> Tensor:
+        """Logits [padded_len / sp, V] of this SP rank's token slice (``packed.local_slice``),
+        in the parameter dtype; grad-enabled unless the caller disables it.
+
+        Collective: FSDP2 all-gathers the parameters over the world (when sharded) and Ulysses
+        attention runs all-to-alls over the SP group; every rank of the mesh must call it once per
+        micro-batch index in the same order, an empty (padding-only) micro-batch included."""
+        return self.model(
+            input_ids=packed.local("input_ids"),
+            position_ids=packed.local("position_ids"),
+            cu_seqlens=packed.cu_seqlens_padded,
+            max_seqlen=packed.max_seqlen,
+        )
+
+    def prepare_backward(self, *, is_last: bool) -> None:
+        """FSDP2's per-micro-batch switches for the next backward: with FSDPConfig's
+        defer_gradient_sync / reshard_after_backward=False, gradients are reduced and parameters
+        resharded only in the backward of the step's last micro-batch (``is_last``).
+
+        No collective itself, but it decides whether the next backward reduce-scatters over the
+        world: call it before every micro-batch's backward (before its forward is fine) with the
+        same ``is_last`` on every rank, or ranks disagree on a collective and hang. Under the loss
+        contract (loss.py) the caller then back-propagates ``gradient_divide_factor * (sum of w * l
+        over its token slice)``."""
+        fsdp = self.config.fsdp
+        if not self.sharded or (not fsdp.defer_gradient_sync and fsdp.reshard_after_backward):
+            return
+        if fsdp.defer_gradient_sync:
+            self.model.set_requires_gradient_sync(is_last)
+        if not fsdp.reshard_after_backward:
+            self.model.set_reshard_after_backward(is_last)
+
+    def reshard(self) -> None:
+        """Free parameters left unsharded (reshard_after_forward=False keeps them after a forward
+        without backward); the sharded parameters are then the only copy an optimizer step or a
+        checkpoint load can change.
+
+        No collective (local frees); call it on every rank after a forward-only pass (eval,
+        log-probs) and before the optimizer or a checkpoint load touches the parameters."""
+        fsdp = self.config.fsdp
+        if fsdp.reshard_after_forward and fsdp.reshard_after_backward:
+            return
+        for module in self._fsdp_modules():
+            module.reshard()
+
+    def zero_grad(self) -> None:
+        """Drop every gradient (set to None); local, no collective."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def optimizer_step(self) -> dict:
+        """Clip the gradient norm to optim.max_grad_norm, step the optimizer (skipped, with a warning,
+        when the norm is not finite) and zero the gradients; the LR schedule does not move (see
+        advance_schedule). Returns {"grad_norm": pre-clip norm, "step_skipped": bool}.
+
+        Collective: the norm is reduced over the world (FSDP2's sharded gradients), so every rank
+        calls it and every rank skips together."""
+        max_norm = self.config.optim.max_grad_norm
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        grad_norm = float(grad_norm)
+        if not torch.isfinite(torch.tensor(grad_norm)):
+            logger.warning("non-finite grad_norm=%s: optimizer step skipped", grad_norm)
+            self.zero_grad()
+            return {"grad_norm": grad_norm, "step_skipped": True}
+        self.optimizer.step()
+        self.zero_grad()
+        return {"grad_norm": grad_norm, "step_skipped": False}
+
+    def advance_schedule(self) -> float:
+        """One train step has passed: the LR schedule and global_step move on together (also for a
+        skipped step). Returns the new learning rate. Local, no collective; call it once per step on
+        every rank."""
+        self.scheduler.step()
+        self.global_step += 1
+        return self.scheduler.get_last_lr()[0]
+
+    # ------------------------------------------------------------------ private seams and helpers
     def _pack(self, micro_batches, *, require_loss_mask: bool) -> list[PackedMicroBatch]:
         """Wire micro-batches -> packed streams (a seam for the testing.faults controls)."""
         return [
@@ -179,37 +281,8 @@ class TrainEngine:
             dp_group=self.layout.dp_group,
         )
 
-    def _forward(self, packed: PackedMicroBatch) -> Tensor:
-        return self.model(
-            input_ids=packed.local("input_ids"),
-            position_ids=packed.local("position_ids"),
-            cu_seqlens=packed.cu_seqlens_padded,
-            max_seqlen=packed.max_seqlen,
-        )
-
     def _fsdp_modules(self) -> list[FSDPModule]:
         return [m for m in self.model.modules() if isinstance(m, FSDPModule)] if self.sharded else []
-
-    def _set_backward_policy(self, *, is_last: bool) -> None:
-        """Per micro-batch FSDP2 switches: reduce gradients and reshard only after the last
-        backward of the step when FSDPConfig defers them."""
-        fsdp = self.config.fsdp
-        if not self.sharded or (not fsdp.defer_gradient_sync and fsdp.reshard_after_backward):
-            return
-        if fsdp.defer_gradient_sync:
-            self.model.set_requires_gradient_sync(is_last)
-        if not fsdp.reshard_after_backward:
-            self.model.set_reshard_after_backward(is_last)
-
-    def _reshard(self) -> None:
-        """Free parameters left unsharded (reshard_after_forward=False keeps them after a forward
-        without backward); the sharded parameters are then the only copy an optimizer step or a
-        checkpoint load can change."""
-        fsdp = self.config.fsdp
-        if fsdp.reshard_after_forward and fsdp.reshard_after_backward:
-            return
-        for module in self._fsdp_modules():
-            module.reshard()
 
     def _step_flops_and_tokens(self, packed: Sequence[PackedMicroBatch], *, training: bool) -> tuple[float, float]:
         """Model FLOPs and tokens of this rank's share of the step; SP rank 0 of each DP group
@@ -236,8 +309,8 @@ class TrainEngine:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         loss_fn = loss_fn if loss_fn is not None else SFTLoss()
-        self._check_micro_batches(micro_batches)
-        packed = self._pack(micro_batches, require_loss_mask=True)
+        self.check_micro_batches(micro_batches)
+        packed = self.pack_micro_batches(micro_batches, require_loss_mask=True)
         token_weights = self._token_weights(packed, training=training)
         metrics: dict = {
             "valid_tokens": token_weights.num_tokens,
@@ -251,7 +324,7 @@ class TrainEngine:
                 "optimizer step skipped" if training else "eval loss is 0",
             )
             if training:
-                self._advance_schedule()
+                self.advance_schedule()
             return {
                 **metrics,
                 "loss": 0.0,
@@ -270,15 +343,15 @@ class TrainEngine:
         needs_entropy = getattr(loss_fn, "needs_entropy", False)
         if training:
             self.model.train()
-            self.optimizer.zero_grad(set_to_none=True)
+            self.zero_grad()
         else:
             self.model.eval()
         for k, (p, weights) in enumerate(zip(packed, token_weights.weights)):
             if training:
-                self._set_backward_policy(is_last=k == len(packed) - 1)
+                self.prepare_backward(is_last=k == len(packed) - 1)
             timer.start()
             with torch.set_grad_enabled(training):
-                logits = self._forward(p)
+                logits = self.forward_logits(p)
                 inputs = p.local_inputs()
                 log_probs, entropy = token_log_probs(
                     logits, inputs["targets"], with_entropy=needs_entropy, temperature=temperature
@@ -294,7 +367,7 @@ class TrainEngine:
                 contribution = (mask * value.detach().float()).sum().double()
                 metric_sums[name] = metric_sums.get(name, 0) + contribution
         if not training:
-            self._reshard()
+            self.reshard()
 
         # Token slices are disjoint over the world (DP splits samples, SP splits tokens): the sum
         # of local objectives is J and the sum of masked metric values is the global numerator.
@@ -316,7 +389,8 @@ class TrainEngine:
         metrics["busy_seconds"] = float(sum(times.busy))
         metrics["micro_batch_busy_seconds"] = times.busy
         if training:
-            metrics.update(self._optimizer_step())
+            metrics.update(self.optimizer_step())
+            self.advance_schedule()
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # once per step: honest step time
         metrics.update(
@@ -329,28 +403,6 @@ class TrainEngine:
             )
         )
         return metrics
-
-    def _advance_schedule(self) -> None:
-        """One train step has passed: the LR schedule and the step counter move on together."""
-        self.scheduler.step()
-        self.global_step += 1
-
-    def _optimizer_step(self) -> dict:
-        max_norm = self.config.optim.max_grad_norm
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        if isinstance(grad_norm, DTensor):
-            grad_norm = grad_norm.full_tensor()
-        grad_norm = float(grad_norm)
-        if not torch.isfinite(torch.tensor(grad_norm)):
-            # The norm is reduced over the mesh, so every rank skips together.
-            logger.warning("non-finite grad_norm=%s: optimizer step skipped", grad_norm)
-            self.optimizer.zero_grad(set_to_none=True)
-            self._advance_schedule()
-            return {"grad_norm": grad_norm, "step_skipped": True}
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self._advance_schedule()
-        return {"grad_norm": grad_norm, "step_skipped": False}
 
     def train_step(
         self, micro_batches: Sequence[Mapping[str, Tensor]], *, loss_fn: LossFn | None = None, temperature: float = 1.0
@@ -391,11 +443,11 @@ class TrainEngine:
         log_probs[i, t] = log p(token t | tokens < t) of sample i (0 at t = 0 and at padding);
         entropy[i, t] is the entropy of that same predictive distribution; both at ``temperature``.
         """
-        self._check_micro_batches(micro_batches)
+        self.check_micro_batches(micro_batches)
         self.model.eval()
         outputs = []
-        for p in self._pack(micro_batches, require_loss_mask=False):
-            logits = self._forward(p)
+        for p in self.pack_micro_batches(micro_batches, require_loss_mask=False):
+            logits = self.forward_logits(p)
             log_probs, entropy = token_log_probs(
                 logits, p.local("targets"), with_entropy=with_entropy, temperature=temperature
             )
@@ -404,7 +456,7 @@ class TrainEngine:
             if with_entropy:
                 result["entropy"] = p.unpack(gather_and_unpad(entropy, group=group, length=p.total_len))
             outputs.append(result)
-        self._reshard()
+        self.reshard()
         return outputs
 
     # ------------------------------------------------------------------ state

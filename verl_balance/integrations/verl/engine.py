@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -64,6 +65,7 @@ __all__ = [
     "VerlBalanceEngineConfig",
     "VerlBalanceEngineConfigError",
     "as_verl_balance_config",
+    "plan_checkpoint_retention",
 ]
 
 BACKEND = "verl_balance"
@@ -185,9 +187,40 @@ def _our_engine_config(engine_config: VerlBalanceEngineConfig, optimizer_config)
     )
 
 
+def plan_checkpoint_retention(
+    saved_paths: list[str], new_path: str, *, max_ckpt_to_keep: int | None
+) -> tuple[list[str], list[str]]:
+    """(paths to remember, paths to delete) after ``new_path`` was saved, with verl's retention rule
+    (``CheckpointManager.register_checkpoint``): keep the newest ``max_ckpt_to_keep`` saves, None or 0
+    keeping all. Unlike verl, a re-save of a remembered path counts once (as the newest) and a path
+    that is ``new_path`` or one of its parent directories is never deleted. Paths are compared as
+    absolute paths; pure bookkeeping, nothing is deleted here."""
+    if max_ckpt_to_keep is not None and (
+        isinstance(max_ckpt_to_keep, bool) or not isinstance(max_ckpt_to_keep, int) or max_ckpt_to_keep < 0
+    ):
+        raise VerlBalanceEngineConfigError(
+            f"max_ckpt_to_keep={max_ckpt_to_keep!r} (verl's trainer.max_ckpt_to_keep / max_actor_ckpt_to_keep): "
+            "valid: None or 0 (keep every checkpoint) or a positive int"
+        )
+    new_path = os.path.abspath(new_path)
+    kept = [p for p in saved_paths if p != new_path] + [new_path]
+    if not max_ckpt_to_keep or len(kept) <= max_ckpt_to_keep:
+        return kept, []
+    oldest, kept = kept[:-max_ckpt_to_keep], kept[-max_ckpt_to_keep:]
+    protected = [p for p in oldest if os.path.commonpath([p, new_path]) == p]
+    if protected:
+        logger.warning("not deleting old checkpoint(s) %s: they contain the one just saved, %s", protected, new_path)
+    return kept, [p for p in oldest if p not in protected]
+
+
 @EngineRegistry.register(model_type="language_model", backend=BACKEND, device=["cpu", "cuda"])
 class VerlBalanceEngine(BaseEngine):
-    """verl ``BaseEngine`` over verl_balance's FSDP2 + Ulysses ``TrainEngine`` (see module docstring)."""
+    """verl ``BaseEngine`` over verl_balance's FSDP2 + Ulysses ``TrainEngine`` (see module docstring).
+
+    Drives ``TrainEngine``'s public micro-batch API only (``pack_micro_batches``, ``forward_logits``,
+    ``prepare_backward``, ``reshard``, ``zero_grad``, ``optimizer_step``, ``advance_schedule``), the
+    calls ``TrainEngine.train_step`` is made of; ``save_checkpoint`` keeps the newest
+    ``max_ckpt_to_keep`` checkpoints as verl's FSDP checkpoint manager does."""
 
     def __init__(
         self, model_config, engine_config: VerlBalanceEngineConfig, optimizer_config, checkpoint_config=None, **kwargs
@@ -205,6 +238,8 @@ class VerlBalanceEngine(BaseEngine):
         self.layout = ParallelLayout(dp=world // sp, sp=sp, device_type=get_device_name())
         self.engine: TrainEngine | None = None
         self.mode = None
+        # Absolute paths this engine saved, oldest first (verl's CheckpointManager.previous_saved_paths).
+        self.saved_checkpoint_paths: list[str] = []
 
     # ------------------------------------------------------------------ setup
     def initialize(self):
@@ -292,27 +327,15 @@ class VerlBalanceEngine(BaseEngine):
     # ------------------------------------------------------------------ optimizer
     def optimizer_zero_grad(self):
         """Clear gradients."""
-        self.engine.optimizer.zero_grad(set_to_none=True)
+        self.engine.zero_grad()
 
     def optimizer_step(self):
         """Clip, step (skipped on a non-finite norm, on every rank together); returns the pre-clip norm."""
-        engine = self.engine
-        grad_norm = torch.nn.utils.clip_grad_norm_(engine.model.parameters(), engine.config.optim.max_grad_norm)
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        grad_norm = float(grad_norm)
-        if np.isfinite(grad_norm):
-            engine.optimizer.step()
-        else:
-            logger.warning("non-finite grad_norm=%s: optimizer step skipped", grad_norm)
-        engine.optimizer.zero_grad(set_to_none=True)
-        return grad_norm
+        return self.engine.optimizer_step()["grad_norm"]
 
     def lr_scheduler_step(self):
         """Advance the LR schedule one step; returns the new learning rate."""
-        self.engine.scheduler.step()
-        self.engine.global_step += 1
-        return self.engine.scheduler.get_last_lr()[0]
+        return self.engine.advance_schedule()
 
     # ------------------------------------------------------------------ micro-batches
     def _plan(self, data) -> tuple[list[list[int]], dict]:
@@ -376,8 +399,10 @@ class VerlBalanceEngine(BaseEngine):
         lengths = ids.offsets().diff().cpu()
         input_ids = torch.nested.to_padded_tensor(ids, 0).cpu()
         attention_mask = (torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]).long()
-        packed = engine._pack([{"input_ids": input_ids, "attention_mask": attention_mask}], require_loss_mask=False)[0]
-        logits = engine._forward(packed).float()
+        (packed,) = engine.pack_micro_batches(
+            [{"input_ids": input_ids, "attention_mask": attention_mask}], require_loss_mask=False
+        )
+        logits = engine.forward_logits(packed).float()
         temperature = tu.get_non_tensor_data(data=micro_batch, key="temperature", default=1.0)
         if isinstance(temperature, torch.Tensor):
             per_token = torch.repeat_interleave(temperature.float().cpu(), torch.as_tensor(packed.seq_lens))
@@ -434,7 +459,7 @@ class VerlBalanceEngine(BaseEngine):
             is_filler = not rows
             micro_batch = tu.index_select_tensor_dict(data, rows if rows else [0]).to(self.layout.device)
             if not forward_only:
-                self.engine._set_backward_policy(is_last=k == len(micro) - 1)
+                self.engine.prepare_backward(is_last=k == len(micro) - 1)
             with torch.set_grad_enabled(not forward_only):
                 model_output = self._model_output(micro_batch, calculate_entropy=calculate_entropy)
                 if loss_function is not None:
@@ -454,7 +479,7 @@ class VerlBalanceEngine(BaseEngine):
                 for key, value in model_output.items():
                     outputs.setdefault(key, []).extend(t.detach() for t in value.unbind())
         if forward_only:
-            self.engine._reshard()
+            self.engine.reshard()
         order = [i for rows in micro for i in rows]
         restore = np.argsort(np.asarray(order, dtype=np.int64), kind="stable")
         model_output = {
@@ -475,15 +500,26 @@ class VerlBalanceEngine(BaseEngine):
         return ((name, tensor.to(device, non_blocking=True)) for name, tensor in state.items()), None
 
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
-        """Sharded DCP checkpoint of model + optimizer + scheduler under ``local_path`` (collective)."""
+        """Sharded DCP checkpoint of model + optimizer + scheduler under ``local_path`` (collective).
+
+        Retention as verl's FSDP checkpoint manager: this engine remembers the paths it saved and
+        keeps the newest ``max_ckpt_to_keep`` (None or 0: all). The older directories are deleted
+        only after every rank finished writing the new one (the save ends with a barrier over the
+        world group), by global rank 0 alone; the path just saved is never deleted (see
+        ``plan_checkpoint_retention``). Paths saved before a restart are not remembered (as in verl).
+        """
         if hdfs_path is not None:
             raise NotImplementedError(f"verl_balance engine: hdfs_path={hdfs_path!r} is not supported")
-        if max_ckpt_to_keep is not None:
-            logger.warning(
-                "verl_balance engine ignores max_ckpt_to_keep=%s; prune old checkpoints outside", max_ckpt_to_keep
-            )
+        # Checked before any collective: every rank gets the same value, so every rank raises together.
+        kept, stale = plan_checkpoint_retention(
+            self.saved_checkpoint_paths, local_path, max_ckpt_to_keep=max_ckpt_to_keep
+        )
         os.makedirs(local_path, exist_ok=True)
         self.engine.save_checkpoint(local_path, step=int(global_step), extra={"global_step": int(global_step)})
+        self.saved_checkpoint_paths = kept
+        if dist.get_rank() == 0:
+            for path in stale:
+                _remove_checkpoint_dir(path, max_ckpt_to_keep=max_ckpt_to_keep)
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=False, **kwargs):
         """Restore ``save_checkpoint(local_path)`` (collective)."""
@@ -492,6 +528,18 @@ class VerlBalanceEngine(BaseEngine):
         if del_local_after_load:
             raise NotImplementedError("verl_balance engine: del_local_after_load=True is not supported")
         return self.engine.load_checkpoint(local_path)
+
+
+def _remove_checkpoint_dir(path: str, *, max_ckpt_to_keep: int) -> None:
+    """Delete an old checkpoint directory; a failure is logged (the training run goes on)."""
+    if not os.path.exists(path):
+        logger.info("old checkpoint %s is already gone", path)
+        return
+    logger.info("removing old checkpoint %s (max_ckpt_to_keep=%d)", path, max_ckpt_to_keep)
+    try:
+        shutil.rmtree(path)
+    except OSError as error:
+        logger.warning("could not remove old checkpoint %s: %s", path, error)
 
 
 class _ModeCtx:
