@@ -17,15 +17,6 @@ from verl_balance.testing.multiprocess import run_on_ranks  # noqa: E402
 NUM_SAMPLES = 8
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from verl_balance.models.tiny_hf import write_tiny_model
-
-    out = str(tmp_path_factory.mktemp("tiny_qwen2"))
-    write_tiny_model(out, family="qwen2")
-    return out
-
-
 def _samples(vocab: int) -> list[tuple[np.ndarray, np.ndarray]]:
     """Variable-length samples; the loss mask skips a short prompt (first token always masked)."""
     rng = np.random.default_rng(7)

@@ -22,15 +22,6 @@ from verl_balance.testing.multiprocess import run_on_ranks  # noqa: E402
 WORLD = 2
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from verl_balance.models.tiny_hf import write_tiny_model
-
-    out = str(tmp_path_factory.mktemp("tiny_qwen2"))
-    write_tiny_model(out, family="qwen2")
-    return out
-
-
 # ---------------------------------------------------------------------- bookkeeping (hand-worked)
 
 

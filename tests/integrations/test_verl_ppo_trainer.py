@@ -24,15 +24,6 @@ CPU_SHIM = "verl_balance.integrations.verl.cpu_platform"
 AUTOPATCH = "verl_balance.integrations.verl.autopatch"
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from verl_balance.models.tiny_hf import write_tiny_model
-
-    out = str(tmp_path_factory.mktemp("tiny_qwen2_ppo"))
-    write_tiny_model(out, family="qwen2")
-    return out
-
-
 def _run_cases(model_dir: str, cases: list[str], *, external_modules: str) -> dict[str, dict]:
     """{case: result} from one ``verl_ppo_pieces_runner.py`` process (its own local Ray instance)."""
     env = dict(
