@@ -1,0 +1,233 @@
+"""verl 0.9.1's own ``python -m verl.trainer.main_ppo`` runs GRPO end to end on CPU with the
+``verl_balance_cpu`` rollout (``verl_balance.integrations.verl.cpu_rollout``), for
+``actor_rollout_ref.actor.strategy=verl_balance`` and for verl's ``fsdp2``.
+
+Everything is verl's, unmodified: the Hydra entry point, ``RayPPOTrainer.fit`` (``trainer.use_v1=False``;
+the v1 trainer needs the ``transfer_queue`` package), the agent loop, the reward loop, the naive
+(hybrid) checkpoint engine. Only the platform (``cpu_platform``), the rollout server
+(``cpu_rollout``) and, for ``strategy=verl_balance``, the training engine are ours.
+
+Step 1's rollout comes from the same initial weights and the same per-request sampling seeds
+(``rollout.full_determinism=True``), so both backends train on the same samples and must log the same
+``actor/pg_loss`` and ``actor/grad_norm``. Step 2's rollout comes from each backend's own updated
+weights; the rollout's log-probabilities then equal the trainer's recomputed ones only if the update
+reached the rollout server (negative control: a rollout that keeps its first weights).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("verl", reason="verl is not installed; install the extra: pip install 'verl-balance[verl]'")
+pytest.importorskip("pyarrow", reason="writing the parquet data set needs pyarrow")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(os.path.dirname(HERE))
+EXTERNAL_MODULES = "verl_balance.integrations.verl.cpu_platform,verl_balance.integrations.verl.cpu_rollout"
+STALE_ROLLOUT = "verl_main_ppo_stale_rollout"  # negative control (this folder)
+NUM_PROMPTS = 8
+TRAIN_BATCH_SIZE = 4  # prompts per step: 2 steps in one epoch
+ROLLOUT_N = 2
+STEPS = 2
+
+
+def write_gsm8k_like_parquet(path: str, *, num_prompts: int) -> None:
+    """verl's RL data format (as ``examples/data_preprocess/gsm8k.py`` writes it): chat ``prompt``,
+    ``data_source``, ``ability``, ``reward_model.ground_truth``, ``extra_info``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = []
+    for i in range(num_prompts):
+        a, b = 3 + 7 * i, 11 + 5 * i
+        rows.append(
+            {
+                "data_source": "openai/gsm8k",
+                "prompt": [{"role": "user", "content": f"what is {a}+{b}? the answer is"}],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+                "extra_info": {"split": "train", "index": i},
+            }
+        )
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A tiny Qwen2 model (with a ChatML tokenizer) and a GSM8K-shaped parquet file."""
+    from verl_balance.models.tiny_hf import write_tiny_model
+
+    root = tmp_path_factory.mktemp("verl_main_ppo")
+    model_dir = str(root / "tiny_qwen2")
+    write_tiny_model(model_dir, family="qwen2")
+    data = str(root / "train.parquet")
+    write_gsm8k_like_parquet(data, num_prompts=NUM_PROMPTS)
+    return {"root": str(root), "model_dir": model_dir, "data": data}
+
+
+def main_ppo_overrides(*, model_dir: str, data: str, strategy: str, out_dir: str) -> list[str]:
+    """Hydra overrides for a 2-step GRPO run on 2 CPU workers with the ``verl_balance_cpu`` rollout."""
+    actor = "actor_rollout_ref.actor"
+    rollout = "actor_rollout_ref.rollout"
+    overrides = [
+        "algorithm.adv_estimator=grpo",
+        f"data.train_files={data}",
+        f"data.val_files={data}",
+        f"data.train_batch_size={TRAIN_BATCH_SIZE}",
+        "data.max_prompt_length=32",
+        "data.max_response_length=16",
+        "data.shuffle=False",
+        "data.dataloader_num_workers=0",
+        f"actor_rollout_ref.model.path={model_dir}",
+        "actor_rollout_ref.model.use_remove_padding=False",
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        f"{actor}.strategy={strategy}",
+        f"{actor}.ppo_mini_batch_size={TRAIN_BATCH_SIZE}",  # one optimizer step per training step
+        f"{actor}.use_dynamic_bsz=True",
+        f"{actor}.ppo_max_token_len_per_gpu=128",
+        f"{actor}.use_torch_compile=False",
+        f"{actor}.fsdp_config.use_torch_compile=False",
+        f"+{actor}.fsdp_config.mixed_precision.param_dtype=fp32",
+        f"+{actor}.fsdp_config.mixed_precision.reduce_dtype=fp32",
+        f"+{actor}.fsdp_config.mixed_precision.buffer_dtype=fp32",
+        f"{actor}.optim.lr=1e-3",
+        f"{rollout}.name=verl_balance_cpu",
+        f"{rollout}.n={ROLLOUT_N}",
+        f"{rollout}.dtype=float32",
+        f"{rollout}.tensor_model_parallel_size=1",  # one replica (one server) per trainer worker
+        f"{rollout}.full_determinism=True",  # request ids = sample indices: the same samples in both runs
+        f"{rollout}.agent.num_workers=1",
+        f"{rollout}.log_prob_use_dynamic_bsz=True",
+        f"{rollout}.log_prob_max_token_len_per_gpu=128",
+        "reward.num_workers=1",
+        f"reward.custom_reward_function.path={os.path.join(HERE, 'verl_main_ppo_reward.py')}",
+        "reward.custom_reward_function.name=compute_score",
+        "trainer.use_v1=False",
+        "trainer.device=cpu",
+        "trainer.n_gpus_per_node=2",
+        "trainer.nnodes=1",
+        f"trainer.total_training_steps={STEPS}",
+        "trainer.total_epochs=1",
+        "trainer.val_before_train=False",
+        "trainer.test_freq=-1",
+        "trainer.save_freq=-1",
+        "trainer.resume_mode=disable",
+        "trainer.logger=[console,file]",
+        f"trainer.default_local_dir={out_dir}/checkpoints",
+        "trainer.project_name=verl_balance_cpu_rollout",
+        f"trainer.experiment_name={strategy}",
+        # verl's ResourcePoolManager checks for one GPU per worker and reserves CPU bundles; on a CPU
+        # host these are Ray's logical counts only (the cpu platform asks Ray for no accelerator).
+        "ray_kwargs.ray_init.num_cpus=16",
+        "+ray_kwargs.ray_init.num_gpus=2",
+    ]
+    if strategy == "verl_balance":
+        overrides.append("actor_rollout_ref.model.external_lib=verl_balance.integrations.verl.engine")
+    return overrides
+
+
+def run_main_ppo(workspace: dict, *, strategy: str, name: str, extra_modules: str = "") -> dict:
+    """Run ``python -m verl.trainer.main_ppo``; {"steps": {step: metrics}, "console": [lines], "log": tail}."""
+    out_dir = os.path.join(workspace["root"], name)
+    os.makedirs(out_dir, exist_ok=True)
+    metrics_file = os.path.join(out_dir, "metrics.jsonl")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([REPO_ROOT, HERE]),
+        OMP_NUM_THREADS="1",
+        VERL_PLATFORM="cpu",
+        RAY_ADDRESS="local",
+        TOKENIZERS_PARALLELISM="false",
+        VERL_USE_EXTERNAL_MODULES=EXTERNAL_MODULES + (f",{extra_modules}" if extra_modules else ""),
+        VERL_FILE_LOGGER_PATH=metrics_file,
+        WANDB_MODE="disabled",
+    )
+    # Ray refuses a logical GPU count (below) when CUDA_VISIBLE_DEVICES is set and empty.
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    overrides = main_ppo_overrides(
+        model_dir=workspace["model_dir"], data=workspace["data"], strategy=strategy, out_dir=out_dir
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "verl.trainer.main_ppo", *overrides],
+        env=env,
+        cwd=out_dir,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-8000:]
+    with open(metrics_file) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    steps = {int(r["step"]): r["data"] for r in records}
+    console = [line for line in proc.stdout.splitlines() if "step:" in line and "actor/pg_loss:" in line]
+    return {"steps": steps, "console": console, "log": log[-8000:]}
+
+
+@pytest.fixture(scope="module")
+def runs(workspace):
+    """One main_ppo run per backend (each its own local Ray instance)."""
+    return {
+        strategy: run_main_ppo(workspace, strategy=strategy, name=strategy) for strategy in ("verl_balance", "fsdp2")
+    }
+
+
+def _finite(value) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["verl_balance", "fsdp2"])
+def test_main_ppo_trains_two_grpo_steps_with_the_cpu_rollout(runs, strategy):
+    run = runs[strategy]
+    assert sorted(run["steps"]) == list(range(1, STEPS + 1)), run["log"]
+    assert len(run["console"]) == STEPS, run["log"]  # verl's console logger printed each step
+    for step, metrics in run["steps"].items():
+        assert _finite(metrics["actor/pg_loss"]), (step, metrics)
+        assert _finite(metrics["actor/grad_norm"]) and metrics["actor/grad_norm"] > 0, (step, metrics)
+        # The rollout answered every prompt n times with at least one token, and the rewards vary.
+        assert metrics["response_length/min"] >= 1, metrics
+        assert metrics["critic/score/max"] > metrics["critic/score/min"], metrics
+    if strategy == "verl_balance":
+        ours = {k for k in run["steps"][1] if "verl_balance/" in k}
+        assert all(_finite(run["steps"][1][k]) for k in ours), ours
+
+
+@pytest.mark.slow
+def test_step_one_pg_loss_and_grad_norm_equal_between_verl_balance_and_fsdp2(runs):
+    ours, reference = runs["verl_balance"]["steps"][1], runs["fsdp2"]["steps"][1]
+    # The same samples and rewards reached both trainers (same weights, same per-request seeds) ...
+    for key in ("response_length/mean", "response_length/max", "critic/score/mean", "critic/advantages/max"):
+        assert ours[key] == pytest.approx(reference[key], rel=1e-6), key
+    # ... and the PPO step on them agrees.
+    assert ours["actor/pg_loss"] == pytest.approx(reference["actor/pg_loss"], rel=1e-4)
+    assert ours["actor/grad_norm"] == pytest.approx(reference["actor/grad_norm"], rel=1e-4)
+    # Not a trivial agreement: the step moved the policy (step 2's gradient is another one).
+    assert reference["actor/grad_norm"] != pytest.approx(runs["fsdp2"]["steps"][2]["actor/grad_norm"], rel=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["verl_balance", "fsdp2"])
+def test_rollout_log_probs_equal_the_trainers_at_every_step_so_weights_reached_the_rollout(runs, strategy):
+    # verl compares the rollout's token probabilities with the trainer's recomputed old_log_probs:
+    # after step 1's update they agree only if update_weights pushed the new weights to the server.
+    for step, metrics in runs[strategy]["steps"].items():
+        assert metrics["training/rollout_probs_diff_valid"] == 1
+        assert metrics["training/rollout_probs_diff_max"] < 1e-4, (step, metrics["training/rollout_probs_diff_max"])
+
+
+@pytest.mark.slow
+def test_a_rollout_that_keeps_its_first_weights_is_detected(workspace, runs):
+    # Negative control: the same run with a server that ignores every weight update after the first.
+    stale = run_main_ppo(workspace, strategy="fsdp2", name="fsdp2_stale_rollout", extra_modules=STALE_ROLLOUT)
+    first, second = stale["steps"][1], stale["steps"][2]
+    assert first["training/rollout_probs_diff_max"] < 1e-4  # step 1 still uses the initial weights
+    synced = runs["fsdp2"]["steps"][2]["training/rollout_probs_diff_max"]
+    assert second["training/rollout_probs_diff_max"] > 100 * synced
+    assert second["training/rollout_probs_diff_max"] > 1e-3
