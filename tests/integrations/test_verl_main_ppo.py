@@ -58,6 +58,20 @@ def write_gsm8k_like_parquet(path: str, *, num_prompts: int) -> None:
     pq.write_table(pa.Table.from_pylist(rows), path)
 
 
+def add_stop_tokens(model_dir: str, *, every: int = 12) -> list[int]:
+    """List every ``every``-th token id as an extra eos in ``generation_config.json`` (real chat
+    models list several). A random model almost never samples ``<|im_end|>``, so without this every
+    response would run to the length limit; with equal lengths the first GRPO step's ``pg_loss`` is
+    exactly 0 (each group's advantages sum to 0), and comparing it would compare rounding noise."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    config = GenerationConfig.from_pretrained(model_dir)
+    config.eos_token_id = [tokenizer.eos_token_id, *range(every, len(tokenizer), every)]
+    config.save_pretrained(model_dir)
+    return config.eos_token_id
+
+
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     """A tiny Qwen2 model (with a ChatML tokenizer) and a GSM8K-shaped parquet file."""
@@ -66,6 +80,7 @@ def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("verl_main_ppo")
     model_dir = str(root / "tiny_qwen2")
     write_tiny_model(model_dir, family="qwen2")
+    add_stop_tokens(model_dir)
     data = str(root / "train.parquet")
     write_gsm8k_like_parquet(data, num_prompts=NUM_PROMPTS)
     return {"root": str(root), "model_dir": model_dir, "data": data}
@@ -194,9 +209,14 @@ def test_main_ppo_trains_two_grpo_steps_with_the_cpu_rollout(runs, strategy):
         # The rollout answered every prompt n times with at least one token, and the rewards vary.
         assert metrics["response_length/min"] >= 1, metrics
         assert metrics["critic/score/max"] > metrics["critic/score/min"], metrics
+        # Responses end at a stop token or at the length limit (16): lengths vary, so pg_loss is not 0.
+        assert metrics["response_length/min"] < metrics["response_length/max"], metrics
+    # Our engine's balance metrics, and only with our engine.
+    ours = {k for k in run["steps"][1] if k.startswith("actor/verl_balance/")}
     if strategy == "verl_balance":
-        ours = {k for k in run["steps"][1] if "verl_balance/" in k}
-        assert all(_finite(run["steps"][1][k]) for k in ours), ours
+        assert ours and all(_finite(run["steps"][1][k]) for k in ours), run["steps"][1]
+    else:
+        assert not ours
 
 
 @pytest.mark.slow
