@@ -251,3 +251,180 @@ def test_a_rollout_that_keeps_its_first_weights_is_detected(workspace, runs):
     synced = runs["fsdp2"]["steps"][2]["training/rollout_probs_diff_max"]
     assert second["training/rollout_probs_diff_max"] > 100 * synced
     assert second["training/rollout_probs_diff_max"] > 1e-3
+
+
+# ---------------------------------------------------------------------------------------------
+# The rollout server's pieces, in this process (fast lane): decode, sampling, weights, registry.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cpu_rollout():
+    from verl_balance.integrations.verl import cpu_rollout
+
+    return cpu_rollout
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(workspace):
+    """(model, tokenizer, prompt ids, stop ids) of the tiny Qwen2 in fp32."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(workspace["model_dir"])
+    model = AutoModelForCausalLM.from_pretrained(workspace["model_dir"], dtype=torch.float32).eval()
+    messages = [{"role": "user", "content": "what is 3+11? the answer is"}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    stops = GenerationConfig.from_pretrained(workspace["model_dir"]).eos_token_id
+    return model, tokenizer, prompt_ids, stops
+
+
+def make_server(cpu_rollout, model_dir: str, *, load_format: str = "auto", seed: int = 7):
+    """A ``CPURolloutServer`` in this process (not a Ray actor)."""
+    from verl.workers.config import HFModelConfig, RolloutConfig
+
+    config = RolloutConfig(
+        name=cpu_rollout.ROLLOUT_NAME,
+        dtype="float32",
+        load_format=load_format,
+        prompt_length=32,
+        response_length=16,
+        seed=seed,
+        full_determinism=True,
+    )
+    return cpu_rollout.CPURolloutServer(config=config, model_config=HFModelConfig(path=model_dir), replica_rank=0)
+
+
+def reference_sample(model, prompt_ids, *, max_tokens, temperature, top_k, top_p, stops, seed):
+    """An independent sampler: a full forward over the whole prefix per token (no KV cache), the
+    top-k set, then the top-p set from a sorted list of the top-k probabilities, the same draws."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    ids, out, log_probs = list(prompt_ids), [], []
+    for _ in range(max_tokens):
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float() / temperature
+        order = torch.argsort(logits, descending=True).tolist()
+        keep = order[:top_k] if top_k > 0 else order
+        probs = torch.softmax(logits[keep], dim=-1)  # top-p over the top-k set, renormalised (as HF, vLLM)
+        kept, mass = [], 0.0
+        for token, prob in zip(keep, probs.tolist()):
+            if mass >= top_p:
+                break
+            kept.append(token)
+            mass += prob
+        masked = torch.full_like(logits, float("-inf"))
+        masked[kept] = logits[kept]
+        token = int(torch.multinomial(torch.softmax(masked, dim=-1), 1, generator=generator))
+        out.append(token)
+        log_probs.append(float(torch.log_softmax(masked, dim=-1)[token]))
+        ids.append(token)
+        if token in stops:
+            break
+    return out, log_probs
+
+
+def test_the_rollout_is_registered_in_verls_own_registries_on_import(cpu_rollout):
+    from verl.workers.rollout.base import get_rollout_class
+    from verl.workers.rollout.replica import get_rollout_replica_class
+
+    assert get_rollout_class(cpu_rollout.ROLLOUT_NAME, "async") is cpu_rollout.CPUServerAdapter
+    assert get_rollout_replica_class(cpu_rollout.ROLLOUT_NAME) is cpu_rollout.CPURolloutReplica
+
+
+def test_greedy_decode_equals_hugging_face_generate(cpu_rollout, tiny_lm):
+    import torch
+
+    model, _, prompt_ids, stops = tiny_lm
+    tokens, _ = cpu_rollout.sample_tokens(
+        model, prompt_ids, max_tokens=16, temperature=0, top_k=-1, top_p=1.0, stop_token_ids=stops, generator=None
+    )
+    reference = model.generate(
+        torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=16, eos_token_id=stops, pad_token_id=0
+    )[0, len(prompt_ids) :].tolist()
+    assert tokens == reference
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, -1, 1.0), (0.7, 20, 0.9), (1.3, -1, 0.5)])
+def test_seeded_sampling_equals_an_uncached_reference_sampler(cpu_rollout, tiny_lm, temperature, top_k, top_p):
+    import torch
+
+    model, _, prompt_ids, stops = tiny_lm
+    settings = dict(max_tokens=16, temperature=temperature, top_k=top_k, top_p=top_p)
+    tokens, log_probs = cpu_rollout.sample_tokens(
+        model, prompt_ids, stop_token_ids=stops, generator=torch.Generator().manual_seed(3), **settings
+    )
+    ref_tokens, ref_log_probs = reference_sample(model, prompt_ids, stops=stops, seed=3, **settings)
+    assert tokens == ref_tokens
+    assert log_probs == pytest.approx(ref_log_probs, abs=1e-5)
+    # Negative control: another seed draws another response.
+    other, _ = reference_sample(model, prompt_ids, stops=stops, seed=4, **settings)
+    assert other != tokens
+
+
+def test_top_k_and_top_p_keep_the_hand_worked_token_sets(cpu_rollout):
+    import torch
+
+    probs = torch.tensor([0.05, 0.5, 0.15, 0.3])  # sorted: token 1 (0.5), 3 (0.3), 2 (0.15), 0 (0.05)
+    logits = probs.log()
+
+    def kept(**kwargs):
+        return torch.isfinite(cpu_rollout._filter_logits(logits, **kwargs)).nonzero().flatten().tolist()
+
+    assert kept(top_k=-1, top_p=1.0) == [0, 1, 2, 3]
+    assert kept(top_k=1, top_p=1.0) == [1]
+    assert kept(top_k=3, top_p=1.0) == [1, 2, 3]
+    assert kept(top_k=-1, top_p=0.4) == [1]  # the first token already reaches 0.4
+    assert kept(top_k=-1, top_p=0.7) == [1, 3]  # 0.5 < 0.7 <= 0.8
+    assert kept(top_k=-1, top_p=0.9) == [1, 2, 3]  # 0.8 < 0.9 <= 0.95
+    assert kept(top_k=2, top_p=0.9) == [1, 3]
+
+
+def test_server_samples_depend_only_on_seed_weight_version_and_request_id(cpu_rollout, workspace):
+    server = make_server(cpu_rollout, workspace["model_dir"])
+    prompt = [1, 40, 41, 42, 43]
+    params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "logprobs": True}
+
+    def tokens(srv, request_id):
+        return srv.generate(request_id, prompt_ids=prompt, sampling_params=dict(params)).token_ids
+
+    first = tokens(server, "det-0")
+    assert tokens(server, "det-1") != first  # another sample index, another draw (order-independent)
+    assert tokens(server, "det-0") == first
+    assert tokens(make_server(cpu_rollout, workspace["model_dir"]), "det-0") == first  # another process
+    assert tokens(make_server(cpu_rollout, workspace["model_dir"], seed=8), "det-0") != first
+    server.load_weights(server.model.state_dict(), global_steps=1)  # same weights, next version
+    assert tokens(server, "det-0") != first
+    output = server.generate("det-0", prompt_ids=prompt, sampling_params=dict(params))
+    assert output.extra_fields["global_steps"] == 1
+    assert len(output.log_probs) == len(output.token_ids) and all(lp <= 0 for lp in output.log_probs)
+
+
+def test_dummy_init_generates_only_after_the_trainer_sent_weights_and_then_as_the_checkpoint(
+    cpu_rollout, workspace
+):
+    pretrained = make_server(cpu_rollout, workspace["model_dir"])
+    dummy = make_server(cpu_rollout, workspace["model_dir"], load_format="dummy")
+    request = dict(prompt_ids=[1, 40, 41, 42], sampling_params={"temperature": 1.0})
+    with pytest.raises(cpu_rollout.CPURolloutError, match="before any weight update"):
+        dummy.generate("det-0", **request)
+    state = {k: v.clone() for k, v in pretrained.model.state_dict().items() if k != "lm_head.weight"}  # tied
+    assert dummy.load_weights(state, global_steps=0) == len(state)
+    pretrained.load_weights(state, global_steps=0)  # the same weight version: the same per-request seeds
+    assert dummy.generate("det-0", **request).token_ids == pretrained.generate("det-0", **request).token_ids
+
+
+def test_weight_updates_with_unknown_missing_or_misshaped_tensors_are_rejected(cpu_rollout, workspace):
+    import torch
+
+    server = make_server(cpu_rollout, workspace["model_dir"])
+    state = {k: v.clone() for k, v in server.model.state_dict().items()}
+    with pytest.raises(cpu_rollout.CPURolloutError, match="lacks"):
+        server.load_weights({**state, "model.extra.weight": torch.zeros(1)})
+    name = "model.norm.weight"
+    with pytest.raises(cpu_rollout.CPURolloutError, match="did not send"):
+        server.load_weights({k: v for k, v in state.items() if k != name})
+    with pytest.raises(cpu_rollout.CPURolloutError, match="shape"):
+        server.load_weights({**state, name: torch.zeros(3)})

@@ -325,6 +325,20 @@ class CPURolloutReplica(RolloutReplica):
 
     server_class: type = CPURolloutServer
 
+    async def init_colocated(self, resource_pool) -> None:
+        """Not supported: the server takes its weights from trainer workers in the same replica."""
+        raise CPURolloutError(self._hybrid_only("colocated"))
+
+    async def init_standalone(self) -> None:
+        """Not supported: the server takes its weights from trainer workers in the same replica."""
+        raise CPURolloutError(self._hybrid_only("standalone"))
+
+    def _hybrid_only(self, mode: str) -> str:
+        return (
+            f"the {ROLLOUT_NAME} rollout runs only in verl's hybrid mode (actor_rollout_ref.hybrid_engine=True, "
+            f"rollout.checkpoint_engine.backend=naive), not {mode} (e.g. reward_model.rollout or distillation)"
+        )
+
     async def launch_servers(self) -> None:
         """Start the replica's server on the node of its first worker (hybrid) or anywhere (otherwise)."""
         options: dict[str, Any] = {
