@@ -31,6 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(os.path.dirname(HERE))
 EXTERNAL_MODULES = "verl_balance.integrations.verl.cpu_platform,verl_balance.integrations.verl.cpu_rollout"
 STALE_ROLLOUT = "verl_main_ppo_stale_rollout"  # negative control (this folder)
+AUTOPATCH = "verl_balance.integrations.verl.autopatch"
 NUM_PROMPTS = 8
 TRAIN_BATCH_SIZE = 4  # prompts per step: 2 steps in one epoch
 ROLLOUT_N = 2
@@ -147,8 +148,12 @@ def main_ppo_overrides(*, model_dir: str, data: str, strategy: str, out_dir: str
     return overrides
 
 
-def run_main_ppo(workspace: dict, *, strategy: str, name: str, extra_modules: str = "") -> dict:
-    """Run ``python -m verl.trainer.main_ppo``; {"steps": {step: metrics}, "console": [lines], "log": tail}."""
+def run_main_ppo(
+    workspace: dict, *, strategy: str, name: str, extra_modules: str = "", extra_overrides: tuple[str, ...] = ()
+) -> dict:
+    """Run ``python -m verl.trainer.main_ppo``; {"steps": {step: metrics}, "console": [lines], "log": tail}.
+
+    ``extra_overrides`` replace the defaults of ``main_ppo_overrides`` with the same key."""
     out_dir = os.path.join(workspace["root"], name)
     os.makedirs(out_dir, exist_ok=True)
     metrics_file = os.path.join(out_dir, "metrics.jsonl")
@@ -168,6 +173,8 @@ def run_main_ppo(workspace: dict, *, strategy: str, name: str, extra_modules: st
     overrides = main_ppo_overrides(
         model_dir=workspace["model_dir"], data=workspace["data"], strategy=strategy, out_dir=out_dir
     )
+    replaced = {override.split("=")[0] for override in extra_overrides}
+    overrides = [o for o in overrides if o.split("=")[0] not in replaced] + list(extra_overrides)
     proc = subprocess.run(
         [sys.executable, "-m", "verl.trainer.main_ppo", *overrides],
         env=env,
@@ -187,10 +194,17 @@ def run_main_ppo(workspace: dict, *, strategy: str, name: str, extra_modules: st
 
 @pytest.fixture(scope="module")
 def runs(workspace):
-    """One main_ppo run per backend (each its own local Ray instance)."""
-    return {
-        strategy: run_main_ppo(workspace, strategy=strategy, name=strategy) for strategy in ("verl_balance", "fsdp2")
-    }
+    """One main_ppo run per backend (each its own local Ray instance), plus ``verl_balance`` with our
+    trainer-side balancer (``autopatch``) and one rollout replica for both workers instead of two."""
+    out = {name: run_main_ppo(workspace, strategy=name, name=name) for name in ("verl_balance", "fsdp2")}
+    out["verl_balance_autopatch_one_replica"] = run_main_ppo(
+        workspace,
+        strategy="verl_balance",
+        name="verl_balance_autopatch_one_replica",
+        extra_modules=AUTOPATCH,
+        extra_overrides=("actor_rollout_ref.rollout.tensor_model_parallel_size=2",),
+    )
+    return out
 
 
 def _finite(value) -> bool:
@@ -233,7 +247,22 @@ def test_step_one_pg_loss_and_grad_norm_equal_between_verl_balance_and_fsdp2(run
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["verl_balance", "fsdp2"])
+def test_samples_and_step_one_do_not_depend_on_rollout_replicas_or_the_trainer_side_balancer(runs):
+    # Two replicas (tp=1) vs one replica serving both workers (tp=2): per-request seeds make the samples
+    # independent of routing. The autopatched partition places rows on other ranks: the same loss.
+    ours, reference = runs["verl_balance_autopatch_one_replica"]["steps"][1], runs["verl_balance"]["steps"][1]
+    for key in ("response_length/mean", "response_length/max", "critic/score/mean", "critic/advantages/max"):
+        assert ours[key] == pytest.approx(reference[key], rel=1e-6), key  # means over reordered rows
+    assert ours["actor/pg_loss"] == pytest.approx(reference["actor/pg_loss"], rel=1e-5)
+    assert ours["actor/grad_norm"] == pytest.approx(reference["actor/grad_norm"], rel=1e-5)
+    for metrics in runs["verl_balance_autopatch_one_replica"]["steps"].values():
+        # Our balancer ran inside verl's _balance_batch and logged its metrics (not in the plain runs).
+        assert metrics["verl_balance/imbalance"] <= metrics["verl_balance/naive_imbalance"], metrics
+    assert "verl_balance/imbalance" not in reference
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["verl_balance", "fsdp2", "verl_balance_autopatch_one_replica"])
 def test_rollout_log_probs_equal_the_trainers_at_every_step_so_weights_reached_the_rollout(runs, strategy):
     # verl compares the rollout's token probabilities with the trainer's recomputed old_log_probs:
     # after step 1's update they agree only if update_weights pushed the new weights to the server.
