@@ -441,6 +441,7 @@ def test_dummy_init_generates_only_after_the_trainer_sent_weights_and_then_as_th
         dummy.generate("det-0", **request)
     state = {k: v.clone() for k, v in pretrained.model.state_dict().items() if k != "lm_head.weight"}  # tied
     assert dummy.load_weights(state, global_steps=0) == len(state)
+    assert dummy.generate("det-0", **request).extra_fields["global_steps"] == 0
     pretrained.load_weights(state, global_steps=0)  # the same weight version: the same per-request seeds
     assert dummy.generate("det-0", **request).token_ids == pretrained.generate("det-0", **request).token_ids
 

@@ -180,10 +180,12 @@ class CPURolloutServer:
             self.model = AutoModelForCausalLM.from_config(
                 self.model_config.hf_config, dtype=dtype, attn_implementation=attn
             )
-            self.weights_version = None  # no weights from the trainer yet
+            self.has_weights = False  # random init: only the trainer's weights may generate
         else:
             self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn)
-            self.weights_version = "pretrained"
+            self.has_weights = True
+        self.weights_version: Any = "pretrained"  # part of every sampling seed; the trainer's global step
+        self.num_weight_updates = 0
         self.model.eval()
         self.stop_token_ids = self._stop_token_ids()
         self.max_model_len = self.config.max_model_len or (self.config.prompt_length + self.config.response_length)
@@ -225,7 +227,9 @@ class CPURolloutServer:
                         f"the rollout model's is {tuple(own[name].shape)}"
                     )
                 own[name].copy_(tensor)
-        self.weights_version = global_steps
+        self.num_weight_updates += 1
+        self.weights_version = global_steps if global_steps is not None else f"update-{self.num_weight_updates}"
+        self.has_weights = True
         return len(named_tensors)
 
     def generate(
@@ -241,7 +245,7 @@ class CPURolloutServer:
         """verl's token-in/token-out call: sample a response to ``prompt_ids`` (see the module doc)."""
         if image_data is not None or video_data is not None or kwargs.get("audio_data") is not None:
             raise CPURolloutError(f"{ROLLOUT_NAME}: multimodal inputs are not supported (request {request_id})")
-        if self.weights_version is None:
+        if not self.has_weights:
             raise CPURolloutError(
                 f"{ROLLOUT_NAME}: generate before any weight update with "
                 "actor_rollout_ref.rollout.load_format=dummy (the trainer sends weights first)"
@@ -288,7 +292,8 @@ class CPURolloutServer:
             log_probs=log_probs if params.get("logprobs") else None,
             stop_reason="completed",
             num_preempted=0,
-            extra_fields={"global_steps": self.weights_version},
+            # The trainer's step of the weights (None before the trainer sent any), as vLLM reports it.
+            extra_fields={"global_steps": self.weights_version if isinstance(self.weights_version, int) else None},
         )
 
     # The control calls verl's replicas and trainer make; weights and cache stay resident on CPU.
