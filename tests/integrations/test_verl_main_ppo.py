@@ -431,9 +431,7 @@ def test_server_samples_depend_only_on_seed_weight_version_and_request_id(cpu_ro
     assert len(output.log_probs) == len(output.token_ids) and all(lp <= 0 for lp in output.log_probs)
 
 
-def test_dummy_init_generates_only_after_the_trainer_sent_weights_and_then_as_the_checkpoint(
-    cpu_rollout, workspace
-):
+def test_dummy_init_generates_only_after_the_trainer_sent_weights_and_then_as_the_checkpoint(cpu_rollout, workspace):
     pretrained = make_server(cpu_rollout, workspace["model_dir"])
     dummy = make_server(cpu_rollout, workspace["model_dir"], load_format="dummy")
     request = dict(prompt_ids=[1, 40, 41, 42], sampling_params={"temperature": 1.0})
