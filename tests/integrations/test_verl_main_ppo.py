@@ -11,7 +11,13 @@ Step 1's rollout comes from the same initial weights and the same per-request sa
 (``rollout.full_determinism=True``), so both backends train on the same samples and must log the same
 ``actor/pg_loss`` and ``actor/grad_norm``. Step 2's rollout comes from each backend's own updated
 weights; the rollout's log-probabilities then equal the trainer's recomputed ones only if the update
-reached the rollout server (negative control: a rollout that keeps its first weights).
+reached the rollout server (negative control: a rollout that keeps its first weights). A fourth run
+(``verl_balance`` with our trainer-side balancer and one rollout replica for both workers) gives step 1
+of the plain run: samples do not depend on routing, the loss not on the row placement.
+
+Four main_ppo subprocesses (about 30 s each on 2 CPU cores) are ``slow``; the rollout server's pieces
+(decode against HF ``generate`` and an uncached sampler, seeds, weight loading, registration) are
+tested in this process in the fast lane.
 """
 
 from __future__ import annotations
@@ -96,7 +102,7 @@ def main_ppo_overrides(*, model_dir: str, data: str, strategy: str, out_dir: str
         f"data.train_files={data}",
         f"data.val_files={data}",
         f"data.train_batch_size={TRAIN_BATCH_SIZE}",
-        "data.max_prompt_length=32",
+        "data.max_prompt_length=48",  # the chat-templated prompts have 36 tokens: none is truncated
         "data.max_response_length=16",
         "data.shuffle=False",
         "data.dataloader_num_workers=0",

@@ -15,7 +15,7 @@ class StaleCPURolloutServer(cpu_rollout.CPURolloutServer):
 
     def load_weights(self, named_tensors, *, global_steps=None) -> int:
         """The first call loads; later calls are ignored."""
-        if self.weights_version is not None:
+        if self.num_weight_updates:
             return 0
         return super().load_weights(named_tensors, global_steps=global_steps)
 
