@@ -2,9 +2,9 @@
 ``verl_balance_cpu`` rollout (``verl_balance.integrations.verl.cpu_rollout``), for
 ``actor_rollout_ref.actor.strategy=verl_balance`` and for verl's ``fsdp2``.
 
-Everything is verl's, unmodified: the Hydra entry point, ``RayPPOTrainer.fit`` (``trainer.use_v1=False``;
-the v1 trainer needs the ``transfer_queue`` package), the agent loop, the reward loop, the naive
-(hybrid) checkpoint engine. Only the platform (``cpu_platform``), the rollout server
+Everything is verl's, unmodified: the Hydra entry point, ``RayPPOTrainer.fit`` (``trainer.use_v1=False``,
+and verl's default v1 trainer in one more run when TransferQueue is installed), the agent loop, the
+reward loop, the naive (hybrid) checkpoint engine. Only the platform (``cpu_platform``), the rollout server
 (``cpu_rollout``) and, for ``strategy=verl_balance``, the training engine are ours.
 
 Step 1's rollout comes from the same initial weights and the same per-request sampling seeds
@@ -15,7 +15,7 @@ reached the rollout server (negative control: a rollout that keeps its first wei
 (``verl_balance`` with our trainer-side balancer and one rollout replica for both workers) gives step 1
 of the plain run: samples do not depend on routing, the loss not on the row placement.
 
-Four main_ppo subprocesses (about 30 s each on 2 CPU cores) are ``slow``; the rollout server's pieces
+Five main_ppo subprocesses (about 30 s each on 2 CPU cores) are ``slow``; the rollout server's pieces
 (decode against HF ``generate`` and an uncached sampler, seeds, weight loading, registration) are
 tested in this process in the fast lane.
 """
@@ -286,6 +286,31 @@ def test_a_rollout_that_keeps_its_first_weights_is_detected(workspace, runs):
     synced = runs["fsdp2"]["steps"][2]["training/rollout_probs_diff_max"]
     assert second["training/rollout_probs_diff_max"] > 100 * synced
     assert second["training/rollout_probs_diff_max"] > 1e-3
+
+
+@pytest.mark.slow
+def test_verls_default_v1_trainer_runs_grpo_with_the_engine_and_autopatch(workspace):
+    # verl's default trainer (trainer.use_v1=true: replay buffer and agent loop over TransferQueue), with
+    # our engine and our _balance_batch for that trainer. Its agent loop gives every sample of a prompt
+    # the request id "det-0" under full_determinism, so per-request seeds would make a group's n
+    # samples identical (all GRPO advantages 0): this run samples with fresh seeds, and checks what
+    # holds for any samples.
+    pytest.importorskip("transfer_queue", reason="verl's v1 trainer needs TransferQueue (in the verl extra)")
+    run = run_main_ppo(
+        workspace,
+        strategy="verl_balance",
+        name="verl_balance_v1",
+        extra_modules=AUTOPATCH,
+        extra_overrides=("trainer.use_v1=True", "actor_rollout_ref.rollout.full_determinism=False"),
+    )
+    assert sorted(run["steps"]) == list(range(1, STEPS + 1)), run["log"]
+    for step, metrics in run["steps"].items():
+        assert _finite(metrics["actor/pg_loss"]), (step, metrics)
+        assert _finite(metrics["actor/grad_norm"]) and metrics["actor/grad_norm"] > 0, (step, metrics)
+        assert metrics["critic/advantages/max"] > metrics["critic/advantages/min"], (step, metrics)
+        # The patched v1 _balance_batch ran, and our engine planned the micro-batches.
+        assert metrics["verl_balance/imbalance"] <= metrics["verl_balance/naive_imbalance"], (step, metrics)
+        assert _finite(metrics["actor/verl_balance/engine_dp_imbalance"]), (step, metrics)
 
 
 # ---------------------------------------------------------------------------------------------
