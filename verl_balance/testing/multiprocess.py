@@ -3,9 +3,10 @@
 One helper for every multi-process test: ``run_on_ranks(fn, world=N)`` spawns N processes once,
 each joins a fresh gloo group (CPU, one torch thread), runs ``fn(rank)`` and pickles its result;
 the caller gets ``[result of rank 0, ..., result of rank N-1]``. A process that raises fails the
-spawn (its traceback is re-raised here). Callers that need several groups of different sizes in
-one spawn (the parity harness) pass ``init_group=False`` and open each group with
-``gloo_group``.
+spawn (its traceback is re-raised here); one that returns leaves with ``os._exit(0)`` once its result
+is on disk, skipping the interpreter teardown that can abort in torch's C++ threads. Callers that
+need several groups of different sizes in one spawn (the parity harness) pass ``init_group=False``
+and open each group with ``gloo_group``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import contextlib
 import os
 import pickle
 import socket
+import sys
 import tempfile
 from collections.abc import Callable, Iterator
 
@@ -48,6 +50,12 @@ def _entry(rank: int, world: int, port: int, fn: Callable, out_dir: str, init_gr
         result = fn(rank)
     with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
+    # Leave without interpreter teardown: torch's C++ threads (gloo / TCPStore) can abort the process
+    # at exit ("terminate called without an active exception", SIGABRT) after the result is written,
+    # failing a finished run at random (3 of 12 runs of tests/engine/test_temperature.py here).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_on_ranks(fn: Callable[[int], object], *, world: int, init_group: bool = True) -> list:
