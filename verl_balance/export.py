@@ -290,12 +290,12 @@ def export_checkpoint(
     ``overwrite``; the export is staged beside ``out`` and renamed into place when complete."""
     _check_out(out, checkpoint=checkpoint, overwrite=overwrite)
     verify_export_source(checkpoint, allow_incomplete=allow_incomplete)
-    parent = os.path.dirname(os.path.abspath(out))
-    os.makedirs(parent, exist_ok=True)
-    staging = os.path.join(parent, f".{os.path.basename(os.path.abspath(out))}.staging-{uuid.uuid4().hex[:8]}")
+    target = os.path.abspath(out)  # no trailing slash: its basename names the staging directory
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    staging = os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.staging-{uuid.uuid4().hex[:8]}")
     try:
         _write_export(checkpoint, staging, model_path=model_path, builtin_config=builtin_config)
-        _replace_with(staging, out)
+        _replace_with(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone already after a successful rename
     return out

@@ -78,7 +78,7 @@ def test_overwrite_replaces_out_whole_leaving_no_stale_tokenizer(sealed_checkpoi
     fresh = export_checkpoint(ckpt, str(tmp_path / "fresh"))
     out = tmp_path / "hf"
     _stale_out(out)
-    export_main([ckpt, str(out), "--overwrite"])
+    export_main([ckpt, str(out) + os.sep, "--overwrite"])  # a trailing slash names the same OUT
     assert sorted(os.listdir(out)) == sorted(os.listdir(fresh)), "OUT holds exactly a fresh export's files"
     assert not (out / "tokenizer.json").exists()
     hf = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True)

@@ -111,7 +111,8 @@ def size_problems(root: str, manifest: dict[str, dict]) -> list[str]:
             continue
         size = os.path.getsize(full)
         if size != entry["size"]:
-            problems.append(f"{full} has {size} bytes, the manifest says {entry['size']} (size mismatch: truncated?)")
+            kind = "size mismatch: truncated" if size < entry["size"] else "size mismatch"
+            problems.append(f"{full} has {size} bytes, the manifest says {entry['size']} ({kind})")
     return problems
 
 
