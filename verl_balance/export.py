@@ -1,12 +1,20 @@
 """Export a training checkpoint of a Hugging Face model as a ``save_pretrained`` directory.
 
     python -m verl_balance.export CHECKPOINT OUT [--model-path DIR | --builtin-config CONFIG.json]
+                                  [--overwrite] [--allow-incomplete]
 
 CHECKPOINT is an engine checkpoint (``global_step_N/``: DCP shards of {"model", "optim"} written
 by ``TrainEngine.save_checkpoint``, any layout); OUT receives config.json, model.safetensors and
 the tokenizer of the model directory (``--model-path``, or the ``model_config`` the trainer recorded
 in the checkpoint's trainer_state.json; a built-in model is written as Llama).
 ``AutoModelForCausalLM.from_pretrained(OUT)`` then gives the trained model's logits exactly.
+
+Safety: the checkpoint must be complete (``checkpoint_complete.json``) and its files must match the
+checksums recorded there, checked before anything is read (``--allow-incomplete`` exports one
+without the record, unverified). A non-empty OUT is refused unless ``--overwrite``. The export is
+written to a staging directory beside OUT and renamed into place once complete, so a failed export
+leaves nothing half-written and ``--overwrite`` replaces the old OUT (no stale files of it remain)
+only after the new one is complete.
 
 Invariant: tied embeddings are written once. Weights are copied *into* a freshly built HF model,
 so ``lm_head.weight`` stays the same Parameter as ``model.embed_tokens.weight``; loading a
@@ -19,6 +27,8 @@ import argparse
 import json
 import logging
 import os
+import shutil
+import uuid
 import warnings
 from collections.abc import Mapping
 from dataclasses import replace
@@ -28,6 +38,8 @@ import torch
 from verl_balance.models.config import ModelConfig, ModelConfigError
 from verl_balance.models.hf import HFModelConfig, build_hf_model
 from verl_balance.models.llama import LlamaForCausalLM
+from verl_balance.utils import checksums
+from verl_balance.utils.atomic_io import fsync_dir
 
 logger = logging.getLogger(__name__)
 
@@ -175,9 +187,15 @@ def load_checkpoint_model_state(checkpoint: str, *, model_config) -> dict[str, t
             f"config ({getattr(model_config, 'path', model_config)})"
         )
     state = {"model": {k: v.clone() for k, v in wanted.items()}}
-    with warnings.catch_warnings():  # single-process load is the intent here, not a mistake
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=checkpoint, no_dist=True)
+    truncated = checksums.dcp_truncated_files(checkpoint)
+    if truncated:
+        raise ExportError(f"checkpoint {checkpoint!r} is corrupt: {'; '.join(truncated)}")
+    try:
+        with warnings.catch_warnings():  # single-process load is the intent here, not a mistake
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=checkpoint, no_dist=True)
+    except Exception as err:  # DCP names no file (EOFError, "PytorchStreamReader failed ..."): say which
+        raise ExportError(f"reading the DCP shards of checkpoint {checkpoint!r} failed: {err!r}") from err
     return state["model"]
 
 
@@ -195,13 +213,96 @@ def recorded_model_config(checkpoint: str) -> dict | None:
     return recorded
 
 
+def verify_export_source(checkpoint: str, *, allow_incomplete: bool = False) -> None:
+    """Refuse a checkpoint without its completeness record (unless ``allow_incomplete``) or whose
+    files do not match the checksums recorded there; ``ExportError`` names the file."""
+    record_path = os.path.join(checkpoint, checksums.COMPLETE_FILE)
+    if not os.path.exists(os.path.join(checkpoint, ".metadata")):
+        return  # not a DCP checkpoint at all: load_checkpoint_model_state says so
+    try:
+        with open(record_path, encoding="utf-8") as f:
+            record = json.load(f)
+    except FileNotFoundError:
+        if not allow_incomplete:
+            raise ExportError(
+                f"{record_path} is missing: checkpoint {checkpoint!r} is not complete (its save was "
+                "interrupted, or it was not written by the trainer); export a complete global_step_N, or "
+                "pass --allow-incomplete to export it unverified"
+            ) from None
+        logger.warning("%s is missing: exporting %s unverified (--allow-incomplete)", record_path, checkpoint)
+        return
+    except ValueError as err:
+        raise ExportError(f"{record_path} is not valid JSON ({err}): the checkpoint is not complete") from err
+    manifest = record.get(checksums.MANIFEST_KEY) if isinstance(record, dict) else None
+    if manifest is None:
+        logger.warning("%s has no file checksums (an older version wrote it): exporting unverified", record_path)
+        return
+    try:
+        checksums.verify_manifest(checkpoint, manifest)
+    except checksums.ChecksumMismatchError as err:
+        raise ExportError(str(err)) from err
+
+
+def _check_out(out: str, *, checkpoint: str, overwrite: bool) -> None:
+    """Refuse an OUT that is not empty (unless ``overwrite``) or that overlaps the checkpoint."""
+    out_abs, ckpt_abs = os.path.realpath(out), os.path.realpath(checkpoint)
+    if os.path.commonpath([out_abs, ckpt_abs]) in (out_abs, ckpt_abs):
+        raise ExportError(f"OUT {out!r} overlaps the checkpoint {checkpoint!r}; export to a directory outside it")
+    if not os.path.lexists(out):
+        return
+    entries = sorted(os.listdir(out)) if os.path.isdir(out) else [os.path.basename(out)]
+    if entries and not overwrite:
+        raise ExportError(
+            f"OUT {out!r} is not empty ({len(entries)} entries, e.g. {entries[:3]}); pass --overwrite to "
+            "replace it (its old files are removed once the new export is complete), or choose a new directory"
+        )
+
+
+def _replace_with(staging: str, out: str) -> None:
+    """Move the finished ``staging`` to ``out``; an existing ``out`` is renamed aside first and
+    removed only once the new one is in place."""
+    parent = os.path.dirname(os.path.abspath(out))
+    old = None
+    if os.path.lexists(out):
+        old = os.path.join(parent, f".{os.path.basename(out)}.old-{uuid.uuid4().hex[:8]}")
+        os.rename(out, old)
+    os.rename(staging, out)
+    fsync_dir(parent)
+    if old is not None:
+        shutil.rmtree(old) if os.path.isdir(old) and not os.path.islink(old) else os.remove(old)
+
+
 def export_checkpoint(
-    checkpoint: str, out: str, *, model_path: str | None = None, builtin_config: str | None = None
+    checkpoint: str,
+    out: str,
+    *,
+    model_path: str | None = None,
+    builtin_config: str | None = None,
+    overwrite: bool = False,
+    allow_incomplete: bool = False,
 ) -> str:
     """Export ``checkpoint`` to ``out``; returns ``out``. An HF model needs its directory
     (``model_path``); a built-in model its ``ModelConfig`` as JSON (``builtin_config``, the
     ``to_dict()`` fields) and is written as a Llama model. Without either, the model config the
-    trainer recorded in the checkpoint is used."""
+    trainer recorded in the checkpoint is used.
+
+    The checkpoint is verified first (``verify_export_source``); a non-empty ``out`` needs
+    ``overwrite``; the export is staged beside ``out`` and renamed into place when complete."""
+    _check_out(out, checkpoint=checkpoint, overwrite=overwrite)
+    verify_export_source(checkpoint, allow_incomplete=allow_incomplete)
+    target = os.path.abspath(out)  # no trailing slash: its basename names the staging directory
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    staging = os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.staging-{uuid.uuid4().hex[:8]}")
+    try:
+        _write_export(checkpoint, staging, model_path=model_path, builtin_config=builtin_config)
+        _replace_with(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone already after a successful rename
+    return out
+
+
+def _write_export(checkpoint: str, out: str, *, model_path: str | None, builtin_config: str | None) -> str:
+    """Read the checkpoint's model and write it to ``out`` (the staging directory)."""
     builtin: ModelConfig | None = None
     if builtin_config is not None:
         with open(builtin_config, encoding="utf-8") as f:
@@ -240,9 +341,28 @@ def main(argv: list[str] | None = None) -> None:
         default=None,
         help="JSON of a built-in ModelConfig (to_dict()): export a built-in model as Llama",
     )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace a non-empty OUT (only once the new export is complete)"
+    )
+    parser.add_argument(
+        "--allow-incomplete",
+        action="store_true",
+        help="export a checkpoint without checkpoint_complete.json (e.g. written by TrainEngine directly), unverified",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    print(export_checkpoint(args.checkpoint, args.out, model_path=args.model_path, builtin_config=args.builtin_config))
+    try:
+        out = export_checkpoint(
+            args.checkpoint,
+            args.out,
+            model_path=args.model_path,
+            builtin_config=args.builtin_config,
+            overwrite=args.overwrite,
+            allow_incomplete=args.allow_incomplete,
+        )
+    except ExportError as err:
+        parser.exit(2, f"{parser.prog}: error: {err}\n")
+    print(out)
 
 
 if __name__ == "__main__":

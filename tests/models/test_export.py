@@ -16,6 +16,7 @@ from verl_balance.export import ExportError, export_checkpoint, save_hf_pretrain
 from verl_balance.export import main as export_main
 from verl_balance.models.hf import HFModelConfig, build_hf_model
 from verl_balance.testing.multiprocess import run_on_ranks
+from verl_balance.trainer.checkpoint import write_complete_record
 
 
 def _micro_batches(vocab_size: int, rank: int):
@@ -54,6 +55,7 @@ def test_exported_checkpoint_reloads_with_identical_logits(tiny_model_dirs, tmp_
     path, ckpt, out = tiny_model_dirs[variant], str(tmp_path / "global_step_2"), str(tmp_path / "hf")
     before, trained = run_on_ranks(functools.partial(_train_and_save, path=path, ckpt=ckpt), world=2)[0]
     assert any(not torch.equal(before[k], trained[k]) for k in trained)  # training moved the weights
+    write_complete_record(ckpt, {"step": 2})  # what the trainer adds: the record with checksums
     export_main([ckpt, out, "--model-path", path])
 
     config = HFModelConfig.from_pretrained(path)
@@ -81,11 +83,13 @@ def test_gathered_tied_weights_are_written_once(tiny_model_dirs, tmp_path):
 
 
 def test_export_errors_name_what_is_missing(tiny_model_dirs, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
     with pytest.raises(ExportError, match="global_step_N"):
-        export_checkpoint(str(tmp_path), str(tmp_path / "out"), model_path=tiny_model_dirs["llama"])
-    (tmp_path / ".metadata").write_bytes(b"")
+        export_checkpoint(str(ckpt), str(tmp_path / "out"), model_path=tiny_model_dirs["llama"])
+    (ckpt / ".metadata").write_bytes(b"")
     with pytest.raises(ExportError, match="--model-path"):
-        export_checkpoint(str(tmp_path), str(tmp_path / "out"))
+        export_checkpoint(str(ckpt), str(tmp_path / "out"), allow_incomplete=True)
     config = HFModelConfig.from_pretrained(tiny_model_dirs["llama"])
     with pytest.raises(ExportError, match="missing"):
         save_hf_pretrained(
@@ -130,6 +134,8 @@ def test_builtin_checkpoint_cli_export_reads_dcp(tmp_path):
         warnings.simplefilter("ignore")
         dcp.save({"model": model.state_dict()}, checkpoint_id=ckpt, no_dist=True)
     (tmp_path / "model_config.json").write_text(json.dumps(config.to_dict()))
-    export_main([ckpt, str(tmp_path / "hf"), "--builtin-config", str(tmp_path / "model_config.json")])
+    export_main(
+        [ckpt, str(tmp_path / "hf"), "--builtin-config", str(tmp_path / "model_config.json"), "--allow-incomplete"]
+    )
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), local_files_only=True)
     torch.testing.assert_close(hf.model.layers[1].self_attn.k_proj.weight, model.layers[1].attn.k_proj.weight)

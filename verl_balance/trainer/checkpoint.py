@@ -31,6 +31,7 @@ import time
 import uuid
 
 from verl_balance.trainer.config import ConfigError
+from verl_balance.utils import checksums
 from verl_balance.utils.atomic_io import atomic_write_json, atomic_write_text, fsync_dir
 from verl_balance.utils.tracking import METRICS_FILE, rewrite_metrics_up_to
 
@@ -38,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 TRAINER_STATE_FILE = "trainer_state.json"
-COMPLETE_FILE = "checkpoint_complete.json"
+COMPLETE_FILE = checksums.COMPLETE_FILE  # "checkpoint_complete.json"
 LINEAGE_FILE = "run_lineage.json"
 SUPERSEDED_DIR = "superseded"
 STAGING_PREFIX = ".staging_"
@@ -100,6 +101,10 @@ class CheckpointError(ConfigError):
 
 class CheckpointDiskFullError(CheckpointError):
     """A checkpoint does not fit on the disk of ``trainer.default_local_dir``."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A complete checkpoint whose files no longer match their manifest (missing, resized, altered)."""
 
 
 def _read_json(path: str) -> dict | None:
@@ -277,7 +282,12 @@ def _warn_on_config_change(lineage: dict, config: dict) -> None:
 
 
 def start_run(
-    root: str, *, resume_mode: str, resume_from_path: str | None, config: dict
+    root: str,
+    *,
+    resume_mode: str,
+    resume_from_path: str | None,
+    config: dict,
+    hasher: checksums.Hasher = checksums.local_hasher,
 ) -> tuple[RunIdentity, str | None]:
     """Decide this run's lineage and the checkpoint to load (None: start from the beginning).
 
@@ -289,6 +299,10 @@ def start_run(
       metrics are moved to ``superseded/`` (nothing is deleted).
     - ``resume_path``: a new lineage branching from ``resume_from_path``; checkpoints in this
       directory past its step (another branch's future) are moved to ``superseded/``.
+
+    The checkpoint to load is verified against its checksums first (``verify_checkpoint``, hashing
+    with ``hasher``): in ``auto`` a corrupt one is moved aside and the lineage's next older intact
+    one is used; a corrupt ``resume_from_path`` is an error naming the file.
 
     Writes the new ``run_lineage.json`` (atomically) and makes ``metrics.jsonl`` hold only this
     lineage's records up to the start step.
@@ -306,13 +320,14 @@ def start_run(
     if resume_mode == "auto" and lineage is not None:
         lineage_id = lineage["lineage_id"]
         branch = lineage.get("branch_checkpoint")
-        load_path = latest_checkpoint(root, lineage_id=lineage_id)
+        load_path = newest_verified_checkpoint(root, lineage_id=lineage_id, hasher=hasher)
         if load_path is None and branch is not None:
             if not (is_complete(branch) or os.path.exists(os.path.join(branch, TRAINER_STATE_FILE))):
                 raise CheckpointError(
                     f"lineage {lineage_id} in trainer.default_local_dir={root!r} started from "
                     f"{branch!r}, which is no longer a complete checkpoint"
                 )
+            verify_checkpoint(branch, hasher=hasher)
             load_path = branch
         _warn_on_config_change(lineage, config)
     elif resume_mode == "auto":
@@ -348,6 +363,10 @@ def start_run(
                 f"trainer.resume_from_path={resume_from_path!r} is not a complete checkpoint "
                 f"(no {COMPLETE_FILE}); pick a complete global_step_N directory"
             )
+        try:
+            verify_checkpoint(load_path, hasher=hasher)
+        except CheckpointCorruptError as err:  # the user named this one: never silently use another
+            raise CheckpointCorruptError(f"trainer.resume_from_path={resume_from_path!r}: {err}") from err
         start = _checkpoint_step(load_path)
         lineage_id, branch = run_id, load_path
         later = [os.path.basename(c.path) for c in complete if c.step > start and c.path != load_path]
@@ -451,8 +470,8 @@ def save_trainer_checkpoint(
     try:
         group.save_checkpoint(staging, step)
         atomic_write_json(os.path.join(staging, TRAINER_STATE_FILE), trainer_state)
-        atomic_write_json(
-            os.path.join(staging, COMPLETE_FILE), {**identity.to_dict(), "step": step, "time": time.time()}
+        write_complete_record(
+            staging, {**identity.to_dict(), "step": step, "time": time.time()}, hasher=group_hasher(group)
         )
     except Exception as err:
         if _is_disk_full(err):
@@ -509,3 +528,83 @@ def truncate_metrics_after(path: str, step: int) -> None:
     """Drop records past ``step`` so a resumed run's metrics file reads as one uninterrupted curve."""
     if os.path.exists(path):
         rewrite_metrics_up_to(path, step)
+
+
+# ---------------------------------------------------------------------- checksums and verification
+def group_hasher(group) -> checksums.Hasher:
+    """A ``Hasher`` that splits the hashing over the worker group's ranks (``hash_checkpoint_files``),
+    or hashes in this process for a group without that method."""
+    method = getattr(group, "hash_checkpoint_files", None)
+    if method is None:
+        return checksums.local_hasher
+
+    def hash_on_workers(root: str, sizes: dict[str, int]) -> dict[str, dict]:
+        merged: dict[str, dict] = {}
+        for part in method(root, sizes):
+            merged.update(part)
+        return merged
+
+    return hash_on_workers
+
+
+def write_complete_record(path: str, record: dict, *, hasher: checksums.Hasher = checksums.local_hasher) -> None:
+    """Write ``path/checkpoint_complete.json`` (last: it marks the checkpoint complete) holding
+    ``record`` plus the size and xxh3_128 checksum of every other file under ``path``."""
+    manifest = checksums.build_manifest(path, hasher=hasher)
+    atomic_write_json(
+        os.path.join(path, COMPLETE_FILE),
+        {**record, "hash": checksums.HASH_NAME, checksums.MANIFEST_KEY: manifest},
+    )
+
+
+def verify_checkpoint(path: str, *, hasher: checksums.Hasher = checksums.local_hasher) -> None:
+    """Check the files of the complete checkpoint ``path`` against its manifest before anything
+    loads them; raises ``CheckpointCorruptError`` naming each missing, truncated or altered file.
+
+    A checkpoint written before manifests existed is loaded *unverified* (a warning): only its DCP
+    shards' lengths are checked against their ``.metadata``."""
+    record = _read_json(os.path.join(path, COMPLETE_FILE))
+    manifest = (record or {}).get(checksums.MANIFEST_KEY)
+    if manifest is None:
+        problems = checksums.dcp_truncated_files(path)
+        if problems:
+            raise CheckpointCorruptError(f"checkpoint {path!r} is corrupt: {'; '.join(problems)}")
+        logger.warning(
+            "checkpoint: %s has no file checksums (written by an older version): loading it unverified", path
+        )
+        return
+    try:
+        checksums.verify_manifest(path, manifest, hasher=hasher)
+    except checksums.ChecksumMismatchError as err:
+        raise CheckpointCorruptError(str(err)) from err
+
+
+def newest_verified_checkpoint(
+    root: str, *, lineage_id: str, hasher: checksums.Hasher = checksums.local_hasher
+) -> str | None:
+    """The newest complete checkpoint of ``lineage_id`` under ``root`` whose files verify.
+
+    A corrupt one is moved to ``superseded/<time>_corrupt_global_step_N`` (never deleted) with a
+    warning naming the bad files, and the next older one of the lineage is tried."""
+    newest = latest_checkpoint(root, lineage_id=lineage_id)  # warns about incomplete directories
+    if newest is None:
+        return None
+    candidates = [c for c in scan_checkpoints(root)[0] if c.lineage_id == lineage_id]
+    corrupt: list[tuple[str, CheckpointCorruptError]] = []
+    for info in reversed(candidates):
+        try:
+            verify_checkpoint(info.path, hasher=hasher)
+        except CheckpointCorruptError as err:
+            logger.warning("checkpoint: %s", err)
+            corrupt.append((info.path, err))
+            continue
+        for bad, err in corrupt:
+            name = os.path.basename(bad)
+            moved = _move_aside(root, [name], label=f"corrupt_{name}")
+            logger.warning("checkpoint: %s is corrupt (%s); moved to %s, resuming from %s", bad, err, moved, info.path)
+        return info.path
+    raise CheckpointCorruptError(
+        f"no intact checkpoint of lineage {lineage_id} in {root!r}: "
+        + " | ".join(str(err) for _, err in corrupt)
+        + "; set trainer.resume_mode=disable to start fresh, or resume_path to pick another checkpoint"
+    )

@@ -272,7 +272,11 @@ class DriverBase:
         See ``checkpoint.start_run`` for what each mode does with checkpoints of other runs."""
         t = self.cfg.trainer
         self.run_identity, path = checkpoint.start_run(
-            self.out_dir, resume_mode=t.resume_mode, resume_from_path=t.resume_from_path, config=plain_config(self.cfg)
+            self.out_dir,
+            resume_mode=t.resume_mode,
+            resume_from_path=t.resume_from_path,
+            config=plain_config(self.cfg),
+            hasher=checkpoint.group_hasher(self.actor),
         )
         if path is not None:
             self._load(path)
@@ -312,7 +316,12 @@ class DriverBase:
         )
         self.prepare_workers()
         identity = self.run_identity
-        path = checkpoint.latest_checkpoint(self.out_dir, lineage_id=identity.lineage_id) or identity.branch_checkpoint
+        path = (
+            checkpoint.newest_verified_checkpoint(
+                self.out_dir, lineage_id=identity.lineage_id, hasher=checkpoint.group_hasher(self.actor)
+            )
+            or identity.branch_checkpoint
+        )
         if path is not None:
             self._load(path)
         else:

@@ -37,6 +37,7 @@ from verl_balance.data.synthetic import write_dataset
 from verl_balance.protocol import Batch
 from verl_balance.rewards import load_reward_fn, score_batch
 from verl_balance.rollout import RolloutOutput, build_rollout_batch
+from verl_balance.trainer import checkpoint
 from verl_balance.trainer.config import build_engine_config, check_profile_steps
 from verl_balance.trainer.driver import DriverBase
 from verl_balance.trainer.grpo_config import GRPO_ENGINE_KEYS, GRPOConfig, validate_grpo
@@ -201,7 +202,14 @@ class GRPOTrainer(DriverBase):
         (KL loss); run on the first worker group and again on one rebuilt after a worker died."""
         arr = self.config.actor_rollout_ref
         if arr.model.warm_start_path:
-            self.actor.load_model_weights(os.path.abspath(arr.model.warm_start_path))
+            path = os.path.abspath(arr.model.warm_start_path)
+            try:  # the files must match their checksums before any rank reads them
+                checkpoint.verify_checkpoint(path, hasher=checkpoint.group_hasher(self.actor))
+            except checkpoint.CheckpointCorruptError as err:
+                raise checkpoint.CheckpointCorruptError(
+                    f"actor_rollout_ref.model.warm_start_path={arr.model.warm_start_path!r}: {err}"
+                ) from err
+            self.actor.load_model_weights(path)
             logger.info("warm start: weights of %s", arr.model.warm_start_path)
         if arr.actor.use_kl_loss:
             self.actor.sync_reference_policy()

@@ -29,6 +29,7 @@ from verl_balance.models.config import ModelConfig
 from verl_balance.models.hf import HFModelConfig
 from verl_balance.protocol import Batch
 from verl_balance.single_controller import Dispatch, Worker, make_mesh_dispatch, register
+from verl_balance.utils.checksums import hash_files, share_of
 
 ACTOR_MESH = "actor"
 HF_EXPORT_DIR = "hf"
@@ -183,6 +184,12 @@ class ActorWorker(Worker):
     def load_checkpoint(self, path: str) -> dict:
         """Restore ``save_checkpoint(path)``; returns the saved ``extra`` dict."""
         return self.engine.load_checkpoint(path)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def hash_checkpoint_files(self, path: str, sizes: dict[str, int]) -> dict[str, dict]:
+        """This rank's share (``utils.checksums.share_of``) of the files ``sizes`` names under
+        ``path``, hashed: ``{name: {"size", "xxh3_128"}}``; the ranks' shares together cover all."""
+        return hash_files(path, share_of(sizes, rank=self.rank, world=self.world_size))
 
 
 def batch_temperature(batch: Batch) -> float:

@@ -59,6 +59,11 @@ class ActorGroup(Protocol):
         """``ActorWorker.load_checkpoint`` on every rank: restores it; each rank's saved ``extra``."""
         ...
 
+    def hash_checkpoint_files(self, path: str, sizes: dict[str, int]) -> list[dict[str, dict]]:
+        """``ActorWorker.hash_checkpoint_files`` on every rank: each hashes its share of the files
+        ``sizes`` names under ``path``; the union of the returned dicts covers every file."""
+        ...
+
     def shutdown(self) -> None:
         """Stop the worker processes (``RayWorkerGroup.shutdown``)."""
         ...
