@@ -42,6 +42,7 @@ def test_stopped_worker_gets_heartbeats_naming_it_then_a_timeout_error(ray_clust
     pids = wg.pid()
     try:
         with caplog.at_level(logging.INFO, logger="verl_balance.single_controller.worker_group"):
+            caplog.clear()  # start-up may have waited (heartbeats) on a loaded machine
             assert wg.pid() == pids  # negative control: running workers answer, no heartbeat
             assert "still waiting" not in caplog.text
             os.kill(pids[1], signal.SIGSTOP)
@@ -56,6 +57,8 @@ def test_stopped_worker_gets_heartbeats_naming_it_then_a_timeout_error(ray_clust
         beats = [r for r in caplog.records if "still waiting for PidWorker.pid" in r.getMessage()]
         assert len(beats) >= 3, caplog.text
         assert all("worker rank(s) [1] have not answered" in r.getMessage() for r in beats)
+        assert all(f"pid {pids[1]} stopped" in r.getMessage() for r in beats)  # the state tells why
+        assert f"pid {pids[1]} stopped" in str(error)
         assert all(r.levelno == logging.WARNING for r in beats)  # rank 0 answered, rank 1 did not
     finally:
         os.kill(pids[1], signal.SIGCONT)

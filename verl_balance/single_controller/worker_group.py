@@ -144,6 +144,13 @@ def _node_address_and_free_port() -> tuple[str, int]:
     return ray.util.get_node_ip_address().strip("[]"), port
 
 
+def _worker_place(actor: Any) -> tuple[str, int]:
+    """(node id, pid) of the worker process (run inside it via ``__ray_call__``)."""
+    import os
+
+    return ray.get_runtime_context().get_node_id(), os.getpid()
+
+
 class GroupFuture:
     """Pending result of a non-blocking group call; ``get()`` waits, checks failures, collects."""
 
@@ -170,6 +177,18 @@ class _GroupMethod:
     def __repr__(self) -> str:
         r = self._registration
         return f"<group method {self._name} dispatch={r.dispatch_mode} execute={r.execute_mode.name}>"
+
+
+def _process_state(pid: int) -> str:
+    """'stopped', 'running', 'sleeping', 'zombie', ... of a local process ('gone' if it exited)."""
+    try:
+        import psutil
+    except ImportError:  # ray[default] brings psutil; a minimal Ray may not
+        return ""
+    try:
+        return psutil.Process(pid).status()
+    except psutil.Error:
+        return "gone"
 
 
 class RayWorkerGroup:
@@ -246,6 +265,7 @@ class RayWorkerGroup:
         self._mesh_layouts: dict[str, MeshLayout] = {}
         self._workers: list[ray.actor.ActorHandle] = []
         self._worker_names: list[str] = []
+        self._places: list[tuple[str, int]] = []  # (node id, pid) per rank, once the workers are ready
         self.failure_grace_s = failure_grace_s
         self.call_timeout_s = call_timeout_s
         self.heartbeat_s = heartbeat_s
@@ -308,7 +328,9 @@ class RayWorkerGroup:
                 self._worker_names.append(name)
         try:
             ranks = list(range(self.world_size))
-            self._wait("__init__", [w.__ray_ready__.remote() for w in self._workers], ranks, timeout_s=ready_timeout_s)
+            # the first task after each constructor: it proves the worker ready and tells where it runs
+            places = [w.__ray_call__.remote(_worker_place) for w in self._workers]
+            self._places = self._wait("__init__", places, ranks, timeout_s=ready_timeout_s)
         except BaseException:
             self.shutdown()
             raise
@@ -464,17 +486,31 @@ class RayWorkerGroup:
             self._describe_method(method),
             elapsed_s,
             waiting,
-            ", ".join(self._worker_names[r] for r in waiting if r < len(self._worker_names)),
+            self._describe_ranks(waiting),
             answered,
         )
 
+    def _describe_ranks(self, ranks: list[int]) -> str:
+        """Name, pid and process state (for workers on the driver's node) of each rank: a stopped or
+        zombie worker stands out among the ranks blocked in a collective with it."""
+        here = ray.get_runtime_context().get_node_id()
+        parts = []
+        for rank in ranks:
+            if rank >= len(self._worker_names):
+                continue
+            text = self._worker_names[rank]
+            if rank < len(self._places):
+                node, pid = self._places[rank]
+                text += f" pid {pid}" + (f" {_process_state(pid)}" if node == here else "")
+            parts.append(text)
+        return ", ".join(parts)
+
     def _timeout_error(self, method: str, waiting: list[int], *, elapsed_s: float, timeout_s: float) -> Exception:
-        names = [self._worker_names[r] for r in waiting if r < len(self._worker_names)]
         hint = f"; {self.timeout_hint}" if self.timeout_hint else ""
         return WorkerTimeoutError(
             f"{self._describe_method(method)}: worker rank(s) {waiting} did not finish within {timeout_s:g} s "
-            f"(waited {elapsed_s:.1f} s for {', '.join(names)}): stopped, deadlocked or starved; the group is "
-            f"unusable, call shutdown(){hint}",
+            f"(waited {elapsed_s:.1f} s for {self._describe_ranks(waiting)}): stopped, deadlocked or starved; "
+            f"the group is unusable, call shutdown(){hint}",
             ranks=waiting,
             method=method,
             elapsed_s=elapsed_s,
@@ -541,4 +577,5 @@ class RayWorkerGroup:
             ray.kill(worker, no_restart=True)
         self._workers = []
         self._worker_names = []
+        self._places = []
         self._mesh_layouts = {}
