@@ -44,7 +44,6 @@ micro-batch length, which no per-sequence workload model describes (--attn-impl 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import multiprocessing as mp
 import os
@@ -129,6 +128,16 @@ class BenchActorWorker(ActorWorker):
     def memory(self, reset_peak: bool = False) -> dict:
         """memory_snapshot() of this worker (optionally resetting its peak afterwards)."""
         return {"rank": self.rank, **memory_snapshot(reset_peak=reset_peak)}
+
+
+def bench_trainer_class(trainer_cls: type) -> type:
+    """``trainer_cls`` whose worker group runs ``BenchActorWorker`` (the probing worker class)."""
+
+    class BenchTrainer(trainer_cls):
+        def start_workers(self, *, worker_config, worker_cls=None, description: str) -> None:
+            super().start_workers(worker_config=worker_config, worker_cls=BenchActorWorker, description=description)
+
+    return BenchTrainer
 
 
 # ---------------------------------------------------------------------- data
@@ -492,13 +501,7 @@ def run_overhead_bench(args, memory_rows: list) -> list[tuple]:
         )
     cluster.start_ray(address=None, num_workers=1)
     start = time.perf_counter()
-    # SFTTrainer builds its group with cluster.build_actor_group; give it the probing worker class.
-    build_group = cluster.build_actor_group
-    cluster.build_actor_group = functools.partial(build_group, worker_cls=BenchActorWorker)
-    try:
-        trainer = SFTTrainer(cfg)
-    finally:
-        cluster.build_actor_group = build_group
+    trainer = bench_trainer_class(SFTTrainer)(cfg)
     print(f"[overhead] dp=1 SFTTrainer up in {time.perf_counter() - start:.1f} s", flush=True)
     model_config = trainer.model_config
     batches = make_batches(workload, num=total, vocab_size=model_config.vocab_size)
@@ -506,10 +509,14 @@ def run_overhead_bench(args, memory_rows: list) -> list[tuple]:
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     attn_impl = trainer.actor.describe()[0]["engine"]["attn_impl"]
-    proc = ctx.Process(target=_plain_loop_process, args=(child, model_config, workload, total, 1e-4, attn_impl))
+    # daemon: an error below must not leave the interpreter waiting on it at exit
+    proc = ctx.Process(
+        target=_plain_loop_process, args=(child, model_config, workload, total, 1e-4, attn_impl), daemon=True
+    )
     proc.start()
     plain_start_mem = parent.recv()
     ours, plain, tokens = [], [], []
+    plain_mem = None
     try:
         trainer.actor.memory(True)
         for step in range(total):
@@ -528,7 +535,10 @@ def run_overhead_bench(args, memory_rows: list) -> list[tuple]:
         parent.send(None)
         plain_mem = parent.recv()
     finally:
-        proc.join(timeout=60)
+        proc.join(timeout=60 if plain_mem is not None else 0)
+        if proc.is_alive():  # an error above: it still waits for a step request
+            proc.terminate()
+            proc.join()
         trainer.close()
     if memory_rows is not None:
         memory_rows.append(("dp=1 SFT", "ours: trainer worker", worker_mem))

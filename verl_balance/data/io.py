@@ -103,16 +103,15 @@ def iter_rows(
 
 def _iter_parquet(path: str, *, columns: Sequence[str], optional_columns: Sequence[str]):
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
-    parquet_file = pq.ParquetFile(path)
+    parquet_file = open_parquet(path)
     schema_names = parquet_file.schema_arrow.names
     missing = [c for c in columns if c not in schema_names]
     if missing:
         raise DataError(f"{path}: missing column(s) {missing}; columns present: {schema_names}")
     names = [*columns, *(c for c in optional_columns if c in schema_names)]
     row = 0
-    for batch in parquet_file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=names):
+    for batch in _parquet_batches(parquet_file, path=path, columns=names):
         try:
             values = [batch.column(name).to_pylist() for name in names]
         except UnicodeDecodeError:
@@ -123,6 +122,34 @@ def _iter_parquet(path: str, *, columns: Sequence[str], optional_columns: Sequen
         row += batch.num_rows
     del parquet_file
     pa.default_memory_pool().release_unused()  # Arrow's allocator keeps freed pages otherwise
+
+
+def open_parquet(path: str):
+    """``pyarrow.parquet.ParquetFile`` of ``path``; a file that is not parquet (empty, truncated,
+    another format) raises DataError naming it instead of Arrow's bare ``ArrowInvalid``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as err:
+        size = os.path.getsize(path) if os.path.exists(path) else None
+        raise DataError(f"{path}: not a readable parquet file ({size} bytes): {err}") from err
+
+
+def _parquet_batches(parquet_file, *, path: str, columns: Sequence[str]):
+    """Record batches of ``parquet_file``; a corrupt page raises DataError naming ``path``."""
+    import pyarrow as pa
+
+    batches = parquet_file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns)
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except (pa.ArrowException, OSError) as err:
+            raise DataError(f"{path}: the parquet data cannot be read (corrupt file?): {err}") from err
+        yield batch
 
 
 def _parquet_rows_one_by_one(batch, names: Sequence[str], *, first_row: int):
@@ -197,9 +224,7 @@ def num_rows_hint(path: str) -> int | None:
     """Rows of a parquet file from its footer (cheap), or None for jsonl (not known before reading it)."""
     if not path.endswith(".parquet"):
         return None
-    import pyarrow.parquet as pq
-
-    return pq.ParquetFile(path).metadata.num_rows
+    return open_parquet(path).metadata.num_rows
 
 
 def check_choice(name: str, value: str, valid: Sequence[str]) -> None:

@@ -36,6 +36,7 @@ _RAY_EXPORTS = {
     "RayWorkerGroup": "worker_group",
     "GroupFuture": "worker_group",
     "WorkerDiedError": "worker_group",
+    "WorkerTimeoutError": "worker_group",
     "WorkerGroupError": "worker_group",
 }
 

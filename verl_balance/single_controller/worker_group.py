@@ -12,6 +12,12 @@ call is found dead within ``failure_grace_s`` (survivors of a dead peer typicall
 connection error first): then the death, the root cause, is raised as ``WorkerDiedError``.
 After a ``WorkerDiedError`` the group's collectives are broken: ``shutdown()`` it, build a new one.
 
+No silent stall: while a call waits, a heartbeat line every ``heartbeat_s`` names the ranks that
+have not answered yet (WARNING once some ranks have answered and others not, else INFO), and a
+call that is not answered within ``call_timeout_s`` raises ``WorkerTimeoutError`` naming those
+ranks, the method and the time waited (a stopped, deadlocked or starved worker). After it the
+group is as unusable as after a death.
+
 Running against a cluster instead of an embedded Ray (checked with Ray 2.60):
 
     ray start --head --num-cpus=4        # on a GPU node add --num-gpus=N; prints the head address
@@ -66,7 +72,14 @@ from verl_balance.single_controller.worker import NUM_THREADS_ENV
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RayClassWithInitArgs", "RayWorkerGroup", "GroupFuture", "WorkerDiedError", "WorkerGroupError"]
+__all__ = [
+    "RayClassWithInitArgs",
+    "RayWorkerGroup",
+    "GroupFuture",
+    "WorkerDiedError",
+    "WorkerGroupError",
+    "WorkerTimeoutError",
+]
 
 _PROTECTED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", NUM_THREADS_ENV)
 
@@ -79,6 +92,16 @@ class WorkerDiedError(RuntimeError):
         self.rank = rank
         self.actor_id = actor_id
         self.method = method
+
+
+class WorkerTimeoutError(TimeoutError):
+    """Worker ranks did not answer a call within the group's (or the call's) timeout."""
+
+    def __init__(self, message: str, *, ranks: list[int], method: str, elapsed_s: float) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+        self.method = method
+        self.elapsed_s = elapsed_s
 
 
 class WorkerGroupError(ValueError):
@@ -121,6 +144,13 @@ def _node_address_and_free_port() -> tuple[str, int]:
     return ray.util.get_node_ip_address().strip("[]"), port
 
 
+def _worker_place(actor: Any) -> tuple[str, int]:
+    """(node id, pid) of the worker process (run inside it via ``__ray_call__``)."""
+    import os
+
+    return ray.get_runtime_context().get_node_id(), os.getpid()
+
+
 class GroupFuture:
     """Pending result of a non-blocking group call; ``get()`` waits, checks failures, collects."""
 
@@ -149,6 +179,18 @@ class _GroupMethod:
         return f"<group method {self._name} dispatch={r.dispatch_mode} execute={r.execute_mode.name}>"
 
 
+def _process_state(pid: int) -> str:
+    """'stopped', 'running', 'sleeping', 'zombie', ... of a local process ('gone' if it exited)."""
+    try:
+        import psutil
+    except ImportError:  # ray[default] brings psutil; a minimal Ray may not
+        return ""
+    try:
+        return psutil.Process(pid).status()
+    except psutil.Error:
+        return "gone"
+
+
 class RayWorkerGroup:
     """One Ray actor per bundle of ``resource_pool``, rank = bundle order (node-major).
 
@@ -165,6 +207,11 @@ class RayWorkerGroup:
             rendezvous variables the group sets).
         ready_timeout_s: how long to wait for all workers' constructors to finish (default 300 s).
         failure_grace_s: after a worker raises, how long to look for a dead peer that caused it.
+        call_timeout_s: how long any call may wait for its ranks before ``WorkerTimeoutError``
+            (None: no limit); ``GroupFuture.get(timeout_s)`` and ``ready_timeout_s`` override it.
+        heartbeat_s: interval of the "still waiting" lines naming the ranks not answered yet
+            (None or 0: none).
+        timeout_hint: text appended to a timeout error (e.g. the config key that sets the timeout).
     """
 
     def __init__(
@@ -182,6 +229,9 @@ class RayWorkerGroup:
         worker_env: dict[str, str] | None = None,
         ready_timeout_s: float | None = None,
         failure_grace_s: float = 5.0,
+        call_timeout_s: float | None = None,
+        heartbeat_s: float | None = None,
+        timeout_hint: str = "",
     ) -> None:
         if resource_pool is None or ray_cls_with_init is None or worker_names is not None or worker_handles is not None:
             raise WorkerGroupError(
@@ -215,7 +265,11 @@ class RayWorkerGroup:
         self._mesh_layouts: dict[str, MeshLayout] = {}
         self._workers: list[ray.actor.ActorHandle] = []
         self._worker_names: list[str] = []
+        self._places: list[tuple[str, int]] = []  # (node id, pid) per rank, once the workers are ready
         self.failure_grace_s = failure_grace_s
+        self.call_timeout_s = call_timeout_s
+        self.heartbeat_s = heartbeat_s
+        self.timeout_hint = timeout_hint
         self._is_verl_worker = is_verl_worker_class(ray_cls_with_init.cls)
         self._bind_registered_methods(ray_cls_with_init.cls)  # before any worker starts: fails cheaply
 
@@ -274,7 +328,9 @@ class RayWorkerGroup:
                 self._worker_names.append(name)
         try:
             ranks = list(range(self.world_size))
-            self._wait("__init__", [w.__ray_ready__.remote() for w in self._workers], ranks, timeout_s=ready_timeout_s)
+            # the first task after each constructor: it proves the worker ready and tells where it runs
+            places = [w.__ray_call__.remote(_worker_place) for w in self._workers]
+            self._places = self._wait("__init__", places, ranks, timeout_s=ready_timeout_s)
         except BaseException:
             self.shutdown()
             raise
@@ -383,15 +439,24 @@ class RayWorkerGroup:
         position = {ref: i for i, ref in enumerate(refs)}
         outputs: list[Any] = [None] * len(refs)
         pending = list(refs)
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        timeout_s = self.call_timeout_s if timeout_s is None else timeout_s
+        start = time.monotonic()
+        deadline = None if timeout_s is None else start + timeout_s
+        beat = self.heartbeat_s or None
+        next_beat = None if beat is None else start + beat
         while pending:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, pending = ray.wait(pending, num_returns=1, timeout=remaining)
+            now = time.monotonic()
+            limits = [t - now for t in (deadline, next_beat) if t is not None]
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, min(limits)) if limits else None)
             if not ready:
                 waiting = sorted(ranks[position[ref]] for ref in pending)
-                raise TimeoutError(
-                    f"{self._describe_method(method)}: worker rank(s) {waiting} did not finish within {timeout_s}s"
-                )
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    raise self._timeout_error(method, waiting, elapsed_s=now - start, timeout_s=timeout_s)
+                if next_beat is not None and now >= next_beat:
+                    self._heartbeat(method, waiting, answered=len(refs) - len(pending), elapsed_s=now - start)
+                    next_beat = now + beat
+                continue
             for ref in ready:
                 i = position[ref]
                 try:
@@ -411,6 +476,45 @@ class RayWorkerGroup:
                     )
                     raise
         return outputs
+
+    def _heartbeat(self, method: str, waiting: list[int], *, answered: int, elapsed_s: float) -> None:
+        # Some ranks done and others not is how a stopped or stuck worker looks: a warning.
+        level = logging.WARNING if answered else logging.INFO
+        logger.log(
+            level,
+            "still waiting for %s after %.0f s: worker rank(s) %s have not answered (%s); %d rank(s) answered",
+            self._describe_method(method),
+            elapsed_s,
+            waiting,
+            self._describe_ranks(waiting),
+            answered,
+        )
+
+    def _describe_ranks(self, ranks: list[int]) -> str:
+        """Name, pid and process state (for workers on the driver's node) of each rank: a stopped or
+        zombie worker stands out among the ranks blocked in a collective with it."""
+        here = ray.get_runtime_context().get_node_id()
+        parts = []
+        for rank in ranks:
+            if rank >= len(self._worker_names):
+                continue
+            text = self._worker_names[rank]
+            if rank < len(self._places):
+                node, pid = self._places[rank]
+                text += f" pid {pid}" + (f" {_process_state(pid)}" if node == here else "")
+            parts.append(text)
+        return ", ".join(parts)
+
+    def _timeout_error(self, method: str, waiting: list[int], *, elapsed_s: float, timeout_s: float) -> Exception:
+        hint = f"; {self.timeout_hint}" if self.timeout_hint else ""
+        return WorkerTimeoutError(
+            f"{self._describe_method(method)}: worker rank(s) {waiting} did not finish within {timeout_s:g} s "
+            f"(waited {elapsed_s:.1f} s for {self._describe_ranks(waiting)}): stopped, deadlocked or starved; "
+            f"the group is unusable, call shutdown(){hint}",
+            ranks=waiting,
+            method=method,
+            elapsed_s=elapsed_s,
+        )
 
     def _find_death(self, method: str, rank_of: dict, grace_s: float) -> WorkerDiedError | None:
         deadline = time.monotonic() + grace_s
@@ -473,4 +577,5 @@ class RayWorkerGroup:
             ray.kill(worker, no_restart=True)
         self._workers = []
         self._worker_names = []
+        self._places = []
         self._mesh_layouts = {}

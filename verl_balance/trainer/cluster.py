@@ -70,6 +70,22 @@ def build_actor_group(
         use_gpu=use_gpu,
         placement_timeout_s=trainer_cfg.placement_timeout_s,
     )
-    group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(worker_cls, worker_config))
-    group.init_model()
+    try:
+        group = RayWorkerGroup(
+            resource_pool=pool,
+            ray_cls_with_init=RayClassWithInitArgs(worker_cls, worker_config),
+            # getattr: benchmarks and tests pass a SimpleNamespace with the placement keys only
+            call_timeout_s=getattr(trainer_cfg, "worker_call_timeout_s", TrainerSection.worker_call_timeout_s),
+            heartbeat_s=getattr(trainer_cfg, "heartbeat_interval_s", TrainerSection.heartbeat_interval_s),
+            timeout_hint="trainer.worker_call_timeout_s sets this limit",
+        )
+    except BaseException:
+        pool.remove()
+        raise
+    try:
+        group.init_model()
+    except BaseException:  # the workers are alive: stop them and free their placement before raising
+        group.shutdown()
+        pool.remove()
+        raise
     return group

@@ -110,6 +110,11 @@ class ModelSection:
     """Override of the preset's longest position."""
     tie_word_embeddings: Optional[bool] = None
     """Override: share the input embedding with the output projection."""
+    custom_chat_template: Optional[str] = None
+    """verl's key. null: chats (``data.messages_key``, GRPO prompts) are rendered with the tokenizer's
+    own chat template, and a tokenizer without one is an error at start-up; 'builtin': a tokenizer
+    without one renders chats with the built-in minimal template (a different format than the
+    model's, hence a different loss). Other Jinja templates belong in the tokenizer directory."""
 
     def __post_init__(self) -> None:
         check_choice("param_dtype", self.param_dtype, PARAM_DTYPES)
@@ -259,6 +264,13 @@ class TrainerSection:
     worker; empty = never. See docs/performance.md for where the traces go."""
     profile_dir: Optional[str] = None
     """Directory of the profiler traces; null = ``default_local_dir``/profile."""
+    worker_call_timeout_s: Optional[float] = 3600.0
+    """How long the driver waits for the workers to answer one call (a step's update, a rollout, a
+    checkpoint, the model build) before failing with an error naming the ranks that did not answer
+    (a stopped, deadlocked or starved worker); null = wait forever."""
+    heartbeat_interval_s: Optional[float] = 60.0
+    """While the driver waits on the workers (or on the reward function), a line every this many
+    seconds names what it waits for (the ranks that have not answered); null or 0 = no lines."""
 
     def __post_init__(self) -> None:
         check_choice("device", self.device, DEVICES)
@@ -276,6 +288,10 @@ class TrainerSection:
             check_positive("max_ckpt_to_keep", self.max_ckpt_to_keep)
         if self.max_restarts < 0:
             raise ConfigError(f"max_restarts={self.max_restarts} must be >= 0")
+        if self.worker_call_timeout_s is not None:
+            check_positive("worker_call_timeout_s", self.worker_call_timeout_s)
+        if self.heartbeat_interval_s is not None and self.heartbeat_interval_s < 0:
+            raise ConfigError(f"heartbeat_interval_s={self.heartbeat_interval_s} must be >= 0 (0 or null: no lines)")
         bad_steps = [s for s in self.profile_steps if s < 1]
         if bad_steps:
             raise ConfigError(

@@ -290,10 +290,15 @@ class CustomRewardSection:
     """Function name in that file (null = compute_score)."""
     reward_kwargs: dict = field(default_factory=dict)
     """Extra keyword arguments of every call."""
+    timeout_s: Optional[float] = 300.0
+    """Longest one reward call (one response) may take before the run fails with an error naming the
+    function and the sample; heartbeat lines (trainer.heartbeat_interval_s) while it runs; null = no limit."""
 
     def __post_init__(self) -> None:
         if self.name is not None and self.path is None:
             raise ConfigError(f"name={self.name!r} is set but path is not")
+        if self.timeout_s is not None:
+            check_positive("timeout_s", self.timeout_s)
 
 
 @dataclass

@@ -35,7 +35,8 @@ from verl_balance.batch_keys import PROMPT_IDS_KEY, PROMPT_INDEX_KEY, SAMPLE_IND
 from verl_balance.data.rl_dataset import RLPromptDataset
 from verl_balance.data.synthetic import write_dataset
 from verl_balance.protocol import Batch
-from verl_balance.rewards import load_reward_fn, score_batch
+from verl_balance.rewards import load_reward_fn
+from verl_balance.rewards.watchdog import score_batch_watched
 from verl_balance.rollout import RolloutOutput, build_rollout_batch
 from verl_balance.trainer import checkpoint
 from verl_balance.trainer.config import build_engine_config, check_profile_steps
@@ -43,6 +44,7 @@ from verl_balance.trainer.driver import DriverBase
 from verl_balance.trainer.grpo_config import GRPO_ENGINE_KEYS, GRPOConfig, validate_grpo
 from verl_balance.trainer.metrics import PEAK_MEMORY_KEY, plan_metrics, reduce_rank_metrics
 from verl_balance.trainer.plan_dispatch import plan_batch, run_by_plan, split_by_plan
+from verl_balance.trainer.startup import check_model_files
 from verl_balance.utils.tracking import Tracking
 from verl_balance.workers.actor_rollout import ActorRolloutWorker, ActorRolloutWorkerConfig, sampling_seed
 from verl_balance.workers.group import ActorRolloutGroup
@@ -137,6 +139,7 @@ class GRPOTrainer(DriverBase):
         self.config = config = validate_grpo(cfg)
         arr = config.actor_rollout_ref
         self.actor_cfg, self.rollout_cfg = a, r = arr.actor, arr.rollout
+        check_model_files(arr.model, chat_key="data.prompt_key")  # prompts are chats
         self.setup_run(cfg, trainer=config.trainer, sp_size=config.sp_size, model=arr.model, balance=config.balance)
         train_files, val_files = resolve_rl_files(config)
         d = config.data
@@ -254,12 +257,16 @@ class GRPOTrainer(DriverBase):
         ends = (batch["prompt_lengths"] + batch["response_lengths"]).tolist()
         ids = batch["input_ids"].tolist()
         solutions = [self.tokenizer.decode(row[s:e]) for row, s, e in zip(ids, starts, ends)]
-        return score_batch(
+        reward = self.config.custom_reward_function
+        return score_batch_watched(
             reward_fn=self.reward_fn,
             data_sources=list(batch["data_source"]),
             solutions=solutions,
             ground_truths=list(batch["ground_truth"]),
             extra_infos=list(batch["extra_info"]),
+            timeout_s=reward.timeout_s,
+            heartbeat_s=self.config.trainer.heartbeat_interval_s,
+            name=f"{reward.name or 'compute_score'} of {reward.path}" if reward.path else None,
         )
 
     def _plan(self, batch: Batch, *, micro_batch_size, token_cap):

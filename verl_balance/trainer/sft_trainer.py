@@ -24,6 +24,7 @@ from verl_balance.trainer.config import (
 from verl_balance.trainer.driver import DriverBase
 from verl_balance.trainer.metrics import plan_metrics, reduce_rank_metrics
 from verl_balance.trainer.plan_dispatch import plan_batch, split_by_plan
+from verl_balance.trainer.startup import check_model_files
 from verl_balance.workers.actor import ActorWorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,7 @@ class SFTTrainer(DriverBase):
 
     def __init__(self, cfg) -> None:
         self.config = config = validate_sft(cfg)
+        check_model_files(config.model, chat_key="data.messages_key" if config.data.messages_key else None)
         self.setup_run(
             cfg,
             trainer=config.trainer,
