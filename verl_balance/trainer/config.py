@@ -82,8 +82,8 @@ class ModelSection:
     name: str = "tiny"
     """Built-in preset (``models.config.ModelConfig.preset``); ignored when ``path`` is set."""
     path: Optional[str] = None
-    """A local Hugging Face model directory (config.json + safetensors; families llama, qwen2, qwen3,
-    mistral); null = the built-in preset ``name``. Nothing is downloaded."""
+    """A local Hugging Face model directory (config.json + safetensors; a family of
+    ``models.hf.SUPPORTED_MODEL_TYPES``); null = the built-in preset ``name``. Nothing is downloaded."""
     tokenizer: Optional[str] = None
     """'byte' (built-in) or a local HF tokenizer directory (its chat template is used); null = ``path``
     when a model directory is given, else 'byte'."""
@@ -152,7 +152,7 @@ def check_hf_model_dir(key: str, path: str) -> None:
     if not os.path.isfile(config_file):
         raise ConfigError(
             f"{key}={path!r} is not a local Hugging Face directory (no config.json); point {key} at "
-            "a save_pretrained output of a llama, qwen2, qwen3 or mistral checkpoint (nothing is "
+            f"a save_pretrained output of a checkpoint of one of {list(SUPPORTED_MODEL_TYPES)} (nothing is "
             "downloaded)"
         )
     try:
