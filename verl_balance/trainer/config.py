@@ -31,7 +31,7 @@ from verl_balance.engine.config import PARAM_DTYPES, EngineConfig, FSDPConfig, O
 from verl_balance.loss import check_agg_mode
 from verl_balance.models import MODEL_DIMENSION_KEYS, load_model_config
 from verl_balance.models.config import ModelConfig, ModelConfigError
-from verl_balance.models.hf import INIT_MODES, SUPPORTED_MODEL_TYPES, HFModelConfig
+from verl_balance.models.hf import INIT_MODES, REFUSED_MODEL_TYPES, SUPPORTED_MODEL_TYPES, HFModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -161,9 +161,10 @@ def check_hf_model_dir(key: str, path: str) -> None:
     except (OSError, ValueError, AttributeError) as err:
         raise ConfigError(f"{key}={path!r}: config.json cannot be read ({err})") from err
     if model_type not in SUPPORTED_MODEL_TYPES:
+        why = REFUSED_MODEL_TYPES.get(model_type)
         raise ConfigError(
-            f"{key}={path!r} has model_type={model_type!r}, which is not supported; supported "
-            f"model_type values: {list(SUPPORTED_MODEL_TYPES)}"
+            f"{key}={path!r} has model_type={model_type!r}, which is not supported{' (' + why + ')' if why else ''}; "
+            f"supported model_type values: {list(SUPPORTED_MODEL_TYPES)}"
         )
 
 
