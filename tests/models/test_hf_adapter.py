@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 from _tiny_variants import TINY_VARIANTS
@@ -361,3 +362,14 @@ def test_sp_that_neither_divides_nor_is_divided_by_kv_heads_names_both(tiny_mode
     with pytest.raises(ModelConfigError, match=r"ulysses_sequence_parallel_size=8.*num_heads=4"):
         HFCausalLM(cfg, sp_size=8)
     assert os.path.isdir(cfg.path)
+
+
+@pytest.mark.parametrize("variant", ["qwen2_moe", "qwen3_moe", "mixtral", "llama"])
+def test_flops_workload_of_the_adapter_config_counts_the_same_experts_as_hf_config(tiny_model_dirs, variant):
+    from verl_balance.balance import FlopsWorkload
+
+    cfg = HFModelConfig.from_pretrained(tiny_model_dirs[variant])
+    ours, theirs = FlopsWorkload.from_model_config(cfg), FlopsWorkload.from_model_config(cfg.hf_config())
+    lengths = np.array([1, 7, 300])
+    np.testing.assert_array_equal(ours.cost(lengths), theirs.cost(lengths))
+    assert (ours.num_experts, ours.num_experts_per_tok) == ((4, 2) if cfg.num_experts else (0, 0))
