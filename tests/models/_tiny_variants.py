@@ -19,6 +19,7 @@ TINY_VARIANTS = {
     "qwen2_moe": dict(family="qwen2_moe"),
     "qwen3_moe": dict(family="qwen3_moe"),
     "mixtral": dict(family="mixtral"),
+    "deepseek_v2": dict(family="deepseek_v2"),
 }
 # The families added for issue 22 (each also gets an SP=2 and a parity row).
-NEW_FAMILY_VARIANTS = ("gemma2", "gemma3_text", "phi3", "olmo2", "granite", "qwen3_moe", "mixtral")
+NEW_FAMILY_VARIANTS = ("gemma2", "gemma3_text", "phi3", "olmo2", "granite", "qwen3_moe", "mixtral", "deepseek_v2")

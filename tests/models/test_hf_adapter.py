@@ -364,7 +364,7 @@ def test_sp_that_neither_divides_nor_is_divided_by_kv_heads_names_both(tiny_mode
     assert os.path.isdir(cfg.path)
 
 
-@pytest.mark.parametrize("variant", ["qwen2_moe", "qwen3_moe", "mixtral", "llama"])
+@pytest.mark.parametrize("variant", ["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "llama"])
 def test_flops_workload_of_the_adapter_config_counts_the_same_experts_as_hf_config(tiny_model_dirs, variant):
     from verl_balance.balance import FlopsWorkload
 

@@ -144,7 +144,7 @@ class FlopsWorkload:
                 f"model config {type(cfg).__name__} lacks {missing}; FlopsWorkload needs {list(_DIMENSION_ALIASES)} "
                 "(or their Hugging Face names); use balance.workload=tokens otherwise"
             )
-        head_dim = get("head_dim")
+        head_dim = mla_query_head_dim(cfg) or get("head_dim")
         return cls(**values, head_dim=None if head_dim is None else int(head_dim), **moe_dimensions(cfg))
 
 
@@ -168,6 +168,16 @@ def _getter(cfg):
 
 def _first(get, *keys):
     return next((get(k) for k in keys if get(k) is not None), None)
+
+
+def mla_query_head_dim(cfg) -> int | None:
+    """DeepSeek's multi-head latent attention: the query/key head is ``qk_nope_head_dim +
+    qk_rope_head_dim`` (HF's ``head_dim`` there is the rotary part only); None for other models.
+    Its low-rank projections and smaller value head are not modelled (the cost is approximate)."""
+    get = _getter(cfg)
+    if get("qk_nope_head_dim") is None or get("qk_rope_head_dim") is None:
+        return None
+    return int(get("qk_nope_head_dim")) + int(get("qk_rope_head_dim"))
 
 
 def moe_dimensions(cfg) -> dict:

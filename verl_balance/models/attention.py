@@ -170,13 +170,27 @@ def varlen_causal_attention(
     """Causal attention within each packed sequence on one rank (no SP exchange).
 
     q: [T, Hq, d]; k, v: [T, Hkv, d] with Hq % Hkv == 0 (GQA: kv head j serves query heads
-    j*Hq/Hkv .. (j+1)*Hq/Hkv - 1); cu_seqlens: int [n+1] covering all T tokens. Returns [T, Hq, d].
+    j*Hq/Hkv .. (j+1)*Hq/Hkv - 1); cu_seqlens: int [n+1] covering all T tokens. v may have a
+    smaller head size d_v than q/k (DeepSeek MLA). Returns [T, Hq, d_v].
     """
     total, num_q_heads, head_dim = q.shape
     assert int(cu_seqlens[-1]) == total, "cu_seqlens must cover every packed token"
     scaling = head_dim**-0.5 if scaling is None else float(scaling)
     impl = resolve_attn_impl(impl, device=q.device)
     if impl == "flash_attn":
+        if v.shape[-1] < head_dim:  # DeepSeek MLA: flash-attn wants one head size; pad v, cut the output
+            out = varlen_causal_attention(
+                q,
+                k,
+                F.pad(v, (0, head_dim - v.shape[-1])),
+                cu_seqlens=cu_seqlens,
+                max_seqlen=max_seqlen,
+                impl=impl,
+                scaling=scaling,
+                sliding_window=sliding_window,
+                softcap=softcap,
+            )
+            return out[..., : v.shape[-1]]
         cu = cu_seqlens.to(torch.int32)
         window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
         # flash-attn < 2.6 has no softcap argument: pass it only when the model caps.

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from verl_balance.balance.workload import moe_dimensions
+from verl_balance.balance.workload import mla_query_head_dim, moe_dimensions
 from verl_balance.models.attention import (
     HF_ATTN_IMPLEMENTATION,
     check_sequence_parallel_heads,
@@ -58,13 +58,14 @@ SUPPORTED_MODEL_TYPES = (
     "qwen2_moe",
     "qwen3_moe",
     "mixtral",
+    "deepseek_v2",
 )
 # Model types users bring that are refused, with the reason (the error names it).
 REFUSED_MODEL_TYPES = {
     "gemma3": "the multimodal Gemma3ForConditionalGeneration; save its language model "
     "(Gemma3ForCausalLM, model_type gemma3_text) and point model.path at that",
-    "deepseek_v2": "multi-head latent attention (value head_dim != query head_dim) is not supported yet",
-    "deepseek_v3": "multi-head latent attention (value head_dim != query head_dim) is not supported yet",
+    "deepseek_v3": "its router (sigmoid scores with e_score_correction_bias, noaux_tc) is not tested "
+    "here yet; deepseek_v2 (DeepSeek-V2/V2-Lite) is supported",
 }
 INIT_MODES = ("pretrained", "random")
 # RoPE types whose frequencies HF recomputes from max(position_ids) of the whole call: packed, that
@@ -189,7 +190,7 @@ class HFModelConfig:
         """Read ``path``/config.json; any model_type outside SUPPORTED_MODEL_TYPES is an error."""
         path = os.path.abspath(os.path.expanduser(path))
         hf = load_hf_config(path)
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        head_dim = mla_query_head_dim(hf) or getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         return cls(
             path=path,
             model_type=hf.model_type,

@@ -28,6 +28,7 @@ SUPPORTED_FAMILIES = (
     "qwen2_moe",
     "qwen3_moe",
     "mixtral",
+    "deepseek_v2",
 )
 
 CHAT_TEMPLATE = (
@@ -113,7 +114,8 @@ def build_config(
     on at values a short test sequence feels: qwen3/gemma an explicit head_dim different from
     hidden_size / num_heads; mistral, phi3, mixtral and gemma a sliding window unless one is given
     (gemma: on layer 0 only); gemma2 attention and final-logit soft-capping; granite its four
-    multipliers; MoE families 4 experts, top-2."""
+    multipliers; MoE families 4 experts, top-2 (deepseek_v2: latent attention, MHA, so
+    ``num_kv_heads`` does not apply)."""
     import transformers
 
     if family not in SUPPORTED_FAMILIES:
@@ -137,7 +139,7 @@ def build_config(
     )
     tie = family_kwargs.pop("_default_tie", False) if tie_word_embeddings is None else tie_word_embeddings
     config_class = getattr(transformers, _CONFIG_CLASSES[family])
-    return config_class(**common, **family_kwargs, tie_word_embeddings=bool(tie))
+    return config_class(**{**common, **family_kwargs}, tie_word_embeddings=bool(tie))
 
 
 def _qwen_window(sliding_window: int | None) -> dict:
@@ -165,6 +167,7 @@ _CONFIG_CLASSES = {
     "qwen2_moe": "Qwen2MoeConfig",
     "qwen3_moe": "Qwen3MoeConfig",
     "mixtral": "MixtralConfig",
+    "deepseek_v2": "DeepseekV2Config",
 }
 _MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
 # family -> f(hidden_size, num_heads, num_layers, sliding_window) -> config kwargs beyond `common`
@@ -206,6 +209,20 @@ _FAMILY_KWARGS = {
     ),
     "mixtral": lambda *, sliding_window, **kw: dict(
         num_local_experts=4, num_experts_per_tok=2, sliding_window=_window(sliding_window, 6)
+    ),
+    # DeepSeek-V2-Lite-style: multi-head latent attention (no q LoRA; query/key head 24, value
+    # head 12), one dense layer, then 4 routed experts (top-2) and a shared expert.
+    "deepseek_v2": lambda *, num_heads, **kw: dict(
+        num_key_value_heads=num_heads,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        **_MOE,
     ),
 }
 
