@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU recipe: one node with 8 GPUs, Ulysses sp=2 (dp=4), token-capped dynamic micro-batches,
 # bf16 parameters (fp32 master weights and gradient reduce). With MODEL_PATH set to a local
-# Hugging Face directory (llama, qwen2, qwen3, mistral; its tokenizer and chat template are used)
+# Hugging Face directory (a family of docs/models.md, e.g. llama, qwen2/3, gemma2, mixtral; its tokenizer and chat template are used)
 # it fine-tunes that model with activation checkpointing; without it, the ~100M built-in model.
 # Point data.train_files at your own parquet (verl's SFT schema); override anything on the command line.
 set -euo pipefail

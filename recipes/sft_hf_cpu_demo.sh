@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # SFT of a tiny random Hugging Face model (written here, offline) on the synthetic task,
-# dp=2 x Ulysses sp=2 on 4 local CPU workers. FAMILY=llama|qwen2|qwen3|mistral (default qwen2).
+# dp=2 x Ulysses sp=2 on 4 local CPU workers. FAMILY=any family of
+# `python -m verl_balance.models.tiny_hf --help` (llama, qwen2, qwen3, mistral, gemma2, gemma3_text, phi3,
+# olmo2, granite, qwen2_moe, qwen3_moe, mixtral, deepseek_v2; default qwen2).
 # The tokenizer and its chat template come from the model directory (model.tokenizer defaults to
 # model.path). Checkpoints at steps 32 and 64 each carry global_step_N/hf, a save_pretrained
 # directory (trainer.save_hf_model=true) that AutoModelForCausalLM.from_pretrained loads; any

@@ -18,7 +18,7 @@ TrainEngine subclass, FaultyTrainEngine) on a layout where each one matters; the
 
 Run `python -m verl_balance.parity` for the full table (`--help` for options);
 `python -m verl_balance.parity model.path=DIR` (or `--model-path DIR`) runs the same matrix on a
-local Hugging Face model (llama, qwen2, qwen3, mistral) instead of the built-in tiny decoder.
+local Hugging Face model (any of ``models.hf.SUPPORTED_MODEL_TYPES``) instead of the built-in tiny decoder.
 """
 
 from __future__ import annotations

@@ -98,3 +98,88 @@ def test_hf_config_without_kv_heads_is_multi_head_attention():
         vocab_size=10, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=4
     )
     assert from_model_config(cfg).num_kv_heads == 4
+
+
+def _attention_and_head(h: int, heads: int, kv_heads: int, d: int, vocab: int, layers: int) -> int:
+    """Multiply-adds per token of q/k/v/o in every layer plus the LM head."""
+    return layers * (2 * h * heads * d + 2 * h * kv_heads * d) + h * vocab
+
+
+def test_moe_counts_active_experts_shared_experts_and_router_by_hand():
+    # Qwen2-MoE-style dict: 3 layers, layer 1 dense (mlp_only_layers), 8 experts of width 6, top-2,
+    # shared experts of total width 10, hidden 4, dense MLP 16, 2 heads of dim 2, vocab 10.
+    cfg = {
+        "num_hidden_layers": 3,
+        "hidden_size": 4,
+        "intermediate_size": 16,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "vocab_size": 10,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 6,
+        "shared_expert_intermediate_size": 10,
+        "mlp_only_layers": [1],
+        "decoder_sparse_step": 1,
+    }
+    w = FlopsWorkload.from_model_config(cfg)
+    assert (w.num_experts, w.num_experts_per_tok, w.num_moe_layers) == (8, 2, 2)
+    dense_mlp = 3 * 4 * 16  # gate, up, down of the dense layer
+    moe_mlp = 4 * 8 + 2 * (3 * 4 * 6) + 3 * 4 * 10  # router + 2 active experts + shared experts = 216
+    macs = _attention_and_head(4, 2, 2, 2, 10, 3) + dense_mlp + 2 * moe_mlp
+    assert w.linear_flops_per_token == 2 * macs
+    # All 8 experts would be 8 * 72 = 576 expert MACs per layer: active counting is far below it.
+    total_params = FlopsWorkload.from_model_config({**cfg, "num_experts_per_tok": 8}).linear_flops_per_token
+    assert total_params > w.linear_flops_per_token
+    # Attention is unchanged by MoE: the quadratic term is the dense model's.
+    dense = FlopsWorkload.from_model_config({k: v for k, v in cfg.items() if "expert" not in k})
+    assert w.attention_flops_per_pair == dense.attention_flops_per_pair
+
+
+def test_mixtral_experts_have_the_intermediate_size_and_every_layer_routes():
+    @dataclass
+    class MixtralLike:
+        num_hidden_layers: int = 2
+        hidden_size: int = 4
+        intermediate_size: int = 6
+        num_attention_heads: int = 2
+        num_key_value_heads: int = 1
+        vocab_size: int = 10
+        num_local_experts: int = 4
+        num_experts_per_tok: int = 2
+
+    w = FlopsWorkload.from_model_config(MixtralLike())
+    per_layer_mlp = 4 * 4 + 2 * 3 * 4 * 6  # router + 2 experts of width 6
+    assert w.linear_flops_per_token == 2 * (_attention_and_head(4, 2, 1, 2, 10, 2) + 2 * per_layer_mlp)
+
+
+def test_deepseek_dense_prefix_and_shared_experts():
+    cfg = dict(
+        num_hidden_layers=4,
+        hidden_size=4,
+        intermediate_size=16,
+        num_attention_heads=2,
+        vocab_size=10,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=3,
+        n_shared_experts=2,
+        first_k_dense_replace=1,
+        moe_layer_freq=1,
+    )
+    w = FlopsWorkload.from_model_config(cfg)
+    assert (w.num_moe_layers, w.shared_expert_intermediate_size) == (3, 6)
+
+
+def test_moe_top_k_beyond_the_experts_is_rejected():
+    with pytest.raises(BalanceConfigError, match="num_experts_per_tok"):
+        FlopsWorkload(
+            num_layers=1,
+            hidden_size=4,
+            intermediate_size=8,
+            num_heads=2,
+            num_kv_heads=2,
+            vocab_size=10,
+            num_experts=2,
+            num_experts_per_tok=3,
+        )

@@ -11,7 +11,7 @@ from verl_balance.models.attention import ATTN_IMPLS, packed_attention, resolve_
 from verl_balance.models.config import ModelConfigError
 
 
-def brute_force(q, k, v, lengths, *, scaling, window):
+def brute_force(q, k, v, lengths, *, scaling, window, softcap=None):
     """Per sequence, per head, per query: softmax over the visible keys, written out by hand."""
     out = torch.zeros_like(q)
     group = q.shape[1] // k.shape[1]
@@ -22,6 +22,8 @@ def brute_force(q, k, v, lengths, *, scaling, window):
                 lo = 0 if window is None else max(0, t - window + 1)
                 keys = k[start + lo : start + t + 1, head // group]
                 scores = keys @ q[start + t, head] * scaling
+                if softcap is not None:
+                    scores = softcap * torch.tanh(scores / softcap)
                 out[start + t, head] = torch.softmax(scores, 0) @ v[start + lo : start + t + 1, head // group]
         start += length
     return out
@@ -45,6 +47,21 @@ def test_packed_attention_equals_brute_force(impl, window, scaling):
     if scaling is not None or window is not None:
         plain = packed_attention(q, k, v, cu_seqlens=cu, max_seqlen=max(lengths), impl=impl)
         assert not torch.allclose(plain, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["sdpa_masked", "sdpa_loop"])
+@pytest.mark.parametrize("window", [None, 3])
+def test_soft_capped_attention_equals_brute_force(impl, window):
+    torch.manual_seed(0)
+    lengths = [4, 1, 7, 2]
+    q = 3 * torch.randn(sum(lengths), 4, 8)  # large scores, so the cap matters
+    k, v = torch.randn(sum(lengths), 2, 8), torch.randn(sum(lengths), 2, 8)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist())
+    kw = dict(cu_seqlens=cu, max_seqlen=max(lengths), impl=impl, scaling=0.5, sliding_window=window)
+    got = packed_attention(q, k, v, softcap=2.0, **kw)
+    expected = brute_force(q, k, v, lengths, scaling=0.5, window=window, softcap=2.0)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(packed_attention(q, k, v, **kw), expected, rtol=1e-5, atol=1e-6)  # cap dropped
 
 
 def test_unknown_impl_is_a_config_error_listing_the_valid_ones():

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
+from _tiny_variants import NEW_FAMILY_VARIANTS
 
 from verl_balance import parity
 from verl_balance.models import load_model_config
 from verl_balance.models.tiny_hf import write_tiny_model
+from verl_balance.testing.multiprocess import run_on_ranks
 
 
 @pytest.mark.slow
@@ -32,3 +36,54 @@ def test_parity_cli_takes_a_model_path(tmp_path, capsys):
     assert parity.main([f"model.path={path}", "--layouts", "1x1,2x1", "--no-controls", "--no-fsdp"]) == 0
     out = capsys.readouterr().out
     assert "HFModelConfig" in out and "32/32 matrix cells pass" in out  # 2 layouts x 16 cells
+
+
+FAMILY_LAYOUT = (1, 2)
+FAMILY_CASE = parity.ParityCase(micro="dynamic", balance=True, agg_mode="seq-mean-token-mean")
+
+
+def _family_rows(rank: int, *, settings_by_family: dict, case) -> dict | None:
+    """Every family's row inside one gloo group of 2 ranks (one spawn for all families)."""
+    torch.set_num_threads(1)
+    rows = {}
+    for family, settings in settings_by_family.items():
+        [(_, eval_loss, train_loss, grad_norm, params)] = parity._run_cases(
+            dp=FAMILY_LAYOUT[0], sp=FAMILY_LAYOUT[1], cases=[case], settings=settings
+        )
+        rows[family] = (eval_loss, train_loss, grad_norm, params)
+    return rows if rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def family_parity_rows(tmp_path_factory) -> dict[str, parity.ParityResult]:
+    root = tmp_path_factory.mktemp("parity_families")
+    settings = {}
+    for family in NEW_FAMILY_VARIANTS:
+        path = write_tiny_model(str(root / family), family=family, initializer_range=0.02)
+        model = load_model_config(name=None, path=path, overrides={}, vocab_size=1)
+        settings[family] = parity.ParitySettings(model=model)
+    torch.set_num_threads(1)
+    rows = run_on_ranks(functools.partial(_family_rows, settings_by_family=settings, case=FAMILY_CASE), world=2)[0]
+    results = {}
+    for family, (eval_loss, train_loss, grad_norm, params) in rows.items():
+        ref = parity.reference_steps(settings[family], agg_modes=[FAMILY_CASE.agg_mode])[FAMILY_CASE.agg_mode]
+        results[family] = parity.ParityResult(
+            layout=FAMILY_LAYOUT,
+            case=FAMILY_CASE,
+            ref_loss=ref["loss"],
+            eval_loss=eval_loss,
+            train_loss=train_loss,
+            ref_grad_norm=ref["grad_norm"],
+            grad_norm=grad_norm,
+            max_param_delta=max(float((params[k] - v).abs().max()) for k, v in ref["params"].items()),
+        )
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", NEW_FAMILY_VARIANTS)
+def test_family_parity_row_dp1_sp2_matches_the_single_process_reference(family_parity_rows, family):
+    """One row per family (FSDP2 over 2 ranks, Ulysses sp=2, dynamic balanced micro-batches, one
+    Adam step) against the plain per-sequence reference; the full matrix runs on qwen2 above."""
+    result = family_parity_rows[family]
+    assert result.passed, parity.format_table([result])

@@ -7,6 +7,7 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
+from _tiny_variants import NEW_FAMILY_VARIANTS
 
 from verl_balance.distributed.ulysses import pad_and_slice, padded_length
 from verl_balance.models.hf import HFCausalLM, HFModelConfig
@@ -41,7 +42,7 @@ def _run(rank: int | None, *, path: str, sp: int):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["llama", "llama_kv1_tied", "mistral", "qwen3"])
+@pytest.mark.parametrize("variant", ["llama", "llama_kv1_tied", "mistral", "qwen3", *NEW_FAMILY_VARIANTS])
 def test_ulysses_sp2_logits_and_gradients_equal_single_process(tiny_model_dirs, variant):
     path = tiny_model_dirs[variant]
     ref_logits, ref_grads, total = _run(None, path=path, sp=1)

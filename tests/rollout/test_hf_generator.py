@@ -17,6 +17,9 @@ VARIANTS = {
     "qwen2": {"family": "qwen2"},
     "qwen3": {"family": "qwen3"},
     "mistral_window4": {"family": "mistral", "sliding_window": 4},
+    # per-layer window, attention and final soft-caps (HF's "sdpa" would drop the attention cap)
+    "gemma2": {"family": "gemma2"},
+    "mixtral": {"family": "mixtral"},  # MoE routing under a KV cache
 }
 PROMPTS = [[5, 17, 3, 9, 1], [2], [40, 41, 42], [7, 7, 7, 7, 7, 7, 7], [99, 3]]
 

@@ -8,6 +8,11 @@ Invariants:
   decoder: linear layers (projections, SwiGLU MLP, LM head) linear in length, causal attention
   (QK^T and AV over the lower triangle) quadratic in length. The backward pass is a constant
   multiple of the forward, so it does not change any balancing decision and is not modelled.
+- Mixture-of-experts layers count the parameters a token is ACTIVE in: the router (hidden x
+  experts), ``num_experts_per_tok`` routed experts of ``moe_intermediate_size`` and the shared
+  experts (``shared_expert_intermediate_size`` in all); dense layers of an MoE model (Qwen's
+  ``mlp_only_layers``/``decoder_sparse_step``, DeepSeek's ``first_k_dense_replace``) keep the
+  dense MLP of ``intermediate_size``.
 """
 
 from __future__ import annotations
@@ -48,6 +53,16 @@ class FlopsWorkload:
     num_kv_heads: int
     vocab_size: int
     head_dim: int | None = None
+    num_experts: int = 0
+    """Routed experts per MoE layer (0: a dense model)."""
+    num_experts_per_tok: int = 0
+    """Routed experts each token passes through (top-k)."""
+    moe_intermediate_size: int | None = None
+    """MLP width of one routed expert (None: intermediate_size, as in Mixtral)."""
+    shared_expert_intermediate_size: int = 0
+    """Total MLP width of the always-active shared experts (Qwen2-MoE, DeepSeek)."""
+    num_moe_layers: int | None = None
+    """Layers whose MLP is the MoE block (None: all layers of an MoE model)."""
     name: str = "flops"
 
     def __post_init__(self) -> None:
@@ -58,20 +73,42 @@ class FlopsWorkload:
             raise BalanceConfigError(
                 f"FlopsWorkload.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if self.num_experts and not 1 <= self.num_experts_per_tok <= self.num_experts:
+            raise BalanceConfigError(
+                f"FlopsWorkload.num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts "
+                f"({self.num_experts})"
+            )
+        if self.num_moe_layers is not None and not 0 <= self.num_moe_layers <= self.num_layers:
+            raise BalanceConfigError(
+                f"FlopsWorkload.num_moe_layers ({self.num_moe_layers}) must be in 0..num_layers ({self.num_layers})"
+            )
 
     @property
     def _head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
 
     @property
+    def _moe_layers(self) -> int:
+        if not self.num_experts:
+            return 0
+        return self.num_layers if self.num_moe_layers is None else self.num_moe_layers
+
+    @property
     def linear_flops_per_token(self) -> float:
-        """2 * (multiply-adds of every weight matrix a token passes through)."""
+        """2 * (multiply-adds of every weight matrix a token passes through; MoE: active ones)."""
         h, f, d = self.hidden_size, self.intermediate_size, self._head_dim
         q_and_o = 2 * h * self.num_heads * d
         k_and_v = 2 * h * self.num_kv_heads * d
-        mlp = 3 * h * f
-        per_layer = q_and_o + k_and_v + mlp
-        return 2.0 * (self.num_layers * per_layer + h * self.vocab_size)
+        dense_mlp = 3 * h * f
+        expert_width = self.moe_intermediate_size or f
+        moe_mlp = (
+            h * self.num_experts  # router
+            + 3 * h * expert_width * self.num_experts_per_tok
+            + 3 * h * self.shared_expert_intermediate_size
+        )
+        moe_layers = self._moe_layers
+        mlp = (self.num_layers - moe_layers) * dense_mlp + moe_layers * moe_mlp
+        return 2.0 * (self.num_layers * (q_and_o + k_and_v) + mlp + h * self.vocab_size)
 
     @property
     def attention_flops_per_pair(self) -> float:
@@ -85,16 +122,18 @@ class FlopsWorkload:
 
     @classmethod
     def from_model_config(cls, cfg) -> FlopsWorkload:
-        """Build from a model config: ``models.ModelConfig``, ``models.hf.HFModelConfig`` or a
-        transformers config (``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``,
-        explicit ``head_dim`` when it is not hidden_size / num_heads). A multimodal config's
+        """Build from a model config (an object or a dict): ``models.ModelConfig``,
+        ``models.hf.HFModelConfig`` or a transformers config (``num_hidden_layers``,
+        ``num_attention_heads``, ``num_key_value_heads``, explicit ``head_dim`` when it is not
+        hidden_size / num_heads; MoE keys as read by ``moe_dimensions``). A multimodal config's
         ``text_config`` is used when it has one."""
-        text_config = getattr(cfg, "text_config", None)
+        get = _getter(cfg)
+        text_config = get("text_config")
         if text_config is not None:
-            cfg = text_config
+            cfg, get = text_config, _getter(text_config)
         values = {}
         for key, aliases in _DIMENSION_ALIASES.items():
-            found = next((getattr(cfg, a) for a in (key, *aliases) if getattr(cfg, a, None) is not None), None)
+            found = next((get(a) for a in (key, *aliases) if get(a) is not None), None)
             if found is not None:
                 values[key] = int(found)
         if "num_kv_heads" not in values and "num_heads" in values:
@@ -105,8 +144,8 @@ class FlopsWorkload:
                 f"model config {type(cfg).__name__} lacks {missing}; FlopsWorkload needs {list(_DIMENSION_ALIASES)} "
                 "(or their Hugging Face names); use balance.workload=tokens otherwise"
             )
-        head_dim = getattr(cfg, "head_dim", None)
-        return cls(**values, head_dim=None if head_dim is None else int(head_dim))
+        head_dim = mla_query_head_dim(cfg) or get("head_dim")
+        return cls(**values, head_dim=None if head_dim is None else int(head_dim), **moe_dimensions(cfg))
 
 
 # Our dimension names -> the Hugging Face config names of the same quantity.
@@ -118,6 +157,67 @@ _DIMENSION_ALIASES = {
     "num_kv_heads": ("num_key_value_heads",),
     "vocab_size": (),
 }
+
+
+def _getter(cfg):
+    """``get(key)`` -> the value or None, for a dict or any object with attributes."""
+    if isinstance(cfg, dict):
+        return cfg.get
+    return lambda key: getattr(cfg, key, None)
+
+
+def _first(get, *keys):
+    return next((get(k) for k in keys if get(k) is not None), None)
+
+
+def mla_query_head_dim(cfg) -> int | None:
+    """DeepSeek's multi-head latent attention: the query/key head is ``qk_nope_head_dim +
+    qk_rope_head_dim`` (HF's ``head_dim`` there is the rotary part only); None for other models.
+    Its low-rank projections and smaller value head are not modelled (the cost is approximate)."""
+    get = _getter(cfg)
+    if get("qk_nope_head_dim") is None or get("qk_rope_head_dim") is None:
+        return None
+    return int(get("qk_nope_head_dim")) + int(get("qk_rope_head_dim"))
+
+
+def moe_dimensions(cfg) -> dict:
+    """The MoE fields of ``FlopsWorkload`` from a config (object or dict); {} for a dense model.
+
+    Reads our names (``num_experts``, ``num_moe_layers``, ...) or the Hugging Face ones:
+    Mixtral ``num_local_experts`` (experts of ``intermediate_size``), Qwen2/3-MoE ``num_experts``,
+    ``moe_intermediate_size``, ``shared_expert_intermediate_size``, ``mlp_only_layers``,
+    ``decoder_sparse_step``; DeepSeek ``n_routed_experts``, ``n_shared_experts``,
+    ``first_k_dense_replace``, ``moe_layer_freq``.
+    """
+    get = _getter(cfg)
+    experts = _first(get, "num_experts", "num_local_experts", "n_routed_experts")
+    if not experts:
+        return {}
+    num_layers = int(_first(get, "num_layers", "num_hidden_layers"))
+    moe_width = get("moe_intermediate_size")
+    shared = get("shared_expert_intermediate_size")
+    if shared is None and get("n_shared_experts"):
+        shared = int(get("n_shared_experts")) * int(moe_width)
+    return dict(
+        num_experts=int(experts),
+        num_experts_per_tok=int(get("num_experts_per_tok")),
+        moe_intermediate_size=None if moe_width is None else int(moe_width),
+        shared_expert_intermediate_size=int(shared or 0),
+        num_moe_layers=_count_moe_layers(get, num_layers),
+    )
+
+
+def _count_moe_layers(get, num_layers: int) -> int:
+    """How many decoder layers route through experts, by each family's layer rule."""
+    if get("num_moe_layers") is not None:
+        return int(get("num_moe_layers"))
+    if get("first_k_dense_replace") is not None:  # DeepSeek: layer i >= k with i % freq == 0
+        first, freq = int(get("first_k_dense_replace")), int(get("moe_layer_freq") or 1)
+        return sum(1 for i in range(num_layers) if i >= first and i % freq == 0)
+    if get("decoder_sparse_step") is not None or get("mlp_only_layers") is not None:  # Qwen2/3-MoE
+        step, dense = int(get("decoder_sparse_step") or 1), set(get("mlp_only_layers") or ())
+        return sum(1 for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    return num_layers
 
 
 def from_model_config(cfg) -> FlopsWorkload:

@@ -8,7 +8,11 @@ Invariants:
   (window = ``sliding_window``, unlimited when None); sequence boundaries come from cu_seqlens,
   never from a mask or position ids. Every token attends at least to itself, so padding, packed
   as its own segment, never produces an all-masked row (no NaN).
-- Scores are multiplied by ``scaling`` (default head_dim ** -0.5; HF models pass their own).
+- Scores are multiplied by ``scaling`` (default head_dim ** -0.5; HF models pass their own), then
+  soft-capped when ``softcap`` is set (``c * tanh(s / c)``, Gemma 2's attn_logit_softcapping),
+  before the mask and the softmax, in that order, as HF's eager attention does.
+- The HF entry point refuses any attention argument it does not honour (a non-causal module, an
+  unknown non-None keyword such as attention sinks), so a family feature is never dropped silently.
 - With an SP group of size sp > 1, q/k/v arrive sequence-sharded ([T/sp, H, d], this rank's
   slice of the padded stream) and are exchanged by all-to-all so that attention sees whole
   sequences for H/sp heads, then exchanged back. KV heads fewer than sp are repeated first so
@@ -83,31 +87,70 @@ def packed_visibility_mask(cu_seqlens: Tensor, total: int, *, sliding_window: in
     return mask
 
 
+def _softcapped_attention(
+    q4: Tensor, k4: Tensor, v4: Tensor, *, mask: Tensor, scaling: float, softcap: float
+) -> Tensor:
+    """[1, H, T, d] attention with soft-capped scores (no fused kernel has the cap): HF eager's
+    order, scale -> cap -> mask -> fp32 softmax."""
+    scores = torch.matmul(q4, k4.transpose(-1, -2)) * scaling
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q4.dtype)
+    return torch.matmul(probs, v4)
+
+
+def _attend(
+    q4: Tensor, k4: Tensor, v4: Tensor, *, mask: Tensor | None, scaling: float, softcap: float | None
+) -> Tensor:
+    """[1, H, T, d] attention under a boolean visibility mask (None: plain causal)."""
+    if softcap is not None:
+        if mask is None:
+            idx = torch.arange(q4.shape[2], device=q4.device)
+            mask = idx[:, None] >= idx[None, :]
+        return _softcapped_attention(q4, k4, v4, mask=mask, scaling=scaling, softcap=softcap)
+    if mask is None:
+        return F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scaling)
+    return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask[None, None], scale=scaling)
+
+
 def _masked_sdpa(
-    q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor, scaling: float, sliding_window: int | None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    cu_seqlens: Tensor,
+    scaling: float,
+    sliding_window: int | None,
+    softcap: float | None,
 ) -> Tensor:
     # 4-D [1, H, T, d]: a 3-D call makes SDPA fall back to its math kernel on CPU.
     total = q.shape[0]
     mask = packed_visibility_mask(cu_seqlens, total, sliding_window=sliding_window)
     q4, k4, v4 = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-    out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask[None, None], scale=scaling)
+    out = _attend(q4, k4, v4, mask=mask, scaling=scaling, softcap=softcap)
     return out.squeeze(0).transpose(0, 1)
 
 
 def _sdpa_loop(
-    q: Tensor, k: Tensor, v: Tensor, *, cu_seqlens: Tensor, scaling: float, sliding_window: int | None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    cu_seqlens: Tensor,
+    scaling: float,
+    sliding_window: int | None,
+    softcap: float | None,
 ) -> Tensor:
     outs = []
     bounds = cu_seqlens.tolist()
     for start, end in zip(bounds[:-1], bounds[1:]):
         qi, ki, vi = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
         length = end - start
+        window = None
         if sliding_window is not None and length > sliding_window:
             idx = torch.arange(length, device=q.device)
             window = (idx[:, None] >= idx[None, :]) & ((idx[:, None] - idx[None, :]) < sliding_window)
-            out = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=window[None, None], scale=scaling)
-        else:
-            out = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scaling)
+        out = _attend(qi, ki, vi, mask=window, scaling=scaling, softcap=softcap)
         outs.append(out.squeeze(0).transpose(0, 1))
     return torch.cat(outs, dim=0)
 
@@ -122,28 +165,55 @@ def varlen_causal_attention(
     impl: str = "auto",
     scaling: float | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """Causal attention within each packed sequence on one rank (no SP exchange).
 
     q: [T, Hq, d]; k, v: [T, Hkv, d] with Hq % Hkv == 0 (GQA: kv head j serves query heads
-    j*Hq/Hkv .. (j+1)*Hq/Hkv - 1); cu_seqlens: int [n+1] covering all T tokens. Returns [T, Hq, d].
+    j*Hq/Hkv .. (j+1)*Hq/Hkv - 1); cu_seqlens: int [n+1] covering all T tokens. v may have a
+    smaller head size d_v than q/k (DeepSeek MLA). Returns [T, Hq, d_v].
     """
     total, num_q_heads, head_dim = q.shape
     assert int(cu_seqlens[-1]) == total, "cu_seqlens must cover every packed token"
     scaling = head_dim**-0.5 if scaling is None else float(scaling)
     impl = resolve_attn_impl(impl, device=q.device)
     if impl == "flash_attn":
+        if v.shape[-1] < head_dim:  # DeepSeek MLA: flash-attn wants one head size; pad v, cut the output
+            out = varlen_causal_attention(
+                q,
+                k,
+                F.pad(v, (0, head_dim - v.shape[-1])),
+                cu_seqlens=cu_seqlens,
+                max_seqlen=max_seqlen,
+                impl=impl,
+                scaling=scaling,
+                sliding_window=sliding_window,
+                softcap=softcap,
+            )
+            return out[..., : v.shape[-1]]
         cu = cu_seqlens.to(torch.int32)
         window = (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
+        # flash-attn < 2.6 has no softcap argument: pass it only when the model caps.
+        capping = {} if softcap is None else {"softcap": float(softcap)}
         return _flash_attn_varlen()(
-            q, k, v, cu, cu, max_seqlen, max_seqlen, causal=True, softmax_scale=scaling, window_size=window
+            q,
+            k,
+            v,
+            cu,
+            cu,
+            max_seqlen,
+            max_seqlen,
+            causal=True,
+            softmax_scale=scaling,
+            window_size=window,
+            **capping,
         )
     rep = num_q_heads // k.shape[1]
     if rep > 1:
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
     kernel = _sdpa_loop if impl == "sdpa_loop" else _masked_sdpa
-    return kernel(q, k, v, cu_seqlens=cu_seqlens, scaling=scaling, sliding_window=sliding_window)
+    return kernel(q, k, v, cu_seqlens=cu_seqlens, scaling=scaling, sliding_window=sliding_window, softcap=softcap)
 
 
 def packed_attention(
@@ -157,6 +227,7 @@ def packed_attention(
     impl: str = "auto",
     scaling: float | None = None,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """Exact packed causal attention for this rank's slice, Ulysses all-to-all included.
 
@@ -174,11 +245,58 @@ def packed_attention(
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         q, k, v = (all_to_all_seq_to_head(z, group=sp_group) for z in (q, k, v))
     out = varlen_causal_attention(
-        q, k, v, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, impl=impl, scaling=scaling, sliding_window=sliding_window
+        q,
+        k,
+        v,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
+        impl=impl,
+        scaling=scaling,
+        sliding_window=sliding_window,
+        softcap=softcap,
     )
     if sp > 1:
         out = all_to_all_head_to_seq(out, group=sp_group)
     return out
+
+
+# Keywords HF passes to every attention function that carry no attention semantics of their own
+# (the mask and boundaries come from cu_seqlens here); every other keyword must be honoured or None.
+_HF_PASSTHROUGH_KWARGS = frozenset(
+    {
+        "position_ids",
+        "use_cache",
+        "cache_position",
+        "output_attentions",
+        "output_router_logits",
+        "output_hidden_states",
+        "cu_seq_lens_k",
+        "max_length_k",
+        "is_causal",
+        "layer_type",
+        "position_embeddings",
+    }
+)
+
+
+def _check_hf_attention_call(module, *, dropout: float, batch: int, extra: dict) -> None:
+    """Refuse what packed attention cannot honour, naming the module and the feature."""
+    where = type(module).__name__
+    if dropout:
+        raise ModelConfigError(
+            f"{where}: attention dropout={dropout} is not supported by packed attention; "
+            "set attention_dropout=0 in the model config"
+        )
+    if batch != 1:
+        raise ModelConfigError(f"packed attention takes one packed row, got batch {batch}")
+    if not getattr(module, "is_causal", True) or extra.get("is_causal") is False:
+        raise ModelConfigError(f"{where} is not causal (bidirectional attention); packed attention is causal only")
+    unknown = sorted(k for k, v in extra.items() if k not in _HF_PASSTHROUGH_KWARGS and v is not None)
+    if unknown:
+        raise ModelConfigError(
+            f"{where} passes attention argument(s) {unknown} that packed attention does not implement "
+            "(supported: scaling, sliding_window, softcap); this model cannot be trained exactly"
+        )
 
 
 def hf_packed_attention_forward(
@@ -191,29 +309,26 @@ def hf_packed_attention_forward(
     scaling: float | None = None,
     dropout: float = 0.0,
     sliding_window: int | None = None,
+    softcap: float | None = None,
     cu_seq_lens_q: Tensor | None = None,
     max_length_q: int | None = None,
     sp_group=None,
     packed_attn_impl: str = "auto",
-    **_ignored,
+    **extra,
 ) -> tuple[Tensor, None]:
     """transformers AttentionInterface entry: [1, H, T, d] in, ([1, T, H, d], None) out.
 
     The boundaries come from ``cu_seq_lens_q`` (passed by ``HFCausalLM.forward``); a call without
     them (e.g. HF's own ``generate``) is an error rather than silently attending across sequences.
+    ``sliding_window`` and ``softcap`` are per call (per layer: Gemma alternates windowed and
+    global layers).
     """
     if cu_seq_lens_q is None or max_length_q is None:
         raise ModelConfigError(
             f"attn_implementation={HF_ATTN_IMPLEMENTATION!r} needs cu_seq_lens_q and max_length_q "
             "(call the model through verl_balance.models.hf.HFCausalLM.forward)"
         )
-    if dropout:
-        raise ModelConfigError(
-            f"attention dropout={dropout} is not supported by packed attention; "
-            "set attention_dropout=0 in the model config"
-        )
-    if query.shape[0] != 1:
-        raise ModelConfigError(f"packed attention takes one packed row, got batch {query.shape[0]}")
+    _check_hf_attention_call(module, dropout=dropout, batch=query.shape[0], extra=extra)
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))
     out = packed_attention(
         q,
@@ -225,6 +340,7 @@ def hf_packed_attention_forward(
         impl=packed_attn_impl,
         scaling=scaling,
         sliding_window=sliding_window,
+        softcap=softcap,
     )
     return out.unsqueeze(0), None
 

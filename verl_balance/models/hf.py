@@ -1,4 +1,4 @@
-"""Hugging Face causal LMs (llama, qwen2, qwen3, mistral) behind ``PackedCausalLM``.
+"""Hugging Face causal LMs (see SUPPORTED_MODEL_TYPES) behind ``PackedCausalLM``.
 
 ``HFModelConfig`` describes a local HF directory (nothing is downloaded); ``HFCausalLM`` runs the
 HF model itself on one packed, padding-free row with the packed attention of
@@ -17,6 +17,11 @@ Invariants:
 - Every HF model is built from a fresh copy of its config: ``from_config`` writes the attention
   implementation into the config object it is given, so sharing one would silently switch the
   attention of an earlier model.
+- ``forward`` returns exactly HF's logits: the family's post-projection transform (Granite's
+  ``logits_scaling``, Gemma's ``final_logit_softcapping``) is applied by ``self.logit_transform``.
+- A family feature packed attention cannot honour is refused at start-up, naming the model type
+  and the config key (``check_family_features``); what only shows at call time (an attention
+  argument, a sequence beyond a length-dependent RoPE's limit) is refused then. Nothing is dropped.
 """
 
 from __future__ import annotations
@@ -30,15 +35,42 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from verl_balance.balance.workload import mla_query_head_dim, moe_dimensions
 from verl_balance.models.attention import (
     HF_ATTN_IMPLEMENTATION,
     check_sequence_parallel_heads,
     register_hf_attention,
 )
 from verl_balance.models.config import ModelConfigError
+from verl_balance.models.output_head import LogitTransform
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+# Each has a tiny variant in tests/models/_tiny_variants.py whose packed logits equal HF's.
+SUPPORTED_MODEL_TYPES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "olmo2",
+    "granite",
+    "qwen2_moe",
+    "qwen3_moe",
+    "mixtral",
+    "deepseek_v2",
+)
+# Model types users bring that are refused, with the reason (the error names it).
+REFUSED_MODEL_TYPES = {
+    "gemma3": "the multimodal Gemma3ForConditionalGeneration; save its language model "
+    "(Gemma3ForCausalLM, model_type gemma3_text) and point model.path at that",
+    "deepseek_v3": "its router (sigmoid scores with e_score_correction_bias, noaux_tc) is not tested "
+    "here yet; deepseek_v2 (DeepSeek-V2/V2-Lite) is supported",
+}
 INIT_MODES = ("pretrained", "random")
+# RoPE types whose frequencies HF recomputes from max(position_ids) of the whole call: packed, that
+# is the longest sequence of the micro-batch, so they are exact only up to the original length.
+LENGTH_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")
 
 
 def _effective_sliding_window(hf_config) -> int | None:
@@ -49,9 +81,45 @@ def _effective_sliding_window(hf_config) -> int | None:
     layer_types = getattr(hf_config, "layer_types", None)
     if layer_types is not None:
         return int(window) if "sliding_attention" in layer_types else None
-    if hf_config.model_type in ("qwen2", "qwen3") and not getattr(hf_config, "use_sliding_window", False):
+    if hf_config.model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not getattr(
+        hf_config, "use_sliding_window", False
+    ):
         return None
     return int(window)
+
+
+def check_family_features(hf_config, *, path: str) -> None:
+    """Raise ModelConfigError naming the model type and key of a feature packed training cannot
+    reproduce exactly (see docs/models.md, "Families")."""
+    model_type = hf_config.model_type
+
+    def refuse(key: str, why: str) -> None:
+        raise ModelConfigError(f"model.path={path!r} (model_type={model_type}) sets {key}: {why}")
+
+    if getattr(hf_config, "attention_dropout", 0.0):
+        refuse(f"attention_dropout={hf_config.attention_dropout}", "packed attention supports 0 only")
+    if getattr(hf_config, "use_bidirectional_attention", False):
+        refuse("use_bidirectional_attention=true", "packed attention is causal only")
+    if getattr(hf_config, "router_jitter_noise", 0.0):
+        refuse(
+            f"router_jitter_noise={hf_config.router_jitter_noise}",
+            "random routing noise in training makes the loss depend on the layout; set it to 0",
+        )
+    if model_type == "qwen2_moe" and getattr(hf_config, "use_sliding_window", False):
+        refuse("use_sliding_window=true", "HF's Qwen2-MoE attention does not pass its window to the attention function")
+
+
+def rope_length_limit(hf_config) -> int | None:
+    """Longest sequence a length-dependent RoPE (LENGTH_DEPENDENT_ROPE_TYPES) is exact for when
+    packed (its original_max_position_embeddings); None when every layer's RoPE is fixed."""
+    params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    per_layer = params.values() if all(isinstance(v, dict) for v in params.values()) and params else [params]
+    limits = [
+        int(p.get("original_max_position_embeddings") or hf_config.max_position_embeddings)
+        for p in per_layer
+        if any(t in str(p.get("rope_type", p.get("type", ""))) for t in LENGTH_DEPENDENT_ROPE_TYPES)
+    ]
+    return min(limits) if limits else None
 
 
 def load_hf_config(path: str):
@@ -65,12 +133,16 @@ def load_hf_config(path: str):
     with open(config_file) as f:
         model_type = json.load(f).get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
+        why = REFUSED_MODEL_TYPES.get(model_type, "")
         raise ModelConfigError(
-            f"model.path={path!r} has model_type={model_type!r}; supported model types: {SUPPORTED_MODEL_TYPES}"
+            f"model.path={path!r} has model_type={model_type!r}{'; ' + why if why else ''}; "
+            f"supported model types: {SUPPORTED_MODEL_TYPES}"
         )
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(path, local_files_only=True)
+    hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+    check_family_features(hf_config, path=path)
+    return hf_config
 
 
 @dataclass(frozen=True)
@@ -79,7 +151,8 @@ class HFModelConfig:
 
     ``init``: "pretrained" loads the directory's weights, "random" draws new ones from torch's RNG
     (``from_config``). ``enable_gradient_checkpointing``: activation checkpointing per decoder layer
-    (verl's ``model.enable_gradient_checkpointing``).
+    (verl's ``model.enable_gradient_checkpointing``). The MoE fields (0 / None for a dense model)
+    are what the FLOPs workload needs to count active parameters (``balance.workload.moe_dimensions``).
     """
 
     path: str
@@ -96,6 +169,11 @@ class HFModelConfig:
     sliding_window: int | None = None
     init: str = "pretrained"
     enable_gradient_checkpointing: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int | None = None
+    shared_expert_intermediate_size: int = 0
+    num_moe_layers: int | None = None
 
     def __post_init__(self) -> None:
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -112,11 +190,7 @@ class HFModelConfig:
         """Read ``path``/config.json; any model_type outside SUPPORTED_MODEL_TYPES is an error."""
         path = os.path.abspath(os.path.expanduser(path))
         hf = load_hf_config(path)
-        if getattr(hf, "attention_dropout", 0.0):
-            raise ModelConfigError(
-                f"model.path={path!r} sets attention_dropout={hf.attention_dropout}; packed attention supports 0 only"
-            )
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        head_dim = mla_query_head_dim(hf) or getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         return cls(
             path=path,
             model_type=hf.model_type,
@@ -132,6 +206,7 @@ class HFModelConfig:
             sliding_window=_effective_sliding_window(hf),
             init=init,
             enable_gradient_checkpointing=bool(enable_gradient_checkpointing),
+            **moe_dimensions(hf),
         )
 
     def hf_config(self):
@@ -151,6 +226,7 @@ def build_hf_model(config: HFModelConfig, *, attn_implementation: str = "sdpa"):
     if attn_implementation == HF_ATTN_IMPLEMENTATION:
         register_hf_attention()
     hf_config = copy.deepcopy(config.hf_config())
+    attn_implementation = exact_hf_attention(attn_implementation, hf_config)
     if config.init == "pretrained":
         return AutoModelForCausalLM.from_pretrained(
             config.path,
@@ -160,6 +236,14 @@ def build_hf_model(config: HFModelConfig, *, attn_implementation: str = "sdpa"):
             attn_implementation=attn_implementation,
         )
     return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, attn_implementation=attn_implementation)
+
+
+def exact_hf_attention(requested: str, hf_config) -> str:
+    """HF's "sdpa" drops ``softcap`` (Gemma 2's attn_logit_softcapping) without a word; "eager"
+    applies it, so a soft-capped model asked for "sdpa" gets "eager"."""
+    if requested == "sdpa" and getattr(hf_config, "attn_logit_softcapping", None):
+        return "eager"
+    return requested
 
 
 class HFCausalLM(nn.Module):
@@ -175,6 +259,9 @@ class HFCausalLM(nn.Module):
             hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model = hf_model.model
         self.lm_head = hf_model.lm_head
+        hf_config = hf_model.config
+        self.logit_transform = LogitTransform.from_hf_config(hf_config)
+        self.rope_length_limit = rope_length_limit(hf_config)
         # Not a submodule: registering it would prefix every parameter name with "hf_model.".
         object.__setattr__(self, "hf_model", hf_model)
         if config.tie_word_embeddings:
@@ -195,7 +282,15 @@ class HFCausalLM(nn.Module):
         return units
 
     def forward(self, *, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
-        """Logits [T_local, V] for this rank's slice of the packed stream."""
+        """Logits [T_local, V] for this rank's slice of the packed stream (HF's logits exactly: the
+        family's logit transform included; MoE router logits are not collected)."""
+        if self.rope_length_limit is not None and int(max_seqlen) > self.rope_length_limit:
+            raise ModelConfigError(
+                f"{self.config.model_type} at {self.config.path!r}: a sequence of {int(max_seqlen)} tokens exceeds "
+                f"original_max_position_embeddings={self.rope_length_limit} of its length-dependent RoPE "
+                f"({LENGTH_DEPENDENT_ROPE_TYPES}); HF rescales it by the longest sequence of the call, so packed "
+                "sequences would change each other's positions; cap the sequence length at that limit"
+            )
         out = self.model(
             input_ids=input_ids[None],
             position_ids=position_ids[None],
@@ -207,5 +302,6 @@ class HFCausalLM(nn.Module):
             max_length_k=int(max_seqlen),
             sp_group=self.sp_group,
             packed_attn_impl=self.attn_impl,
+            **({"output_router_logits": False} if self.config.num_experts else {}),
         )
-        return self.lm_head(out.last_hidden_state[0])
+        return self.logit_transform.apply(self.lm_head(out.last_hidden_state[0]))

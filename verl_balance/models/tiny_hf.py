@@ -15,7 +15,21 @@ import os
 
 import torch
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_FAMILIES = (
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "olmo2",
+    "granite",
+    "qwen2_moe",
+    "qwen3_moe",
+    "mixtral",
+    "deepseek_v2",
+)
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -96,8 +110,12 @@ def build_config(
     intermediate_size: int = 128,
     max_position_embeddings: int = 512,
 ):
-    """A transformers config of ``family`` with tiny dimensions (qwen3 gets an explicit head_dim
-    different from hidden_size / num_heads; mistral a sliding window unless one is given)."""
+    """A transformers config of ``family`` with tiny dimensions, each family's own features switched
+    on at values a short test sequence feels: qwen3/gemma an explicit head_dim different from
+    hidden_size / num_heads; mistral, phi3, mixtral and gemma a sliding window unless one is given
+    (gemma: on layer 0 only); gemma2 attention and final-logit soft-capping; granite its four
+    multipliers; MoE families 4 experts, top-2 (deepseek_v2: latent attention, MHA, so
+    ``num_kv_heads`` does not apply)."""
     import transformers
 
     if family not in SUPPORTED_FAMILIES:
@@ -116,32 +134,97 @@ def build_config(
         eos_token_id=2,
         bos_token_id=None,
     )
-    if family == "llama":
-        cfg = transformers.LlamaConfig(**common, tie_word_embeddings=bool(tie_word_embeddings))
-    elif family == "qwen2":
-        cfg = transformers.Qwen2Config(
-            **common,
-            tie_word_embeddings=tie_word_embeddings is not False,
-            use_sliding_window=sliding_window is not None,
-            sliding_window=sliding_window,
-            max_window_layers=0,
-        )
-    elif family == "qwen3":
-        cfg = transformers.Qwen3Config(
-            **common,
-            head_dim=2 * hidden_size // num_heads,
-            tie_word_embeddings=tie_word_embeddings is not False,
-            use_sliding_window=sliding_window is not None,
-            sliding_window=sliding_window,
-            max_window_layers=0,
-        )
-    else:
-        cfg = transformers.MistralConfig(
-            **common,
-            tie_word_embeddings=bool(tie_word_embeddings),
-            sliding_window=8 if sliding_window is None else sliding_window,
-        )
-    return cfg
+    family_kwargs = _FAMILY_KWARGS[family](
+        hidden_size=hidden_size, num_heads=num_heads, num_layers=num_layers, sliding_window=sliding_window
+    )
+    tie = family_kwargs.pop("_default_tie", False) if tie_word_embeddings is None else tie_word_embeddings
+    config_class = getattr(transformers, _CONFIG_CLASSES[family])
+    return config_class(**{**common, **family_kwargs}, tie_word_embeddings=bool(tie))
+
+
+def _qwen_window(sliding_window: int | None) -> dict:
+    return dict(use_sliding_window=sliding_window is not None, sliding_window=sliding_window, max_window_layers=0)
+
+
+def _window(sliding_window: int | None, default: int) -> int:
+    return default if sliding_window is None else sliding_window
+
+
+def _gemma_layers(num_layers: int) -> list[str]:
+    return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+
+
+_CONFIG_CLASSES = {
+    "llama": "LlamaConfig",
+    "qwen2": "Qwen2Config",
+    "qwen3": "Qwen3Config",
+    "mistral": "MistralConfig",
+    "gemma2": "Gemma2Config",
+    "gemma3_text": "Gemma3TextConfig",
+    "phi3": "Phi3Config",
+    "olmo2": "Olmo2Config",
+    "granite": "GraniteConfig",
+    "qwen2_moe": "Qwen2MoeConfig",
+    "qwen3_moe": "Qwen3MoeConfig",
+    "mixtral": "MixtralConfig",
+    "deepseek_v2": "DeepseekV2Config",
+}
+_MOE = dict(num_experts_per_tok=2, moe_intermediate_size=32)
+# family -> f(hidden_size, num_heads, num_layers, sliding_window) -> config kwargs beyond `common`
+# ("_default_tie": the family's tie_word_embeddings when the caller gives none).
+_FAMILY_KWARGS = {
+    "llama": lambda **kw: {},
+    "qwen2": lambda *, sliding_window, **kw: dict(_qwen_window(sliding_window), _default_tie=True),
+    "qwen3": lambda *, hidden_size, num_heads, sliding_window, **kw: dict(
+        _qwen_window(sliding_window), head_dim=2 * hidden_size // num_heads, _default_tie=True
+    ),
+    "mistral": lambda *, sliding_window, **kw: dict(sliding_window=_window(sliding_window, 8)),
+    "gemma2": lambda *, hidden_size, num_heads, num_layers, sliding_window, **kw: dict(
+        head_dim=2 * hidden_size // num_heads,
+        query_pre_attn_scalar=24,
+        sliding_window=_window(sliding_window, 4),
+        layer_types=_gemma_layers(num_layers),
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=3.0,
+        hidden_activation="gelu_pytorch_tanh",
+        _default_tie=True,
+    ),
+    "gemma3_text": lambda *, hidden_size, num_heads, num_layers, sliding_window, **kw: dict(
+        head_dim=2 * hidden_size // num_heads,
+        query_pre_attn_scalar=24,
+        sliding_window=_window(sliding_window, 4),
+        layer_types=_gemma_layers(num_layers),
+        _default_tie=True,
+    ),
+    "phi3": lambda *, sliding_window, **kw: dict(sliding_window=_window(sliding_window, 6)),
+    "olmo2": lambda **kw: {},
+    "granite": lambda **kw: dict(
+        embedding_multiplier=2.0, residual_multiplier=0.5, attention_multiplier=0.3, logits_scaling=4.0
+    ),
+    "qwen2_moe": lambda *, sliding_window, **kw: dict(
+        _qwen_window(sliding_window), num_experts=4, shared_expert_intermediate_size=48, **_MOE
+    ),
+    "qwen3_moe": lambda *, hidden_size, num_heads, sliding_window, **kw: dict(
+        _qwen_window(sliding_window), num_experts=4, head_dim=2 * hidden_size // num_heads, **_MOE
+    ),
+    "mixtral": lambda *, sliding_window, **kw: dict(
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=_window(sliding_window, 6)
+    ),
+    # DeepSeek-V2-Lite-style: multi-head latent attention (no q LoRA; query/key head 24, value
+    # head 12), one dense layer, then 4 routed experts (top-2) and a shared expert.
+    "deepseek_v2": lambda *, num_heads, **kw: dict(
+        num_key_value_heads=num_heads,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        **_MOE,
+    ),
+}
 
 
 def write_tiny_model(
@@ -182,7 +265,7 @@ def write_tiny_model(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """CLI: ``--family {llama,qwen2,qwen3,mistral} --out DIR [--seed N] [--num-kv-heads K] [--tie|--no-tie]``."""
+    """CLI: ``--family FAMILY --out DIR [--seed N] [--num-kv-heads K] [--tie|--no-tie]``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", required=True, choices=SUPPORTED_FAMILIES)
     parser.add_argument("--out", required=True)

@@ -1,6 +1,7 @@
-"""HFRollout: KV-cached decoding of Hugging Face models (llama, qwen2, qwen3, mistral).
+"""HFRollout: KV-cached decoding of Hugging Face models (``models.hf.SUPPORTED_MODEL_TYPES``).
 
-It runs the HF model itself (SDPA attention, HF's ``DynamicCache``) with the training adapter's
+It runs the HF model itself (SDPA attention, or eager for a soft-capped one, see
+``models.hf.exact_hf_attention``; HF's ``DynamicCache``) with the training adapter's
 weights: ``HFCausalLM`` uses exact HF parameter names, so its full state dict loads unchanged.
 The sampling loop is ``rollout/decoding.CachedDecoder``, shared with the built-in backend.
 

@@ -31,7 +31,7 @@ from verl_balance.engine.config import PARAM_DTYPES, EngineConfig, FSDPConfig, O
 from verl_balance.loss import check_agg_mode
 from verl_balance.models import MODEL_DIMENSION_KEYS, load_model_config
 from verl_balance.models.config import ModelConfig, ModelConfigError
-from verl_balance.models.hf import INIT_MODES, SUPPORTED_MODEL_TYPES, HFModelConfig
+from verl_balance.models.hf import INIT_MODES, REFUSED_MODEL_TYPES, SUPPORTED_MODEL_TYPES, HFModelConfig
 
 logger = logging.getLogger(__name__)
 
@@ -82,8 +82,8 @@ class ModelSection:
     name: str = "tiny"
     """Built-in preset (``models.config.ModelConfig.preset``); ignored when ``path`` is set."""
     path: Optional[str] = None
-    """A local Hugging Face model directory (config.json + safetensors; families llama, qwen2, qwen3,
-    mistral); null = the built-in preset ``name``. Nothing is downloaded."""
+    """A local Hugging Face model directory (config.json + safetensors; a family of
+    ``models.hf.SUPPORTED_MODEL_TYPES``); null = the built-in preset ``name``. Nothing is downloaded."""
     tokenizer: Optional[str] = None
     """'byte' (built-in) or a local HF tokenizer directory (its chat template is used); null = ``path``
     when a model directory is given, else 'byte'."""
@@ -157,7 +157,7 @@ def check_hf_model_dir(key: str, path: str) -> None:
     if not os.path.isfile(config_file):
         raise ConfigError(
             f"{key}={path!r} is not a local Hugging Face directory (no config.json); point {key} at "
-            "a save_pretrained output of a llama, qwen2, qwen3 or mistral checkpoint (nothing is "
+            f"a save_pretrained output of a checkpoint of one of {list(SUPPORTED_MODEL_TYPES)} (nothing is "
             "downloaded)"
         )
     try:
@@ -166,9 +166,10 @@ def check_hf_model_dir(key: str, path: str) -> None:
     except (OSError, ValueError, AttributeError) as err:
         raise ConfigError(f"{key}={path!r}: config.json cannot be read ({err})") from err
     if model_type not in SUPPORTED_MODEL_TYPES:
+        why = REFUSED_MODEL_TYPES.get(model_type)
         raise ConfigError(
-            f"{key}={path!r} has model_type={model_type!r}, which is not supported; supported "
-            f"model_type values: {list(SUPPORTED_MODEL_TYPES)}"
+            f"{key}={path!r} has model_type={model_type!r}, which is not supported{' (' + why + ')' if why else ''}; "
+            f"supported model_type values: {list(SUPPORTED_MODEL_TYPES)}"
         )
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from verl_balance.balance import BalanceInputError, FlopsWorkload
+from verl_balance.balance.workload import moe_dimensions
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ def workload_from_hf_config(config: Any) -> FlopsWorkload:
             )
         dims[ours] = int(value)
     head_dim = getter("head_dim", None)
-    return FlopsWorkload(**dims, head_dim=int(head_dim) if head_dim else None)
+    return FlopsWorkload(**dims, head_dim=int(head_dim) if head_dim else None, **moe_dimensions(config))
 
 
 def workload_from_model_path(path: str, *, trust_remote_code: bool = False) -> Any:
