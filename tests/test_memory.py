@@ -181,7 +181,8 @@ def test_checkpointing_and_head_chunk_shrink_their_terms():
 def test_cli_on_named_size(capsys):
     assert main(["qwen2.5-7b", "--gpus", "8", "--sp", "2", "--tokens", "8192", "--ac", "--gpu-mem", "80"]) == 0
     out = capsys.readouterr().out
-    assert "7,615,616,512 parameters" in out and "dp=4 sp=2 (W=8)" in out and "fits in 80 GB: yes" in out
+    assert "7,615,616,512 parameters" in out and "dp=4 sp=2 (W=8)" in out
+    assert "fits in 80 GiB with 10% headroom (72.0 GiB usable): yes" in out
 
 
 def test_cli_on_model_dir_as_module(tmp_path):

@@ -572,7 +572,7 @@ def _gib(n: int) -> str:
     return f"{n / GiB:,.2f}"
 
 
-def format_report(est: MemoryEstimate, *, gpu_mem_gb: float | None = None) -> str:
+def format_report(est: MemoryEstimate, *, gpu_mem_gib: float | None = None, headroom: float = 0.1) -> str:
     """A plain-text table of ``est`` (GiB per rank)."""
     s, lay = est.shapes, est.layout
     moe = f", MoE {s.num_experts} experts / {s.experts_per_token} active" if s.num_experts else ""
@@ -595,9 +595,12 @@ def format_report(est: MemoryEstimate, *, gpu_mem_gb: float | None = None) -> st
         f"start-up, full fp32 model per rank (old path): {_gib(est.startup_full)} GiB",
         f"start-up, sharded loading (fp32 shard):        {_gib(est.startup_sharded)} GiB",
     ]
-    if gpu_mem_gb is not None:
-        fits = est.total <= gpu_mem_gb * 1e9
-        lines.append(f"fits in {gpu_mem_gb:g} GB: {'yes' if fits else 'NO'} (step peak {est.total / 1e9:,.1f} GB)")
+    if gpu_mem_gib is not None:
+        usable = (1 - headroom) * gpu_mem_gib * GiB
+        verdict = "yes" if est.total <= usable else "NO"
+        lines.append(
+            f"fits in {gpu_mem_gib:g} GiB with {headroom:.0%} headroom ({usable / GiB:,.1f} GiB usable): {verdict}"
+        )
     return "\n".join(lines)
 
 
@@ -614,7 +617,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=8192, help="micro-batch tokens per SP rank (token cap)")
     parser.add_argument("--ac", action="store_true", help="activation checkpointing per decoder layer")
     parser.add_argument("--head-chunk", type=int, default=None, help="tokens per output-head chunk")
-    parser.add_argument("--gpu-mem", type=float, default=None, help="device memory in GB: say whether it fits")
+    parser.add_argument("--gpu-mem", type=float, default=None, help="device memory in GiB: say whether it fits")
+    parser.add_argument(
+        "--headroom", type=float, default=0.1, help="fraction of --gpu-mem kept free (CUDA context, NCCL, allocator)"
+    )
     args = parser.parse_args(argv)
     try:
         layout = layout_from_gpus(
@@ -629,7 +635,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         est = estimate(load_shapes(args.model), layout)
     except MemoryModelError as e:
         parser.error(f"{'MODEL' if e.arg == 'model' else '--' + e.arg}: {e.message}")
-    print(format_report(est, gpu_mem_gb=args.gpu_mem))
+    if not 0 <= args.headroom < 1:
+        parser.error(f"--headroom: {args.headroom} must be in [0, 1)")
+    print(format_report(est, gpu_mem_gib=args.gpu_mem, headroom=args.headroom))
     return 0
 
 
