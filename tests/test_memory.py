@@ -168,7 +168,10 @@ def test_checkpointing_and_head_chunk_shrink_their_terms():
     ac = estimate(shapes, MemoryLayout(dp=8, tokens=16384, activation_checkpointing=True))
     chunked = estimate(shapes, MemoryLayout(dp=8, tokens=16384, head_chunk=1024))
     h, layers, t = shapes.hidden_size, shapes.num_layers, 16384
-    assert ac.activations == t * (2 * h * layers + base.per_token_layer + 6 * h)
+    assert ac.activations == t * (2 * h * layers + 6 * h) and ac.recompute == t * base.per_token_layer
+    # The recompute of a layer follows the head's backward: the peak holds the larger of the two.
+    assert ac.step_transient == ac.unsharded_params + ac.unsharded_grads + ac.activations + max(ac.head, ac.recompute)
+    assert base.recompute == 0
     assert base.head == t * 152064 * 14 and chunked.head == 1024 * 152064 * 14
     assert chunked.activations == base.activations and ac.head == base.head
     # One fp32 rank runs the plain module: nothing is all-gathered.

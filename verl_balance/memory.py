@@ -39,13 +39,15 @@ measured peak RSS on CPU):
   fp32 log-sum-exp (4 * heads); SwiGLU gate, up, silu(gate), product (4bI); MoE: router softmax
   (4E) and per active expert the routed input, gate_up, silu, product and output
   (k * b(2h + 4I_moe)), plus the shared expert. With activation checkpointing only each layer's
-  input (bh per layer) is kept, plus one layer's recompute at a time.
+  input (bh per layer) is kept, plus one layer's recompute at a time; that recompute runs after
+  the output head's backward has freed the head's tensors, so the peak holds the larger of the two.
 - Output head: unchunked, [T, V] logits in the compute dtype (held by the engine through the
   backward), their fp32 log-softmax (saved), the fp32 gradient of the log-probs scattered to
   [T, V] and the fp32 gradient of the logits: (b + 12) bytes per position and vocabulary entry
   (16 when b = 4: the fp32 cast is then the logits themselves). Chunked (``head_chunk``): the same
   per chunk of tokens, chunk x V.
-- Peak = all of the above alive at once (the start of the backward). Optimizer-step temporaries,
+- Peak = all of the above alive at once (the start of the backward; with checkpointing the larger
+  of head and recompute, see above). Optimizer-step temporaries,
   the allocator's fragmentation and caching, CUDA context (~0.5-1 GB) and NCCL buffers are not
   counted: keep a margin.
 - Start-up: the old full-materialization path builds the full fp32 model on every rank (P x 4
@@ -462,6 +464,7 @@ class MemoryEstimate:
     unsharded_grads: int
     activations: int
     head: int
+    recompute: int
     startup_full: int
     startup_sharded: int
     per_token_layer: int = field(default=0)
@@ -473,8 +476,10 @@ class MemoryEstimate:
 
     @property
     def step_transient(self) -> int:
-        """What a training step adds on top of the resident state at its peak."""
-        return self.unsharded_params + self.unsharded_grads + self.activations + self.head
+        """What a training step adds on top of the resident state at its peak. With activation
+        checkpointing a layer is recomputed only after the head's backward has freed its tensors,
+        so the peak holds the larger of the two, not both."""
+        return self.unsharded_params + self.unsharded_grads + self.activations + max(self.head, self.recompute)
 
     @property
     def total(self) -> int:
@@ -487,7 +492,8 @@ class MemoryEstimate:
             ("optimizer (AdamW, 2 x fp32)", self.optimizer),
             ("unsharded params in flight", self.unsharded_params),
             ("unsharded grads in flight", self.unsharded_grads),
-            ("activations", self.activations),
+            ("activations (saved)", self.activations),
+            ("layer recompute (AC)", self.recompute),
             ("output head", self.head),
             ("total (step peak)", self.total),
         ]
@@ -545,9 +551,10 @@ def estimate(shapes: ModelShapes, layout: MemoryLayout, *, rank: int = 0) -> Mem
     per_layer = [activation_bytes_per_token(shapes, layer=i, dtype_bytes=b) for i in range(shapes.num_layers)]
     final_norm = (FP32 + b) * shapes.hidden_size
     if layout.activation_checkpointing:
-        activations = t * (b * shapes.hidden_size * shapes.num_layers + max(per_layer) + final_norm)
+        activations = t * (b * shapes.hidden_size * shapes.num_layers + final_norm)
+        recompute = t * max(per_layer)
     else:
-        activations = t * (sum(per_layer) + final_norm)
+        activations, recompute = t * (sum(per_layer) + final_norm), 0
     head_tokens = min(t, layout.head_chunk) if layout.head_chunk else t
     head = head_tokens * shapes.vocab_size * head_bytes_per_position(b)
     p = shapes.num_params
@@ -560,6 +567,7 @@ def estimate(shapes: ModelShapes, layout: MemoryLayout, *, rank: int = 0) -> Mem
         unsharded_params=unsharded_params,
         unsharded_grads=unsharded_grads,
         activations=activations,
+        recompute=recompute,
         head=head,
         startup_full=FP32 * p,
         startup_sharded=state["params"],
