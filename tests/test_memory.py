@@ -221,6 +221,14 @@ def test_cli_bad_input_names_the_argument(argv, needle, capsys):
 
 
 def test_unknown_preset_and_family_are_errors(tmp_path):
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(MemoryModelError, match="not a readable JSON config"):
+        load_shapes(str(tmp_path))
+    with pytest.raises(MemoryModelError, match="nor a model directory with config.json"):
+        load_shapes(str(tmp_path / "missing"))
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 8}')
+    with pytest.raises(MemoryModelError, match="lacks 'num_attention_heads'"):
+        load_shapes(str(tmp_path))
     with pytest.raises(MemoryModelError, match="unknown built-in preset 'huge'"):
         load_shapes("preset:huge")
     with pytest.raises(MemoryModelError, match="model_type='bert' is not supported"):

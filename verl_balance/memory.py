@@ -361,8 +361,13 @@ def load_shapes(model: str) -> ModelShapes:
             f"{model!r} is neither a named size ({sorted(NAMED_SIZES)}), a preset:<name>, "
             "nor a model directory with config.json",
         )
-    with open(path) as f:
-        cfg = json.load(f)
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise MemoryModelError("model", f"{path}: not a readable JSON config ({e})") from e
+    if not isinstance(cfg, dict):
+        raise MemoryModelError("model", f"{path}: not a JSON object")
     if "text_config" in cfg and "hidden_size" not in cfg:
         cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
     return shapes_from_hf_config(cfg, source=path)
