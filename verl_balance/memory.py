@@ -5,7 +5,9 @@
 
 The model is a local Hugging Face directory (its ``config.json``: llama, mistral, qwen2, qwen3, gemma,
 gemma2, gemma3_text, mixtral, qwen2_moe, qwen3_moe), a named size (``NAMED_SIZES``: published
-config dimensions, hard-coded) or a built-in preset (``preset:tiny``/``small``/``100m``).
+config dimensions, hard-coded) or a built-in preset (``preset:tiny``/``small``/``100m``). A
+multimodal config.json (a ``text_config`` and no top-level ``hidden_size``) counts its language
+model only.
 
 What is exact (counted from the shapes, checked against the live tensors in
 tests/test_memory.py):
