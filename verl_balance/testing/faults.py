@@ -1,13 +1,19 @@
-"""Parity negative controls: deliberately wrong normalizers reproduced from other frameworks.
+"""Fault injection for tests: parity negative controls and a loss that turns NaN.
 
-They exist only so the parity tests can show that the tests catch them. Production code has no
+The negative controls are deliberately wrong normalizers reproduced from other frameworks; they
+exist only so the parity tests can show that the tests catch them. Production code has no
 switch for them: ``FaultyTrainEngine`` is a TrainEngine subclass that replaces the engine's two
 narrow seams, ``_pack`` (how a wire micro-batch becomes a packed stream) and ``_token_weights``
 (the loss-contract weights), with the broken versions below.
+
+``NaNLossTrainEngine`` uses the ``_token_weights`` seam to make the training loss (and so every
+gradient) NaN from a chosen step on, for the non-finite guards of the engine and the trainer; a
+worker runs it through ``ActorWorker.engine_cls`` (a test subclass sets it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -172,3 +178,16 @@ class FaultyTrainEngine(TrainEngine):
             local_slices=[p.local_slice for p in packed],
             training=training,
         )
+
+
+class NaNLossTrainEngine(TrainEngine):
+    """A TrainEngine whose training loss is NaN from 1-based train step ``nan_from_step`` on (a class
+    attribute, so a worker subclass can carry it across processes); eval is unaffected."""
+
+    nan_from_step: int = 3
+
+    def _token_weights(self, packed: Sequence[PackedMicroBatch], *, training: bool) -> TokenWeights:
+        weights = super()._token_weights(packed, training=training)
+        if training and self.global_step + 1 >= self.nan_from_step:
+            return dataclasses.replace(weights, weights=[w * float("nan") for w in weights.weights])
+        return weights
