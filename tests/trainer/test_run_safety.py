@@ -227,3 +227,16 @@ def test_start_run_refuses_nothing_with_an_unchanged_config(tmp_path):
     identity, _ = _run(tmp_path, saves=[2])
     again, path = start_run(str(tmp_path), resume_mode="auto", resume_from_path=None, config=CONFIG)
     assert path == str(tmp_path / "global_step_2") and again.lineage_id == identity.lineage_id
+
+
+def test_a_trainer_that_fails_during_set_up_releases_the_run_directory(tmp_path):
+    from verl_balance.trainer.sft_trainer import SFTTrainer
+
+    root = tmp_path / "run"
+    cfg = compose_config(
+        "sft", [f"trainer.default_local_dir={root}", f"data.train_files={tmp_path / 'missing.parquet'}"]
+    )
+    with pytest.raises(Exception) as info:  # the missing data file, after the directory was locked
+        SFTTrainer(cfg)
+    assert (root / LOCK_FILE).exists(), str(info.value)
+    acquire_run_lock(str(root)).release()  # free, although `info` still references the half-built trainer

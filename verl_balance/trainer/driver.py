@@ -13,6 +13,7 @@ lineage (``checkpoint.py``), and a dead worker can be replaced up to ``trainer.m
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -62,6 +63,25 @@ class DriverBase:
     _run_lock: RunLock | None = None
     _nonfinite_streak: int = 0
     _nonfinite_total: int = 0
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        """A trainer whose ``__init__`` fails (after ``setup_run`` took the run directory) releases
+        the directory at once, not when the half-built object is collected."""
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            return
+
+        @functools.wraps(init)
+        def init_or_release(self, *args, **kw) -> None:
+            try:
+                init(self, *args, **kw)
+            except BaseException:
+                if self._run_lock is not None:
+                    self._run_lock.release()
+                raise
+
+        cls.__init__ = init_or_release
 
     # ------------------------------------------------------------------ set-up
     def setup_run(
