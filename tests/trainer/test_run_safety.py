@@ -240,3 +240,19 @@ def test_a_trainer_that_fails_during_set_up_releases_the_run_directory(tmp_path)
         SFTTrainer(cfg)
     assert (root / LOCK_FILE).exists(), str(info.value)
     acquire_run_lock(str(root)).release()  # free, although `info` still references the half-built trainer
+
+
+@pytest.mark.slow
+def test_the_cli_refuses_a_directory_another_live_process_holds_at_once_naming_it(tmp_path):
+    from tests.trainer.test_reliability import _cli
+
+    root = tmp_path / "run"
+    holder = _lock_holder(root)
+    try:
+        proc = _cli(["trainer.device=cpu", f"trainer.default_local_dir={root}"], cwd=tmp_path, timeout=300)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert proc.returncode != 0
+    assert "RunDirectoryBusyError" in proc.stderr and f"pid {holder.pid} on host" in proc.stderr, proc.stderr[-2000:]
+    assert sorted(os.listdir(root)) == [LOCK_FILE], "the refused run wrote nothing there (no log, data, lineage)"
