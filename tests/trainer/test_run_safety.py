@@ -256,3 +256,20 @@ def test_the_cli_refuses_a_directory_another_live_process_holds_at_once_naming_i
     assert proc.returncode != 0
     assert "RunDirectoryBusyError" in proc.stderr and f"pid {holder.pid} on host" in proc.stderr, proc.stderr[-2000:]
     assert sorted(os.listdir(root)) == [LOCK_FILE], "the refused run wrote nothing there (no log, data, lineage)"
+
+
+def test_retention_never_deletes_the_protected_last_finite_checkpoint(tmp_path):
+    identity, _ = _run(tmp_path, saves=[1, 2], keep=1)
+    assert _steps(tmp_path) == [2]
+    save_trainer_checkpoint(
+        FakeGroup(),
+        root=str(tmp_path),
+        step=3,
+        trainer_state={},
+        identity=identity,
+        max_to_keep=1,
+        protect=str(tmp_path / "global_step_2"),
+    )
+    assert _steps(tmp_path) == [2, 3], "the protected checkpoint stays beyond max_ckpt_to_keep"
+    save_trainer_checkpoint(FakeGroup(), root=str(tmp_path), step=4, trainer_state={}, identity=identity, max_to_keep=1)
+    assert _steps(tmp_path) == [4], "negative control: without protection only the newest is kept"

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from tests.trainer.conftest import compose_config, train_sft
-from verl_balance.testing.faults import NaNLossTrainEngine
+from verl_balance.testing.faults import InfWeightsTrainEngine, NaNLossTrainEngine
 from verl_balance.trainer.checkpoint import COMPLETE_FILE
 from verl_balance.trainer.driver import NonFiniteTrainingError
 from verl_balance.trainer.run_lock import RunDirectoryBusyError
@@ -119,10 +119,47 @@ def test_a_nan_loss_stops_the_run_after_n_steps_naming_the_step_and_the_last_fin
             trainer.fit()
     finally:
         trainer.close()
-    assert str(tmp_path / "run" / "global_step_2") in str(info.value)
+    assert f"known to be finite (a finite step ran from it) is {tmp_path / 'run' / 'global_step_1'}" in str(info.value)
     assert _step_dirs(tmp_path / "run") == [1, 2], "no checkpoint of a NaN step; retention kept the finite ones"
     records = read_metrics(str(tmp_path / "run"))
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert all(math.isfinite(r["train/loss"]) for r in records[:2])
     assert all(math.isnan(r["train/loss"]) and r["train/step_skipped"] == 1.0 for r in records[2:])
     assert [r["train/nonfinite_steps"] for r in records] == [0.0, 0.0, 1.0, 2.0]
+
+
+class InfAfterStep3Worker(ActorWorker):
+    """An actor rank whose update of step 3 leaves infinite weights (testing.faults)."""
+
+    engine_cls = InfWeightsTrainEngine
+
+
+class InfWeightsSFTTrainer(SFTTrainer):
+    worker_cls = InfAfterStep3Worker
+
+
+def test_retention_keeps_the_last_finite_checkpoint_when_a_finite_step_saves_broken_weights(
+    ray_cluster, tiny_sft_overrides, tmp_path
+):
+    # Step 3 logs a finite loss but leaves inf weights, saved as global_step_3; step 4 is NaN. With
+    # max_ckpt_to_keep=1 plain retention would keep only global_step_3.
+    assert InfWeightsTrainEngine.inf_after_step == 3
+    overrides = _base(
+        tiny_sft_overrides,
+        tmp_path,
+        "run",
+        "trainer.total_training_steps=8",
+        "trainer.save_freq=1",
+        "trainer.max_ckpt_to_keep=1",
+        "trainer.max_consecutive_nonfinite_steps=2",
+    )
+    trainer = InfWeightsSFTTrainer(compose_config("sft", overrides))
+    try:
+        with pytest.raises(NonFiniteTrainingError, match=r"stopped at step 5: 2 consecutive non-finite") as info:
+            trainer.fit()
+    finally:
+        trainer.close()
+    assert f"is {tmp_path / 'run' / 'global_step_2'};" in str(info.value)
+    assert _step_dirs(tmp_path / "run") == [2, 3], "global_step_2 (the last finite one) survives retention"
+    losses = [r["train/loss"] for r in read_metrics(str(tmp_path / "run"))]
+    assert [math.isfinite(x) for x in losses] == [True, True, True, False, False]

@@ -7,8 +7,10 @@ narrow seams, ``_pack`` (how a wire micro-batch becomes a packed stream) and ``_
 (the loss-contract weights), with the broken versions below.
 
 ``NaNLossTrainEngine`` uses the ``_token_weights`` seam to make the training loss (and so every
-gradient) NaN from a chosen step on, for the non-finite guards of the engine and the trainer; a
-worker runs it through ``ActorWorker.engine_cls`` (a test subclass sets it).
+gradient) NaN from a chosen step on; ``InfWeightsTrainEngine`` makes the update of one step leave
+infinite weights (that step's loss is still finite, the next one is not). Both are for the
+non-finite guards of the engine and the trainer; a worker runs one through
+``ActorWorker.engine_cls`` (a test subclass sets it).
 """
 
 from __future__ import annotations
@@ -191,3 +193,19 @@ class NaNLossTrainEngine(TrainEngine):
         if training and self.global_step + 1 >= self.nan_from_step:
             return dataclasses.replace(weights, weights=[w * float("nan") for w in weights.weights])
         return weights
+
+
+class InfWeightsTrainEngine(TrainEngine):
+    """A TrainEngine whose optimizer update of 1-based train step ``inf_after_step`` sets every
+    weight to inf: the step itself logs a finite loss, the next ones do not (as a huge learning
+    rate does)."""
+
+    inf_after_step: int = 3
+
+    def optimizer_step(self) -> dict:
+        result = super().optimizer_step()
+        if self.global_step + 1 == self.inf_after_step:
+            with torch.no_grad():
+                for param in self.model.parameters():
+                    param.fill_(float("inf"))
+        return result

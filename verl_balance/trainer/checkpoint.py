@@ -456,14 +456,21 @@ def _disk_full_error(root: str, step: int, *, needed: int | None) -> CheckpointD
 
 
 def save_trainer_checkpoint(
-    group, *, root: str, step: int, trainer_state: dict, identity: RunIdentity, max_to_keep: int | None = None
+    group,
+    *,
+    root: str,
+    step: int,
+    trainer_state: dict,
+    identity: RunIdentity,
+    max_to_keep: int | None = None,
+    protect: str | None = None,
 ) -> str:
     """Checkpoint workers and driver state as ``root/global_step_{step}``; returns its path.
 
     Workers write their shards into a staging directory; the driver adds ``trainer_state.json``
     and, last, ``checkpoint_complete.json``, then renames the directory into place. A stop at any
     point leaves the previous complete checkpoints untouched. Afterwards checkpoints of this
-    lineage beyond the newest ``max_to_keep`` are deleted.
+    lineage beyond the newest ``max_to_keep`` are deleted, except ``protect``.
     """
     final = checkpoint_dir(root, step)
     staging = os.path.join(root, STAGING_PREFIX + os.path.basename(final))
@@ -502,18 +509,22 @@ def save_trainer_checkpoint(
     fsync_dir(root)
     atomic_write_text(os.path.join(root, LATEST_FILE), str(step))
     if max_to_keep:
-        prune_checkpoints(root, lineage_id=identity.lineage_id, keep=max_to_keep)
+        prune_checkpoints(root, lineage_id=identity.lineage_id, keep=max_to_keep, protect=protect)
     return final
 
 
-def prune_checkpoints(root: str, *, lineage_id: str, keep: int) -> list[str]:
-    """Delete this lineage's complete checkpoints except the newest ``keep``; returns the deleted paths.
+def prune_checkpoints(root: str, *, lineage_id: str, keep: int, protect: str | None = None) -> list[str]:
+    """Delete this lineage's complete checkpoints except the newest ``keep`` and ``protect`` (the
+    trainer's last checkpoint known to be finite); returns the deleted paths.
 
     Other lineages' checkpoints (and incomplete directories) are never touched."""
     assert keep >= 1, keep
     own = [c for c in scan_checkpoints(root)[0] if c.lineage_id == lineage_id]
+    protected = os.path.abspath(protect) if protect else None
     deleted = []
     for info in own[:-keep]:
+        if os.path.abspath(info.path) == protected:
+            continue
         retiring = os.path.join(root, RETIRING_PREFIX + "pruned_" + os.path.basename(info.path))
         os.rename(info.path, retiring)  # never a half-deleted directory under a global_step_N name
         shutil.rmtree(retiring)

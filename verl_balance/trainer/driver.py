@@ -63,6 +63,10 @@ class DriverBase:
     _run_lock: RunLock | None = None
     _nonfinite_streak: int = 0
     _nonfinite_total: int = 0
+    _last_saved: tuple[int, str] | None = None
+    """(step, path) of the newest checkpoint this run saved or loaded."""
+    _last_finite_checkpoint: str | None = None
+    """The newest checkpoint a finite step ran from (its weights are known to be finite); retention keeps it."""
 
     def __init_subclass__(cls, **kwargs) -> None:
         """A trainer whose ``__init__`` fails (after ``setup_run`` took the run directory) releases
@@ -291,18 +295,21 @@ class DriverBase:
             )
         else:
             self._nonfinite_streak = 0
+            if self._last_saved is not None and self._last_saved[0] == self.global_step - 1:
+                self._last_finite_checkpoint = self._last_saved[1]
         metrics["train/nonfinite_steps"] = float(self._nonfinite_total)
 
     def _stop_if_nonfinite_streak(self, metrics: dict) -> None:
         limit = self.trainer_config.max_consecutive_nonfinite_steps
         if self._nonfinite_streak < limit:
             return
-        last = checkpoint.latest_checkpoint(self.out_dir, lineage_id=self.run_identity.lineage_id)
+        last = self._last_finite_checkpoint
         watched = ", ".join(f"{k}={metrics[k]}" for k in NONFINITE_WATCH_KEYS if k in metrics)
         raise NonFiniteTrainingError(
             f"training stopped at step {self.global_step}: {self._nonfinite_streak} consecutive non-finite steps "
-            f"(trainer.max_consecutive_nonfinite_steps={limit}; {watched}). The last finite checkpoint is "
-            f"{last or 'none'}; check the data and optim.lr, then resume (trainer.resume_mode=auto continues from it)"
+            f"(trainer.max_consecutive_nonfinite_steps={limit}; {watched}). The last checkpoint known to be finite "
+            f"(a finite step ran from it) is {last or 'none'}; check the data and optim.lr, then continue from it "
+            "(trainer.resume_mode=resume_path trainer.resume_from_path=<it>)"
         )
 
     def close(self) -> None:
@@ -328,8 +335,9 @@ class DriverBase:
 
     def save(self) -> str | None:
         """Checkpoint workers and driver state as ``global_step_N`` (atomically); returns its path.
-        Skipped (None, a warning) after a non-finite step: a checkpoint is always of a finite state,
-        so retention never replaces the last finite checkpoint by a broken one."""
+        Skipped (None, a warning) after a non-finite step; retention (trainer.max_ckpt_to_keep) never
+        deletes the last checkpoint known to be finite (a finite step ran from it), since a finite
+        step's update can still leave non-finite weights that only the next step reveals."""
         if self._nonfinite_streak:
             logger.warning(
                 "checkpoint: step %d is not saved, it is non-finite (%d in a row)",
@@ -344,7 +352,9 @@ class DriverBase:
             trainer_state=self._trainer_state(),
             identity=self.run_identity,
             max_to_keep=self.trainer_config.max_ckpt_to_keep,
+            protect=self._last_finite_checkpoint,
         )
+        self._last_saved = (self.global_step, path)
         logger.info("checkpoint: saved step %d -> %s", self.global_step, path)
         return path
 
@@ -374,6 +384,7 @@ class DriverBase:
         state = checkpoint.load_trainer_checkpoint(self.actor, path)
         self.global_step = int(state["global_step"])
         self.loader.load_state_dict(state["loader"])
+        self._last_saved = (self.global_step, path)
 
     # ------------------------------------------------------------------ restarts
     def prepare_workers(self) -> None:
