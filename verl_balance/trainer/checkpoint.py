@@ -3,6 +3,7 @@ the driver's own state beside the workers' sharded engine state.
 
 Layout of ``trainer.default_local_dir``::
 
+    .run.lock                         the live run's OS lock and its owner (run_lock.py)
     run_lineage.json                  which lineage owns the directory now (written at run start)
     latest_checkpointed_iteration.txt verl's marker (informational: resume never trusts it)
     global_step_N/                    complete checkpoints: engine shards, trainer_state.json and,
