@@ -83,8 +83,9 @@ def test_checkpoint_records_run_identity_lineage_and_config_hash(tmp_path):
     assert record["run_id"] == identity.run_id and record["lineage_id"] == identity.lineage_id
     assert record["start_step"] == 0 and record["step"] == 2
     assert record["config_hash"] == checkpoint.config_hash(CONFIG)
-    # The hash follows the trajectory keys, not the run-control ones.
-    assert checkpoint.config_hash({**CONFIG, "optim": {"lr": 2e-3}}) != record["config_hash"]
+    # The hash follows the keys a resume may not change (seed), not those it applies (lr, save_freq).
+    assert checkpoint.config_hash({**CONFIG, "trainer": {"seed": 2, "save_freq": 2}}) != record["config_hash"]
+    assert checkpoint.config_hash({**CONFIG, "optim": {"lr": 2e-3}}) == record["config_hash"]
     assert checkpoint.config_hash({**CONFIG, "trainer": {"seed": 1, "save_freq": 5}}) == record["config_hash"]
 
 
@@ -289,7 +290,11 @@ def test_unusable_default_local_dir_names_the_config_key(tmp_path):
 
 @pytest.mark.parametrize(
     "override, key",
-    [("trainer.max_ckpt_to_keep=0", "trainer.max_ckpt_to_keep"), ("trainer.max_restarts=-1", "trainer.max_restarts")],
+    [
+        ("trainer.max_ckpt_to_keep=0", "trainer.max_ckpt_to_keep"),
+        ("trainer.max_restarts=-1", "trainer.max_restarts"),
+        ("trainer.max_consecutive_nonfinite_steps=0", "trainer.max_consecutive_nonfinite_steps"),
+    ],
 )
 def test_invalid_reliability_keys_name_the_key(override, key):
     with pytest.raises(ConfigError, match=key):
@@ -352,19 +357,21 @@ def test_cli_log_goes_into_the_run_directory_not_the_current_one(tmp_path):
 def test_rollout_seeds_are_distinct_per_step_and_sample_where_the_old_formula_collided():
     from verl_balance.workers.actor_rollout import sampling_seed
 
-    # The old per-step seed seed*7919 + step gave (seed 1, step 7919) and (seed 2, step 0) one stream.
-    assert 1 * 7919 + 7919 == 2 * 7919 + 0
-    assert sampling_seed(1, 7919) != sampling_seed(2, 0)
+    # Negative control: the old per-step seed, seed * 7919 + step, collides on this grid of seeds x steps
+    # ((seed 1, step 7919) and (seed 2, step 0) shared one stream); sampling_seed must not.
+    grid = [(seed, step) for seed in (1, 2, 3) for step in range(8000)]
+    assert len({seed * 7919 + step for seed, step in grid}) < len(grid)
+    assert len({sampling_seed(seed, step) for seed, step in grid}) == len(grid)
     seeds = {sampling_seed(sampling_seed(1, step), index) for step in range(20) for index in range(50)}
     assert len(seeds) == 1000 and all(0 <= s < 2**63 for s in seeds)
     assert sampling_seed(3, 4) == sampling_seed(3, 4)
 
 
-def test_auto_resume_with_a_changed_trajectory_config_warns_naming_the_key(tmp_path, caplog):
+def test_auto_resume_with_changed_applied_keys_resumes_and_logs_them(tmp_path, caplog):
     _run(tmp_path, saves=[2])
     changed = {**CONFIG, "optim": {"lr": 5e-3}, "trainer": {"seed": 1, "save_freq": 7}}
     with caplog.at_level(logging.WARNING, logger="verl_balance.trainer.checkpoint"):
         _, path = _run(tmp_path, "auto", config=changed)
     assert path == str(tmp_path / "global_step_2")
-    assert "optim.lr: 0.001 -> 0.005" in caplog.text
-    assert "save_freq" not in caplog.text, "run-control keys may change between resumes"
+    assert "applied from the next step" in caplog.text
+    assert "optim.lr: 0.001 -> 0.005" in caplog.text and "trainer.save_freq: 2 -> 7" in caplog.text

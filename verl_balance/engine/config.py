@@ -15,6 +15,11 @@ from verl_balance.models.attention import ATTN_IMPLS
 
 LR_SCHEDULERS = ("constant", "cosine")
 PARAM_DTYPES = ("float32", "bfloat16")
+# Field metadata read by trainer/resume_policy.py: what a resumed run may change (the trainer's
+# recipes nest these classes). "apply": the new value is used from the next step on.
+ON_RESUME = "on_resume"
+APPLY_ON_RESUME = {ON_RESUME: "apply"}
+LAYOUT_ON_RESUME = {ON_RESUME: "layout"}
 
 
 class EngineConfigError(ValueError):
@@ -23,23 +28,26 @@ class EngineConfigError(ValueError):
 
 @dataclass
 class OptimConfig:
-    """AdamW with linear warmup, then a constant or cosine learning rate (verl's SFT key names)."""
+    """AdamW with linear warmup, then a constant or cosine learning rate (verl's SFT key names).
 
-    lr: float = 1e-5
+    Every key may change on resume: ``TrainEngine.load_checkpoint`` applies the new values to the
+    restored optimizer and schedule (``engine.optim.apply_optim_config``)."""
+
+    lr: float = field(default=1e-5, metadata=APPLY_ON_RESUME)
     """Peak learning rate."""
-    weight_decay: float = 0.01
+    weight_decay: float = field(default=0.01, metadata=APPLY_ON_RESUME)
     """AdamW decoupled weight decay."""
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999], metadata=APPLY_ON_RESUME)
     """AdamW (beta1, beta2)."""
-    eps: float = 1e-8
+    eps: float = field(default=1e-8, metadata=APPLY_ON_RESUME)
     """AdamW epsilon."""
-    clip_grad: float | None = 1.0
+    clip_grad: float | None = field(default=1.0, metadata=APPLY_ON_RESUME)
     """Max global gradient norm; null (or 0) disables clipping. The norm is logged either way."""
-    warmup_steps_ratio: float = 0.0
+    warmup_steps_ratio: float = field(default=0.0, metadata=APPLY_ON_RESUME)
     """Fraction of the run's optimizer steps spent in linear warmup (rounded to whole steps)."""
-    lr_scheduler: str = "constant"
+    lr_scheduler: str = field(default="constant", metadata=APPLY_ON_RESUME)
     """After warmup: 'constant' or 'cosine' (decays to min_lr_ratio * lr at the last step)."""
-    min_lr_ratio: float = 0.0
+    min_lr_ratio: float = field(default=0.0, metadata=APPLY_ON_RESUME)
     """Floor of the cosine schedule as a fraction of lr."""
 
     def __post_init__(self) -> None:

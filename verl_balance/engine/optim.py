@@ -30,3 +30,21 @@ def build_optimizer(
     optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, config=config))
     return optimizer, scheduler
+
+
+def apply_optim_config(
+    optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR, *, config: EngineConfig
+) -> None:
+    """Make a restored optimizer and schedule follow ``config.optim`` from the next step on.
+
+    Loading a checkpoint restores the saved param-group hyper-parameters and the schedule's base
+    learning rate, i.e. the old run's ``optim`` values; the schedule's shape already comes from
+    ``config`` (its lambda is not saved). This sets the base rate to ``optim.lr``, the current rate
+    to ``optim.lr * lr_multiplier(restored step)`` and AdamW's weight decay, betas and eps, so a
+    resume with changed ``optim`` keys uses them (the Adam moments and the step stay restored)."""
+    o = config.optim
+    rate = o.lr * lr_multiplier(scheduler.last_epoch, config=config)
+    for group in optimizer.param_groups:
+        group.update(initial_lr=o.lr, lr=rate, weight_decay=o.weight_decay, betas=tuple(o.betas), eps=o.eps)
+    scheduler.base_lrs = [o.lr] * len(optimizer.param_groups)
+    scheduler._last_lr = [rate] * len(optimizer.param_groups)  # what get_last_lr() reports until the next step

@@ -14,7 +14,7 @@ Invariants:
   the logged loss is all_reduce_sum over the world of those sums: the exact global objective.
 - Zero valid tokens in the whole mini-batch: no forward, no optimizer step, a warning, loss 0.
   The learning-rate schedule still advances (as it does for a step skipped for a non-finite
-  gradient norm): the schedule is a function of the train-step counter, not of the number of
+  loss or gradient norm): the schedule is a function of the train-step counter, not of the number of
   optimizer updates, so a skipped step never shifts it against the trainer's step.
 - Gradient accumulation follows FSDPConfig: with defer_gradient_sync the reduce-scatter runs
   once, after the last micro-batch's backward; with reshard_after_backward=False the parameters
@@ -26,6 +26,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -41,7 +42,7 @@ from torch.distributed.tensor import DTensor
 from verl_balance.distributed.layout import ParallelLayout
 from verl_balance.distributed.ulysses import gather_and_unpad
 from verl_balance.engine.config import EngineConfig
-from verl_balance.engine.optim import build_optimizer
+from verl_balance.engine.optim import apply_optim_config, build_optimizer
 from verl_balance.engine.packing import MicroBatchError, PackedMicroBatch, pack_micro_batch
 from verl_balance.engine.perf import TRAIN_FLOPS_PER_FORWARD, step_perf_metrics
 from verl_balance.engine.profiling import step_profiler
@@ -248,6 +249,12 @@ class TrainEngine:
         self.zero_grad()
         return {"grad_norm": grad_norm, "step_skipped": False}
 
+    def _skip_nonfinite_loss(self) -> dict:
+        """The optimizer update of a step whose global loss is not finite: dropped, with a warning."""
+        logger.warning("non-finite loss: optimizer step skipped")
+        self.zero_grad()
+        return {"grad_norm": float("nan"), "step_skipped": True}
+
     def advance_schedule(self) -> float:
         """One train step has passed: the LR schedule and global_step move on together (also for a
         skipped step). Returns the new learning rate. Local, no collective; call it once per step on
@@ -389,7 +396,8 @@ class TrainEngine:
         metrics["busy_seconds"] = float(sum(times.busy))
         metrics["micro_batch_busy_seconds"] = times.busy
         if training:
-            metrics.update(self.optimizer_step())
+            # The loss is all-reduced: every rank sees the same value and skips together.
+            metrics.update(self.optimizer_step() if math.isfinite(metrics["loss"]) else self._skip_nonfinite_loss())
             self.advance_schedule()
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # once per step: honest step time
@@ -486,12 +494,15 @@ class TrainEngine:
         dist.barrier(group=self.layout.world_group)
 
     def load_checkpoint(self, path: str) -> dict:
-        """Restore a save_checkpoint directory (any layout with the same W); returns `extra`."""
+        """Restore a save_checkpoint directory (any layout with the same W); returns `extra`.
+        The optimizer and schedule then follow this engine's ``optim`` config (it may differ from
+        the saved run's: a resume with a new learning rate uses it from the next step on)."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=path)
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         meta = torch.load(os.path.join(path, _ENGINE_STATE_FILE), weights_only=False)
         self.scheduler.load_state_dict(meta["scheduler"])
+        apply_optim_config(self.optimizer, self.scheduler, config=self.config)  # a resume's new optim.* keys
         self.global_step = meta["global_step"]
         return meta["extra"]

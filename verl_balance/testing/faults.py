@@ -1,13 +1,21 @@
-"""Parity negative controls: deliberately wrong normalizers reproduced from other frameworks.
+"""Fault injection for tests: parity negative controls and a loss that turns NaN.
 
-They exist only so the parity tests can show that the tests catch them. Production code has no
+The negative controls are deliberately wrong normalizers reproduced from other frameworks; they
+exist only so the parity tests can show that the tests catch them. Production code has no
 switch for them: ``FaultyTrainEngine`` is a TrainEngine subclass that replaces the engine's two
 narrow seams, ``_pack`` (how a wire micro-batch becomes a packed stream) and ``_token_weights``
 (the loss-contract weights), with the broken versions below.
+
+``NaNLossTrainEngine`` uses the ``_token_weights`` seam to make the training loss (and so every
+gradient) NaN from a chosen step on; ``InfWeightsTrainEngine`` makes the update of one step leave
+infinite weights (that step's loss is still finite, the next one is not). Both are for the
+non-finite guards of the engine and the trainer; a worker runs one through
+``ActorWorker.engine_cls`` (a test subclass sets it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -172,3 +180,32 @@ class FaultyTrainEngine(TrainEngine):
             local_slices=[p.local_slice for p in packed],
             training=training,
         )
+
+
+class NaNLossTrainEngine(TrainEngine):
+    """A TrainEngine whose training loss is NaN from 1-based train step ``nan_from_step`` on (a class
+    attribute, so a worker subclass can carry it across processes); eval is unaffected."""
+
+    nan_from_step: int = 3
+
+    def _token_weights(self, packed: Sequence[PackedMicroBatch], *, training: bool) -> TokenWeights:
+        weights = super()._token_weights(packed, training=training)
+        if training and self.global_step + 1 >= self.nan_from_step:
+            return dataclasses.replace(weights, weights=[w * float("nan") for w in weights.weights])
+        return weights
+
+
+class InfWeightsTrainEngine(TrainEngine):
+    """A TrainEngine whose optimizer update of 1-based train step ``inf_after_step`` sets every
+    weight to inf: the step itself logs a finite loss, the next ones do not (as a huge learning
+    rate does)."""
+
+    inf_after_step: int = 3
+
+    def optimizer_step(self) -> dict:
+        result = super().optimizer_step()
+        if self.global_step + 1 == self.inf_after_step:
+            with torch.no_grad():
+                for param in self.model.parameters():
+                    param.fill_(float("inf"))
+        return result

@@ -3,6 +3,7 @@ the driver's own state beside the workers' sharded engine state.
 
 Layout of ``trainer.default_local_dir``::
 
+    .run.lock                         the live run's OS lock and its owner (run_lock.py)
     run_lineage.json                  which lineage owns the directory now (written at run start)
     latest_checkpointed_iteration.txt verl's marker (informational: resume never trusts it)
     global_step_N/                    complete checkpoints: engine shards, trainer_state.json and,
@@ -29,8 +30,17 @@ import re
 import shutil
 import time
 import uuid
+from collections.abc import Mapping
 
-from verl_balance.trainer.config import ConfigError
+from verl_balance.trainer.config import ConfigError, SFTConfig
+from verl_balance.trainer.resume_policy import (
+    APPLY,
+    REFUSE,
+    ResumeConfigError,
+    changed_keys,
+    policy_of,
+    resume_policies,
+)
 from verl_balance.utils import checksums
 from verl_balance.utils.atomic_io import atomic_write_json, atomic_write_text, fsync_dir
 from verl_balance.utils.tracking import METRICS_FILE, rewrite_metrics_up_to
@@ -46,53 +56,6 @@ STAGING_PREFIX = ".staging_"
 RETIRING_PREFIX = ".retiring_"
 RESUME_MODES = ("auto", "disable", "resume_path")
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
-# Keys that steer a run but not its trajectory: changing them between resumes is expected.
-RUN_CONTROL_KEYS = frozenset(
-    {
-        "trainer.resume_mode",
-        "trainer.resume_from_path",
-        "trainer.logger",
-        "trainer.plot",
-        "trainer.save_freq",
-        "trainer.test_freq",
-        "trainer.total_training_steps",
-        "trainer.total_epochs",
-        "trainer.max_ckpt_to_keep",
-        "trainer.max_restarts",
-        "trainer.ray_address",
-        "trainer.placement_timeout_s",
-        "trainer.default_local_dir",
-        "trainer.log_val_generations",
-        "trainer.val_before_train",
-        "trainer.nnodes",
-        "trainer.n_gpus_per_node",
-        "trainer.device",
-        "trainer.balance_batch",
-        "balance.enable",
-        "balance.workload",
-        "trainer.save_hf_model",
-        "trainer.profile_steps",
-        "trainer.profile_dir",
-    }
-)
-# The parallel layout and micro-batching do not change the curve (the loss contract): any key so named.
-LAYOUT_KEY_NAMES = frozenset(
-    {
-        "ulysses_sequence_parallel_size",
-        "reshard_after_forward",
-        "reshard_after_backward",
-        "defer_gradient_sync",
-        "micro_batch_size_per_gpu",
-        "max_token_len_per_gpu",
-        "use_dynamic_bsz",
-        "ppo_micro_batch_size_per_gpu",
-        "ppo_max_token_len_per_gpu",
-        "log_prob_micro_batch_size_per_gpu",
-        "log_prob_max_token_len_per_gpu",
-        "max_num_seqs",
-        "balance_dp_token",
-    }
-)
 
 
 class CheckpointError(ConfigError):
@@ -105,6 +68,14 @@ class CheckpointDiskFullError(CheckpointError):
 
 class CheckpointCorruptError(CheckpointError):
     """A complete checkpoint whose files no longer match their manifest (missing, resized, altered)."""
+
+
+class LineageFileError(CheckpointError):
+    """``run_lineage.json`` exists but cannot be used (unreadable, not JSON, or lacking its keys)."""
+
+
+class ResumeKeyChangedError(CheckpointError, ResumeConfigError):
+    """A resume changes a key the saved state cannot follow (its ``on_resume`` policy is refuse)."""
 
 
 def _read_json(path: str) -> dict | None:
@@ -150,24 +121,43 @@ def flatten_config(config: dict, prefix: str = "") -> dict:
     return out
 
 
-def trajectory_config(config: dict) -> dict:
-    """The flattened config without the run-control and layout keys (what decides the loss curve)."""
-    return {
-        k: v
-        for k, v in flatten_config(config).items()
-        if k not in RUN_CONTROL_KEYS and k.rsplit(".", 1)[-1] not in LAYOUT_KEY_NAMES
-    }
+def trajectory_config(config: dict, *, policies: Mapping[str, str] | None = None) -> dict:
+    """The flattened config restricted to the keys a resume may not change (``on_resume`` policy
+    refuse; ``policies`` from ``resume_policy.resume_policies``, default the SFT recipe's)."""
+    policies = policies if policies is not None else resume_policies(SFTConfig)
+    return {k: v for k, v in flatten_config(config).items() if policy_of(k, policies) == REFUSE}
 
 
-def config_hash(config: dict) -> str:
+def config_hash(config: dict, *, policies: Mapping[str, str] | None = None) -> str:
     """Short stable hash of ``trajectory_config(config)``."""
-    blob = json.dumps(trajectory_config(config), sort_keys=True, default=str)
+    blob = json.dumps(trajectory_config(config, policies=policies), sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+_LINEAGE_KEYS = ("lineage_id", "run_id", "start_step")
+
+
 def read_lineage(root: str) -> dict | None:
-    """The directory's ``run_lineage.json`` (None when absent or unreadable)."""
-    return _read_json(os.path.join(root, LINEAGE_FILE))
+    """The directory's ``run_lineage.json``; None when absent. LineageFileError naming the file and
+    what is wrong when it is present but unreadable, not a JSON object, or lacks its keys."""
+    path = os.path.join(root, LINEAGE_FILE)
+    if not os.path.exists(path):
+        return None
+    fix = (
+        "restore it, or set trainer.resume_mode=disable (the directory's checkpoints and this file are "
+        "moved to superseded/) or trainer.resume_mode=resume_path with trainer.resume_from_path=<a checkpoint>"
+    )
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError) as err:
+        raise LineageFileError(f"{path} cannot be read as JSON ({err}); {fix}") from err
+    if not isinstance(value, dict):
+        raise LineageFileError(f"{path} holds a {type(value).__name__}, not a JSON object; {fix}")
+    missing = [k for k in _LINEAGE_KEYS if k not in value]
+    if missing:
+        raise LineageFileError(f"{path} lacks the key(s) {missing} (it has {sorted(value)}); {fix}")
+    return value
 
 
 # ---------------------------------------------------------------------- scanning
@@ -266,18 +256,28 @@ def _move_aside(root: str, names: list[str], *, label: str) -> str | None:
     return dest
 
 
-def _warn_on_config_change(lineage: dict, config: dict) -> None:
-    old, new = trajectory_config(lineage.get("config") or {}), trajectory_config(config)
-    changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-    if changed:
-        shown = ", ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in changed[:8])
+def check_resume_config(lineage: dict, config: dict, *, policies: Mapping[str, str]) -> None:
+    """Refuse a resume that changes a key with policy refuse (ResumeKeyChangedError naming each such
+    key, its old and new value); log the applied changes (they take effect from the next step).
+    Keys absent from the recorded config (added by a newer version) are not compared."""
+    old, new = flatten_config(lineage.get("config") or {}), flatten_config(config)
+    # A key absent from the record was added by a newer version after the lineage started: not compared.
+    changed = [k for k in changed_keys(old, new) if k in old]
+    refused = [k for k in changed if policy_of(k, policies) == REFUSE]
+    if refused:
+        shown = "; ".join(f"{k}: {old.get(k, '<absent>')!r} -> {new.get(k, '<absent>')!r}" for k in refused)
+        raise ResumeKeyChangedError(
+            f"cannot resume lineage {lineage.get('lineage_id')} with a changed {', '.join(refused)} ({shown}): "
+            "the saved state was made with the old value. Resume with the old value, or start a new run "
+            "(trainer.resume_mode=disable, or resume_path to branch from a checkpoint). Keys that may change "
+            "on resume: docs/fault_tolerance.md"
+        )
+    applied = [k for k in changed if policy_of(k, policies) == APPLY]
+    if applied:
         logger.warning(
-            "resuming lineage %s with a changed config (%d key(s): %s%s); the curve will not match an "
-            "uninterrupted run",
+            "resuming lineage %s with changed key(s), applied from the next step: %s",
             lineage.get("lineage_id"),
-            len(changed),
-            shown,
-            ", ..." if len(changed) > 8 else "",
+            "; ".join(f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in applied),
         )
 
 
@@ -287,6 +287,7 @@ def start_run(
     resume_mode: str,
     resume_from_path: str | None,
     config: dict,
+    schema: type | None = None,
     hasher: checksums.Hasher = checksums.local_hasher,
 ) -> tuple[RunIdentity, str | None]:
     """Decide this run's lineage and the checkpoint to load (None: start from the beginning).
@@ -304,6 +305,11 @@ def start_run(
     with ``hasher``): in ``auto`` a corrupt one is moved aside and the lineage's next older intact
     one is used; a corrupt ``resume_from_path`` is an error naming the file.
 
+    ``auto`` compares ``config`` with the lineage's recorded config by the ``on_resume`` policies
+    of ``schema`` (the recipe's dataclass, default SFTConfig; see resume_policy.py): a changed
+    refused key is an error, applied keys are logged. A ``run_lineage.json`` that is present but
+    broken is an error in ``auto`` (LineageFileError) and moved aside by ``disable``.
+
     Writes the new ``run_lineage.json`` (atomically) and makes ``metrics.jsonl`` hold only this
     lineage's records up to the start step.
     """
@@ -311,8 +317,14 @@ def start_run(
         raise ConfigError(f"trainer.resume_mode={resume_mode!r} is not valid; expected one of {list(RESUME_MODES)}")
     os.makedirs(root, exist_ok=True)
     run_id = uuid.uuid4().hex[:12]
-    digest = config_hash(config)
-    lineage = read_lineage(root)
+    policies = resume_policies(schema if dataclasses.is_dataclass(schema) else SFTConfig)
+    digest = config_hash(config, policies=policies)
+    try:
+        lineage = read_lineage(root)
+    except LineageFileError:
+        if resume_mode == "auto":
+            raise
+        lineage = None  # disable / resume_path start a new lineage; disable moves the file aside
     complete, incomplete = scan_checkpoints(root)
     load_path: str | None = None
     metrics_path = os.path.join(root, METRICS_FILE)
@@ -329,7 +341,8 @@ def start_run(
                 )
             verify_checkpoint(branch, hasher=hasher)
             load_path = branch
-        _warn_on_config_change(lineage, config)
+        if load_path is not None:  # with nothing saved yet there is no state to contradict
+            check_resume_config(lineage, config, policies=policies)
     elif resume_mode == "auto":
         foreign = [c.path for c in complete] + [p for p in incomplete if _STEP_DIR.match(os.path.basename(p))]
         if foreign:
@@ -431,6 +444,20 @@ def _is_disk_full(err: BaseException) -> bool:
     return False
 
 
+def _is_permission_denied(err: BaseException) -> bool:
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, PermissionError) or (
+            isinstance(err, OSError) and err.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
+        ):
+            return True
+        if "Permission denied" in str(err) or "Read-only file system" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
 def _format_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
@@ -450,14 +477,21 @@ def _disk_full_error(root: str, step: int, *, needed: int | None) -> CheckpointD
 
 
 def save_trainer_checkpoint(
-    group, *, root: str, step: int, trainer_state: dict, identity: RunIdentity, max_to_keep: int | None = None
+    group,
+    *,
+    root: str,
+    step: int,
+    trainer_state: dict,
+    identity: RunIdentity,
+    max_to_keep: int | None = None,
+    protect: str | None = None,
 ) -> str:
     """Checkpoint workers and driver state as ``root/global_step_{step}``; returns its path.
 
     Workers write their shards into a staging directory; the driver adds ``trainer_state.json``
     and, last, ``checkpoint_complete.json``, then renames the directory into place. A stop at any
     point leaves the previous complete checkpoints untouched. Afterwards checkpoints of this
-    lineage beyond the newest ``max_to_keep`` are deleted.
+    lineage beyond the newest ``max_to_keep`` are deleted, except ``protect``.
     """
     final = checkpoint_dir(root, step)
     staging = os.path.join(root, STAGING_PREFIX + os.path.basename(final))
@@ -477,6 +511,12 @@ def save_trainer_checkpoint(
         if _is_disk_full(err):
             shutil.rmtree(staging, ignore_errors=True)
             raise _disk_full_error(root, step, needed=needed) from err
+        if _is_permission_denied(err):
+            raise CheckpointError(
+                f"cannot save checkpoint step {step}: trainer.default_local_dir={os.path.abspath(root)!r} is not "
+                "writable (permission denied while writing the checkpoint into it); the previous checkpoints are "
+                "intact. Make the directory writable (or point trainer.default_local_dir elsewhere) and resume"
+            ) from err
         raise
     if os.path.exists(final):
         # Replacing a checkpoint of the same step: the old one stays complete until the new is in place.
@@ -490,18 +530,22 @@ def save_trainer_checkpoint(
     fsync_dir(root)
     atomic_write_text(os.path.join(root, LATEST_FILE), str(step))
     if max_to_keep:
-        prune_checkpoints(root, lineage_id=identity.lineage_id, keep=max_to_keep)
+        prune_checkpoints(root, lineage_id=identity.lineage_id, keep=max_to_keep, protect=protect)
     return final
 
 
-def prune_checkpoints(root: str, *, lineage_id: str, keep: int) -> list[str]:
-    """Delete this lineage's complete checkpoints except the newest ``keep``; returns the deleted paths.
+def prune_checkpoints(root: str, *, lineage_id: str, keep: int, protect: str | None = None) -> list[str]:
+    """Delete this lineage's complete checkpoints except the newest ``keep`` and ``protect`` (the
+    trainer's last checkpoint known to be finite); returns the deleted paths.
 
     Other lineages' checkpoints (and incomplete directories) are never touched."""
     assert keep >= 1, keep
     own = [c for c in scan_checkpoints(root)[0] if c.lineage_id == lineage_id]
+    protected = os.path.abspath(protect) if protect else None
     deleted = []
     for info in own[:-keep]:
+        if os.path.abspath(info.path) == protected:
+            continue
         retiring = os.path.join(root, RETIRING_PREFIX + "pruned_" + os.path.basename(info.path))
         os.rename(info.path, retiring)  # never a half-deleted directory under a global_step_N name
         shutil.rmtree(retiring)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import re
 from collections.abc import Sequence
@@ -27,7 +28,14 @@ from omegaconf import DictConfig, OmegaConf
 from verl_balance.balance import FlopsWorkload, TokenWorkload
 from verl_balance.balance.plan import OVERLONG_POLICIES
 from verl_balance.data.sft_dataset import SFTDataConfig
-from verl_balance.engine.config import PARAM_DTYPES, EngineConfig, FSDPConfig, OptimConfig
+from verl_balance.engine.config import (
+    APPLY_ON_RESUME,
+    LAYOUT_ON_RESUME,
+    PARAM_DTYPES,
+    EngineConfig,
+    FSDPConfig,
+    OptimConfig,
+)
 from verl_balance.loss import check_agg_mode
 from verl_balance.models import MODEL_DIMENSION_KEYS, load_model_config
 from verl_balance.models.config import ModelConfig, ModelConfigError
@@ -90,7 +98,7 @@ class ModelSection:
     init: str = "pretrained"
     """With ``path``: 'pretrained' loads the directory's weights, 'random' draws new ones of that
     architecture (seeded by trainer.seed). A built-in preset is always random."""
-    enable_gradient_checkpointing: bool = False
+    enable_gradient_checkpointing: bool = field(default=False, metadata=LAYOUT_ON_RESUME)
     """verl's key: activation checkpointing per decoder layer (HF models only)."""
     param_dtype: str = "float32"
     """Dtype of the parameters the engine computes in: one of engine.config.PARAM_DTYPES."""
@@ -179,7 +187,7 @@ class SFTModelSection(ModelSection):
 
     partial_pretrain: Optional[str] = None
     """verl's SFT key for the model directory: the same as ``path`` (set either)."""
-    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig, metadata=LAYOUT_ON_RESUME)
     """verl's key: the engine's FSDP2 switches (reshard_after_forward, reshard_after_backward,
     defer_gradient_sync); the defaults use the least memory. See docs/performance.md."""
 
@@ -197,9 +205,9 @@ class SFTModelSection(ModelSection):
 class BalanceSection:
     """The workload balancer (``balance.plan_balance``)."""
 
-    enable: bool = True
+    enable: bool = field(default=True, metadata=LAYOUT_ON_RESUME)
     """Balance DP ranks and micro-batches by workload; false = the contiguous split."""
-    workload: str = "flops"
+    workload: str = field(default="flops", metadata=LAYOUT_ON_RESUME)
     """Cost model: 'tokens' (linear) or 'flops' (linear layers + quadratic causal attention)."""
     overlong: str = "error"
     """A sample longer than the token cap: 'error', 'skip' (drop it) or 'truncate' (cut it)."""
@@ -217,61 +225,67 @@ class BalanceSection:
 class TrainerSection:
     """Cluster size, run length, logging, checkpoints (verl's ``trainer`` keys)."""
 
-    device: str = "auto"
+    device: str = field(default="auto", metadata=LAYOUT_ON_RESUME)
     """'auto' (GPUs when the Ray cluster has them), 'cpu' or 'cuda'."""
-    nnodes: int = 1
+    nnodes: int = field(default=1, metadata=LAYOUT_ON_RESUME)
     """Nodes of the worker group."""
-    n_gpus_per_node: int = 4
+    n_gpus_per_node: int = field(default=4, metadata=LAYOUT_ON_RESUME)
     """Workers per node (on CPU: CPU worker processes)."""
-    total_epochs: int = 1
+    total_epochs: int = field(default=1, metadata=APPLY_ON_RESUME)
     """Passes over the training set (when total_training_steps is null)."""
-    total_training_steps: Optional[int] = None
+    total_training_steps: Optional[int] = field(default=None, metadata=APPLY_ON_RESUME)
     """Steps to train; null = total_epochs x steps per epoch."""
-    logger: list = field(default_factory=lambda: ["console", "jsonl"])
+    logger: list = field(default_factory=lambda: ["console", "jsonl"], metadata=APPLY_ON_RESUME)
     """Tracking backends: any of LOGGERS."""
-    project_name: str = "verl_balance"
+    project_name: str = field(default="verl_balance", metadata=APPLY_ON_RESUME)
     """Tracking project."""
-    experiment_name: str = "sft"
+    experiment_name: str = field(default="sft", metadata=APPLY_ON_RESUME)
     """Tracking run name."""
-    default_local_dir: str = "outputs/${trainer.project_name}/${trainer.experiment_name}"
+    default_local_dir: str = field(
+        default="outputs/${trainer.project_name}/${trainer.experiment_name}", metadata=APPLY_ON_RESUME
+    )
     """Run directory: metrics, checkpoints, plots, generated data."""
-    save_freq: int = -1
+    save_freq: int = field(default=-1, metadata=APPLY_ON_RESUME)
     """Checkpoint every N steps (and at the end); <= 0 = never."""
-    save_hf_model: bool = False
+    save_hf_model: bool = field(default=False, metadata=APPLY_ON_RESUME)
     """Also write each checkpoint's model as a Hugging Face ``save_pretrained`` directory,
     ``global_step_N/hf`` (safetensors, config, tokenizer); a built-in model is written as Llama."""
-    test_freq: int = -1
+    test_freq: int = field(default=-1, metadata=APPLY_ON_RESUME)
     """Validate every N steps (and at the end); <= 0 = never."""
-    resume_mode: str = "auto"
+    resume_mode: str = field(default="auto", metadata=APPLY_ON_RESUME)
     """'auto' (latest checkpoint of default_local_dir, if any), 'disable' or 'resume_path'."""
-    resume_from_path: Optional[str] = None
+    resume_from_path: Optional[str] = field(default=None, metadata=APPLY_ON_RESUME)
     """Checkpoint directory for resume_mode=resume_path."""
     seed: int = 1
     """Seed of the data order, the model initialisation and the rollout sampling."""
-    ray_address: Optional[str] = None
+    ray_address: Optional[str] = field(default=None, metadata=APPLY_ON_RESUME)
     """Address of a running Ray cluster; null = start an embedded one."""
-    placement_timeout_s: float = 120.0
+    placement_timeout_s: float = field(default=120.0, metadata=APPLY_ON_RESUME)
     """How long to wait for the workers' resources before failing."""
-    plot: bool = True
+    plot: bool = field(default=True, metadata=APPLY_ON_RESUME)
     """Write curves.png at the end of the run."""
-    max_ckpt_to_keep: Optional[int] = None
+    max_ckpt_to_keep: Optional[int] = field(default=None, metadata=APPLY_ON_RESUME)
     """Keep only the newest N complete checkpoints of this run (older ones are deleted after a newer one
     is complete); null keeps every checkpoint. See docs/fault_tolerance.md."""
-    max_restarts: int = 0
+    max_restarts: int = field(default=0, metadata=APPLY_ON_RESUME)
     """How often a run rebuilds its worker group after a worker dies and continues from the last complete
     checkpoint; 0 = a dead worker ends the run."""
-    profile_steps: list[int] = field(default_factory=list)
+    profile_steps: list[int] = field(default_factory=list, metadata=APPLY_ON_RESUME)
     """verl's key: 1-based driver steps (global_step as logged) to trace with torch.profiler on every
     worker; empty = never. See docs/performance.md for where the traces go."""
-    profile_dir: Optional[str] = None
+    profile_dir: Optional[str] = field(default=None, metadata=APPLY_ON_RESUME)
     """Directory of the profiler traces; null = ``default_local_dir``/profile."""
-    worker_call_timeout_s: Optional[float] = 3600.0
+    worker_call_timeout_s: Optional[float] = field(default=3600.0, metadata=APPLY_ON_RESUME)
     """How long the driver waits for the workers to answer one call (a step's update, a rollout, a
     checkpoint, the model build) before failing with an error naming the ranks that did not answer
     (a stopped, deadlocked or starved worker); null = wait forever."""
-    heartbeat_interval_s: Optional[float] = 60.0
+    heartbeat_interval_s: Optional[float] = field(default=60.0, metadata=APPLY_ON_RESUME)
     """While the driver waits on the workers (or on the reward function), a line every this many
     seconds names what it waits for (the ranks that have not answered); null or 0 = no lines."""
+    max_consecutive_nonfinite_steps: int = field(default=3, metadata=APPLY_ON_RESUME)
+    """Stop the run (an error naming the step) after this many consecutive steps with a non-finite
+    loss or gradient norm; each such step skips its optimizer update and no checkpoint is saved
+    from it. See docs/fault_tolerance.md."""
 
     def __post_init__(self) -> None:
         check_choice("device", self.device, DEVICES)
@@ -293,6 +307,7 @@ class TrainerSection:
             check_positive("worker_call_timeout_s", self.worker_call_timeout_s)
         if self.heartbeat_interval_s is not None and self.heartbeat_interval_s < 0:
             raise ConfigError(f"heartbeat_interval_s={self.heartbeat_interval_s} must be >= 0 (0 or null: no lines)")
+        check_positive("max_consecutive_nonfinite_steps", self.max_consecutive_nonfinite_steps)
         bad_steps = [s for s in self.profile_steps if s < 1]
         if bad_steps:
             raise ConfigError(
@@ -318,17 +333,17 @@ class SFTDataSection(SFTDataConfig):
 
     train_files: Optional[Any] = None
     """Parquet/jsonl file(s) in verl's SFT schema; null = generate the synthetic task."""
-    val_files: Optional[Any] = None
+    val_files: Optional[Any] = field(default=None, metadata=APPLY_ON_RESUME)
     """Validation file(s); null with synthetic data = the generated validation split."""
     train_batch_size: int = 32
     """Global mini-batch: samples per optimizer step over all DP ranks."""
-    micro_batch_size_per_gpu: int = 4
+    micro_batch_size_per_gpu: int = field(default=4, metadata=LAYOUT_ON_RESUME)
     """Samples per micro-batch (when use_dynamic_bsz is false)."""
-    use_dynamic_bsz: bool = False
+    use_dynamic_bsz: bool = field(default=False, metadata=LAYOUT_ON_RESUME)
     """Pack micro-batches up to max_token_len_per_gpu tokens instead of a fixed sample count."""
-    max_token_len_per_gpu: int = 2048
+    max_token_len_per_gpu: int = field(default=2048, metadata=LAYOUT_ON_RESUME)
     """Token cap of a micro-batch per worker (per SP rank, after Ulysses padding)."""
-    balance_dp_token: bool = True
+    balance_dp_token: bool = field(default=True, metadata=LAYOUT_ON_RESUME)
     """verl's switch for DP-global token counts. Always true here: the loss contract takes its
     token and sequence counts over the whole mini-batch (every DP rank and micro-batch); false is
     rejected rather than silently ignored."""
@@ -364,9 +379,9 @@ class SFTConfig:
     """Files, columns, length policy and batching."""
     model: SFTModelSection = field(default_factory=SFTModelSection)
     """The model: an HF directory (model.path) or a preset with dimension overrides."""
-    ulysses_sequence_parallel_size: int = 1
+    ulysses_sequence_parallel_size: int = field(default=1, metadata=LAYOUT_ON_RESUME)
     """Ulysses degree: workers per DP group that split each sequence."""
-    use_remove_padding: bool = True
+    use_remove_padding: bool = field(default=True, metadata=LAYOUT_ON_RESUME)
     """verl's key; must be true (the engine always runs packed, padding-free sequences)."""
     balance: BalanceSection = field(default_factory=BalanceSection)
     """Workload balancer."""
@@ -468,8 +483,28 @@ def _instantiate(node: DictConfig, path: str):
 
 
 def to_typed(cfg: DictConfig):
-    """The merged Hydra config as its schema's objects (every ``__post_init__`` check has run)."""
-    return _instantiate(cfg, "")
+    """The merged Hydra config as its schema's objects (every ``__post_init__`` check has run, and
+    no number is inf or nan)."""
+    config = _instantiate(cfg, "")
+    check_finite_values(config)
+    return config
+
+
+def check_finite_values(value, key: str = "") -> None:
+    """Raise ConfigError naming the first key (dotted, list index as ``[i]``) under ``value`` (a
+    dataclass, dict, list or number) that holds inf or nan: no setting is meaningful at infinity,
+    and e.g. optim.lr=inf would train on NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}={value} is not a finite number; give a finite value")
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            check_finite_values(getattr(value, f.name), f"{key}.{f.name}" if key else f.name)
+    elif isinstance(value, dict):
+        for name, item in value.items():
+            check_finite_values(item, f"{key}.{name}" if key else str(name))
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_finite_values(item, f"{key}[{i}]")
 
 
 def build_engine_config(

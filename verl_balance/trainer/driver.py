@@ -13,12 +13,14 @@ lineage (``checkpoint.py``), and a dead worker can be replaced up to ``trainer.m
 
 from __future__ import annotations
 
+import functools
 import logging
+import math
 import os
 import signal
 import time
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from verl_balance.data.loader import StatefulDataLoader
 from verl_balance.data.tokenizer import Tokenizer, TokenizerError, build_tokenizer
@@ -27,11 +29,19 @@ from verl_balance.models.hf import HFModelConfig
 from verl_balance.single_controller import WorkerDiedError
 from verl_balance.trainer import checkpoint, cluster
 from verl_balance.trainer.config import BalanceSection, ConfigError, ModelSection, TrainerSection
+from verl_balance.trainer.run_lock import RunLock, acquire_run_lock
 from verl_balance.utils.tracking import Tracking, plain_config
 from verl_balance.workers.actor import ActorWorker, ActorWorkerConfig
 from verl_balance.workers.group import ActorGroup
 
 logger = logging.getLogger(__name__)
+
+# Step metrics whose non-finite value makes a step non-finite (SFT logs train/*, GRPO actor/*).
+NONFINITE_WATCH_KEYS = ("train/loss", "train/grad_norm", "actor/loss", "actor/grad_norm")
+
+
+class NonFiniteTrainingError(RuntimeError):
+    """Training produced trainer.max_consecutive_nonfinite_steps non-finite steps in a row."""
 
 
 class DriverBase:
@@ -48,6 +58,34 @@ class DriverBase:
     run_identity: checkpoint.RunIdentity | None = None
     _stop_requested: bool = False
     plot_panels: tuple | None = None
+    worker_cls: type = ActorWorker
+    """The worker class ``start_workers`` places when the subclass names none."""
+    _run_lock: RunLock | None = None
+    _nonfinite_streak: int = 0
+    _nonfinite_total: int = 0
+    _last_saved: tuple[int, str] | None = None
+    """(step, path) of the newest checkpoint this run saved or loaded."""
+    _last_finite_checkpoint: str | None = None
+    """The newest checkpoint a finite step ran from (its weights are known to be finite); retention keeps it."""
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        """A trainer whose ``__init__`` fails (after ``setup_run`` took the run directory) releases
+        the directory at once, not when the half-built object is collected."""
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            return
+
+        @functools.wraps(init)
+        def init_or_release(self, *args, **kw) -> None:
+            try:
+                init(self, *args, **kw)
+            except BaseException:
+                if self._run_lock is not None:
+                    self._run_lock.release()
+                raise
+
+        cls.__init__ = init_or_release
 
     # ------------------------------------------------------------------ set-up
     def setup_run(
@@ -60,7 +98,8 @@ class DriverBase:
         self.world = trainer.world_size
         self.dp = self.world // self.sp
         self.out_dir = trainer.default_local_dir
-        os.makedirs(self.out_dir, exist_ok=True)
+        # Before anything in the directory is read or written; held until close().
+        self._run_lock = acquire_run_lock(self.out_dir)
         try:
             self.tokenizer: Tokenizer = build_tokenizer(model.tokenizer_path)
         except TokenizerError as err:
@@ -88,7 +127,7 @@ class DriverBase:
         }
 
     def start_workers(
-        self, *, worker_config: ActorWorkerConfig, worker_cls: type = ActorWorker, description: str
+        self, *, worker_config: ActorWorkerConfig, worker_cls: type | None = None, description: str
     ) -> None:
         """Start (or join) Ray, place the worker group and build the sharded model on it."""
         t = self.trainer_config
@@ -98,7 +137,7 @@ class DriverBase:
             "%d %s workers: dp=%d x sp=%d; %s", self.world, "GPU" if use_gpu else "CPU", self.dp, self.sp, description
         )
         self.actor = cluster.build_actor_group(
-            worker_config=worker_config, trainer_cfg=t, use_gpu=use_gpu, worker_cls=worker_cls
+            worker_config=worker_config, trainer_cfg=t, use_gpu=use_gpu, worker_cls=worker_cls or self.worker_cls
         )
 
     @classmethod
@@ -222,6 +261,7 @@ class DriverBase:
             for item in self.loader:
                 metrics = self.train_step(item)
                 self.global_step += 1
+                self._count_nonfinite(metrics)
                 record["first"] = record["first"] or metrics
                 record["last"] = metrics
                 is_last = self.global_step >= self.total_steps
@@ -229,6 +269,7 @@ class DriverBase:
                     record["last_val"] = self.evaluate()
                     metrics.update(record["last_val"])
                 tracker.log(metrics, step=self.global_step)
+                self._stop_if_nonfinite_streak(metrics)
                 if t.save_freq > 0 and (self.global_step % t.save_freq == 0 or is_last):
                     self.save()
                 if is_last or self._stop_requested:
@@ -237,10 +278,49 @@ class DriverBase:
             self.save()
 
     # ------------------------------------------------------------------ state
+    def _count_nonfinite(self, metrics: dict) -> None:
+        """Track non-finite steps (the engine skipped their optimizer update): the streak, and the
+        run's total as ``train/nonfinite_steps``."""
+        bad = {k: metrics[k] for k in NONFINITE_WATCH_KEYS if k in metrics and not math.isfinite(metrics[k])}
+        if bad:
+            self._nonfinite_streak += 1
+            self._nonfinite_total += 1
+            logger.warning(
+                "step %d is non-finite (%s): its optimizer update was skipped and it will not be checkpointed "
+                "(%d in a row; trainer.max_consecutive_nonfinite_steps=%d)",
+                self.global_step,
+                ", ".join(f"{k}={v}" for k, v in bad.items()),
+                self._nonfinite_streak,
+                self.trainer_config.max_consecutive_nonfinite_steps,
+            )
+        else:
+            self._nonfinite_streak = 0
+            if self._last_saved is not None and self._last_saved[0] == self.global_step - 1:
+                self._last_finite_checkpoint = self._last_saved[1]
+        metrics["train/nonfinite_steps"] = float(self._nonfinite_total)
+
+    def _stop_if_nonfinite_streak(self, metrics: dict) -> None:
+        limit = self.trainer_config.max_consecutive_nonfinite_steps
+        if self._nonfinite_streak < limit:
+            return
+        last = self._last_finite_checkpoint
+        watched = ", ".join(f"{k}={metrics[k]}" for k in NONFINITE_WATCH_KEYS if k in metrics)
+        raise NonFiniteTrainingError(
+            f"training stopped at step {self.global_step}: {self._nonfinite_streak} consecutive non-finite steps "
+            f"(trainer.max_consecutive_nonfinite_steps={limit}; {watched}). The last checkpoint known to be finite "
+            f"(a finite step ran from it) is {last or 'none'}; check the data and optim.lr, then continue from it "
+            "(trainer.resume_mode=resume_path trainer.resume_from_path=<it>)"
+        )
+
     def close(self) -> None:
-        """Stop the worker processes and free their placement (the Ray cluster stays up)."""
-        self.actor.shutdown()
-        self.actor.resource_pool.remove()
+        """Stop the worker processes, free their placement (the Ray cluster stays up) and release
+        the run directory."""
+        try:
+            self.actor.shutdown()
+            self.actor.resource_pool.remove()
+        finally:
+            if self._run_lock is not None:
+                self._run_lock.release()
 
     def _trainer_state(self) -> dict:
         # model_config lets ``python -m verl_balance.export CKPT OUT`` rebuild the model without flags.
@@ -253,8 +333,18 @@ class DriverBase:
             },
         }
 
-    def save(self) -> str:
-        """Checkpoint workers and driver state as ``global_step_N`` (atomically); returns its path."""
+    def save(self) -> str | None:
+        """Checkpoint workers and driver state as ``global_step_N`` (atomically); returns its path.
+        Skipped (None, a warning) after a non-finite step; retention (trainer.max_ckpt_to_keep) never
+        deletes the last checkpoint known to be finite (a finite step ran from it), since a finite
+        step's update can still leave non-finite weights that only the next step reveals."""
+        if self._nonfinite_streak:
+            logger.warning(
+                "checkpoint: step %d is not saved, it is non-finite (%d in a row)",
+                self.global_step,
+                self._nonfinite_streak,
+            )
+            return None
         path = checkpoint.save_trainer_checkpoint(
             self.actor,
             root=self.out_dir,
@@ -262,7 +352,9 @@ class DriverBase:
             trainer_state=self._trainer_state(),
             identity=self.run_identity,
             max_to_keep=self.trainer_config.max_ckpt_to_keep,
+            protect=self._last_finite_checkpoint,
         )
+        self._last_saved = (self.global_step, path)
         logger.info("checkpoint: saved step %d -> %s", self.global_step, path)
         return path
 
@@ -276,6 +368,7 @@ class DriverBase:
             resume_mode=t.resume_mode,
             resume_from_path=t.resume_from_path,
             config=plain_config(self.cfg),
+            schema=OmegaConf.get_type(self.cfg),
             hasher=checkpoint.group_hasher(self.actor),
         )
         if path is not None:
@@ -292,6 +385,7 @@ class DriverBase:
         state = checkpoint.load_trainer_checkpoint(self.actor, path)
         self.global_step = int(state["global_step"])
         self.loader.load_state_dict(state["loader"])
+        self._last_saved = (self.global_step, path)
 
     # ------------------------------------------------------------------ restarts
     def prepare_workers(self) -> None:
@@ -322,6 +416,7 @@ class DriverBase:
             )
             or identity.branch_checkpoint
         )
+        self._nonfinite_streak = 0
         if path is not None:
             self._load(path)
         else:

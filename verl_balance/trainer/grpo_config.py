@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 from verl_balance.algorithms import ADV_ESTIMATORS, PolicyLossConfig
 from verl_balance.data.rl_dataset import RLDataConfig
 from verl_balance.data.synthetic import TASKS, SyntheticConfig
-from verl_balance.engine.config import FSDPConfig, OptimConfig
+from verl_balance.engine.config import APPLY_ON_RESUME, LAYOUT_ON_RESUME, FSDPConfig, OptimConfig
 from verl_balance.loss import check_agg_mode
 from verl_balance.trainer.checkpoint import COMPLETE_FILE, TRAINER_STATE_FILE
 from verl_balance.trainer.config import (
@@ -88,11 +88,11 @@ class GRPODataSection(RLDataConfig):
 
     train_files: Optional[Any] = None
     """RL parquet/jsonl file(s) in verl's schema; null = generate the synthetic task."""
-    val_files: Optional[Any] = None
+    val_files: Optional[Any] = field(default=None, metadata=APPLY_ON_RESUME)
     """Validation file(s); null with synthetic data = the generated validation split."""
     train_batch_size: int = 16
     """Prompts per step (each gets actor_rollout_ref.rollout.n responses)."""
-    val_batch_size: Optional[int] = None
+    val_batch_size: Optional[int] = field(default=None, metadata=APPLY_ON_RESUME)
     """Prompts scored per validation (null = the whole validation set)."""
     shuffle: bool = True
     """Reshuffle the prompts every epoch (seeded by trainer.seed)."""
@@ -125,7 +125,7 @@ class ActorModelSection(ModelSection):
     warm_start_path: Optional[str] = None
     """A global_step_N directory of an engine checkpoint (e.g. the SFT trainer's) whose model weights
     the run starts from (optimizer state and step are not restored); its model must match this one."""
-    use_remove_padding: bool = True
+    use_remove_padding: bool = field(default=True, metadata=LAYOUT_ON_RESUME)
     """verl's key; must be true (the engine always runs packed, padding-free sequences)."""
 
     def __post_init__(self) -> None:
@@ -162,11 +162,11 @@ class ActorSection(PolicyLossConfig):
 
     ppo_mini_batch_size: int = 8
     """Prompts per optimizer step (all their responses)."""
-    ppo_micro_batch_size_per_gpu: Optional[int] = 8
+    ppo_micro_batch_size_per_gpu: Optional[int] = field(default=8, metadata=LAYOUT_ON_RESUME)
     """Responses per micro-batch (when use_dynamic_bsz is false)."""
-    use_dynamic_bsz: bool = False
+    use_dynamic_bsz: bool = field(default=False, metadata=LAYOUT_ON_RESUME)
     """Pack micro-batches up to ppo_max_token_len_per_gpu tokens instead of a fixed count."""
-    ppo_max_token_len_per_gpu: int = 4096
+    ppo_max_token_len_per_gpu: int = field(default=4096, metadata=LAYOUT_ON_RESUME)
     """Token cap of a micro-batch per worker (per SP rank, after Ulysses padding)."""
     ppo_epochs: int = 1
     """Passes over each step's rollout batch."""
@@ -174,11 +174,11 @@ class ActorSection(PolicyLossConfig):
     """Loss aggregation: one of loss.AGG_MODES (seq-mean-token-sum-norm is Dr.GRPO's)."""
     loss_scale_factor: Optional[float] = None
     """The constant C of seq-mean-token-sum-norm (e.g. the response length)."""
-    ulysses_sequence_parallel_size: Optional[int] = None
+    ulysses_sequence_parallel_size: Optional[int] = field(default=None, metadata=LAYOUT_ON_RESUME)
     """Ulysses degree (verl's spelling; the top-level key of the SFT recipe works too)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """The engine's optimizer and learning-rate schedule."""
-    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig, metadata=LAYOUT_ON_RESUME)
     """verl's key: the engine's FSDP2 switches (reshard_after_forward, reshard_after_backward,
     defer_gradient_sync); the defaults use the least memory. See docs/performance.md."""
 
@@ -230,13 +230,13 @@ class RolloutSection:
     """Nucleus sampling mass, in (0, 1]."""
     response_length: int = 64
     """Most tokens of one response."""
-    log_prob_micro_batch_size_per_gpu: Optional[int] = None
+    log_prob_micro_batch_size_per_gpu: Optional[int] = field(default=None, metadata=LAYOUT_ON_RESUME)
     """Responses per micro-batch of the old/reference log-prob passes (null = the actor's)."""
-    log_prob_max_token_len_per_gpu: Optional[int] = None
+    log_prob_max_token_len_per_gpu: Optional[int] = field(default=None, metadata=LAYOUT_ON_RESUME)
     """Token cap of the old/reference log-prob passes (null = the actor's)."""
-    max_num_seqs: Optional[int] = None
+    max_num_seqs: Optional[int] = field(default=None, metadata=LAYOUT_ON_RESUME)
     """Sequences decoded together on one worker (memory bound); null = all of its prompts at once."""
-    val_kwargs: ValSamplingConfig = field(default_factory=ValSamplingConfig)
+    val_kwargs: ValSamplingConfig = field(default_factory=ValSamplingConfig, metadata=APPLY_ON_RESUME)
     """Sampling of validation rollouts."""
 
     def __post_init__(self) -> None:
@@ -305,13 +305,13 @@ class CustomRewardSection:
 class GRPOTrainerSection(TrainerSection):
     """``trainer`` plus GRPO's balancing and validation switches."""
 
-    experiment_name: str = "grpo"
+    experiment_name: str = field(default="grpo", metadata=APPLY_ON_RESUME)
     """Tracking run name."""
-    balance_batch: bool = True
+    balance_batch: bool = field(default=True, metadata=LAYOUT_ON_RESUME)
     """Plan each batch over DP ranks by workload, a prompt's responses on one rank."""
-    val_before_train: bool = True
+    val_before_train: bool = field(default=True, metadata=APPLY_ON_RESUME)
     """Validate the initial policy at step 0 (when test_freq > 0)."""
-    log_val_generations: int = 0
+    log_val_generations: int = field(default=0, metadata=APPLY_ON_RESUME)
     """Validation samples logged (prompt, response, score)."""
 
 
@@ -327,7 +327,7 @@ class GRPOConfig:
     """Advantage estimation."""
     custom_reward_function: CustomRewardSection = field(default_factory=CustomRewardSection)
     """Reward function."""
-    ulysses_sequence_parallel_size: Optional[int] = None
+    ulysses_sequence_parallel_size: Optional[int] = field(default=None, metadata=LAYOUT_ON_RESUME)
     """SFT-recipe spelling of actor_rollout_ref.actor.ulysses_sequence_parallel_size (either works)."""
     balance: BalanceSection = field(default_factory=BalanceSection)
     """Workload model of the balancer (trainer.balance_batch switches it on; overlong must be error)."""

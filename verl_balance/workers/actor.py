@@ -56,6 +56,9 @@ class ActorWorkerConfig:
 class ActorWorker(Worker):
     """Registered methods: init_model, update_actor, eval_loss, compute_log_prob, checkpoints."""
 
+    engine_cls: type[TrainEngine] = TrainEngine
+    """The engine class each rank builds (a seam for testing.faults; production uses TrainEngine)."""
+
     def __init__(self, config: ActorWorkerConfig) -> None:
         super().__init__()
         self.config = config
@@ -71,7 +74,9 @@ class ActorWorker(Worker):
         if self.world_size % sp:
             raise ValueError(f"ulysses_sequence_parallel_size={sp} does not divide the {self.world_size} workers")
         self.layout = ParallelLayout(dp=self.world_size // sp, sp=sp)
-        self.engine = TrainEngine(model_config=self.config.model, engine_config=self.config.engine, layout=self.layout)
+        self.engine = self.engine_cls(
+            model_config=self.config.model, engine_config=self.config.engine, layout=self.layout
+        )
         self.register_mesh(
             ACTOR_MESH, dp_rank=self.layout.dp_rank, dp_size=self.layout.dp, is_collect=self.layout.sp_rank == 0
         )
