@@ -290,7 +290,7 @@ class CustomRewardSection:
     """Function name in that file (null = compute_score)."""
     reward_kwargs: dict = field(default_factory=dict)
     """Extra keyword arguments of every call."""
-    timeout_s: Optional[float] = 300.0
+    timeout_s: Optional[float] = field(default=300.0, metadata=APPLY_ON_RESUME)
     """Longest one reward call (one response) may take before the run fails with an error naming the
     function and the sample; heartbeat lines (trainer.heartbeat_interval_s) while it runs; null = no limit."""
 
