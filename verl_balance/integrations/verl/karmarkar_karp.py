@@ -16,6 +16,7 @@ Does not depend on verl; tested against verl's function when verl is installed.
 
 from __future__ import annotations
 
+import gc
 import heapq
 
 __all__ = ["karmarkar_karp"]
@@ -43,22 +44,42 @@ def karmarkar_karp(values: list, k: int, equal_size: bool) -> list[list[int]]:
     """verl's ``karmarkar_karp(seqlen_list=values, k_partitions=k, equal_size=equal_size)``.
 
     ``values``: a list of Python ints or floats. Returns ``k`` lists of indices (not sorted), in
-    verl's order. With ``equal_size`` the caller guarantees ``len(values) % k == 0``."""
+    verl's order. With ``equal_size`` the caller guarantees ``len(values) % k == 0``. The cyclic
+    garbage collector is paused meanwhile (it creates no cycles, only many lists: the collector's
+    repeated scans cost 2-3x the run time at 8k items)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _differencing(values, k, equal_size)
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def _differencing(values: list, k: int, equal_size: bool) -> list[list[int]]:
     ordered = sorted([(value, index) for index, value in enumerate(values)])
     if equal_size:
         chunks = [ordered[start : start + k] for start in range(0, len(ordered), k)]
     else:
         chunks = [[pair] for pair in ordered]
     exact_sums = all(type(value) is int for value in values)
+    empty = [0, 0, []]  # shared: an empty set is replaced, never extended
     heap = []
     for chunk in chunks:
         sets = [[value, 1, [(index, value)]] for value, index in chunk]
-        sets += [[0, 0, []] for _ in range(k - len(chunk))]
+        sets += [empty] * (k - len(chunk))
         sets.sort(reverse=True)
         heapq.heappush(heap, _entry(sets))
     while len(heap) > 1:
         merged, other = heapq.heappop(heap)[-1], heapq.heappop(heap)[-1]
-        for target, source in zip(merged, reversed(other)):
+        for i in range(k):
+            source, target = other[k - 1 - i], merged[i]
+            if not source[1]:
+                continue
+            if not target[1]:
+                # Empty + source is source: its sum was accumulated item by item from 0 too.
+                merged[i] = source
+                continue
             if exact_sums:
                 target[0] += source[0]
             else:  # float sums in verl's order (one item at a time), so every comparison matches
