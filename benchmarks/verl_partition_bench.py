@@ -3,15 +3,17 @@
     PYTHONPATH=. python benchmarks/verl_partition_bench.py                  # full grid (~10 minutes)
     PYTHONPATH=. python benchmarks/verl_partition_bench.py --quick          # k=8, n <= 1024
     PYTHONPATH=. python benchmarks/verl_partition_bench.py --sizes 64 --ks 8 --workloads heavy --equal on
+    PYTHONPATH=. python benchmarks/verl_partition_bench.py --input tensor --sizes 64 256 1024  # trainers' input
 
 Input: what verl passes, ``calculate_workload(lengths)`` (24576 L + L^2, the 7B-style FLOPs
-proxy) as a Python list, for two length profiles: ``heavy`` (lognormal mu 6.5, sigma 0.9, clipped
-16..16384: a few samples carry most of the work) and ``equal`` (every sample 1024 tokens). Per
-(workload, k, equal_size, n): ``ours ms`` / ``verl ms`` = best of N wall-clock runs, ours and
-verl's interleaved (and alternating which goes first) so that load noise hits both alike;
-``diff ms`` = ours - verl (target: <= +1.0); ``imbalance`` = max part / a lower bound on the
-optimal max part (mean, largest item, pigeonhole bounds; 1.0 = provably optimal), same input for
-both; ``ok`` = our max part <= verl's, compared exactly (integer sums).
+proxy) as a Python list (``--input tensor``: the int64 tensor both trainers pass), for two length
+profiles: ``heavy`` (lognormal mu 6.5, sigma 0.9, clipped 16..16384: a few samples carry most of
+the work) and ``equal`` (every sample 1024 tokens). Per (workload, k, equal_size, n):
+``ours ms`` / ``verl ms`` = best of N wall-clock runs, ours and verl's interleaved (and
+alternating which goes first) so that load noise hits both alike; ``diff ms`` = ours - verl
+(target: <= +1.0); ``imbalance`` = max part / a lower bound on the optimal max part (mean, largest
+item, pigeonhole bounds; 1.0 = provably optimal), same input for both; ``ok`` = our max part <=
+verl's, compared exactly (integer sums).
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ def main() -> None:
     parser.add_argument("--ks", type=int, nargs="*", default=[2, 4, 8, 16])
     parser.add_argument("--workloads", nargs="*", default=["heavy", "equal"], choices=["heavy", "equal"])
     parser.add_argument("--equal", nargs="*", default=["on", "off"], choices=["on", "off"])
+    parser.add_argument("--input", default="list", choices=["list", "tensor"], help="tensor: what both trainers pass")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     import verl.utils.seqlen_balancing as verl_sb
@@ -83,10 +86,12 @@ def main() -> None:
             for k in ks:
                 for n in sizes:
                     lengths = lengths_for(workload, n, args.seed + n)
-                    values = verl_sb.calculate_workload(torch.as_tensor(lengths)).tolist()
+                    workload_tensor = verl_sb.calculate_workload(torch.as_tensor(lengths))
+                    values = workload_tensor.tolist()
+                    given = workload_tensor if args.input == "tensor" else values
                     reps = repeats_for(n, verl_free=not equal_size)
                     ours_ms, verl_ms, ours_parts, verl_parts = bench_row(
-                        ours, verl_sb.get_seqlen_balanced_partitions, values, k, equal_size, reps
+                        ours, verl_sb.get_seqlen_balanced_partitions, given, k, equal_size, reps
                     )
                     bound = _lower_bound(np.asarray(values, dtype=np.float64), k, equal_size=equal_size)
                     ours_max, verl_max = max_part(ours_parts, values), max_part(verl_parts, values)
