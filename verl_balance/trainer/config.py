@@ -91,7 +91,8 @@ class ModelSection:
     """With ``path``: 'pretrained' loads the directory's weights, 'random' draws new ones of that
     architecture (seeded by trainer.seed). A built-in preset is always random."""
     enable_gradient_checkpointing: bool = False
-    """verl's key: activation checkpointing per decoder layer (HF models only)."""
+    """verl's key: activation checkpointing per decoder layer (built-in and HF models): the same loss
+    and gradients, activations recomputed in the backward (parity-tested under FSDP2)."""
     param_dtype: str = "float32"
     """Dtype of the parameters the engine computes in: one of engine.config.PARAM_DTYPES."""
     vocab_size: Optional[int] = None
@@ -129,8 +130,7 @@ class ModelSection:
         # HF-only keys are passed only when set away from their defaults, so a preset rejects them.
         if self.path is not None or self.init != "pretrained":
             overrides["init"] = self.init
-        if self.path is not None or self.enable_gradient_checkpointing:
-            overrides["enable_gradient_checkpointing"] = self.enable_gradient_checkpointing
+        overrides["enable_gradient_checkpointing"] = self.enable_gradient_checkpointing
         try:
             return load_model_config(name=self.name, path=self.path, overrides=overrides, vocab_size=vocab_size)
         except ModelConfigError as err:
