@@ -90,10 +90,10 @@ def token_log_probs(
     return picked, entropy
 
 
-def _chunk_logits(hidden: Tensor, weight: Tensor, transform: LogitTransform, temperature: Temperature) -> Tensor:
+def _chunk_logits_from_projection(projected: Tensor, transform: LogitTransform, temperature: Temperature) -> Tensor:
     """fp32 logits / temperature of one chunk, computed exactly as the unchunked path does (the
-    projection and the family transform in the parameter dtype, then fp32, then the temperature)."""
-    return _divide_by_temperature(_upcast(transform.apply(torch.nn.functional.linear(hidden, weight))), temperature)
+    family transform in the parameter dtype, then fp32, then the temperature)."""
+    return _divide_by_temperature(_upcast(transform.apply(projected)), temperature)
 
 
 def _slice_temperature(temperature: Temperature, start: int, end: int) -> Temperature:
@@ -115,11 +115,14 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
         entropy = torch.empty(n if with_entropy else 0, dtype=dtype, device=hidden.device)
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
-            logits = _chunk_logits(hidden[start:end], weight, transform, _slice_temperature(temperature, start, end))
-            logp = torch.log_softmax(logits, dim=-1)
+            projected = torch.nn.functional.linear(hidden[start:end], weight)
+            chunk_temperature = _slice_temperature(temperature, start, end)
+            logp = torch.log_softmax(_chunk_logits_from_projection(projected, transform, chunk_temperature), dim=-1)
+            del projected
             log_probs[start:end] = logp.gather(-1, targets[start:end].long().unsqueeze(-1)).squeeze(-1)
             if with_entropy:
-                entropy[start:end] = -(logp.exp() * logp).sum(-1)
+                entropy[start:end] = -logp.exp().mul_(logp).sum(-1)
+            del logp
         saved_temperature = temperature if isinstance(temperature, Tensor) else None
         ctx.save_for_backward(hidden, weight, targets, entropy, saved_temperature)
         ctx.temperature = None if saved_temperature is not None else temperature
@@ -141,7 +144,7 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
                 temperature=_slice_temperature(temperature, start, end),
                 transform=ctx.transform,
                 grad_log_probs=grad_log_probs[start:end],
-                grad_entropy=grad_entropy[start:end] if ctx.with_entropy and grad_entropy is not None else None,
+                grad_entropy=grad_entropy[start:end] if ctx.with_entropy else None,
                 entropy=entropy[start:end] if ctx.with_entropy else None,
             ).to(hidden.dtype)
             if grad_hidden is not None:
@@ -159,31 +162,37 @@ def _chunk_logit_grad(
     targets: Tensor,
     temperature: Temperature,
     transform: LogitTransform,
-    grad_log_probs: Tensor | None,
+    grad_log_probs: Tensor,
     grad_entropy: Tensor | None,
     entropy: Tensor | None,
 ) -> Tensor:
-    """d(outputs)/d(projected logits) of one chunk, [chunk, V] fp32, from recomputed logits.
+    """d(outputs)/d(projected logits z) of one chunk, [chunk, V], from recomputed logits.
 
     With l = softcap(scale * z) / temperature and logp = log_softmax(l):
-    d logp[target]/dl = onehot - p and d entropy/dl = -p * (logp + entropy)."""
-    z = _upcast(torch.nn.functional.linear(hidden, weight))
-    scaled = z * transform.scale if transform.scale != 1.0 else z
-    capped = torch.tanh(scaled / transform.softcap) if transform.softcap is not None else None
-    y = capped * transform.softcap if capped is not None else scaled
-    logp = torch.log_softmax(_divide_by_temperature(y, temperature), dim=-1)
+    d logp[target]/dl = onehot - p and d entropy/dl = -p * (logp + entropy); then the chain rule
+    through the temperature, tanh' = 1 - tanh^2 and the scale. Works in place on the chunk's
+    buffers, so about three [chunk, V] tensors are alive at once."""
+    projected = torch.nn.functional.linear(hidden, weight)
+    capped = None
+    if transform.softcap is not None:
+        capped = _upcast(torch.tanh(projected * transform.scale / transform.softcap))
+    logp = torch.log_softmax(_chunk_logits_from_projection(projected, transform, temperature), dim=-1)
+    del projected
     p = logp.exp()
-    if grad_log_probs is None:
-        grad = torch.zeros_like(p)
-    else:
-        grad = p * -grad_log_probs[:, None]
-        grad.scatter_add_(-1, targets.long().unsqueeze(-1), grad_log_probs[:, None].to(grad.dtype))
     if grad_entropy is not None:
-        grad -= p * (logp + entropy[:, None]) * grad_entropy[:, None]
-    grad = _divide_by_temperature(grad, temperature)
+        grad = logp.add_(entropy[:, None]).mul_(p).mul_(-grad_entropy[:, None])
+        grad.addcmul_(p, grad_log_probs[:, None], value=-1.0)
+    else:
+        grad = p.mul_(-grad_log_probs[:, None])
+    del p, logp
+    grad.scatter_add_(-1, targets.long().unsqueeze(-1), grad_log_probs[:, None].to(grad.dtype))
+    if isinstance(temperature, Tensor):
+        grad.div_(temperature.to(grad.device, grad.dtype)[:, None])
+    elif temperature != 1.0:
+        grad.div_(temperature)
     if capped is not None:
-        grad *= 1.0 - capped * capped
-    return grad * transform.scale if transform.scale != 1.0 else grad
+        grad.mul_(capped.square_().neg_().add_(1.0))
+    return grad.mul_(transform.scale) if transform.scale != 1.0 else grad
 
 
 def chunked_token_log_probs(
