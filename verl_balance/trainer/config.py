@@ -27,7 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from verl_balance.balance import FlopsWorkload, TokenWorkload
 from verl_balance.balance.plan import OVERLONG_POLICIES
 from verl_balance.data.sft_dataset import SFTDataConfig
-from verl_balance.engine.config import PARAM_DTYPES, EngineConfig, FSDPConfig, OptimConfig
+from verl_balance.engine.config import DEFAULT_LOGITS_CHUNK_SIZE, PARAM_DTYPES, EngineConfig, FSDPConfig, OptimConfig
 from verl_balance.loss import check_agg_mode
 from verl_balance.models import MODEL_DIMENSION_KEYS, load_model_config
 from verl_balance.models.config import ModelConfig, ModelConfigError
@@ -176,6 +176,11 @@ class SFTModelSection(ModelSection):
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
     """verl's key: the engine's FSDP2 switches (reshard_after_forward, reshard_after_backward,
     defer_gradient_sync); the defaults use the least memory. See docs/performance.md."""
+    logits_chunk_size: int = DEFAULT_LOGITS_CHUNK_SIZE
+    """Tokens per chunk of the engine's output head: log-probs, entropy and their backward are
+    computed chunk by chunk from the final hidden states (logits recomputed in the backward), so the
+    head holds about logits_chunk_size x vocab fp32 values, not micro-batch tokens x vocab; the same
+    values and gradients. 0 = materialize the full logits (engine/config.py, docs/performance.md)."""
 
     def __post_init__(self) -> None:
         if self.partial_pretrain is not None:
@@ -468,6 +473,7 @@ def build_engine_config(
     profile_steps: Sequence[int] = (),
     profile_dir: str = "profile",
     updates_per_step: int = 1,
+    logits_chunk_size: int = DEFAULT_LOGITS_CHUNK_SIZE,
 ) -> EngineConfig:
     """The engine's config for a run of ``total_steps`` optimizer steps; ``keys`` maps its field
     names (optim, loss_agg_mode, loss_scale_factor, param_dtype) to the recipe's keys for errors.
@@ -486,6 +492,7 @@ def build_engine_config(
             fsdp=fsdp if fsdp is not None else FSDPConfig(),
             profile_steps=engine_profile_steps(profile_steps, updates_per_step=updates_per_step),
             profile_dir=profile_dir,
+            logits_chunk_size=logits_chunk_size,
         )
     except ValueError as err:
         prefixes = {name: key[: -len(name)] for name, key in keys.items()}
@@ -529,6 +536,7 @@ SFT_ENGINE_KEYS = {
     "param_dtype": "model.param_dtype",
     "fsdp": "model.fsdp_config",
     "profile_steps": "trainer.profile_steps",
+    "logits_chunk_size": "model.logits_chunk_size",
 }
 
 
@@ -556,5 +564,6 @@ def validate_sft(cfg: DictConfig) -> SFTConfig:
         fsdp=config.model.fsdp_config,
         profile_steps=config.trainer.profile_steps,
         profile_dir=config.trainer.profile_path,
+        logits_chunk_size=config.model.logits_chunk_size,
     )
     return config

@@ -26,7 +26,7 @@ from omegaconf import DictConfig
 from verl_balance.algorithms import ADV_ESTIMATORS, PolicyLossConfig
 from verl_balance.data.rl_dataset import RLDataConfig
 from verl_balance.data.synthetic import TASKS, SyntheticConfig
-from verl_balance.engine.config import FSDPConfig, OptimConfig
+from verl_balance.engine.config import DEFAULT_LOGITS_CHUNK_SIZE, FSDPConfig, OptimConfig
 from verl_balance.loss import check_agg_mode
 from verl_balance.trainer.checkpoint import COMPLETE_FILE, TRAINER_STATE_FILE
 from verl_balance.trainer.config import (
@@ -181,6 +181,11 @@ class ActorSection(PolicyLossConfig):
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
     """verl's key: the engine's FSDP2 switches (reshard_after_forward, reshard_after_backward,
     defer_gradient_sync); the defaults use the least memory. See docs/performance.md."""
+    logits_chunk_size: int = DEFAULT_LOGITS_CHUNK_SIZE
+    """Tokens per chunk of the engine's output head: log-probs, entropy and their backward are
+    computed chunk by chunk from the final hidden states (logits recomputed in the backward), so the
+    head holds about logits_chunk_size x vocab fp32 values, not micro-batch tokens x vocab; the same
+    values and gradients. 0 = materialize the full logits (engine/config.py, docs/performance.md)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -359,6 +364,7 @@ GRPO_ENGINE_KEYS = {
     "param_dtype": "actor_rollout_ref.model.param_dtype",
     "fsdp": "actor_rollout_ref.actor.fsdp_config",
     "profile_steps": "trainer.profile_steps",
+    "logits_chunk_size": "actor_rollout_ref.actor.logits_chunk_size",
 }
 
 
@@ -414,6 +420,7 @@ def validate_grpo(cfg: DictConfig) -> GRPOConfig:
         fsdp=actor.fsdp_config,
         profile_steps=config.trainer.profile_steps,
         profile_dir=config.trainer.profile_path,
+        logits_chunk_size=actor.logits_chunk_size,
     )
     return config
 
