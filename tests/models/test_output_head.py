@@ -122,3 +122,49 @@ def test_bad_chunk_size_and_temperature_are_rejected():
         chunked_token_log_probs(hidden, weight, targets, chunk_size=2, temperature=0.0)
     with pytest.raises(ValueError, match="temperature"):
         chunked_token_log_probs(hidden, weight, targets, chunk_size=2, temperature=torch.tensor([1.0, 1.0, 0.0, 1.0]))
+
+
+def test_hf_model_head_applies_the_family_logit_transform_in_both_paths(tmp_path):
+    """An HF model whose config scales (Granite's logits_scaling) and soft-caps (Gemma's
+    final_logit_softcapping) its logits: the chunked head inside HFCausalLM.forward equals
+    token_log_probs of the model's own logits, in values and parameter gradients."""
+    import json
+
+    from verl_balance.models.hf import HFCausalLM, HFModelConfig
+    from verl_balance.models.output_head import token_log_probs
+    from verl_balance.models.tiny_hf import write_tiny_model
+
+    path = write_tiny_model(str(tmp_path / "llama"), family="llama")
+    config_file = tmp_path / "llama" / "config.json"
+    config = json.loads(config_file.read_text())
+    config.update(logits_scaling=4.0, final_logit_softcapping=2.0)
+    config_file.write_text(json.dumps(config))
+    model = HFCausalLM(HFModelConfig.from_pretrained(path))
+    assert model.logit_transform == LogitTransform(scale=0.25, softcap=2.0)
+    lengths = (6, 3)
+    ids = torch.randint(0, model.config.vocab_size, (sum(lengths),), generator=torch.Generator().manual_seed(1))
+    inputs = dict(
+        input_ids=ids,
+        position_ids=torch.cat([torch.arange(n) for n in lengths]),
+        cu_seqlens=torch.tensor([0, lengths[0], sum(lengths)]),
+        max_seqlen=max(lengths),
+    )
+    targets = ids.roll(-1)
+
+    def run(chunked: bool):
+        model.zero_grad()
+        if chunked:
+            log_probs, entropy = model(
+                **inputs, targets=targets, temperature=0.9, with_entropy=True, logits_chunk_size=4
+            )
+        else:
+            logits = model(**inputs)
+            assert logits.abs().max() <= 2.0  # the soft-cap is applied to the model's logits
+            log_probs, entropy = token_log_probs(logits, targets, with_entropy=True, temperature=0.9)
+        (log_probs.sum() - 0.3 * entropy.sum()).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return {"log_probs": log_probs.detach(), "entropy": entropy.detach(), **grads}
+
+    reference, chunked = run(False), run(True)
+    assert reference.keys() == chunked.keys() and len(reference) > 2
+    assert _max_relative_error(chunked, reference) <= 1e-6
