@@ -64,6 +64,20 @@ def test_chunked_head_equals_unchunked_values_and_gradients(dtype, transform, te
         assert reference["grad_weight"].abs().max() > 0
 
 
+@pytest.mark.parametrize("chunk_size", [5, 64])
+def test_chunked_head_matches_unchunked_in_bfloat16(chunk_size):
+    """16-bit parameters (FSDP2 mixed precision): fp32 outputs, gradients in the parameter dtype,
+    equal up to bf16 rounding (the weight gradient is accumulated over chunks in fp32)."""
+    hidden, weight, targets, upstream, _ = _problem(37, dtype=torch.float32)
+    hidden = hidden.detach().bfloat16().requires_grad_()
+    weight = weight.detach().bfloat16().requires_grad_()
+    kwargs = dict(transform=TRANSFORMS["scale_softcap"], temperature=0.7, with_entropy=True)
+    reference = _outputs_and_grads(hidden, weight, targets, upstream, chunk_size=0, **kwargs)
+    chunked = _outputs_and_grads(hidden, weight, targets, upstream, chunk_size=chunk_size, **kwargs)
+    assert chunked["log_probs"].dtype == torch.float32 and chunked["grad_weight"].dtype == torch.bfloat16
+    assert _max_relative_error(chunked, reference) <= 2e-2
+
+
 def _saved_tensor_sizes(fn) -> list[int]:
     sizes = []
 

@@ -78,7 +78,8 @@ def _divide_by_temperature(logits: Tensor, temperature: Temperature) -> Tensor:
 def token_log_probs(
     logits: Tensor, targets: Tensor, *, with_entropy: bool = False, temperature: Temperature = 1.0
 ) -> tuple[Tensor, Tensor | None]:
-    """log p(target_t) per position (fp32; float64 logits stay float64) and optionally the entropy of each distribution.
+    """log p(target_t) per position (fp32; float64 stays float64) and optionally the entropy of
+    each distribution.
 
     ``temperature`` divides the logits first (a float, or a per-token [T] tensor), so the log-probs
     are those of the policy the rollout sampled from (verl's convention for the PPO ratio).
@@ -134,7 +135,11 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
         hidden, weight, targets, entropy, temperature = ctx.saved_tensors
         temperature = temperature if temperature is not None else ctx.temperature
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_weight = torch.zeros(weight.shape, dtype=grad_log_probs.dtype, device=weight.device)
+        # The weight's gradient is accumulated over the chunks in fp32 (a transient V x H fp32
+        # buffer for 16-bit weights), so chunking adds no rounding step to it.
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = torch.zeros(weight.shape, dtype=grad_log_probs.dtype, device=weight.device)
         for start in range(0, hidden.shape[0], ctx.chunk_size):
             end = min(start + ctx.chunk_size, hidden.shape[0])
             grad_z = _chunk_logit_grad(
@@ -149,9 +154,9 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
             ).to(hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden[start:end] = grad_z @ weight
-            if ctx.needs_input_grad[1]:
+            if grad_weight is not None:
                 grad_weight.addmm_(grad_z.t().to(grad_weight.dtype), hidden[start:end].to(grad_weight.dtype))
-        grad_weight = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
