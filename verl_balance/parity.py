@@ -13,6 +13,12 @@ FSDP2 gradient-accumulation controls (FSDPConfig: deferred gradient sync, parame
 unsharded across micro-batches, both) run on every multi-rank layout for both micro-batching
 modes and two aggregation modes: they change when gradients are reduced, never what is reduced.
 
+The engine computes log-probs with the chunked output head (ParitySettings.logits_chunk_size
+tokens per chunk, chosen to not divide the micro-batches); the reference takes them from full
+logits. Model-variant cells (MODEL_VARIANTS) run on every layout: the unchunked head
+(logits_chunk_size=0) and activation checkpointing (model.enable_gradient_checkpointing), the
+latter also with FSDP2 parameters kept unsharded and gradient sync deferred.
+
 Negative controls run the known-bad normalizers of verl_balance.testing.faults.KNOWN_BUGS (a
 TrainEngine subclass, FaultyTrainEngine) on a layout where each one matters; they must FAIL.
 
@@ -28,7 +34,7 @@ import functools
 import itertools
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -54,6 +60,14 @@ FSDP_VARIANTS: dict[str, dict] = {
     },
 }
 
+# Model variants of the matrix: (engine config overrides, model config overrides); "default" is the
+# chunked head of ParitySettings.logits_chunk_size without activation checkpointing.
+MODEL_VARIANTS: dict[str, tuple[dict, dict]] = {
+    "default": ({}, {}),
+    "unchunked_head": ({"logits_chunk_size": 0}, {}),
+    "activation_ckpt": ({}, {"enable_gradient_checkpointing": True}),
+}
+
 
 @dataclass(frozen=True)
 class ParitySettings:
@@ -72,10 +86,13 @@ class ParitySettings:
     adam_eps: float = 1e-5
     grad_clip: float = 1.0
     seed: int = 1234
+    # Output-head chunk of the engine: 7 tokens divide no micro-batch of the matrix evenly.
+    logits_chunk_size: int = 7
 
-    def engine_config(self, *, agg_mode: str, fsdp: str = "default") -> EngineConfig:
+    def engine_config(self, *, agg_mode: str, fsdp: str = "default", variant: str = "default") -> EngineConfig:
         """EngineConfig of one case (constant lr, no warmup: the first step uses lr)."""
         optim = OptimConfig(lr=self.lr, eps=self.adam_eps, clip_grad=self.grad_clip)
+        overrides = {"logits_chunk_size": self.logits_chunk_size, **MODEL_VARIANTS[variant][0]}
         return EngineConfig(
             optim=optim,
             fsdp=FSDPConfig(**FSDP_VARIANTS[fsdp]),
@@ -83,7 +100,13 @@ class ParitySettings:
             loss_scale_factor=self.loss_scale_factor,
             seed=self.seed,
             attn_impl="sdpa_masked",
+            **overrides,
         )
+
+    def model_config(self, *, variant: str = "default"):
+        """The engine's model config of a case (the reference always uses ``model`` as is)."""
+        overrides = MODEL_VARIANTS[variant][1]
+        return replace(self.model, **overrides) if overrides else self.model
 
 
 @dataclass(frozen=True)
@@ -95,6 +118,7 @@ class ParityCase:
     agg_mode: str
     bug: str | None = None
     fsdp: str = "default"  # a FSDP_VARIANTS key
+    variant: str = "default"  # a MODEL_VARIANTS key
 
 
 @dataclass
@@ -155,6 +179,17 @@ def fsdp_cases() -> list[ParityCase]:
         ParityCase(micro=m, balance=True, agg_mode=a, fsdp=v)
         for v, m, a in itertools.product(variants, ("fixed", "dynamic"), FSDP_AGG_MODES)
     ]
+
+
+def variant_cases(layout: tuple[int, int]) -> list[ParityCase]:
+    """The non-default MODEL_VARIANTS on one dynamic token-mean cell each; on multi-rank layouts also
+    activation checkpointing with FSDP2 parameters kept unsharded and gradient sync deferred."""
+    cases = [ParityCase("dynamic", True, "token-mean", variant=v) for v in MODEL_VARIANTS if v != "default"]
+    if layout[0] * layout[1] > 1:
+        cases.append(
+            ParityCase("fixed", True, "seq-mean-token-mean", fsdp="deferred_unsharded", variant="activation_ckpt")
+        )
+    return cases
 
 
 # bug -> (layout where it must show, case). Each reproduces a failure mode of docs/design.md.
@@ -284,9 +319,9 @@ def _run_cases(*, dp: int, sp: int, cases: list[ParityCase], settings: ParitySet
             for idx in plan.micro_batches[layout.dp_rank]
         ]
         kwargs = dict(
-            model_config=settings.model,
+            model_config=settings.model_config(variant=case.variant),
             layout=layout,
-            engine_config=settings.engine_config(agg_mode=case.agg_mode, fsdp=case.fsdp),
+            engine_config=settings.engine_config(agg_mode=case.agg_mode, fsdp=case.fsdp, variant=case.variant),
         )
         engine = FaultyTrainEngine(bug=case.bug, **kwargs) if case.bug else TrainEngine(**kwargs)
         evaluated = engine.eval_loss(micro_batches)
@@ -355,22 +390,23 @@ def run_layouts(
 
 
 def parity_jobs(
-    *, layouts=PARITY_LAYOUTS, controls: bool = True, fsdp: bool = True
+    *, layouts=PARITY_LAYOUTS, controls: bool = True, fsdp: bool = True, variants: bool = True
 ) -> list[tuple[tuple[int, int], list[ParityCase]]]:
-    """The full matrix on each layout, the FSDP-control cells on multi-rank layouts, and the
-    negative controls that belong to each layout."""
+    """The full matrix on each layout, the FSDP-control cells on multi-rank layouts, the
+    model-variant cells, and the negative controls that belong to each layout."""
     jobs = []
     for layout in layouts:
         extra = [case for lay, case in NEGATIVE_CONTROLS.values() if lay == layout] if controls else []
         fsdp_extra = fsdp_cases() if fsdp and layout[0] * layout[1] > 1 else []
-        jobs.append((tuple(layout), matrix_cases() + fsdp_extra + extra))
+        variant_extra = variant_cases(tuple(layout)) if variants else []
+        jobs.append((tuple(layout), matrix_cases() + fsdp_extra + variant_extra + extra))
     return jobs
 
 
 def format_table(results: list[ParityResult], *, expect_fail: bool = False) -> str:
     """Plain-text table, one row per (layout, case)."""
     header = (
-        f"{'dp x sp':>7} {'micro':>7} {'bal':>3} {'loss_agg_mode':>23} {'fsdp':>18} {'bug':>22} "
+        f"{'dp x sp':>7} {'micro':>7} {'bal':>3} {'loss_agg_mode':>23} {'fsdp':>18} {'variant':>15} {'bug':>22} "
         f"{'ref loss':>10} {'eval rel':>9} {'train rel':>9} {'gnorm rel':>9} "
         f"{'max|dp|':>8} {'result':>6}"
     )
@@ -381,7 +417,7 @@ def format_table(results: list[ParityResult], *, expect_fail: bool = False) -> s
         lines.append(
             f"{r.layout[0]:>3} x {r.layout[1]:<1} {r.case.micro:>7} "
             f"{'on' if r.case.balance else 'off':>3} {r.case.agg_mode:>23} "
-            f"{r.case.fsdp:>18} {r.case.bug or '-':>22} {r.ref_loss:>10.6f} {r.eval_rel:>9.1e} "
+            f"{r.case.fsdp:>18} {r.case.variant:>15} {r.case.bug or '-':>22} {r.ref_loss:>10.6f} {r.eval_rel:>9.1e} "
             f"{r.train_rel:>9.1e} {r.grad_norm_rel:>9.1e} {r.max_param_delta:>8.1e} "
             f"{verdict:>6}"
         )
@@ -400,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-controls", action="store_true", help="skip negative controls")
     parser.add_argument("--no-fsdp", action="store_true", help="skip the FSDP-control cells")
+    parser.add_argument("--no-variants", action="store_true", help="skip the model-variant cells")
     parser.add_argument(
         "--model-path",
         default=None,
@@ -420,16 +457,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model: {args.model_path} ({type(settings.model).__name__})")
     start = time.perf_counter()
     results = run_layouts(
-        jobs=parity_jobs(layouts=layouts, controls=not args.no_controls, fsdp=not args.no_fsdp), settings=settings
+        jobs=parity_jobs(
+            layouts=layouts, controls=not args.no_controls, fsdp=not args.no_fsdp, variants=not args.no_variants
+        ),
+        settings=settings,
     )
-    matrix = [r for r in results if r.case.bug is None and r.case.fsdp == "default"]
-    fsdp_cells = [r for r in results if r.case.bug is None and r.case.fsdp != "default"]
+    plain = [r for r in results if r.case.bug is None and r.case.variant == "default"]
+    matrix = [r for r in plain if r.case.fsdp == "default"]
+    fsdp_cells = [r for r in plain if r.case.fsdp != "default"]
+    variant_cells = [r for r in results if r.case.bug is None and r.case.variant != "default"]
     controls = [r for r in results if r.case.bug is not None]
     print(format_table(matrix))
-    ok = all(r.passed for r in matrix + fsdp_cells)
+    ok = all(r.passed for r in matrix + fsdp_cells + variant_cells)
     if fsdp_cells:
         print("\nFSDP gradient-accumulation controls (must pass):")
         print(format_table(fsdp_cells))
+    if variant_cells:
+        print("\nmodel variants: unchunked head, activation checkpointing (must pass):")
+        print(format_table(variant_cells))
     if controls:
         print("\nnegative controls (must FAIL):")
         print(format_table(controls, expect_fail=True))
@@ -437,6 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"\n{sum(r.passed for r in matrix)}/{len(matrix)} matrix cells pass, "
         f"{sum(r.passed for r in fsdp_cells)}/{len(fsdp_cells)} FSDP-control cells pass, "
+        f"{sum(r.passed for r in variant_cells)}/{len(variant_cells)} model-variant cells pass, "
         f"{sum(not r.passed for r in controls)}/{len(controls)} controls fail as they must; "
         f"{time.perf_counter() - start:.1f}s"
     )

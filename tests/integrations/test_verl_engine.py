@@ -327,6 +327,30 @@ def test_engine_config_rejects_unknown_workload_naming_the_key():
     assert VerlBalanceEngineConfig().strategy == "verl_balance"
 
 
+def test_verl_entropy_chunking_keys_select_the_chunked_head():
+    from verl_balance.engine.config import DEFAULT_LOGITS_CHUNK_SIZE
+    from verl_balance.integrations.verl.engine import (
+        VerlBalanceEngineConfig,
+        VerlBalanceEngineConfigError,
+        _our_engine_config,
+    )
+
+    assert VerlBalanceEngineConfig().head_chunk_size == DEFAULT_LOGITS_CHUNK_SIZE
+    assert VerlBalanceEngineConfig(logits_chunk_size=0).head_chunk_size == 0  # the full-logit path
+    for key in ("entropy_from_logits_with_chunking", "entropy_checkpointing"):
+        verl_style = VerlBalanceEngineConfig(**{key: True}, entropy_from_logits_chunk_size=300)
+        assert verl_style.head_chunk_size == 300
+        assert VerlBalanceEngineConfig(**{key: True}, logits_chunk_size=64).head_chunk_size == 64
+        with pytest.raises(VerlBalanceEngineConfigError, match="logits_chunk_size=0"):
+            VerlBalanceEngineConfig(**{key: True}, logits_chunk_size=0)
+
+    class Optim:
+        lr, weight_decay, betas, clip_grad = 1e-3, 0.0, (0.9, 0.95), 1.0
+
+    ours = _our_engine_config(VerlBalanceEngineConfig(entropy_checkpointing=True), Optim())
+    assert ours.logits_chunk_size == VerlBalanceEngineConfig().entropy_from_logits_chunk_size
+
+
 def test_backend_is_registered_for_cpu_and_cuda():
     from verl.workers.engine.base import EngineRegistry
 

@@ -349,8 +349,12 @@ def test_load_model_config_picks_preset_or_hf_and_checks_keys(tiny_model_dirs):
         load_model_config(name=None, path=tiny_model_dirs["qwen3"], overrides={"num_layers": 7}, vocab_size=10)
     with pytest.raises(ModelConfigError, match="tokenizer"):
         load_model_config(name=None, path=tiny_model_dirs["qwen3"], overrides={}, vocab_size=10**6)
-    with pytest.raises(ModelConfigError, match="enable_gradient_checkpointing"):
-        load_model_config(name="tiny", path=None, overrides={"enable_gradient_checkpointing": True}, vocab_size=10)
+    checkpointed = load_model_config(
+        name="tiny", path=None, overrides={"enable_gradient_checkpointing": True}, vocab_size=10
+    )
+    assert isinstance(checkpointed, ModelConfig) and checkpointed.enable_gradient_checkpointing
+    with pytest.raises(ModelConfigError, match="init"):
+        load_model_config(name="tiny", path=None, overrides={"init": "random"}, vocab_size=10)
     with pytest.raises(ModelConfigError, match="init"):
         load_model_config(name=None, path=tiny_model_dirs["llama"], overrides={"init": "zeros"}, vocab_size=10)
 

@@ -1,8 +1,9 @@
 """Parity property (docs/design.md): every layout reproduces the single-process reference.
 
 The full matrix {(1,1),(2,1),(4,1),(1,2),(2,2),(1,4)} x {fixed, dynamic} x {balance on, off} x
-{4 loss_agg_modes} x {train, eval}, the FSDP2 gradient-accumulation cells and the negative
-controls run in ONE spawn of 4 gloo processes (a fresh process group per layout); each test below
+{4 loss_agg_modes} x {train, eval} (chunked output head), the FSDP2 gradient-accumulation cells,
+the model-variant cells (unchunked head, activation checkpointing) and the negative controls run
+in ONE spawn of 4 gloo processes (a fresh process group per layout); each test below
 checks a slice of the results.
 """
 
@@ -10,6 +11,7 @@ import pytest
 
 from verl_balance.parity import (
     FSDP_VARIANTS,
+    MODEL_VARIANTS,
     NEGATIVE_CONTROLS,
     PARITY_LAYOUTS,
     ParitySettings,
@@ -18,6 +20,7 @@ from verl_balance.parity import (
     matrix_cases,
     parity_jobs,
     run_layouts,
+    variant_cases,
 )
 from verl_balance.testing.faults import KNOWN_BUGS
 
@@ -32,7 +35,11 @@ def parity_results():
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", PARITY_LAYOUTS, ids=lambda lay: f"dp{lay[0]}_sp{lay[1]}")
 def test_every_matrix_cell_matches_the_single_process_reference(parity_results, layout):
-    cells = [r for r in parity_results if r.layout == layout and r.case.bug is None and r.case.fsdp == "default"]
+    cells = [
+        r
+        for r in parity_results
+        if r.layout == layout and r.case.bug is None and r.case.fsdp == "default" and r.case.variant == "default"
+    ]
     assert len(cells) == len(matrix_cases())
     failed = [r for r in cells if not r.passed]
     assert not failed, "\n" + format_table(failed)
@@ -43,8 +50,22 @@ def test_every_matrix_cell_matches_the_single_process_reference(parity_results, 
     "layout", [lay for lay in PARITY_LAYOUTS if lay[0] * lay[1] > 1], ids=lambda lay: f"dp{lay[0]}_sp{lay[1]}"
 )
 def test_deferred_sync_and_unsharded_steps_match_the_single_process_reference(parity_results, layout):
-    cells = [r for r in parity_results if r.layout == layout and r.case.bug is None and r.case.fsdp != "default"]
+    cells = [
+        r
+        for r in parity_results
+        if r.layout == layout and r.case.bug is None and r.case.fsdp != "default" and r.case.variant == "default"
+    ]
     assert len(cells) == len(fsdp_cases()) and {c.case.fsdp for c in cells} == set(FSDP_VARIANTS) - {"default"}
+    failed = [r for r in cells if not r.passed]
+    assert not failed, "\n" + format_table(failed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", PARITY_LAYOUTS, ids=lambda lay: f"dp{lay[0]}_sp{lay[1]}")
+def test_unchunked_head_and_activation_checkpointing_match_the_single_process_reference(parity_results, layout):
+    cells = [r for r in parity_results if r.layout == layout and r.case.bug is None and r.case.variant != "default"]
+    assert [c.case for c in cells] == variant_cases(layout)
+    assert {c.case.variant for c in cells} == set(MODEL_VARIANTS) - {"default"}
     failed = [r for r in cells if not r.passed]
     assert not failed, "\n" + format_table(failed)
 

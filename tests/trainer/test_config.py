@@ -127,6 +127,9 @@ def test_balance_dp_token_false_is_rejected_naming_the_key(value):
         ),
         ("grpo", "actor_rollout_ref.rollout.top_p=0", "actor_rollout_ref.rollout.top_p"),
         ("grpo", "custom_reward_function.name=score", "custom_reward_function.path"),
+        ("sft", "model.logits_chunk_size=-1", "model.logits_chunk_size"),
+        ("grpo", "actor_rollout_ref.actor.logits_chunk_size=-1", "actor_rollout_ref.actor.logits_chunk_size"),
+        ("grpo", "actor_rollout_ref.actor.logits_chunk_size=0", None),
     ],
 )
 def test_component_config_errors_name_the_full_key(recipe, override, key):

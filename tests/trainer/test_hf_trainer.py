@@ -138,13 +138,18 @@ def test_partial_pretrain_and_path_that_disagree_are_rejected(tmp_path, tiny_qwe
 
 
 def test_hf_only_keys_on_a_builtin_preset_fail_naming_the_key(tmp_path):
+    config = validate_sft(compose_config("sft", ["model.init=random", f"trainer.default_local_dir={tmp_path / 'run'}"]))
+    with pytest.raises(ConfigError, match="model.init does not apply to the built-in"):
+        config.model.model_config(vocab_size=260)
+
+
+def test_gradient_checkpointing_reaches_a_builtin_preset(tmp_path):
     config = validate_sft(
         compose_config(
             "sft", ["model.enable_gradient_checkpointing=true", f"trainer.default_local_dir={tmp_path / 'run'}"]
         )
     )
-    with pytest.raises(ConfigError, match="model.enable_gradient_checkpointing does not apply to the built-in"):
-        config.model.model_config(vocab_size=260)
+    assert config.model.model_config(vocab_size=260).enable_gradient_checkpointing
 
 
 def test_grpo_model_path_to_a_checkpoint_becomes_the_warm_start_with_a_deprecation(tmp_path, caplog):

@@ -15,6 +15,8 @@ from verl_balance.models.attention import ATTN_IMPLS
 
 LR_SCHEDULERS = ("constant", "cosine")
 PARAM_DTYPES = ("float32", "bfloat16")
+DEFAULT_LOGITS_CHUNK_SIZE = 1024
+
 # Field metadata read by trainer/resume_policy.py: what a resumed run may change (the trainer's
 # recipes nest these classes). "apply": the new value is used from the next step on.
 ON_RESUME = "on_resume"
@@ -114,6 +116,12 @@ class EngineConfig:
     rank; empty = never. Traces go to profile_dir (see engine/profiling.py)."""
     profile_dir: str = "profile"
     """Directory of the traces: <profile_dir>/step_<N>/rank_<R>.trace.json (Chrome/Perfetto)."""
+    logits_chunk_size: int = DEFAULT_LOGITS_CHUNK_SIZE
+    """Tokens per chunk of the output head (models/output_head.py): log-probs, entropy and their
+    gradients are computed chunk by chunk from the final hidden states, recomputing each chunk's
+    logits in the backward, so the head holds about logits_chunk_size x vocab fp32 values instead
+    of micro-batch tokens x vocab (exact: the same values and gradients). 0 = the unchunked path
+    that materializes the micro-batch's full logits (the reference)."""
 
     def __post_init__(self) -> None:
         check_agg_mode(self.loss_agg_mode)
@@ -128,6 +136,12 @@ class EngineConfig:
         ):
             raise EngineConfigError(
                 "loss_agg_mode='seq-mean-token-sum-norm' needs loss_scale_factor > 0 (the constant C)"
+            )
+        if isinstance(self.logits_chunk_size, bool) or not (
+            isinstance(self.logits_chunk_size, int) and self.logits_chunk_size >= 0
+        ):
+            raise EngineConfigError(
+                f"logits_chunk_size={self.logits_chunk_size!r} must be an int >= 1 (tokens per chunk), or 0 = unchunked"
             )
         bad_steps = [s for s in self.profile_steps if int(s) < 1]
         if bad_steps:

@@ -8,7 +8,7 @@ Invariants:
   the same number of micro-batches (checked: a mismatch would otherwise hang a collective).
 - train_step and eval_loss run the same code (_run); eval skips backward and the optimizer.
   _run is composed of the public micro-batch methods (check_micro_batches, pack_micro_batches,
-  prepare_backward, forward_logits, reshard, zero_grad, optimizer_step, advance_schedule), so an
+  prepare_backward, forward_log_probs, reshard, zero_grad, optimizer_step, advance_schedule), so an
   external loop (verl's engine backend) that calls them in the same order takes the same step.
   Per micro-batch a rank back-propagates G * sum(w * l) over its token slice (see loss.py), and
   the logged loss is all_reduce_sum over the world of those sums: the exact global objective.
@@ -50,6 +50,9 @@ from verl_balance.engine.timing import StepTimer
 from verl_balance.loss import LossFn, SFTLoss, TokenWeights, compute_token_weights
 from verl_balance.models import ModelConfig, build_model
 from verl_balance.models.base import PackedCausalLM
+from verl_balance.models.output_head import Temperature, token_log_probs
+
+__all__ = ["TrainEngine", "token_log_probs"]
 
 logger = logging.getLogger(__name__)
 
@@ -65,25 +68,6 @@ def _flops_workload(model_config):
         return FlopsWorkload.from_model_config(model_config)
     except (BalanceConfigError, TypeError, ValueError):
         return None
-
-
-def token_log_probs(
-    logits: Tensor, targets: Tensor, *, with_entropy: bool = False, temperature: float = 1.0
-) -> tuple[Tensor, Tensor | None]:
-    """log p(target_t) per position (fp32) and optionally the entropy of each distribution.
-
-    ``temperature`` divides the logits first, so the log-probs are those of the policy the
-    rollout sampled from (verl's convention for the PPO ratio).
-    """
-    if not temperature > 0:
-        raise ValueError(f"temperature={temperature} must be > 0")
-    logits = logits.float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    logp = torch.log_softmax(logits, dim=-1)
-    picked = logp.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
-    entropy = -(logp.exp() * logp).sum(-1) if with_entropy else None
-    return picked, entropy
 
 
 class TrainEngine:
@@ -135,7 +119,7 @@ class TrainEngine:
     # The steps of train_step, public for a loop that drives micro-batches itself (verl's engine
     # backend in integrations/verl/engine.py); _run is built from the same calls. One train step:
     #   check_micro_batches -> zero_grad -> per micro-batch k of n: prepare_backward(is_last=k == n-1),
-    #   forward_logits, the caller's loss, (G * local objective).backward() -> optimizer_step ->
+    #   forward_log_probs, the caller's loss, (G * local objective).backward() -> optimizer_step ->
     #   advance_schedule; forward-only passes end with reshard().
     def check_micro_batches(self, micro_batches: Sequence[Mapping[str, Tensor]]) -> None:
         """Raise MicroBatchError unless every rank has the same number (>= 1) of micro-batches and
@@ -192,6 +176,27 @@ class TrainEngine:
             position_ids=packed.local("position_ids"),
             cu_seqlens=packed.cu_seqlens_padded,
             max_seqlen=packed.max_seqlen,
+        )
+
+    def forward_log_probs(
+        self, packed: PackedMicroBatch, *, temperature: Temperature = 1.0, with_entropy: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        """(log p(target) [padded_len / sp], entropy or None) of this SP rank's token slice at
+        ``temperature`` (a float, or a per-token tensor over the local slice), fp32; grad-enabled
+        unless the caller disables it. The model's output head computes them in token chunks of
+        ``config.logits_chunk_size`` (0: from the full logits), so no [T, V] logits are held.
+
+        Collective exactly as ``forward_logits``: every rank of the mesh calls it once per
+        micro-batch index in the same order."""
+        return self.model(
+            input_ids=packed.local("input_ids"),
+            position_ids=packed.local("position_ids"),
+            cu_seqlens=packed.cu_seqlens_padded,
+            max_seqlen=packed.max_seqlen,
+            targets=packed.local("targets"),
+            temperature=temperature,
+            with_entropy=with_entropy,
+            logits_chunk_size=self.config.logits_chunk_size,
         )
 
     def prepare_backward(self, *, is_last: bool) -> None:
@@ -358,11 +363,8 @@ class TrainEngine:
                 self.prepare_backward(is_last=k == len(packed) - 1)
             timer.start()
             with torch.set_grad_enabled(training):
-                logits = self.forward_logits(p)
                 inputs = p.local_inputs()
-                log_probs, entropy = token_log_probs(
-                    logits, inputs["targets"], with_entropy=needs_entropy, temperature=temperature
-                )
+                log_probs, entropy = self.forward_log_probs(p, temperature=temperature, with_entropy=needs_entropy)
                 per_token_loss, per_token_metrics = loss_fn(log_probs=log_probs, entropy=entropy, inputs=inputs)
                 objective = (weights[p.local_slice] * per_token_loss).sum()
                 if training:
@@ -455,10 +457,7 @@ class TrainEngine:
         self.model.eval()
         outputs = []
         for p in self.pack_micro_batches(micro_batches, require_loss_mask=False):
-            logits = self.forward_logits(p)
-            log_probs, entropy = token_log_probs(
-                logits, p.local("targets"), with_entropy=with_entropy, temperature=temperature
-            )
+            log_probs, entropy = self.forward_log_probs(p, temperature=temperature, with_entropy=with_entropy)
             group = self.layout.sp_group
             result = {"log_probs": p.unpack(gather_and_unpad(log_probs, group=group, length=p.total_len))}
             if with_entropy:

@@ -22,7 +22,9 @@ MODEL_DIMENSION_KEYS = (
     "tie_word_embeddings",
 )
 # Keys that only a Hugging Face model (model.path) understands.
-HF_ONLY_KEYS = ("init", "enable_gradient_checkpointing")
+HF_ONLY_KEYS = ("init",)
+# Keys of how a model runs (not its dimensions) that both kinds understand.
+MODEL_RUNTIME_KEYS = ("enable_gradient_checkpointing",)
 
 
 def build_model(model_config, *, sp_size: int = 1, attn_impl: str = "auto") -> PackedCausalLM:
@@ -40,32 +42,31 @@ def build_model(model_config, *, sp_size: int = 1, attn_impl: str = "auto") -> P
 def load_model_config(*, name: str | None, path: str | None, overrides: dict[str, Any] | None = None, vocab_size: int):
     """``HFModelConfig`` for a local HF directory (``path``), else the built-in preset ``name``.
 
-    ``overrides`` (None values ignored): for a preset, any of MODEL_DIMENSION_KEYS; for an HF
-    directory, ``init``/``enable_gradient_checkpointing``, and dimension keys only if they equal the
-    directory's. ``vocab_size`` is the tokenizer's: the model's vocabulary must hold it (a preset
-    takes it as its default).
+    ``overrides`` (None values ignored): for a preset, any of MODEL_DIMENSION_KEYS and
+    MODEL_RUNTIME_KEYS; for an HF directory, ``init``/``enable_gradient_checkpointing``, and dimension
+    keys only if they equal the directory's. ``vocab_size`` is the tokenizer's: the model's
+    vocabulary must hold it (a preset takes it as its default).
     """
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     if path is None:
         if name is None:
             raise ModelConfigError("set model.name (a built-in preset) or model.path (a local HF directory)")
-        unknown = sorted(set(overrides) - set(MODEL_DIMENSION_KEYS))
+        unknown = sorted(set(overrides) - set(MODEL_DIMENSION_KEYS) - set(MODEL_RUNTIME_KEYS))
         if unknown:
             raise ModelConfigError(
                 f"model.{unknown[0]} does not apply to the built-in preset {name!r}; valid "
-                f"overrides: {MODEL_DIMENSION_KEYS} ({HF_ONLY_KEYS} need model.path)"
+                f"overrides: {MODEL_DIMENSION_KEYS + MODEL_RUNTIME_KEYS} ({HF_ONLY_KEYS} need model.path)"
             )
         overrides.setdefault("vocab_size", vocab_size)
         config = replace(ModelConfig.preset(name), **overrides)
     else:
         from verl_balance.models.hf import HFModelConfig
 
-        unknown = sorted(set(overrides) - set(MODEL_DIMENSION_KEYS) - set(HF_ONLY_KEYS))
+        hf_keys = HF_ONLY_KEYS + MODEL_RUNTIME_KEYS
+        unknown = sorted(set(overrides) - set(MODEL_DIMENSION_KEYS) - set(hf_keys))
         if unknown:
-            raise ModelConfigError(
-                f"model.{unknown[0]} is not a model key; valid: {MODEL_DIMENSION_KEYS + HF_ONLY_KEYS}"
-            )
-        config = HFModelConfig.from_pretrained(path, **{k: overrides[k] for k in HF_ONLY_KEYS if k in overrides})
+            raise ModelConfigError(f"model.{unknown[0]} is not a model key; valid: {MODEL_DIMENSION_KEYS + hf_keys}")
+        config = HFModelConfig.from_pretrained(path, **{k: overrides[k] for k in hf_keys if k in overrides})
         for key in MODEL_DIMENSION_KEYS:
             if key in overrides and overrides[key] != getattr(config, key):
                 raise ModelConfigError(
@@ -82,6 +83,7 @@ def load_model_config(*, name: str | None, path: str | None, overrides: dict[str
 __all__ = [
     "HF_ONLY_KEYS",
     "MODEL_DIMENSION_KEYS",
+    "MODEL_RUNTIME_KEYS",
     "LlamaForCausalLM",
     "ModelConfig",
     "ModelConfigError",

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from verl_balance.models.config import ModelConfig
+from verl_balance.models.output_head import LogitTransform, Temperature
 
 if TYPE_CHECKING:
     from verl_balance.models.hf import HFModelConfig
@@ -23,9 +24,34 @@ class PackedCausalLM(Protocol):
     """What TrainEngine calls; LlamaForCausalLM (built-in) and HFCausalLM (Hugging Face) implement it."""
 
     config: ModelConfig | HFModelConfig
+    logit_transform: LogitTransform
+    """The family's transform after the output projection (identity for most)."""
 
-    def forward(self, *, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
-        """Logits [T_local, V]; cu_seqlens spans the full padded stream (all SP slices)."""
+    def forward(
+        self,
+        *,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        cu_seqlens: Tensor,
+        max_seqlen: int,
+        targets: Tensor | None = None,
+        temperature: Temperature = 1.0,
+        with_entropy: bool = False,
+        logits_chunk_size: int | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor | None]:
+        """Logits [T_local, V]; cu_seqlens spans the full padded stream (all SP slices). With
+        ``targets`` [T_local]: ``head_token_log_probs`` of the final hidden states instead, i.e.
+        (log p(target) [T_local], entropy [T_local] or None) at ``temperature``, chunked over tokens
+        when ``logits_chunk_size`` >= 1. The head runs inside forward so that FSDP2's root hooks
+        unshard the output weight for it (and again for its backward)."""
+        ...
+
+    def forward_hidden(self, *, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
+        """Final (normed) hidden states [T_local, H], the input of the output projection."""
+        ...
+
+    def output_weight(self) -> Tensor:
+        """The output projection weight [V, H] (the input embedding when tied)."""
         ...
 
     def set_sequence_parallel_group(self, group: dist.ProcessGroup | None) -> None:

@@ -24,6 +24,8 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     initializer_range: float = 0.02
+    enable_gradient_checkpointing: bool = False
+    """Activation checkpointing per decoder layer in training (verl's model key); not a dimension."""
 
     def __post_init__(self) -> None:
         if self.hidden_size % self.num_heads:

@@ -42,7 +42,7 @@ from verl_balance.models.attention import (
     register_hf_attention,
 )
 from verl_balance.models.config import ModelConfigError
-from verl_balance.models.output_head import LogitTransform
+from verl_balance.models.output_head import LogitTransform, Temperature, head_token_log_probs
 
 # Each has a tiny variant in tests/models/_tiny_variants.py whose packed logits equal HF's.
 SUPPORTED_MODEL_TYPES = (
@@ -259,9 +259,10 @@ class HFCausalLM(nn.Module):
             hf_model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.model = hf_model.model
         self.lm_head = hf_model.lm_head
-        hf_config = hf_model.config
-        self.logit_transform = LogitTransform.from_hf_config(hf_config)
-        self.rope_length_limit = rope_length_limit(hf_config)
+        if getattr(self.lm_head, "bias", None) is not None:
+            raise ModelConfigError(f"model.path={config.path!r}: an output projection with a bias is not supported")
+        self.logit_transform = LogitTransform.from_hf_config(hf_model.config)
+        self.rope_length_limit = rope_length_limit(hf_model.config)
         # Not a submodule: registering it would prefix every parameter name with "hf_model.".
         object.__setattr__(self, "hf_model", hf_model)
         if config.tie_word_embeddings:
@@ -281,9 +282,12 @@ class HFCausalLM(nn.Module):
         assert units, f"no module of {sorted(names)} found in {type(self.hf_model).__name__}"
         return units
 
-    def forward(self, *, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
-        """Logits [T_local, V] for this rank's slice of the packed stream (HF's logits exactly: the
-        family's logit transform included; MoE router logits are not collected)."""
+    def output_weight(self) -> Tensor:
+        """The output projection [V, H] (``lm_head.weight``; the embedding when tied)."""
+        return self.lm_head.weight
+
+    def forward_hidden(self, *, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
+        """Final (normed) hidden states [T_local, H] of this rank's slice of the packed stream."""
         if self.rope_length_limit is not None and int(max_seqlen) > self.rope_length_limit:
             raise ModelConfigError(
                 f"{self.config.model_type} at {self.config.path!r}: a sequence of {int(max_seqlen)} tokens exceeds "
@@ -304,4 +308,34 @@ class HFCausalLM(nn.Module):
             packed_attn_impl=self.attn_impl,
             **({"output_router_logits": False} if self.config.num_experts else {}),
         )
-        return self.logit_transform.apply(self.lm_head(out.last_hidden_state[0]))
+        return out.last_hidden_state[0]
+
+    def forward(
+        self,
+        *,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        cu_seqlens: Tensor,
+        max_seqlen: int,
+        targets: Tensor | None = None,
+        temperature: Temperature = 1.0,
+        with_entropy: bool = False,
+        logits_chunk_size: int | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor | None]:
+        """Logits [T_local, V] (the family's LogitTransform applied) for this rank's slice of the
+        packed stream; with ``targets``, the output head's (log p(target) [T_local], entropy
+        [T_local] or None) instead (see models/output_head.py; chunked when ``logits_chunk_size`` >= 1)."""
+        hidden = self.forward_hidden(
+            input_ids=input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen
+        )
+        if targets is None:
+            return self.logit_transform.apply(self.lm_head(hidden))
+        return head_token_log_probs(
+            hidden,
+            self.output_weight(),
+            targets,
+            transform=self.logit_transform,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            chunk_size=logits_chunk_size,
+        )

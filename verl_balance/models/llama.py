@@ -17,9 +17,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from verl_balance.models.attention import check_sequence_parallel_heads, packed_attention
 from verl_balance.models.config import ModelConfig, ModelConfigError
+from verl_balance.models.output_head import LogitTransform, Temperature, head_token_log_probs
 
 
 def check_sequence_parallel(config: ModelConfig, sp_size: int) -> None:
@@ -122,7 +124,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block: x + attn(input_norm(x)), then + mlp(post_attn_norm(x))."""
+    """Pre-norm residual block: x + attn(input_norm(x)), then + mlp(post_attn_norm(x)).
+
+    With ``gradient_checkpointing`` (training with grad enabled) the block keeps only its input and
+    recomputes its activations in the backward. The checkpoint runs inside ``forward``, so FSDP2's
+    hooks on this unit stay outside it (as torch's checkpoint_wrapper applied before fully_shard):
+    the recompute finds the parameters already unsharded by the pre-backward hook."""
 
     def __init__(self, config: ModelConfig, *, sp_size: int, attn_impl: str):
         super().__init__()
@@ -130,8 +137,14 @@ class DecoderLayer(nn.Module):
         self.attn = Attention(config, sp_size=sp_size, attn_impl=attn_impl)
         self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
+        self.gradient_checkpointing = config.enable_gradient_checkpointing
 
     def forward(self, x: Tensor, **attn_kwargs) -> Tensor:
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+            return checkpoint(self._block, x, use_reentrant=False, **attn_kwargs)
+        return self._block(x, **attn_kwargs)
+
+    def _block(self, x: Tensor, **attn_kwargs) -> Tensor:
         x = x + self.attn(self.input_norm(x), **attn_kwargs)
         return x + self.mlp(self.post_attn_norm(x))
 
@@ -144,6 +157,7 @@ class LlamaForCausalLM(nn.Module):
         check_sequence_parallel(config, sp_size)
         self.config, self.sp_size = config, sp_size
         self.sp_group: dist.ProcessGroup | None = None
+        self.logit_transform = LogitTransform()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, sp_size=sp_size, attn_impl=attn_impl) for _ in range(config.num_layers)
@@ -172,8 +186,12 @@ class LlamaForCausalLM(nn.Module):
         """Submodules to shard as separate FSDP2 units (the root is sharded last)."""
         return list(self.layers)
 
-    def forward(self, *, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
-        """Logits [T_local, V] for this rank's slice of the packed stream."""
+    def output_weight(self) -> Tensor:
+        """The output projection [V, H] (the embedding when tie_word_embeddings)."""
+        return self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
+
+    def forward_hidden(self, *, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
+        """Final (normed) hidden states [T_local, H] of this rank's slice of the packed stream."""
         x = self.embed_tokens(input_ids)
         cos, sin = rotary_cos_sin(
             position_ids, head_dim=self.config.head_dim, theta=self.config.rope_theta, dtype=x.dtype
@@ -181,6 +199,34 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, head_dim]: broadcast over heads
         for layer in self.layers:
             x = layer(x, cos=cos, sin=sin, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, sp_group=self.sp_group)
-        x = self.norm(x)
-        weight = self.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        return F.linear(x, weight)
+        return self.norm(x)
+
+    def forward(
+        self,
+        *,
+        input_ids: Tensor,
+        position_ids: Tensor,
+        cu_seqlens: Tensor,
+        max_seqlen: int,
+        targets: Tensor | None = None,
+        temperature: Temperature = 1.0,
+        with_entropy: bool = False,
+        logits_chunk_size: int | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor | None]:
+        """Logits [T_local, V] for this rank's slice of the packed stream; with ``targets``, the
+        output head's (log p(target) [T_local], entropy [T_local] or None) instead (see
+        models/output_head.py; chunked when ``logits_chunk_size`` >= 1)."""
+        hidden = self.forward_hidden(
+            input_ids=input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen
+        )
+        if targets is None:
+            return self.logit_transform.apply(F.linear(hidden, self.output_weight()))
+        return head_token_log_probs(
+            hidden,
+            self.output_weight(),
+            targets,
+            transform=self.logit_transform,
+            temperature=temperature,
+            with_entropy=with_entropy,
+            chunk_size=logits_chunk_size,
+        )

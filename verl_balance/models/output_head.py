@@ -49,3 +49,202 @@ class LogitTransform:
             scale=1.0 / float(logits_scaling) if logits_scaling else 1.0,
             softcap=float(softcap) if softcap else None,
         )
+
+
+Temperature = float | Tensor
+"""A sampling temperature: one float, or a per-token [T] tensor (verl's per-sample temperatures)."""
+
+
+def check_temperature(temperature: Temperature) -> None:
+    """Raise ValueError unless every temperature is > 0 (finite)."""
+    if isinstance(temperature, Tensor):
+        if temperature.numel() and not bool(((temperature > 0) & torch.isfinite(temperature)).all()):
+            raise ValueError(f"temperature must be > 0 for every token; got min {float(temperature.min())}")
+    elif not (temperature > 0 and temperature != float("inf")):
+        raise ValueError(f"temperature={temperature} must be > 0")
+
+
+def _upcast(logits: Tensor) -> Tensor:
+    """fp32 for 16-bit logits (float64 stays float64, so a float64 test checks the math alone)."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+def _divide_by_temperature(logits: Tensor, temperature: Temperature) -> Tensor:
+    if isinstance(temperature, Tensor):
+        return logits / temperature.to(logits.device, logits.dtype)[:, None]
+    return logits / temperature if temperature != 1.0 else logits
+
+
+def token_log_probs(
+    logits: Tensor, targets: Tensor, *, with_entropy: bool = False, temperature: Temperature = 1.0
+) -> tuple[Tensor, Tensor | None]:
+    """log p(target_t) per position (fp32; float64 stays float64) and optionally the entropy of
+    each distribution.
+
+    ``temperature`` divides the logits first (a float, or a per-token [T] tensor), so the log-probs
+    are those of the policy the rollout sampled from (verl's convention for the PPO ratio).
+    """
+    check_temperature(temperature)
+    logp = torch.log_softmax(_divide_by_temperature(_upcast(logits), temperature), dim=-1)
+    picked = logp.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp.exp() * logp).sum(-1) if with_entropy else None
+    return picked, entropy
+
+
+def _chunk_logits_from_projection(projected: Tensor, transform: LogitTransform, temperature: Temperature) -> Tensor:
+    """fp32 logits / temperature of one chunk, computed exactly as the unchunked path does (the
+    family transform in the parameter dtype, then fp32, then the temperature)."""
+    return _divide_by_temperature(_upcast(transform.apply(projected)), temperature)
+
+
+def _slice_temperature(temperature: Temperature, start: int, end: int) -> Temperature:
+    return temperature[start:end] if isinstance(temperature, Tensor) else temperature
+
+
+class _ChunkedTokenLogProbs(torch.autograd.Function):
+    """(hidden [T, H], weight [V, H]) -> (log p(target) [T], entropy [T]) in token chunks.
+
+    Forward keeps hidden, weight, targets and the per-token outputs only; backward recomputes each
+    chunk's logits and softmax and accumulates the gradients of hidden and weight, so at most one
+    chunk's [chunk, V] logits (and a few same-sized temporaries) are alive at a time."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, transform, chunk_size, with_entropy):
+        n = hidden.shape[0]
+        dtype = torch.promote_types(hidden.dtype, torch.float32)
+        log_probs = torch.empty(n, dtype=dtype, device=hidden.device)
+        entropy = torch.empty(n if with_entropy else 0, dtype=dtype, device=hidden.device)
+        for start in range(0, n, chunk_size):
+            end = min(start + chunk_size, n)
+            projected = torch.nn.functional.linear(hidden[start:end], weight)
+            chunk_temperature = _slice_temperature(temperature, start, end)
+            logp = torch.log_softmax(_chunk_logits_from_projection(projected, transform, chunk_temperature), dim=-1)
+            del projected
+            log_probs[start:end] = logp.gather(-1, targets[start:end].long().unsqueeze(-1)).squeeze(-1)
+            if with_entropy:
+                entropy[start:end] = -logp.exp().mul_(logp).sum(-1)
+            del logp
+        saved_temperature = temperature if isinstance(temperature, Tensor) else None
+        ctx.save_for_backward(hidden, weight, targets, entropy, saved_temperature)
+        ctx.temperature = None if saved_temperature is not None else temperature
+        ctx.transform, ctx.chunk_size, ctx.with_entropy = transform, chunk_size, with_entropy
+        return log_probs, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_probs, grad_entropy):
+        hidden, weight, targets, entropy, temperature = ctx.saved_tensors
+        temperature = temperature if temperature is not None else ctx.temperature
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        # The weight's gradient is accumulated over the chunks in fp32 (a transient V x H fp32
+        # buffer for 16-bit weights), so chunking adds no rounding step to it.
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = torch.zeros(weight.shape, dtype=grad_log_probs.dtype, device=weight.device)
+        for start in range(0, hidden.shape[0], ctx.chunk_size):
+            end = min(start + ctx.chunk_size, hidden.shape[0])
+            grad_z = _chunk_logit_grad(
+                hidden[start:end],
+                weight,
+                targets=targets[start:end],
+                temperature=_slice_temperature(temperature, start, end),
+                transform=ctx.transform,
+                grad_log_probs=grad_log_probs[start:end],
+                grad_entropy=grad_entropy[start:end] if ctx.with_entropy else None,
+                entropy=entropy[start:end] if ctx.with_entropy else None,
+            ).to(hidden.dtype)
+            if grad_hidden is not None:
+                grad_hidden[start:end] = grad_z @ weight
+            if grad_weight is not None:
+                grad_weight.addmm_(grad_z.t().to(grad_weight.dtype), hidden[start:end].to(grad_weight.dtype))
+        grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
+        return grad_hidden, grad_weight, None, None, None, None, None
+
+
+def _chunk_logit_grad(
+    hidden: Tensor,
+    weight: Tensor,
+    *,
+    targets: Tensor,
+    temperature: Temperature,
+    transform: LogitTransform,
+    grad_log_probs: Tensor,
+    grad_entropy: Tensor | None,
+    entropy: Tensor | None,
+) -> Tensor:
+    """d(outputs)/d(projected logits z) of one chunk, [chunk, V], from recomputed logits.
+
+    With l = softcap(scale * z) / temperature and logp = log_softmax(l):
+    d logp[target]/dl = onehot - p and d entropy/dl = -p * (logp + entropy); then the chain rule
+    through the temperature, tanh' = 1 - tanh^2 and the scale. Works in place on the chunk's
+    buffers, so about three [chunk, V] tensors are alive at once."""
+    projected = torch.nn.functional.linear(hidden, weight)
+    capped = None
+    if transform.softcap is not None:
+        capped = _upcast(torch.tanh(projected * transform.scale / transform.softcap))
+    logp = torch.log_softmax(_chunk_logits_from_projection(projected, transform, temperature), dim=-1)
+    del projected
+    p = logp.exp()
+    if grad_entropy is not None:
+        grad = logp.add_(entropy[:, None]).mul_(p).mul_(-grad_entropy[:, None])
+        grad.addcmul_(p, grad_log_probs[:, None], value=-1.0)
+    else:
+        grad = p.mul_(-grad_log_probs[:, None])
+    del p, logp
+    grad.scatter_add_(-1, targets.long().unsqueeze(-1), grad_log_probs[:, None].to(grad.dtype))
+    if isinstance(temperature, Tensor):
+        grad.div_(temperature.to(grad.device, grad.dtype)[:, None])
+    elif temperature != 1.0:
+        grad.div_(temperature)
+    if capped is not None:
+        grad.mul_(capped.square_().neg_().add_(1.0))
+    return grad.mul_(transform.scale) if transform.scale != 1.0 else grad
+
+
+def chunked_token_log_probs(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    transform: LogitTransform = LogitTransform(),
+    temperature: Temperature = 1.0,
+    with_entropy: bool = False,
+    chunk_size: int,
+) -> tuple[Tensor, Tensor | None]:
+    """``token_log_probs(transform(hidden @ weight^T), targets, ...)`` without materializing the
+    [T, V] logits: peak memory of the head is about chunk_size x V (fp32) in forward and backward.
+
+    Exact: the forward computes each chunk exactly as the unchunked path; gradients with respect to
+    hidden and weight are the analytic ones (equal to autograd's up to float rounding)."""
+    if not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"logits_chunk_size={chunk_size!r} must be an int >= 1 (or 0 for the unchunked path)")
+    check_temperature(temperature)
+    log_probs, entropy = _ChunkedTokenLogProbs.apply(
+        hidden, weight, targets, temperature, transform, chunk_size, with_entropy
+    )
+    return log_probs, entropy if with_entropy else None
+
+
+def head_token_log_probs(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    transform: LogitTransform,
+    temperature: Temperature = 1.0,
+    with_entropy: bool = False,
+    chunk_size: int | None,
+) -> tuple[Tensor, Tensor | None]:
+    """The output head on final hidden states: chunked when ``chunk_size`` >= 1, else (0 / None)
+    the reference path that materializes ``transform(hidden @ weight^T)`` in full."""
+    if not chunk_size:
+        logits = transform.apply(torch.nn.functional.linear(hidden, weight))
+        return token_log_probs(logits, targets, with_entropy=with_entropy, temperature=temperature)
+    return chunked_token_log_probs(
+        hidden,
+        weight,
+        targets,
+        transform=transform,
+        temperature=temperature,
+        with_entropy=with_entropy,
+        chunk_size=chunk_size,
+    )

@@ -30,6 +30,7 @@ from verl_balance.balance.plan import OVERLONG_POLICIES
 from verl_balance.data.sft_dataset import SFTDataConfig
 from verl_balance.engine.config import (
     APPLY_ON_RESUME,
+    DEFAULT_LOGITS_CHUNK_SIZE,
     LAYOUT_ON_RESUME,
     PARAM_DTYPES,
     EngineConfig,
@@ -99,7 +100,8 @@ class ModelSection:
     """With ``path``: 'pretrained' loads the directory's weights, 'random' draws new ones of that
     architecture (seeded by trainer.seed). A built-in preset is always random."""
     enable_gradient_checkpointing: bool = field(default=False, metadata=LAYOUT_ON_RESUME)
-    """verl's key: activation checkpointing per decoder layer (HF models only)."""
+    """verl's key: activation checkpointing per decoder layer (built-in and HF models): the same loss
+    and gradients, activations recomputed in the backward (parity-tested under FSDP2)."""
     param_dtype: str = "float32"
     """Dtype of the parameters the engine computes in: one of engine.config.PARAM_DTYPES."""
     vocab_size: Optional[int] = None
@@ -142,8 +144,7 @@ class ModelSection:
         # HF-only keys are passed only when set away from their defaults, so a preset rejects them.
         if self.path is not None or self.init != "pretrained":
             overrides["init"] = self.init
-        if self.path is not None or self.enable_gradient_checkpointing:
-            overrides["enable_gradient_checkpointing"] = self.enable_gradient_checkpointing
+        overrides["enable_gradient_checkpointing"] = self.enable_gradient_checkpointing
         try:
             return load_model_config(name=self.name, path=self.path, overrides=overrides, vocab_size=vocab_size)
         except ModelConfigError as err:
@@ -190,6 +191,11 @@ class SFTModelSection(ModelSection):
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig, metadata=LAYOUT_ON_RESUME)
     """verl's key: the engine's FSDP2 switches (reshard_after_forward, reshard_after_backward,
     defer_gradient_sync); the defaults use the least memory. See docs/performance.md."""
+    logits_chunk_size: int = field(default=DEFAULT_LOGITS_CHUNK_SIZE, metadata=LAYOUT_ON_RESUME)
+    """Tokens per chunk of the engine's output head: log-probs, entropy and their backward are
+    computed chunk by chunk from the final hidden states (logits recomputed in the backward), so the
+    head holds about logits_chunk_size x vocab fp32 values, not micro-batch tokens x vocab; the same
+    values and gradients. 0 = materialize the full logits (engine/config.py, docs/performance.md)."""
 
     def __post_init__(self) -> None:
         if self.partial_pretrain is not None:
@@ -520,6 +526,7 @@ def build_engine_config(
     profile_steps: Sequence[int] = (),
     profile_dir: str = "profile",
     updates_per_step: int = 1,
+    logits_chunk_size: int = DEFAULT_LOGITS_CHUNK_SIZE,
 ) -> EngineConfig:
     """The engine's config for a run of ``total_steps`` optimizer steps; ``keys`` maps its field
     names (optim, loss_agg_mode, loss_scale_factor, param_dtype) to the recipe's keys for errors.
@@ -538,6 +545,7 @@ def build_engine_config(
             fsdp=fsdp if fsdp is not None else FSDPConfig(),
             profile_steps=engine_profile_steps(profile_steps, updates_per_step=updates_per_step),
             profile_dir=profile_dir,
+            logits_chunk_size=logits_chunk_size,
         )
     except ValueError as err:
         prefixes = {name: key[: -len(name)] for name, key in keys.items()}
@@ -581,6 +589,7 @@ SFT_ENGINE_KEYS = {
     "param_dtype": "model.param_dtype",
     "fsdp": "model.fsdp_config",
     "profile_steps": "trainer.profile_steps",
+    "logits_chunk_size": "model.logits_chunk_size",
 }
 
 
@@ -608,5 +617,6 @@ def validate_sft(cfg: DictConfig) -> SFTConfig:
         fsdp=config.model.fsdp_config,
         profile_steps=config.trainer.profile_steps,
         profile_dir=config.trainer.profile_path,
+        logits_chunk_size=config.model.logits_chunk_size,
     )
     return config

@@ -26,7 +26,13 @@ from omegaconf import DictConfig
 from verl_balance.algorithms import ADV_ESTIMATORS, PolicyLossConfig
 from verl_balance.data.rl_dataset import RLDataConfig
 from verl_balance.data.synthetic import TASKS, SyntheticConfig
-from verl_balance.engine.config import APPLY_ON_RESUME, LAYOUT_ON_RESUME, FSDPConfig, OptimConfig
+from verl_balance.engine.config import (
+    APPLY_ON_RESUME,
+    DEFAULT_LOGITS_CHUNK_SIZE,
+    LAYOUT_ON_RESUME,
+    FSDPConfig,
+    OptimConfig,
+)
 from verl_balance.loss import check_agg_mode
 from verl_balance.trainer.checkpoint import COMPLETE_FILE, TRAINER_STATE_FILE
 from verl_balance.trainer.config import (
@@ -181,6 +187,11 @@ class ActorSection(PolicyLossConfig):
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig, metadata=LAYOUT_ON_RESUME)
     """verl's key: the engine's FSDP2 switches (reshard_after_forward, reshard_after_backward,
     defer_gradient_sync); the defaults use the least memory. See docs/performance.md."""
+    logits_chunk_size: int = field(default=DEFAULT_LOGITS_CHUNK_SIZE, metadata=LAYOUT_ON_RESUME)
+    """Tokens per chunk of the engine's output head: log-probs, entropy and their backward are
+    computed chunk by chunk from the final hidden states (logits recomputed in the backward), so the
+    head holds about logits_chunk_size x vocab fp32 values, not micro-batch tokens x vocab; the same
+    values and gradients. 0 = materialize the full logits (engine/config.py, docs/performance.md)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -364,6 +375,7 @@ GRPO_ENGINE_KEYS = {
     "param_dtype": "actor_rollout_ref.model.param_dtype",
     "fsdp": "actor_rollout_ref.actor.fsdp_config",
     "profile_steps": "trainer.profile_steps",
+    "logits_chunk_size": "actor_rollout_ref.actor.logits_chunk_size",
 }
 
 
@@ -419,6 +431,7 @@ def validate_grpo(cfg: DictConfig) -> GRPOConfig:
         fsdp=actor.fsdp_config,
         profile_steps=config.trainer.profile_steps,
         profile_dir=config.trainer.profile_path,
+        logits_chunk_size=actor.logits_chunk_size,
     )
     return config
 

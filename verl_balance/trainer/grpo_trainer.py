@@ -173,6 +173,7 @@ class GRPOTrainer(DriverBase):
             profile_steps=config.trainer.profile_steps,
             profile_dir=config.trainer.profile_path,
             updates_per_step=self.updates_per_step,
+            logits_chunk_size=a.logits_chunk_size,
         )
         self.policy_loss = a.policy_loss()
         worker_config = ActorRolloutWorkerConfig(

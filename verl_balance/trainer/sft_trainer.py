@@ -92,6 +92,7 @@ class SFTTrainer(DriverBase):
             fsdp=config.model.fsdp_config,
             profile_steps=config.trainer.profile_steps,
             profile_dir=config.trainer.profile_path,
+            logits_chunk_size=config.model.logits_chunk_size,
         )
         self.start_workers(
             worker_config=ActorWorkerConfig(

@@ -53,7 +53,12 @@ from verl.workers.engine.base import BaseEngine, EngineRegistry  # noqa: E402
 from verl_balance.balance.plan import plan_balance  # noqa: E402
 from verl_balance.distributed.layout import ParallelLayout  # noqa: E402
 from verl_balance.distributed.ulysses import gather_and_unpad  # noqa: E402
-from verl_balance.engine.config import EngineConfig, FSDPConfig, OptimConfig  # noqa: E402
+from verl_balance.engine.config import (  # noqa: E402
+    DEFAULT_LOGITS_CHUNK_SIZE,
+    EngineConfig,
+    FSDPConfig,
+    OptimConfig,
+)
 from verl_balance.engine.train_engine import TrainEngine  # noqa: E402
 from verl_balance.models.attention import ATTN_IMPLS  # noqa: E402
 
@@ -86,8 +91,9 @@ class VerlBalanceEngineConfig(FSDPEngineConfig):
 
     Read from the FSDP keys: ``ulysses_sequence_parallel_size``, ``seed``, ``reshard_after_forward``,
     ``use_no_sync_for_gradient_accumulation``, ``mixed_precision.param_dtype`` (bf16 by default, as
-    verl; fp32 for exact parity). Offload is rejected; the other FSDP-only keys (wrap policy,
-    ``fsdp_size``, entropy chunking, ``pad_to_length``, ...) do not apply to this backend."""
+    verl; fp32 for exact parity), ``entropy_from_logits_with_chunking`` / ``entropy_checkpointing`` /
+    ``entropy_from_logits_chunk_size`` (see ``logits_chunk_size``). Offload is rejected; the other
+    FSDP-only keys (wrap policy, ``fsdp_size``, ``pad_to_length``, ...) do not apply to this backend."""
 
     strategy: str = BACKEND
     balance: bool = True
@@ -96,6 +102,11 @@ class VerlBalanceEngineConfig(FSDPEngineConfig):
     """Cost model of a sample: 'flops' (the model's dimensions, quadratic attention) or 'tokens'."""
     attn_impl: str = "auto"
     """verl_balance's packed-attention implementation (see models/attention.py)."""
+    logits_chunk_size: int | None = None
+    """Tokens per chunk of the output head (log-probs, entropy and their backward without the full
+    [T, V] logits; engine/config.py). null: verl's ``entropy_from_logits_chunk_size`` when
+    ``entropy_from_logits_with_chunking`` or ``entropy_checkpointing`` is set (our head is both:
+    chunked, and recomputed in the backward), else verl_balance's default; 0 = unchunked."""
 
     def __post_init__(self):
         VerlEngineConfig.__post_init__(self)  # FSDPEngineConfig's check admits only its own strategies
@@ -112,10 +123,24 @@ class VerlBalanceEngineConfig(FSDPEngineConfig):
                 "engine.param_offload / optimizer_offload / offload_policy: offload "
                 "is not implemented by the verl_balance backend; set them to false"
             )
+        if self.logits_chunk_size == 0 and (self.entropy_from_logits_with_chunking or self.entropy_checkpointing):
+            raise VerlBalanceEngineConfigError(
+                "engine.logits_chunk_size=0 (unchunked head) contradicts engine.entropy_from_logits_with_chunking / "
+                "entropy_checkpointing=true; set logits_chunk_size to null or a positive chunk size"
+            )
         if not (isinstance(self.ulysses_sequence_parallel_size, int) and self.ulysses_sequence_parallel_size >= 1):
             raise VerlBalanceEngineConfigError(
                 f"engine.ulysses_sequence_parallel_size={self.ulysses_sequence_parallel_size!r} must be an int >= 1"
             )
+
+    @property
+    def head_chunk_size(self) -> int:
+        """The engine's ``logits_chunk_size`` (see the field)."""
+        if self.logits_chunk_size is not None:
+            return int(self.logits_chunk_size)
+        if self.entropy_from_logits_with_chunking or self.entropy_checkpointing:
+            return int(self.entropy_from_logits_chunk_size)
+        return DEFAULT_LOGITS_CHUNK_SIZE
 
     @property
     def param_dtype_name(self) -> str:
@@ -184,6 +209,7 @@ def _our_engine_config(engine_config: VerlBalanceEngineConfig, optimizer_config)
         param_dtype=engine_config.param_dtype_name,
         attn_impl=engine_config.attn_impl,
         seed=engine_config.seed,
+        logits_chunk_size=engine_config.head_chunk_size,
     )
 
 
@@ -217,7 +243,7 @@ def plan_checkpoint_retention(
 class VerlBalanceEngine(BaseEngine):
     """verl ``BaseEngine`` over verl_balance's FSDP2 + Ulysses ``TrainEngine`` (see module docstring).
 
-    Drives ``TrainEngine``'s public micro-batch API only (``pack_micro_batches``, ``forward_logits``,
+    Drives ``TrainEngine``'s public micro-batch API only (``pack_micro_batches``, ``forward_log_probs``,
     ``prepare_backward``, ``reshard``, ``zero_grad``, ``optimizer_step``, ``advance_schedule``), the
     calls ``TrainEngine.train_step`` is made of; ``save_checkpoint`` keeps the newest
     ``max_ckpt_to_keep`` checkpoints as verl's FSDP checkpoint manager does."""
@@ -402,16 +428,15 @@ class VerlBalanceEngine(BaseEngine):
         (packed,) = engine.pack_micro_batches(
             [{"input_ids": input_ids, "attention_mask": attention_mask}], require_loss_mask=False
         )
-        logits = engine.forward_logits(packed).float()
         temperature = tu.get_non_tensor_data(data=micro_batch, key="temperature", default=1.0)
         if isinstance(temperature, torch.Tensor):
             per_token = torch.repeat_interleave(temperature.float().cpu(), torch.as_tensor(packed.seq_lens))
             per_token = torch.cat([per_token, per_token.new_ones(packed.padded_len - packed.total_len)])
-            logits = logits / per_token[packed.local_slice].to(logits.device)[:, None]
-        elif float(temperature) != 1.0:
-            logits = logits / float(temperature)
-        logp_all = torch.log_softmax(logits, dim=-1)
-        log_probs = logp_all.gather(-1, packed.local("targets").long().unsqueeze(-1)).squeeze(-1)
+            temperature = per_token[packed.local_slice].to(self.layout.device)
+        else:
+            temperature = float(temperature)
+        # The engine's own output head (chunked over tokens: no [T, V] logits are held).
+        log_probs, entropy = engine.forward_log_probs(packed, temperature=temperature, with_entropy=calculate_entropy)
         group = self.layout.sp_group
         offsets = packed.cu_seqlens.to(log_probs.device)
         ends = offsets[1:] - 1
@@ -423,7 +448,6 @@ class VerlBalanceEngine(BaseEngine):
             )
         }
         if calculate_entropy:
-            entropy = -(logp_all.exp() * logp_all).sum(-1)
             out["entropy"] = torch.nested.nested_tensor_from_jagged(
                 gather_and_unpad(entropy, group=group, length=packed.total_len), offsets
             )
