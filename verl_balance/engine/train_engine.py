@@ -478,6 +478,20 @@ class TrainEngine:
             out[name] = value.detach().cpu().clone()
         return out
 
+    def save_hf_model(self, out: str, *, tokenizer_path: str | None = None) -> None:
+        """The model as a Hugging Face save_pretrained directory ``out`` (fp32 safetensors files of
+        bounded size; a built-in model as Llama). Collective: tensors are gathered one at a time and
+        written by global rank 0 only (engine/hf_export.py); ends with a barrier."""
+        from verl_balance.engine.hf_export import save_engine_model_as_hf
+
+        save_engine_model_as_hf(
+            self.model,
+            model_config=self.model_config,
+            out=out,
+            tokenizer_path=tokenizer_path,
+            group=self.layout.world_group,
+        )
+
     def save_checkpoint(self, path: str, *, step: int, extra: dict | None = None) -> None:
         """Sharded DCP checkpoint of model + optimizer, plus scheduler/step/extra. Collective."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)

@@ -14,6 +14,7 @@ the (name, shape, dtype) list before any tensor arrives, so names never change m
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ import torch
 from torch import Tensor
 
 from verl_balance.models.config import ModelConfigError
+
+logger = logging.getLogger(__name__)
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
@@ -145,3 +148,29 @@ def write_tensors(
     for name, tensor in tensors:
         writer.add(name, tensor)
     return writer.close()
+
+
+def save_hf_directory(
+    out: str,
+    *,
+    hf_config,
+    specs: Sequence[TensorSpec],
+    tensors: Iterable[tuple[str, Tensor]],
+    tokenizer_path: str | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> str:
+    """A save_pretrained-style directory: ``hf_config`` as config.json (with the tensors' dtype),
+    the tensors as bounded safetensors files, and the tokenizer of ``tokenizer_path`` if it has one."""
+    os.makedirs(out, exist_ok=True)
+    write_tensors(out, specs, tensors, max_shard_bytes=max_shard_bytes)
+    dtypes = {s.dtype for s in specs}
+    if len(dtypes) == 1:
+        hf_config.dtype = dtypes.pop()
+    hf_config.save_pretrained(out)
+    if tokenizer_path and os.path.exists(os.path.join(tokenizer_path, "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True).save_pretrained(out)
+    else:
+        logger.warning("no tokenizer found at %r; %s has weights and config only", tokenizer_path, out)
+    return out
