@@ -84,7 +84,7 @@ def _micro_batch():
     return {"input_ids": ids, "attention_mask": mask, "loss_mask": mask.float()}
 
 
-def _ours(rank, *, model_dir: str, dp: int, old: bool):
+def _ours(rank, *, model_dir: str, dp: int, old: bool, step: bool = True):
     from verl_balance.distributed import ParallelLayout
     from verl_balance.engine import EngineConfig, TrainEngine
     from verl_balance.models import build_model
@@ -105,6 +105,8 @@ def _ours(rank, *, model_dir: str, dp: int, old: bool):
     )
     del model
     start = _peak_gb()
+    if not step:
+        return base, start, float("nan")
     engine.train_step([_micro_batch()])
     return base, start, _peak_gb()
 
@@ -170,6 +172,7 @@ def main() -> None:
     parser.add_argument("--dps", default="1,2,4", help="data-parallel sizes for ours")
     parser.add_argument("--old-dps", default="1,2", help="for the old path (dp=4 needs ~18 GB: off by default)")
     parser.add_argument("--verl-dps", default="1,2", help="for verl's fsdp2 engine ('' to skip)")
+    parser.add_argument("--no-step", action="store_true", help="ours: start-up only (no train step)")
     parser.add_argument("--dir", default=None, help="model directory (written if absent; default: a temp dir)")
     args = parser.parse_args()
     tmp = None if args.dir else tempfile.mkdtemp(prefix="memory_bench_")
@@ -187,7 +190,8 @@ def main() -> None:
         rows.append(("old", dp, _measure(functools.partial(_ours, model_dir=model_dir, dp=dp, old=True), dp)))
         print(rows[-1], flush=True)
     for dp in dps(args.dps):
-        rows.append(("ours", dp, _measure(functools.partial(_ours, model_dir=model_dir, dp=dp, old=False), dp)))
+        fn = functools.partial(_ours, model_dir=model_dir, dp=dp, old=False, step=not args.no_step)
+        rows.append(("ours", dp, _measure(fn, dp)))
         print(rows[-1], flush=True)
     for dp in dps(args.verl_dps):
         rows.append(("verl fsdp2", dp, _measure(functools.partial(_verl, model_dir=model_dir, dp=dp), dp)))

@@ -205,8 +205,10 @@ def fill_pretrained(model: nn.Module, path: str) -> None:
             raise ModelConfigError(f"model.path={path!r}: the safetensors have no tensor {name!r}")
         by_file.setdefault(files[key], []).append((name, key, param))
     for file, entries in by_file.items():
-        with safe_open(file, framework="pt") as f:
-            for name, key, param in entries:
+        for name, key, param in entries:
+            # Opened per tensor: the file's mapped pages this rank touched are released after each
+            # tensor, so they never add up to the rank's whole share of the file in its RSS.
+            with safe_open(file, framework="pt") as f:
                 tensor_slice = f.get_slice(key)
                 shape = tuple(tensor_slice.get_shape())
                 if shape != tuple(param.shape):
