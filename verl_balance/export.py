@@ -16,9 +16,12 @@ written to a staging directory beside OUT and renamed into place once complete, 
 leaves nothing half-written and ``--overwrite`` replaces the old OUT (no stale files of it remain)
 only after the new one is complete.
 
-Invariant: tied embeddings are written once. Weights are copied *into* a freshly built HF model,
-so ``lm_head.weight`` stays the same Parameter as ``model.embed_tokens.weight``; loading a
-gathered state dict by assignment would untie them and make HF write a duplicate ``lm_head``.
+Invariant: tied embeddings are written once (``model.embed_tokens.weight``; HF re-ties
+``lm_head.weight`` on load).
+
+Memory: ``load_checkpoint_model_state`` reads the whole model into this one process's host memory,
+4 * P bytes for P parameters (fp32), and ``save_hf_pretrained`` then streams it into safetensors
+files of at most ``max_shard_bytes`` (default 2 GiB); nothing is held on a GPU.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import torch
 from verl_balance.models.config import ModelConfig, ModelConfigError
 from verl_balance.models.hf import HFModelConfig, build_hf_model
 from verl_balance.models.llama import LlamaForCausalLM
+from verl_balance.models.safetensors_io import DEFAULT_MAX_SHARD_BYTES, TensorSpec, save_hf_directory
 from verl_balance.utils import checksums
 from verl_balance.utils.atomic_io import fsync_dir
 
@@ -51,43 +55,49 @@ class ExportError(ValueError):
 
 
 def save_hf_pretrained(
-    state_dict: Mapping[str, torch.Tensor], *, model_config: HFModelConfig, out: str, tokenizer_path: str | None = None
+    state_dict: Mapping[str, torch.Tensor],
+    *,
+    model_config: HFModelConfig,
+    out: str,
+    tokenizer_path: str | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> str:
     """Write ``state_dict`` (HF names, full tensors; a tied ``lm_head.weight`` may be absent) as a
-    save_pretrained directory with safetensors, config and (from ``tokenizer_path``) tokenizer."""
-    with torch.random.fork_rng(devices=[]):
-        model = build_hf_model(replace(model_config, init="random"), attn_implementation="sdpa")
-    expected = model.state_dict()
+    save_pretrained directory: fp32 safetensors files of at most ``max_shard_bytes`` each (plus an
+    index when there are several), config and (from ``tokenizer_path``) tokenizer.
+
+    Names and shapes are checked against the model built on the meta device (no weights); tensors
+    are streamed file by file, so beyond ``state_dict`` itself this holds at most one file's fp32
+    copies (none when the tensors already are fp32 on the host). A tied ``lm_head.weight`` is not
+    written (HF re-ties it on load)."""
+    from verl_balance.engine.materialize import parameters_on_meta
+
+    with parameters_on_meta(), torch.random.fork_rng(devices=[]):
+        skeleton = build_hf_model(replace(model_config, init="random"), attn_implementation="sdpa")
+    expected = dict(skeleton.named_parameters())  # a tied lm_head.weight appears once, as embed_tokens
     state = dict(state_dict)
     if model_config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    missing = [
-        k for k in expected if k not in state and not (model_config.tie_word_embeddings and k == "lm_head.weight")
-    ]
+    missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
     if missing or unexpected:
         raise ExportError(
             f"state dict does not match {model_config.model_type} at {model_config.path!r}: "
             f"missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
-    with torch.no_grad():
-        for name, tensor in state.items():
-            target = expected[name]
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise ExportError(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
-            target.copy_(tensor.to(dtype=target.dtype, device=target.device))
-    if model_config.tie_word_embeddings:
-        assert model.lm_head.weight is model.model.embed_tokens.weight, "tied embeddings came untied"
-    os.makedirs(out, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    source = tokenizer_path or model_config.path
-    if source and os.path.exists(os.path.join(source, "tokenizer_config.json")):
-        from transformers import AutoTokenizer
-
-        AutoTokenizer.from_pretrained(source, local_files_only=True).save_pretrained(out)
-    else:
-        logger.warning("no tokenizer found at %r; %s has weights and config only", source, out)
-    return out
+    for name, tensor in state.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise ExportError(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(expected[name].shape)}")
+    specs = [TensorSpec(name, tuple(p.shape), torch.float32) for name, p in expected.items()]
+    tensors = ((name, state[name].detach().to(device="cpu", dtype=torch.float32)) for name in expected)
+    return save_hf_directory(
+        out,
+        hf_config=model_config.hf_config(),
+        specs=specs,
+        tensors=tensors,
+        tokenizer_path=tokenizer_path or model_config.path,
+        max_shard_bytes=max_shard_bytes,
+    )
 
 
 # Built-in parameter name (models/llama.py) -> transformers LlamaForCausalLM name, per layer.

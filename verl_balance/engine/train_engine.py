@@ -25,6 +25,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -36,19 +37,20 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from verl_balance.distributed.layout import ParallelLayout
 from verl_balance.distributed.ulysses import gather_and_unpad
 from verl_balance.engine.config import EngineConfig
+from verl_balance.engine.materialize import build_sharded_model, shard_model
 from verl_balance.engine.optim import apply_optim_config, build_optimizer
 from verl_balance.engine.packing import MicroBatchError, PackedMicroBatch, pack_micro_batch
 from verl_balance.engine.perf import TRAIN_FLOPS_PER_FORWARD, step_perf_metrics
 from verl_balance.engine.profiling import step_profiler
 from verl_balance.engine.timing import StepTimer
 from verl_balance.loss import LossFn, SFTLoss, TokenWeights, compute_token_weights
-from verl_balance.models import ModelConfig, build_model
+from verl_balance.models import ModelConfig
 from verl_balance.models.base import PackedCausalLM
 from verl_balance.models.output_head import Temperature, token_log_probs
 
@@ -83,28 +85,35 @@ class TrainEngine:
     ):
         self.model_config, self.config, self.layout = model_config, engine_config, layout
         self.device = layout.device
-        if model is None:
-            # Built on CPU from the seed so every rank (and every device type) starts from the
-            # same weights; FSDP2 then keeps this rank's shard.
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(engine_config.seed)
-                model = build_model(model_config, sp_size=layout.sp, attn_impl=engine_config.attn_impl)
-        model.set_sequence_parallel_group(layout.sp_group if layout.sp > 1 else None)
-        model.to(self.device)
         param_dtype = torch.bfloat16 if engine_config.param_dtype == "bfloat16" else torch.float32
-        mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         # One fp32 rank has nothing to shard, reduce or cast: FSDP2 would only add an unshard and
         # reshard per unit and micro-batch (measured ~20% of CPU step time on the small model).
         self.sharded = layout.world_size > 1 or param_dtype != torch.float32
+        shard = None
         if self.sharded:
-            mesh = layout.fsdp_mesh
-            for unit in model.fsdp_units():
-                fully_shard(
-                    unit, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=engine_config.fsdp.reshard_after_forward
-                )
-            fully_shard(
-                model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=engine_config.fsdp.reshard_after_forward
+            shard = functools.partial(
+                shard_model,
+                mesh=layout.fsdp_mesh,
+                param_dtype=param_dtype,
+                reshard_after_forward=engine_config.fsdp.reshard_after_forward,
             )
+        if model is None:
+            # Meta build, FSDP2, then only this rank's shard is allocated and filled: from the seed
+            # (the same weights at every layout) or from this rank's rows of the safetensors.
+            model = build_sharded_model(
+                model_config,
+                seed=engine_config.seed,
+                sp_size=layout.sp,
+                attn_impl=engine_config.attn_impl,
+                device=self.device,
+                shard=shard,
+            )
+        else:
+            # A caller-built (materialized) model: moved whole to the device, then sharded.
+            model.to(self.device)
+            if shard is not None:
+                shard(model)
+        model.set_sequence_parallel_group(layout.sp_group if layout.sp > 1 else None)
         self.model = model
         self.optimizer, self.scheduler = build_optimizer(model.parameters(), config=engine_config)
         self.global_step = 0
@@ -475,6 +484,20 @@ class TrainEngine:
                 value = value.full_tensor()
             out[name] = value.detach().cpu().clone()
         return out
+
+    def save_hf_model(self, out: str, *, tokenizer_path: str | None = None) -> None:
+        """The model as a Hugging Face save_pretrained directory ``out`` (fp32 safetensors files of
+        bounded size; a built-in model as Llama). Collective: tensors are gathered one at a time and
+        written by global rank 0 only (engine/hf_export.py); ends with a barrier."""
+        from verl_balance.engine.hf_export import save_engine_model_as_hf
+
+        save_engine_model_as_hf(
+            self.model,
+            model_config=self.model_config,
+            out=out,
+            tokenizer_path=tokenizer_path,
+            group=self.layout.world_group,
+        )
 
     def save_checkpoint(self, path: str, *, step: int, extra: dict | None = None) -> None:
         """Sharded DCP checkpoint of model + optimizer, plus scheduler/step/extra. Collective."""

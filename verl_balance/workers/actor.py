@@ -16,8 +16,6 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
-import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from verl_balance.algorithms.policy_loss import PolicyLossConfig, PPOLoss
 from verl_balance.batch_keys import MICRO_BATCH_SIZES_KEY, TEMPERATURE_KEY, WIRE_KEYS
@@ -167,23 +165,8 @@ class ActorWorker(Worker):
         """Write the current model as a Hugging Face save_pretrained directory ``out``. Collective,
         called on every rank from ``save_checkpoint``: every rank joins the gather, rank 0 alone
         holds the full tensors and writes."""
-        from verl_balance.export import save_builtin_as_hf_llama, save_hf_pretrained
-
-        # full_state_dict + cpu_offload: the unsharded tensors land on rank 0's CPU only.
-        state = get_model_state_dict(
-            self.engine.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-        if self.rank == 0:
-            model = self.config.model
-            if isinstance(model, HFModelConfig):
-                save_hf_pretrained(state, model_config=model, out=out, tokenizer_path=self.config.hf_tokenizer_path)
-            else:
-                save_builtin_as_hf_llama(
-                    state, model_config=model, out=out, tokenizer_path=self.config.hf_tokenizer_path
-                )
-        del state
-        if dist.is_initialized():
-            dist.barrier(group=self.layout.world_group)
+        # One tensor gathered at a time; rank 0 streams bounded safetensors files (no full model).
+        self.engine.save_hf_model(out, tokenizer_path=self.config.hf_tokenizer_path)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, path: str) -> dict:

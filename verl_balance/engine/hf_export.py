@@ -1,0 +1,73 @@
+"""Write a (sharded) engine model as a Hugging Face save_pretrained directory, one tensor at a time.
+
+Collective over the model's mesh: for each parameter in turn every rank joins the all-gather of that
+one tensor (``DTensor.full_tensor``); rank 0 alone keeps it, buffering at most one safetensors file
+(``max_shard_bytes``) before writing it. No rank ever holds the whole model: peak extra host memory
+is one full tensor on every rank, plus one file's worth of tensors on rank 0.
+
+A built-in model is written as transformers' Llama (same math; names mapped by
+``export.builtin_to_hf_llama``). Tied embeddings are one parameter, written once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from verl_balance.engine.materialize import unique_parameters
+from verl_balance.models.config import ModelConfig
+from verl_balance.models.safetensors_io import DEFAULT_MAX_SHARD_BYTES, TensorSpec, save_hf_directory
+
+
+def hf_names_and_config(model_config, names: list[str]):
+    """(our name -> HF name, transformers config) for the model's parameter ``names``."""
+    if isinstance(model_config, ModelConfig):
+        from verl_balance.export import builtin_to_hf_llama
+
+        # builtin_to_hf_llama maps a state dict; mapping names to themselves yields HF name -> ours.
+        hf_config, hf_to_ours = builtin_to_hf_llama({n: n for n in names}, model_config=model_config)
+        hf_config.architectures = ["LlamaForCausalLM"]
+        return {ours: hf for hf, ours in hf_to_ours.items()}, hf_config
+    return {n: n for n in names}, model_config.hf_config()
+
+
+def save_engine_model_as_hf(
+    model: torch.nn.Module,
+    *,
+    model_config,
+    out: str,
+    tokenizer_path: str | None = None,
+    group: dist.ProcessGroup | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> None:
+    """Write ``model`` (FSDP2-sharded or plain) under ``out`` from rank 0 of ``group``; collective:
+    call on every rank of the model's mesh. Ends with a barrier over ``group``."""
+    params = unique_parameters(model)
+    names, hf_config = hf_names_and_config(model_config, [n for n, _ in params])
+    if set(names) != {n for n, _ in params}:
+        raise ValueError(f"parameters without an HF name: {sorted({n for n, _ in params} - set(names))[:5]}")
+    is_writer = not dist.is_initialized() or dist.get_rank(group) == 0
+    specs = [TensorSpec(names[n], tuple(p.shape), p.dtype) for n, p in params]
+
+    def gathered():
+        for name, param in params:
+            full = param.full_tensor() if isinstance(param, DTensor) else param
+            if is_writer:
+                yield names[name], full.detach().cpu()
+            del full
+
+    if is_writer:
+        save_hf_directory(
+            out,
+            hf_config=hf_config,
+            specs=specs,
+            tensors=gathered(),
+            tokenizer_path=tokenizer_path or getattr(model_config, "path", None),
+            max_shard_bytes=max_shard_bytes,
+        )
+    else:
+        for _ in gathered():
+            pass
+    if dist.is_initialized():
+        dist.barrier(group=group)

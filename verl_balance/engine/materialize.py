@@ -1,0 +1,292 @@
+"""Sharded model construction: build on the meta device, shard with FSDP2, materialize only the
+local shard, then fill it (the seed's random weights, or a rank's own slices of the safetensors).
+
+No rank or device ever holds the whole model: parameters are created on ``meta``, ``fully_shard``
+turns them into Shard(0) DTensors over the flattened (dp, sp) mesh, and ``to_empty`` allocates each
+rank's rows only. At most one full tensor (a parameter's random draw on the host) exists at a time.
+
+Invariants:
+- Layout-invariant weights: every parameter's full value is a function of (seed, model) only; a
+  rank keeps rows [offset, offset + local_rows) of it, so dp/sp change who holds a row, not its value.
+  - Built-in preset: bit-identical to ``torch.manual_seed(seed); build_model(config)`` (the
+    construction draws of nn.Linear / nn.Embedding are replayed in order, then reset_parameters).
+  - HF ``init=random``: each leaf module is initialised by HF's own ``_init_weights`` from a
+    generator seeded by (seed, module name): the same distributions as ``from_config``, but not its
+    stream (that one depends on transformers' construction order).
+  - HF ``init=pretrained``: each rank reads its rows of each tensor from the safetensors files
+    (``safe_open(...).get_slice``), cast to the parameter dtype; nothing else is read.
+- Buffers (e.g. HF's rotary ``inv_freq``, non-persistent) are computed for real at construction
+  (only parameters go to meta) and written back after ``to_empty``, which would leave them garbage.
+- Tied embeddings stay one Parameter: filled once, through its first name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import math
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from verl_balance.models import ModelConfig, build_model
+from verl_balance.models.base import PackedCausalLM
+from verl_balance.models.config import ModelConfigError
+from verl_balance.models.safetensors_io import checkpoint_key, safetensors_key_files
+
+
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Every Parameter registered inside the block is moved to the meta device (no storage);
+    buffers stay where they are created, so computed buffers keep their real values."""
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and param.device.type != "meta":
+            meta = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            meta.__dict__.update(param.__dict__)
+            module._parameters[name] = meta
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def build_meta_model(model_config, *, sp_size: int, attn_impl: str) -> PackedCausalLM:
+    """The model with every parameter on ``meta`` and its buffers computed on the host.
+
+    An HF ``init=pretrained`` config is built as ``init=random`` (weights come later from
+    ``fill_pretrained``): no file is read here."""
+    from dataclasses import replace
+
+    if getattr(model_config, "init", None) == "pretrained":
+        model_config = replace(model_config, init="random")
+    # Large empty host tensors created and dropped here are never touched (no resident pages).
+    with parameters_on_meta(), torch.random.fork_rng(devices=[]):
+        return build_model(model_config, sp_size=sp_size, attn_impl=attn_impl)
+
+
+def local_rows(param: Tensor) -> tuple[int, int]:
+    """(first row, number of rows) of ``param`` held by this rank: all rows for a plain tensor,
+    the local Shard(0) rows of an FSDP2 DTensor."""
+    if not isinstance(param, DTensor):
+        return 0, param.shape[0] if param.dim() else 1
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    assert tuple(shape[1:]) == tuple(param.shape[1:]), f"expected a Shard(0) layout, got {param.placements}"
+    return offset[0], shape[0]
+
+
+def _local(param: Tensor) -> Tensor:
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+@torch.no_grad()
+def copy_local_rows(param: Tensor, full_or_rows: Tensor, *, rows_only: bool = False) -> None:
+    """Write this rank's rows into ``param``: ``full_or_rows`` is the full tensor, or (with
+    ``rows_only``) already just the local rows. Casts to the parameter dtype."""
+    start, count = local_rows(param)
+    local = _local(param)
+    if param.dim() == 0:
+        local.copy_(full_or_rows)
+        return
+    if count == 0:
+        return
+    src = full_or_rows if rows_only else full_or_rows[start : start + count]
+    local.copy_(src.to(dtype=local.dtype))
+
+
+def unique_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(first name, parameter) once per Parameter object (a tied weight appears once)."""
+    return list(model.named_parameters(remove_duplicate=True))
+
+
+# ---------------------------------------------------------------------------- random weights
+def fill_builtin_random(model: nn.Module, *, seed: int) -> None:
+    """Built-in decoder: the exact weights of ``torch.manual_seed(seed); LlamaForCausalLM(config)``.
+
+    Construction draws (nn.Embedding: normal_, nn.Linear: kaiming_uniform_) run first, in
+    registration order, only to advance the RNG as construction does; then reset_parameters'
+    draws (normal_ for matrices, ones for norms) give the values. One full tensor at a time."""
+    std = model.config.initializer_range
+    owners = {
+        f"{prefix}.{n}" if prefix else n: m
+        for prefix, m in model.named_modules()
+        for n, _ in m.named_parameters(recurse=False)
+    }
+    params = unique_parameters(model)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for name, param in params:
+            scratch = torch.empty(tuple(param.shape))
+            owner = owners[name]
+            if isinstance(owner, nn.Embedding):
+                nn.init.normal_(scratch)
+            elif isinstance(owner, nn.Linear):
+                nn.init.kaiming_uniform_(scratch, a=math.sqrt(5))
+            del scratch
+        for name, param in params:
+            full = torch.empty(tuple(param.shape))
+            if name.endswith("norm.weight"):
+                nn.init.ones_(full)
+            else:
+                nn.init.normal_(full, mean=0.0, std=std)
+            copy_local_rows(param, full)
+            del full
+
+
+def module_seed(seed: int, name: str) -> int:
+    """A 63-bit seed from (run seed, module name): independent of layout and of module order."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def leaf_twins(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name, meta copy) of each module that owns parameters directly, taken before sharding: the
+    copy is materialized on the host one at a time and initialised by the model's own init."""
+    twins = []
+    for name, module in model.named_modules():
+        if next(module.parameters(recurse=False), None) is not None:
+            twin = copy.copy(module)
+            twin._modules = {}
+            twin._parameters = {k: copy.deepcopy(v) for k, v in module._parameters.items()}
+            twin._buffers = {}
+            twins.append((name, twin))
+    return twins
+
+
+@torch.no_grad()
+def fill_hf_random(model: nn.Module, twins: list[tuple[str, nn.Module]], *, seed: int) -> None:
+    """HF model: each leaf module's parameters from HF's ``_init_weights`` on a host copy, with the
+    RNG seeded by (seed, module name); a tied parameter is filled by its first owner."""
+    init_weights: Callable[[nn.Module], None] = model.hf_model._init_weights
+    params = dict(model.named_parameters(remove_duplicate=False))
+    done: set[int] = set()
+    for module_name, twin in twins:
+        targets = {
+            n: params[f"{module_name}.{n}" if module_name else n] for n, p in twin._parameters.items() if p is not None
+        }
+        if all(id(p) in done for p in targets.values()):
+            continue
+        twin.to_empty(device="cpu")
+        for p in twin.parameters(recurse=False):
+            p.__dict__.pop("_is_hf_initialized", None)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(module_seed(seed, module_name))
+            init_weights(twin)
+        for n, target in targets.items():
+            if id(target) not in done:
+                copy_local_rows(target, twin._parameters[n].detach())
+                done.add(id(target))
+        twin.to_empty(device="meta")
+
+
+# ---------------------------------------------------------------------------- pretrained weights
+@torch.no_grad()
+def fill_pretrained(model: nn.Module, path: str) -> None:
+    """Write this rank's rows of every parameter of ``model`` from the safetensors of ``path``
+    (a tied parameter once, under its first name). Raises ModelConfigError naming a missing
+    tensor or a shape mismatch."""
+    from safetensors import safe_open
+
+    files = safetensors_key_files(path)
+    params = unique_parameters(model)
+    by_file: dict[str, list[tuple[str, str, nn.Parameter]]] = {}
+    for name, param in params:
+        key = checkpoint_key(name, files)
+        if key is None:
+            raise ModelConfigError(f"model.path={path!r}: the safetensors have no tensor {name!r}")
+        by_file.setdefault(files[key], []).append((name, key, param))
+    for file, entries in by_file.items():
+        for name, key, param in entries:
+            # Opened per tensor: the file's mapped pages this rank touched are released after each
+            # tensor, so they never add up to the rank's whole share of the file in its RSS.
+            with safe_open(file, framework="pt") as f:
+                tensor_slice = f.get_slice(key)
+                shape = tuple(tensor_slice.get_shape())
+                if shape != tuple(param.shape):
+                    raise ModelConfigError(
+                        f"{file}: tensor {key!r} has shape {shape}, the model's {name!r} has {tuple(param.shape)}"
+                    )
+                if not shape:
+                    copy_local_rows(param, f.get_tensor(key))
+                    continue
+                start, count = local_rows(param)
+                if count:
+                    copy_local_rows(param, tensor_slice[start : start + count], rows_only=True)
+
+
+# ---------------------------------------------------------------------------- construction
+def shard_model(model: nn.Module, *, mesh, param_dtype: torch.dtype, reshard_after_forward: bool) -> None:
+    """FSDP2 over ``mesh``: one unit per ``fsdp_units()`` module, then the root."""
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for unit in model.fsdp_units():
+        fully_shard(unit, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+
+
+def build_sharded_model(
+    model_config,
+    *,
+    seed: int,
+    sp_size: int,
+    attn_impl: str,
+    device: torch.device,
+    shard: Callable[[nn.Module], None] | None,
+) -> PackedCausalLM:
+    """Meta build -> ``shard`` (FSDP2; None: the plain module) -> local storage on ``device`` ->
+    weights (see the module docstring). ``model.set_sequence_parallel_group`` is the caller's."""
+    from verl_balance.models.hf import HFModelConfig
+
+    model = build_meta_model(model_config, sp_size=sp_size, attn_impl=attn_impl)
+    buffers = {name: buf.clone() for name, buf in model.named_buffers()}
+    pretrained = isinstance(model_config, HFModelConfig) and model_config.init == "pretrained"
+    twins = leaf_twins(model) if isinstance(model_config, HFModelConfig) and not pretrained else []
+    if shard is not None:
+        shard(model)
+    ties = tied_parameter_names(model)
+    model.to_empty(device=device)
+    retie(model, ties)
+    restore_buffers(model, buffers)
+    if pretrained:
+        fill_pretrained(model, model_config.path)
+    elif isinstance(model_config, ModelConfig):
+        fill_builtin_random(model, seed=seed)
+    else:
+        fill_hf_random(model, twins, seed=seed)
+    return model
+
+
+def tied_parameter_names(model: nn.Module) -> dict[str, str]:
+    """Alias name -> first name of every Parameter registered under more than one name."""
+    first: dict[int, str] = {}
+    ties = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if id(param) in first:
+            ties[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return ties
+
+
+def retie(model: nn.Module, ties: dict[str, str]) -> None:
+    """Point every alias at its first name's Parameter again: ``to_empty`` from meta replaces a
+    plain Parameter per module, which would silently untie tied embeddings."""
+    for alias, name in ties.items():
+        owner, _, leaf = alias.rpartition(".")
+        module = model.get_submodule(owner) if owner else model
+        module._parameters[leaf] = model.get_parameter(name)
+
+
+@torch.no_grad()
+def restore_buffers(model: nn.Module, buffers: dict[str, Tensor]) -> None:
+    """Write the construction-time buffer values back (``to_empty`` left them uninitialised)."""
+    for name, buf in model.named_buffers():
+        _local(buf).copy_(buffers[name].to(buf.device))

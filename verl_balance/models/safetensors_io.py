@@ -1,0 +1,176 @@
+"""Hugging Face safetensors directories, read and written one tensor slice at a time.
+
+Reading: ``safetensors_key_files`` maps tensor names to files; ``engine/materialize.py`` reads each
+rank's own rows with ``safe_open(...).get_slice``.
+
+Writing (``ShardedSafetensorsWriter``): tensors arrive one at a time (e.g. gathered one parameter
+at a time from an FSDP2 model); they are buffered until the current file reaches
+``max_shard_bytes`` and then written, so the writer holds at most one file's tensors
+(+ the one being added). Several files get HF's ``model-0000k-of-0000n.safetensors`` names and a
+``model.safetensors.index.json``; one file is ``model.safetensors``. The file plan is fixed from
+the (name, shape, dtype) list before any tensor arrives, so names never change mid-write.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from verl_balance.models.config import ModelConfigError
+
+logger = logging.getLogger(__name__)
+
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
+
+
+def safetensors_key_files(path: str) -> dict[str, str]:
+    """Tensor name -> safetensors file of the HF directory ``path`` (single file or indexed)."""
+    index = os.path.join(path, SAFE_WEIGHTS_INDEX_NAME)
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+        return {name: os.path.join(path, file) for name, file in weight_map.items()}
+    single = os.path.join(path, SAFE_WEIGHTS_NAME)
+    if not os.path.isfile(single):
+        raise ModelConfigError(
+            f"model.path={path!r} has no {SAFE_WEIGHTS_NAME} or {SAFE_WEIGHTS_INDEX_NAME}: "
+            "init=pretrained needs safetensors weights (or set model.init=random)"
+        )
+    from safetensors import safe_open
+
+    with safe_open(single, framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def checkpoint_key(name: str, files: dict[str, str]) -> str | None:
+    """The checkpoint's key for parameter ``name`` (HF's base-model prefix may be absent)."""
+    if name in files:
+        return name
+    if name.startswith("model.") and name[len("model.") :] in files:
+        return name[len("model.") :]
+    return None
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What will be written under ``name``: its shape and dtype (the file plan needs no data)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for d in self.shape:
+            numel *= d
+        return numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+def plan_files(specs: Sequence[TensorSpec], *, max_shard_bytes: int) -> list[list[TensorSpec]]:
+    """Consecutive groups of ``specs`` of at most ``max_shard_bytes`` each (a larger tensor alone)."""
+    if max_shard_bytes <= 0:
+        raise ValueError(f"max_shard_bytes={max_shard_bytes} must be > 0")
+    groups: list[list[TensorSpec]] = [[]]
+    size = 0
+    for spec in specs:
+        if groups[-1] and size + spec.nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(spec)
+        size += spec.nbytes
+    return groups
+
+
+class ShardedSafetensorsWriter:
+    """Write tensors, in ``specs`` order, as HF safetensors files of bounded size (see module doc)."""
+
+    def __init__(self, out: str, specs: Sequence[TensorSpec], *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES):
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise ValueError("duplicate tensor names in the write plan")
+        self.out = out
+        self.groups = plan_files(specs, max_shard_bytes=max_shard_bytes)
+        n = len(self.groups)
+        self.file_names = (
+            [SAFE_WEIGHTS_NAME] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+        )
+        self._group, self._pending = 0, {}
+        self._expected = iter(specs)
+        os.makedirs(out, exist_ok=True)
+
+    def add(self, name: str, tensor: Tensor) -> None:
+        """The next tensor of the plan (same name, shape, dtype); writes a file once it is complete."""
+        spec = next(self._expected, None)
+        if spec is None or spec.name != name:
+            raise ValueError(f"tensor {name!r} arrived out of plan order (expected {spec and spec.name!r})")
+        if tuple(tensor.shape) != spec.shape or tensor.dtype != spec.dtype:
+            raise ValueError(f"{name}: {tuple(tensor.shape)} {tensor.dtype}, planned {spec.shape} {spec.dtype}")
+        self._pending[name] = tensor.detach().to("cpu").contiguous()
+        if len(self._pending) == len(self.groups[self._group]):
+            from safetensors.torch import save_file
+
+            save_file(self._pending, os.path.join(self.out, self.file_names[self._group]), metadata={"format": "pt"})
+            self._group, self._pending = self._group + 1, {}
+
+    def close(self) -> list[str]:
+        """Check that every planned tensor was written; write the index (several files). Returns
+        the file names."""
+        if self._group != len(self.groups):
+            raise ValueError(f"only {self._group} of {len(self.groups)} safetensors files were complete")
+        if len(self.groups) > 1:
+            index = {
+                "metadata": {"total_size": sum(s.nbytes for g in self.groups for s in g)},
+                "weight_map": {s.name: self.file_names[k] for k, g in enumerate(self.groups) for s in g},
+            }
+            with open(os.path.join(self.out, SAFE_WEIGHTS_INDEX_NAME), "w", encoding="utf-8") as f:
+                json.dump(index, f, indent=2, sort_keys=True)
+        return list(self.file_names)
+
+
+def write_tensors(
+    out: str,
+    specs: Sequence[TensorSpec],
+    tensors: Iterable[tuple[str, Tensor]],
+    *,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> list[str]:
+    """Write (name, tensor) pairs, in ``specs`` order, as bounded safetensors files under ``out``."""
+    writer = ShardedSafetensorsWriter(out, specs, max_shard_bytes=max_shard_bytes)
+    for name, tensor in tensors:
+        writer.add(name, tensor)
+    return writer.close()
+
+
+def save_hf_directory(
+    out: str,
+    *,
+    hf_config,
+    specs: Sequence[TensorSpec],
+    tensors: Iterable[tuple[str, Tensor]],
+    tokenizer_path: str | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> str:
+    """A save_pretrained-style directory: ``hf_config`` as config.json (with the tensors' dtype),
+    the tensors as bounded safetensors files, and the tokenizer of ``tokenizer_path`` if it has one."""
+    os.makedirs(out, exist_ok=True)
+    write_tensors(out, specs, tensors, max_shard_bytes=max_shard_bytes)
+    dtypes = {s.dtype for s in specs}
+    if len(dtypes) == 1:
+        hf_config.dtype = dtypes.pop()
+    hf_config.save_pretrained(out)
+    if tokenizer_path and os.path.exists(os.path.join(tokenizer_path, "tokenizer_config.json")):
+        from transformers import AutoTokenizer
+
+        AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True).save_pretrained(out)
+    else:
+        logger.warning("no tokenizer found at %r; %s has weights and config only", tokenizer_path, out)
+    return out
