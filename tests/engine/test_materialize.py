@@ -35,6 +35,8 @@ def model_dirs(tmp_path_factory):
     return {
         "qwen2_tied": write_tiny_model(str(root / "qwen2"), family="qwen2"),
         "llama_untied": write_tiny_model(str(root / "llama"), family="llama", tie_word_embeddings=False),
+        # per-expert tensors on disk, fused [E, ...] expert parameters in transformers 5
+        "mixtral": write_tiny_model(str(root / "mixtral"), family="mixtral"),
     }
 
 
@@ -43,6 +45,7 @@ def _configs(dirs):
         "builtin": ModelConfig.preset("tiny"),
         "qwen2_pretrained": HFModelConfig.from_pretrained(dirs["qwen2_tied"]),
         "llama_pretrained": HFModelConfig.from_pretrained(dirs["llama_untied"]),
+        "mixtral_pretrained": HFModelConfig.from_pretrained(dirs["mixtral"]),
         "qwen2_random": HFModelConfig.from_pretrained(dirs["qwen2_tied"], init="random"),
     }
 
@@ -120,7 +123,7 @@ def _reference_log_probs(model, batch):
     return out
 
 
-@pytest.mark.parametrize("cname", ["builtin", "qwen2_pretrained", "llama_pretrained"])
+@pytest.mark.parametrize("cname", ["builtin", "qwen2_pretrained", "llama_pretrained", "mixtral_pretrained"])
 @pytest.mark.parametrize("lname", sorted(LAYOUTS))
 def test_sharded_build_equals_plain_full_build(sharded_runs, model_dirs, cname, lname):
     results, _ = sharded_runs

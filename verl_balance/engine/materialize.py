@@ -37,7 +37,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from verl_balance.models import ModelConfig, build_model
 from verl_balance.models.base import PackedCausalLM
 from verl_balance.models.config import ModelConfigError
-from verl_balance.models.safetensors_io import checkpoint_key, safetensors_key_files
+from verl_balance.models.safetensors_io import checkpoint_key, expert_sources, safetensors_key_files
 
 
 @contextlib.contextmanager
@@ -192,35 +192,64 @@ def fill_hf_random(model: nn.Module, twins: list[tuple[str, nn.Module]], *, seed
 @torch.no_grad()
 def fill_pretrained(model: nn.Module, path: str) -> None:
     """Write this rank's rows of every parameter of ``model`` from the safetensors of ``path``
-    (a tied parameter once, under its first name). Raises ModelConfigError naming a missing
-    tensor or a shape mismatch."""
+    (a tied parameter once, under its first name). A fused MoE expert parameter is assembled from
+    the per-expert tensors on disk, reading only this rank's experts (``expert_sources``). Raises
+    ModelConfigError naming a missing tensor or a shape mismatch."""
+    files = safetensors_key_files(path)
+    for name, param in unique_parameters(model):
+        key = checkpoint_key(name, files)
+        if key is not None:
+            _fill_from_key(param, name=name, key=key, file=files[key])
+            continue
+        sources = expert_sources(name, files)
+        if sources is None:
+            raise ModelConfigError(f"model.path={path!r}: the safetensors have no tensor {name!r}")
+        _fill_from_experts(param, name=name, sources=sources, files=files)
+
+
+def _fill_from_key(param: nn.Parameter, *, name: str, key: str, file: str) -> None:
     from safetensors import safe_open
 
-    files = safetensors_key_files(path)
-    params = unique_parameters(model)
-    by_file: dict[str, list[tuple[str, str, nn.Parameter]]] = {}
-    for name, param in params:
-        key = checkpoint_key(name, files)
-        if key is None:
-            raise ModelConfigError(f"model.path={path!r}: the safetensors have no tensor {name!r}")
-        by_file.setdefault(files[key], []).append((name, key, param))
-    for file, entries in by_file.items():
-        for name, key, param in entries:
-            # Opened per tensor: the file's mapped pages this rank touched are released after each
-            # tensor, so they never add up to the rank's whole share of the file in its RSS.
-            with safe_open(file, framework="pt") as f:
-                tensor_slice = f.get_slice(key)
-                shape = tuple(tensor_slice.get_shape())
-                if shape != tuple(param.shape):
-                    raise ModelConfigError(
-                        f"{file}: tensor {key!r} has shape {shape}, the model's {name!r} has {tuple(param.shape)}"
-                    )
-                if not shape:
-                    copy_local_rows(param, f.get_tensor(key))
-                    continue
-                start, count = local_rows(param)
-                if count:
-                    copy_local_rows(param, tensor_slice[start : start + count], rows_only=True)
+    # Opened per tensor: the file's mapped pages this rank touched are released after each
+    # tensor, so they never add up to the rank's whole share of the file in its RSS.
+    with safe_open(file, framework="pt") as f:
+        tensor_slice = f.get_slice(key)
+        shape = tuple(tensor_slice.get_shape())
+        if shape != tuple(param.shape):
+            raise ModelConfigError(
+                f"{file}: tensor {key!r} has shape {shape}, the model's {name!r} has {tuple(param.shape)}"
+            )
+        if not shape:
+            copy_local_rows(param, f.get_tensor(key))
+            return
+        start, count = local_rows(param)
+        if count:
+            copy_local_rows(param, tensor_slice[start : start + count], rows_only=True)
+
+
+def _fill_from_experts(param: nn.Parameter, *, name: str, sources: list[list[str]], files: dict[str, str]) -> None:
+    """Rows [start, start + count) of a fused expert parameter [E, ...] are experts start.. : each
+    is its per-expert tensors on disk concatenated along dim 0 (gate then up for gate_up_proj)."""
+    from safetensors import safe_open
+
+    if len(sources) != param.shape[0]:
+        raise ModelConfigError(f"{name!r} holds {param.shape[0]} experts, the safetensors {len(sources)}")
+    start, count = local_rows(param)
+    experts = []
+    for keys in sources[start : start + count]:
+        parts = []
+        for key in keys:
+            with safe_open(files[key], framework="pt") as f:
+                parts.append(f.get_tensor(key))
+        experts.append(torch.cat(parts, dim=0))
+    if experts:
+        rows = torch.stack(experts)
+        if tuple(rows.shape[1:]) != tuple(param.shape[1:]):
+            raise ModelConfigError(
+                f"{name!r} has expert shape {tuple(param.shape[1:])}, the safetensors give {tuple(rows.shape[1:])} "
+                f"(from {sources[start]})"
+            )
+        copy_local_rows(param, rows, rows_only=True)
 
 
 # ---------------------------------------------------------------------------- construction

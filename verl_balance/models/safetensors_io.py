@@ -51,11 +51,47 @@ def safetensors_key_files(path: str) -> dict[str, str]:
 
 
 def checkpoint_key(name: str, files: dict[str, str]) -> str | None:
-    """The checkpoint's key for parameter ``name`` (HF's base-model prefix may be absent)."""
-    if name in files:
-        return name
-    if name.startswith("model.") and name[len("model.") :] in files:
-        return name[len("model.") :]
+    """The checkpoint's key for parameter ``name`` (HF's base-model prefix may be absent; Mixtral's
+    on-disk ``block_sparse_moe`` is transformers' ``mlp``)."""
+    for candidate in _name_variants(name):
+        if candidate in files:
+            return candidate
+    return None
+
+
+def _name_variants(name: str) -> list[str]:
+    names = [name]
+    if ".mlp." in name:
+        names.append(name.replace(".mlp.", ".block_sparse_moe.", 1))
+    return names + [n[len("model.") :] for n in names if n.startswith("model.")]
+
+
+# transformers 5 fuses the experts of an MoE layer into one parameter per projection
+# ([E, 2I, H] gate_up_proj, [E, H, I] down_proj); checkpoints keep one tensor per expert and
+# projection. Per fused suffix: the per-expert projection names (concatenated along dim 0 in this
+# order), for the Qwen/DeepSeek and the Mixtral naming (transformers' conversion_mapping.py).
+_FUSED_EXPERT_SOURCES = {
+    "experts.gate_up_proj": (("gate_proj", "up_proj"), ("w1", "w3")),
+    "experts.down_proj": (("down_proj",), ("w2",)),
+}
+
+
+def expert_sources(name: str, files: dict[str, str]) -> list[list[str]] | None:
+    """For a fused MoE expert parameter ``name``: per expert, the checkpoint keys whose tensors
+    concatenated along dim 0 give that expert's slice; None when ``name`` is no such parameter or
+    the checkpoint lacks the per-expert tensors."""
+    for suffix, namings in _FUSED_EXPERT_SOURCES.items():
+        if not name.endswith(suffix):
+            continue
+        prefix = name[: -len(suffix)]  # ends with "."
+        for projections in namings:
+            for base in _name_variants(prefix + "experts.0." + projections[0] + ".weight"):
+                experts_prefix = base[: base.index("experts.0.")] + "experts."
+                sources = []
+                while all(f"{experts_prefix}{len(sources)}.{p}.weight" in files for p in projections):
+                    sources.append([f"{experts_prefix}{len(sources)}.{p}.weight" for p in projections])
+                if sources:
+                    return sources
     return None
 
 
