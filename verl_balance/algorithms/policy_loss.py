@@ -20,7 +20,7 @@ Invariants:
   with the current weights): old_log_prob is the forward's own ``log_prob.detach()``. Then
   log_ratio == 0 and ratio == 1 exactly, pg_clipfrac, pg_clipfrac_lower and ppo_kl are 0, and the
   loss value and gradient (d pg / d log_prob = -A) are exactly those of a separate old-log-prob pass
-  whose values equal this forward's bit for bit (see docs/verl.md, "On-policy GRPO steps").
+  whose values equal this forward's bit for bit (see docs/verl.md section 8).
 """
 
 from __future__ import annotations

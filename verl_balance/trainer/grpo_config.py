@@ -175,7 +175,7 @@ class ActorSection(PolicyLossConfig):
     """auto: when the step's update is on-policy (ppo_epochs 1, ppo_mini_batch_size =
     data.train_batch_size) the old log-probs are the update forward's own, detached (ratio exactly
     1), and the separate old-log-prob pass is skipped; always: run that pass every step (verl's
-    behaviour). See docs/verl.md, "On-policy GRPO steps"."""
+    behaviour). See docs/verl.md section 8."""
     loss_agg_mode: str = "token-mean"
     """Loss aggregation: one of loss.AGG_MODES (seq-mean-token-sum-norm is Dr.GRPO's)."""
     loss_scale_factor: Optional[float] = None

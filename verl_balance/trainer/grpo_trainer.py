@@ -17,7 +17,7 @@ One training step, for ``data.train_batch_size`` prompts:
 On-policy steps (``actor.recompute_old_log_prob=auto``, ``ppo_epochs=1``, one mini-batch) skip the
 old-log-prob pass: the single update is the first forward of the sampled weights, so the PPO loss
 takes ``log_prob.detach()`` as the old log-probs (ratio exactly 1; ``PPOLoss(on_policy=True)``) and
-reports the rollout-vs-trainer gap from that forward. docs/verl.md, "On-policy GRPO steps", says
+reports the rollout-vs-trainer gap from that forward. docs/verl.md section 8 says
 why this is exact.
 
 Invariants: rows keep the rollout's prompt-major order on the driver; every per-row tensor that
@@ -359,10 +359,11 @@ class GRPOTrainer(DriverBase):
             return {}
         plan = self._plan(batch, micro_batch_size=self.log_prob_mbs, token_cap=self.log_prob_cap)
         inputs = batch.select(batch_keys=LOG_PROB_INPUT_KEYS, non_tensor_batch_keys=[])
+        chunks = split_by_plan(inputs, plan)
         pending = {}
         for name, call in passes.items():
             with _timed(metrics, name):
-                pending[name] = (plan, call.submit(split_by_plan(inputs, plan)))
+                pending[name] = (plan, call.submit(chunks))
         return pending
 
     def _collect_log_prob_passes(self, batch: Batch, pending: dict, metrics: dict) -> None:
