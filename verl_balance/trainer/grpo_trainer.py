@@ -357,9 +357,10 @@ class GRPOTrainer(DriverBase):
             passes["ref"] = self.actor.compute_ref_log_prob
         if not passes:
             return {}
-        plan = self._plan(batch, micro_batch_size=self.log_prob_mbs, token_cap=self.log_prob_cap)
-        inputs = batch.select(batch_keys=LOG_PROB_INPUT_KEYS, non_tensor_batch_keys=[])
-        chunks = split_by_plan(inputs, plan)
+        with _timed(metrics, next(iter(passes))):  # planning and cutting count to the first pass
+            plan = self._plan(batch, micro_batch_size=self.log_prob_mbs, token_cap=self.log_prob_cap)
+            inputs = batch.select(batch_keys=LOG_PROB_INPUT_KEYS, non_tensor_batch_keys=[])
+            chunks = split_by_plan(inputs, plan)
         pending = {}
         for name, call in passes.items():
             with _timed(metrics, name):
@@ -368,8 +369,9 @@ class GRPOTrainer(DriverBase):
 
     def _collect_log_prob_passes(self, batch: Batch, pending: dict, metrics: dict) -> None:
         """Wait for the submitted passes and attach ``old_log_probs`` / ``ref_log_prob`` in row
-        order. ``timing_s/old_log_prob`` and ``timing_s/ref`` count the driver's dispatch and its
-        wait after scoring, i.e. the part of each pass that the reward computation did not hide."""
+        order. ``timing_s/old_log_prob`` and ``timing_s/ref`` count the driver's planning (the
+        first pass), dispatch and wait after scoring, i.e. the part of each pass that the reward
+        computation did not hide."""
         if "old_log_prob" in pending:
             plan, future = pending["old_log_prob"]
             with _timed(metrics, "old_log_prob"):
