@@ -18,7 +18,25 @@ TEMPERATURE_KEY = "temperature"
 """Meta key (verl's): the sampling temperature at which old, reference and new log-probs are
 taken; absent means 1."""
 
-WIRE_KEYS = ("input_ids", "attention_mask", "loss_mask", "position_ids", "old_log_probs", "advantages", "ref_log_prob")
+ON_POLICY_KEY = "on_policy"
+"""Meta key of an update chunk: True when this optimizer step is the only one on rows the current
+weights sampled (one PPO epoch, one mini-batch), so the PPO loss takes the old log-probs from the
+update forward itself (detached) and the chunk carries no ``old_log_probs``; absent means False."""
+
+ROLLOUT_LOG_PROBS_KEY = "rollout_log_probs"
+"""Tensor column of a rollout batch: the sampler's own log-probs of the response tokens
+(token-aligned like ``loss_mask``, 0 elsewhere)."""
+
+WIRE_KEYS = (
+    "input_ids",
+    "attention_mask",
+    "loss_mask",
+    "position_ids",
+    "old_log_probs",
+    "advantages",
+    "ref_log_prob",
+    ROLLOUT_LOG_PROBS_KEY,
+)
 """Tensor columns a worker hands to the engine (every other column stays on the driver side)."""
 
 UID_KEY = "uid"
@@ -38,9 +56,11 @@ which prompts share the call (GRPO rollouts are the same on any layout)."""
 
 __all__ = [
     "MICRO_BATCH_SIZES_KEY",
+    "ON_POLICY_KEY",
     "PLANNED_MICRO_BATCH_SIZES_KEY",
     "PROMPT_IDS_KEY",
     "PROMPT_INDEX_KEY",
+    "ROLLOUT_LOG_PROBS_KEY",
     "SAMPLE_INDEX_KEY",
     "TEMPERATURE_KEY",
     "UID_KEY",

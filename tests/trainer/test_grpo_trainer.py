@@ -165,6 +165,7 @@ def test_merged_rollout_outputs_answer_the_right_prompts():
             "actor_rollout_ref.actor.loss_scale_factor",
         ),
         (["balance.overlong=skip"], "balance.overlong"),
+        (["actor_rollout_ref.actor.recompute_old_log_prob=never"], "actor_rollout_ref.actor.recompute_old_log_prob"),
         (["data.synthetic.tasks=[mul]"], "data.synthetic.tasks"),
         (["actor_rollout_ref.model.use_remove_padding=false"], "actor_rollout_ref.model.use_remove_padding"),
         (["trainer.resume_mode=resume_path"], "trainer.resume_from_path"),
@@ -288,6 +289,9 @@ def test_step_metrics_are_logged_under_their_names(grpo_run):
     ):
         assert key in step and np.isfinite(step[key]), key
     assert step["actor/num_optimizer_steps"] == 2  # 8 prompts / mini-batches of 4, one epoch
+    # Two mini-batches: the second update is off-policy, so the old-log-prob pass must run.
+    assert step["train/old_log_prob_pass"] == 1.0
+    assert "rollout/probs_diff_mean" in step and "rollout/probs_diff_max" in step
     assert "val/accuracy" in grpo_run["records"][0] and "val/accuracy" in grpo_run["records"][-1]
 
 

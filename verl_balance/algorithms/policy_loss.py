@@ -16,6 +16,11 @@ Invariants:
 - Metrics (detached, per token): pg_loss, pg_clipfrac (the clipped branch is strictly larger),
   pg_clipfrac_lower (dual clip active), ppo_kl (= old_log_prob - log_prob, the k1 estimate of
   KL(old || new)), kl (when use_kl_loss), entropy (when given).
+- On-policy update (``PPOLoss(on_policy=True)``: the step's only optimizer step, on rows sampled
+  with the current weights): old_log_prob is the forward's own ``log_prob.detach()``. Then
+  log_ratio == 0 and ratio == 1 exactly, pg_clipfrac, pg_clipfrac_lower and ppo_kl are 0, and the
+  loss value and gradient (d pg / d log_prob = -A) are exactly those of a separate old-log-prob pass
+  whose values equal this forward's bit for bit (see docs/verl.md section 8).
 """
 
 from __future__ import annotations
@@ -141,15 +146,25 @@ class PPOLoss:
     OLD_LOG_PROBS_KEY = "old_log_probs"
     ADVANTAGES_KEY = "advantages"
     REF_LOG_PROB_KEY = "ref_log_prob"
+    ROLLOUT_LOG_PROBS_KEY = "rollout_log_probs"
 
-    def __init__(self, config: PolicyLossConfig, *, report_entropy: bool = True):
-        """``report_entropy`` asks the engine for per-token entropy even when entropy_coeff == 0."""
+    def __init__(self, config: PolicyLossConfig, *, report_entropy: bool = True, on_policy: bool = False):
+        """``report_entropy`` asks the engine for per-token entropy even when entropy_coeff == 0.
+
+        ``on_policy``: the old log-probs are this forward's own, detached (the micro-batches carry
+        none). With ``rollout_log_probs`` in the inputs it also reports the rollout-vs-trainer
+        probability gap: the per-token metric ``rollout_probs_diff_mean`` and, over all calls, the
+        local maximum over loss-masked tokens ``rollout_probs_diff_max`` (a 0-d tensor; None before
+        the first call).
+        """
         self.config = config
         self.needs_entropy = config.needs_entropy or report_entropy
+        self.on_policy = on_policy
+        self.rollout_probs_diff_max: torch.Tensor | None = None
 
     def required_keys(self) -> tuple[str, ...]:
         """Per-token wire tensors every micro-batch must carry."""
-        keys = (self.OLD_LOG_PROBS_KEY, self.ADVANTAGES_KEY)
+        keys = (self.ADVANTAGES_KEY,) if self.on_policy else (self.OLD_LOG_PROBS_KEY, self.ADVANTAGES_KEY)
         return keys + ((self.REF_LOG_PROB_KEY,) if self.config.use_kl_loss else ())
 
     def __call__(
@@ -159,11 +174,34 @@ class PPOLoss:
         missing = [k for k in self.required_keys() if k not in inputs]
         if missing:
             raise PolicyLossConfigError(f"micro-batch lacks {missing} needed by the PPO loss; it has {sorted(inputs)}")
-        return ppo_clip_token_loss(
+        if self.on_policy and self.OLD_LOG_PROBS_KEY in inputs:
+            raise PolicyLossConfigError(
+                f"on_policy=True takes the old log-probs from the update forward, but the micro-batch carries "
+                f"{self.OLD_LOG_PROBS_KEY!r}; send one or the other"
+            )
+        if self.on_policy:
+            old_log_probs = log_probs.detach()
+        else:
+            old_log_probs = inputs[self.OLD_LOG_PROBS_KEY].to(log_probs.dtype)
+        loss, metrics = ppo_clip_token_loss(
             log_probs=log_probs,
-            old_log_probs=inputs[self.OLD_LOG_PROBS_KEY].to(log_probs.dtype),
+            old_log_probs=old_log_probs,
             advantages=inputs[self.ADVANTAGES_KEY].to(log_probs.dtype),
             config=self.config,
             ref_log_probs=inputs[self.REF_LOG_PROB_KEY].to(log_probs.dtype) if self.config.use_kl_loss else None,
             entropy=entropy,
         )
+        if self.on_policy and self.ROLLOUT_LOG_PROBS_KEY in inputs:
+            metrics["rollout_probs_diff_mean"] = self._rollout_probs_diff(log_probs, inputs)
+        return loss, metrics
+
+    def _rollout_probs_diff(self, log_probs: torch.Tensor, inputs) -> torch.Tensor:
+        """|p_rollout - p_trainer| per token (verl's ``training/rollout_probs_diff_*``); keeps the
+        running maximum over loss-masked tokens in ``rollout_probs_diff_max``."""
+        rollout = inputs[self.ROLLOUT_LOG_PROBS_KEY].to(log_probs.dtype)
+        diff = (rollout.exp() - log_probs.detach().exp()).abs()
+        if diff.numel():
+            local = torch.where(inputs["loss_mask"] > 0, diff, 0.0).max()  # no device sync
+            previous = self.rollout_probs_diff_max
+            self.rollout_probs_diff_max = local if previous is None else torch.maximum(previous, local)
+        return diff

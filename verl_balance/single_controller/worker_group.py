@@ -1,7 +1,8 @@
 """`RayWorkerGroup`: the driver's handle on one Ray actor per bundle of a `RayResourcePool`.
 
 Every method of the worker class decorated with ``@register`` becomes a method of the group that
-runs dispatch -> execute (one ``.remote`` call per worker) -> collect (see ``decorator.py``).
+runs dispatch -> execute (one ``.remote`` call per worker) -> collect (see ``decorator.py``);
+``group.method.submit(...)`` starts the same call without waiting and returns a ``GroupFuture``.
 
 Failure contract: the driver never waits on a worker that is gone. Results are awaited one at a
 time with ``ray.wait``; the first worker that died (process exit, OOM kill, node loss) raises
@@ -173,6 +174,13 @@ class _GroupMethod:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         future = self._group._call(self._name, self._registration, args, kwargs)
         return future.get() if self._registration.blocking else future
+
+    def submit(self, *args: Any, **kwargs: Any) -> GroupFuture:
+        """Start the call on every worker and return at once, whatever the registration's
+        ``blocking``; ``.get()`` waits and collects what the call would have returned. A Ray actor
+        runs its calls in submission order, so calls submitted back to back reach every rank in
+        the same order (their collectives line up) while the driver does other work."""
+        return self._group._call(self._name, self._registration, args, kwargs)
 
     def __repr__(self) -> str:
         r = self._registration

@@ -56,6 +56,7 @@ from verl_balance.trainer.config import (
 logger = logging.getLogger(__name__)
 
 ROLLOUT_NAMES = ("naive",)
+RECOMPUTE_OLD_LOG_PROB = ("auto", "always")
 _WARNED_DEPRECATED_PATHS: set[str] = set()
 
 
@@ -176,6 +177,11 @@ class ActorSection(PolicyLossConfig):
     """Token cap of a micro-batch per worker (per SP rank, after Ulysses padding)."""
     ppo_epochs: int = 1
     """Passes over each step's rollout batch."""
+    recompute_old_log_prob: str = "auto"
+    """auto: when the step's update is on-policy (ppo_epochs 1, ppo_mini_batch_size =
+    data.train_batch_size) the old log-probs are the update forward's own, detached (ratio exactly
+    1), and the separate old-log-prob pass is skipped; always: run that pass every step (verl's
+    behaviour). See docs/verl.md section 8."""
     loss_agg_mode: str = "token-mean"
     """Loss aggregation: one of loss.AGG_MODES (seq-mean-token-sum-norm is Dr.GRPO's)."""
     loss_scale_factor: Optional[float] = None
@@ -198,12 +204,22 @@ class ActorSection(PolicyLossConfig):
         check_agg_mode(self.loss_agg_mode)
         check_positive("ppo_mini_batch_size", self.ppo_mini_batch_size)
         check_positive("ppo_epochs", self.ppo_epochs)
+        check_choice("recompute_old_log_prob", self.recompute_old_log_prob, RECOMPUTE_OLD_LOG_PROB)
         if self.use_dynamic_bsz:
             check_positive("ppo_max_token_len_per_gpu", self.ppo_max_token_len_per_gpu)
         else:
             check_positive("ppo_micro_batch_size_per_gpu", self.ppo_micro_batch_size_per_gpu)
         if self.ulysses_sequence_parallel_size is not None:
             check_positive("ulysses_sequence_parallel_size", self.ulysses_sequence_parallel_size)
+
+    def old_log_prob_from_update(self, *, train_batch_size: int) -> bool:
+        """Whether a step takes its old log-probs from the update forward instead of a separate
+        pass: only with recompute_old_log_prob=auto and an on-policy update, i.e. the step's one
+        optimizer step runs on rows sampled with the same weights (one epoch, one mini-batch).
+        An off-policy correction that needs the old log-probs before the update (e.g. rollout
+        importance sampling) must make this False."""
+        one_update = self.ppo_epochs == 1 and self.ppo_mini_batch_size == train_batch_size
+        return self.recompute_old_log_prob == "auto" and one_update
 
     def policy_loss(self) -> PolicyLossConfig:
         """The policy loss's own config, as the workers take it."""

@@ -4,14 +4,21 @@ One training step, for ``data.train_batch_size`` prompts:
 
 1. generate ``rollout.n`` responses per prompt on the colocated rollout (every worker samples for
    its share of the prompts with the actor's current weights);
-2. score every response with the reward function (``custom_reward_function`` or the built-in
-   rule for its ``data_source``);
-3. plan the whole batch over DP ranks (``trainer.balance_batch``: by workload, a prompt's responses
-   kept on one DP rank, ``group_scope="rank"``), compute old (and reference) log-probs through that
-   plan and merge them back to the batch's own row order;
+2. plan the whole batch over DP ranks (``trainer.balance_batch``: by workload, a prompt's responses
+   kept on one DP rank, ``group_scope="rank"``) and start the old (and reference) log-prob passes
+   through that plan without waiting;
+3. meanwhile score every response on the driver with the reward function
+   (``custom_reward_function`` or the built-in rule for its ``data_source``), then collect the
+   passes and merge them back to the batch's own row order;
 4. group-normalised advantages (``algorithm.adv_estimator``);
 5. for each of ``ppo_epochs``, for each mini-batch of ``ppo_mini_batch_size`` prompts (all their
    responses): its own plan and one ``update_actor`` call = one optimizer step.
+
+On-policy steps (``actor.recompute_old_log_prob=auto``, ``ppo_epochs=1``, one mini-batch) skip the
+old-log-prob pass: the single update is the first forward of the sampled weights, so the PPO loss
+takes ``log_prob.detach()`` as the old log-probs (ratio exactly 1; ``PPOLoss(on_policy=True)``) and
+reports the rollout-vs-trainer gap from that forward. docs/verl.md section 8 says
+why this is exact.
 
 Invariants: rows keep the rollout's prompt-major order on the driver; every per-row tensor that
 comes back from workers goes through ``merge_by_plan`` before it is attached. A response is never
@@ -31,7 +38,15 @@ import numpy as np
 import torch
 
 from verl_balance.algorithms import compute_advantages
-from verl_balance.batch_keys import PROMPT_IDS_KEY, PROMPT_INDEX_KEY, SAMPLE_INDEX_KEY, TEMPERATURE_KEY, UID_KEY
+from verl_balance.batch_keys import (
+    ON_POLICY_KEY,
+    PROMPT_IDS_KEY,
+    PROMPT_INDEX_KEY,
+    ROLLOUT_LOG_PROBS_KEY,
+    SAMPLE_INDEX_KEY,
+    TEMPERATURE_KEY,
+    UID_KEY,
+)
 from verl_balance.data.rl_dataset import RLPromptDataset
 from verl_balance.data.synthetic import write_dataset
 from verl_balance.protocol import Batch
@@ -43,13 +58,15 @@ from verl_balance.trainer.config import build_engine_config, check_profile_steps
 from verl_balance.trainer.driver import DriverBase
 from verl_balance.trainer.grpo_config import GRPO_ENGINE_KEYS, GRPOConfig, validate_grpo
 from verl_balance.trainer.metrics import PEAK_MEMORY_KEY, plan_metrics, reduce_rank_metrics
-from verl_balance.trainer.plan_dispatch import plan_batch, run_by_plan, split_by_plan
+from verl_balance.trainer.plan_dispatch import merge_by_plan, plan_batch, split_by_plan
 from verl_balance.trainer.startup import check_model_files
 from verl_balance.utils.tracking import Tracking
 from verl_balance.workers.actor_rollout import ActorRolloutWorker, ActorRolloutWorkerConfig, sampling_seed
 from verl_balance.workers.group import ActorRolloutGroup
 
 logger = logging.getLogger(__name__)
+LOG_PROB_INPUT_KEYS = ["input_ids", "attention_mask", "position_ids"]
+"""The columns a log-prob pass reads (the worker packs every wire column it receives)."""
 PLOT_PANELS = (
     ("train reward (sampled rollouts)", r"^reward/(mean|accuracy)$"),
     ("held-out accuracy (val_kwargs sampling, greedy by default)", r"^val/accuracy$"),
@@ -92,6 +109,16 @@ def rollout_probs_diff(batch: Batch) -> dict:
     if diff.numel() == 0:
         return {}
     return {"rollout/probs_diff_mean": float(diff.mean()), "rollout/probs_diff_max": float(diff.max())}
+
+
+def update_metrics(per_rank: list[dict]) -> dict:
+    """The driver's record of one ``update_actor`` call: the engine's global actor/perf figures;
+    an on-policy update's rollout-vs-trainer gap under the names ``rollout_probs_diff`` uses."""
+    reduced = reduce_rank_metrics(per_rank, prefix="actor/")
+    for name in ("mean", "max"):
+        if f"actor/rollout_probs_diff_{name}" in reduced:
+            reduced[f"rollout/probs_diff_{name}"] = reduced.pop(f"actor/rollout_probs_diff_{name}")
+    return {k: v for k, v in reduced.items() if k.startswith(("actor/", "perf/", "rollout/"))}
 
 
 def mean_metrics(records: list[dict]) -> dict:
@@ -158,6 +185,7 @@ class GRPOTrainer(DriverBase):
         )
         self.log_prob_mbs = r.log_prob_micro_batch_size_per_gpu or a.ppo_micro_batch_size_per_gpu
         self.updates_per_step = a.ppo_epochs * (d.train_batch_size // a.ppo_mini_batch_size)
+        self.old_log_prob_from_update = a.old_log_prob_from_update(train_batch_size=d.train_batch_size)
         check_profile_steps(trainer=config.trainer, total_steps=self.total_steps)
         # trainer.profile_steps counts driver steps; each runs updates_per_step engine train steps,
         # all of which are traced (engine step numbers in the trace directory names).
@@ -295,7 +323,7 @@ class GRPOTrainer(DriverBase):
     def train_step(self, prompts: tuple[dict, dict]) -> dict:
         """One GRPO step on one batch of prompts; returns the step's metrics."""
         metrics: dict = {}
-        r, a = self.rollout_cfg, self.actor_cfg
+        r = self.rollout_cfg
         with _timed(metrics, "step"):
             with _timed(metrics, "gen"):
                 batch = self.generate(
@@ -307,16 +335,11 @@ class GRPOTrainer(DriverBase):
                 )
             # Old, reference and new log-probs are all taken at the sampling temperature.
             batch.meta[TEMPERATURE_KEY] = float(r.temperature)
+            # The log-prob passes run on the workers while the driver scores the responses.
+            pending = self._submit_log_prob_passes(batch, metrics)
             with _timed(metrics, "reward"):
                 scores, extras = self.score(batch)
-            plan = self._plan(batch, micro_batch_size=self.log_prob_mbs, token_cap=self.log_prob_cap)
-            with _timed(metrics, "old_log_prob"):
-                old = run_by_plan(batch, plan, self.actor.compute_log_prob)
-            batch["old_log_probs"] = old["log_probs"]
-            metrics.update(rollout_probs_diff(batch))
-            if a.use_kl_loss:
-                with _timed(metrics, "ref"):
-                    batch["ref_log_prob"] = run_by_plan(batch, plan, self.actor.compute_ref_log_prob)["ref_log_prob"]
+            self._collect_log_prob_passes(batch, pending, metrics)
             with _timed(metrics, "adv"):
                 batch["advantages"] = compute_advantages(
                     adv_estimator=self.config.algorithm.adv_estimator,
@@ -334,22 +357,63 @@ class GRPOTrainer(DriverBase):
                 "perf/tokens": tokens,
                 "perf/tokens_per_s": tokens / metrics["timing_s/step"],
                 "train/epoch": float(self.loader.epoch),
+                "train/old_log_prob_pass": 0.0 if self.old_log_prob_from_update else 1.0,
             }
         )
         return metrics
+
+    def _submit_log_prob_passes(self, batch: Batch, metrics: dict) -> dict:
+        """Start the old (unless the update takes them from its own forward) and reference
+        log-prob passes without waiting; {name: (plan, GroupFuture)}. Only the columns a
+        log-prob pass reads travel."""
+        passes = {}
+        if not self.old_log_prob_from_update:
+            passes["old_log_prob"] = self.actor.compute_log_prob
+        if self.actor_cfg.use_kl_loss:
+            passes["ref"] = self.actor.compute_ref_log_prob
+        if not passes:
+            return {}
+        with _timed(metrics, next(iter(passes))):  # planning and cutting count to the first pass
+            plan = self._plan(batch, micro_batch_size=self.log_prob_mbs, token_cap=self.log_prob_cap)
+            inputs = batch.select(batch_keys=LOG_PROB_INPUT_KEYS, non_tensor_batch_keys=[])
+            chunks = split_by_plan(inputs, plan)
+        pending = {}
+        for name, call in passes.items():
+            with _timed(metrics, name):
+                pending[name] = (plan, call.submit(chunks))
+        return pending
+
+    def _collect_log_prob_passes(self, batch: Batch, pending: dict, metrics: dict) -> None:
+        """Wait for the submitted passes and attach ``old_log_probs`` / ``ref_log_prob`` in row
+        order. ``timing_s/old_log_prob`` and ``timing_s/ref`` count the driver's planning (the
+        first pass), dispatch and wait after scoring, i.e. the part of each pass that the reward
+        computation did not hide."""
+        if "old_log_prob" in pending:
+            plan, future = pending["old_log_prob"]
+            with _timed(metrics, "old_log_prob"):
+                batch["old_log_probs"] = merge_by_plan(future.get(), plan)["log_probs"]
+            metrics.update(rollout_probs_diff(batch))
+        if "ref" in pending:
+            plan, future = pending["ref"]
+            with _timed(metrics, "ref"):
+                batch["ref_log_prob"] = merge_by_plan(future.get(), plan)["ref_log_prob"]
 
     def update_actor(self, batch: Batch) -> dict:
         """ppo_epochs x mini-batches optimizer steps; mean actor metrics, plan and measured balance."""
         a = self.actor_cfg
         actor_records, plan_records = [], []
         compute = np.zeros(self.dp)
+        on_policy = self.old_log_prob_from_update
+        if not on_policy and ROLLOUT_LOG_PROBS_KEY in batch:
+            # Compared with the old log-probs on the driver (rollout_probs_diff); not needed on the wire.
+            batch = batch.select(batch_keys=[k for k in batch.tensor_keys if k != ROLLOUT_LOG_PROBS_KEY])
         for _ in range(a.ppo_epochs):
             for rows in self._mini_batches(batch):
                 mini = batch.index_select(rows)
+                mini.meta[ON_POLICY_KEY] = on_policy
                 plan = self._plan(mini, micro_batch_size=a.ppo_micro_batch_size_per_gpu, token_cap=self.update_cap)
                 per_rank = self.actor.update_actor(split_by_plan(mini, plan))
-                reduced = reduce_rank_metrics(per_rank, prefix="actor/")
-                actor_records.append({k: v for k, v in reduced.items() if k.startswith(("actor/", "perf/"))})
+                actor_records.append(update_metrics(per_rank))
                 plan_records.append(plan_metrics(plan))
                 compute += [m.get("compute_seconds", 0.0) for m in per_rank]
         out = {**mean_metrics(actor_records), **mean_metrics(plan_records)}

@@ -16,9 +16,10 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.distributed as dist
 
 from verl_balance.algorithms.policy_loss import PolicyLossConfig, PPOLoss
-from verl_balance.batch_keys import MICRO_BATCH_SIZES_KEY, TEMPERATURE_KEY, WIRE_KEYS
+from verl_balance.batch_keys import MICRO_BATCH_SIZES_KEY, ON_POLICY_KEY, TEMPERATURE_KEY, WIRE_KEYS
 from verl_balance.distributed.layout import ParallelLayout, init_distributed
 from verl_balance.engine.config import EngineConfig
 from verl_balance.engine.train_engine import TrainEngine
@@ -85,10 +86,12 @@ class ActorWorker(Worker):
             "device": str(self.layout.device),
         }
 
-    def _loss_fn(self):
+    def _loss_fn(self, *, on_policy: bool = False):
         if self.config.policy_loss is None:
+            if on_policy:
+                raise ValueError(f"meta {ON_POLICY_KEY!r} is a PPO-loss setting; this worker trains the SFT loss")
             return SFTLoss()
-        return PPOLoss(self.config.policy_loss)
+        return PPOLoss(self.config.policy_loss, on_policy=on_policy)
 
     @staticmethod
     def _micro_batches(batch: Batch) -> list[dict[str, torch.Tensor]]:
@@ -107,11 +110,26 @@ class ActorWorker(Worker):
     # ------------------------------------------------------------------ compute
     @register(dispatch_mode=make_mesh_dispatch(ACTOR_MESH))
     def update_actor(self, batch: Batch) -> dict:
-        """One optimizer step over this DP rank's micro-batches; metrics of this rank."""
+        """One optimizer step over this DP rank's micro-batches; metrics of this rank.
+
+        With meta ``on_policy`` the PPO loss takes the old log-probs from this forward (see
+        ``PPOLoss``); its ``rollout_probs_diff_max`` is then reduced (MAX) over the world, so the
+        value is global like the engine's other metrics.
+        """
         start = time.perf_counter()
+        loss_fn = self._loss_fn(on_policy=bool(batch.meta.get(ON_POLICY_KEY, False)))
         metrics = self.engine.train_step(
-            self._micro_batches(batch), loss_fn=self._loss_fn(), temperature=batch_temperature(batch)
+            self._micro_batches(batch), loss_fn=loss_fn, temperature=batch_temperature(batch)
         )
+        if getattr(loss_fn, "on_policy", False) and PPOLoss.ROLLOUT_LOG_PROBS_KEY in batch.tensors.keys():
+            # Every rank's chunk has the same columns and meta, so every rank joins this reduction.
+            local = loss_fn.rollout_probs_diff_max
+            value = torch.zeros((), dtype=torch.float32, device=self.layout.device)
+            if local is not None:
+                value = local.detach().float().reshape(()).clone()
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.layout.world_group)
+            if "rollout_probs_diff_mean" in metrics:  # absent when the mini-batch had no loss tokens
+                metrics["rollout_probs_diff_max"] = float(value)
         metrics["step_seconds"] = time.perf_counter() - start
         metrics["dp_rank"] = self.layout.dp_rank
         return metrics
