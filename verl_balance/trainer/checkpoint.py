@@ -69,6 +69,8 @@ RUN_CONTROL_KEYS = frozenset(
         "trainer.balance_batch",
         "balance.enable",
         "balance.workload",
+        "balance.calibration_path",
+        "balance.calibration_coefficients",
         "trainer.save_hf_model",
         "trainer.profile_steps",
         "trainer.profile_dir",
