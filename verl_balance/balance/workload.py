@@ -169,7 +169,7 @@ class CalibratedWorkload:
     token: float
     pair: float
     fingerprint: dict = field(default_factory=dict, compare=False, hash=False)
-    source: str = ""
+    source: str = field(default="", compare=False)
     name: str = "calibrated"
 
     def __post_init__(self) -> None:
