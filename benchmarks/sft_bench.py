@@ -23,6 +23,11 @@ step      Step time on dp=2 CPU workers (one Ray worker group, reused): each ste
           synchronises per micro-batch, --fsdp deferred+unsharded). With the default FSDP
           settings every micro-batch synchronises, so on dedicated cores wall time follows the
           sync cost.
+          --calibration FILE (python -m verl_balance.calibrate --model small --attn-impl sdpa_loop
+          --world 2 --out FILE): ours plans with the calibrated workload (fixed cost per
+          micro-batch + per sequence/token/attention pair, in seconds) and every prediction uses
+          it, fixed cost included; "pred bound/contig" is the model's lower bound (fewest
+          micro-batches x fixed cost + total / dp) over contiguous: no plan's prediction is lower.
 overhead  Training tokens/s at dp=1: SFTTrainer.train_step (plan, split, Ray dispatch, FSDP2
           engine) vs a plain single-process PyTorch loop (build_model, AdamW, packed forward,
           token-mean NLL, grad clipping) in a spawned process, same batches and the same
