@@ -38,6 +38,10 @@ Invariants:
   and each SP rank holds ceil(T/sp), so ceil(T/sp) <= cap <=> T <= C): no cell exceeds C; the
   slot count is at least the bound B and at most the count of first-fit-decreasing on every
   rank of the cost-balanced DP split (which always fits, as every unit <= C);
+- token cap with a fixed cost c0 per micro-batch (a calibrated workload): the slot count is the
+  fewest found or up to ``max_extra_slots`` more, whichever has the lowest paid cost
+  K * c0 + sum_j max_d cost (``trade_slots_for_balance``), so the paid cost is never above the
+  fewest-first layout's; c0 = 0 keeps the fewest-first rule above;
 - the naive layout (balance=False) is contiguous in input order: rank d holds units
   array_split(range(U), dp)[d]; its micro-batches are contiguous chunks of mbs units or a
   greedy sequential fill up to C; ranks with fewer micro-batches get empty ones at the end;
