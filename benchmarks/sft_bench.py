@@ -23,6 +23,11 @@ step      Step time on dp=2 CPU workers (one Ray worker group, reused): each ste
           synchronises per micro-batch, --fsdp deferred+unsharded). With the default FSDP
           settings every micro-batch synchronises, so on dedicated cores wall time follows the
           sync cost.
+          --calibration FILE (python -m verl_balance.calibrate --model small --attn-impl sdpa_loop
+          --world 2 --out FILE): ours plans with the calibrated workload (fixed cost per
+          micro-batch + per sequence/token/attention pair, in seconds) and every prediction uses
+          it, fixed cost included; "pred bound/contig" is the model's lower bound (fewest
+          micro-batches x fixed cost + total / dp) over contiguous: no plan's prediction is lower.
 overhead  Training tokens/s at dp=1: SFTTrainer.train_step (plan, split, Ray dispatch, FSDP2
           engine) vs a plain single-process PyTorch loop (build_model, AdamW, packed forward,
           token-mean NLL, grad clipping) in a spawned process, same batches and the same
@@ -61,6 +66,7 @@ import numpy as np
 import torch
 
 from verl_balance.balance import BalancePlan, FlopsWorkload, plan_balance
+from verl_balance.balance.workload import CalibratedWorkload, micro_batch_overhead
 from verl_balance.engine.config import EngineConfig, FSDPConfig, OptimConfig
 from verl_balance.models import ModelConfig, build_model
 from verl_balance.protocol import Batch
@@ -226,15 +232,16 @@ def verl_plans(lengths: list[np.ndarray], *, dp: int, cases: list[dict], verl_py
     return plans, f"verl {reply['verl_version']} (its own code, under {verl_python})"
 
 
-def sync_cost(plan: BalancePlan, costs: np.ndarray) -> float:
-    """sum over micro-batch slots of the max over DP ranks of the slot's cost (what FSDP waits for)."""
-    grid = np.array([[costs[mb].sum() for mb in rank] for rank in plan.micro_batches])
+def sync_cost(plan: BalancePlan, costs: np.ndarray, micro_batch_cost: float = 0.0) -> float:
+    """sum over micro-batch slots of the max over DP ranks of the slot's cost (what FSDP waits for);
+    every slot also pays the workload's fixed cost per micro-batch."""
+    grid = np.array([[costs[mb].sum() + micro_batch_cost for mb in rank] for rank in plan.micro_batches])
     return float(grid.max(axis=0).sum())
 
 
-def max_rank_cost(plan: BalancePlan, costs: np.ndarray) -> float:
+def max_rank_cost(plan: BalancePlan, costs: np.ndarray, micro_batch_cost: float = 0.0) -> float:
     """max over DP ranks of the rank's total cost (the step time when nothing syncs per micro-batch)."""
-    return float(max(sum(costs[mb].sum() for mb in rank) for rank in plan.micro_batches))
+    return float(max(sum(costs[mb].sum() + micro_batch_cost for mb in rank) for rank in plan.micro_batches))
 
 
 # ---------------------------------------------------------------------- step table
@@ -245,6 +252,10 @@ def run_step_bench(args, memory_rows: list) -> list[tuple]:
         optim=OptimConfig(lr=1e-4), attn_impl=args.attn_impl, seed=0, fsdp=FSDPConfig(**FSDP_SETTINGS[args.fsdp])
     )
     flops = FlopsWorkload.from_model_config(model_config)
+    if args.calibration:
+        flops = CalibratedWorkload.from_file(args.calibration)  # ours plans with it and predicts with it
+        print(f"[step] {flops.describe()}", flush=True)
+    c0 = micro_batch_overhead(flops)
     total = args.warmup + args.steps
     batches = make_batches(workload, num=total, vocab_size=model_config.vocab_size)
     lengths = [seq_lens(b) for b in batches]
@@ -318,8 +329,11 @@ def run_step_bench(args, memory_rows: list) -> list[tuple]:
     rows = []
     for case, _ in cases:
         costs = [flops.cost(lens) for lens in lengths[args.warmup :]]
-        base_sync = np.mean([sync_cost(p, c) for p, c in zip(plans[case, "contiguous"][args.warmup :], costs)])
-        base_rank = np.mean([max_rank_cost(p, c) for p, c in zip(plans[case, "contiguous"][args.warmup :], costs)])
+        contiguous = plans[case, "contiguous"][args.warmup :]
+        base_sync = np.mean([sync_cost(p, c, c0) for p, c in zip(contiguous, costs)])
+        base_rank = np.mean([max_rank_cost(p, c, c0) for p, c in zip(contiguous, costs)])
+        # No plan beats K * c0 + total / dp with K the fewest micro-batches the case allows.
+        bound = np.mean([p.stats["lower_bound"] for p in plans[case, "ours"][args.warmup :]]) / base_sync
         base = samples[case, "contiguous"]
         base_wall = statistics.median(x[0] for x in base)
         base_cpu_sync = statistics.median(x[1] for x in base)
@@ -329,10 +343,9 @@ def run_step_bench(args, memory_rows: list) -> list[tuple]:
                 rows.append((case, method) + ("n/a",) * 10 + ("", note))
                 continue
             s = samples[case, method]
-            pred = np.mean([sync_cost(p, c) for p, c in zip(plans[case, method][args.warmup :], costs)]) / base_sync
-            pred_rank = (
-                np.mean([max_rank_cost(p, c) for p, c in zip(plans[case, method][args.warmup :], costs)]) / base_rank
-            )
+            timed = plans[case, method][args.warmup :]
+            pred = np.mean([sync_cost(p, c, c0) for p, c in zip(timed, costs)]) / base_sync
+            pred_rank = np.mean([max_rank_cost(p, c, c0) for p, c in zip(timed, costs)]) / base_rank
             wall, cpu_sync = statistics.median(x[0] for x in s), statistics.median(x[1] for x in s)
             cpu_rank = statistics.median(x[4] for x in s)
             rows.append(
@@ -350,7 +363,7 @@ def run_step_bench(args, memory_rows: list) -> list[tuple]:
                     f"{pred_rank:.3f}",
                     f"{statistics.median(x[2] for x in s):.3f}",
                     "meas/pred <= 1.05" if case.startswith("fixed") and method == "ours" else "",
-                    "",
+                    f"pred bound/contig {bound:.3f} ({flops.name})" if method == "ours" else "",
                 )
             )
     return rows
@@ -588,6 +601,11 @@ def main() -> None:
     parser.add_argument("--max-len", type=int, default=288, help="lengths are clipped to [8, max_len]")
     parser.add_argument("--token-cap", type=int, default=None, help="max_token_len_per_gpu (default: max_len)")
     parser.add_argument("--attn-impl", default="sdpa_loop", help="attention kernel of the step table")
+    parser.add_argument(
+        "--calibration",
+        default=None,
+        help="calibration JSON (python -m verl_balance.calibrate): ours plans and predicts with it instead of FLOPs",
+    )
     parser.add_argument(
         "--fsdp",
         default="per-micro-batch",

@@ -8,9 +8,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from verl_balance.balance import FlopsWorkload, plan_balance
+from verl_balance.balance.workload import CalibratedWorkload
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 FLOPS = FlopsWorkload(num_layers=2, hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, vocab_size=97)
+# Seconds-like: a fixed cost per micro-batch worth ~50 tokens (plan.py: the paid-cost count choice).
+CALIBRATED = CalibratedWorkload(micro_batch=5e-4, sequence=2e-5, token=1e-5, pair=3e-8)
 
 
 def all_indices(plan) -> np.ndarray:
@@ -49,7 +52,7 @@ def cases(draw):
         sp_size=sp,
         balance=draw(st.booleans()),
         group_ids=group_ids,
-        workload=draw(st.sampled_from([None, FLOPS])),
+        workload=draw(st.sampled_from([None, FLOPS, CALIBRATED])),
         equal_size=draw(st.booleans()),
         group_scope=group_scope,
     )
@@ -180,10 +183,15 @@ def test_samples_inside_a_micro_batch_keep_input_order(kw):
 @given(cases())
 def test_stats_match_an_independent_recomputation(kw):
     plan = plan_balance(**kw)
-    costs = FLOPS.cost(kw["seq_lens"]) if kw["workload"] is FLOPS else kw["seq_lens"].astype(np.float64)
-    cells = cell_costs_of(plan, costs)
+    workload = kw["workload"]
+    costs = workload.cost(kw["seq_lens"]) if workload is not None else kw["seq_lens"].astype(np.float64)
+    c0 = CALIBRATED.micro_batch if workload is CALIBRATED else 0.0
+    # Every cell, empty ones too, pays the fixed cost per micro-batch.
+    cells = cell_costs_of(plan, costs) + c0
     units = _units(kw["group_ids"], len(costs))
     lower_bound = max(costs.sum() / kw["dp_size"], np.bincount(units, weights=costs).max())
+    lower_bound += plan.stats["micro_batch_bound"] * c0
+    assert plan.stats["micro_batch_bound"] <= plan.num_micro_batches
     s = plan.stats
     assert s["lower_bound"] == pytest.approx(lower_bound)
     assert s["sync_cost"] == pytest.approx(sync_cost(cells))

@@ -38,6 +38,10 @@ Invariants:
   and each SP rank holds ceil(T/sp), so ceil(T/sp) <= cap <=> T <= C): no cell exceeds C; the
   slot count is at least the bound B and at most the count of first-fit-decreasing on every
   rank of the cost-balanced DP split (which always fits, as every unit <= C);
+- token cap with a fixed cost c0 per micro-batch (a calibrated workload): the slot count is the
+  fewest found or up to ``max_extra_slots`` more, whichever has the lowest paid cost
+  K * c0 + sum_j max_d cost (``trade_slots_for_balance``), so the paid cost is never above the
+  fewest-first layout's; c0 = 0 keeps the fewest-first rule above;
 - the naive layout (balance=False) is contiguous in input order: rank d holds units
   array_split(range(U), dp)[d]; its micro-batches are contiguous chunks of mbs units or a
   greedy sequential fill up to C; ranks with fewer micro-batches get empty ones at the end;
@@ -92,9 +96,80 @@ def balanced_token_cap_layout(
     max_passes: int,
     polish_passes: int,
     joint_tries: int = 2,
+    micro_batch_cost: float = 0.0,
+    max_extra_slots: int = 4,
 ) -> np.ndarray:
     """Balanced ``layout[rank, slot, position]`` with no cell over ``token_cap`` tokens: fewest slots
-    found first, then the lowest synchronised cost at that count (see module docstring)."""
+    found first, then the lowest synchronised cost at that count (see module docstring). With a
+    fixed cost per micro-batch (``micro_batch_cost`` > 0, a calibrated workload) more slots are
+    then tried, and kept only when they lower ``slots * micro_batch_cost + sum_j max_d cost``
+    (``trade_slots_for_balance``)."""
+    fewest = _fewest_slots_layout(
+        costs, tokens, dp_size, token_cap, equal_size, rel_tol, max_passes, polish_passes, joint_tries
+    )
+    if micro_batch_cost <= 0 or dp_size == 1:
+        return fewest
+    return trade_slots_for_balance(
+        fewest,
+        costs=costs,
+        tokens=tokens,
+        dp_size=dp_size,
+        token_cap=token_cap,
+        equal_size=equal_size,
+        micro_batch_cost=micro_batch_cost,
+        max_extra_slots=max_extra_slots,
+        rel_tol=rel_tol,
+        max_passes=max_passes,
+        polish_passes=polish_passes,
+    )
+
+
+def paid_sync_cost(layout: np.ndarray, costs: np.ndarray, micro_batch_cost: float) -> float:
+    """What a step pays for ``layout[rank, slot, position]``: every slot costs ``micro_batch_cost``
+    on every rank plus the slowest rank's cost in that slot."""
+    loads = np.append(costs, 0.0)[layout].sum(axis=-1)
+    return float(layout.shape[1] * micro_batch_cost + loads.max(axis=0).sum())
+
+
+def trade_slots_for_balance(
+    layout: np.ndarray,
+    *,
+    costs: np.ndarray,
+    tokens: np.ndarray,
+    dp_size: int,
+    token_cap: int,
+    equal_size: bool,
+    micro_batch_cost: float,
+    max_extra_slots: int,
+    rel_tol: float,
+    max_passes: int,
+    polish_passes: int,
+) -> np.ndarray:
+    """``layout`` (the fewest slots found), or a joint layout with up to ``max_extra_slots`` more
+    slots when its paid cost (``paid_sync_cost``) is lower. An extra slot can only save the
+    excess of the synchronised cost over total / dp, so none is tried once slots * fixed cost
+    + total / dp reaches the best paid cost: when the fixed cost dominates, the fewest slots stay."""
+    best, best_paid = layout, paid_sync_cost(layout, costs, micro_batch_cost)
+    floor = float(costs.sum()) / dp_size
+    for num_slots in range(layout.shape[1] + 1, layout.shape[1] + max_extra_slots + 1):
+        if num_slots * micro_batch_cost + floor >= best_paid:
+            break
+        cells = _joint_cells(
+            costs, tokens, dp_size, token_cap, num_slots, equal_size, rel_tol, max_passes, polish_passes
+        )
+        if cells is None:
+            continue
+        candidate = assign_cells_to_ranks(cells, costs)
+        paid = paid_sync_cost(candidate, costs, micro_batch_cost)
+        if paid < best_paid * (1 - 1e-9):
+            best, best_paid = candidate, paid
+    return best
+
+
+def _fewest_slots_layout(
+    costs, tokens, dp_size, token_cap, equal_size, rel_tol, max_passes, polish_passes, joint_tries
+) -> np.ndarray:
+    """The fewest-slots-first layout (module docstring, token cap rule)."""
     lower = max(1, -(-int(tokens.sum()) // (dp_size * token_cap)))
     cells = _joint_cells(costs, tokens, dp_size, token_cap, lower, equal_size, rel_tol, max_passes, polish_passes)
     if cells is not None:

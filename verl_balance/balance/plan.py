@@ -18,6 +18,22 @@ With a token cap the micro-batch count comes first: the plan uses the fewest mic
 finds (at most first-fit-decreasing's count per rank, usually the bound
 ceil(tokens / (dp * cap * sp))), and only then balances cost within that count, because with FSDP
 every micro-batch costs a collective round (see micro_batch.py).
+
+Micro-batch count with a calibrated workload (one with a fixed cost per micro-batch c0 =
+``micro_batch_cost`` > 0, ``workload.CalibratedWorkload``): the plan minimises the cost that is
+paid, ``K * c0 + sum_j max_d cost(d, j)`` over K micro-batches per rank. With a token cap it
+starts from the fewest micro-batches found (as above) and takes up to 4 more only when the paid
+cost drops (``micro_batch.trade_slots_for_balance``; never over the cap, so never over the memory
+the cap stands for): when c0 dominates the imbalance it saves, it keeps the fewest. With a fixed
+micro_batch_size the count stays the user's: ceil(samples per rank / micro_batch_size) is
+already the fewest micro-batches of at most micro_batch_size samples, and every micro-batch
+holds exactly micro_batch_size (a user's size is a memory promise, never exceeded). With
+group_scope="rank" the count is the fewest found (c0 does not change it).
+Further invariants with a fixed cost c0 (c0 = 0 for the token and FLOPs workloads):
+- ``cell_costs`` includes c0 in every cell (an empty micro-batch still runs forward and FSDP's
+  collectives), so ``sync_cost`` = K * c0 + sum_j max_d (sequence costs of cell (d, j));
+- ``lower_bound`` = max(total / dp, largest unit) + micro_batch_bound * c0 <= sync_cost of any
+  plan; with a token cap, the balanced plan's sync_cost is at most that of the fewest-first plan.
 """
 
 from __future__ import annotations
@@ -42,7 +58,7 @@ from verl_balance.balance.micro_batch import (
     naive_layout,
 )
 from verl_balance.balance.partition import balanced_partition
-from verl_balance.balance.workload import Workload, resolve_workload
+from verl_balance.balance.workload import Workload, micro_batch_overhead, resolve_workload
 
 OVERLONG_POLICIES = ("error", "skip", "truncate")
 GROUP_SCOPES = ("micro_batch", "rank")
@@ -61,8 +77,11 @@ class BalanceConfig:
 class BalanceStats(TypedDict):
     """Predicted figures of one plan (plain numbers, for logging); costs are in workload units.
 
-    The lower bound is max(total cost / dp, largest sample or group cost): no plan can do better.
-    ``sync_cost`` is what FSDP pays: the sum over micro-batch index j of the slowest rank's cost(j).
+    The lower bound is max(total cost / dp, largest sample or group cost), plus micro_batch_bound
+    times the workload's fixed cost per micro-batch (0 unless calibrated): no plan can do better.
+    ``sync_cost`` is what FSDP pays: the sum over micro-batch index j of the slowest rank's cost(j)
+    (each cell's cost includes the fixed cost per micro-batch). ``total_cost`` is the sum of the
+    samples' costs (no fixed cost).
     """
 
     num_samples: int
@@ -105,7 +124,7 @@ class BalancePlan:
     stats: BalanceStats = field(default_factory=dict)  # type: ignore[assignment]
     skipped: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     truncated: dict = field(default_factory=dict)
-    cell_costs: np.ndarray | None = None  # [dp_rank, micro_idx] predicted cost
+    cell_costs: np.ndarray | None = None  # [dp_rank, micro_idx] predicted cost (with the fixed cost per micro-batch)
     cell_tokens: np.ndarray | None = None  # [dp_rank, micro_idx] tokens (after truncation)
 
     @property
@@ -174,6 +193,7 @@ def plan_balance(
         raise BalanceConfigError(f"group_scope={group_scope!r} is invalid; valid: {GROUP_SCOPES}")
     lengths = _check_lengths(seq_lens)
     cost_model = resolve_workload(workload)
+    overhead = micro_batch_overhead(cost_model)
     token_cap = None if max_token_len_per_gpu is None else int(max_token_len_per_gpu) * int(sp_size)
 
     groups_atomic = group_ids is not None and group_scope == "micro_batch"
@@ -243,6 +263,7 @@ def plan_balance(
                     token_cap=token_cap,
                     equal_size=equal_size,
                     polish_passes=polish_passes,
+                    micro_batch_cost=overhead,
                     **refine_kwargs,
                 )
                 # Heaviest micro-batch first: an out-of-memory shows up on the first micro-batch.
@@ -277,9 +298,9 @@ def plan_balance(
         micro_batches = naive
 
     plan = BalancePlan(micro_batches=micro_batches, skipped=skipped, truncated=truncated)
-    plan.cell_costs = _cell_sums(micro_batches, sample_costs)
+    plan.cell_costs = _cell_sums(micro_batches, sample_costs) + overhead
     plan.cell_tokens = _cell_sums(micro_batches, lengths_kept.astype(np.float64)).astype(np.int64)
-    naive_costs = plan.cell_costs if not balance else _cell_sums(naive, sample_costs)
+    naive_costs = plan.cell_costs if not balance else _cell_sums(naive, sample_costs) + overhead
     plan.stats = _stats(
         plan,
         sample_costs,
@@ -293,6 +314,7 @@ def plan_balance(
         bound_mbs,
         token_cap,
         num_samples=len(lengths),
+        micro_batch_cost=overhead,
     )
     if token_cap is not None:
         assert plan.cell_tokens.max() <= token_cap, "balancer produced a micro-batch over the token cap"
@@ -454,16 +476,18 @@ def _stats(
     token_cap,
     *,
     num_samples,
+    micro_batch_cost,
 ) -> BalanceStats:
     total = float(sample_costs.sum())
-    lower_bound = max(total / dp_size, float(rank_unit_cost.max()))
-    imbalance, sync, sync_ratio = _sync_figures(plan.cell_costs, lower_bound)
-    naive_imbalance, naive_sync, naive_sync_ratio = _sync_figures(naive_costs, lower_bound)
     if token_cap is not None:
         bound = max(1, -(-total_tokens // (dp_size * token_cap)))
     else:
         items_per_rank = -(-bound_items // dp_size)
         bound = max(1, -(-items_per_rank // bound_mbs))
+    # Every plan has at least `bound` micro-batches, each paying the fixed cost on every rank.
+    lower_bound = max(total / dp_size, float(rank_unit_cost.max())) + bound * micro_batch_cost
+    imbalance, sync, sync_ratio = _sync_figures(plan.cell_costs, lower_bound)
+    naive_imbalance, naive_sync, naive_sync_ratio = _sync_figures(naive_costs, lower_bound)
     per_sp_rank = -(-plan.cell_tokens // sp_size)
     slot = plan.cell_costs
     slot_mean = slot.mean(axis=0)

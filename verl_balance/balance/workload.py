@@ -13,11 +13,17 @@ Invariants:
   experts (``shared_expert_intermediate_size`` in all); dense layers of an MoE model (Qwen's
   ``mlp_only_layers``/``decoder_sparse_step``, DeepSeek's ``first_k_dense_replace``) keep the
   dense MLP of ``intermediate_size``.
+- ``CalibratedWorkload`` is measured seconds (forward + backward) fitted on the hardware
+  (``python -m verl_balance.calibrate``): per sequence ``sequence + token * L + pair * L (L+1)/2``,
+  plus ``micro_batch_cost``, a fixed cost per micro-batch slot that is not a sequence's cost (so
+  the sum rule above holds for ``cost``; the planner adds the fixed cost per slot). Workloads
+  without ``micro_batch_cost`` have none (``micro_batch_overhead`` returns 0).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -237,3 +243,120 @@ def resolve_workload(workload) -> Workload:
     if not callable(getattr(workload, "cost", None)):
         raise BalanceConfigError(f"workload {workload!r} has no cost(lengths) method")
     return workload
+
+
+# Keys of a calibration file (``python -m verl_balance.calibrate``) that the workload reads.
+CALIBRATION_COEFFICIENTS = ("micro_batch", "sequence", "token", "pair")
+
+
+@dataclass(frozen=True)
+class CalibratedWorkload:
+    """Measured cost in seconds of forward + backward on one rank, fitted by
+    ``python -m verl_balance.calibrate`` (non-negative least squares over a grid of micro-batches):
+
+        cost(micro-batch) = micro_batch + sum over its sequences of
+                            (sequence + token * L + pair * L (L + 1) / 2)
+
+    ``cost(lengths)`` is the per-sequence part (so a packed micro-batch still costs the sum of its
+    sequences); ``micro_batch_cost`` is the fixed cost every micro-batch slot pays on every rank
+    (an empty, padding-only micro-batch still runs the forward and FSDP's collectives). The
+    planner adds ``micro_batch_cost`` per micro-batch when it chooses how many to use (plan.py).
+    ``fingerprint`` records what was measured (hardware, model, dtype, attention kernel).
+    """
+
+    micro_batch: float
+    sequence: float
+    token: float
+    pair: float
+    fingerprint: dict = field(default_factory=dict, compare=False, hash=False)
+    source: str = field(default="", compare=False)
+    name: str = "calibrated"
+
+    def __post_init__(self) -> None:
+        for key in CALIBRATION_COEFFICIENTS:
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not np.isfinite(value) or value < 0:
+                raise BalanceConfigError(
+                    f"calibrated workload coefficient {key}={value!r}{_from(self.source)} is invalid; "
+                    "valid: a finite number >= 0 (seconds)"
+                )
+        if self.token <= 0 and self.pair <= 0 and self.sequence <= 0:
+            raise BalanceConfigError(
+                f"calibrated workload{_from(self.source)} has sequence = token = pair = 0: every plan would "
+                "cost the same; recalibrate (python -m verl_balance.calibrate)"
+            )
+
+    @property
+    def micro_batch_cost(self) -> float:
+        """Fixed cost of one micro-batch slot (seconds), paid whatever it holds."""
+        return float(self.micro_batch)
+
+    def cost(self, lengths: np.ndarray) -> np.ndarray:
+        """Float64 per-sequence cost: sequence + token * L + pair * L (L + 1) / 2."""
+        length = np.asarray(lengths, dtype=np.float64)
+        return self.sequence + self.token * length + self.pair * length * (length + 1.0) / 2.0
+
+    def micro_batch_seconds(self, lengths) -> float:
+        """Predicted seconds of one micro-batch holding sequences of these lengths."""
+        return self.micro_batch_cost + float(self.cost(np.asarray(lengths)).sum())
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        fp = self.fingerprint
+        what = ", ".join(f"{k}={fp[k]}" for k in ("model", "dtype", "attn_impl", "world_size", "host") if k in fp)
+        return (
+            f"calibrated workload{_from(self.source)}: {self.micro_batch * 1e3:.3f} ms per micro-batch + "
+            f"{self.sequence * 1e6:.2f} us per sequence + {self.token * 1e6:.3f} us per token + "
+            f"{self.pair * 1e9:.3f} ns per attention pair" + (f" ({what})" if what else "")
+        )
+
+    def to_dict(self) -> dict:
+        """The coefficients (seconds) and fingerprint, as in the calibration file."""
+        return {
+            "coefficients": {k: float(getattr(self, k)) for k in CALIBRATION_COEFFICIENTS},
+            "fingerprint": dict(self.fingerprint),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict, *, source: str = "") -> CalibratedWorkload:
+        """From a calibration file's content: ``{"coefficients": {micro_batch, sequence, token,
+        pair}, "fingerprint": {...}, ...}`` (a missing ``sequence`` means 0)."""
+        coefficients = data.get("coefficients") if isinstance(data, dict) else None
+        if not isinstance(coefficients, dict):
+            raise BalanceConfigError(
+                f"calibration{_from(source)} has no 'coefficients' mapping; valid: the JSON written by "
+                "python -m verl_balance.calibrate"
+            )
+        missing = [k for k in ("micro_batch", "token", "pair") if k not in coefficients]
+        unknown = sorted(set(coefficients) - set(CALIBRATION_COEFFICIENTS))
+        if missing or unknown:
+            raise BalanceConfigError(
+                f"calibration{_from(source)} coefficients: missing {missing}, unknown {unknown}; "
+                f"valid keys: {list(CALIBRATION_COEFFICIENTS)} (sequence is optional)"
+            )
+        values = {k: coefficients.get(k, 0.0) for k in CALIBRATION_COEFFICIENTS}
+        return cls(**values, fingerprint=dict(data.get("fingerprint") or {}), source=source)
+
+    @classmethod
+    def from_file(cls, path: str) -> CalibratedWorkload:
+        """Read a calibration JSON (``python -m verl_balance.calibrate --out PATH``)."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+        except FileNotFoundError as err:
+            raise BalanceConfigError(
+                f"calibration file {path!r} does not exist; write one with python -m verl_balance.calibrate "
+                f"--out {path}"
+            ) from err
+        except (OSError, ValueError) as err:
+            raise BalanceConfigError(f"calibration file {path!r} cannot be read as JSON ({err})") from err
+        return cls.from_dict(data, source=str(path))
+
+
+def _from(source: str) -> str:
+    return f" (from {source})" if source else ""
+
+
+def micro_batch_overhead(workload) -> float:
+    """The fixed cost per micro-batch slot of a workload (0 for the token and FLOPs models)."""
+    return float(getattr(workload, "micro_batch_cost", 0.0) or 0.0)

@@ -26,7 +26,9 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from verl_balance.balance import FlopsWorkload, TokenWorkload
+from verl_balance.balance.errors import BalanceConfigError
 from verl_balance.balance.plan import OVERLONG_POLICIES
+from verl_balance.balance.workload import CalibratedWorkload
 from verl_balance.data.sft_dataset import SFTDataConfig
 from verl_balance.engine.config import (
     APPLY_ON_RESUME,
@@ -41,10 +43,11 @@ from verl_balance.loss import check_agg_mode
 from verl_balance.models import MODEL_DIMENSION_KEYS, load_model_config
 from verl_balance.models.config import ModelConfig, ModelConfigError
 from verl_balance.models.hf import INIT_MODES, REFUSED_MODEL_TYPES, SUPPORTED_MODEL_TYPES, HFModelConfig
+from verl_balance.utils.atomic_io import atomic_write_json
 
 logger = logging.getLogger(__name__)
 
-WORKLOADS = ("tokens", "flops")
+WORKLOADS = ("tokens", "flops", "calibrated")
 DEVICES = ("auto", "cpu", "cuda")
 RESUME_MODES = ("auto", "disable", "resume_path")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
@@ -214,17 +217,74 @@ class BalanceSection:
     enable: bool = field(default=True, metadata=LAYOUT_ON_RESUME)
     """Balance DP ranks and micro-batches by workload; false = the contiguous split."""
     workload: str = field(default="flops", metadata=LAYOUT_ON_RESUME)
-    """Cost model: 'tokens' (linear) or 'flops' (linear layers + quadratic causal attention)."""
+    """Cost model: 'tokens' (linear), 'flops' (linear layers + quadratic causal attention) or
+    'calibrated' (seconds measured on this hardware by ``python -m verl_balance.calibrate``: a fixed
+    cost per micro-batch + per sequence + per token + per attention pair; needs calibration_path
+    or all of calibration_coefficients)."""
+    calibration_path: Optional[str] = field(default=None, metadata=LAYOUT_ON_RESUME)
+    """JSON written by ``python -m verl_balance.calibrate --out FILE`` (workload=calibrated only);
+    copied into the run directory as calibration.json."""
+    calibration_coefficients: dict = field(default_factory=dict, metadata=LAYOUT_ON_RESUME)
+    """Seconds overriding the file's coefficients (workload=calibrated only): any of micro_batch,
+    sequence, token, pair; without calibration_path, micro_batch, token and pair are required."""
     overlong: str = "error"
     """A sample longer than the token cap: 'error', 'skip' (drop it) or 'truncate' (cut it)."""
 
     def __post_init__(self) -> None:
         check_choice("workload", self.workload, WORKLOADS)
         check_choice("overlong", self.overlong, OVERLONG_POLICIES)
+        uses_calibration = self.calibration_path is not None or bool(self.calibration_coefficients)
+        if self.workload != "calibrated" and uses_calibration:
+            raise ConfigError(
+                f"balance.calibration_path / balance.calibration_coefficients are set but balance.workload="
+                f"{self.workload!r}; set balance.workload=calibrated to use them, or remove them"
+            )
+        if self.workload == "calibrated" and not uses_calibration:
+            raise ConfigError(
+                "balance.workload=calibrated needs balance.calibration_path=FILE (python -m "
+                "verl_balance.calibrate --out FILE) or balance.calibration_coefficients={micro_batch,token,pair}"
+            )
+        if self.workload == "calibrated":
+            self.calibrated_workload()  # a bad file or coefficient fails at config time
+
+    def calibrated_workload(self) -> CalibratedWorkload:
+        """The calibration file with calibration_coefficients applied on top."""
+        data = {"coefficients": {}, "fingerprint": {}}
+        source = "balance.calibration_coefficients"
+        try:
+            if self.calibration_path is not None:
+                data = CalibratedWorkload.from_file(os.path.expanduser(self.calibration_path)).to_dict()
+                source = self.calibration_path
+            overrides = dict(self.calibration_coefficients)
+            if overrides:
+                data["coefficients"].update(overrides)
+                data["fingerprint"]["overridden"] = sorted(overrides)
+                source += " + balance.calibration_coefficients" if self.calibration_path else ""
+            return CalibratedWorkload.from_dict(data, source=source)
+        except BalanceConfigError as err:
+            raise ConfigError(f"balance.workload=calibrated: {err}") from err
 
     def workload_for(self, model_config: ModelConfig):
-        """The balancer's cost model: tokens, or FLOPs from the model's dimensions."""
+        """The balancer's cost model: tokens, FLOPs from the model's dimensions, or calibrated seconds."""
+        if self.workload == "calibrated":
+            return self.calibrated_workload()
         return FlopsWorkload.from_model_config(model_config) if self.workload == "flops" else TokenWorkload()
+
+
+CALIBRATION_RUN_FILE = "calibration.json"
+
+
+def record_workload(workload, out_dir: str) -> str | None:
+    """Log the balancer's workload at start-up; a calibrated one is also written to
+    ``out_dir/calibration.json`` (coefficients, fingerprint, source), so the run keeps the cost
+    model it was planned with. Returns that file's path, or None for the token / FLOPs models."""
+    if not isinstance(workload, CalibratedWorkload):
+        logger.info("balancer workload: %s", getattr(workload, "name", type(workload).__name__))
+        return None
+    logger.info("balancer %s", workload.describe())
+    path = os.path.join(out_dir, CALIBRATION_RUN_FILE)
+    atomic_write_json(path, {**workload.to_dict(), "source": workload.source})
+    return path
 
 
 @dataclass

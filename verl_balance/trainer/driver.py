@@ -28,7 +28,7 @@ from verl_balance.models.config import ModelConfig
 from verl_balance.models.hf import HFModelConfig
 from verl_balance.single_controller import WorkerDiedError
 from verl_balance.trainer import checkpoint, cluster
-from verl_balance.trainer.config import BalanceSection, ConfigError, ModelSection, TrainerSection
+from verl_balance.trainer.config import BalanceSection, ConfigError, ModelSection, TrainerSection, record_workload
 from verl_balance.trainer.run_lock import RunLock, acquire_run_lock
 from verl_balance.utils.tracking import Tracking, plain_config
 from verl_balance.workers.actor import ActorWorker, ActorWorkerConfig
@@ -107,6 +107,7 @@ class DriverBase:
         self.model_section = model
         self.model_config: ModelConfig | HFModelConfig = model.model_config(vocab_size=self.tokenizer.vocab_size)
         self.workload = balance.workload_for(self.model_config)
+        record_workload(self.workload, self.out_dir)
         self.global_step = 0
         self._stop_requested = False
 
