@@ -15,21 +15,10 @@ import os
 
 import torch
 
-SUPPORTED_FAMILIES = (
-    "llama",
-    "qwen2",
-    "qwen3",
-    "mistral",
-    "gemma2",
-    "gemma3_text",
-    "phi3",
-    "olmo2",
-    "granite",
-    "qwen2_moe",
-    "qwen3_moe",
-    "mixtral",
-    "deepseek_v2",
-)
+from verl_balance.models.hf import SUPPORTED_MODEL_TYPES
+
+# Every supported family has a tiny variant (tests check that packed logits equal HF's for each).
+SUPPORTED_FAMILIES = SUPPORTED_MODEL_TYPES
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
