@@ -281,6 +281,37 @@ def check_resume_config(lineage: dict, config: dict, *, policies: Mapping[str, s
         )
 
 
+def _start_from_path(
+    root: str, *, resume_from_path: str | None, complete: list, incomplete: list, hasher: checksums.Hasher, run_id: str
+) -> tuple[str, str, str]:
+    """``resume_path``: a new lineage branching from the verified ``resume_from_path``; this
+    directory's checkpoints past its step (another branch's future) are moved to ``superseded/``.
+    Returns (load_path, lineage_id, branch)."""
+    if not resume_from_path:
+        raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
+    load_path = os.path.abspath(resume_from_path)
+    if not (is_complete(load_path) or os.path.exists(os.path.join(load_path, TRAINER_STATE_FILE))):
+        raise CheckpointError(
+            f"trainer.resume_from_path={resume_from_path!r} is not a complete checkpoint "
+            f"(no {COMPLETE_FILE}); pick a complete global_step_N directory"
+        )
+    try:
+        verify_checkpoint(load_path, hasher=hasher)
+    except CheckpointCorruptError as err:  # the user named this one: never silently use another
+        raise CheckpointCorruptError(f"trainer.resume_from_path={resume_from_path!r}: {err}") from err
+    start = _checkpoint_step(load_path)
+    lineage_id, branch = run_id, load_path
+    later = [os.path.basename(c.path) for c in complete if c.step > start and c.path != load_path]
+    later += [os.path.basename(p) for p in incomplete]
+    same_dir = os.path.dirname(load_path) == os.path.abspath(root)
+    moved = _move_aside(root, later + ([] if same_dir else [METRICS_FILE]) + [LATEST_FILE], label=f"after_step_{start}")
+    if moved:
+        logger.warning(
+            "trainer.resume_mode=resume_path: checkpoints past step %d (another branch) moved to %s", start, moved
+        )
+    return load_path, lineage_id, branch
+
+
 def start_run(
     root: str,
     *,
@@ -368,30 +399,14 @@ def start_run(
                 moved,
             )
     else:
-        if not resume_from_path:
-            raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
-        load_path = os.path.abspath(resume_from_path)
-        if not (is_complete(load_path) or os.path.exists(os.path.join(load_path, TRAINER_STATE_FILE))):
-            raise CheckpointError(
-                f"trainer.resume_from_path={resume_from_path!r} is not a complete checkpoint "
-                f"(no {COMPLETE_FILE}); pick a complete global_step_N directory"
-            )
-        try:
-            verify_checkpoint(load_path, hasher=hasher)
-        except CheckpointCorruptError as err:  # the user named this one: never silently use another
-            raise CheckpointCorruptError(f"trainer.resume_from_path={resume_from_path!r}: {err}") from err
-        start = _checkpoint_step(load_path)
-        lineage_id, branch = run_id, load_path
-        later = [os.path.basename(c.path) for c in complete if c.step > start and c.path != load_path]
-        later += [os.path.basename(p) for p in incomplete]
-        same_dir = os.path.dirname(load_path) == os.path.abspath(root)
-        moved = _move_aside(
-            root, later + ([] if same_dir else [METRICS_FILE]) + [LATEST_FILE], label=f"after_step_{start}"
+        load_path, lineage_id, branch = _start_from_path(
+            root,
+            resume_from_path=resume_from_path,
+            complete=complete,
+            incomplete=incomplete,
+            hasher=hasher,
+            run_id=run_id,
         )
-        if moved:
-            logger.warning(
-                "trainer.resume_mode=resume_path: checkpoints past step %d (another branch) moved to %s", start, moved
-            )
 
     start_step = _checkpoint_step(load_path) if load_path else 0
     identity = RunIdentity(
