@@ -112,12 +112,13 @@ class BalanceStats(TypedDict):
     naive_num_micro_batches: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class BalancePlan:
     """For each DP rank its micro-batches, each an int64 array of sample indices into the input.
 
-    ``stats`` is a :class:`BalanceStats`: the plan's predicted figures and the same figures of the
-    naive contiguous plan (``naive_*``), for logging and benchmarks.
+    Built complete in one go by a planner (``plan_balance``); frozen. ``stats`` is a
+    :class:`BalanceStats`: the plan's predicted figures and the same figures of the naive
+    contiguous plan (``naive_*``), for logging and benchmarks.
     """
 
     micro_batches: list[list[np.ndarray]]
@@ -156,10 +157,43 @@ class BalancePlan:
         """inv such that order[inv] is the kept samples in ascending input order."""
         return np.argsort(self.order, kind="stable")
 
+
+@dataclass(frozen=True)
+class _PlanInputs:
+    """One plan's validated inputs, after the overlong policy: what both planners start from."""
+
+    dp_size: int
+    sp_size: int
+    micro_batch_size: int | None
+    token_cap: int | None  # tokens per micro-batch over all SP ranks (max_token_len_per_gpu * sp_size)
+    balance: bool
+    equal_size: bool
+    group_ids: np.ndarray | None
+    config: BalanceConfig
+    micro_batch_cost: float  # the workload's fixed cost per micro-batch (0 unless calibrated)
+    lengths: np.ndarray  # per sample, after truncation
+    lengths_kept: np.ndarray  # lengths, 0 for skipped samples
+    sample_costs: np.ndarray  # per sample, 0 for skipped samples
+    unit_of_sample: np.ndarray  # what the micro-batch packer may not split (atomic group or sample); -1 = skipped
+    rank_unit_of_sample: np.ndarray  # what a rank takes whole (group or sample); -1 = skipped
+    rank_unit_cost: np.ndarray
+    skipped: np.ndarray
+    truncated: dict
+
     @property
-    def slot_costs(self) -> np.ndarray:
-        """Per micro-batch index j: max over ranks of the predicted cost (what FSDP waits for)."""
-        return self.cell_costs.max(axis=0)
+    def kept(self) -> np.ndarray:
+        """Indices of the samples that are planned (not skipped)."""
+        return np.flatnonzero(self.unit_of_sample >= 0)
+
+    @property
+    def refine_kwargs(self) -> dict:
+        """Pairwise-swap refinement knobs of the micro-batch packers (refine=False: no refinement)."""
+        config = self.config
+        return dict(rel_tol=config.rel_tol if config.refine else np.inf, max_passes=config.max_refine_passes)
+
+    @property
+    def polish_passes(self) -> int:
+        return self.config.polish_passes if self.config.refine else 0
 
 
 def plan_balance(
@@ -187,16 +221,45 @@ def plan_balance(
     overlong: "error" | "skip" | "truncate" for samples longer than the token cap (cap mode only).
     balance=False gives the naive contiguous plan (its figures are always in ``stats`` as naive_*).
     """
-    config = config or BalanceConfig()
     _check_config(dp_size, sp_size, micro_batch_size, max_token_len_per_gpu, overlong)
     if group_scope not in GROUP_SCOPES:
         raise BalanceConfigError(f"group_scope={group_scope!r} is invalid; valid: {GROUP_SCOPES}")
-    lengths = _check_lengths(seq_lens)
-    cost_model = resolve_workload(workload)
-    overhead = micro_batch_overhead(cost_model)
-    token_cap = None if max_token_len_per_gpu is None else int(max_token_len_per_gpu) * int(sp_size)
+    inputs = _plan_inputs(
+        lengths=_check_lengths(seq_lens),
+        cost_model=resolve_workload(workload),
+        dp_size=dp_size,
+        sp_size=sp_size,
+        micro_batch_size=micro_batch_size,
+        max_token_len_per_gpu=max_token_len_per_gpu,
+        balance=balance,
+        group_ids=group_ids,
+        groups_atomic=group_ids is not None and group_scope == "micro_batch",
+        equal_size=equal_size,
+        overlong=overlong,
+        config=config or BalanceConfig(),
+    )
+    if group_ids is not None and group_scope == "rank":
+        return _plan_rank_scoped_groups(inputs)
+    return _plan_packed_units(inputs)
 
-    groups_atomic = group_ids is not None and group_scope == "micro_batch"
+
+def _plan_inputs(
+    *,
+    lengths,
+    cost_model,
+    dp_size,
+    sp_size,
+    micro_batch_size,
+    max_token_len_per_gpu,
+    balance,
+    group_ids,
+    groups_atomic,
+    equal_size,
+    overlong,
+    config,
+) -> _PlanInputs:
+    """Apply the overlong policy and find the units, their costs, and the feasibility of equal_size."""
+    token_cap = None if max_token_len_per_gpu is None else int(max_token_len_per_gpu) * int(sp_size)
     group_of_sample = _unit_ids(group_ids, len(lengths))
     # Units are what the micro-batch packer may not split: groups, or single samples when groups
     # only have to share a rank.
@@ -212,8 +275,35 @@ def plan_balance(
             f"all {len(lengths)} samples were skipped as longer than the token cap {token_cap}; "
             "raise max_token_len_per_gpu or use overlong='truncate'"
         )
-    # Rank-level units: groups (kept samples only, renumbered by first appearance) or samples.
-    rank_unit_of_sample = np.full(len(lengths), -1, dtype=np.int64)
+    rank_unit_of_sample = _rank_units(group_ids, kept, len(lengths), dp_size=dp_size, equal_size=equal_size)
+    sample_costs = cost_model.cost(lengths)
+    sample_costs[unit_of_sample < 0] = 0.0
+    num_rank_units = int(rank_unit_of_sample.max()) + 1
+    return _PlanInputs(
+        dp_size=dp_size,
+        sp_size=sp_size,
+        micro_batch_size=micro_batch_size,
+        token_cap=token_cap,
+        balance=balance,
+        equal_size=equal_size,
+        group_ids=group_ids,
+        config=config,
+        micro_batch_cost=micro_batch_overhead(cost_model),
+        lengths=lengths,
+        lengths_kept=np.where(unit_of_sample >= 0, lengths, 0),
+        sample_costs=sample_costs,
+        unit_of_sample=unit_of_sample,
+        rank_unit_of_sample=rank_unit_of_sample,
+        rank_unit_cost=np.bincount(rank_unit_of_sample[kept], weights=sample_costs[kept], minlength=num_rank_units),
+        skipped=skipped,
+        truncated=truncated,
+    )
+
+
+def _rank_units(group_ids, kept: np.ndarray, num_samples: int, *, dp_size: int, equal_size: bool) -> np.ndarray:
+    """Rank-level unit per sample: its group (kept samples only, renumbered by first appearance)
+    or the sample itself; -1 for skipped samples. Raises if equal_size cannot give every rank one."""
+    rank_unit_of_sample = np.full(num_samples, -1, dtype=np.int64)
     rank_unit_of_sample[kept] = (
         _unit_ids(np.asarray(group_ids)[kept], len(kept)) if group_ids is not None else np.arange(len(kept))
     )
@@ -224,101 +314,116 @@ def plan_balance(
             f"{num_rank_units} {what} cannot be split into dp_size={dp_size} ranks with equal counts; "
             f"valid: dp_size <= {num_rank_units}, more {what}, or equal_size=False"
         )
-    sample_costs = cost_model.cost(lengths)
-    sample_costs[unit_of_sample < 0] = 0.0
-    lengths_kept = np.where(unit_of_sample >= 0, lengths, 0)
-    rank_unit_cost = np.bincount(rank_unit_of_sample[kept], weights=sample_costs[kept], minlength=num_rank_units)
-    refine_kwargs = dict(rel_tol=config.rel_tol if config.refine else np.inf, max_passes=config.max_refine_passes)
-    polish_passes = config.polish_passes if config.refine else 0
+    return rank_unit_of_sample
 
-    if groups_atomic or group_ids is None:
-        num_units = int(unit_of_sample.max()) + 1
-        unit_cost = np.bincount(unit_of_sample[kept], weights=sample_costs[kept], minlength=num_units)
-        unit_tokens = np.bincount(unit_of_sample[kept], weights=lengths[kept], minlength=num_units).astype(np.int64)
-        unit_size = np.bincount(unit_of_sample[kept], minlength=num_units)
-        unit_mbs = (
-            None if micro_batch_size is None else _units_per_micro_batch(unit_size, int(micro_batch_size), group_ids)
-        )
-        naive_rank_items = np.array_split(np.arange(num_units, dtype=np.int64), dp_size)
-        naive = naive_layout(
-            rank_items=naive_rank_items, tokens=unit_tokens, micro_batch_size=unit_mbs, token_cap=token_cap
-        )
-        naive = _expand_units(naive, unit_of_sample)
-        bound_items, bound_mbs = num_units, unit_mbs
-        if balance:
-            if unit_mbs is not None:
-                cells = balanced_fixed_size_cells(
-                    costs=unit_cost,
-                    dp_size=dp_size,
-                    micro_batch_size=unit_mbs,
-                    polish_passes=polish_passes,
-                    **refine_kwargs,
-                )
-                layout = assign_cells_to_ranks(cells, unit_cost)
-            else:
-                layout = balanced_token_cap_layout(
-                    costs=unit_cost,
-                    tokens=unit_tokens,
-                    dp_size=dp_size,
-                    token_cap=token_cap,
-                    equal_size=equal_size,
-                    polish_passes=polish_passes,
-                    micro_batch_cost=overhead,
-                    **refine_kwargs,
-                )
-                # Heaviest micro-batch first: an out-of-memory shows up on the first micro-batch.
-                layout = layout[:, np.argsort(-np.append(unit_tokens, 0)[layout].sum(axis=(0, 2)), kind="stable")]
-            micro_batches = _expand_units([[cell[cell >= 0] for cell in rank] for rank in layout], unit_of_sample)
-    else:
-        # group_scope="rank": groups pick ranks, then each rank's samples are packed freely.
-        naive_rank_items = _expand_units([np.array_split(np.arange(num_rank_units), dp_size)], rank_unit_of_sample)[0]
-        naive = naive_layout(
-            rank_items=naive_rank_items, tokens=lengths_kept, micro_batch_size=micro_batch_size, token_cap=token_cap
-        )
-        bound_items, bound_mbs = len(kept), micro_batch_size
-        if balance:
-            rank_units = balanced_partition(
-                costs=rank_unit_cost,
-                num_parts=dp_size,
-                equal_size=equal_size,
-                refine=config.refine,
-                rel_tol=config.rel_tol,
-            )
-            rank_items = _expand_units([rank_units], rank_unit_of_sample)[0]
-            micro_batches = balanced_per_rank_micro_batches(
-                rank_items=rank_items,
-                costs=sample_costs,
-                tokens=lengths_kept,
-                micro_batch_size=micro_batch_size,
-                token_cap=token_cap,
-                **refine_kwargs,
-            )
-            micro_batches = [[np.sort(mb) for mb in rank] for rank in micro_batches]
-    if not balance:
-        micro_batches = naive
 
-    plan = BalancePlan(micro_batches=micro_batches, skipped=skipped, truncated=truncated)
-    plan.cell_costs = _cell_sums(micro_batches, sample_costs) + overhead
-    plan.cell_tokens = _cell_sums(micro_batches, lengths_kept.astype(np.float64)).astype(np.int64)
-    naive_costs = plan.cell_costs if not balance else _cell_sums(naive, sample_costs) + overhead
-    plan.stats = _stats(
-        plan,
-        sample_costs,
-        rank_unit_cost,
-        int(lengths_kept.sum()),
-        naive_costs,
-        len(naive[0]),
-        dp_size,
-        sp_size,
-        bound_items,
-        bound_mbs,
-        token_cap,
-        num_samples=len(lengths),
-        micro_batch_cost=overhead,
+def _plan_packed_units(inputs: _PlanInputs) -> BalancePlan:
+    """Planner for samples or atomic groups (group_scope="micro_batch"): units are dealt to cells
+    (rank, micro-batch) jointly, with a fixed number of units per cell or under the token cap."""
+    unit_of_sample, kept = inputs.unit_of_sample, inputs.kept
+    num_units = int(unit_of_sample.max()) + 1
+    unit_cost = np.bincount(unit_of_sample[kept], weights=inputs.sample_costs[kept], minlength=num_units)
+    unit_tokens = np.bincount(unit_of_sample[kept], weights=inputs.lengths[kept], minlength=num_units).astype(np.int64)
+    unit_size = np.bincount(unit_of_sample[kept], minlength=num_units)
+    unit_mbs = (
+        None
+        if inputs.micro_batch_size is None
+        else _units_per_micro_batch(unit_size, int(inputs.micro_batch_size), inputs.group_ids)
     )
-    if token_cap is not None:
-        assert plan.cell_tokens.max() <= token_cap, "balancer produced a micro-batch over the token cap"
-    return plan
+    naive_rank_items = np.array_split(np.arange(num_units, dtype=np.int64), inputs.dp_size)
+    naive = naive_layout(
+        rank_items=naive_rank_items, tokens=unit_tokens, micro_batch_size=unit_mbs, token_cap=inputs.token_cap
+    )
+    naive = _expand_units(naive, unit_of_sample)
+    micro_batches = naive
+    if inputs.balance:
+        layout = _balanced_unit_layout(inputs, unit_cost=unit_cost, unit_tokens=unit_tokens, unit_mbs=unit_mbs)
+        micro_batches = _expand_units([[cell[cell >= 0] for cell in rank] for rank in layout], unit_of_sample)
+    return _finished_plan(inputs, micro_batches, naive, bound_items=num_units, bound_mbs=unit_mbs)
+
+
+def _balanced_unit_layout(inputs: _PlanInputs, *, unit_cost, unit_tokens, unit_mbs) -> np.ndarray:
+    """layout[rank, micro, position] of unit ids (-1 = empty) for the packed-units planner."""
+    if unit_mbs is not None:
+        cells = balanced_fixed_size_cells(
+            costs=unit_cost,
+            dp_size=inputs.dp_size,
+            micro_batch_size=unit_mbs,
+            polish_passes=inputs.polish_passes,
+            **inputs.refine_kwargs,
+        )
+        return assign_cells_to_ranks(cells, unit_cost)
+    layout = balanced_token_cap_layout(
+        costs=unit_cost,
+        tokens=unit_tokens,
+        dp_size=inputs.dp_size,
+        token_cap=inputs.token_cap,
+        equal_size=inputs.equal_size,
+        polish_passes=inputs.polish_passes,
+        micro_batch_cost=inputs.micro_batch_cost,
+        **inputs.refine_kwargs,
+    )
+    # Heaviest micro-batch first: an out-of-memory shows up on the first micro-batch.
+    return layout[:, np.argsort(-np.append(unit_tokens, 0)[layout].sum(axis=(0, 2)), kind="stable")]
+
+
+def _plan_rank_scoped_groups(inputs: _PlanInputs) -> BalancePlan:
+    """Planner for group_scope="rank": groups pick ranks (balanced partition of group costs), then
+    each rank's samples are packed freely into its micro-batches."""
+    naive_rank_items = _expand_units(
+        [np.array_split(np.arange(len(inputs.rank_unit_cost)), inputs.dp_size)], inputs.rank_unit_of_sample
+    )[0]
+    naive = naive_layout(
+        rank_items=naive_rank_items,
+        tokens=inputs.lengths_kept,
+        micro_batch_size=inputs.micro_batch_size,
+        token_cap=inputs.token_cap,
+    )
+    micro_batches = naive
+    if inputs.balance:
+        rank_units = balanced_partition(
+            costs=inputs.rank_unit_cost,
+            num_parts=inputs.dp_size,
+            equal_size=inputs.equal_size,
+            refine=inputs.config.refine,
+            rel_tol=inputs.config.rel_tol,
+        )
+        micro_batches = balanced_per_rank_micro_batches(
+            rank_items=_expand_units([rank_units], inputs.rank_unit_of_sample)[0],
+            costs=inputs.sample_costs,
+            tokens=inputs.lengths_kept,
+            micro_batch_size=inputs.micro_batch_size,
+            token_cap=inputs.token_cap,
+            **inputs.refine_kwargs,
+        )
+        micro_batches = [[np.sort(mb) for mb in rank] for rank in micro_batches]
+    return _finished_plan(inputs, micro_batches, naive, bound_items=len(inputs.kept), bound_mbs=inputs.micro_batch_size)
+
+
+def _finished_plan(inputs: _PlanInputs, micro_batches, naive, *, bound_items, bound_mbs) -> BalancePlan:
+    """The plan with its cell figures and stats (``naive``: the contiguous plan, for naive_*)."""
+    overhead = inputs.micro_batch_cost
+    cell_costs = _cell_sums(micro_batches, inputs.sample_costs) + overhead
+    cell_tokens = _cell_sums(micro_batches, inputs.lengths_kept.astype(np.float64)).astype(np.int64)
+    naive_costs = cell_costs if not inputs.balance else _cell_sums(naive, inputs.sample_costs) + overhead
+    if inputs.token_cap is not None:
+        assert cell_tokens.max() <= inputs.token_cap, "balancer produced a micro-batch over the token cap"
+    return BalancePlan(
+        micro_batches=micro_batches,
+        stats=_stats(
+            inputs,
+            cell_costs=cell_costs,
+            cell_tokens=cell_tokens,
+            naive_costs=naive_costs,
+            naive_micro=len(naive[0]),
+            bound_items=bound_items,
+            bound_mbs=bound_mbs,
+        ),
+        skipped=inputs.skipped,
+        truncated=inputs.truncated,
+        cell_costs=cell_costs,
+        cell_tokens=cell_tokens,
+    )
 
 
 def _check_config(dp_size, sp_size, micro_batch_size, max_token_len_per_gpu, overlong) -> None:
@@ -463,21 +568,11 @@ def _sync_figures(cell_costs: np.ndarray, lower_bound: float) -> tuple[float, fl
 
 
 def _stats(
-    plan,
-    sample_costs,
-    rank_unit_cost,
-    total_tokens,
-    naive_costs,
-    naive_micro,
-    dp_size,
-    sp_size,
-    bound_items,
-    bound_mbs,
-    token_cap,
-    *,
-    num_samples,
-    micro_batch_cost,
+    inputs: _PlanInputs, *, cell_costs, cell_tokens, naive_costs, naive_micro, bound_items, bound_mbs
 ) -> BalanceStats:
+    sample_costs, dp_size, sp_size, token_cap = inputs.sample_costs, inputs.dp_size, inputs.sp_size, inputs.token_cap
+    total_tokens = int(inputs.lengths_kept.sum())
+    num_samples, skipped, truncated = len(inputs.lengths), inputs.skipped, inputs.truncated
     total = float(sample_costs.sum())
     if token_cap is not None:
         bound = max(1, -(-total_tokens // (dp_size * token_cap)))
@@ -485,30 +580,30 @@ def _stats(
         items_per_rank = -(-bound_items // dp_size)
         bound = max(1, -(-items_per_rank // bound_mbs))
     # Every plan has at least `bound` micro-batches, each paying the fixed cost on every rank.
-    lower_bound = max(total / dp_size, float(rank_unit_cost.max())) + bound * micro_batch_cost
-    imbalance, sync, sync_ratio = _sync_figures(plan.cell_costs, lower_bound)
+    lower_bound = max(total / dp_size, float(inputs.rank_unit_cost.max())) + bound * inputs.micro_batch_cost
+    imbalance, sync, sync_ratio = _sync_figures(cell_costs, lower_bound)
     naive_imbalance, naive_sync, naive_sync_ratio = _sync_figures(naive_costs, lower_bound)
-    per_sp_rank = -(-plan.cell_tokens // sp_size)
-    slot = plan.cell_costs
+    per_sp_rank = -(-cell_tokens // sp_size)
+    slot = cell_costs
     slot_mean = slot.mean(axis=0)
     slot_ratio = np.divide(slot.max(axis=0), slot_mean, out=np.ones_like(slot_mean), where=slot_mean > 0)
     return BalanceStats(
         num_samples=num_samples,
-        num_kept=num_samples - len(plan.skipped),
-        num_skipped=len(plan.skipped),
-        num_truncated=len(plan.truncated),
-        truncated_tokens=int(sum(plan.truncated.values())) if plan.truncated else 0,
+        num_kept=num_samples - len(skipped),
+        num_skipped=len(skipped),
+        num_truncated=len(truncated),
+        truncated_tokens=int(sum(truncated.values())) if truncated else 0,
         dp_size=dp_size,
         sp_size=sp_size,
         total_cost=total,
         total_tokens=total_tokens,
         lower_bound=lower_bound,
-        max_rank_cost=float(plan.cell_costs.sum(axis=1).max()),
+        max_rank_cost=float(cell_costs.sum(axis=1).max()),
         imbalance=imbalance,
         sync_cost=sync,
         sync_ratio=sync_ratio,
         max_slot_ratio=float(slot_ratio.max()),
-        num_micro_batches=plan.num_micro_batches,
+        num_micro_batches=cell_costs.shape[1],
         micro_batch_bound=bound,
         max_tokens_per_sp_rank=int(per_sp_rank.max()),
         naive_imbalance=naive_imbalance,
