@@ -116,76 +116,107 @@ def refine_cells(
     ``token_cap`` tokens, so a grid that fits the cap keeps fitting it. ``offsets[slot, part]``
     is added to every load (a target profile: equal loads + offsets means loads = -offsets + c).
     """
-    num_slots, num_parts, width = cells.shape
+    num_slots, num_parts, _ = cells.shape
     if num_parts < 2 or cells.size == 0:
         return cells
-    padded_costs = np.append(costs, 0.0)
-    values = padded_costs[cells]
-    valid = cells >= 0
-    loads = values.sum(axis=-1) + (0.0 if offsets is None else offsets)
-    capped = tokens is not None and token_cap is not None
-    if capped:
-        tok_values = np.append(np.asarray(tokens, dtype=np.float64), 0.0)[cells]
-        tok_loads = tok_values.sum(axis=-1)
+    grid = _SwapGrid.of(cells, costs, tokens=tokens, token_cap=token_cap, offsets=offsets)
     half = num_parts // 2
     slot_ids = np.repeat(np.arange(num_slots), half)
     shift, failed_shifts = 0, 0
     for _ in range(max_passes):
-        threshold = loads.sum(axis=1) / num_parts * (1.0 + rel_tol)  # the mean; np.mean's overhead is 5x
-        if stop_at is not None:
-            threshold = np.maximum(threshold, stop_at)
-        by_load = np.argsort(loads, axis=1, kind="stable")
-        light = (np.roll(by_load[:, :half], -shift, axis=1) if shift else by_load[:, :half]).ravel()
-        heavy = by_load[:, ::-1][:, :half].ravel()
-        # Only parts above the tolerance are worth pairing: the objective is each slot's maximum.
-        over = loads[slot_ids, heavy] > threshold[slot_ids]
-        if not over.any():
+        pairs = _pairs_over_threshold(grid.loads, slot_ids, half, shift, rel_tol=rel_tol, stop_at=stop_at)
+        if pairs is None:
             break
-        pair_slot, heavy, light = slot_ids[over], heavy[over], light[over]
-        gap = loads[pair_slot, heavy] - loads[pair_slot, light]
-        a = values[pair_slot, heavy]  # (pairs, width)
-        a_valid = valid[pair_slot, heavy]
-        b_usable = valid[pair_slot, light] | allow_moves
-        b = np.where(valid[pair_slot, light], values[pair_slot, light], 0.0)
-        if capped:
-            best_score, best_a, best_b = _best_swaps_capped(
-                a,
-                a_valid,
-                b,
-                b_usable,
-                gap,
-                tok_values[pair_slot, heavy],
-                tok_values[pair_slot, light],
-                token_cap - tok_loads[pair_slot, heavy],
-                token_cap - tok_loads[pair_slot, light],
-            )
-        else:
-            search = _best_swaps_dense if len(heavy) * width * width <= 200_000 else _best_swaps_sorted
-            best_score, best_a, best_b = search(a, a_valid, b, b_usable, gap)
+        pair_slot, heavy, light = pairs
+        gap = grid.loads[pair_slot, heavy] - grid.loads[pair_slot, light]
+        best_score, best_a, best_b = grid.best_swaps(pair_slot, heavy, light, gap, allow_moves=allow_moves)
         # Only a strict decrease of the pair's maximum counts (score < gap / 2 <=> new max < old max).
         apply = np.isfinite(best_score) & (best_score < gap / 2.0 * (1.0 - 1e-12))
         if not apply.any():
+            # No pair improves: try the next pairing of heavy parts with light ones.
             failed_shifts += 1
             if failed_shifts >= max(1, min(half, 4)):
                 break
             shift = (shift + 1) % max(half, 1)
             continue
         failed_shifts, shift = 0, 0
-        s_i, h_i, l_i = pair_slot[apply], heavy[apply], light[apply]
-        pa, pb = best_a[apply], best_b[apply]
+        grid.swap(pair_slot[apply], heavy[apply], light[apply], best_a[apply], best_b[apply])
+    return cells
+
+
+def _pairs_over_threshold(loads, slot_ids, half, shift, *, rel_tol, stop_at):
+    """(slot, heavy part, light part) of the pairs whose heavy part is above the slot's threshold:
+    the i-th heaviest part of a slot with its (i + shift)-th lightest; None when no part is over."""
+    num_parts = loads.shape[1]
+    threshold = loads.sum(axis=1) / num_parts * (1.0 + rel_tol)  # the mean; np.mean's overhead is 5x
+    if stop_at is not None:
+        threshold = np.maximum(threshold, stop_at)
+    by_load = np.argsort(loads, axis=1, kind="stable")
+    light = (np.roll(by_load[:, :half], -shift, axis=1) if shift else by_load[:, :half]).ravel()
+    heavy = by_load[:, ::-1][:, :half].ravel()
+    # Only parts above the tolerance are worth pairing: the objective is each slot's maximum.
+    over = loads[slot_ids, heavy] > threshold[slot_ids]
+    if not over.any():
+        return None
+    return slot_ids[over], heavy[over], light[over]
+
+
+class _SwapGrid:
+    """The cell grid with its item costs, loads (and token counts under a cap), kept in step by
+    ``swap``: refine_cells' working state. ``cells`` is the caller's array, changed in place."""
+
+    def __init__(self, cells, values, loads, tok_values, tok_loads, token_cap) -> None:
+        self.cells, self.values, self.valid, self.loads = cells, values, cells >= 0, loads
+        self.tok_values, self.tok_loads, self.token_cap = tok_values, tok_loads, token_cap
+
+    @classmethod
+    def of(cls, cells, costs, *, tokens, token_cap, offsets) -> _SwapGrid:
+        values = np.append(costs, 0.0)[cells]
+        loads = values.sum(axis=-1) + (0.0 if offsets is None else offsets)
+        if tokens is None or token_cap is None:
+            return cls(cells, values, loads, None, None, None)
+        tok_values = np.append(np.asarray(tokens, dtype=np.float64), 0.0)[cells]
+        return cls(cells, values, loads, tok_values, tok_values.sum(axis=-1), token_cap)
+
+    def best_swaps(self, pair_slot, heavy, light, gap, *, allow_moves):
+        """Per pair: (score, position in the heavy cell, position in the light cell) of the swap
+        whose cost difference is closest to gap / 2 (inf score: none allowed)."""
+        a = self.values[pair_slot, heavy]  # (pairs, width)
+        a_valid = self.valid[pair_slot, heavy]
+        b_usable = self.valid[pair_slot, light] | allow_moves
+        b = np.where(self.valid[pair_slot, light], self.values[pair_slot, light], 0.0)
+        if self.token_cap is not None:
+            return _best_swaps_capped(
+                a,
+                a_valid,
+                b,
+                b_usable,
+                gap,
+                self.tok_values[pair_slot, heavy],
+                self.tok_values[pair_slot, light],
+                self.token_cap - self.tok_loads[pair_slot, heavy],
+                self.token_cap - self.tok_loads[pair_slot, light],
+            )
+        width = self.cells.shape[2]
+        search = _best_swaps_dense if len(heavy) * width * width <= 200_000 else _best_swaps_sorted
+        return search(a, a_valid, b, b_usable, gap)
+
+    def swap(self, s_i, h_i, l_i, pa, pb) -> None:
+        """Swap cells[s, h, pa] with cells[s, l, pb] for every chosen pair; update the loads."""
+        cells, values = self.cells, self.values
         item_a, item_b = cells[s_i, h_i, pa].copy(), cells[s_i, l_i, pb].copy()
         val_a, val_b = values[s_i, h_i, pa].copy(), values[s_i, l_i, pb].copy()
         cells[s_i, h_i, pa], cells[s_i, l_i, pb] = item_b, item_a
         values[s_i, h_i, pa], values[s_i, l_i, pb] = val_b, val_a
-        valid[s_i, h_i, pa], valid[s_i, l_i, pb] = item_b >= 0, item_a >= 0
-        loads[s_i, h_i] += val_b - val_a
-        loads[s_i, l_i] += val_a - val_b
-        if capped:
+        self.valid[s_i, h_i, pa], self.valid[s_i, l_i, pb] = item_b >= 0, item_a >= 0
+        self.loads[s_i, h_i] += val_b - val_a
+        self.loads[s_i, l_i] += val_a - val_b
+        if self.token_cap is not None:
+            tok_values, tok_loads = self.tok_values, self.tok_loads
             tok_a, tok_b = tok_values[s_i, h_i, pa].copy(), tok_values[s_i, l_i, pb].copy()
             tok_values[s_i, h_i, pa], tok_values[s_i, l_i, pb] = tok_b, tok_a
             tok_loads[s_i, h_i] += tok_b - tok_a
             tok_loads[s_i, l_i] += tok_a - tok_b
-    return cells
 
 
 def _best_swaps_capped(a, a_valid, b, b_usable, gap, ta, tb, room_heavy, room_light, chunk_elems=1_000_000):
@@ -324,59 +355,86 @@ def polish_sync_cost(
     rank), which keeps every part's count. Candidates are applied best first, at most one per
     slot touched per pass. Works in place; returns ``cells``.
     """
-    num_slots, num_parts, width = cells.shape
+    num_slots, num_parts, _ = cells.shape
     if num_slots < 2 or num_parts < 2:
         return cells
     padded_costs = np.append(costs, np.nan)  # empty positions never match (NaN comparisons are False)
     padded_tokens = None if tokens is None else np.append(tokens, 0).astype(np.float64)
-    slot_range = np.arange(num_slots)
     partners = min(partners, num_slots * num_parts - 1)
     for _ in range(max_passes):
         values = padded_costs[cells]
         loads = np.nan_to_num(values).sum(axis=-1)
-        by_load = np.sort(loads, axis=1)
-        heavy = loads.argmax(axis=1)
-        top, second = by_load[:, -1], by_load[:, -2]
-        excess = top - second
-        # Room of every cell as a partner of slot s's heavy cell: up to its own slot's maximum,
-        # or up to the second maximum inside slot s; the heavy cell itself has none.
-        room = np.broadcast_to((top[:, None] - loads).reshape(1, -1), (num_slots, num_slots * num_parts)).copy()
-        room[slot_range[:, None], slot_range[:, None] * num_parts + np.arange(num_parts)] = second[:, None] - loads
-        room[slot_range, slot_range * num_parts + heavy] = -1.0
-        partner = np.argsort(-room, axis=1, kind="stable")[:, :partners]  # (S, K) flat cell ids
-        partner_room = np.take_along_axis(room, partner, axis=1)
-        a = values[slot_range, heavy]  # (S, W)
-        b = values.reshape(-1, width)[partner]  # (S, K, W)
-        if moves_within_part:
-            same_part = (partner % num_parts) == heavy[:, None]
-            b = np.where(np.isnan(b) & same_part[:, :, None], 0.0, b)
-        delta = a[:, None, :, None] - b[:, :, None, :]  # (S, K, W, W)
-        usable = (delta > 0) & (delta <= partner_room[:, :, None, None])
+        heavy, partner, partner_room, excess = _slack_partners(loads, partners)
+        usable, delta = _usable_swaps(values, heavy, partner, partner_room, moves_within_part)
         if token_cap is not None:
-            tok = padded_tokens[cells]
-            cell_tok = tok.sum(axis=-1).reshape(-1)
-            tok_delta = tok[slot_range, heavy][:, None, :, None] - tok.reshape(-1, width)[partner][:, :, None, :]
-            usable &= (cell_tok[slot_range * num_parts + heavy][:, None, None, None] - tok_delta <= token_cap) & (
-                cell_tok[partner][:, :, None, None] + tok_delta <= token_cap
-            )
+            usable &= _swaps_within_cap(padded_tokens[cells], heavy, partner, token_cap)
         # Gain min(delta, excess); among equal gains the smallest delta keeps the partner's slack.
         score = np.where(usable, np.minimum(delta, excess[:, None, None, None]) - 1e-9 * delta, -np.inf)
-        score = score.reshape(num_slots, -1)
-        flat = score.argmax(axis=1)
-        best = score[slot_range, flat]
-        applied = False
-        touched = np.zeros(num_slots, dtype=bool)
-        for s in np.argsort(-best, kind="stable"):
-            if not best[s] > 0:
-                break
-            k, pos_a, pos_b = np.unravel_index(flat[s], (partners, width, width))
-            ps, pp = divmod(int(partner[s, k]), num_parts)
-            if touched[s] or touched[ps]:
-                continue
-            touched[s] = touched[ps] = True
-            h = heavy[s]
-            cells[s, h, pos_a], cells[ps, pp, pos_b] = cells[ps, pp, pos_b], cells[s, h, pos_a]
-            applied = True
-        if not applied:
+        if not _apply_best_swaps(cells, score.reshape(num_slots, -1), heavy, partner):
             break
     return cells
+
+
+def _slack_partners(loads: np.ndarray, partners: int):
+    """For each slot's heaviest cell: the ``partners`` cells (flat ids slot * parts + part) with the
+    most room, their room, and the slot's excess over its second maximum; returns
+    (heavy part per slot, partner ids (S, K), partner room (S, K), excess (S,))."""
+    num_slots, num_parts = loads.shape
+    slot_range = np.arange(num_slots)
+    by_load = np.sort(loads, axis=1)
+    heavy = loads.argmax(axis=1)
+    top, second = by_load[:, -1], by_load[:, -2]
+    # Room of every cell as a partner of slot s's heavy cell: up to its own slot's maximum,
+    # or up to the second maximum inside slot s; the heavy cell itself has none.
+    room = np.broadcast_to((top[:, None] - loads).reshape(1, -1), (num_slots, num_slots * num_parts)).copy()
+    room[slot_range[:, None], slot_range[:, None] * num_parts + np.arange(num_parts)] = second[:, None] - loads
+    room[slot_range, slot_range * num_parts + heavy] = -1.0
+    partner = np.argsort(-room, axis=1, kind="stable")[:, :partners]  # (S, K) flat cell ids
+    return heavy, partner, np.take_along_axis(room, partner, axis=1), top - second
+
+
+def _usable_swaps(values, heavy, partner, partner_room, moves_within_part):
+    """(usable (S, K, W, W), delta): swapping heavy position i with partner position j moves
+    delta = a_i - b_j > 0 of cost, at most the partner's room."""
+    num_slots, num_parts, width = values.shape
+    a = values[np.arange(num_slots), heavy]  # (S, W)
+    b = values.reshape(-1, width)[partner]  # (S, K, W)
+    if moves_within_part:
+        same_part = (partner % num_parts) == heavy[:, None]
+        b = np.where(np.isnan(b) & same_part[:, :, None], 0.0, b)
+    delta = a[:, None, :, None] - b[:, :, None, :]  # (S, K, W, W)
+    return (delta > 0) & (delta <= partner_room[:, :, None, None]), delta
+
+
+def _swaps_within_cap(tok, heavy, partner, token_cap):
+    """(S, K, W, W): the swap leaves both cells within ``token_cap`` tokens (tok: per position)."""
+    num_slots, num_parts, width = tok.shape
+    slot_range = np.arange(num_slots)
+    cell_tok = tok.sum(axis=-1).reshape(-1)
+    tok_delta = tok[slot_range, heavy][:, None, :, None] - tok.reshape(-1, width)[partner][:, :, None, :]
+    return (cell_tok[slot_range * num_parts + heavy][:, None, None, None] - tok_delta <= token_cap) & (
+        cell_tok[partner][:, :, None, None] + tok_delta <= token_cap
+    )
+
+
+def _apply_best_swaps(cells, score, heavy, partner) -> bool:
+    """Apply each slot's best positive swap, best first, at most one per slot touched; in place.
+    Returns whether any was applied."""
+    num_slots, num_parts, width = cells.shape
+    partners = partner.shape[1]
+    flat = score.argmax(axis=1)
+    best = score[np.arange(num_slots), flat]
+    applied = False
+    touched = np.zeros(num_slots, dtype=bool)
+    for s in np.argsort(-best, kind="stable"):
+        if not best[s] > 0:
+            break
+        k, pos_a, pos_b = np.unravel_index(flat[s], (partners, width, width))
+        ps, pp = divmod(int(partner[s, k]), num_parts)
+        if touched[s] or touched[ps]:
+            continue
+        touched[s] = touched[ps] = True
+        h = heavy[s]
+        cells[s, h, pos_a], cells[ps, pp, pos_b] = cells[ps, pp, pos_b], cells[s, h, pos_a]
+        applied = True
+    return applied
