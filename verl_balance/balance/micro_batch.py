@@ -169,46 +169,14 @@ def trade_slots_for_balance(
 def _fewest_slots_layout(
     costs, tokens, dp_size, token_cap, equal_size, rel_tol, max_passes, polish_passes, joint_tries
 ) -> np.ndarray:
-    """The fewest-slots-first layout (module docstring, token cap rule)."""
+    """The fewest-slots-first layout (module docstring, token cap rule): the joint layout at the
+    bound when it fits, else the two-stage layout (ranks first, then packing), polished, unless a
+    joint layout with at most as many slots balances better."""
     lower = max(1, -(-int(tokens.sum()) // (dp_size * token_cap)))
     cells = _joint_cells(costs, tokens, dp_size, token_cap, lower, equal_size, rel_tol, max_passes, polish_passes)
     if cells is not None:
         return assign_cells_to_ranks(cells, costs)
-    rank_items = (
-        [np.arange(len(costs), dtype=np.int64)]
-        if dp_size == 1
-        else balanced_partition(
-            costs=costs, num_parts=dp_size, equal_size=equal_size, refine=rel_tol < np.inf, rel_tol=rel_tol
-        )
-    )
-    two_stage = pack_ranks_under_cap(
-        rank_items=rank_items,
-        costs=costs,
-        tokens=tokens,
-        token_cap=token_cap,
-        rel_tol=rel_tol,
-        max_passes=max(max_passes, 64),
-    )
-    if two_stage.shape[1] > lower and not np.array_equal(costs, tokens):
-        # A cost-balanced split can leave one rank with more tokens than a packing into `lower`
-        # micro-batches allows; a token-balanced split trades some cost balance for fewer of them.
-        by_tokens = balanced_partition(
-            costs=tokens.astype(np.float64),
-            num_parts=dp_size,
-            equal_size=equal_size,
-            refine=rel_tol < np.inf,
-            rel_tol=rel_tol,
-        )
-        token_split = pack_ranks_under_cap(
-            rank_items=by_tokens,
-            costs=costs,
-            tokens=tokens,
-            token_cap=token_cap,
-            rel_tol=rel_tol,
-            max_passes=max(max_passes, 64),
-        )
-        if token_split.shape[1] < two_stage.shape[1]:
-            two_stage = token_split
+    two_stage = _two_stage_layout(costs, tokens, dp_size, token_cap, equal_size, rel_tol, max_passes, lower)
     if dp_size == 1:
         return two_stage
     two_stage = _match_slot_profile(two_stage, costs, tokens, token_cap, rel_tol, max(max_passes, 64))
@@ -234,6 +202,30 @@ def _fewest_slots_layout(
             return assign_cells_to_ranks(cells, costs)
         break
     return best
+
+
+def _two_stage_layout(costs, tokens, dp_size, token_cap, equal_size, rel_tol, max_passes, lower) -> np.ndarray:
+    """Ranks first (a cost-balanced partition), then each rank packed under the cap; when that
+    needs more than ``lower`` slots, a token-balanced rank split is tried too and kept if it
+    needs fewer."""
+    refine = rel_tol < np.inf
+    rank_items = (
+        [np.arange(len(costs), dtype=np.int64)]
+        if dp_size == 1
+        else balanced_partition(costs=costs, num_parts=dp_size, equal_size=equal_size, refine=refine, rel_tol=rel_tol)
+    )
+    pack = dict(costs=costs, tokens=tokens, token_cap=token_cap, rel_tol=rel_tol, max_passes=max(max_passes, 64))
+    two_stage = pack_ranks_under_cap(rank_items=rank_items, **pack)
+    if two_stage.shape[1] > lower and not np.array_equal(costs, tokens):
+        # A cost-balanced split can leave one rank with more tokens than a packing into `lower`
+        # micro-batches allows; a token-balanced split trades some cost balance for fewer of them.
+        by_tokens = balanced_partition(
+            costs=tokens.astype(np.float64), num_parts=dp_size, equal_size=equal_size, refine=refine, rel_tol=rel_tol
+        )
+        token_split = pack_ranks_under_cap(rank_items=by_tokens, **pack)
+        if token_split.shape[1] < two_stage.shape[1]:
+            two_stage = token_split
+    return two_stage
 
 
 def _joint_cells(costs, tokens, dp_size, token_cap, num_slots, equal_size, rel_tol, max_passes, polish_passes):
