@@ -255,36 +255,66 @@ def rearrange_micro_batches(
     ``num_batches_divided_by`` and at least ``min_num_micro_batch``. ``workload`` (ours, keyword
     only): None/"tokens" or a FlopsWorkload; default: ``state.current_workload()``.
     """
-    import torch.distributed as dist
-
     require_verl()
     cost_model = resolve_workload(workload if workload is not None else current_workload())
     seq_lens = _effective_seq_lens(batch)
-    n = len(seq_lens)
     unit = int(force_group_size)
-    if unit < 1 or n % unit:
-        raise BalanceInputError(f"batch size {n} must be divisible by force_group_size={force_group_size}")
+    if unit < 1 or len(seq_lens) % unit:
+        raise BalanceInputError(f"batch size {len(seq_lens)} must be divisible by force_group_size={force_group_size}")
     max_token_len = int(max_token_len)
-    num_units = n // unit
-    unit_tokens = seq_lens.reshape(num_units, unit).sum(axis=1)
-    group_ids = None if unit == 1 else np.repeat(np.arange(num_units), unit)
+    local_micro = _fewest_capped_micro_batches(seq_lens, unit, max_token_len, cost_model)
+    target = _agreed_micro_batch_count(
+        seq_lens,
+        unit,
+        max_token_len,
+        local_count=len(local_micro),
+        dp_group=dp_group if same_micro_num_in_dp else None,
+        min_num_micro_batch=min_num_micro_batch,
+        num_batches_divided_by=num_batches_divided_by,
+    )
+    costs = cost_model.cost(seq_lens)
+    micro = _micro_batches_at_count(seq_lens, costs, target, max_token_len, unit, local_micro)
+    if use_dynamic_bsz_balance:
+        # verl's order: heaviest first, then the light ones moved to both ends (pipeline bubbles).
+        micro.sort(key=lambda mb: (costs[mb].sum(), mb[0] if mb else 0), reverse=True)
+        micro = micro[::2][::-1] + micro[1::2]
 
-    local_count = 0
-    if num_units and unit_tokens.max() <= max_token_len:
-        plan = plan_balance(
-            seq_lens=seq_lens,
-            dp_size=1,
-            max_token_len_per_gpu=max_token_len,
-            group_ids=group_ids,
-            workload=cost_model,
-            equal_size=False,
-        )
-        local_micro = [mb.tolist() for mb in plan.micro_batches[0] if len(mb)]
-        local_count = len(local_micro)
+    from verl.utils import tensordict_utils as tu
+
+    return [tu.index_select_tensor_dict(batch, mb) for mb in micro], micro
+
+
+def _fewest_capped_micro_batches(seq_lens, unit, max_token_len, cost_model) -> list[list[int]]:
+    """This rank's plan: the fewest micro-batches under the cap, balanced by the workload, groups
+    of ``unit`` consecutive samples kept whole; [] when the batch is empty or a group is over the
+    cap (the caller raises after the DP group agreed)."""
+    num_units = len(seq_lens) // unit
+    if not num_units or seq_lens.reshape(num_units, unit).sum(axis=1).max() > max_token_len:
+        return []
+    plan = plan_balance(
+        seq_lens=seq_lens,
+        dp_size=1,
+        max_token_len_per_gpu=max_token_len,
+        group_ids=None if unit == 1 else np.repeat(np.arange(num_units), unit),
+        workload=cost_model,
+        equal_size=False,
+    )
+    return [mb.tolist() for mb in plan.micro_batches[0] if len(mb)]
+
+
+def _agreed_micro_batch_count(
+    seq_lens, unit, max_token_len, *, local_count, dp_group, min_num_micro_batch, num_batches_divided_by
+) -> int:
+    """The micro-batch count every rank uses: the largest over ``dp_group`` (None: this rank's),
+    at least ``min_num_micro_batch``, rounded up to ``num_batches_divided_by``. Raises, on every
+    rank alike, if a group is over the cap or some rank has fewer units than that count."""
+    import torch.distributed as dist
+
+    num_units = len(seq_lens) // unit
     target = max(local_count, int(min_num_micro_batch or 0))
-    longest_unit = int(unit_tokens.max()) if num_units else 0
+    longest_unit = int(seq_lens.reshape(num_units, unit).sum(axis=1).max()) if num_units else 0
     fewest_units = num_units
-    if dist.is_available() and dist.is_initialized() and same_micro_num_in_dp and dp_group is not None:
+    if dist.is_available() and dist.is_initialized() and dp_group is not None:
         # One MAX all-reduce agrees on the count and on every fatal condition, so either all DP
         # ranks raise or none does (a lone raise would leave the others hanging in the next collective).
         agreed = torch.tensor([target, longest_unit, -fewest_units], dtype=torch.int64, device=_reduce_device(dp_group))
@@ -303,27 +333,22 @@ def rearrange_micro_batches(
             f"{target} micro-batches are needed on every DP rank, but some rank has only {fewest_units} "
             f"{'samples' if unit == 1 else 'groups'}; valid: a larger batch or a larger max_token_len"
         )
+    return target
 
-    costs = cost_model.cost(seq_lens)
-    micro = local_micro if local_count else []
+
+def _micro_batches_at_count(seq_lens, costs, target, max_token_len, unit, local_micro) -> list[list[int]]:
+    """Exactly ``target`` capped micro-batches: this rank's plan (split up to the count when the DP
+    group needs more), or verl's own choice at this count (Karmarkar-Karp by workload, refined
+    without breaking the cap) when its heaviest micro-batch is lighter, so ours is never behind verl's."""
+    micro = local_micro
     if len(micro) < target:
         micro = _micro_batches_for_count(seq_lens, costs, target, max_token_len, unit, micro)
-    # verl's own choice at this count (Karmarkar-Karp by workload), refined without breaking the
-    # cap: keep it when its heaviest micro-batch is lighter, so ours is never behind verl's.
     seeded = _seeded_micro_batches(seq_lens, costs, target, max_token_len, unit)
     if seeded is not None and max(costs[mb].sum() for mb in seeded) < max(costs[mb].sum() for mb in micro):
         micro = seeded
-    assert len(micro) == target and sorted(sum(micro, [])) == list(range(n)), "micro-batches lost an index"
+    assert len(micro) == target and sorted(sum(micro, [])) == list(range(len(seq_lens))), "lost an index"
     assert all(seq_lens[mb].sum() <= max_token_len for mb in micro), "micro-batch over max_token_len"
-
-    if use_dynamic_bsz_balance:
-        # verl's order: heaviest first, then the light ones moved to both ends (pipeline bubbles).
-        micro.sort(key=lambda mb: (costs[mb].sum(), mb[0] if mb else 0), reverse=True)
-        micro = micro[::2][::-1] + micro[1::2]
-
-    from verl.utils import tensordict_utils as tu
-
-    return [tu.index_select_tensor_dict(batch, mb) for mb in micro], micro
+    return micro
 
 
 def _seeded_micro_batches(seq_lens, costs, target, cap, unit) -> list[list[int]] | None:
