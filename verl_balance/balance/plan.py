@@ -4,14 +4,16 @@ Invariants (each asserted by tests/balance):
 - every kept sample appears in exactly one micro-batch of exactly one rank; ``skipped`` lists
   the others (only with overlong="skip"), and ``order[inverse_permutation]`` is the kept samples
   in ascending input order;
-- every rank has the same number of micro-batches; a micro-batch is empty only when unavoidable
-  (a rank has fewer samples than the others, or fewer rows than slots);
-- equal_size=True: per-rank sample counts differ by at most one (by at most one group when
-  group_ids is given; equal when all groups have the same size);
+- every rank has the same number of micro-batches; in a balanced plan a micro-batch is empty
+  only when unavoidable: its rank has fewer units (samples, or atomic groups) than another rank,
+  or there are fewer rows ceil(units / dp) than micro-batches;
+- equal_size=True: per-rank sample counts differ by at most one (with group_ids, group counts
+  differ by at most one, so sample counts by at most the group size when all groups have one size);
 - micro_batch_size: every micro-batch holds exactly micro_batch_size samples, except the last of
   each rank; max_token_len_per_gpu: every micro-batch of T tokens satisfies
   ceil(T / sp) <= max_token_len_per_gpu (the per-SP-rank size after Ulysses padding);
-- a group (same group id) is never split across ranks or micro-batches;
+- a group (same group id) is never split across ranks, nor across micro-batches with
+  group_scope="micro_batch";
 - samples inside a micro-batch are in ascending input order; the same input gives the same plan.
 
 With a token cap the micro-batch count comes first: the plan uses the fewest micro-batches it
@@ -34,6 +36,12 @@ Further invariants with a fixed cost c0 (c0 = 0 for the token and FLOPs workload
   collectives), so ``sync_cost`` = K * c0 + sum_j max_d (sequence costs of cell (d, j));
 - ``lower_bound`` = max(total / dp, largest unit) + micro_batch_bound * c0 <= sync_cost of any
   plan; with a token cap, the balanced plan's sync_cost is at most that of the fewest-first plan.
+
+Structure: ``plan_balance`` validates its arguments (``_plan_inputs``: overlong policy, units,
+costs) and hands them to one of two planners, each returning a frozen ``BalancePlan`` built
+complete with its figures: ``_plan_packed_units`` (samples, or groups with
+group_scope="micro_batch", dealt jointly to (rank, micro-batch) cells) and
+``_plan_rank_scoped_groups`` (group_scope="rank": groups pick ranks, then each rank is packed).
 """
 
 from __future__ import annotations
