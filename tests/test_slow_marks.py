@@ -60,7 +60,6 @@ class _Module:
     """One test source: its functions, the names bound to spawning modules, its imports from tests."""
 
     def __init__(self, tree: ast.Module):
-        self.tree = tree
         self.spawning_aliases: set[str] = set()  # local names of modules in SPAWNING_MODULES, or names from them
         self.test_imports: dict[str, tuple[str, str]] = {}  # local name -> (tests module, name there)
         for node in ast.walk(tree):
@@ -88,47 +87,43 @@ class _Module:
                     if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
                         self.functions.setdefault(item.name, item)
 
-    def direct_spawn(self, func: ast.AST) -> bool:
-        """Whether ``func``'s body (nested functions included) names a spawning module or helper."""
-        for node in ast.walk(func):
-            if isinstance(node, ast.Name) and (node.id in self.spawning_aliases or node.id in SPAWNING_HELPERS):
-                return True
-            if isinstance(node, ast.Attribute):
-                if node.attr in SPAWNING_HELPERS:
-                    return True
-                if node.attr == "executable" and getattr(node.value, "id", None) == "sys":
-                    return True
-            if isinstance(node, ast.arg) and node.arg in SPAWNING_HELPERS:
-                return True
-        return False
-
-    def names_used(self, func: ast.AST) -> set[str]:
-        """Plain names read in ``func`` and its parameters (fixture requests)."""
-        names = {n.id for n in ast.walk(func) if isinstance(n, ast.Name)}
-        names |= {a.arg for a in ast.walk(func) if isinstance(a, ast.arg)}
-        return names
+    def direct_spawn(self, names: set[str]) -> bool:
+        """Whether a function reading ``names`` (``_names_in``) names a spawning module or helper."""
+        # "multiprocessing" also catches `import torch.multiprocessing` used as torch.multiprocessing.spawn
+        return bool(names & (self.spawning_aliases | SPAWNING_HELPERS | {"sys.executable", "multiprocessing"}))
 
 
-def spawning_functions(sources: dict[str, str]) -> dict[str, set[str]]:
+def _names_in(func: ast.AST) -> set[str]:
+    """Plain names read in ``func`` (nested functions included), its parameters (fixture requests),
+    the attribute names it reads, and ``sys.executable`` when it reads that: one walk."""
+    names = set()
+    for node in ast.walk(func):
+        if isinstance(node, ast.Name):
+            names.add(node.id)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+        elif isinstance(node, ast.Attribute):
+            names.add(node.attr)
+            if node.attr == "executable" and getattr(node.value, "id", None) == "sys":
+                names.add("sys.executable")
+    return names
+
+
+def spawning_functions(trees: dict[str, ast.Module]) -> dict[str, set[str]]:
     """Per module name (``tests.x.y``), the names of its functions that start another interpreter,
-    directly or through a function of its own or imported from another module of ``sources``
+    directly or through a function of its own or imported from another module of ``trees``
     (conftest fixtures are reached by the parameter names of the functions requesting them)."""
-    modules = {name: _Module(ast.parse(text)) for name, text in sources.items()}
-    spawning = {name: {f for f, node in m.functions.items() if m.direct_spawn(node)} for name, m in modules.items()}
+    modules = {name: _Module(tree) for name, tree in trees.items()}
+    used = {name: {f: _names_in(node) for f, node in m.functions.items()} for name, m in modules.items()}
+    spawning = {name: {f for f, names in used[name].items() if m.direct_spawn(names)} for name, m in modules.items()}
     changed = True
     while changed:
         changed = False
         for name, module in modules.items():
-            fixtures = _conftest_spawners(name, spawning)
-            for func_name, node in module.functions.items():
-                if func_name in spawning[name]:
-                    continue
-                used = module.names_used(node)
-                via_import = any(
-                    module.test_imports.get(n, ("", ""))[1] in spawning.get(module.test_imports.get(n, ("", ""))[0], ())
-                    for n in used
-                )
-                if used & (spawning[name] - {func_name}) or used & fixtures or via_import:
+            reachable = spawning[name] | _conftest_spawners(name, spawning)
+            reachable |= {local for local, (mod, n) in module.test_imports.items() if n in spawning.get(mod, ())}
+            for func_name, names in used[name].items():
+                if func_name not in spawning[name] and names & (reachable - {func_name}):
                     spawning[name].add(func_name)
                     changed = True
     return spawning
@@ -145,12 +140,12 @@ def _conftest_spawners(module_name: str, spawning: dict[str, set[str]]) -> set[s
 
 def unmarked_spawning_tests(sources: dict[str, str]) -> list[str]:
     """``module::test`` of each test function that starts another interpreter but is not marked slow."""
-    spawning = spawning_functions(sources)
+    trees = {name: ast.parse(text) for name, text in sources.items()}
+    spawning = spawning_functions(trees)
     out = []
-    for name, text in sources.items():
+    for name, tree in trees.items():
         if not name.split(".")[-1].startswith("test_"):
             continue
-        tree = ast.parse(text)
         if _module_marked_slow(tree):
             continue
         for node, class_marked in _test_functions(tree):
@@ -229,6 +224,11 @@ def test_the_slow_mark_check_flags_planted_unmarked_spawning_tests():
         def test_spawn():
             mp.spawn(print, nprocs=2)
 
+        def test_dotted_spawn():
+            import torch.multiprocessing
+
+            torch.multiprocessing.spawn(print, nprocs=2)
+
         def test_run_on_ranks():
             run_on_ranks(print, world=2)
 
@@ -272,6 +272,7 @@ def test_the_slow_mark_check_flags_planted_unmarked_spawning_tests():
         "test_subprocess",
         "test_executable",
         "test_spawn",
+        "test_dotted_spawn",
         "test_run_on_ranks",
         "test_ray",
         "test_conftest_fixture",
