@@ -1,4 +1,4 @@
-"""KV-cached ``NaiveRollout.generate`` vs a no-cache recompute, greedy, same weights: tokens/s.
+"""KV-cached ``KVCacheRollout.generate`` vs a no-cache recompute, greedy, same weights: tokens/s.
 
     PYTHONPATH=. python benchmarks/rollout_bench.py            # presets tiny and small
     PYTHONPATH=. python benchmarks/rollout_bench.py --quick    # tiny only, shorter responses
@@ -18,14 +18,14 @@ import time
 import torch
 
 from verl_balance.models import LlamaForCausalLM, ModelConfig
-from verl_balance.rollout import NaiveRollout
+from verl_balance.rollout import KVCacheRollout
 
 # (preset, batch, prompt length, new tokens)
 FULL_CASES = (("tiny", 16, 32, 64), ("small", 8, 64, 64))
 QUICK_CASES = (("tiny", 8, 16, 16),)
 
 
-def uncached_greedy(rollout: NaiveRollout, prompts: list[list[int]], steps: int) -> list[list[int]]:
+def uncached_greedy(rollout: KVCacheRollout, prompts: list[list[int]], steps: int) -> list[list[int]]:
     """Greedy decoding by full recompute of every prefix at each step."""
     sequences = [list(p) for p in prompts]
     for _ in range(steps):
@@ -50,7 +50,7 @@ def main() -> None:
     for preset, batch, prompt_len, new in QUICK_CASES if args.quick else FULL_CASES:
         config = ModelConfig.preset(preset)
         model = LlamaForCausalLM(config)
-        rollout = NaiveRollout(model_config=config, state_dict=model.state_dict())
+        rollout = KVCacheRollout(model_config=config, state_dict=model.state_dict())
         prompts = torch.randint(0, config.vocab_size, (batch, prompt_len)).tolist()
         # Warm-up (first-call allocations and kernel selection) outside both timings.
         rollout.generate(prompts[:2], temperature=0.0, max_response_length=2)

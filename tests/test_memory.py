@@ -188,6 +188,7 @@ def test_cli_on_named_size(capsys):
     assert "fits in 80 GiB with 10% headroom (72.0 GiB usable): yes" in out
 
 
+@pytest.mark.slow  # a second interpreter
 def test_cli_on_model_dir_as_module(tmp_path):
     from verl_balance.models.tiny_hf import write_tiny_model
 

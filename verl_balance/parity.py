@@ -424,8 +424,8 @@ def format_table(results: list[ParityResult], *, expect_fail: bool = False) -> s
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """CLI: print the parity table for the matrix (and the negative controls)."""
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The CLI options; ``model.path=DIR`` (or verl's ``model.partial_pretrain=DIR``) sets ``model_path``."""
     parser = argparse.ArgumentParser(
         prog="python -m verl_balance.parity", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -449,19 +449,12 @@ def main(argv: list[str] | None = None) -> int:
         if key not in ("model.path", "model.partial_pretrain") or not value:
             parser.error(f"unrecognized argument {item!r}; valid: model.path=DIR or the options above")
         args.model_path = value
-    layouts = [tuple(int(x) for x in item.split("x")) for item in args.layouts.split(",")]
-    torch.set_num_threads(1)
-    settings = ParitySettings()
-    if args.model_path:
-        settings = ParitySettings(model=load_model_config(name=None, path=args.model_path, vocab_size=1))
-        print(f"model: {args.model_path} ({type(settings.model).__name__})")
-    start = time.perf_counter()
-    results = run_layouts(
-        jobs=parity_jobs(
-            layouts=layouts, controls=not args.no_controls, fsdp=not args.no_fsdp, variants=not args.no_variants
-        ),
-        settings=settings,
-    )
+    return args
+
+
+def _report(results: list[ParityResult], *, seconds: float) -> bool:
+    """Print the matrix, FSDP-control, model-variant and negative-control tables and a summary line;
+    True when every cell passes and every control fails."""
     plain = [r for r in results if r.case.bug is None and r.case.variant == "default"]
     matrix = [r for r in plain if r.case.fsdp == "default"]
     fsdp_cells = [r for r in plain if r.case.fsdp != "default"]
@@ -484,9 +477,28 @@ def main(argv: list[str] | None = None) -> int:
         f"{sum(r.passed for r in fsdp_cells)}/{len(fsdp_cells)} FSDP-control cells pass, "
         f"{sum(r.passed for r in variant_cells)}/{len(variant_cells)} model-variant cells pass, "
         f"{sum(not r.passed for r in controls)}/{len(controls)} controls fail as they must; "
-        f"{time.perf_counter() - start:.1f}s"
+        f"{seconds:.1f}s"
     )
-    return 0 if ok else 1
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: print the parity table for the matrix (and the negative controls)."""
+    args = _parse_args(argv)
+    layouts = [tuple(int(x) for x in item.split("x")) for item in args.layouts.split(",")]
+    torch.set_num_threads(1)
+    settings = ParitySettings()
+    if args.model_path:
+        settings = ParitySettings(model=load_model_config(name=None, path=args.model_path, vocab_size=1))
+        print(f"model: {args.model_path} ({type(settings.model).__name__})")
+    start = time.perf_counter()
+    results = run_layouts(
+        jobs=parity_jobs(
+            layouts=layouts, controls=not args.no_controls, fsdp=not args.no_fsdp, variants=not args.no_variants
+        ),
+        settings=settings,
+    )
+    return 0 if _report(results, seconds=time.perf_counter() - start) else 1
 
 
 if __name__ == "__main__":

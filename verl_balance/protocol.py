@@ -170,13 +170,6 @@ class Batch:
             raise BatchError("pass meta or meta_info, not both")
         return cls(tensors=tensors, non_tensors=non_tensors, meta=meta if meta is not None else meta_info)
 
-    @classmethod
-    def from_single_dict(cls, data: Mapping[str, Any], *, meta: Mapping[str, Any] | None = None) -> Batch:
-        """Build from one dict: torch tensors become tensor columns, everything else non-tensor."""
-        tensors = {k: v for k, v in data.items() if isinstance(v, torch.Tensor)}
-        non_tensors = {k: v for k, v in data.items() if not isinstance(v, torch.Tensor)}
-        return cls(tensors=tensors, non_tensors=non_tensors, meta=meta)
-
     def _derive(self, tensors: TensorDict, non_tensors: dict[str, np.ndarray], meta: dict | None = None) -> Batch:
         out = Batch.__new__(Batch)
         out._tensors = tensors

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-VERL_SKIP_REASON = "verl is not installed; install the extra with: pip install 'verl-balance[verl]'"
+from tests._verl import VERL_SKIP_REASON
 
 
 @pytest.fixture(scope="session")

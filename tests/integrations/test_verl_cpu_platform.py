@@ -11,7 +11,9 @@ import textwrap
 
 import pytest
 
-pytest.importorskip("verl", reason="verl is not installed; install the extra: pip install 'verl-balance[verl]'")
+from tests._verl import VERL_SKIP_REASON
+
+pytest.importorskip("verl", reason=VERL_SKIP_REASON)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SHIM = "verl_balance.integrations.verl.cpu_platform"

@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("verl", reason="verl is not installed; install the extra: pip install 'verl-balance[verl]'")
+from tests._verl import VERL_SKIP_REASON
+
+pytest.importorskip("verl", reason=VERL_SKIP_REASON)
 
 import verl.utils.seqlen_balancing as verl_sb  # noqa: E402
 from tensordict import TensorDict  # noqa: E402

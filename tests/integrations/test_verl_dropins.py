@@ -11,7 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-pytest.importorskip("verl", reason="verl is not installed; install the extra: pip install 'verl-balance[verl]'")
+from tests._verl import VERL_SKIP_REASON
+
+pytest.importorskip("verl", reason=VERL_SKIP_REASON)
 
 import verl.utils.seqlen_balancing as verl_sb  # noqa: E402
 from tensordict import TensorDict  # noqa: E402

@@ -10,9 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests._verl import VERL_SKIP_REASON
 from verl_balance.testing.multiprocess import run_on_ranks
 
-pytest.importorskip("verl", reason="verl is not installed; install the extra: pip install 'verl-balance[verl]'")
+pytest.importorskip("verl", reason=VERL_SKIP_REASON)
 
 pytestmark = pytest.mark.slow
 

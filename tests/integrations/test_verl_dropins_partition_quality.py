@@ -14,6 +14,7 @@ import random
 import numpy as np
 import pytest
 
+from tests._verl import VERL_SKIP_REASON
 from verl_balance.integrations.verl.karmarkar_karp import karmarkar_karp
 from verl_balance.integrations.verl.seqlen import _lower_bound, get_seqlen_balanced_partitions
 
@@ -52,7 +53,7 @@ def _random_case(rng: random.Random):
 
 
 def test_our_karmarkar_karp_is_exactly_verls():
-    verl_sb = pytest.importorskip("verl.utils.seqlen_balancing")
+    verl_sb = pytest.importorskip("verl.utils.seqlen_balancing", reason=VERL_SKIP_REASON)
     rng = random.Random(0)
     for trial in range(150):
         values, k, equal_size = _random_case(rng)
@@ -63,7 +64,7 @@ def test_our_karmarkar_karp_is_exactly_verls():
 
 
 def test_max_part_never_above_verls_on_heavy_tailed_and_tied_inputs():
-    verl_sb = pytest.importorskip("verl.utils.seqlen_balancing")
+    verl_sb = pytest.importorskip("verl.utils.seqlen_balancing", reason=VERL_SKIP_REASON)
     rng = random.Random(1)
     for trial in range(150):
         values, k, equal_size = _random_case(rng)

@@ -10,7 +10,9 @@ import os
 import numpy as np
 import pytest
 
-pytest.importorskip("verl", reason="verl is not installed; install the extra: pip install 'verl-balance[verl]'")
+from tests._verl import VERL_SKIP_REASON
+
+pytest.importorskip("verl", reason=VERL_SKIP_REASON)
 
 from verl_balance.testing.multiprocess import run_on_ranks  # noqa: E402
 

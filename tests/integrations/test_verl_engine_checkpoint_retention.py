@@ -11,7 +11,9 @@ import types
 import numpy as np
 import pytest
 
-pytest.importorskip("verl", reason="verl is not installed; install the extra: pip install 'verl-balance[verl]'")
+from tests._verl import VERL_SKIP_REASON
+
+pytest.importorskip("verl", reason=VERL_SKIP_REASON)
 
 from verl_balance.integrations.verl.engine import (  # noqa: E402
     VerlBalanceEngineConfigError,

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests._verl import VERL_SKIP_REASON
 from verl_balance.integrations.verl import LossCounts, agg_loss, loss_counts
 from verl_balance.loss import LossConfigError
 
@@ -67,7 +68,7 @@ def test_summed_loss_equals_single_batch_reference_for_every_layout(mode):
 def test_verls_local_normalisation_is_layout_dependent_negative_control(mode):
     core_algos = pytest.importorskip(
         "verl.trainer.ppo.core_algos",
-        reason="verl is not installed; install the extra: pip install 'verl-balance[verl]'",
+        reason=VERL_SKIP_REASON,
     )
     verl_agg_loss = core_algos.agg_loss
 

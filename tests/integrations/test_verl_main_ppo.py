@@ -30,7 +30,9 @@ import sys
 
 import pytest
 
-pytest.importorskip("verl", reason="verl is not installed; install the extra: pip install 'verl-balance[verl]'")
+from tests._verl import VERL_SKIP_REASON
+
+pytest.importorskip("verl", reason=VERL_SKIP_REASON)
 pytest.importorskip("pyarrow", reason="writing the parquet data set needs pyarrow")
 
 HERE = os.path.dirname(os.path.abspath(__file__))

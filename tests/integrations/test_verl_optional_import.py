@@ -6,7 +6,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 
+
+@pytest.mark.slow  # a second interpreter
 def test_import_without_verl_succeeds_and_calls_name_the_extra():
     # A child interpreter in which `import verl` fails, whatever this environment has installed.
     script = textwrap.dedent(

@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("verl", reason="verl is not installed; install the extra: pip install 'verl-balance[verl]'")
+from tests._verl import VERL_SKIP_REASON
+
+pytest.importorskip("verl", reason=VERL_SKIP_REASON)
 ray_trainer = pytest.importorskip(
     "verl.trainer.ppo.ray_trainer",
     reason="verl's RayPPOTrainer needs cachetools, uvicorn and fastapi (undeclared verl deps)",

@@ -16,7 +16,9 @@ import sys
 
 import pytest
 
-pytest.importorskip("verl", reason="verl is not installed; install the extra: pip install 'verl-balance[verl]'")
+from tests._verl import VERL_SKIP_REASON
+
+pytest.importorskip("verl", reason=VERL_SKIP_REASON)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(os.path.dirname(HERE))

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-pytest.importorskip("verl", reason="verl is not installed; install the extra: pip install 'verl-balance[verl]'")
+from tests._verl import VERL_SKIP_REASON
+
+pytest.importorskip("verl", reason=VERL_SKIP_REASON)
 ray = pytest.importorskip("ray")
 
 from verl import DataProto  # noqa: E402

@@ -206,13 +206,6 @@ def test_weights_are_referenced_by_default_and_converted_on_request():
     assert out.responses.shape == (len(PROMPTS), 4) and out.log_probs.dtype == torch.float32
 
 
-def test_old_module_path_and_class_name_still_import():
-    from verl_balance.rollout import NaiveRollout
-    from verl_balance.rollout.naive import NaiveRollout as old_path
-
-    assert NaiveRollout is KVCacheRollout and old_path is KVCacheRollout
-
-
 def test_rollout_reuses_the_model_primitives_instead_of_copies():
     import verl_balance.rollout.kv_cache_generator as module
     from verl_balance.models import llama

@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 import torch
 
-verl = pytest.importorskip("verl", reason="verl is not installed; install the extra: pip install 'verl-balance[verl]'")
+from tests._verl import VERL_SKIP_REASON
+
+verl = pytest.importorskip("verl", reason=VERL_SKIP_REASON)
 ray = pytest.importorskip("ray")
 
 from ray import cloudpickle  # noqa: E402

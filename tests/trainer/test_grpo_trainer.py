@@ -181,6 +181,7 @@ def test_default_recipe_config_is_valid():
     validate_grpo(_grpo_config([]))
 
 
+@pytest.mark.slow  # a second interpreter
 def test_unknown_key_fails_at_startup_naming_it():
     proc = subprocess.run(
         [sys.executable, "-m", "verl_balance.main_grpo", "actor_rollout_ref.actor.ppo_mini_batch_sise=4"],

@@ -357,10 +357,10 @@ def test_cli_log_goes_into_the_run_directory_not_the_current_one(tmp_path):
 def test_rollout_seeds_are_distinct_per_step_and_sample_where_the_old_formula_collided():
     from verl_balance.workers.actor_rollout import sampling_seed
 
-    # Negative control: the old per-step seed, seed * 7919 + step, collides on this grid of seeds x steps
-    # ((seed 1, step 7919) and (seed 2, step 0) shared one stream); sampling_seed must not.
+    # The old per-step seed, seed * 7919 + step, gave (seed 1, step 7919) and (seed 2, step 0) one
+    # stream (likewise (2, 7919) and (3, 0)); sampling_seed must keep those pairs, and the whole grid, apart.
+    assert sampling_seed(1, 7919) != sampling_seed(2, 0) and sampling_seed(2, 7919) != sampling_seed(3, 0)
     grid = [(seed, step) for seed in (1, 2, 3) for step in range(8000)]
-    assert len({seed * 7919 + step for seed, step in grid}) < len(grid)
     assert len({sampling_seed(seed, step) for seed, step in grid}) == len(grid)
     seeds = {sampling_seed(sampling_seed(1, step), index) for step in range(20) for index in range(50)}
     assert len(seeds) == 1000 and all(0 <= s < 2**63 for s in seeds)

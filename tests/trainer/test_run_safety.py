@@ -51,6 +51,7 @@ def _lock_holder(root) -> subprocess.Popen:
 
 
 # ---------------------------------------------------------------------- 1. one live run per directory
+@pytest.mark.slow  # a second interpreter
 def test_a_second_run_is_refused_naming_the_directory_and_the_live_owner_and_a_killed_owner_never_blocks(tmp_path):
     root = tmp_path / "run"
     holder = _lock_holder(root)

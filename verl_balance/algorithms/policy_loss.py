@@ -84,11 +84,6 @@ class PolicyLossConfig:
         return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
 
     @property
-    def needs_ref_log_prob(self) -> bool:
-        """Whether micro-batches must carry reference log-probs."""
-        return self.use_kl_loss
-
-    @property
     def needs_entropy(self) -> bool:
         """Whether the loss itself needs per-token entropy (entropy_coeff != 0)."""
         return self.entropy_coeff != 0

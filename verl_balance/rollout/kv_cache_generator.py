@@ -218,7 +218,3 @@ class KVCacheRollout(CachedDecoder):
         cache.next_position = cache.next_position + 1
         is_token = torch.ones_like(tokens, dtype=torch.bool)[:, None]
         return self._forward(tokens[:, None], positions, is_token, cache, all_logits=False)
-
-
-# The old name: "naive" also names the contiguous (unbalanced) plan, so the class was renamed.
-NaiveRollout = KVCacheRollout

@@ -32,7 +32,7 @@ import time
 import uuid
 from collections.abc import Mapping
 
-from verl_balance.trainer.config import ConfigError, SFTConfig
+from verl_balance.trainer.config import RESUME_MODES, ConfigError, SFTConfig
 from verl_balance.trainer.resume_policy import (
     APPLY,
     REFUSE,
@@ -54,7 +54,6 @@ LINEAGE_FILE = "run_lineage.json"
 SUPERSEDED_DIR = "superseded"
 STAGING_PREFIX = ".staging_"
 RETIRING_PREFIX = ".retiring_"
-RESUME_MODES = ("auto", "disable", "resume_path")
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
 
@@ -312,6 +311,114 @@ def _start_from_path(
     return load_path, lineage_id, branch
 
 
+@dataclasses.dataclass(frozen=True)
+class _RunStart:
+    """What each resume mode reads: the directory and its scan, this run's id, the lineage record
+    (None when absent, or broken outside ``auto``) and how to check a config change."""
+
+    root: str
+    run_id: str
+    lineage: dict | None
+    complete: list[CheckpointInfo]
+    incomplete: list[str]
+    config: dict
+    policies: Mapping[str, str]
+    hasher: checksums.Hasher
+    resume_from_path: str | None
+
+
+# Each mode returns (checkpoint to load or None, lineage id, branch checkpoint of the lineage).
+_Start = tuple[str | None, str, str | None]
+
+
+def _start_auto(run: _RunStart) -> _Start:
+    """``auto``: continue the recorded lineage from its newest verified checkpoint (or, with none
+    yet, from the checkpoint it branched from); checkpoints of other runs are never picked. Without
+    a lineage record, a new lineage, refused when the directory holds checkpoints (of an unknown run)."""
+    if run.lineage is None:
+        return _start_without_lineage(run)
+    lineage_id = run.lineage["lineage_id"]
+    branch = run.lineage.get("branch_checkpoint")
+    load_path = newest_verified_checkpoint(run.root, lineage_id=lineage_id, hasher=run.hasher)
+    if load_path is None and branch is not None:
+        if not (is_complete(branch) or os.path.exists(os.path.join(branch, TRAINER_STATE_FILE))):
+            raise CheckpointError(
+                f"lineage {lineage_id} in trainer.default_local_dir={run.root!r} started from "
+                f"{branch!r}, which is no longer a complete checkpoint"
+            )
+        verify_checkpoint(branch, hasher=run.hasher)
+        load_path = branch
+    if load_path is not None:  # with nothing saved yet there is no state to contradict
+        check_resume_config(run.lineage, run.config, policies=run.policies)
+    return load_path, lineage_id, branch
+
+
+def _start_without_lineage(run: _RunStart) -> _Start:
+    """``auto`` in a directory without ``run_lineage.json``: an error when it holds checkpoints
+    (say ``resume_path`` or ``disable``); an unknown run's metrics are moved aside."""
+    foreign = [c.path for c in run.complete] + [p for p in run.incomplete if _STEP_DIR.match(os.path.basename(p))]
+    if foreign:
+        raise CheckpointError(
+            f"trainer.default_local_dir={run.root!r} holds checkpoints of another run ({len(foreign)}, e.g. "
+            f"{max(foreign)!r}) but no {LINEAGE_FILE} saying which run they belong to; set "
+            "trainer.resume_mode=resume_path trainer.resume_from_path=<one of them> to continue it, or "
+            "trainer.resume_mode=disable to start fresh (they are moved to superseded/, not deleted)"
+        )
+    if os.path.exists(os.path.join(run.root, METRICS_FILE)):
+        moved = _move_aside(run.root, [METRICS_FILE], label="no-lineage")
+        logger.warning("metrics.jsonl of an unknown run moved to %s", moved)
+    return None, run.run_id, None
+
+
+def _start_disabled(run: _RunStart) -> _Start:
+    """``disable``: a new lineage from step 0; the directory's checkpoints, lineage record and
+    metrics are moved to ``superseded/`` (nothing is deleted)."""
+    names = [os.path.basename(c.path) for c in run.complete] + [os.path.basename(p) for p in run.incomplete]
+    names += [LINEAGE_FILE, METRICS_FILE, LATEST_FILE]
+    moved = _move_aside(run.root, names, label=(run.lineage or {}).get("lineage_id", "unknown"))
+    if moved:
+        logger.warning(
+            "trainer.resume_mode=disable: the previous run's checkpoints and metrics in %s were moved to %s",
+            run.root,
+            moved,
+        )
+    return None, run.run_id, None
+
+
+def _start_from_path(run: _RunStart) -> _Start:
+    """``resume_path``: a new lineage branching from the verified ``resume_from_path`` (corrupt: an
+    error naming the file); this directory's checkpoints past its step (another branch's future)
+    are moved to ``superseded/``."""
+    if not run.resume_from_path:
+        raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
+    load_path = os.path.abspath(run.resume_from_path)
+    if not (is_complete(load_path) or os.path.exists(os.path.join(load_path, TRAINER_STATE_FILE))):
+        raise CheckpointError(
+            f"trainer.resume_from_path={run.resume_from_path!r} is not a complete checkpoint "
+            f"(no {COMPLETE_FILE}); pick a complete global_step_N directory"
+        )
+    try:
+        verify_checkpoint(load_path, hasher=run.hasher)
+    except CheckpointCorruptError as err:  # the user named this one: never silently use another
+        raise CheckpointCorruptError(f"trainer.resume_from_path={run.resume_from_path!r}: {err}") from err
+    start = _checkpoint_step(load_path)
+    later = [os.path.basename(c.path) for c in run.complete if c.step > start and c.path != load_path]
+    later += [os.path.basename(p) for p in run.incomplete]
+    same_dir = os.path.dirname(load_path) == os.path.abspath(run.root)
+    moved = _move_aside(
+        run.root, later + ([] if same_dir else [METRICS_FILE]) + [LATEST_FILE], label=f"after_step_{start}"
+    )
+    if moved:
+        logger.warning(
+            "trainer.resume_mode=resume_path: checkpoints past step %d (another branch) moved to %s", start, moved
+        )
+    return load_path, run.run_id, load_path
+
+
+_MODE_STARTS = {"auto": _start_auto, "disable": _start_disabled, "resume_path": _start_from_path}
+assert set(_MODE_STARTS) == set(RESUME_MODES), (_MODE_STARTS, RESUME_MODES)
+
+
 def start_run(
     root: str,
     *,
@@ -323,18 +430,10 @@ def start_run(
 ) -> tuple[RunIdentity, str | None]:
     """Decide this run's lineage and the checkpoint to load (None: start from the beginning).
 
-    - ``auto``: continue the lineage recorded in ``run_lineage.json`` from its newest complete
-      checkpoint (or, with none yet, from where the lineage started). Checkpoints of other runs
-      are never picked. A directory with checkpoints but no lineage record (written by another
-      tool or version) is an error: say ``resume_path`` or ``disable``.
-    - ``disable``: a new lineage from step 0; the directory's checkpoints, lineage record and
-      metrics are moved to ``superseded/`` (nothing is deleted).
-    - ``resume_path``: a new lineage branching from ``resume_from_path``; checkpoints in this
-      directory past its step (another branch's future) are moved to ``superseded/``.
-
-    The checkpoint to load is verified against its checksums first (``verify_checkpoint``, hashing
-    with ``hasher``): in ``auto`` a corrupt one is moved aside and the lineage's next older intact
-    one is used; a corrupt ``resume_from_path`` is an error naming the file.
+    ``resume_mode`` picks ``_start_auto`` (continue this directory's lineage), ``_start_disabled``
+    (a new lineage from step 0, the old one moved to ``superseded/``, nothing deleted) or
+    ``_start_from_path`` (a new lineage branching from ``resume_from_path``). The checkpoint to
+    load is verified against its checksums first (``verify_checkpoint``, hashing with ``hasher``).
 
     ``auto`` compares ``config`` with the lineage's recorded config by the ``on_resume`` policies
     of ``schema`` (the recipe's dataclass, default SFTConfig; see resume_policy.py): a changed
@@ -347,9 +446,7 @@ def start_run(
     if resume_mode not in RESUME_MODES:
         raise ConfigError(f"trainer.resume_mode={resume_mode!r} is not valid; expected one of {list(RESUME_MODES)}")
     os.makedirs(root, exist_ok=True)
-    run_id = uuid.uuid4().hex[:12]
     policies = resume_policies(schema if dataclasses.is_dataclass(schema) else SFTConfig)
-    digest = config_hash(config, policies=policies)
     try:
         lineage = read_lineage(root)
     except LineageFileError:
@@ -357,67 +454,37 @@ def start_run(
             raise
         lineage = None  # disable / resume_path start a new lineage; disable moves the file aside
     complete, incomplete = scan_checkpoints(root)
-    load_path: str | None = None
-    metrics_path = os.path.join(root, METRICS_FILE)
-
-    if resume_mode == "auto" and lineage is not None:
-        lineage_id = lineage["lineage_id"]
-        branch = lineage.get("branch_checkpoint")
-        load_path = newest_verified_checkpoint(root, lineage_id=lineage_id, hasher=hasher)
-        if load_path is None and branch is not None:
-            if not (is_complete(branch) or os.path.exists(os.path.join(branch, TRAINER_STATE_FILE))):
-                raise CheckpointError(
-                    f"lineage {lineage_id} in trainer.default_local_dir={root!r} started from "
-                    f"{branch!r}, which is no longer a complete checkpoint"
-                )
-            verify_checkpoint(branch, hasher=hasher)
-            load_path = branch
-        if load_path is not None:  # with nothing saved yet there is no state to contradict
-            check_resume_config(lineage, config, policies=policies)
-    elif resume_mode == "auto":
-        foreign = [c.path for c in complete] + [p for p in incomplete if _STEP_DIR.match(os.path.basename(p))]
-        if foreign:
-            raise CheckpointError(
-                f"trainer.default_local_dir={root!r} holds checkpoints of another run ({len(foreign)}, e.g. "
-                f"{max(foreign)!r}) but no {LINEAGE_FILE} saying which run they belong to; set "
-                "trainer.resume_mode=resume_path trainer.resume_from_path=<one of them> to continue it, or "
-                "trainer.resume_mode=disable to start fresh (they are moved to superseded/, not deleted)"
-            )
-        lineage_id, branch = run_id, None
-        if os.path.exists(metrics_path):
-            moved = _move_aside(root, [METRICS_FILE], label="no-lineage")
-            logger.warning("metrics.jsonl of an unknown run moved to %s", moved)
-    elif resume_mode == "disable":
-        lineage_id, branch = run_id, None
-        names = [os.path.basename(c.path) for c in complete] + [os.path.basename(p) for p in incomplete]
-        names += [LINEAGE_FILE, METRICS_FILE, LATEST_FILE]
-        moved = _move_aside(root, names, label=(lineage or {}).get("lineage_id", "unknown"))
-        if moved:
-            logger.warning(
-                "trainer.resume_mode=disable: the previous run's checkpoints and metrics in %s were moved to %s",
-                root,
-                moved,
-            )
-    else:
-        load_path, lineage_id, branch = _start_from_path(
-            root,
-            resume_from_path=resume_from_path,
-            complete=complete,
-            incomplete=incomplete,
-            hasher=hasher,
-            run_id=run_id,
-        )
-
-    start_step = _checkpoint_step(load_path) if load_path else 0
-    identity = RunIdentity(
-        run_id=run_id, lineage_id=lineage_id, start_step=start_step, branch_checkpoint=branch, config_hash=digest
+    run = _RunStart(
+        root=root,
+        run_id=uuid.uuid4().hex[:12],
+        lineage=lineage,
+        complete=complete,
+        incomplete=incomplete,
+        config=config,
+        policies=policies,
+        hasher=hasher,
+        resume_from_path=resume_from_path,
     )
+    load_path, lineage_id, branch = _MODE_STARTS[resume_mode](run)
+    identity = RunIdentity(
+        run_id=run.run_id,
+        lineage_id=lineage_id,
+        start_step=_checkpoint_step(load_path) if load_path else 0,
+        branch_checkpoint=branch,
+        config_hash=config_hash(config, policies=policies),
+    )
+    _record_start(root, identity=identity, config=config)
+    return identity, load_path
+
+
+def _record_start(root: str, *, identity: RunIdentity, config: dict) -> None:
+    """Write the new ``run_lineage.json`` (atomically) and cut ``metrics.jsonl`` to the start step."""
     atomic_write_json(
         os.path.join(root, LINEAGE_FILE), {**identity.to_dict(), "config": config, "started": time.time()}
     )
+    metrics_path = os.path.join(root, METRICS_FILE)
     if os.path.exists(metrics_path):
-        rewrite_metrics_up_to(metrics_path, start_step)
-    return identity, load_path
+        rewrite_metrics_up_to(metrics_path, identity.start_step)
 
 
 def _checkpoint_step(path: str) -> int:
@@ -581,12 +648,6 @@ def load_trainer_checkpoint(group, path: str) -> dict:
         )
     group.load_checkpoint(path)
     return state
-
-
-def truncate_metrics_after(path: str, step: int) -> None:
-    """Drop records past ``step`` so a resumed run's metrics file reads as one uninterrupted curve."""
-    if os.path.exists(path):
-        rewrite_metrics_up_to(path, step)
 
 
 # ---------------------------------------------------------------------- checksums and verification

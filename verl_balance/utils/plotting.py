@@ -36,6 +36,54 @@ def run_label(path: str) -> str:
         return os.path.basename(os.path.normpath(run_dir)) or run_dir
 
 
+def _numeric_keys(records: Sequence[list[dict]]) -> list[str]:
+    """Sorted names of the numeric metrics in any run (``step`` and ``time`` excluded)."""
+    return sorted(
+        {
+            k
+            for recs in records
+            for r in recs
+            for k, v in r.items()
+            if k not in ("step", "time") and isinstance(v, (int, float))
+        }
+    )
+
+
+def _panel_keys(
+    runs: Sequence[str], series_keys: list[str], panels: Sequence[tuple[str, str]]
+) -> list[tuple[str, list[str]]]:
+    """(panel name, the metric names its regex matches) for each panel matching any metric."""
+    drawn = [(name, [k for k in series_keys if re.search(pattern, k)]) for name, pattern in panels]
+    drawn = [(name, keys) for name, keys in drawn if keys]
+    if not drawn:
+        raise ValueError(
+            f"no metric of {list(runs)} matches a panel ({[p for _, p in panels]}); metrics found: {series_keys}"
+        )
+    return drawn
+
+
+def _draw_panel(ax, *, keys: list[str], records: Sequence[list[dict]], labels: Sequence[str], colors) -> None:
+    """Overlay every run's curve of each of ``keys`` on ``ax``: colour per run, style per key,
+    line width shrinking with the run's position (identical curves stay visible)."""
+    num_runs = len(records)
+    for run_index, (recs, label) in enumerate(zip(records, labels)):
+        width = 1.0 + 2.0 * (num_runs - 1 - run_index) / max(1, num_runs - 1) if num_runs > 1 else 1.5
+        for key_index, key in enumerate(keys):
+            points = [(r["step"], r[key]) for r in recs if isinstance(r.get(key), (int, float))]
+            if not points:
+                continue
+            steps, values = zip(*points)
+            ax.plot(
+                steps,
+                values,
+                color=colors[run_index % len(colors)],
+                linestyle=LINE_STYLES[key_index % len(LINE_STYLES)],
+                linewidth=width,
+                marker="o" if len(points) == 1 else None,
+                label=f"{label}: {key}" if num_runs > 1 else key,
+            )
+
+
 def plot_runs(
     runs: Sequence[str],
     *,
@@ -56,40 +104,11 @@ def plot_runs(
         raise ValueError(f"got {len(labels)} labels for {len(runs)} runs; give one label per run")
     records = [read_metrics(run) for run in runs]
     labels = list(labels) if labels is not None else [run_label(run) for run in runs]
-    series_keys = sorted(
-        {
-            k
-            for recs in records
-            for r in recs
-            for k, v in r.items()
-            if k not in ("step", "time") and isinstance(v, (int, float))
-        }
-    )
-    drawn = [(name, [k for k in series_keys if re.search(pattern, k)]) for name, pattern in panels]
-    drawn = [(name, keys) for name, keys in drawn if keys]
-    if not drawn:
-        raise ValueError(
-            f"no metric of {list(runs)} matches a panel ({[p for _, p in panels]}); metrics found: {series_keys}"
-        )
+    drawn = _panel_keys(runs, _numeric_keys(records), panels)
     fig, axes = plt.subplots(len(drawn), 1, figsize=(8, 3.2 * len(drawn)), squeeze=False, sharex=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for ax, (name, keys) in zip(axes[:, 0], drawn):
-        for run_index, (recs, label) in enumerate(zip(records, labels)):
-            width = 1.0 + 2.0 * (len(runs) - 1 - run_index) / max(1, len(runs) - 1) if len(runs) > 1 else 1.5
-            for key_index, key in enumerate(keys):
-                points = [(r["step"], r[key]) for r in recs if isinstance(r.get(key), (int, float))]
-                if not points:
-                    continue
-                steps, values = zip(*points)
-                ax.plot(
-                    steps,
-                    values,
-                    color=colors[run_index % len(colors)],
-                    linestyle=LINE_STYLES[key_index % len(LINE_STYLES)],
-                    linewidth=width,
-                    marker="o" if len(points) == 1 else None,
-                    label=f"{label}: {key}" if len(runs) > 1 else key,
-                )
+        _draw_panel(ax, keys=keys, records=records, labels=labels, colors=colors)
         ax.set_title(name)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7, loc="best")

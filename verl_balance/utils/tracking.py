@@ -115,41 +115,47 @@ class Tracking:
         )
         drop_torn_last_line(self.metrics_path)
         self._jsonl = open(self.metrics_path, "a", encoding="utf-8")
-        self._progress = None
         self._console = "console" in backends
-        if self._console:
-            from tqdm import tqdm
+        self._progress = self._open_progress(total_steps) if self._console else None
+        self._tensorboard = self._open_tensorboard() if "tensorboard" in backends else None
+        self._wandb = self._open_wandb(config_dict) if "wandb" in backends else None
 
-            self._progress = tqdm(
-                total=total_steps,
-                desc=f"{project}/{experiment}",
-                unit="step",
-                dynamic_ncols=True,
-                disable=not sys.stderr.isatty(),
+    def _open_progress(self, total_steps: int | None) -> Any:
+        """A tqdm progress bar on stderr (disabled when stderr is not a terminal)."""
+        from tqdm import tqdm
+
+        return tqdm(
+            total=total_steps,
+            desc=f"{self.project}/{self.experiment}",
+            unit="step",
+            dynamic_ncols=True,
+            disable=not sys.stderr.isatty(),
+        )
+
+    def _open_tensorboard(self) -> Any:
+        """A SummaryWriter under ``<log_dir>/tensorboard``; None (a warning) without tensorboard."""
+        if importlib.util.find_spec("tensorboard") is None:
+            logger.warning(
+                "logger 'tensorboard' requested but the tensorboard package is not installed "
+                "(pip install tensorboard); continuing without it"
             )
-        self._tensorboard = None
-        if "tensorboard" in backends:
-            if importlib.util.find_spec("tensorboard") is None:
-                logger.warning(
-                    "logger 'tensorboard' requested but the tensorboard package is not installed "
-                    "(pip install tensorboard); continuing without it"
-                )
-            else:
-                from torch.utils.tensorboard import SummaryWriter
+            return None
+        from torch.utils.tensorboard import SummaryWriter
 
-                self._tensorboard = SummaryWriter(log_dir=os.path.join(log_dir, "tensorboard"))
-        self._wandb = None
-        if "wandb" in backends:
-            if importlib.util.find_spec("wandb") is None:
-                logger.warning(
-                    "logger 'wandb' requested but the wandb package is not installed (pip install wandb); "
-                    "continuing without it"
-                )
-            else:
-                import wandb
+        return SummaryWriter(log_dir=os.path.join(self.log_dir, "tensorboard"))
 
-                os.environ.setdefault("WANDB_MODE", "offline")
-                self._wandb = wandb.init(project=project, name=experiment, dir=log_dir, config=config_dict)
+    def _open_wandb(self, config_dict: Any) -> Any:
+        """A W&B run (offline unless WANDB_MODE is set); None (a warning) without wandb."""
+        if importlib.util.find_spec("wandb") is None:
+            logger.warning(
+                "logger 'wandb' requested but the wandb package is not installed (pip install wandb); "
+                "continuing without it"
+            )
+            return None
+        import wandb
+
+        os.environ.setdefault("WANDB_MODE", "offline")
+        return wandb.init(project=self.project, name=self.experiment, dir=self.log_dir, config=config_dict)
 
     @property
     def metrics_path(self) -> str:
