@@ -4,11 +4,13 @@ recipe values reach the components unchanged, and errors name the full key."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 
 import pytest
 from omegaconf import OmegaConf
 
+from tests.trainer import recipe_snapshot
 from tests.trainer.conftest import compose_config
 from verl_balance.algorithms import PolicyLossConfig
 from verl_balance.data.sft_dataset import SFTDataConfig
@@ -148,3 +150,42 @@ def test_qualify_writes_bare_keys_in_full_and_leaves_values_alone():
         qualify("lr=0 must be > 0; clip_grad='lr' and optim.eps stay", prefixes)
         == "optim.lr=0 must be > 0; optim.clip_grad='lr' and actor.optim.eps stay"
     )
+
+
+# ---------------------------------------------------------------------- component configs vs the snapshot
+@pytest.fixture(scope="module")
+def snapshot_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("recipe_snapshot")
+
+
+def _field_diff(expected, actual, key: str = "") -> list[str]:
+    """Every leaf where two JSON trees differ, as 'key: expected -> actual'."""
+    if isinstance(expected, dict) and isinstance(actual, dict):
+        out = []
+        for name in sorted(set(expected) | set(actual)):
+            sub = f"{key}.{name}" if key else name
+            if name not in actual or name not in expected:
+                out.append(f"{sub}: {expected.get(name, '<absent>')!r} -> {actual.get(name, '<absent>')!r}")
+            else:
+                out += _field_diff(expected[name], actual[name], sub)
+        return out
+    return [] if expected == actual else [f"{key}: {expected!r} -> {actual!r}"]
+
+
+@pytest.mark.parametrize("case", sorted(recipe_snapshot.CASES))
+def test_engine_configs_from_recipes_equal_pre_refactor_snapshot(case, snapshot_root):
+    expected = json.loads(recipe_snapshot.SNAPSHOT.read_text())[case]
+    recipe, overrides = recipe_snapshot.CASES[case]
+    actual = recipe_snapshot.component_configs(recipe, overrides, snapshot_root)
+    diff = _field_diff(expected, actual)
+    assert not diff, f"{case}: component configs differ from the snapshot:\n" + "\n".join(diff)
+
+
+def test_snapshot_diff_names_a_changed_engine_field():
+    # Negative control: the comparison sees one changed leaf deep in the engine config.
+    expected = json.loads(recipe_snapshot.SNAPSHOT.read_text())["sft_defaults"]
+    changed = json.loads(json.dumps(expected))
+    changed["engine"]["optim"]["lr"] *= 2
+    assert _field_diff(expected, changed) == [
+        f"engine.optim.lr: {expected['engine']['optim']['lr']!r} -> {changed['engine']['optim']['lr']!r}"
+    ]
