@@ -2,7 +2,7 @@
 loss, rollout, model), built from the recipe YAML plus the overrides of recipes/*.sh and a few
 non-default layouts, as plain JSON values. ``tests/trainer/data/recipe_components.json`` holds
 them as built before the config layer was split (issue 18); the test in test_config.py rebuilds
-them with the current API and compares field by field.
+them with the current API (``RecipeConfig.engine_config`` etc.) and compares field by field.
 
 Regenerate (only when a change of a component config is intended):
     PYTHONPATH=$PWD python -m tests.trainer.recipe_snapshot
@@ -139,80 +139,52 @@ def component_configs(recipe: str, overrides: list[str], root: Path) -> dict:
 
 
 def _sft_components(cfg) -> dict:
-    from verl_balance.trainer.config import SFT_ENGINE_KEYS, build_engine_config, validate_sft
+    from verl_balance.trainer.config import validate_sft
 
     config = validate_sft(cfg)
-    engine = build_engine_config(
-        optim=config.optim,
-        loss_agg_mode=config.loss_agg_mode,
-        loss_scale_factor=config.loss_scale_factor,
-        param_dtype=config.model.param_dtype,
-        seed=config.trainer.seed,
-        total_steps=TOTAL_STEPS,
-        keys=SFT_ENGINE_KEYS,
-        fsdp=config.model.fsdp_config,
-        profile_steps=config.trainer.profile_steps,
-        profile_dir=config.trainer.profile_path,
-        logits_chunk_size=config.model.logits_chunk_size,
-    )
     out = {
-        "engine": engine,
+        "engine": config.engine_config(total_steps=TOTAL_STEPS),
         "dataset": config.data.dataset_config(),
-        "sp_size": config.ulysses_sequence_parallel_size,
+        "sp_size": config.sp_size,
         "world_size": config.trainer.world_size,
         "plan": {
-            "balance": config.balance.enable,
+            "balance": config.balance_enabled,
             "overlong": config.balance.overlong,
             "micro_batch_size": config.data.micro_batch_size_per_gpu,
             "token_cap": config.data.max_token_len_per_gpu if config.data.use_dynamic_bsz else None,
         },
     }
-    model = config.model.model_config(vocab_size=_vocab(config.model))
-    out["model"] = {"__class__": type(model).__name__, **model.to_dict()}
-    out["workload"] = config.balance.workload_for(model)
-    return out
+    return {**out, **_model_and_workload(config, config.model)}
 
 
-def _vocab(section) -> int:
+def _model_and_workload(config, section) -> dict:
     from verl_balance.data.tokenizer import build_tokenizer
 
-    return build_tokenizer(section.tokenizer_path).vocab_size
+    model = section.model_config(vocab_size=build_tokenizer(section.tokenizer_path).vocab_size)
+    return {
+        "model": {"__class__": type(model).__name__, **model.to_dict()},
+        "workload": config.balance.workload_for(model),
+    }
 
 
 def _grpo_components(cfg) -> dict:
-    from verl_balance.trainer.config import build_engine_config
-    from verl_balance.trainer.grpo_config import GRPO_ENGINE_KEYS, validate_grpo
+    from verl_balance.trainer.grpo_config import validate_grpo
 
     config = validate_grpo(cfg)
     arr = config.actor_rollout_ref
     a, r, d = arr.actor, arr.rollout, config.data
-    updates_per_step = a.ppo_epochs * (d.train_batch_size // a.ppo_mini_batch_size)
-    engine = build_engine_config(
-        optim=a.optim,
-        loss_agg_mode=a.loss_agg_mode,
-        loss_scale_factor=a.loss_scale_factor,
-        param_dtype=arr.model.param_dtype,
-        seed=config.trainer.seed,
-        total_steps=TOTAL_STEPS * updates_per_step,
-        keys=GRPO_ENGINE_KEYS,
-        fsdp=a.fsdp_config,
-        profile_steps=config.trainer.profile_steps,
-        profile_dir=config.trainer.profile_path,
-        updates_per_step=updates_per_step,
-        logits_chunk_size=a.logits_chunk_size,
-    )
     out = {
-        "engine": engine,
+        "engine": config.engine_config(total_steps=TOTAL_STEPS),
         "dataset": d.dataset_config(),
         "synthetic_task": d.synthetic.task_config(),
         "policy_loss": a.policy_loss(),
         "sp_size": config.sp_size,
         "world_size": config.trainer.world_size,
-        "updates_per_step": updates_per_step,
-        "old_log_prob_from_update": a.old_log_prob_from_update(train_batch_size=d.train_batch_size),
+        "updates_per_step": config.updates_per_step,
+        "old_log_prob_from_update": config.old_log_prob_from_update,
         "warm_start_path": arr.model.warm_start_path,
         "plan": {
-            "balance": config.trainer.balance_batch,
+            "balance": config.balance_enabled,
             "update_cap": a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
             "log_prob_cap": (r.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu)
             if a.use_dynamic_bsz
@@ -229,10 +201,7 @@ def _grpo_components(cfg) -> dict:
             "val_kwargs": r.val_kwargs,
         },
     }
-    model = arr.model.model_config(vocab_size=_vocab(arr.model))
-    out["model"] = {"__class__": type(model).__name__, **model.to_dict()}
-    out["workload"] = config.balance.workload_for(model)
-    return out
+    return {**out, **_model_and_workload(config, arr.model)}
 
 
 def all_component_configs(root: Path) -> dict:

@@ -15,8 +15,8 @@ from tests.trainer.conftest import compose_config
 from verl_balance.algorithms import PolicyLossConfig
 from verl_balance.data.sft_dataset import SFTDataConfig
 from verl_balance.engine.config import OptimConfig
-from verl_balance.trainer.config import SFT_ENGINE_KEYS, ConfigError, build_engine_config, qualify, validate_sft
-from verl_balance.trainer.grpo_config import GRPO_ENGINE_KEYS, register_grpo_schema, validate_grpo
+from verl_balance.trainer.config import ConfigError, qualify, validate_sft
+from verl_balance.trainer.grpo_config import register_grpo_schema, validate_grpo
 
 register_grpo_schema()
 
@@ -52,28 +52,8 @@ def test_optim_sections_are_the_engine_optim_config():
 @pytest.mark.parametrize("recipe, expected", [("sft", SFT_RECIPE_OPTIM), ("grpo", GRPO_RECIPE_OPTIM)])
 def test_recipe_values_reach_the_engine_unchanged(recipe, expected):
     cfg = compose_config(recipe, [])
-    if recipe == "sft":
-        config = validate_sft(cfg)
-        optim, agg, scale, dtype, keys = (
-            config.optim,
-            config.loss_agg_mode,
-            config.loss_scale_factor,
-            config.model.param_dtype,
-            SFT_ENGINE_KEYS,
-        )
-    else:
-        config = validate_grpo(cfg)
-        actor = config.actor_rollout_ref.actor
-        optim, agg, scale, dtype, keys = (
-            actor.optim,
-            actor.loss_agg_mode,
-            actor.loss_scale_factor,
-            config.actor_rollout_ref.model.param_dtype,
-            GRPO_ENGINE_KEYS,
-        )
-    engine = build_engine_config(
-        optim=optim, loss_agg_mode=agg, loss_scale_factor=scale, param_dtype=dtype, seed=1, total_steps=100, keys=keys
-    )
+    config = validate_sft(cfg) if recipe == "sft" else validate_grpo(cfg)
+    engine = config.engine_config(total_steps=100)
     assert dataclasses.asdict(engine.optim) == expected
     assert engine.warmup_steps == round(expected["warmup_steps_ratio"] * 100)
     assert (engine.loss_agg_mode, engine.param_dtype) == ("token-mean", "float32")
@@ -189,3 +169,88 @@ def test_snapshot_diff_names_a_changed_engine_field():
     assert _field_diff(expected, changed) == [
         f"engine.optim.lr: {expected['engine']['optim']['lr']!r} -> {changed['engine']['optim']['lr']!r}"
     ]
+
+
+# ---------------------------------------------------------------------- one spelling per key
+def test_grpo_rollout_name_chooses_the_backend_of_the_model(snapshot_root):
+    hf = recipe_snapshot.make_fixtures(snapshot_root)["<hf>"]
+    run = f"trainer.default_local_dir={snapshot_root / 'run'}"
+    cases = [([], "kv_cache"), (["actor_rollout_ref.rollout.name=kv_cache"], "kv_cache")]
+    cases += [([f"actor_rollout_ref.model.path={hf}"], "hf")]
+    cases += [([f"actor_rollout_ref.model.path={hf}", "actor_rollout_ref.rollout.name=hf"], "hf")]
+    for overrides, backend in cases:
+        assert validate_grpo(compose_config("grpo", overrides + [run])).rollout_backend == backend, overrides
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["actor_rollout_ref.rollout.name=naive"],
+            r"actor_rollout_ref.rollout.name='naive' is not valid; "
+            r"expected one of \['auto', 'kv_cache', 'hf'\]",
+        ),
+        (
+            ["actor_rollout_ref.rollout.name=hf"],
+            r"actor_rollout_ref.rollout.name: rollout backend 'hf' cannot "
+            r"run the built-in model; expected one of \['auto', 'kv_cache'\]",
+        ),
+        (
+            ["actor_rollout_ref.rollout.name=kv_cache", "actor_rollout_ref.model.path=<hf>"],
+            r"'kv_cache' cannot run an HF model directory; expected one of \['auto', 'hf'\]",
+        ),
+    ],
+)
+def test_grpo_rollout_name_that_cannot_run_is_rejected_listing_valid_values(overrides, message, snapshot_root):
+    hf = recipe_snapshot.make_fixtures(snapshot_root)["<hf>"]
+    cfg = compose_config("grpo", [o.replace("<hf>", hf) for o in overrides])
+    with pytest.raises(ConfigError, match=message):
+        validate_grpo(cfg)
+
+
+def test_rollout_factory_builds_the_backend_it_is_given():
+    from verl_balance.models.config import ModelConfig
+    from verl_balance.rollout import KVCacheRollout, RolloutInputError, build_rollout
+
+    model = ModelConfig.preset("tiny")
+    assert isinstance(build_rollout(model, backend="kv_cache", pad_token_id=0), KVCacheRollout)
+    with pytest.raises(RolloutInputError, match="'hf' cannot run the built-in model"):
+        build_rollout(model, backend="hf", pad_token_id=0)
+
+
+def test_each_recipe_has_one_balance_switch():
+    sft = validate_sft(compose_config("sft", ["balance.enable=false"]))
+    assert not sft.balance_enabled
+    grpo = validate_grpo(compose_config("grpo", ["trainer.balance_batch=false"]))
+    assert not grpo.balance_enabled
+    assert validate_grpo(compose_config("grpo", [])).balance_enabled
+    # SFT's spelling in GRPO fails naming verl's key instead of being ignored.
+    with pytest.raises(ConfigError, match=r"balance.enable=False .* set trainer.balance_batch=false"):
+        validate_grpo(compose_config("grpo", ["balance.enable=false"]))
+
+
+def test_grpo_top_level_ulysses_degree_is_verls_key():
+    key = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
+    config = validate_grpo(compose_config("grpo", ["ulysses_sequence_parallel_size=2"]))
+    assert (config.sp_size, config.actor_rollout_ref.actor.ulysses_sequence_parallel_size) == (2, 2)
+    assert validate_grpo(compose_config("grpo", [f"{key}=2", "ulysses_sequence_parallel_size=2"])).sp_size == 2
+    with pytest.raises(ConfigError, match=rf"{key}=2 and ulysses_sequence_parallel_size=1 disagree"):
+        validate_grpo(compose_config("grpo", [f"{key}=2", "ulysses_sequence_parallel_size=1"]))
+
+
+def test_instantiation_builds_every_section_once(monkeypatch):
+    # Each section's __post_init__ (its checks, any file it reads) runs once per config, however
+    # deep the section sits (data.synthetic, actor_rollout_ref.rollout.val_kwargs, ...).
+    from verl_balance.trainer import grpo_config
+
+    calls: dict[str, int] = {}
+    for cls in (grpo_config.GRPOSyntheticConfig, grpo_config.ValSamplingConfig, grpo_config.ActorModelSection):
+        original = cls.__post_init__
+
+        def counting(self, _original=original, _name=cls.__name__):
+            calls[_name] = calls.get(_name, 0) + 1
+            _original(self)
+
+        monkeypatch.setattr(cls, "__post_init__", counting)
+    validate_grpo(compose_config("grpo", []))
+    assert calls == {"GRPOSyntheticConfig": 1, "ValSamplingConfig": 1, "ActorModelSection": 1}
