@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 SNAPSHOT = Path(__file__).parent / "data" / "recipe_components.json"
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "verl_balance" / "config"
 TOTAL_STEPS = 12
 """Run length given to the engine config (the trainers take it from the loader)."""
 

@@ -254,3 +254,33 @@ def test_instantiation_builds_every_section_once(monkeypatch):
         monkeypatch.setattr(cls, "__post_init__", counting)
     validate_grpo(compose_config("grpo", []))
     assert calls == {"GRPOSyntheticConfig": 1, "ValSamplingConfig": 1, "ActorModelSection": 1}
+
+
+def _leaves(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(_leaves(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+@pytest.mark.parametrize("recipe", ["sft", "grpo"])
+def test_recipe_yaml_holds_only_values_that_differ_from_the_schema(recipe):
+    # A YAML value equal to the schema default would be a second copy of the default, to be kept
+    # in step by hand; every key is still overridable without '+' because the schema is typed.
+    from verl_balance.trainer.grpo_config import GRPOConfig
+    from verl_balance.trainer.sft_config import SFTConfig
+
+    yaml = OmegaConf.to_container(OmegaConf.load(recipe_snapshot.CONFIG_DIR / f"{recipe}.yaml"))
+    for key in ("defaults", "hydra"):
+        yaml.pop(key)
+    schema = _leaves(OmegaConf.to_container(OmegaConf.structured(SFTConfig if recipe == "sft" else GRPOConfig)))
+
+    def repeated(leaves: dict) -> dict:
+        return {k: v for k, v in leaves.items() if schema.get(k, object()) == v}
+
+    assert _leaves(yaml) and not repeated(_leaves(yaml)), f"config/{recipe}.yaml repeats schema defaults"
+    # Negative control: a planted copy of a default is found.
+    assert repeated({**_leaves(yaml), "trainer.nnodes": 1}) == {"trainer.nnodes": 1}
