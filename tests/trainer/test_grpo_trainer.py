@@ -298,7 +298,7 @@ def test_step_metrics_are_logged_under_their_names(grpo_run):
 
 @pytest.mark.slow
 def test_warm_start_loads_the_checkpoint_weights(grpo_run):
-    """model.path = a global_step_N engine checkpoint (the SFT trainer writes the same format).
+    """model.warm_start_path = a global_step_N engine checkpoint (the SFT trainer writes the same format).
 
     Greedy validation is a function of the weights only, so the warm-started run's step-0
     validation must reproduce the saved run's last validation, and differ from a cold start's.
@@ -310,7 +310,7 @@ def test_warm_start_loads_the_checkpoint_weights(grpo_run):
             f"trainer.default_local_dir={root / 'warm'}",
             "trainer.total_training_steps=1",
             "trainer.test_freq=1",
-            f"actor_rollout_ref.model.path={root / 'run' / 'global_step_10'}",
+            f"actor_rollout_ref.model.warm_start_path={root / 'run' / 'global_step_10'}",
         ]
     )
     keys = ("val/reward/mean", "val/response_length/mean")

@@ -152,36 +152,28 @@ def test_gradient_checkpointing_reaches_a_builtin_preset(tmp_path):
     assert config.model.model_config(vocab_size=260).enable_gradient_checkpointing
 
 
-def test_grpo_model_path_to_a_checkpoint_becomes_the_warm_start_with_a_deprecation(tmp_path, caplog):
+def test_grpo_model_path_to_a_checkpoint_is_refused_naming_warm_start_path(tmp_path):
+    # The old spelling (a checkpoint as model.path, read as the warm start) is removed: it fails
+    # naming the key that starts from a checkpoint's weights.
     from verl_balance.trainer.grpo_config import register_grpo_schema, validate_grpo
 
     register_grpo_schema()
     checkpoint = tmp_path / "global_step_3"
     checkpoint.mkdir()
     (checkpoint / "trainer_state.json").write_text('{"global_step": 3}')
-    with caplog.at_level(logging.WARNING):
-        config = validate_grpo(
-            compose_config(
-                "grpo", [f"actor_rollout_ref.model.path={checkpoint}", f"trainer.default_local_dir={tmp_path / 'run'}"]
-            )
-        )
-    model = config.actor_rollout_ref.model
-    assert (model.path, model.warm_start_path) == (None, str(checkpoint))
-    assert "actor_rollout_ref.model.warm_start_path" in caplog.text
-    # Negative control: the new key says the same without the deprecation message.
-    caplog.clear()
-    with caplog.at_level(logging.WARNING):
-        config = validate_grpo(
-            compose_config(
-                "grpo",
-                [
-                    f"actor_rollout_ref.model.warm_start_path={checkpoint}",
-                    f"trainer.default_local_dir={tmp_path / 'run2'}",
-                ],
-            )
-        )
-    assert config.actor_rollout_ref.model.warm_start_path == str(checkpoint)
-    assert "deprecated" not in caplog.text
+    run = f"trainer.default_local_dir={tmp_path / 'run'}"
+    with pytest.raises(
+        ConfigError,
+        match=r"actor_rollout_ref.model.path=.* is a training checkpoint .*"
+        r"actor_rollout_ref.model.warm_start_path",
+    ):
+        validate_grpo(compose_config("grpo", [f"actor_rollout_ref.model.path={checkpoint}", run]))
+    # Negative control: the same checkpoint under warm_start_path is the warm start.
+    config = validate_grpo(compose_config("grpo", [f"actor_rollout_ref.model.warm_start_path={checkpoint}", run]))
+    assert (config.actor_rollout_ref.model.path, config.actor_rollout_ref.model.warm_start_path) == (
+        None,
+        str(checkpoint),
+    )
 
 
 # ---------------------------------------------------------------------- SFT runs (Ray)

@@ -15,15 +15,8 @@ from hydra.errors import ConfigCompositionException
 
 from tests.trainer.conftest import compose_config
 from verl_balance.engine.config import FSDPConfig
-from verl_balance.trainer.config import (
-    SFT_ENGINE_KEYS,
-    ConfigError,
-    build_engine_config,
-    check_profile_steps,
-    engine_profile_steps,
-    validate_sft,
-)
-from verl_balance.trainer.grpo_config import GRPO_ENGINE_KEYS, register_grpo_schema, validate_grpo
+from verl_balance.trainer.config import ConfigError, check_profile_steps, engine_profile_steps, validate_sft
+from verl_balance.trainer.grpo_config import register_grpo_schema, validate_grpo
 from verl_balance.trainer.metrics import reduce_rank_metrics
 
 register_grpo_schema()
@@ -34,44 +27,19 @@ MEMORY_SAFE = {"reshard_after_forward": True, "reshard_after_backward": True, "d
 
 def _sft_engine(overrides: list[str]):
     config = validate_sft(compose_config("sft", overrides))
-    engine = build_engine_config(
-        optim=config.optim,
-        loss_agg_mode=config.loss_agg_mode,
-        loss_scale_factor=config.loss_scale_factor,
-        param_dtype=config.model.param_dtype,
-        seed=config.trainer.seed,
-        total_steps=10,
-        keys=SFT_ENGINE_KEYS,
-        fsdp=config.model.fsdp_config,
-        profile_steps=config.trainer.profile_steps,
-        profile_dir=config.trainer.profile_path,
-    )
-    return config, engine
+    return config, config.engine_config(total_steps=10)
 
 
-def _grpo_engine(overrides: list[str], *, updates_per_step: int):
+def _grpo_engine(overrides: list[str], *, updates_per_step: int | None = None):
     config = validate_grpo(compose_config("grpo", overrides))
-    actor = config.actor_rollout_ref.actor
-    engine = build_engine_config(
-        optim=actor.optim,
-        loss_agg_mode=actor.loss_agg_mode,
-        loss_scale_factor=actor.loss_scale_factor,
-        param_dtype=config.actor_rollout_ref.model.param_dtype,
-        seed=config.trainer.seed,
-        total_steps=10 * updates_per_step,
-        keys=GRPO_ENGINE_KEYS,
-        fsdp=actor.fsdp_config,
-        profile_steps=config.trainer.profile_steps,
-        profile_dir=config.trainer.profile_path,
-        updates_per_step=updates_per_step,
-    )
-    return config, engine
+    assert updates_per_step is None or config.updates_per_step == updates_per_step
+    return config, config.engine_config(total_steps=10)
 
 
 # ---------------------------------------------------------------------- FSDP switches
 def test_recipe_defaults_are_the_memory_safe_fsdp_config():
     _, sft = _sft_engine([])
-    _, grpo = _grpo_engine([], updates_per_step=1)
+    _, grpo = _grpo_engine([])
     assert dataclasses.asdict(sft.fsdp) == MEMORY_SAFE == dataclasses.asdict(FSDPConfig())
     assert dataclasses.asdict(grpo.fsdp) == MEMORY_SAFE
     assert (sft.profile_steps, grpo.profile_steps) == ([], [])
@@ -85,13 +53,13 @@ def test_fsdp_config_overrides_reach_the_engine_config(recipe, section):
     if recipe == "sft":
         _, engine = _sft_engine(overrides)
     else:
-        _, engine = _grpo_engine(overrides, updates_per_step=1)
+        _, engine = _grpo_engine(overrides)
     assert isinstance(engine.fsdp, FSDPConfig)
     assert dataclasses.asdict(engine.fsdp) == FAST_SWITCHES
     # Each switch on its own reaches the engine alone (no switch is wired to another's key).
     for key, value in FAST_SWITCHES.items():
         single = [f"{section}.{key}={str(value).lower()}"]
-        _, engine = _sft_engine(single) if recipe == "sft" else _grpo_engine(single, updates_per_step=1)
+        _, engine = _sft_engine(single) if recipe == "sft" else _grpo_engine(single)
         assert dataclasses.asdict(engine.fsdp) == {**MEMORY_SAFE, key: value}
 
 
@@ -143,9 +111,12 @@ def test_profile_dir_override_is_absolute(tmp_path, monkeypatch):
 
 
 def test_grpo_profile_step_traces_every_update_of_that_driver_step():
-    # Hand-worked: 3 updates per driver step; driver step 1 = engine 1..3, step 2 = engine 4..6.
-    _, engine = _grpo_engine(["trainer.profile_steps=[2]"], updates_per_step=3)
-    assert engine.profile_steps == [4, 5, 6]
+    # Hand-worked: 3 updates per driver step (3 epochs of one mini-batch); driver step 1 = engine
+    # 1..3, step 2 = engine 4..6; the engine runs 10 driver steps x 3 updates.
+    three = ["actor_rollout_ref.actor.ppo_epochs=3", "actor_rollout_ref.actor.ppo_mini_batch_size=16"]
+    _, engine = _grpo_engine(["trainer.profile_steps=[2]", *three], updates_per_step=3)
+    assert (engine.profile_steps, engine.total_steps) == ([4, 5, 6], 30)
+    # The recipe's default: 16 prompts in mini-batches of 8, one epoch = 2 updates.
     _, engine = _grpo_engine(["trainer.profile_steps=[1,3]"], updates_per_step=2)
     assert engine.profile_steps == [1, 2, 5, 6]
     assert engine_profile_steps([4, 4], updates_per_step=1) == [4]

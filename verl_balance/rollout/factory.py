@@ -9,16 +9,28 @@ from verl_balance.rollout.base import RolloutEngine, RolloutInputError
 ROLLOUT_BACKENDS = ("auto", "kv_cache", "hf")
 
 
+def resolve_backend(backend: str, *, hf_model: bool) -> str:
+    """The backend ``backend`` names for a built-in (``hf_model=False``) or HF model: "auto" is
+    kv_cache for the built-in model and hf for an HF one; RolloutInputError for an unknown name or
+    a backend that cannot run that model."""
+    if backend not in ROLLOUT_BACKENDS:
+        raise RolloutInputError(f"rollout backend {backend!r} is not valid; expected one of {list(ROLLOUT_BACKENDS)}")
+    if backend == "auto":
+        return "hf" if hf_model else "kv_cache"
+    if (backend == "hf") != hf_model:
+        model = "an HF model directory" if hf_model else "the built-in model"
+        valid = ["auto", "hf"] if hf_model else ["auto", "kv_cache"]
+        raise RolloutInputError(f"rollout backend {backend!r} cannot run {model}; expected one of {valid}")
+    return backend
+
+
 def build_rollout(model_config, *, backend: str = "auto", **kwargs) -> RolloutEngine:
-    """A RolloutEngine for ``model_config``: "auto" picks KVCacheRollout for the built-in
-    ``ModelConfig`` and HFRollout for an ``HFModelConfig``. ``kwargs`` go to the backend
-    (state_dict, pad_token_id, max_batch_size, device, dtype)."""
+    """A RolloutEngine for ``model_config``: KVCacheRollout ("kv_cache") for the built-in
+    ``ModelConfig``, HFRollout ("hf") for an ``HFModelConfig``; "auto" picks the one of the model.
+    ``kwargs`` go to the backend (state_dict, pad_token_id, max_batch_size, device, dtype)."""
     from verl_balance.models.config import ModelConfig
 
-    if backend not in ROLLOUT_BACKENDS:
-        raise RolloutInputError(f"rollout backend {backend!r}; valid: {ROLLOUT_BACKENDS}")
-    if backend == "auto":
-        backend = "kv_cache" if isinstance(model_config, ModelConfig) else "hf"
+    backend = resolve_backend(backend, hf_model=not isinstance(model_config, ModelConfig))
     if backend == "kv_cache":
         from verl_balance.rollout.kv_cache_generator import KVCacheRollout
 

@@ -20,7 +20,7 @@ import os
 import signal
 import time
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from verl_balance.data.loader import StatefulDataLoader
 from verl_balance.data.tokenizer import Tokenizer, TokenizerError, build_tokenizer
@@ -28,8 +28,10 @@ from verl_balance.models.config import ModelConfig
 from verl_balance.models.hf import HFModelConfig
 from verl_balance.single_controller import WorkerDiedError
 from verl_balance.trainer import checkpoint, cluster
-from verl_balance.trainer.config import BalanceSection, ConfigError, ModelSection, TrainerSection, record_workload
+from verl_balance.trainer.config_checks import ConfigError
+from verl_balance.trainer.recipe import RecipeConfig
 from verl_balance.trainer.run_lock import RunLock, acquire_run_lock
+from verl_balance.trainer.sections import ModelSection, TrainerSection, record_workload
 from verl_balance.utils.tracking import Tracking, plain_config
 from verl_balance.workers.actor import ActorWorker, ActorWorkerConfig
 from verl_balance.workers.group import ActorGroup
@@ -48,7 +50,11 @@ class DriverBase:
     """Set-up, checkpoint/resume and Ctrl-C handling shared by the SFT and GRPO trainers."""
 
     cfg: DictConfig
-    """The merged Hydra config as given (logged with the run; ``trainer`` keys drive the loop)."""
+    """The merged Hydra config as given (logged with the run and kept in its checkpoints)."""
+    config: RecipeConfig
+    """The typed recipe (``SFTConfig`` / ``GRPOConfig``)."""
+    trainer_config: TrainerSection
+    """Its ``trainer`` section: the loop, checkpoints and cluster."""
     actor: ActorGroup
     """The worker group (``workers.group.ActorGroup``: the registered ``ActorWorker`` methods)."""
     loader: StatefulDataLoader
@@ -88,15 +94,15 @@ class DriverBase:
         cls.__init__ = init_or_release
 
     # ------------------------------------------------------------------ set-up
-    def setup_run(
-        self, cfg: DictConfig, *, trainer: TrainerSection, sp_size: int, model: ModelSection, balance: BalanceSection
-    ) -> None:
-        """Layout (world, dp, sp), run directory, tokenizer, model config and workload model."""
+    def setup_run(self, cfg: DictConfig, *, config: RecipeConfig, model: ModelSection) -> None:
+        """Layout (world, dp, sp), run directory, tokenizer, model config and workload model of the
+        typed recipe ``config`` (``cfg``: the Hydra config it was built from)."""
         self.cfg = cfg
-        self.trainer_config = trainer
-        self.sp = sp_size
+        self.config = config
+        self.trainer_config = trainer = config.trainer
+        self.sp = config.sp_size
         self.world = trainer.world_size
-        self.dp = self.world // self.sp
+        self.dp = config.dp_size
         self.out_dir = trainer.default_local_dir
         # Before anything in the directory is read or written; held until close().
         self._run_lock = acquire_run_lock(self.out_dir)
@@ -106,7 +112,7 @@ class DriverBase:
             raise ConfigError(f"{model.KEY_PREFIX}tokenizer={model.tokenizer_path!r}: {err}") from err
         self.model_section = model
         self.model_config: ModelConfig | HFModelConfig = model.model_config(vocab_size=self.tokenizer.vocab_size)
-        self.workload = balance.workload_for(self.model_config)
+        self.workload = config.balance.workload_for(self.model_config)
         record_workload(self.workload, self.out_dir)
         self.global_step = 0
         self._stop_requested = False
@@ -175,7 +181,7 @@ class DriverBase:
         a restart: the worker group is rebuilt and training continues from the lineage's newest
         complete checkpoint, the metrics file cut back to that step.
         """
-        t = self.cfg.trainer
+        t = self.trainer_config
         self._initial_loader_state = self.loader.state_dict()
         log_file = self._attach_log_file()
         try:
@@ -255,7 +261,7 @@ class DriverBase:
 
     def _train_loop(self, tracker: Tracking, record: dict) -> None:
         """Steps from ``global_step`` to the end (or a stop request), with validation and saves."""
-        t = self.cfg.trainer
+        t = self.trainer_config
         if self.global_step == 0 and not record["first_val"]:
             record["first_val"] = self.before_training(tracker)
         while self.global_step < self.total_steps and not self._stop_requested:
@@ -363,13 +369,13 @@ class DriverBase:
         """Honour trainer.resume_mode (auto: this directory's lineage only; disable; resume_path).
 
         See ``checkpoint.start_run`` for what each mode does with checkpoints of other runs."""
-        t = self.cfg.trainer
+        t = self.trainer_config
         self.run_identity, path = checkpoint.start_run(
             self.out_dir,
             resume_mode=t.resume_mode,
             resume_from_path=t.resume_from_path,
             config=plain_config(self.cfg),
-            schema=OmegaConf.get_type(self.cfg),
+            schema=type(self.config),
             hasher=checkpoint.group_hasher(self.actor),
         )
         if path is not None:

@@ -9,13 +9,14 @@ per worker (per SP rank, after Ulysses padding).
 Sections nest their component's config: ``data`` extends the dataset's ``RLDataConfig``,
 ``actor_rollout_ref.actor`` extends ``PolicyLossConfig`` and nests the engine's ``OptimConfig``.
 The Ulysses degree may be given as verl's ``actor_rollout_ref.actor.ulysses_sequence_parallel_size``
-or as the top-level ``ulysses_sequence_parallel_size`` of the SFT recipe; setting both to different
-values is an error.
+or as the top-level ``ulysses_sequence_parallel_size`` of the SFT recipe (an alias the instantiation
+pass writes into verl's key); setting both to different values is an error. The balancer switch is
+verl's ``trainer.balance_batch``; the ``balance`` section holds only its cost model. The rollout
+backend is ``actor_rollout_ref.rollout.name`` (``rollout.factory.ROLLOUT_BACKENDS``).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
@@ -34,30 +35,15 @@ from verl_balance.engine.config import (
     OptimConfig,
 )
 from verl_balance.loss import check_agg_mode
+from verl_balance.rollout.base import RolloutInputError
+from verl_balance.rollout.factory import ROLLOUT_BACKENDS, resolve_backend
 from verl_balance.trainer.checkpoint import COMPLETE_FILE, TRAINER_STATE_FILE
-from verl_balance.trainer.config import (
-    BalanceSection,
-    ConfigError,
-    ModelSection,
-    SyntheticDataConfig,
-    TrainerSection,
-    build_engine_config,
-    check_choice,
-    check_known_keys,
-    check_layout,
-    check_positive,
-    check_remove_padding,
-    check_writable_dir,
-    narrow,
-    register_schemas,
-    to_typed,
-)
+from verl_balance.trainer.config_checks import ConfigError, check_choice, check_positive, check_remove_padding
+from verl_balance.trainer.recipe import RecipeConfig
+from verl_balance.trainer.sections import BalanceSection, ModelSection, SyntheticDataConfig, TrainerSection, narrow
+from verl_balance.trainer.sft_config import register_sft_schema
 
-logger = logging.getLogger(__name__)
-
-ROLLOUT_NAMES = ("naive",)
 RECOMPUTE_OLD_LOG_PROB = ("auto", "always")
-_WARNED_DEPRECATED_PATHS: set[str] = set()
 
 
 @dataclass
@@ -137,21 +123,10 @@ class ActorModelSection(ModelSection):
 
     def __post_init__(self) -> None:
         if self.path is not None and is_engine_checkpoint(self.path):
-            # Before HF models, path named the warm-start checkpoint; keep that working for now.
-            if self.warm_start_path is not None:
-                raise ConfigError(
-                    f"path={self.path!r} is an engine checkpoint and warm_start_path="
-                    f"{self.warm_start_path!r} is set too; set only warm_start_path"
-                )
-            if self.path not in _WARNED_DEPRECATED_PATHS:  # the section is instantiated more than once
-                _WARNED_DEPRECATED_PATHS.add(self.path)
-                logger.warning(
-                    "actor_rollout_ref.model.path=%r is a training checkpoint, not a Hugging Face model "
-                    "directory: using it as actor_rollout_ref.model.warm_start_path (deprecated "
-                    "spelling; set actor_rollout_ref.model.warm_start_path instead)",
-                    self.path,
-                )
-            self.warm_start_path, self.path = self.path, None
+            raise ConfigError(
+                f"path={self.path!r} is a training checkpoint (global_step_N), not a Hugging Face "
+                "directory; start from its weights with warm_start_path (path takes HF directories only)"
+            )
         super().__post_init__()
         check_remove_padding("use_remove_padding", self.use_remove_padding)
         if self.warm_start_path is not None and not is_engine_checkpoint(self.warm_start_path):
@@ -245,10 +220,13 @@ class ValSamplingConfig:
 
 @dataclass
 class RolloutSection:
-    """verl's ``actor_rollout_ref.rollout`` for the built-in colocated (naive) rollout."""
+    """verl's ``actor_rollout_ref.rollout``: the rollout colocated with the actor (it reads the
+    actor's weights)."""
 
-    name: str = "naive"
-    """Rollout engine: one of ROLLOUT_NAMES."""
+    name: str = field(default="auto", metadata=APPLY_ON_RESUME)
+    """Rollout backend, one of rollout.factory.ROLLOUT_BACKENDS: 'kv_cache' (the built-in model's own
+    KV-cached decoder), 'hf' (the HF model with its DynamicCache) or 'auto' (kv_cache for a built-in
+    preset, hf for model.path)."""
     n: int = 4
     """Responses per prompt (a group)."""
     temperature: float = 1.0
@@ -267,7 +245,7 @@ class RolloutSection:
     """Sampling of validation rollouts."""
 
     def __post_init__(self) -> None:
-        check_choice("name", self.name, ROLLOUT_NAMES)
+        check_choice("name", self.name, ROLLOUT_BACKENDS)
         check_positive("n", self.n)
         check_positive("response_length", self.response_length)
         if not self.temperature > 0:
@@ -329,6 +307,24 @@ class CustomRewardSection:
 
 
 @dataclass
+class GRPOBalanceSection(BalanceSection):
+    """``balance`` of the GRPO recipe: the balancer's cost model only; its switch is verl's
+    ``trainer.balance_batch``."""
+
+    enable: Optional[bool] = field(default=None, metadata=LAYOUT_ON_RESUME)
+    """Not GRPO's switch: set trainer.balance_batch (verl's key). Declared only so that setting it
+    fails naming that key (and so checkpoints of runs that logged it still resume)."""
+
+    def __post_init__(self) -> None:
+        if self.enable is not None:
+            raise ConfigError(
+                f"enable={self.enable} is the SFT recipe's switch; GRPO's balancer switch is verl's "
+                f"trainer.balance_batch: set trainer.balance_batch={str(bool(self.enable)).lower()} and remove enable"
+            )
+        super().__post_init__()
+
+
+@dataclass
 class GRPOTrainerSection(TrainerSection):
     """``trainer`` plus GRPO's balancing and validation switches."""
 
@@ -343,8 +339,20 @@ class GRPOTrainerSection(TrainerSection):
 
 
 @dataclass
-class GRPOConfig:
+class GRPOConfig(RecipeConfig):
     """The GRPO recipe (``config/grpo.yaml``)."""
+
+    ENGINE_KEYS: ClassVar[dict[str, str]] = {
+        "optim": "actor_rollout_ref.actor.optim",
+        "loss_agg_mode": "actor_rollout_ref.actor.loss_agg_mode",
+        "loss_scale_factor": "actor_rollout_ref.actor.loss_scale_factor",
+        "param_dtype": "actor_rollout_ref.model.param_dtype",
+        "fsdp": "actor_rollout_ref.actor.fsdp_config",
+        "logits_chunk_size": "actor_rollout_ref.actor.logits_chunk_size",
+    }
+    SP_KEY: ClassVar[str] = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
+    BALANCE_KEY: ClassVar[str] = "trainer.balance_batch"
+    ALIASES: ClassVar[dict[str, str]] = {"ulysses_sequence_parallel_size": SP_KEY}
 
     data: GRPODataSection = field(default_factory=GRPODataSection)
     """Files, columns, prompt-length policy and batch sizes."""
@@ -356,76 +364,65 @@ class GRPOConfig:
     """Reward function."""
     ulysses_sequence_parallel_size: Optional[int] = field(default=None, metadata=LAYOUT_ON_RESUME)
     """SFT-recipe spelling of actor_rollout_ref.actor.ulysses_sequence_parallel_size (either works)."""
-    balance: BalanceSection = field(default_factory=BalanceSection)
-    """Workload model of the balancer (trainer.balance_batch switches it on; overlong must be error)."""
+    balance: GRPOBalanceSection = field(default_factory=GRPOBalanceSection)
+    """Workload model of the balancer (its switch is trainer.balance_batch; overlong must be error)."""
     trainer: GRPOTrainerSection = field(default_factory=GRPOTrainerSection)
     """Cluster, run length, logging, checkpoints."""
 
     @property
-    def sp_size(self) -> int:
-        """The Ulysses degree from either spelling; 1 when neither is set."""
-        verl_key = self.actor_rollout_ref.actor.ulysses_sequence_parallel_size
-        top_key = self.ulysses_sequence_parallel_size
-        return int(verl_key if verl_key is not None else (top_key if top_key is not None else 1))
+    def updates_per_step(self) -> int:
+        """Optimizer steps per driver step: ppo_epochs x mini-batches of the step's prompts."""
+        actor = self.actor_rollout_ref.actor
+        return actor.ppo_epochs * (self.data.train_batch_size // actor.ppo_mini_batch_size)
 
-    def __post_init__(self) -> None:
-        verl_key = self.actor_rollout_ref.actor.ulysses_sequence_parallel_size
-        top_key = self.ulysses_sequence_parallel_size
-        if verl_key is not None and top_key is not None and verl_key != top_key:
+    @property
+    def old_log_prob_from_update(self) -> bool:
+        """Whether each step takes its old log-probs from the update forward (see ActorSection)."""
+        return self.actor_rollout_ref.actor.old_log_prob_from_update(train_batch_size=self.data.train_batch_size)
+
+    @property
+    def rollout_backend(self) -> str:
+        """The rollout backend ``actor_rollout_ref.rollout.name`` chooses, 'auto' resolved by the model."""
+        arr = self.actor_rollout_ref
+        try:
+            return resolve_backend(arr.rollout.name, hf_model=arr.model.path is not None)
+        except RolloutInputError as err:
+            raise ConfigError(f"actor_rollout_ref.rollout.name: {err}") from err
+
+    def check_sections(self) -> None:
+        self._check_batch_sizes()
+        self._check_token_caps()
+        self.rollout_backend  # noqa: B018 -- a backend that cannot run this model fails here
+
+    def _check_batch_sizes(self) -> None:
+        actor, rollout, d = self.actor_rollout_ref.actor, self.actor_rollout_ref.rollout, self.data
+        if self.balance.overlong != "error":
             raise ConfigError(
-                f"actor_rollout_ref.actor.ulysses_sequence_parallel_size={verl_key} and "
-                f"ulysses_sequence_parallel_size={top_key} disagree; set one of them"
+                f"balance.overlong={self.balance.overlong!r}: GRPO never drops or cuts a scored "
+                "response; use 'error' and size the token caps to hold a full sequence"
+            )
+        if rollout.n < 2:
+            raise ConfigError(
+                f"actor_rollout_ref.rollout.n={rollout.n}: {self.algorithm.adv_estimator} compares the responses "
+                "to one prompt, so it needs n >= 2 (a group of one has advantage 0 and teaches nothing)"
+            )
+        if d.train_batch_size % actor.ppo_mini_batch_size:
+            raise ConfigError(
+                f"actor_rollout_ref.actor.ppo_mini_batch_size={actor.ppo_mini_batch_size} must divide "
+                f"data.train_batch_size={d.train_batch_size} (both count prompts)"
+            )
+        if actor.ppo_mini_batch_size < self.dp_size:
+            raise ConfigError(
+                f"actor_rollout_ref.actor.ppo_mini_batch_size={actor.ppo_mini_batch_size} is smaller than the "
+                f"data-parallel size {self.dp_size}: a prompt's responses stay on one DP rank, so every rank "
+                "needs a prompt"
             )
 
-
-def register_grpo_schema() -> None:
-    """Register "grpo_schema" (and the SFT schemas) in Hydra's ConfigStore."""
-    register_schemas()
-    ConfigStore.instance().store(name="grpo_schema", node=GRPOConfig)
-
-
-GRPO_ENGINE_KEYS = {
-    "optim": "actor_rollout_ref.actor.optim",
-    "loss_agg_mode": "actor_rollout_ref.actor.loss_agg_mode",
-    "loss_scale_factor": "actor_rollout_ref.actor.loss_scale_factor",
-    "param_dtype": "actor_rollout_ref.model.param_dtype",
-    "fsdp": "actor_rollout_ref.actor.fsdp_config",
-    "profile_steps": "trainer.profile_steps",
-    "logits_chunk_size": "actor_rollout_ref.actor.logits_chunk_size",
-}
-
-
-def validate_grpo(cfg: DictConfig) -> GRPOConfig:
-    """The GRPO config as typed objects; ConfigError naming the key when it is invalid."""
-    check_known_keys(cfg)
-    config: GRPOConfig = to_typed(cfg)
-    check_writable_dir("trainer.default_local_dir", config.trainer.default_local_dir)
-    arr = config.actor_rollout_ref
-    actor, rollout, d = arr.actor, arr.rollout, config.data
-    sp = config.sp_size
-    dp = check_layout(sp_size=sp, trainer=config.trainer, sp_key="ulysses_sequence_parallel_size")
-    if config.balance.overlong != "error":
-        raise ConfigError(
-            f"balance.overlong={config.balance.overlong!r}: GRPO never drops or cuts a scored "
-            "response; use 'error' and size the token caps to hold a full sequence"
-        )
-    if rollout.n < 2:
-        raise ConfigError(
-            f"actor_rollout_ref.rollout.n={rollout.n}: {config.algorithm.adv_estimator} compares the responses "
-            "to one prompt, so it needs n >= 2 (a group of one has advantage 0 and teaches nothing)"
-        )
-    if d.train_batch_size % actor.ppo_mini_batch_size:
-        raise ConfigError(
-            f"actor_rollout_ref.actor.ppo_mini_batch_size={actor.ppo_mini_batch_size} must divide "
-            f"data.train_batch_size={d.train_batch_size} (both count prompts)"
-        )
-    if actor.ppo_mini_batch_size < dp:
-        raise ConfigError(
-            f"actor_rollout_ref.actor.ppo_mini_batch_size={actor.ppo_mini_batch_size} is smaller than the "
-            f"data-parallel size {dp}: a prompt's responses stay on one DP rank, so every rank needs a prompt"
-        )
-    if actor.use_dynamic_bsz:
-        max_len = d.max_prompt_length + rollout.response_length
+    def _check_token_caps(self) -> None:
+        actor, rollout, sp = self.actor_rollout_ref.actor, self.actor_rollout_ref.rollout, self.sp_size
+        if not actor.use_dynamic_bsz:
+            return
+        max_len = self.data.max_prompt_length + rollout.response_length
         caps = {"actor_rollout_ref.actor.ppo_max_token_len_per_gpu": actor.ppo_max_token_len_per_gpu}
         if rollout.log_prob_max_token_len_per_gpu is not None:
             caps["actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"] = rollout.log_prob_max_token_len_per_gpu
@@ -436,20 +433,17 @@ def validate_grpo(cfg: DictConfig) -> GRPOConfig:
                     f"{key}={cap} x sp={sp} cannot hold one sequence of data.max_prompt_length + "
                     f"rollout.response_length = {max_len} tokens; raise it to >= {-(-max_len // sp)}"
                 )
-    build_engine_config(
-        optim=actor.optim,
-        loss_agg_mode=actor.loss_agg_mode,
-        loss_scale_factor=actor.loss_scale_factor,
-        param_dtype=arr.model.param_dtype,
-        seed=config.trainer.seed,
-        total_steps=1,
-        keys=GRPO_ENGINE_KEYS,
-        fsdp=actor.fsdp_config,
-        profile_steps=config.trainer.profile_steps,
-        profile_dir=config.trainer.profile_path,
-        logits_chunk_size=actor.logits_chunk_size,
-    )
-    return config
+
+
+def validate_grpo(cfg: DictConfig) -> GRPOConfig:
+    """The GRPO config as typed objects; ConfigError naming the key when it is invalid."""
+    return GRPOConfig.from_hydra(cfg)
+
+
+def register_grpo_schema() -> None:
+    """Register "grpo_schema" (and the SFT schema) in Hydra's ConfigStore."""
+    register_sft_schema()
+    ConfigStore.instance().store(name="grpo_schema", node=GRPOConfig)
 
 
 __all__ = ["GRPOConfig", "register_grpo_schema", "validate_grpo"]

@@ -54,11 +54,11 @@ from verl_balance.rewards import load_reward_fn
 from verl_balance.rewards.watchdog import score_batch_watched
 from verl_balance.rollout import RolloutOutput, build_rollout_batch
 from verl_balance.trainer import checkpoint
-from verl_balance.trainer.config import build_engine_config, check_profile_steps
 from verl_balance.trainer.driver import DriverBase
-from verl_balance.trainer.grpo_config import GRPO_ENGINE_KEYS, GRPOConfig, validate_grpo
+from verl_balance.trainer.grpo_config import GRPOConfig, validate_grpo
 from verl_balance.trainer.metrics import PEAK_MEMORY_KEY, plan_metrics, reduce_rank_metrics
 from verl_balance.trainer.plan_dispatch import merge_by_plan, plan_batch, split_by_plan
+from verl_balance.trainer.sections import check_profile_steps
 from verl_balance.trainer.startup import check_model_files
 from verl_balance.utils.tracking import Tracking
 from verl_balance.workers.actor_rollout import ActorRolloutWorker, ActorRolloutWorkerConfig, sampling_seed
@@ -167,56 +167,21 @@ class GRPOTrainer(DriverBase):
         arr = config.actor_rollout_ref
         self.actor_cfg, self.rollout_cfg = a, r = arr.actor, arr.rollout
         check_model_files(arr.model, chat_key="data.prompt_key")  # prompts are chats
-        self.setup_run(cfg, trainer=config.trainer, sp_size=config.sp_size, model=arr.model, balance=config.balance)
-        train_files, val_files = resolve_rl_files(config)
-        d = config.data
-        dataset_config = d.dataset_config()
-        self.train_set = RLPromptDataset(files=train_files, tokenizer=self.tokenizer, config=dataset_config)
-        self.val_set = (
-            RLPromptDataset(files=val_files, tokenizer=self.tokenizer, config=dataset_config) if val_files else None
-        )
-        self.setup_loader(self.train_set, batch_size=d.train_batch_size, shuffle=d.shuffle)
+        self.setup_run(cfg, config=config, model=arr.model)
+        self._load_datasets()
         reward = config.custom_reward_function
         self.reward_fn = load_reward_fn(reward.path, reward.name, reward_kwargs=dict(reward.reward_kwargs))
-
         self.update_cap = a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None
         self.log_prob_cap = (
             (r.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu) if a.use_dynamic_bsz else None
         )
         self.log_prob_mbs = r.log_prob_micro_batch_size_per_gpu or a.ppo_micro_batch_size_per_gpu
-        self.updates_per_step = a.ppo_epochs * (d.train_batch_size // a.ppo_mini_batch_size)
-        self.old_log_prob_from_update = a.old_log_prob_from_update(train_batch_size=d.train_batch_size)
+        self.updates_per_step = config.updates_per_step
+        self.old_log_prob_from_update = config.old_log_prob_from_update
         check_profile_steps(trainer=config.trainer, total_steps=self.total_steps)
-        # trainer.profile_steps counts driver steps; each runs updates_per_step engine train steps,
-        # all of which are traced (engine step numbers in the trace directory names).
-        engine_config = build_engine_config(
-            optim=a.optim,
-            loss_agg_mode=a.loss_agg_mode,
-            loss_scale_factor=a.loss_scale_factor,
-            param_dtype=arr.model.param_dtype,
-            seed=config.trainer.seed,
-            total_steps=self.total_steps * self.updates_per_step,
-            keys=GRPO_ENGINE_KEYS,
-            fsdp=a.fsdp_config,
-            profile_steps=config.trainer.profile_steps,
-            profile_dir=config.trainer.profile_path,
-            updates_per_step=self.updates_per_step,
-            logits_chunk_size=a.logits_chunk_size,
-        )
         self.policy_loss = a.policy_loss()
-        worker_config = ActorRolloutWorkerConfig(
-            model=self.model_config,
-            engine=engine_config,
-            sp_size=self.sp,
-            policy_loss=self.policy_loss,
-            pad_token_id=self.tokenizer.pad_token_id,
-            stop_token_ids=(self.tokenizer.eos_token_id,),
-            rollout_max_batch_size=r.max_num_seqs,
-            use_reference_policy=a.use_kl_loss,
-            **self.export_options(),
-        )
         self.start_workers(
-            worker_config=worker_config,
+            worker_config=self._worker_config(),
             worker_cls=ActorRolloutWorker,
             description=(
                 f"{arr.model.describe(self.model_config)}; {len(self.train_set)} train prompts x n={r.n}, "
@@ -228,6 +193,34 @@ class GRPOTrainer(DriverBase):
         except BaseException:
             self.close()
             raise
+
+    def _load_datasets(self) -> None:
+        """The train/validation prompt sets (configured files or the synthetic task) and the loader."""
+        d = self.config.data
+        train_files, val_files = resolve_rl_files(self.config)
+        dataset_config = d.dataset_config()
+        self.train_set = RLPromptDataset(files=train_files, tokenizer=self.tokenizer, config=dataset_config)
+        self.val_set = (
+            RLPromptDataset(files=val_files, tokenizer=self.tokenizer, config=dataset_config) if val_files else None
+        )
+        self.setup_loader(self.train_set, batch_size=d.train_batch_size, shuffle=d.shuffle)
+
+    def _worker_config(self) -> ActorRolloutWorkerConfig:
+        """The actor-rollout workers' config: the recipe's engine config for the whole run, the
+        policy loss, the rollout backend and the tokenizer's special tokens."""
+        config = self.config
+        return ActorRolloutWorkerConfig(
+            model=self.model_config,
+            engine=config.engine_config(total_steps=self.total_steps),
+            sp_size=self.sp,
+            policy_loss=self.policy_loss,
+            pad_token_id=self.tokenizer.pad_token_id,
+            stop_token_ids=(self.tokenizer.eos_token_id,),
+            rollout_max_batch_size=self.rollout_cfg.max_num_seqs,
+            rollout_backend=config.rollout_backend,
+            use_reference_policy=self.actor_cfg.use_kl_loss,
+            **self.export_options(),
+        )
 
     def prepare_workers(self) -> None:
         """Warm start from ``actor_rollout_ref.model.warm_start_path`` and the frozen reference policy
@@ -306,7 +299,7 @@ class GRPOTrainer(DriverBase):
             sp_size=self.sp,
             micro_batch_size=micro_batch_size,
             token_cap=token_cap,
-            balance=self.config.trainer.balance_batch,
+            balance=self.config.balance_enabled,
             workload=self.workload,
             overlong="error",
             group_ids=batch[PROMPT_INDEX_KEY],

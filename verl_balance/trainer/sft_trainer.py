@@ -14,16 +14,11 @@ import time
 from verl_balance.data.sft_dataset import SFTDataset
 from verl_balance.data.synthetic import write_dataset
 from verl_balance.protocol import Batch
-from verl_balance.trainer.config import (
-    SFT_ENGINE_KEYS,
-    SFTConfig,
-    build_engine_config,
-    check_profile_steps,
-    validate_sft,
-)
 from verl_balance.trainer.driver import DriverBase
 from verl_balance.trainer.metrics import plan_metrics, reduce_rank_metrics
 from verl_balance.trainer.plan_dispatch import plan_batch, split_by_plan
+from verl_balance.trainer.sections import check_profile_steps
+from verl_balance.trainer.sft_config import SFTConfig, validate_sft
 from verl_balance.trainer.startup import check_model_files
 from verl_balance.workers.actor import ActorWorkerConfig
 
@@ -56,13 +51,7 @@ class SFTTrainer(DriverBase):
     def __init__(self, cfg) -> None:
         self.config = config = validate_sft(cfg)
         check_model_files(config.model, chat_key="data.messages_key" if config.data.messages_key else None)
-        self.setup_run(
-            cfg,
-            trainer=config.trainer,
-            sp_size=config.ulysses_sequence_parallel_size,
-            model=config.model,
-            balance=config.balance,
-        )
+        self.setup_run(cfg, config=config, model=config.model)
         train_files, val_files = resolve_data_files(config)
         dataset_config = config.data.dataset_config()
         self.train_set = SFTDataset(files=train_files, tokenizer=self.tokenizer, config=dataset_config)
@@ -80,23 +69,12 @@ class SFTTrainer(DriverBase):
         self.setup_loader(self.train_set, batch_size=config.data.train_batch_size, shuffle=config.data.shuffle)
         self.token_cap = config.data.max_token_len_per_gpu if config.data.use_dynamic_bsz else None
         check_profile_steps(trainer=config.trainer, total_steps=self.total_steps)
-        # One driver step is one engine train step, so trainer.profile_steps map one to one.
-        engine_config = build_engine_config(
-            optim=config.optim,
-            loss_agg_mode=config.loss_agg_mode,
-            loss_scale_factor=config.loss_scale_factor,
-            param_dtype=config.model.param_dtype,
-            seed=config.trainer.seed,
-            total_steps=self.total_steps,
-            keys=SFT_ENGINE_KEYS,
-            fsdp=config.model.fsdp_config,
-            profile_steps=config.trainer.profile_steps,
-            profile_dir=config.trainer.profile_path,
-            logits_chunk_size=config.model.logits_chunk_size,
-        )
         self.start_workers(
             worker_config=ActorWorkerConfig(
-                model=self.model_config, engine=engine_config, sp_size=self.sp, **self.export_options()
+                model=self.model_config,
+                engine=config.engine_config(total_steps=self.total_steps),
+                sp_size=self.sp,
+                **self.export_options(),
             ),
             description=(
                 f"{config.model.describe(self.model_config)}; {len(self.train_set)} train samples, "
@@ -113,7 +91,7 @@ class SFTTrainer(DriverBase):
             sp_size=self.sp,
             micro_batch_size=self.config.data.micro_batch_size_per_gpu,
             token_cap=self.token_cap,
-            balance=self.config.balance.enable,
+            balance=self.config.balance_enabled,
             workload=self.workload,
             overlong=self.config.balance.overlong,
         )

@@ -59,6 +59,8 @@ class ActorRolloutWorkerConfig(ActorWorkerConfig):
     """Token ids that end a response (kept in it, finish reason "stop")."""
     rollout_max_batch_size: int | None = None
     """Sequences decoded together on one worker; None = all of its prompts at once."""
+    rollout_backend: str = "auto"
+    """The rollout engine (``rollout.factory.ROLLOUT_BACKENDS``; GRPO's actor_rollout_ref.rollout.name)."""
     use_reference_policy: bool = False
     """Build the frozen reference engine (needed for the KL loss)."""
 
@@ -80,6 +82,7 @@ class ActorRolloutWorker(ActorWorker):
         # KVCacheRollout for the built-in model, HFRollout for an HF directory (rollout/factory.py).
         self.rollout = build_rollout(
             self.config.model,
+            backend=self.config.rollout_backend,
             pad_token_id=self.config.pad_token_id,
             max_batch_size=self.config.rollout_max_batch_size,
             device=self.layout.device,

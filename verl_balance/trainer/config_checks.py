@@ -1,0 +1,120 @@
+"""Validation helpers of the recipe configs: ``ConfigError`` and the checks that name the user's key.
+
+Each check raises ``ConfigError`` naming the key (as the caller spells it: a section's own field
+name inside ``__post_init__``, which the instantiation pass writes out in full, or a full dotted
+key in the cross-section checks) and what would be valid.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+
+from verl_balance.models.hf import REFUSED_MODEL_TYPES, SUPPORTED_MODEL_TYPES
+
+__all__ = [
+    "ConfigError",
+    "check_choice",
+    "check_finite_values",
+    "check_hf_model_dir",
+    "check_layout",
+    "check_positive",
+    "check_remove_padding",
+    "check_writable_dir",
+    "qualify",
+]
+
+
+class ConfigError(ValueError):
+    """A config key has an invalid value or an invalid combination with another key."""
+
+
+def check_choice(key: str, value, allowed) -> None:
+    """Raise ConfigError naming ``key`` unless ``value`` is one of ``allowed``."""
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not valid; expected one of {list(allowed)}")
+
+
+def check_positive(key: str, value) -> None:
+    """Raise ConfigError naming ``key`` unless ``value`` is a positive number."""
+    if value is None or value <= 0:
+        raise ConfigError(f"{key}={value!r} must be a positive number")
+
+
+def check_remove_padding(key: str, value: bool) -> None:
+    """Reject use_remove_padding=false: the engine always runs packed sequences."""
+    if not value:
+        raise ConfigError(
+            f"{key}=false is not supported: the engine always runs packed (padding-free) "
+            "sequences, which Ulysses sequence parallelism requires"
+        )
+
+
+def check_hf_model_dir(key: str, path: str) -> None:
+    """Raise ConfigError naming ``key`` unless ``path`` is a local HF model directory of a supported family."""
+    config_file = os.path.join(os.path.expanduser(path), "config.json")
+    if not os.path.isfile(config_file):
+        raise ConfigError(
+            f"{key}={path!r} is not a local Hugging Face directory (no config.json); point {key} at "
+            f"a save_pretrained output of a checkpoint of one of {list(SUPPORTED_MODEL_TYPES)} (nothing is "
+            "downloaded)"
+        )
+    try:
+        with open(config_file, encoding="utf-8") as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError) as err:
+        raise ConfigError(f"{key}={path!r}: config.json cannot be read ({err})") from err
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        why = REFUSED_MODEL_TYPES.get(model_type)
+        raise ConfigError(
+            f"{key}={path!r} has model_type={model_type!r}, which is not supported{' (' + why + ')' if why else ''}; "
+            f"supported model_type values: {list(SUPPORTED_MODEL_TYPES)}"
+        )
+
+
+def check_writable_dir(key: str, path: str) -> None:
+    """Raise ConfigError naming ``key`` unless ``path`` is (or can be created as) a writable directory."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
+        why = "is not a directory" if not os.path.isdir(probe) else "is not writable"
+        raise ConfigError(f"{key}={path!r} cannot be used: {probe!r} {why}; point {key} at a writable directory")
+
+
+def check_layout(*, sp_size: int, world_size: int, sp_key: str) -> int:
+    """The DP size; ConfigError unless the Ulysses degree divides the worker count."""
+    if world_size % sp_size:
+        raise ConfigError(
+            f"{sp_key}={sp_size} must divide the number of workers trainer.nnodes * trainer.n_gpus_per_node = "
+            f"{world_size}"
+        )
+    return world_size // sp_size
+
+
+def check_finite_values(value, key: str = "") -> None:
+    """Raise ConfigError naming the first key (dotted, list index as ``[i]``) under ``value`` (a
+    dataclass, dict, list or number) that holds inf or nan: no setting is meaningful at infinity,
+    and e.g. optim.lr=inf would train on NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}={value} is not a finite number; give a finite value")
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            check_finite_values(getattr(value, f.name), f"{key}.{f.name}" if key else f.name)
+    elif isinstance(value, dict):
+        for name, item in value.items():
+            check_finite_values(item, f"{key}.{name}" if key else str(name))
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_finite_values(item, f"{key}[{i}]")
+
+
+def qualify(message: str, prefixes: dict[str, str]) -> str:
+    """``message`` with every bare key name in ``prefixes`` written as its full key."""
+    if not prefixes:
+        return message
+    names = "|".join(sorted(map(re.escape, prefixes), key=len, reverse=True))
+    return re.sub(rf"(?<![\w.'\"])({names})\b", lambda m: prefixes[m.group(1)] + m.group(1), message)

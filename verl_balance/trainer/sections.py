@@ -1,0 +1,335 @@
+"""The sections both recipes share, each the config of the component it configures (or nesting
+it): the synthetic task, the model, the workload balancer and the trainer loop (verl's ``trainer``).
+
+Choices are ``str`` fields checked in ``__post_init__`` against module-level tuples (OmegaConf
+cannot hold ``Literal`` annotations); ``typed_config.to_typed`` runs those checks and writes the
+keys of a ``ConfigError`` out in full. Key names follow verl's wherever the concept is the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import ClassVar, Optional
+
+from verl_balance.balance import FlopsWorkload, TokenWorkload
+from verl_balance.balance.errors import BalanceConfigError
+from verl_balance.balance.plan import OVERLONG_POLICIES
+from verl_balance.balance.workload import CalibratedWorkload
+from verl_balance.engine.config import APPLY_ON_RESUME, LAYOUT_ON_RESUME, PARAM_DTYPES
+from verl_balance.models import MODEL_DIMENSION_KEYS, load_model_config
+from verl_balance.models.config import ModelConfig, ModelConfigError
+from verl_balance.models.hf import INIT_MODES, HFModelConfig
+from verl_balance.trainer.config_checks import ConfigError, check_choice, check_hf_model_dir, check_positive
+from verl_balance.utils.atomic_io import atomic_write_json
+
+logger = logging.getLogger(__name__)
+
+WORKLOADS = ("tokens", "flops", "calibrated")
+DEVICES = ("auto", "cpu", "cuda")
+RESUME_MODES = ("auto", "disable", "resume_path")
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+
+
+# ---------------------------------------------------------------------- sections shared by the recipes
+@dataclass
+class SyntheticDataConfig:
+    """Generated task data used when no data files are given (no downloads needed)."""
+
+    num_train: int = 2048
+    """Training samples to generate."""
+    num_val: int = 128
+    """Validation samples to generate."""
+    seed: int = 0
+    """Seed of the generator (the same seed gives the same files)."""
+    out_dir: Optional[str] = None
+    """Where the files go; null = ``trainer.default_local_dir``/data."""
+
+
+@dataclass
+class ModelSection:
+    """The model: a local Hugging Face directory (``path``) or a built-in preset (``name``) whose
+    dimensions any key set here overrides."""
+
+    KEY_PREFIX: ClassVar[str] = "model."
+
+    name: str = "tiny"
+    """Built-in preset (``models.config.ModelConfig.preset``); ignored when ``path`` is set."""
+    path: Optional[str] = None
+    """A local Hugging Face model directory (config.json + safetensors; a family of
+    ``models.hf.SUPPORTED_MODEL_TYPES``); null = the built-in preset ``name``. Nothing is downloaded."""
+    tokenizer: Optional[str] = None
+    """'byte' (built-in) or a local HF tokenizer directory (its chat template is used); null = ``path``
+    when a model directory is given, else 'byte'."""
+    init: str = "pretrained"
+    """With ``path``: 'pretrained' loads the directory's weights, 'random' draws new ones of that
+    architecture (seeded by trainer.seed). A built-in preset is always random."""
+    enable_gradient_checkpointing: bool = field(default=False, metadata=LAYOUT_ON_RESUME)
+    """verl's key: activation checkpointing per decoder layer (built-in and HF models): the same loss
+    and gradients, activations recomputed in the backward (parity-tested under FSDP2)."""
+    param_dtype: str = "float32"
+    """Dtype of the parameters the engine computes in: one of engine.config.PARAM_DTYPES."""
+    vocab_size: Optional[int] = None
+    """null = the tokenizer's vocabulary size (a larger value pads the embedding)."""
+    hidden_size: Optional[int] = None
+    """Override of the preset's hidden size."""
+    intermediate_size: Optional[int] = None
+    """Override of the preset's MLP width."""
+    num_layers: Optional[int] = None
+    """Override of the preset's layer count."""
+    num_heads: Optional[int] = None
+    """Override of the preset's attention heads."""
+    num_kv_heads: Optional[int] = None
+    """Override of the preset's key/value heads (grouped-query attention)."""
+    max_position_embeddings: Optional[int] = None
+    """Override of the preset's longest position."""
+    tie_word_embeddings: Optional[bool] = None
+    """Override: share the input embedding with the output projection."""
+    custom_chat_template: Optional[str] = None
+    """verl's key. null: chats (``data.messages_key``, GRPO prompts) are rendered with the tokenizer's
+    own chat template, and a tokenizer without one is an error at start-up; 'builtin': a tokenizer
+    without one renders chats with the built-in minimal template (a different format than the
+    model's, hence a different loss). Other Jinja templates belong in the tokenizer directory."""
+
+    def __post_init__(self) -> None:
+        check_choice("param_dtype", self.param_dtype, PARAM_DTYPES)
+        check_choice("init", self.init, INIT_MODES)
+        if self.path is not None:
+            check_hf_model_dir("path", self.path)
+
+    @property
+    def tokenizer_path(self) -> str:
+        """The tokenizer to build: ``tokenizer``, else the model directory, else 'byte'."""
+        return self.tokenizer or self.path or "byte"
+
+    def model_config(self, *, vocab_size: int):
+        """``HFModelConfig`` of ``path``, or the preset with the tokenizer's vocabulary and the
+        dimensions set here; ConfigError naming the key when they do not fit together."""
+        overrides = {k: getattr(self, k) for k in MODEL_DIMENSION_KEYS}
+        # HF-only keys are passed only when set away from their defaults, so a preset rejects them.
+        if self.path is not None or self.init != "pretrained":
+            overrides["init"] = self.init
+        overrides["enable_gradient_checkpointing"] = self.enable_gradient_checkpointing
+        try:
+            return load_model_config(name=self.name, path=self.path, overrides=overrides, vocab_size=vocab_size)
+        except ModelConfigError as err:
+            raise ConfigError(re.sub(r"(?<![\w.])model[. ]", self.KEY_PREFIX, str(err))) from err
+
+    def describe(self, model_config) -> str:
+        """The start-up description of the model: family and directory, or the preset."""
+        dims = f"{model_config.num_layers} layers, hidden {model_config.hidden_size}"
+        if isinstance(model_config, HFModelConfig):
+            return (
+                f"HF model_type={model_config.model_type} from {model_config.path} ({dims}, init={model_config.init})"
+            )
+        return f"model {self.name} ({dims})"
+
+
+@dataclass
+class BalanceSection:
+    """The workload balancer's cost model and length policy (``balance.plan_balance``). The switch
+    is the recipe's own key: ``balance.enable`` in SFT, verl's ``trainer.balance_batch`` in GRPO."""
+
+    workload: str = field(default="flops", metadata=LAYOUT_ON_RESUME)
+    """Cost model: 'tokens' (linear), 'flops' (linear layers + quadratic causal attention) or
+    'calibrated' (seconds measured on this hardware by ``python -m verl_balance.calibrate``: a fixed
+    cost per micro-batch + per sequence + per token + per attention pair; needs calibration_path
+    or all of calibration_coefficients)."""
+    calibration_path: Optional[str] = field(default=None, metadata=LAYOUT_ON_RESUME)
+    """JSON written by ``python -m verl_balance.calibrate --out FILE`` (workload=calibrated only);
+    copied into the run directory as calibration.json."""
+    calibration_coefficients: dict = field(default_factory=dict, metadata=LAYOUT_ON_RESUME)
+    """Seconds overriding the file's coefficients (workload=calibrated only): any of micro_batch,
+    sequence, token, pair; without calibration_path, micro_batch, token and pair are required."""
+    overlong: str = "error"
+    """A sample longer than the token cap: 'error', 'skip' (drop it) or 'truncate' (cut it)."""
+
+    def __post_init__(self) -> None:
+        check_choice("workload", self.workload, WORKLOADS)
+        check_choice("overlong", self.overlong, OVERLONG_POLICIES)
+        uses_calibration = self.calibration_path is not None or bool(self.calibration_coefficients)
+        if self.workload != "calibrated" and uses_calibration:
+            raise ConfigError(
+                f"balance.calibration_path / balance.calibration_coefficients are set but balance.workload="
+                f"{self.workload!r}; set balance.workload=calibrated to use them, or remove them"
+            )
+        if self.workload == "calibrated" and not uses_calibration:
+            raise ConfigError(
+                "balance.workload=calibrated needs balance.calibration_path=FILE (python -m "
+                "verl_balance.calibrate --out FILE) or balance.calibration_coefficients={micro_batch,token,pair}"
+            )
+        if self.workload == "calibrated":
+            self.calibrated_workload()  # a bad file or coefficient fails at config time
+
+    def calibrated_workload(self) -> CalibratedWorkload:
+        """The calibration file with calibration_coefficients applied on top."""
+        data = {"coefficients": {}, "fingerprint": {}}
+        source = "balance.calibration_coefficients"
+        try:
+            if self.calibration_path is not None:
+                data = CalibratedWorkload.from_file(os.path.expanduser(self.calibration_path)).to_dict()
+                source = self.calibration_path
+            overrides = dict(self.calibration_coefficients)
+            if overrides:
+                data["coefficients"].update(overrides)
+                data["fingerprint"]["overridden"] = sorted(overrides)
+                source += " + balance.calibration_coefficients" if self.calibration_path else ""
+            return CalibratedWorkload.from_dict(data, source=source)
+        except BalanceConfigError as err:
+            raise ConfigError(f"balance.workload=calibrated: {err}") from err
+
+    def workload_for(self, model_config: ModelConfig):
+        """The balancer's cost model: tokens, FLOPs from the model's dimensions, or calibrated seconds."""
+        if self.workload == "calibrated":
+            return self.calibrated_workload()
+        return FlopsWorkload.from_model_config(model_config) if self.workload == "flops" else TokenWorkload()
+
+
+CALIBRATION_RUN_FILE = "calibration.json"
+
+
+def record_workload(workload, out_dir: str) -> str | None:
+    """Log the balancer's workload at start-up; a calibrated one is also written to
+    ``out_dir/calibration.json`` (coefficients, fingerprint, source), so the run keeps the cost
+    model it was planned with. Returns that file's path, or None for the token / FLOPs models."""
+    if not isinstance(workload, CalibratedWorkload):
+        logger.info("balancer workload: %s", getattr(workload, "name", type(workload).__name__))
+        return None
+    logger.info("balancer %s", workload.describe())
+    path = os.path.join(out_dir, CALIBRATION_RUN_FILE)
+    atomic_write_json(path, {**workload.to_dict(), "source": workload.source})
+    return path
+
+
+@dataclass
+class TrainerSection:
+    """Cluster size, run length, logging, checkpoints (verl's ``trainer`` keys)."""
+
+    device: str = field(default="auto", metadata=LAYOUT_ON_RESUME)
+    """'auto' (GPUs when the Ray cluster has them), 'cpu' or 'cuda'."""
+    nnodes: int = field(default=1, metadata=LAYOUT_ON_RESUME)
+    """Nodes of the worker group."""
+    n_gpus_per_node: int = field(default=4, metadata=LAYOUT_ON_RESUME)
+    """Workers per node (on CPU: CPU worker processes)."""
+    total_epochs: int = field(default=1, metadata=APPLY_ON_RESUME)
+    """Passes over the training set (when total_training_steps is null)."""
+    total_training_steps: Optional[int] = field(default=None, metadata=APPLY_ON_RESUME)
+    """Steps to train; null = total_epochs x steps per epoch."""
+    logger: list = field(default_factory=lambda: ["console", "jsonl"], metadata=APPLY_ON_RESUME)
+    """Tracking backends: any of LOGGERS."""
+    project_name: str = field(default="verl_balance", metadata=APPLY_ON_RESUME)
+    """Tracking project."""
+    experiment_name: str = field(default="sft", metadata=APPLY_ON_RESUME)
+    """Tracking run name."""
+    default_local_dir: str = field(
+        default="outputs/${trainer.project_name}/${trainer.experiment_name}", metadata=APPLY_ON_RESUME
+    )
+    """Run directory: metrics, checkpoints, plots, generated data."""
+    save_freq: int = field(default=-1, metadata=APPLY_ON_RESUME)
+    """Checkpoint every N steps (and at the end); <= 0 = never."""
+    save_hf_model: bool = field(default=False, metadata=APPLY_ON_RESUME)
+    """Also write each checkpoint's model as a Hugging Face ``save_pretrained`` directory,
+    ``global_step_N/hf`` (safetensors, config, tokenizer); a built-in model is written as Llama."""
+    test_freq: int = field(default=-1, metadata=APPLY_ON_RESUME)
+    """Validate every N steps (and at the end); <= 0 = never."""
+    resume_mode: str = field(default="auto", metadata=APPLY_ON_RESUME)
+    """'auto' (latest checkpoint of default_local_dir, if any), 'disable' or 'resume_path'."""
+    resume_from_path: Optional[str] = field(default=None, metadata=APPLY_ON_RESUME)
+    """Checkpoint directory for resume_mode=resume_path."""
+    seed: int = 1
+    """Seed of the data order, the model initialisation and the rollout sampling."""
+    ray_address: Optional[str] = field(default=None, metadata=APPLY_ON_RESUME)
+    """Address of a running Ray cluster; null = start an embedded one."""
+    placement_timeout_s: float = field(default=120.0, metadata=APPLY_ON_RESUME)
+    """How long to wait for the workers' resources before failing."""
+    plot: bool = field(default=True, metadata=APPLY_ON_RESUME)
+    """Write curves.png at the end of the run."""
+    max_ckpt_to_keep: Optional[int] = field(default=None, metadata=APPLY_ON_RESUME)
+    """Keep only the newest N complete checkpoints of this run (older ones are deleted after a newer one
+    is complete); null keeps every checkpoint. See docs/fault_tolerance.md."""
+    max_restarts: int = field(default=0, metadata=APPLY_ON_RESUME)
+    """How often a run rebuilds its worker group after a worker dies and continues from the last complete
+    checkpoint; 0 = a dead worker ends the run."""
+    profile_steps: list[int] = field(default_factory=list, metadata=APPLY_ON_RESUME)
+    """verl's key: 1-based driver steps (global_step as logged) to trace with torch.profiler on every
+    worker; empty = never. See docs/performance.md for where the traces go."""
+    profile_dir: Optional[str] = field(default=None, metadata=APPLY_ON_RESUME)
+    """Directory of the profiler traces; null = ``default_local_dir``/profile."""
+    worker_call_timeout_s: Optional[float] = field(default=3600.0, metadata=APPLY_ON_RESUME)
+    """How long the driver waits for the workers to answer one call (a step's update, a rollout, a
+    checkpoint, the model build) before failing with an error naming the ranks that did not answer
+    (a stopped, deadlocked or starved worker); null = wait forever."""
+    heartbeat_interval_s: Optional[float] = field(default=60.0, metadata=APPLY_ON_RESUME)
+    """While the driver waits on the workers (or on the reward function), a line every this many
+    seconds names what it waits for (the ranks that have not answered); null or 0 = no lines."""
+    max_consecutive_nonfinite_steps: int = field(default=3, metadata=APPLY_ON_RESUME)
+    """Stop the run (an error naming the step) after this many consecutive steps with a non-finite
+    loss or gradient norm; each such step skips its optimizer update and no checkpoint is saved
+    from it. See docs/fault_tolerance.md."""
+
+    def __post_init__(self) -> None:
+        check_choice("device", self.device, DEVICES)
+        check_positive("nnodes", self.nnodes)
+        check_positive("n_gpus_per_node", self.n_gpus_per_node)
+        check_positive("total_epochs", self.total_epochs)
+        if self.total_training_steps is not None:
+            check_positive("total_training_steps", self.total_training_steps)
+        check_choice("resume_mode", self.resume_mode, RESUME_MODES)
+        if self.resume_mode == "resume_path" and not self.resume_from_path:
+            raise ConfigError("resume_mode=resume_path needs resume_from_path")
+        for name in self.logger:
+            check_choice("logger", name, LOGGERS)
+        if self.max_ckpt_to_keep is not None:
+            check_positive("max_ckpt_to_keep", self.max_ckpt_to_keep)
+        if self.max_restarts < 0:
+            raise ConfigError(f"max_restarts={self.max_restarts} must be >= 0")
+        if self.worker_call_timeout_s is not None:
+            check_positive("worker_call_timeout_s", self.worker_call_timeout_s)
+        if self.heartbeat_interval_s is not None and self.heartbeat_interval_s < 0:
+            raise ConfigError(f"heartbeat_interval_s={self.heartbeat_interval_s} must be >= 0 (0 or null: no lines)")
+        check_positive("max_consecutive_nonfinite_steps", self.max_consecutive_nonfinite_steps)
+        bad_steps = [s for s in self.profile_steps if s < 1]
+        if bad_steps:
+            raise ConfigError(
+                f"profile_steps={list(self.profile_steps)}: steps are 1-based driver steps "
+                f"(global_step as logged), got {bad_steps}"
+            )
+
+    @property
+    def profile_path(self) -> str:
+        """Absolute directory of the profiler traces: ``profile_dir``, else ``default_local_dir``/profile."""
+        return os.path.abspath(self.profile_dir or os.path.join(self.default_local_dir, "profile"))
+
+    @property
+    def world_size(self) -> int:
+        """Workers in the group: nnodes x n_gpus_per_node."""
+        return self.nnodes * self.n_gpus_per_node
+
+
+def narrow(instance, cls):
+    """An instance of ``cls`` (a dataclass base of ``instance``'s class) with ``instance``'s values."""
+    return cls(**{f.name: getattr(instance, f.name) for f in dataclasses.fields(cls)})
+
+
+def engine_profile_steps(driver_steps: Sequence[int], *, updates_per_step: int) -> list[int]:
+    """The engine's 1-based train steps of the given 1-based driver steps: driver step s runs engine
+    steps (s - 1) * updates_per_step + 1 .. s * updates_per_step."""
+    assert updates_per_step >= 1, updates_per_step
+    return [
+        (int(s) - 1) * updates_per_step + k for s in sorted(set(driver_steps)) for k in range(1, updates_per_step + 1)
+    ]
+
+
+def check_profile_steps(*, trainer: TrainerSection, total_steps: int) -> None:
+    """Raise ConfigError naming trainer.profile_steps when a step lies beyond the run's last step
+    (it would silently never be traced)."""
+    beyond = [s for s in trainer.profile_steps if s > total_steps]
+    if beyond:
+        raise ConfigError(
+            f"trainer.profile_steps={list(trainer.profile_steps)}: steps {beyond} lie beyond the "
+            f"run's last step {total_steps}; choose steps in 1..{total_steps}"
+        )

@@ -1,0 +1,93 @@
+"""The merged Hydra config as the recipe's typed objects, in one pass.
+
+``check_known_keys`` rejects keys no section declares (Hydra's ``+key=value`` bypasses the
+schema's own check); ``resolve_aliases`` writes verl's alternative spellings (``partial_pretrain``,
+the top-level Ulysses degree) into their canonical key; ``to_typed`` builds every section once,
+innermost first, so each ``__post_init__`` check runs once and its ``ConfigError`` names the full key.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Mapping
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from verl_balance.trainer.config_checks import ConfigError, check_finite_values, qualify
+
+__all__ = ["check_known_keys", "resolve_aliases", "to_typed"]
+
+
+def check_known_keys(cfg: DictConfig, path: str = "") -> None:
+    """Raise ConfigError naming any key a typed section does not declare (e.g. Hydra's
+    ``+data.trian_files=x`` append syntax, which bypasses the schema's own check)."""
+    schema = OmegaConf.get_type(cfg)
+    if dataclasses.is_dataclass(schema):
+        fields = {f.name for f in dataclasses.fields(schema)}
+        unknown = sorted(str(k) for k in cfg.keys() if k not in fields)
+        if unknown:
+            raise ConfigError(
+                f"unknown config key(s) {[path + k for k in unknown]}; valid keys of "
+                f"{path.rstrip('.') or 'the root'}: {sorted(fields)}"
+            )
+    for key in cfg.keys():
+        if not OmegaConf.is_missing(cfg, key) and isinstance(cfg[key], DictConfig):
+            check_known_keys(cfg[key], f"{path}{key}.")
+
+
+def resolve_aliases(cfg: DictConfig, aliases: Mapping[str, str]) -> DictConfig:
+    """A copy of ``cfg`` in which each alias key's value (when set) is also the value of its
+    canonical key (``{alias: canonical}``); ConfigError when both are set to different values."""
+    if not aliases:
+        return cfg
+    cfg = copy.deepcopy(cfg)
+    for alias, canonical in aliases.items():
+        value = OmegaConf.select(cfg, alias)
+        if value is None:
+            continue
+        current = OmegaConf.select(cfg, canonical)
+        if current is not None and current != value:
+            raise ConfigError(f"{canonical}={current!r} and {alias}={value!r} disagree; set one of them")
+        OmegaConf.update(cfg, canonical, value, merge=False)
+    return cfg
+
+
+def _section_prefixes(node: DictConfig, path: str) -> dict[str, str]:
+    parent, _, leaf = path.rpartition(".")
+    prefixes = {str(key): f"{path}." for key in node.keys()}
+    prefixes[leaf] = f"{parent}." if parent else ""
+    return prefixes
+
+
+def _is_section(node) -> bool:
+    return isinstance(node, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(node))
+
+
+def _instantiate(node: DictConfig, path: str):
+    """The section object of ``node``: its subsections built first (each exactly once) and passed
+    in; a ValueError from its ``__post_init__`` re-raised as ConfigError with the keys in full."""
+    values = {}
+    for key in node.keys():
+        child = node._get_node(key)
+        if isinstance(child, (DictConfig, ListConfig)) and child._is_none():
+            values[key] = None
+        elif _is_section(child):
+            values[key] = _instantiate(child, f"{path}.{key}" if path else str(key))
+        elif isinstance(child, (DictConfig, ListConfig)):
+            values[key] = OmegaConf.to_object(child)
+        else:
+            values[key] = node[key]
+    try:
+        return OmegaConf.get_type(node)(**values)
+    except ValueError as err:
+        message = qualify(str(err), _section_prefixes(node, path) if path else {})
+        raise ConfigError(message if not path or path in message else f"{message} (in {path})") from err
+
+
+def to_typed(cfg: DictConfig, *, aliases: Mapping[str, str] | None = None):
+    """The merged Hydra config as its schema's objects (aliases resolved, every ``__post_init__``
+    check run once, no number inf or nan)."""
+    config = _instantiate(resolve_aliases(cfg, aliases or {}), "")
+    check_finite_values(config)
+    return config
