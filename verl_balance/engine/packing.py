@@ -64,6 +64,13 @@ class PackedMicroBatch:
         """Local slices of every per-token tensor (what a LossFn receives as `inputs`)."""
         return {k: v[self.local_slice] for k, v in self.tensors.items()}
 
+    def local_per_sample(self, values: Tensor, *, padding: float) -> Tensor:
+        """Per-sample values [num_samples] -> per-token [padded_len / sp] over this SP rank's slice
+        (each sample's value on all its tokens, ``padding`` on the padding tokens), on the device."""
+        per_token = torch.repeat_interleave(values.cpu(), torch.as_tensor(self.seq_lens))
+        per_token = torch.cat([per_token, per_token.new_full((self.padded_len - self.total_len,), padding)])
+        return per_token[self.local_slice].to(self.tensors["input_ids"].device)
+
     def unpack(self, values: Tensor) -> Tensor:
         """Target-aligned packed values [>= total_len] -> wire-aligned (b, L).
 

@@ -219,6 +219,21 @@ class TrainEngine:
             logits_chunk_size=self.config.logits_chunk_size,
         )
 
+    def gathered_log_probs(
+        self, packed: PackedMicroBatch, *, temperature: Temperature = 1.0, with_entropy: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        """(log p(target) [total_len], entropy [total_len] or None) of the whole packed stream,
+        target-aligned (position p predicts ``packed.tensors["targets"][p]``): ``forward_log_probs``
+        gathered over the SP group, padding dropped. Gradients flow back to each rank's own slice.
+
+        Collective as ``forward_log_probs``, plus one all-gather over the SP group per output."""
+        log_probs, entropy = self.forward_log_probs(packed, temperature=temperature, with_entropy=with_entropy)
+        group, length = self.layout.sp_group, packed.total_len
+        log_probs = gather_and_unpad(log_probs, group=group, length=length)
+        if with_entropy:
+            entropy = gather_and_unpad(entropy, group=group, length=length)
+        return log_probs, entropy
+
     def prepare_backward(self, *, is_last: bool) -> None:
         """FSDP2's per-micro-batch switches for the next backward: with FSDPConfig's
         defer_gradient_sync / reshard_after_backward=False, gradients are reduced and parameters
@@ -509,11 +524,10 @@ class TrainEngine:
         self.model.eval()
         outputs = []
         for p in self.pack_micro_batches(micro_batches, require_loss_mask=False):
-            log_probs, entropy = self.forward_log_probs(p, temperature=temperature, with_entropy=with_entropy)
-            group = self.layout.sp_group
-            result = {"log_probs": p.unpack(gather_and_unpad(log_probs, group=group, length=p.total_len))}
+            log_probs, entropy = self.gathered_log_probs(p, temperature=temperature, with_entropy=with_entropy)
+            result = {"log_probs": p.unpack(log_probs)}
             if with_entropy:
-                result["entropy"] = p.unpack(gather_and_unpad(entropy, group=group, length=p.total_len))
+                result["entropy"] = p.unpack(entropy)
             outputs.append(result)
         self.reshard()
         return outputs
