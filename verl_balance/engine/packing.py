@@ -64,6 +64,13 @@ class PackedMicroBatch:
         """Local slices of every per-token tensor (what a LossFn receives as `inputs`)."""
         return {k: v[self.local_slice] for k, v in self.tensors.items()}
 
+    def local_per_sample(self, values: Tensor, *, padding: float) -> Tensor:
+        """Per-sample values [num_samples] -> per-token [padded_len / sp] over this SP rank's slice
+        (each sample's value on all its tokens, ``padding`` on the padding tokens), on the device."""
+        per_token = torch.repeat_interleave(values.cpu(), torch.as_tensor(self.seq_lens))
+        per_token = torch.cat([per_token, per_token.new_full((self.padded_len - self.total_len,), padding)])
+        return per_token[self.local_slice].to(self.tensors["input_ids"].device)
+
     def unpack(self, values: Tensor) -> Tensor:
         """Target-aligned packed values [>= total_len] -> wire-aligned (b, L).
 
@@ -101,46 +108,14 @@ def pack_micro_batch(
     packed stream then moves to ``device`` in one non-blocking copy per tensor: nothing here waits
     for the device. Wire tensors already on an accelerator are copied to the host first (a wait).
     """
-    for key in ("input_ids", "attention_mask") + (("loss_mask",) if require_loss_mask else ()):
-        if key not in micro_batch:
-            raise MicroBatchError(f"micro-batch lacks {key!r}; it has {sorted(micro_batch)}")
-    attention_mask = micro_batch["attention_mask"].cpu()
-    if attention_mask.dim() != 2:
-        raise MicroBatchError(f"attention_mask must be (b, L), got {tuple(attention_mask.shape)}")
-    b, width = attention_mask.shape
-    lengths = attention_mask.long().sum(1)
-    real = torch.arange(width)[None, :] < lengths[:, None]
-    bad = ((attention_mask != 0) != real).any(1) | (lengths == 0)
-    if bad.any():
-        i = int(bad.nonzero()[0])
-        raise MicroBatchError(
-            f"sample {i} of the micro-batch: attention_mask must be 1 on a "
-            "non-empty prefix and 0 after it (right padding)"
-        )
-    cu = torch.zeros(b + 1, dtype=torch.int64)
+    attention_mask, lengths = _checked_lengths(micro_batch, require_loss_mask=require_loss_mask)
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     cu[1:] = torch.cumsum(lengths, 0)
     total = int(cu[-1])
     padded = padded_length(total, multiple=sp_size)
     pad = padded - total
-    ends = cu[1:] - 1
-
-    tensors: dict[str, Tensor] = {}
-    for key, value in micro_batch.items():
-        if key == "attention_mask" or not isinstance(value, Tensor) or value.shape[:2] != (b, width):
-            continue
-        flat = value.cpu()[real]
-        tensors[key] = flat if key in _UNROLLED_KEYS else shift_targets(flat, ends)
-    tensors["targets"] = shift_targets(tensors["input_ids"], ends)
-    tensors["position_ids"] = torch.arange(width).expand(b, width)[real]
-    if "loss_mask" not in tensors:
-        tensors["loss_mask"] = torch.zeros(total)
-    tensors["loss_mask"] = tensors["loss_mask"].to(torch.float32)
-    for key, value in tensors.items():
-        filler = (
-            torch.arange(pad, dtype=value.dtype) if key == "position_ids" else value.new_zeros((pad,) + value.shape[1:])
-        )
-        tensors[key] = torch.cat([value, filler]).to(device, non_blocking=True)
-
+    tensors = _target_aligned_stream(micro_batch, attention_mask, lengths, cu)
+    tensors = {key: _pad_stream(key, value, pad).to(device, non_blocking=True) for key, value in tensors.items()}
     cu_padded = torch.cat([cu, cu.new_tensor([padded])]) if pad else cu
     seq_lens = lengths.tolist()
     return PackedMicroBatch(
@@ -156,3 +131,55 @@ def pack_micro_batch(
         attention_mask=attention_mask.to(device, non_blocking=True),
         cu_seqlens_host=cu,
     )
+
+
+def _checked_lengths(micro_batch: Mapping[str, Tensor], *, require_loss_mask: bool) -> tuple[Tensor, Tensor]:
+    """(the (b, L) attention mask on the CPU, each sample's length); MicroBatchError unless the
+    required keys are there and every sample is a non-empty right-padded prefix."""
+    for key in ("input_ids", "attention_mask") + (("loss_mask",) if require_loss_mask else ()):
+        if key not in micro_batch:
+            raise MicroBatchError(f"micro-batch lacks {key!r}; it has {sorted(micro_batch)}")
+    attention_mask = micro_batch["attention_mask"].cpu()
+    if attention_mask.dim() != 2:
+        raise MicroBatchError(f"attention_mask must be (b, L), got {tuple(attention_mask.shape)}")
+    lengths = attention_mask.long().sum(1)
+    real = torch.arange(attention_mask.shape[1])[None, :] < lengths[:, None]
+    bad = ((attention_mask != 0) != real).any(1) | (lengths == 0)
+    if bad.any():
+        i = int(bad.nonzero()[0])
+        raise MicroBatchError(
+            f"sample {i} of the micro-batch: attention_mask must be 1 on a "
+            "non-empty prefix and 0 after it (right padding)"
+        )
+    return attention_mask, lengths
+
+
+def _target_aligned_stream(
+    micro_batch: Mapping[str, Tensor], attention_mask: Tensor, lengths: Tensor, cu: Tensor
+) -> dict[str, Tensor]:
+    """The unpadded packed stream on the CPU: every per-token (b, L) wire tensor's real tokens
+    concatenated, shifted to the target alignment (input_ids / position_ids stay unshifted), plus
+    ``targets``, restarting ``position_ids`` and a float32 ``loss_mask`` (zeros when absent)."""
+    b, width = attention_mask.shape
+    real = torch.arange(width)[None, :] < lengths[:, None]
+    ends = cu[1:] - 1
+    tensors: dict[str, Tensor] = {}
+    for key, value in micro_batch.items():
+        if key == "attention_mask" or not isinstance(value, Tensor) or value.shape[:2] != (b, width):
+            continue
+        flat = value.cpu()[real]
+        tensors[key] = flat if key in _UNROLLED_KEYS else shift_targets(flat, ends)
+    tensors["targets"] = shift_targets(tensors["input_ids"], ends)
+    tensors["position_ids"] = torch.arange(width).expand(b, width)[real]
+    if "loss_mask" not in tensors:
+        tensors["loss_mask"] = torch.zeros(int(cu[-1]))
+    tensors["loss_mask"] = tensors["loss_mask"].to(torch.float32)
+    return tensors
+
+
+def _pad_stream(key: str, value: Tensor, pad: int) -> Tensor:
+    """``value`` followed by ``pad`` padding tokens: zeros, or positions 0.. for ``position_ids``
+    (the padding is its own attention segment)."""
+    if key == "position_ids":
+        return torch.cat([value, torch.arange(pad, dtype=value.dtype)])
+    return torch.cat([value, value.new_zeros((pad,) + value.shape[1:])])

@@ -48,7 +48,7 @@ from verl_balance.engine.optim import apply_optim_config, build_optimizer
 from verl_balance.engine.packing import MicroBatchError, PackedMicroBatch, pack_micro_batch
 from verl_balance.engine.perf import TRAIN_FLOPS_PER_FORWARD, step_perf_metrics
 from verl_balance.engine.profiling import step_profiler
-from verl_balance.engine.timing import StepTimer
+from verl_balance.engine.timing import MicroBatchTimes, StepTimer
 from verl_balance.loss import LossFn, SFTLoss, TokenWeights, compute_token_weights
 from verl_balance.models import ModelConfig
 from verl_balance.models.base import PackedCausalLM
@@ -70,6 +70,17 @@ def _flops_workload(model_config):
         return FlopsWorkload.from_model_config(model_config)
     except (BalanceConfigError, TypeError, ValueError):
         return None
+
+
+def _timing_metrics(times: MicroBatchTimes) -> dict:
+    """This rank's step timing (engine/timing.py): per-micro-batch wall seconds (they include
+    waits in FSDP's collectives for the slowest rank, so they are nearly equal on every rank) and
+    busy seconds (this rank's own work, the figure of ``balance/imbalance_measured``)."""
+    return {
+        "micro_batch_seconds": times.wall,
+        "micro_batch_busy_seconds": times.busy,
+        "busy_seconds": float(sum(times.busy)),
+    }
 
 
 class TrainEngine:
@@ -208,6 +219,21 @@ class TrainEngine:
             logits_chunk_size=self.config.logits_chunk_size,
         )
 
+    def gathered_log_probs(
+        self, packed: PackedMicroBatch, *, temperature: Temperature = 1.0, with_entropy: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        """(log p(target) [total_len], entropy [total_len] or None) of the whole packed stream,
+        target-aligned (position p predicts ``packed.tensors["targets"][p]``): ``forward_log_probs``
+        gathered over the SP group, padding dropped. Gradients flow back to each rank's own slice.
+
+        Collective as ``forward_log_probs``, plus one all-gather over the SP group per output."""
+        log_probs, entropy = self.forward_log_probs(packed, temperature=temperature, with_entropy=with_entropy)
+        group, length = self.layout.sp_group, packed.total_len
+        log_probs = gather_and_unpad(log_probs, group=group, length=length)
+        if with_entropy:
+            entropy = gather_and_unpad(entropy, group=group, length=length)
+        return log_probs, entropy
+
     def prepare_backward(self, *, is_last: bool) -> None:
         """FSDP2's per-micro-batch switches for the next backward: with FSDPConfig's
         defer_gradient_sync / reshard_after_backward=False, gradients are reduced and parameters
@@ -326,102 +352,134 @@ class TrainEngine:
         training: bool,
         temperature: float = 1.0,
     ) -> dict:
+        """One train or eval step: plan -> forward (and backward) per micro-batch -> reduce -> step."""
         step_start = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         loss_fn = loss_fn if loss_fn is not None else SFTLoss()
-        self.check_micro_batches(micro_batches)
-        packed = self.pack_micro_batches(micro_batches, require_loss_mask=True)
-        token_weights = self._token_weights(packed, training=training)
+        packed, token_weights = self._plan_step(micro_batches, training=training)
         metrics: dict = {
             "valid_tokens": token_weights.num_tokens,
             "num_sequences": token_weights.num_sequences,
             "lr": self.scheduler.get_last_lr()[0],
         }
         if token_weights.num_tokens == 0:
-            # Counts are global, so every rank takes this branch together (no collective skew).
-            logger.warning(
-                "mini-batch has zero valid (loss-mask) tokens: %s",
-                "optimizer step skipped" if training else "eval loss is 0",
-            )
-            if training:
-                self.advance_schedule()
-            return {
-                **metrics,
-                "loss": 0.0,
-                "grad_norm": 0.0,
-                "step_skipped": training,
-                "micro_batch_seconds": [],
-                "micro_batch_busy_seconds": [],
-                "compute_seconds": 0.0,
-                "busy_seconds": 0.0,
-            }
-
-        scale = float(self.gradient_divide_factor)
-        local_objective = torch.zeros((), dtype=torch.float64, device=self.device)
-        metric_sums: dict[str, Tensor] = {}
-        timer = StepTimer(self.device)
-        needs_entropy = getattr(loss_fn, "needs_entropy", False)
-        if training:
-            self.model.train()
-            self.zero_grad()
-        else:
-            self.model.eval()
-        for k, (p, weights) in enumerate(zip(packed, token_weights.weights)):
-            if training:
-                self.prepare_backward(is_last=k == len(packed) - 1)
-            timer.start()
-            with torch.set_grad_enabled(training):
-                inputs = p.local_inputs()
-                log_probs, entropy = self.forward_log_probs(p, temperature=temperature, with_entropy=needs_entropy)
-                per_token_loss, per_token_metrics = loss_fn(log_probs=log_probs, entropy=entropy, inputs=inputs)
-                objective = (weights[p.local_slice] * per_token_loss).sum()
-                if training:
-                    (objective * scale).backward()
-            timer.stop()
-            local_objective += objective.detach().double()
-            mask = inputs["loss_mask"]
-            for name, value in per_token_metrics.items():
-                contribution = (mask * value.detach().float()).sum().double()
-                metric_sums[name] = metric_sums.get(name, 0) + contribution
+            return {**metrics, **self._empty_step(training=training)}
+        local_objective, metric_sums, timer = self._forward_backward_all(
+            packed, token_weights.weights, loss_fn=loss_fn, training=training, temperature=temperature
+        )
         if not training:
             self.reshard()
-
-        # Token slices are disjoint over the world (DP splits samples, SP splits tokens): the sum
-        # of local objectives is J and the sum of masked metric values is the global numerator.
-        # The step's model FLOPs and tokens ride along (counted once per DP group).
-        names = sorted(metric_sums)
         flops, tokens = self._step_flops_and_tokens(packed, training=training)
-        work = torch.tensor([flops, tokens], dtype=torch.float64).to(self.device, non_blocking=True)
-        totals = torch.cat([torch.stack([local_objective] + [metric_sums[n] for n in names]), work])
-        dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.layout.world_group)
-        totals = totals.tolist()
-        metrics["loss"] = totals[0]
-        for i, name in enumerate(names):
-            metrics[name] = totals[i + 1] / token_weights.num_tokens
-        times = timer.finish()
-        metrics["micro_batch_seconds"] = times.wall
-        metrics["compute_seconds"] = float(sum(times.wall))
-        # Wall time includes waiting in FSDP's collectives for the slowest rank, so it is nearly
-        # equal on every rank; busy time is this rank's own work (see engine/timing.py).
-        metrics["busy_seconds"] = float(sum(times.busy))
-        metrics["micro_batch_busy_seconds"] = times.busy
+        metrics["loss"], metric_totals, flops, tokens = self._all_reduce_step_sums(
+            local_objective, metric_sums, flops=flops, tokens=tokens
+        )
+        metrics.update({name: total / token_weights.num_tokens for name, total in metric_totals.items()})
+        metrics.update(_timing_metrics(timer.finish()))
         if training:
             # The loss is all-reduced: every rank sees the same value and skips together.
             metrics.update(self.optimizer_step() if math.isfinite(metrics["loss"]) else self._skip_nonfinite_loss())
             self.advance_schedule()
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()  # once per step: honest step time
+        seconds = time.perf_counter() - step_start
         metrics.update(
             step_perf_metrics(
-                flops=totals[-2],
-                tokens=totals[-1],
-                seconds=time.perf_counter() - step_start,
-                world_size=self.layout.world_size,
-                device=self.device,
+                flops=flops, tokens=tokens, seconds=seconds, world_size=self.layout.world_size, device=self.device
             )
         )
         return metrics
+
+    def _plan_step(
+        self, micro_batches: Sequence[Mapping[str, Tensor]], *, training: bool
+    ) -> tuple[list[PackedMicroBatch], TokenWeights]:
+        """Check the micro-batches over the mesh, pack them and weigh their tokens (loss contract)."""
+        self.check_micro_batches(micro_batches)
+        packed = self.pack_micro_batches(micro_batches, require_loss_mask=True)
+        return packed, self._token_weights(packed, training=training)
+
+    def _empty_step(self, *, training: bool) -> dict:
+        """The step of a mini-batch with zero valid tokens: no forward, no optimizer update."""
+        # Counts are global, so every rank takes this branch together (no collective skew).
+        logger.warning(
+            "mini-batch has zero valid (loss-mask) tokens: %s",
+            "optimizer step skipped" if training else "eval loss is 0",
+        )
+        if training:
+            self.advance_schedule()
+        return {
+            "loss": 0.0,
+            "grad_norm": 0.0,
+            "step_skipped": training,
+            **_timing_metrics(MicroBatchTimes()),
+        }
+
+    def _forward_backward_all(
+        self,
+        packed: Sequence[PackedMicroBatch],
+        weights: Sequence[Tensor],
+        *,
+        loss_fn: LossFn,
+        training: bool,
+        temperature: float,
+    ) -> tuple[Tensor, dict[str, Tensor], StepTimer]:
+        """Forward (and backward) every micro-batch in order, timed; returns this rank's local
+        objective, its loss-mask-weighted sum of each loss_fn metric (float64 on the device) and
+        the timer."""
+        local_objective = torch.zeros((), dtype=torch.float64, device=self.device)
+        metric_sums: dict[str, Tensor] = {}
+        timer = StepTimer(self.device)
+        if training:
+            self.model.train()
+            self.zero_grad()
+        else:
+            self.model.eval()
+        for k, (p, w) in enumerate(zip(packed, weights)):
+            if training:
+                self.prepare_backward(is_last=k == len(packed) - 1)
+            timer.start()
+            objective, per_token_metrics = self._forward_backward(
+                p, w, loss_fn=loss_fn, training=training, temperature=temperature
+            )
+            timer.stop()
+            local_objective += objective.detach().double()
+            mask = p.local("loss_mask")
+            for name, value in per_token_metrics.items():
+                contribution = (mask * value.detach().float()).sum().double()
+                metric_sums[name] = metric_sums.get(name, 0) + contribution
+        return local_objective, metric_sums, timer
+
+    def _forward_backward(
+        self, packed: PackedMicroBatch, weights: Tensor, *, loss_fn: LossFn, training: bool, temperature: float
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """One micro-batch: the local objective sum(w * l) over this rank's token slice (and, when
+        training, the backward of G times it); returns it with the loss_fn's per-token metrics."""
+        with torch.set_grad_enabled(training):
+            needs_entropy = getattr(loss_fn, "needs_entropy", False)
+            log_probs, entropy = self.forward_log_probs(packed, temperature=temperature, with_entropy=needs_entropy)
+            per_token_loss, per_token_metrics = loss_fn(
+                log_probs=log_probs, entropy=entropy, inputs=packed.local_inputs()
+            )
+            objective = (weights[packed.local_slice] * per_token_loss).sum()
+            if training:
+                (objective * float(self.gradient_divide_factor)).backward()
+        return objective, per_token_metrics
+
+    def _all_reduce_step_sums(
+        self, local_objective: Tensor, metric_sums: dict[str, Tensor], *, flops: float, tokens: float
+    ) -> tuple[float, dict[str, float], float, float]:
+        """(loss J, {metric: global sum}, flops, tokens): SUM over the world of this rank's step
+        sums, in one all_reduce (collective).
+
+        Token slices are disjoint over the world (DP splits samples, SP splits tokens): the sum of
+        local objectives is J and the sum of masked metric values is the global numerator. The
+        step's model FLOPs and tokens ride along (counted once per DP group)."""
+        names = sorted(metric_sums)
+        work = torch.tensor([flops, tokens], dtype=torch.float64).to(self.device, non_blocking=True)
+        totals = torch.cat([torch.stack([local_objective] + [metric_sums[n] for n in names]), work])
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.layout.world_group)
+        totals = totals.tolist()
+        return totals[0], dict(zip(names, totals[1:-2])), totals[-2], totals[-1]
 
     def train_step(
         self, micro_batches: Sequence[Mapping[str, Tensor]], *, loss_fn: LossFn | None = None, temperature: float = 1.0
@@ -429,8 +487,8 @@ class TrainEngine:
         """One optimizer step over this DP rank's micro-batches.
 
         Returns loss (exact global objective J), grad_norm (before clipping), lr, valid_tokens,
-        num_sequences, micro_batch_seconds / micro_batch_busy_seconds / compute_seconds /
-        busy_seconds (this rank; see engine/timing.py),
+        num_sequences, micro_batch_seconds (wall, collective waits included) /
+        micro_batch_busy_seconds / busy_seconds (this rank's own work; see engine/timing.py),
         step_skipped, each loss_fn metric as a global loss-mask-weighted token mean, and the
         global perf/* figures of engine/perf.py (the same on every rank). Collective over the
         mesh. ``temperature`` divides the logits (the sampling temperature of on-policy data).
@@ -466,11 +524,10 @@ class TrainEngine:
         self.model.eval()
         outputs = []
         for p in self.pack_micro_batches(micro_batches, require_loss_mask=False):
-            log_probs, entropy = self.forward_log_probs(p, temperature=temperature, with_entropy=with_entropy)
-            group = self.layout.sp_group
-            result = {"log_probs": p.unpack(gather_and_unpad(log_probs, group=group, length=p.total_len))}
+            log_probs, entropy = self.gathered_log_probs(p, temperature=temperature, with_entropy=with_entropy)
+            result = {"log_probs": p.unpack(log_probs)}
             if with_entropy:
-                result["entropy"] = p.unpack(gather_and_unpad(entropy, group=group, length=p.total_len))
+                result["entropy"] = p.unpack(entropy)
             outputs.append(result)
         self.reshard()
         return outputs

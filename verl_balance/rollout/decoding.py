@@ -108,37 +108,30 @@ class CachedDecoder(RolloutEngine):
         if bad_stop:
             raise RolloutInputError(f"stop_token_ids {bad_stop} outside [0, vocab_size={self.vocab_size})")
 
-        if seeds is not None and params.seed is not None:
-            raise RolloutInputError("pass either seed (one generator for the call) or seeds (one per prompt), not both")
-        generator, streams = None, None
-        if seeds is not None:
-            seeds = check_seeds(seeds, num_prompts=len(prompts))
-            if not params.greedy:
-                streams = RowRandomStreams(seeds=seeds, n=params.n)
-        elif params.seed is not None and not params.greedy:
-            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        generator, streams = self._random_sources(params, seeds=seeds, num_prompts=len(prompts))
         rows = [p for p in prompts for _ in range(params.n)]
         chunk = self.max_batch_size or len(rows)
         parts = [
             self._generate_chunk(rows[s : s + chunk], params, generator=generator, streams=streams, first_row=s)
             for s in range(0, len(rows), chunk)
         ]
+        return _merge_chunks(parts, params, num_prompts=len(prompts), pad_token_id=self.pad_token_id)
 
-        width = max(part[0].shape[1] for part in parts)
-        responses = torch.cat([F.pad(t, (0, width - t.shape[1]), value=self.pad_token_id) for t, _, _ in parts])
-        log_probs = torch.cat([F.pad(lp, (0, width - lp.shape[1])) for _, lp, _ in parts])
-        lengths = torch.cat([length for _, _, length in parts])
-        response_mask = (torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]).long()
-        last = responses.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)
-        stopped = torch.isin(last, torch.tensor(params.stop_token_ids, dtype=torch.int64, device=last.device))
-        return RolloutOutput(
-            prompt_index=np.repeat(np.arange(len(prompts), dtype=np.int64), params.n),
-            responses=responses,
-            response_mask=response_mask,
-            response_lengths=lengths,
-            finish_reasons=np.where(stopped.cpu().numpy(), "stop", "length").astype(object),
-            log_probs=log_probs,
-        )
+    def _random_sources(
+        self, params: SamplingParams, *, seeds: Sequence[int] | None, num_prompts: int
+    ) -> tuple[torch.Generator | None, RowRandomStreams | None]:
+        """(one generator for the call, or one stream per row): from ``params.seed`` or ``seeds``
+        (not both); neither when sampling is greedy or unseeded."""
+        if seeds is not None and params.seed is not None:
+            raise RolloutInputError("pass either seed (one generator for the call) or seeds (one per prompt), not both")
+        generator, streams = None, None
+        if seeds is not None:
+            seeds = check_seeds(seeds, num_prompts=num_prompts)
+            if not params.greedy:
+                streams = RowRandomStreams(seeds=seeds, n=params.n)
+        elif params.seed is not None and not params.greedy:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        return generator, streams
 
     def _check_positions(self, prompts: list[list[int]], max_response_length: int) -> None:
         limit = self.max_position_embeddings
@@ -237,3 +230,23 @@ def left_pad(prompts: list[list[int]], *, pad_token_id: int, device: torch.devic
     pad = (longest - lengths)[:, None]
     slot = torch.arange(longest, device=device)[None, :]
     return tokens, slot >= pad, (slot - pad).clamp(min=0), lengths
+
+
+def _merge_chunks(parts: list[tuple], params: SamplingParams, *, num_prompts: int, pad_token_id: int) -> RolloutOutput:
+    """The ``RolloutOutput`` of the chunks' (responses, log_probs, lengths) in row order, padded to
+    the widest chunk; a response is finished by ``"stop"`` when it ends on a stop token."""
+    width = max(part[0].shape[1] for part in parts)
+    responses = torch.cat([F.pad(t, (0, width - t.shape[1]), value=pad_token_id) for t, _, _ in parts])
+    log_probs = torch.cat([F.pad(lp, (0, width - lp.shape[1])) for _, lp, _ in parts])
+    lengths = torch.cat([length for _, _, length in parts])
+    response_mask = (torch.arange(width, device=lengths.device)[None, :] < lengths[:, None]).long()
+    last = responses.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)
+    stopped = torch.isin(last, torch.tensor(params.stop_token_ids, dtype=torch.int64, device=last.device))
+    return RolloutOutput(
+        prompt_index=np.repeat(np.arange(num_prompts, dtype=np.int64), params.n),
+        responses=responses,
+        response_mask=response_mask,
+        response_lengths=lengths,
+        finish_reasons=np.where(stopped.cpu().numpy(), "stop", "length").astype(object),
+        log_probs=log_probs,
+    )

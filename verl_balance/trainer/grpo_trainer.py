@@ -56,7 +56,13 @@ from verl_balance.rollout import RolloutOutput, build_rollout_batch
 from verl_balance.trainer import checkpoint
 from verl_balance.trainer.driver import DriverBase
 from verl_balance.trainer.grpo_config import GRPOConfig, validate_grpo
-from verl_balance.trainer.metrics import PEAK_MEMORY_KEY, plan_metrics, reduce_rank_metrics
+from verl_balance.trainer.metrics import (
+    PEAK_MEMORY_KEY,
+    busy_seconds,
+    measured_balance_metrics,
+    plan_metrics,
+    reduce_rank_metrics,
+)
 from verl_balance.trainer.plan_dispatch import merge_by_plan, plan_batch, split_by_plan
 from verl_balance.trainer.sections import check_profile_steps
 from verl_balance.trainer.startup import check_model_files
@@ -395,7 +401,7 @@ class GRPOTrainer(DriverBase):
         """ppo_epochs x mini-batches optimizer steps; mean actor metrics, plan and measured balance."""
         a = self.actor_cfg
         actor_records, plan_records = [], []
-        compute = np.zeros(self.dp)
+        busy = np.zeros(self.dp)
         on_policy = self.old_log_prob_from_update
         if not on_policy and ROLLOUT_LOG_PROBS_KEY in batch:
             # Compared with the old log-probs on the driver (rollout_probs_diff); not needed on the wire.
@@ -408,15 +414,14 @@ class GRPOTrainer(DriverBase):
                 per_rank = self.actor.update_actor(split_by_plan(mini, plan))
                 actor_records.append(update_metrics(per_rank))
                 plan_records.append(plan_metrics(plan))
-                compute += [m.get("compute_seconds", 0.0) for m in per_rank]
+                busy += busy_seconds(per_rank)
         out = {**mean_metrics(actor_records), **mean_metrics(plan_records)}
         peak_memory = [r[PEAK_MEMORY_KEY] for r in actor_records if PEAK_MEMORY_KEY in r]
         if peak_memory:
             out[PEAK_MEMORY_KEY] = float(max(peak_memory))  # the step's peak, not the mean of the updates'
         out["actor/num_optimizer_steps"] = float(len(actor_records))
-        if compute.mean() > 0:
-            # Summed over the step's mini-batches: the time every rank waits for the slowest.
-            out["balance/imbalance_measured"] = float(compute.max() / compute.mean())
+        # Busy time summed over the step's updates: every rank waits for the slowest at each.
+        out.update(measured_balance_metrics(busy))
         return out
 
     def _rollout_metrics(self, batch: Batch, scores: np.ndarray, extras: dict, *, prefix: str) -> dict:

@@ -16,9 +16,9 @@ def reduce_rank_metrics(per_rank: list[dict], *, prefix: str) -> dict:
 
     Engine metrics such as loss and grad_norm are already global (all-reduced over the mesh),
     so DP rank 0's value is taken, under ``prefix``; compute time differs per rank and gives
-    measured imbalance (max / mean over DP ranks of the per-rank busy seconds: compute without
-    collective waits). The engine's ENGINE_PERF_KEYS keep their names: MFU and tokens/s per
-    device are the same on every rank, the peak memory is the maximum over ranks.
+    the measured imbalance (``measured_balance_metrics``). The engine's ENGINE_PERF_KEYS keep
+    their names: MFU and tokens/s per device are the same on every rank, the peak memory is the
+    maximum over ranks.
     """
     out = {}
     for key, value in per_rank[0].items():
@@ -29,12 +29,27 @@ def reduce_rank_metrics(per_rank: list[dict], *, prefix: str) -> dict:
     peak_memory = [m[PEAK_MEMORY_KEY] for m in per_rank if PEAK_MEMORY_KEY in m]
     if peak_memory:
         out[PEAK_MEMORY_KEY] = float(max(peak_memory))
-    busy = np.array([m.get("busy_seconds", 0.0) for m in per_rank], dtype=np.float64)
-    if busy.size and busy.mean() > 0:
-        out["balance/imbalance_measured"] = float(busy.max() / busy.mean())
-        out["timing_s/busy_max"] = float(busy.max())
-        out["timing_s/busy_mean"] = float(busy.mean())
+    out.update(measured_balance_metrics(busy_seconds(per_rank)))
     return out
+
+
+def busy_seconds(per_rank: list[dict]) -> np.ndarray:
+    """Each rank's busy seconds of one engine call: its own compute, without the time it waited in
+    collectives for slower ranks (engine/timing.py); a rank that only waited counts 0."""
+    return np.array([m.get("busy_seconds", 0.0) for m in per_rank], dtype=np.float64)
+
+
+def measured_balance_metrics(busy: np.ndarray) -> dict:
+    """``balance/imbalance_measured`` (max / mean over ranks of the per-rank busy seconds) and
+    ``timing_s/busy_max|mean``; nothing when no rank was busy. The one definition of the measured
+    imbalance: SFT passes one engine call's ``busy_seconds``, GRPO their sum over a step's updates."""
+    if not busy.size or busy.mean() <= 0:
+        return {}
+    return {
+        "balance/imbalance_measured": float(busy.max() / busy.mean()),
+        "timing_s/busy_max": float(busy.max()),
+        "timing_s/busy_mean": float(busy.mean()),
+    }
 
 
 def plan_metrics(plan) -> dict:

@@ -72,92 +72,100 @@ def _cpu_device_module() -> types.ModuleType:
     return module
 
 
+class _CPUPlatformMethods:
+    """The methods of ``PlatformCPU`` (verl's ``PlatformBase`` contract): device ``cpu``, collectives
+    over gloo, memory and stream calls as no-ops. Kept apart from verl's base class so that this
+    module imports without verl; ``platform_class`` puts the two together."""
+
+    _device_module: types.ModuleType
+
+    @property
+    def device_name(self) -> str:
+        return "cpu"
+
+    @property
+    def vendor_name(self) -> str:
+        return "cpu"
+
+    @property
+    def device_module(self) -> types.ModuleType:
+        return self._device_module
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_platform_available(self, use_smi_check=False) -> bool:
+        return not torch.cuda.is_available()
+
+    def current_device(self) -> str:
+        # verl moves modules and batches to ``get_device_id()``; an index would mean cuda:<index>.
+        return "cpu"
+
+    def device_count(self) -> int:
+        return 1
+
+    def set_device(self, device_index: int) -> None:
+        return None
+
+    def synchronize(self, device_index=None) -> None:
+        return None
+
+    def communication_backend_name(self) -> str:
+        return "gloo"
+
+    def visible_devices_envvar(self) -> str:
+        return "VERL_CPU_VISIBLE_DEVICES"
+
+    def ray_resource_name(self) -> str:
+        return "CPU"
+
+    def ray_resource_options(self, num_gpus: float) -> dict:
+        return {}
+
+    def is_ipc_supported(self) -> bool:
+        return False
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    def set_allocator_settings(self, settings: str) -> None:
+        return None
+
+    def empty_cache(self) -> None:
+        return None
+
+    def get_device_capability(self, device_index: int = 0):
+        return None, None
+
+    @contextlib.contextmanager
+    def nvtx_range(self, msg: str):
+        yield
+
+    def profiler_start(self) -> None:
+        return None
+
+    def profiler_stop(self) -> None:
+        return None
+
+    def ray_noset_envvars(self) -> list[str]:
+        return []
+
+    def cudart(self):
+        return None
+
+
 @functools.lru_cache(maxsize=1)
 def platform_class() -> type:
     """``PlatformCPU``, a subclass of verl's ``PlatformBase`` (defined on first use: it needs verl)."""
     from verl.plugin.platform.platform_base import PlatformBase
 
-    class PlatformCPU(PlatformBase):
+    class PlatformCPU(_CPUPlatformMethods, PlatformBase):
         """verl platform for hosts without an accelerator: device ``cpu``, collectives over gloo."""
 
         _device_module = _cpu_device_module()
-
-        @property
-        def device_name(self) -> str:
-            return "cpu"
-
-        @property
-        def vendor_name(self) -> str:
-            return "cpu"
-
-        @property
-        def device_module(self) -> types.ModuleType:
-            return self._device_module
-
-        def is_available(self) -> bool:
-            return True
-
-        def is_platform_available(self, use_smi_check=False) -> bool:
-            return not torch.cuda.is_available()
-
-        def current_device(self) -> str:
-            # verl moves modules and batches to ``get_device_id()``; an index would mean cuda:<index>.
-            return "cpu"
-
-        def device_count(self) -> int:
-            return 1
-
-        def set_device(self, device_index: int) -> None:
-            return None
-
-        def synchronize(self, device_index=None) -> None:
-            return None
-
-        def communication_backend_name(self) -> str:
-            return "gloo"
-
-        def visible_devices_envvar(self) -> str:
-            return "VERL_CPU_VISIBLE_DEVICES"
-
-        def ray_resource_name(self) -> str:
-            return "CPU"
-
-        def ray_resource_options(self, num_gpus: float) -> dict:
-            return {}
-
-        def is_ipc_supported(self) -> bool:
-            return False
-
-        def manual_seed(self, seed: int) -> None:
-            torch.manual_seed(seed)
-
-        def manual_seed_all(self, seed: int) -> None:
-            torch.manual_seed(seed)
-
-        def set_allocator_settings(self, settings: str) -> None:
-            return None
-
-        def empty_cache(self) -> None:
-            return None
-
-        def get_device_capability(self, device_index: int = 0):
-            return None, None
-
-        @contextlib.contextmanager
-        def nvtx_range(self, msg: str):
-            yield
-
-        def profiler_start(self) -> None:
-            return None
-
-        def profiler_stop(self) -> None:
-            return None
-
-        def ray_noset_envvars(self) -> list[str]:
-            return []
-
-        def cudart(self):
-            return None
 
     return PlatformCPU
 

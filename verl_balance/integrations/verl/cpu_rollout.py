@@ -232,18 +232,10 @@ class CPURolloutServer:
         self.has_weights = True
         return len(named_tensors)
 
-    def generate(
-        self,
-        request_id: str,
-        *,
-        prompt_ids: list[int],
-        sampling_params: dict[str, Any],
-        image_data: Any = None,
-        video_data: Any = None,
-        **kwargs: Any,
-    ) -> TokenOutput:
-        """verl's token-in/token-out call: sample a response to ``prompt_ids`` (see the module doc)."""
-        if image_data is not None or video_data is not None or kwargs.get("audio_data") is not None:
+    def _checked_params(self, request_id: str, sampling_params: dict[str, Any], *, media: tuple) -> dict[str, Any]:
+        """A copy of ``sampling_params``; CPURolloutError for what this rollout cannot do (multimodal
+        ``media``, a repetition penalty) or before the trainer sent weights."""
+        if any(m is not None for m in media):
             raise CPURolloutError(f"{ROLLOUT_NAME}: multimodal inputs are not supported (request {request_id})")
         if not self.has_weights:
             raise CPURolloutError(
@@ -254,7 +246,12 @@ class CPURolloutServer:
         repetition_penalty = params.pop("repetition_penalty", 1.0)
         if repetition_penalty != 1.0:
             raise CPURolloutError(f"{ROLLOUT_NAME}: repetition_penalty={repetition_penalty} is not supported (1.0)")
-        prompt_ids = [int(t) for t in prompt_ids]
+        return params
+
+    def _max_tokens(self, request_id: str, prompt_ids: list[int], params: dict[str, Any]) -> int:
+        """Tokens to sample: the request's ``max_tokens`` / ``max_new_tokens`` (popped from ``params``),
+        else the configured response length within prompt + response length; never past
+        ``max_model_len``. CPURolloutError when that leaves no room."""
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
             raise CPURolloutError(
@@ -270,6 +267,24 @@ class CPURolloutServer:
         max_tokens = min(max_tokens, room)
         if max_tokens < 1:
             raise CPURolloutError(f"{ROLLOUT_NAME}: max_tokens={max_tokens} for request {request_id}: need >= 1")
+        return max_tokens
+
+    def generate(
+        self,
+        request_id: str,
+        *,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        image_data: Any = None,
+        video_data: Any = None,
+        **kwargs: Any,
+    ) -> TokenOutput:
+        """verl's token-in/token-out call: sample a response to ``prompt_ids`` (see the module doc)."""
+        params = self._checked_params(
+            request_id, sampling_params, media=(image_data, video_data, kwargs.get("audio_data"))
+        )
+        prompt_ids = [int(t) for t in prompt_ids]
+        max_tokens = self._max_tokens(request_id, prompt_ids, params)
         temperature = float(params.get("temperature", self.config.temperature))
         top_k = int(params.get("top_k", self.config.top_k))
         top_p = float(params.get("top_p", self.config.top_p))

@@ -50,9 +50,9 @@ from verl.workers.config import EngineConfig as VerlEngineConfig  # noqa: E402
 from verl.workers.config import FSDPEngineConfig  # noqa: E402
 from verl.workers.engine.base import BaseEngine, EngineRegistry  # noqa: E402
 
+from verl_balance.balance.plan import _sync_figures as sync_figures  # noqa: E402
 from verl_balance.balance.plan import plan_balance  # noqa: E402
 from verl_balance.distributed.layout import ParallelLayout  # noqa: E402
-from verl_balance.distributed.ulysses import gather_and_unpad  # noqa: E402
 from verl_balance.engine.config import (  # noqa: E402
     DEFAULT_LOGITS_CHUNK_SIZE,
     EngineConfig,
@@ -365,8 +365,24 @@ class VerlBalanceEngine(BaseEngine):
 
     # ------------------------------------------------------------------ micro-batches
     def _plan(self, data) -> tuple[list[list[int]], dict]:
-        """Micro-batches (row indices, ascending) of this rank; the count agreed over the DP group."""
+        """Micro-batches (row indices, ascending) of this rank in run order, the count agreed over
+        the DP group, and the plan's ``verl_balance/engine_*`` metrics (collective over DP)."""
         lengths = data["input_ids"].offsets().diff().cpu().numpy()
+        micro = self._agreed_micro_batches(data, lengths)
+        workload = self.engine.flops_workload
+        sample_cost = workload.cost(lengths) if workload is not None else lengths.astype(np.float64)
+        planned_cost = np.array([float(sample_cost[m].sum()) for m in micro])
+        # FSDP synchronises micro-batch j of every DP rank: running each rank's micro-batches from the
+        # most to the least expensive lines up similar costs in the same slot (results do not depend
+        # on the order; the loss is a sum over micro-batches).
+        order = np.argsort(-planned_cost, kind="stable")
+        metrics = self._sync_metrics(planned_cost, planned_cost[order])
+        metrics["verl_balance/engine_num_micro_batches"] = len(micro)
+        return [micro[k] for k in order], metrics
+
+    def _agreed_micro_batches(self, data, lengths: np.ndarray) -> list[list[int]]:
+        """This rank's micro-batches from ``plan_balance`` under verl's token cap or micro-batch
+        size, made as many as the most any DP rank has (one all-reduce over the DP group)."""
         use_dynamic_bsz = tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True)
         cap = size = None
         if use_dynamic_bsz:
@@ -392,30 +408,26 @@ class VerlBalanceEngine(BaseEngine):
             k = max(range(len(micro)), key=lambda j: len(micro[j]))
             half = len(micro[k]) // 2
             micro[k : k + 1] = [micro[k][:half], micro[k][half:]]
-        micro += [[] for _ in range(target - len(micro))]
-        workload = self.engine.flops_workload
-        sample_cost = workload.cost(lengths) if workload is not None else lengths.astype(np.float64)
-        planned_cost = np.array([float(sample_cost[m].sum()) for m in micro])
-        # FSDP synchronises micro-batch j of every DP rank: running each rank's micro-batches from the
-        # most to the least expensive lines up similar costs in the same slot (results do not depend
-        # on the order; the loss is a sum over micro-batches).
-        order = np.argsort(-planned_cost, kind="stable")
-        micro = [micro[k] for k in order]
-        mine = torch.tensor(
-            np.stack([planned_cost, planned_cost[order]]), dtype=torch.float64, device=self.layout.device
-        )
+        return micro + [[] for _ in range(target - len(micro))]
+
+    def _sync_metrics(self, planned_cost: np.ndarray, run_cost: np.ndarray) -> dict:
+        """The DP imbalance and the per-slot sync ratio of the planned and the run order, from every
+        DP rank's micro-batch costs (one all-gather over the DP group), by the balancer's own
+        definition (``balance.plan``'s sync figures: sum over slots of the slowest rank's cost,
+        over the bound; here the bound is the most expensive rank's total)."""
+        mine = torch.tensor(np.stack([planned_cost, run_cost]), dtype=torch.float64, device=self.layout.device)
         gathered = [torch.empty_like(mine) for _ in range(self.layout.dp)]
         dist.all_gather(gathered, mine, group=self.layout.dp_group)
         costs = torch.stack(gathered).cpu().numpy()  # [dp, (planned order, run order), micro]
         rank_total = costs[:, 0].sum(-1)
-        bound = max(float(rank_total.max()), 1e-30)
-        metrics = {
-            "verl_balance/engine_dp_imbalance": float(rank_total.max() / max(rank_total.mean(), 1e-30)),
-            "verl_balance/engine_planned_order_sync_ratio": float(costs[:, 0].max(0).sum() / bound),
-            "verl_balance/engine_sync_ratio": float(costs[:, 1].max(0).sum() / bound),
-            "verl_balance/engine_num_micro_batches": target,
+        dp_imbalance, _, _ = sync_figures(costs[:, 0], float(rank_total.mean()))
+        _, _, planned_order_sync_ratio = sync_figures(costs[:, 0], float(rank_total.max()))
+        _, _, sync_ratio = sync_figures(costs[:, 1], float(rank_total.max()))
+        return {
+            "verl_balance/engine_dp_imbalance": dp_imbalance,
+            "verl_balance/engine_planned_order_sync_ratio": planned_order_sync_ratio,
+            "verl_balance/engine_sync_ratio": sync_ratio,
         }
-        return micro, metrics
 
     def _model_output(self, micro_batch, *, calculate_entropy: bool) -> dict:
         """Forward one micro-batch; log-probs (and entropy) as jagged tensors in verl's alignment:
@@ -430,27 +442,19 @@ class VerlBalanceEngine(BaseEngine):
         )
         temperature = tu.get_non_tensor_data(data=micro_batch, key="temperature", default=1.0)
         if isinstance(temperature, torch.Tensor):
-            per_token = torch.repeat_interleave(temperature.float().cpu(), torch.as_tensor(packed.seq_lens))
-            per_token = torch.cat([per_token, per_token.new_ones(packed.padded_len - packed.total_len)])
-            temperature = per_token[packed.local_slice].to(self.layout.device)
+            temperature = packed.local_per_sample(temperature.float(), padding=1.0)
         else:
             temperature = float(temperature)
-        # The engine's own output head (chunked over tokens: no [T, V] logits are held).
-        log_probs, entropy = engine.forward_log_probs(packed, temperature=temperature, with_entropy=calculate_entropy)
-        group = self.layout.sp_group
+        # The engine's own log-probs (chunked output head: no [T, V] logits), gathered over SP.
+        log_probs, entropy = engine.gathered_log_probs(packed, temperature=temperature, with_entropy=calculate_entropy)
         offsets = packed.cu_seqlens.to(log_probs.device)
-        ends = offsets[1:] - 1
+        # Ours predict the next token at every position but each sample's last (loss mask 0 there);
+        # verl holds 0 at that position.
         keep = torch.ones(packed.total_len, device=log_probs.device)
-        keep[ends] = 0
-        out = {
-            "log_probs": torch.nested.nested_tensor_from_jagged(
-                gather_and_unpad(log_probs, group=group, length=packed.total_len) * keep, offsets
-            )
-        }
+        keep[offsets[1:] - 1] = 0
+        out = {"log_probs": torch.nested.nested_tensor_from_jagged(log_probs * keep, offsets)}
         if calculate_entropy:
-            out["entropy"] = torch.nested.nested_tensor_from_jagged(
-                gather_and_unpad(entropy, group=group, length=packed.total_len), offsets
-            )
+            out["entropy"] = torch.nested.nested_tensor_from_jagged(entropy, offsets)
         return out
 
     def _global_loss_tokens(self, data) -> float:
