@@ -133,7 +133,6 @@ def _rank_metrics(*, rank: int, memory_gb: float | None, busy: float) -> dict:
         "perf/tokens_per_s_per_device": 320.0,
         "perf/mfu": 0.41,
         "busy_seconds": busy,
-        "compute_seconds": 0.4,
         "micro_batch_busy_seconds": [busy / 2, busy / 2],
     }
     if memory_gb is not None:

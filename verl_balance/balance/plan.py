@@ -566,7 +566,7 @@ def _cell_sums(unit_micro_batches, unit_values: np.ndarray) -> np.ndarray:
     return np.bincount(cell_of, weights=unit_values[units], minlength=len(flat)).reshape(dp_size, num_micro)
 
 
-def _sync_figures(cell_costs: np.ndarray, lower_bound: float) -> tuple[float, float, float]:
+def sync_figures(cell_costs: np.ndarray, lower_bound: float) -> tuple[float, float, float]:
     """(max rank cost / bound, sum_j max_d cost, that / bound); ratios are 1 for an all-zero batch."""
     rank_max = float(cell_costs.sum(axis=1).max())
     sync = float(cell_costs.max(axis=0).sum())
@@ -589,8 +589,8 @@ def _stats(
         bound = max(1, -(-items_per_rank // bound_mbs))
     # Every plan has at least `bound` micro-batches, each paying the fixed cost on every rank.
     lower_bound = max(total / dp_size, float(inputs.rank_unit_cost.max())) + bound * inputs.micro_batch_cost
-    imbalance, sync, sync_ratio = _sync_figures(cell_costs, lower_bound)
-    naive_imbalance, naive_sync, naive_sync_ratio = _sync_figures(naive_costs, lower_bound)
+    imbalance, sync, sync_ratio = sync_figures(cell_costs, lower_bound)
+    naive_imbalance, naive_sync, naive_sync_ratio = sync_figures(naive_costs, lower_bound)
     per_sp_rank = -(-cell_tokens // sp_size)
     slot = cell_costs
     slot_mean = slot.mean(axis=0)
