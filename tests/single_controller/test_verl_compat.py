@@ -309,6 +309,7 @@ def test_plain_group_drives_verl_workers_once_the_integration_is_imported(verl_r
     group = ours.RayWorkerGroup(pool, ours.RayClassWithInitArgs(cls=Accumulator, offset=0.5), device_name="cpu")
     try:
         assert _plain(group.add(1.0)) == verl_results["add"]
+        assert _plain(group.scale([2.0, 3.0])) == verl_results["scale"]  # the scenario's state before stamp
         assert _plain(group.stamp(_rows(6))) == verl_results["stamp"]
         assert _plain(group.stamp(_rows(5, auto_padding=True))) == verl_results["stamp_padded"]
         assert _plain(group.stamp_replicated(_rows(3))) == verl_results["stamp_replicated"]
