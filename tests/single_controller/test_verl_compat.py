@@ -1,8 +1,9 @@
-"""verl-style worker code on our single controller.
+"""verl-style worker code on our single controller, through the verl integration's extension.
 
 Reference: verl 0.9.1's own single controller. The same worker class, written the way verl's docs
 write one (verl's ``Worker``, ``register``, ``Dispatch``, ``@ray.remote``), is driven through the
-same calls by verl's ``RayWorkerGroup`` and by ours; every result must be equal. The scenario
+same calls by verl's ``RayWorkerGroup`` and by ours (``integrations.verl.RayWorkerGroup``: verl's
+constructor on our group); every result must be equal. The scenario
 checks its own power: DP_COMPUTE_PROTO outputs name the rank that produced each row, so a
 controller that broadcast the DataProto (each rank processing every row) would return twice the
 rows with the wrong ranks.
@@ -32,6 +33,8 @@ from verl.single_controller.base.decorator import (  # noqa: E402
 )
 
 from verl_balance import single_controller as ours  # noqa: E402
+from verl_balance.integrations.verl import worker_group as verl_group  # noqa: E402  (installs the extension)
+from verl_balance.integrations.verl.controller import drop_padding, pad_for_even_chunks  # noqa: E402
 from verl_balance.single_controller.decorator import get_registration  # noqa: E402
 
 # the worker class below is shipped to the Ray workers by value (this test module is not importable there)
@@ -164,7 +167,7 @@ def verl_results(ray_cluster):
 @pytest.fixture(scope="module")
 def our_group(ray_cluster):
     pool = ours.RayResourcePool([NUM_WORKERS], use_gpu=False)  # exactly verl's call; our default colocate count 1
-    group = ours.RayWorkerGroup(pool, ours.RayClassWithInitArgs(cls=Accumulator, offset=0.5), device_name="cpu")
+    group = verl_group.RayWorkerGroup(pool, ours.RayClassWithInitArgs(cls=Accumulator, offset=0.5), device_name="cpu")
     yield group
     group.shutdown()
     pool.remove()
@@ -257,8 +260,6 @@ def test_resource_pool_takes_verls_positional_constructor():
 
 
 def test_auto_padded_dataproto_is_padded_on_a_copy_and_the_padding_dropped():
-    from verl_balance.single_controller.verl_compat import drop_padding, pad_for_even_chunks
-
     data = _rows(5, auto_padding=True)
     (padded,), _, padding = pad_for_even_chunks((data,), {}, 2)
     assert padding == 1 and len(padded) == 6 and padded.batch["x"].tolist() == [0, 1, 2, 3, 4, 4]  # last row repeated
@@ -289,15 +290,43 @@ def test_worker_group_rejects_verl_options_it_cannot_honour_before_starting_anyt
         ({"ray_wait_register_center_timeout": 5, "ready_timeout_s": 5}, "not both"),
     ]:
         with pytest.raises(ours.WorkerGroupError, match=match):
-            ours.RayWorkerGroup(pool, cia, **kwargs)
+            verl_group.RayWorkerGroup(pool, cia, **kwargs)
     assert pool.pgs is None  # nothing was placed
     # verl's own RayClassWithInitArgs is taken over with its class, arguments and actor options
     verl_cia = VerlClassWithInitArgs(Accumulator, 0.5, tag="x")
     verl_cia.update_options({"max_concurrency": 2})
-    coerced = ours.RayClassWithInitArgs.coerce(verl_cia)
+    coerced = verl_group.class_with_init_args(verl_cia)
     assert (coerced.cls, coerced.args, coerced.kwargs, coerced.options) == (
         Accumulator.__ray_actor_class__,
         (0.5,),
         {"tag": "x"},
         {"max_concurrency": 2},
     )
+
+
+@pytest.mark.slow
+def test_plain_group_drives_verl_workers_once_the_integration_is_imported(verl_results, ray_cluster):
+    # our generic group (not the verl subclass): the installed extension reads verl's marks and meshes
+    pool = ours.RayResourcePool([NUM_WORKERS], use_gpu=False)
+    group = ours.RayWorkerGroup(pool, ours.RayClassWithInitArgs(cls=Accumulator, offset=0.5), device_name="cpu")
+    try:
+        assert _plain(group.add(1.0)) == verl_results["add"]
+        assert _plain(group.scale([2.0, 3.0])) == verl_results["scale"]  # the scenario's state before stamp
+        assert _plain(group.stamp(_rows(6))) == verl_results["stamp"]
+        assert _plain(group.stamp(_rows(5, auto_padding=True))) == verl_results["stamp_padded"]
+        assert _plain(group.stamp_replicated(_rows(3))) == verl_results["stamp_replicated"]
+        assert not hasattr(group, "execute_all_sync")  # verl's method names live on the verl subclass only
+    finally:
+        group.shutdown()
+        pool.remove()
+
+
+def test_verl_marks_are_unknown_to_the_dispatcher_without_the_extension(monkeypatch):
+    from verl_balance.single_controller import extensions
+
+    method = Accumulator.__ray_actor_class__.stamp
+    assert get_registration(method) is not None
+    monkeypatch.setattr(extensions, "_EXTENSIONS", [])  # negative control: the extension is what reads them
+    assert get_registration(method) is None
+    with pytest.raises(ours.DispatchError, match="must be a Dispatch member"):
+        ours.register(dispatch_mode=Dispatch.DP_COMPUTE_PROTO)

@@ -5,10 +5,11 @@ Ray-free (importable by worker classes and tests without Ray): ``Worker``, ``reg
 ``RayClassWithInitArgs``, ``RayWorkerGroup``, ``WorkerDiedError``, ...) are imported on first
 access, so ``import verl_balance.single_controller`` alone does not import Ray.
 
-verl-style code runs unchanged: ``RayResourcePool([2], use_gpu=False)``, ``RayWorkerGroup(pool,
-RayClassWithInitArgs(cls=ray.remote(MyWorker)), device_name="cpu")``, workers subclassing verl's
-``Worker`` with verl's ``register`` / ``Dispatch`` / ``make_nd_compute_dataproto_dispatch_fn``, and
-verl ``DataProto`` arguments (see ``verl_compat``). verl stays optional and is never imported here.
+The shape is verl's (``RayResourcePool([2], use_gpu=False)``, ``RayWorkerGroup(pool,
+RayClassWithInitArgs(cls=ray.remote(MyWorker)), device_name="cpu")``, ``@register``), but this
+package knows no framework: another framework's workers, modes and row containers plug in through
+``extensions`` (``ControllerExtension``, ``register_row_container``). verl's are installed by
+importing ``verl_balance.integrations.verl``, whose ``RayWorkerGroup`` also takes verl's constructor.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from verl_balance.single_controller.decorator import (
+from verl_balance.single_controller.decorator import register
+from verl_balance.single_controller.modes import (
     Dispatch,
     DispatchError,
     Execute,
@@ -25,7 +27,6 @@ from verl_balance.single_controller.decorator import (
     MeshLayout,
     MeshLayoutError,
     make_mesh_dispatch,
-    register,
 )
 from verl_balance.single_controller.worker import Worker
 
@@ -35,6 +36,8 @@ _RAY_EXPORTS = {
     "RayClassWithInitArgs": "worker_group",
     "RayWorkerGroup": "worker_group",
     "GroupFuture": "worker_group",
+    "GroupMethod": "worker_group",
+    "group_method": "worker_group",
     "WorkerDiedError": "worker_group",
     "WorkerTimeoutError": "worker_group",
     "WorkerGroupError": "worker_group",

@@ -16,10 +16,10 @@ mode                   dispatch                                      collect
 ONE_TO_ALL             every rank gets the same arguments            list of W outputs
 ALL_TO_ALL             every argument is a list of W; rank i gets    list of W outputs
                        item i
-DP_COMPUTE_PROTO       every row argument (``Batch``, verl           ``Batch.concat`` in rank order
-                       ``DataProto``, ``TensorDict``) is chunked      (verl's concat for DataProto /
-                       into W (rank i gets chunk i); other            TensorDict; a list otherwise)
-                       arguments are passed to every rank
+DP_COMPUTE_PROTO       every row argument (a registered row           the container's concat in rank
+                       container: ``Batch``, verl's ``DataProto``)    order (``Batch.concat``); a
+                       is chunked into W (rank i gets chunk i);       list otherwise
+                       other arguments are passed to every rank
 DP_COMPUTE_METRIC      as DP_COMPUTE_PROTO                           list of W outputs
 MeshDispatch(name)     DP-mesh aware, see below                      outputs of the ``is_collect``
                                                                      rank of each DP group, in DP
@@ -35,26 +35,34 @@ ranks of the DP group see the same rows, as sequence parallelism requires); non-
 to every worker. Exactly one worker per DP group has ``is_collect`` (SP rank 0), and only those
 outputs are returned, so replicated SP outputs are not counted twice.
 
-verl's ``Dispatch`` / ``Execute`` members and ``make_nd_compute_dataproto_dispatch_fn`` are
-accepted by ``register`` and by the worker group where we have the same mode (see
-``verl_compat``); verl itself is never imported here.
+Another framework's mode objects and ``register`` marks are accepted where an installed
+``ControllerExtension`` translates them, and its row containers are split and joined through the
+``extensions`` registry (the verl integration installs both; nothing here knows verl). The modes,
+errors and the mesh table live in the leaf module ``modes``; their names are re-exported here.
 
 This module does not import Ray.
 """
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 from verl_balance.protocol import Batch
-from verl_balance.single_controller.verl_compat import (
+from verl_balance.single_controller.extensions import concat_rows, read_registration, split_rows, translate_modes
+from verl_balance.single_controller.modes import (
+    MAGIC_ATTR,
+    Dispatch,
+    DispatchError,
+    Execute,
+    MeshDispatch,
+    MeshInfo,
+    MeshLayout,
+    MeshLayoutError,
+    PerRankCalls,
+    Registration,
     UnsupportedDispatch,
-    chunk_verl_rows,
-    concat_verl_rows,
-    translate_verl_modes,
+    make_mesh_dispatch,
 )
 
 __all__ = [
@@ -66,118 +74,14 @@ __all__ = [
     "MeshLayoutError",
     "DispatchError",
     "MAGIC_ATTR",
+    "Registration",
+    "UnsupportedDispatch",
     "register",
     "make_mesh_dispatch",
     "get_registration",
     "dispatch_args",
     "collect_outputs",
 ]
-
-MAGIC_ATTR = "__verl_balance_register__"
-
-PerRankCalls = list[tuple[tuple, dict]]
-
-
-class Dispatch(enum.Enum):
-    """Predefined dispatch modes; see the module docstring. Mesh-aware: ``make_mesh_dispatch``."""
-
-    ONE_TO_ALL = "one_to_all"
-    ALL_TO_ALL = "all_to_all"
-    DP_COMPUTE_PROTO = "dp_compute_proto"
-    DP_COMPUTE_METRIC = "dp_compute_metric"
-
-
-class Execute(enum.Enum):
-    """Which ranks run the method."""
-
-    ALL = "all"
-    RANK_ZERO = "rank_zero"
-
-
-class DispatchError(ValueError):
-    """The driver's arguments do not fit the method's dispatch mode."""
-
-
-class MeshLayoutError(ValueError):
-    """The workers' registered mesh information is missing or inconsistent."""
-
-
-@dataclass(frozen=True)
-class MeshDispatch:
-    """Dispatch by the DP coordinates the workers registered under ``mesh_name``."""
-
-    mesh_name: str
-
-
-def make_mesh_dispatch(mesh_name: str) -> MeshDispatch:
-    """The mesh-aware dispatch mode for ``mesh_name`` (verl: make_nd_compute_dataproto_dispatch_fn)."""
-    return MeshDispatch(mesh_name)
-
-
-@dataclass(frozen=True)
-class MeshInfo:
-    """One worker's place in a mesh: its DP group and whether its outputs are returned."""
-
-    dp_rank: int
-    dp_size: int
-    is_collect: bool
-
-
-@dataclass(frozen=True)
-class MeshLayout:
-    """Every worker's ``MeshInfo`` for one mesh name, validated: the driver's routing table."""
-
-    mesh_name: str
-    dp_size: int
-    dp_rank_of_worker: tuple[int, ...]
-    collect_worker_of_dp_rank: tuple[int, ...]
-
-    @classmethod
-    def from_worker_infos(cls, mesh_name: str, infos: Sequence[MeshInfo | None]) -> MeshLayout:
-        """Validate the per-worker infos (index = worker rank) and build the routing table."""
-        missing = [rank for rank, info in enumerate(infos) if info is None]
-        if missing:
-            raise MeshLayoutError(
-                f"worker rank(s) {missing} did not register mesh {mesh_name!r}; call "
-                f"self.register_mesh({mesh_name!r}, dp_rank=..., dp_size=..., is_collect=...) in every worker"
-            )
-        dp_sizes = sorted({info.dp_size for info in infos})
-        if len(dp_sizes) != 1 or dp_sizes[0] < 1:
-            raise MeshLayoutError(f"workers registered different or invalid dp_size for mesh {mesh_name!r}: {dp_sizes}")
-        dp_size = dp_sizes[0]
-        bad = {rank: info.dp_rank for rank, info in enumerate(infos) if not 0 <= info.dp_rank < dp_size}
-        if bad:
-            raise MeshLayoutError(f"mesh {mesh_name!r}: dp_rank outside [0, {dp_size}) for worker ranks {bad}")
-        collectors: dict[int, list[int]] = {d: [] for d in range(dp_size)}
-        members: dict[int, list[int]] = {d: [] for d in range(dp_size)}
-        for rank, info in enumerate(infos):
-            members[info.dp_rank].append(rank)
-            if info.is_collect:
-                collectors[info.dp_rank].append(rank)
-        empty = [d for d, ranks in members.items() if not ranks]
-        if empty:
-            raise MeshLayoutError(f"mesh {mesh_name!r}: no worker registered dp_rank(s) {empty} of dp_size={dp_size}")
-        wrong = {d: ranks for d, ranks in collectors.items() if len(ranks) != 1}
-        if wrong:
-            raise MeshLayoutError(
-                f"mesh {mesh_name!r}: each DP group needs exactly one is_collect worker; "
-                f"got {wrong} (dp_rank -> worker ranks)"
-            )
-        return cls(
-            mesh_name=mesh_name,
-            dp_size=dp_size,
-            dp_rank_of_worker=tuple(info.dp_rank for info in infos),
-            collect_worker_of_dp_rank=tuple(collectors[d][0] for d in range(dp_size)),
-        )
-
-
-@dataclass(frozen=True)
-class Registration:
-    """What ``register`` attached to a worker method."""
-
-    dispatch_mode: Dispatch | MeshDispatch | UnsupportedDispatch
-    execute_mode: Execute
-    blocking: bool
 
 
 def register(
@@ -188,11 +92,12 @@ def register(
     """Mark a worker method as callable from the driver's worker group with these modes.
 
     ``blocking=False`` makes the group method return a ``GroupFuture`` (call ``.get()``).
-    The method itself is unchanged and still callable directly on the worker. verl's
-    ``Dispatch``/``Execute`` members and ``make_nd_compute_dataproto_dispatch_fn(name)`` are
-    translated to ours; verl modes without an equivalent raise ``DispatchError`` here.
+    The method itself is unchanged and still callable directly on the worker. Another framework's
+    mode objects are translated by an installed ``ControllerExtension`` (the verl integration's:
+    verl's ``Dispatch``/``Execute`` members and ``make_nd_compute_dataproto_dispatch_fn(name)``);
+    modes without an equivalent raise ``DispatchError`` here.
     """
-    translated = translate_verl_modes(dispatch_mode, execute_mode, method="register")
+    translated = translate_modes(dispatch_mode, execute_mode, method="register")
     if translated is not None:
         dispatch_mode, execute_mode = translated
         if isinstance(dispatch_mode, UnsupportedDispatch):
@@ -212,39 +117,25 @@ def register(
 
 
 def get_registration(func: Any, *, name: str | None = None) -> Registration | None:
-    """The ``Registration`` of a worker method (ours, or verl's translated), or None if not registered.
+    """The ``Registration`` of a worker method (ours, or a foreign one an installed extension
+    reads), or None if not registered.
 
-    A verl registration without an equivalent here comes back with an ``UnsupportedDispatch``
+    A foreign registration without an equivalent here comes back with an ``UnsupportedDispatch``
     mode: the group binds it to a method that raises ``DispatchError`` with the reason.
     """
     registration = getattr(func, MAGIC_ATTR, None)
     if registration is not None:
         return registration
-    from verl_balance.single_controller.verl_compat import verl_registration_modes
-
-    modes = verl_registration_modes(func, method=name or getattr(func, "__name__", repr(func)))
-    if modes is None:
-        return None
-    dispatch_mode, execute_mode, blocking = modes
-    if not isinstance(execute_mode, Execute):
-        execute_mode = Execute.ALL
-    return Registration(dispatch_mode, execute_mode, blocking)
-
-
-def _row_chunks(num_chunks: int, value: Any, *, name: str) -> list | None:
-    """``num_chunks`` row chunks of a Batch / verl DataProto / TensorDict, None for other values."""
-    if isinstance(value, Batch):
-        return value.chunk(num_chunks)
-    return chunk_verl_rows(value, num_chunks, name=name)
+    return read_registration(func, method=name or getattr(func, "__name__", repr(func)))
 
 
 def _chunk_or_broadcast(num_chunks: int, value: Any, *, name: str) -> list:
-    chunks = _row_chunks(num_chunks, value, name=name)
+    chunks = split_rows(value, num_chunks, name=name)
     return [value] * num_chunks if chunks is None else chunks
 
 
 def _per_dp_rank(dp_size: int, value: Any, *, name: str) -> list:
-    chunks = _row_chunks(dp_size, value, name=name)
+    chunks = split_rows(value, dp_size, name=name)
     if chunks is not None:
         return chunks
     if isinstance(value, (list, tuple)) and value and all(isinstance(v, Batch) for v in value):
@@ -301,20 +192,13 @@ def dispatch_args(
     raise DispatchError(f"unknown dispatch mode {mode!r}")
 
 
-def _concat_if_batches(outputs: list) -> Any:
-    if outputs and all(isinstance(o, Batch) for o in outputs):
-        return Batch.concat(outputs)
-    concatenated = concat_verl_rows(outputs)
-    return outputs if concatenated is None else concatenated
-
-
 def collect_outputs(mode: Dispatch | MeshDispatch, outputs: list, *, mesh: MeshLayout | None = None) -> Any:
     """Turn the per-rank outputs (rank order) into the driver's return value (see module doc)."""
     if mode in (Dispatch.ONE_TO_ALL, Dispatch.ALL_TO_ALL, Dispatch.DP_COMPUTE_METRIC):
         return outputs
     if mode is Dispatch.DP_COMPUTE_PROTO:
-        return _concat_if_batches(outputs)
+        return concat_rows(outputs)
     if isinstance(mode, MeshDispatch):
         assert mesh is not None and mesh.mesh_name == mode.mesh_name
-        return _concat_if_batches([outputs[rank] for rank in mesh.collect_worker_of_dp_rank])
+        return concat_rows([outputs[rank] for rank in mesh.collect_worker_of_dp_rank])
     raise DispatchError(f"unknown dispatch mode {mode!r}")

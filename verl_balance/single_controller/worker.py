@@ -20,7 +20,8 @@ import sys
 
 import torch
 
-from verl_balance.single_controller.decorator import Dispatch, MeshInfo, MeshLayoutError, register
+from verl_balance.single_controller.decorator import register
+from verl_balance.single_controller.modes import Dispatch, MeshInfo, MeshLayoutError
 
 __all__ = ["Worker", "NUM_THREADS_ENV"]
 

@@ -30,57 +30,55 @@ The workers must import ``verl_balance``: install the package, export ``PYTHONPA
 ``ray start``, or pass ``ray.init(address=..., runtime_env={"env_vars": {"PYTHONPATH": repo}})``.
 ``RayResourcePool`` / ``RayWorkerGroup`` are used unchanged.
 
-verl compatibility: ``RayWorkerGroup(resource_pool, ray_cls_with_init, ..., device_name=...)`` takes
-verl's constructor (positional or keyword), a worker class subclassing verl's ``Worker`` gets the
-environment verl's group sets (``WG_BACKEND``, ``WG_PREFIX``, ``RAY_LOCAL_WORLD_SIZE``), its methods
-marked by verl's ``register`` are bound with the translated modes (``verl_compat``), and
-``execute_all_sync`` / ``execute_rank_zero_sync`` behave as verl's. One difference: verl's
-``execute_all`` is asynchronous (returns object refs); ours returns the results.
+Another framework's worker classes run here through an installed ``ControllerExtension``
+(``extensions.py``): it reads their ``register`` marks, adds the environment their base class
+expects and reads their mesh registrations. verl's constructor arguments and method names live in
+``verl_balance.integrations.verl.worker_group.RayWorkerGroup``, a subclass of this class.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import socket
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from verl_balance.protocol import Batch
-from verl_balance.single_controller.decorator import (
+from verl_balance.single_controller.decorator import collect_outputs, dispatch_args, get_registration
+from verl_balance.single_controller.extensions import extension_for_worker_class, pad_for_even_split
+from verl_balance.single_controller.modes import (
     Dispatch,
     Execute,
     MeshDispatch,
-    MeshInfo,
     MeshLayout,
     Registration,
-    collect_outputs,
-    dispatch_args,
-    get_registration,
+    UnsupportedDispatch,
 )
 from verl_balance.single_controller.resource_pool import RayResourcePool, check_device_name
-from verl_balance.single_controller.verl_compat import (
-    UnsupportedDispatch,
-    drop_padding,
-    is_verl_worker_class,
-    pad_for_even_chunks,
-)
 from verl_balance.single_controller.worker import NUM_THREADS_ENV
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "GroupMethod",
     "RayClassWithInitArgs",
     "RayWorkerGroup",
     "GroupFuture",
     "WorkerDiedError",
     "WorkerGroupError",
     "WorkerTimeoutError",
+    "declared_group_methods",
+    "group_method",
 ]
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 _PROTECTED_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", NUM_THREADS_ENV)
 
@@ -112,7 +110,7 @@ class WorkerGroupError(ValueError):
 class RayClassWithInitArgs:
     """A worker class plus the arguments for its constructor (and extra Ray actor options).
 
-    ``cls`` may be the plain class or ``ray.remote(cls)`` (verl's form).
+    ``cls`` may be the plain class or ``ray.remote(cls)``.
     """
 
     def __init__(self, cls: type, *args: Any, **kwargs: Any) -> None:
@@ -124,17 +122,6 @@ class RayClassWithInitArgs:
     def update_options(self, options: dict[str, Any]) -> None:
         """Extra ``ActorClass.options(...)`` (e.g. ``max_concurrency``); placement is the group's."""
         self.options.update(options)
-
-    @classmethod
-    def coerce(cls, value: Any) -> RayClassWithInitArgs:
-        """Ours unchanged; verl's ``RayClassWithInitArgs`` (cls, args, kwargs, _options) converted."""
-        if isinstance(value, cls):
-            return value
-        if all(hasattr(value, a) for a in ("cls", "args", "kwargs")):
-            ours = cls(value.cls, *value.args, **value.kwargs)
-            ours.update_options(dict(getattr(value, "_options", {}) or {}))
-            return ours
-        raise WorkerGroupError(f"ray_cls_with_init must be a RayClassWithInitArgs, got {type(value).__name__}")
 
 
 @ray.remote(num_cpus=0)
@@ -165,26 +152,127 @@ class GroupFuture:
         return self._finish(self._group._wait(self._method, self._refs, self._ranks, timeout_s=timeout_s))
 
 
-class _GroupMethod:
-    def __init__(self, group: RayWorkerGroup, name: str, registration: Registration, doc: str | None) -> None:
-        self._group, self._name, self._registration = group, name, registration
+class BoundGroupMethod(Generic[P, R]):
+    """A group method on one group: calling it runs dispatch -> execute -> collect; ``submit``
+    starts the same call and returns a ``GroupFuture``."""
+
+    def __init__(
+        self,
+        group: RayWorkerGroup,
+        name: str,
+        registration: Registration,
+        doc: str | None,
+        signature: inspect.Signature | None = None,
+    ) -> None:
+        self._group, self._name, self._registration, self._signature = group, name, registration, signature
         self.__name__ = name
         self.__doc__ = doc
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def _check_arguments(self, args: tuple, kwargs: dict) -> None:
+        # a declared method's signature catches a wrong call on the driver, before any dispatch
+        if self._signature is not None:
+            try:
+                self._signature.bind(self._group, *args, **kwargs)
+            except TypeError as error:
+                raise TypeError(f"{type(self._group).__name__}.{self._name}: {error}") from None
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R:
+        self._check_arguments(args, kwargs)
         future = self._group._call(self._name, self._registration, args, kwargs)
         return future.get() if self._registration.blocking else future
 
-    def submit(self, *args: Any, **kwargs: Any) -> GroupFuture:
+    def submit(self, *args: P.args, **kwargs: P.kwargs) -> GroupFuture:
         """Start the call on every worker and return at once, whatever the registration's
         ``blocking``; ``.get()`` waits and collects what the call would have returned. A Ray actor
         runs its calls in submission order, so calls submitted back to back reach every rank in
         the same order (their collectives line up) while the driver does other work."""
+        self._check_arguments(args, kwargs)
         return self._group._call(self._name, self._registration, args, kwargs)
 
     def __repr__(self) -> str:
         r = self._registration
         return f"<group method {self._name} dispatch={r.dispatch_mode} execute={r.execute_mode.name}>"
+
+
+class GroupMethod(Generic[P, R]):
+    """A driver-side method declared on a worker-group class with ``@group_method``.
+
+    The decorated function is the declaration: its name is the registered worker method it runs,
+    its signature is checked on every call, its docstring and types are what an editor shows; its
+    body is never run. On an instance it is a ``BoundGroupMethod`` that runs the worker method by
+    its registration (dispatch -> execute on every rank -> collect; ``.submit`` for a future).
+    """
+
+    def __init__(self, declaration: Callable[Concatenate[Any, P], R]) -> None:
+        self.declaration = declaration
+        self.name = declaration.__name__
+        self.__doc__ = declaration.__doc__
+        self.__wrapped__ = declaration
+
+    @overload
+    def __get__(self, group: None, owner: type | None = None) -> GroupMethod[P, R]: ...
+
+    @overload
+    def __get__(self, group: RayWorkerGroup, owner: type | None = None) -> BoundGroupMethod[P, R]: ...
+
+    def __get__(self, group: RayWorkerGroup | None, owner: type | None = None) -> Any:
+        if group is None:
+            return self
+        signature = inspect.signature(self.declaration)
+        return BoundGroupMethod(group, self.name, group._registrations[self.name], self.__doc__, signature)
+
+
+def group_method(declaration: Callable[Concatenate[Any, P], R]) -> GroupMethod[P, R]:
+    """Declare a registered worker method on a worker-group class (see ``GroupMethod``)."""
+    return GroupMethod(declaration)
+
+
+def declared_group_methods(cls: type) -> dict[str, GroupMethod]:
+    """The ``@group_method`` declarations of a group class and its bases, by name."""
+    return {
+        name: value
+        for klass in reversed(cls.__mro__)
+        for name, value in vars(klass).items()
+        if isinstance(value, GroupMethod)
+    }
+
+
+def _checked_worker_env(
+    resource_pool: Any, ray_cls_with_init: Any, worker_env: dict[str, str] | None
+) -> dict[str, str]:
+    """The group's arguments checked before anything starts; the worker environment as a new dict."""
+    if not isinstance(resource_pool, RayResourcePool):
+        raise WorkerGroupError(
+            f"resource_pool must be verl_balance's RayResourcePool, "
+            f"got {type(resource_pool).__module__}.{type(resource_pool).__name__}"
+        )
+    if not isinstance(ray_cls_with_init, RayClassWithInitArgs):
+        raise WorkerGroupError(
+            f"ray_cls_with_init must be a RayClassWithInitArgs, got {type(ray_cls_with_init).__name__}"
+        )
+    worker_env = dict(worker_env or {})
+    clash = sorted(set(worker_env) & set(_PROTECTED_ENV))
+    if clash:
+        raise WorkerGroupError(f"worker_env may not set {clash}: the group sets them for the rendezvous")
+    return worker_env
+
+
+def _rendezvous_env(pool: RayResourcePool, *, rank: int, local_rank: int, address: tuple[str, int]) -> dict[str, str]:
+    """The torchrun-style variables of one worker (``worker.Worker`` reads them)."""
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(pool.world_size),
+        "LOCAL_RANK": str(local_rank),
+        "LOCAL_WORLD_SIZE": str(pool.n_gpus_per_node),
+        "MASTER_ADDR": str(address[0]),
+        "MASTER_PORT": str(address[1]),
+        NUM_THREADS_ENV: str(pool.threads_per_worker),
+        "OMP_NUM_THREADS": str(pool.threads_per_worker),
+    }
+
+
+def _unchanged(output: Any) -> Any:
+    return output
 
 
 def _process_state(pid: int) -> str:
@@ -202,37 +290,33 @@ def _process_state(pid: int) -> str:
 class RayWorkerGroup:
     """One Ray actor per bundle of ``resource_pool``, rank = bundle order (node-major).
 
-    Args (verl's positional order first):
+    Args:
         resource_pool: where the workers go (placed here if not placed yet).
-        ray_cls_with_init: the worker class (our or verl's ``Worker`` subclass, plain or
-            ``ray.remote``) and its constructor arguments.
-        bin_pack: verl's flag; only True (each node's workers in one STRICT_PACK group).
+        ray_cls_with_init: the worker class (plain or ``ray.remote``) and its constructor arguments.
         name_prefix: prefix of the actor names (default: random).
-        detached, worker_names, worker_handles: verl's detached / attach modes; not supported.
-        ray_wait_register_center_timeout: verl's name for ``ready_timeout_s`` (give one of them).
-        device_name: verl's "cuda" / "cpu" (None: from the pool); "cpu" with GPU bundles is an error.
+        device_name: "cuda" / "cpu" (None: from the pool); "cpu" with GPU bundles is an error.
         worker_env: extra environment variables for every worker (may not override the
             rendezvous variables the group sets).
-        ready_timeout_s: how long to wait for all workers' constructors to finish (default 300 s).
+        ready_timeout_s: how long to wait for all workers' constructors to finish (None: 300 s).
         failure_grace_s: after a worker raises, how long to look for a dead peer that caused it.
         call_timeout_s: how long any call may wait for its ranks before ``WorkerTimeoutError``
             (None: no limit); ``GroupFuture.get(timeout_s)`` and ``ready_timeout_s`` override it.
         heartbeat_s: interval of the "still waiting" lines naming the ranks not answered yet
             (None or 0: none).
         timeout_hint: text appended to a timeout error (e.g. the config key that sets the timeout).
+
+    Methods: a subclass may declare the driver-side methods of the worker class it drives with
+    ``@group_method`` (``workers.group.ActorGroup``); every other registered worker method is
+    bound on the instance by name, which is how a generic group drives a worker class it does not
+    know (a user's, a test's, another framework's through its ``ControllerExtension``).
     """
 
     def __init__(
         self,
-        resource_pool: RayResourcePool | None = None,
-        ray_cls_with_init: RayClassWithInitArgs | None = None,
-        bin_pack: bool = True,
-        name_prefix: str | None = None,
-        detached: bool = False,
-        worker_names: list[str] | None = None,
-        worker_handles: list | None = None,
-        ray_wait_register_center_timeout: float | None = None,
+        resource_pool: RayResourcePool,
+        ray_cls_with_init: RayClassWithInitArgs,
         *,
+        name_prefix: str | None = None,
         device_name: str | None = None,
         worker_env: dict[str, str] | None = None,
         ready_timeout_s: float | None = None,
@@ -241,32 +325,7 @@ class RayWorkerGroup:
         heartbeat_s: float | None = None,
         timeout_hint: str = "",
     ) -> None:
-        if resource_pool is None or ray_cls_with_init is None or worker_names is not None or worker_handles is not None:
-            raise WorkerGroupError(
-                "RayWorkerGroup needs resource_pool and ray_cls_with_init; attaching to existing (detached) workers "
-                "via worker_names/worker_handles is not supported"
-            )
-        if not isinstance(resource_pool, RayResourcePool):
-            raise WorkerGroupError(
-                f"resource_pool must be verl_balance's RayResourcePool (same constructor as verl's), "
-                f"got {type(resource_pool).__module__}.{type(resource_pool).__name__}"
-            )
-        if not bin_pack:
-            raise WorkerGroupError(
-                "bin_pack=False is not supported: each node's workers form one STRICT_PACK placement group"
-            )
-        if detached:
-            raise WorkerGroupError("detached=True is not supported: the workers live as long as the driver")
-        if ray_wait_register_center_timeout is not None and ready_timeout_s is not None:
-            raise WorkerGroupError("give ready_timeout_s or verl's ray_wait_register_center_timeout, not both")
-        if ready_timeout_s is None:
-            verl_timeout = ray_wait_register_center_timeout
-            ready_timeout_s = 300.0 if verl_timeout is None else float(verl_timeout)
-        worker_env = dict(worker_env or {})
-        clash = sorted(set(worker_env) & set(_PROTECTED_ENV))
-        if clash:
-            raise WorkerGroupError(f"worker_env may not set {clash}: the group sets them for the rendezvous")
-        ray_cls_with_init = RayClassWithInitArgs.coerce(ray_cls_with_init)
+        worker_env = _checked_worker_env(resource_pool, ray_cls_with_init, worker_env)
         self.resource_pool = resource_pool
         self.ray_cls_with_init = ray_cls_with_init
         self.name_prefix = name_prefix or f"vb_{uuid.uuid4().hex[:6]}"
@@ -278,12 +337,22 @@ class RayWorkerGroup:
         self.call_timeout_s = call_timeout_s
         self.heartbeat_s = heartbeat_s
         self.timeout_hint = timeout_hint
-        self._is_verl_worker = is_verl_worker_class(ray_cls_with_init.cls)
+        self._extension = extension_for_worker_class(ray_cls_with_init.cls)
         self._bind_registered_methods(ray_cls_with_init.cls)  # before any worker starts: fails cheaply
-
-        pgs = resource_pool.get_placement_groups()
         check_device_name(device_name, use_gpu=resource_pool.use_gpu)
         self.device_name = device_name or ("cuda" if resource_pool.use_gpu else "cpu")
+        self._start_workers(worker_env)
+        try:
+            self._wait_until_ready(300.0 if ready_timeout_s is None else ready_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # ------------------------------------------------------------------ start-up
+    def _start_workers(self, worker_env: dict[str, str]) -> None:
+        """One actor per bundle, rank = bundle order, with the rendezvous in its environment."""
+        pool = self.resource_pool
+        pgs = pool.get_placement_groups()
         master_addr, master_port = ray.get(
             _node_address_and_free_port.options(
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
@@ -291,57 +360,45 @@ class RayWorkerGroup:
                 )
             ).remote()
         )
-        self._master_addr, self._master_port = master_addr, master_port
-        actor_cls = ray.remote(ray_cls_with_init.cls)
-        cls_name = ray_cls_with_init.cls.__name__
+        if self._extension is not None:
+            worker_env = {
+                **worker_env,
+                **self._extension.worker_env(name_prefix=self.name_prefix, local_world_size=pool.n_gpus_per_node),
+            }
+        actor_cls = ray.remote(self.ray_cls_with_init.cls)
+        init = self.ray_cls_with_init
         for pg_index, pg in enumerate(pgs):
-            for local_rank in range(resource_pool.n_gpus_per_node):
+            for local_rank in range(pool.n_gpus_per_node):
                 rank = len(self._workers)
                 env = {
                     **worker_env,
-                    "RANK": str(rank),
-                    "WORLD_SIZE": str(resource_pool.world_size),
-                    "LOCAL_RANK": str(local_rank),
-                    "LOCAL_WORLD_SIZE": str(resource_pool.n_gpus_per_node),
-                    "MASTER_ADDR": str(master_addr),
-                    "MASTER_PORT": str(master_port),
-                    NUM_THREADS_ENV: str(resource_pool.threads_per_worker),
-                    "OMP_NUM_THREADS": str(resource_pool.threads_per_worker),
+                    **_rendezvous_env(pool, rank=rank, local_rank=local_rank, address=(master_addr, master_port)),
                 }
-                if self._is_verl_worker:
-                    # what verl's own group sets; verl's Worker reads WG_BACKEND for its node address
-                    env.update(
-                        {
-                            "WG_PREFIX": self.name_prefix,
-                            "WG_BACKEND": "ray",
-                            "RAY_LOCAL_WORLD_SIZE": str(resource_pool.n_gpus_per_node),
-                        }
-                    )
-                name = f"{self.name_prefix}_{cls_name}_{pg_index}:{local_rank}"
-                runtime_env = dict(ray_cls_with_init.options.get("runtime_env", {}))
-                runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **env}
-                options = {
-                    **ray_cls_with_init.options,
-                    "num_cpus": resource_pool.cpus_per_worker,
-                    "num_gpus": 1 / resource_pool.max_colocate_count if resource_pool.use_gpu else 0,
-                    "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                        placement_group=pg, placement_group_bundle_index=local_rank
-                    ),
-                    "runtime_env": runtime_env,
-                    "name": name,
-                }
-                self._workers.append(
-                    actor_cls.options(**options).remote(*ray_cls_with_init.args, **ray_cls_with_init.kwargs)
-                )
+                name = f"{self.name_prefix}_{init.cls.__name__}_{pg_index}:{local_rank}"
+                options = self._actor_options(pg, local_rank=local_rank, env=env, name=name)
+                self._workers.append(actor_cls.options(**options).remote(*init.args, **init.kwargs))
                 self._worker_names.append(name)
-        try:
-            ranks = list(range(self.world_size))
-            # the first task after each constructor: it proves the worker ready and tells where it runs
-            places = [w.__ray_call__.remote(_worker_place) for w in self._workers]
-            self._places = self._wait("__init__", places, ranks, timeout_s=ready_timeout_s)
-        except BaseException:
-            self.shutdown()
-            raise
+
+    def _actor_options(self, pg: Any, *, local_rank: int, env: dict[str, str], name: str) -> dict[str, Any]:
+        """Ray actor options of one worker: its bundle, its share of the bundle, its environment."""
+        pool, init = self.resource_pool, self.ray_cls_with_init
+        runtime_env = dict(init.options.get("runtime_env", {}))
+        runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **env}
+        return {
+            **init.options,
+            "num_cpus": pool.cpus_per_worker,
+            "num_gpus": 1 / pool.max_colocate_count if pool.use_gpu else 0,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=local_rank
+            ),
+            "runtime_env": runtime_env,
+            "name": name,
+        }
+
+    def _wait_until_ready(self, timeout_s: float) -> None:
+        # the first task after each constructor: it proves the worker ready and tells where it runs
+        places = [w.__ray_call__.remote(_worker_place) for w in self._workers]
+        self._places = self._wait("__init__", places, list(range(self.world_size)), timeout_s=timeout_s)
 
     # ------------------------------------------------------------------ properties
     @property
@@ -359,62 +416,56 @@ class RayWorkerGroup:
         """Ray actor names in rank order."""
         return list(self._worker_names)
 
-    @property
-    def master_address(self) -> tuple[str, int]:
-        """(address, port) of the torch.distributed rendezvous on rank 0's node."""
-        return self._master_addr, self._master_port
-
     # ------------------------------------------------------------------ binding
     def _bind_registered_methods(self, cls: type) -> None:
-        bound = []
+        """Check the declared group methods against ``cls`` and bind its other registered methods."""
+        declared = declared_group_methods(type(self))
+        self._registrations: dict[str, Registration] = {}
         for name in dir(cls):
             registration = get_registration(getattr(cls, name, None), name=f"{cls.__name__}.{name}")
             if registration is None:
                 continue
-            if hasattr(type(self), name) or name in self.__dict__:
-                raise WorkerGroupError(
-                    f"registered method {cls.__name__}.{name} clashes with a RayWorkerGroup attribute; rename it"
-                )
+            self._registrations[name] = registration
             if isinstance(registration.dispatch_mode, UnsupportedDispatch):
                 logger.warning("%s: calling it from the group will raise: %s", name, registration.dispatch_mode.reason)
-            setattr(self, name, _GroupMethod(self, name, registration, getattr(cls, name).__doc__))
-            bound.append(name)
-        if self._is_verl_worker and not bound:
-            raise WorkerGroupError(f"{cls.__name__} subclasses verl's Worker but no registered method could be bound")
-        self.method_names = bound
+            if name in declared:
+                continue
+            if hasattr(type(self), name) or name in self.__dict__:
+                raise WorkerGroupError(
+                    f"registered method {cls.__name__}.{name} clashes with a {type(self).__name__} attribute; rename it"
+                )
+            setattr(self, name, BoundGroupMethod(self, name, registration, getattr(cls, name).__doc__))
+        missing = sorted(set(declared) - set(self._registrations))
+        if missing:
+            raise WorkerGroupError(
+                f"{type(self).__name__} declares {missing} but {cls.__name__} registers no such method(s)"
+            )
+        if self._extension is not None and not self._registrations:
+            raise WorkerGroupError(
+                f"{cls.__name__} is a {self._extension.name} worker but no registered method could be bound"
+            )
+        self.method_names = sorted(self._registrations)
 
     # ------------------------------------------------------------------ execution
     def mesh_layout(self, mesh_name: str) -> MeshLayout:
         """The validated DP routing table the workers registered for ``mesh_name`` (cached)."""
         if mesh_name not in self._mesh_layouts:
-            if self._is_verl_worker:
-                infos = self._verl_mesh_infos(mesh_name)
+            if self._extension is not None:
+                infos = self._extension.mesh_infos(self, mesh_name)
             else:
                 infos = self.execute_all("_query_mesh_info", mesh_name)
             self._mesh_layouts[mesh_name] = MeshLayout.from_worker_infos(mesh_name, infos)
         return self._mesh_layouts[mesh_name]
 
-    def _verl_mesh_infos(self, mesh_name: str) -> list[MeshInfo | None]:
-        # verl workers register (dp_rank, is_collect) only; verl infers dp_size = max dp_rank + 1
-        tables = self.execute_all("get_dispatch_collect")
-        dp_ranks = [t["dispatch_dp_rank"].get(mesh_name) for t in tables]
-        dp_size = max((r for r in dp_ranks if r is not None), default=0) + 1
-        return [
-            None
-            if r is None or mesh_name not in t["collect_dp_rank"]
-            else MeshInfo(dp_rank=int(r), dp_size=dp_size, is_collect=bool(t["collect_dp_rank"][mesh_name]))
-            for r, t in zip(dp_ranks, tables)
-        ]
-
     def _call(self, method: str, registration: Registration, args: tuple, kwargs: dict) -> GroupFuture:
-        # a pending non-blocking result passed on (verl passes DataProtoFutures this way) is awaited here
+        # a pending non-blocking result passed on (verl's drivers pass futures this way) is awaited here
         args = tuple(a.get() if isinstance(a, GroupFuture) else a for a in args)
         kwargs = {k: v.get() if isinstance(v, GroupFuture) else v for k, v in kwargs.items()}
         mode = registration.dispatch_mode
         mesh = self.mesh_layout(mode.mesh_name) if isinstance(mode, MeshDispatch) else None
-        padding = 0
+        remove_padding: Callable[[Any], Any] = _unchanged
         if mode in (Dispatch.DP_COMPUTE_PROTO, Dispatch.DP_COMPUTE_METRIC):
-            args, kwargs, padding = pad_for_even_chunks(args, kwargs, self.world_size)
+            args, kwargs, remove_padding = pad_for_even_split(args, kwargs, self.world_size)
         calls = dispatch_args(mode, args, kwargs, world_size=self.world_size, mesh=mesh)
         if registration.execute_mode is Execute.RANK_ZERO:
             refs = self._submit(method, calls[:1])
@@ -422,7 +473,7 @@ class RayWorkerGroup:
         refs = self._submit(method, calls)
 
         def finish(outputs: list) -> Any:
-            return drop_padding(collect_outputs(mode, outputs, mesh=mesh), padding)
+            return remove_padding(collect_outputs(mode, outputs, mesh=mesh))
 
         return GroupFuture(self, method, refs, list(range(self.world_size)), finish)
 
@@ -564,20 +615,6 @@ class RayWorkerGroup:
     def execute_rank_zero(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call ``method`` on rank 0 only and return its output."""
         return GroupFuture(self, method, self._submit(method, [(args, kwargs)]), [0], lambda outputs: outputs[0]).get()
-
-    def execute_all_sync(self, method: str, *args: Any, **kwargs: Any) -> list:
-        """verl's ``execute_all_sync``: if every argument is a list of ``world_size`` items, rank i gets
-        item i; otherwise every rank gets the same arguments. Returns the outputs in rank order."""
-        values = [*args, *kwargs.values()]
-        if values and all(isinstance(v, list) and len(v) == self.world_size for v in values):
-            calls = dispatch_args(Dispatch.ALL_TO_ALL, args, kwargs, world_size=self.world_size)
-            refs = self._submit(method, calls)
-            return GroupFuture(self, method, refs, list(range(self.world_size)), lambda outputs: outputs).get()
-        return self.execute_all(method, *args, **kwargs)
-
-    def execute_rank_zero_sync(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """verl's name for ``execute_rank_zero``."""
-        return self.execute_rank_zero(method, *args, **kwargs)
 
     def shutdown(self) -> None:
         """Kill the workers (the resource pool stays reserved; ``resource_pool.remove()`` frees it)."""

@@ -10,6 +10,7 @@ import ray
 from verl_balance.single_controller import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from verl_balance.trainer.config import ConfigError, TrainerSection
 from verl_balance.workers.actor import ActorWorker, ActorWorkerConfig
+from verl_balance.workers.group import group_class_for
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ def build_actor_group(
         placement_timeout_s=trainer_cfg.placement_timeout_s,
     )
     try:
-        group = RayWorkerGroup(
+        group = group_class_for(worker_cls)(
             resource_pool=pool,
             ray_cls_with_init=RayClassWithInitArgs(worker_cls, worker_config),
             # getattr: benchmarks and tests pass a SimpleNamespace with the placement keys only

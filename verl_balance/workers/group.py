@@ -1,9 +1,12 @@
-"""The worker groups as the driver sees them: typed ``Protocol``s of the ``@register``'ed methods.
+"""The worker groups as the driver sees them: ``ActorGroup`` and ``ActorRolloutGroup``.
 
-A ``RayWorkerGroup`` built on ``ActorWorker`` (or ``ActorRolloutWorker``) gets one driver-side
-method per registered worker method, which dispatches, runs on every rank and collects. These
-Protocols give those methods their driver-side signatures; each docstring names the worker method
-that runs on every rank (``ActorWorker.update_actor`` ...), which is where the work is done.
+Each is a ``RayWorkerGroup`` that declares the ``@register``'ed methods of its worker class with
+``@group_method``: the declaration gives the driver-side signature (checked on every call) and a
+docstring naming the worker method that runs on every rank (``ActorWorker.update_actor`` ...),
+which is where the work is done; the call dispatches, runs on every rank and collects, and
+``.submit(...)`` starts it without waiting. "Go to definition" on ``self.actor.update_actor``
+lands here. ``group_class_for(worker_cls)`` picks the group class for a worker class; a worker
+subclass's extra registered methods are still bound by name (``RayWorkerGroup``).
 
 Mesh-dispatched calls take one ``Batch`` per DP rank (``trainer.plan_dispatch.split_by_plan``)
 and return the outputs of SP rank 0 of each DP group, in DP order: a list of dicts, or one
@@ -12,81 +15,96 @@ and return the outputs of SP rank 0 of each DP group, in DP order: a list of dic
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING
 
 from verl_balance.protocol import Batch
+from verl_balance.single_controller.worker_group import RayWorkerGroup, group_method
+from verl_balance.workers.actor import ActorWorker
+from verl_balance.workers.actor_rollout import ActorRolloutWorker
 
 if TYPE_CHECKING:
     from verl_balance.rollout import RolloutOutput
 
-__all__ = ["ActorGroup", "ActorRolloutGroup"]
+__all__ = ["ActorGroup", "ActorRolloutGroup", "group_class_for"]
 
 
-@runtime_checkable
-class ActorGroup(Protocol):
-    """Driver-side view of a worker group of ``workers.actor.ActorWorker`` ranks."""
+class ActorGroup(RayWorkerGroup):
+    """Driver-side worker group of ``workers.actor.ActorWorker`` ranks."""
 
-    resource_pool: Any
-    """The placement of the workers (``single_controller.RayResourcePool``)."""
-
+    @group_method
     def init_model(self) -> list[dict]:
         """``ActorWorker.init_model`` on every rank: process group, mesh and sharded engine."""
         ...
 
+    @group_method
     def update_actor(self, chunks: list[Batch]) -> list[dict]:
         """``ActorWorker.update_actor``: one optimizer step on the global mini-batch; per-DP-rank
         metrics (loss and grad norm are already global, timings are the rank's own)."""
         ...
 
+    @group_method
     def eval_loss(self, chunks: list[Batch]) -> list[dict]:
         """``ActorWorker.eval_loss``: the training objective without backward; per-DP-rank metrics."""
         ...
 
+    @group_method
     def compute_log_prob(self, chunks: list[Batch], with_entropy: bool = False) -> Batch:
         """``ActorWorker.compute_log_prob``: per-token ``log_probs`` (and ``entropy``) of every row,
         concatenated in DP order."""
         ...
 
+    @group_method
     def describe(self) -> list[dict]:
         """``ActorWorker.describe`` on every rank: layout, model dims and engine settings."""
         ...
 
+    @group_method
     def save_checkpoint(self, path: str, step: int, extra: dict | None = None) -> list[None]:
         """``ActorWorker.save_checkpoint`` on every rank (collective): sharded engine state."""
         ...
 
+    @group_method
     def load_checkpoint(self, path: str) -> list[dict]:
         """``ActorWorker.load_checkpoint`` on every rank: restores it; each rank's saved ``extra``."""
         ...
 
+    @group_method
     def hash_checkpoint_files(self, path: str, sizes: dict[str, int]) -> list[dict[str, dict]]:
         """``ActorWorker.hash_checkpoint_files`` on every rank: each hashes its share of the files
         ``sizes`` names under ``path``; the union of the returned dicts covers every file."""
         ...
 
-    def shutdown(self) -> None:
-        """Stop the worker processes (``RayWorkerGroup.shutdown``)."""
-        ...
 
+class ActorRolloutGroup(ActorGroup):
+    """Driver-side worker group of ``workers.actor_rollout.ActorRolloutWorker`` ranks."""
 
-@runtime_checkable
-class ActorRolloutGroup(ActorGroup, Protocol):
-    """Driver-side view of a worker group of ``workers.actor_rollout.ActorRolloutWorker`` ranks."""
-
+    @group_method
     def generate_sequences(self, chunks: list[Batch], sampling: dict, seed: int) -> list[RolloutOutput | None]:
         """``ActorRolloutWorker.generate_sequences``: one prompt chunk per worker (rollout mesh);
         each worker's RolloutOutput (None for an empty chunk), in worker-rank order."""
         ...
 
+    @group_method
     def compute_ref_log_prob(self, chunks: list[Batch]) -> Batch:
         """``ActorRolloutWorker.compute_ref_log_prob``: per-token ``ref_log_prob`` under the frozen
         reference policy, concatenated in DP order."""
         ...
 
+    @group_method
     def load_model_weights(self, path: str) -> list[None]:
         """``ActorRolloutWorker.load_model_weights`` on every rank: weights of a checkpoint only."""
         ...
 
+    @group_method
     def sync_reference_policy(self) -> list[None]:
         """``ActorRolloutWorker.sync_reference_policy`` on every rank: reference := actor weights."""
         ...
+
+
+def group_class_for(worker_cls: type) -> type[RayWorkerGroup]:
+    """The group class that declares ``worker_cls``'s methods (a plain ``RayWorkerGroup`` for others)."""
+    if issubclass(worker_cls, ActorRolloutWorker):
+        return ActorRolloutGroup
+    if issubclass(worker_cls, ActorWorker):
+        return ActorGroup
+    return RayWorkerGroup

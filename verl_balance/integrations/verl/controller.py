@@ -1,5 +1,9 @@
-"""verl compatibility: verl's ``register`` marks, ``Dispatch`` members and row containers, read lazily.
+"""verl on our single controller: verl's ``register`` marks, ``Dispatch`` members, ``Worker`` classes
+and row containers, as a ``ControllerExtension`` plus row-container registrations.
 
+``install()`` registers them with ``verl_balance.single_controller.extensions``; importing
+``verl_balance.integrations.verl`` (any of its modules, e.g. the engine backend verl's trainers
+load, or ``autopatch``) calls it, and ``integrations.verl.worker_group.RayWorkerGroup`` does too.
 verl is optional. Nothing here imports it: a verl object can only exist if its module is already
 in ``sys.modules``, so every check looks there first and answers "not verl" otherwise.
 
@@ -33,21 +37,36 @@ from __future__ import annotations
 
 import functools
 import sys
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 from tensordict import TensorDict
 
+from verl_balance.single_controller.extensions import (
+    ControllerExtension,
+    RowContainer,
+    register_extension,
+    register_row_container,
+)
+from verl_balance.single_controller.modes import (
+    Dispatch,
+    DispatchError,
+    Execute,
+    MeshDispatch,
+    MeshInfo,
+    Registration,
+    UnsupportedDispatch,
+)
+
 __all__ = [
     "VERL_MAGIC_ATTR",
-    "UnsupportedDispatch",
+    "VerlControllerExtension",
+    "drop_padding",
+    "install",
     "is_verl_worker_class",
+    "pad_for_even_chunks",
     "translate_verl_modes",
     "verl_registration_modes",
-    "chunk_verl_rows",
-    "concat_verl_rows",
-    "pad_for_even_chunks",
-    "drop_padding",
 ]
 
 VERL_MAGIC_ATTR = "attrs_3141562937"
@@ -57,13 +76,6 @@ _VERL_DECORATOR = "verl.single_controller.base.decorator"
 _VERL_WORKER = "verl.single_controller.base.worker"
 _VERL_PROTOCOL = "verl.protocol"
 _ND_DISPATCH_FN = "dispatch_lazy_compute_data_proto"
-
-
-@dataclass(frozen=True)
-class UnsupportedDispatch:
-    """A verl dispatch mode we have no equivalent for; calling the group method raises ``reason``."""
-
-    reason: str
 
 
 def _module(name: str):
@@ -101,8 +113,6 @@ def translate_verl_modes(dispatch_mode: Any, execute_mode: Any, *, method: str) 
 
     Returns None when neither mode is a verl object (the caller then treats them as ours).
     """
-    from verl_balance.single_controller.decorator import Dispatch, Execute, MeshDispatch
-
     dispatch_is_verl = _is_verl_member(dispatch_mode, "Dispatch") or isinstance(dispatch_mode, dict)
     execute_is_verl = _is_verl_member(execute_mode, "Execute")
     if not dispatch_is_verl and not execute_is_verl:
@@ -160,53 +170,48 @@ def verl_registration_modes(func: Any, *, method: str) -> tuple[Any, Any, bool] 
     return modes[0], modes[1], bool(attrs.get("blocking", True))
 
 
-def _divisible_or_raise(length: int, num_chunks: int, *, name: str, kind: str) -> None:
-    from verl_balance.single_controller.decorator import DispatchError
-
-    if length % num_chunks:
-        raise DispatchError(
-            f"argument {name}: a {kind} of {length} rows cannot be split evenly into {num_chunks} chunks "
-            f"(verl's chunk requires equal pieces); pass a multiple of {num_chunks} rows"
-            + (
-                ", or enable auto-padding (meta_info['_verl_auto_padding']=True) under DP_COMPUTE_PROTO"
-                if kind == "DataProto"
-                else ""
-            )
-        )
+_EVEN_CHUNKS = " (verl's chunk requires equal pieces)"
 
 
-def chunk_verl_rows(value: Any, num_chunks: int, *, name: str) -> list | None:
-    """``num_chunks`` equal row chunks of a DataProto / DataProtoFuture / TensorDict, None for other values."""
-    from verl_balance.single_controller.decorator import DispatchError
-
+def _verl_concat(outputs: list) -> Any:
+    """verl's concatenation of per-rank DataProtos / TensorDicts of one exact type (a list otherwise)."""
     protocol = _module(_VERL_PROTOCOL)
-    if isinstance(value, TensorDict):
-        if protocol is None:
-            raise DispatchError(
-                f"argument {name} is a bare TensorDict: wrap it in verl_balance.protocol.Batch to split it over "
-                "the workers (or import verl, whose chunk_tensordict splits it)"
-            )
-        _divisible_or_raise(value.batch_size[0], num_chunks, name=name, kind="TensorDict")
-        return list(protocol.BatchData(value).chunk(chunks=num_chunks))
-    if protocol is None:
-        return None
-    if isinstance(value, protocol.DataProto):
-        _divisible_or_raise(len(value), num_chunks, name=name, kind="DataProto")
-        return value.chunk(num_chunks)
-    if isinstance(value, protocol.DataProtoFuture):
-        return value.chunk(num_chunks)
-    return None
-
-
-def concat_verl_rows(outputs: list) -> Any | None:
-    """verl's concatenation of per-rank DataProtos / TensorDicts (all one type), None for other outputs."""
-    protocol = _module(_VERL_PROTOCOL)
-    if protocol is None or not outputs:
-        return None
-    kind = type(outputs[0])
-    if not issubclass(kind, (protocol.DataProto, TensorDict)) or any(type(o) is not kind for o in outputs):
-        return None
+    if protocol is None or any(type(o) is not type(outputs[0]) for o in outputs):
+        return outputs
     return protocol.BatchData(list(outputs)).concat()
+
+
+def _split_tensordict(value: TensorDict, num_chunks: int) -> list:
+    return list(_module(_VERL_PROTOCOL).BatchData(value).chunk(chunks=num_chunks))
+
+
+_DATAPROTO_ROWS = RowContainer(
+    split=lambda data, n: data.chunk(n),
+    concat=_verl_concat,
+    length=len,
+    even_only=True,
+    uneven_hint=_EVEN_CHUNKS + ", or enable auto-padding (meta_info['_verl_auto_padding']=True) under DP_COMPUTE_PROTO",
+)
+_DATAPROTO_FUTURE_ROWS = RowContainer(split=lambda future, n: future.chunk(n), concat=None, length=lambda f: None)
+
+
+def _tensordict_refusal(value: TensorDict) -> str | None:
+    if _module(_VERL_PROTOCOL) is not None:
+        return None
+    return (
+        "bare TensorDict: wrap it in verl_balance.protocol.Batch to split it over the workers "
+        "(or import verl, whose chunk_tensordict splits it)"
+    )
+
+
+_TENSORDICT_ROWS = RowContainer(
+    split=_split_tensordict,
+    concat=_verl_concat,
+    length=lambda td: td.batch_size[0],
+    even_only=True,
+    uneven_hint=_EVEN_CHUNKS,
+    refusal=_tensordict_refusal,
+)
 
 
 def pad_for_even_chunks(args: tuple, kwargs: dict, num_chunks: int) -> tuple[tuple, dict, int]:
@@ -215,8 +220,6 @@ def pad_for_even_chunks(args: tuple, kwargs: dict, num_chunks: int) -> tuple[tup
     Returns the new (args, kwargs) and the number of padding rows (0 if nothing was padded). The
     inputs are not modified.
     """
-    from verl_balance.single_controller.decorator import DispatchError
-
     protocol = _module(_VERL_PROTOCOL)
     if protocol is None:
         return args, kwargs, 0
@@ -250,3 +253,62 @@ def drop_padding(output: Any, padding: int) -> Any:
     # A list holds one entry per rank, not per row: verl drops its last `padding` entries (other
     # ranks' outputs); we keep them all.
     return output
+
+
+def _verl_mesh_infos(group: Any, mesh_name: str) -> list[MeshInfo | None]:
+    """Each worker's mesh info from verl's dispatch table (verl workers register dp_rank and
+    is_collect only; verl infers dp_size = max dp_rank + 1)."""
+    tables = group.execute_all("get_dispatch_collect")
+    dp_ranks = [t["dispatch_dp_rank"].get(mesh_name) for t in tables]
+    dp_size = max((r for r in dp_ranks if r is not None), default=0) + 1
+    return [
+        None
+        if r is None or mesh_name not in t["collect_dp_rank"]
+        else MeshInfo(dp_rank=int(r), dp_size=dp_size, is_collect=bool(t["collect_dp_rank"][mesh_name]))
+        for r, t in zip(dp_ranks, tables)
+    ]
+
+
+class VerlControllerExtension(ControllerExtension):
+    """verl's modes, ``register`` marks, ``Worker`` classes and DataProto auto-padding on our controller."""
+
+    name = "verl"
+
+    def translate_modes(self, dispatch_mode: Any, execute_mode: Any, *, method: str) -> tuple[Any, Any] | None:
+        """verl's ``Dispatch``/``Execute`` members and nd-dispatch dicts in our terms (see module doc)."""
+        return translate_verl_modes(dispatch_mode, execute_mode, method=method)
+
+    def read_registration(self, func: Any, *, method: str) -> Registration | None:
+        """The translated ``Registration`` of a method marked by verl's ``register``."""
+        modes = verl_registration_modes(func, method=method)
+        if modes is None:
+            return None
+        dispatch_mode, execute_mode, blocking = modes
+        if not isinstance(execute_mode, Execute):
+            execute_mode = Execute.ALL
+        return Registration(dispatch_mode, execute_mode, blocking)
+
+    def claims_worker_class(self, cls: type) -> bool:
+        """A subclass of verl's ``Worker``."""
+        return is_verl_worker_class(cls)
+
+    def worker_env(self, *, name_prefix: str, local_world_size: int) -> dict[str, str]:
+        """What verl's own group sets; verl's ``Worker`` reads ``WG_BACKEND`` for its node address."""
+        return {"WG_PREFIX": name_prefix, "WG_BACKEND": "ray", "RAY_LOCAL_WORLD_SIZE": str(local_world_size)}
+
+    def mesh_infos(self, group: Any, mesh_name: str) -> list[MeshInfo | None]:
+        """Read from the workers' ``get_dispatch_collect`` table."""
+        return _verl_mesh_infos(group, mesh_name)
+
+    def pad_for_even_split(self, args: tuple, kwargs: dict, num_chunks: int) -> tuple[tuple, dict, Callable]:
+        """verl's auto-padding of padding-enabled DataProtos; the padding rows are dropped on collect."""
+        args, kwargs, padding = pad_for_even_chunks(args, kwargs, num_chunks)
+        return args, kwargs, functools.partial(drop_padding, padding=padding)
+
+
+def install() -> None:
+    """Register verl's row containers and the verl extension with the dispatcher (idempotent)."""
+    register_row_container("verl.protocol.DataProto", _DATAPROTO_ROWS)
+    register_row_container("verl.protocol.DataProtoFuture", _DATAPROTO_FUTURE_ROWS)
+    register_row_container(TensorDict, _TENSORDICT_ROWS)
+    register_extension(VerlControllerExtension())
