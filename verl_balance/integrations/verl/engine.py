@@ -50,8 +50,7 @@ from verl.workers.config import EngineConfig as VerlEngineConfig  # noqa: E402
 from verl.workers.config import FSDPEngineConfig  # noqa: E402
 from verl.workers.engine.base import BaseEngine, EngineRegistry  # noqa: E402
 
-from verl_balance.balance.plan import sync_figures  # noqa: E402
-from verl_balance.balance.plan import plan_balance  # noqa: E402
+from verl_balance.balance.plan import plan_balance, sync_figures  # noqa: E402
 from verl_balance.distributed.layout import ParallelLayout  # noqa: E402
 from verl_balance.engine.config import (  # noqa: E402
     DEFAULT_LOGITS_CHUNK_SIZE,
