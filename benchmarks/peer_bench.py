@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import glob
 import json
 import os
@@ -152,6 +153,7 @@ def verl_sft_case(name: str, args, model: str, data: str, run_dir: str) -> Case:
         f"data.micro_batch_size_per_gpu={args.micro_batch}",
         f"model.path={model}",
         f"model.use_remove_padding={name == 'fsdp2_rmpad'}",
+        "model.enable_gradient_checkpointing=False",  # verl's default is on; ours and TRL's are off
         "+model.override_config.attn_implementation=sdpa",
         f"engine.strategy={strategy}",
         "engine.use_torch_compile=False",
@@ -233,7 +235,10 @@ def trl_case(kind: str, args, model: str, data: str, run_dir: str) -> Case:
         *("--grpo-response", str(args.grpo_response)),
     ]
     name = "TRL SFTTrainer (packing)" if kind == "trl-sft" else "TRL GRPOTrainer"
-    return Case(name, argv, _env(args.threads), re.compile(r"^peer_step (\d+)\b"), r"line:tokens ([0-9.]+)")
+    env = _env(args.threads)
+    if args.trl_path:
+        env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], args.trl_path])
+    return Case(name, argv, env, re.compile(r"^peer_step (\d+)\b"), r"line:tokens ([0-9.]+)")
 
 
 # ----------------------------------------------------------------------------- running one case
@@ -484,50 +489,44 @@ def print_table(pairs: list[tuple[str, str, list[str]]], stats: dict[str, dict])
 # ----------------------------------------------------------------------------- main
 
 
-def _have(module: str) -> bool:
-    import importlib.util
+def _have(module: str, extra_path: str | None = None) -> bool:
+    import importlib.machinery
 
-    return importlib.util.find_spec(module) is not None
+    return importlib.machinery.PathFinder.find_spec(module, [p for p in [extra_path, *sys.path] if p]) is not None
 
 
-def build_pairs(args, model: str, data: dict[str, str], root: str):
-    """[(section, ours case, [peer cases])] for the selected sections that can run here."""
+def build_pairs(args, model: str, data: dict[str, str]):
+    """[(section, [(tag, make_case(run_dir)), ...])] for the selected sections that can run here;
+    ours first, then its peer(s)."""
     pairs, skipped = [], []
     for section in args.only:
         if section == "sft-verl" and not _have("verl"):
             skipped.append(f"{section}: verl is not importable")
             continue
-        if section in ("sft-trl", "grpo-trl") and not _have("trl"):
-            skipped.append(f"{section}: trl is not importable (pip install -e '.[peer]')")
+        if section == "sft-verl" and _have("trl"):
+            # verl 0.9.1's fsdp2 engine imports trl's AutoModelForCausalLMWithValueHead whenever trl is
+            # importable; trl >= 1.x no longer has it, so fsdp2 cannot start in this environment.
+            skipped.append(f"{section}: trl is importable here and breaks verl 0.9.1's fsdp2; use --trl-path")
             continue
-        d = lambda tag: os.path.join(root, f"{section}_{tag}")  # noqa: E731 (a fresh dir per run)
+        if section in ("sft-trl", "grpo-trl") and not _have("trl", args.trl_path):
+            skipped.append(f"{section}: trl is not importable (pip install --target DIR trl; --trl-path DIR)")
+            continue
         if section == "sft-verl":
-            pairs.append(
-                (
-                    section,
-                    lambda r: verl_sft_case("verl_balance", args, model, data["sft"], d(f"vb{r}")),
-                    [
-                        lambda r: verl_sft_case("fsdp2_padded", args, model, data["sft"], d(f"pad{r}")),
-                        lambda r: verl_sft_case("fsdp2_rmpad", args, model, data["sft"], d(f"rmpad{r}")),
-                    ],
-                )
-            )
+            makers = [
+                (mode, functools.partial(verl_sft_case, mode, args, model, data["sft"]))
+                for mode in ("verl_balance", "fsdp2_padded", "fsdp2_rmpad")
+            ]
         elif section == "sft-trl":
-            pairs.append(
-                (
-                    section,
-                    lambda r: ours_sft_case(args, model, data["sft"], d(f"ours{r}")),
-                    [lambda r: trl_case("trl-sft", args, model, data["sft"], d(f"trl{r}"))],
-                )
-            )
+            makers = [
+                ("ours", functools.partial(ours_sft_case, args, model, data["sft"])),
+                ("trl", functools.partial(trl_case, "trl-sft", args, model, data["sft"])),
+            ]
         else:
-            pairs.append(
-                (
-                    section,
-                    lambda r: ours_grpo_case(args, model, data["rl"], d(f"ours{r}")),
-                    [lambda r: trl_case("trl-grpo", args, model, data["rl"], d(f"trl{r}"))],
-                )
-            )
+            makers = [
+                ("ours", functools.partial(ours_grpo_case, args, model, data["rl"])),
+                ("trl", functools.partial(trl_case, "trl-grpo", args, model, data["rl"])),
+            ]
+        pairs.append((section, makers))
     return pairs, skipped
 
 
@@ -536,23 +535,23 @@ def run_all(args) -> None:
     t0 = time.perf_counter()
     model = write_model(os.path.join(root, "model"), args.model)
     data = write_data(os.path.join(root, "data"), num_train=args.num_train, sft_median=args.sft_median)
-    pairs, skipped = build_pairs(args, model, data, root)
+    pairs, skipped = build_pairs(args, model, data)
     for line in skipped:
         print(f"skipped {line}")
     results: dict[str, list[RunResult]] = {}
     table: list[tuple[str, str, list[str]]] = []
     for rep in range(args.repeats):
-        for section, ours, peers in pairs:
-            makers = [ours, *peers]
-            order = makers if rep % 2 == 0 else makers[::-1]
-            for make in order:
-                case = make(rep)
-                log_path = os.path.join(root, f"{section}_{case.name.replace(' ', '_')}_{rep}.log")
+        for section, makers in pairs:
+            names = []
+            for tag, make in makers if rep % 2 == 0 else makers[::-1]:
+                case = make(os.path.join(root, f"{section}_{tag}_{rep}"))  # a fresh directory per run
+                names.append(case.name)
+                log_path = os.path.join(root, f"{section}_{tag}_{rep}.log")
                 print(f"[{time.perf_counter() - t0:6.0f}s] {section} repeat {rep + 1}: {case.name}", flush=True)
                 result = run_case(case, warmup=args.warmup, timeout=args.timeout, log_path=log_path)
                 results.setdefault(case.name, []).append(result)
             if rep == 0:
-                table.append((section, ours(0).name, [p(0).name for p in peers]))
+                table.append((section, names[0], names[1:]))
     print(
         f"\nmodel {args.model} {MODELS[args.model]} (hidden, layers, heads, kv, ffn); steps {args.steps} "
         f"(warm-up intervals dropped: {args.warmup}); repeats {args.repeats}; threads {args.threads} "
@@ -576,6 +575,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grpo-prompts", type=int, default=16, help="GRPO prompts per step")
     p.add_argument("--grpo-n", type=int, default=4, help="GRPO responses per prompt")
     p.add_argument("--grpo-response", type=int, default=32, help="GRPO response tokens")
+    p.add_argument(
+        "--trl-path",
+        default=os.environ.get("PEER_TRL_PATH"),
+        help="a directory holding trl (pip install --no-deps --target DIR 'trl>=1.16'), added to the TRL "
+        "runs' PYTHONPATH only (default: $PEER_TRL_PATH); needed when verl 0.9.1 shares the environment",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before one run is killed")
     p.add_argument("--child", choices=("trl-sft", "trl-grpo"), help=argparse.SUPPRESS)
     p.add_argument("--child-model", help=argparse.SUPPRESS)

@@ -51,8 +51,10 @@ def test_summary_pools_repeats_and_table_ratios_are_ours_over_peer(peer_bench, c
 
 
 @pytest.mark.slow
-def test_sft_trl_section_on_a_tiny_model_prints_a_table_with_both_rows_measured():
-    pytest.importorskip("trl", reason="trl is not installed; install the extra: pip install -e '.[peer]'")
+def test_sft_trl_section_on_a_tiny_model_prints_a_table_with_both_rows_measured(peer_bench):
+    trl_path = os.environ.get("PEER_TRL_PATH")
+    if not peer_bench._have("trl", trl_path):
+        pytest.skip("trl is not importable (pip install --target DIR 'trl>=1.16', then PEER_TRL_PATH=DIR)")
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
     argv = [SCRIPT, "--only", "sft-trl", "--model", "tiny", "--steps", "2", "--warmup", "0", "--threads", "1"]
     argv += ["--sft-batch", "8", "--num-train", "64"]
