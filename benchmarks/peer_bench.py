@@ -591,7 +591,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = sorted(set(args.only) - set(SECTIONS))
     if unknown:
         p.error(f"--only: unknown section(s) {unknown}; valid: {list(SECTIONS)}")
-    if args.steps < args.warmup + 2:
+    if not args.child and args.steps < args.warmup + 2:
         p.error(f"--steps must be at least --warmup + 2 = {args.warmup + 2} (one timed step interval)")
     return args
 
