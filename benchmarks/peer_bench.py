@@ -173,7 +173,7 @@ def verl_sft_case(name: str, args, model: str, data: str, run_dir: str) -> Case:
         name=f"verl sft_trainer {name}",
         argv=argv,
         env=_env(1, VERL_USE_EXTERNAL_MODULES=CPU_SHIM),
-        step_pattern=re.compile(r"^step:(\d+) - "),
+        step_pattern=re.compile(r"\bstep:(\d+) - "),  # not at line start: tqdm's bar shares the line
         tokens_from=r"line:train/global_tokens:([0-9.]+)",
     )
 
