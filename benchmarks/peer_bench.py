@@ -23,7 +23,9 @@ by this process as the lines arrive; the first ``--warmup`` intervals are droppe
 for every framework; ``tok/s`` = real (non-padding) tokens of a step (prompt + response) / s/step;
 ``peak RSS`` = the largest sum of RSS over the run's whole process tree (launcher, ranks, and for
 ours the Ray daemons), sampled every 0.2 s. ``ours/peer`` < 1 is better for time and memory,
-> 1 for tokens/s. TRL rows need ``trl`` (``pip install -e '.[peer]'``), verl rows ``verl``.
+> 1 for tokens/s. verl rows need ``verl``; TRL rows need ``trl`` (the ``peer`` extra), installed apart
+(``pip install --no-deps --target DIR 'trl>=1.16'``, then ``--trl-path DIR``): verl 0.9.1's fsdp2
+engine fails at start-up whenever trl 1.x is importable.
 """
 
 from __future__ import annotations
