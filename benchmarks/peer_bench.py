@@ -1,0 +1,621 @@
+"""Peer benchmarks in one table: ours against verl's own SFT trainer and TRL, same model and data.
+
+    PYTHONPATH=. python benchmarks/peer_bench.py [--only sft-verl,sft-trl,grpo-trl] [--repeats 2]
+
+Sections (each row of a pair runs in its own subprocess; pairs are interleaved A/B per repeat,
+the order alternating between repeats, so load drifts hit both sides):
+
+- ``sft-verl``: verl 0.9.1's own ``verl.trainer.sft_trainer`` under torchrun at DP=2 on CPU (the
+  ``cpu_platform`` shim), ``engine.strategy=fsdp2`` padded and with ``model.use_remove_padding=True``,
+  against the same trainer with ``engine.strategy=verl_balance`` (our engine backend).
+- ``sft-trl``: TRL's ``SFTTrainer`` (packing, padding-free) against ``python -m verl_balance.main_sft``,
+  one worker process.
+- ``grpo-trl``: TRL's ``GRPOTrainer`` against ``python -m verl_balance.main_grpo``, one worker:
+  16 prompts x 4 responses, 32 response tokens, the synthetic task and its rule reward, one
+  optimizer update per step, no KL term.
+
+Model: a random Qwen2 checkpoint built here (``--model small``: 4 layers, hidden 256) with the
+locally trained byte-level BPE tokenizer of ``verl_balance.models.tiny_hf``; nothing is downloaded.
+Data: ``verl_balance.data.synthetic`` (SFT chats and RL prompts with ground truths).
+
+Figures: ``s/step`` = median wall seconds between consecutive step log lines of the run (read
+by this process as the lines arrive; the first ``--warmup`` intervals are dropped), the same clock
+for every framework; ``tok/s`` = real (non-padding) tokens of a step (prompt + response) / s/step;
+``peak RSS`` = the largest sum of RSS over the run's whole process tree (launcher, ranks, and for
+ours the Ray daemons), sampled every 0.2 s. ``ours/peer`` < 1 is better for time and memory,
+> 1 for tokens/s. verl rows need ``verl``; TRL rows need ``trl`` (the ``peer`` extra), installed apart
+(``pip install --no-deps --target DIR 'trl>=1.16'``, then ``--trl-path DIR``): verl 0.9.1's fsdp2
+engine fails at start-up whenever trl 1.x is importable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import glob
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SECTIONS = ("sft-verl", "sft-trl", "grpo-trl")
+# (hidden, layers, heads, kv heads, intermediate)
+MODELS = {"tiny": (64, 2, 4, 2, 128), "small": (256, 4, 4, 2, 512)}
+CPU_SHIM = "verl_balance.integrations.verl.cpu_platform,verl_balance.integrations.verl.autopatch"
+
+
+@dataclass
+class RunResult:
+    """What one subprocess run gave: wall seconds per step, tokens per step, peak tree RSS."""
+
+    name: str
+    step_s: list[float] = field(default_factory=list)
+    tokens: list[float] = field(default_factory=list)
+    peak_rss: int = 0
+    error: str | None = None
+    extra: dict[str, list[float]] = field(default_factory=dict)
+
+
+@dataclass
+class Case:
+    """One side of a pair: the command line, its environment, how to read its step lines."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    step_pattern: re.Pattern
+    tokens_from: str  # "line:<regex>" or "jsonl:<dir>"
+
+
+# ----------------------------------------------------------------------------- shared inputs
+
+
+def write_model(out: str, size: str) -> str:
+    """A random Qwen2 checkpoint of preset ``size`` with the tiny_hf tokenizer, saved to ``out``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from verl_balance.models.tiny_hf import build_config, build_tokenizer
+
+    hidden, layers, heads, kv, inter = MODELS[size]
+    tokenizer = build_tokenizer()
+    config = build_config(
+        "qwen2",
+        vocab_size=-(-len(tokenizer) // 64) * 64,
+        hidden_size=hidden,
+        num_layers=layers,
+        num_heads=heads,
+        num_kv_heads=kv,
+        intermediate_size=inter,
+        max_position_embeddings=2048,
+    )
+    config.initializer_range = 0.02
+    config.pad_token_id = tokenizer.pad_token_id
+    config.eos_token_id = tokenizer.eos_token_id
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def write_data(out_dir: str, *, num_train: int, sft_median: float) -> dict[str, str]:
+    """SFT chats (longer answers, lognormal sizes) and RL prompts of the synthetic task."""
+    from verl_balance.data.synthetic import SyntheticConfig, write_dataset
+
+    sft = write_dataset(
+        out_dir=os.path.join(out_dir, "sft"),
+        num_train=num_train,
+        num_val=0,
+        seed=0,
+        config=SyntheticConfig(median_size=sft_median, sigma=1.0, max_size=int(sft_median * 8)),
+    )
+    rl = write_dataset(out_dir=os.path.join(out_dir, "rl"), num_train=num_train, num_val=0, seed=1)
+    return {"sft": sft["sft_train"], "rl": rl["rl_train"]}
+
+
+# ----------------------------------------------------------------------------- the cases
+
+
+def _env(threads: int, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        PYTHONPATH=os.pathsep.join([REPO, env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+        PYTHONUNBUFFERED="1",
+        OMP_NUM_THREADS=str(threads),
+        CUDA_VISIBLE_DEVICES="",
+        RAY_ADDRESS="local",  # a fresh Ray instance per run, never another user's
+        TOKENIZERS_PARALLELISM="false",
+        **extra,
+    )
+    return env
+
+
+def verl_sft_case(name: str, args, model: str, data: str, run_dir: str) -> Case:
+    """verl's sft_trainer at DP=2 (torchrun, gloo): fsdp2 padded / fsdp2 rmpad / verl_balance."""
+    strategy = "verl_balance" if name == "verl_balance" else "fsdp2"
+    target = ["engine._target_=verl_balance.integrations.verl.engine.VerlBalanceEngineConfig"] * (
+        strategy == "verl_balance"
+    )
+    argv = [
+        sys.executable,
+        *("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "verl.trainer.sft_trainer"),
+        f"data.train_files={data}",
+        f"data.train_batch_size={args.sft_batch}",
+        "data.max_length=1024",
+        "data.num_workers=0",
+        "data.use_dynamic_bsz=False",
+        f"data.micro_batch_size_per_gpu={args.micro_batch}",
+        f"model.path={model}",
+        f"model.use_remove_padding={name == 'fsdp2_rmpad'}",
+        "model.enable_gradient_checkpointing=False",  # verl's default is on; ours and TRL's are off
+        "+model.override_config.attn_implementation=sdpa",
+        f"engine.strategy={strategy}",
+        "engine.use_torch_compile=False",
+        "+engine.mixed_precision.param_dtype=fp32",
+        *target,
+        "optim.lr=1e-4",
+        "trainer.device=cpu",
+        "trainer.logger=[console]",
+        f"trainer.total_training_steps={args.steps}",
+        "trainer.total_epochs=100",
+        f"trainer.default_local_dir={run_dir}",
+        "trainer.save_freq=-1",
+        "trainer.test_freq=-1",
+        "trainer.resume_mode=disable",
+    ]
+    return Case(
+        name=f"verl sft_trainer {name}",
+        argv=argv,
+        env=_env(1, VERL_USE_EXTERNAL_MODULES=CPU_SHIM),
+        step_pattern=re.compile(r"\bstep:(\d+) - "),  # not at line start: tqdm's bar shares the line
+        tokens_from=r"line:train/global_tokens:([0-9.]+)",
+    )
+
+
+def ours_sft_case(args, model: str, data: str, run_dir: str) -> Case:
+    argv = [
+        sys.executable,
+        *("-m", "verl_balance.main_sft"),
+        f"data.train_files={data}",
+        "data.messages_key=messages",
+        f"data.train_batch_size={args.sft_batch}",
+        f"data.micro_batch_size_per_gpu={args.sft_batch}",
+        "data.max_length=1024",
+        f"model.path={model}",
+        "optim.lr=1e-4",
+        "trainer.device=cpu",
+        "trainer.n_gpus_per_node=1",
+        f"trainer.total_training_steps={args.steps}",
+        "trainer.total_epochs=100",
+        "trainer.logger=[console,jsonl]",
+        f"trainer.default_local_dir={run_dir}",
+        "trainer.resume_mode=disable",
+    ]
+    return Case("ours main_sft", argv, _env(args.threads), re.compile(r"^step (\d+)\b"), f"jsonl:{run_dir}")
+
+
+def ours_grpo_case(args, model: str, data: str, run_dir: str) -> Case:
+    a = "actor_rollout_ref"
+    argv = [
+        sys.executable,
+        *("-m", "verl_balance.main_grpo"),
+        f"data.train_files={data}",
+        f"data.train_batch_size={args.grpo_prompts}",
+        f"{a}.model.path={model}",
+        f"{a}.actor.ppo_mini_batch_size={args.grpo_prompts}",
+        f"{a}.actor.ppo_micro_batch_size_per_gpu={args.grpo_prompts * args.grpo_n}",
+        f"{a}.actor.optim.lr=1e-4",
+        f"{a}.rollout.n={args.grpo_n}",
+        f"{a}.rollout.response_length={args.grpo_response}",
+        "trainer.device=cpu",
+        "trainer.n_gpus_per_node=1",
+        f"trainer.total_training_steps={args.steps}",
+        "trainer.total_epochs=100",
+        "trainer.val_before_train=false",
+        "trainer.logger=[console,jsonl]",
+        f"trainer.default_local_dir={run_dir}",
+        "trainer.resume_mode=disable",
+    ]
+    return Case("ours main_grpo", argv, _env(args.threads), re.compile(r"^step (\d+)\b"), f"jsonl:{run_dir}")
+
+
+def trl_case(kind: str, args, model: str, data: str, run_dir: str) -> Case:
+    argv = [
+        sys.executable,
+        os.path.abspath(__file__),
+        *("--child", kind, "--child-model", model, "--child-data", data, "--child-dir", run_dir),
+        *("--steps", str(args.steps), "--sft-batch", str(args.sft_batch), "--threads", str(args.threads)),
+        *("--grpo-prompts", str(args.grpo_prompts), "--grpo-n", str(args.grpo_n)),
+        *("--grpo-response", str(args.grpo_response)),
+    ]
+    name = "TRL SFTTrainer (packing)" if kind == "trl-sft" else "TRL GRPOTrainer"
+    env = _env(args.threads)
+    if args.trl_path:
+        env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], args.trl_path])
+    return Case(name, argv, env, re.compile(r"^peer_step (\d+)\b"), r"line:tokens ([0-9.]+)")
+
+
+# ----------------------------------------------------------------------------- running one case
+
+
+def _tree_rss(proc) -> int:
+    import psutil
+
+    total = 0
+    with contextlib.suppress(psutil.Error):
+        root = psutil.Process(proc.pid)
+        for p in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                total += p.memory_info().rss
+    return total
+
+
+def _jsonl_metrics(run_dir: str) -> list[dict]:
+    rows = []
+    for path in glob.glob(os.path.join(run_dir, "**", "metrics.jsonl"), recursive=True):
+        with open(path) as f:
+            rows += [json.loads(line) for line in f if line.strip()]
+    return sorted((r for r in rows if "perf/tokens" in r), key=lambda r: r["step"])
+
+
+def run_case(case: Case, *, warmup: int, timeout: float, log_path: str) -> RunResult:
+    """Run ``case`` in its own subprocess; time its step lines; sample its tree's RSS."""
+    result = RunResult(case.name)
+    stamps: list[tuple[float, str]] = []
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            case.argv, env=case.env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+
+        def reader():
+            for line in proc.stdout:
+                log.write(line)
+                if case.step_pattern.search(line):
+                    stamps.append((time.perf_counter(), line))
+
+        thread = threading.Thread(target=reader, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + timeout
+        while proc.poll() is None:
+            result.peak_rss = max(result.peak_rss, _tree_rss(proc))
+            if time.monotonic() > deadline:
+                proc.kill()
+                result.error = f"timed out after {timeout:.0f} s"
+            time.sleep(0.2)
+        thread.join(timeout=30)
+    if proc.returncode != 0 and result.error is None:
+        result.error = f"exit {proc.returncode} (log: {log_path})"
+    times = [b[0] - a[0] for a, b in zip(stamps, stamps[1:])][warmup:]
+    if not times and result.error is None:
+        result.error = f"fewer than {warmup + 2} step lines (log: {log_path})"
+    result.step_s = times
+    if case.tokens_from.startswith("line:"):
+        pattern = re.compile(case.tokens_from[5:])
+        found = [pattern.search(line) for _, line in stamps[1:]][warmup:]
+        result.tokens = [float(m.group(1)) for m in found if m]
+    else:
+        rows = _jsonl_metrics(case.tokens_from[6:])[1:][warmup:]
+        result.tokens = [float(r["perf/tokens"]) for r in rows]
+        for row in rows:
+            for key, value in row.items():
+                if key.startswith("timing_s/"):
+                    result.extra.setdefault(key, []).append(float(value))
+    return result
+
+
+# ----------------------------------------------------------------------------- TRL children
+
+
+def _trl_common(args) -> dict:
+    return dict(
+        output_dir=args.child_dir,
+        max_steps=args.steps,
+        learning_rate=1e-4,
+        lr_scheduler_type="constant",
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        dataloader_num_workers=0,
+        gradient_accumulation_steps=1,
+        seed=0,
+        disable_tqdm=True,
+    )
+
+
+def _step_printer(counter: dict):
+    from transformers import TrainerCallback
+
+    class StepPrinter(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            print(f"peer_step {state.global_step} tokens {counter['tokens']}", flush=True)
+            counter["tokens"] = 0
+
+    return StepPrinter()
+
+
+def child_trl_sft(args) -> None:
+    """TRL SFTTrainer, packing (bfd, padding-free) into bins holding one step's tokens."""
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    tokenizer = AutoTokenizer.from_pretrained(args.child_model)
+    data = datasets.load_dataset("parquet", data_files=args.child_data, split="train").select_columns(["messages"])
+    chats = [tokenizer.apply_chat_template(m, tokenize=False) for m in data["messages"][:256]]
+    mean_len = statistics.mean(len(ids) for ids in tokenizer(chats)["input_ids"])
+    counter = {"tokens": 0}
+
+    class CountingSFTTrainer(SFTTrainer):
+        def training_step(self, model, inputs, *rest, **kwargs):
+            counter["tokens"] += int(inputs["input_ids"].numel())  # padding-free: real tokens only
+            return super().training_step(model, inputs, *rest, **kwargs)
+
+    config = SFTConfig(
+        **_trl_common(args),
+        per_device_train_batch_size=1,
+        packing=True,
+        padding_free=True,
+        max_length=int(mean_len * args.sft_batch),
+        assistant_only_loss=False,
+    )
+    model = AutoModelForCausalLM.from_pretrained(args.child_model, attn_implementation="sdpa")
+    trainer = CountingSFTTrainer(
+        model=model, args=config, train_dataset=data, processing_class=tokenizer, callbacks=[_step_printer(counter)]
+    )
+    trainer.train()
+
+
+def child_trl_grpo(args) -> None:
+    """TRL GRPOTrainer: prompts x n completions, one update per generation, the synthetic reward."""
+    import datasets
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from verl_balance.rewards.score import compute_score
+
+    tokenizer = AutoTokenizer.from_pretrained(args.child_model)
+    raw = datasets.load_dataset("parquet", data_files=args.child_data, split="train")
+    data = raw.map(
+        lambda r: {"ground_truth": r["reward_model"]["ground_truth"]},
+        remove_columns=["reward_model", "extra_info", "ability"],
+    )
+
+    def reward(completions, data_source, ground_truth, **kwargs):
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return [float(compute_score(ds, text, gt)["score"]) for ds, text, gt in zip(data_source, texts, ground_truth)]
+
+    counter = {"tokens": 0}
+
+    class CountingGRPOTrainer(GRPOTrainer):
+        def compute_loss(self, model, inputs, *rest, **kwargs):
+            counter["tokens"] += int(inputs["prompt_mask"].sum() + inputs["completion_mask"].sum())
+            return super().compute_loss(model, inputs, *rest, **kwargs)
+
+    config = GRPOConfig(
+        **_trl_common(args),
+        per_device_train_batch_size=args.grpo_prompts * args.grpo_n,
+        num_generations=args.grpo_n,
+        max_completion_length=args.grpo_response,
+        num_iterations=1,
+        beta=0.0,
+        temperature=1.0,
+        loss_type="dapo",  # token-mean over the batch, like ours
+        shuffle_dataset=True,
+    )
+    model = AutoModelForCausalLM.from_pretrained(args.child_model, attn_implementation="sdpa")
+    trainer = CountingGRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=data,
+        processing_class=tokenizer,
+        callbacks=[_step_printer(counter)],
+    )
+    trainer.train()
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+def _median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def summarize(results: list[RunResult]) -> dict:
+    """Pool the repeats of one case: median s/step, tokens/s, max peak RSS."""
+    ok = [r for r in results if r.error is None]
+    steps = [t for r in ok for t in r.step_s]
+    tokens = [t for r in ok for t in r.tokens]
+    s = _median(steps)
+    tok = _median(tokens)
+    extra = {}
+    for r in ok:
+        for k, v in r.extra.items():
+            extra.setdefault(k, []).extend(v)
+    return {
+        "s_step": s,
+        "tok_s": tok / s if (s and tok) else None,
+        "rss_gib": max((r.peak_rss for r in ok), default=0) / 2**30 or None,
+        "runs": f"{len(ok)}/{len(results)}",
+        "errors": [r.error for r in results if r.error],
+        "extra": {k: statistics.median(v) for k, v in extra.items()},
+    }
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "n/a" if not (a and b) else f"{a / b:.2f}"
+
+
+def print_table(pairs: list[tuple[str, str, list[str]]], stats: dict[str, dict]) -> None:
+    head = f"{'section':<9} {'run':<32} {'runs':>4} {'s/step':>8} {'tok/s':>8} {'peak RSS GiB':>12}"
+    head += "   ours/peer: s/step  tok/s  RSS"
+    print("\n" + head)
+    print("-" * len(head))
+    for section, ours, peers in pairs:
+        o = stats[ours]
+        for name in [ours, *peers]:
+            s = stats[name]
+            ratios = ""
+            if name != ours:
+                ratios = (
+                    f"   {_ratio(o['s_step'], s['s_step']):>17} {_ratio(o['tok_s'], s['tok_s']):>6}"
+                    f" {_ratio(o['rss_gib'], s['rss_gib']):>4}"
+                )
+            print(
+                f"{section:<9} {name:<32} {s['runs']:>4} {_fmt(s['s_step'], '.3f'):>8} "
+                f"{_fmt(s['tok_s'], '.0f'):>8} {_fmt(s['rss_gib'], '.2f'):>12}{ratios}"
+            )
+    for name, s in stats.items():
+        if s["extra"]:
+            parts = ", ".join(f"{k.split('/', 1)[1]} {v:.3f}" for k, v in sorted(s["extra"].items()))
+            print(f"{name} timing_s medians: {parts}")
+        for err in s["errors"]:
+            print(f"{name}: FAILED {err}")
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def _have(module: str, extra_path: str | None = None) -> bool:
+    import importlib.machinery
+
+    return importlib.machinery.PathFinder.find_spec(module, [p for p in [extra_path, *sys.path] if p]) is not None
+
+
+def build_pairs(args, model: str, data: dict[str, str]):
+    """[(section, [(tag, make_case(run_dir)), ...])] for the selected sections that can run here;
+    ours first, then its peer(s)."""
+    pairs, skipped = [], []
+    for section in args.only:
+        if section == "sft-verl" and not _have("verl"):
+            skipped.append(f"{section}: verl is not importable")
+            continue
+        if section == "sft-verl" and _have("trl"):
+            # verl 0.9.1's fsdp2 engine imports trl's AutoModelForCausalLMWithValueHead whenever trl is
+            # importable; trl >= 1.x no longer has it, so fsdp2 cannot start in this environment.
+            skipped.append(f"{section}: trl is importable here and breaks verl 0.9.1's fsdp2; use --trl-path")
+            continue
+        if section in ("sft-trl", "grpo-trl") and not _have("trl", args.trl_path):
+            skipped.append(f"{section}: trl is not importable (pip install --target DIR trl; --trl-path DIR)")
+            continue
+        if section == "sft-verl":
+            makers = [
+                (mode, functools.partial(verl_sft_case, mode, args, model, data["sft"]))
+                for mode in ("verl_balance", "fsdp2_padded", "fsdp2_rmpad")
+            ]
+        elif section == "sft-trl":
+            makers = [
+                ("ours", functools.partial(ours_sft_case, args, model, data["sft"])),
+                ("trl", functools.partial(trl_case, "trl-sft", args, model, data["sft"])),
+            ]
+        else:
+            makers = [
+                ("ours", functools.partial(ours_grpo_case, args, model, data["rl"])),
+                ("trl", functools.partial(trl_case, "trl-grpo", args, model, data["rl"])),
+            ]
+        pairs.append((section, makers))
+    return pairs, skipped
+
+
+def _ray_start_timed_out(log_path: str) -> bool:
+    with open(log_path, errors="replace") as f:
+        return "The current node timed out during startup" in f.read()
+
+
+def run_all(args) -> None:
+    root = tempfile.mkdtemp(prefix="peer_bench_")
+    t0 = time.perf_counter()
+    model = write_model(os.path.join(root, "model"), args.model)
+    data = write_data(os.path.join(root, "data"), num_train=args.num_train, sft_median=args.sft_median)
+    pairs, skipped = build_pairs(args, model, data)
+    for line in skipped:
+        print(f"skipped {line}")
+    results: dict[str, list[RunResult]] = {}
+    table: list[tuple[str, str, list[str]]] = []
+    for rep in range(args.repeats):
+        for section, makers in pairs:
+            names = []
+            for tag, make in makers if rep % 2 == 0 else makers[::-1]:
+                case = make(os.path.join(root, f"{section}_{tag}_{rep}"))  # a fresh directory per run
+                names.append(case.name)
+                log_path = os.path.join(root, f"{section}_{tag}_{rep}.log")
+                print(f"[{time.perf_counter() - t0:6.0f}s] {section} repeat {rep + 1}: {case.name}", flush=True)
+                result = run_case(case, warmup=args.warmup, timeout=args.timeout, log_path=log_path)
+                if result.error and _ray_start_timed_out(log_path):  # Ray's fixed 30 s, hit on a loaded host
+                    print(f"  Ray start-up timed out; running {case.name} again", flush=True)
+                    result = run_case(case, warmup=args.warmup, timeout=args.timeout, log_path=log_path)
+                results.setdefault(case.name, []).append(result)
+            if rep == 0:
+                table.append((section, names[0], names[1:]))
+    print(
+        f"\nmodel {args.model} {MODELS[args.model]} (hidden, layers, heads, kv, ffn); steps {args.steps} "
+        f"(warm-up intervals dropped: {args.warmup}); repeats {args.repeats}; threads {args.threads} "
+        f"(single-process rows), 1 per rank (DP=2 rows); total {time.perf_counter() - t0:.0f} s; logs in {root}"
+    )
+    print_table(table, {name: summarize(rs) for name, rs in results.items()})
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated sections of {SECTIONS}")
+    p.add_argument("--repeats", type=int, default=1, help="interleaved A/B repeats (order alternates)")
+    p.add_argument("--steps", type=int, default=6, help="optimizer steps per run")
+    p.add_argument("--warmup", type=int, default=1, help="step intervals dropped at the start of a run")
+    p.add_argument("--model", default="small", choices=sorted(MODELS))
+    p.add_argument("--threads", type=int, default=2, help="torch threads of the single-process rows")
+    p.add_argument("--sft-batch", type=int, default=32, help="SFT samples per step")
+    p.add_argument("--micro-batch", type=int, default=4, help="verl sft_trainer micro_batch_size_per_gpu")
+    p.add_argument("--sft-median", type=float, default=24.0, help="median synthetic task size of SFT samples")
+    p.add_argument("--num-train", type=int, default=512, help="synthetic training samples")
+    p.add_argument("--grpo-prompts", type=int, default=16, help="GRPO prompts per step")
+    p.add_argument("--grpo-n", type=int, default=4, help="GRPO responses per prompt")
+    p.add_argument("--grpo-response", type=int, default=32, help="GRPO response tokens")
+    p.add_argument(
+        "--trl-path",
+        default=os.environ.get("PEER_TRL_PATH"),
+        help="a directory holding trl (pip install --no-deps --target DIR 'trl>=1.16'), added to the TRL "
+        "runs' PYTHONPATH only (default: $PEER_TRL_PATH); needed when verl 0.9.1 shares the environment",
+    )
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds before one run is killed")
+    p.add_argument("--child", choices=("trl-sft", "trl-grpo"), help=argparse.SUPPRESS)
+    p.add_argument("--child-model", help=argparse.SUPPRESS)
+    p.add_argument("--child-data", help=argparse.SUPPRESS)
+    p.add_argument("--child-dir", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.only = [s.strip() for s in args.only.split(",") if s.strip()]
+    unknown = sorted(set(args.only) - set(SECTIONS))
+    if unknown:
+        p.error(f"--only: unknown section(s) {unknown}; valid: {list(SECTIONS)}")
+    if not args.child and args.steps < args.warmup + 2:
+        p.error(f"--steps must be at least --warmup + 2 = {args.warmup + 2} (one timed step interval)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.child:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        {"trl-sft": child_trl_sft, "trl-grpo": child_trl_grpo}[args.child](args)
+        return
+    run_all(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""benchmarks/peer_bench.py: its argument checks, its table arithmetic, and one tiny section end to end
+(no timing is asserted: only that the table is produced with both rows measured)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(REPO, "benchmarks", "peer_bench.py")
+
+
+@pytest.fixture(scope="module")
+def peer_bench():
+    spec = importlib.util.spec_from_file_location("peer_bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses resolve their annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_parse_args_selects_sections_and_rejects_unknown_ones_and_too_few_steps(peer_bench):
+    assert peer_bench.parse_args([]).only == list(peer_bench.SECTIONS)
+    assert peer_bench.parse_args(["--only", "grpo-trl, sft-trl"]).only == ["grpo-trl", "sft-trl"]
+    with pytest.raises(SystemExit):
+        peer_bench.parse_args(["--only", "sft-trl,sft-foo"])
+    with pytest.raises(SystemExit):  # --warmup 1 needs 3 steps for one timed interval
+        peer_bench.parse_args(["--steps", "2", "--warmup", "1"])
+    assert peer_bench.parse_args(["--steps", "2", "--warmup", "0"]).steps == 2
+
+
+def test_summary_pools_repeats_and_table_ratios_are_ours_over_peer(peer_bench, capsys):
+    R = peer_bench.RunResult
+    ours = [R("ours", step_s=[1.0, 3.0], tokens=[100, 100], peak_rss=2**30), R("ours", step_s=[2.0], tokens=[100])]
+    peer = [R("peer", step_s=[4.0], tokens=[200], peak_rss=2**31), R("peer", error="exit 1")]
+    stats = {"ours": peer_bench.summarize(ours), "peer": peer_bench.summarize(peer)}
+    # median of the pooled step intervals (1, 2, 3) = 2 s; tokens/s = 100 / 2; the failed repeat is left out.
+    assert (stats["ours"]["s_step"], stats["ours"]["tok_s"], stats["ours"]["runs"]) == (2.0, 50.0, "2/2")
+    assert (stats["peer"]["s_step"], stats["peer"]["tok_s"], stats["peer"]["runs"]) == (4.0, 50.0, "1/2")
+    peer_bench.print_table([("sec", "ours", ["peer"])], stats)
+    out = capsys.readouterr().out
+    peer_row = next(line for line in out.splitlines() if line.startswith("sec") and " peer " in line)
+    # s/step 2/4, tok/s 50/50, RSS 1 GiB / 2 GiB
+    assert peer_row.split()[-3:] == ["0.50", "1.00", "0.50"]
+    assert "peer: FAILED exit 1" in out
+
+
+@pytest.mark.slow
+def test_sft_trl_section_on_a_tiny_model_prints_a_table_with_both_rows_measured(peer_bench):
+    trl_path = os.environ.get("PEER_TRL_PATH")
+    if not peer_bench._have("trl", trl_path):
+        pytest.skip("trl is not importable (pip install --target DIR 'trl>=1.16', then PEER_TRL_PATH=DIR)")
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    argv = [SCRIPT, "--only", "sft-trl", "--model", "tiny", "--steps", "2", "--warmup", "0", "--threads", "1"]
+    argv += ["--sft-batch", "8", "--num-train", "64"]
+    proc = subprocess.run([sys.executable, *argv], env=env, capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    rows = {
+        name: line
+        for line in proc.stdout.splitlines()
+        for name in ("ours main_sft", "TRL SFTTrainer")
+        if line.startswith("sft-trl") and name in line
+    }
+    assert set(rows) == {"ours main_sft", "TRL SFTTrainer"}, proc.stdout[-3000:]
+    for line in rows.values():
+        assert " 1/1 " in line and "n/a" not in line, proc.stdout[-3000:]
+    assert re.search(r"(\d+\.\d+\s+){3}\d+\.\d+$", rows["TRL SFTTrainer"].rstrip()), rows  # the ratio columns
