@@ -183,3 +183,75 @@ def test_hf_model_head_applies_the_family_logit_transform_in_both_paths(tmp_path
     reference, chunked = run(False), run(True)
     assert reference.keys() == chunked.keys() and len(reference) > 2
     assert _max_relative_error(chunked, reference) <= 1e-6
+
+
+def _chunked_outputs_and_grads(hidden, weight, targets, upstream, *, chunk_size, keep_last, retain_graph=False, **kw):
+    log_probs, entropy = output_head._ChunkedTokenLogProbs.apply(
+        hidden, weight, targets, kw["temperature"], kw["transform"], chunk_size, True, keep_last
+    )
+    objective = (upstream[0] * log_probs).sum() + (upstream[1] * entropy).sum()
+    grads = torch.autograd.grad(objective, (hidden, weight), retain_graph=retain_graph)
+    again = torch.autograd.grad(objective, (hidden, weight)) if retain_graph else None
+    return grads, again
+
+
+@pytest.mark.parametrize("transform", list(TRANSFORMS), ids=str)
+@pytest.mark.parametrize("n,chunk_size", [(37, 5), (37, 64), (40, 8)])
+def test_kept_last_chunk_gives_bitwise_the_gradients_of_recomputing_it(transform, n, chunk_size):
+    """The backward reuses the forward's last-chunk log-softmax instead of recomputing it: the
+    same arithmetic on the same values, so the gradients are bit-identical (not just close)."""
+    hidden, weight, targets, upstream, per_token = _problem(n, dtype=torch.float32)
+    kw = dict(transform=TRANSFORMS[transform], temperature=per_token)
+    (kept_h, kept_w), _ = _chunked_outputs_and_grads(
+        hidden, weight, targets, upstream, chunk_size=chunk_size, keep_last=True, **kw
+    )
+    (re_h, re_w), _ = _chunked_outputs_and_grads(
+        hidden, weight, targets, upstream, chunk_size=chunk_size, keep_last=False, **kw
+    )
+    assert torch.equal(kept_h, re_h) and torch.equal(kept_w, re_w)
+    assert re_w.abs().max() > 0
+
+
+@pytest.mark.parametrize("transform", list(TRANSFORMS), ids=str)
+def test_kept_chunk_survives_a_retained_graph_backward(monkeypatch, transform):
+    """A second backward over a retained graph reads the kept chunk again: it must be unchanged
+    (negative control: a backward consuming it in place is caught by autograd's version check)."""
+    hidden, weight, targets, upstream, _ = _problem(37, dtype=torch.float32)
+    kw = dict(transform=TRANSFORMS[transform], temperature=0.7)
+    first, second = _chunked_outputs_and_grads(
+        hidden, weight, targets, upstream, chunk_size=64, keep_last=True, retain_graph=True, **kw
+    )
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+    original = output_head._logit_grad_from_log_softmax
+    monkeypatch.setattr(
+        output_head, "_logit_grad_from_log_softmax", lambda *a, inplace, **k: original(*a, inplace=True, **k)
+    )
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _chunked_outputs_and_grads(
+            hidden, weight, targets, upstream, chunk_size=64, keep_last=True, retain_graph=True, **kw
+        )
+
+
+def test_a_one_chunk_head_projects_once_and_no_grad_keeps_nothing(monkeypatch):
+    """Training: the last chunk's logits are not recomputed in backward (a micro-batch that fits
+    in one chunk runs the head matmul once, as the unchunked path); no_grad keeps no chunk."""
+    hidden, weight, targets, upstream, _ = _problem(37, dtype=torch.float32)
+    calls, kept = [], []
+    linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a, **k: calls.append(1) or linear(*a, **k))
+    chunk_log_softmax = output_head._chunk_log_softmax
+    monkeypatch.setattr(
+        output_head,
+        "_chunk_log_softmax",
+        lambda *a, want_capped: kept.append(want_capped) or chunk_log_softmax(*a, want_capped=want_capped),
+    )
+    kwargs = dict(transform=TRANSFORMS["scale_softcap"], temperature=0.7, with_entropy=True)
+    for chunk_size, projections in [(64, 1), (5, 8 + 7)]:
+        calls.clear()
+        _outputs_and_grads(hidden, weight, targets, upstream, chunk_size=chunk_size, **kwargs)
+        assert len(calls) == projections, chunk_size
+    kept.clear()
+    with torch.no_grad():
+        head_token_log_probs(hidden, weight, targets, chunk_size=5, **kwargs)
+    assert kept == [False] * 8

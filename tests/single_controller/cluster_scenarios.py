@@ -134,6 +134,8 @@ def oversized() -> dict:
     config = ActorWorkerConfig(model=ModelConfig.preset("tiny"), engine=EngineConfig())
     trainer_cfg = SimpleNamespace(n_gpus_per_node=64, nnodes=1, placement_timeout_s=300.0)
     out["start_ray_s"] = time.monotonic() - start
+    out["worker_niceness"] = ray.get(ray.remote(num_cpus=0)(lambda: os.nice(0)).remote())
+    out["driver_niceness"] = os.nice(0)
     start = time.monotonic()
     try:
         cluster.build_actor_group(worker_config=config, trainer_cfg=trainer_cfg, use_gpu=False)

@@ -78,3 +78,5 @@ def test_oversized_request_on_the_embedded_cluster_fails_at_once():
     assert f"CPU={out['cluster_cpus']}" in out["error"]
     assert out["placement_s"] < 30  # at once, not after placement_timeout_s=300
     assert out["free_cpus_after"] == out["cluster_cpus"]  # nothing left reserved, no worker spawned
+    # the embedded cluster's workers are not deprioritised below the driver (Ray's default is 15)
+    assert out["worker_niceness"] == out["driver_niceness"]

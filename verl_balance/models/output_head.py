@@ -104,35 +104,39 @@ def _slice_temperature(temperature: Temperature, start: int, end: int) -> Temper
 class _ChunkedTokenLogProbs(torch.autograd.Function):
     """(hidden [T, H], weight [V, H]) -> (log p(target) [T], entropy [T]) in token chunks.
 
-    Forward keeps hidden, weight, targets and the per-token outputs only; backward recomputes each
-    chunk's logits and softmax and accumulates the gradients of hidden and weight, so at most one
-    chunk's [chunk, V] logits (and a few same-sized temporaries) are alive at a time."""
+    Forward keeps hidden, weight, targets and the per-token outputs, plus (when a backward will
+    follow, ``keep_last``) the last chunk's log-softmax; backward reuses that chunk and recomputes
+    every other chunk's logits and softmax, accumulating the gradients of hidden and weight, so at
+    most one chunk's [chunk, V] logits (and a few same-sized temporaries) are alive at a time. A
+    micro-batch of at most ``chunk_size`` tokens is one chunk: its head runs once, as unchunked."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, temperature, transform, chunk_size, with_entropy):
+    def forward(ctx, hidden, weight, targets, temperature, transform, chunk_size, with_entropy, keep_last):
         n = hidden.shape[0]
         dtype = torch.promote_types(hidden.dtype, torch.float32)
         log_probs = torch.empty(n, dtype=dtype, device=hidden.device)
         entropy = torch.empty(n if with_entropy else 0, dtype=dtype, device=hidden.device)
+        last_logp = last_capped = None
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
-            projected = torch.nn.functional.linear(hidden[start:end], weight)
             chunk_temperature = _slice_temperature(temperature, start, end)
-            logp = torch.log_softmax(_chunk_logits_from_projection(projected, transform, chunk_temperature), dim=-1)
-            del projected
+            keep = keep_last and end == n
+            logp, capped = _chunk_log_softmax(hidden[start:end], weight, transform, chunk_temperature, want_capped=keep)
             log_probs[start:end] = logp.gather(-1, targets[start:end].long().unsqueeze(-1)).squeeze(-1)
             if with_entropy:
                 entropy[start:end] = -logp.exp().mul_(logp).sum(-1)
+            if keep:
+                last_logp, last_capped = logp, capped
             del logp
         saved_temperature = temperature if isinstance(temperature, Tensor) else None
-        ctx.save_for_backward(hidden, weight, targets, entropy, saved_temperature)
+        ctx.save_for_backward(hidden, weight, targets, entropy, saved_temperature, last_logp, last_capped)
         ctx.temperature = None if saved_temperature is not None else temperature
         ctx.transform, ctx.chunk_size, ctx.with_entropy = transform, chunk_size, with_entropy
         return log_probs, entropy
 
     @staticmethod
     def backward(ctx, grad_log_probs, grad_entropy):
-        hidden, weight, targets, entropy, temperature = ctx.saved_tensors
+        hidden, weight, targets, entropy, temperature, last_logp, last_capped = ctx.saved_tensors
         temperature = temperature if temperature is not None else ctx.temperature
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         # The weight's gradient is accumulated over the chunks in fp32 (a transient V x H fp32
@@ -140,24 +144,41 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
         grad_weight = None
         if ctx.needs_input_grad[1]:
             grad_weight = torch.zeros(weight.shape, dtype=grad_log_probs.dtype, device=weight.device)
-        for start in range(0, hidden.shape[0], ctx.chunk_size):
-            end = min(start + ctx.chunk_size, hidden.shape[0])
-            grad_z = _chunk_logit_grad(
-                hidden[start:end],
-                weight,
+        n = hidden.shape[0]
+        for start in range(0, n, ctx.chunk_size):
+            end = min(start + ctx.chunk_size, n)
+            upstream = dict(
                 targets=targets[start:end],
                 temperature=_slice_temperature(temperature, start, end),
                 transform=ctx.transform,
                 grad_log_probs=grad_log_probs[start:end],
                 grad_entropy=grad_entropy[start:end] if ctx.with_entropy else None,
                 entropy=entropy[start:end] if ctx.with_entropy else None,
-            ).to(hidden.dtype)
+            )
+            if last_logp is not None and end == n:
+                # the saved chunk is not modified (a retain_graph backward may read it again)
+                grad_z = _logit_grad_from_log_softmax(last_logp, last_capped, inplace=False, **upstream)
+            else:
+                grad_z = _chunk_logit_grad(hidden[start:end], weight, **upstream)
+            grad_z = grad_z.to(hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden[start:end] = grad_z @ weight
             if grad_weight is not None:
                 grad_weight.addmm_(grad_z.t().to(grad_weight.dtype), hidden[start:end].to(grad_weight.dtype))
         grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else None
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
+
+
+def _chunk_log_softmax(
+    hidden: Tensor, weight: Tensor, transform: LogitTransform, temperature: Temperature, *, want_capped: bool
+) -> tuple[Tensor, Tensor | None]:
+    """log_softmax of one chunk's logits (exactly as the unchunked path) and, when ``want_capped``
+    and the transform soft-caps, the fp32 ``tanh`` the soft-cap's derivative needs."""
+    projected = torch.nn.functional.linear(hidden, weight)
+    capped = None
+    if want_capped and transform.softcap is not None:
+        capped = _upcast(torch.tanh(projected * transform.scale / transform.softcap))
+    return torch.log_softmax(_chunk_logits_from_projection(projected, transform, temperature), dim=-1), capped
 
 
 def _chunk_logit_grad(
@@ -171,21 +192,45 @@ def _chunk_logit_grad(
     grad_entropy: Tensor | None,
     entropy: Tensor | None,
 ) -> Tensor:
-    """d(outputs)/d(projected logits z) of one chunk, [chunk, V], from recomputed logits.
+    """d(outputs)/d(projected logits z) of one chunk, [chunk, V], from recomputed logits."""
+    logp, capped = _chunk_log_softmax(hidden, weight, transform, temperature, want_capped=True)
+    return _logit_grad_from_log_softmax(
+        logp,
+        capped,
+        targets=targets,
+        temperature=temperature,
+        transform=transform,
+        grad_log_probs=grad_log_probs,
+        grad_entropy=grad_entropy,
+        entropy=entropy,
+        inplace=True,
+    )
+
+
+def _logit_grad_from_log_softmax(
+    logp: Tensor,
+    capped: Tensor | None,
+    *,
+    targets: Tensor,
+    temperature: Temperature,
+    transform: LogitTransform,
+    grad_log_probs: Tensor,
+    grad_entropy: Tensor | None,
+    entropy: Tensor | None,
+    inplace: bool,
+) -> Tensor:
+    """d(outputs)/d(projected logits z) of one chunk from its log-softmax ``logp`` (and the fp32
+    ``tanh`` of a soft-capping transform).
 
     With l = softcap(scale * z) / temperature and logp = log_softmax(l):
     d logp[target]/dl = onehot - p and d entropy/dl = -p * (logp + entropy); then the chain rule
-    through the temperature, tanh' = 1 - tanh^2 and the scale. Works in place on the chunk's
-    buffers, so about three [chunk, V] tensors are alive at once."""
-    projected = torch.nn.functional.linear(hidden, weight)
-    capped = None
-    if transform.softcap is not None:
-        capped = _upcast(torch.tanh(projected * transform.scale / transform.softcap))
-    logp = torch.log_softmax(_chunk_logits_from_projection(projected, transform, temperature), dim=-1)
-    del projected
+    through the temperature, tanh' = 1 - tanh^2 and the scale. With ``inplace`` it works on the
+    chunk's buffers (``logp`` and ``capped`` are consumed), so about three [chunk, V] tensors are
+    alive at once; without, it leaves them unchanged (same arithmetic, same values)."""
     p = logp.exp()
     if grad_entropy is not None:
-        grad = logp.add_(entropy[:, None]).mul_(p).mul_(-grad_entropy[:, None])
+        shifted = logp.add_(entropy[:, None]) if inplace else logp + entropy[:, None]
+        grad = shifted.mul_(p).mul_(-grad_entropy[:, None])
         grad.addcmul_(p, grad_log_probs[:, None], value=-1.0)
     else:
         grad = p.mul_(-grad_log_probs[:, None])
@@ -196,7 +241,7 @@ def _chunk_logit_grad(
     elif temperature != 1.0:
         grad.div_(temperature)
     if capped is not None:
-        grad.mul_(capped.square_().neg_().add_(1.0))
+        grad.mul_((capped.square_() if inplace else capped.square()).neg_().add_(1.0))
     return grad.mul_(transform.scale) if transform.scale != 1.0 else grad
 
 
@@ -218,8 +263,10 @@ def chunked_token_log_probs(
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"logits_chunk_size={chunk_size!r} must be an int >= 1 (or 0 for the unchunked path)")
     check_temperature(temperature)
+    # The last chunk's log-softmax is kept for the backward only when one follows (not in no_grad).
+    keep_last = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     log_probs, entropy = _ChunkedTokenLogProbs.apply(
-        hidden, weight, targets, temperature, transform, chunk_size, with_entropy
+        hidden, weight, targets, temperature, transform, chunk_size, with_entropy, keep_last
     )
     return log_probs, entropy if with_entropy else None
 

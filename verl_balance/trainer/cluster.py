@@ -25,13 +25,21 @@ def embedded_cluster_cpus() -> int:
     return CPU_WORKERS_PER_CORE * max(1, cores)
 
 
+EMBEDDED_WORKER_NICENESS = 0
+"""Niceness of the embedded cluster's worker processes. Ray's default (15) lets every other process
+on the node (the driver, a data loader, other jobs) pre-empt the training ranks; on shared CPU
+cores that slowed the dp=1 step by 10-20% of wall time against a plain loop at niceness 0
+(benchmarks/sft_bench.py overhead). An external cluster (``address``) keeps its own setting."""
+
+
 def start_ray(*, address: str | None, num_workers: int | None = None) -> None:
     """Connect to a cluster (``address``) or start an embedded one sized to this machine.
 
     The embedded cluster has ``embedded_cluster_cpus()`` CPU slots (and the GPUs Ray detects),
     whatever is asked: a worker group that cannot fit then fails at once with the same
     ``UnplaceableResourcePoolError`` an external cluster gives. ``num_workers`` only serves a
-    warning when CPU workers fit but outnumber the cores.
+    warning when CPU workers fit but outnumber the cores. Its workers run at
+    ``EMBEDDED_WORKER_NICENESS``.
     """
     if ray.is_initialized():
         return
@@ -40,7 +48,13 @@ def start_ray(*, address: str | None, num_workers: int | None = None) -> None:
         ray.init(address=address, runtime_env=env, log_to_driver=True)
         return
     cpus = embedded_cluster_cpus()
-    ray.init(num_cpus=cpus, include_dashboard=False, runtime_env=env, log_to_driver=True)
+    ray.init(
+        num_cpus=cpus,
+        include_dashboard=False,
+        runtime_env=env,
+        log_to_driver=True,
+        _system_config={"worker_niceness": EMBEDDED_WORKER_NICENESS},
+    )
     cores = cpus // CPU_WORKERS_PER_CORE
     if num_workers is not None and cores < num_workers <= cpus and ray.cluster_resources().get("GPU", 0) == 0:
         logger.warning(
