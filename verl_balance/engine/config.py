@@ -119,7 +119,7 @@ class EngineConfig:
     logits_chunk_size: int = DEFAULT_LOGITS_CHUNK_SIZE
     """Tokens per chunk of the output head (models/output_head.py): log-probs, entropy and their
     gradients are computed chunk by chunk from the final hidden states, recomputing each chunk's
-    logits in the backward, so the head holds about logits_chunk_size x vocab fp32 values instead
+    logits but the last in the backward, so the head holds about logits_chunk_size x vocab fp32 values instead
     of micro-batch tokens x vocab (exact: the same values and gradients). 0 = the unchunked path
     that materializes the micro-batch's full logits (the reference)."""
 
