@@ -328,6 +328,9 @@ def _trl_common(args) -> dict:
         fp16=False,
         dataloader_num_workers=0,
         gradient_accumulation_steps=1,
+        # TRL's SFTConfig/GRPOConfig default to gradient checkpointing (and generation then runs
+        # without a KV cache); ours and the verl rows run without it.
+        gradient_checkpointing=False,
         seed=0,
         disable_tqdm=True,
     )
