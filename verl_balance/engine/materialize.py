@@ -34,6 +34,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from verl_balance.engine.lora import base_name, is_lora_name
 from verl_balance.models import ModelConfig, build_model
 from verl_balance.models.base import PackedCausalLM
 from verl_balance.models.config import ModelConfigError
@@ -153,6 +154,8 @@ def leaf_twins(model: nn.Module) -> list[tuple[str, nn.Module]]:
     copy is materialized on the host one at a time and initialised by the model's own init."""
     twins = []
     for name, module in model.named_modules():
+        if is_lora_name(name):
+            continue  # LoRA adapters are filled by engine.lora.fill_lora
         if next(module.parameters(recurse=False), None) is not None:
             twin = copy.copy(module)
             twin._modules = {}
@@ -179,7 +182,8 @@ def fill_hf_random(model: nn.Module, twins: list[tuple[str, nn.Module]], *, seed
         for p in twin.parameters(recurse=False):
             p.__dict__.pop("_is_hf_initialized", None)
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(module_seed(seed, module_name))
+            # The HF name (without LoRA's ".base_layer"): a LoRA model gets the same base weights.
+            torch.manual_seed(module_seed(seed, base_name(module_name)))
             init_weights(twin)
         for n, target in targets.items():
             if id(target) not in done:
@@ -197,6 +201,9 @@ def fill_pretrained(model: nn.Module, path: str) -> None:
     ModelConfigError naming a missing tensor or a shape mismatch."""
     files = safetensors_key_files(path)
     for name, param in unique_parameters(model):
+        if is_lora_name(name):
+            continue  # LoRA adapters are filled by engine.lora.fill_lora
+        name = base_name(name)
         key = checkpoint_key(name, files)
         if key is not None:
             _fill_from_key(param, name=name, key=key, file=files[key])
@@ -269,12 +276,17 @@ def build_sharded_model(
     attn_impl: str,
     device: torch.device,
     shard: Callable[[nn.Module], None] | None,
+    lora=None,
 ) -> PackedCausalLM:
-    """Meta build -> ``shard`` (FSDP2; None: the plain module) -> local storage on ``device`` ->
-    weights (see the module docstring). ``model.set_sequence_parallel_group`` is the caller's."""
+    """Meta build -> LoRA adapters (``lora``: an EngineConfig with lora_rank > 0, or None) ->
+    ``shard`` (FSDP2; None: the plain module) -> local storage on ``device`` -> weights (see the
+    module docstring). ``model.set_sequence_parallel_group`` is the caller's."""
+    from verl_balance.engine.lora import apply_lora, fill_lora
     from verl_balance.models.hf import HFModelConfig
 
     model = build_meta_model(model_config, sp_size=sp_size, attn_impl=attn_impl)
+    if lora is not None:
+        apply_lora(model, lora)
     buffers = {name: buf.clone() for name, buf in model.named_buffers()}
     pretrained = isinstance(model_config, HFModelConfig) and model_config.init == "pretrained"
     twins = leaf_twins(model) if isinstance(model_config, HFModelConfig) and not pretrained else []
@@ -290,6 +302,8 @@ def build_sharded_model(
         fill_builtin_random(model, seed=seed)
     else:
         fill_hf_random(model, twins, seed=seed)
+    if lora is not None:
+        fill_lora(model, lora)
     return model
 
 
