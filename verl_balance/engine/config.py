@@ -126,7 +126,7 @@ class EngineConfig:
     lora_rank: int = 0
     """LoRA rank (verl's key); 0 = off. > 0 (HF models only): peft LoRA adapters on the target
     Linear layers are the only trainable parameters (and the only ones with optimizer state)."""
-    lora_alpha: float = 16
+    lora_alpha: float = 16.0
     """LoRA scaling numerator: the adapter's update is (lora_alpha / lora_rank) * B @ A."""
     target_modules: Any = "all-linear"
     """Modules that get an adapter: 'all-linear' (every Linear of the decoder, not the output
