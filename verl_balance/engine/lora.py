@@ -175,3 +175,64 @@ def fill_lora(model: nn.Module, config: EngineConfig) -> None:
         fill_lora_from_adapter(model, config.lora_adapter_path)
     else:
         fill_lora_params(model, seed=config.seed)
+
+
+# ---------------------------------------------------------------------------- export
+def lora_scaling(lora) -> float:
+    """peft's factor on B @ A: lora_alpha / r (lora_alpha / sqrt(r) with use_rslora)."""
+    r = lora.r
+    return lora.lora_alpha / (math.sqrt(r) if getattr(lora, "use_rslora", False) else r)
+
+
+def adapter_names(name: str) -> tuple[str, str] | None:
+    """(lora_A, lora_B) parameter names of a LoRA-wrapped base weight ``name``; None otherwise."""
+    suffix = ".base_layer.weight"
+    if not name.endswith(suffix):
+        return None
+    prefix = name[: -len(suffix)]
+    return f"{prefix}.lora_A.{ADAPTER}.weight", f"{prefix}.lora_B.{ADAPTER}.weight"
+
+
+def merged_weight(base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, *, scaling: float) -> torch.Tensor:
+    """W + scaling * B @ A in fp32 (what peft's merge_and_unload computes)."""
+    return base.float() + scaling * (lora_b.float() @ lora_a.float())
+
+
+def merged_state_dict(state: dict[str, torch.Tensor], lora) -> dict[str, torch.Tensor]:
+    """Full tensors of a LoRA model (our names) -> the plain HF model's state with adapters merged."""
+    scaling = lora_scaling(lora)
+    out = {}
+    for name, tensor in state.items():
+        if is_lora_name(name):
+            continue
+        pair = adapter_names(name)
+        if pair is not None and pair[0] in state:
+            tensor = merged_weight(tensor, state[pair[0]], state[pair[1]], scaling=scaling)
+        out[base_name(name)] = tensor
+    return out
+
+
+def lora_config_dict(lora, *, base_model_path: str | None = None) -> dict:
+    """The JSON of adapter_config.json (peft's fields)."""
+    config = lora.to_dict()
+    config["base_model_name_or_path"] = base_model_path
+    config["inference_mode"] = True
+    return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+
+
+def save_lora_config(lora, directory: str, *, base_model_path: str | None = None) -> None:
+    """Write ``directory``/adapter_config.json."""
+    with open(os.path.join(directory, ADAPTER_CONFIG_FILE), "w") as f:
+        json.dump(lora_config_dict(lora, base_model_path=base_model_path), f, indent=2, sort_keys=True, default=str)
+
+
+def save_adapter_dir(out: str, state: dict[str, torch.Tensor], lora, *, base_model_path: str | None) -> str:
+    """Write a peft adapter directory (adapter_config.json + adapter_model.safetensors) from the
+    full tensors ``state`` (our names); ``PeftModel.from_pretrained(base, out)`` loads it."""
+    from safetensors.torch import save_file
+
+    os.makedirs(out, exist_ok=True)
+    tensors = {peft_key(n): t.detach().float().contiguous().cpu() for n, t in state.items() if is_lora_name(n)}
+    save_file(tensors, os.path.join(out, ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
+    save_lora_config(lora, out, base_model_path=base_model_path)
+    return out

@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 from verl_balance.distributed.layout import ParallelLayout
 from verl_balance.distributed.ulysses import gather_and_unpad
 from verl_balance.engine.config import EngineConfig
-from verl_balance.engine.lora import apply_lora, fill_lora
+from verl_balance.engine.lora import apply_lora, fill_lora, save_lora_config
 from verl_balance.engine.materialize import build_sharded_model, shard_model
 from verl_balance.engine.optim import apply_optim_config, build_optimizer
 from verl_balance.engine.packing import MicroBatchError, PackedMicroBatch, pack_micro_batch
@@ -568,6 +568,9 @@ class TrainEngine:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
         if dist.get_rank() == 0:
+            lora = getattr(self.model, "lora_config", None)
+            if lora is not None:  # what verl_balance.export needs to write the adapter or merge it
+                save_lora_config(lora, path)
             torch.save(
                 {
                     "step": step,
