@@ -111,3 +111,26 @@ def test_merge_lora_on_a_full_checkpoint_is_refused(trained, tmp_path):
             os.symlink(root / "ckpt" / name, plain / name)
     with pytest.raises(ExportError, match="--merge-lora"):
         export_checkpoint(str(plain), str(tmp_path / "out"), model_path=path, allow_incomplete=True, merge_lora=True)
+
+
+def _log_probs_from_adapter(rank, *, path, adapter):
+    config = HFModelConfig.from_pretrained(path)
+    engine_config = EngineConfig(seed=99, lora_rank=1, lora_adapter_path=adapter)
+    engine = TrainEngine(
+        model_config=config, engine_config=engine_config, layout=ParallelLayout(dp=2, sp=1, device_type="cpu")
+    )
+    trainable = sorted(n for n, p in engine.model.named_parameters() if p.requires_grad)
+    [out] = engine.compute_log_prob([_batch(config.vocab_size)])
+    return out["log_probs"], trainable
+
+
+def test_lora_adapter_path_starts_from_the_exported_adapter(trained):
+    from verl_balance.export import main as export_main
+
+    root, path, engine_log_probs = trained
+    out = str(root / "adapter_for_start")
+    export_main([str(root / "ckpt"), out, "--model-path", path, "--allow-incomplete"])
+    log_probs, trainable = run_on_ranks(functools.partial(_log_probs_from_adapter, path=path, adapter=out), world=2)[0]
+    # The adapter's own rank and targets (q_proj, v_proj, down_proj), not lora_rank=1 / all-linear.
+    assert {n.split(".")[-4] for n in trainable} == {"q_proj", "v_proj", "down_proj"}
+    torch.testing.assert_close(log_probs, engine_log_probs, rtol=1e-5, atol=1e-5)
