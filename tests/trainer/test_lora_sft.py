@@ -74,10 +74,15 @@ def test_lora_keys_reach_the_engine_config(tmp_path, tiny_qwen2):
 
 @pytest.mark.parametrize(
     ("override", "key"),
-    [("model.lora_rank=-1", "model.lora_rank"), ("model.lora_alpha=0", "model.lora_alpha")],
+    [
+        ("model.lora_rank=-1", "model.lora_rank"),
+        ("model.lora_alpha=0", "model.lora_alpha"),
+        ("model.lora_adapter_path=/x", "model.lora_adapter_path"),
+    ],
 )
 def test_bad_lora_values_fail_naming_the_recipe_key(tmp_path, tiny_qwen2, override, key):
-    overrides = [f"model.path={tiny_qwen2}", "model.lora_rank=4", override, f"trainer.default_local_dir={tmp_path}"]
+    rank = "model.lora_rank=0" if "adapter" in override else "model.lora_rank=4"
+    overrides = [f"model.path={tiny_qwen2}", rank, override, f"trainer.default_local_dir={tmp_path}"]
     with pytest.raises(ConfigError, match=key):  # at start-up, before any worker
         validate_sft(compose_config("sft", overrides)).engine_config(total_steps=2)
 

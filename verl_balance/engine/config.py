@@ -143,6 +143,11 @@ class EngineConfig:
             raise EngineConfigError(f"lora_rank={self.lora_rank!r} must be an int >= 0 (0 = LoRA off)")
         if self.lora_rank and not self.lora_alpha > 0:
             raise EngineConfigError(f"lora_alpha={self.lora_alpha!r} must be > 0")
+        if self.lora_adapter_path and not self.lora_rank:
+            raise EngineConfigError(
+                f"lora_adapter_path={self.lora_adapter_path!r} is set but lora_rank=0 (LoRA off); set lora_rank > 0 "
+                "to train the adapter (its own rank is used) or remove lora_adapter_path"
+            )
         if self.optim.lr_scheduler == "cosine" and not self.total_steps:
             raise EngineConfigError("optim.lr_scheduler='cosine' needs total_steps > 0")
         if self.param_dtype not in PARAM_DTYPES:
