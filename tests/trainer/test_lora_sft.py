@@ -132,3 +132,23 @@ def test_lora_resume_after_ctrl_c_continues_the_curve_exactly(lora_runs):
         )
     # Negative control: the curve moves after the resume point.
     assert runs["straight"][2]["train/loss"] != pytest.approx(runs["straight"][3]["train/loss"], rel=1e-6)
+
+
+@pytest.mark.slow
+def test_lora_trainer_checkpoint_exports_a_peft_adapter_without_flags(lora_runs, tiny_qwen2):
+    """The CLI reads the model the trainer recorded and the adapter config the engine saved."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from verl_balance.export import export_checkpoint
+
+    out = lora_runs["root"] / "adapter"
+    export_checkpoint(str(lora_runs["root"] / "straight" / "global_step_4"), str(out))
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    base = AutoModelForCausalLM.from_pretrained(tiny_qwen2, dtype=torch.float32)
+    ids = torch.arange(1, 20)[None]
+    with torch.no_grad():
+        base_logits = base(input_ids=ids).logits
+        lora_logits = PeftModel.from_pretrained(base, str(out))(input_ids=ids).logits
+    assert (lora_logits - base_logits).abs().max() > 1e-4  # the trained adapters are in the export
