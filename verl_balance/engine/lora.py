@@ -125,58 +125,6 @@ def apply_lora(model: nn.Module, config: EngineConfig) -> None:
     model.lora_config = lora
 
 
-@torch.no_grad()
-def fill_lora_params(model: nn.Module, *, seed: int) -> None:
-    """This rank's rows of every adapter: A kaiming-uniform (a=sqrt(5), peft's draw) from a generator
-    seeded by (seed, parameter name), B zero; the same full values at every layout."""
-    from verl_balance.engine.materialize import copy_local_rows, module_seed
-
-    for name, param in model.named_parameters():
-        if not is_lora_name(name):
-            continue
-        full = torch.zeros(tuple(param.shape))
-        if ".lora_A." in name:
-            generator = torch.Generator().manual_seed(module_seed(seed, name))
-            bound = 1.0 / math.sqrt(param.shape[1])  # kaiming_uniform_(a=sqrt(5)) on [r, in]
-            full.uniform_(-bound, bound, generator=generator)
-        copy_local_rows(param, full)
-
-
-@torch.no_grad()
-def fill_lora_from_adapter(model: nn.Module, path: str) -> None:
-    """This rank's rows of every adapter from ``path``/adapter_model.safetensors (peft's key names)."""
-    from safetensors import safe_open
-
-    from verl_balance.engine.materialize import copy_local_rows, local_rows
-
-    file = os.path.join(path, ADAPTER_WEIGHTS_FILE)
-    with safe_open(file, framework="pt") as f:
-        keys = set(f.keys())
-        for name, param in model.named_parameters():
-            if not is_lora_name(name):
-                continue
-            key = peft_key(name)
-            if key not in keys:
-                raise EngineConfigError(f"lora_adapter_path={path!r}: {ADAPTER_WEIGHTS_FILE} has no tensor {key!r}")
-            tensor_slice = f.get_slice(key)
-            if tuple(tensor_slice.get_shape()) != tuple(param.shape):
-                raise EngineConfigError(
-                    f"lora_adapter_path={path!r}: {key!r} has shape {tuple(tensor_slice.get_shape())}, "
-                    f"the model's adapter {tuple(param.shape)}"
-                )
-            start, count = local_rows(param)
-            if count:
-                copy_local_rows(param, tensor_slice[start : start + count], rows_only=True)
-
-
-def fill_lora(model: nn.Module, config: EngineConfig) -> None:
-    """The adapters' values: from lora_adapter_path, else from the seed."""
-    if config.lora_adapter_path:
-        fill_lora_from_adapter(model, config.lora_adapter_path)
-    else:
-        fill_lora_params(model, seed=config.seed)
-
-
 # ---------------------------------------------------------------------------- export
 def lora_scaling(lora) -> float:
     """peft's factor on B @ A: lora_alpha / r (lora_alpha / sqrt(r) with use_rslora)."""

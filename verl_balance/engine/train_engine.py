@@ -43,8 +43,8 @@ from torch.distributed.tensor import DTensor
 from verl_balance.distributed.layout import ParallelLayout
 from verl_balance.distributed.ulysses import gather_and_unpad
 from verl_balance.engine.config import EngineConfig
-from verl_balance.engine.lora import apply_lora, fill_lora, save_lora_config
-from verl_balance.engine.materialize import build_sharded_model, shard_model
+from verl_balance.engine.lora import apply_lora, save_lora_config
+from verl_balance.engine.materialize import build_sharded_model, fill_lora, shard_model
 from verl_balance.engine.optim import apply_optim_config, build_optimizer
 from verl_balance.engine.packing import MicroBatchError, PackedMicroBatch, pack_micro_batch
 from verl_balance.engine.perf import TRAIN_FLOPS_PER_FORWARD, step_perf_metrics
