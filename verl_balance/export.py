@@ -1,13 +1,16 @@
 """Export a training checkpoint of a Hugging Face model as a ``save_pretrained`` directory.
 
     python -m verl_balance.export CHECKPOINT OUT [--model-path DIR | --builtin-config CONFIG.json]
-                                  [--overwrite] [--allow-incomplete]
+                                  [--overwrite] [--allow-incomplete] [--merge-lora]
 
 CHECKPOINT is an engine checkpoint (``global_step_N/``: DCP shards of {"model", "optim"} written
 by ``TrainEngine.save_checkpoint``, any layout); OUT receives config.json, model.safetensors and
 the tokenizer of the model directory (``--model-path``, or the ``model_config`` the trainer recorded
 in the checkpoint's trainer_state.json; a built-in model is written as Llama).
 ``AutoModelForCausalLM.from_pretrained(OUT)`` then gives the trained model's logits exactly.
+A LoRA run's checkpoint (it holds adapter_config.json) is written as a peft adapter directory
+(adapter_config.json + adapter_model.safetensors, for ``PeftModel.from_pretrained``), or with
+``--merge-lora`` as the plain HF model with the adapters merged (W + scaling * B @ A).
 
 Safety: the checkpoint must be complete (``checkpoint_complete.json``) and its files must match the
 checksums recorded there, checked before anything is read (``--allow-incomplete`` exports one
@@ -171,9 +174,36 @@ def save_builtin_as_hf_llama(
     return out
 
 
-def load_checkpoint_model_state(checkpoint: str, *, model_config) -> dict[str, torch.Tensor]:
+def checkpoint_lora_config(checkpoint: str):
+    """The peft LoraConfig of a LoRA run's checkpoint (its adapter_config.json); None otherwise."""
+    from verl_balance.engine.lora import ADAPTER_CONFIG_FILE
+
+    if not os.path.exists(os.path.join(checkpoint, ADAPTER_CONFIG_FILE)):
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig.from_pretrained(checkpoint)
+
+
+def _skeleton_state(model_config, lora) -> dict[str, torch.Tensor]:
+    """The model's state dict with random weights (names and shapes), LoRA-wrapped when ``lora``."""
+    with torch.random.fork_rng(devices=[]):
+        if isinstance(model_config, ModelConfig):
+            return LlamaForCausalLM(model_config).state_dict()
+        model = build_hf_model(replace(model_config, init="random"), attn_implementation="sdpa")
+        if lora is not None:
+            from peft import inject_adapter_in_model
+
+            from verl_balance.engine.lora import ADAPTER
+
+            inject_adapter_in_model(lora, model, adapter_name=ADAPTER)
+        return model.state_dict()
+
+
+def load_checkpoint_model_state(checkpoint: str, *, model_config, lora=None) -> dict[str, torch.Tensor]:
     """Full (unsharded) model tensors of a DCP engine checkpoint, read in this process only
-    (``model_config``: the HFModelConfig or built-in ModelConfig it was trained with)."""
+    (``model_config``: the HFModelConfig or built-in ModelConfig it was trained with; ``lora``: the
+    run's LoraConfig, names then are the engine's LoRA names, see engine/lora.py)."""
     import torch.distributed.checkpoint as dcp
 
     if not os.path.exists(os.path.join(checkpoint, ".metadata")):
@@ -182,11 +212,7 @@ def load_checkpoint_model_state(checkpoint: str, *, model_config) -> dict[str, t
         )
     metadata = dcp.FileSystemReader(checkpoint).read_metadata()
     saved = {k.split(".", 1)[1] for k in metadata.state_dict_metadata if k.startswith("model.")}
-    with torch.random.fork_rng(devices=[]):
-        if isinstance(model_config, ModelConfig):
-            skeleton = LlamaForCausalLM(model_config).state_dict()
-        else:
-            skeleton = build_hf_model(replace(model_config, init="random"), attn_implementation="sdpa").state_dict()
+    skeleton = _skeleton_state(model_config, lora)
     wanted = {k: v for k, v in skeleton.items() if k in saved}
     absent = [
         k for k in skeleton if k not in saved and not (model_config.tie_word_embeddings and k == "lm_head.weight")
@@ -290,6 +316,7 @@ def export_checkpoint(
     builtin_config: str | None = None,
     overwrite: bool = False,
     allow_incomplete: bool = False,
+    merge_lora: bool = False,
 ) -> str:
     """Export ``checkpoint`` to ``out``; returns ``out``. An HF model needs its directory
     (``model_path``); a built-in model its ``ModelConfig`` as JSON (``builtin_config``, the
@@ -297,21 +324,25 @@ def export_checkpoint(
     trainer recorded in the checkpoint is used.
 
     The checkpoint is verified first (``verify_export_source``); a non-empty ``out`` needs
-    ``overwrite``; the export is staged beside ``out`` and renamed into place when complete."""
+    ``overwrite``; the export is staged beside ``out`` and renamed into place when complete.
+    A LoRA run's checkpoint is written as a peft adapter directory, or with ``merge_lora`` as the
+    plain HF model with the adapters merged."""
     _check_out(out, checkpoint=checkpoint, overwrite=overwrite)
     verify_export_source(checkpoint, allow_incomplete=allow_incomplete)
     target = os.path.abspath(out)  # no trailing slash: its basename names the staging directory
     os.makedirs(os.path.dirname(target), exist_ok=True)
     staging = os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.staging-{uuid.uuid4().hex[:8]}")
     try:
-        _write_export(checkpoint, staging, model_path=model_path, builtin_config=builtin_config)
+        _write_export(checkpoint, staging, model_path=model_path, builtin_config=builtin_config, merge_lora=merge_lora)
         _replace_with(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone already after a successful rename
     return out
 
 
-def _write_export(checkpoint: str, out: str, *, model_path: str | None, builtin_config: str | None) -> str:
+def _write_export(
+    checkpoint: str, out: str, *, model_path: str | None, builtin_config: str | None, merge_lora: bool = False
+) -> str:
     """Read the checkpoint's model and write it to ``out`` (the staging directory)."""
     builtin: ModelConfig | None = None
     if builtin_config is not None:
@@ -336,8 +367,17 @@ def _write_export(checkpoint: str, out: str, *, model_path: str | None, builtin_
         model_config = HFModelConfig.from_pretrained(model_path)
     except ModelConfigError as err:
         raise ExportError(f"--model-path {model_path!r}: {err}") from err
-    state = load_checkpoint_model_state(checkpoint, model_config=model_config)
-    return save_hf_pretrained(state, model_config=model_config, out=out)
+    lora = checkpoint_lora_config(checkpoint)
+    if merge_lora and lora is None:
+        raise ExportError(f"--merge-lora: checkpoint {checkpoint!r} has no LoRA adapters (no adapter_config.json)")
+    state = load_checkpoint_model_state(checkpoint, model_config=model_config, lora=lora)
+    if lora is None:
+        return save_hf_pretrained(state, model_config=model_config, out=out)
+    from verl_balance.engine.lora import merged_state_dict, save_adapter_dir
+
+    if merge_lora:
+        return save_hf_pretrained(merged_state_dict(state, lora), model_config=model_config, out=out)
+    return save_adapter_dir(out, state, lora, base_model_path=model_config.path)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -359,6 +399,11 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="export a checkpoint without checkpoint_complete.json (e.g. written by TrainEngine directly), unverified",
     )
+    parser.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="a LoRA run's checkpoint: write the merged model (plain HF directory) instead of the peft adapter",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
@@ -369,6 +414,7 @@ def main(argv: list[str] | None = None) -> None:
             builtin_config=args.builtin_config,
             overwrite=args.overwrite,
             allow_incomplete=args.allow_incomplete,
+            merge_lora=args.merge_lora,
         )
     except ExportError as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")

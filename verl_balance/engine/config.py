@@ -9,6 +9,7 @@ classes directly, so the check runs when the merged config is turned into object
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from verl_balance.loss import check_agg_mode
 from verl_balance.models.attention import ATTN_IMPLS
@@ -122,9 +123,31 @@ class EngineConfig:
     logits but the last in the backward, so the head holds about logits_chunk_size x vocab fp32 values instead
     of micro-batch tokens x vocab (exact: the same values and gradients). 0 = the unchunked path
     that materializes the micro-batch's full logits (the reference)."""
+    lora_rank: int = 0
+    """LoRA rank (verl's key); 0 = off. > 0 (HF models only): peft LoRA adapters on the target
+    Linear layers are the only trainable parameters (and the only ones with optimizer state)."""
+    lora_alpha: float = 16.0
+    """LoRA scaling numerator: the adapter's update is (lora_alpha / lora_rank) * B @ A."""
+    target_modules: Any = "all-linear"
+    """Modules that get an adapter: 'all-linear' (every Linear of the decoder, not the output
+    head) or a list of module names (e.g. [q_proj, v_proj]); see engine/lora.py."""
+    exclude_modules: Any = None
+    """Module names (a list, or a regex string) that never get an adapter; null = none."""
+    lora_adapter_path: str | None = None
+    """A peft adapter directory (adapter_config.json + adapter_model.safetensors) to start from;
+    its rank, alpha and target modules are the adapter's own. null = new adapters from the seed."""
 
     def __post_init__(self) -> None:
         check_agg_mode(self.loss_agg_mode)
+        if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:
+            raise EngineConfigError(f"lora_rank={self.lora_rank!r} must be an int >= 0 (0 = LoRA off)")
+        if self.lora_rank and not self.lora_alpha > 0:
+            raise EngineConfigError(f"lora_alpha={self.lora_alpha!r} must be > 0")
+        if self.lora_adapter_path and not self.lora_rank:
+            raise EngineConfigError(
+                f"lora_adapter_path={self.lora_adapter_path!r} is set but lora_rank=0 (LoRA off); set lora_rank > 0 "
+                "to train the adapter (its own rank is used) or remove lora_adapter_path"
+            )
         if self.optim.lr_scheduler == "cosine" and not self.total_steps:
             raise EngineConfigError("optim.lr_scheduler='cosine' needs total_steps > 0")
         if self.param_dtype not in PARAM_DTYPES:

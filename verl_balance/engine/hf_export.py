@@ -6,7 +6,8 @@ one tensor (``DTensor.full_tensor``); rank 0 alone keeps it, buffering at most o
 is one full tensor on every rank, plus one file's worth of tensors on rank 0.
 
 A built-in model is written as transformers' Llama (same math; names mapped by
-``export.builtin_to_hf_llama``). Tied embeddings are one parameter, written once.
+``export.builtin_to_hf_llama``). Tied embeddings are one parameter, written once. A LoRA model
+(engine/lora.py) is written merged: each adapted weight as W + scaling * B @ A (fp32).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from verl_balance.engine.lora import adapter_names, base_name, is_lora_name, lora_scaling, merged_weight
 from verl_balance.engine.materialize import unique_parameters
 from verl_balance.models.config import ModelConfig
 from verl_balance.models.safetensors_io import DEFAULT_MAX_SHARD_BYTES, TensorSpec, save_hf_directory
@@ -43,19 +45,31 @@ def save_engine_model_as_hf(
 ) -> None:
     """Write ``model`` (FSDP2-sharded or plain) under ``out`` from rank 0 of ``group``; collective:
     call on every rank of the model's mesh. Ends with a barrier over ``group``."""
-    params = unique_parameters(model)
-    names, hf_config = hf_names_and_config(model_config, [n for n, _ in params])
-    if set(names) != {n for n, _ in params}:
-        raise ValueError(f"parameters without an HF name: {sorted({n for n, _ in params} - set(names))[:5]}")
+    lora = getattr(model, "lora_config", None)
+    by_name = dict(unique_parameters(model))
+    # A LoRA model is written merged (W + scaling * B @ A under the base weight's HF name).
+    params = [(n, p) for n, p in by_name.items() if not is_lora_name(n)]
+    names, hf_config = hf_names_and_config(model_config, [base_name(n) for n, _ in params])
+    missing = sorted({base_name(n) for n, _ in params} - set(names))
+    if missing:
+        raise ValueError(f"parameters without an HF name: {missing[:5]}")
+    names = {n: names[base_name(n)] for n, _ in params}
     is_writer = not dist.is_initialized() or dist.get_rank(group) == 0
-    specs = [TensorSpec(names[n], tuple(p.shape), p.dtype) for n, p in params]
+    specs = [TensorSpec(names[n], tuple(p.shape), torch.float32 if lora else p.dtype) for n, p in params]
+
+    def full(param):
+        return (param.full_tensor() if isinstance(param, DTensor) else param).detach()
 
     def gathered():
         for name, param in params:
-            full = param.full_tensor() if isinstance(param, DTensor) else param
+            tensor = full(param)
+            pair = adapter_names(name) if lora is not None else None
+            if pair is not None and pair[0] in by_name:
+                a, b = full(by_name[pair[0]]), full(by_name[pair[1]])
+                tensor = merged_weight(tensor, a, b, scaling=lora_scaling(lora))
             if is_writer:
-                yield names[name], full.detach().cpu()
-            del full
+                yield names[name], tensor.cpu()
+            del tensor
 
     if is_writer:
         save_hf_directory(

@@ -18,6 +18,8 @@ Invariants:
 - Buffers (e.g. HF's rotary ``inv_freq``, non-persistent) are computed for real at construction
   (only parameters go to meta) and written back after ``to_empty``, which would leave them garbage.
 - Tied embeddings stay one Parameter: filled once, through its first name.
+- LoRA adapters (engine/lora.py) are filled last (`fill_lora`): A from (seed, parameter name), B = 0,
+  or this rank's rows of lora_adapter_path; base weights keep their HF names (`.base_layer` dropped).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import contextlib
 import copy
 import hashlib
 import math
+import os
 from collections.abc import Callable, Iterator
 
 import torch
@@ -34,6 +37,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from verl_balance.engine import lora as lora_module
+from verl_balance.engine.lora import base_name, is_lora_name
 from verl_balance.models import ModelConfig, build_model
 from verl_balance.models.base import PackedCausalLM
 from verl_balance.models.config import ModelConfigError
@@ -153,6 +158,8 @@ def leaf_twins(model: nn.Module) -> list[tuple[str, nn.Module]]:
     copy is materialized on the host one at a time and initialised by the model's own init."""
     twins = []
     for name, module in model.named_modules():
+        if is_lora_name(name):
+            continue  # LoRA adapters are filled by fill_lora
         if next(module.parameters(recurse=False), None) is not None:
             twin = copy.copy(module)
             twin._modules = {}
@@ -179,7 +186,8 @@ def fill_hf_random(model: nn.Module, twins: list[tuple[str, nn.Module]], *, seed
         for p in twin.parameters(recurse=False):
             p.__dict__.pop("_is_hf_initialized", None)
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(module_seed(seed, module_name))
+            # The HF name (without LoRA's ".base_layer"): a LoRA model gets the same base weights.
+            torch.manual_seed(module_seed(seed, base_name(module_name)))
             init_weights(twin)
         for n, target in targets.items():
             if id(target) not in done:
@@ -197,6 +205,9 @@ def fill_pretrained(model: nn.Module, path: str) -> None:
     ModelConfigError naming a missing tensor or a shape mismatch."""
     files = safetensors_key_files(path)
     for name, param in unique_parameters(model):
+        if is_lora_name(name):
+            continue  # LoRA adapters are filled by fill_lora
+        name = base_name(name)
         key = checkpoint_key(name, files)
         if key is not None:
             _fill_from_key(param, name=name, key=key, file=files[key])
@@ -252,6 +263,57 @@ def _fill_from_experts(param: nn.Parameter, *, name: str, sources: list[list[str
         copy_local_rows(param, rows, rows_only=True)
 
 
+# ---------------------------------------------------------------------------- LoRA adapters
+@torch.no_grad()
+def fill_lora_params(model: nn.Module, *, seed: int) -> None:
+    """This rank's rows of every adapter: A kaiming-uniform (a=sqrt(5), peft's draw) from a generator
+    seeded by (seed, parameter name), B zero; the same full values at every layout."""
+    for name, param in model.named_parameters():
+        if not lora_module.is_lora_name(name):
+            continue
+        full = torch.zeros(tuple(param.shape))
+        if ".lora_A." in name:
+            generator = torch.Generator().manual_seed(module_seed(seed, name))
+            bound = 1.0 / math.sqrt(param.shape[1])  # kaiming_uniform_(a=sqrt(5)) on [r, in]
+            full.uniform_(-bound, bound, generator=generator)
+        copy_local_rows(param, full)
+
+
+@torch.no_grad()
+def fill_lora_from_adapter(model: nn.Module, path: str) -> None:
+    """This rank's rows of every adapter from ``path``/adapter_model.safetensors (peft's key names)."""
+    from safetensors import safe_open
+
+    file = os.path.join(path, lora_module.ADAPTER_WEIGHTS_FILE)
+    with safe_open(file, framework="pt") as f:
+        keys = set(f.keys())
+        for name, param in model.named_parameters():
+            if not lora_module.is_lora_name(name):
+                continue
+            key = lora_module.peft_key(name)
+            if key not in keys:
+                raise lora_module.EngineConfigError(
+                    f"lora_adapter_path={path!r}: {lora_module.ADAPTER_WEIGHTS_FILE} has no tensor {key!r}"
+                )
+            tensor_slice = f.get_slice(key)
+            if tuple(tensor_slice.get_shape()) != tuple(param.shape):
+                raise lora_module.EngineConfigError(
+                    f"lora_adapter_path={path!r}: {key!r} has shape {tuple(tensor_slice.get_shape())}, "
+                    f"the model's adapter {tuple(param.shape)}"
+                )
+            start, count = local_rows(param)
+            if count:
+                copy_local_rows(param, tensor_slice[start : start + count], rows_only=True)
+
+
+def fill_lora(model: nn.Module, config) -> None:
+    """The adapters' values: from lora_adapter_path, else from the seed."""
+    if config.lora_adapter_path:
+        fill_lora_from_adapter(model, config.lora_adapter_path)
+    else:
+        fill_lora_params(model, seed=config.seed)
+
+
 # ---------------------------------------------------------------------------- construction
 def shard_model(model: nn.Module, *, mesh, param_dtype: torch.dtype, reshard_after_forward: bool) -> None:
     """FSDP2 over ``mesh``: one unit per ``fsdp_units()`` module, then the root."""
@@ -269,12 +331,16 @@ def build_sharded_model(
     attn_impl: str,
     device: torch.device,
     shard: Callable[[nn.Module], None] | None,
+    lora=None,
 ) -> PackedCausalLM:
-    """Meta build -> ``shard`` (FSDP2; None: the plain module) -> local storage on ``device`` ->
-    weights (see the module docstring). ``model.set_sequence_parallel_group`` is the caller's."""
+    """Meta build -> LoRA adapters (``lora``: an EngineConfig with lora_rank > 0, or None) ->
+    ``shard`` (FSDP2; None: the plain module) -> local storage on ``device`` -> weights (see the
+    module docstring). ``model.set_sequence_parallel_group`` is the caller's."""
     from verl_balance.models.hf import HFModelConfig
 
     model = build_meta_model(model_config, sp_size=sp_size, attn_impl=attn_impl)
+    if lora is not None:
+        lora_module.apply_lora(model, lora)
     buffers = {name: buf.clone() for name, buf in model.named_buffers()}
     pretrained = isinstance(model_config, HFModelConfig) and model_config.init == "pretrained"
     twins = leaf_twins(model) if isinstance(model_config, HFModelConfig) and not pretrained else []
@@ -290,6 +356,8 @@ def build_sharded_model(
         fill_builtin_random(model, seed=seed)
     else:
         fill_hf_random(model, twins, seed=seed)
+    if lora is not None:
+        fill_lora(model, lora)
     return model
 
 

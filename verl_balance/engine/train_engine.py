@@ -43,7 +43,8 @@ from torch.distributed.tensor import DTensor
 from verl_balance.distributed.layout import ParallelLayout
 from verl_balance.distributed.ulysses import gather_and_unpad
 from verl_balance.engine.config import EngineConfig
-from verl_balance.engine.materialize import build_sharded_model, shard_model
+from verl_balance.engine.lora import apply_lora, save_lora_config
+from verl_balance.engine.materialize import build_sharded_model, fill_lora, shard_model
 from verl_balance.engine.optim import apply_optim_config, build_optimizer
 from verl_balance.engine.packing import MicroBatchError, PackedMicroBatch, pack_micro_batch
 from verl_balance.engine.perf import TRAIN_FLOPS_PER_FORWARD, step_perf_metrics
@@ -118,15 +119,21 @@ class TrainEngine:
                 attn_impl=engine_config.attn_impl,
                 device=self.device,
                 shard=shard,
+                lora=engine_config if engine_config.lora_rank else None,
             )
         else:
             # A caller-built (materialized) model: moved whole to the device, then sharded.
+            if engine_config.lora_rank:
+                apply_lora(model, engine_config)
+                fill_lora(model, engine_config)
             model.to(self.device)
             if shard is not None:
                 shard(model)
         model.set_sequence_parallel_group(layout.sp_group if layout.sp > 1 else None)
         self.model = model
-        self.optimizer, self.scheduler = build_optimizer(model.parameters(), config=engine_config)
+        # Only trainable parameters (all of them, or the LoRA adapters) get AdamW state.
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer, self.scheduler = build_optimizer(trainable, config=engine_config)
         self.global_step = 0
         self.flops_workload = _flops_workload(model_config)
 
@@ -277,7 +284,7 @@ class TrainEngine:
         Collective: the norm is reduced over the world (FSDP2's sharded gradients), so every rank
         calls it and every rank skips together."""
         max_norm = self.config.optim.max_grad_norm
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], max_norm)
         if isinstance(grad_norm, DTensor):
             grad_norm = grad_norm.full_tensor()
         grad_norm = float(grad_norm)
@@ -561,6 +568,9 @@ class TrainEngine:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
         if dist.get_rank() == 0:
+            lora = getattr(self.model, "lora_config", None)
+            if lora is not None:  # what verl_balance.export needs to write the adapter or merge it
+                save_lora_config(lora, path)
             torch.save(
                 {
                     "step": step,

@@ -128,6 +128,11 @@ class ActorModelSection(ModelSection):
                 "directory; start from its weights with warm_start_path (path takes HF directories only)"
             )
         super().__post_init__()
+        if self.lora_rank:
+            raise ConfigError(
+                f"lora_rank={self.lora_rank}: LoRA is not supported in main_grpo yet (the rollout's weight sync "
+                "does not merge the adapters); set lora_rank=0, or train LoRA with main_sft"
+            )
         check_remove_padding("use_remove_padding", self.use_remove_padding)
         if self.warm_start_path is not None and not is_engine_checkpoint(self.warm_start_path):
             raise ConfigError(

@@ -14,7 +14,7 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Optional
+from typing import Any, ClassVar, Optional
 
 from verl_balance.balance import FlopsWorkload, TokenWorkload
 from verl_balance.balance.errors import BalanceConfigError
@@ -95,9 +95,28 @@ class ModelSection:
     without one renders chats with the built-in minimal template (a different format than the
     model's, hence a different loss). Other Jinja templates belong in the tokenizer directory."""
 
+    lora_rank: int = 0
+    """verl's key: LoRA rank; 0 = full fine-tuning. > 0 (needs ``path``): peft LoRA adapters on the
+    target Linear layers are the only trained parameters (engine/lora.py, docs/models.md)."""
+    lora_alpha: float = 16.0
+    """verl's key: LoRA scaling numerator (the update is lora_alpha / lora_rank * B @ A)."""
+    target_modules: Any = "all-linear"
+    """verl's key: 'all-linear' (every Linear of the decoder, not the output head) or a list of module
+    names, e.g. [q_proj, v_proj]."""
+    exclude_modules: Any = None
+    """verl's key: module names (a list, or a regex string) that never get an adapter; null = none."""
+    lora_adapter_path: Optional[str] = None
+    """verl's key: a peft adapter directory to start from (its own rank, alpha and targets); null =
+    new adapters drawn from trainer.seed (B = 0: the run starts at the base model)."""
+
     def __post_init__(self) -> None:
         check_choice("param_dtype", self.param_dtype, PARAM_DTYPES)
         check_choice("init", self.init, INIT_MODES)
+        if self.lora_rank and self.path is None:
+            raise ConfigError(
+                f"lora_rank={self.lora_rank} needs a Hugging Face model (path); the built-in preset has no "
+                "LoRA support: set lora_rank=0 or path"
+            )
         if self.path is not None:
             check_hf_model_dir("path", self.path)
 

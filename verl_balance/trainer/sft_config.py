@@ -114,6 +114,11 @@ class SFTConfig(RecipeConfig):
         "param_dtype": "model.param_dtype",
         "fsdp": "model.fsdp_config",
         "logits_chunk_size": "model.logits_chunk_size",
+        "lora_rank": "model.lora_rank",
+        "lora_alpha": "model.lora_alpha",
+        "target_modules": "model.target_modules",
+        "exclude_modules": "model.exclude_modules",
+        "lora_adapter_path": "model.lora_adapter_path",
     }
     SP_KEY: ClassVar[str] = "ulysses_sequence_parallel_size"
     BALANCE_KEY: ClassVar[str] = "balance.enable"

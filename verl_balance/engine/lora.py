@@ -1,0 +1,186 @@
+"""LoRA adapters (peft) on an HF engine model, injected on the meta model before FSDP2 sharding.
+
+``apply_lora`` replaces each target ``nn.Linear`` of the HF model by peft's ``lora.Linear`` (the
+same injection ``peft.get_peft_model`` does, as verl uses it, without the PeftModel wrapper so the
+engine's parameter names keep HF's prefix). Names then read
+``model.layers.0.self_attn.q_proj.base_layer.weight`` (frozen base) and
+``...q_proj.lora_A.default.weight`` / ``lora_B`` (the only trainable parameters).
+
+Invariants:
+- Base weights are the model's own: read from the safetensors (or drawn from the seed) under their
+  HF name (``base_name`` strips ``.base_layer``), so a LoRA model with B = 0 computes exactly the
+  base model's logits.
+- Adapter weights are a function of (seed, parameter name) only (kaiming-uniform A as peft draws
+  it, B = 0), or the rows of ``lora_adapter_path``: identical at every layout.
+- The output head (``lm_head``, read directly by the chunked head) and embeddings never get an
+  adapter; a target the decoder has no Linear of is refused, naming the key and the valid names.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import torch
+from torch import nn
+
+from verl_balance.engine.config import EngineConfig, EngineConfigError
+
+ADAPTER = "default"
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."
+
+
+def base_name(name: str) -> str:
+    """The HF name of a (possibly LoRA-wrapped) parameter or module name."""
+    return name.replace(".base_layer", "")
+
+
+def is_lora_name(name: str) -> bool:
+    """True for a LoRA adapter parameter or module (lora_A / lora_B)."""
+    return ".lora_A." in name or ".lora_B." in name or name.endswith((".lora_A", ".lora_B"))
+
+
+def peft_key(name: str) -> str:
+    """Our adapter parameter name -> the key peft's adapter_model.safetensors uses."""
+    return PEFT_PREFIX + name.replace(f".{ADAPTER}.", ".")
+
+
+def linear_module_names(model: nn.Module) -> list[str]:
+    """Leaf names of the decoder's nn.Linear modules (what target_modules may name)."""
+    return sorted({name.rsplit(".", 1)[-1] for name, m in model.model.named_modules() if isinstance(m, nn.Linear)})
+
+
+def lora_peft_config(config: EngineConfig, model: nn.Module):
+    """The peft LoraConfig of ``config`` (or of ``lora_adapter_path``); EngineConfigError naming the
+    key for a target the decoder does not have."""
+    from peft import LoraConfig
+
+    if config.lora_adapter_path:
+        return adapter_lora_config(config.lora_adapter_path)
+    valid = linear_module_names(model)
+    targets = config.target_modules
+    if isinstance(targets, str):
+        if targets != "all-linear":
+            targets = [targets]
+    else:
+        targets = [str(t) for t in targets]
+    if targets != "all-linear":
+        unknown = [t for t in targets if t not in valid]
+        if unknown or not targets:
+            raise EngineConfigError(
+                f"target_modules={list(targets)}: {unknown or 'empty'} is not a Linear module of the decoder; "
+                f"valid: 'all-linear' or a list of {valid}"
+            )
+    exclude = config.exclude_modules
+    if exclude is not None and not isinstance(exclude, str):
+        exclude = [str(e) for e in exclude]
+    return LoraConfig(
+        r=config.lora_rank,
+        lora_alpha=config.lora_alpha,
+        target_modules=targets,
+        exclude_modules=exclude,
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def adapter_lora_config(path: str):
+    """The LoraConfig of a peft adapter directory; EngineConfigError naming lora_adapter_path."""
+    from peft import LoraConfig
+
+    for name in (ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE):
+        if not os.path.isfile(os.path.join(path, name)):
+            raise EngineConfigError(f"lora_adapter_path={path!r} has no {name} (a peft adapter directory)")
+    with open(os.path.join(path, ADAPTER_CONFIG_FILE)) as f:
+        raw = json.load(f)
+    if raw.get("lora_dropout", 0.0) or raw.get("use_dora") or raw.get("bias", "none") != "none":
+        raise EngineConfigError(
+            f"lora_adapter_path={path!r}: only plain LoRA adapters (lora_dropout=0, bias='none', no DoRA) are supported"
+        )
+    lora = LoraConfig.from_pretrained(path)
+    lora.inference_mode = False
+    return lora
+
+
+def apply_lora(model: nn.Module, config: EngineConfig) -> None:
+    """Inject LoRA adapters into ``model`` (an HFCausalLM, typically on meta) in place; only the
+    adapters stay trainable. EngineConfigError for a built-in model."""
+    from peft import inject_adapter_in_model
+
+    if not hasattr(model, "hf_model"):
+        raise EngineConfigError(
+            f"lora_rank={config.lora_rank}: LoRA needs a Hugging Face model (model.path); the built-in model "
+            "has no LoRA support, set lora_rank=0"
+        )
+    lora = lora_peft_config(config, model)
+    inject_adapter_in_model(lora, model.hf_model, adapter_name=ADAPTER)
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_lora_name(name))
+    if not any(p.requires_grad for p in model.parameters()):
+        raise EngineConfigError(f"target_modules / exclude_modules leave no module with a LoRA adapter ({lora})")
+    model.lora_config = lora
+
+
+# ---------------------------------------------------------------------------- export
+def lora_scaling(lora) -> float:
+    """peft's factor on B @ A: lora_alpha / r (lora_alpha / sqrt(r) with use_rslora)."""
+    r = lora.r
+    return lora.lora_alpha / (math.sqrt(r) if getattr(lora, "use_rslora", False) else r)
+
+
+def adapter_names(name: str) -> tuple[str, str] | None:
+    """(lora_A, lora_B) parameter names of a LoRA-wrapped base weight ``name``; None otherwise."""
+    suffix = ".base_layer.weight"
+    if not name.endswith(suffix):
+        return None
+    prefix = name[: -len(suffix)]
+    return f"{prefix}.lora_A.{ADAPTER}.weight", f"{prefix}.lora_B.{ADAPTER}.weight"
+
+
+def merged_weight(base: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, *, scaling: float) -> torch.Tensor:
+    """W + scaling * B @ A in fp32 (what peft's merge_and_unload computes)."""
+    return base.float() + scaling * (lora_b.float() @ lora_a.float())
+
+
+def merged_state_dict(state: dict[str, torch.Tensor], lora) -> dict[str, torch.Tensor]:
+    """Full tensors of a LoRA model (our names) -> the plain HF model's state with adapters merged."""
+    scaling = lora_scaling(lora)
+    out = {}
+    for name, tensor in state.items():
+        if is_lora_name(name):
+            continue
+        pair = adapter_names(name)
+        if pair is not None and pair[0] in state:
+            tensor = merged_weight(tensor, state[pair[0]], state[pair[1]], scaling=scaling)
+        out[base_name(name)] = tensor
+    return out
+
+
+def lora_config_dict(lora, *, base_model_path: str | None = None) -> dict:
+    """The JSON of adapter_config.json (peft's fields)."""
+    config = lora.to_dict()
+    config["base_model_name_or_path"] = base_model_path
+    config["inference_mode"] = True
+    return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+
+
+def save_lora_config(lora, directory: str, *, base_model_path: str | None = None) -> None:
+    """Write ``directory``/adapter_config.json."""
+    with open(os.path.join(directory, ADAPTER_CONFIG_FILE), "w") as f:
+        json.dump(lora_config_dict(lora, base_model_path=base_model_path), f, indent=2, sort_keys=True, default=str)
+
+
+def save_adapter_dir(out: str, state: dict[str, torch.Tensor], lora, *, base_model_path: str | None) -> str:
+    """Write a peft adapter directory (adapter_config.json + adapter_model.safetensors) from the
+    full tensors ``state`` (our names); ``PeftModel.from_pretrained(base, out)`` loads it."""
+    from safetensors.torch import save_file
+
+    os.makedirs(out, exist_ok=True)
+    tensors = {peft_key(n): t.detach().float().contiguous().cpu() for n, t in state.items() if is_lora_name(n)}
+    save_file(tensors, os.path.join(out, ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
+    save_lora_config(lora, out, base_model_path=base_model_path)
+    return out
