@@ -130,7 +130,7 @@ class BenchActorWorker(ActorWorker):
         metrics["bench_cpu_time"] = time.process_time() - cpu
         metrics["bench_thread_time"] = time.thread_time() - thread
         metrics["bench_micro_cpu"] = list(metrics["micro_batch_busy_seconds"])
-        metrics["bench_compute_wall"] = metrics["compute_seconds"]
+        metrics["bench_compute_wall"] = float(sum(metrics["micro_batch_seconds"]))
         return metrics
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
