@@ -62,3 +62,13 @@ def tiny_sft_overrides(tmp_path) -> list[str]:
         f"trainer.default_local_dir={tmp_path / 'run'}",
         "trainer.resume_mode=disable",
     ]
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2(tmp_path_factory) -> str:
+    """A tiny random qwen2 directory with its locally trained tokenizer and chat template."""
+    from verl_balance.models.tiny_hf import main as tiny_hf_main
+
+    out = tmp_path_factory.mktemp("tiny_qwen2") / "model"
+    tiny_hf_main(["--family", "qwen2", "--out", str(out)])
+    return str(out)

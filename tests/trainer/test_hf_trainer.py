@@ -22,16 +22,6 @@ from verl_balance.trainer.config import ConfigError, validate_sft
 from verl_balance.utils.tracking import read_metrics
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen2(tmp_path_factory) -> str:
-    """A tiny random qwen2 directory with its locally trained tokenizer and chat template."""
-    from verl_balance.models.tiny_hf import main as tiny_hf_main
-
-    out = tmp_path_factory.mktemp("tiny_qwen2") / "model"
-    tiny_hf_main(["--family", "qwen2", "--out", str(out)])
-    return str(out)
-
-
 def _sft_overrides(model_dir: str, root) -> list[str]:
     return [
         "trainer.device=cpu",

@@ -14,15 +14,6 @@ from tests.trainer.conftest import compose_config, train_sft
 from verl_balance.trainer.config import ConfigError, validate_sft
 
 
-@pytest.fixture(scope="module")
-def tiny_qwen2(tmp_path_factory) -> str:
-    from verl_balance.models.tiny_hf import main as tiny_hf_main
-
-    out = tmp_path_factory.mktemp("tiny_qwen2_lora") / "model"
-    tiny_hf_main(["--family", "qwen2", "--out", str(out)])
-    return str(out)
-
-
 def _overrides(model_dir: str, root) -> list[str]:
     return [
         "trainer.device=cpu",
