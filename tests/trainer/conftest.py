@@ -72,3 +72,13 @@ def tiny_qwen2(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("tiny_qwen2") / "model"
     tiny_hf_main(["--family", "qwen2", "--out", str(out)])
     return str(out)
+
+
+def straight_and_resumed_runs(base: list[str], root) -> dict:
+    """The SFT recipe run straight through, and the same run stopped by Ctrl-C during step 2 and
+    resumed in its directory: {"root", "straight", "first", "resumed"} metrics records."""
+    straight = train_sft(base + [f"trainer.default_local_dir={root / 'straight'}", "trainer.resume_mode=disable"])
+    resumed_dir = root / "resumed"
+    first = train_sft(base + [f"trainer.default_local_dir={resumed_dir}", "trainer.resume_mode=auto"], stop_after=2)
+    resumed = train_sft(base + [f"trainer.default_local_dir={resumed_dir}", "trainer.resume_mode=auto"])
+    return {"root": root, "straight": straight, "first": first, "resumed": resumed}

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.trainer.conftest import compose_config, train_sft
+from tests.trainer.conftest import compose_config, straight_and_resumed_runs, train_sft
 from verl_balance.trainer.config import ConfigError, validate_sft
 from verl_balance.utils.tracking import read_metrics
 
@@ -208,11 +208,7 @@ def hf_resume_runs(ray_cluster, tiny_qwen2, tmp_path_factory):
         "trainer.save_freq=2",
         "trainer.save_hf_model=true",
     ]
-    straight = train_sft(base + [f"trainer.default_local_dir={root / 'straight'}", "trainer.resume_mode=disable"])
-    resumed_dir = root / "resumed"
-    first = train_sft(base + [f"trainer.default_local_dir={resumed_dir}", "trainer.resume_mode=auto"], stop_after=2)
-    resumed = train_sft(base + [f"trainer.default_local_dir={resumed_dir}", "trainer.resume_mode=auto"])
-    return {"root": root, "straight": straight, "first": first, "resumed": resumed}
+    return straight_and_resumed_runs(base, root)
 
 
 @pytest.mark.slow

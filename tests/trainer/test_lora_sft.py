@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.trainer.conftest import compose_config, train_sft
+from tests.trainer.conftest import compose_config, straight_and_resumed_runs
 from verl_balance.trainer.config import ConfigError, validate_sft
 
 
@@ -98,11 +98,7 @@ def test_grpo_refuses_lora_until_the_rollout_sync_supports_it(tmp_path, tiny_qwe
 def lora_runs(ray_cluster, tiny_qwen2, tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_resume")
     base = _overrides(tiny_qwen2, root)
-    straight = train_sft(base + [f"trainer.default_local_dir={root / 'straight'}", "trainer.resume_mode=disable"])
-    resumed_dir = root / "resumed"
-    first = train_sft(base + [f"trainer.default_local_dir={resumed_dir}", "trainer.resume_mode=auto"], stop_after=2)
-    resumed = train_sft(base + [f"trainer.default_local_dir={resumed_dir}", "trainer.resume_mode=auto"])
-    return {"root": root, "straight": straight, "first": first, "resumed": resumed}
+    return straight_and_resumed_runs(base, root)
 
 
 @pytest.mark.slow
