@@ -82,3 +82,20 @@ def straight_and_resumed_runs(base: list[str], root) -> dict:
     first = train_sft(base + [f"trainer.default_local_dir={resumed_dir}", "trainer.resume_mode=auto"], stop_after=2)
     resumed = train_sft(base + [f"trainer.default_local_dir={resumed_dir}", "trainer.resume_mode=auto"])
     return {"root": root, "straight": straight, "first": first, "resumed": resumed}
+
+
+def hf_sft_overrides(model_dir: str, root, *, lr: float) -> list[str]:
+    """SFT on a tiny HF model directory with synthetic data under ``root``, jsonl metrics only."""
+    return [
+        "trainer.device=cpu",
+        f"model.path={model_dir}",
+        "data.train_batch_size=16",
+        "data.synthetic.num_train=128",
+        "data.synthetic.num_val=16",
+        f"data.synthetic.out_dir={root / 'data'}",
+        "data.max_length=256",
+        "trainer.logger=[jsonl]",
+        "trainer.plot=false",
+        f"optim.lr={lr}",
+        "optim.warmup_steps_ratio=0.0",
+    ]

@@ -17,25 +17,13 @@ import numpy as np
 import pytest
 import torch
 
-from tests.trainer.conftest import compose_config, straight_and_resumed_runs, train_sft
+from tests.trainer.conftest import compose_config, hf_sft_overrides, straight_and_resumed_runs, train_sft
 from verl_balance.trainer.config import ConfigError, validate_sft
 from verl_balance.utils.tracking import read_metrics
 
 
 def _sft_overrides(model_dir: str, root) -> list[str]:
-    return [
-        "trainer.device=cpu",
-        f"model.path={model_dir}",
-        "data.train_batch_size=16",
-        "data.synthetic.num_train=128",
-        "data.synthetic.num_val=16",
-        f"data.synthetic.out_dir={root / 'data'}",
-        "data.max_length=256",
-        "trainer.logger=[jsonl]",
-        "trainer.plot=false",
-        "optim.lr=3e-3",
-        "optim.warmup_steps_ratio=0.0",
-    ]
+    return hf_sft_overrides(model_dir, root, lr=3e-3)
 
 
 # ---------------------------------------------------------------------- start-up checks (no Ray)

@@ -10,26 +10,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.trainer.conftest import compose_config, straight_and_resumed_runs
+from tests.trainer.conftest import compose_config, hf_sft_overrides, straight_and_resumed_runs
 from verl_balance.trainer.config import ConfigError, validate_sft
 
 
 def _overrides(model_dir: str, root) -> list[str]:
-    return [
-        "trainer.device=cpu",
-        f"model.path={model_dir}",
+    return hf_sft_overrides(model_dir, root, lr=2e-2) + [
         "model.lora_rank=8",
         "model.lora_alpha=16",
         "model.target_modules=all-linear",
-        "data.train_batch_size=16",
-        "data.synthetic.num_train=128",
-        "data.synthetic.num_val=16",
-        f"data.synthetic.out_dir={root / 'data'}",
-        "data.max_length=256",
-        "trainer.logger=[jsonl]",
-        "trainer.plot=false",
-        "optim.lr=2e-2",
-        "optim.warmup_steps_ratio=0.0",
         "trainer.n_gpus_per_node=4",
         "ulysses_sequence_parallel_size=2",
         "trainer.total_training_steps=4",
