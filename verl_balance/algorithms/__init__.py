@@ -1,11 +1,15 @@
-"""RL algorithm pieces: outcome advantages (GRPO, Dr.GRPO, RLOO), PPO-clip policy loss, KL estimators."""
+"""RL algorithm pieces: advantages (GRPO, Dr.GRPO, RLOO, GAE), PPO-clip policy loss, KL estimators."""
 
 from verl_balance.algorithms.advantages import (
     ADV_ESTIMATORS,
+    OUTCOME_ESTIMATORS,
     AdvantageInputError,
+    AdvantageOutput,
     compute_advantages,
+    compute_gae,
     compute_grpo_outcome_advantage,
     group_outcome_advantages,
+    last_token_rewards,
 )
 from verl_balance.algorithms.kl import KL_ESTIMATORS, KLEstimatorError, kl_penalty
 from verl_balance.algorithms.policy_loss import PolicyLossConfig, PolicyLossConfigError, PPOLoss, ppo_clip_token_loss
@@ -13,14 +17,18 @@ from verl_balance.algorithms.policy_loss import PolicyLossConfig, PolicyLossConf
 __all__ = [
     "ADV_ESTIMATORS",
     "KL_ESTIMATORS",
+    "OUTCOME_ESTIMATORS",
+    "AdvantageOutput",
     "AdvantageInputError",
     "KLEstimatorError",
     "PolicyLossConfig",
     "PolicyLossConfigError",
     "PPOLoss",
     "compute_advantages",
+    "compute_gae",
     "compute_grpo_outcome_advantage",
     "group_outcome_advantages",
     "kl_penalty",
+    "last_token_rewards",
     "ppo_clip_token_loss",
 ]

@@ -1,4 +1,5 @@
-"""Outcome-reward advantage estimators for GRPO-style training (one scalar score per response).
+"""Advantage estimators: outcome-reward group baselines (GRPO, Dr.GRPO, RLOO; one scalar score per
+response) and GAE with a learned critic (PPO).
 
 Invariants:
 - Input: ``scores[i]`` is the scalar reward of response i; ``index[i]`` names its group (the
@@ -16,16 +17,28 @@ Invariants:
   reward.
 - Group statistics are computed in float64 and vectorised (no Python loop over groups); the
   result does not depend on the order of the rows.
+- gae: verl's ``compute_gae_advantage_return`` on the full (B, L) sequence: the score is the reward
+  of the last response token, ``values[i, t]`` is the critic's value of the state before token t
+  (aligned like the log-probs), prompt and padding tokens are skipped by the recursion (so the
+  result equals verl's on the response slice), the advantages are whitened over all valid tokens
+  of the batch (unbiased variance, verl's ``masked_whiten``), and returns = raw advantages + values.
+  Unlike verl, advantages and returns are 0 outside the response mask.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
-ADV_ESTIMATORS = ("grpo", "drgrpo", "rloo")
+OUTCOME_ESTIMATORS = ("grpo", "drgrpo", "rloo")
+"""Estimators that compare the responses to one prompt (no critic)."""
+ADV_ESTIMATORS = (*OUTCOME_ESTIMATORS, "gae")
+"""Every estimator ``compute_advantages`` accepts; gae needs the critic's values."""
+WHITEN_EPS = 1e-8
+"""verl's ``masked_whiten`` / ``masked_mean`` epsilon."""
 
 
 class AdvantageInputError(ValueError):
@@ -60,8 +73,10 @@ def group_outcome_advantages(
     epsilon: float = 1e-6,
 ) -> torch.Tensor:
     """Per-response scalar advantages (B,) float32 from per-response scores and group labels."""
-    if estimator not in ADV_ESTIMATORS:
-        raise AdvantageInputError(f"adv_estimator={estimator!r} is not supported; valid: {list(ADV_ESTIMATORS)}")
+    if estimator not in OUTCOME_ESTIMATORS:
+        raise AdvantageInputError(
+            f"adv_estimator={estimator!r} is not a group estimator; valid: {list(OUTCOME_ESTIMATORS)}"
+        )
     scores = _validated_scores(scores)
     device = scores.device
     values = scores.detach().to("cpu", torch.float64)
@@ -86,6 +101,79 @@ def group_outcome_advantages(
     return adv.to(device=device, dtype=torch.float32)
 
 
+def last_token_rewards(*, scores, response_mask: torch.Tensor) -> torch.Tensor:
+    """verl's ``token_level_rewards`` (B, L) float32: ``scores[i]`` on the last response token of row i
+    (the last position where ``response_mask`` is 1), 0 elsewhere; a row without response tokens gets none."""
+    scores = _validated_scores(scores)
+    if scores.shape[0] != response_mask.shape[0]:
+        raise AdvantageInputError(
+            f"{scores.shape[0]} scores but the response mask has {response_mask.shape[0]} rows; need one score per row"
+        )
+    mask = response_mask.bool()
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    last = torch.where(mask, positions, -1).max(dim=1).values
+    rewards = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    rows = (last >= 0).nonzero().flatten()
+    rewards[rows, last[rows]] = scores.to(device=mask.device, dtype=torch.float32)[rows]
+    return rewards
+
+
+def _masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """verl's ``masked_whiten``: (x - mean) / sqrt(unbiased var + 1e-8) over the masked elements."""
+    count = mask.sum()
+    if count < 2:
+        raise AdvantageInputError(
+            f"GAE whitens the advantages over the batch's response tokens, which needs at least 2; the batch has "
+            f"{int(count)} (every response is empty?)"
+        )
+    mean = (values * mask).sum() / (count + WHITEN_EPS)
+    centered = values - mean
+    var = (centered**2 * mask).sum() / (count + WHITEN_EPS) * (count / (count - 1))
+    return centered * torch.rsqrt(var + WHITEN_EPS)
+
+
+def compute_gae(
+    *, token_level_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float, lam: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns), both (B, L) float32, as verl's ``compute_gae_advantage_return``: the
+    backward GAE recursion over the valid tokens, returns = advantages + values, then the advantages
+    whitened over the valid tokens; both 0 outside ``response_mask``."""
+    if not (token_level_rewards.shape == values.shape == response_mask.shape and values.dim() == 2):
+        raise AdvantageInputError(
+            f"token_level_rewards {tuple(token_level_rewards.shape)}, values {tuple(values.shape)} and response_mask "
+            f"{tuple(response_mask.shape)} must be the same (B, L)"
+        )
+    bad = (~torch.isfinite(values)).nonzero()
+    if len(bad):
+        raise AdvantageInputError(f"values are not finite at (row, token) {bad[:4].tolist()}")
+    mask = response_mask.to(torch.float32)
+    rewards, values = token_level_rewards.to(torch.float32), values.to(torch.float32)
+    with torch.no_grad():
+        next_value = torch.zeros_like(values[:, 0])
+        last_gae = torch.zeros_like(values[:, 0])
+        reversed_advantages = []
+        for t in reversed(range(values.shape[1])):
+            delta = rewards[:, t] + gamma * next_value - values[:, t]
+            gae = delta + gamma * lam * last_gae
+            # A masked (prompt or padding) token passes the next valid token's value and advantage on.
+            next_value = values[:, t] * mask[:, t] + (1 - mask[:, t]) * next_value
+            last_gae = gae * mask[:, t] + (1 - mask[:, t]) * last_gae
+            reversed_advantages.append(last_gae)
+        advantages = torch.stack(reversed_advantages[::-1], dim=1)
+        returns = advantages + values
+        advantages = _masked_whiten(advantages, mask)
+    return advantages * mask, returns * mask
+
+
+class AdvantageOutput(NamedTuple):
+    """What ``compute_advantages`` returns: token-aligned (B, L) float32 tensors."""
+
+    advantages: torch.Tensor
+    """0 on prompt and padding tokens."""
+    returns: torch.Tensor | None
+    """The critic's regression targets (gae only; None for the outcome estimators)."""
+
+
 def compute_grpo_outcome_advantage(
     *,
     scores,
@@ -102,7 +190,7 @@ def compute_grpo_outcome_advantage(
         loss_mask=loss_mask,
         norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo,
         epsilon=epsilon,
-    )
+    ).advantages
 
 
 def compute_advantages(
@@ -113,10 +201,23 @@ def compute_advantages(
     loss_mask: torch.Tensor,
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = 1e-6,
-) -> torch.Tensor:
-    """Token-aligned (B, L) float32 advantages ``a_i * loss_mask[i, t]`` for an estimator in ADV_ESTIMATORS."""
+    values: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+) -> AdvantageOutput:
+    """Token-aligned (B, L) float32 advantages for an estimator in ADV_ESTIMATORS: ``a_i * loss_mask[i, t]``
+    for the outcome estimators; GAE from ``values`` (the critic's, aligned like the log-probs) with
+    ``gamma`` and ``lam`` for gae, which also gives the returns."""
     if loss_mask.dim() != 2:
         raise AdvantageInputError(f"loss_mask must be (B, L), got shape {tuple(loss_mask.shape)}")
+    if adv_estimator == "gae":
+        if values is None:
+            raise AdvantageInputError("adv_estimator='gae' needs the critic's values (values=None)")
+        rewards = last_token_rewards(scores=scores, response_mask=loss_mask)
+        advantages, returns = compute_gae(
+            token_level_rewards=rewards, values=values, response_mask=loss_mask, gamma=gamma, lam=lam
+        )
+        return AdvantageOutput(advantages=advantages, returns=returns)
     per_response = group_outcome_advantages(
         scores=scores,
         index=index,
@@ -128,4 +229,5 @@ def compute_advantages(
         raise AdvantageInputError(
             f"{per_response.shape[0]} scores but loss_mask has {loss_mask.shape[0]} rows; need one score per row"
         )
-    return per_response.to(loss_mask.device)[:, None] * loss_mask.to(torch.float32)
+    advantages = per_response.to(loss_mask.device)[:, None] * loss_mask.to(torch.float32)
+    return AdvantageOutput(advantages=advantages, returns=None)
