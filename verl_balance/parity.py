@@ -19,6 +19,12 @@ logits. Model-variant cells (MODEL_VARIANTS) run on every layout: the unchunked 
 (logits_chunk_size=0) and activation checkpointing (model.enable_gradient_checkpointing), the
 latter also with FSDP2 parameters kept unsharded and gradient sync deferred.
 
+Value-model cells (``value_cases``) run verl's clipped value loss (algorithms/value_loss.py) on a
+``ValueModel`` (models/value.py: the same decoder, a scalar head, no LM head) for {fixed, dynamic}
+x every loss_agg_mode on every layout, against a single-process reference written the same way
+(plain per-sequence forward, the clipped loss and the aggregation formulas written out); the
+``VALUE_NEGATIVE_CONTROLS`` (a known-bad normalizer under the value loss) must FAIL.
+
 Negative controls run the known-bad normalizers of verl_balance.testing.faults.KNOWN_BUGS (a
 TrainEngine subclass, FaultyTrainEngine) on a layout where each one matters; they must FAIL.
 
@@ -88,8 +94,13 @@ class ParitySettings:
     seed: int = 1234
     # Output-head chunk of the engine: 7 tokens divide no micro-batch of the matrix evenly.
     logits_chunk_size: int = 7
+    # Value-model cells: the clip range of the value loss (old values and returns are drawn so that
+    # some tokens clip and some do not).
+    cliprange_value: float = 0.2
 
-    def engine_config(self, *, agg_mode: str, fsdp: str = "default", variant: str = "default") -> EngineConfig:
+    def engine_config(
+        self, *, agg_mode: str, fsdp: str = "default", variant: str = "default", model_type: str = "language_model"
+    ) -> EngineConfig:
         """EngineConfig of one case (constant lr, no warmup: the first step uses lr)."""
         optim = OptimConfig(lr=self.lr, eps=self.adam_eps, clip_grad=self.grad_clip)
         overrides = {"logits_chunk_size": self.logits_chunk_size, **MODEL_VARIANTS[variant][0]}
@@ -100,6 +111,7 @@ class ParitySettings:
             loss_scale_factor=self.loss_scale_factor,
             seed=self.seed,
             attn_impl="sdpa_masked",
+            model_type=model_type,
             **overrides,
         )
 
@@ -119,6 +131,7 @@ class ParityCase:
     bug: str | None = None
     fsdp: str = "default"  # a FSDP_VARIANTS key
     variant: str = "default"  # a MODEL_VARIANTS key
+    model_type: str = "language_model"  # "value_model": the value loss on a ValueModel
 
 
 @dataclass
@@ -190,6 +203,27 @@ def variant_cases(layout: tuple[int, int]) -> list[ParityCase]:
             ParityCase("fixed", True, "seq-mean-token-mean", fsdp="deferred_unsharded", variant="activation_ckpt")
         )
     return cases
+
+
+def value_cases() -> list[ParityCase]:
+    """The value loss on a value model: {fixed, dynamic} x every loss_agg_mode, balanced."""
+    return [
+        ParityCase(micro=m, balance=True, agg_mode=a, model_type="value_model")
+        for m, a in itertools.product(("fixed", "dynamic"), AGG_MODES)
+    ]
+
+
+# bug -> (layout, case): known-bad normalizers under the value loss (they must FAIL).
+VALUE_NEGATIVE_CONTROLS: dict[str, tuple[tuple[int, int], ParityCase]] = {
+    "micro_batch_mean": (
+        (1, 1),
+        ParityCase("fixed", False, "token-mean", "micro_batch_mean", model_type="value_model"),
+    ),
+    "count_over_world": (
+        (1, 2),
+        ParityCase("fixed", True, "token-mean", "count_over_world", model_type="value_model"),
+    ),
+}
 
 
 # bug -> (layout where it must show, case). Each reproduces a failure mode of docs/design.md.
@@ -272,6 +306,94 @@ def reference_steps(settings: ParitySettings, *, agg_modes=AGG_MODES) -> dict[st
     return out
 
 
+def make_value_batch(settings: ParitySettings) -> dict[str, torch.Tensor]:
+    """``make_global_batch`` plus the value loss's wire columns: ``values`` (old values) and
+    ``returns``, seeded, (B, max_len), zero outside the attention mask."""
+    batch = make_global_batch(settings)
+    gen = torch.Generator().manual_seed(settings.seed + 1)
+    shape = batch["input_ids"].shape
+    real = batch["attention_mask"].float()
+    batch["values"] = 0.3 * torch.randn(shape, generator=gen) * real
+    batch["returns"] = torch.randn(shape, generator=gen) * real
+    return batch
+
+
+def reference_value_model(settings: ParitySettings):
+    """The seeded initial value model, built in one process (models/value.py's init rule):
+    ``torch.manual_seed(seed)``'s decoder without its LM head, the head from (seed, name)."""
+    from verl_balance.models.value import build_value_model, value_head_init
+
+    torch.manual_seed(settings.seed)
+    model = build_value_model(settings.model, attn_impl="sdpa_masked")
+    with torch.no_grad():
+        for name in model.head_parameter_names:
+            param = model.get_parameter(name)
+            param.copy_(value_head_init(name, tuple(param.shape), seed=settings.seed, std=model.initializer_range))
+    return model
+
+
+def _reference_value_sums(model, batch: dict[str, torch.Tensor], *, cliprange_value: float):
+    """Per sequence (sum over loss tokens of verl's clipped value loss, loss-token count), from one
+    plain forward per sequence: the value of token t is the head on the hidden state of token t-1."""
+    seq_sums, seq_counts = [], []
+    for i, length in enumerate(batch["attention_mask"].sum(1).tolist()):
+        ids = batch["input_ids"][i, :length]
+        v = model(
+            input_ids=ids, position_ids=torch.arange(length), cu_seqlens=torch.tensor([0, length]), max_seqlen=length
+        )[:-1]
+        old, returns = batch["values"][i, 1:length], batch["returns"][i, 1:length]
+        v_clip = torch.minimum(torch.maximum(v, old - cliprange_value), old + cliprange_value)
+        loss = 0.5 * torch.maximum((v - returns) ** 2, (v_clip - returns) ** 2)
+        mask = batch["loss_mask"][i, 1:length]
+        seq_sums.append((loss * mask).sum())
+        seq_counts.append(mask.sum())
+    return torch.stack(seq_sums), torch.stack(seq_counts)
+
+
+def _agg_objectives(sums: torch.Tensor, counts: torch.Tensor, *, loss_scale_factor: float) -> dict[str, torch.Tensor]:
+    """Every loss_agg_mode's objective from per-sequence loss sums and loss-token counts."""
+    has_tokens = counts > 0
+    return {
+        "token-mean": sums.sum() / counts.sum(),
+        "seq-mean-token-mean": (sums[has_tokens] / counts[has_tokens]).mean(),
+        "seq-mean-token-sum": sums[has_tokens].mean(),
+        "seq-mean-token-sum-norm": sums[has_tokens].mean() / loss_scale_factor,
+    }
+
+
+def reference_value_steps(settings: ParitySettings, *, agg_modes=AGG_MODES) -> dict[str, dict]:
+    """Single-process reference of the value cells per agg mode (keys ``value_model/<mode>``):
+    loss, grad norm and parameters after one AdamW step, as ``reference_steps``."""
+    batch = make_value_batch(settings)
+    model = reference_value_model(settings)
+    initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    sums, counts = _reference_value_sums(model, batch, cliprange_value=settings.cliprange_value)
+    objectives = _agg_objectives(sums, counts, loss_scale_factor=settings.loss_scale_factor)
+    out = {}
+    for mode in agg_modes:
+        grads = torch.autograd.grad(objectives[mode], list(model.parameters()), retain_graph=True)
+        step_model = reference_value_model(settings)
+        step_model.load_state_dict(initial)
+        for param, grad in zip(step_model.parameters(), grads):
+            param.grad = grad.clone()
+        grad_norm = torch.nn.utils.clip_grad_norm_(step_model.parameters(), settings.grad_clip)
+        cfg = settings.engine_config(agg_mode=mode).optim
+        torch.optim.AdamW(
+            step_model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
+        ).step()
+        out[f"value_model/{mode}"] = {
+            "loss": objectives[mode].item(),
+            "grad_norm": grad_norm.item(),
+            "params": {k: v.detach().clone() for k, v in step_model.state_dict().items()},
+        }
+    return out
+
+
+def reference_key(case: ParityCase) -> str:
+    """The key of a case's reference in ``run_layouts``' references."""
+    return case.agg_mode if case.model_type == "language_model" else f"{case.model_type}/{case.agg_mode}"
+
+
 def reference_log_probs(
     settings: ParitySettings, batch: dict[str, torch.Tensor], *, temperature: float = 1.0
 ) -> torch.Tensor:
@@ -295,16 +417,19 @@ def reference_log_probs(
 
 
 def _run_cases(*, dp: int, sp: int, cases: list[ParityCase], settings: ParitySettings) -> list:
+    from verl_balance.algorithms.value_loss import ValueLoss
     from verl_balance.balance import plan_balance
     from verl_balance.distributed import ParallelLayout
     from verl_balance.engine import TrainEngine
     from verl_balance.testing.faults import FaultyTrainEngine
 
     layout = ParallelLayout(dp=dp, sp=sp, device_type="cpu")
-    batch = make_global_batch(settings)
-    seq_lens = batch["attention_mask"].sum(1).numpy()
+    batches = {"language_model": make_global_batch(settings), "value_model": make_value_batch(settings)}
+    seq_lens = batches["language_model"]["attention_mask"].sum(1).numpy()
     results = []
     for case in cases:
+        batch = batches[case.model_type]
+        loss_fn = ValueLoss(cliprange_value=settings.cliprange_value) if case.model_type == "value_model" else None
         fixed = case.micro == "fixed"
         plan = plan_balance(
             seq_lens=seq_lens,
@@ -321,11 +446,13 @@ def _run_cases(*, dp: int, sp: int, cases: list[ParityCase], settings: ParitySet
         kwargs = dict(
             model_config=settings.model_config(variant=case.variant),
             layout=layout,
-            engine_config=settings.engine_config(agg_mode=case.agg_mode, fsdp=case.fsdp, variant=case.variant),
+            engine_config=settings.engine_config(
+                agg_mode=case.agg_mode, fsdp=case.fsdp, variant=case.variant, model_type=case.model_type
+            ),
         )
         engine = FaultyTrainEngine(bug=case.bug, **kwargs) if case.bug else TrainEngine(**kwargs)
-        evaluated = engine.eval_loss(micro_batches)
-        trained = engine.train_step(micro_batches)
+        evaluated = engine.eval_loss(micro_batches, loss_fn=loss_fn)
+        trained = engine.train_step(micro_batches, loss_fn=loss_fn)
         params = engine.full_state_dict()
         results.append((case, evaluated["loss"], trained["loss"], trained["grad_norm"], params))
     return results
@@ -359,9 +486,14 @@ def run_layouts(
     from verl_balance.testing.multiprocess import free_port, run_on_ranks
 
     references = references if references is not None else {}
-    missing = sorted({c.agg_mode for _, cases in jobs for c in cases} - set(references))
+    cases = [c for _, layout_cases in jobs for c in layout_cases]
+    missing = sorted({c.agg_mode for c in cases if c.model_type == "language_model"} - set(references))
     if missing:
         references.update(reference_steps(settings, agg_modes=missing))
+    missing = sorted({c.agg_mode for c in cases if c.model_type == "value_model"} - set(references))
+    missing = [m for m in missing if f"value_model/{m}" not in references]
+    if missing:
+        references.update(reference_value_steps(settings, agg_modes=missing))
     spawn_jobs = [(dp, sp, free_port(), cases) for (dp, sp), cases in jobs]
     per_rank = run_on_ranks(
         functools.partial(_parity_worker, jobs=spawn_jobs, settings=settings),
@@ -372,7 +504,7 @@ def run_layouts(
     results = []
     for layout, layout_results in raw:
         for case, eval_loss, train_loss, grad_norm, params in layout_results:
-            ref = references[case.agg_mode]
+            ref = references[reference_key(case)]
             delta = max(float((params[k] - v).abs().max()) for k, v in ref["params"].items())
             results.append(
                 ParityResult(
@@ -390,23 +522,37 @@ def run_layouts(
 
 
 def parity_jobs(
-    *, layouts=PARITY_LAYOUTS, controls: bool = True, fsdp: bool = True, variants: bool = True
+    *,
+    layouts=PARITY_LAYOUTS,
+    controls: bool = True,
+    fsdp: bool = True,
+    variants: bool = True,
+    values: bool = True,
+    language_model: bool = True,
 ) -> list[tuple[tuple[int, int], list[ParityCase]]]:
     """The full matrix on each layout, the FSDP-control cells on multi-rank layouts, the
-    model-variant cells, and the negative controls that belong to each layout."""
+    model-variant cells, the value-model cells, and the negative controls that belong to each
+    layout (``language_model=False``: the value-model cells and controls only)."""
     jobs = []
     for layout in layouts:
-        extra = [case for lay, case in NEGATIVE_CONTROLS.values() if lay == layout] if controls else []
-        fsdp_extra = fsdp_cases() if fsdp and layout[0] * layout[1] > 1 else []
-        variant_extra = variant_cases(tuple(layout)) if variants else []
-        jobs.append((tuple(layout), matrix_cases() + fsdp_extra + variant_extra + extra))
+        cases = []
+        if language_model:
+            cases += matrix_cases()
+            cases += fsdp_cases() if fsdp and layout[0] * layout[1] > 1 else []
+            cases += variant_cases(tuple(layout)) if variants else []
+            cases += [case for lay, case in NEGATIVE_CONTROLS.values() if lay == layout] if controls else []
+        if values:
+            cases += value_cases()
+            cases += [case for lay, case in VALUE_NEGATIVE_CONTROLS.values() if lay == layout] if controls else []
+        jobs.append((tuple(layout), cases))
     return jobs
 
 
 def format_table(results: list[ParityResult], *, expect_fail: bool = False) -> str:
     """Plain-text table, one row per (layout, case)."""
     header = (
-        f"{'dp x sp':>7} {'micro':>7} {'bal':>3} {'loss_agg_mode':>23} {'fsdp':>18} {'variant':>15} {'bug':>22} "
+        f"{'dp x sp':>7} {'model':>5} {'micro':>7} {'bal':>3} {'loss_agg_mode':>23} {'fsdp':>18} "
+        f"{'variant':>15} {'bug':>22} "
         f"{'ref loss':>10} {'eval rel':>9} {'train rel':>9} {'gnorm rel':>9} "
         f"{'max|dp|':>8} {'result':>6}"
     )
@@ -415,7 +561,8 @@ def format_table(results: list[ParityResult], *, expect_fail: bool = False) -> s
         ok = r.passed != expect_fail
         verdict = ("FAIL" if not r.passed else "pass") + ("" if ok else "!")
         lines.append(
-            f"{r.layout[0]:>3} x {r.layout[1]:<1} {r.case.micro:>7} "
+            f"{r.layout[0]:>3} x {r.layout[1]:<1} {'value' if r.case.model_type == 'value_model' else 'lm':>5} "
+            f"{r.case.micro:>7} "
             f"{'on' if r.case.balance else 'off':>3} {r.case.agg_mode:>23} "
             f"{r.case.fsdp:>18} {r.case.variant:>15} {r.case.bug or '-':>22} {r.ref_loss:>10.6f} {r.eval_rel:>9.1e} "
             f"{r.train_rel:>9.1e} {r.grad_norm_rel:>9.1e} {r.max_param_delta:>8.1e} "
@@ -437,6 +584,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-controls", action="store_true", help="skip negative controls")
     parser.add_argument("--no-fsdp", action="store_true", help="skip the FSDP-control cells")
     parser.add_argument("--no-variants", action="store_true", help="skip the model-variant cells")
+    parser.add_argument("--no-values", action="store_true", help="skip the value-model cells")
     parser.add_argument(
         "--model-path",
         default=None,
@@ -455,19 +603,23 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _report(results: list[ParityResult], *, seconds: float) -> bool:
     """Print the matrix, FSDP-control, model-variant and negative-control tables and a summary line;
     True when every cell passes and every control fails."""
-    plain = [r for r in results if r.case.bug is None and r.case.variant == "default"]
+    value_cells = [r for r in results if r.case.bug is None and r.case.model_type == "value_model"]
+    plain = [r for r in results if r.case.bug is None and r.case.variant == "default" and r not in value_cells]
     matrix = [r for r in plain if r.case.fsdp == "default"]
     fsdp_cells = [r for r in plain if r.case.fsdp != "default"]
     variant_cells = [r for r in results if r.case.bug is None and r.case.variant != "default"]
     controls = [r for r in results if r.case.bug is not None]
     print(format_table(matrix))
-    ok = all(r.passed for r in matrix + fsdp_cells + variant_cells)
+    ok = all(r.passed for r in matrix + fsdp_cells + variant_cells + value_cells)
     if fsdp_cells:
         print("\nFSDP gradient-accumulation controls (must pass):")
         print(format_table(fsdp_cells))
     if variant_cells:
         print("\nmodel variants: unchunked head, activation checkpointing (must pass):")
         print(format_table(variant_cells))
+    if value_cells:
+        print("\nvalue model: verl's clipped value loss (must pass):")
+        print(format_table(value_cells))
     if controls:
         print("\nnegative controls (must FAIL):")
         print(format_table(controls, expect_fail=True))
@@ -476,6 +628,7 @@ def _report(results: list[ParityResult], *, seconds: float) -> bool:
         f"\n{sum(r.passed for r in matrix)}/{len(matrix)} matrix cells pass, "
         f"{sum(r.passed for r in fsdp_cells)}/{len(fsdp_cells)} FSDP-control cells pass, "
         f"{sum(r.passed for r in variant_cells)}/{len(variant_cells)} model-variant cells pass, "
+        f"{sum(r.passed for r in value_cells)}/{len(value_cells)} value-model cells pass, "
         f"{sum(not r.passed for r in controls)}/{len(controls)} controls fail as they must; "
         f"{seconds:.1f}s"
     )
@@ -494,7 +647,11 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     results = run_layouts(
         jobs=parity_jobs(
-            layouts=layouts, controls=not args.no_controls, fsdp=not args.no_fsdp, variants=not args.no_variants
+            layouts=layouts,
+            controls=not args.no_controls,
+            fsdp=not args.no_fsdp,
+            variants=not args.no_variants,
+            values=not args.no_values,
         ),
         settings=settings,
     )

@@ -16,6 +16,7 @@ from verl_balance.models.attention import ATTN_IMPLS
 
 LR_SCHEDULERS = ("constant", "cosine")
 PARAM_DTYPES = ("float32", "bfloat16")
+MODEL_TYPES = ("language_model", "value_model")
 DEFAULT_LOGITS_CHUNK_SIZE = 1024
 
 # Field metadata read by trainer/resume_policy.py: what a resumed run may change (the trainer's
@@ -106,6 +107,10 @@ class EngineConfig:
 
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    model_type: str = "language_model"
+    """What the engine trains (verl's EngineRegistry model_type): 'language_model' (the LM head:
+    log-probs, LossFn gets ``log_probs=``) or 'value_model' (models/value.py: a scalar head per
+    token and no LM head, the critic; its loss gets ``values=``, see train_engine.py)."""
     total_steps: int | None = None
     loss_agg_mode: str = "token-mean"
     loss_scale_factor: float | None = None
@@ -139,6 +144,13 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_agg_mode(self.loss_agg_mode)
+        if self.model_type not in MODEL_TYPES:
+            raise EngineConfigError(f"model_type={self.model_type!r}; valid: {list(MODEL_TYPES)}")
+        if self.model_type == "value_model" and self.lora_rank:
+            raise EngineConfigError(
+                f"lora_rank={self.lora_rank} with model_type='value_model': LoRA on the value model is not "
+                "supported yet; set lora_rank=0 for the critic"
+            )
         if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 0:
             raise EngineConfigError(f"lora_rank={self.lora_rank!r} must be an int >= 0 (0 = LoRA off)")
         if self.lora_rank and not self.lora_alpha > 0:

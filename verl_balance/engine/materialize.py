@@ -43,6 +43,7 @@ from verl_balance.models import ModelConfig, build_model
 from verl_balance.models.base import PackedCausalLM
 from verl_balance.models.config import ModelConfigError
 from verl_balance.models.safetensors_io import checkpoint_key, expert_sources, safetensors_key_files
+from verl_balance.models.value import VALUE_HEAD_NAMES, checkpoint_has_value_head, value_head_init
 
 
 @contextlib.contextmanager
@@ -65,18 +66,22 @@ def parameters_on_meta() -> Iterator[None]:
         nn.Module.register_parameter = original
 
 
-def build_meta_model(model_config, *, sp_size: int, attn_impl: str) -> PackedCausalLM:
-    """The model with every parameter on ``meta`` and its buffers computed on the host.
+def build_meta_model(model_config, *, sp_size: int, attn_impl: str, value_head: bool = False) -> PackedCausalLM:
+    """The model (with ``value_head``: the ``ValueModel`` over it, no LM head) with every parameter
+    on ``meta`` and its buffers computed on the host.
 
     An HF ``init=pretrained`` config is built as ``init=random`` (weights come later from
     ``fill_pretrained``): no file is read here."""
     from dataclasses import replace
 
+    from verl_balance.models.value import build_value_model
+
     if getattr(model_config, "init", None) == "pretrained":
         model_config = replace(model_config, init="random")
+    build = build_value_model if value_head else build_model
     # Large empty host tensors created and dropped here are never touched (no resident pages).
     with parameters_on_meta(), torch.random.fork_rng(devices=[]):
-        return build_model(model_config, sp_size=sp_size, attn_impl=attn_impl)
+        return build(model_config, sp_size=sp_size, attn_impl=attn_impl)
 
 
 def local_rows(param: Tensor) -> tuple[int, int]:
@@ -119,32 +124,48 @@ def fill_builtin_random(model: nn.Module, *, seed: int) -> None:
 
     Construction draws (nn.Embedding: normal_, nn.Linear: kaiming_uniform_) run first, in
     registration order, only to advance the RNG as construction does; then reset_parameters'
-    draws (normal_ for matrices, ones for norms) give the values. One full tensor at a time."""
+    draws (normal_ for matrices, ones for norms) give the values. One full tensor at a time.
+    A ``ValueModel`` over the built-in decoder gets its backbone's exact weights: the dropped
+    ``lm_head``'s draws are replayed (``dropped_parameters``), its ``score`` is not drawn here."""
     std = model.config.initializer_range
     owners = {
         f"{prefix}.{n}" if prefix else n: m
         for prefix, m in model.named_modules()
         for n, _ in m.named_parameters(recurse=False)
     }
-    params = unique_parameters(model)
+    skip = getattr(model, "head_parameter_names", ())
+    # (name, shape, construction draw, parameter or None for a dropped one)
+    entries = [
+        (name, tuple(param.shape), _construction_draw(owners[name]), param)
+        for name, param in unique_parameters(model)
+        if name not in skip
+    ]
+    entries += [(name, shape, "linear", None) for name, shape in getattr(model, "dropped_parameters", {}).items()]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        for name, param in params:
-            scratch = torch.empty(tuple(param.shape))
-            owner = owners[name]
-            if isinstance(owner, nn.Embedding):
+        for _, shape, draw, _ in entries:
+            scratch = torch.empty(shape)
+            if draw == "embedding":
                 nn.init.normal_(scratch)
-            elif isinstance(owner, nn.Linear):
+            elif draw == "linear":
                 nn.init.kaiming_uniform_(scratch, a=math.sqrt(5))
             del scratch
-        for name, param in params:
-            full = torch.empty(tuple(param.shape))
+        for name, shape, _, param in entries:
+            if param is None:
+                continue  # the last draws of construction: nothing after them needs the RNG
+            full = torch.empty(shape)
             if name.endswith("norm.weight"):
                 nn.init.ones_(full)
             else:
                 nn.init.normal_(full, mean=0.0, std=std)
             copy_local_rows(param, full)
             del full
+
+
+def _construction_draw(owner: nn.Module) -> str | None:
+    if isinstance(owner, nn.Embedding):
+        return "embedding"
+    return "linear" if isinstance(owner, nn.Linear) else None
 
 
 def module_seed(seed: int, name: str) -> int:
@@ -198,14 +219,14 @@ def fill_hf_random(model: nn.Module, twins: list[tuple[str, nn.Module]], *, seed
 
 # ---------------------------------------------------------------------------- pretrained weights
 @torch.no_grad()
-def fill_pretrained(model: nn.Module, path: str) -> None:
-    """Write this rank's rows of every parameter of ``model`` from the safetensors of ``path``
-    (a tied parameter once, under its first name). A fused MoE expert parameter is assembled from
-    the per-expert tensors on disk, reading only this rank's experts (``expert_sources``). Raises
-    ModelConfigError naming a missing tensor or a shape mismatch."""
+def fill_pretrained(model: nn.Module, path: str, *, skip: tuple[str, ...] = ()) -> None:
+    """Write this rank's rows of every parameter of ``model`` (but those named in ``skip``) from
+    the safetensors of ``path`` (a tied parameter once, under its first name). A fused MoE expert
+    parameter is assembled from the per-expert tensors on disk, reading only this rank's experts
+    (``expert_sources``). Raises ModelConfigError naming a missing tensor or a shape mismatch."""
     files = safetensors_key_files(path)
     for name, param in unique_parameters(model):
-        if is_lora_name(name):
+        if is_lora_name(name) or name in skip:
             continue  # LoRA adapters are filled by fill_lora
         name = base_name(name)
         key = checkpoint_key(name, files)
@@ -332,13 +353,16 @@ def build_sharded_model(
     device: torch.device,
     shard: Callable[[nn.Module], None] | None,
     lora=None,
+    value_head: bool = False,
 ) -> PackedCausalLM:
     """Meta build -> LoRA adapters (``lora``: an EngineConfig with lora_rank > 0, or None) ->
     ``shard`` (FSDP2; None: the plain module) -> local storage on ``device`` -> weights (see the
-    module docstring). ``model.set_sequence_parallel_group`` is the caller's."""
+    module docstring). ``value_head``: a ``models.value.ValueModel`` (no LM head), its head
+    from a ``*ForTokenClassification`` checkpoint or ``fill_value_head``.
+    ``model.set_sequence_parallel_group`` is the caller's."""
     from verl_balance.models.hf import HFModelConfig
 
-    model = build_meta_model(model_config, sp_size=sp_size, attn_impl=attn_impl)
+    model = build_meta_model(model_config, sp_size=sp_size, attn_impl=attn_impl, value_head=value_head)
     if lora is not None:
         lora_module.apply_lora(model, lora)
     buffers = {name: buf.clone() for name, buf in model.named_buffers()}
@@ -350,15 +374,26 @@ def build_sharded_model(
     model.to_empty(device=device)
     retie(model, ties)
     restore_buffers(model, buffers)
+    head_loaded = value_head and pretrained and checkpoint_has_value_head(model_config.path)
     if pretrained:
-        fill_pretrained(model, model_config.path)
+        fill_pretrained(model, model_config.path, skip=() if head_loaded or not value_head else VALUE_HEAD_NAMES)
     elif isinstance(model_config, ModelConfig):
         fill_builtin_random(model, seed=seed)
     else:
         fill_hf_random(model, twins, seed=seed)
+    if value_head and not head_loaded:
+        fill_value_head(model, seed=seed)
     if lora is not None:
         fill_lora(model, lora)
     return model
+
+
+@torch.no_grad()
+def fill_value_head(model: nn.Module, *, seed: int) -> None:
+    """This rank's rows of the value head (``models.value.value_head_init``: from (seed, name))."""
+    for name in VALUE_HEAD_NAMES:
+        param = model.get_parameter(name)
+        copy_local_rows(param, value_head_init(name, tuple(param.shape), seed=seed, std=model.initializer_range))
 
 
 def tied_parameter_names(model: nn.Module) -> dict[str, str]:

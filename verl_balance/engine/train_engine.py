@@ -19,6 +19,14 @@ Invariants:
 - Gradient accumulation follows FSDPConfig: with defer_gradient_sync the reduce-scatter runs
   once, after the last micro-batch's backward; with reshard_after_backward=False the parameters
   stay unsharded until then. Either way each gradient is reduced exactly once with factor G.
+- Value model (config.model_type="value_model", models/value.py): the same loop, contract and
+  weights; the one difference is the seam ``_loss_inputs``: the loss is a ``ValueLossFn`` called
+  as ``loss_fn(values=..., inputs=...)`` with values[p] = the scalar head on the hidden state at
+  packed position p (target-aligned like log_probs[p]: it is the value of the state that predicts
+  token p + 1), instead of a ``LossFn`` called with ``log_probs=`` / ``entropy=``. There is no
+  default loss for a value model (algorithms/value_loss.py's ``ValueLoss`` is verl's).
+  ``compute_values`` returns values[i, t] = head(hidden of token t - 1) (0 at t = 0 and padding),
+  the alignment of ``compute_log_prob``'s log_probs[i, t].
 - Host/device: packing and counting happen on the CPU; a step waits for the device only for the
   global counts, the logged sums, the gradient norm and the timing events (once each per step).
 """
@@ -42,7 +50,7 @@ from torch.distributed.tensor import DTensor
 
 from verl_balance.distributed.layout import ParallelLayout
 from verl_balance.distributed.ulysses import gather_and_unpad
-from verl_balance.engine.config import EngineConfig
+from verl_balance.engine.config import EngineConfig, EngineConfigError
 from verl_balance.engine.lora import apply_lora, save_lora_config
 from verl_balance.engine.materialize import build_sharded_model, fill_lora, shard_model
 from verl_balance.engine.optim import apply_optim_config, build_optimizer
@@ -54,6 +62,7 @@ from verl_balance.loss import LossFn, SFTLoss, TokenWeights, compute_token_weigh
 from verl_balance.models import ModelConfig
 from verl_balance.models.base import PackedCausalLM
 from verl_balance.models.output_head import Temperature, token_log_probs
+from verl_balance.models.value import ValueModel
 
 __all__ = ["TrainEngine", "token_log_probs"]
 
@@ -120,9 +129,15 @@ class TrainEngine:
                 device=self.device,
                 shard=shard,
                 lora=engine_config if engine_config.lora_rank else None,
+                value_head=engine_config.model_type == "value_model",
             )
         else:
             # A caller-built (materialized) model: moved whole to the device, then sharded.
+            if isinstance(model, ValueModel) != (engine_config.model_type == "value_model"):
+                raise EngineConfigError(
+                    f"model_type={engine_config.model_type!r} but the given model is a {type(model).__name__}; "
+                    "a value model is a models.value.ValueModel"
+                )
             if engine_config.lora_rank:
                 apply_lora(model, engine_config)
                 fill_lora(model, engine_config)
@@ -136,6 +151,17 @@ class TrainEngine:
         self.optimizer, self.scheduler = build_optimizer(trainable, config=engine_config)
         self.global_step = 0
         self.flops_workload = _flops_workload(model_config)
+
+    @property
+    def is_value_model(self) -> bool:
+        """Whether this engine trains a value model (config.model_type="value_model")."""
+        return self.config.model_type == "value_model"
+
+    def _require_model_type(self, model_type: str, what: str) -> None:
+        if self.config.model_type != model_type:
+            raise EngineConfigError(
+                f"{what} needs model_type={model_type!r}; this engine has {self.config.model_type!r}"
+            )
 
     @property
     def gradient_divide_factor(self) -> int:
@@ -215,6 +241,7 @@ class TrainEngine:
 
         Collective exactly as ``forward_logits``: every rank of the mesh calls it once per
         micro-batch index in the same order."""
+        self._require_model_type("language_model", "forward_log_probs")
         return self.model(
             input_ids=packed.local("input_ids"),
             position_ids=packed.local("position_ids"),
@@ -224,6 +251,20 @@ class TrainEngine:
             temperature=temperature,
             with_entropy=with_entropy,
             logits_chunk_size=self.config.logits_chunk_size,
+        )
+
+    def forward_values(self, packed: PackedMicroBatch) -> Tensor:
+        """Values [padded_len / sp] (fp32) of this SP rank's token slice, target-aligned: at
+        position p the value head on the hidden state of token p (a value model only).
+
+        Collective exactly as ``forward_logits``: every rank of the mesh calls it once per
+        micro-batch index in the same order."""
+        self._require_model_type("value_model", "forward_values")
+        return self.model(
+            input_ids=packed.local("input_ids"),
+            position_ids=packed.local("position_ids"),
+            cu_seqlens=packed.cu_seqlens_padded,
+            max_seqlen=packed.max_seqlen,
         )
 
     def gathered_log_probs(
@@ -462,15 +503,22 @@ class TrainEngine:
         """One micro-batch: the local objective sum(w * l) over this rank's token slice (and, when
         training, the backward of G times it); returns it with the loss_fn's per-token metrics."""
         with torch.set_grad_enabled(training):
-            needs_entropy = getattr(loss_fn, "needs_entropy", False)
-            log_probs, entropy = self.forward_log_probs(packed, temperature=temperature, with_entropy=needs_entropy)
-            per_token_loss, per_token_metrics = loss_fn(
-                log_probs=log_probs, entropy=entropy, inputs=packed.local_inputs()
-            )
+            outputs = self._loss_inputs(packed, loss_fn=loss_fn, temperature=temperature)
+            per_token_loss, per_token_metrics = loss_fn(**outputs, inputs=packed.local_inputs())
             objective = (weights[packed.local_slice] * per_token_loss).sum()
             if training:
                 (objective * float(self.gradient_divide_factor)).backward()
         return objective, per_token_metrics
+
+    def _loss_inputs(self, packed: PackedMicroBatch, *, loss_fn, temperature: float) -> dict[str, Tensor | None]:
+        """The model outputs a loss_fn receives, by config.model_type (the one seam between the
+        loop and the model's head): a language model's ``log_probs`` / ``entropy`` (LossFn), a
+        value model's ``values`` (ValueLossFn)."""
+        if self.is_value_model:
+            return {"values": self.forward_values(packed)}
+        needs_entropy = getattr(loss_fn, "needs_entropy", False)
+        log_probs, entropy = self.forward_log_probs(packed, temperature=temperature, with_entropy=needs_entropy)
+        return {"log_probs": log_probs, "entropy": entropy}
 
     def _all_reduce_step_sums(
         self, local_objective: Tensor, metric_sums: dict[str, Tensor], *, flops: float, tokens: float
@@ -499,8 +547,10 @@ class TrainEngine:
         step_skipped, each loss_fn metric as a global loss-mask-weighted token mean, and the
         global perf/* figures of engine/perf.py (the same on every rank). Collective over the
         mesh. ``temperature`` divides the logits (the sampling temperature of on-policy data).
-        Steps listed in config.profile_steps are traced (engine/profiling.py).
+        Steps listed in config.profile_steps are traced (engine/profiling.py). A value model
+        needs a ``ValueLossFn`` (see the module docstring).
         """
+        self._check_loss_fn(loss_fn)
         step = self.global_step + 1
         with step_profiler(
             enabled=step in self.config.profile_steps,
@@ -516,6 +566,7 @@ class TrainEngine:
         self, micro_batches: Sequence[Mapping[str, Tensor]], *, loss_fn: LossFn | None = None, temperature: float = 1.0
     ) -> dict:
         """The training objective and metrics on these micro-batches, without backward."""
+        self._check_loss_fn(loss_fn)
         return self._run(micro_batches, loss_fn=loss_fn, training=False, temperature=temperature)
 
     @torch.no_grad()
@@ -527,6 +578,7 @@ class TrainEngine:
         log_probs[i, t] = log p(token t | tokens < t) of sample i (0 at t = 0 and at padding);
         entropy[i, t] is the entropy of that same predictive distribution; both at ``temperature``.
         """
+        self._require_model_type("language_model", "compute_log_prob")
         self.check_micro_batches(micro_batches)
         self.model.eval()
         outputs = []
@@ -538,6 +590,30 @@ class TrainEngine:
             outputs.append(result)
         self.reshard()
         return outputs
+
+    @torch.no_grad()
+    def compute_values(self, micro_batches: Sequence[Mapping[str, Tensor]]) -> list[dict[str, Tensor]]:
+        """Per micro-batch {"values": (b, L)} (fp32) on every rank (a value model only).
+
+        values[i, t] = the value head on the hidden state of token t - 1 of sample i (0 at t = 0 and
+        at padding): the alignment of compute_log_prob's log_probs[i, t]. Collective as
+        compute_log_prob."""
+        self._require_model_type("value_model", "compute_values")
+        self.check_micro_batches(micro_batches)
+        self.model.eval()
+        outputs = []
+        for p in self.pack_micro_batches(micro_batches, require_loss_mask=False):
+            values = gather_and_unpad(self.forward_values(p), group=self.layout.sp_group, length=p.total_len)
+            outputs.append({"values": p.unpack(values)})
+        self.reshard()
+        return outputs
+
+    def _check_loss_fn(self, loss_fn) -> None:
+        """A value model has no default loss (the LM default, SFTLoss, reads log-probs)."""
+        if self.is_value_model and loss_fn is None:
+            raise EngineConfigError(
+                "model_type='value_model' needs a value loss_fn (e.g. algorithms.value_loss.ValueLoss); got None"
+            )
 
     # ------------------------------------------------------------------ state
     def full_state_dict(self) -> dict[str, Tensor]:

@@ -1,0 +1,72 @@
+"""PPO's clipped value loss (verl's ``core_algos.compute_value_loss``) under the loss contract.
+
+A ``ValueLossFn`` is the value-model counterpart of ``loss.LossFn``: ``TrainEngine`` (model_type
+"value_model") calls it per micro-batch with ``values`` (the head's prediction at each
+target-aligned packed position of this rank's SP slice, see models/value.py) and ``inputs`` (the
+local slices of every per-token wire tensor, aligned the same way). It returns the per-token loss
+and per-token metrics; the engine applies the contract weights of loss.py (loss_agg_mode over the
+global mini-batch), so the logged loss is verl's ``vf_loss`` over the whole mini-batch at any layout.
+
+Per token, with v = values, v_old = old values (wire key ``values``), R = ``returns``, c = cliprange_value:
+    v_clip = v_old + clamp(v - v_old, -c, c)
+    loss   = 0.5 * max((v - R)^2, (v_clip - R)^2)
+Metrics (loss-mask token means, as verl's masked_mean): ``vf_clipfrac`` = 1[(v_clip - R)^2 >
+(v - R)^2], ``vpred_mean`` = v.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+
+class ValueLossConfigError(ValueError):
+    """A bad value-loss setting or a micro-batch without the keys the value loss reads."""
+
+
+class ValueLossFn(Protocol):
+    """Per-token loss of a value model for one micro-batch on this rank's SP slice."""
+
+    def __call__(self, *, values: Tensor, inputs: Mapping[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]: ...
+
+
+def clipped_value_token_loss(
+    *, vpreds: Tensor, old_values: Tensor, returns: Tensor, cliprange_value: float
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """(per-token clipped value loss, {vf_clipfrac, vpred_mean} per token); see the module docstring."""
+    vclip = old_values + torch.clamp(vpreds - old_values, -cliprange_value, cliprange_value)
+    unclipped = (vpreds - returns) ** 2
+    clipped = (vclip - returns) ** 2
+    loss = 0.5 * torch.maximum(unclipped, clipped)
+    return loss, {"vf_clipfrac": (clipped > unclipped).float(), "vpred_mean": vpreds.detach()}
+
+
+class ValueLoss:
+    """verl's clipped value loss as a ``ValueLossFn`` (wire keys: ``values`` = the old values the
+    rollout's critic pass computed, ``returns``)."""
+
+    OLD_VALUES_KEY = "values"
+    RETURNS_KEY = "returns"
+
+    def __init__(self, *, cliprange_value: float):
+        if not cliprange_value > 0:
+            raise ValueLossConfigError(f"cliprange_value={cliprange_value!r} must be > 0")
+        self.cliprange_value = float(cliprange_value)
+
+    def required_keys(self) -> tuple[str, ...]:
+        """Per-token wire tensors every micro-batch must carry."""
+        return (self.OLD_VALUES_KEY, self.RETURNS_KEY)
+
+    def __call__(self, *, values: Tensor, inputs: Mapping[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        missing = [k for k in self.required_keys() if k not in inputs]
+        if missing:
+            raise ValueLossConfigError(f"micro-batch lacks {missing} needed by the value loss; it has {sorted(inputs)}")
+        return clipped_value_token_loss(
+            vpreds=values,
+            old_values=inputs[self.OLD_VALUES_KEY].to(values.dtype),
+            returns=inputs[self.RETURNS_KEY].to(values.dtype),
+            cliprange_value=self.cliprange_value,
+        )
