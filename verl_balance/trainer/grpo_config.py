@@ -13,10 +13,17 @@ or as the top-level ``ulysses_sequence_parallel_size`` of the SFT recipe (an ali
 pass writes into verl's key); setting both to different values is an error. The balancer switch is
 verl's ``trainer.balance_batch``; the ``balance`` section holds only its cost model. The rollout
 backend is ``actor_rollout_ref.rollout.name`` (``rollout.factory.ROLLOUT_BACKENDS``).
+
+PPO with a critic is ``algorithm.adv_estimator=gae`` (``algorithm.gamma``, ``algorithm.lam``): the
+``critic`` section holds verl's ``critic.*`` keys; the ones left null take the actor's value, as
+verl's ``${oc.select:actor_rollout_ref.actor...}`` interpolations do. Unlike verl, which ignores the
+critic section without gae, setting a critic key with another estimator is an error naming the keys
+(nothing would read them).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
@@ -31,6 +38,7 @@ from verl_balance.engine.config import (
     APPLY_ON_RESUME,
     DEFAULT_LOGITS_CHUNK_SIZE,
     LAYOUT_ON_RESUME,
+    EngineConfig,
     FSDPConfig,
     OptimConfig,
 )
@@ -38,9 +46,21 @@ from verl_balance.loss import check_agg_mode
 from verl_balance.rollout.base import RolloutInputError
 from verl_balance.rollout.factory import ROLLOUT_BACKENDS, resolve_backend
 from verl_balance.trainer.checkpoint import COMPLETE_FILE, TRAINER_STATE_FILE
-from verl_balance.trainer.config_checks import ConfigError, check_choice, check_positive, check_remove_padding
+from verl_balance.trainer.config_checks import (
+    ConfigError,
+    check_choice,
+    check_hf_model_dir,
+    check_positive,
+    check_remove_padding,
+)
 from verl_balance.trainer.recipe import RecipeConfig
-from verl_balance.trainer.sections import BalanceSection, ModelSection, SyntheticDataConfig, TrainerSection, narrow
+from verl_balance.trainer.sections import (
+    BalanceSection,
+    ModelSection,
+    SyntheticDataConfig,
+    TrainerSection,
+    narrow,
+)
 from verl_balance.trainer.sft_config import register_sft_schema
 
 RECOMPUTE_OLD_LOG_PROB = ("auto", "always")
@@ -285,9 +305,89 @@ class AlgorithmSection:
     """One of algorithms.ADV_ESTIMATORS."""
     norm_adv_by_std_in_grpo: bool = True
     """Divide GRPO advantages by the group's standard deviation."""
+    gamma: float = 1.0
+    """GAE discount factor (adv_estimator=gae), in [0, 1]."""
+    lam: float = 1.0
+    """GAE lambda (adv_estimator=gae), in [0, 1]: 1 = Monte-Carlo returns, 0 = one-step TD."""
 
     def __post_init__(self) -> None:
         check_choice("adv_estimator", self.adv_estimator, ADV_ESTIMATORS)
+        for key in ("gamma", "lam"):
+            if not 0 <= getattr(self, key) <= 1:
+                raise ConfigError(f"{key}={getattr(self, key)} must be in [0, 1]")
+
+
+@dataclass
+class CriticModelSection:
+    """verl's ``critic.model``: the value model's initial weights (the decoder of the actor's
+    family with a scalar head per token instead of the LM head, models/value.py)."""
+
+    path: Optional[str] = None
+    """A local Hugging Face directory (a ``*ForCausalLM`` body, or a ``*ForTokenClassification`` with
+    num_labels=1 whose head is loaded too); null = the actor's model (the same HF directory, or the
+    same built-in preset and dimensions). It must share the actor's tokenizer."""
+
+    def __post_init__(self) -> None:
+        if self.path is not None:
+            check_hf_model_dir("path", self.path)
+
+
+@dataclass
+class CriticSection:
+    """verl's ``critic``: the value model trained on GAE returns (only with algorithm.adv_estimator=gae).
+    Keys left null take the actor's value (``actor_rollout_ref.actor.<same key>``), as in verl."""
+
+    ppo_mini_batch_size: Optional[int] = None
+    """Prompts per critic optimizer step (all their responses); null = the actor's."""
+    ppo_micro_batch_size_per_gpu: Optional[int] = field(default=None, metadata=LAYOUT_ON_RESUME)
+    """Responses per micro-batch of the critic's passes (fixed micro-batches); null = the actor's."""
+    use_dynamic_bsz: Optional[bool] = field(default=None, metadata=LAYOUT_ON_RESUME)
+    """Pack the critic's micro-batches up to ppo_max_token_len_per_gpu tokens; null = the actor's."""
+    ppo_max_token_len_per_gpu: Optional[int] = field(default=None, metadata=LAYOUT_ON_RESUME)
+    """Token cap of a critic micro-batch per worker (per SP rank); null = the actor's."""
+    ppo_epochs: Optional[int] = None
+    """Passes of the critic over each step's batch; null = the actor's."""
+    cliprange_value: float = 0.5
+    """Clip of the new values around the old ones in the value loss (verl's default 0.5)."""
+    loss_agg_mode: Optional[str] = None
+    """Aggregation of the value loss (one of loss.AGG_MODES); null = the actor's."""
+    loss_scale_factor: Optional[float] = None
+    """The constant C of seq-mean-token-sum-norm; null = the actor's."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """The critic engine's optimizer and schedule (verl's critic default lr 1e-5, OptimConfig's)."""
+    model: CriticModelSection = field(default_factory=CriticModelSection)
+    """The value model's initial weights."""
+
+    INHERITED: ClassVar[tuple[str, ...]] = (
+        "ppo_mini_batch_size",
+        "ppo_micro_batch_size_per_gpu",
+        "use_dynamic_bsz",
+        "ppo_max_token_len_per_gpu",
+        "ppo_epochs",
+        "loss_agg_mode",
+        "loss_scale_factor",
+    )
+    """Keys whose null means the actor's value."""
+
+    def __post_init__(self) -> None:
+        if self.loss_agg_mode is not None:
+            check_agg_mode(self.loss_agg_mode)
+        for key in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu", "ppo_epochs"):
+            if getattr(self, key) is not None:
+                check_positive(key, getattr(self, key))
+        check_positive("cliprange_value", self.cliprange_value)
+
+    def with_actor_defaults(self, actor: ActorSection) -> CriticSection:
+        """A copy whose null inherited keys hold the actor's values."""
+        inherited = {k: getattr(actor, k) for k in self.INHERITED if getattr(self, k) is None}
+        return dataclasses.replace(self, **inherited)
+
+    def keys_set(self) -> list[str]:
+        """The ``critic.*`` keys set away from their defaults."""
+        default = CriticSection()
+        return [
+            f"critic.{f.name}" for f in dataclasses.fields(self) if getattr(self, f.name) != getattr(default, f.name)
+        ]
 
 
 @dataclass
@@ -341,6 +441,15 @@ class GRPOTrainerSection(TrainerSection):
     """Validate the initial policy at step 0 (when test_freq > 0)."""
     log_val_generations: int = field(default=0, metadata=APPLY_ON_RESUME)
     """Validation samples logged (prompt, response, score)."""
+    critic_warmup: int = field(default=0, metadata=APPLY_ON_RESUME)
+    """verl's key (adv_estimator=gae): the first critic_warmup steps train the critic only, the actor
+    from step critic_warmup + 1 on. (verl counts steps from 1 and compares critic_warmup >
+    global_steps, so there the actor already updates at step critic_warmup.)"""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.critic_warmup < 0:
+            raise ConfigError(f"critic_warmup={self.critic_warmup} must be >= 0")
 
 
 @dataclass
@@ -356,6 +465,14 @@ class GRPOConfig(RecipeConfig):
         "logits_chunk_size": "actor_rollout_ref.actor.logits_chunk_size",
     }
     SP_KEY: ClassVar[str] = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
+    CRITIC_ENGINE_KEYS: ClassVar[dict[str, str]] = {
+        "optim": "critic.optim",
+        "loss_agg_mode": "critic.loss_agg_mode",
+        "loss_scale_factor": "critic.loss_scale_factor",
+        "param_dtype": "actor_rollout_ref.model.param_dtype",
+        "fsdp": "actor_rollout_ref.actor.fsdp_config",
+    }
+    """``ENGINE_KEYS`` of the critic's engine (adv_estimator=gae; model_type value_model)."""
     BALANCE_KEY: ClassVar[str] = "trainer.balance_batch"
     ALIASES: ClassVar[dict[str, str]] = {"ulysses_sequence_parallel_size": SP_KEY}
 
@@ -365,6 +482,8 @@ class GRPOConfig(RecipeConfig):
     """Model, actor and rollout."""
     algorithm: AlgorithmSection = field(default_factory=AlgorithmSection)
     """Advantage estimation."""
+    critic: CriticSection = field(default_factory=CriticSection)
+    """The value model of PPO (algorithm.adv_estimator=gae only)."""
     custom_reward_function: CustomRewardSection = field(default_factory=CustomRewardSection)
     """Reward function."""
     ulysses_sequence_parallel_size: Optional[int] = field(default=None, metadata=LAYOUT_ON_RESUME)
@@ -381,6 +500,26 @@ class GRPOConfig(RecipeConfig):
         return actor.ppo_epochs * (self.data.train_batch_size // actor.ppo_mini_batch_size)
 
     @property
+    def use_critic(self) -> bool:
+        """Whether the run trains a critic (verl's ``need_critic``): algorithm.adv_estimator=gae."""
+        return self.algorithm.adv_estimator == "gae"
+
+    @property
+    def critic_updates_per_step(self) -> int:
+        """Critic optimizer steps per driver step (the critic's keys with the actor's filled in)."""
+        critic = self.critic
+        return critic.ppo_epochs * (self.data.train_batch_size // critic.ppo_mini_batch_size)
+
+    def critic_engine_config(self, *, total_steps: int) -> EngineConfig:
+        """The critic engine's config for a run of ``total_steps`` driver steps (a value model)."""
+        return self.engine_config(
+            total_steps=total_steps,
+            keys=self.CRITIC_ENGINE_KEYS,
+            updates_per_step=self.critic_updates_per_step,
+            model_type="value_model",
+        )
+
+    @property
     def old_log_prob_from_update(self) -> bool:
         """Whether each step takes its old log-probs from the update forward (see ActorSection)."""
         return self.actor_rollout_ref.actor.old_log_prob_from_update(train_batch_size=self.data.train_batch_size)
@@ -395,9 +534,31 @@ class GRPOConfig(RecipeConfig):
             raise ConfigError(f"actor_rollout_ref.rollout.name: {err}") from err
 
     def check_sections(self) -> None:
+        self._check_critic()
         self._check_batch_sizes()
         self._check_token_caps()
         self.rollout_backend  # noqa: B018 -- a backend that cannot run this model fails here
+
+    def _check_critic(self) -> None:
+        """The critic section is read with gae only; its null keys take the actor's values."""
+        if not self.use_critic:
+            keys = self.critic.keys_set()
+            if self.trainer.critic_warmup:
+                keys.append("trainer.critic_warmup")
+            if keys:
+                raise ConfigError(
+                    f"{', '.join(keys)} set but algorithm.adv_estimator={self.algorithm.adv_estimator!r} trains no "
+                    "critic; set algorithm.adv_estimator=gae to train one (PPO), or remove them"
+                )
+            return
+        self.critic = self.critic.with_actor_defaults(self.actor_rollout_ref.actor)
+        critic = self.critic
+        if self.data.train_batch_size % critic.ppo_mini_batch_size or critic.ppo_mini_batch_size < self.dp_size:
+            raise ConfigError(
+                f"critic.ppo_mini_batch_size={critic.ppo_mini_batch_size} must divide data.train_batch_size="
+                f"{self.data.train_batch_size} and be at least the data-parallel size {self.dp_size} (prompts)"
+            )
+        self.critic_engine_config(total_steps=1)  # a critic engine error fails here, naming the critic's key
 
     def _check_batch_sizes(self) -> None:
         actor, rollout, d = self.actor_rollout_ref.actor, self.actor_rollout_ref.rollout, self.data
@@ -406,7 +567,7 @@ class GRPOConfig(RecipeConfig):
                 f"balance.overlong={self.balance.overlong!r}: GRPO never drops or cuts a scored "
                 "response; use 'error' and size the token caps to hold a full sequence"
             )
-        if rollout.n < 2:
+        if rollout.n < 2 and not self.use_critic:
             raise ConfigError(
                 f"actor_rollout_ref.rollout.n={rollout.n}: {self.algorithm.adv_estimator} compares the responses "
                 "to one prompt, so it needs n >= 2 (a group of one has advantage 0 and teaches nothing)"
@@ -425,12 +586,15 @@ class GRPOConfig(RecipeConfig):
 
     def _check_token_caps(self) -> None:
         actor, rollout, sp = self.actor_rollout_ref.actor, self.actor_rollout_ref.rollout, self.sp_size
-        if not actor.use_dynamic_bsz:
-            return
         max_len = self.data.max_prompt_length + rollout.response_length
-        caps = {"actor_rollout_ref.actor.ppo_max_token_len_per_gpu": actor.ppo_max_token_len_per_gpu}
-        if rollout.log_prob_max_token_len_per_gpu is not None:
-            caps["actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"] = rollout.log_prob_max_token_len_per_gpu
+        caps = {}
+        if actor.use_dynamic_bsz:
+            caps["actor_rollout_ref.actor.ppo_max_token_len_per_gpu"] = actor.ppo_max_token_len_per_gpu
+            log_prob_cap = rollout.log_prob_max_token_len_per_gpu
+            if log_prob_cap is not None:
+                caps["actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"] = log_prob_cap
+        if self.use_critic and self.critic.use_dynamic_bsz:
+            caps["critic.ppo_max_token_len_per_gpu"] = self.critic.ppo_max_token_len_per_gpu
         for key, cap in caps.items():
             # A sequence is split over the sp ranks of its DP group, so each holds ceil(len / sp).
             if cap * sp < max_len:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Mapping
 from typing import ClassVar
 
 from omegaconf import DictConfig
@@ -62,25 +63,39 @@ class RecipeConfig:
         """Engine train steps (optimizer steps) per driver step."""
         return 1
 
-    def engine_config(self, *, total_steps: int) -> EngineConfig:
+    def engine_config(
+        self,
+        *,
+        total_steps: int,
+        keys: Mapping[str, str] | None = None,
+        updates_per_step: int | None = None,
+        **fixed,
+    ) -> EngineConfig:
         """The engine's config for a run of ``total_steps`` driver steps. ``trainer.profile_steps``
-        counts driver steps; each runs ``updates_per_step`` engine train steps, all traced."""
+        counts driver steps; each runs ``updates_per_step`` engine train steps, all traced.
+
+        ``keys`` (default ``ENGINE_KEYS``) and ``updates_per_step`` (default the recipe's) describe
+        another engine of the recipe (e.g. GRPO's critic); ``fixed`` are engine fields no key sets
+        (e.g. ``model_type``)."""
         t = self.trainer
+        keys = self.ENGINE_KEYS if keys is None else keys
+        updates = self.updates_per_step if updates_per_step is None else updates_per_step
         try:
             return EngineConfig(
-                **{name: self.value_of(key) for name, key in self.ENGINE_KEYS.items()},
-                total_steps=total_steps * self.updates_per_step,
+                **{name: self.value_of(key) for name, key in keys.items()},
+                **fixed,
+                total_steps=total_steps * updates,
                 seed=t.seed,
-                profile_steps=engine_profile_steps(t.profile_steps, updates_per_step=self.updates_per_step),
+                profile_steps=engine_profile_steps(t.profile_steps, updates_per_step=updates),
                 profile_dir=t.profile_path,
             )
         except ValueError as err:
-            raise ConfigError(self._user_keys(str(err))) from err
+            raise ConfigError(self._user_keys(str(err), keys)) from err
 
-    def _user_keys(self, message: str) -> str:
+    def _user_keys(self, message: str, keys: Mapping[str, str]) -> str:
         """An engine error with each engine field name written as the recipe key holding it."""
-        names = "|".join(sorted(map(re.escape, self.ENGINE_KEYS), key=len, reverse=True))
-        return re.sub(rf"(?<![\w.'\"])({names})\b", lambda m: self.ENGINE_KEYS[m.group(1)], message)
+        names = "|".join(sorted(map(re.escape, keys), key=len, reverse=True))
+        return re.sub(rf"(?<![\w.'\"])({names})\b", lambda m: keys[m.group(1)], message)
 
     @classmethod
     def from_hydra(cls, cfg: DictConfig):
