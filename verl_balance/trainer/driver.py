@@ -39,7 +39,14 @@ from verl_balance.workers.group import ActorGroup
 logger = logging.getLogger(__name__)
 
 # Step metrics whose non-finite value makes a step non-finite (SFT logs train/*, GRPO actor/*).
-NONFINITE_WATCH_KEYS = ("train/loss", "train/grad_norm", "actor/loss", "actor/grad_norm")
+NONFINITE_WATCH_KEYS = (
+    "train/loss",
+    "train/grad_norm",
+    "actor/loss",
+    "actor/grad_norm",
+    "critic/vf_loss",
+    "critic/grad_norm",
+)
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -329,6 +336,12 @@ class DriverBase:
             if self._run_lock is not None:
                 self._run_lock.release()
 
+    @property
+    def checkpoint_group(self):
+        """What a checkpoint saves and restores: the worker group (a trainer with more groups
+        returns an object with the same save_checkpoint / load_checkpoint / hash_checkpoint_files)."""
+        return self.actor
+
     def _trainer_state(self) -> dict:
         # model_config lets ``python -m verl_balance.export CKPT OUT`` rebuild the model without flags.
         return {
@@ -353,7 +366,7 @@ class DriverBase:
             )
             return None
         path = checkpoint.save_trainer_checkpoint(
-            self.actor,
+            self.checkpoint_group,
             root=self.out_dir,
             step=self.global_step,
             trainer_state=self._trainer_state(),
@@ -389,7 +402,7 @@ class DriverBase:
             )
 
     def _load(self, path: str) -> None:
-        state = checkpoint.load_trainer_checkpoint(self.actor, path)
+        state = checkpoint.load_trainer_checkpoint(self.checkpoint_group, path)
         self.global_step = int(state["global_step"])
         self.loader.load_state_dict(state["loader"])
         self._last_saved = (self.global_step, path)

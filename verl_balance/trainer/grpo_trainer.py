@@ -14,6 +14,14 @@ One training step, for ``data.train_batch_size`` prompts:
 5. for each of ``ppo_epochs``, for each mini-batch of ``ppo_mini_batch_size`` prompts (all their
    responses): its own plan and one ``update_actor`` call = one optimizer step.
 
+PPO with a critic (``algorithm.adv_estimator=gae``) adds a second worker group, the critic (a value
+model, ``workers/critic.py``, with the actor's world size and Ulysses degree): its values pass runs
+through its own plan beside the log-prob passes (2.), the advantages and returns are GAE's (4.),
+the critic takes ``critic.ppo_epochs`` x mini-batches of value-loss steps, each with its own plan,
+and the actor's update (5.) is skipped during the first ``trainer.critic_warmup`` steps. The
+critic's state is saved with the actor's in every ``global_step_N`` (under ``critic/``, in the
+same checksum manifest) and restored with it.
+
 On-policy steps (``actor.recompute_old_log_prob=auto``, ``ppo_epochs=1``, one mini-batch) skip the
 old-log-prob pass: the single update is the first forward of the sampled weights, so the PPO loss
 takes ``log_prob.detach()`` as the old log-probs (ratio exactly 1; ``PPOLoss(on_policy=True)``) and
@@ -33,6 +41,7 @@ import contextlib
 import logging
 import os
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -53,7 +62,7 @@ from verl_balance.protocol import Batch
 from verl_balance.rewards import load_reward_fn
 from verl_balance.rewards.watchdog import score_batch_watched
 from verl_balance.rollout import RolloutOutput, build_rollout_batch
-from verl_balance.trainer import checkpoint
+from verl_balance.trainer import checkpoint, cluster
 from verl_balance.trainer.driver import DriverBase
 from verl_balance.trainer.grpo_config import GRPOConfig, validate_grpo
 from verl_balance.trainer.metrics import (
@@ -68,11 +77,16 @@ from verl_balance.trainer.sections import check_profile_steps
 from verl_balance.trainer.startup import check_model_files
 from verl_balance.utils.tracking import Tracking
 from verl_balance.workers.actor_rollout import ActorRolloutWorker, ActorRolloutWorkerConfig, sampling_seed
-from verl_balance.workers.group import ActorRolloutGroup
+from verl_balance.workers.critic import CriticWorker, CriticWorkerConfig
+from verl_balance.workers.group import ActorRolloutGroup, CriticGroup
 
 logger = logging.getLogger(__name__)
 LOG_PROB_INPUT_KEYS = ["input_ids", "attention_mask", "position_ids"]
 """The columns a log-prob pass reads (the worker packs every wire column it receives)."""
+CRITIC_UPDATE_KEYS = ["input_ids", "attention_mask", "position_ids", "loss_mask", "values", "returns"]
+"""The columns a critic update reads: the sequences, the response mask, the old values and the returns."""
+CRITIC_CHECKPOINT_DIR = "critic"
+"""The critic's shards inside a ``global_step_N`` checkpoint (the actor's are at its root)."""
 PLOT_PANELS = (
     ("train reward (sampled rollouts)", r"^reward/(mean|accuracy)$"),
     ("held-out accuracy (val_kwargs sampling, greedy by default)", r"^val/accuracy$"),
@@ -80,6 +94,14 @@ PLOT_PANELS = (
     ("KL to reference, entropy, clip fraction", r"^actor/(kl|ppo_kl|entropy|pg_clipfrac)$"),
     ("imbalance (1.0 = perfectly balanced)", r"^balance/imbalance"),
     ("response length", r"^(val/)?response_length/mean$"),
+)
+PPO_PLOT_PANELS = (
+    ("train reward (sampled rollouts)", r"^reward/(mean|accuracy)$"),
+    ("held-out accuracy (val_kwargs sampling, greedy by default)", r"^val/accuracy$"),
+    ("critic value loss", r"^critic/vf_loss$"),
+    ("critic explained variance", r"^critic/vf_explained_var$"),
+    ("policy loss", r"^actor/(loss|pg_loss)$"),
+    ("imbalance (1.0 = perfectly balanced)", r"^balance/imbalance"),
 )
 
 
@@ -133,6 +155,47 @@ def mean_metrics(records: list[dict]) -> dict:
     return {k: float(np.mean([r[k] for r in records if k in r])) for k in sorted(keys)}
 
 
+def value_metrics(batch: Batch) -> dict:
+    """verl's critic data metrics over the response tokens: mean values and returns, and the
+    explained variance 1 - var(returns - values) / (var(returns) + 1e-5) (unbiased variances)."""
+    mask = batch["loss_mask"].bool()
+    values, returns = batch["values"][mask].double(), batch["returns"][mask].double()
+    if values.numel() < 2:
+        return {}
+    return {
+        "critic/values/mean": float(values.mean()),
+        "critic/returns/mean": float(returns.mean()),
+        "critic/vf_explained_var": float(1.0 - (returns - values).var() / (returns.var() + 1e-5)),
+    }
+
+
+class ActorCriticCheckpoint:
+    """What ``trainer.checkpoint`` saves, loads and hashes when there is a critic: the actor's shards
+    at the root of ``global_step_N``, the critic's under ``critic/``; one manifest covers both
+    (hashed on the actor's ranks)."""
+
+    def __init__(self, actor: ActorRolloutGroup, critic: CriticGroup) -> None:
+        self.actor, self.critic = actor, critic
+
+    def save_checkpoint(self, path: str, step: int, extra: dict | None = None) -> None:
+        self.actor.save_checkpoint(path, step, extra)
+        self.critic.save_checkpoint(os.path.join(path, CRITIC_CHECKPOINT_DIR), step)
+
+    def load_checkpoint(self, path: str) -> None:
+        critic_path = os.path.join(path, CRITIC_CHECKPOINT_DIR)
+        if not os.path.isdir(critic_path):
+            raise checkpoint.CheckpointError(
+                f"checkpoint {path!r} has no {CRITIC_CHECKPOINT_DIR}/ directory: it was written without a critic "
+                "(algorithm.adv_estimator other than gae); start a PPO run from its weights with "
+                "actor_rollout_ref.model.warm_start_path instead"
+            )
+        self.actor.load_checkpoint(path)
+        self.critic.load_checkpoint(critic_path)
+
+    def hash_checkpoint_files(self, path: str, sizes: dict[str, int]) -> list[dict[str, dict]]:
+        return self.actor.hash_checkpoint_files(path, sizes)
+
+
 @contextlib.contextmanager
 def _timed(metrics: dict, name: str):
     start = time.perf_counter()
@@ -167,6 +230,8 @@ class GRPOTrainer(DriverBase):
 
     plot_panels = PLOT_PANELS
     actor: ActorRolloutGroup
+    critic: CriticGroup | None = None
+    """The critic's worker group (algorithm.adv_estimator=gae), None otherwise."""
 
     def __init__(self, cfg) -> None:
         self.config = config = validate_grpo(cfg)
@@ -195,6 +260,9 @@ class GRPOTrainer(DriverBase):
             ),
         )
         try:
+            if config.use_critic:
+                self.plot_panels = PPO_PLOT_PANELS
+                self.critic = self._start_critic()
             self.prepare_workers()
         except BaseException:
             self.close()
@@ -227,6 +295,63 @@ class GRPOTrainer(DriverBase):
             use_reference_policy=self.actor_cfg.use_kl_loss,
             **self.export_options(),
         )
+
+    def _critic_worker_config(self) -> CriticWorkerConfig:
+        """The critic workers' config: a value model (critic.model.path, or the actor's model) with
+        the recipe's critic engine config for the whole run and the value loss's clip."""
+        config = self.config
+        model = self.model_config
+        if config.critic.model.path is not None:
+            section = replace(config.actor_rollout_ref.model, path=config.critic.model.path, warm_start_path=None)
+            model = section.model_config(vocab_size=self.tokenizer.vocab_size)
+        return CriticWorkerConfig(
+            model=model,
+            engine=config.critic_engine_config(total_steps=self.total_steps),
+            sp_size=self.sp,
+            cliprange_value=config.critic.cliprange_value,
+        )
+
+    def _start_critic(self) -> CriticGroup:
+        """Place the critic's workers (the actor's count and Ulysses degree) and build its engine."""
+        logger.info(
+            "%d critic workers: dp=%d x sp=%d; %d critic optimizer step(s) per step",
+            self.world,
+            self.dp,
+            self.sp,
+            self.config.critic_updates_per_step,
+        )
+        return cluster.build_actor_group(
+            worker_config=self._critic_worker_config(),
+            trainer_cfg=self.trainer_config,
+            use_gpu=self.actor.resource_pool.use_gpu,
+            worker_cls=CriticWorker,
+        )
+
+    @property
+    def checkpoint_group(self):
+        """The actor's group, or with a critic both (``ActorCriticCheckpoint``)."""
+        return self.actor if self.critic is None else ActorCriticCheckpoint(self.actor, self.critic)
+
+    def close(self) -> None:
+        """Stop the critic's workers too (the actor's and the run directory: ``DriverBase.close``)."""
+        try:
+            if self.critic is not None:
+                self.critic.shutdown()
+                self.critic.resource_pool.remove()
+        finally:
+            super().close()
+
+    def restart_workers(self) -> None:
+        """A dead worker (actor's or critic's) replaces both groups; both resume from the checkpoint."""
+        if self.critic is not None:
+            old = self.critic
+            for release in (old.shutdown, old.resource_pool.remove):
+                try:
+                    release()
+                except Exception as err:  # the group may be broken already; freeing it is best effort
+                    logger.warning("restart: releasing the old critic group failed: %s", err)
+            self.critic = self._start_critic()
+        super().restart_workers()
 
     def prepare_workers(self) -> None:
         """Warm start from ``actor_rollout_ref.model.warm_start_path`` and the frozen reference policy
@@ -312,10 +437,11 @@ class GRPOTrainer(DriverBase):
             group_scope="rank",
         )
 
-    def _mini_batches(self, batch: Batch) -> list[np.ndarray]:
-        """Row indices of each mini-batch: ``ppo_mini_batch_size`` consecutive prompts, all responses."""
+    def _mini_batches(self, batch: Batch, *, size: int | None = None) -> list[np.ndarray]:
+        """Row indices of each mini-batch: ``size`` (default the actor's ``ppo_mini_batch_size``)
+        consecutive prompts, all their responses."""
         prompt_of_row = np.asarray(batch[PROMPT_INDEX_KEY], dtype=np.int64)
-        size = self.actor_cfg.ppo_mini_batch_size
+        size = size or self.actor_cfg.ppo_mini_batch_size
         num = -(-int(prompt_of_row.max() + 1) // size)
         return [np.flatnonzero(prompt_of_row // size == k) for k in range(num)]
 
@@ -334,21 +460,23 @@ class GRPOTrainer(DriverBase):
                 )
             # Old, reference and new log-probs are all taken at the sampling temperature.
             batch.meta[TEMPERATURE_KEY] = float(r.temperature)
-            # The log-prob passes run on the workers while the driver scores the responses.
+            # The log-prob (and values) passes run on the workers while the driver scores the responses.
             pending = self._submit_log_prob_passes(batch, metrics)
+            if self.critic is not None:
+                pending["values"] = self._submit_values_pass(batch, metrics)
             with _timed(metrics, "reward"):
                 scores, extras = self.score(batch)
             self._collect_log_prob_passes(batch, pending, metrics)
             with _timed(metrics, "adv"):
-                batch["advantages"] = compute_advantages(
-                    adv_estimator=self.config.algorithm.adv_estimator,
-                    scores=torch.from_numpy(scores),
-                    index=batch[PROMPT_INDEX_KEY],
-                    loss_mask=batch["loss_mask"],
-                    norm_adv_by_std_in_grpo=self.config.algorithm.norm_adv_by_std_in_grpo,
-                )
-            with _timed(metrics, "update"):
-                metrics.update(self.update_actor(batch))
+                self._attach_advantages(batch, scores)
+            if self.critic is not None:
+                metrics.update(value_metrics(batch))
+                with _timed(metrics, "update_critic"):
+                    metrics.update(self.update_critic(batch))
+            # verl's trainer.critic_warmup: the actor waits for the critic (0 without one).
+            if self.global_step >= self.config.trainer.critic_warmup:
+                with _timed(metrics, "update"):
+                    metrics.update(self.update_actor(batch))
         metrics.update(self._rollout_metrics(batch, scores, extras, prefix=""))
         tokens = int(batch["attention_mask"].sum())
         metrics.update(
@@ -382,6 +510,36 @@ class GRPOTrainer(DriverBase):
                 pending[name] = (plan, call.submit(chunks))
         return pending
 
+    def _submit_values_pass(self, batch: Batch, metrics: dict) -> tuple:
+        """Start the critic's values pass through its own plan (the critic's micro-batching) without
+        waiting; (plan, GroupFuture)."""
+        c = self.config.critic
+        with _timed(metrics, "values"):
+            plan = self._plan(
+                batch,
+                micro_batch_size=c.ppo_micro_batch_size_per_gpu,
+                token_cap=c.ppo_max_token_len_per_gpu if c.use_dynamic_bsz else None,
+            )
+            inputs = batch.select(batch_keys=LOG_PROB_INPUT_KEYS, non_tensor_batch_keys=[])
+            return plan, self.critic.compute_values.submit(split_by_plan(inputs, plan))
+
+    def _attach_advantages(self, batch: Batch, scores: np.ndarray) -> None:
+        """``advantages`` of ``algorithm.adv_estimator`` (and with gae the critic's ``returns``)."""
+        alg = self.config.algorithm
+        out = compute_advantages(
+            adv_estimator=alg.adv_estimator,
+            scores=torch.from_numpy(scores),
+            index=batch[PROMPT_INDEX_KEY],
+            loss_mask=batch["loss_mask"],
+            norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
+            values=batch["values"] if "values" in batch else None,
+            gamma=alg.gamma,
+            lam=alg.lam,
+        )
+        batch["advantages"] = out.advantages
+        if out.returns is not None:
+            batch["returns"] = out.returns
+
     def _collect_log_prob_passes(self, batch: Batch, pending: dict, metrics: dict) -> None:
         """Wait for the submitted passes and attach ``old_log_probs`` / ``ref_log_prob`` in row
         order. ``timing_s/old_log_prob`` and ``timing_s/ref`` count the driver's planning (the
@@ -396,6 +554,10 @@ class GRPOTrainer(DriverBase):
             plan, future = pending["ref"]
             with _timed(metrics, "ref"):
                 batch["ref_log_prob"] = merge_by_plan(future.get(), plan)["ref_log_prob"]
+        if "values" in pending:
+            plan, future = pending["values"]
+            with _timed(metrics, "values"):
+                batch["values"] = merge_by_plan(future.get(), plan)["values"]
 
     def update_actor(self, batch: Batch) -> dict:
         """ppo_epochs x mini-batches optimizer steps; mean actor metrics, plan and measured balance."""
@@ -403,9 +565,12 @@ class GRPOTrainer(DriverBase):
         actor_records, plan_records = [], []
         busy = np.zeros(self.dp)
         on_policy = self.old_log_prob_from_update
+        drop = {"values", "returns"} & set(batch.tensor_keys)  # the critic's columns
         if not on_policy and ROLLOUT_LOG_PROBS_KEY in batch:
             # Compared with the old log-probs on the driver (rollout_probs_diff); not needed on the wire.
-            batch = batch.select(batch_keys=[k for k in batch.tensor_keys if k != ROLLOUT_LOG_PROBS_KEY])
+            drop.add(ROLLOUT_LOG_PROBS_KEY)
+        if drop:
+            batch = batch.select(batch_keys=[k for k in batch.tensor_keys if k not in drop])
         for _ in range(a.ppo_epochs):
             for rows in self._mini_batches(batch):
                 mini = batch.index_select(rows)
@@ -422,6 +587,24 @@ class GRPOTrainer(DriverBase):
         out["actor/num_optimizer_steps"] = float(len(actor_records))
         # Busy time summed over the step's updates: every rank waits for the slowest at each.
         out.update(measured_balance_metrics(busy))
+        return out
+
+    def update_critic(self, batch: Batch) -> dict:
+        """critic.ppo_epochs x mini-batches value-loss steps, each through its own plan; the mean of
+        the critic's global metrics (``critic/vf_loss``, ``vf_clipfrac``, ``vpred_mean``, ``grad_norm``, ``lr``)."""
+        c = self.config.critic
+        cap = c.ppo_max_token_len_per_gpu if c.use_dynamic_bsz else None
+        records = []
+        for _ in range(c.ppo_epochs):
+            for rows in self._mini_batches(batch, size=c.ppo_mini_batch_size):
+                mini = batch.index_select(rows)
+                plan = self._plan(mini, micro_batch_size=c.ppo_micro_batch_size_per_gpu, token_cap=cap)
+                inputs = mini.select(batch_keys=CRITIC_UPDATE_KEYS, non_tensor_batch_keys=[])
+                per_rank = self.critic.update_critic(split_by_plan(inputs, plan))
+                reduced = reduce_rank_metrics(per_rank, prefix="critic/")
+                records.append({k: v for k, v in reduced.items() if k.startswith("critic/")})
+        out = mean_metrics(records)
+        out["critic/num_optimizer_steps"] = float(len(records))
         return out
 
     def _rollout_metrics(self, batch: Batch, scores: np.ndarray, extras: dict, *, prefix: str) -> dict:
@@ -507,4 +690,4 @@ def format_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["GRPOTrainer", "format_summary", "merge_rollout_outputs"]
+__all__ = ["ActorCriticCheckpoint", "GRPOTrainer", "format_summary", "merge_rollout_outputs", "value_metrics"]
