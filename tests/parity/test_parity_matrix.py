@@ -14,12 +14,14 @@ from verl_balance.parity import (
     MODEL_VARIANTS,
     NEGATIVE_CONTROLS,
     PARITY_LAYOUTS,
+    VALUE_NEGATIVE_CONTROLS,
     ParitySettings,
     format_table,
     fsdp_cases,
     matrix_cases,
     parity_jobs,
     run_layouts,
+    value_cases,
     variant_cases,
 )
 from verl_balance.testing.faults import KNOWN_BUGS
@@ -38,7 +40,11 @@ def test_every_matrix_cell_matches_the_single_process_reference(parity_results, 
     cells = [
         r
         for r in parity_results
-        if r.layout == layout and r.case.bug is None and r.case.fsdp == "default" and r.case.variant == "default"
+        if r.layout == layout
+        and r.case.bug is None
+        and r.case.fsdp == "default"
+        and r.case.variant == "default"
+        and r.case.model_type == "language_model"
     ]
     assert len(cells) == len(matrix_cases())
     failed = [r for r in cells if not r.passed]
@@ -76,6 +82,24 @@ def test_known_bad_normalizer_breaks_parity(parity_results, bug):
     layout, case = NEGATIVE_CONTROLS[bug]
     [result] = [r for r in parity_results if r.layout == layout and r.case == case]
     assert not result.passed, f"negative control {KNOWN_BUGS[bug]} went undetected"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", PARITY_LAYOUTS, ids=lambda lay: f"dp{lay[0]}_sp{lay[1]}")
+def test_value_loss_on_a_value_model_matches_the_single_process_reference(parity_results, layout):
+    value = [r for r in parity_results if r.case.model_type == "value_model"]
+    cells = [r for r in value if r.layout == layout and r.case.bug is None]
+    assert [c.case for c in cells] == value_cases()
+    failed = [r for r in cells if not r.passed]
+    assert not failed, "\n" + format_table(failed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bug", sorted(VALUE_NEGATIVE_CONTROLS))
+def test_known_bad_normalizer_breaks_value_loss_parity(parity_results, bug):
+    layout, case = VALUE_NEGATIVE_CONTROLS[bug]
+    [result] = [r for r in parity_results if r.layout == layout and r.case == case]
+    assert not result.passed, f"negative control {KNOWN_BUGS[bug]} went undetected under the value loss"
 
 
 @pytest.mark.slow

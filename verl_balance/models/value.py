@@ -88,7 +88,9 @@ class ValueModel(nn.Module):
         hidden = self.forward_hidden(
             input_ids=input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen
         )
-        return self.score(hidden).squeeze(-1).float()
+        # A copy, not a view of the head's output: FSDP2 warns that a view returned by the root can
+        # lose its pre-backward hook under an in-place op (T floats, negligible).
+        return self.score(hidden).squeeze(-1).to(torch.float32, copy=True)
 
 
 def build_value_model(model_config, *, sp_size: int = 1, attn_impl: str = "auto") -> ValueModel:

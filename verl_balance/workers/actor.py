@@ -93,15 +93,18 @@ class ActorWorker(Worker):
             return SFTLoss()
         return PPOLoss(self.config.policy_loss, on_policy=on_policy)
 
-    @staticmethod
-    def _micro_batches(batch: Batch) -> list[dict[str, torch.Tensor]]:
+    wire_keys: tuple[str, ...] = WIRE_KEYS
+    """The batch columns handed to the engine (a subclass's loss may read more)."""
+
+    @classmethod
+    def _micro_batches(cls, batch: Batch) -> list[dict[str, torch.Tensor]]:
         """The DP chunk's micro-batches as plain tensor dicts (only wire keys travel on)."""
         sizes = batch.meta.get(MICRO_BATCH_SIZES_KEY)
         if sizes is None:
             raise ValueError(
                 f"batch meta lacks {MICRO_BATCH_SIZES_KEY!r}; build DP chunks with trainer.plan_dispatch.split_by_plan"
             )
-        keys = [k for k in WIRE_KEYS if k in batch.tensors.keys()]
+        keys = [k for k in cls.wire_keys if k in batch.tensors.keys()]
         out = []
         for part in batch.split(list(sizes)):
             out.append({k: part.tensors[k] for k in keys})

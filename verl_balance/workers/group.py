@@ -1,4 +1,4 @@
-"""The worker groups as the driver sees them: ``ActorGroup`` and ``ActorRolloutGroup``.
+"""The worker groups as the driver sees them: ``ActorGroup``, ``ActorRolloutGroup`` and ``CriticGroup``.
 
 Each is a ``RayWorkerGroup`` that declares the ``@register``'ed methods of its worker class with
 ``@group_method``: the declaration gives the driver-side signature (checked on every call) and a
@@ -21,11 +21,12 @@ from verl_balance.protocol import Batch
 from verl_balance.single_controller.worker_group import RayWorkerGroup, group_method
 from verl_balance.workers.actor import ActorWorker
 from verl_balance.workers.actor_rollout import ActorRolloutWorker
+from verl_balance.workers.critic import CriticWorker
 
 if TYPE_CHECKING:
     from verl_balance.rollout import RolloutOutput
 
-__all__ = ["ActorGroup", "ActorRolloutGroup", "group_class_for"]
+__all__ = ["ActorGroup", "ActorRolloutGroup", "CriticGroup", "group_class_for"]
 
 
 class ActorGroup(RayWorkerGroup):
@@ -101,8 +102,56 @@ class ActorRolloutGroup(ActorGroup):
         ...
 
 
+class CriticGroup(RayWorkerGroup):
+    """Driver-side worker group of ``workers.critic.CriticWorker`` ranks (the value model)."""
+
+    @group_method
+    def init_model(self) -> list[dict]:
+        """``CriticWorker.init_model`` on every rank: process group, mesh and the value model's engine."""
+        ...
+
+    @group_method
+    def compute_values(self, chunks: list[Batch]) -> Batch:
+        """``CriticWorker.compute_values``: per-token ``values`` of every row (aligned like
+        ``compute_log_prob``'s log_probs), concatenated in DP order."""
+        ...
+
+    @group_method
+    def update_critic(self, chunks: list[Batch]) -> list[dict]:
+        """``CriticWorker.update_critic``: one optimizer step of the clipped value loss on the global
+        mini-batch; per-DP-rank metrics (vf_loss, vf_clipfrac, vpred_mean, grad_norm are global)."""
+        ...
+
+    @group_method
+    def eval_loss(self, chunks: list[Batch]) -> list[dict]:
+        """``CriticWorker.eval_loss``: the value loss without backward; per-DP-rank metrics."""
+        ...
+
+    @group_method
+    def describe(self) -> list[dict]:
+        """``CriticWorker.describe`` on every rank: layout, model dims and engine settings."""
+        ...
+
+    @group_method
+    def save_checkpoint(self, path: str, step: int, extra: dict | None = None) -> list[None]:
+        """``CriticWorker.save_checkpoint`` on every rank (collective): sharded engine state."""
+        ...
+
+    @group_method
+    def load_checkpoint(self, path: str) -> list[dict]:
+        """``CriticWorker.load_checkpoint`` on every rank: restores it; each rank's saved ``extra``."""
+        ...
+
+    @group_method
+    def hash_checkpoint_files(self, path: str, sizes: dict[str, int]) -> list[dict[str, dict]]:
+        """``CriticWorker.hash_checkpoint_files`` on every rank: each hashes its share of the files."""
+        ...
+
+
 def group_class_for(worker_cls: type) -> type[RayWorkerGroup]:
     """The group class that declares ``worker_cls``'s methods (a plain ``RayWorkerGroup`` for others)."""
+    if issubclass(worker_cls, CriticWorker):
+        return CriticGroup
     if issubclass(worker_cls, ActorRolloutWorker):
         return ActorRolloutGroup
     if issubclass(worker_cls, ActorWorker):

@@ -1,0 +1,93 @@
+"""CriticWorker: one Ray actor process = one rank of the value model's engine (PPO's critic).
+
+The same engine, dispatch and loss contract as ``ActorWorker`` with ``EngineConfig.model_type =
+"value_model"`` (models/value.py: the decoder with a scalar head per token, no LM head) and
+verl's clipped value loss (algorithms/value_loss.py). Each ``update_critic`` call is exactly one
+optimizer step on one global mini-batch; PPO epochs and mini-batches are driven by the trainer, as
+for the actor.
+
+Wire columns (right-padded (B, L), token-aligned like ``loss_mask``): ``compute_values`` reads
+input_ids, attention_mask, position_ids; ``update_critic`` also loss_mask (the response mask),
+``values`` (the old values of ``compute_values``) and ``returns``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+from verl_balance.algorithms.value_loss import ValueLoss
+from verl_balance.batch_keys import WIRE_KEYS
+from verl_balance.engine.config import EngineConfigError
+from verl_balance.protocol import Batch
+from verl_balance.single_controller import Dispatch, make_mesh_dispatch, register
+from verl_balance.workers.actor import ACTOR_MESH, ActorWorker, ActorWorkerConfig, cat_padded
+
+VALUES_KEY = ValueLoss.OLD_VALUES_KEY
+RETURNS_KEY = ValueLoss.RETURNS_KEY
+CRITIC_WIRE_KEYS = WIRE_KEYS + (VALUES_KEY, RETURNS_KEY)
+
+
+@dataclass
+class CriticWorkerConfig(ActorWorkerConfig):
+    """An actor rank's config for the value model: ``engine.model_type`` is set to "value_model"."""
+
+    cliprange_value: float = 0.5
+    """verl's ``critic.cliprange_value``: how far a new value may move from the old one before
+    the clipped term of the value loss takes over."""
+
+    def __post_init__(self) -> None:
+        if self.policy_loss is not None:
+            raise EngineConfigError("a critic trains the value loss; policy_loss must be None")
+        if self.engine.model_type != "value_model":
+            self.engine = dataclasses.replace(self.engine, model_type="value_model")
+        if not self.cliprange_value > 0:
+            raise EngineConfigError(f"critic.cliprange_value={self.cliprange_value!r} must be > 0")
+
+
+class CriticWorker(ActorWorker):
+    """Registered methods: init_model, compute_values, update_critic, eval_loss (the value loss),
+    describe and the checkpoint methods (inherited from ActorWorker)."""
+
+    wire_keys = CRITIC_WIRE_KEYS
+
+    def __init__(self, config: CriticWorkerConfig) -> None:
+        if not isinstance(config, CriticWorkerConfig):
+            raise TypeError(f"CriticWorker needs a CriticWorkerConfig, got {type(config).__name__}")
+        super().__init__(config)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> dict:
+        """Join the process group, build the (dp, sp) mesh and the value model's sharded engine."""
+        return super().init_model()
+
+    def _loss_fn(self, *, on_policy: bool = False):
+        if on_policy:
+            raise ValueError("meta 'on_policy' is a PPO policy-loss setting; a critic reads the old values")
+        return ValueLoss(cliprange_value=self.config.cliprange_value)
+
+    @register(dispatch_mode=make_mesh_dispatch(ACTOR_MESH))
+    def compute_values(self, batch: Batch) -> Batch:
+        """Per-token ``values`` (B, L) of this chunk's rows, in the chunk's row order: values[i, t]
+        is the head on the hidden state of token t - 1 (0 at t = 0 and at padding), the alignment
+        of ``ActorWorker.compute_log_prob``'s log_probs."""
+        outputs = self.engine.compute_values(self._micro_batches(batch))
+        return Batch.from_dict(tensors={VALUES_KEY: cat_padded([o[VALUES_KEY] for o in outputs])})
+
+    @register(dispatch_mode=make_mesh_dispatch(ACTOR_MESH))
+    def update_critic(self, batch: Batch) -> dict:
+        """One optimizer step of the value loss over this DP rank's micro-batches.
+
+        Returns ``vf_loss`` (the global objective J), ``vf_clipfrac`` and ``vpred_mean`` (global
+        loss-mask token means), ``grad_norm``, ``lr``, the engine's timing keys (busy_seconds ...),
+        ``step_seconds`` and ``dp_rank``."""
+        missing = [k for k in ("loss_mask", VALUES_KEY, RETURNS_KEY) if k not in batch.tensors.keys()]
+        if missing:
+            raise ValueError(f"update_critic: the batch lacks columns {missing}; it has {sorted(batch.tensors.keys())}")
+        start = time.perf_counter()
+        metrics = self.engine.train_step(self._micro_batches(batch), loss_fn=self._loss_fn())
+        metrics["vf_loss"] = metrics.pop("loss")
+        metrics["step_seconds"] = time.perf_counter() - start
+        metrics["dp_rank"] = self.layout.dp_rank
+        return metrics
