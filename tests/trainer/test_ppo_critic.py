@@ -195,9 +195,7 @@ def test_checkpoint_holds_the_critic_in_its_manifest(ppo_runs):
     actor_files = [name for name in manifest if not name.startswith("critic/")]
     assert critic_files and actor_files
     on_disk = {
-        os.path.relpath(os.path.join(d, n), ckpt / "critic")
-        for d, _, names in os.walk(ckpt / "critic")
-        for n in names
+        os.path.relpath(os.path.join(d, n), ckpt / "critic") for d, _, names in os.walk(ckpt / "critic") for n in names
     }
     assert {name.removeprefix("critic/") for name in critic_files} == on_disk
 
