@@ -10,7 +10,7 @@
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-outputs/ppo_cpu_demo}
-SFT_STEPS=${SFT_STEPS:-150}
+SFT_STEPS=${SFT_STEPS:-400}
 DIMS="hidden_size=64 intermediate_size=192 num_layers=2"
 
 python -m verl_balance.data.synthetic --out "$OUT/data" --num-train 4096 --num-val 128 --seed 0 \
@@ -23,7 +23,7 @@ python -m verl_balance.main_sft \
     data.train_files="$OUT/data/sft_train.parquet" data.val_files="$OUT/data/sft_val.parquet" \
     data.train_batch_size=32 data.micro_batch_size_per_gpu=16 \
     optim.lr=5e-3 \
-    trainer.total_training_steps="$SFT_STEPS" trainer.save_freq="$SFT_STEPS" trainer.test_freq=50 \
+    trainer.total_training_steps="$SFT_STEPS" trainer.save_freq="$SFT_STEPS" trainer.test_freq=100 \
     trainer.experiment_name=ppo_demo_sft trainer.default_local_dir="$OUT/sft"
 
 # Stage 2: PPO with GAE from the SFT weights (model.warm_start_path loads the actor's weights only;
@@ -34,7 +34,7 @@ python -m verl_balance.main_grpo \
     actor_rollout_ref.model.warm_start_path="$OUT/sft/global_step_$SFT_STEPS" \
     data.train_files="$OUT/data/rl_train.parquet" data.val_files="$OUT/data/rl_val.parquet" \
     data.max_prompt_length=32 data.train_batch_size=32 \
-    actor_rollout_ref.rollout.n=4 actor_rollout_ref.rollout.temperature=1.0 \
+    actor_rollout_ref.rollout.n=8 actor_rollout_ref.rollout.temperature=1.0 \
     actor_rollout_ref.rollout.response_length=10 \
     actor_rollout_ref.actor.ppo_mini_batch_size=16 \
     actor_rollout_ref.actor.use_dynamic_bsz=true actor_rollout_ref.actor.ppo_max_token_len_per_gpu=256 \
@@ -42,6 +42,6 @@ python -m verl_balance.main_grpo \
     algorithm.adv_estimator=gae algorithm.gamma=1.0 algorithm.lam=1.0 \
     critic.optim.lr=2e-3 critic.ppo_epochs=2 critic.cliprange_value=0.5 \
     trainer.critic_warmup=2 trainer.balance_batch=true \
-    trainer.total_training_steps=30 trainer.test_freq=5 trainer.log_val_generations=4 \
+    trainer.total_training_steps=60 trainer.test_freq=10 trainer.log_val_generations=4 \
     trainer.experiment_name=ppo_demo trainer.default_local_dir="$OUT/ppo" \
     "$@"

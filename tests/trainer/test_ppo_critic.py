@@ -57,6 +57,7 @@ def test_critic_keys_without_gae_fail_naming_them(overrides, keys):
         (["critic.use_dynamic_bsz=true", "critic.ppo_max_token_len_per_gpu=32"], "critic.ppo_max_token_len_per_gpu"),
         (["algorithm.gamma=1.5"], "algorithm.gamma"),
         (["trainer.critic_warmup=-1"], "trainer.critic_warmup"),
+        (["critic.model.path=/nonexistent"], "critic.model.path"),
     ],
 )
 def test_invalid_critic_values_fail_naming_the_key(overrides, key):
@@ -85,6 +86,11 @@ def test_null_critic_keys_take_the_actors_values():
     assert engine.optim.lr == 1e-5  # verl's critic default, not the recipe's actor lr
     assert engine.total_steps == 5 * config.critic_updates_per_step
     assert config.engine_config(total_steps=5).model_type == "language_model"
+
+
+def test_hf_critic_with_a_builtin_actor_fails_naming_both_keys(tiny_qwen2):
+    with pytest.raises(ConfigError, match="actor_rollout_ref.model.path"):
+        validate_grpo(_config(["algorithm.adv_estimator=gae", f"critic.model.path={tiny_qwen2}"]))
 
 
 def test_gae_accepts_one_response_per_prompt():

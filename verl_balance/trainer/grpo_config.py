@@ -553,6 +553,12 @@ class GRPOConfig(RecipeConfig):
             return
         self.critic = self.critic.with_actor_defaults(self.actor_rollout_ref.actor)
         critic = self.critic
+        if critic.model.path is not None and self.actor_rollout_ref.model.path is None:
+            raise ConfigError(
+                f"critic.model.path={critic.model.path!r} with a built-in actor model: the critic reads the "
+                "actor's token ids, so it must share the actor's tokenizer; set actor_rollout_ref.model.path to an "
+                "HF directory of the same tokenizer, or remove critic.model.path (the actor's preset is used)"
+            )
         if self.data.train_batch_size % critic.ppo_mini_batch_size or critic.ppo_mini_batch_size < self.dp_size:
             raise ConfigError(
                 f"critic.ppo_mini_batch_size={critic.ppo_mini_batch_size} must divide data.train_batch_size="
