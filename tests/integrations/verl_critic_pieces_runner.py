@@ -9,7 +9,8 @@ critic) in a verl ``RayWorkerGroup`` of 2 CPU workers, on the fixed rollout batc
 ``critic.model.external_lib``, so our backend is registered through ``VERL_USE_EXTERNAL_MODULES``
 (as ``verl_balance.integrations.verl.autopatch`` also does). Run by hand with::
 
-    VERL_USE_EXTERNAL_MODULES=verl_balance.integrations.verl.cpu_platform,verl_balance.integrations.verl.engine,verl_value_sdpa \\
+    M=verl_balance.integrations.verl
+    VERL_USE_EXTERNAL_MODULES=$M.cpu_platform,$M.engine,verl_value_sdpa \\
     python tests/integrations/verl_critic_pieces_runner.py --model-dir CRITIC_DIR --case verl_balance:2:1
 """
 
