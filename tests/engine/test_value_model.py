@@ -208,8 +208,8 @@ def test_hf_token_classification_checkpoint_loads_its_score_and_gives_hf_logits(
 def test_hf_causal_lm_checkpoint_gets_the_seeded_head_and_its_own_backbone(single_rank, tiny_qwen2_dirs):
     from safetensors.torch import load_file
 
+    from verl_balance.engine.materialize import value_head_init
     from verl_balance.models.hf import HFModelConfig
-    from verl_balance.models.value import value_head_init
 
     lm_dir, _ = tiny_qwen2_dirs
     state = _value_engine(single_rank, model_config=HFModelConfig.from_pretrained(lm_dir), seed=9).full_state_dict()
