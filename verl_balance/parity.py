@@ -321,7 +321,8 @@ def make_value_batch(settings: ParitySettings) -> dict[str, torch.Tensor]:
 def reference_value_model(settings: ParitySettings):
     """The seeded initial value model, built in one process (models/value.py's init rule):
     ``torch.manual_seed(seed)``'s decoder without its LM head, the head from (seed, name)."""
-    from verl_balance.models.value import build_value_model, value_head_init
+    from verl_balance.engine.materialize import value_head_init
+    from verl_balance.models.value import build_value_model
 
     torch.manual_seed(settings.seed)
     model = build_value_model(settings.model, attn_impl="sdpa_masked")

@@ -178,7 +178,7 @@ def tiny_qwen2_dirs(tmp_path_factory):
     return lm_dir, str(root / "critic")
 
 
-def test_hf_token_classification_checkpoint_loads_its_score_and_gives_hf_logits(single_rank, tiny_qwen2_dirs):
+def test_hf_token_classification_checkpoint_loads_its_score_and_gives_hf_logits(single_rank, tiny_qwen2_dirs, tmp_path):
     from transformers import AutoModelForTokenClassification
 
     from verl_balance.models.hf import HFModelConfig
@@ -196,13 +196,20 @@ def test_hf_token_classification_checkpoint_loads_its_score_and_gives_hf_logits(
             expected[i, 1:length] = logits[:-1]
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(engine.full_state_dict()["score.bias"], torch.tensor([0.25]))
+    # The export is again a token-classification checkpoint with the engine's weights.
+    out = str(tmp_path / "export")
+    engine.save_hf_model(out)
+    exported = AutoModelForTokenClassification.from_pretrained(out, dtype=torch.float32).eval()
+    assert exported.config.architectures == ["Qwen2ForTokenClassification"] and exported.config.num_labels == 1
+    for name, value in exported.state_dict().items():
+        torch.testing.assert_close(value, hf.state_dict()[name], rtol=0, atol=0, msg=name)
 
 
 def test_hf_causal_lm_checkpoint_gets_the_seeded_head_and_its_own_backbone(single_rank, tiny_qwen2_dirs):
     from safetensors.torch import load_file
 
+    from verl_balance.engine.materialize import value_head_init
     from verl_balance.models.hf import HFModelConfig
-    from verl_balance.models.value import value_head_init
 
     lm_dir, _ = tiny_qwen2_dirs
     state = _value_engine(single_rank, model_config=HFModelConfig.from_pretrained(lm_dir), seed=9).full_state_dict()

@@ -20,6 +20,7 @@ from verl_balance.engine.lora import adapter_names, base_name, is_lora_name, lor
 from verl_balance.engine.materialize import unique_parameters
 from verl_balance.models.config import ModelConfig
 from verl_balance.models.safetensors_io import DEFAULT_MAX_SHARD_BYTES, TensorSpec, save_hf_directory
+from verl_balance.models.value import ValueModel
 
 
 def hf_names_and_config(model_config, names: list[str]):
@@ -34,6 +35,14 @@ def hf_names_and_config(model_config, names: list[str]):
     return {n: n for n in names}, model_config.hf_config()
 
 
+def value_model_hf_config(model: ValueModel, hf_config) -> None:
+    """A value model is written as HF's ``<Family>ForTokenClassification`` with ``num_labels=1``
+    (what verl's critic loads): ``score`` under its own name, no ``lm_head``."""
+    family = type(model.hf_model).__name__.removesuffix("ForCausalLM")
+    hf_config.architectures = [f"{family}ForTokenClassification"]
+    hf_config.num_labels = 1
+
+
 def save_engine_model_as_hf(
     model: torch.nn.Module,
     *,
@@ -45,11 +54,15 @@ def save_engine_model_as_hf(
 ) -> None:
     """Write ``model`` (FSDP2-sharded or plain) under ``out`` from rank 0 of ``group``; collective:
     call on every rank of the model's mesh. Ends with a barrier over ``group``."""
+    if isinstance(model, ValueModel) and getattr(model, "hf_model", None) is None:
+        raise ValueError("a built-in value model has no Hugging Face export; give the critic an HF model.path")
     lora = getattr(model, "lora_config", None)
     by_name = dict(unique_parameters(model))
     # A LoRA model is written merged (W + scaling * B @ A under the base weight's HF name).
     params = [(n, p) for n, p in by_name.items() if not is_lora_name(n)]
     names, hf_config = hf_names_and_config(model_config, [base_name(n) for n, _ in params])
+    if isinstance(model, ValueModel):
+        value_model_hf_config(model, hf_config)
     missing = sorted({base_name(n) for n, _ in params} - set(names))
     if missing:
         raise ValueError(f"parameters without an HF name: {missing[:5]}")

@@ -43,7 +43,7 @@ from verl_balance.models import ModelConfig, build_model
 from verl_balance.models.base import PackedCausalLM
 from verl_balance.models.config import ModelConfigError
 from verl_balance.models.safetensors_io import checkpoint_key, expert_sources, safetensors_key_files
-from verl_balance.models.value import VALUE_HEAD_NAMES, checkpoint_has_value_head, value_head_init
+from verl_balance.models.value import VALUE_HEAD_NAMES, checkpoint_has_value_head
 
 
 @contextlib.contextmanager
@@ -388,9 +388,19 @@ def build_sharded_model(
     return model
 
 
+def value_head_init(name: str, shape: tuple[int, ...], *, seed: int, std: float) -> Tensor:
+    """The full initial value of value-head parameter ``name`` (models/value.py): weight ~
+    Normal(0, std) from a generator seeded by (seed, name), bias 0 (HF's ``_init_weights``
+    distributions); the same at every layout and for both backbone kinds."""
+    full = torch.zeros(shape)
+    if name.endswith("weight"):
+        full.normal_(0.0, std, generator=torch.Generator().manual_seed(module_seed(seed, name)))
+    return full
+
+
 @torch.no_grad()
 def fill_value_head(model: nn.Module, *, seed: int) -> None:
-    """This rank's rows of the value head (``models.value.value_head_init``: from (seed, name))."""
+    """This rank's rows of the value head (``value_head_init``: from (seed, name))."""
     for name in VALUE_HEAD_NAMES:
         param = model.get_parameter(name)
         copy_local_rows(param, value_head_init(name, tuple(param.shape), seed=seed, std=model.initializer_range))

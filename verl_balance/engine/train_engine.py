@@ -267,6 +267,12 @@ class TrainEngine:
             max_seqlen=packed.max_seqlen,
         )
 
+    def gathered_values(self, packed: PackedMicroBatch) -> Tensor:
+        """Values [total_len] of the whole packed stream (``forward_values`` gathered over the SP
+        group, padding dropped); gradients flow back to each rank's own slice. Collective as
+        ``forward_values``, plus one all-gather over the SP group."""
+        return gather_and_unpad(self.forward_values(packed), group=self.layout.sp_group, length=packed.total_len)
+
     def gathered_log_probs(
         self, packed: PackedMicroBatch, *, temperature: Temperature = 1.0, with_entropy: bool = False
     ) -> tuple[Tensor, Tensor | None]:
@@ -603,8 +609,7 @@ class TrainEngine:
         self.model.eval()
         outputs = []
         for p in self.pack_micro_batches(micro_batches, require_loss_mask=False):
-            values = gather_and_unpad(self.forward_values(p), group=self.layout.sp_group, length=p.total_len)
-            outputs.append({"values": p.unpack(values)})
+            outputs.append({"values": p.unpack(self.gathered_values(p))})
         self.reshard()
         return outputs
 

@@ -12,7 +12,8 @@ Invariants:
 - Parameter names are the backbone's own (``model.layers.0...`` for HF, ``layers.0...`` built-in)
   plus ``score.weight`` / ``score.bias``: exactly the keys of an HF ``*ForTokenClassification``
   checkpoint, so ``fill_pretrained`` reads its ``score`` when the directory has one. Otherwise
-  (a ``*ForCausalLM`` directory, or random init) the head is ``value_head_init`` from
+  (a ``*ForCausalLM`` directory, or random init) the head is engine/materialize.py's
+  ``value_head_init`` from
   (seed, parameter name): the same head at every layout and for both backbone kinds.
 - ``forward`` returns head(hidden[p]) at packed position p: with the engine's target alignment
   (engine/packing.py) unpacking puts it at wire position t = p + 1, i.e. values[i, t] is the head
@@ -95,21 +96,10 @@ class ValueModel(nn.Module):
 
 def build_value_model(model_config, *, sp_size: int = 1, attn_impl: str = "auto") -> ValueModel:
     """``ValueModel`` over ``build_model(model_config)`` (the head's values are construction's
-    draws; the engine fills it with ``value_head_init`` or the checkpoint's ``score``)."""
+    draws; the engine fills it with materialize's ``value_head_init`` or the checkpoint's ``score``)."""
     from verl_balance.models import build_model
 
     return ValueModel(build_model(model_config, sp_size=sp_size, attn_impl=attn_impl))
-
-
-def value_head_init(name: str, shape: tuple[int, ...], *, seed: int, std: float) -> Tensor:
-    """The full initial value of head parameter ``name``: weight ~ Normal(0, std) from a generator
-    seeded by (seed, name), bias 0 (HF's ``_init_weights`` distributions)."""
-    from verl_balance.engine.materialize import module_seed
-
-    full = torch.zeros(shape)
-    if name.endswith("weight"):
-        full.normal_(0.0, std, generator=torch.Generator().manual_seed(module_seed(seed, name)))
-    return full
 
 
 def checkpoint_has_value_head(path: str) -> bool:

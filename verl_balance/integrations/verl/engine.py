@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -68,6 +68,7 @@ __all__ = [
     "VerlBalanceEngine",
     "VerlBalanceEngineConfig",
     "VerlBalanceEngineConfigError",
+    "VerlBalanceValueEngine",
     "as_verl_balance_config",
     "plan_checkpoint_retention",
 ]
@@ -555,6 +556,49 @@ class VerlBalanceEngine(BaseEngine):
         if del_local_after_load:
             raise NotImplementedError("verl_balance engine: del_local_after_load=True is not supported")
         return self.engine.load_checkpoint(local_path)
+
+
+@EngineRegistry.register(model_type="value_model", backend=BACKEND, device=["cpu", "cuda"])
+class VerlBalanceValueEngine(VerlBalanceEngine):
+    """verl's critic (``model_type="value_model"``) on verl_balance: ``TrainEngine`` with
+    ``EngineConfig.model_type="value_model"`` (models/value.py: the decoder with a scalar head, no
+    LM head; a ``*ForTokenClassification`` directory's ``score`` is loaded, a causal-LM directory
+    gets the seeded head), planned, balanced and stepped exactly as ``VerlBalanceEngine``.
+
+    ``model_output`` is ``{"values": jagged}`` as verl's ``FSDPEngineWithValueHead`` returns it:
+    position t of sample i holds the head on the hidden state of token t (no shift; verl's
+    ``value_loss`` / ``no_padding_2_padding`` take each response token's value from the position
+    before it, the alignment of the log-probs)."""
+
+    def initialize(self):
+        """Build the sharded value model and its optimizer from verl's critic model directory."""
+        from verl_balance.models.hf import HFModelConfig
+
+        path = self.model_config.local_path or self.model_config.path
+        ours = HFModelConfig.from_pretrained(
+            path, enable_gradient_checkpointing=bool(getattr(self.model_config, "enable_gradient_checkpointing", False))
+        )
+        config = replace(_our_engine_config(self.engine_config, self.optimizer_config), model_type="value_model")
+        self.engine = TrainEngine(model_config=ours, layout=self.layout, engine_config=config)
+        if self.engine_config.workload == "tokens":
+            self.engine.flops_workload = None
+        self.module = self.engine.model
+
+    def _model_output(self, micro_batch, *, calculate_entropy: bool) -> dict:
+        """Forward one micro-batch; values as a jagged tensor (see the class docstring)."""
+        ids = micro_batch["input_ids"]
+        lengths = ids.offsets().diff().cpu()
+        input_ids = torch.nested.to_padded_tensor(ids, 0).cpu()
+        attention_mask = (torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]).long()
+        (packed,) = self.engine.pack_micro_batches(
+            [{"input_ids": input_ids, "attention_mask": attention_mask}], require_loss_mask=False
+        )
+        values = self.engine.gathered_values(packed)
+        return {"values": torch.nested.nested_tensor_from_jagged(values, packed.cu_seqlens.to(values.device))}
+
+    def get_per_tensor_param(self, layered_summon=False, base_sync_done=False, **kwargs):
+        """A critic's weights never go to a rollout."""
+        raise NotImplementedError("verl_balance value model: a critic has no rollout weights to sync")
 
 
 def _remove_checkpoint_dir(path: str, *, max_ckpt_to_keep: int) -> None:
