@@ -6,7 +6,7 @@
 # the first trainer.critic_warmup steps. Held-out greedy accuracy rises from the SFT policy's.
 # Outputs under $OUT (default outputs/ppo_cpu_demo): data/, sft/, ppo/ with metrics.jsonl and
 # curves.png (reward, held-out accuracy, value loss, explained variance, policy loss, imbalance).
-# Extra arguments are Hydra overrides of the PPO stage, e.g. trainer.total_training_steps=60.
+# Extra arguments are Hydra overrides of the PPO stage, e.g. trainer.total_training_steps=100.
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-outputs/ppo_cpu_demo}
