@@ -21,30 +21,8 @@ pytest.importorskip("peft")
 
 from verl_balance.testing.multiprocess import run_on_ranks  # noqa: E402
 
-LORA_TARGETS = ["q_proj", "v_proj", "down_proj"]  # k_proj / o_proj / up_proj / gate_proj keep no adapter
+LORA_TARGETS = ["q_proj", "v_proj", "down_proj"]  # conftest.LORA_TARGETS: the adapter of lora_adapter_dir
 NUM_SAMPLES = 6
-
-
-def write_adapter(model_dir: str, out: str, *, targets, rank: int = 4, alpha: float = 8.0, seed: int = 0) -> str:
-    """A peft adapter directory for ``model_dir`` with random A and B (B non-zero, unlike a fresh one)."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, bias="none"))
-    with torch.no_grad():
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0.0, 0.05)
-    peft_model.save_pretrained(out)
-    return out
-
-
-@pytest.fixture(scope="module")
-def adapter_dir(model_dir, tmp_path_factory):
-    return write_adapter(model_dir, str(tmp_path_factory.mktemp("adapter")), targets=LORA_TARGETS)
 
 
 def _tensordict(vocab: int):
@@ -158,8 +136,8 @@ def _assert_same_tensors(ours: dict, reference: dict, **tolerance) -> None:
 
 
 @pytest.mark.slow
-def test_lora_train_step_and_weight_sync_equal_verls_fsdp2_engine(model_dir, adapter_dir):
-    runs = _runs(model_dir, adapter_dir)
+def test_lora_train_step_and_weight_sync_equal_verls_fsdp2_engine(model_dir, lora_adapter_dir):
+    runs = _runs(model_dir, lora_adapter_dir)
     ours, reference = runs["verl_balance"], runs["fsdp2"]
     assert ours["loss"] == pytest.approx(reference["loss"], rel=1e-5)
     assert ours["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
@@ -193,8 +171,8 @@ def test_lora_train_step_and_weight_sync_equal_verls_fsdp2_engine(model_dir, ada
 
 
 @pytest.mark.slow
-def test_disable_adapter_gives_verls_reference_policy_log_probs(model_dir, adapter_dir):
-    runs = _runs(model_dir, adapter_dir)
+def test_disable_adapter_gives_verls_reference_policy_log_probs(model_dir, lora_adapter_dir):
+    runs = _runs(model_dir, lora_adapter_dir)
     ours, reference = runs["verl_balance"], runs["fsdp2"]
     for key in ("log_probs", "ref_log_probs"):
         for got, want in zip(ours[key], reference[key], strict=True):

@@ -15,7 +15,7 @@ reached the rollout server (negative control: a rollout that keeps its first wei
 (``verl_balance`` with our trainer-side balancer and one rollout replica for both workers) gives step 1
 of the plain run: samples do not depend on routing, the loss not on the row placement.
 
-Five main_ppo subprocesses (about 30 s each on 2 CPU cores) are ``slow``; the rollout server's pieces
+Six main_ppo subprocesses (about 30 s each on 2 CPU cores) are ``slow``; the rollout server's pieces
 (decode against HF ``generate`` and an uncached sampler, seeds, weight loading, registration) are
 tested in this process in the fast lane.
 """
@@ -44,6 +44,15 @@ NUM_PROMPTS = 8
 TRAIN_BATCH_SIZE = 4  # prompts per step: 2 steps in one epoch
 ROLLOUT_N = 2
 STEPS = 2
+# LoRA on our backend (rank 8 on every Linear, fresh adapters: B = 0). verl then computes the reference
+# policy in the actor with the adapters disabled (ref_in_actor); use_kl_loss makes it do so. lr 1e-2:
+# the step-1 update moves the policy clearly away from the base.
+LORA = (
+    "actor_rollout_ref.model.lora_rank=8",
+    "actor_rollout_ref.model.lora_alpha=16",
+    "actor_rollout_ref.actor.use_kl_loss=True",
+    "actor_rollout_ref.actor.optim.lr=1e-2",
+)
 
 
 def write_gsm8k_like_parquet(path: str, *, num_prompts: int) -> None:
@@ -203,7 +212,8 @@ def run_main_ppo(
 @pytest.fixture(scope="module")
 def runs(workspace):
     """One main_ppo run per backend (each its own local Ray instance), plus ``verl_balance`` with our
-    trainer-side balancer (``autopatch``) and one rollout replica for both workers instead of two."""
+    trainer-side balancer (``autopatch``) and one rollout replica for both workers instead of two, and
+    ``verl_balance`` with LoRA (``LORA``)."""
     out = {name: run_main_ppo(workspace, strategy=name, name=name) for name in ("verl_balance", "fsdp2")}
     out["verl_balance_autopatch_one_replica"] = run_main_ppo(
         workspace,
@@ -211,6 +221,9 @@ def runs(workspace):
         name="verl_balance_autopatch_one_replica",
         extra_modules=AUTOPATCH,
         extra_overrides=("actor_rollout_ref.rollout.tensor_model_parallel_size=2",),
+    )
+    out["verl_balance_lora"] = run_main_ppo(
+        workspace, strategy="verl_balance", name="verl_balance_lora", extra_overrides=LORA
     )
     return out
 
@@ -270,13 +283,33 @@ def test_samples_and_step_one_do_not_depend_on_rollout_replicas_or_the_trainer_s
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["verl_balance", "fsdp2", "verl_balance_autopatch_one_replica"])
+@pytest.mark.parametrize(
+    "strategy", ["verl_balance", "fsdp2", "verl_balance_autopatch_one_replica", "verl_balance_lora"]
+)
 def test_rollout_log_probs_equal_the_trainers_at_every_step_so_weights_reached_the_rollout(runs, strategy):
     # verl compares the rollout's token probabilities with the trainer's recomputed old_log_probs:
     # after step 1's update they agree only if update_weights pushed the new weights to the server.
     for step, metrics in runs[strategy]["steps"].items():
         assert metrics["training/rollout_probs_diff_valid"] == 1
         assert metrics["training/rollout_probs_diff_max"] < 1e-4, (step, metrics["training/rollout_probs_diff_max"])
+
+
+@pytest.mark.slow
+def test_main_ppo_with_lora_on_verl_balance_trains_the_adapters_and_the_rollout_follows(runs):
+    # verl's LoRA weight sync on our backend: the base weights once (load_format=dummy), then the
+    # adapters at every step, merged by the CPU rollout; its log-probs equal the trainer's (the test
+    # above, < 1e-4 as without LoRA).
+    run = runs["verl_balance_lora"]
+    assert sorted(run["steps"]) == list(range(1, STEPS + 1)), run["log"]
+    first, second = run["steps"][1], run["steps"][2]
+    for metrics in (first, second):
+        assert _finite(metrics["actor/pg_loss"]) and metrics["actor/grad_norm"] > 0, metrics
+        assert _finite(metrics["actor/verl_balance/engine_dp_imbalance"]), metrics
+    # The reference policy is the actor with its adapters disabled: equal to the policy before the
+    # first update (B = 0), apart after it. So the step-2 policy the rollout matched is not the base.
+    assert first["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)
+    assert second["actor/kl_loss"] > 1e-3
+    assert second["training/rollout_probs_diff_max"] < 1e-4
 
 
 @pytest.mark.slow
