@@ -526,7 +526,7 @@ def test_verls_sft_trainer_with_lora_on_verl_balance_matches_fsdp2_lora_at_dp2_a
         for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(ours, reference), start=1):
             assert loss == pytest.approx(ref_loss, rel=1e-5), (nproc, sp, step)
             assert norm == pytest.approx(ref_norm, rel=1e-5), (nproc, sp, step)
-    # Negative control: the LoRA runs are not the full fine-tuning run (other loss from step 1 on:
-    # the adapter changes the model; other gradient: only the adapters' count).
-    assert reference[0][0] != pytest.approx(full[0][0], rel=1e-3)
-    assert reference[0][1] != pytest.approx(full[0][1], rel=1e-3)
+    # Negative control: the LoRA runs are not the full fine-tuning run, by 10x the tolerance above
+    # (step 1: the adapter changes the loss by ~1e-3 relative; only the adapters' gradients count).
+    assert reference[0][0] != pytest.approx(full[0][0], rel=1e-4)
+    assert reference[0][1] != pytest.approx(full[0][1], rel=1e-4)

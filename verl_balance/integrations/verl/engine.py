@@ -240,7 +240,7 @@ def _lora_keys(model_config) -> dict:
             f"model.target_parameters={model_config.target_parameters!r}: LoRA on nn.Parameter targets is not "
             "supported by the verl_balance backend; set it to null (target_modules names Linear modules)"
         )
-    target_modules = _plain(model_config.target_modules)
+    target_modules = _module_names(model_config.target_modules)
     if target_modules is None:
         raise VerlBalanceEngineConfigError(
             "model.target_modules=null: the verl_balance backend needs 'all-linear' or a list of module names"
@@ -249,12 +249,12 @@ def _lora_keys(model_config) -> dict:
         "lora_rank": int(rank),
         "lora_alpha": float(model_config.lora_alpha),
         "target_modules": target_modules,
-        "exclude_modules": _plain(getattr(model_config, "exclude_modules", None)),
+        "exclude_modules": _module_names(getattr(model_config, "exclude_modules", None)),
         "lora_adapter_path": getattr(model_config, "lora_adapter_path", None),
     }
 
 
-def _plain(value):
+def _module_names(value):
     """A string, None, or a list of strings (from an OmegaConf ListConfig / tuple)."""
     if value is None or isinstance(value, str):
         return value
