@@ -21,3 +21,31 @@ def model_dir(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("tiny_qwen2"))
     write_tiny_model(out, family="qwen2")
     return out
+
+
+LORA_TARGETS = ["q_proj", "v_proj", "down_proj"]  # k_proj / o_proj / up_proj / gate_proj keep no adapter
+
+
+def write_lora_adapter(model_dir: str, out: str, *, targets, rank: int = 4, alpha: float = 8.0, seed: int = 0) -> str:
+    """A peft adapter directory for ``model_dir`` with random A and B (B non-zero, unlike a fresh one)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, bias="none"))
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0.0, 0.05)
+    peft_model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def lora_adapter_dir(model_dir, tmp_path_factory):
+    """A peft adapter (rank 4 on LORA_TARGETS, non-zero B) for ``model_dir``: one starting adapter
+    for verl's fsdp2 engine and ours in the LoRA comparisons."""
+    pytest.importorskip("peft")
+    return write_lora_adapter(model_dir, str(tmp_path_factory.mktemp("lora_adapter")), targets=LORA_TARGETS)

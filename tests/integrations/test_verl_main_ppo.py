@@ -15,7 +15,7 @@ reached the rollout server (negative control: a rollout that keeps its first wei
 (``verl_balance`` with our trainer-side balancer and one rollout replica for both workers) gives step 1
 of the plain run: samples do not depend on routing, the loss not on the row placement.
 
-Five main_ppo subprocesses (about 30 s each on 2 CPU cores) are ``slow``; the rollout server's pieces
+Six main_ppo subprocesses (about 30 s each on 2 CPU cores) are ``slow``; the rollout server's pieces
 (decode against HF ``generate`` and an uncached sampler, seeds, weight loading, registration) are
 tested in this process in the fast lane.
 """
@@ -44,6 +44,15 @@ NUM_PROMPTS = 8
 TRAIN_BATCH_SIZE = 4  # prompts per step: 2 steps in one epoch
 ROLLOUT_N = 2
 STEPS = 2
+# LoRA on our backend (rank 8 on every Linear, fresh adapters: B = 0). verl then computes the reference
+# policy in the actor with the adapters disabled (ref_in_actor); use_kl_loss makes it do so. lr 1e-2:
+# the step-1 update moves the policy clearly away from the base.
+LORA = (
+    "actor_rollout_ref.model.lora_rank=8",
+    "actor_rollout_ref.model.lora_alpha=16",
+    "actor_rollout_ref.actor.use_kl_loss=True",
+    "actor_rollout_ref.actor.optim.lr=1e-2",
+)
 
 
 def write_gsm8k_like_parquet(path: str, *, num_prompts: int) -> None:
@@ -215,6 +224,12 @@ def runs(workspace):
     return out
 
 
+@pytest.fixture(scope="module")
+def lora_run(workspace):
+    """``verl_balance`` with LoRA (``LORA``), on the same workspace."""
+    return run_main_ppo(workspace, strategy="verl_balance", name="verl_balance_lora", extra_overrides=LORA)
+
+
 def _finite(value) -> bool:
     return isinstance(value, int | float) and math.isfinite(value)
 
@@ -277,6 +292,25 @@ def test_rollout_log_probs_equal_the_trainers_at_every_step_so_weights_reached_t
     for step, metrics in runs[strategy]["steps"].items():
         assert metrics["training/rollout_probs_diff_valid"] == 1
         assert metrics["training/rollout_probs_diff_max"] < 1e-4, (step, metrics["training/rollout_probs_diff_max"])
+
+
+@pytest.mark.slow
+def test_main_ppo_with_lora_on_verl_balance_trains_the_adapters_and_the_rollout_follows(lora_run):
+    # verl's LoRA weight sync on our backend: the base weights once (load_format=dummy), then the
+    # adapters at every step, merged by the CPU rollout.
+    run = lora_run
+    assert sorted(run["steps"]) == list(range(1, STEPS + 1)), run["log"]
+    first, second = run["steps"][1], run["steps"][2]
+    for metrics in (first, second):
+        assert _finite(metrics["actor/pg_loss"]) and metrics["actor/grad_norm"] > 0, metrics
+        assert _finite(metrics["actor/verl_balance/engine_dp_imbalance"]), metrics
+        # The rollout's log-probs equal the trainer's as closely as without LoRA (the test above).
+        assert metrics["training/rollout_probs_diff_valid"] == 1
+        assert metrics["training/rollout_probs_diff_max"] < 1e-4, metrics["training/rollout_probs_diff_max"]
+    # The reference policy is the actor with its adapters disabled: equal to the policy before the
+    # first update (B = 0), apart after it. So the step-2 policy the rollout matched is not the base.
+    assert first["actor/kl_loss"] == pytest.approx(0.0, abs=1e-6)
+    assert second["actor/kl_loss"] > 1e-3
 
 
 @pytest.mark.slow

@@ -27,6 +27,12 @@ per request from ``(rollout.seed, weight version, request_id)``. With
 run's samples do not depend on request order or routing. Log-probabilities are those of the
 distribution sampled from (after temperature / top-k / top-p, as vLLM's ``processed_logprobs``).
 
+LoRA (``actor_rollout_ref.model.lora_rank > 0``), as verl's ``update_weights`` sends it: with
+``model.lora.merge=True`` the merged weights replace the model's; otherwise the first sync (after
+a ``dummy`` init) replaces the model's weights with the base weights (peft's ``.base_layer`` names),
+and every sync then sends the adapters alone, which the server merges into its own copy of the base
+weights (W + lora_alpha / r * B @ A, as peft's merge; plain LoRA only).
+
 The server always computes on CPU (the trainer's tensors are copied to CPU), so the path is the
 same on a CUDA host. It is a test/CI aid for tiny models, not a performance path: one request at
 a time, no batching, weights sent as one Ray object.
@@ -36,7 +42,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -156,6 +164,41 @@ def sample_tokens(
     return tokens, log_probs
 
 
+def lora_scaling(peft_config: dict) -> float:
+    """peft's factor on B @ A: lora_alpha / r (lora_alpha / sqrt(r) with use_rslora); CPURolloutError
+    for an adapter kind this rollout does not apply (DoRA, per-module rank or alpha patterns)."""
+    unsupported = [k for k in ("use_dora", "rank_pattern", "alpha_pattern") if peft_config.get(k)]
+    if unsupported:
+        raise CPURolloutError(
+            f"{ROLLOUT_NAME}: LoRA adapters with {unsupported} are not supported (plain LoRA only); set "
+            "actor_rollout_ref.model.lora.merge=True to sync merged weights instead"
+        )
+    rank, alpha = int(peft_config["r"]), float(peft_config["lora_alpha"])
+    return alpha / (math.sqrt(rank) if peft_config.get("use_rslora") else rank)
+
+
+_ADAPTER_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<which>[AB])(?:\.[^.]+)?\.weight$")
+
+
+def adapter_pairs(named_tensors: dict[str, torch.Tensor], *, rank: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{module name: (lora_A, lora_B)} from peft adapter keys; CPURolloutError for another key, a
+    module with only one of its two matrices, or an adapter whose rank is not the config's ``r``."""
+    found: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in named_tensors.items():
+        match = _ADAPTER_KEY.match(name)
+        if match is None:
+            raise CPURolloutError(f"{ROLLOUT_NAME}: {name!r} is not a LoRA adapter key (<module>.lora_A/B.weight)")
+        found.setdefault(match["module"], {})[match["which"]] = tensor
+    incomplete = sorted(m for m, ab in found.items() if len(ab) != 2)
+    if incomplete:
+        raise CPURolloutError(f"{ROLLOUT_NAME}: LoRA adapters without both lora_A and lora_B: {incomplete[:8]}")
+    ranks = {m: (ab["A"].shape[0], ab["B"].shape[-1]) for m, ab in found.items()}
+    wrong = sorted(m for m, r in ranks.items() if r != (rank, rank))
+    if wrong:
+        raise CPURolloutError(f"{ROLLOUT_NAME}: LoRA adapters of {wrong[:8]} do not have the peft config's r={rank}")
+    return {module: (ab["A"], ab["B"]) for module, ab in found.items()}
+
+
 class CPURolloutServer:
     """One replica's generation server (a Ray actor): a Hugging Face causal LM on CPU.
 
@@ -186,6 +229,8 @@ class CPURolloutServer:
             self.has_weights = True
         self.weights_version: Any = "pretrained"  # part of every sampling seed; the trainer's global step
         self.num_weight_updates = 0
+        # Un-merged weights of the Linear layers LoRA adapters were merged into since the last full load.
+        self.base_weights: dict[str, torch.Tensor] = {}
         self.model.eval()
         self.stop_token_ids = self._stop_token_ids()
         self.max_model_len = self.config.max_model_len or (self.config.prompt_length + self.config.response_length)
@@ -210,7 +255,10 @@ class CPURolloutServer:
     def load_weights(self, named_tensors: dict[str, torch.Tensor], *, global_steps: int | None = None) -> int:
         """Copy the trainer's full tensors (Hugging Face names) into the model; returns how many.
 
-        Every model tensor must be sent, except a tied output embedding (its tie is kept)."""
+        Every model tensor must be sent, except a tied output embedding (its tie is kept). Names in
+        peft's wrapped form (``<module>.base_layer.weight``, verl's first LoRA sync) load into
+        ``<module>.weight``. Any adapters applied before are gone: these tensors are the model."""
+        named_tensors = {name.replace(".base_layer.", "."): tensor for name, tensor in named_tensors.items()}
         own = self.model.state_dict()
         unknown = sorted(set(named_tensors) - set(own))
         if unknown:
@@ -227,10 +275,48 @@ class CPURolloutServer:
                         f"the rollout model's is {tuple(own[name].shape)}"
                     )
                 own[name].copy_(tensor)
+        self.base_weights = {}  # nothing merged into the model now
+        self._new_weights_version(global_steps)
+        return len(named_tensors)
+
+    def _new_weights_version(self, global_steps: int | None) -> None:
         self.num_weight_updates += 1
         self.weights_version = global_steps if global_steps is not None else f"update-{self.num_weight_updates}"
         self.has_weights = True
-        return len(named_tensors)
+
+    def load_adapters(
+        self, named_tensors: dict[str, torch.Tensor], *, peft_config: dict, global_steps: int | None = None
+    ) -> int:
+        """Apply LoRA adapters (peft's adapter-file keys, ``base_model.model.<module>.lora_A.weight``)
+        on the base weights: each adapted Linear's weight becomes W + scaling * B @ A (fp32, then the
+        rollout dtype), W being its weight from the last full load (kept aside at its first merge); a
+        Linear adapted before but not now gets W back. Returns the number of adapted modules."""
+        if not self.has_weights:
+            raise CPURolloutError(
+                f"{ROLLOUT_NAME}: LoRA adapters before any base weights (actor_rollout_ref.rollout.load_format=dummy)"
+            )
+        scaling = lora_scaling(peft_config)
+        pairs = adapter_pairs(named_tensors, rank=int(peft_config["r"]))
+        own = self.model.state_dict()
+        with torch.no_grad():
+            for weight_name in sorted(set(self.base_weights) | {f"{m}.weight" for m in pairs}):
+                if weight_name not in own:
+                    raise CPURolloutError(f"{ROLLOUT_NAME}: LoRA adapter for {weight_name!r}: no such model weight")
+                if weight_name not in self.base_weights:  # never merged since the last full load
+                    self.base_weights[weight_name] = own[weight_name].detach().clone()
+                weight = self.base_weights[weight_name].float()
+                pair = pairs.get(weight_name[: -len(".weight")])
+                if pair is not None:
+                    lora_a, lora_b = (t.float() for t in pair)
+                    if (lora_b.shape[0], lora_a.shape[1]) != tuple(own[weight_name].shape):
+                        raise CPURolloutError(
+                            f"{ROLLOUT_NAME}: LoRA adapter of {weight_name!r} has B @ A of shape "
+                            f"{(lora_b.shape[0], lora_a.shape[1])}, the weight's is {tuple(own[weight_name].shape)}"
+                        )
+                    weight = weight + scaling * (lora_b @ lora_a)
+                own[weight_name].copy_(weight)
+        self._new_weights_version(global_steps)
+        return len(pairs)
 
     def _checked_params(self, request_id: str, sampling_params: dict[str, Any], *, media: tuple) -> dict[str, Any]:
         """A copy of ``sampling_params``; CPURolloutError for what this rollout cannot do (multimodal
@@ -413,23 +499,29 @@ class CPUServerAdapter(BaseRollout):
         """No-op: the server keeps weights and cache resident."""
 
     async def update_weights(self, weights, wire_format: str = "named_tensors", **kwargs) -> None:
-        """Send the trainer's full weights to the replica's server (its first worker sends; all iterate).
+        """Send the trainer's weights to the replica's server (its first worker sends; all iterate).
 
         ``kwargs``: verl's ``global_steps`` (the weight version the server reports), ``peft_config``
-        (must be None: LoRA adapters are not supported) and ``base_sync_done``."""
+        and ``base_sync_done``. Without ``peft_config`` (no LoRA, or ``model.lora.merge=True``) or
+        with ``base_sync_done=False`` (verl's first LoRA sync: the base weights) the tensors replace
+        the model's; with both, they are LoRA adapters applied on the base weights."""
         if wire_format not in SUPPORTED_WIRE_FORMATS:
             raise CPURolloutError(
                 f"{ROLLOUT_NAME}: wire_format={wire_format!r} (actor_rollout_ref.rollout.checkpoint_engine.backend); "
                 f"supported: {SUPPORTED_WIRE_FORMATS} with backend=naive"
             )
-        if kwargs.get("peft_config") is not None:
-            raise CPURolloutError(f"{ROLLOUT_NAME}: LoRA adapter sync is not supported; set model.lora.merge=True")
         named_tensors = {}
         for name, tensor in weights:  # unsharding is a collective: every worker walks the whole generator
             if self.is_replica_leader:
                 named_tensors[name] = tensor.detach().to("cpu", copy=True)
-        if self.is_replica_leader:
-            await self._server_handle().load_weights.remote(named_tensors, global_steps=kwargs.get("global_steps"))
+        if not self.is_replica_leader:
+            return
+        server, global_steps = self._server_handle(), kwargs.get("global_steps")
+        peft_config = kwargs.get("peft_config")
+        if peft_config is not None and kwargs.get("base_sync_done", False):
+            await server.load_adapters.remote(named_tensors, peft_config=peft_config, global_steps=global_steps)
+        else:
+            await server.load_weights.remote(named_tensors, global_steps=global_steps)
 
 
 def register() -> None:

@@ -30,6 +30,7 @@ backward scales by G / dp (= sp) to give exactly verl's gradient.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -173,8 +174,9 @@ def as_verl_balance_config(engine_config) -> VerlBalanceEngineConfig:
     return VerlBalanceEngineConfig(**kwargs)
 
 
-def _our_engine_config(engine_config: VerlBalanceEngineConfig, optimizer_config) -> EngineConfig:
-    """verl's engine + optimizer configs -> verl_balance's EngineConfig (same optimizer semantics)."""
+def _our_engine_config(engine_config: VerlBalanceEngineConfig, optimizer_config, *, model_config=None) -> EngineConfig:
+    """verl's engine + optimizer configs -> verl_balance's EngineConfig (same optimizer semantics);
+    ``model_config`` (verl's HFModelConfig) adds its LoRA keys (see ``_lora_keys``)."""
     scheduler = (
         getattr(optimizer_config, "lr_scheduler_type", None)
         or getattr(optimizer_config, "warmup_style", None)
@@ -210,7 +212,54 @@ def _our_engine_config(engine_config: VerlBalanceEngineConfig, optimizer_config)
         attn_impl=engine_config.attn_impl,
         seed=engine_config.seed,
         logits_chunk_size=engine_config.head_chunk_size,
+        **_lora_keys(model_config),
     )
+
+
+def _lora_keys(model_config) -> dict:
+    """verl's FSDP LoRA keys of ``model.*`` -> our EngineConfig's (same names and meaning: peft
+    LoRA, dropout 0, bias 'none'); VerlBalanceEngineConfigError naming the verl key for a value this
+    backend cannot honour. {} without a model config (LoRA off)."""
+    if model_config is None:
+        return {}
+    rank = getattr(model_config, "lora_rank", 0) or 0
+    megatron_lora = dict(getattr(model_config, "lora", None) or {})
+    if not rank and (megatron_lora.get("rank") or 0) > 0:
+        raise VerlBalanceEngineConfigError(
+            f"model.lora.rank={megatron_lora['rank']} is verl's Megatron LoRA config; the verl_balance backend "
+            "(like verl's fsdp engines) reads model.lora_rank / lora_alpha / target_modules: set those"
+        )
+    if not rank:
+        if getattr(model_config, "lora_adapter_path", None):
+            raise VerlBalanceEngineConfigError(
+                f"model.lora_adapter_path={model_config.lora_adapter_path!r} is set but model.lora_rank=0; set "
+                "model.lora_rank > 0 to train the adapter (its own rank is used) or remove lora_adapter_path"
+            )
+        return {}
+    if getattr(model_config, "target_parameters", None):
+        raise VerlBalanceEngineConfigError(
+            f"model.target_parameters={model_config.target_parameters!r}: LoRA on nn.Parameter targets is not "
+            "supported by the verl_balance backend; set it to null (target_modules names Linear modules)"
+        )
+    target_modules = _module_names(model_config.target_modules)
+    if target_modules is None:
+        raise VerlBalanceEngineConfigError(
+            "model.target_modules=null: the verl_balance backend needs 'all-linear' or a list of module names"
+        )
+    return {
+        "lora_rank": int(rank),
+        "lora_alpha": float(model_config.lora_alpha),
+        "target_modules": target_modules,
+        "exclude_modules": _module_names(getattr(model_config, "exclude_modules", None)),
+        "lora_adapter_path": getattr(model_config, "lora_adapter_path", None),
+    }
+
+
+def _module_names(value):
+    """A string, None, or a list of strings (from an OmegaConf ListConfig / tuple)."""
+    if value is None or isinstance(value, str):
+        return value
+    return [str(v) for v in value]
 
 
 def plan_checkpoint_retention(
@@ -279,7 +328,7 @@ class VerlBalanceEngine(BaseEngine):
         self.engine = TrainEngine(
             model_config=ours,
             layout=self.layout,
-            engine_config=_our_engine_config(self.engine_config, self.optimizer_config),
+            engine_config=_our_engine_config(self.engine_config, self.optimizer_config, model_config=self.model_config),
         )
         if self.engine_config.workload == "tokens":
             self.engine.flops_workload = None
@@ -520,12 +569,56 @@ class VerlBalanceEngine(BaseEngine):
 
     # ------------------------------------------------------------------ weights and checkpoints
     def get_per_tensor_param(self, layered_summon=False, base_sync_done=False, **kwargs):
-        """(generator of (HF name, full tensor on the device), None): unsharded weights for rollout sync."""
-        if getattr(self.model_config, "lora_rank", 0):
-            raise NotImplementedError("verl_balance engine: LoRA weight sync is not implemented")
+        """(generator of (HF name, full tensor), peft config dict or None): unsharded weights for the
+        rollout's weight sync, as verl's FSDP engine gives them. Collective.
+
+        Without LoRA: every weight under its HF name, on the device; None. With LoRA (verl's contract,
+        ``ActorRolloutRefWorker.update_weights``):
+        - ``model.lora.merge=True``: base + adapters merged (W + alpha/r B @ A), HF names; None;
+        - ``base_sync_done=False`` (the rollout has no base weights yet): the base weights, a wrapped
+          module's under peft's ``<module>.base_layer.weight`` (verl's ``replace_lora_wrapper``), and
+          the peft config;
+        - ``base_sync_done=True``: the adapters only, under peft's adapter-file keys
+          (``base_model.model.<module>.lora_A.weight``), on the host, and the peft config.
+        ``layered_summon`` (gather one FSDP unit at a time) changes memory, not the result; as in verl
+        it needs ``base_sync_done``."""
+        lora = getattr(self.engine.model, "lora_config", None)
+        if lora is None:
+            state = self.engine.full_state_dict()
+            device = self.layout.device
+            return ((name, tensor.to(device, non_blocking=True)) for name, tensor in state.items()), None
+        return self._lora_per_tensor_param(lora, layered_summon=layered_summon, base_sync_done=base_sync_done)
+
+    def _lora_per_tensor_param(self, lora, *, layered_summon: bool, base_sync_done: bool):
+        """``get_per_tensor_param`` of a LoRA model (see there)."""
+        from verl.utils.fsdp_utils import replace_lora_wrapper
+
+        from verl_balance.engine.lora import base_name, is_lora_name, merged_state_dict, peft_key
+
+        if layered_summon and not base_sync_done:
+            raise ValueError(  # verl's own check and message (collect_lora_params)
+                "To use layered_summon, you must make sure base-model is preloaded in vllm, e.g. let "
+                "rollout.load_format=safetensors"
+            )
         state = self.engine.full_state_dict()
-        device = self.layout.device
-        return ((name, tensor.to(device, non_blocking=True)) for name, tensor in state.items()), None
+        if dict(getattr(self.model_config, "lora", None) or {}).get("merge", False):
+            device = self.layout.device
+            merged = merged_state_dict(state, lora)
+            return ((name, tensor.to(device, non_blocking=True)) for name, tensor in merged.items()), None
+        if base_sync_done:
+            params = {peft_key(name): tensor for name, tensor in state.items() if is_lora_name(name)}
+        else:
+            params = {
+                replace_lora_wrapper(base_name(name), lora): tensor
+                for name, tensor in state.items()
+                if not is_lora_name(name)
+            }
+        return iter(params.items()), lora.to_dict()
+
+    def disable_adapter(self):
+        """Context: forward passes use the base model alone (verl's reference policy with LoRA,
+        ``no_lora_adapter``); the adapters' values and trainability are untouched."""
+        return _adapters_disabled(self.engine.model)
 
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
         """Sharded DCP checkpoint of model + optimizer + scheduler under ``local_path`` (collective).
@@ -611,6 +704,28 @@ def _remove_checkpoint_dir(path: str, *, max_ckpt_to_keep: int) -> None:
         shutil.rmtree(path)
     except OSError as error:
         logger.warning("could not remove old checkpoint %s: %s", path, error)
+
+
+@contextlib.contextmanager
+def _adapters_disabled(model):
+    """Set peft's per-layer ``disable_adapters`` flag on every LoRA layer for the block (peft's
+    ``enable_adapters(False)`` would also flip requires_grad, which FSDP2's unsharded parameters
+    do not follow); VerlBalanceEngineConfigError for a model without adapters."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    if not layers:
+        raise VerlBalanceEngineConfigError(
+            "disable_adapter (verl's reference policy in the actor, ref_in_actor) needs LoRA: model.lora_rank > 0"
+        )
+    before = [m._disable_adapters for m in layers]
+    for m in layers:
+        m._disable_adapters = True
+    try:
+        yield
+    finally:
+        for m, flag in zip(layers, before):
+            m._disable_adapters = flag
 
 
 class _ModeCtx:
