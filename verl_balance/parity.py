@@ -97,6 +97,9 @@ class ParitySettings:
     # Value-model cells: the clip range of the value loss (old values and returns are drawn so that
     # some tokens clip and some do not).
     cliprange_value: float = 0.2
+    # A peft adapter directory (write_lora_fixture): the run trains LoRA adapters starting from its
+    # values (A and B both non-zero) on ``model`` (an HF model); None = full fine-tuning.
+    lora_adapter_path: str | None = None
 
     def engine_config(
         self, *, agg_mode: str, fsdp: str = "default", variant: str = "default", model_type: str = "language_model"
@@ -104,6 +107,8 @@ class ParitySettings:
         """EngineConfig of one case (constant lr, no warmup: the first step uses lr)."""
         optim = OptimConfig(lr=self.lr, eps=self.adam_eps, clip_grad=self.grad_clip)
         overrides = {"logits_chunk_size": self.logits_chunk_size, **MODEL_VARIANTS[variant][0]}
+        if self.lora_adapter_path:
+            overrides.update(lora_rank=LORA_RANK, lora_alpha=LORA_ALPHA, lora_adapter_path=self.lora_adapter_path)
         return EngineConfig(
             optim=optim,
             fsdp=FSDPConfig(**FSDP_VARIANTS[fsdp]),
@@ -225,6 +230,89 @@ VALUE_NEGATIVE_CONTROLS: dict[str, tuple[tuple[int, int], ParityCase]] = {
     ),
 }
 
+# LoRA rows: a tiny HF model (models/tiny_hf.py; the built-in decoder has no LoRA) with rank-4
+# adapters on every Linear of the decoder, started from a peft adapter directory with non-zero A and
+# B, so both get gradients. The reference injects the same adapters with peft and trains only them.
+LORA_RANK = 4
+LORA_ALPHA = 8
+# (layout, case) negative controls of the LoRA run: a known-bad normalizer must still be detected.
+LORA_NEGATIVE_CONTROLS = (
+    ((1, 2), ParityCase("fixed", True, "token-mean", "count_over_world")),
+    ((1, 1), ParityCase("fixed", False, "token-mean", "micro_batch_mean")),
+)
+
+
+def lora_cases() -> list[ParityCase]:
+    """{fixed, dynamic} x every loss_agg_mode, balanced (the LoRA rows of each layout)."""
+    return [
+        ParityCase(micro=m, balance=True, agg_mode=a) for m, a in itertools.product(("fixed", "dynamic"), AGG_MODES)
+    ]
+
+
+def lora_parity_jobs(
+    *, layouts=PARITY_LAYOUTS, controls: bool = True
+) -> list[tuple[tuple[int, int], list[ParityCase]]]:
+    """The LoRA rows on each layout, plus the LoRA negative controls that belong to it; run them with
+    ``lora_settings``."""
+    return [
+        (
+            tuple(lay),
+            lora_cases() + ([c for where, c in LORA_NEGATIVE_CONTROLS if where == tuple(lay)] if controls else []),
+        )
+        for lay in layouts
+    ]
+
+
+def write_lora_fixture(out_dir: str) -> tuple[str, str]:
+    """A tiny random qwen2 directory and a peft adapter directory for it (rank LORA_RANK, all-linear,
+    A and B drawn from a fixed seed): (model_dir, adapter_dir)."""
+    import os
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from verl_balance.models.tiny_hf import write_tiny_model
+
+    model_dir = write_tiny_model(os.path.join(out_dir, "qwen2"), family="qwen2", num_kv_heads=1, initializer_range=0.02)
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    lora = LoraConfig(r=LORA_RANK, lora_alpha=LORA_ALPHA, target_modules="all-linear", lora_dropout=0.0)
+    peft_model = get_peft_model(base, lora)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, param in sorted(peft_model.named_parameters()):
+            if "lora_" in name:
+                param.copy_(0.05 * torch.randn(param.shape, generator=gen))
+    adapter_dir = os.path.join(out_dir, "adapter")
+    peft_model.save_pretrained(adapter_dir)
+    return model_dir, adapter_dir
+
+
+def lora_settings(model_dir: str, adapter_dir: str) -> ParitySettings:
+    """ParitySettings of the LoRA rows (write_lora_fixture's directories)."""
+    config = load_model_config(name=None, path=model_dir, overrides={}, vocab_size=1)
+    return ParitySettings(model=config, lora_adapter_path=adapter_dir)
+
+
+def _reference_model(settings: ParitySettings):
+    """The reference's model: ``settings.model`` as built, or with LoRA the same model with peft's
+    adapters injected, the adapter directory's values loaded, and only the adapters trainable."""
+    model = build_model(settings.model, attn_impl="sdpa_masked")
+    if settings.lora_adapter_path is None:
+        return model
+    from peft import LoraConfig, inject_adapter_in_model
+    from safetensors.torch import load_file
+
+    lora = LoraConfig.from_pretrained(settings.lora_adapter_path)
+    inject_adapter_in_model(lora, model.hf_model)
+    prefix = "base_model.model."
+    saved = load_file(f"{settings.lora_adapter_path}/adapter_model.safetensors")
+    state = {k[len(prefix) :].replace(".weight", ".default.weight"): v for k, v in saved.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert not unexpected and all("lora_" not in k for k in missing), (unexpected, missing)
+    for name, param in model.named_parameters():
+        param.requires_grad_(".lora_A." in name or ".lora_B." in name)
+    return model
+
 
 # bug -> (layout where it must show, case). Each reproduces a failure mode of docs/design.md.
 NEGATIVE_CONTROLS: dict[str, tuple[tuple[int, int], ParityCase]] = {
@@ -263,7 +351,7 @@ def reference_steps(settings: ParitySettings, *, agg_modes=AGG_MODES) -> dict[st
     """
     batch = make_global_batch(settings)
     torch.manual_seed(settings.seed)
-    model = build_model(settings.model, attn_impl="sdpa_masked")
+    model = _reference_model(settings)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     seq_sums, seq_counts = [], []
     for i in range(settings.num_samples):
@@ -287,10 +375,11 @@ def reference_steps(settings: ParitySettings, *, agg_modes=AGG_MODES) -> dict[st
     names = [n for n, _ in model.named_parameters()]
     out = {}
     for mode in agg_modes:
-        grads = torch.autograd.grad(objectives[mode], list(model.parameters()), retain_graph=True)
-        step_model = build_model(settings.model, attn_impl="sdpa_masked")
+        trainable = [p for p in model.parameters() if p.requires_grad]  # all, or the LoRA adapters
+        grads = torch.autograd.grad(objectives[mode], trainable, retain_graph=True)
+        step_model = _reference_model(settings)
         step_model.load_state_dict(initial)
-        for param, grad in zip(step_model.parameters(), grads):
+        for param, grad in zip([p for p in step_model.parameters() if p.requires_grad], grads):
             param.grad = grad.clone()
         grad_norm = torch.nn.utils.clip_grad_norm_(step_model.parameters(), settings.grad_clip)
         cfg = settings.engine_config(agg_mode=mode).optim

@@ -1,6 +1,6 @@
 """main_sft with LoRA (model.lora_rank > 0) on a tiny HF model: dp=2 x sp=2 lowers the loss, a run
 stopped by Ctrl-C resumes onto the uninterrupted curve exactly, and the config keys are checked
-(verl's names; GRPO refuses LoRA until its rollout sync merges adapters).
+(verl's names, also in main_grpo).
 
 References: the uninterrupted run of the same config (resume), the first step (loss decrease).
 """
@@ -72,15 +72,17 @@ def test_lora_on_the_builtin_preset_is_refused_naming_the_key(tmp_path):
         validate_sft(compose_config("sft", ["model.lora_rank=4", f"trainer.default_local_dir={tmp_path}"]))
 
 
-def test_grpo_refuses_lora_until_the_rollout_sync_supports_it(tmp_path, tiny_qwen2):
+def test_grpo_lora_keys_reach_the_engine_config(tmp_path, tiny_qwen2):
     from verl_balance.trainer.grpo_config import register_grpo_schema, validate_grpo
 
     register_grpo_schema()
     run = f"trainer.default_local_dir={tmp_path / 'run'}"
     model = f"actor_rollout_ref.model.path={tiny_qwen2}"
-    with pytest.raises(ConfigError, match=r"actor_rollout_ref\.model\.lora_rank=4: LoRA is not supported in main_grpo"):
-        validate_grpo(compose_config("grpo", [model, "actor_rollout_ref.model.lora_rank=4", run]))
-    validate_grpo(compose_config("grpo", [model, run]))  # negative control: lora_rank=0 is accepted
+    keys = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16"]
+    engine = validate_grpo(compose_config("grpo", [model, *keys, run])).engine_config(total_steps=2)
+    assert (engine.lora_rank, engine.lora_alpha) == (8, 16)
+    default = validate_grpo(compose_config("grpo", [model, run])).engine_config(total_steps=2)
+    assert default.lora_rank == 0  # negative control: the default is full fine-tuning
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,8 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -184,3 +186,22 @@ def save_adapter_dir(out: str, state: dict[str, torch.Tensor], lora, *, base_mod
     save_file(tensors, os.path.join(out, ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
     save_lora_config(lora, out, base_model_path=base_model_path)
     return out
+
+
+# ---------------------------------------------------------------------------- reference policy
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Run ``model`` as its base model: every LoRA layer computes ``base_layer(x)`` only (peft's
+    ``enable_adapters(False)``, what ``PeftModel.disable_adapter`` does). verl's reference policy
+    with LoRA is this: the actor's frozen base, no second model copy. Forward-only use: peft
+    clears the adapters' requires_grad while disabled; it is restored on exit."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+    for layer in layers:
+        layer.enable_adapters(False)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.enable_adapters(True)

@@ -148,11 +148,6 @@ class ActorModelSection(ModelSection):
                 "directory; start from its weights with warm_start_path (path takes HF directories only)"
             )
         super().__post_init__()
-        if self.lora_rank:
-            raise ConfigError(
-                f"lora_rank={self.lora_rank}: LoRA is not supported in main_grpo yet (the rollout's weight sync "
-                "does not merge the adapters); set lora_rank=0, or train LoRA with main_sft"
-            )
         check_remove_padding("use_remove_padding", self.use_remove_padding)
         if self.warm_start_path is not None and not is_engine_checkpoint(self.warm_start_path):
             raise ConfigError(
@@ -463,6 +458,11 @@ class GRPOConfig(RecipeConfig):
         "param_dtype": "actor_rollout_ref.model.param_dtype",
         "fsdp": "actor_rollout_ref.actor.fsdp_config",
         "logits_chunk_size": "actor_rollout_ref.actor.logits_chunk_size",
+        "lora_rank": "actor_rollout_ref.model.lora_rank",
+        "lora_alpha": "actor_rollout_ref.model.lora_alpha",
+        "target_modules": "actor_rollout_ref.model.target_modules",
+        "exclude_modules": "actor_rollout_ref.model.exclude_modules",
+        "lora_adapter_path": "actor_rollout_ref.model.lora_adapter_path",
     }
     SP_KEY: ClassVar[str] = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
     CRITIC_ENGINE_KEYS: ClassVar[dict[str, str]] = {

@@ -15,6 +15,14 @@ Invariants:
   ``compute_log_prob``. Its weights are copied from the actor by ``sync_reference_policy`` (the
   trainer does it once, after any warm start and before resuming, so the reference is the initial
   policy of the run).
+- With LoRA (``engine.lora_rank > 0``) the rollout generates with the merged weights
+  W + scaling * B @ A of each adapted module (``lora.merged_weight``, peft's merge math) under the
+  plain HF names. Only the adapters train, so after the first sync a refresh gathers, one tensor at
+  a time, the adapted modules' base weight and adapters and writes the merged weight into the
+  rollout's own tensor in place; frozen, non-adapted tensors (embeddings, norms, head) are
+  gathered once. The worker thus holds one extra full copy (the rollout's) plus one module's
+  tensors. The reference policy is the actor's own model with its adapters disabled (verl's
+  choice: the base model, no second copy), so ``sync_reference_policy`` has nothing to copy.
 """
 
 from __future__ import annotations
@@ -22,14 +30,24 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     set_model_state_dict,
 )
+from torch.distributed.tensor import DTensor
 
 from verl_balance.batch_keys import PROMPT_IDS_KEY, SAMPLE_INDEX_KEY
+from verl_balance.engine.lora import (
+    adapter_names,
+    adapters_disabled,
+    base_name,
+    is_lora_name,
+    lora_scaling,
+    merged_weight,
+)
 from verl_balance.engine.train_engine import TrainEngine
 from verl_balance.protocol import Batch
 from verl_balance.rollout import RolloutEngine, RolloutOutput, build_rollout
@@ -73,6 +91,7 @@ class ActorRolloutWorker(ActorWorker):
         self.rollout: RolloutEngine | None = None
         self.ref_engine: TrainEngine | None = None
         self._rollout_weights_step: int | None = None
+        self._rollout_state: dict[str, torch.Tensor] | None = None  # LoRA: the merged tensors the rollout holds
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict:
@@ -87,7 +106,8 @@ class ActorRolloutWorker(ActorWorker):
             max_batch_size=self.config.rollout_max_batch_size,
             device=self.layout.device,
         )
-        if self.config.use_reference_policy:
+        if self.config.use_reference_policy and not self._uses_lora:
+            # With LoRA the reference is the actor with its adapters disabled (no second engine).
             self.ref_engine = TrainEngine(
                 model_config=self.config.model, engine_config=self.config.engine, layout=self.layout
             )
@@ -111,24 +131,63 @@ class ActorRolloutWorker(ActorWorker):
             ) from err
         set_model_state_dict(self.engine.model, state["model"])
         self._rollout_weights_step = None
+        self._rollout_state = None  # the base weights may have changed too
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def sync_reference_policy(self) -> None:
         """Copy the actor's current weights into the frozen reference engine (collective)."""
-        if self.ref_engine is None:
-            raise RuntimeError("the worker was built without a reference policy (use_reference_policy=False)")
+        self._require_reference_policy()
+        if self._uses_lora:
+            return  # the reference is the frozen base (adapters disabled): nothing to copy
         full = self.engine.full_state_dict()
         set_model_state_dict(
             self.ref_engine.model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=False)
         )
+
+    @property
+    def _uses_lora(self) -> bool:
+        return bool(self.config.engine.lora_rank)
+
+    def _require_reference_policy(self) -> None:
+        if not self.config.use_reference_policy:
+            raise RuntimeError("the worker was built without a reference policy (use_reference_policy=False)")
 
     def _refresh_rollout_weights(self) -> None:
         step = self.engine.global_step
         if self._rollout_weights_step == step:
             return
         device = self.layout.device
-        self.rollout.update_weights({k: v.to(device) for k, v in self.engine.full_state_dict().items()})
+        if self._uses_lora:
+            self._rollout_state = self._merged_lora_weights(self._rollout_state)
+            self.rollout.update_weights(self._rollout_state)
+        else:
+            self.rollout.update_weights({k: v.to(device) for k, v in self.engine.full_state_dict().items()})
         self._rollout_weights_step = step
+
+    def _merged_lora_weights(self, previous: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """The plain HF state of the LoRA actor with adapters merged, on the rollout device.
+
+        Collective: every rank gathers the same tensors in the same (state_dict) order. With
+        ``previous`` (the tensors of the last sync) only adapted modules are gathered and merged,
+        written into ``previous`` in place; the frozen rest is reused."""
+        model = self.engine.model
+        scaling = lora_scaling(model.lora_config)
+        params = model.state_dict()
+        out = {} if previous is None else previous
+        for name, value in params.items():
+            pair = adapter_names(name)
+            if is_lora_name(name) or (previous is not None and pair is None):
+                continue
+            tensor = _full_tensor(value)
+            if pair is not None and pair[0] in params:
+                tensor = merged_weight(
+                    tensor, _full_tensor(params[pair[0]]), _full_tensor(params[pair[1]]), scaling=scaling
+                ).to(value.dtype)
+            if previous is None:
+                out[base_name(name)] = tensor.to(self.layout.device, copy=True)
+            else:
+                out[base_name(name)].copy_(tensor)
+        return out
 
     # ------------------------------------------------------------------ compute
     @register(dispatch_mode=make_mesh_dispatch(ROLLOUT_MESH))
@@ -154,10 +213,19 @@ class ActorRolloutWorker(ActorWorker):
     @register(dispatch_mode=make_mesh_dispatch(ACTOR_MESH))
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         """Per-token log-probs (B, L) of this chunk's rows under the reference policy."""
-        if self.ref_engine is None:
-            raise RuntimeError("the worker was built without a reference policy (use_reference_policy=False)")
-        outputs = self.ref_engine.compute_log_prob(self._micro_batches(batch), temperature=batch_temperature(batch))
+        self._require_reference_policy()
+        micro_batches, temperature = self._micro_batches(batch), batch_temperature(batch)
+        if self._uses_lora:
+            with adapters_disabled(self.engine.model):
+                outputs = self.engine.compute_log_prob(micro_batches, temperature=temperature)
+        else:
+            outputs = self.ref_engine.compute_log_prob(micro_batches, temperature=temperature)
         return Batch.from_dict(tensors={"ref_log_prob": cat_padded([o["log_probs"] for o in outputs])})
+
+
+def _full_tensor(value: torch.Tensor) -> torch.Tensor:
+    """The unsharded tensor of a (possibly DTensor) parameter, detached (collective for a DTensor)."""
+    return (value.full_tensor() if isinstance(value, DTensor) else value).detach()
 
 
 def _to_cpu(output: RolloutOutput) -> RolloutOutput:
