@@ -133,6 +133,7 @@ class BenchActorWorker(ActorWorker):
         metrics["bench_thread_time"] = time.thread_time() - thread
         metrics["bench_micro_cpu"] = list(metrics["micro_batch_busy_seconds"])
         metrics["bench_compute_wall"] = float(sum(metrics["micro_batch_seconds"]))
+        metrics["bench_compute_cpu"] = float(sum(metrics["micro_batch_busy_seconds"]))
         return metrics
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -494,7 +495,7 @@ def _plain_loop_process(
         lengths = tensors["attention_mask"].sum(1)
         num_targets = int(tensors["loss_mask"][:, 1:].sum())
         optimizer.zero_grad(set_to_none=True)
-        fb = 0.0
+        fb = fb_cpu = 0.0
         for rows in micro_batches:
             rows = torch.as_tensor(rows, dtype=torch.long)
             real = tensors["attention_mask"][rows].bool()
@@ -506,14 +507,14 @@ def _plain_loop_process(
             cu = torch.zeros(len(rows) + 1, dtype=torch.long)
             cu[1:] = torch.cumsum(lengths[rows], 0)
             target_mask[cu[1:] - 1] = 0.0
-            fb -= time.perf_counter()
+            fb, fb_cpu = fb - time.perf_counter(), fb_cpu - time.process_time()
             logits = model(input_ids=ids, position_ids=pos, cu_seqlens=cu, max_seqlen=int(lengths[rows].max()))
             nll = -torch.log_softmax(logits.float(), -1).gather(-1, targets[:, None]).squeeze(-1)
             ((nll * target_mask).sum() / num_targets).backward()
-            fb += time.perf_counter()
+            fb, fb_cpu = fb + time.perf_counter(), fb_cpu + time.process_time()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        conn.send((time.perf_counter() - t0, time.process_time() - cpu0, fb))
+        conn.send((time.perf_counter() - t0, time.process_time() - cpu0, fb, fb_cpu))
 
 
 def run_overhead_bench(args, memory_rows: list) -> list[tuple]:
@@ -568,13 +569,13 @@ def run_overhead_bench(args, memory_rows: list) -> list[tuple]:
         for step in range(total):
             plan = trainer.plan_mini_batch(Batch.from_dict(tensors=batches[step]))
             parent.send((step, [mb.tolist() for mb in plan.micro_batches[0]]))
-            plain_wall, plain_cpu, plain_fb = parent.recv()
+            plain_wall, plain_cpu, plain_fb, plain_fb_cpu = parent.recv()
             driver_cpu = time.process_time()
             with _profiled("driver") if step >= args.warmup else contextlib.nullcontext():
                 metrics = trainer.train_step(batches[step])
             driver_cpu = time.process_time() - driver_cpu
             if step >= args.warmup:
-                plain.append((plain_wall, plain_cpu, plain_fb))
+                plain.append((plain_wall, plain_cpu, plain_fb, plain_fb_cpu))
                 ours.append((metrics["timing_s/step"], metrics["train/bench_cpu_time"] + driver_cpu))
                 tokens.append(metrics["perf/tokens"])
                 parts.append(
@@ -583,6 +584,7 @@ def run_overhead_bench(args, memory_rows: list) -> list[tuple]:
                         metrics["train/bench_update_wall"] - metrics["train/bench_compute_wall"],
                         metrics["train/bench_compute_wall"],
                         driver_cpu,
+                        metrics["train/bench_compute_cpu"],
                     )
                 )
             print(f"[overhead] {step + 1}/{total} done", flush=True)
@@ -600,7 +602,7 @@ def run_overhead_bench(args, memory_rows: list) -> list[tuple]:
         memory_rows.append(("dp=1 SFT", "plain loop process", plain_mem))
         print(f"[overhead] plain loop RSS before its first step: {plain_start_mem['rss_mib']:.0f} MiB", flush=True)
     tok = float(np.sum(tokens))
-    plain_wall, plain_cpu, _ = (float(np.sum(x)) for x in zip(*plain))
+    plain_wall, plain_cpu, _, _ = (float(np.sum(x)) for x in zip(*plain))
     ours_wall, ours_cpu = (float(np.sum(x)) for x in zip(*ours))
     step_ms = 1000 * statistics.median(x[0] for x in ours)
     print(
@@ -613,6 +615,7 @@ def run_overhead_bench(args, memory_rows: list) -> list[tuple]:
                     "worker outside forward/backward (unpack, pack, optimizer, metrics)",
                     "worker forward+backward",
                     "driver CPU",
+                    "worker forward+backward CPU",
                 ),
                 zip(*parts),
             )
@@ -623,7 +626,7 @@ def run_overhead_bench(args, memory_rows: list) -> list[tuple]:
     plain_fb_ms = 1000 * statistics.median(x[2] for x in plain)
     print(
         f"[overhead] plain loop per step, median ms: forward+backward {plain_fb_ms:.1f} "
-        f"({plain_fb_ms / plain_ms:.1%}); "
+        f"({plain_fb_ms / plain_ms:.1%}), its CPU {1000 * statistics.median(x[3] for x in plain):.1f}; "
         f"the rest (packing, clipping, optimizer) {plain_ms - plain_fb_ms:.1f}",
         flush=True,
     )
