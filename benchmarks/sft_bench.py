@@ -49,6 +49,7 @@ micro-batch length, which no per-sequence workload model describes (--attn-impl 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -125,18 +126,45 @@ class BenchActorWorker(ActorWorker):
         """ActorWorker.update_actor plus bench_cpu_time, bench_thread_time, bench_micro_cpu, and the
         wall time of the call (bench_update_wall) and of its forwards + backwards (bench_compute_wall)."""
         cpu, thread, wall = time.process_time(), time.thread_time(), time.perf_counter()
-        metrics = super().update_actor(batch)
+        with _profiled("worker"):
+            metrics = super().update_actor(batch)
         metrics["bench_update_wall"] = time.perf_counter() - wall
         metrics["bench_cpu_time"] = time.process_time() - cpu
         metrics["bench_thread_time"] = time.thread_time() - thread
         metrics["bench_micro_cpu"] = list(metrics["micro_batch_busy_seconds"])
         metrics["bench_compute_wall"] = float(sum(metrics["micro_batch_seconds"]))
+        metrics["bench_compute_cpu"] = float(sum(metrics["micro_batch_busy_seconds"]))
         return metrics
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def memory(self, reset_peak: bool = False) -> dict:
         """memory_snapshot() of this worker (optionally resetting its peak afterwards)."""
         return {"rank": self.rank, **memory_snapshot(reset_peak=reset_peak)}
+
+
+PROFILE_ENV = "VB_BENCH_PROFILE_DIR"
+"""--profile DIR: the driver's train_step and the worker's update_actor run under cProfile; each
+process adds its calls to DIR/<name>.prof (read with python -m pstats)."""
+
+
+@contextlib.contextmanager
+def _profiled(name: str):
+    out_dir = os.environ.get(PROFILE_ENV)
+    if not out_dir:
+        yield
+        return
+    import cProfile
+
+    profiler = _PROFILERS.setdefault(name, cProfile.Profile())
+    profiler.enable()
+    try:
+        yield
+    finally:
+        profiler.disable()
+        profiler.dump_stats(os.path.join(out_dir, f"{name}.prof"))
+
+
+_PROFILERS: dict = {}
 
 
 def bench_trainer_class(trainer_cls: type) -> type:
@@ -467,6 +495,7 @@ def _plain_loop_process(
         lengths = tensors["attention_mask"].sum(1)
         num_targets = int(tensors["loss_mask"][:, 1:].sum())
         optimizer.zero_grad(set_to_none=True)
+        fb = fb_cpu = 0.0
         for rows in micro_batches:
             rows = torch.as_tensor(rows, dtype=torch.long)
             real = tensors["attention_mask"][rows].bool()
@@ -478,12 +507,14 @@ def _plain_loop_process(
             cu = torch.zeros(len(rows) + 1, dtype=torch.long)
             cu[1:] = torch.cumsum(lengths[rows], 0)
             target_mask[cu[1:] - 1] = 0.0
+            fb, fb_cpu = fb - time.perf_counter(), fb_cpu - time.process_time()
             logits = model(input_ids=ids, position_ids=pos, cu_seqlens=cu, max_seqlen=int(lengths[rows].max()))
             nll = -torch.log_softmax(logits.float(), -1).gather(-1, targets[:, None]).squeeze(-1)
             ((nll * target_mask).sum() / num_targets).backward()
+            fb, fb_cpu = fb + time.perf_counter(), fb_cpu + time.process_time()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
-        conn.send((time.perf_counter() - t0, time.process_time() - cpu0))
+        conn.send((time.perf_counter() - t0, time.process_time() - cpu0, fb, fb_cpu))
 
 
 def run_overhead_bench(args, memory_rows: list) -> list[tuple]:
@@ -538,12 +569,13 @@ def run_overhead_bench(args, memory_rows: list) -> list[tuple]:
         for step in range(total):
             plan = trainer.plan_mini_batch(Batch.from_dict(tensors=batches[step]))
             parent.send((step, [mb.tolist() for mb in plan.micro_batches[0]]))
-            plain_wall, plain_cpu = parent.recv()
+            plain_wall, plain_cpu, plain_fb, plain_fb_cpu = parent.recv()
             driver_cpu = time.process_time()
-            metrics = trainer.train_step(batches[step])
+            with _profiled("driver") if step >= args.warmup else contextlib.nullcontext():
+                metrics = trainer.train_step(batches[step])
             driver_cpu = time.process_time() - driver_cpu
             if step >= args.warmup:
-                plain.append((plain_wall, plain_cpu))
+                plain.append((plain_wall, plain_cpu, plain_fb, plain_fb_cpu))
                 ours.append((metrics["timing_s/step"], metrics["train/bench_cpu_time"] + driver_cpu))
                 tokens.append(metrics["perf/tokens"])
                 parts.append(
@@ -552,6 +584,7 @@ def run_overhead_bench(args, memory_rows: list) -> list[tuple]:
                         metrics["train/bench_update_wall"] - metrics["train/bench_compute_wall"],
                         metrics["train/bench_compute_wall"],
                         driver_cpu,
+                        metrics["train/bench_compute_cpu"],
                     )
                 )
             print(f"[overhead] {step + 1}/{total} done", flush=True)
@@ -569,7 +602,7 @@ def run_overhead_bench(args, memory_rows: list) -> list[tuple]:
         memory_rows.append(("dp=1 SFT", "plain loop process", plain_mem))
         print(f"[overhead] plain loop RSS before its first step: {plain_start_mem['rss_mib']:.0f} MiB", flush=True)
     tok = float(np.sum(tokens))
-    plain_wall, plain_cpu = (float(np.sum(x)) for x in zip(*plain))
+    plain_wall, plain_cpu, _, _ = (float(np.sum(x)) for x in zip(*plain))
     ours_wall, ours_cpu = (float(np.sum(x)) for x in zip(*ours))
     step_ms = 1000 * statistics.median(x[0] for x in ours)
     print(
@@ -582,10 +615,19 @@ def run_overhead_bench(args, memory_rows: list) -> list[tuple]:
                     "worker outside forward/backward (unpack, pack, optimizer, metrics)",
                     "worker forward+backward",
                     "driver CPU",
+                    "worker forward+backward CPU",
                 ),
                 zip(*parts),
             )
         ),
+        flush=True,
+    )
+    plain_ms = 1000 * statistics.median(x[0] for x in plain)
+    plain_fb_ms = 1000 * statistics.median(x[2] for x in plain)
+    print(
+        f"[overhead] plain loop per step, median ms: forward+backward {plain_fb_ms:.1f} "
+        f"({plain_fb_ms / plain_ms:.1%}), its CPU {1000 * statistics.median(x[3] for x in plain):.1f}; "
+        f"the rest (packing, clipping, optimizer) {plain_ms - plain_fb_ms:.1f}",
         flush=True,
     )
     return [
@@ -623,6 +665,12 @@ def print_table(title: str, header: tuple, rows: list[tuple]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("bench", nargs="?", default="all", choices=("all", "step", "overhead", "memory", "sync"))
+    parser.add_argument(
+        "--profile",
+        default=None,
+        metavar="DIR",
+        help="overhead: cProfile the driver's train_step and the worker's update_actor into DIR/{driver,worker}.prof",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 warm-up + 3 steps, tiny model")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per method")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per method first")
@@ -653,6 +701,9 @@ def main() -> None:
     if args.bench == "memory":
         args.steps = min(args.steps, 3)
     torch.set_num_threads(1)
+    if args.profile:
+        os.makedirs(args.profile, exist_ok=True)
+        os.environ[PROFILE_ENV] = os.path.abspath(args.profile)  # Ray's workers inherit it
     print(
         f"[setup] step-table fsdp={args.fsdp}; model={args.model} "
         f"lengths lognormal(median {args.median}, sigma 1.2) clipped to "

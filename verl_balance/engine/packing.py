@@ -108,13 +108,13 @@ def pack_micro_batch(
     packed stream then moves to ``device`` in one non-blocking copy per tensor: nothing here waits
     for the device. Wire tensors already on an accelerator are copied to the host first (a wait).
     """
-    attention_mask, lengths = _checked_lengths(micro_batch, require_loss_mask=require_loss_mask)
+    attention_mask, lengths, real = _checked_lengths(micro_batch, require_loss_mask=require_loss_mask)
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int64)
     cu[1:] = torch.cumsum(lengths, 0)
     total = int(cu[-1])
     padded = padded_length(total, multiple=sp_size)
     pad = padded - total
-    tensors = _target_aligned_stream(micro_batch, attention_mask, lengths, cu)
+    tensors = _target_aligned_stream(micro_batch, real, cu)
     tensors = {key: _pad_stream(key, value, pad).to(device, non_blocking=True) for key, value in tensors.items()}
     cu_padded = torch.cat([cu, cu.new_tensor([padded])]) if pad else cu
     seq_lens = lengths.tolist()
@@ -133,9 +133,10 @@ def pack_micro_batch(
     )
 
 
-def _checked_lengths(micro_batch: Mapping[str, Tensor], *, require_loss_mask: bool) -> tuple[Tensor, Tensor]:
-    """(the (b, L) attention mask on the CPU, each sample's length); MicroBatchError unless the
-    required keys are there and every sample is a non-empty right-padded prefix."""
+def _checked_lengths(micro_batch: Mapping[str, Tensor], *, require_loss_mask: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(the (b, L) attention mask on the CPU, each sample's length, the (b, L) bool mask of its real
+    tokens); MicroBatchError unless the required keys are there and every sample is a non-empty
+    right-padded prefix."""
     for key in ("input_ids", "attention_mask") + (("loss_mask",) if require_loss_mask else ()):
         if key not in micro_batch:
             raise MicroBatchError(f"micro-batch lacks {key!r}; it has {sorted(micro_batch)}")
@@ -144,33 +145,36 @@ def _checked_lengths(micro_batch: Mapping[str, Tensor], *, require_loss_mask: bo
         raise MicroBatchError(f"attention_mask must be (b, L), got {tuple(attention_mask.shape)}")
     lengths = attention_mask.long().sum(1)
     real = torch.arange(attention_mask.shape[1])[None, :] < lengths[:, None]
-    bad = ((attention_mask != 0) != real).any(1) | (lengths == 0)
-    if bad.any():
+    if not (torch.equal(attention_mask != 0, real) and bool((lengths > 0).all())):
+        bad = ((attention_mask != 0) != real).any(1) | (lengths == 0)
         i = int(bad.nonzero()[0])
         raise MicroBatchError(
             f"sample {i} of the micro-batch: attention_mask must be 1 on a "
             "non-empty prefix and 0 after it (right padding)"
         )
-    return attention_mask, lengths
+    return attention_mask, lengths, real
 
 
-def _target_aligned_stream(
-    micro_batch: Mapping[str, Tensor], attention_mask: Tensor, lengths: Tensor, cu: Tensor
-) -> dict[str, Tensor]:
+def _target_aligned_stream(micro_batch: Mapping[str, Tensor], real: Tensor, cu: Tensor) -> dict[str, Tensor]:
     """The unpadded packed stream on the CPU: every per-token (b, L) wire tensor's real tokens
     concatenated, shifted to the target alignment (input_ids / position_ids stay unshifted), plus
-    ``targets``, restarting ``position_ids`` and a float32 ``loss_mask`` (zeros when absent)."""
-    b, width = attention_mask.shape
-    real = torch.arange(width)[None, :] < lengths[:, None]
+    ``targets``, restarting ``position_ids`` and a float32 ``loss_mask`` (zeros when absent).
+
+    The real tokens' flat (row-major) positions are found once and gathered from every tensor."""
+    b, width = real.shape
+    index = real.reshape(-1).nonzero().squeeze(1)
     ends = cu[1:] - 1
     tensors: dict[str, Tensor] = {}
     for key, value in micro_batch.items():
         if key == "attention_mask" or not isinstance(value, Tensor) or value.shape[:2] != (b, width):
             continue
-        flat = value.cpu()[real]
+        if key == "position_ids":  # rebuilt below (restarting at 0); the slot keeps the key order
+            tensors[key] = index
+            continue
+        flat = value.cpu().flatten(0, 1).index_select(0, index)
         tensors[key] = flat if key in _UNROLLED_KEYS else shift_targets(flat, ends)
     tensors["targets"] = shift_targets(tensors["input_ids"], ends)
-    tensors["position_ids"] = torch.arange(width).expand(b, width)[real]
+    tensors["position_ids"] = index % width if width else index  # token t of its sample is at t
     if "loss_mask" not in tensors:
         tensors["loss_mask"] = torch.zeros(int(cu[-1]))
     tensors["loss_mask"] = tensors["loss_mask"].to(torch.float32)
@@ -180,6 +184,8 @@ def _target_aligned_stream(
 def _pad_stream(key: str, value: Tensor, pad: int) -> Tensor:
     """``value`` followed by ``pad`` padding tokens: zeros, or positions 0.. for ``position_ids``
     (the padding is its own attention segment)."""
+    if not pad:
+        return value
     if key == "position_ids":
         return torch.cat([value, torch.arange(pad, dtype=value.dtype)])
     return torch.cat([value, value.new_zeros((pad,) + value.shape[1:])])

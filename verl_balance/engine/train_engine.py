@@ -179,9 +179,15 @@ class TrainEngine:
         the SP ranks of each DP group hold identical ones in the same order.
 
         Collective: one all_gather over the world group (all W ranks); call it on every rank with
-        that rank's micro-batches before a step (a count mismatch would otherwise hang FSDP)."""
+        that rank's micro-batches before a step (a count mismatch would otherwise hang FSDP).
+        A single rank has nothing to compare: no fingerprint, no collective."""
+        if self.layout.world_size == 1:
+            if not micro_batches:
+                raise MicroBatchError("need at least one micro-batch (an empty one is fine)")
+            return
         fingerprint = [len(micro_batches), 0, 0]
-        for k, mb in enumerate(micro_batches):
+        # The (tokens, ids) fingerprint only serves the SP-identity check.
+        for k, mb in enumerate(micro_batches if self.layout.sp > 1 else ()):
             if "attention_mask" not in mb or "input_ids" not in mb:
                 continue  # pack_micro_batch names the missing key
             real = mb["attention_mask"] != 0
@@ -538,7 +544,8 @@ class TrainEngine:
         names = sorted(metric_sums)
         work = torch.tensor([flops, tokens], dtype=torch.float64).to(self.device, non_blocking=True)
         totals = torch.cat([torch.stack([local_objective] + [metric_sums[n] for n in names]), work])
-        dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.layout.world_group)
+        if self.layout.world_size > 1:  # a SUM over one rank is the identity
+            dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=self.layout.world_group)
         totals = totals.tolist()
         return totals[0], dict(zip(names, totals[1:-2])), totals[-2], totals[-1]
 
