@@ -31,17 +31,21 @@ EXTERNAL_MODULES = ",".join(
 
 
 @pytest.fixture(scope="module")
-def critic_model_dir(model_dir, tmp_path_factory):
-    """The tiny Qwen2 of ``model_dir`` as a ``Qwen2ForTokenClassification(num_labels=1)`` directory."""
+def critic_model_dir(tmp_path_factory):
+    """A tiny Qwen2 (HF's usual 0.02 init: activations of order 0.1, so fp32 rounding stays far
+    below the tolerance) saved as a ``Qwen2ForTokenClassification(num_labels=1)`` directory."""
     import torch
     from transformers import AutoModelForTokenClassification, AutoTokenizer
 
-    out = str(tmp_path_factory.mktemp("tiny_qwen2_critic"))
+    from verl_balance.models.tiny_hf import write_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny_qwen2_critic")
+    lm_dir = write_tiny_model(str(root / "lm"), family="qwen2", initializer_range=0.02)
     torch.manual_seed(5)
-    critic = AutoModelForTokenClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
-    critic.save_pretrained(out)
-    AutoTokenizer.from_pretrained(model_dir).save_pretrained(out)
-    return out
+    critic = AutoModelForTokenClassification.from_pretrained(lm_dir, num_labels=1, dtype=torch.float32)
+    critic.save_pretrained(str(root / "critic"))
+    AutoTokenizer.from_pretrained(lm_dir).save_pretrained(str(root / "critic"))
+    return str(root / "critic")
 
 
 def _run_cases(model_dir: str, cases: list[str]) -> dict[str, dict]:
