@@ -10,7 +10,9 @@ in the checkpoint's trainer_state.json; a built-in model is written as Llama).
 ``AutoModelForCausalLM.from_pretrained(OUT)`` then gives the trained model's logits exactly.
 A LoRA run's checkpoint (it holds adapter_config.json) is written as a peft adapter directory
 (adapter_config.json + adapter_model.safetensors, for ``PeftModel.from_pretrained``), or with
-``--merge-lora`` as the plain HF model with the adapters merged (W + scaling * B @ A).
+``--merge-lora`` as the plain HF model with the adapters merged (W + scaling * B @ A). Such a
+checkpoint holds only the adapters: the frozen base is read from the model directory recorded in its
+base_fingerprint.json (or ``--model-path``), refused, naming the file, if a weight file changed since.
 
 Safety: the checkpoint must be complete (``checkpoint_complete.json``) and its files must match the
 checksums recorded there, checked before anything is read (``--allow-incomplete`` exports one
@@ -200,10 +202,14 @@ def _skeleton_state(model_config, lora) -> dict[str, torch.Tensor]:
         return model.state_dict()
 
 
-def load_checkpoint_model_state(checkpoint: str, *, model_config, lora=None) -> dict[str, torch.Tensor]:
+def load_checkpoint_model_state(
+    checkpoint: str, *, model_config, lora=None, base_state: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
     """Full (unsharded) model tensors of a DCP engine checkpoint, read in this process only
     (``model_config``: the HFModelConfig or built-in ModelConfig it was trained with; ``lora``: the
-    run's LoraConfig, names then are the engine's LoRA names, see engine/lora.py)."""
+    run's LoraConfig, names then are the engine's LoRA names, see engine/lora.py). A LoRA checkpoint
+    holds only the adapters: ``base_state`` (``lora_base_state``) supplies the frozen base tensors;
+    without it only the adapters are returned."""
     import torch.distributed.checkpoint as dcp
 
     if not os.path.exists(os.path.join(checkpoint, ".metadata")):
@@ -212,10 +218,13 @@ def load_checkpoint_model_state(checkpoint: str, *, model_config, lora=None) -> 
         )
     metadata = dcp.FileSystemReader(checkpoint).read_metadata()
     saved = {k.split(".", 1)[1] for k in metadata.state_dict_metadata if k.startswith("model.")}
-    skeleton = _skeleton_state(model_config, lora)
+    skeleton = base_state if base_state is not None else _skeleton_state(model_config, lora)
     wanted = {k: v for k, v in skeleton.items() if k in saved}
+    optional = _base_keys(skeleton) if _is_adapter_checkpoint(checkpoint) else set()
     absent = [
-        k for k in skeleton if k not in saved and not (model_config.tie_word_embeddings and k == "lm_head.weight")
+        k
+        for k in skeleton
+        if k not in saved and k not in optional and not (model_config.tie_word_embeddings and k == "lm_head.weight")
     ]
     if absent:
         raise ExportError(
@@ -232,7 +241,49 @@ def load_checkpoint_model_state(checkpoint: str, *, model_config, lora=None) -> 
             dcp.load(state, checkpoint_id=checkpoint, no_dist=True)
     except Exception as err:  # DCP names no file (EOFError, "PytorchStreamReader failed ..."): say which
         raise ExportError(f"reading the DCP shards of checkpoint {checkpoint!r} failed: {err!r}") from err
-    return state["model"]
+    if base_state is None:
+        return state["model"]
+    return {**base_state, **state["model"]}
+
+
+def _is_adapter_checkpoint(checkpoint: str) -> bool:
+    """A LoRA checkpoint that holds only the adapters (it records its base in base_fingerprint.json)."""
+    from verl_balance.engine.lora import BASE_FINGERPRINT_FILE
+
+    return os.path.exists(os.path.join(checkpoint, BASE_FINGERPRINT_FILE))
+
+
+def _base_keys(state: dict) -> set[str]:
+    from verl_balance.engine.lora import is_lora_name
+
+    return {k for k in state if not is_lora_name(k)}
+
+
+def check_lora_base(checkpoint: str, model_config) -> dict | None:
+    """Refuse (ExportError naming the changed files) a base model directory that is not the one the
+    checkpoint's adapters were trained on; returns the recorded fingerprint (None: a full checkpoint)."""
+    from verl_balance.engine.lora import base_fingerprint, base_mismatch_message, read_base_fingerprint
+
+    saved = read_base_fingerprint(checkpoint)
+    if saved is None or saved.get("kind") != "model_directory":
+        return saved
+    message = base_mismatch_message(checkpoint, saved, base_fingerprint(model_config, seed=0))
+    if message is not None:
+        raise ExportError(message)
+    return saved
+
+
+def lora_base_state(model_config, lora) -> dict[str, torch.Tensor]:
+    """The frozen base of a LoRA model from its model directory, under the engine's LoRA names
+    (adapter entries hold placeholders the checkpoint's adapters replace)."""
+    from peft import inject_adapter_in_model
+
+    from verl_balance.engine.lora import ADAPTER
+
+    with torch.random.fork_rng(devices=[]):
+        model = build_hf_model(replace(model_config, init="pretrained"), attn_implementation="sdpa")
+        inject_adapter_in_model(lora, model, adapter_name=ADAPTER)
+    return model.state_dict()
 
 
 def recorded_model_config(checkpoint: str) -> dict | None:
@@ -340,6 +391,16 @@ def export_checkpoint(
     return out
 
 
+def _fingerprint_model_config(checkpoint: str) -> dict | None:
+    """A LoRA checkpoint's recorded base model directory, as a recorded model config; None otherwise."""
+    from verl_balance.engine.lora import read_base_fingerprint
+
+    saved = read_base_fingerprint(checkpoint)
+    if saved is None or saved.get("kind") != "model_directory":
+        return None
+    return {"kind": "hf", "path": saved["path"]}
+
+
 def _write_export(
     checkpoint: str, out: str, *, model_path: str | None, builtin_config: str | None, merge_lora: bool = False
 ) -> str:
@@ -349,7 +410,7 @@ def _write_export(
         with open(builtin_config, encoding="utf-8") as f:
             builtin = ModelConfig(**json.load(f))
     elif model_path is None:
-        recorded = recorded_model_config(checkpoint)
+        recorded = recorded_model_config(checkpoint) or _fingerprint_model_config(checkpoint)
         if recorded is None:
             raise ExportError(
                 f"checkpoint {checkpoint!r} does not record its model; pass --model-path DIR (the "
@@ -370,7 +431,16 @@ def _write_export(
     lora = checkpoint_lora_config(checkpoint)
     if merge_lora and lora is None:
         raise ExportError(f"--merge-lora: checkpoint {checkpoint!r} has no LoRA adapters (no adapter_config.json)")
-    state = load_checkpoint_model_state(checkpoint, model_config=model_config, lora=lora)
+    recorded_base = check_lora_base(checkpoint, model_config)
+    base_state = None
+    if merge_lora and recorded_base is not None:  # an adapters-only checkpoint: the base is the directory's
+        if recorded_base.get("kind") != "model_directory":
+            raise ExportError(
+                f"--merge-lora: checkpoint {checkpoint!r} was trained on a base drawn from a seed "
+                f"({recorded_base.get('kind')}), not read from a model directory; export the adapter instead"
+            )
+        base_state = lora_base_state(model_config, lora)
+    state = load_checkpoint_model_state(checkpoint, model_config=model_config, lora=lora, base_state=base_state)
     if lora is None:
         return save_hf_pretrained(state, model_config=model_config, out=out)
     from verl_balance.engine.lora import merged_state_dict, save_adapter_dir

@@ -205,3 +205,89 @@ def adapters_disabled(model: nn.Module) -> Iterator[None]:
     finally:
         for layer in layers:
             layer.enable_adapters(True)
+
+
+# ---------------------------------------------------------------------------- checkpoint base fingerprint
+BASE_FINGERPRINT_FILE = "base_fingerprint.json"
+_MODEL_CONFIG_FIELDS_WITHOUT_WEIGHTS = ("path", "enable_gradient_checkpointing")
+
+
+class BaseMismatchError(ValueError):
+    """A LoRA checkpoint's adapters were trained on another frozen base than the one at hand."""
+
+
+def base_weight_files(path: str) -> list[str]:
+    """The files of an HF model directory that define its weights: config.json, the safetensors /
+    .bin shards and their index (relative names, sorted)."""
+    names = []
+    for name in sorted(os.listdir(path)):
+        if name == "config.json" or name.endswith((".safetensors", ".bin", ".index.json")):
+            names.append(name)
+    return names
+
+
+def base_fingerprint(model_config, *, seed: int) -> dict:
+    """What a LoRA run's frozen base came from: the model directory and the xxh3_128 checksums of
+    its weight files (``init="pretrained"``), or the seed and the model config (weights drawn from
+    the seed: an HF ``init="random"`` or the built-in model)."""
+    import dataclasses
+
+    from verl_balance.utils.checksums import hash_files
+
+    path = getattr(model_config, "path", None)
+    if path and getattr(model_config, "init", None) == "pretrained":
+        path = os.path.abspath(path)
+        return {"kind": "model_directory", "path": path, "files": hash_files(path, base_weight_files(path))}
+    fields = dataclasses.asdict(model_config).items()
+    config = {k: v for k, v in fields if k not in _MODEL_CONFIG_FIELDS_WITHOUT_WEIGHTS}
+    return {"kind": "seeded", "seed": seed, "model_config": config}
+
+
+def describe_base(fingerprint: dict) -> str:
+    if fingerprint.get("kind") == "model_directory":
+        return f"model directory {fingerprint['path']!r}"
+    return f"seed {fingerprint.get('seed')} with model config {fingerprint.get('model_config')}"
+
+
+def fingerprint_problems(saved: dict, current: dict) -> list[str]:
+    """How ``current`` differs from ``saved`` ([] when the same base). Two model directories with the
+    same weight files are the same base (a moved or copied model is fine)."""
+    if saved.get("kind") != current.get("kind"):
+        return [f"the base kind differs ({saved.get('kind')} vs {current.get('kind')})"]
+    if saved["kind"] != "model_directory":
+        return [] if saved == current else ["the seed or the model config differs"]
+    root = current["path"]
+    problems = []
+    for name in sorted(set(saved["files"]) | set(current["files"])):
+        was, now = saved["files"].get(name), current["files"].get(name)
+        full = os.path.join(root, name)
+        if now is None or now.get("missing"):
+            problems.append(f"{full} is missing (the checkpoint's base had it)")
+        elif was is None:
+            problems.append(f"{full} is new (the checkpoint's base had no such file)")
+        elif (was.get("size"), was.get("xxh3_128")) != (now.get("size"), now.get("xxh3_128")):
+            problems.append(
+                f"{full} changed ({now.get('size')} bytes, xxh3_128 {now.get('xxh3_128')}; the checkpoint's base: "
+                f"{was.get('size')} bytes, xxh3_128 {was.get('xxh3_128')})"
+            )
+    return problems
+
+
+def base_mismatch_message(checkpoint: str, saved: dict, current: dict) -> str | None:
+    """The refusal text when ``current`` is not the base ``checkpoint``'s adapters were trained on."""
+    problems = fingerprint_problems(saved, current)
+    if not problems:
+        return None
+    return (
+        f"LoRA checkpoint {checkpoint!r} holds adapters trained on the {describe_base(saved)}, but the base at hand "
+        f"is the {describe_base(current)}: {'; '.join(problems)}. Use the base the checkpoint was trained on."
+    )
+
+
+def read_base_fingerprint(checkpoint: str) -> dict | None:
+    """The checkpoint's base_fingerprint.json; None for a checkpoint without one (a full one)."""
+    path = os.path.join(checkpoint, BASE_FINGERPRINT_FILE)
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)

@@ -44,14 +44,22 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from verl_balance.distributed.layout import ParallelLayout
 from verl_balance.distributed.ulysses import gather_and_unpad
 from verl_balance.engine.config import EngineConfig, EngineConfigError
-from verl_balance.engine.lora import apply_lora, save_lora_config
+from verl_balance.engine.lora import (
+    BASE_FINGERPRINT_FILE,
+    BaseMismatchError,
+    apply_lora,
+    base_fingerprint,
+    base_mismatch_message,
+    read_base_fingerprint,
+    save_lora_config,
+)
 from verl_balance.engine.materialize import build_sharded_model, fill_lora, shard_model
 from verl_balance.engine.optim import apply_optim_config, build_optimizer
 from verl_balance.engine.packing import MicroBatchError, PackedMicroBatch, pack_micro_batch
@@ -63,6 +71,7 @@ from verl_balance.models import ModelConfig
 from verl_balance.models.base import PackedCausalLM
 from verl_balance.models.output_head import Temperature, token_log_probs
 from verl_balance.models.value import ValueModel
+from verl_balance.utils.atomic_io import atomic_write_json
 
 __all__ = ["TrainEngine", "token_log_probs"]
 
@@ -652,13 +661,15 @@ class TrainEngine:
         )
 
     def save_checkpoint(self, path: str, *, step: int, extra: dict | None = None) -> None:
-        """Sharded DCP checkpoint of model + optimizer, plus scheduler/step/extra. Collective."""
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+        """Sharded DCP checkpoint of model + optimizer, plus scheduler/step/extra. Collective.
+        With LoRA only the trainable parameters (the adapters) and their optimizer state are saved,
+        plus base_fingerprint.json naming the frozen base they were trained on."""
+        dcp.save(checkpoint_state(self.model, self.optimizer), checkpoint_id=path)
         if dist.get_rank() == 0:
             lora = getattr(self.model, "lora_config", None)
             if lora is not None:  # what verl_balance.export needs to write the adapter or merge it
                 save_lora_config(lora, path)
+                atomic_write_json(os.path.join(path, BASE_FINGERPRINT_FILE), engine_base_fingerprint(self), indent=1)
             torch.save(
                 {
                     "step": step,
@@ -673,13 +684,75 @@ class TrainEngine:
     def load_checkpoint(self, path: str) -> dict:
         """Restore a save_checkpoint directory (any layout with the same W); returns `extra`.
         The optimizer and schedule then follow this engine's ``optim`` config (it may differ from
-        the saved run's: a resume with a new learning rate uses it from the next step on)."""
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+        the saved run's: a resume with a new learning rate uses it from the next step on).
+        A LoRA checkpoint is refused (BaseMismatchError, on every rank) unless this engine's frozen
+        base is the one its adapters were trained on."""
+        check_checkpoint_base(self, path)
+        state = checkpoint_state(self.model, self.optimizer)
         dcp.load(state, checkpoint_id=path)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=StateDictOptions(strict=not is_lora_model(self.model)),
+        )
         meta = torch.load(os.path.join(path, _ENGINE_STATE_FILE), weights_only=False)
         self.scheduler.load_state_dict(meta["scheduler"])
         apply_optim_config(self.optimizer, self.scheduler, config=self.config)  # a resume's new optim.* keys
         self.global_step = meta["global_step"]
         return meta["extra"]
+
+
+# ---------------------------------------------------------------------------- checkpoint contents
+def is_lora_model(model) -> bool:
+    return getattr(model, "lora_config", None) is not None
+
+
+def trainable_state(model, model_sd: dict) -> dict:
+    """``model_sd`` restricted to the trainable parameters (the adapters) of a LoRA model; whole otherwise."""
+    if not is_lora_model(model):
+        return model_sd
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    subset = {k: v for k, v in model_sd.items() if k in trainable}
+    assert set(subset) == trainable, f"trainable without a state-dict key: {sorted(trainable - set(subset))[:5]}"
+    return subset
+
+
+def checkpoint_state(model, optimizer) -> dict:
+    """The DCP state of a checkpoint: {"model", "optim"}; with LoRA only the adapters (the frozen base
+    is not saved: base_fingerprint.json names it). The optimizer holds only trainable parameters."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": trainable_state(model, model_sd), "optim": optim_sd}
+
+
+def engine_base_fingerprint(engine: TrainEngine) -> dict:
+    """The fingerprint of the engine's frozen base (engine/lora.py), hashed once per engine."""
+    cached = getattr(engine, "_base_fingerprint", None)
+    if cached is None:
+        cached = base_fingerprint(engine.model_config, seed=engine.config.seed)
+        engine._base_fingerprint = cached
+    return cached
+
+
+def check_checkpoint_base(engine: TrainEngine, path: str) -> None:
+    """Refuse (on every rank, so no rank is left in a collective) a LoRA checkpoint whose recorded
+    base is not this engine's. Rank 0 hashes the base files; the verdict is broadcast. A LoRA engine
+    loading a checkpoint without base_fingerprint.json (a full one) is refused too: its adapters
+    would load but the recorded base could not be checked."""
+    group = engine.layout.world_group
+    message = None
+    if dist.get_rank(group) == 0 and is_lora_model(engine.model):
+        saved = read_base_fingerprint(path)
+        if saved is None:
+            message = (
+                f"checkpoint {path!r} has no {BASE_FINGERPRINT_FILE}: it is not a LoRA checkpoint of this "
+                "version (its frozen base cannot be checked); resume it with the version that wrote it"
+            )
+        else:
+            message = base_mismatch_message(path, saved, engine_base_fingerprint(engine))
+    box = [message]
+    if dist.get_world_size(group) > 1:
+        dist.broadcast_object_list(box, group=group, group_src=0)
+    if box[0] is not None:
+        raise BaseMismatchError(box[0])

@@ -119,9 +119,23 @@ class ActorRolloutWorker(ActorWorker):
         """Load only the model weights of an engine checkpoint (e.g. an SFT ``global_step_N``).
 
         The optimizer state, schedule and step count of that run are not restored: this starts a
-        new run from its weights. DCP reshards, so the checkpoint's worker count may differ.
+        new run from its weights. DCP reshards, so the checkpoint's worker count may differ. A LoRA
+        checkpoint holds only the adapters: they are loaded into this actor's adapters, after its
+        frozen base was checked to be the one they were trained on (BaseMismatchError otherwise).
         """
-        state = {"model": get_model_state_dict(self.engine.model)}
+        from verl_balance.engine.lora import read_base_fingerprint
+        from verl_balance.engine.train_engine import check_checkpoint_base, trainable_state
+
+        adapters_only = read_base_fingerprint(path) is not None
+        if adapters_only and not self._uses_lora:
+            raise WarmStartError(
+                f"actor_rollout_ref.model.warm_start_path={path!r} is a LoRA checkpoint (adapters only); "
+                "set actor_rollout_ref.model.lora_rank to warm-start from it"
+            )
+        if adapters_only:
+            check_checkpoint_base(self.engine, path)
+        model_sd = get_model_state_dict(self.engine.model)
+        state = {"model": trainable_state(self.engine.model, model_sd) if adapters_only else model_sd}
         try:
             dcp.load(state, checkpoint_id=path)
         except Exception as err:  # DCP raises several types for missing keys and shape mismatches
@@ -129,7 +143,7 @@ class ActorRolloutWorker(ActorWorker):
                 f"actor_rollout_ref.model.warm_start_path={path!r} could not be loaded into a model of "
                 f"{self.config.model}: {err}"
             ) from err
-        set_model_state_dict(self.engine.model, state["model"])
+        set_model_state_dict(self.engine.model, state["model"], options=StateDictOptions(strict=not adapters_only))
         self._rollout_weights_step = None
         self._rollout_state = None  # the base weights may have changed too
 
