@@ -418,6 +418,13 @@ def sft_setup(tmp_path_factory, model_dir):
     return root, model_dir
 
 
+@pytest.fixture(scope="module")
+def sft_reference(sft_setup):
+    """verl's fsdp2 at DP1 (torchrun, one process): the reference curve of both SFT trainer tests."""
+    root, model_dir = sft_setup
+    return _run_sft_trainer(root, model_dir, strategy="fsdp2", nproc=1, sp=1)
+
+
 def _run_sft_trainer(
     root, model_dir: str, *, strategy: str, nproc: int, sp: int, on_ray: bool = False
 ) -> list[tuple[float, float]]:
@@ -489,9 +496,11 @@ def _run_sft_trainer(
 
 
 @pytest.mark.slow
-def test_verls_sft_trainer_with_strategy_verl_balance_matches_fsdp2_at_dp1_for_dp2_sp2_and_dp2xsp2(sft_setup):
+def test_verls_sft_trainer_with_strategy_verl_balance_matches_fsdp2_at_dp1_for_dp2_sp2_and_dp2xsp2(
+    sft_setup, sft_reference
+):
     root, model_dir = sft_setup
-    reference = _run_sft_trainer(root, model_dir, strategy="fsdp2", nproc=1, sp=1)
+    reference = sft_reference
     for nproc, sp in ((2, 1), (2, 2), (4, 2)):
         ours = _run_sft_trainer(root, model_dir, strategy="verl_balance", nproc=nproc, sp=sp)
         for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(ours, reference), start=1):
@@ -500,9 +509,9 @@ def test_verls_sft_trainer_with_strategy_verl_balance_matches_fsdp2_at_dp1_for_d
 
 
 @pytest.mark.slow
-def test_verls_sft_trainer_ray_with_strategy_verl_balance_matches_fsdp2_at_dp1_for_dp2(sft_setup):
+def test_verls_sft_trainer_ray_with_strategy_verl_balance_matches_fsdp2_at_dp1_for_dp2(sft_setup, sft_reference):
     root, model_dir = sft_setup
-    reference = _run_sft_trainer(root, model_dir, strategy="fsdp2", nproc=1, sp=1)
+    reference = sft_reference
     ours = _run_sft_trainer(root, model_dir, strategy="verl_balance", nproc=2, sp=1, on_ray=True)
     for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(ours, reference), start=1):
         assert loss == pytest.approx(ref_loss, rel=1e-5), step
