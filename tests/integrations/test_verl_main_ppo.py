@@ -15,8 +15,8 @@ reached the rollout server (negative control: a rollout that keeps its first wei
 (``verl_balance`` with our trainer-side balancer and one rollout replica for both workers) gives step 1
 of the plain run: samples do not depend on routing, the loss not on the row placement.
 
-Five main_ppo subprocesses (about 30 s each on 2 CPU cores, two at a time) are ``slow``; the rollout
-server's pieces (decode against HF ``generate`` and an uncached sampler, seeds, weight loading, registration) are
+Five main_ppo subprocesses (about 30 s each on 2 CPU cores) are ``slow``; the rollout server's pieces
+(decode against HF ``generate`` and an uncached sampler, seeds, weight loading, registration) are
 tested in this process in the fast lane.
 """
 
@@ -150,6 +150,8 @@ def main_ppo_overrides(*, model_dir: str, data: str, strategy: str, out_dir: str
         # host these are Ray's logical counts only (the cpu platform asks Ray for no accelerator).
         "ray_kwargs.ray_init.num_cpus=16",
         "+ray_kwargs.ray_init.num_gpus=2",
+        # no Ray dashboard: its ~10 processes only cost CPU here
+        "+ray_kwargs.ray_init.include_dashboard=False",
     ]
     if strategy == "verl_balance":
         overrides.append("actor_rollout_ref.model.external_lib=verl_balance.integrations.verl.engine")
@@ -200,71 +202,19 @@ def run_main_ppo(
     return {"steps": steps, "console": console, "log": log[-8000:]}
 
 
-# The five runs of this module (name -> run_main_ppo keywords), in the order the tests need them.
-RUNS = {
-    "verl_balance": dict(strategy="verl_balance"),
-    "fsdp2": dict(strategy="fsdp2"),
-    # our trainer-side balancer (``autopatch``) and one rollout replica for both workers instead of two
-    "verl_balance_autopatch_one_replica": dict(
+@pytest.fixture(scope="module")
+def runs(workspace):
+    """One main_ppo run per backend (each its own local Ray instance), plus ``verl_balance`` with our
+    trainer-side balancer (``autopatch``) and one rollout replica for both workers instead of two."""
+    out = {name: run_main_ppo(workspace, strategy=name, name=name) for name in ("verl_balance", "fsdp2")}
+    out["verl_balance_autopatch_one_replica"] = run_main_ppo(
+        workspace,
         strategy="verl_balance",
+        name="verl_balance_autopatch_one_replica",
         extra_modules=AUTOPATCH,
         extra_overrides=("actor_rollout_ref.rollout.tensor_model_parallel_size=2",),
-    ),
-    # negative control: a server that ignores every weight update after the first
-    "fsdp2_stale_rollout": dict(strategy="fsdp2", extra_modules=STALE_ROLLOUT),
-    # verl's default trainer (trainer.use_v1=true); see its test for the fresh sampling seeds
-    "verl_balance_v1": dict(
-        strategy="verl_balance",
-        extra_modules=AUTOPATCH,
-        extra_overrides=("trainer.use_v1=True", "actor_rollout_ref.rollout.full_determinism=False"),
-    ),
-}
-# Two runs at a time: a run is a tree of ~10 processes (Ray, the TaskRunner, workers, rollout servers,
-# agent and reward loops) that mostly start and wait one after another, leaving a core idle on a
-# 2-core machine; each run has its own Ray instance, directory and seeds, so none sees the other.
-CONCURRENT_RUNS = 2
-# Runs started ahead of their test, with that test (function name in this module), when it was collected.
-EARLY_RUNS = {
-    "fsdp2_stale_rollout": "test_a_rollout_that_keeps_its_first_weights_is_detected",
-    "verl_balance_v1": "test_verls_default_v1_trainer_runs_grpo_with_the_engine_and_autopatch",
-}
-
-
-def _transfer_queue_installed() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("transfer_queue") is not None
-
-
-@pytest.fixture(scope="module")
-def launch(workspace):
-    """``launch(name)``: the future of ``RUNS[name]``'s run, started on first request."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    futures = {}
-    with ThreadPoolExecutor(max_workers=CONCURRENT_RUNS) as pool:
-
-        def start(name: str):
-            if name not in futures:
-                futures[name] = pool.submit(run_main_ppo, workspace, name=name, **RUNS[name])
-            return futures[name]
-
-        yield start
-        for future in futures.values():
-            future.cancel()  # a run no test is waiting for any more (an earlier failure, -x)
-
-
-@pytest.fixture(scope="module")
-def runs(launch, request):
-    """The plain ``verl_balance`` and ``fsdp2`` runs and ``verl_balance_autopatch_one_replica`` (each its
-    own local Ray instance); the later tests' runs start as soon as a slot is free."""
-    names = ("verl_balance", "fsdp2", "verl_balance_autopatch_one_replica")
-    started = {name: launch(name) for name in names}
-    collected = {item.name for item in request.session.items if getattr(item, "module", None) is request.module}
-    for name, test_name in EARLY_RUNS.items():
-        if test_name in collected and (name != "verl_balance_v1" or _transfer_queue_installed()):
-            launch(name)
-    return {name: future.result() for name, future in started.items()}
+    )
+    return out
 
 
 def _finite(value) -> bool:
@@ -332,9 +282,9 @@ def test_rollout_log_probs_equal_the_trainers_at_every_step_so_weights_reached_t
 
 
 @pytest.mark.slow
-def test_a_rollout_that_keeps_its_first_weights_is_detected(launch, runs):
+def test_a_rollout_that_keeps_its_first_weights_is_detected(workspace, runs):
     # Negative control: the same run with a server that ignores every weight update after the first.
-    stale = launch("fsdp2_stale_rollout").result()
+    stale = run_main_ppo(workspace, strategy="fsdp2", name="fsdp2_stale_rollout", extra_modules=STALE_ROLLOUT)
     first, second = stale["steps"][1], stale["steps"][2]
     assert first["training/rollout_probs_diff_max"] < 1e-4  # step 1 still uses the initial weights
     synced = runs["fsdp2"]["steps"][2]["training/rollout_probs_diff_max"]
@@ -343,14 +293,25 @@ def test_a_rollout_that_keeps_its_first_weights_is_detected(launch, runs):
 
 
 @pytest.mark.slow
-def test_verls_default_v1_trainer_runs_grpo_with_the_engine_and_autopatch(launch):
+def test_verls_default_v1_trainer_runs_grpo_with_the_engine_and_autopatch(workspace):
     # verl's default trainer (trainer.use_v1=true: replay buffer and agent loop over TransferQueue), with
     # our engine and our _balance_batch for that trainer. Its agent loop gives every sample of a prompt
     # the request id "det-0" under full_determinism, so per-request seeds would make a group's n
     # samples identical (all GRPO advantages 0): this run samples with fresh seeds, and checks what
     # holds for any samples.
     pytest.importorskip("transfer_queue", reason="verl's v1 trainer needs TransferQueue (in the verl extra)")
-    run = launch("verl_balance_v1").result()
+    run = run_main_ppo(
+        workspace,
+        strategy="verl_balance",
+        name="verl_balance_v1",
+        extra_modules=AUTOPATCH,
+        extra_overrides=(
+            "trainer.use_v1=True",
+            "actor_rollout_ref.rollout.full_determinism=False",
+            # one TransferQueue storage actor instead of verl's 8 (a process each) for 16 samples a step
+            "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+        ),
+    )
     assert sorted(run["steps"]) == list(range(1, STEPS + 1)), run["log"]
     for step, metrics in run["steps"].items():
         assert _finite(metrics["actor/pg_loss"]), (step, metrics)

@@ -4,8 +4,8 @@
 The pieces are verl's, unmodified: ``RayPPOTrainer._balance_batch`` -> ``_compute_old_log_prob`` ->
 ``compute_advantage`` (GRPO) -> ``_update_actor``, with verl's ``ActorRolloutRefWorker`` in a verl
 ``RayWorkerGroup`` of 2 CPU workers (``verl_ppo_pieces_runner.py``, one subprocess per environment,
-the two side by side, fresh workers per case). The reference is verl's ``fsdp2`` engine at DP2 on the
-same rollout batch.
+one Ray instance in each, fresh workers per case). The reference is verl's ``fsdp2`` engine at DP2 on
+the same rollout batch.
 """
 
 from __future__ import annotations
@@ -55,47 +55,11 @@ def _assert_same_step(ours: dict, reference: dict, *, rel: float = 1e-5) -> None
     assert ours["grad_norm"] == pytest.approx(reference["grad_norm"], rel=rel)
 
 
-# The module's two runner processes: {name: (cases, VERL_USE_EXTERNAL_MODULES)}.
-RUNNERS = {
-    # verl's own ``_balance_batch``; our backend reached through ``model.external_lib`` only
-    "plain": (
-        ["fsdp2:1:1", "fsdp2:2:1", "verl_balance:1:1", "verl_balance:2:1", "verl_balance:1:2"],
-        CPU_SHIM,
-    ),
-    # our ``_balance_batch`` (autopatch), and the local-token-count negative control
-    "autopatch": (
-        ["fsdp2:2:1", "verl_balance:2:1", "verl_balance_local_token_count:2:1"],
-        f"{CPU_SHIM},{AUTOPATCH}",
-    ),
-}
-AUTOPATCH_TEST = "test_with_autopatch_the_ppo_step_matches_fsdp2_and_a_local_token_count_is_detected"
-
-
 @pytest.fixture(scope="module")
-def start_runner(model_dir):
-    """``start_runner(name)``: the future of ``RUNNERS[name]``'s results, started on first request.
-    The two processes run side by side (each mostly waits on its own workers)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    futures = {}
-    with ThreadPoolExecutor(max_workers=len(RUNNERS)) as pool:
-
-        def start(name: str):
-            if name not in futures:
-                cases, modules = RUNNERS[name]
-                futures[name] = pool.submit(_run_cases, model_dir, cases, external_modules=modules)
-            return futures[name]
-
-        yield start
-
-
-@pytest.fixture(scope="module")
-def verl_balance_trainer_results(start_runner, request):
-    """The ``plain`` runner's results; the ``autopatch`` runner starts alongside when its test was collected."""
-    collected = {item.name for item in request.session.items if getattr(item, "module", None) is request.module}
-    if AUTOPATCH_TEST in collected:
-        start_runner("autopatch")
-    return start_runner("plain").result()
+def verl_balance_trainer_results(model_dir):
+    """verl's own ``_balance_batch``; our backend reached through ``model.external_lib`` only."""
+    cases = ["fsdp2:1:1", "fsdp2:2:1", "verl_balance:1:1", "verl_balance:2:1", "verl_balance:1:2"]
+    return _run_cases(model_dir, cases, external_modules=CPU_SHIM)
 
 
 @pytest.mark.slow
@@ -128,9 +92,10 @@ def test_ppo_step_with_ulysses_sp2_matches_fsdp2_dp2_for_one_mini_batch(verl_bal
 
 @pytest.mark.slow
 def test_with_autopatch_the_ppo_step_matches_fsdp2_and_a_local_token_count_is_detected(
-    start_runner, verl_balance_trainer_results
+    model_dir, verl_balance_trainer_results
 ):
-    results = start_runner("autopatch").result()
+    cases = ["fsdp2:2:1", "verl_balance:2:1", "verl_balance_local_token_count:2:1"]
+    results = _run_cases(model_dir, cases, external_modules=f"{CPU_SHIM},{AUTOPATCH}")
     reference = results["fsdp2:2:1"]
     balance = reference["balance_metrics"]
     assert balance["verl_balance/imbalance"] <= balance["verl_balance/naive_imbalance"]  # the patch ran
