@@ -150,6 +150,8 @@ def main_ppo_overrides(*, model_dir: str, data: str, strategy: str, out_dir: str
         # host these are Ray's logical counts only (the cpu platform asks Ray for no accelerator).
         "ray_kwargs.ray_init.num_cpus=16",
         "+ray_kwargs.ray_init.num_gpus=2",
+        # no Ray dashboard: its ~10 processes only cost CPU here
+        "+ray_kwargs.ray_init.include_dashboard=False",
     ]
     if strategy == "verl_balance":
         overrides.append("actor_rollout_ref.model.external_lib=verl_balance.integrations.verl.engine")
