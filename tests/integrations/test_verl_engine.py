@@ -418,7 +418,52 @@ def sft_setup(tmp_path_factory, model_dir):
     return root, model_dir
 
 
-@functools.cache  # the fsdp2 reference run serves several tests
+# The module's verl SFT trainer runs: {name: _run_sft_trainer keywords}, and the tests that read them.
+SFT_RUNS = {
+    "fsdp2_dp1": dict(strategy="fsdp2", nproc=1, sp=1),  # the reference of every other run
+    "dp2": dict(strategy="verl_balance", nproc=2, sp=1),
+    "sp2": dict(strategy="verl_balance", nproc=2, sp=2),
+    "dp2xsp2": dict(strategy="verl_balance", nproc=4, sp=2),
+    "ray_dp2": dict(strategy="verl_balance", nproc=2, sp=1, on_ray=True),
+}
+SFT_RUN_TESTS = {
+    "test_verls_sft_trainer_with_strategy_verl_balance_matches_fsdp2_at_dp1_for_dp2_sp2_and_dp2xsp2": (
+        "dp2",
+        "sp2",
+        "dp2xsp2",
+    ),
+    "test_verls_sft_trainer_ray_with_strategy_verl_balance_matches_fsdp2_at_dp1_for_dp2": ("ray_dp2",),
+}
+
+
+@pytest.fixture(scope="module")
+def sft_run(sft_setup, request):
+    """``sft_run(name)``: the (loss, grad_norm) curve of ``SFT_RUNS[name]``. Two runs at a time (a
+    one-process run leaves a core idle); every run the collected tests need starts on the first call."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    root, model_dir = sft_setup
+    collected = {item.name for item in request.session.items if getattr(item, "module", None) is request.module}
+    wanted = ["fsdp2_dp1"] + [name for test, names in SFT_RUN_TESTS.items() if test in collected for name in names]
+    futures = {}
+    with ThreadPoolExecutor(max_workers=2) as pool:
+
+        def start(name: str):
+            if name not in futures:
+                futures[name] = pool.submit(_run_sft_trainer, root, model_dir, **SFT_RUNS[name])
+            return futures[name]
+
+        def result(name: str):
+            for other in wanted:
+                start(other)
+            return start(name).result()
+
+        yield result
+        for future in futures.values():
+            future.cancel()
+
+
+@functools.cache  # the fsdp2 reference run serves several tests (sft_run's and the LoRA test's)
 def _run_sft_trainer(
     root, model_dir: str, *, strategy: str, nproc: int, sp: int, on_ray: bool = False, extra: tuple[str, ...] = ()
 ) -> list[tuple[float, float]]:
@@ -438,6 +483,7 @@ def _run_sft_trainer(
         RAY_ADDRESS="local",  # a fresh Ray instance, never a running one
         VERL_USE_EXTERNAL_MODULES="verl_balance.integrations.verl.cpu_platform,verl_balance.integrations.verl.autopatch",
     )
+    run_name = f"ckpt_{strategy}_{nproc}_{sp}_{len(extra)}" + ("_ray" if on_ray else "")  # runs may be concurrent
     target = (
         ["engine._target_=verl_balance.integrations.verl.engine.VerlBalanceEngineConfig"]
         if strategy == "verl_balance"
@@ -477,7 +523,7 @@ def _run_sft_trainer(
         "trainer.logger=[console]",
         "trainer.total_training_steps=3",
         "trainer.total_epochs=1",
-        f"trainer.default_local_dir={root / f'ckpt_{strategy}_{nproc}_{sp}_{len(extra)}'}",
+        f"trainer.default_local_dir={root / run_name}",
         "trainer.save_freq=-1",
         "trainer.test_freq=-1",
         "trainer.resume_mode=disable",
@@ -492,21 +538,19 @@ def _run_sft_trainer(
 
 
 @pytest.mark.slow
-def test_verls_sft_trainer_with_strategy_verl_balance_matches_fsdp2_at_dp1_for_dp2_sp2_and_dp2xsp2(sft_setup):
-    root, model_dir = sft_setup
-    reference = _run_sft_trainer(root, model_dir, strategy="fsdp2", nproc=1, sp=1)
-    for nproc, sp in ((2, 1), (2, 2), (4, 2)):
-        ours = _run_sft_trainer(root, model_dir, strategy="verl_balance", nproc=nproc, sp=sp)
+def test_verls_sft_trainer_with_strategy_verl_balance_matches_fsdp2_at_dp1_for_dp2_sp2_and_dp2xsp2(sft_run):
+    reference = sft_run("fsdp2_dp1")
+    for name in ("dp2", "sp2", "dp2xsp2"):
+        ours = sft_run(name)
         for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(ours, reference), start=1):
-            assert loss == pytest.approx(ref_loss, rel=1e-5), (nproc, sp, step)
-            assert norm == pytest.approx(ref_norm, rel=1e-5), (nproc, sp, step)
+            assert loss == pytest.approx(ref_loss, rel=1e-5), (name, step)
+            assert norm == pytest.approx(ref_norm, rel=1e-5), (name, step)
 
 
 @pytest.mark.slow
-def test_verls_sft_trainer_ray_with_strategy_verl_balance_matches_fsdp2_at_dp1_for_dp2(sft_setup):
-    root, model_dir = sft_setup
-    reference = _run_sft_trainer(root, model_dir, strategy="fsdp2", nproc=1, sp=1)
-    ours = _run_sft_trainer(root, model_dir, strategy="verl_balance", nproc=2, sp=1, on_ray=True)
+def test_verls_sft_trainer_ray_with_strategy_verl_balance_matches_fsdp2_at_dp1_for_dp2(sft_run):
+    reference = sft_run("fsdp2_dp1")
+    ours = sft_run("ray_dp2")
     for step, ((loss, norm), (ref_loss, ref_norm)) in enumerate(zip(ours, reference), start=1):
         assert loss == pytest.approx(ref_loss, rel=1e-5), step
         assert norm == pytest.approx(ref_norm, rel=1e-5), step

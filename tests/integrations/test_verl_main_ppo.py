@@ -159,6 +159,8 @@ def main_ppo_overrides(*, model_dir: str, data: str, strategy: str, out_dir: str
         # host these are Ray's logical counts only (the cpu platform asks Ray for no accelerator).
         "ray_kwargs.ray_init.num_cpus=16",
         "+ray_kwargs.ray_init.num_gpus=2",
+        # no Ray dashboard: its ~10 processes only cost CPU here
+        "+ray_kwargs.ray_init.include_dashboard=False",
     ]
     if strategy == "verl_balance":
         overrides.append("actor_rollout_ref.model.external_lib=verl_balance.integrations.verl.engine")
@@ -337,7 +339,12 @@ def test_verls_default_v1_trainer_runs_grpo_with_the_engine_and_autopatch(worksp
         strategy="verl_balance",
         name="verl_balance_v1",
         extra_modules=AUTOPATCH,
-        extra_overrides=("trainer.use_v1=True", "actor_rollout_ref.rollout.full_determinism=False"),
+        extra_overrides=(
+            "trainer.use_v1=True",
+            "actor_rollout_ref.rollout.full_determinism=False",
+            # one TransferQueue storage actor instead of verl's 8 (a process each) for 16 samples a step
+            "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+        ),
     )
     assert sorted(run["steps"]) == list(range(1, STEPS + 1)), run["log"]
     for step, metrics in run["steps"].items():

@@ -4,7 +4,8 @@
 The pieces are verl's, unmodified: ``RayPPOTrainer._balance_batch`` -> ``_compute_old_log_prob`` ->
 ``compute_advantage`` (GRPO) -> ``_update_actor``, with verl's ``ActorRolloutRefWorker`` in a verl
 ``RayWorkerGroup`` of 2 CPU workers (``verl_ppo_pieces_runner.py``, one subprocess per environment,
-fresh workers per case). The reference is verl's ``fsdp2`` engine at DP2 on the same rollout batch.
+one Ray instance in each, fresh workers per case). The reference is verl's ``fsdp2`` engine at DP2 on
+the same rollout batch.
 """
 
 from __future__ import annotations

@@ -120,14 +120,13 @@ def run(*, model_dir: str, strategy: str, mini_batches: int, loss_agg_mode: str,
     config = ppo_config(
         model_dir=model_dir, strategy=strategy, mini_batches=mini_batches, loss_agg_mode=loss_agg_mode, sp=sp
     )
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True)
+    # main_ppo's pool for FSDP actors; verl's default of 10 CPUs per bundle does not fit a small host.
+    pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1)
+    worker_cls = RayClassWithInitArgs(
+        cls=ray.remote(ActorRolloutRefWorker), config=config.actor_rollout_ref, role="actor"
+    )
+    workers = RayWorkerGroup(pool, worker_cls, device_name="cpu")
     try:
-        # main_ppo's pool for FSDP actors; verl's default of 10 CPUs per bundle does not fit a small host.
-        pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1)
-        worker_cls = RayClassWithInitArgs(
-            cls=ray.remote(ActorRolloutRefWorker), config=config.actor_rollout_ref, role="actor"
-        )
-        workers = RayWorkerGroup(pool, worker_cls, device_name="cpu")
         workers.init_model()
 
         # The trainer's own methods, on a trainer holding only what these pieces read.
@@ -169,7 +168,17 @@ def run(*, model_dir: str, strategy: str, mini_batches: int, loss_agg_mode: str,
             "balance_metrics": {k: float(v) for k, v in metrics.items() if _is_number(v)},
         }
     finally:
-        ray.shutdown()
+        _release(workers, pool)
+
+
+def _release(workers, pool) -> None:
+    """Kill this case's worker processes and free its bundles: the next case starts on fresh workers."""
+    import ray
+
+    for handle in workers.workers:
+        ray.kill(handle)
+    for placement_group in pool.pgs or []:
+        ray.util.remove_placement_group(placement_group)
 
 
 def _flat(value) -> list:
@@ -203,16 +212,23 @@ def main() -> None:
     )
     parser.add_argument("--loss-agg-mode", default="token-mean")
     args = parser.parse_args()
-    for case in args.case:
-        strategy, mini_batches, sp = case.split(":")
-        result = run(
-            model_dir=args.model_dir,
-            strategy=strategy,
-            mini_batches=int(mini_batches),
-            loss_agg_mode=args.loss_agg_mode,
-            sp=int(sp),
-        )
-        print("RESULT " + json.dumps(dict(result, case=case)), flush=True)
+    import ray
+
+    # One local Ray instance for all cases (its start-up costs as much as a case); each case has its own workers.
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True)
+    try:
+        for case in args.case:
+            strategy, mini_batches, sp = case.split(":")
+            result = run(
+                model_dir=args.model_dir,
+                strategy=strategy,
+                mini_batches=int(mini_batches),
+                loss_agg_mode=args.loss_agg_mode,
+                sp=int(sp),
+            )
+            print("RESULT " + json.dumps(dict(result, case=case)), flush=True)
+    finally:
+        ray.shutdown()
 
 
 if __name__ == "__main__":
