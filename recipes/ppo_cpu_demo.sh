@@ -35,13 +35,13 @@ python -m verl_balance.main_grpo \
     data.train_files="$OUT/data/rl_train.parquet" data.val_files="$OUT/data/rl_val.parquet" \
     data.max_prompt_length=32 data.train_batch_size=32 \
     actor_rollout_ref.rollout.n=8 actor_rollout_ref.rollout.temperature=1.0 \
-    actor_rollout_ref.rollout.response_length=10 \
-    actor_rollout_ref.actor.ppo_mini_batch_size=16 \
+    actor_rollout_ref.rollout.response_length=7 \
+    actor_rollout_ref.actor.ppo_mini_batch_size=8 critic.ppo_mini_batch_size=16 \
     actor_rollout_ref.actor.use_dynamic_bsz=true actor_rollout_ref.actor.ppo_max_token_len_per_gpu=256 \
     actor_rollout_ref.actor.optim.lr=3e-4 \
     algorithm.adv_estimator=gae algorithm.gamma=1.0 algorithm.lam=1.0 \
     critic.optim.lr=2e-3 critic.ppo_epochs=2 critic.cliprange_value=0.5 \
-    trainer.critic_warmup=2 trainer.balance_batch=true \
-    trainer.total_training_steps=60 trainer.test_freq=10 trainer.log_val_generations=4 \
+    trainer.critic_warmup=8 trainer.balance_batch=true \
+    trainer.total_training_steps=90 trainer.test_freq=10 trainer.log_val_generations=4 \
     trainer.experiment_name=ppo_demo trainer.default_local_dir="$OUT/ppo" \
     "$@"
