@@ -3,7 +3,13 @@
 # task ("copy abc" -> "abc", 1-6 letters), then PPO from that checkpoint: the actor on 2 local CPU
 # workers, the critic (a value model: the same decoder with a scalar head per token, trained on
 # GAE returns with verl's clipped value loss) on 2 more, balancing on. The critic trains alone for
-# the first trainer.critic_warmup steps. Held-out greedy accuracy rises from the SFT policy's.
+# the first trainer.critic_warmup steps.
+# Measured (2 CPU cores shared with other jobs, load average 5-9): whole recipe 392 s wall (PPO 90
+# steps in 257 s); train reward (sampled, temperature 1) 0.28 -> 0.56, held-out greedy accuracy
+# 0.523 -> 0.531 (peak 0.570 at step 20; 128 prompts, so +-0.04 is noise). Issue 20's target
+# (+0.25 held-out) is NOT met: weaker warm starts (SFT 250/300 steps, start 0.21/0.27) with
+# temperature 0.5 and actor lr 1e-3 lost accuracy (responses drift longer, EOS forgotten) or
+# stayed flat with a KL loss (0.1) and response_length 7; see the issue note.
 # Outputs under $OUT (default outputs/ppo_cpu_demo): data/, sft/, ppo/ with metrics.jsonl and
 # curves.png (reward, held-out accuracy, value loss, explained variance, policy loss, imbalance).
 # Extra arguments are Hydra overrides of the PPO stage, e.g. trainer.total_training_steps=100.
@@ -35,13 +41,13 @@ python -m verl_balance.main_grpo \
     data.train_files="$OUT/data/rl_train.parquet" data.val_files="$OUT/data/rl_val.parquet" \
     data.max_prompt_length=32 data.train_batch_size=32 \
     actor_rollout_ref.rollout.n=8 actor_rollout_ref.rollout.temperature=1.0 \
-    actor_rollout_ref.rollout.response_length=10 \
-    actor_rollout_ref.actor.ppo_mini_batch_size=16 \
+    actor_rollout_ref.rollout.response_length=7 \
+    actor_rollout_ref.actor.ppo_mini_batch_size=8 critic.ppo_mini_batch_size=16 \
     actor_rollout_ref.actor.use_dynamic_bsz=true actor_rollout_ref.actor.ppo_max_token_len_per_gpu=256 \
     actor_rollout_ref.actor.optim.lr=3e-4 \
     algorithm.adv_estimator=gae algorithm.gamma=1.0 algorithm.lam=1.0 \
     critic.optim.lr=2e-3 critic.ppo_epochs=2 critic.cliprange_value=0.5 \
-    trainer.critic_warmup=2 trainer.balance_batch=true \
-    trainer.total_training_steps=60 trainer.test_freq=10 trainer.log_val_generations=4 \
+    trainer.critic_warmup=8 trainer.balance_batch=true \
+    trainer.total_training_steps=90 trainer.test_freq=10 trainer.log_val_generations=4 \
     trainer.experiment_name=ppo_demo trainer.default_local_dir="$OUT/ppo" \
     "$@"
