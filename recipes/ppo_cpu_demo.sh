@@ -6,10 +6,10 @@
 # the first trainer.critic_warmup steps.
 # Measured (2 CPU cores shared with other jobs, load average 5-9): whole recipe 392 s wall (PPO 90
 # steps in 257 s); train reward (sampled, temperature 1) 0.28 -> 0.56, held-out greedy accuracy
-# 0.523 -> 0.531 (peak 0.570 at step 20; 128 prompts, so +-0.04 is noise). Issue 20's target
-# (+0.25 held-out) is NOT met: weaker warm starts (SFT 250/300 steps, start 0.21/0.27) with
+# 0.523 -> 0.531 (peak 0.570 at step 20; 128 prompts, so +-0.04 is noise). A +0.25 held-out lift
+# is NOT reached: weaker warm starts (SFT 250/300 steps, start 0.21/0.27) with
 # temperature 0.5 and actor lr 1e-3 lost accuracy (responses drift longer, EOS forgotten) or
-# stayed flat with a KL loss (0.1) and response_length 7; see the issue note.
+# stayed flat with a KL loss (0.1) and response_length 7.
 # Outputs under $OUT (default outputs/ppo_cpu_demo): data/, sft/, ppo/ with metrics.jsonl and
 # curves.png (reward, held-out accuracy, value loss, explained variance, policy loss, imbalance).
 # Extra arguments are Hydra overrides of the PPO stage, e.g. trainer.total_training_steps=100.
