@@ -580,7 +580,8 @@ def run_layouts(
     missing = sorted({c.agg_mode for c in cases if c.model_type == "language_model"} - set(references))
     if missing:
         references.update(reference_steps(settings, agg_modes=missing))
-    missing = sorted({c.agg_mode for c in cases if c.model_type == "value_model"} - set(references))
+    # Value references are keyed "value_model/<agg_mode>" (reference_key), apart from the LM's.
+    missing = sorted({c.agg_mode for c in cases if c.model_type == "value_model"})
     missing = [m for m in missing if f"value_model/{m}" not in references]
     if missing:
         references.update(reference_value_steps(settings, agg_modes=missing))
