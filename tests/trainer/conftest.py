@@ -22,19 +22,16 @@ def compose_config(name: str, overrides: list[str]):
         return compose(config_name=name, overrides=overrides)
 
 
-def train_sft(overrides: list[str], *, stop_after: int | None = None) -> list[dict]:
-    """Run the SFT recipe with ``overrides``; with ``stop_after=k`` a Ctrl-C arrives during step k
+def run_trainer(trainer, *, stop_after: int | None = None) -> list[dict]:
+    """``trainer.fit()`` (then ``close``); with ``stop_after=k`` a Ctrl-C arrives during step k
     (handled after it: save, exit). Returns the run's metrics records."""
-    from verl_balance.trainer.sft_trainer import SFTTrainer
     from verl_balance.utils.tracking import read_metrics
 
-    cfg = compose_config("sft", overrides)
-    trainer = SFTTrainer(cfg)
     if stop_after is not None:
         step = trainer.train_step
 
-        def train_step_then_interrupt(tensors):
-            metrics = step(tensors)
+        def train_step_then_interrupt(batch):
+            metrics = step(batch)
             if trainer.global_step + 1 == stop_after:
                 os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C does: handled after this step
             return metrics
@@ -44,7 +41,15 @@ def train_sft(overrides: list[str], *, stop_after: int | None = None) -> list[di
         trainer.fit()
     finally:
         trainer.close()
-    return read_metrics(os.path.join(cfg.trainer.default_local_dir, "metrics.jsonl"))
+    return read_metrics(os.path.join(trainer.cfg.trainer.default_local_dir, "metrics.jsonl"))
+
+
+def train_sft(overrides: list[str], *, stop_after: int | None = None) -> list[dict]:
+    """Run the SFT recipe with ``overrides`` (``run_trainer``: ``stop_after=k`` sends a Ctrl-C
+    during step k). Returns the run's metrics records."""
+    from verl_balance.trainer.sft_trainer import SFTTrainer
+
+    return run_trainer(SFTTrainer(compose_config("sft", overrides)), stop_after=stop_after)
 
 
 @pytest.fixture

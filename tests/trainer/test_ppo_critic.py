@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 
 import numpy as np
 import pytest
 import torch
 
-from tests.trainer.conftest import compose_config
+from tests.trainer.conftest import compose_config, run_trainer
 from verl_balance.trainer.config import ConfigError
 from verl_balance.trainer.grpo_config import register_grpo_schema, validate_grpo
-from verl_balance.utils.tracking import read_metrics
 
 register_grpo_schema()
 
@@ -102,26 +100,10 @@ def test_gae_accepts_one_response_per_prompt():
 
 # ---------------------------------------------------------------------- short runs (Ray)
 def _train_ppo(overrides: list[str], *, stop_after: int | None = None) -> list[dict]:
-    """Run the recipe; with ``stop_after=k`` a Ctrl-C arrives during step k (handled after it)."""
+    """Run the recipe (``run_trainer``: ``stop_after=k`` sends a Ctrl-C during step k)."""
     from verl_balance.trainer.grpo_trainer import GRPOTrainer
 
-    cfg = _config(overrides)
-    trainer = GRPOTrainer(cfg)
-    if stop_after is not None:
-        step = trainer.train_step
-
-        def train_step_then_interrupt(prompts):
-            metrics = step(prompts)
-            if trainer.global_step + 1 == stop_after:
-                os.kill(os.getpid(), signal.SIGINT)  # what Ctrl-C does: handled after this step
-            return metrics
-
-        trainer.train_step = train_step_then_interrupt
-    try:
-        trainer.fit()
-    finally:
-        trainer.close()
-    return read_metrics(os.path.join(cfg.trainer.default_local_dir, "metrics.jsonl"))
+    return run_trainer(GRPOTrainer(_config(overrides)), stop_after=stop_after)
 
 
 CRITIC_KEYS = (
