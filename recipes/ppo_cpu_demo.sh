@@ -4,12 +4,15 @@
 # workers, the critic (a value model: the same decoder with a scalar head per token, trained on
 # GAE returns with verl's clipped value loss) on 2 more, balancing on. The critic trains alone for
 # the first trainer.critic_warmup steps.
-# Measured (2 CPU cores shared with other jobs, load average 5-9): whole recipe 392 s wall (PPO 90
-# steps in 257 s); train reward (sampled, temperature 1) 0.28 -> 0.56, held-out greedy accuracy
-# 0.523 -> 0.531 (peak 0.570 at step 20; 128 prompts, so +-0.04 is noise). A +0.25 held-out lift
-# is NOT reached: weaker warm starts (SFT 250/300 steps, start 0.21/0.27) with
-# temperature 0.5 and actor lr 1e-3 lost accuracy (responses drift longer, EOS forgotten) or
-# stayed flat with a KL loss (0.1) and response_length 7.
+# Measured (2 CPU cores, quiet machine): whole recipe 315 s wall; explained variance ~0.45 from the
+# first logged step (the critic starts from the SFT decoder, as verl's critic starts from the
+# actor's weights) up to 0.58; held-out greedy accuracy 0.523 -> 0.539 (128 prompts, so +-0.04 is
+# noise). A +0.25 held-out lift is NOT reached: the SFT model's errors are wrong letters at
+# positions 3-6 (length 3: 12/36 right, 4: 3/19, 5: 1/11, 6: 0/10), which sampled rewards do not
+# teach in 90 steps. Tried without a gain: actor lr 5e-4..3e-3 (with warmup; >= 2e-3 collapses),
+# GAE lam 0.9, a partial-credit reward, weaker warm starts (SFT 250-300 steps), GRPO at lr 1e-3.
+# The same trainer learns a reward the model can reach by sampling (answers starting with "a":
+# 0.03 -> 1.0 in 15 steps, with GAE or GRPO), so the machinery learns; the task's headroom is the limit.
 # Outputs under $OUT (default outputs/ppo_cpu_demo): data/, sft/, ppo/ with metrics.jsonl and
 # curves.png (reward, held-out accuracy, value loss, explained variance, policy loss, imbalance).
 # Extra arguments are Hydra overrides of the PPO stage, e.g. trainer.total_training_steps=100.
@@ -32,8 +35,8 @@ python -m verl_balance.main_sft \
     trainer.total_training_steps="$SFT_STEPS" trainer.save_freq="$SFT_STEPS" trainer.test_freq=100 \
     trainer.experiment_name=ppo_demo_sft trainer.default_local_dir="$OUT/sft"
 
-# Stage 2: PPO with GAE from the SFT weights (model.warm_start_path loads the actor's weights only;
-# the critic starts from the same architecture's seeded initialisation with a fresh value head).
+# Stage 2: PPO with GAE from the SFT weights (model.warm_start_path loads the model weights only; the
+# critic loads the same checkpoint's decoder, its value head starts seeded).
 python -m verl_balance.main_grpo \
     trainer.device=cpu trainer.n_gpus_per_node=2 \
     actor_rollout_ref.model.name=tiny $(for d in $DIMS; do printf 'actor_rollout_ref.model.%s ' "$d"; done) \

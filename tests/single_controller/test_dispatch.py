@@ -99,3 +99,38 @@ def test_mesh_layout_rejects_missing_or_inconsistent_registration():
         MeshLayout.from_worker_infos("actor", [MeshInfo(dp_rank=0, dp_size=2, is_collect=r == 0) for r in range(2)])
     with pytest.raises(MeshLayoutError, match="different or invalid dp_size"):
         MeshLayout.from_worker_infos("actor", [MeshInfo(0, 1, True), MeshInfo(0, 2, False)])
+
+
+class _RecordingRemote:
+    def __init__(self, sent: list):
+        self.sent = sent
+
+    def remote(self, *args, **kwargs):
+        self.sent.append((args, kwargs))
+        return len(self.sent)
+
+
+class _RecordingWorker:
+    def __init__(self):
+        self.sent = []
+        self.update = _RecordingRemote(self.sent)
+
+
+def test_a_batch_shared_by_workers_is_stored_once_and_a_single_workers_batch_goes_inline(monkeypatch):
+    from verl_balance.single_controller import worker_group
+    from verl_balance.single_controller.worker_group import RayWorkerGroup
+
+    puts = []  # no cluster: the object store's put is recorded instead
+    monkeypatch.setattr(worker_group.ray, "put", lambda value: puts.append(value) or f"ref{len(puts)}")
+    group = RayWorkerGroup.__new__(RayWorkerGroup)
+    group._workers = [_RecordingWorker() for _ in range(3)]
+    shared = Batch.from_dict(tensors={"x": torch.zeros(2)})
+    own = [Batch.from_dict(tensors={"x": torch.full((2,), float(i))}) for i in range(3)]
+    # An SP-replica layout: ranks 0 and 1 get the same chunk (positional), each rank its own kwarg.
+    calls = [((shared,), {"extra": own[0]}), ((shared,), {"extra": own[1]}), ((own[2],), {"extra": 7})]
+    group._submit("update", calls)
+    assert puts == [shared]
+    sent = [w.sent[0] for w in group._workers]
+    assert sent[0][0] == ("ref1",) and sent[1][0] == ("ref1",)
+    assert [s[1]["extra"] for s in sent] == [own[0], own[1], 7]
+    assert sent[2][0][0] is own[2]

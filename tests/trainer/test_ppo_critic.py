@@ -214,3 +214,42 @@ def test_explained_variance_is_verls_formula():
     assert out["critic/vf_explained_var"] == pytest.approx(float(expected), rel=1e-5)
     assert out["critic/values/mean"] == pytest.approx(float(v.mean()), rel=1e-5)
     assert out["critic/returns/mean"] == pytest.approx(float(r.mean()), rel=1e-5)
+
+
+class _RecordingGroup:
+    """Stands in for a worker group: records the warm-start loads it is asked for."""
+
+    def __init__(self):
+        self.loads = []
+
+    def load_model_weights(self, path):
+        self.loads.append(("model", path))
+
+    def load_backbone_weights(self, path):
+        self.loads.append(("backbone", path))
+        return [False, False]
+
+
+@pytest.mark.parametrize("critic_path, expected", [(None, [("backbone", "CKPT")]), ("HF_DIR", [])])
+def test_critic_follows_the_actors_warm_start_unless_it_has_its_own_model(monkeypatch, tmp_path, critic_path, expected):
+    """verl's critic.model.path defaults to the actor's: the critic starts from the actor's warm-start
+    weights; a critic with its own model directory keeps that directory's weights."""
+    from types import SimpleNamespace
+
+    from verl_balance.trainer import checkpoint
+    from verl_balance.trainer.grpo_trainer import GRPOTrainer
+
+    ckpt = str(tmp_path / "global_step_4")
+    monkeypatch.setattr(checkpoint, "verify_checkpoint", lambda path, hasher: None)
+    monkeypatch.setattr(checkpoint, "group_hasher", lambda group: None)
+    trainer = GRPOTrainer.__new__(GRPOTrainer)
+    trainer.actor, trainer.critic = _RecordingGroup(), _RecordingGroup()
+    trainer.config = SimpleNamespace(
+        actor_rollout_ref=SimpleNamespace(
+            model=SimpleNamespace(warm_start_path=ckpt), actor=SimpleNamespace(use_kl_loss=False)
+        ),
+        critic=SimpleNamespace(model=SimpleNamespace(path=critic_path)),
+    )
+    trainer.prepare_workers()
+    assert trainer.actor.loads == [("model", os.path.abspath(ckpt))]
+    assert trainer.critic.loads == [(kind, os.path.abspath(ckpt)) for kind, _ in expected]

@@ -7,6 +7,8 @@ the worker's own ``eval_loss`` before and after two ``update_critic`` steps on a
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -14,13 +16,14 @@ from verl_balance.batch_keys import MICRO_BATCH_SIZES_KEY
 from verl_balance.distributed import ParallelLayout
 from verl_balance.engine import TrainEngine
 from verl_balance.engine.config import EngineConfig, EngineConfigError
+from verl_balance.models.value import VALUE_HEAD_NAMES
 from verl_balance.parity import ParitySettings, make_value_batch
 from verl_balance.protocol import Batch
 from verl_balance.single_controller.decorator import get_registration
 from verl_balance.single_controller.worker_group import declared_group_methods
 from verl_balance.testing.multiprocess import free_port, gloo_group
 from verl_balance.workers.actor import ActorWorker
-from verl_balance.workers.critic import CriticWorker, CriticWorkerConfig
+from verl_balance.workers.critic import CriticWarmStartError, CriticWorker, CriticWorkerConfig
 from verl_balance.workers.group import CriticGroup, group_class_for
 
 SETTINGS = ParitySettings(num_samples=6, seed=5, lr=1e-2)
@@ -96,3 +99,52 @@ def test_critic_group_declares_exactly_the_critic_methods():
     } - ACTOR_ONLY
     assert registered == declared, registered ^ declared
     assert group_class_for(CriticWorker) is CriticGroup
+
+
+def _language_model_checkpoint(path: str, *, seed: int) -> dict:
+    """Save a language model engine (seed ``seed``: weights unlike the critic's) and return its weights."""
+    engine_config = dataclasses.replace(SETTINGS.engine_config(agg_mode="token-mean"), seed=seed)
+    engine = TrainEngine(model_config=SETTINGS.model, engine_config=engine_config, layout=ParallelLayout(dp=1, sp=1))
+    engine.save_checkpoint(path, step=0)
+    return engine.full_state_dict()
+
+
+def _fresh_critic(model=SETTINGS.model) -> CriticWorker:
+    worker = CriticWorker(dataclasses.replace(_config(), model=model))
+    worker.init_model()
+    return worker
+
+
+# The ``critic`` fixture holds the module's world-1 process group for the workers built below.
+def test_backbone_warm_start_loads_the_decoder_and_keeps_the_seeded_head(critic, tmp_path):
+    lm_weights = _language_model_checkpoint(str(tmp_path / "lm"), seed=SETTINGS.seed + 1)
+    worker = _fresh_critic()
+    before = worker.engine.full_state_dict()
+    assert worker.load_backbone_weights(str(tmp_path / "lm")) is False
+    after = worker.engine.full_state_dict()
+    decoder = [name for name in after if name not in VALUE_HEAD_NAMES]
+    assert decoder and "lm_head.weight" not in after
+    for name in decoder:
+        torch.testing.assert_close(after[name], lm_weights[name], rtol=0, atol=0, msg=name)
+    # Negative control: the seeds differ, so the load changed the decoder.
+    assert any(not torch.equal(before[name], after[name]) for name in decoder)
+    for name in VALUE_HEAD_NAMES:
+        torch.testing.assert_close(after[name], before[name], rtol=0, atol=0, msg=name)
+
+
+def test_backbone_warm_start_from_a_critic_checkpoint_loads_its_head(critic, tmp_path):
+    critic.update_critic(_batch())  # the head moves away from its seeded initialisation
+    critic.engine.save_checkpoint(str(tmp_path / "critic"), step=1)
+    saved = critic.engine.full_state_dict()
+    fresh = _fresh_critic()
+    assert fresh.load_backbone_weights(str(tmp_path / "critic")) is True
+    loaded = fresh.engine.full_state_dict()
+    for name, value in saved.items():
+        torch.testing.assert_close(loaded[name], value, rtol=0, atol=0, msg=name)
+
+
+def test_backbone_warm_start_of_another_architecture_names_the_missing_weights(critic, tmp_path):
+    _language_model_checkpoint(str(tmp_path / "lm"), seed=SETTINGS.seed)
+    worker = _fresh_critic(dataclasses.replace(SETTINGS.model, num_layers=SETTINGS.model.num_layers + 1))
+    with pytest.raises(CriticWarmStartError, match=f"layers.{SETTINGS.model.num_layers}"):
+        worker.load_backbone_weights(str(tmp_path / "lm"))

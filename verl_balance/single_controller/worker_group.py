@@ -43,6 +43,7 @@ import logging
 import socket
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from typing import Any, Concatenate, Generic, ParamSpec, TypeVar, overload
 
@@ -478,11 +479,15 @@ class RayWorkerGroup:
         return GroupFuture(self, method, refs, list(range(self.world_size)), finish)
 
     def _submit(self, method: str, calls: list[tuple[tuple, dict]]) -> list:
-        # A Batch handed to several workers (SP replicas, ONE_TO_ALL) is serialized once.
+        # A Batch handed to several workers (SP replicas, ONE_TO_ALL) is put in the object store once.
+        # One handed to a single worker goes as a plain argument: Ray sends it inline up to
+        # max_direct_call_object_size (cluster.INLINE_ARGUMENT_BYTES on an embedded cluster) and
+        # stores it itself above that, either way without the round trip of an explicit ray.put.
+        uses = Counter(id(v) for args, kwargs in calls for v in (*args, *kwargs.values()) if isinstance(v, Batch))
         stored: dict[int, Any] = {}
 
-        def put_once(value: Any) -> Any:
-            if not isinstance(value, Batch):
+        def store_shared(value: Any) -> Any:
+            if not isinstance(value, Batch) or uses[id(value)] < 2:
                 return value
             if id(value) not in stored:
                 stored[id(value)] = ray.put(value)
@@ -491,7 +496,9 @@ class RayWorkerGroup:
         refs = []
         for worker, (args, kwargs) in zip(self._workers, calls):
             remote_method = getattr(worker, method)
-            refs.append(remote_method.remote(*map(put_once, args), **{k: put_once(v) for k, v in kwargs.items()}))
+            refs.append(
+                remote_method.remote(*map(store_shared, args), **{k: store_shared(v) for k, v in kwargs.items()})
+            )
         return refs
 
     def _wait(self, method: str, refs: list, ranks: list[int], *, timeout_s: float | None = None) -> list:

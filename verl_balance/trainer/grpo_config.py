@@ -320,7 +320,9 @@ class CriticModelSection:
     path: Optional[str] = None
     """A local Hugging Face directory (a ``*ForCausalLM`` body, or a ``*ForTokenClassification`` with
     num_labels=1 whose head is loaded too); null = the actor's model (the same HF directory, or the
-    same built-in preset and dimensions). It must share the actor's tokenizer."""
+    same built-in preset and dimensions) and, with ``actor_rollout_ref.model.warm_start_path``, that
+    checkpoint's decoder weights (verl's critic starts from the actor's weights). It must share the
+    actor's tokenizer."""
 
     def __post_init__(self) -> None:
         if self.path is not None:

@@ -367,6 +367,10 @@ class GRPOTrainer(DriverBase):
                 ) from err
             self.actor.load_model_weights(path)
             logger.info("warm start: weights of %s", arr.model.warm_start_path)
+            if self.critic is not None and self.config.critic.model.path is None:
+                # verl's critic.model.path defaults to the actor's: the critic starts from its weights
+                head = self.critic.load_backbone_weights(path)[0]
+                logger.info("critic warm start: decoder%s of %s", " and value head" if head else "", path)
         if arr.actor.use_kl_loss:
             self.actor.sync_reference_policy()
 

@@ -17,9 +17,13 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
 from verl_balance.algorithms.value_loss import ValueLoss
 from verl_balance.batch_keys import WIRE_KEYS
 from verl_balance.engine.config import EngineConfigError
+from verl_balance.models.value import VALUE_HEAD_NAMES
 from verl_balance.protocol import Batch
 from verl_balance.single_controller import Dispatch, make_mesh_dispatch, register
 from verl_balance.workers.actor import ACTOR_MESH, ActorWorker, ActorWorkerConfig, cat_padded
@@ -46,6 +50,10 @@ class CriticWorkerConfig(ActorWorkerConfig):
             raise EngineConfigError(f"critic.cliprange_value={self.cliprange_value!r} must be > 0")
 
 
+class CriticWarmStartError(ValueError):
+    """The critic's warm-start checkpoint does not fit its value model."""
+
+
 class CriticWorker(ActorWorker):
     """Registered methods: init_model, compute_values, update_critic, eval_loss (the value loss),
     describe and the checkpoint methods (inherited from ActorWorker)."""
@@ -61,6 +69,29 @@ class CriticWorker(ActorWorker):
     def init_model(self) -> dict:
         """Join the process group, build the (dp, sp) mesh and the value model's sharded engine."""
         return super().init_model()
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_backbone_weights(self, path: str) -> bool:
+        """Load the decoder weights of an engine checkpoint (the actor's warm start, e.g. an SFT
+        ``global_step_N``) into the value model: verl's critic starts from the actor's weights.
+
+        The value head (``score``) is read too when the checkpoint has one (a critic's checkpoint);
+        from a language model's checkpoint it keeps its seeded initialisation and the LM head is not
+        read. Optimizer state and step count are not restored. Returns whether the head was loaded."""
+        metadata = dcp.FileSystemReader(path).read_metadata()
+        model_sd = get_model_state_dict(self.engine.model)
+        has_head = all(f"model.{name}" in metadata.state_dict_metadata for name in VALUE_HEAD_NAMES)
+        wanted = {k: v for k, v in model_sd.items() if has_head or k not in VALUE_HEAD_NAMES}
+        missing = sorted(k for k in wanted if f"model.{k}" not in metadata.state_dict_metadata)
+        if missing:
+            raise CriticWarmStartError(
+                f"critic warm start from {path!r}: the checkpoint lacks the value model's weights {missing[:4]}"
+                f"{' ...' if len(missing) > 4 else ''}; it must be an engine checkpoint of the actor's architecture"
+            )
+        state = {"model": wanted}
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(self.engine.model, state["model"], options=StateDictOptions(strict=False))
+        return has_head
 
     def _loss_fn(self, *, on_policy: bool = False):
         if on_policy:

@@ -117,6 +117,12 @@ class CriticGroup(RayWorkerGroup):
         ...
 
     @group_method
+    def load_backbone_weights(self, path: str) -> list[bool]:
+        """``CriticWorker.load_backbone_weights`` on every rank: the decoder of an engine checkpoint
+        (and its value head when it has one); per rank, whether the head was loaded."""
+        ...
+
+    @group_method
     def update_critic(self, chunks: list[Batch]) -> list[dict]:
         """``CriticWorker.update_critic``: one optimizer step of the clipped value loss on the global
         mini-batch; per-DP-rank metrics (vf_loss, vf_clipfrac, vpred_mean, grad_norm are global)."""
