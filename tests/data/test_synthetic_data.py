@@ -85,3 +85,28 @@ def test_cli_writes_four_files(tmp_path, capsys):
         "sft_val.parquet",
     ]
     assert "train: 8 samples" in capsys.readouterr().err
+
+
+def test_sft_defects_repeat_the_last_character_of_train_answers_only(tmp_path):
+    clean = write_dataset(out_dir=str(tmp_path / "clean"), num_train=400, num_val=50, seed=5)
+    noisy = write_dataset(out_dir=str(tmp_path / "noisy"), num_train=400, num_val=50, seed=5, sft_defect_rate=0.6)
+    exact = pq.read_table(clean["sft_train"]).to_pylist()
+    rows = pq.read_table(noisy["sft_train"]).to_pylist()
+    defective = 0
+    for clean_row, row in zip(exact, rows, strict=True):
+        answer = clean_row["response"]
+        assert row["prompt"] == clean_row["prompt"]
+        assert row["response"] in (answer, answer + answer[-1])
+        assert row["messages"][1]["content"] == row["response"]
+        defective += row["response"] != answer
+    assert 0.5 < defective / len(rows) < 0.7  # 400 Bernoulli(0.6) draws
+    # The verifier's side and every validation row stay exact; rate 0 is the clean dataset.
+    for name in ("rl_train", "rl_val", "sft_val"):
+        assert pq.read_table(noisy[name]).equals(pq.read_table(clean[name])), name
+    zero = write_dataset(out_dir=str(tmp_path / "zero"), num_train=400, num_val=50, seed=5, sft_defect_rate=0.0)
+    assert pq.read_table(zero["sft_train"]).equals(pq.read_table(clean["sft_train"]))
+
+
+def test_sft_defect_rate_outside_zero_one_is_refused(tmp_path):
+    with pytest.raises(SyntheticConfigError, match="sft_defect_rate=1.5"):
+        write_dataset(out_dir=str(tmp_path), num_train=4, num_val=2, seed=0, sft_defect_rate=1.5)

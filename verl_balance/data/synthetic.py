@@ -11,10 +11,15 @@ The size n of each sample is lognormal (median ``median_size``, shape ``sigma``)
 [``min_size``, ``max_size``], so sequence lengths spread over more than an order of magnitude:
 the workload imbalance the balancer exists for.
 
-Invariants: the same (config, seed) gives the same rows, byte for byte; train and val draw from
-independent streams of one seed (``SeedSequence(seed).spawn``), so growing one split never
-changes the other. Answers are computed here, and ``verl_balance.rewards`` re-derives nothing
-from the prompt: it compares a response to ``reward_model.ground_truth``.
+Imperfect demonstrations (``sft_defect_rate``, default 0): that fraction of the SFT *train* rows
+answers with its last character repeated ("copy abc" -> "abcc"), as SFT data from a weaker writer
+carries a habit the verifier rejects. The RL rows (ground truth) and every validation row stay exact.
+
+Invariants: the same (config, seed, sft_defect_rate) gives the same rows, byte for byte; train,
+val and the defect draws use independent streams of one seed (``SeedSequence(seed).spawn``), so
+growing one split never changes the other and a defect rate of 0 writes the exact answers.
+Answers are computed here, and ``verl_balance.rewards`` re-derives nothing from the prompt: it
+compares a response to ``reward_model.ground_truth``.
 """
 
 from __future__ import annotations
@@ -132,13 +137,17 @@ def generate_samples(
     return samples
 
 
-def sft_rows(samples: Sequence[SyntheticSample]) -> dict[str, list]:
-    """Columns of verl's SFT schema: prompt/response strings and the same pair as ``messages``."""
+def sft_rows(samples: Sequence[SyntheticSample], *, defective: Sequence[bool] | None = None) -> dict[str, list]:
+    """Columns of verl's SFT schema: prompt/response strings and the same pair as ``messages``;
+    a row marked ``defective`` answers with its last character repeated."""
+    defective = [False] * len(samples) if defective is None else defective
+    responses = [s.answer + s.answer[-1] if bad else s.answer for s, bad in zip(samples, defective, strict=True)]
     return {
         "prompt": [s.prompt for s in samples],
-        "response": [s.answer for s in samples],
+        "response": responses,
         "messages": [
-            [{"role": "user", "content": s.prompt}, {"role": "assistant", "content": s.answer}] for s in samples
+            [{"role": "user", "content": s.prompt}, {"role": "assistant", "content": r}]
+            for s, r in zip(samples, responses)
         ],
         "data_source": [s.data_source for s in samples],
     }
@@ -170,11 +179,15 @@ def write_dataset(
     num_val: int,
     seed: int,
     config: SyntheticConfig = SyntheticConfig(),
+    sft_defect_rate: float = 0.0,
     progress: bool = False,
 ) -> dict[str, str]:
-    """Write ``sft_{train,val}.parquet`` and ``rl_{train,val}.parquet``; returns name -> path."""
+    """Write ``sft_{train,val}.parquet`` and ``rl_{train,val}.parquet``; returns name -> path.
+    ``sft_defect_rate``: the fraction of SFT train rows given a defect (module docstring)."""
+    if not 0 <= sft_defect_rate <= 1:
+        raise SyntheticConfigError(f"sft_defect_rate={sft_defect_rate} must be in [0, 1]")
     os.makedirs(out_dir, exist_ok=True)
-    train_seed, val_seed = np.random.SeedSequence(seed).spawn(2)
+    train_seed, val_seed, defect_seed = np.random.SeedSequence(seed).spawn(3)
     splits = {"train": (num_train, train_seed), "val": (num_val, val_seed)}
     paths = {}
     for split, (count, split_seed) in splits.items():
@@ -184,7 +197,10 @@ def write_dataset(
             config=config,
             progress=f"synthetic {split}" if progress else None,
         )
-        for kind, rows in (("sft", sft_rows(samples)), ("rl", rl_rows(samples, split=split))):
+        defective = None
+        if split == "train" and sft_defect_rate > 0:
+            defective = np.random.default_rng(defect_seed).random(count) < sft_defect_rate
+        for kind, rows in (("sft", sft_rows(samples, defective=defective)), ("rl", rl_rows(samples, split=split))):
             path = os.path.join(out_dir, f"{kind}_{split}.parquet")
             write_parquet(rows, path)
             paths[f"{kind}_{split}"] = path
@@ -209,6 +225,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--median-size", type=float, default=SyntheticConfig.median_size)
     parser.add_argument("--sigma", type=float, default=SyntheticConfig.sigma)
     parser.add_argument("--max-size", type=int, default=SyntheticConfig.max_size)
+    parser.add_argument(
+        "--sft-defect-rate",
+        type=float,
+        default=0.0,
+        help="fraction of SFT train answers with their last character repeated (imperfect demonstrations)",
+    )
     args = parser.parse_args(argv)
     config = SyntheticConfig(
         tasks=tuple(t for t in args.tasks.split(",") if t),
@@ -217,7 +239,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         max_size=args.max_size,
     )
     paths = write_dataset(
-        out_dir=args.out, num_train=args.num_train, num_val=args.num_val, seed=args.seed, config=config, progress=True
+        out_dir=args.out,
+        num_train=args.num_train,
+        num_val=args.num_val,
+        seed=args.seed,
+        config=config,
+        sft_defect_rate=args.sft_defect_rate,
+        progress=True,
     )
     for name, path in paths.items():
         print(f"{name}: {path}")
