@@ -230,16 +230,28 @@ class _RecordingGroup:
         return [False, False]
 
 
-@pytest.mark.parametrize("critic_path, expected", [(None, [("backbone", "CKPT")]), ("HF_DIR", [])])
-def test_critic_follows_the_actors_warm_start_unless_it_has_its_own_model(monkeypatch, tmp_path, critic_path, expected):
+@pytest.mark.parametrize(
+    "critic_path, lora_checkpoint, critic_loads",
+    [(None, False, ["backbone"]), ("HF_DIR", False, []), (None, True, [])],
+    ids=["actors-model", "own-model-dir", "lora-adapters-only"],
+)
+def test_critic_follows_the_actors_warm_start_unless_it_has_its_own_model(
+    monkeypatch, tmp_path, critic_path, lora_checkpoint, critic_loads
+):
     """verl's critic.model.path defaults to the actor's: the critic starts from the actor's warm-start
-    weights; a critic with its own model directory keeps that directory's weights."""
+    weights; a critic with its own model directory keeps that directory's weights, and a LoRA
+    warm start (adapters only) leaves the critic on the base both share."""
     from types import SimpleNamespace
 
+    from verl_balance.engine.lora import BASE_FINGERPRINT_FILE
     from verl_balance.trainer import checkpoint
     from verl_balance.trainer.grpo_trainer import GRPOTrainer
 
     ckpt = str(tmp_path / "global_step_4")
+    os.makedirs(ckpt)
+    if lora_checkpoint:
+        with open(os.path.join(ckpt, BASE_FINGERPRINT_FILE), "w") as f:
+            json.dump({"seed": 0}, f)
     monkeypatch.setattr(checkpoint, "verify_checkpoint", lambda path, hasher: None)
     monkeypatch.setattr(checkpoint, "group_hasher", lambda group: None)
     trainer = GRPOTrainer.__new__(GRPOTrainer)
@@ -252,4 +264,4 @@ def test_critic_follows_the_actors_warm_start_unless_it_has_its_own_model(monkey
     )
     trainer.prepare_workers()
     assert trainer.actor.loads == [("model", os.path.abspath(ckpt))]
-    assert trainer.critic.loads == [(kind, os.path.abspath(ckpt)) for kind, _ in expected]
+    assert trainer.critic.loads == [(kind, os.path.abspath(ckpt)) for kind in critic_loads]

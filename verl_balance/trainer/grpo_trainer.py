@@ -368,11 +368,21 @@ class GRPOTrainer(DriverBase):
             self.actor.load_model_weights(path)
             logger.info("warm start: weights of %s", arr.model.warm_start_path)
             if self.critic is not None and self.config.critic.model.path is None:
-                # verl's critic.model.path defaults to the actor's: the critic starts from its weights
-                head = self.critic.load_backbone_weights(path)[0]
-                logger.info("critic warm start: decoder%s of %s", " and value head" if head else "", path)
+                self._warm_start_critic(path)
         if arr.actor.use_kl_loss:
             self.actor.sync_reference_policy()
+
+    def _warm_start_critic(self, path: str) -> None:
+        """verl's critic.model.path defaults to the actor's, so the critic starts from the actor's
+        weights: the warm start's decoder. A LoRA warm start holds only adapters; the critic then
+        keeps the base both share."""
+        from verl_balance.engine.lora import read_base_fingerprint
+
+        if read_base_fingerprint(path) is not None:
+            logger.info("critic warm start: %s holds LoRA adapters only; the critic keeps the base weights", path)
+            return
+        head = self.critic.load_backbone_weights(path)[0]
+        logger.info("critic warm start: decoder%s of %s", " and value head" if head else "", path)
 
     # ------------------------------------------------------------------ phases
     def generate(self, prompts: tuple[dict, dict], *, n: int, temperature: float, top_p: float, seed: int) -> Batch:
