@@ -13,7 +13,7 @@
 # variance -0.8 -> 0.4-0.76. With SFT_DEFECT_RATE=0 the held-out accuracy stays flat (0.523 ->
 # 0.539, 315 s): the clean SFT model's errors are wrong letters at positions 3-6, which sampled
 # rewards do not teach in 90 steps (tried: actor lr up to 3e-3, GAE lam 0.9, a partial-credit
-# reward, weaker warm starts, GRPO); PPO removes what the sampled answers already show it how to.
+# reward, weaker warm starts, GRPO). PPO fixes the errors that some sampled answers already avoid.
 # Outputs under $OUT (default outputs/ppo_cpu_demo): data/, sft/, ppo/ with metrics.jsonl and
 # curves.png (reward, held-out accuracy, value loss, explained variance, policy loss, imbalance).
 # Extra arguments are Hydra overrides of the PPO stage, e.g. trainer.total_training_steps=100.
