@@ -11,7 +11,9 @@ the layer rules). Invariants (docs/design.md, "Layers"):
 - ``single_controller/`` imports nothing of ``integrations/`` and never ``verl``;
 - only ``single_controller/``, ``workers/``, ``trainer/`` and ``integrations/`` import Ray;
 - only ``integrations/verl/`` imports ``verl``, and no core module imports ``integrations/``;
-- the driver side (``trainer/``, ``single_controller/``) never imports ``torch.distributed``.
+- the driver side (``trainer/``, ``single_controller/``) never imports ``torch.distributed``;
+- the top-level command modules (``CLI_MODULES``: ``python -m verl_balance.<name>``) are imported by
+  nothing in the package: a library module never reaches up into a command line.
 
 Negative controls: a temporary package with planted cycles (module-level and function-level,
 relative and absolute) and planted layer violations must be reported.
@@ -27,6 +29,8 @@ from dataclasses import dataclass, field
 import verl_balance
 
 ROOT_PACKAGE = "verl_balance"
+# Top-level command-line modules (``python -m verl_balance.<name>``): entry points, never a library's import.
+CLI_MODULES = ("main_sft", "main_grpo", "export", "parity", "memory", "calibrate")
 
 
 @dataclass(frozen=True)
@@ -171,6 +175,9 @@ def _layer_rules(pkg: str) -> dict[str, object]:
         "the driver never imports torch.distributed": lambda m, t: (
             _in(t, "torch.distributed") and any(_in(m, p) for p in driver)
         ),
+        "top-level command modules are imported by nothing in the package": lambda m, t: (
+            any(_in(t, f"{pkg}.{cli}") for cli in CLI_MODULES) and not _in(m, t)
+        ),
     }
 
 
@@ -277,6 +284,10 @@ def test_planted_layer_violations_are_reported(tmp_path):
             "models/m.py": "import ray\n",
             "trainer/t.py": "import ray\nimport torch.distributed as dist\n",
             "loss.py": "from planted.integrations import verl\n",
+            "export.py": "import json\n\ndef main():\n    from planted.engine import e\n",
+            "engine/__init__.py": "",
+            "engine/e.py": "def names():\n    from planted.export import main\n",
+            "main_sft.py": "from planted import export\n",
         },
     )
     found = {
@@ -292,4 +303,6 @@ def test_planted_layer_violations_are_reported(tmp_path):
         ("planted.models.m", 1, "ray", "only"),
         ("planted.trainer.t", 2, "torch.distributed", "the"),
         ("planted.loss", 1, "planted.integrations.verl", "no"),
+        ("planted.engine.e", 2, "planted.export", "top-level"),
+        ("planted.main_sft", 1, "planted.export", "top-level"),
     }, sorted(found)

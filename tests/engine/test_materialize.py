@@ -184,7 +184,7 @@ def test_streamed_hf_export_reloads_the_engine_weights(sharded_runs, model_dirs)
         reloaded = AutoModelForCausalLM.from_pretrained(out, local_files_only=True, dtype=torch.float32).state_dict()
         state = results[0][cname, "dp2"]["state"]
         if cname == "builtin":
-            from verl_balance.export import builtin_to_hf_llama
+            from verl_balance.models.hf_llama import builtin_to_hf_llama
 
             _, state = builtin_to_hf_llama(state, model_config=_configs(model_dirs)[cname])
         for name, value in state.items():

@@ -6,7 +6,7 @@ one tensor (``DTensor.full_tensor``); rank 0 alone keeps it, buffering at most o
 is one full tensor on every rank, plus one file's worth of tensors on rank 0.
 
 A built-in model is written as transformers' Llama (same math; names mapped by
-``export.builtin_to_hf_llama``). Tied embeddings are one parameter, written once. A LoRA model
+``models.hf_llama.builtin_to_hf_llama``). Tied embeddings are one parameter, written once. A LoRA model
 (engine/lora.py) is written merged: each adapted weight as W + scaling * B @ A (fp32).
 """
 
@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 from verl_balance.engine.lora import adapter_names, base_name, is_lora_name, lora_scaling, merged_weight
 from verl_balance.engine.materialize import unique_parameters
 from verl_balance.models.config import ModelConfig
+from verl_balance.models.hf_llama import builtin_to_hf_llama
 from verl_balance.models.safetensors_io import DEFAULT_MAX_SHARD_BYTES, TensorSpec, save_hf_directory
 from verl_balance.models.value import ValueModel
 
@@ -26,8 +27,6 @@ from verl_balance.models.value import ValueModel
 def hf_names_and_config(model_config, names: list[str]):
     """(our name -> HF name, transformers config) for the model's parameter ``names``."""
     if isinstance(model_config, ModelConfig):
-        from verl_balance.export import builtin_to_hf_llama
-
         # builtin_to_hf_llama maps a state dict; mapping names to themselves yields HF name -> ours.
         hf_config, hf_to_ours = builtin_to_hf_llama({n: n for n in names}, model_config=model_config)
         hf_config.architectures = ["LlamaForCausalLM"]
