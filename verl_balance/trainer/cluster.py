@@ -1,4 +1,4 @@
-"""Ray start-up (embedded or an existing cluster), device detection and the actor worker group."""
+"""Ray start-up (embedded or an existing cluster), device detection, and placing and releasing a worker group."""
 
 from __future__ import annotations
 
@@ -110,7 +110,21 @@ def build_actor_group(
     try:
         group.init_model()
     except BaseException:  # the workers are alive: stop them and free their placement before raising
-        group.shutdown()
-        pool.remove()
+        release_group(group)
         raise
     return group
+
+
+def release_group(group: RayWorkerGroup, *, broken: str | None = None) -> None:
+    """Stop ``group``'s worker processes and free its placement (the Ray cluster stays up).
+
+    ``broken`` names a group being replaced after a failure ("the old critic group"): then each
+    step is best effort, and a failure is logged naming it instead of raised."""
+    for release in (group.shutdown, group.resource_pool.remove):
+        if broken is None:
+            release()
+            continue
+        try:
+            release()
+        except Exception as err:  # the group is broken already; freeing it is best effort
+            logger.warning("restart: releasing %s failed: %s", broken, err)

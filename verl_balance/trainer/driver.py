@@ -330,8 +330,7 @@ class DriverBase:
         """Stop the worker processes, free their placement (the Ray cluster stays up) and release
         the run directory."""
         try:
-            self.actor.shutdown()
-            self.actor.resource_pool.remove()
+            cluster.release_group(self.actor)
         finally:
             if self._run_lock is not None:
                 self._run_lock.release()
@@ -416,11 +415,7 @@ class DriverBase:
         """Replace a broken worker group with a new one (same class, config and placement request),
         then continue from this lineage's newest complete checkpoint (or where the lineage began)."""
         old = self.actor
-        for release in (old.shutdown, old.resource_pool.remove):
-            try:
-                release()
-            except Exception as err:  # the group is broken already; freeing it is best effort
-                logger.warning("restart: releasing the old worker group failed: %s", err)
+        cluster.release_group(old, broken="the old worker group")
         init = old.ray_cls_with_init
         self.actor = cluster.build_actor_group(
             worker_config=init.args[0],

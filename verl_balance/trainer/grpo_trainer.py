@@ -336,20 +336,14 @@ class GRPOTrainer(DriverBase):
         """Stop the critic's workers too (the actor's and the run directory: ``DriverBase.close``)."""
         try:
             if self.critic is not None:
-                self.critic.shutdown()
-                self.critic.resource_pool.remove()
+                cluster.release_group(self.critic)
         finally:
             super().close()
 
     def restart_workers(self) -> None:
         """A dead worker (actor's or critic's) replaces both groups; both resume from the checkpoint."""
         if self.critic is not None:
-            old = self.critic
-            for release in (old.shutdown, old.resource_pool.remove):
-                try:
-                    release()
-                except Exception as err:  # the group may be broken already; freeing it is best effort
-                    logger.warning("restart: releasing the old critic group failed: %s", err)
+            cluster.release_group(self.critic, broken="the old critic group")
             self.critic = self._start_critic()
         super().restart_workers()
 
