@@ -57,14 +57,13 @@ from verl_balance.batch_keys import (
     UID_KEY,
 )
 from verl_balance.data.rl_dataset import RLPromptDataset
-from verl_balance.data.synthetic import write_dataset
 from verl_balance.protocol import Batch
 from verl_balance.rewards import load_reward_fn
 from verl_balance.rewards.watchdog import score_batch_watched
 from verl_balance.rollout import RolloutOutput, build_rollout_batch
 from verl_balance.trainer import checkpoint, cluster
 from verl_balance.trainer.driver import DriverBase
-from verl_balance.trainer.grpo_config import GRPOConfig, validate_grpo
+from verl_balance.trainer.grpo_config import validate_grpo
 from verl_balance.trainer.metrics import (
     PEAK_MEMORY_KEY,
     busy_seconds,
@@ -73,7 +72,7 @@ from verl_balance.trainer.metrics import (
     reduce_rank_metrics,
 )
 from verl_balance.trainer.plan_dispatch import merge_by_plan, plan_batch, split_by_plan
-from verl_balance.trainer.sections import check_profile_steps
+from verl_balance.trainer.sections import check_profile_steps, resolve_data_files
 from verl_balance.trainer.startup import check_model_files
 from verl_balance.utils.tracking import Tracking
 from verl_balance.workers.actor_rollout import ActorRolloutWorker, ActorRolloutWorkerConfig, sampling_seed
@@ -203,27 +202,6 @@ def _timed(metrics: dict, name: str):
     metrics[f"timing_s/{name}"] = metrics.get(f"timing_s/{name}", 0.0) + time.perf_counter() - start
 
 
-def resolve_rl_files(config: GRPOConfig) -> tuple:
-    """The configured files, or the synthetic task generated under ``default_local_dir/data``."""
-    d = config.data
-    if d.train_files is not None:
-        return d.train_files, d.val_files
-    s = d.synthetic
-    out_dir = s.out_dir or os.path.join(config.trainer.default_local_dir, "data")
-    train, val = os.path.join(out_dir, "rl_train.parquet"), os.path.join(out_dir, "rl_val.parquet")
-    if not (os.path.exists(train) and os.path.exists(val)):
-        logger.info("data.train_files is null: generating the synthetic task into %s", out_dir)
-        write_dataset(
-            out_dir=out_dir,
-            num_train=s.num_train,
-            num_val=s.num_val,
-            seed=s.seed,
-            progress=True,
-            config=s.task_config(),
-        )
-    return train, (d.val_files if d.val_files is not None else val)
-
-
 # ---------------------------------------------------------------------- trainer
 class GRPOTrainer(DriverBase):
     """Builds data, the actor-rollout worker group and the reward function; ``fit()`` trains."""
@@ -271,7 +249,9 @@ class GRPOTrainer(DriverBase):
     def _load_datasets(self) -> None:
         """The train/validation prompt sets (configured files or the synthetic task) and the loader."""
         d = self.config.data
-        train_files, val_files = resolve_rl_files(self.config)
+        train_files, val_files = resolve_data_files(
+            d, kind="rl", default_local_dir=self.config.trainer.default_local_dir
+        )
         dataset_config = d.dataset_config()
         self.train_set = RLPromptDataset(files=train_files, tokenizer=self.tokenizer, config=dataset_config)
         self.val_set = (

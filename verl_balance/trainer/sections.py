@@ -20,6 +20,7 @@ from verl_balance.balance import FlopsWorkload, TokenWorkload
 from verl_balance.balance.errors import BalanceConfigError
 from verl_balance.balance.plan import OVERLONG_POLICIES
 from verl_balance.balance.workload import CalibratedWorkload
+from verl_balance.data.synthetic import SyntheticConfig, write_dataset
 from verl_balance.engine.config import APPLY_ON_RESUME, LAYOUT_ON_RESUME, PARAM_DTYPES
 from verl_balance.models import MODEL_DIMENSION_KEYS, load_model_config
 from verl_balance.models.config import ModelConfig, ModelConfigError
@@ -48,6 +49,33 @@ class SyntheticDataConfig:
     """Seed of the generator (the same seed gives the same files)."""
     out_dir: Optional[str] = None
     """Where the files go; null = ``trainer.default_local_dir``/data."""
+
+    def task_config(self) -> SyntheticConfig:
+        """The generator's own config (the default task mix here; GRPO's section sets it)."""
+        return SyntheticConfig()
+
+
+def resolve_data_files(data, *, kind: str, default_local_dir: str) -> tuple:
+    """(train files, validation files) of a recipe's ``data`` section: ``data.train_files`` /
+    ``data.val_files``, or with ``train_files`` null the synthetic task's ``{kind}_train.parquet`` /
+    ``{kind}_val.parquet`` (kind ``sft`` or ``rl``) under ``data.synthetic.out_dir`` (null:
+    ``default_local_dir``/data), generated from ``data.synthetic`` unless both files exist."""
+    if data.train_files is not None:
+        return data.train_files, data.val_files
+    synthetic = data.synthetic
+    out_dir = synthetic.out_dir or os.path.join(default_local_dir, "data")
+    train, val = (os.path.join(out_dir, f"{kind}_{split}.parquet") for split in ("train", "val"))
+    if not (os.path.exists(train) and os.path.exists(val)):
+        logger.info("data.train_files is null: generating the synthetic task into %s", out_dir)
+        write_dataset(
+            out_dir=out_dir,
+            num_train=synthetic.num_train,
+            num_val=synthetic.num_val,
+            seed=synthetic.seed,
+            progress=True,
+            config=synthetic.task_config(),
+        )
+    return train, (data.val_files if data.val_files is not None else val)
 
 
 @dataclass

@@ -8,41 +8,19 @@ mini-batch (loss contract), so the logged loss does not depend on the layout or 
 from __future__ import annotations
 
 import logging
-import os
 import time
 
 from verl_balance.data.sft_dataset import SFTDataset
-from verl_balance.data.synthetic import write_dataset
 from verl_balance.protocol import Batch
 from verl_balance.trainer.driver import DriverBase
 from verl_balance.trainer.metrics import plan_metrics, reduce_rank_metrics
 from verl_balance.trainer.plan_dispatch import plan_batch, split_by_plan
-from verl_balance.trainer.sections import check_profile_steps
-from verl_balance.trainer.sft_config import SFTConfig, validate_sft
+from verl_balance.trainer.sections import check_profile_steps, resolve_data_files
+from verl_balance.trainer.sft_config import validate_sft
 from verl_balance.trainer.startup import check_model_files
 from verl_balance.workers.actor import ActorWorkerConfig
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_data_files(config: SFTConfig) -> tuple[list | str, list | str | None]:
-    """The configured files, or a generated synthetic task under ``default_local_dir/data``."""
-    d = config.data
-    if d.train_files is not None:
-        return d.train_files, d.val_files
-    out_dir = d.synthetic.out_dir or os.path.join(config.trainer.default_local_dir, "data")
-    train = os.path.join(out_dir, "sft_train.parquet")
-    val = os.path.join(out_dir, "sft_val.parquet")
-    if not (os.path.exists(train) and os.path.exists(val)):
-        logger.info("data.train_files is null: generating the synthetic task into %s", out_dir)
-        write_dataset(
-            out_dir=out_dir,
-            num_train=d.synthetic.num_train,
-            num_val=d.synthetic.num_val,
-            seed=d.synthetic.seed,
-            progress=True,
-        )
-    return train, (d.val_files if d.val_files is not None else val)
 
 
 class SFTTrainer(DriverBase):
@@ -52,7 +30,9 @@ class SFTTrainer(DriverBase):
         self.config = config = validate_sft(cfg)
         check_model_files(config.model, chat_key="data.messages_key" if config.data.messages_key else None)
         self.setup_run(cfg, config=config, model=config.model)
-        train_files, val_files = resolve_data_files(config)
+        train_files, val_files = resolve_data_files(
+            config.data, kind="sft", default_local_dir=config.trainer.default_local_dir
+        )
         dataset_config = config.data.dataset_config()
         self.train_set = SFTDataset(files=train_files, tokenizer=self.tokenizer, config=dataset_config)
         self.val_set = (
