@@ -54,3 +54,21 @@ def test_group_class_for_picks_the_declaring_group():
     assert group_class_for(Extra) is ActorGroup
     assert group_class_for(ActorRolloutWorker) is ActorRolloutGroup
     assert group_class_for(object) is RayWorkerGroup
+
+
+def test_engine_group_declares_once_what_the_actor_and_critic_groups_share():
+    from verl_balance.workers.group import CriticGroup, EngineGroup
+
+    shared = set(declared_group_methods(ActorGroup)) & set(declared_group_methods(CriticGroup))
+    assert shared == {
+        "init_model",
+        "eval_loss",
+        "describe",
+        "save_checkpoint",
+        "load_checkpoint",
+        "hash_checkpoint_files",
+    }
+    assert set(declared_group_methods(EngineGroup)) == shared
+    for group_cls in (ActorGroup, ActorRolloutGroup, CriticGroup):
+        own = {name for name, value in vars(group_cls).items() if isinstance(value, GroupMethod)}
+        assert own and not own & shared, (group_cls.__name__, own & shared)  # declared on the base only

@@ -1,4 +1,5 @@
-"""The worker groups as the driver sees them: ``ActorGroup``, ``ActorRolloutGroup`` and ``CriticGroup``.
+"""The worker groups as the driver sees them: ``ActorGroup``, ``ActorRolloutGroup`` and ``CriticGroup``,
+on the ``EngineGroup`` base that declares the methods every engine worker has.
 
 Each is a ``RayWorkerGroup`` that declares the ``@register``'ed methods of its worker class with
 ``@group_method``: the declaration gives the driver-side signature (checked on every call) and a
@@ -26,32 +27,25 @@ from verl_balance.workers.critic import CriticWorker
 if TYPE_CHECKING:
     from verl_balance.rollout import RolloutOutput
 
-__all__ = ["ActorGroup", "ActorRolloutGroup", "CriticGroup", "group_class_for"]
+__all__ = ["ActorGroup", "ActorRolloutGroup", "CriticGroup", "EngineGroup", "group_class_for"]
 
 
-class ActorGroup(RayWorkerGroup):
-    """Driver-side worker group of ``workers.actor.ActorWorker`` ranks."""
+class EngineGroup(RayWorkerGroup):
+    """The methods every engine worker registers (``ActorWorker``'s, which ``CriticWorker`` inherits
+    or overrides): set-up, evaluation, description and checkpoints. ``ActorGroup`` and
+    ``CriticGroup`` add their own; a docstring names ``ActorWorker``'s method, and a ``CriticGroup``
+    call runs ``CriticWorker``'s."""
 
     @group_method
     def init_model(self) -> list[dict]:
-        """``ActorWorker.init_model`` on every rank: process group, mesh and sharded engine."""
-        ...
-
-    @group_method
-    def update_actor(self, chunks: list[Batch]) -> list[dict]:
-        """``ActorWorker.update_actor``: one optimizer step on the global mini-batch; per-DP-rank
-        metrics (loss and grad norm are already global, timings are the rank's own)."""
+        """``ActorWorker.init_model`` (``CriticWorker.init_model``) on every rank: process group,
+        mesh and sharded engine (the language model's, or the value model's)."""
         ...
 
     @group_method
     def eval_loss(self, chunks: list[Batch]) -> list[dict]:
-        """``ActorWorker.eval_loss``: the training objective without backward; per-DP-rank metrics."""
-        ...
-
-    @group_method
-    def compute_log_prob(self, chunks: list[Batch], with_entropy: bool = False) -> Batch:
-        """``ActorWorker.compute_log_prob``: per-token ``log_probs`` (and ``entropy``) of every row,
-        concatenated in DP order."""
+        """``ActorWorker.eval_loss``: the training objective without backward (a critic's: the value
+        loss); per-DP-rank metrics."""
         ...
 
     @group_method
@@ -73,6 +67,22 @@ class ActorGroup(RayWorkerGroup):
     def hash_checkpoint_files(self, path: str, sizes: dict[str, int]) -> list[dict[str, dict]]:
         """``ActorWorker.hash_checkpoint_files`` on every rank: each hashes its share of the files
         ``sizes`` names under ``path``; the union of the returned dicts covers every file."""
+        ...
+
+
+class ActorGroup(EngineGroup):
+    """Driver-side worker group of ``workers.actor.ActorWorker`` ranks."""
+
+    @group_method
+    def update_actor(self, chunks: list[Batch]) -> list[dict]:
+        """``ActorWorker.update_actor``: one optimizer step on the global mini-batch; per-DP-rank
+        metrics (loss and grad norm are already global, timings are the rank's own)."""
+        ...
+
+    @group_method
+    def compute_log_prob(self, chunks: list[Batch], with_entropy: bool = False) -> Batch:
+        """``ActorWorker.compute_log_prob``: per-token ``log_probs`` (and ``entropy``) of every row,
+        concatenated in DP order."""
         ...
 
 
@@ -102,13 +112,8 @@ class ActorRolloutGroup(ActorGroup):
         ...
 
 
-class CriticGroup(RayWorkerGroup):
+class CriticGroup(EngineGroup):
     """Driver-side worker group of ``workers.critic.CriticWorker`` ranks (the value model)."""
-
-    @group_method
-    def init_model(self) -> list[dict]:
-        """``CriticWorker.init_model`` on every rank: process group, mesh and the value model's engine."""
-        ...
 
     @group_method
     def compute_values(self, chunks: list[Batch]) -> Batch:
@@ -126,31 +131,6 @@ class CriticGroup(RayWorkerGroup):
     def update_critic(self, chunks: list[Batch]) -> list[dict]:
         """``CriticWorker.update_critic``: one optimizer step of the clipped value loss on the global
         mini-batch; per-DP-rank metrics (vf_loss, vf_clipfrac, vpred_mean, grad_norm are global)."""
-        ...
-
-    @group_method
-    def eval_loss(self, chunks: list[Batch]) -> list[dict]:
-        """``CriticWorker.eval_loss``: the value loss without backward; per-DP-rank metrics."""
-        ...
-
-    @group_method
-    def describe(self) -> list[dict]:
-        """``CriticWorker.describe`` on every rank: layout, model dims and engine settings."""
-        ...
-
-    @group_method
-    def save_checkpoint(self, path: str, step: int, extra: dict | None = None) -> list[None]:
-        """``CriticWorker.save_checkpoint`` on every rank (collective): sharded engine state."""
-        ...
-
-    @group_method
-    def load_checkpoint(self, path: str) -> list[dict]:
-        """``CriticWorker.load_checkpoint`` on every rank: restores it; each rank's saved ``extra``."""
-        ...
-
-    @group_method
-    def hash_checkpoint_files(self, path: str, sizes: dict[str, int]) -> list[dict[str, dict]]:
-        """``CriticWorker.hash_checkpoint_files`` on every rank: each hashes its share of the files."""
         ...
 
 
