@@ -180,6 +180,29 @@ class DriverBase:
         """Run-specific summary fields from the first/last step and validation metrics."""
         return {}
 
+    summary_title: str = "run"
+    """The end-of-run summary's title (``==== SFT summary ====``)."""
+
+    @classmethod
+    def summary_lines(cls, summary: dict) -> list[str]:
+        """The recipe's own end-of-run lines, from the fields ``summarize`` added (none by default)."""
+        return []
+
+    @classmethod
+    def format_summary(cls, summary: dict) -> str:
+        """The end-of-run lines a user reads: steps and time, the recipe's ``summary_lines``, and
+        where the metrics and the plot are."""
+        lines = [
+            "",
+            f"==== {cls.summary_title} summary ====",
+            f"steps: {summary['steps']} in {summary['wall_s']:.1f} s",
+        ]
+        lines += cls.summary_lines(summary)
+        lines.append(f"metrics: {summary['metrics']}")
+        if summary.get("plot"):
+            lines.append(f"plot: {summary['plot']}")
+        return "\n".join(lines)
+
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict:
         """Train until total steps (or a stop request); returns a summary dict.

@@ -661,21 +661,23 @@ class GRPOTrainer(DriverBase):
             "final_val_accuracy": last_val.get("val/accuracy"),
         }
 
+    summary_title = "GRPO"
 
-def format_summary(summary: dict) -> str:
-    """The end-of-run lines a user reads: reward and held-out accuracy first -> last, files."""
-    lines = ["", "==== GRPO summary ===="]
-    lines.append(f"steps: {summary['steps']} in {summary['wall_s']:.1f} s")
-    if summary.get("first_reward") is not None:
-        lines.append(f"train reward: first {summary['first_reward']:.4f} -> final {summary['final_reward']:.4f}")
-    if summary.get("initial_val_accuracy") is not None or summary.get("final_val_accuracy") is not None:
+    @classmethod
+    def summary_lines(cls, summary: dict) -> list[str]:
+        """Train reward first -> final, and held-out accuracy before -> after."""
+        lines = []
+        if summary.get("first_reward") is not None:
+            lines.append(f"train reward: first {summary['first_reward']:.4f} -> final {summary['final_reward']:.4f}")
         first, last = summary.get("initial_val_accuracy"), summary.get("final_val_accuracy")
-        fmt = lambda x: "n/a" if x is None else f"{x:.4f}"  # noqa: E731
-        lines.append(f"held-out accuracy: before {fmt(first)} -> after {fmt(last)}")
-    lines.append(f"metrics: {summary['metrics']}")
-    if summary.get("plot"):
-        lines.append(f"plot: {summary['plot']}")
-    return "\n".join(lines)
+        if first is not None or last is not None:
+            fmt = lambda x: "n/a" if x is None else f"{x:.4f}"  # noqa: E731
+            lines.append(f"held-out accuracy: before {fmt(first)} -> after {fmt(last)}")
+        return lines
+
+
+format_summary = GRPOTrainer.format_summary
+"""The end-of-run lines of a GRPO/PPO run (``DriverBase.format_summary``)."""
 
 
 __all__ = ["ActorCriticCheckpoint", "GRPOTrainer", "format_summary", "merge_rollout_outputs", "value_metrics"]

@@ -111,19 +111,21 @@ class SFTTrainer(DriverBase):
             out["val/loss"] = last_val["val/loss"]
         return out
 
+    summary_title = "SFT"
 
-def format_summary(summary: dict) -> str:
-    """The end-of-run lines a user reads: loss first -> last, eval loss, where the files are."""
-    lines = ["", "==== SFT summary ===="]
-    lines.append(f"steps: {summary['steps']} in {summary['wall_s']:.1f} s")
-    if summary.get("first_loss") is not None:
-        lines.append(f"train loss: first {summary['first_loss']:.4f} -> final {summary['final_loss']:.4f}")
-    if "val/loss" in summary:
-        lines.append(f"eval loss: {summary['val/loss']:.4f}")
-    lines.append(f"metrics: {summary['metrics']}")
-    if summary.get("plot"):
-        lines.append(f"plot: {summary['plot']}")
-    return "\n".join(lines)
+    @classmethod
+    def summary_lines(cls, summary: dict) -> list[str]:
+        """Train loss first -> final, and the eval loss."""
+        lines = []
+        if summary.get("first_loss") is not None:
+            lines.append(f"train loss: first {summary['first_loss']:.4f} -> final {summary['final_loss']:.4f}")
+        if "val/loss" in summary:
+            lines.append(f"eval loss: {summary['val/loss']:.4f}")
+        return lines
+
+
+format_summary = SFTTrainer.format_summary
+"""The end-of-run lines of an SFT run (``DriverBase.format_summary``)."""
 
 
 __all__ = ["SFTTrainer", "format_summary"]
