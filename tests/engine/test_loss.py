@@ -10,7 +10,7 @@ from verl_balance.loss import (
     compute_token_weights,
     sequence_token_counts,
 )
-from verl_balance.testing.faults import faulty_token_weights, pack_rolled_after_slice
+from verl_balance.testing.faults import FaultyTrainEngine, faulty_token_weights, pack_rolled_after_slice
 
 CPU = torch.device("cpu")
 
@@ -143,3 +143,25 @@ def test_roll_after_slice_control_loses_a_target_at_each_shard_edge():
     bad = [pack_rolled_after_slice(batch, sp_size=2, sp_rank=r, device=CPU) for r in range(2)]
     assert sum(float(p.local("loss_mask").sum()) for p in good) == 9
     assert sum(float(p.local("loss_mask").sum()) for p in bad) < 9
+
+
+@pytest.mark.parametrize("bug, packer", [("roll_after_slice", pack_rolled_after_slice), ("count_over_world", None)])
+def test_faulty_engine_packs_through_the_engines_own_loop(bug, packer):
+    """``FaultyTrainEngine._pack`` is the engine's loop with the control's pack function (the engine's
+    own for every other bug): the same streams as calling that function per micro-batch."""
+    from types import SimpleNamespace
+
+    engine = FaultyTrainEngine.__new__(FaultyTrainEngine)  # no mesh needed: packing is per rank, no collective
+    engine.bug, engine.layout, engine.device = bug, SimpleNamespace(sp=2, sp_rank=1), CPU
+    micro_batches = [wire_batch(), wire_batch()]
+    got = engine._pack(micro_batches, require_loss_mask=True)
+    want = [(packer or pack_micro_batch)(mb, sp_size=2, sp_rank=1, device=CPU) for mb in micro_batches]
+    other = [
+        (pack_micro_batch if packer else pack_rolled_after_slice)(micro_batches[0], sp_size=2, sp_rank=1, device=CPU)
+    ]
+    assert len(got) == 2
+    for g, w in zip(got, want):
+        assert g.tensors.keys() == w.tensors.keys()
+        assert all(torch.equal(g.tensors[k], w.tensors[k]) for k in w.tensors)
+    # the two pack functions differ on this batch, so the comparison above tells them apart
+    assert not torch.equal(other[0].tensors["loss_mask"], got[0].tensors["loss_mask"])

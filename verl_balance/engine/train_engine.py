@@ -373,10 +373,11 @@ class TrainEngine:
         return self.scheduler.get_last_lr()[0]
 
     # ------------------------------------------------------------------ private seams and helpers
-    def _pack(self, micro_batches, *, require_loss_mask: bool) -> list[PackedMicroBatch]:
-        """Wire micro-batches -> packed streams (a seam for the testing.faults controls)."""
+    def _pack(self, micro_batches, *, require_loss_mask: bool, pack=pack_micro_batch) -> list[PackedMicroBatch]:
+        """Wire micro-batches -> packed streams for this rank, each by ``pack`` (``pack_micro_batch``'s
+        signature; a seam for the testing.faults controls)."""
         return [
-            pack_micro_batch(
+            pack(
                 mb,
                 sp_size=self.layout.sp,
                 sp_rank=self.layout.sp_rank,

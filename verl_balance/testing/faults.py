@@ -3,8 +3,8 @@
 The negative controls are deliberately wrong normalizers reproduced from other frameworks; they
 exist only so the parity tests can show that the tests catch them. Production code has no
 switch for them: ``FaultyTrainEngine`` is a TrainEngine subclass that replaces the engine's two
-narrow seams, ``_pack`` (how a wire micro-batch becomes a packed stream) and ``_token_weights``
-(the loss-contract weights), with the broken versions below.
+narrow seams, ``_pack`` (its ``pack`` function: how a wire micro-batch becomes a packed stream) and
+``_token_weights`` (the loss-contract weights), with the broken versions below.
 
 ``NaNLossTrainEngine`` uses the ``_token_weights`` seam to make the training loss (and so every
 gradient) NaN from a chosen step on; ``InfWeightsTrainEngine`` makes the update of one step leave
@@ -154,19 +154,10 @@ class FaultyTrainEngine(TrainEngine):
         self.bug = bug
         super().__init__(**kwargs)
 
-    def _pack(self, micro_batches, *, require_loss_mask: bool) -> list[PackedMicroBatch]:
-        if self.bug != "roll_after_slice":
-            return super()._pack(micro_batches, require_loss_mask=require_loss_mask)
-        return [
-            pack_rolled_after_slice(
-                mb,
-                sp_size=self.layout.sp,
-                sp_rank=self.layout.sp_rank,
-                device=self.device,
-                require_loss_mask=require_loss_mask,
-            )
-            for mb in micro_batches
-        ]
+    def _pack(self, micro_batches, *, require_loss_mask: bool, pack=pack_micro_batch) -> list[PackedMicroBatch]:
+        if self.bug == "roll_after_slice":
+            pack = pack_rolled_after_slice
+        return super()._pack(micro_batches, require_loss_mask=require_loss_mask, pack=pack)
 
     def _token_weights(self, packed: Sequence[PackedMicroBatch], *, training: bool) -> TokenWeights:
         return faulty_token_weights(
