@@ -6,8 +6,8 @@ one tensor (``DTensor.full_tensor``); rank 0 alone keeps it, buffering at most o
 is one full tensor on every rank, plus one file's worth of tensors on rank 0.
 
 A built-in model is written as transformers' Llama (same math; names mapped by
-``models.hf_llama.builtin_to_hf_llama``). Tied embeddings are one parameter, written once. A LoRA model
-(engine/lora.py) is written merged: each adapted weight as W + scaling * B @ A (fp32).
+``models.hf_llama.builtin_to_hf_llama``). Tied embeddings are one parameter, written once. A LoRA
+model (engine/lora.py) is written merged: each adapted weight as W + scaling * B @ A (fp32).
 """
 
 from __future__ import annotations
