@@ -57,6 +57,8 @@ from verl_balance.engine.config import (  # noqa: E402
     DEFAULT_LOGITS_CHUNK_SIZE,
     EngineConfig,
     FSDPConfig,
+    KernelKeys,
+    LoRAKeys,
     OptimConfig,
 )
 from verl_balance.engine.train_engine import TrainEngine  # noqa: E402
@@ -86,7 +88,7 @@ _PARAM_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", 
 
 
 @dataclass
-class VerlBalanceEngineConfig(FSDPEngineConfig):
+class VerlBalanceEngineConfig(FSDPEngineConfig, KernelKeys):
     """verl's ``FSDPEngineConfig`` keys (so verl's ``engine: fsdp`` YAML and ``actor.fsdp_config`` carry
     over unchanged) plus this backend's own; the Hydra ``_target_`` of ``engine`` for the SFT trainers.
 
@@ -94,15 +96,14 @@ class VerlBalanceEngineConfig(FSDPEngineConfig):
     ``use_no_sync_for_gradient_accumulation``, ``mixed_precision.param_dtype`` (bf16 by default, as
     verl; fp32 for exact parity), ``entropy_from_logits_with_chunking`` / ``entropy_checkpointing`` /
     ``entropy_from_logits_chunk_size`` (see ``logits_chunk_size``). Offload is rejected; the other
-    FSDP-only keys (wrap policy, ``fsdp_size``, ``pad_to_length``, ...) do not apply to this backend."""
+    FSDP-only keys (wrap policy, ``fsdp_size``, ``pad_to_length``, ...) do not apply to this backend.
+    The engine's ``KernelKeys`` (``attn_impl``) are inherited: same name, default and meaning."""
 
     strategy: str = BACKEND
     balance: bool = True
     """Plan micro-batches with verl_balance's planner (False: its naive contiguous plan)."""
     workload: str = "flops"
     """Cost model of a sample: 'flops' (the model's dimensions, quadratic attention) or 'tokens'."""
-    attn_impl: str = "auto"
-    """verl_balance's packed-attention implementation (see models/attention.py)."""
     logits_chunk_size: int | None = None
     """Tokens per chunk of the output head (log-probs, entropy and their backward without the full
     [T, V] logits; engine/config.py). null: verl's ``entropy_from_logits_chunk_size`` when
@@ -209,9 +210,9 @@ def _our_engine_config(engine_config: VerlBalanceEngineConfig, optimizer_config,
         fsdp=fsdp,
         total_steps=total if total and total > 0 else None,
         param_dtype=engine_config.param_dtype_name,
-        attn_impl=engine_config.attn_impl,
         seed=engine_config.seed,
         logits_chunk_size=engine_config.head_chunk_size,
+        **{f.name: getattr(engine_config, f.name) for f in fields(KernelKeys)},
         **_lora_keys(model_config),
     )
 
@@ -246,12 +247,13 @@ def _lora_keys(model_config) -> dict:
         raise VerlBalanceEngineConfigError(
             "model.target_modules=null: the verl_balance backend needs 'all-linear' or a list of module names"
         )
+    keys = {f.name: getattr(model_config, f.name, f.default) for f in fields(LoRAKeys)}  # verl's names
     return {
+        **keys,
         "lora_rank": int(rank),
-        "lora_alpha": float(model_config.lora_alpha),
+        "lora_alpha": float(keys["lora_alpha"]),
         "target_modules": target_modules,
-        "exclude_modules": _module_names(getattr(model_config, "exclude_modules", None)),
-        "lora_adapter_path": getattr(model_config, "lora_adapter_path", None),
+        "exclude_modules": _module_names(keys["exclude_modules"]),
     }
 
 
