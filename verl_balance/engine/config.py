@@ -104,8 +104,8 @@ class FSDPConfig:
 # ---------------------------------------------------------------------- the engine's keys, one home each
 # Each engine key is one field of one of these groups, named as verl names it. EngineConfig inherits
 # them, and so do the recipe sections that hold them (trainer/sft_config.py, trainer/grpo_config.py),
-# so a key has one name, one default and one docstring; the recipes' ENGINE_KEYS maps are derived from
-# the groups (trainer/recipe.py) and the verl backend reads LoRAKeys / KernelKeys by their names. A
+# so a key has one name, one default and one docstring; the recipes' key maps are derived from
+# the groups (trainer/recipe.engine_keys) and the verl backend reads LoRAKeys / KernelKeys by their names. A
 # group holds no checks: EngineConfig.__post_init__ checks the values, naming the user's key.
 ENGINE_FIELD = "engine_field"
 """Field metadata: the EngineConfig field a group field feeds when the names differ (fsdp_config)."""
