@@ -36,6 +36,7 @@ import time
 import numpy as np
 
 from verl_balance.balance.workload import CALIBRATION_COEFFICIENTS, CalibratedWorkload
+from verl_balance.batch_keys import ATTENTION_MASK_KEY, INPUT_IDS_KEY, LOSS_MASK_KEY, POSITION_IDS_KEY
 
 FORMAT_VERSION = 1
 BASE_TERMS = ("micro_batch", "token", "pair")
@@ -140,7 +141,7 @@ def _micro_batch(point: GridPoint, *, vocab_size: int, generator) -> dict:
     loss_mask = mask.clone()
     loss_mask[:, 0] = 0
     position_ids = torch.arange(point.length).expand(point.batch, -1).contiguous()
-    return {"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask, "position_ids": position_ids}
+    return {INPUT_IDS_KEY: ids, ATTENTION_MASK_KEY: mask, LOSS_MASK_KEY: loss_mask, POSITION_IDS_KEY: position_ids}
 
 
 def _measure_rank(rank: int, *, model_config, engine_config, world: int, grid, warmup: int, repeats: int, seed: int):

@@ -45,6 +45,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
+from verl_balance.batch_keys import ATTENTION_MASK_KEY, INPUT_IDS_KEY, LOSS_MASK_KEY, RETURNS_KEY, VALUES_KEY
 from verl_balance.engine.config import EngineConfig, FSDPConfig, OptimConfig
 from verl_balance.loss import AGG_MODES
 from verl_balance.models import ModelConfig, build_model, load_model_config
@@ -340,7 +341,7 @@ def make_global_batch(settings: ParitySettings) -> dict[str, torch.Tensor]:
     loss_mask = ((pos >= prompt[:, None]) & (pos < lengths[:, None])).float()
     loss_mask[1] = 0
     input_ids = torch.randint(0, settings.model.vocab_size, (b, width), generator=gen)
-    return {"input_ids": input_ids * attention_mask, "attention_mask": attention_mask, "loss_mask": loss_mask}
+    return {INPUT_IDS_KEY: input_ids * attention_mask, ATTENTION_MASK_KEY: attention_mask, LOSS_MASK_KEY: loss_mask}
 
 
 def reference_steps(settings: ParitySettings, *, agg_modes=AGG_MODES) -> dict[str, dict]:
@@ -355,13 +356,13 @@ def reference_steps(settings: ParitySettings, *, agg_modes=AGG_MODES) -> dict[st
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
     seq_sums, seq_counts = [], []
     for i in range(settings.num_samples):
-        length = int(batch["attention_mask"][i].sum())
-        ids = batch["input_ids"][i, :length]
+        length = int(batch[ATTENTION_MASK_KEY][i].sum())
+        ids = batch[INPUT_IDS_KEY][i, :length]
         logits = model(
             input_ids=ids, position_ids=torch.arange(length), cu_seqlens=torch.tensor([0, length]), max_seqlen=length
         )
         logp = torch.log_softmax(logits[:-1].float(), -1).gather(-1, ids[1:, None]).squeeze(-1)
-        mask = batch["loss_mask"][i, 1:length]
+        mask = batch[LOSS_MASK_KEY][i, 1:length]
         seq_sums.append((-logp * mask).sum())
         seq_counts.append(mask.sum())
     sums, counts = torch.stack(seq_sums), torch.stack(seq_counts)
@@ -400,10 +401,10 @@ def make_value_batch(settings: ParitySettings) -> dict[str, torch.Tensor]:
     ``returns``, seeded, (B, max_len), zero outside the attention mask."""
     batch = make_global_batch(settings)
     gen = torch.Generator().manual_seed(settings.seed + 1)
-    shape = batch["input_ids"].shape
-    real = batch["attention_mask"].float()
-    batch["values"] = 0.3 * torch.randn(shape, generator=gen) * real
-    batch["returns"] = torch.randn(shape, generator=gen) * real
+    shape = batch[INPUT_IDS_KEY].shape
+    real = batch[ATTENTION_MASK_KEY].float()
+    batch[VALUES_KEY] = 0.3 * torch.randn(shape, generator=gen) * real
+    batch[RETURNS_KEY] = torch.randn(shape, generator=gen) * real
     return batch
 
 
@@ -426,15 +427,15 @@ def _reference_value_sums(model, batch: dict[str, torch.Tensor], *, cliprange_va
     """Per sequence (sum over loss tokens of verl's clipped value loss, loss-token count), from one
     plain forward per sequence: the value of token t is the head on the hidden state of token t-1."""
     seq_sums, seq_counts = [], []
-    for i, length in enumerate(batch["attention_mask"].sum(1).tolist()):
-        ids = batch["input_ids"][i, :length]
+    for i, length in enumerate(batch[ATTENTION_MASK_KEY].sum(1).tolist()):
+        ids = batch[INPUT_IDS_KEY][i, :length]
         v = model(
             input_ids=ids, position_ids=torch.arange(length), cu_seqlens=torch.tensor([0, length]), max_seqlen=length
         )[:-1]
-        old, returns = batch["values"][i, 1:length], batch["returns"][i, 1:length]
+        old, returns = batch[VALUES_KEY][i, 1:length], batch[RETURNS_KEY][i, 1:length]
         v_clip = torch.minimum(torch.maximum(v, old - cliprange_value), old + cliprange_value)
         loss = 0.5 * torch.maximum((v - returns) ** 2, (v_clip - returns) ** 2)
-        mask = batch["loss_mask"][i, 1:length]
+        mask = batch[LOSS_MASK_KEY][i, 1:length]
         seq_sums.append((loss * mask).sum())
         seq_counts.append(mask.sum())
     return torch.stack(seq_sums), torch.stack(seq_counts)
@@ -491,10 +492,10 @@ def reference_log_probs(
     model, from one plain forward per sequence (0 at t = 0 and on padding); no distributed code."""
     torch.manual_seed(settings.seed)
     model = build_model(settings.model, attn_impl="sdpa_masked")
-    out = torch.zeros(batch["input_ids"].shape)
+    out = torch.zeros(batch[INPUT_IDS_KEY].shape)
     with torch.no_grad():
-        for i, length in enumerate(batch["attention_mask"].sum(1).tolist()):
-            ids = batch["input_ids"][i, :length]
+        for i, length in enumerate(batch[ATTENTION_MASK_KEY].sum(1).tolist()):
+            ids = batch[INPUT_IDS_KEY][i, :length]
             logits = model(
                 input_ids=ids,
                 position_ids=torch.arange(length),
@@ -515,7 +516,7 @@ def _run_cases(*, dp: int, sp: int, cases: list[ParityCase], settings: ParitySet
 
     layout = ParallelLayout(dp=dp, sp=sp, device_type="cpu")
     batches = {"language_model": make_global_batch(settings), "value_model": make_value_batch(settings)}
-    seq_lens = batches["language_model"]["attention_mask"].sum(1).numpy()
+    seq_lens = batches["language_model"][ATTENTION_MASK_KEY].sum(1).numpy()
     results = []
     for case in cases:
         batch = batches[case.model_type]

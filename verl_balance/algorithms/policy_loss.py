@@ -30,6 +30,13 @@ from dataclasses import dataclass
 import torch
 
 from verl_balance.algorithms.kl import canonical_kl_type, kl_penalty
+from verl_balance.batch_keys import (
+    ADVANTAGES_KEY,
+    LOSS_MASK_KEY,
+    OLD_LOG_PROBS_KEY,
+    REF_LOG_PROB_KEY,
+    ROLLOUT_LOG_PROBS_KEY,
+)
 
 
 class PolicyLossConfigError(ValueError):
@@ -138,11 +145,6 @@ class PPOLoss:
     advantage 0 and equal log-probs there, so their loss is a finite 0 (weights 0 remove them).
     """
 
-    OLD_LOG_PROBS_KEY = "old_log_probs"
-    ADVANTAGES_KEY = "advantages"
-    REF_LOG_PROB_KEY = "ref_log_prob"
-    ROLLOUT_LOG_PROBS_KEY = "rollout_log_probs"
-
     def __init__(self, config: PolicyLossConfig, *, report_entropy: bool = True, on_policy: bool = False):
         """``report_entropy`` asks the engine for per-token entropy even when entropy_coeff == 0.
 
@@ -159,8 +161,8 @@ class PPOLoss:
 
     def required_keys(self) -> tuple[str, ...]:
         """Per-token wire tensors every micro-batch must carry."""
-        keys = (self.ADVANTAGES_KEY,) if self.on_policy else (self.OLD_LOG_PROBS_KEY, self.ADVANTAGES_KEY)
-        return keys + ((self.REF_LOG_PROB_KEY,) if self.config.use_kl_loss else ())
+        keys = (ADVANTAGES_KEY,) if self.on_policy else (OLD_LOG_PROBS_KEY, ADVANTAGES_KEY)
+        return keys + ((REF_LOG_PROB_KEY,) if self.config.use_kl_loss else ())
 
     def __call__(
         self, *, log_probs: torch.Tensor, entropy: torch.Tensor | None, inputs
@@ -169,34 +171,34 @@ class PPOLoss:
         missing = [k for k in self.required_keys() if k not in inputs]
         if missing:
             raise PolicyLossConfigError(f"micro-batch lacks {missing} needed by the PPO loss; it has {sorted(inputs)}")
-        if self.on_policy and self.OLD_LOG_PROBS_KEY in inputs:
+        if self.on_policy and OLD_LOG_PROBS_KEY in inputs:
             raise PolicyLossConfigError(
                 f"on_policy=True takes the old log-probs from the update forward, but the micro-batch carries "
-                f"{self.OLD_LOG_PROBS_KEY!r}; send one or the other"
+                f"{OLD_LOG_PROBS_KEY!r}; send one or the other"
             )
         if self.on_policy:
             old_log_probs = log_probs.detach()
         else:
-            old_log_probs = inputs[self.OLD_LOG_PROBS_KEY].to(log_probs.dtype)
+            old_log_probs = inputs[OLD_LOG_PROBS_KEY].to(log_probs.dtype)
         loss, metrics = ppo_clip_token_loss(
             log_probs=log_probs,
             old_log_probs=old_log_probs,
-            advantages=inputs[self.ADVANTAGES_KEY].to(log_probs.dtype),
+            advantages=inputs[ADVANTAGES_KEY].to(log_probs.dtype),
             config=self.config,
-            ref_log_probs=inputs[self.REF_LOG_PROB_KEY].to(log_probs.dtype) if self.config.use_kl_loss else None,
+            ref_log_probs=inputs[REF_LOG_PROB_KEY].to(log_probs.dtype) if self.config.use_kl_loss else None,
             entropy=entropy,
         )
-        if self.on_policy and self.ROLLOUT_LOG_PROBS_KEY in inputs:
+        if self.on_policy and ROLLOUT_LOG_PROBS_KEY in inputs:
             metrics["rollout_probs_diff_mean"] = self._rollout_probs_diff(log_probs, inputs)
         return loss, metrics
 
     def _rollout_probs_diff(self, log_probs: torch.Tensor, inputs) -> torch.Tensor:
         """|p_rollout - p_trainer| per token (verl's ``training/rollout_probs_diff_*``); keeps the
         running maximum over loss-masked tokens in ``rollout_probs_diff_max``."""
-        rollout = inputs[self.ROLLOUT_LOG_PROBS_KEY].to(log_probs.dtype)
+        rollout = inputs[ROLLOUT_LOG_PROBS_KEY].to(log_probs.dtype)
         diff = (rollout.exp() - log_probs.detach().exp()).abs()
         if diff.numel():
-            local = torch.where(inputs["loss_mask"] > 0, diff, 0.0).max()  # no device sync
+            local = torch.where(inputs[LOSS_MASK_KEY] > 0, diff, 0.0).max()  # no device sync
             previous = self.rollout_probs_diff_max
             self.rollout_probs_diff_max = local if previous is None else torch.maximum(previous, local)
         return diff

@@ -22,6 +22,8 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from verl_balance.batch_keys import RETURNS_KEY, VALUES_KEY
+
 
 class ValueLossConfigError(ValueError):
     """A bad value-loss setting or a micro-batch without the keys the value loss reads."""
@@ -48,9 +50,6 @@ class ValueLoss:
     """verl's clipped value loss as a ``ValueLossFn`` (wire keys: ``values`` = the old values the
     rollout's critic pass computed, ``returns``)."""
 
-    OLD_VALUES_KEY = "values"
-    RETURNS_KEY = "returns"
-
     def __init__(self, *, cliprange_value: float):
         if not cliprange_value > 0:
             raise ValueLossConfigError(f"cliprange_value={cliprange_value!r} must be > 0")
@@ -58,7 +57,7 @@ class ValueLoss:
 
     def required_keys(self) -> tuple[str, ...]:
         """Per-token wire tensors every micro-batch must carry."""
-        return (self.OLD_VALUES_KEY, self.RETURNS_KEY)
+        return (VALUES_KEY, RETURNS_KEY)
 
     def __call__(self, *, values: Tensor, inputs: Mapping[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         missing = [k for k in self.required_keys() if k not in inputs]
@@ -66,7 +65,7 @@ class ValueLoss:
             raise ValueLossConfigError(f"micro-batch lacks {missing} needed by the value loss; it has {sorted(inputs)}")
         return clipped_value_token_loss(
             vpreds=values,
-            old_values=inputs[self.OLD_VALUES_KEY].to(values.dtype),
-            returns=inputs[self.RETURNS_KEY].to(values.dtype),
+            old_values=inputs[VALUES_KEY].to(values.dtype),
+            returns=inputs[RETURNS_KEY].to(values.dtype),
             cliprange_value=self.cliprange_value,
         )

@@ -26,6 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from verl_balance.batch_keys import ATTENTION_MASK_KEY, INDEX_KEY, INPUT_IDS_KEY, POSITION_IDS_KEY, PROMPT_IDS_KEY
+
 from .io import (
     MALFORMED_POLICIES,
     TRUNCATION_MODES,
@@ -271,14 +273,14 @@ def collate_rl(
         input_ids[i, :length] = torch.from_numpy(sample.prompt_ids)
         attention_mask[i, :length] = 1
         position_ids[i, :length] = torch.arange(length)
-    tensors = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+    tensors = {INPUT_IDS_KEY: input_ids, ATTENTION_MASK_KEY: attention_mask, POSITION_IDS_KEY: position_ids}
     non_tensors = {
-        "raw_prompt_ids": _object_array([s.prompt_ids.tolist() for s in samples]),
+        PROMPT_IDS_KEY: _object_array([s.prompt_ids.tolist() for s in samples]),
         "raw_prompt": _object_array([s.raw_prompt for s in samples]),
         "data_source": _object_array([s.data_source for s in samples]),
         "ground_truth": _object_array([s.ground_truth for s in samples]),
         "reward_model": _object_array([s.reward_model for s in samples]),
         "extra_info": _object_array([s.extra_info for s in samples]),
-        "index": _object_array([s.index for s in samples]),
+        INDEX_KEY: _object_array([s.index for s in samples]),
     }
     return tensors, non_tensors

@@ -29,6 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from verl_balance.batch_keys import ATTENTION_MASK_KEY, INPUT_IDS_KEY, LOSS_MASK_KEY, POSITION_IDS_KEY
+
 from .io import (
     MALFORMED_POLICIES,
     TRUNCATION_MODES,
@@ -283,7 +285,7 @@ class _SampleStore:
         """Read-only numpy views of the buffers (no copy)."""
         views = {
             "token_ids": np.frombuffer(self.token_ids, dtype=np.uint16 if self.id_typecode == "H" else np.int32),
-            "loss_mask": np.frombuffer(self.loss_mask, dtype=np.uint8),
+            LOSS_MASK_KEY: np.frombuffer(self.loss_mask, dtype=np.uint8),
             "offsets": np.frombuffer(self.offsets, dtype=np.int64),
             "loss_tokens": np.frombuffer(self.loss_tokens, dtype=np.int64),
             "file_index": np.frombuffer(self.file_index, dtype=np.int32),
@@ -310,7 +312,7 @@ class SFTDataset(torch.utils.data.Dataset):
             for file_index, path in enumerate(self.files):
                 self._read_file(path, file_index, store)
         arrays = store.arrays()
-        self._token_ids, self._loss_mask, self._offsets = arrays["token_ids"], arrays["loss_mask"], arrays["offsets"]
+        self._token_ids, self._loss_mask, self._offsets = arrays["token_ids"], arrays[LOSS_MASK_KEY], arrays["offsets"]
         self._loss_tokens, self._file_index, self._row = arrays["loss_tokens"], arrays["file_index"], arrays["row"]
         if self.skipped:
             logger.warning(
@@ -460,8 +462,8 @@ class SFTDataset(torch.utils.data.Dataset):
         index = self._check_index(index)
         start, end = int(self._offsets[index]), int(self._offsets[index + 1])
         return {
-            "input_ids": torch.from_numpy(self._token_ids[start:end].astype(np.int64)),
-            "loss_mask": torch.from_numpy(self._loss_mask[start:end].astype(np.int64)),
+            INPUT_IDS_KEY: torch.from_numpy(self._token_ids[start:end].astype(np.int64)),
+            LOSS_MASK_KEY: torch.from_numpy(self._loss_mask[start:end].astype(np.int64)),
         }
 
     @property
@@ -533,20 +535,20 @@ def collate_sft(samples: Sequence[Mapping[str, torch.Tensor]], *, pad_token_id: 
     """Right-pad samples to (B, L): input_ids, attention_mask, loss_mask, position_ids (all int64)."""
     if not samples:
         raise DataError("cannot collate an empty list of samples")
-    lengths = [len(s["input_ids"]) for s in samples]
+    lengths = [len(s[INPUT_IDS_KEY]) for s in samples]
     batch_size, max_len = len(samples), max(lengths)
     input_ids = torch.full((batch_size, max_len), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((batch_size, max_len), dtype=torch.long)
     loss_mask = torch.zeros((batch_size, max_len), dtype=torch.long)
     position_ids = torch.zeros((batch_size, max_len), dtype=torch.long)
     for i, (sample, length) in enumerate(zip(samples, lengths)):
-        input_ids[i, :length] = sample["input_ids"]
-        loss_mask[i, :length] = sample["loss_mask"]
+        input_ids[i, :length] = sample[INPUT_IDS_KEY]
+        loss_mask[i, :length] = sample[LOSS_MASK_KEY]
         attention_mask[i, :length] = 1
         position_ids[i, :length] = torch.arange(length)
     return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "loss_mask": loss_mask,
-        "position_ids": position_ids,
+        INPUT_IDS_KEY: input_ids,
+        ATTENTION_MASK_KEY: attention_mask,
+        LOSS_MASK_KEY: loss_mask,
+        POSITION_IDS_KEY: position_ids,
     }

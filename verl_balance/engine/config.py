@@ -9,7 +9,7 @@ classes directly, so the check runs when the merged config is turned into object
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from verl_balance.loss import check_agg_mode
 from verl_balance.models.attention import ATTN_IMPLS
@@ -101,46 +101,111 @@ class FSDPConfig:
     parameter (4 * P bytes) for the whole step, on top of the sharded 4 * P / W."""
 
 
-@dataclass
-class EngineConfig:
-    """Settings of TrainEngine (names follow verl where the concept is the same)."""
+# ---------------------------------------------------------------------- the engine's keys, one home each
+# Each engine key is one field of one of these groups, named as verl names it. EngineConfig inherits
+# them, and so do the recipe sections that hold them (trainer/sft_config.py, trainer/grpo_config.py),
+# so a key has one name, one default and one docstring; the recipes' key maps are derived from
+# the groups (trainer/recipe.engine_keys) and the verl backend reads LoRAKeys / KernelKeys by their names. A
+# group holds no checks: EngineConfig.__post_init__ checks the values, naming the user's key.
+ENGINE_FIELD = "engine_field"
+"""Field metadata: the EngineConfig field a group field feeds when the names differ (fsdp_config)."""
 
+
+@dataclass
+class ActorKeys:
+    """verl's ``actor`` keys of the engine (also the critic's, and the SFT recipe's top level)."""
+
+    loss_agg_mode: str = "token-mean"
+    """Loss aggregation: one of loss.AGG_MODES (the loss contract; seq-mean-token-sum-norm is Dr.GRPO's)."""
+    loss_scale_factor: Optional[float] = None
+    """The constant C of seq-mean-token-sum-norm (e.g. the response length)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
+    """The engine's optimizer and learning-rate schedule."""
+
+
+@dataclass
+class HeadKeys:
+    """The output head's key."""
+
+    logits_chunk_size: int = field(default=DEFAULT_LOGITS_CHUNK_SIZE, metadata=LAYOUT_ON_RESUME)
+    """Tokens per chunk of the output head (models/output_head.py): log-probs, entropy and their
+    gradients are computed chunk by chunk from the final hidden states, recomputing each chunk's logits
+    but the last in the backward, so the head holds about logits_chunk_size x vocab fp32 values instead
+    of micro-batch tokens x vocab (exact: the same values and gradients). 0 = the unchunked path that
+    materializes the micro-batch's full logits (the reference; docs/performance.md)."""
+
+
+@dataclass
+class FSDPKeys(HeadKeys):
+    """verl's ``fsdp_config`` (the engine's ``fsdp``) beside the output head's key: where a recipe
+    keeps its engine's FSDP2 switches (SFT ``model``, GRPO ``actor_rollout_ref.actor``)."""
+
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig, metadata={**LAYOUT_ON_RESUME, ENGINE_FIELD: "fsdp"})
+    """verl's key: the engine's FSDP2 switches (reshard_after_forward, reshard_after_backward,
+    defer_gradient_sync); the defaults use the least memory. See docs/performance.md."""
+
+
+@dataclass
+class LoRAKeys:
+    """verl's LoRA keys of ``model`` (its HFModelConfig's names: the verl backend reads them so)."""
+
+    lora_rank: int = 0
+    """verl's key: LoRA rank; 0 = off (full fine-tuning). > 0 (Hugging Face models only): peft LoRA
+    adapters on the target Linear layers are the only trainable parameters and the only ones with
+    optimizer state (engine/lora.py, docs/models.md)."""
+    lora_alpha: float = 16.0
+    """verl's key: LoRA scaling numerator (the adapter's update is lora_alpha / lora_rank * B @ A)."""
+    target_modules: Any = "all-linear"
+    """verl's key: 'all-linear' (every Linear of the decoder, not the output head) or a list of module
+    names, e.g. [q_proj, v_proj]."""
+    exclude_modules: Any = None
+    """verl's key: module names (a list, or a regex string) that never get an adapter; null = none."""
+    lora_adapter_path: Optional[str] = None
+    """verl's key: a peft adapter directory (adapter_config.json + adapter_model.safetensors) to start
+    from; its rank, alpha and target modules are the adapter's own. null = new adapters drawn from the
+    seed (B = 0: the run starts at the base model)."""
+
+
+@dataclass
+class ModelKeys(LoRAKeys):
+    """The engine keys of a recipe's ``model`` section: the parameter dtype and LoRA."""
+
+    param_dtype: str = "float32"
+    """Dtype of the parameters the engine computes in: one of engine.config.PARAM_DTYPES."""
+
+
+@dataclass
+class KernelKeys:
+    """Engine keys the verl backend's ``engine`` config shares by name (no recipe key sets them)."""
+
+    attn_impl: str = "auto"
+    """The packed-attention implementation: one of models.attention.ATTN_IMPLS."""
+
+
+ENGINE_KEY_GROUPS = (ActorKeys, HeadKeys, FSDPKeys, LoRAKeys, ModelKeys, KernelKeys)
+"""Every group; a field declared in one of them is an engine key (trainer/recipe.engine_keys)."""
+
+
+@dataclass
+class EngineConfig(KernelKeys, ModelKeys, HeadKeys, ActorKeys):
+    """Settings of TrainEngine (names follow verl where the concept is the same): the key groups above
+    plus what the trainer supplies."""
+
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    """FSDP2's switches (a recipe's ``fsdp_config``)."""
     model_type: str = "language_model"
     """What the engine trains (verl's EngineRegistry model_type): 'language_model' (the LM head:
     log-probs, LossFn gets ``log_probs=``) or 'value_model' (models/value.py: a scalar head per
     token and no LM head, the critic; its loss gets ``values=``, see train_engine.py)."""
     total_steps: int | None = None
-    loss_agg_mode: str = "token-mean"
-    loss_scale_factor: float | None = None
-    param_dtype: str = "float32"
-    attn_impl: str = "auto"
+    """Optimizer steps of the run (the schedule's length); None without a schedule that needs it."""
     seed: int = 0
+    """Seed of the initial weights and new LoRA adapters (the recipes pass trainer.seed)."""
     profile_steps: list[int] = field(default_factory=list)
     """1-based train steps (this engine's train_step calls) to trace with torch.profiler on every
     rank; empty = never. Traces go to profile_dir (see engine/profiling.py)."""
     profile_dir: str = "profile"
     """Directory of the traces: <profile_dir>/step_<N>/rank_<R>.trace.json (Chrome/Perfetto)."""
-    logits_chunk_size: int = DEFAULT_LOGITS_CHUNK_SIZE
-    """Tokens per chunk of the output head (models/output_head.py): log-probs, entropy and their
-    gradients are computed chunk by chunk from the final hidden states, recomputing each chunk's
-    logits but the last in the backward, so the head holds about logits_chunk_size x vocab fp32 values instead
-    of micro-batch tokens x vocab (exact: the same values and gradients). 0 = the unchunked path
-    that materializes the micro-batch's full logits (the reference)."""
-    lora_rank: int = 0
-    """LoRA rank (verl's key); 0 = off. > 0 (HF models only): peft LoRA adapters on the target
-    Linear layers are the only trainable parameters (and the only ones with optimizer state)."""
-    lora_alpha: float = 16.0
-    """LoRA scaling numerator: the adapter's update is (lora_alpha / lora_rank) * B @ A."""
-    target_modules: Any = "all-linear"
-    """Modules that get an adapter: 'all-linear' (every Linear of the decoder, not the output
-    head) or a list of module names (e.g. [q_proj, v_proj]); see engine/lora.py."""
-    exclude_modules: Any = None
-    """Module names (a list, or a regex string) that never get an adapter; null = none."""
-    lora_adapter_path: str | None = None
-    """A peft adapter directory (adapter_config.json + adapter_model.safetensors) to start from;
-    its rank, alpha and target modules are the adapter's own. null = new adapters from the seed."""
 
     def __post_init__(self) -> None:
         check_agg_mode(self.loss_agg_mode)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from verl_balance.batch_keys import ATTENTION_MASK_KEY, INPUT_IDS_KEY, LOSS_MASK_KEY, POSITION_IDS_KEY
 from verl_balance.distributed.ulysses import padded_length
 
 
@@ -27,7 +28,7 @@ class MicroBatchError(ValueError):
     """A micro-batch whose tensors do not follow the wire format."""
 
 
-_UNROLLED_KEYS = ("input_ids", "position_ids")
+_UNROLLED_KEYS = (INPUT_IDS_KEY, POSITION_IDS_KEY)
 
 
 @dataclass
@@ -69,7 +70,7 @@ class PackedMicroBatch:
         (each sample's value on all its tokens, ``padding`` on the padding tokens), on the device."""
         per_token = torch.repeat_interleave(values.cpu(), torch.as_tensor(self.seq_lens))
         per_token = torch.cat([per_token, per_token.new_full((self.padded_len - self.total_len,), padding)])
-        return per_token[self.local_slice].to(self.tensors["input_ids"].device)
+        return per_token[self.local_slice].to(self.tensors[INPUT_IDS_KEY].device)
 
     def unpack(self, values: Tensor) -> Tensor:
         """Target-aligned packed values [>= total_len] -> wire-aligned (b, L).
@@ -137,10 +138,10 @@ def _checked_lengths(micro_batch: Mapping[str, Tensor], *, require_loss_mask: bo
     """(the (b, L) attention mask on the CPU, each sample's length, the (b, L) bool mask of its real
     tokens); MicroBatchError unless the required keys are there and every sample is a non-empty
     right-padded prefix."""
-    for key in ("input_ids", "attention_mask") + (("loss_mask",) if require_loss_mask else ()):
+    for key in (INPUT_IDS_KEY, ATTENTION_MASK_KEY) + ((LOSS_MASK_KEY,) if require_loss_mask else ()):
         if key not in micro_batch:
             raise MicroBatchError(f"micro-batch lacks {key!r}; it has {sorted(micro_batch)}")
-    attention_mask = micro_batch["attention_mask"].cpu()
+    attention_mask = micro_batch[ATTENTION_MASK_KEY].cpu()
     if attention_mask.dim() != 2:
         raise MicroBatchError(f"attention_mask must be (b, L), got {tuple(attention_mask.shape)}")
     lengths = attention_mask.long().sum(1)
@@ -166,18 +167,18 @@ def _target_aligned_stream(micro_batch: Mapping[str, Tensor], real: Tensor, cu: 
     ends = cu[1:] - 1
     tensors: dict[str, Tensor] = {}
     for key, value in micro_batch.items():
-        if key == "attention_mask" or not isinstance(value, Tensor) or value.shape[:2] != (b, width):
+        if key == ATTENTION_MASK_KEY or not isinstance(value, Tensor) or value.shape[:2] != (b, width):
             continue
-        if key == "position_ids":  # rebuilt below (restarting at 0); the slot keeps the key order
+        if key == POSITION_IDS_KEY:  # rebuilt below (restarting at 0); the slot keeps the key order
             tensors[key] = index
             continue
         flat = value.cpu().flatten(0, 1).index_select(0, index)
         tensors[key] = flat if key in _UNROLLED_KEYS else shift_targets(flat, ends)
-    tensors["targets"] = shift_targets(tensors["input_ids"], ends)
-    tensors["position_ids"] = index % width if width else index  # token t of its sample is at t
-    if "loss_mask" not in tensors:
-        tensors["loss_mask"] = torch.zeros(int(cu[-1]))
-    tensors["loss_mask"] = tensors["loss_mask"].to(torch.float32)
+    tensors["targets"] = shift_targets(tensors[INPUT_IDS_KEY], ends)
+    tensors[POSITION_IDS_KEY] = index % width if width else index  # token t of its sample is at t
+    if LOSS_MASK_KEY not in tensors:
+        tensors[LOSS_MASK_KEY] = torch.zeros(int(cu[-1]))
+    tensors[LOSS_MASK_KEY] = tensors[LOSS_MASK_KEY].to(torch.float32)
     return tensors
 
 
@@ -186,6 +187,6 @@ def _pad_stream(key: str, value: Tensor, pad: int) -> Tensor:
     (the padding is its own attention segment)."""
     if not pad:
         return value
-    if key == "position_ids":
+    if key == POSITION_IDS_KEY:
         return torch.cat([value, torch.arange(pad, dtype=value.dtype)])
     return torch.cat([value, value.new_zeros((pad,) + value.shape[1:])])

@@ -48,6 +48,15 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from verl_balance.batch_keys import (
+    ATTENTION_MASK_KEY,
+    ENTROPY_KEY,
+    INPUT_IDS_KEY,
+    LOG_PROBS_KEY,
+    LOSS_MASK_KEY,
+    POSITION_IDS_KEY,
+    VALUES_KEY,
+)
 from verl_balance.distributed.layout import ParallelLayout
 from verl_balance.distributed.ulysses import gather_and_unpad
 from verl_balance.engine.config import EngineConfig, EngineConfigError
@@ -197,11 +206,11 @@ class TrainEngine:
         fingerprint = [len(micro_batches), 0, 0]
         # The (tokens, ids) fingerprint only serves the SP-identity check.
         for k, mb in enumerate(micro_batches if self.layout.sp > 1 else ()):
-            if "attention_mask" not in mb or "input_ids" not in mb:
+            if ATTENTION_MASK_KEY not in mb or INPUT_IDS_KEY not in mb:
                 continue  # pack_micro_batch names the missing key
-            real = mb["attention_mask"] != 0
+            real = mb[ATTENTION_MASK_KEY] != 0
             fingerprint[1] += (k + 1) * int(real.sum())
-            fingerprint[2] += int((mb["input_ids"] * real).sum()) % 1_000_003
+            fingerprint[2] += int((mb[INPUT_IDS_KEY] * real).sum()) % 1_000_003
         mine = torch.tensor(fingerprint, dtype=torch.int64, device=self.device)
         gathered = [torch.empty_like(mine) for _ in range(self.layout.world_size)]
         dist.all_gather(gathered, mine, group=self.layout.world_group)
@@ -240,8 +249,8 @@ class TrainEngine:
         attention runs all-to-alls over the SP group; every rank of the mesh must call it once per
         micro-batch index in the same order, an empty (padding-only) micro-batch included."""
         return self.model(
-            input_ids=packed.local("input_ids"),
-            position_ids=packed.local("position_ids"),
+            input_ids=packed.local(INPUT_IDS_KEY),
+            position_ids=packed.local(POSITION_IDS_KEY),
             cu_seqlens=packed.cu_seqlens_padded,
             max_seqlen=packed.max_seqlen,
         )
@@ -258,8 +267,8 @@ class TrainEngine:
         micro-batch index in the same order."""
         self._require_model_type("language_model", "forward_log_probs")
         return self.model(
-            input_ids=packed.local("input_ids"),
-            position_ids=packed.local("position_ids"),
+            input_ids=packed.local(INPUT_IDS_KEY),
+            position_ids=packed.local(POSITION_IDS_KEY),
             cu_seqlens=packed.cu_seqlens_padded,
             max_seqlen=packed.max_seqlen,
             targets=packed.local("targets"),
@@ -276,8 +285,8 @@ class TrainEngine:
         micro-batch index in the same order."""
         self._require_model_type("value_model", "forward_values")
         return self.model(
-            input_ids=packed.local("input_ids"),
-            position_ids=packed.local("position_ids"),
+            input_ids=packed.local(INPUT_IDS_KEY),
+            position_ids=packed.local(POSITION_IDS_KEY),
             cu_seqlens=packed.cu_seqlens_padded,
             max_seqlen=packed.max_seqlen,
         )
@@ -391,7 +400,7 @@ class TrainEngine:
         """The loss-contract weights of this rank's micro-batches (a seam for testing.faults);
         ``training`` is unused here: eval weighs tokens exactly as training does."""
         return compute_token_weights(
-            loss_masks=[p.tensors["loss_mask"] for p in packed],
+            loss_masks=[p.tensors[LOSS_MASK_KEY] for p in packed],
             cu_seqlens=[p.cu_seqlens_host for p in packed],
             agg_mode=self.config.loss_agg_mode,
             loss_scale_factor=self.config.loss_scale_factor,
@@ -513,7 +522,7 @@ class TrainEngine:
             )
             timer.stop()
             local_objective += objective.detach().double()
-            mask = p.local("loss_mask")
+            mask = p.local(LOSS_MASK_KEY)
             for name, value in per_token_metrics.items():
                 contribution = (mask * value.detach().float()).sum().double()
                 metric_sums[name] = metric_sums.get(name, 0) + contribution
@@ -537,10 +546,10 @@ class TrainEngine:
         loop and the model's head): a language model's ``log_probs`` / ``entropy`` (LossFn), a
         value model's ``values`` (ValueLossFn)."""
         if self.is_value_model:
-            return {"values": self.forward_values(packed)}
+            return {VALUES_KEY: self.forward_values(packed)}
         needs_entropy = getattr(loss_fn, "needs_entropy", False)
         log_probs, entropy = self.forward_log_probs(packed, temperature=temperature, with_entropy=needs_entropy)
-        return {"log_probs": log_probs, "entropy": entropy}
+        return {LOG_PROBS_KEY: log_probs, ENTROPY_KEY: entropy}
 
     def _all_reduce_step_sums(
         self, local_objective: Tensor, metric_sums: dict[str, Tensor], *, flops: float, tokens: float
@@ -607,9 +616,9 @@ class TrainEngine:
         outputs = []
         for p in self.pack_micro_batches(micro_batches, require_loss_mask=False):
             log_probs, entropy = self.gathered_log_probs(p, temperature=temperature, with_entropy=with_entropy)
-            result = {"log_probs": p.unpack(log_probs)}
+            result = {LOG_PROBS_KEY: p.unpack(log_probs)}
             if with_entropy:
-                result["entropy"] = p.unpack(entropy)
+                result[ENTROPY_KEY] = p.unpack(entropy)
             outputs.append(result)
         self.reshard()
         return outputs
@@ -626,7 +635,7 @@ class TrainEngine:
         self.model.eval()
         outputs = []
         for p in self.pack_micro_batches(micro_batches, require_loss_mask=False):
-            outputs.append({"values": p.unpack(self.gathered_values(p))})
+            outputs.append({VALUES_KEY: p.unpack(self.gathered_values(p))})
         self.reshard()
         return outputs
 

@@ -16,6 +16,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from verl_balance.batch_keys import (
+    ATTENTION_MASK_KEY,
+    FINISH_REASON_KEY,
+    INPUT_IDS_KEY,
+    LOSS_MASK_KEY,
+    POSITION_IDS_KEY,
+    PROMPT_INDEX_KEY,
+    PROMPT_LENGTHS_KEY,
+    RESPONSE_LENGTHS_KEY,
+    ROLLOUT_LOG_PROBS_KEY,
+)
 from verl_balance.protocol import Batch
 from verl_balance.rollout.base import RolloutInputError, RolloutOutput
 
@@ -44,12 +55,12 @@ def build_rollout_tensors(
     attention_mask = (slot < total[:, None]).long()
     loss_mask = ((slot >= prompt_lengths[:, None]) & (slot < total[:, None])).long()
     tensors = {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "loss_mask": loss_mask,
-        "position_ids": slot.expand(len(prompt_rows), width) * attention_mask,
-        "prompt_lengths": prompt_lengths,
-        "response_lengths": response_lengths,
+        INPUT_IDS_KEY: input_ids,
+        ATTENTION_MASK_KEY: attention_mask,
+        LOSS_MASK_KEY: loss_mask,
+        POSITION_IDS_KEY: slot.expand(len(prompt_rows), width) * attention_mask,
+        PROMPT_LENGTHS_KEY: prompt_lengths,
+        RESPONSE_LENGTHS_KEY: response_lengths,
     }
     if output.log_probs is not None:
         rollout_log_probs = torch.zeros(len(prompt_rows), width, dtype=torch.float32)
@@ -57,7 +68,7 @@ def build_rollout_tensors(
         response_slot = (slot - prompt_lengths[:, None]).clamp(min=0, max=max(source.shape[1] - 1, 0))
         if source.shape[1]:
             rollout_log_probs = torch.where(loss_mask.bool(), source.gather(1, response_slot), rollout_log_probs)
-        tensors["rollout_log_probs"] = rollout_log_probs
+        tensors[ROLLOUT_LOG_PROBS_KEY] = rollout_log_probs
     return tensors
 
 
@@ -81,7 +92,7 @@ def build_rollout_batch(
     columns ``prompt_index``, ``finish_reason`` and every per-prompt column of ``prompt_columns``
     (e.g. ``uid``, ``data_source``, ``ground_truth``) repeated for that prompt's responses."""
     tensors = build_rollout_tensors(prompts=prompts, output=output, pad_token_id=pad_token_id)
-    non_tensors = {"prompt_index": output.prompt_index.copy(), "finish_reason": output.finish_reasons.copy()}
+    non_tensors = {PROMPT_INDEX_KEY: output.prompt_index.copy(), FINISH_REASON_KEY: output.finish_reasons.copy()}
     for name, values in (prompt_columns or {}).items():
         if len(values) != len(prompts):
             raise RolloutInputError(f"prompt column {name!r} has {len(values)} entries for {len(prompts)} prompts")

@@ -34,14 +34,7 @@ from omegaconf import DictConfig
 from verl_balance.algorithms import ADV_ESTIMATORS, PolicyLossConfig
 from verl_balance.data.rl_dataset import RLDataConfig
 from verl_balance.data.synthetic import TASKS, SyntheticConfig
-from verl_balance.engine.config import (
-    APPLY_ON_RESUME,
-    DEFAULT_LOGITS_CHUNK_SIZE,
-    LAYOUT_ON_RESUME,
-    EngineConfig,
-    FSDPConfig,
-    OptimConfig,
-)
+from verl_balance.engine.config import APPLY_ON_RESUME, LAYOUT_ON_RESUME, ActorKeys, EngineConfig, FSDPKeys
 from verl_balance.loss import check_agg_mode
 from verl_balance.rollout.base import RolloutInputError
 from verl_balance.rollout.factory import ROLLOUT_BACKENDS, resolve_backend
@@ -53,7 +46,7 @@ from verl_balance.trainer.config_checks import (
     check_positive,
     check_remove_padding,
 )
-from verl_balance.trainer.recipe import RecipeConfig
+from verl_balance.trainer.recipe import RecipeConfig, engine_keys
 from verl_balance.trainer.sections import (
     BalanceSection,
     ModelSection,
@@ -158,9 +151,10 @@ class ActorModelSection(ModelSection):
 
 
 @dataclass
-class ActorSection(PolicyLossConfig):
-    """verl's ``actor_rollout_ref.actor``: the policy loss (``PolicyLossConfig``'s keys), its
-    aggregation, PPO mini-batching and the optimizer."""
+class ActorSection(FSDPKeys, ActorKeys, PolicyLossConfig):
+    """verl's ``actor_rollout_ref.actor``: the policy loss (``PolicyLossConfig``'s keys), PPO
+    mini-batching and the engine's actor keys (aggregation, optimizer, FSDP2 switches, output head:
+    engine.config.ActorKeys and FSDPKeys)."""
 
     ppo_mini_batch_size: int = 8
     """Prompts per optimizer step (all their responses)."""
@@ -177,22 +171,8 @@ class ActorSection(PolicyLossConfig):
     data.train_batch_size) the old log-probs are the update forward's own, detached (ratio exactly
     1), and the separate old-log-prob pass is skipped; always: run that pass every step (verl's
     behaviour). See docs/verl.md section 8."""
-    loss_agg_mode: str = "token-mean"
-    """Loss aggregation: one of loss.AGG_MODES (seq-mean-token-sum-norm is Dr.GRPO's)."""
-    loss_scale_factor: Optional[float] = None
-    """The constant C of seq-mean-token-sum-norm (e.g. the response length)."""
     ulysses_sequence_parallel_size: Optional[int] = field(default=None, metadata=LAYOUT_ON_RESUME)
     """Ulysses degree (verl's spelling; the top-level key of the SFT recipe works too)."""
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    """The engine's optimizer and learning-rate schedule."""
-    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig, metadata=LAYOUT_ON_RESUME)
-    """verl's key: the engine's FSDP2 switches (reshard_after_forward, reshard_after_backward,
-    defer_gradient_sync); the defaults use the least memory. See docs/performance.md."""
-    logits_chunk_size: int = field(default=DEFAULT_LOGITS_CHUNK_SIZE, metadata=LAYOUT_ON_RESUME)
-    """Tokens per chunk of the engine's output head: log-probs, entropy and their backward are
-    computed chunk by chunk from the final hidden states (logits recomputed in the backward), so the
-    head holds about logits_chunk_size x vocab fp32 values, not micro-batch tokens x vocab; the same
-    values and gradients. 0 = materialize the full logits (engine/config.py, docs/performance.md)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -330,9 +310,11 @@ class CriticModelSection:
 
 
 @dataclass
-class CriticSection:
+class CriticSection(ActorKeys):
     """verl's ``critic``: the value model trained on GAE returns (only with algorithm.adv_estimator=gae).
-    Keys left null take the actor's value (``actor_rollout_ref.actor.<same key>``), as in verl."""
+    Keys left null take the actor's value (``actor_rollout_ref.actor.<same key>``), as in verl: the
+    INHERITED ones, among them the engine's ActorKeys ``loss_agg_mode`` and ``loss_scale_factor``;
+    ``optim`` is the critic's own (OptimConfig's defaults, verl's critic lr 1e-5)."""
 
     ppo_mini_batch_size: Optional[int] = None
     """Prompts per critic optimizer step (all their responses); null = the actor's."""
@@ -348,10 +330,6 @@ class CriticSection:
     """Clip of the new values around the old ones in the value loss (verl's default 0.5)."""
     loss_agg_mode: Optional[str] = None
     """Aggregation of the value loss (one of loss.AGG_MODES); null = the actor's."""
-    loss_scale_factor: Optional[float] = None
-    """The constant C of seq-mean-token-sum-norm; null = the actor's."""
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    """The critic engine's optimizer and schedule (verl's critic default lr 1e-5, OptimConfig's)."""
     model: CriticModelSection = field(default_factory=CriticModelSection)
     """The value model's initial weights."""
 
@@ -453,28 +431,12 @@ class GRPOTrainerSection(TrainerSection):
 class GRPOConfig(RecipeConfig):
     """The GRPO recipe (``config/grpo.yaml``)."""
 
-    ENGINE_KEYS: ClassVar[dict[str, str]] = {
-        "optim": "actor_rollout_ref.actor.optim",
-        "loss_agg_mode": "actor_rollout_ref.actor.loss_agg_mode",
-        "loss_scale_factor": "actor_rollout_ref.actor.loss_scale_factor",
-        "param_dtype": "actor_rollout_ref.model.param_dtype",
-        "fsdp": "actor_rollout_ref.actor.fsdp_config",
-        "logits_chunk_size": "actor_rollout_ref.actor.logits_chunk_size",
-        "lora_rank": "actor_rollout_ref.model.lora_rank",
-        "lora_alpha": "actor_rollout_ref.model.lora_alpha",
-        "target_modules": "actor_rollout_ref.model.target_modules",
-        "exclude_modules": "actor_rollout_ref.model.exclude_modules",
-        "lora_adapter_path": "actor_rollout_ref.model.lora_adapter_path",
-    }
+    ENGINE_SECTIONS: ClassVar[tuple[str, ...]] = ("actor_rollout_ref.actor", "actor_rollout_ref.model")
     SP_KEY: ClassVar[str] = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
-    CRITIC_ENGINE_KEYS: ClassVar[dict[str, str]] = {
-        "optim": "critic.optim",
-        "loss_agg_mode": "critic.loss_agg_mode",
-        "loss_scale_factor": "critic.loss_scale_factor",
-        "param_dtype": "actor_rollout_ref.model.param_dtype",
-        "fsdp": "actor_rollout_ref.actor.fsdp_config",
-    }
-    """``ENGINE_KEYS`` of the critic's engine (adv_estimator=gae; model_type value_model)."""
+    CRITIC_ENGINE_SECTIONS: ClassVar[tuple[str, ...]] = ("critic",)
+    """The critic engine's own keys (adv_estimator=gae; model_type value_model)."""
+    CRITIC_SHARED_KEYS: ClassVar[tuple[str, ...]] = ("param_dtype", "fsdp")
+    """Engine fields the critic takes from the actor's keys (no LoRA, no LM head)."""
     BALANCE_KEY: ClassVar[str] = "trainer.balance_batch"
     ALIASES: ClassVar[dict[str, str]] = {"ulysses_sequence_parallel_size": SP_KEY}
 
@@ -512,11 +474,17 @@ class GRPOConfig(RecipeConfig):
         critic = self.critic
         return critic.ppo_epochs * (self.data.train_batch_size // critic.ppo_mini_batch_size)
 
+    @classmethod
+    def critic_engine_keys(cls) -> dict[str, str]:
+        """The critic engine's ``engine_keys``: its own section's, plus the actor's CRITIC_SHARED_KEYS."""
+        shared = {name: key for name, key in cls.engine_keys().items() if name in cls.CRITIC_SHARED_KEYS}
+        return {**shared, **engine_keys(cls, cls.CRITIC_ENGINE_SECTIONS)}
+
     def critic_engine_config(self, *, total_steps: int) -> EngineConfig:
         """The critic engine's config for a run of ``total_steps`` driver steps (a value model)."""
         return self.engine_config(
             total_steps=total_steps,
-            keys=self.CRITIC_ENGINE_KEYS,
+            keys=self.critic_engine_keys(),
             updates_per_step=self.critic_updates_per_step,
             model_type="value_model",
         )

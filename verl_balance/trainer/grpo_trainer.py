@@ -48,13 +48,28 @@ import torch
 
 from verl_balance.algorithms import compute_advantages
 from verl_balance.batch_keys import (
+    ADVANTAGES_KEY,
+    ATTENTION_MASK_KEY,
+    CRITIC_UPDATE_KEYS,
+    FINISH_REASON_KEY,
+    INDEX_KEY,
+    INPUT_IDS_KEY,
+    LOG_PROB_INPUT_KEYS,
+    LOG_PROBS_KEY,
+    LOSS_MASK_KEY,
+    OLD_LOG_PROBS_KEY,
     ON_POLICY_KEY,
     PROMPT_IDS_KEY,
     PROMPT_INDEX_KEY,
+    PROMPT_LENGTHS_KEY,
+    REF_LOG_PROB_KEY,
+    RESPONSE_LENGTHS_KEY,
+    RETURNS_KEY,
     ROLLOUT_LOG_PROBS_KEY,
     SAMPLE_INDEX_KEY,
     TEMPERATURE_KEY,
     UID_KEY,
+    VALUES_KEY,
 )
 from verl_balance.data.rl_dataset import RLPromptDataset
 from verl_balance.protocol import Batch
@@ -80,10 +95,6 @@ from verl_balance.workers.critic import CriticWorker, CriticWorkerConfig
 from verl_balance.workers.group import ActorRolloutGroup, CriticGroup
 
 logger = logging.getLogger(__name__)
-LOG_PROB_INPUT_KEYS = ["input_ids", "attention_mask", "position_ids"]
-"""The columns a log-prob pass reads (the worker packs every wire column it receives)."""
-CRITIC_UPDATE_KEYS = ["input_ids", "attention_mask", "position_ids", "loss_mask", "values", "returns"]
-"""The columns a critic update reads: the sequences, the response mask, the old values and the returns."""
 CRITIC_CHECKPOINT_DIR = "critic"
 """The critic's shards inside a ``global_step_N`` checkpoint (the actor's are at its root)."""
 PLOT_PANELS = (
@@ -129,10 +140,10 @@ def merge_rollout_outputs(
 def rollout_probs_diff(batch: Batch) -> dict:
     """How far the rollout's token probabilities are from the actor's recomputed ones (verl's
     ``training/rollout_probs_diff_*``): large values mean the two forwards disagree."""
-    if "rollout_log_probs" not in batch:
+    if ROLLOUT_LOG_PROBS_KEY not in batch:
         return {}
-    mask = batch["loss_mask"].bool()
-    diff = (batch["rollout_log_probs"].exp() - batch["old_log_probs"].exp()).abs()[mask]
+    mask = batch[LOSS_MASK_KEY].bool()
+    diff = (batch[ROLLOUT_LOG_PROBS_KEY].exp() - batch[OLD_LOG_PROBS_KEY].exp()).abs()[mask]
     if diff.numel() == 0:
         return {}
     return {"rollout/probs_diff_mean": float(diff.mean()), "rollout/probs_diff_max": float(diff.max())}
@@ -157,8 +168,8 @@ def mean_metrics(records: list[dict]) -> dict:
 def value_metrics(batch: Batch) -> dict:
     """verl's critic data metrics over the response tokens: mean values and returns, and the
     explained variance 1 - var(returns - values) / (var(returns) + 1e-5) (unbiased variances)."""
-    mask = batch["loss_mask"].bool()
-    values, returns = batch["values"][mask].double(), batch["returns"][mask].double()
+    mask = batch[LOSS_MASK_KEY].bool()
+    values, returns = batch[VALUES_KEY][mask].double(), batch[RETURNS_KEY][mask].double()
     if values.numel() < 2:
         return {}
     return {
@@ -365,10 +376,10 @@ class GRPOTrainer(DriverBase):
         num_prompts = len(non_tensors[PROMPT_IDS_KEY])
         bounds = np.linspace(0, num_prompts, self.world + 1).round().astype(int)
         prompt_batch = Batch.from_dict(
-            tensors={"prompt_lengths": tensors["attention_mask"].sum(1)},
+            tensors={PROMPT_LENGTHS_KEY: tensors[ATTENTION_MASK_KEY].sum(1)},
             non_tensors={
                 PROMPT_IDS_KEY: non_tensors[PROMPT_IDS_KEY],
-                SAMPLE_INDEX_KEY: np.asarray(non_tensors["index"], dtype=np.int64),
+                SAMPLE_INDEX_KEY: np.asarray(non_tensors[INDEX_KEY], dtype=np.int64),
             },
         )
         chunks = [prompt_batch.index_select(np.arange(lo, hi)) for lo, hi in zip(bounds[:-1], bounds[1:])]
@@ -382,7 +393,7 @@ class GRPOTrainer(DriverBase):
         output = merge_rollout_outputs(
             outputs, prompt_offsets=bounds[:-1].tolist(), pad_token_id=self.tokenizer.pad_token_id
         )
-        columns = {UID_KEY: non_tensors["index"]}
+        columns = {UID_KEY: non_tensors[INDEX_KEY]}
         for key in ("data_source", "ground_truth", "extra_info"):
             columns[key] = non_tensors[key]
         return build_rollout_batch(
@@ -394,9 +405,9 @@ class GRPOTrainer(DriverBase):
 
     def score(self, batch: Batch) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         """Reward of every response: (scores [B], extra per-sample metrics such as ``acc``)."""
-        starts = batch["prompt_lengths"].tolist()
-        ends = (batch["prompt_lengths"] + batch["response_lengths"]).tolist()
-        ids = batch["input_ids"].tolist()
+        starts = batch[PROMPT_LENGTHS_KEY].tolist()
+        ends = (batch[PROMPT_LENGTHS_KEY] + batch[RESPONSE_LENGTHS_KEY]).tolist()
+        ids = batch[INPUT_IDS_KEY].tolist()
         solutions = [self.tokenizer.decode(row[s:e]) for row, s, e in zip(ids, starts, ends)]
         reward = self.config.custom_reward_function
         return score_batch_watched(
@@ -451,7 +462,7 @@ class GRPOTrainer(DriverBase):
             # The log-prob (and values) passes run on the workers while the driver scores the responses.
             pending = self._submit_log_prob_passes(batch, metrics)
             if self.critic is not None:
-                pending["values"] = self._submit_values_pass(batch, metrics)
+                pending[VALUES_KEY] = self._submit_values_pass(batch, metrics)
             with _timed(metrics, "reward"):
                 scores, extras = self.score(batch)
             self._collect_log_prob_passes(batch, pending, metrics)
@@ -466,7 +477,7 @@ class GRPOTrainer(DriverBase):
                 with _timed(metrics, "update"):
                     metrics.update(self.update_actor(batch))
         metrics.update(self._rollout_metrics(batch, scores, extras, prefix=""))
-        tokens = int(batch["attention_mask"].sum())
+        tokens = int(batch[ATTENTION_MASK_KEY].sum())
         metrics.update(
             {
                 "perf/tokens": tokens,
@@ -502,7 +513,7 @@ class GRPOTrainer(DriverBase):
         """Start the critic's values pass through its own plan (the critic's micro-batching) without
         waiting; (plan, GroupFuture)."""
         c = self.config.critic
-        with _timed(metrics, "values"):
+        with _timed(metrics, VALUES_KEY):
             plan = self._plan(
                 batch,
                 micro_batch_size=c.ppo_micro_batch_size_per_gpu,
@@ -518,15 +529,15 @@ class GRPOTrainer(DriverBase):
             adv_estimator=alg.adv_estimator,
             scores=torch.from_numpy(scores),
             index=batch[PROMPT_INDEX_KEY],
-            loss_mask=batch["loss_mask"],
+            loss_mask=batch[LOSS_MASK_KEY],
             norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
-            values=batch["values"] if "values" in batch else None,
+            values=batch[VALUES_KEY] if VALUES_KEY in batch else None,
             gamma=alg.gamma,
             lam=alg.lam,
         )
-        batch["advantages"] = out.advantages
+        batch[ADVANTAGES_KEY] = out.advantages
         if out.returns is not None:
-            batch["returns"] = out.returns
+            batch[RETURNS_KEY] = out.returns
 
     def _collect_log_prob_passes(self, batch: Batch, pending: dict, metrics: dict) -> None:
         """Wait for the submitted passes and attach ``old_log_probs`` / ``ref_log_prob`` in row
@@ -536,16 +547,16 @@ class GRPOTrainer(DriverBase):
         if "old_log_prob" in pending:
             plan, future = pending["old_log_prob"]
             with _timed(metrics, "old_log_prob"):
-                batch["old_log_probs"] = merge_by_plan(future.get(), plan)["log_probs"]
+                batch[OLD_LOG_PROBS_KEY] = merge_by_plan(future.get(), plan)[LOG_PROBS_KEY]
             metrics.update(rollout_probs_diff(batch))
         if "ref" in pending:
             plan, future = pending["ref"]
             with _timed(metrics, "ref"):
-                batch["ref_log_prob"] = merge_by_plan(future.get(), plan)["ref_log_prob"]
-        if "values" in pending:
-            plan, future = pending["values"]
-            with _timed(metrics, "values"):
-                batch["values"] = merge_by_plan(future.get(), plan)["values"]
+                batch[REF_LOG_PROB_KEY] = merge_by_plan(future.get(), plan)[REF_LOG_PROB_KEY]
+        if VALUES_KEY in pending:
+            plan, future = pending[VALUES_KEY]
+            with _timed(metrics, VALUES_KEY):
+                batch[VALUES_KEY] = merge_by_plan(future.get(), plan)[VALUES_KEY]
 
     def update_actor(self, batch: Batch) -> dict:
         """ppo_epochs x mini-batches optimizer steps; mean actor metrics, plan and measured balance."""
@@ -553,7 +564,7 @@ class GRPOTrainer(DriverBase):
         actor_records, plan_records = [], []
         busy = np.zeros(self.dp)
         on_policy = self.old_log_prob_from_update
-        drop = {"values", "returns"} & set(batch.tensor_keys)  # the critic's columns
+        drop = {VALUES_KEY, RETURNS_KEY} & set(batch.tensor_keys)  # the critic's columns
         if not on_policy and ROLLOUT_LOG_PROBS_KEY in batch:
             # Compared with the old log-probs on the driver (rollout_probs_diff); not needed on the wire.
             drop.add(ROLLOUT_LOG_PROBS_KEY)
@@ -596,7 +607,7 @@ class GRPOTrainer(DriverBase):
         return out
 
     def _rollout_metrics(self, batch: Batch, scores: np.ndarray, extras: dict, *, prefix: str) -> dict:
-        lengths = batch["response_lengths"].double()
+        lengths = batch[RESPONSE_LENGTHS_KEY].double()
         accuracy = extras["acc"] if "acc" in extras else scores
         out = {
             f"{prefix}reward/mean": float(scores.mean()),
@@ -604,7 +615,7 @@ class GRPOTrainer(DriverBase):
             f"{prefix}reward/accuracy": float(np.nanmean(accuracy)),
             f"{prefix}response_length/mean": float(lengths.mean()),
             f"{prefix}response_length/max": float(lengths.max()),
-            f"{prefix}response_length/clip_ratio": float(np.mean(batch["finish_reason"] == "length")),
+            f"{prefix}response_length/clip_ratio": float(np.mean(batch[FINISH_REASON_KEY] == "length")),
         }
         for key, values in extras.items():
             if key != "acc" and np.isfinite(values).any():
@@ -634,9 +645,9 @@ class GRPOTrainer(DriverBase):
 
     def _log_generations(self, batch: Batch, scores: np.ndarray, *, count: int) -> None:
         """verl's ``trainer.log_val_generations``: the first ``count`` validation samples, logged."""
-        starts, lengths = batch["prompt_lengths"].tolist(), batch["response_lengths"].tolist()
+        starts, lengths = batch[PROMPT_LENGTHS_KEY].tolist(), batch[RESPONSE_LENGTHS_KEY].tolist()
         for i in range(min(count, len(batch))):
-            row = batch["input_ids"][i].tolist()
+            row = batch[INPUT_IDS_KEY][i].tolist()
             prompt = self.tokenizer.decode(row[: starts[i]], skip_special_tokens=False)
             response = self.tokenizer.decode(row[starts[i] : starts[i] + lengths[i]], skip_special_tokens=False)
             logger.info(

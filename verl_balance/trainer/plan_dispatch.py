@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from verl_balance.balance import BalancePlan, Workload, plan_balance
-from verl_balance.batch_keys import MICRO_BATCH_SIZES_KEY
+from verl_balance.batch_keys import ATTENTION_MASK_KEY, MICRO_BATCH_SIZES_KEY
 from verl_balance.protocol import Batch, BatchError
 
 __all__ = ["apply_truncation", "merge_by_plan", "plan_batch", "run_by_plan", "split_by_plan"]
@@ -44,7 +44,7 @@ def plan_batch(
     groups) lets a group span micro-batches, so a group may exceed one micro-batch or token cap.
     """
     return plan_balance(
-        seq_lens=batch["attention_mask"].sum(dim=1).cpu().numpy(),
+        seq_lens=batch[ATTENTION_MASK_KEY].sum(dim=1).cpu().numpy(),
         dp_size=dp_size,
         sp_size=sp_size,
         micro_batch_size=None if token_cap is not None else micro_batch_size,
@@ -62,15 +62,15 @@ def apply_truncation(batch: Batch, plan: BalancePlan) -> Batch:
     length: positions past it get attention mask 0 and every (B, L) tensor is zeroed there."""
     if not plan.truncated:
         return batch
-    mask = batch["attention_mask"].clone()
+    mask = batch[ATTENTION_MASK_KEY].clone()
     for index, new_len in plan.truncated.items():
         mask[int(index), int(new_len) :] = 0
     out = batch.select()
     for key in out.tensor_keys:
         value = out[key]
-        if key != "attention_mask" and value.shape == mask.shape:
+        if key != ATTENTION_MASK_KEY and value.shape == mask.shape:
             out[key] = value * mask.to(value.dtype)
-    out["attention_mask"] = mask
+    out[ATTENTION_MASK_KEY] = mask
     return out
 
 

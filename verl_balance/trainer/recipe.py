@@ -1,16 +1,19 @@
 """``RecipeConfig``: the base of the recipe schemas (``SFTConfig``, ``GRPOConfig``), which hand
 their components finished configs.
 
-Each recipe declares, in one place, where its components' values live: ``ENGINE_KEYS`` maps every
-recipe-supplied ``EngineConfig`` field to the recipe key holding it (so an engine error names the
-user's key), ``SP_KEY`` and ``BALANCE_KEY`` name the Ulysses degree and the balancer switch, and
-``ALIASES`` maps verl's alternative spellings to their canonical key (resolved by ``to_typed``).
+Each recipe declares, in one place, where its components' values live: ``ENGINE_SECTIONS`` names the
+sections that inherit the engine's key groups (``engine.config.ENGINE_KEY_GROUPS``), from which
+``engine_keys()`` derives the map of every recipe-supplied ``EngineConfig`` field to the recipe key
+holding it (so an engine error names the user's key); ``SP_KEY`` and ``BALANCE_KEY`` name the Ulysses
+degree and the balancer switch, and ``ALIASES`` maps verl's alternative spellings to their canonical
+key (resolved by ``to_typed``).
 ``from_hydra`` turns the merged Hydra config into the typed recipe and runs the checks that
 combine sections; ``engine_config(total_steps=...)`` is the engine's config for the run.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from collections.abc import Mapping
@@ -18,19 +21,44 @@ from typing import ClassVar
 
 from omegaconf import DictConfig
 
-from verl_balance.engine.config import EngineConfig
+from verl_balance.engine.config import ENGINE_FIELD, ENGINE_KEY_GROUPS, EngineConfig
 from verl_balance.trainer.config_checks import ConfigError, check_layout, check_writable_dir
 from verl_balance.trainer.sections import TrainerSection, engine_profile_steps
 from verl_balance.trainer.typed_config import check_known_keys, to_typed
 
-__all__ = ["RecipeConfig"]
+__all__ = ["RecipeConfig", "engine_keys"]
+
+
+@functools.cache
+def engine_keys(schema: type, sections: tuple[str, ...]) -> Mapping[str, str]:
+    """``{EngineConfig field: dotted recipe key}`` of every field that the given sections of ``schema``
+    (dotted paths, "" = the top level) inherit from an engine key group."""
+    out: dict[str, str] = {}
+    for path in sections:
+        section = _section_class(schema, path)
+        groups = [group for group in section.__mro__ if group in ENGINE_KEY_GROUPS]
+        grouped = {name for group in groups for name in vars(group).get("__annotations__", {})}
+        for f in dataclasses.fields(section):
+            if f.name in grouped:
+                name = f.metadata.get(ENGINE_FIELD, f.name)
+                assert name not in out, f"engine field {name} in both {out[name]} and {path}.{f.name}"
+                out[name] = f"{path}.{f.name}" if path else f.name
+    return out
+
+
+def _section_class(schema: type, path: str) -> type:
+    """The dataclass of the section at a dotted path (its field's default factory)."""
+    for name in filter(None, path.split(".")):
+        schema = {f.name: f for f in dataclasses.fields(schema)}[name].default_factory
+    assert dataclasses.is_dataclass(schema), (path, schema)
+    return schema
 
 
 class RecipeConfig:
     """Mixin of the recipe dataclasses: component configs and validation from the class-level key maps."""
 
-    ENGINE_KEYS: ClassVar[dict[str, str]]
-    """``EngineConfig`` field -> dotted recipe key of its value (also the key an error names)."""
+    ENGINE_SECTIONS: ClassVar[tuple[str, ...]]
+    """Dotted paths of the sections holding the engine's keys ("" = the top level); see engine_keys."""
     SP_KEY: ClassVar[str]
     """Dotted key of the Ulysses degree (null = 1)."""
     BALANCE_KEY: ClassVar[str]
@@ -38,6 +66,12 @@ class RecipeConfig:
     ALIASES: ClassVar[dict[str, str]] = {}
     """verl's alternative spelling -> the canonical key it sets (setting both differently is an error)."""
     trainer: TrainerSection
+
+    @classmethod
+    def engine_keys(cls) -> dict[str, str]:
+        """``EngineConfig`` field -> dotted recipe key of its value (also the key an error names),
+        derived from the ENGINE_SECTIONS."""
+        return dict(engine_keys(cls, cls.ENGINE_SECTIONS))
 
     def value_of(self, key: str):
         """The value of a dotted recipe key."""
@@ -74,11 +108,11 @@ class RecipeConfig:
         """The engine's config for a run of ``total_steps`` driver steps. ``trainer.profile_steps``
         counts driver steps; each runs ``updates_per_step`` engine train steps, all traced.
 
-        ``keys`` (default ``ENGINE_KEYS``) and ``updates_per_step`` (default the recipe's) describe
+        ``keys`` (default ``engine_keys()``) and ``updates_per_step`` (default the recipe's) describe
         another engine of the recipe (e.g. GRPO's critic); ``fixed`` are engine fields no key sets
         (e.g. ``model_type``)."""
         t = self.trainer
-        keys = self.ENGINE_KEYS if keys is None else keys
+        keys = self.engine_keys() if keys is None else keys
         updates = self.updates_per_step if updates_per_step is None else updates_per_step
         try:
             return EngineConfig(

@@ -14,14 +14,14 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Optional
+from typing import ClassVar, Optional
 
 from verl_balance.balance import FlopsWorkload, TokenWorkload
 from verl_balance.balance.errors import BalanceConfigError
 from verl_balance.balance.plan import OVERLONG_POLICIES
 from verl_balance.balance.workload import CalibratedWorkload
 from verl_balance.data.synthetic import SyntheticConfig, write_dataset
-from verl_balance.engine.config import APPLY_ON_RESUME, LAYOUT_ON_RESUME, PARAM_DTYPES
+from verl_balance.engine.config import APPLY_ON_RESUME, LAYOUT_ON_RESUME, PARAM_DTYPES, ModelKeys
 from verl_balance.models import MODEL_DIMENSION_KEYS, load_model_config
 from verl_balance.models.config import ModelConfig, ModelConfigError
 from verl_balance.models.hf import INIT_MODES, HFModelConfig
@@ -79,9 +79,10 @@ def resolve_data_files(data, *, kind: str, default_local_dir: str) -> tuple:
 
 
 @dataclass
-class ModelSection:
+class ModelSection(ModelKeys):
     """The model: a local Hugging Face directory (``path``) or a built-in preset (``name``) whose
-    dimensions any key set here overrides."""
+    dimensions any key set here overrides; the engine's keys of ``model`` (``param_dtype``, LoRA)
+    from engine.config.ModelKeys."""
 
     KEY_PREFIX: ClassVar[str] = "model."
 
@@ -99,8 +100,6 @@ class ModelSection:
     enable_gradient_checkpointing: bool = field(default=False, metadata=LAYOUT_ON_RESUME)
     """verl's key: activation checkpointing per decoder layer (built-in and HF models): the same loss
     and gradients, activations recomputed in the backward (parity-tested under FSDP2)."""
-    param_dtype: str = "float32"
-    """Dtype of the parameters the engine computes in: one of engine.config.PARAM_DTYPES."""
     vocab_size: Optional[int] = None
     """null = the tokenizer's vocabulary size (a larger value pads the embedding)."""
     hidden_size: Optional[int] = None
@@ -122,20 +121,6 @@ class ModelSection:
     own chat template, and a tokenizer without one is an error at start-up; 'builtin': a tokenizer
     without one renders chats with the built-in minimal template (a different format than the
     model's, hence a different loss). Other Jinja templates belong in the tokenizer directory."""
-
-    lora_rank: int = 0
-    """verl's key: LoRA rank; 0 = full fine-tuning. > 0 (needs ``path``): peft LoRA adapters on the
-    target Linear layers are the only trained parameters (engine/lora.py, docs/models.md)."""
-    lora_alpha: float = 16.0
-    """verl's key: LoRA scaling numerator (the update is lora_alpha / lora_rank * B @ A)."""
-    target_modules: Any = "all-linear"
-    """verl's key: 'all-linear' (every Linear of the decoder, not the output head) or a list of module
-    names, e.g. [q_proj, v_proj]."""
-    exclude_modules: Any = None
-    """verl's key: module names (a list, or a regex string) that never get an adapter; null = none."""
-    lora_adapter_path: Optional[str] = None
-    """verl's key: a peft adapter directory to start from (its own rank, alpha and targets); null =
-    new adapters drawn from trainer.seed (B = 0: the run starts at the base model)."""
 
     def __post_init__(self) -> None:
         check_choice("param_dtype", self.param_dtype, PARAM_DTYPES)

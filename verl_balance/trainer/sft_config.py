@@ -13,13 +13,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
 from verl_balance.data.sft_dataset import SFTDataConfig
-from verl_balance.engine.config import (
-    APPLY_ON_RESUME,
-    DEFAULT_LOGITS_CHUNK_SIZE,
-    LAYOUT_ON_RESUME,
-    FSDPConfig,
-    OptimConfig,
-)
+from verl_balance.engine.config import APPLY_ON_RESUME, LAYOUT_ON_RESUME, ActorKeys, FSDPKeys
 from verl_balance.loss import check_agg_mode
 from verl_balance.trainer.config_checks import ConfigError, check_positive, check_remove_padding
 from verl_balance.trainer.recipe import RecipeConfig
@@ -35,20 +29,13 @@ __all__ = ["SFTConfig", "register_sft_schema", "validate_sft"]
 
 
 @dataclass
-class SFTModelSection(ModelSection):
-    """``model`` of the SFT recipe: ModelSection plus verl's spelling of the model directory."""
+class SFTModelSection(FSDPKeys, ModelSection):
+    """``model`` of the SFT recipe: ModelSection plus verl's spelling of the model directory and the
+    engine's ``fsdp_config`` / ``logits_chunk_size`` (engine.config.FSDPKeys)."""
 
     partial_pretrain: Optional[str] = None
     """verl's SFT key for the model directory: the same as ``path`` (set either; the instantiation
     pass writes it into ``path``)."""
-    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig, metadata=LAYOUT_ON_RESUME)
-    """verl's key: the engine's FSDP2 switches (reshard_after_forward, reshard_after_backward,
-    defer_gradient_sync); the defaults use the least memory. See docs/performance.md."""
-    logits_chunk_size: int = field(default=DEFAULT_LOGITS_CHUNK_SIZE, metadata=LAYOUT_ON_RESUME)
-    """Tokens per chunk of the engine's output head: log-probs, entropy and their backward are
-    computed chunk by chunk from the final hidden states (logits recomputed in the backward), so the
-    head holds about logits_chunk_size x vocab fp32 values, not micro-batch tokens x vocab; the same
-    values and gradients. 0 = materialize the full logits (engine/config.py, docs/performance.md)."""
 
 
 @dataclass
@@ -104,22 +91,11 @@ class SFTDataSection(SFTDataConfig):
 
 
 @dataclass
-class SFTConfig(RecipeConfig):
-    """The SFT recipe (``config/sft.yaml``)."""
+class SFTConfig(RecipeConfig, ActorKeys):
+    """The SFT recipe (``config/sft.yaml``): the engine's ``loss_agg_mode``, ``loss_scale_factor`` and
+    ``optim`` at the top level (engine.config.ActorKeys), its model keys under ``model``."""
 
-    ENGINE_KEYS: ClassVar[dict[str, str]] = {
-        "optim": "optim",
-        "loss_agg_mode": "loss_agg_mode",
-        "loss_scale_factor": "loss_scale_factor",
-        "param_dtype": "model.param_dtype",
-        "fsdp": "model.fsdp_config",
-        "logits_chunk_size": "model.logits_chunk_size",
-        "lora_rank": "model.lora_rank",
-        "lora_alpha": "model.lora_alpha",
-        "target_modules": "model.target_modules",
-        "exclude_modules": "model.exclude_modules",
-        "lora_adapter_path": "model.lora_adapter_path",
-    }
+    ENGINE_SECTIONS: ClassVar[tuple[str, ...]] = ("", "model")
     SP_KEY: ClassVar[str] = "ulysses_sequence_parallel_size"
     BALANCE_KEY: ClassVar[str] = "balance.enable"
     ALIASES: ClassVar[dict[str, str]] = {"model.partial_pretrain": "model.path"}
@@ -134,12 +110,6 @@ class SFTConfig(RecipeConfig):
     """verl's key; must be true (the engine always runs packed, padding-free sequences)."""
     balance: SFTBalanceSection = field(default_factory=SFTBalanceSection)
     """Workload balancer."""
-    loss_agg_mode: str = "token-mean"
-    """Loss aggregation: one of loss.AGG_MODES (the loss contract)."""
-    loss_scale_factor: Optional[float] = None
-    """The constant C of seq-mean-token-sum-norm."""
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    """The engine's optimizer and learning-rate schedule."""
     trainer: TrainerSection = field(default_factory=TrainerSection)
     """Cluster, run length, logging, checkpoints."""
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
+from verl_balance.batch_keys import ATTENTION_MASK_KEY
 from verl_balance.data.sft_dataset import SFTDataset
 from verl_balance.protocol import Batch
 from verl_balance.trainer.driver import DriverBase
@@ -84,7 +85,7 @@ class SFTTrainer(DriverBase):
         per_rank = self.actor.update_actor(split_by_plan(batch, plan))
         metrics = {**reduce_rank_metrics(per_rank, prefix="train/"), **plan_metrics(plan)}
         elapsed = time.perf_counter() - start
-        tokens = int(batch["attention_mask"].sum())
+        tokens = int(batch[ATTENTION_MASK_KEY].sum())
         metrics.update(
             {
                 "timing_s/step": elapsed,

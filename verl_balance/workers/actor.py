@@ -19,7 +19,15 @@ import torch
 import torch.distributed as dist
 
 from verl_balance.algorithms.policy_loss import PolicyLossConfig, PPOLoss
-from verl_balance.batch_keys import MICRO_BATCH_SIZES_KEY, ON_POLICY_KEY, TEMPERATURE_KEY, WIRE_KEYS
+from verl_balance.batch_keys import (
+    ENTROPY_KEY,
+    LOG_PROBS_KEY,
+    MICRO_BATCH_SIZES_KEY,
+    ON_POLICY_KEY,
+    ROLLOUT_LOG_PROBS_KEY,
+    TEMPERATURE_KEY,
+    WIRE_KEYS,
+)
 from verl_balance.distributed.layout import ParallelLayout, init_distributed
 from verl_balance.engine.config import EngineConfig
 from verl_balance.engine.train_engine import TrainEngine
@@ -124,7 +132,7 @@ class ActorWorker(Worker):
         metrics = self.engine.train_step(
             self._micro_batches(batch), loss_fn=loss_fn, temperature=batch_temperature(batch)
         )
-        if getattr(loss_fn, "on_policy", False) and PPOLoss.ROLLOUT_LOG_PROBS_KEY in batch.tensors.keys():
+        if getattr(loss_fn, "on_policy", False) and ROLLOUT_LOG_PROBS_KEY in batch.tensors.keys():
             # Every rank's chunk has the same columns and meta, so every rank joins this reduction.
             local = loss_fn.rollout_probs_diff_max
             value = torch.zeros((), dtype=torch.float32, device=self.layout.device)
@@ -152,9 +160,9 @@ class ActorWorker(Worker):
         outputs = self.engine.compute_log_prob(
             self._micro_batches(batch), with_entropy=with_entropy, temperature=batch_temperature(batch)
         )
-        tensors = {"log_probs": cat_padded([o["log_probs"] for o in outputs])}
+        tensors = {LOG_PROBS_KEY: cat_padded([o[LOG_PROBS_KEY] for o in outputs])}
         if with_entropy:
-            tensors["entropy"] = cat_padded([o["entropy"] for o in outputs])
+            tensors[ENTROPY_KEY] = cat_padded([o[ENTROPY_KEY] for o in outputs])
         return Batch.from_dict(tensors=tensors)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

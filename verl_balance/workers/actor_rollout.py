@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from verl_balance.batch_keys import PROMPT_IDS_KEY, SAMPLE_INDEX_KEY
+from verl_balance.batch_keys import LOG_PROBS_KEY, PROMPT_IDS_KEY, REF_LOG_PROB_KEY, SAMPLE_INDEX_KEY
 from verl_balance.engine.lora import (
     adapter_names,
     adapters_disabled,
@@ -234,7 +234,7 @@ class ActorRolloutWorker(ActorWorker):
                 outputs = self.engine.compute_log_prob(micro_batches, temperature=temperature)
         else:
             outputs = self.ref_engine.compute_log_prob(micro_batches, temperature=temperature)
-        return Batch.from_dict(tensors={"ref_log_prob": cat_padded([o["log_probs"] for o in outputs])})
+        return Batch.from_dict(tensors={REF_LOG_PROB_KEY: cat_padded([o[LOG_PROBS_KEY] for o in outputs])})
 
 
 def _full_tensor(value: torch.Tensor) -> torch.Tensor:

@@ -21,16 +21,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from verl_balance.algorithms.value_loss import ValueLoss
-from verl_balance.batch_keys import WIRE_KEYS
+from verl_balance.batch_keys import CRITIC_WIRE_KEYS, LOSS_MASK_KEY, RETURNS_KEY, VALUES_KEY
 from verl_balance.engine.config import EngineConfigError
 from verl_balance.models.value import VALUE_HEAD_NAMES
 from verl_balance.protocol import Batch
 from verl_balance.single_controller import Dispatch, make_mesh_dispatch, register
 from verl_balance.workers.actor import ACTOR_MESH, ActorWorker, ActorWorkerConfig, cat_padded
-
-VALUES_KEY = ValueLoss.OLD_VALUES_KEY
-RETURNS_KEY = ValueLoss.RETURNS_KEY
-CRITIC_WIRE_KEYS = WIRE_KEYS + (VALUES_KEY, RETURNS_KEY)
 
 
 @dataclass
@@ -113,7 +109,7 @@ class CriticWorker(ActorWorker):
         Returns ``vf_loss`` (the global objective J), ``vf_clipfrac`` and ``vpred_mean`` (global
         loss-mask token means), ``grad_norm``, ``lr``, the engine's timing keys (busy_seconds ...),
         ``step_seconds`` and ``dp_rank``."""
-        missing = [k for k in ("loss_mask", VALUES_KEY, RETURNS_KEY) if k not in batch.tensors.keys()]
+        missing = [k for k in (LOSS_MASK_KEY, VALUES_KEY, RETURNS_KEY) if k not in batch.tensors.keys()]
         if missing:
             raise ValueError(f"update_critic: the batch lacks columns {missing}; it has {sorted(batch.tensors.keys())}")
         start = time.perf_counter()

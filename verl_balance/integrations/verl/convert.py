@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from verl_balance.batch_keys import ATTENTION_MASK_KEY, INPUT_IDS_KEY
 from verl_balance.integrations.verl.errors import require_verl
 
 __all__ = ["batch_from_dataproto", "batch_from_tensordict", "batch_to_dataproto"]
@@ -60,14 +61,14 @@ def batch_from_tensordict(data) -> Any:
         elif isinstance(value, NonTensorData):
             meta[key] = value.data
         elif isinstance(value, torch.Tensor) and value.is_nested:
-            if key == "input_ids":
+            if key == INPUT_IDS_KEY:
                 lengths = value.offsets().diff()
             tensors[key] = torch.nested.to_padded_tensor(value, 0)
         elif isinstance(value, torch.Tensor):
             tensors[key] = value
         else:
             meta[key] = value
-    if lengths is not None and "attention_mask" not in tensors:
-        width = tensors["input_ids"].shape[1]
-        tensors["attention_mask"] = (torch.arange(width)[None, :] < lengths[:, None].cpu()).long()
+    if lengths is not None and ATTENTION_MASK_KEY not in tensors:
+        width = tensors[INPUT_IDS_KEY].shape[1]
+        tensors[ATTENTION_MASK_KEY] = (torch.arange(width)[None, :] < lengths[:, None].cpu()).long()
     return Batch(tensors=tensors, non_tensors=non_tensors, meta=meta)

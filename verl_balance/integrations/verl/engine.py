@@ -40,6 +40,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from verl_balance.batch_keys import (
+    ATTENTION_MASK_KEY,
+    ENTROPY_KEY,
+    INPUT_IDS_KEY,
+    LOG_PROBS_KEY,
+    LOSS_MASK_KEY,
+    RESPONSE_MASK_KEY,
+    TEMPERATURE_KEY,
+    VALUES_KEY,
+)
 from verl_balance.integrations.verl.errors import require_verl
 
 require_verl()
@@ -57,6 +67,8 @@ from verl_balance.engine.config import (  # noqa: E402
     DEFAULT_LOGITS_CHUNK_SIZE,
     EngineConfig,
     FSDPConfig,
+    KernelKeys,
+    LoRAKeys,
     OptimConfig,
 )
 from verl_balance.engine.train_engine import TrainEngine  # noqa: E402
@@ -86,7 +98,7 @@ _PARAM_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", 
 
 
 @dataclass
-class VerlBalanceEngineConfig(FSDPEngineConfig):
+class VerlBalanceEngineConfig(FSDPEngineConfig, KernelKeys):
     """verl's ``FSDPEngineConfig`` keys (so verl's ``engine: fsdp`` YAML and ``actor.fsdp_config`` carry
     over unchanged) plus this backend's own; the Hydra ``_target_`` of ``engine`` for the SFT trainers.
 
@@ -94,15 +106,14 @@ class VerlBalanceEngineConfig(FSDPEngineConfig):
     ``use_no_sync_for_gradient_accumulation``, ``mixed_precision.param_dtype`` (bf16 by default, as
     verl; fp32 for exact parity), ``entropy_from_logits_with_chunking`` / ``entropy_checkpointing`` /
     ``entropy_from_logits_chunk_size`` (see ``logits_chunk_size``). Offload is rejected; the other
-    FSDP-only keys (wrap policy, ``fsdp_size``, ``pad_to_length``, ...) do not apply to this backend."""
+    FSDP-only keys (wrap policy, ``fsdp_size``, ``pad_to_length``, ...) do not apply to this backend.
+    The engine's ``KernelKeys`` (``attn_impl``) are inherited: same name, default and meaning."""
 
     strategy: str = BACKEND
     balance: bool = True
     """Plan micro-batches with verl_balance's planner (False: its naive contiguous plan)."""
     workload: str = "flops"
     """Cost model of a sample: 'flops' (the model's dimensions, quadratic attention) or 'tokens'."""
-    attn_impl: str = "auto"
-    """verl_balance's packed-attention implementation (see models/attention.py)."""
     logits_chunk_size: int | None = None
     """Tokens per chunk of the output head (log-probs, entropy and their backward without the full
     [T, V] logits; engine/config.py). null: verl's ``entropy_from_logits_chunk_size`` when
@@ -209,9 +220,9 @@ def _our_engine_config(engine_config: VerlBalanceEngineConfig, optimizer_config,
         fsdp=fsdp,
         total_steps=total if total and total > 0 else None,
         param_dtype=engine_config.param_dtype_name,
-        attn_impl=engine_config.attn_impl,
         seed=engine_config.seed,
         logits_chunk_size=engine_config.head_chunk_size,
+        **{f.name: getattr(engine_config, f.name) for f in fields(KernelKeys)},
         **_lora_keys(model_config),
     )
 
@@ -246,12 +257,13 @@ def _lora_keys(model_config) -> dict:
         raise VerlBalanceEngineConfigError(
             "model.target_modules=null: the verl_balance backend needs 'all-linear' or a list of module names"
         )
+    keys = {f.name: getattr(model_config, f.name, f.default) for f in fields(LoRAKeys)}  # verl's names
     return {
+        **keys,
         "lora_rank": int(rank),
-        "lora_alpha": float(model_config.lora_alpha),
+        "lora_alpha": float(keys["lora_alpha"]),
         "target_modules": target_modules,
-        "exclude_modules": _module_names(getattr(model_config, "exclude_modules", None)),
-        "lora_adapter_path": getattr(model_config, "lora_adapter_path", None),
+        "exclude_modules": _module_names(keys["exclude_modules"]),
     }
 
 
@@ -416,7 +428,7 @@ class VerlBalanceEngine(BaseEngine):
     def _plan(self, data) -> tuple[list[list[int]], dict]:
         """Micro-batches (row indices, ascending) of this rank in run order, the count agreed over
         the DP group, and the plan's ``verl_balance/engine_*`` metrics (collective over DP)."""
-        lengths = data["input_ids"].offsets().diff().cpu().numpy()
+        lengths = data[INPUT_IDS_KEY].offsets().diff().cpu().numpy()
         micro = self._agreed_micro_batches(data, lengths)
         workload = self.engine.flops_workload
         sample_cost = workload.cost(lengths) if workload is not None else lengths.astype(np.float64)
@@ -482,14 +494,14 @@ class VerlBalanceEngine(BaseEngine):
         """Forward one micro-batch; log-probs (and entropy) as jagged tensors in verl's alignment:
         position t of sample i holds log p(x[t+1] | x[<=t]), 0 at each sample's last position."""
         engine = self.engine
-        ids = micro_batch["input_ids"]
+        ids = micro_batch[INPUT_IDS_KEY]
         lengths = ids.offsets().diff().cpu()
         input_ids = torch.nested.to_padded_tensor(ids, 0).cpu()
         attention_mask = (torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]).long()
         (packed,) = engine.pack_micro_batches(
-            [{"input_ids": input_ids, "attention_mask": attention_mask}], require_loss_mask=False
+            [{INPUT_IDS_KEY: input_ids, ATTENTION_MASK_KEY: attention_mask}], require_loss_mask=False
         )
-        temperature = tu.get_non_tensor_data(data=micro_batch, key="temperature", default=1.0)
+        temperature = tu.get_non_tensor_data(data=micro_batch, key=TEMPERATURE_KEY, default=1.0)
         if isinstance(temperature, torch.Tensor):
             temperature = packed.local_per_sample(temperature.float(), padding=1.0)
         else:
@@ -501,15 +513,15 @@ class VerlBalanceEngine(BaseEngine):
         # verl holds 0 at that position.
         keep = torch.ones(packed.total_len, device=log_probs.device)
         keep[offsets[1:] - 1] = 0
-        out = {"log_probs": torch.nested.nested_tensor_from_jagged(log_probs * keep, offsets)}
+        out = {LOG_PROBS_KEY: torch.nested.nested_tensor_from_jagged(log_probs * keep, offsets)}
         if calculate_entropy:
-            out["entropy"] = torch.nested.nested_tensor_from_jagged(entropy, offsets)
+            out[ENTROPY_KEY] = torch.nested.nested_tensor_from_jagged(entropy, offsets)
         return out
 
     def _global_loss_tokens(self, data) -> float:
         """verl's ``batch_num_tokens``: loss-mask tokens of the whole mini-batch (SUM over the DP group;
         SP ranks hold the same rows, so the SP group is not summed)."""
-        mask = data["loss_mask"] if "loss_mask" in data.keys() else data["response_mask"]
+        mask = data[LOSS_MASK_KEY] if LOSS_MASK_KEY in data.keys() else data[RESPONSE_MASK_KEY]
         local = mask.values().sum() if mask.is_nested else mask.sum()
         total = local.to(self.layout.device, torch.float32).reshape(1)
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=self.get_data_parallel_group())
@@ -679,15 +691,15 @@ class VerlBalanceValueEngine(VerlBalanceEngine):
 
     def _model_output(self, micro_batch, *, calculate_entropy: bool) -> dict:
         """Forward one micro-batch; values as a jagged tensor (see the class docstring)."""
-        ids = micro_batch["input_ids"]
+        ids = micro_batch[INPUT_IDS_KEY]
         lengths = ids.offsets().diff().cpu()
         input_ids = torch.nested.to_padded_tensor(ids, 0).cpu()
         attention_mask = (torch.arange(input_ids.shape[1])[None, :] < lengths[:, None]).long()
         (packed,) = self.engine.pack_micro_batches(
-            [{"input_ids": input_ids, "attention_mask": attention_mask}], require_loss_mask=False
+            [{INPUT_IDS_KEY: input_ids, ATTENTION_MASK_KEY: attention_mask}], require_loss_mask=False
         )
         values = self.engine.gathered_values(packed)
-        return {"values": torch.nested.nested_tensor_from_jagged(values, packed.cu_seqlens.to(values.device))}
+        return {VALUES_KEY: torch.nested.nested_tensor_from_jagged(values, packed.cu_seqlens.to(values.device))}
 
     def get_per_tensor_param(self, layered_summon=False, base_sync_done=False, **kwargs):
         """A critic's weights never go to a rollout."""

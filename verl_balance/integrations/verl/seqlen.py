@@ -26,6 +26,7 @@ from verl_balance.balance import (
 )
 from verl_balance.balance.partition import cell_loads, fill_cells, refine_cells, sort_into_rows
 from verl_balance.balance.workload import resolve_workload
+from verl_balance.batch_keys import ATTENTION_MASK_KEY, INPUT_IDS_KEY
 from verl_balance.integrations.verl.errors import require_verl
 from verl_balance.integrations.verl.karmarkar_karp import karmarkar_karp
 from verl_balance.integrations.verl.state import current_workload
@@ -205,10 +206,10 @@ def get_reverse_idx(idx_map):
 
 
 def _effective_seq_lens(batch) -> np.ndarray:
-    input_ids = batch["input_ids"]
+    input_ids = batch[INPUT_IDS_KEY]
     if getattr(input_ids, "is_nested", False):
         return input_ids.offsets().diff().cpu().numpy().astype(np.int64)
-    return batch["attention_mask"].sum(dim=1).cpu().numpy().astype(np.int64)
+    return batch[ATTENTION_MASK_KEY].sum(dim=1).cpu().numpy().astype(np.int64)
 
 
 def _reduce_device(group) -> torch.device:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from verl_balance.balance import TooFewSamplesError, plan_balance
-from verl_balance.batch_keys import PLANNED_MICRO_BATCH_SIZES_KEY
+from verl_balance.batch_keys import ATTENTION_MASK_KEY, PLANNED_MICRO_BATCH_SIZES_KEY, UID_KEY
 from verl_balance.integrations.verl.state import current_workload
 
 __all__ = ["PLANNED_SIZES_KEY", "balance_batch", "balanced_balance_batch", "balanced_balance_batch_v1", "plan_dp_order"]
@@ -101,7 +101,7 @@ def balance_batch(
     lets a worker that honours it (ours) reuse the planned micro-batches. ``group_key`` (e.g.
     "uid") keeps rows with the same id on one rank; ``mini_batch_size``: see ``plan_dp_order``.
     """
-    seq_lens = batch.batch["attention_mask"].reshape(len(batch), -1).sum(-1).cpu().numpy().astype(np.int64)
+    seq_lens = batch.batch[ATTENTION_MASK_KEY].reshape(len(batch), -1).sum(-1).cpu().numpy().astype(np.int64)
     group_ids = None if group_key is None else np.asarray(batch.non_tensor_batch[group_key])
     order, rank_sizes, stats = plan_dp_order(
         seq_lens,
@@ -136,8 +136,8 @@ def balanced_balance_batch(self, batch, metrics, logging_prefix="global_seqlen",
     """Replacement for legacy ``RayPPOTrainer._balance_batch`` (same signature) using ``balance_batch``."""
     actor_cfg = self.config.actor_rollout_ref.actor
     dp_size = self._get_dp_size(self.actor_rollout_wg, "actor")
-    seqlens_before = batch.batch["attention_mask"].reshape(len(batch), -1).sum(-1).tolist()
-    group_key = "uid" if getattr(self, "use_prefix_grouper", False) and "uid" in batch.non_tensor_batch else None
+    seqlens_before = batch.batch[ATTENTION_MASK_KEY].reshape(len(batch), -1).sum(-1).tolist()
+    group_key = UID_KEY if getattr(self, "use_prefix_grouper", False) and UID_KEY in batch.non_tensor_batch else None
     mini = None
     if keep_minibatch:
         mini = int(actor_cfg.ppo_mini_batch_size) * int(self.config.actor_rollout_ref.rollout.n)
@@ -146,7 +146,7 @@ def balanced_balance_batch(self, batch, metrics, logging_prefix="global_seqlen",
     stats = balance_batch(
         batch, dp_size=dp_size, workload=current_workload(), group_key=group_key, mini_batch_size=mini
     )
-    seqlens_after = batch.batch["attention_mask"].reshape(len(batch), -1).sum(-1).tolist()
+    seqlens_after = batch.batch[ATTENTION_MASK_KEY].reshape(len(batch), -1).sum(-1).tolist()
     metrics.update(_verl_seqlen_metrics(seqlens_before, seqlens_after, dp_size, logging_prefix))
     metrics.update(stats)
 

@@ -30,6 +30,14 @@ import shutil
 import numpy as np
 import torch
 
+from verl_balance.batch_keys import (
+    ATTENTION_MASK_KEY,
+    ENTROPY_KEY,
+    INPUT_IDS_KEY,
+    LOG_PROBS_KEY,
+    OLD_LOG_PROBS_KEY,
+    VERL_ENTROPY_KEY,
+)
 from verl_balance.integrations.verl.convert import batch_from_dataproto, batch_to_dataproto
 from verl_balance.integrations.verl.errors import require_verl
 from verl_balance.integrations.verl.seqlen import rearrange_micro_batches
@@ -104,7 +112,7 @@ class VerlActorWorker(Worker):
             sizes = [min(size, n - start) for start in range(0, n, size)]
             order = np.arange(n)
         else:
-            tensors = batch.tensors.select("input_ids", "attention_mask")
+            tensors = batch.tensors.select(INPUT_IDS_KEY, ATTENTION_MASK_KEY)
             # Every rank of the world joins this count agreement; SP peers hold the same rows.
             _, indices = rearrange_micro_batches(
                 tensors,
@@ -133,9 +141,9 @@ class VerlActorWorker(Worker):
         batch, order = self._planned_chunk(data)
         out = self.actor.compute_log_prob(batch, with_entropy=with_entropy)
         restore = np.argsort(order, kind="stable")
-        tensors = {"old_log_probs": out.tensors["log_probs"][torch.as_tensor(restore)]}
+        tensors = {OLD_LOG_PROBS_KEY: out.tensors[LOG_PROBS_KEY][torch.as_tensor(restore)]}
         if with_entropy:
-            tensors["entropys"] = out.tensors["entropy"][torch.as_tensor(restore)]
+            tensors[VERL_ENTROPY_KEY] = out.tensors[ENTROPY_KEY][torch.as_tensor(restore)]
         return batch_to_dataproto(Batch.from_dict(tensors=tensors))
 
     # ------------------------------------------------------------------ checkpoints
