@@ -309,3 +309,23 @@ def test_token_sum_weights_are_the_mask_on_any_dp_split():
         dp_group=None,
     )
     assert torch.equal(torch.cat(halves.weights), mask)
+
+
+def test_kl_and_entropy_terms_are_added_per_token_for_every_mode():
+    from verl_balance.algorithms.kl import kl_penalty
+    from verl_balance.algorithms.policy_loss import ppo_clip_token_loss
+
+    mask, old, lp, adv = _batch(4)
+    ref = old - 0.2
+    entropy = torch.rand_like(lp)
+    config = PolicyLossConfig(use_kl_loss=True, kl_loss_coef=0.3, entropy_coeff=0.05)
+    kwargs = dict(log_probs=lp, old_log_probs=old, advantages=adv, ref_log_probs=ref, entropy=entropy, config=config)
+    vanilla, metrics = policy_token_loss(mode=LossModeConfig("vanilla"), **kwargs)
+    expected, _ = ppo_clip_token_loss(**kwargs)
+    torch.testing.assert_close(vanilla, expected)
+    gpg, _ = policy_token_loss(mode=LossModeConfig("gpg"), **kwargs)
+    kl = kl_penalty(log_probs=lp, ref_log_probs=ref, kl_type="low_var_kl")
+    torch.testing.assert_close(gpg, -adv * lp + 0.3 * kl - 0.05 * entropy)
+    assert set(metrics) >= {"pg_loss", "kl", "entropy", "ppo_kl", "pg_clipfrac"}
+    with pytest.raises(PolicyLossConfigError, match="use_kl_loss=True needs ref_log_probs"):
+        policy_token_loss(mode=LossModeConfig("gpg"), **{**kwargs, "ref_log_probs": None})

@@ -28,8 +28,12 @@ from torch import Tensor
 from verl_balance.algorithms import global_loss_modes as glob
 from verl_balance.algorithms import rollout_correction as rc
 from verl_balance.algorithms import token_loss_modes as tok
-from verl_balance.algorithms.kl import kl_penalty
-from verl_balance.algorithms.policy_loss import PolicyLossConfig, PolicyLossConfigError
+from verl_balance.algorithms.policy_loss import (
+    PolicyLossConfig,
+    PolicyLossConfigError,
+    add_regularizers,
+    check_regularizer_inputs,
+)
 
 LOSS_MODE_KEY = "actor_rollout_ref.actor.policy_loss.loss_mode"
 SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
@@ -144,10 +148,7 @@ def policy_token_loss(
             f"{LOSS_MODE_KEY}={mode.loss_mode!r} needs the reduced quantities {missing} (see "
             f"algorithms/global_loss_modes.py); got {sorted(reduced)}"
         )
-    if config.use_kl_loss and ref_log_probs is None:
-        raise PolicyLossConfigError("use_kl_loss=True needs ref_log_probs (compute them with the reference policy)")
-    if config.needs_entropy and entropy is None:
-        raise PolicyLossConfigError(f"entropy_coeff={config.entropy_coeff} needs the per-token entropy")
+    check_regularizer_inputs(config=config, ref_log_probs=ref_log_probs, entropy=entropy)
     spec = LOSS_MODE_REGISTRY[mode.loss_mode]
     pg, metrics = spec.fn(
         log_probs=log_probs,
@@ -160,13 +161,6 @@ def policy_token_loss(
     if rollout_is_weights is not None and spec.applies_is_weights:
         pg = pg * rollout_is_weights
     metrics = {**metrics, "pg_loss": pg.detach()}
-    loss = pg
-    if config.use_kl_loss:
-        kl = kl_penalty(log_probs=log_probs, ref_log_probs=ref_log_probs, kl_type=config.kl_loss_type)
-        metrics["kl"] = kl.detach()
-        loss = loss + config.kl_loss_coef * kl
-    if entropy is not None:
-        metrics["entropy"] = entropy.detach()
-        if config.needs_entropy:
-            loss = loss - config.entropy_coeff * entropy
-    return loss, metrics
+    return add_regularizers(
+        pg, metrics, log_probs=log_probs, config=config, ref_log_probs=ref_log_probs, entropy=entropy
+    )
