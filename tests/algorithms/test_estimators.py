@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests._verl import VERL_SKIP_REASON
 from verl_balance.algorithms.estimator_inputs import AdvantageInputs, AdvantageParams
 from verl_balance.algorithms.estimators import ADV_ESTIMATOR_REGISTRY, check_estimator, compute_advantage
 from verl_balance.algorithms.group_stats import AdvantageInputError
@@ -55,7 +56,7 @@ def per_row(out, inputs):
 
 def test_registry_holds_verls_estimators_and_drgrpo():
     assert set(ADV_ESTIMATOR_REGISTRY) == VERL_ESTIMATORS | {"drgrpo"}
-    core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
+    core_algos = pytest.importorskip("verl.trainer.ppo.core_algos", reason=VERL_SKIP_REASON)
     assert {e.value for e in core_algos.AdvantageEstimator} == VERL_ESTIMATORS
 
 

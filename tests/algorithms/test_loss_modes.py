@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from tests._verl import VERL_SKIP_REASON
 from verl_balance.algorithms.global_loss_modes import geo_mean_clipped_log_ratio
 from verl_balance.algorithms.loss_modes import (
     LOSS_MODE_REGISTRY,
@@ -54,7 +55,7 @@ def loss_and_grad(name, log_probs, old, adv, *, reduced=None, **mode_kwargs):
 
 def test_registry_holds_verls_modes():
     assert set(LOSS_MODE_REGISTRY) == VERL_MODES
-    core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
+    core_algos = pytest.importorskip("verl.trainer.ppo.core_algos", reason=VERL_SKIP_REASON)
     assert set(core_algos.POLICY_LOSS_REGISTRY) == VERL_MODES
 
 
@@ -265,7 +266,11 @@ def test_kl_cov_selects_the_top_covariance_tokens():
 
 def test_bypass_mode_reductions_follow_the_settings():
     assert required_reductions(LossModeConfig("bypass_mode")) == ()
-    reinforce = RolloutCorrectionConfig(loss_type="reinforce", rollout_rs="seq_max_k2", rollout_rs_threshold=0.1)
+    no_weights = RolloutCorrectionConfig(loss_type="reinforce")  # verl's YAML default: rollout_is null
+    assert required_reductions(LossModeConfig("bypass_mode", rollout_correction=no_weights)) == ()
+    reinforce = RolloutCorrectionConfig(
+        loss_type="reinforce", rollout_is="token", rollout_rs="seq_max_k2", rollout_rs_threshold=0.1
+    )
     assert required_reductions(LossModeConfig("bypass_mode", rollout_correction=reinforce)) == (
         "rollout_is_weights",
         "rollout_keep_mask",

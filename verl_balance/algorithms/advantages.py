@@ -144,7 +144,8 @@ class AdvantageOutput(NamedTuple):
     advantages: torch.Tensor
     """0 on prompt and padding tokens."""
     returns: torch.Tensor | None
-    """The critic's regression targets (gae only; None for the outcome estimators)."""
+    """The critic's regression targets (gae); ``compute_advantages`` gives None for its outcome
+    estimators, the registry (estimators.py) verl's second output for every estimator."""
 
 
 def compute_grpo_outcome_advantage(

@@ -11,18 +11,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
+from verl_balance.algorithms.advantages import AdvantageOutput
 
-class AdvantageOutput(NamedTuple):
-    """What every estimator returns: token-aligned (B, L) float32 tensors, 0 outside the response mask."""
-
-    advantages: torch.Tensor
-    returns: torch.Tensor | None
-    """verl's second output (returns; the advantages again for the outcome estimators); None where an
-    estimator of ours has none (``advantages.compute_advantages``'s outcome estimators)."""
+__all__ = ["AdvantageInputs", "AdvantageOutput", "AdvantageParams"]
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,7 @@ RS_OPTIONS = (
 )
 IS_LEVELS = ("token", "sequence")
 LOSS_TYPES = ("ppo_clip", "reinforce")
-KEY = "actor_rollout_ref.actor.policy_loss.rollout_correction"
+KEY = "algorithm.rollout_correction"
 
 
 def _floats(spec, key: str) -> tuple[float, float | None]:
@@ -73,9 +73,11 @@ def _floats(spec, key: str) -> tuple[float, float | None]:
 
 @dataclass
 class RolloutCorrectionConfig:
-    """verl's ``rollout_correction`` keys that bypass_mode reads (verl's defaults)."""
+    """verl's ``algorithm.rollout_correction`` keys (the defaults of verl's YAML; its dataclass says
+    ``rollout_is="sequence"``, the YAML null). With ``bypass_mode`` verl's trainer copies them into
+    ``actor.policy_loss.rollout_correction`` and sets ``loss_mode=bypass_mode``."""
 
-    rollout_is: str | None = "sequence"
+    rollout_is: str | None = None
     """IS weight level: token, sequence, or null (no weights)."""
     rollout_is_threshold: str | float = 2.0
     """TIS upper bound, or "lower_upper" for IcePop."""
@@ -85,6 +87,8 @@ class RolloutCorrectionConfig:
     """Rejection options, comma-separated (RS_OPTIONS), or null."""
     rollout_rs_threshold: str | float | None = None
     """One threshold per option (or one for all), comma-separated."""
+    bypass_mode: bool = False
+    """The trainer's switch: old_log_probs := rollout_log_probs and loss_mode := bypass_mode."""
     loss_type: str = "ppo_clip"
     """bypass_mode's loss: ppo_clip or reinforce."""
 
