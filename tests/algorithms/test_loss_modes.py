@@ -272,8 +272,8 @@ def test_bypass_mode_reductions_follow_the_settings():
         loss_type="reinforce", rollout_is="token", rollout_rs="seq_max_k2", rollout_rs_threshold=0.1
     )
     assert required_reductions(LossModeConfig("bypass_mode", rollout_correction=reinforce)) == (
-        "rollout_is_weights",
-        "rollout_keep_mask",
+        "bypass_is_weights",
+        "bypass_keep_mask",
     )
 
 

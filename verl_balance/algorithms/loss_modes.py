@@ -122,9 +122,9 @@ def required_reductions(mode: LossModeConfig, *, with_is_weights: bool = False) 
     if mode.loss_mode == "bypass_mode":
         corr = mode.rollout_correction
         if corr.loss_type == "reinforce" and corr.rollout_is is not None:
-            keys += ("rollout_is_weights",)
+            keys += ("bypass_is_weights",)
         if corr.rollout_rs is not None:
-            keys += ("rollout_keep_mask",)
+            keys += ("bypass_keep_mask",)
     return keys
 
 

@@ -74,7 +74,7 @@ def _bypass(log_probs, old_log_probs, mask, mode: LossModeConfig) -> dict[str, T
     stats = rc.per_sequence_stats(log_ratio, mask)
     out = {}
     if corr.rollout_rs is not None:
-        out["rollout_keep_mask"] = rc.keep_mask(log_ratio=log_ratio, loss_mask=mask, config=corr, seq_stats=stats)
+        out["bypass_keep_mask"] = rc.keep_mask(log_ratio=log_ratio, loss_mask=mask, config=corr, seq_stats=stats)
     if corr.rollout_is is not None:
         weights = rc.is_weights(log_ratio=log_ratio, loss_mask=mask, config=corr, seq_stats=stats)
         if corr.rollout_is_batch_normalize:
@@ -85,7 +85,7 @@ def _bypass(log_probs, old_log_probs, mask, mode: LossModeConfig) -> dict[str, T
                 has = (mask.sum(-1) > 0).to(weights.dtype)
                 mean = (per_seq * has).sum() / has.sum().clamp(min=MEAN_EPS)
             weights = weights / mean if mean > MEAN_EPS else weights
-        out["rollout_is_weights"] = weights
+        out["bypass_is_weights"] = weights
     return out
 
 

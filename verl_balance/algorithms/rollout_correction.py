@@ -20,9 +20,9 @@ With lr = log_prob (current, detached) - rollout_log_prob per token and m the lo
   the original mask too). Unlike verl's, the per-token metrics are not masked by the rejection, so
   their means run over every loss-mask token.
 
-Reductions the engine must supply (``reduced``, per token, detached): ``rollout_is_weights``
+Reductions the engine must supply (``reduced``, per token, detached): ``bypass_is_weights``
 (sequence level: per-sequence sums of lr over the SP group; batch-normalised: a mini-batch mean
-over the world) and ``rollout_keep_mask`` (sequence options: per-sequence SUM / MAX over the SP
+over the world) and ``bypass_keep_mask`` (sequence options: per-sequence SUM / MAX over the SP
 group). ``per_sequence_stats`` and ``is_weights`` / ``keep_mask`` below take those reduced values,
 so the same code serves the engine (reduced values) and the single-process reference.
 """
@@ -174,7 +174,7 @@ def keep_mask(*, log_ratio: Tensor, loss_mask: Tensor, config: RolloutCorrection
 
 def bypass_mode(*, log_probs, old_log_probs, advantages, config, mode, reduced):
     """verl's bypass_mode: old_log_probs are the rollout's; ppo_clip or reinforce (module docstring)."""
-    keep = reduced.get("rollout_keep_mask")
+    keep = reduced.get("bypass_keep_mask")
     if mode.rollout_correction.loss_type == "ppo_clip":
         pg, metrics = vanilla(
             log_probs=log_probs,
@@ -185,7 +185,7 @@ def bypass_mode(*, log_probs, old_log_probs, advantages, config, mode, reduced):
             reduced=reduced,
         )
     else:
-        weights = reduced.get("rollout_is_weights")
+        weights = reduced.get("bypass_is_weights")
         pg = -advantages * log_probs * (1.0 if weights is None else weights)
         metrics = {"ppo_kl": (old_log_probs - log_probs).detach()}
     if keep is not None:
