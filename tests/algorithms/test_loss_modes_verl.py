@@ -161,17 +161,21 @@ PER_TOKEN_CASES = {
 }
 
 
+SPREAD = {"dppo_tv": 1.5, "dppo_kl": 1.5, "gspo": 1.0}
+"""Log-prob moves large enough that DPPO's trust regions mask tokens and GSPO's sequence ratio clips."""
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("agg_mode", AGG_MODES)
 @pytest.mark.parametrize("name", sorted(PER_TOKEN_CASES))
 def test_loss_mode_equals_verl(core_algos, name, agg_mode, seed):
-    d = make_inputs(seed)
+    d = make_inputs(seed, spread=SPREAD.get(name, 0.3))
     compare(core_algos, d, CONFIG, PER_TOKEN_CASES[name], agg_mode, seed=seed)
 
 
 @pytest.mark.parametrize("name", sorted(PER_TOKEN_CASES))
 def test_loss_mode_with_rollout_is_weights_equals_verl(core_algos, name):
-    d = make_inputs(7)
+    d = make_inputs(7, spread=SPREAD.get(name, 0.3))
     compare(core_algos, d, CONFIG, PER_TOKEN_CASES[name], "token-mean", with_is=True, seed=7)
 
 
@@ -212,3 +216,31 @@ def test_bypass_mode_equals_verl(core_algos, case):
     info = {"dp_size": 1, "batch_num_tokens": d["mask"].sum(), "global_batch_size": len(d["mask"])}
     # verl's metrics are means over the kept tokens only; ours over every loss-mask token (documented).
     compare(core_algos, d, CONFIG, mode, "token-mean", global_batch_info=info, metrics=corr.rollout_rs is None)
+
+
+def test_the_cases_exercise_clipping_truncation_and_rejection():
+    """Guards on the random cases above, so that the equality tests cover every branch: some tokens are
+    clipped (vanilla, cispo, dppo), truncated or zeroed by the IS bounds, and rejected."""
+    for name in ("vanilla", "cispo", "dppo_tv", "dppo_kl", "gspo", "geo_mean"):
+        d = make_inputs(0, spread=SPREAD.get(name, 0.3))
+        _, _, means = our_objective(d, CONFIG, PER_TOKEN_CASES[name], "token-mean")
+        assert 0 < means["pg_clipfrac"] < 1, name
+    for case, corr in enumerate(BYPASS_CASES):
+        d = make_inputs(20 + case, spread=0.15)
+        mode = LossModeConfig(loss_mode="bypass_mode", rollout_correction=corr)
+        reduced = reference_reductions(
+            log_probs=d["log_probs"],
+            old_log_probs=d["old"],
+            advantages=d["adv"],
+            loss_mask=d["mask"],
+            config=CONFIG,
+            mode=mode,
+        )
+        on = d["mask"] > 0
+        if corr.rollout_rs is not None:
+            assert 0 < (reduced["bypass_keep_mask"][on] == 0).sum() < on.sum(), case
+        if "bypass_is_weights" in reduced and not corr.rollout_is_batch_normalize:
+            weights = reduced["bypass_is_weights"][on]
+            upper = float(str(corr.rollout_is_threshold).split("_")[-1])
+            bounded = (weights == 0) if "_" in str(corr.rollout_is_threshold) else (weights == upper)
+            assert bounded.any() and not bounded.all(), case

@@ -42,6 +42,7 @@ ADV_ESTIMATORS = (*OUTCOME_ESTIMATORS, "gae")
 
 
 def validated_scores(scores) -> torch.Tensor:
+    """``scores`` as a 1-D tensor, or an error naming the rows whose score is not finite."""
     scores = torch.as_tensor(scores)
     if scores.dim() != 1:
         raise AdvantageInputError(f"scores must be 1-D (one scalar per response), got shape {tuple(scores.shape)}")
