@@ -241,3 +241,13 @@ def test_gdpo_with_reward_components(core_algos, seed, weights):
     )
     params = AdvantageParams(gdpo_reward_keys=keys, gdpo_reward_weights=weights)
     assert_equal_on_mask(ours(batch, "gdpo", params, reward_components=components)[0], ref, mask)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_the_random_batches_trigger_the_zero_tail(seed):
+    """Guard: the OTB cases above differ with and without handle_zero_tail, so both branches are compared."""
+    for name in ("optimal_token_baseline", "tir_optimal_token_baseline"):
+        batch = make_batch(seed=seed, gaps=name.startswith("tir"))
+        cut = ours(batch, name, AdvantageParams(otb_handle_zero_tail=True))[0]
+        kept = ours(batch, name, AdvantageParams(otb_handle_zero_tail=False))[0]
+        assert not torch.equal(cut, kept), name
