@@ -9,6 +9,7 @@ micro-batches of all DP ranks of one optimizer step); the objective is J = sum_t
 | seq-mean-token-mean      | m / (n_i * S),  n_i = sum_t m_i,t, S = #{i: n_i > 0} |
 | seq-mean-token-sum       | m / S                                                |
 | seq-mean-token-sum-norm  | m / (S * C),    C = loss_scale_factor                |
+| token-sum                | m  (verl's token-sum: the sum over the mini-batch)   |
 
 Invariants:
 - N, S and n_i are counted on full (unsliced) sequences and all-reduced (SUM) over the DP group
@@ -37,16 +38,20 @@ import torch.distributed as dist
 from torch import Tensor
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+"""The modes the recipes accept (``check_agg_mode``) and the parity matrix covers."""
+WEIGHT_MODES = (*AGG_MODES, "token-sum")
+"""Every mode the weights function implements. token-sum (verl's, for the RL losses) joins AGG_MODES
+once the parity matrix and the verl backend's ``agg_loss`` rescaling cover it."""
 
 
 class LossConfigError(ValueError):
     """A bad loss configuration (unknown loss_agg_mode, bad loss_scale_factor, ...)."""
 
 
-def check_agg_mode(agg_mode: str) -> None:
-    """Raise LossConfigError unless agg_mode is one of AGG_MODES."""
-    if agg_mode not in AGG_MODES:
-        raise LossConfigError(f"loss_agg_mode={agg_mode!r}; valid: {AGG_MODES}")
+def check_agg_mode(agg_mode: str, *, valid: tuple[str, ...] = AGG_MODES) -> None:
+    """Raise LossConfigError unless agg_mode is one of ``valid`` (AGG_MODES)."""
+    if agg_mode not in valid:
+        raise LossConfigError(f"loss_agg_mode={agg_mode!r}; valid: {valid}")
 
 
 class LossFn(Protocol):
@@ -132,6 +137,8 @@ def contract_weights(
     Zero counts give zero weights, never 0/0: when a count is 0 every mask it covers is 0 too.
     """
     m = (loss_mask > 0).to(torch.float32)
+    if agg_mode == "token-sum":
+        return m * scale
     if agg_mode == "token-mean":
         return m * (scale / max(num_tokens, 1))
     if agg_mode == "seq-mean-token-mean":
@@ -163,7 +170,7 @@ def compute_token_weights(
     read of the two global counts per call, however many micro-batches; pass cu_seqlens on the
     CPU to avoid further waits.
     """
-    check_agg_mode(agg_mode)
+    check_agg_mode(agg_mode, valid=WEIGHT_MODES)
     check_loss_scale_factor(agg_mode, loss_scale_factor)
     device = loss_masks[0].device if loss_masks else torch.device("cpu")
     seq_counts = [sequence_token_counts(m, cu) for m, cu in zip(loss_masks, cu_seqlens)]

@@ -33,28 +33,16 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from verl_balance.algorithms.group_stats import AdvantageInputError, group_ids, masked_whiten
+
 OUTCOME_ESTIMATORS = ("grpo", "drgrpo", "rloo")
 """Estimators that compare the responses to one prompt (no critic)."""
 ADV_ESTIMATORS = (*OUTCOME_ESTIMATORS, "gae")
 """Every estimator ``compute_advantages`` accepts; gae needs the critic's values."""
-WHITEN_EPS = 1e-8
-"""verl's ``masked_whiten`` / ``masked_mean`` epsilon."""
 
 
-class AdvantageInputError(ValueError):
-    """Bad scores/index/mask or an unknown estimator."""
-
-
-def _group_ids(index, num_rows: int) -> tuple[torch.Tensor, int]:
-    """Map arbitrary group labels to dense ids 0..G-1 (int64 tensor) and return G."""
-    labels = np.asarray(index.cpu() if isinstance(index, torch.Tensor) else index)
-    if labels.shape != (num_rows,):
-        raise AdvantageInputError(f"index must have shape ({num_rows},) like scores, got {labels.shape}")
-    _, inverse = np.unique(labels, return_inverse=True)
-    return torch.from_numpy(inverse.reshape(-1).astype(np.int64)), int(inverse.max(initial=-1)) + 1
-
-
-def _validated_scores(scores) -> torch.Tensor:
+def validated_scores(scores) -> torch.Tensor:
+    """``scores`` as a 1-D tensor, or an error naming the rows whose score is not finite."""
     scores = torch.as_tensor(scores)
     if scores.dim() != 1:
         raise AdvantageInputError(f"scores must be 1-D (one scalar per response), got shape {tuple(scores.shape)}")
@@ -77,10 +65,10 @@ def group_outcome_advantages(
         raise AdvantageInputError(
             f"adv_estimator={estimator!r} is not a group estimator; valid: {list(OUTCOME_ESTIMATORS)}"
         )
-    scores = _validated_scores(scores)
+    scores = validated_scores(scores)
     device = scores.device
     values = scores.detach().to("cpu", torch.float64)
-    group, num_groups = _group_ids(index, len(values))
+    group, num_groups = group_ids(index, len(values))
 
     count = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group, torch.ones_like(values))
     total = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group, values)
@@ -104,7 +92,7 @@ def group_outcome_advantages(
 def last_token_rewards(*, scores, response_mask: torch.Tensor) -> torch.Tensor:
     """verl's ``token_level_rewards`` (B, L) float32: ``scores[i]`` on the last response token of row i
     (the last position where ``response_mask`` is 1), 0 elsewhere; a row without response tokens gets none."""
-    scores = _validated_scores(scores)
+    scores = validated_scores(scores)
     if scores.shape[0] != response_mask.shape[0]:
         raise AdvantageInputError(
             f"{scores.shape[0]} scores but the response mask has {response_mask.shape[0]} rows; need one score per row"
@@ -116,20 +104,6 @@ def last_token_rewards(*, scores, response_mask: torch.Tensor) -> torch.Tensor:
     rows = (last >= 0).nonzero().flatten()
     rewards[rows, last[rows]] = scores.to(device=mask.device, dtype=torch.float32)[rows]
     return rewards
-
-
-def _masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """verl's ``masked_whiten``: (x - mean) / sqrt(unbiased var + 1e-8) over the masked elements."""
-    count = mask.sum()
-    if count < 2:
-        raise AdvantageInputError(
-            f"GAE whitens the advantages over the batch's response tokens, which needs at least 2; the batch has "
-            f"{int(count)} (every response is empty?)"
-        )
-    mean = (values * mask).sum() / (count + WHITEN_EPS)
-    centered = values - mean
-    var = (centered**2 * mask).sum() / (count + WHITEN_EPS) * (count / (count - 1))
-    return centered * torch.rsqrt(var + WHITEN_EPS)
 
 
 def compute_gae(
@@ -161,7 +135,7 @@ def compute_gae(
             reversed_advantages.append(last_gae)
         advantages = torch.stack(reversed_advantages[::-1], dim=1)
         returns = advantages + values
-        advantages = _masked_whiten(advantages, mask)
+        advantages = masked_whiten(advantages, mask)
     return advantages * mask, returns * mask
 
 
@@ -171,7 +145,8 @@ class AdvantageOutput(NamedTuple):
     advantages: torch.Tensor
     """0 on prompt and padding tokens."""
     returns: torch.Tensor | None
-    """The critic's regression targets (gae only; None for the outcome estimators)."""
+    """The critic's regression targets (gae); ``compute_advantages`` gives None for its outcome
+    estimators, the registry (estimators.py) verl's second output for every estimator."""
 
 
 def compute_grpo_outcome_advantage(

@@ -96,6 +96,39 @@ class PolicyLossConfig:
         return self.entropy_coeff != 0
 
 
+def check_regularizer_inputs(
+    *, config: PolicyLossConfig, ref_log_probs: torch.Tensor | None, entropy: torch.Tensor | None
+) -> None:
+    """Raise when the KL term lacks the reference log-probs or the entropy bonus the entropy."""
+    if config.use_kl_loss and ref_log_probs is None:
+        raise PolicyLossConfigError("use_kl_loss=True needs ref_log_probs (compute them with the reference policy)")
+    if config.needs_entropy and entropy is None:
+        raise PolicyLossConfigError(f"entropy_coeff={config.entropy_coeff} needs the per-token entropy")
+
+
+def add_regularizers(
+    pg: torch.Tensor,
+    metrics: dict[str, torch.Tensor],
+    *,
+    log_probs: torch.Tensor,
+    config: PolicyLossConfig,
+    ref_log_probs: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """pg + kl_loss_coef * kl - entropy_coeff * entropy per token (each when configured), with the
+    ``kl`` and ``entropy`` metrics added to ``metrics``."""
+    loss = pg
+    if config.use_kl_loss:
+        kl = kl_penalty(log_probs=log_probs, ref_log_probs=ref_log_probs, kl_type=config.kl_loss_type)
+        metrics["kl"] = kl.detach()
+        loss = loss + config.kl_loss_coef * kl
+    if entropy is not None:
+        metrics["entropy"] = entropy.detach()
+        if config.needs_entropy:
+            loss = loss - config.entropy_coeff * entropy
+    return loss, metrics
+
+
 def ppo_clip_token_loss(
     *,
     log_probs: torch.Tensor,
@@ -106,10 +139,7 @@ def ppo_clip_token_loss(
     entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token PPO-clip loss (same shape as ``log_probs``) and per-token detached metrics."""
-    if config.use_kl_loss and ref_log_probs is None:
-        raise PolicyLossConfigError("use_kl_loss=True needs ref_log_probs (compute them with the reference policy)")
-    if config.needs_entropy and entropy is None:
-        raise PolicyLossConfigError(f"entropy_coeff={config.entropy_coeff} needs the per-token entropy")
+    check_regularizer_inputs(config=config, ref_log_probs=ref_log_probs, entropy=entropy)
 
     log_ratio = torch.clamp(log_probs - old_log_probs, min=-20.0, max=20.0)
     ratio = torch.exp(log_ratio)
@@ -125,16 +155,9 @@ def ppo_clip_token_loss(
     metrics["pg_loss"] = pg.detach()
     metrics["ppo_kl"] = (-log_ratio).detach()
 
-    loss = pg
-    if config.use_kl_loss:
-        kl = kl_penalty(log_probs=log_probs, ref_log_probs=ref_log_probs, kl_type=config.kl_loss_type)
-        metrics["kl"] = kl.detach()
-        loss = loss + config.kl_loss_coef * kl
-    if entropy is not None:
-        metrics["entropy"] = entropy.detach()
-        if config.needs_entropy:
-            loss = loss - config.entropy_coeff * entropy
-    return loss, metrics
+    return add_regularizers(
+        pg, metrics, log_probs=log_probs, config=config, ref_log_probs=ref_log_probs, entropy=entropy
+    )
 
 
 class PPOLoss:

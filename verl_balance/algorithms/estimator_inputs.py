@@ -1,0 +1,73 @@
+"""What an advantage estimator receives: the batch's tensors and verl's ``algorithm.*`` settings.
+
+Layout (ours, not verl's): every per-token tensor is (B, L) over whole rows (prompt + response,
+right-padded), ``response_mask`` is 1 exactly on the response tokens whose log-prob the loss uses
+(our ``loss_mask``). verl's tensors hold the response slice only; because every estimator skips
+masked tokens (or works on response-relative positions, see ``response_positions``), the values on
+response tokens equal verl's on the same responses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from verl_balance.algorithms.advantages import AdvantageOutput
+
+__all__ = ["AdvantageInputs", "AdvantageOutput", "AdvantageParams"]
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """The batch columns an estimator may read; each estimator's registry entry names the optional ones
+    it needs (``estimators.ADV_ESTIMATOR_REGISTRY[name].inputs``)."""
+
+    token_level_rewards: torch.Tensor
+    """(B, L): the reward of each token (the outcome score on the last response token, minus the KL
+    penalty per token with ``use_kl_in_reward``); verl's ``token_level_rewards``."""
+    response_mask: torch.Tensor
+    """(B, L): 1 on the response tokens the loss trains on."""
+    index: Any = None
+    """(B,) group labels: the prompt uid of each response (verl's ``uid``)."""
+    values: torch.Tensor | None = None
+    """(B, L): the critic's value of the state before each token (gae)."""
+    old_log_probs: torch.Tensor | None = None
+    """(B, L): log-prob of each token under the policy that sampled it (the optimal-token baselines)."""
+    sum_pi_squared: torch.Tensor | None = None
+    """(B, L): sum over the vocabulary of pi(v)^2 at each token (verl's ``actor.calculate_sum_pi_squared``)."""
+    rollout_is_weights: torch.Tensor | None = None
+    """(B, L): rollout-correction importance weights, optional for the optimal-token baselines."""
+    reward_baselines: torch.Tensor | None = None
+    """(B,): the reward of the greedy response to the same prompt (remax)."""
+    reward_components: Mapping[str, torch.Tensor] | None = None
+    """name -> (B,) score: the reward function's separate components (gdpo with ``gdpo_reward_keys``)."""
+
+    def available(self) -> frozenset[str]:
+        """Names of the fields that are set."""
+        return frozenset(f.name for f in fields(self) if getattr(self, f.name) is not None)
+
+
+@dataclass(frozen=True)
+class AdvantageParams:
+    """verl's ``algorithm.*`` keys the estimators read (verl's defaults)."""
+
+    gamma: float = 1.0
+    """Discount (gae, reinforce_plus_plus)."""
+    lam: float = 1.0
+    """GAE's lambda."""
+    norm_adv_by_std_in_grpo: bool = True
+    """Divide by the group std (grpo, grpo_vectorized, grpo_passk, gdpo); false = Dr.GRPO."""
+    epsilon: float = 1e-6
+    """Added to the group std (verl's estimator default)."""
+    gdpo_reward_keys: Sequence[str] | None = None
+    """gdpo: the reward components to normalise separately (null = the summed reward alone)."""
+    gdpo_reward_weights: Sequence[float] | None = None
+    """gdpo: one weight per component (null = all 1)."""
+    otb_handle_zero_tail: bool = True
+    """Optimal-token baselines: no baseline on the part of a group's single longest response past the
+    second longest (verl's ``handle_zero_tail``, not a config key in verl)."""
+    otb_epsilon: float = 1e-8
+    """Optimal-token baselines: added to the baseline's denominator."""

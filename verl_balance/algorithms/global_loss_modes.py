@@ -1,0 +1,141 @@
+"""verl's policy-loss modes whose per-token loss needs a quantity reduced over a whole sequence or
+over the whole mini-batch, and the reductions the engine must supply.
+
+One SP rank holds a slice of each packed sequence and one DP rank a subset of the sequences, so
+these modes cannot be computed from the local slice. Each function takes the reduced quantities
+in ``reduced`` (per-token tensors aligned with ``log_probs``, detached), so the loss itself stays
+per token and goes through the loss contract. ``reference_reductions`` computes them for a batch
+held whole on one process ((B, L) rows, one sequence per row): the single-process reference.
+
+Reductions (x = log_prob - old_log_prob of the current forward, m the loss mask, n_i = sum of m over
+sequence i, the full-sequence count the engine already has):
+
+- ``seq_mean_log_ratio`` (gspo): s_i = sum_t(x m) / max(n_i, 1), broadcast to sequence i's tokens.
+  Engine: per-sequence sums of x*m on the local slice, all-reduce SUM over the SP group (a sequence
+  never spans DP ranks or micro-batches), divided by n_i. Detached, so no autograd across ranks.
+- ``seq_mean_clipped_log_ratio``, ``seq_mean_advantage`` (geo_mean): mu_i = sum_t(x' m) / (n_i + 1e-8)
+  with x' the sign-aware clipped log-ratio below, and A_i = sum_t(A m) / (n_i + 1e-8); the same
+  SP-group per-sequence sums. With rollout IS weights also ``seq_is_weight`` = exp(sum_t(log(w + 1e-10)
+  m) / (n_i + 1e-8)).
+- ``clip_cov_drop`` (clip_cov): 1 on the tokens whose loss is dropped. With global means
+  mean_A = sum(A m) / N and mean_lp = sum(log_prob m) / N over the mini-batch (all-reduce SUM over
+  the world: DP ranks hold disjoint sequences and SP ranks disjoint tokens; N = the contract's
+  token count), cov = (A - mean_A)(log_prob - mean_lp); a candidate is a loss-mask token that PPO's
+  clip did not already clip with clip_cov_lb < cov < clip_cov_ub; k = max(int(clip_cov_ratio * N), 1)
+  candidates are drawn uniformly at random, batch-wide. A layout-invariant draw: a key per token from
+  (seed, step, sample uid, response position), then the k smallest keys among the candidates (a
+  global top-k over the world, e.g. all-gather of the candidates' keys).
+- ``kl_cov_select`` (kl_cov): 1 on the k = max(1, int(kl_cov_ratio * N)) loss-mask tokens of largest
+  cov (same global means, detached log-probs): a global top-k over the world.
+
+verl computes clip_cov's and kl_cov's statistics per micro-batch (the batch its loss function
+sees), so in verl they depend on the micro-batch size; the global reductions above make them
+layout-invariant, equal to verl's with one micro-batch holding the whole mini-batch. Because they
+select by the *current* log-probs, a token's selection is known only after the forward of every
+micro-batch: the engine needs a no-grad forward over the mini-batch first (or, on the first update
+of a step, the old log-probs, which then equal the current ones).
+
+Per token (r = exp(x), [lo, hi] the clip range, A the advantage):
+- gspo (https://arxiv.org/abs/2507.18071): log r_seq = min(log_prob - sg(log_prob) + s_i, 10),
+  pg = max(-A r_seq, -A clip(r_seq, 1 - lo, 1 + hi)): value from the sequence ratio, gradient per token.
+- geo_mean (GMPO, https://arxiv.org/abs/2507.20673): verl's per-sequence loss is
+  L_i = -A_i exp(mu_i), averaged over sequences. The per-token surrogate
+  pg = -A_i sg(exp(mu_i)) (1 + x' - sg(x')) with seq-mean-token-mean weights m / (n_i S) has exactly
+  the value sum_i L_i / S and the gradient of verl's loss (d mu_i / d x' = m / n_i). So geo_mean needs
+  loss_agg_mode seq-mean-token-mean (``LOSS_MODE_REGISTRY``'s ``agg_mode``).
+  x' = sign(A) min(sign(A) x, sign(A) clamp(x, -lo, hi)) (x not clamped to +-20, as verl).
+- clip_cov: pg = max(-A r, -A clip(r, 1 - lo, 1 + hi)) * (1 - drop), r = exp(x) unclamped.
+- kl_cov: pg = -A r + ppo_kl_coef * |x| on the selected tokens, -A r elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from verl_balance.algorithms.policy_loss import PolicyLossConfig
+
+GSPO_LOG_RATIO_MAX = 10.0
+"""verl clamps GSPO's token log-ratio from above at 10."""
+MEAN_EPS = 1e-8
+"""verl's masked_mean epsilon (geo_mean's sequence means)."""
+
+
+def gspo(*, log_probs, old_log_probs, advantages, config: PolicyLossConfig, mode, reduced):
+    """Sequence-level ratio (detached, from ``seq_mean_log_ratio``) with a per-token gradient."""
+    x = log_probs - old_log_probs
+    log_ratio = torch.clamp(log_probs - log_probs.detach() + reduced["seq_mean_log_ratio"], max=GSPO_LOG_RATIO_MAX)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - config.clip_ratio_low_value, 1 + config.clip_ratio_high_value)
+    return torch.maximum(unclipped, clipped), {
+        "pg_clipfrac": (clipped > unclipped).to(x.dtype).detach(),
+        "pg_clipfrac_lower": torch.zeros_like(x).detach(),
+        "ppo_kl": (-x).detach(),
+    }
+
+
+def geo_mean_clipped_log_ratio(
+    *, log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, config: PolicyLossConfig
+) -> tuple[Tensor, Tensor]:
+    """(x', clipped): GMPO's sign-aware token clip of x = log_prob - old_log_prob, and where it clipped."""
+    x = log_probs - old_log_probs
+    clamped = torch.clamp(x, -config.clip_ratio_low_value, config.clip_ratio_high_value)
+    sign = torch.sign(advantages)
+    return sign * torch.minimum(sign * x, sign * clamped), x != clamped
+
+
+def geo_mean(*, log_probs, old_log_probs, advantages, config: PolicyLossConfig, mode, reduced):
+    """GMPO's geometric-mean ratio per sequence as a per-token surrogate (module docstring)."""
+    x_clip, clipped = geo_mean_clipped_log_ratio(
+        log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages, config=config
+    )
+    seq_value = -reduced["seq_mean_advantage"] * torch.exp(reduced["seq_mean_clipped_log_ratio"])
+    if "seq_is_weight" in reduced:
+        seq_value = seq_value * reduced["seq_is_weight"]
+    pg = seq_value * (1.0 + x_clip - x_clip.detach())
+    dtype = log_probs.dtype
+    return pg, {
+        "pg_clipfrac": (clipped & (advantages > 0)).to(dtype),
+        "pg_clipfrac_lower": (clipped & (advantages < 0)).to(dtype),
+        "ppo_kl": (old_log_probs - log_probs).detach(),
+    }
+
+
+def _ppo_terms(log_probs, old_log_probs, advantages, config: PolicyLossConfig):
+    ratio = torch.exp(log_probs - old_log_probs)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - config.clip_ratio_low_value, 1 + config.clip_ratio_high_value)
+    return ratio, unclipped, clipped
+
+
+def clip_cov(*, log_probs, old_log_probs, advantages, config: PolicyLossConfig, mode, reduced):
+    """PPO-clip with the batch-wide selected high-covariance tokens dropped (``clip_cov_drop``)."""
+    _, unclipped, clipped = _ppo_terms(log_probs, old_log_probs, advantages, config)
+    drop = reduced["clip_cov_drop"].to(log_probs.dtype)
+    pg = torch.maximum(unclipped, clipped) * (1.0 - drop)
+    return pg, {"pg_clipfrac": drop.detach(), "ppo_kl": (old_log_probs - log_probs).detach()}
+
+
+def kl_cov(*, log_probs, old_log_probs, advantages, config: PolicyLossConfig, mode, reduced):
+    """-A r, plus ppo_kl_coef * |x| on the batch-wide top-k covariance tokens (``kl_cov_select``)."""
+    _, unclipped, _ = _ppo_terms(log_probs, old_log_probs, advantages, config)
+    abs_kl = (log_probs - old_log_probs).abs()
+    pg = torch.where(reduced["kl_cov_select"] > 0, unclipped + mode.ppo_kl_coef * abs_kl, unclipped)
+    return pg, {"ppo_kl": abs_kl.detach()}
+
+
+def token_covariance(
+    *, advantages: Tensor, log_probs: Tensor, loss_mask: Tensor, mean_advantage: float, mean_log_prob: float
+) -> Tensor:
+    """cov = (A - mean_A)(log_prob - mean_lp) per token (detached), given the mini-batch's global means."""
+    cov = (advantages.detach() - mean_advantage) * (log_probs.detach() - mean_log_prob)
+    return torch.where(loss_mask > 0, cov, torch.zeros_like(cov))
+
+
+def clip_cov_candidates(
+    *, cov: Tensor, log_probs, old_log_probs, advantages, loss_mask: Tensor, config: PolicyLossConfig, mode
+) -> Tensor:
+    """Tokens clip_cov may drop: in the loss mask, not clipped by PPO, clip_cov_lb < cov < clip_cov_ub."""
+    _, unclipped, clipped = _ppo_terms(log_probs.detach(), old_log_probs, advantages, config)
+    return (loss_mask > 0) & ~(clipped > unclipped) & (cov > mode.clip_cov_lb) & (cov < mode.clip_cov_ub)

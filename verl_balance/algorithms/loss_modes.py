@@ -1,0 +1,166 @@
+"""The policy-loss mode registry: verl 0.9.1's ``actor.policy_loss.loss_mode`` names, each a per-token
+loss under the loss contract, with the reductions the engine must supply and its aggregation.
+
+Invariants:
+- ``policy_token_loss`` returns the per-token loss and per-token detached metrics (no reduction:
+  the engine applies ``loss.compute_token_weights``). Per token it is
+      loss = pg * w_IS + kl_loss_coef * kl(log_prob, ref_log_prob) - entropy_coeff * entropy
+  (w_IS = ``rollout_is_weights`` when given, for the modes verl applies them to), so one set of
+  weights aggregates verl's pg_loss, kl_loss and entropy terms alike.
+- ``LOSS_MODE_REGISTRY[name].reductions`` names the quantities reduced over a sequence or the
+  mini-batch that the mode reads from ``reduced`` (global_loss_modes.py and rollout_correction.py
+  say which collective gives each); ``reference_reductions`` computes them for a batch held whole
+  on one process. Modes without reductions are exact on any SP slice as they stand.
+- ``agg_mode``: sapo and geo_mean are aggregated seq-mean-token-mean in verl whatever
+  ``loss_agg_mode`` says; a trainer must use that mode for them (their KL / entropy terms then use
+  it too, which verl aggregates with ``loss_agg_mode``: equal when the two agree).
+- With one micro-batch holding the mini-batch, J = sum(w * pg) equals verl's function of the same
+  name with its ``agg_loss``, value and gradient (tests/algorithms).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from torch import Tensor
+
+from verl_balance.algorithms import global_loss_modes as glob
+from verl_balance.algorithms import rollout_correction as rc
+from verl_balance.algorithms import token_loss_modes as tok
+from verl_balance.algorithms.policy_loss import (
+    PolicyLossConfig,
+    PolicyLossConfigError,
+    add_regularizers,
+    check_regularizer_inputs,
+)
+
+LOSS_MODE_KEY = "actor_rollout_ref.actor.policy_loss.loss_mode"
+SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
+
+
+@dataclass(frozen=True)
+class LossModeSpec:
+    """One registry entry."""
+
+    fn: Callable[..., tuple[Tensor, dict[str, Tensor]]]
+    reductions: tuple[str, ...] = ()
+    """Keys of ``reduced`` the mode reads (beyond those its settings add, see ``required_reductions``)."""
+    agg_mode: str | None = None
+    """The aggregation verl forces for this mode (None = ``loss_agg_mode``)."""
+    applies_is_weights: bool = True
+    """Multiply the per-token pg by ``rollout_is_weights`` (geo_mean and bypass_mode weight otherwise)."""
+
+
+LOSS_MODE_REGISTRY: dict[str, LossModeSpec] = {
+    "vanilla": LossModeSpec(tok.vanilla),
+    "gspo": LossModeSpec(glob.gspo, ("seq_mean_log_ratio",)),
+    "sapo": LossModeSpec(tok.sapo, agg_mode=SEQ_MEAN_TOKEN_MEAN),
+    "gpg": LossModeSpec(tok.gpg),
+    "clip_cov": LossModeSpec(glob.clip_cov, ("clip_cov_drop",)),
+    "kl_cov": LossModeSpec(glob.kl_cov, ("kl_cov_select",)),
+    "geo_mean": LossModeSpec(
+        glob.geo_mean,
+        ("seq_mean_clipped_log_ratio", "seq_mean_advantage"),
+        agg_mode=SEQ_MEAN_TOKEN_MEAN,
+        applies_is_weights=False,
+    ),
+    "dro": LossModeSpec(tok.dro),
+    "cispo": LossModeSpec(tok.cispo),
+    "dppo_tv": LossModeSpec(tok.dppo_tv),
+    "dppo_kl": LossModeSpec(tok.dppo_kl),
+    "bypass_mode": LossModeSpec(rc.bypass_mode, applies_is_weights=False),
+}
+"""verl 0.9.1's 12 policy-loss modes."""
+
+
+@dataclass
+class LossModeConfig:
+    """verl's ``actor.policy_loss.*`` keys, plus the actor's ``tau_pos`` / ``tau_neg`` (SAPO), with verl's
+    defaults. The clip range and dual clip come from ``PolicyLossConfig`` (the actor's keys)."""
+
+    loss_mode: str = "vanilla"
+    """One of LOSS_MODE_REGISTRY."""
+    clip_cov_ratio: float = 0.0002
+    """clip_cov: fraction of the mini-batch's tokens to drop."""
+    clip_cov_lb: float = 1.0
+    """clip_cov: lower covariance bound of a candidate."""
+    clip_cov_ub: float = 5.0
+    """clip_cov: upper covariance bound of a candidate."""
+    kl_cov_ratio: float = 0.0002
+    """kl_cov: fraction of the mini-batch's tokens that get the KL penalty."""
+    ppo_kl_coef: float = 0.1
+    """kl_cov: weight of |log-ratio| on the selected tokens."""
+    dro_beta: float | None = None
+    """dro: weight of the quadratic log-ratio penalty (required, > 0)."""
+    tau_pos: float = 1.0
+    """sapo: gate temperature for positive advantages (verl's ``actor.tau_pos``)."""
+    tau_neg: float = 1.05
+    """sapo: gate temperature for non-positive advantages (verl's ``actor.tau_neg``)."""
+    rollout_correction: rc.RolloutCorrectionConfig = field(default_factory=rc.RolloutCorrectionConfig)
+    """bypass_mode's IS weights, rejection and loss type."""
+
+    def __post_init__(self):
+        if self.loss_mode not in LOSS_MODE_REGISTRY:
+            raise PolicyLossConfigError(f"{LOSS_MODE_KEY}={self.loss_mode!r}; valid: {sorted(LOSS_MODE_REGISTRY)}")
+        for key in ("clip_cov_ratio", "kl_cov_ratio", "tau_pos", "tau_neg"):
+            if not getattr(self, key) > 0:
+                raise PolicyLossConfigError(f"policy_loss.{key}={getattr(self, key)!r} must be > 0")
+        if not self.clip_cov_lb < self.clip_cov_ub:
+            raise PolicyLossConfigError(
+                f"policy_loss.clip_cov_lb={self.clip_cov_lb} must be < policy_loss.clip_cov_ub={self.clip_cov_ub}"
+            )
+        if self.loss_mode == "dro" and not (self.dro_beta is not None and self.dro_beta > 0):
+            raise PolicyLossConfigError(f"policy_loss.dro_beta={self.dro_beta!r}: loss_mode='dro' needs a value > 0")
+
+
+def required_reductions(mode: LossModeConfig, *, with_is_weights: bool = False) -> tuple[str, ...]:
+    """Every key of ``reduced`` this configuration reads."""
+    keys = LOSS_MODE_REGISTRY[mode.loss_mode].reductions
+    if mode.loss_mode == "geo_mean" and with_is_weights:
+        keys += ("seq_is_weight",)
+    if mode.loss_mode == "bypass_mode":
+        corr = mode.rollout_correction
+        if corr.loss_type == "reinforce" and corr.rollout_is is not None:
+            keys += ("bypass_is_weights",)
+        if corr.rollout_rs is not None:
+            keys += ("bypass_keep_mask",)
+    return keys
+
+
+def policy_token_loss(
+    *,
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    config: PolicyLossConfig,
+    mode: LossModeConfig,
+    reduced: Mapping[str, Tensor] | None = None,
+    ref_log_probs: Tensor | None = None,
+    entropy: Tensor | None = None,
+    rollout_is_weights: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token loss of ``mode.loss_mode`` (same shape as ``log_probs``) and per-token detached metrics."""
+    reduced = dict(reduced or {})
+    missing = [k for k in required_reductions(mode, with_is_weights=rollout_is_weights is not None) if k not in reduced]
+    if missing:
+        raise PolicyLossConfigError(
+            f"{LOSS_MODE_KEY}={mode.loss_mode!r} needs the reduced quantities {missing} (see "
+            f"algorithms/global_loss_modes.py); got {sorted(reduced)}"
+        )
+    check_regularizer_inputs(config=config, ref_log_probs=ref_log_probs, entropy=entropy)
+    spec = LOSS_MODE_REGISTRY[mode.loss_mode]
+    pg, metrics = spec.fn(
+        log_probs=log_probs,
+        old_log_probs=old_log_probs,
+        advantages=advantages,
+        config=config,
+        mode=mode,
+        reduced=reduced,
+    )
+    if rollout_is_weights is not None and spec.applies_is_weights:
+        pg = pg * rollout_is_weights
+    metrics = {**metrics, "pg_loss": pg.detach()}
+    return add_regularizers(
+        pg, metrics, log_probs=log_probs, config=config, ref_log_probs=ref_log_probs, entropy=entropy
+    )

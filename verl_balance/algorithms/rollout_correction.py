@@ -1,0 +1,193 @@
+"""Rollout correction for ``policy_loss.loss_mode=bypass_mode`` (verl's ``rollout_correction`` keys):
+importance weights and rejection of tokens/sequences by the training-vs-rollout divergence.
+
+With lr = log_prob (current, detached) - rollout_log_prob per token and m the loss mask:
+
+- IS weights (``rollout_is``): token: w_t = exp(clamp(lr_t, -20, 20)); sequence: w_t =
+  exp(clamp(sum_t lr m, -20, 20)) on every token of the sequence; then w * m, and either truncated
+  (TIS, ``rollout_is_threshold`` = upper: min(w, upper)) or zeroed outside [lower, upper] (IcePop,
+  threshold "lower_upper"). ``rollout_is_batch_normalize`` divides by their mean over the
+  mini-batch (token: over loss-mask tokens; sequence: over non-empty sequences of the per-sequence
+  token mean) when that mean exceeds 1e-8.
+- Rejection (``rollout_rs``, comma-separated options, all must pass): per token k1 = -lr,
+  k2 = lr^2 / 2, k3 = exp(lr) - 1 - lr (lr clamped to +-20); ``token_k*`` judge each token,
+  ``seq_sum_k*`` / ``seq_mean_k*`` / ``seq_max_k*`` the sequence's sum / mean / max over its loss-mask
+  tokens and keep or reject the whole sequence. k1 options keep log(lower) <= stat <= log(upper)
+  (threshold "lower_upper", or one value u meaning [1/u, u]); k2/k3 keep stat <= upper.
+- bypass_mode loss (old_log_prob = rollout_log_prob): ``loss_type=ppo_clip`` is vanilla PPO-clip (its
+  ratio already is the IS correction: no weights); ``reinforce`` is -sg(w) A log_prob. Rejected
+  tokens get loss 0; the contract weights still count them (verl's global token count comes from
+  the original mask too). Unlike verl's, the per-token metrics are not masked by the rejection, so
+  their means run over every loss-mask token.
+
+Reductions the engine must supply (``reduced``, per token, detached): ``bypass_is_weights``
+(sequence level: per-sequence sums of lr over the SP group; batch-normalised: a mini-batch mean
+over the world) and ``bypass_keep_mask`` (sequence options: per-sequence SUM / MAX over the SP
+group). ``per_sequence_stats`` and ``is_weights`` / ``keep_mask`` below take those reduced values,
+so the same code serves the engine (reduced values) and the single-process reference.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from verl_balance.algorithms.policy_loss import PolicyLossConfigError
+from verl_balance.algorithms.token_loss_modes import vanilla
+
+SAFETY_BOUND = 20.0
+RS_OPTIONS = (
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
+)
+IS_LEVELS = ("token", "sequence")
+LOSS_TYPES = ("ppo_clip", "reinforce")
+KEY = "algorithm.rollout_correction"
+
+
+def _floats(spec, key: str) -> tuple[float, float | None]:
+    """(upper, lower or None) from a number, "u" or "lower_upper"."""
+    text = str(spec).strip()
+    try:
+        parts = [float(p) for p in text.split("_", 1)]
+    except ValueError:
+        raise PolicyLossConfigError(f"{KEY}.{key}={spec!r} is not a number or 'lower_upper'") from None
+    upper, lower = parts[-1], (parts[0] if len(parts) == 2 else None)
+    if not upper > 0 or (lower is not None and not 0 < lower <= upper):
+        raise PolicyLossConfigError(f"{KEY}.{key}={spec!r}: need 0 < lower <= upper")
+    return upper, lower
+
+
+@dataclass
+class RolloutCorrectionConfig:
+    """verl's ``algorithm.rollout_correction`` keys (the defaults of verl's YAML; its dataclass says
+    ``rollout_is="sequence"``, the YAML null). With ``bypass_mode`` verl's trainer copies them into
+    ``actor.policy_loss.rollout_correction`` and sets ``loss_mode=bypass_mode``."""
+
+    rollout_is: str | None = None
+    """IS weight level: token, sequence, or null (no weights)."""
+    rollout_is_threshold: str | float = 2.0
+    """TIS upper bound, or "lower_upper" for IcePop."""
+    rollout_is_batch_normalize: bool = False
+    """Divide the IS weights by their mini-batch mean."""
+    rollout_rs: str | None = None
+    """Rejection options, comma-separated (RS_OPTIONS), or null."""
+    rollout_rs_threshold: str | float | None = None
+    """One threshold per option (or one for all), comma-separated."""
+    bypass_mode: bool = False
+    """The trainer's switch: old_log_probs := rollout_log_probs and loss_mode := bypass_mode."""
+    loss_type: str = "ppo_clip"
+    """bypass_mode's loss: ppo_clip or reinforce."""
+
+    def __post_init__(self):
+        if self.rollout_is is not None and self.rollout_is not in IS_LEVELS:
+            raise PolicyLossConfigError(f"{KEY}.rollout_is={self.rollout_is!r}; valid: {IS_LEVELS} or null")
+        if self.loss_type not in LOSS_TYPES:
+            raise PolicyLossConfigError(f"{KEY}.loss_type={self.loss_type!r}; valid: {LOSS_TYPES}")
+        _floats(self.rollout_is_threshold, "rollout_is_threshold")
+        self.rs_thresholds()
+
+    def rs_thresholds(self) -> dict[str, tuple[float, float]]:
+        """option -> (low, high) bounds on its statistic (log-space for k1 options; low -inf otherwise)."""
+        if self.rollout_rs is None:
+            return {}
+        options = list(dict.fromkeys(o.strip() for o in self.rollout_rs.split(",") if o.strip()))
+        bad = [o for o in options if o not in RS_OPTIONS]
+        if bad or not options:
+            raise PolicyLossConfigError(f"{KEY}.rollout_rs={self.rollout_rs!r}: unknown {bad}; valid: {RS_OPTIONS}")
+        if self.rollout_rs_threshold is None:
+            raise PolicyLossConfigError(f"{KEY}.rollout_rs_threshold is required with rollout_rs={self.rollout_rs!r}")
+        specs = [s.strip() for s in str(self.rollout_rs_threshold).split(",") if s.strip()]
+        if len(specs) not in (1, len(options)):
+            raise PolicyLossConfigError(
+                f"{KEY}.rollout_rs_threshold={self.rollout_rs_threshold!r}: give one threshold or one per option "
+                f"({len(options)})"
+            )
+        bounds = {}
+        for option, spec in zip(options, specs * len(options) if len(specs) == 1 else specs):
+            upper, lower = _floats(spec, "rollout_rs_threshold")
+            if option.endswith("k1"):
+                bounds[option] = (math.log(1.0 / upper if lower is None else lower), math.log(upper))
+            elif lower is not None:
+                raise PolicyLossConfigError(f"{KEY}.rollout_rs_threshold={spec!r}: {option} takes one upper bound")
+            else:
+                bounds[option] = (-math.inf, upper)
+        return bounds
+
+
+def token_divergences(log_ratio: Tensor) -> dict[str, Tensor]:
+    """k1, k2, k3 per token from lr = log_prob - rollout_log_prob (clamped to +-20)."""
+    lr = torch.clamp(log_ratio, min=-SAFETY_BOUND, max=SAFETY_BOUND)
+    return {"k1": -lr, "k2": 0.5 * lr.square(), "k3": torch.exp(lr) - 1.0 - lr}
+
+
+def per_sequence_stats(log_ratio: Tensor, loss_mask: Tensor) -> dict[str, Tensor]:
+    """The per-sequence values of a (B, L) batch held whole, broadcast per token: ``lr_sum`` and
+    ``{sum,mean,max}_k{1,2,3}`` (the engine computes them with SP-group reductions instead)."""
+    m = loss_mask.to(log_ratio.dtype)
+    n = m.sum(-1, keepdim=True)
+    stats = {"lr_sum": (log_ratio * m).sum(-1, keepdim=True)}
+    for name, k in token_divergences(log_ratio).items():
+        total = (k * m).sum(-1, keepdim=True)
+        stats[f"sum_{name}"] = total
+        stats[f"mean_{name}"] = total / (n + 1e-8)
+        peak = k.masked_fill(m == 0, -torch.inf).max(-1, keepdim=True).values
+        stats[f"max_{name}"] = torch.where(torch.isinf(peak), torch.zeros_like(peak), peak)
+    return {k: v.expand_as(log_ratio) for k, v in stats.items()}
+
+
+def is_weights(
+    *, log_ratio: Tensor, loss_mask: Tensor, config: RolloutCorrectionConfig, seq_stats: Mapping[str, Tensor]
+) -> Tensor:
+    """Truncated (TIS) or IcePop IS weights per token, before batch normalisation; 0 off the mask."""
+    level_ratio = log_ratio if config.rollout_is == "token" else seq_stats["lr_sum"]
+    raw = torch.exp(torch.clamp(level_ratio, min=-SAFETY_BOUND, max=SAFETY_BOUND)) * loss_mask
+    upper, lower = _floats(config.rollout_is_threshold, "rollout_is_threshold")
+    if lower is None:
+        return raw.clamp(max=upper).detach()
+    return torch.where((raw >= lower) & (raw <= upper), raw, torch.zeros_like(raw)).detach()
+
+
+def keep_mask(*, log_ratio: Tensor, loss_mask: Tensor, config: RolloutCorrectionConfig, seq_stats) -> Tensor:
+    """1 where every rejection option keeps the token (or its sequence), 0 where one rejects it."""
+    token = token_divergences(log_ratio)
+    keep = torch.ones_like(log_ratio)
+    for option, (low, high) in config.rs_thresholds().items():
+        level, k = option.rsplit("_", 1)
+        stat = token[k] if level == "token" else seq_stats[f"{level.removeprefix('seq_')}_{k}"]
+        keep = keep * ((stat >= low) & (stat <= high)).to(keep.dtype)
+    return keep
+
+
+def bypass_mode(*, log_probs, old_log_probs, advantages, config, mode, reduced):
+    """verl's bypass_mode: old_log_probs are the rollout's; ppo_clip or reinforce (module docstring)."""
+    keep = reduced.get("bypass_keep_mask")
+    if mode.rollout_correction.loss_type == "ppo_clip":
+        pg, metrics = vanilla(
+            log_probs=log_probs,
+            old_log_probs=old_log_probs,
+            advantages=advantages,
+            config=config,
+            mode=mode,
+            reduced=reduced,
+        )
+    else:
+        weights = reduced.get("bypass_is_weights")
+        pg = -advantages * log_probs * (1.0 if weights is None else weights)
+        metrics = {"ppo_kl": (old_log_probs - log_probs).detach()}
+    if keep is not None:
+        pg = pg * keep
+    return pg, metrics
