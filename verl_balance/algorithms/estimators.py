@@ -22,6 +22,7 @@ from verl_balance.algorithms import outcome_estimators as outcome
 from verl_balance.algorithms import token_estimators as token
 from verl_balance.algorithms.estimator_inputs import AdvantageInputs, AdvantageOutput, AdvantageParams
 from verl_balance.algorithms.group_stats import AdvantageInputError
+from verl_balance.batch_keys import INDEX_KEY, OLD_LOG_PROBS_KEY, VALUES_KEY
 
 ESTIMATOR_KEY = "algorithm.adv_estimator"
 
@@ -37,11 +38,11 @@ class EstimatorSpec:
     """Fields it uses when present."""
 
 
-_GROUP = ("index",)
-_OTB = ("index", "old_log_probs", "sum_pi_squared")
+_GROUP = (INDEX_KEY,)
+_OTB = (INDEX_KEY, OLD_LOG_PROBS_KEY, "sum_pi_squared")
 
 ADV_ESTIMATOR_REGISTRY: dict[str, EstimatorSpec] = {
-    "gae": EstimatorSpec(token.gae, ("values",)),
+    "gae": EstimatorSpec(token.gae, (VALUES_KEY,)),
     "grpo": EstimatorSpec(outcome.grpo, _GROUP),
     "drgrpo": EstimatorSpec(outcome.drgrpo, _GROUP),
     "rloo": EstimatorSpec(outcome.rloo, _GROUP),
@@ -98,7 +99,7 @@ def compute_advantage(*, adv_estimator: str, inputs: AdvantageInputs, params: Ad
             f"token_level_rewards {tuple(inputs.token_level_rewards.shape)} and response_mask {shape} must be the "
             f"same (B, L)"
         )
-    for name in ("values", "old_log_probs", "sum_pi_squared", "rollout_is_weights"):
+    for name in (VALUES_KEY, OLD_LOG_PROBS_KEY, "sum_pi_squared", "rollout_is_weights"):
         tensor = getattr(inputs, name)
         if tensor is not None and tuple(tensor.shape) != shape:
             raise AdvantageInputError(f"{name} has shape {tuple(tensor.shape)}; it must be (B, L) = {shape}")
