@@ -248,7 +248,7 @@ def test_a_failed_save_prunes_nothing(tmp_path):
 def test_full_disk_before_a_save_names_the_directory_and_the_free_space(tmp_path, monkeypatch):
     identity, _ = _run(tmp_path, saves=[2])
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: usage(100, 99, 1))
+    monkeypatch.setattr(checkpoint.save.shutil, "disk_usage", lambda path: usage(100, 99, 1))
     with pytest.raises(CheckpointDiskFullError, match=rf"{tmp_path}.*1 B free.*max_ckpt_to_keep"):
         save_trainer_checkpoint(FakeGroup(), root=str(tmp_path), step=4, trainer_state={}, identity=identity)
     assert _steps(tmp_path) == [2]
@@ -257,7 +257,7 @@ def test_full_disk_before_a_save_names_the_directory_and_the_free_space(tmp_path
 def test_no_space_error_during_a_save_names_the_directory_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
     identity, _ = _run(tmp_path)
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: usage(100, 100, 0))
+    monkeypatch.setattr(checkpoint.save.shutil, "disk_usage", lambda path: usage(100, 100, 0))
     # What a worker's torch.save reports on ENOSPC (re-raised on the driver with its message).
     error = RuntimeError("[enforce fail at inline_container.cc:626] . PytorchStreamWriter failed writing file")
     with pytest.raises(CheckpointDiskFullError, match=rf"default_local_dir='{tmp_path}'.*0 B free"):
