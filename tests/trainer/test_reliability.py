@@ -25,6 +25,7 @@ from verl_balance.trainer.checkpoint import (
     LATEST_FILE,
     CheckpointDiskFullError,
     CheckpointError,
+    CheckpointUnverifiedError,
     latest_checkpoint,
     save_trainer_checkpoint,
     start_run,
@@ -121,7 +122,11 @@ def test_auto_in_a_directory_with_another_runs_checkpoints_is_an_error_naming_th
     with pytest.raises(CheckpointError, match="resume_mode=disable.*superseded"):
         _run(tmp_path, "auto")
     assert _steps(tmp_path) == [3], "refusing must not touch them"
-    identity, path = _run(tmp_path, "resume_path", resume_from_path=str(legacy))
+    with pytest.raises(CheckpointUnverifiedError, match="allow_unverified_checkpoint"):  # no completeness record
+        _run(tmp_path, "resume_path", resume_from_path=str(legacy))
+    identity, path = start_run(
+        str(tmp_path), resume_mode="resume_path", resume_from_path=str(legacy), config=CONFIG, allow_unverified=True
+    )
     assert path == str(legacy) and identity.start_step == 3
 
 

@@ -390,6 +390,7 @@ class DriverBase:
             config=plain_config(self.cfg),
             schema=type(self.config),
             hasher=checkpoint.group_hasher(self.actor),
+            allow_unverified=t.allow_unverified_checkpoint,
         )
         if path is not None:
             self._load(path)
@@ -432,7 +433,10 @@ class DriverBase:
         identity = self.run_identity
         path = (
             checkpoint.newest_verified_checkpoint(
-                self.out_dir, lineage_id=identity.lineage_id, hasher=checkpoint.group_hasher(self.actor)
+                self.out_dir,
+                lineage_id=identity.lineage_id,
+                hasher=checkpoint.group_hasher(self.actor),
+                allow_unverified=self.trainer_config.allow_unverified_checkpoint,
             )
             or identity.branch_checkpoint
         )

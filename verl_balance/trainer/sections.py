@@ -267,6 +267,9 @@ class TrainerSection:
     """How long to wait for the workers' resources before failing."""
     plot: bool = field(default=True, metadata=APPLY_ON_RESUME)
     """Write curves.png at the end of the run."""
+    allow_unverified_checkpoint: bool = field(default=False, metadata=APPLY_ON_RESUME)
+    """Load a checkpoint without a verified completeness record (no checkpoint_complete.json, or one
+    without file checksums, as older versions wrote) on resume and warm start; false refuses it."""
     max_ckpt_to_keep: Optional[int] = field(default=None, metadata=APPLY_ON_RESUME)
     """Keep only the newest N complete checkpoints of this run (older ones are deleted after a newer one
     is complete); null keeps every checkpoint. See docs/fault_tolerance.md."""

@@ -23,6 +23,7 @@ picks the newest complete checkpoint *of the directory's lineage* and never one 
 """
 
 from verl_balance.trainer.checkpoint.layout import (
+    ALLOW_UNVERIFIED_KEY,
     COMPLETE_FILE,
     LATEST_FILE,
     LINEAGE_FILE,
@@ -34,6 +35,7 @@ from verl_balance.trainer.checkpoint.layout import (
     CheckpointDiskFullError,
     CheckpointError,
     CheckpointInfo,
+    CheckpointUnverifiedError,
     LineageFileError,
     ResumeKeyChangedError,
     checkpoint_dir,
@@ -64,6 +66,7 @@ from verl_balance.trainer.checkpoint.save import (
 )
 
 __all__ = [
+    "ALLOW_UNVERIFIED_KEY",
     "COMPLETE_FILE",
     "LATEST_FILE",
     "LINEAGE_FILE",
@@ -75,6 +78,7 @@ __all__ = [
     "CheckpointDiskFullError",
     "CheckpointError",
     "CheckpointInfo",
+    "CheckpointUnverifiedError",
     "LineageFileError",
     "ResumeKeyChangedError",
     "RunIdentity",

@@ -40,6 +40,14 @@ class CheckpointCorruptError(CheckpointError):
     """A complete checkpoint whose files no longer match their manifest (missing, resized, altered)."""
 
 
+class CheckpointUnverifiedError(CheckpointError):
+    """A checkpoint without a verified completeness record (no ``checkpoint_complete.json``, or one
+    without file checksums): refused unless ``trainer.allow_unverified_checkpoint=true``."""
+
+
+ALLOW_UNVERIFIED_KEY = "trainer.allow_unverified_checkpoint"
+
+
 class LineageFileError(CheckpointError):
     """``run_lineage.json`` exists but cannot be used (unreadable, not JSON, or lacking its keys)."""
 

@@ -21,6 +21,7 @@ from verl_balance.trainer.checkpoint.layout import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointInfo,
+    CheckpointUnverifiedError,
     LineageFileError,
     ResumeKeyChangedError,
     checkpoint_step,
@@ -148,6 +149,7 @@ class _RunStart:
     policies: Mapping[str, str]
     hasher: checksums.Hasher
     resume_from_path: str | None
+    allow_unverified: bool = False
 
 
 # Each mode returns (checkpoint to load or None, lineage id, branch checkpoint of the lineage).
@@ -162,14 +164,16 @@ def _start_auto(run: _RunStart) -> _Start:
         return _start_without_lineage(run)
     lineage_id = run.lineage["lineage_id"]
     branch = run.lineage.get("branch_checkpoint")
-    load_path = newest_verified_checkpoint(run.root, lineage_id=lineage_id, hasher=run.hasher)
+    load_path = newest_verified_checkpoint(
+        run.root, lineage_id=lineage_id, hasher=run.hasher, allow_unverified=run.allow_unverified
+    )
     if load_path is None and branch is not None:
         if not (is_complete(branch) or os.path.exists(os.path.join(branch, TRAINER_STATE_FILE))):
             raise CheckpointError(
                 f"lineage {lineage_id} in trainer.default_local_dir={run.root!r} started from "
                 f"{branch!r}, which is no longer a complete checkpoint"
             )
-        verify_checkpoint(branch, hasher=run.hasher)
+        verify_checkpoint(branch, hasher=run.hasher, allow_unverified=run.allow_unverified)
         load_path = branch
     if load_path is not None:  # with nothing saved yet there is no state to contradict
         check_resume_config(run.lineage, run.config, policies=run.policies)
@@ -221,9 +225,9 @@ def _start_from_path(run: _RunStart) -> _Start:
             f"(no {COMPLETE_FILE}); pick a complete global_step_N directory"
         )
     try:
-        verify_checkpoint(load_path, hasher=run.hasher)
-    except CheckpointCorruptError as err:  # the user named this one: never silently use another
-        raise CheckpointCorruptError(f"trainer.resume_from_path={run.resume_from_path!r}: {err}") from err
+        verify_checkpoint(load_path, hasher=run.hasher, allow_unverified=run.allow_unverified)
+    except (CheckpointCorruptError, CheckpointUnverifiedError) as err:  # never silently use another
+        raise type(err)(f"trainer.resume_from_path={run.resume_from_path!r}: {err}") from err
     start = checkpoint_step(load_path)
     later = [os.path.basename(c.path) for c in run.complete if c.step > start and c.path != load_path]
     later += [os.path.basename(p) for p in run.incomplete]
@@ -250,13 +254,15 @@ def start_run(
     config: dict,
     schema: type | None = None,
     hasher: checksums.Hasher = checksums.local_hasher,
+    allow_unverified: bool = False,
 ) -> tuple[RunIdentity, str | None]:
     """Decide this run's lineage and the checkpoint to load (None: start from the beginning).
 
     ``resume_mode`` picks ``_start_auto`` (continue this directory's lineage), ``_start_disabled``
     (a new lineage from step 0, the old one moved to ``superseded/``, nothing deleted) or
     ``_start_from_path`` (a new lineage branching from ``resume_from_path``). The checkpoint to
-    load is verified against its checksums first (``verify_checkpoint``, hashing with ``hasher``).
+    load is verified against its checksums first (``verify_checkpoint``, hashing with ``hasher``);
+    one without a manifest is refused unless ``allow_unverified``.
 
     ``auto`` compares ``config`` with the lineage's recorded config by the ``on_resume`` policies
     of ``schema`` (the recipe's dataclass, default SFTConfig; see resume_policy.py): a changed
@@ -287,6 +293,7 @@ def start_run(
         policies=policies,
         hasher=hasher,
         resume_from_path=resume_from_path,
+        allow_unverified=allow_unverified,
     )
     load_path, lineage_id, branch = _MODE_STARTS[resume_mode](run)
     identity = RunIdentity(

@@ -7,8 +7,10 @@ import logging
 import os
 
 from verl_balance.trainer.checkpoint.layout import (
+    ALLOW_UNVERIFIED_KEY,
     COMPLETE_FILE,
     CheckpointCorruptError,
+    CheckpointUnverifiedError,
     latest_checkpoint,
     move_aside,
     read_json,
@@ -46,21 +48,21 @@ def write_complete_record(path: str, record: dict, *, hasher: checksums.Hasher =
     )
 
 
-def verify_checkpoint(path: str, *, hasher: checksums.Hasher = checksums.local_hasher) -> None:
+def verify_checkpoint(
+    path: str, *, hasher: checksums.Hasher = checksums.local_hasher, allow_unverified: bool = False
+) -> None:
     """Check the files of the complete checkpoint ``path`` against its manifest before anything
     loads them; raises ``CheckpointCorruptError`` naming each missing, truncated or altered file.
 
-    A checkpoint written before manifests existed is loaded *unverified* (a warning): only its DCP
-    shards' lengths are checked against their ``.metadata``."""
+    A checkpoint without a manifest (no ``checkpoint_complete.json``: a save stopped while hashing,
+    or a copy; or a record without checksums, written by an older version) is refused with
+    ``CheckpointUnverifiedError``; with ``allow_unverified`` (``trainer.allow_unverified_checkpoint``)
+    it is loaded *unverified* (a warning): only its DCP shards' lengths are checked against their
+    ``.metadata``."""
     record = read_json(os.path.join(path, COMPLETE_FILE))
     manifest = (record or {}).get(checksums.MANIFEST_KEY)
     if manifest is None:
-        problems = checksums.dcp_truncated_files(path)
-        if problems:
-            raise CheckpointCorruptError(f"checkpoint {path!r} is corrupt: {'; '.join(problems)}")
-        logger.warning(
-            "checkpoint: %s has no file checksums (written by an older version): loading it unverified", path
-        )
+        _check_unverified(path, record=record, allow_unverified=allow_unverified)
         return
     try:
         checksums.verify_manifest(path, manifest, hasher=hasher)
@@ -68,8 +70,28 @@ def verify_checkpoint(path: str, *, hasher: checksums.Hasher = checksums.local_h
         raise CheckpointCorruptError(str(err)) from err
 
 
+def _check_unverified(path: str, *, record: dict | None, allow_unverified: bool) -> None:
+    """Refuse the manifest-less checkpoint ``path`` (unless ``allow_unverified``: then check what can
+    be checked without checksums and warn)."""
+    what = (
+        f"no readable {COMPLETE_FILE} (a save was stopped before it was sealed, or the directory was not "
+        "written by the trainer)"
+        if record is None
+        else f"a {COMPLETE_FILE} without file checksums (an older version wrote it)"
+    )
+    if not allow_unverified:
+        raise CheckpointUnverifiedError(
+            f"checkpoint {path!r} has {what}: its files cannot be verified, so it is not loaded. Use a "
+            f"complete global_step_N directory, or set {ALLOW_UNVERIFIED_KEY}=true to load it unverified"
+        )
+    problems = checksums.dcp_truncated_files(path)
+    if problems:
+        raise CheckpointCorruptError(f"checkpoint {path!r} is corrupt: {'; '.join(problems)}")
+    logger.warning("checkpoint: %s has %s: loading it unverified (%s=true)", path, what, ALLOW_UNVERIFIED_KEY)
+
+
 def newest_verified_checkpoint(
-    root: str, *, lineage_id: str, hasher: checksums.Hasher = checksums.local_hasher
+    root: str, *, lineage_id: str, hasher: checksums.Hasher = checksums.local_hasher, allow_unverified: bool = False
 ) -> str | None:
     """The newest complete checkpoint of ``lineage_id`` under ``root`` whose files verify.
 
@@ -82,7 +104,7 @@ def newest_verified_checkpoint(
     corrupt: list[tuple[str, CheckpointCorruptError]] = []
     for info in reversed(candidates):
         try:
-            verify_checkpoint(info.path, hasher=hasher)
+            verify_checkpoint(info.path, hasher=hasher, allow_unverified=allow_unverified)
         except CheckpointCorruptError as err:
             logger.warning("checkpoint: %s", err)
             corrupt.append((info.path, err))
