@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping
 from numbers import Integral, Real
 from typing import Any
 
-from verl_balance.utils.atomic_io import atomic_write_json, atomic_write_text
+from verl_balance.utils.atomic_io import atomic_write_json, atomic_write_text, open_nofollow
 
 logger = logging.getLogger(__name__)
 BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
@@ -114,7 +114,7 @@ class Tracking:
             indent=2,
         )
         drop_torn_last_line(self.metrics_path)
-        self._jsonl = open(self.metrics_path, "a", encoding="utf-8")
+        self._jsonl = open_nofollow(self.metrics_path, "a")  # a planted link: UnsafePathError
         self._console = "console" in backends
         self._progress = self._open_progress(total_steps) if self._console else None
         self._tensorboard = self._open_tensorboard() if "tensorboard" in backends else None
@@ -181,7 +181,7 @@ class Tracking:
         """Drop the records logged past ``step`` (a run that went back to a checkpoint)."""
         self._jsonl.close()
         rewrite_metrics_up_to(self.metrics_path, step)
-        self._jsonl = open(self.metrics_path, "a", encoding="utf-8")
+        self._jsonl = open_nofollow(self.metrics_path, "a")  # a planted link: UnsafePathError
         if self._progress is not None:
             self._progress.n = min(self._progress.n, step)
 

@@ -14,7 +14,7 @@ import time
 from verl_balance.trainer.config import ConfigError
 from verl_balance.trainer.resume_policy import ResumeConfigError
 from verl_balance.utils import checksums
-from verl_balance.utils.atomic_io import fsync_dir
+from verl_balance.utils.atomic_io import fsync_dir, refuse_symlink
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +153,9 @@ def move_aside(root: str, names: list[str], *, label: str) -> str | None:
     names = [n for n in names if os.path.exists(os.path.join(root, n))]
     if not names:
         return None
+    refuse_symlink(os.path.join(root, SUPERSEDED_DIR))  # never move checkpoints through a planted link
     dest = os.path.join(root, SUPERSEDED_DIR, f"{time.strftime('%Y%m%d-%H%M%S')}_{label}")
+    refuse_symlink(dest)
     os.makedirs(dest, exist_ok=True)
     for name in names:
         os.rename(os.path.join(root, name), os.path.join(dest, name))

@@ -22,7 +22,7 @@ from verl_balance.trainer.checkpoint.layout import (
 )
 from verl_balance.trainer.checkpoint.lineage import RunIdentity
 from verl_balance.trainer.checkpoint.manifest import group_hasher, write_complete_record
-from verl_balance.utils.atomic_io import atomic_write_json, atomic_write_text, fsync_dir
+from verl_balance.utils.atomic_io import atomic_write_json, atomic_write_text, fsync_dir, refuse_symlink
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +107,8 @@ def save_trainer_checkpoint(
     needed = directory_size(complete[-1].path) if complete else None
     if needed and shutil.disk_usage(root).free < needed:
         raise _disk_full_error(root, step, needed=needed)
+    for path in (staging, final, os.path.join(root, LATEST_FILE)):
+        refuse_symlink(path)  # the workers would write their shards through a planted link
     if os.path.exists(staging):
         shutil.rmtree(staging)
     try:
