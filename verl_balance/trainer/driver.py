@@ -32,6 +32,7 @@ from verl_balance.trainer.config_checks import ConfigError
 from verl_balance.trainer.recipe import RecipeConfig
 from verl_balance.trainer.run_lock import RunLock, acquire_run_lock
 from verl_balance.trainer.sections import ModelSection, TrainerSection, record_workload
+from verl_balance.trainer.startup import check_layout_and_device
 from verl_balance.utils.atomic_io import NoFollowFileHandler
 from verl_balance.utils.tracking import Tracking, plain_config
 from verl_balance.workers.actor import ActorWorker, ActorWorkerConfig
@@ -134,6 +135,13 @@ class DriverBase:
             raise ConfigError(f"{model.KEY_PREFIX}tokenizer={model.tokenizer_path!r}: {err}") from err
         self.model_section = model
         self.model_config: ModelConfig | HFModelConfig = model.model_config(vocab_size=self.tokenizer.vocab_size)
+        check_layout_and_device(
+            model_config=self.model_config,
+            model_key=f"{model.KEY_PREFIX}{'path' if model.path else 'name'}",
+            sp_key=config.SP_KEY,
+            sp_size=self.sp,
+            trainer=trainer,
+        )
         self.workload = config.balance.workload_for(self.model_config)
         record_workload(self.workload, self.out_dir)
         self.global_step = 0
