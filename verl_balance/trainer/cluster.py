@@ -110,7 +110,10 @@ def _init_embedded(**kwargs) -> None:
                     "and set trainer.ray_address=auto"
                 ) from err
             logger.warning(
-                "embedded Ray start-up timed out (%s); retrying (attempt %d of %d)", err, attempt + 1, EMBEDDED_START_ATTEMPTS
+                "embedded Ray start-up timed out (%s); retrying (attempt %d of %d)",
+                err,
+                attempt + 1,
+                EMBEDDED_START_ATTEMPTS,
             )
 
 
