@@ -81,6 +81,7 @@ def test_save_freq_zero_is_refused_naming_the_key(tmp_path):
     validate_sft(compose_config("sft", ["trainer.save_freq=-1", f"trainer.default_local_dir={tmp_path}"]))
 
 
+@pytest.mark.slow  # calls build_actor_group / start_ray (with Ray replaced), which tests/test_slow_marks.py flags
 def test_a_group_larger_than_the_cluster_names_n_gpus_per_node(monkeypatch):
     class Pool:
         removed = False
@@ -171,6 +172,7 @@ class _FakeRay:
         return {}
 
 
+@pytest.mark.slow  # see above
 def test_the_embedded_ray_start_is_retried_when_its_node_start_up_times_out(monkeypatch, caplog):
     fake = _FakeRay(failures=2)
     monkeypatch.setattr(cluster, "ray", fake)
