@@ -164,6 +164,7 @@ def move_aside(root: str, names: list[str], *, label: str) -> str | None:
 
 
 def checkpoint_step(path: str) -> int:
+    """The step of the checkpoint ``path``: from its record, else its trainer state, else its name."""
     record = read_json(os.path.join(path, COMPLETE_FILE))
     if record is not None and "step" in record:
         return int(record["step"])
