@@ -198,3 +198,21 @@ def test_the_run_directory_is_left_unlocked_after_an_early_error(tmp_path, no_ra
     from verl_balance.trainer.run_lock import acquire_run_lock
 
     acquire_run_lock(os.path.join(tmp_path, "run")).release()
+
+
+@pytest.mark.parametrize("stop_signal, code", [(None, None), ("SIGINT", 130), ("SIGTERM", 143)])
+def test_the_entry_point_exits_with_the_stop_signals_code(monkeypatch, tmp_path, stop_signal, code):
+    """``python -m verl_balance.main_sft``: 0 (no SystemExit) when finished, 128 + signal after a stop."""
+    import runpy
+
+    from verl_balance.trainer.sft_trainer import SFTTrainer
+
+    summary = {"steps": 2, "wall_s": 1.0, "metrics": "m", "stop_signal": stop_signal}
+    monkeypatch.setattr(SFTTrainer, "train", classmethod(lambda cls, cfg: summary))
+    monkeypatch.setattr("sys.argv", ["main_sft", f"trainer.default_local_dir={tmp_path}"])
+    if code is None:
+        runpy.run_module("verl_balance.main_sft", run_name="__main__")  # as ``python -m`` runs it
+        return
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_module("verl_balance.main_sft", run_name="__main__")
+    assert exit_info.value.code == code
