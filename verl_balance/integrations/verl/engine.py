@@ -40,8 +40,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from verl_balance.integrations.verl import sealed_checkpoint
 from verl_balance.integrations.verl.errors import require_verl
+from verl_balance.integrations.verl.sealed_checkpoint import seal, unseal, verify_sealed
 
 require_verl()
 
@@ -637,9 +637,9 @@ class VerlBalanceEngine(BaseEngine):
             self.saved_checkpoint_paths, local_path, max_ckpt_to_keep=max_ckpt_to_keep
         )
         os.makedirs(local_path, exist_ok=True)
-        sealed_checkpoint.unseal(local_path)  # a save stopped half-way never looks complete
+        unseal(local_path)  # a save stopped half-way never looks complete
         self.engine.save_checkpoint(local_path, step=int(global_step), extra={"global_step": int(global_step)})
-        sealed_checkpoint.seal(local_path, step=int(global_step), group=self.layout.world_group)
+        seal(local_path, step=int(global_step), group=self.layout.world_group)
         self.saved_checkpoint_paths = kept
         if dist.get_rank() == 0:
             for path in stale:
@@ -652,7 +652,7 @@ class VerlBalanceEngine(BaseEngine):
             raise NotImplementedError(f"verl_balance engine: hdfs_path={hdfs_path!r} is not supported")
         if del_local_after_load:
             raise NotImplementedError("verl_balance engine: del_local_after_load=True is not supported")
-        sealed_checkpoint.verify_sealed(local_path, group=self.layout.world_group)
+        verify_sealed(local_path, group=self.layout.world_group)
         return self.engine.load_checkpoint(local_path)
 
 

@@ -31,9 +31,9 @@ import shutil
 import numpy as np
 import torch
 
-from verl_balance.integrations.verl import sealed_checkpoint
 from verl_balance.integrations.verl.convert import batch_from_dataproto, batch_to_dataproto
 from verl_balance.integrations.verl.errors import require_verl
+from verl_balance.integrations.verl.sealed_checkpoint import seal, unseal, verify_sealed
 from verl_balance.integrations.verl.seqlen import rearrange_micro_batches
 from verl_balance.integrations.verl.trainer_balance import PLANNED_SIZES_KEY
 
@@ -149,9 +149,9 @@ class VerlActorWorker(Worker):
         if max_ckpt_to_keep is not None:
             logger.warning("VerlActorWorker ignores max_ckpt_to_keep; prune old checkpoints outside")
         os.makedirs(local_path, exist_ok=True)
-        sealed_checkpoint.unseal(local_path)  # a save stopped half-way never looks complete
+        unseal(local_path)  # a save stopped half-way never looks complete
         self.actor.save_checkpoint(local_path, step=int(global_step), extra={"global_step": int(global_step)})
-        sealed_checkpoint.seal(local_path, step=int(global_step), group=self.actor.layout.world_group)
+        seal(local_path, step=int(global_step), group=self.actor.layout.world_group)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=False):
@@ -159,7 +159,7 @@ class VerlActorWorker(Worker):
         if hdfs_path is not None:
             raise VerlWorkerConfigError(f"hdfs_path={hdfs_path!r} is not supported; load from a local path")
         # the completeness record and checksums first
-        sealed_checkpoint.verify_sealed(local_path, group=self.actor.layout.world_group)
+        verify_sealed(local_path, group=self.actor.layout.world_group)
         extra = self.actor.load_checkpoint(local_path)
         if del_local_after_load:
             dist.barrier()  # every rank has finished reading before rank 0 deletes
