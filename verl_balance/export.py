@@ -37,7 +37,6 @@ import logging
 import os
 import shutil
 import uuid
-import warnings
 from collections.abc import Mapping
 from dataclasses import replace
 
@@ -48,7 +47,7 @@ from verl_balance.models.hf import HFModelConfig, build_hf_model
 from verl_balance.models.hf_llama import builtin_to_hf_llama, save_builtin_as_hf_llama  # noqa: F401 (re-exported)
 from verl_balance.models.llama import LlamaForCausalLM
 from verl_balance.models.safetensors_io import DEFAULT_MAX_SHARD_BYTES, TensorSpec, save_hf_directory
-from verl_balance.utils import checksums
+from verl_balance.utils import checksums, safe_load
 from verl_balance.utils.atomic_io import fsync_dir
 
 logger = logging.getLogger(__name__)
@@ -140,13 +139,11 @@ def load_checkpoint_model_state(
     run's LoraConfig, names then are the engine's LoRA names, see engine/lora.py). A LoRA checkpoint
     holds only the adapters: ``base_state`` (``lora_base_state``) supplies the frozen base tensors;
     without it only the adapters are returned."""
-    import torch.distributed.checkpoint as dcp
-
     if not os.path.exists(os.path.join(checkpoint, ".metadata")):
         raise ExportError(
             f"{checkpoint!r} is not an engine checkpoint (no DCP .metadata); pass a global_step_N directory"
         )
-    metadata = dcp.FileSystemReader(checkpoint).read_metadata()
+    metadata = safe_load.read_dcp_metadata(checkpoint)  # a planted pickle: UnsafeCheckpointError
     saved = {k.split(".", 1)[1] for k in metadata.state_dict_metadata if k.startswith("model.")}
     skeleton = base_state if base_state is not None else _skeleton_state(model_config, lora)
     wanted = {k: v for k, v in skeleton.items() if k in saved}
@@ -166,9 +163,9 @@ def load_checkpoint_model_state(
     if truncated:
         raise ExportError(f"checkpoint {checkpoint!r} is corrupt: {'; '.join(truncated)}")
     try:
-        with warnings.catch_warnings():  # single-process load is the intent here, not a mistake
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=checkpoint, no_dist=True)
+        safe_load.dcp_load(state, checkpoint, no_dist=True)
+    except safe_load.UnsafeCheckpointError:
+        raise
     except Exception as err:  # DCP names no file (EOFError, "PytorchStreamReader failed ..."): say which
         raise ExportError(f"reading the DCP shards of checkpoint {checkpoint!r} failed: {err!r}") from err
     if base_state is None:
@@ -231,8 +228,9 @@ def recorded_model_config(checkpoint: str) -> dict | None:
 
 
 def verify_export_source(checkpoint: str, *, allow_incomplete: bool = False) -> None:
-    """Refuse a checkpoint without its completeness record (unless ``allow_incomplete``) or whose
-    files do not match the checksums recorded there; ``ExportError`` names the file."""
+    """Refuse a checkpoint without a verified completeness record (no record, or one without file
+    checksums; unless ``allow_incomplete``) or whose files do not match the checksums recorded
+    there; ``ExportError`` names the file."""
     record_path = os.path.join(checkpoint, checksums.COMPLETE_FILE)
     if not os.path.exists(os.path.join(checkpoint, ".metadata")):
         return  # not a DCP checkpoint at all: load_checkpoint_model_state says so
@@ -252,7 +250,14 @@ def verify_export_source(checkpoint: str, *, allow_incomplete: bool = False) -> 
         raise ExportError(f"{record_path} is not valid JSON ({err}): the checkpoint is not complete") from err
     manifest = record.get(checksums.MANIFEST_KEY) if isinstance(record, dict) else None
     if manifest is None:
-        logger.warning("%s has no file checksums (an older version wrote it): exporting unverified", record_path)
+        if not allow_incomplete:
+            raise ExportError(
+                f"{record_path} has no file checksums (an older version wrote it): checkpoint {checkpoint!r} "
+                "cannot be verified; pass --allow-incomplete to export it unverified"
+            )
+        logger.warning(
+            "%s has no file checksums: exporting %s unverified (--allow-incomplete)", record_path, checkpoint
+        )
         return
     try:
         checksums.verify_manifest(checkpoint, manifest)
@@ -416,7 +421,7 @@ def main(argv: list[str] | None = None) -> None:
             allow_incomplete=args.allow_incomplete,
             merge_lora=args.merge_lora,
         )
-    except ExportError as err:
+    except (ExportError, safe_load.UnsafeCheckpointError) as err:
         parser.exit(2, f"{parser.prog}: error: {err}\n")
     print(out)
 

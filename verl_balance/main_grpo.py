@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import hydra
 
 from verl_balance.trainer.grpo_config import register_grpo_schema
@@ -12,9 +14,13 @@ register_grpo_schema()
 @hydra.main(config_path="config", config_name="grpo", version_base="1.3")
 def main(cfg) -> None:
     """Train with the merged config (config/grpo.yaml + command-line overrides); print the summary."""
+    from verl_balance.trainer.driver import exit_code
     from verl_balance.trainer.grpo_trainer import GRPOTrainer, format_summary
 
-    print(format_summary(GRPOTrainer.train(cfg)), flush=True)
+    summary = GRPOTrainer.train(cfg)
+    print(format_summary(summary), flush=True)
+    if exit_code(summary):  # stopped by SIGINT / SIGTERM after its save: 130 / 143, not 0
+        sys.exit(exit_code(summary))
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import hydra
 
 from verl_balance.trainer.config import register_schemas
@@ -12,9 +14,13 @@ register_schemas()
 @hydra.main(config_path="config", config_name="sft", version_base="1.3")
 def main(cfg) -> None:
     """Train with the merged config (config/sft.yaml + command-line overrides); print the summary."""
+    from verl_balance.trainer.driver import exit_code
     from verl_balance.trainer.sft_trainer import SFTTrainer, format_summary
 
-    print(format_summary(SFTTrainer.train(cfg)), flush=True)
+    summary = SFTTrainer.train(cfg)
+    print(format_summary(summary), flush=True)
+    if exit_code(summary):  # stopped by SIGINT / SIGTERM after its save: 130 / 143, not 0
+        sys.exit(exit_code(summary))
 
 
 if __name__ == "__main__":

@@ -173,14 +173,18 @@ def test_when_every_checkpoint_is_corrupt_resume_is_an_error_and_moves_nothing(t
     assert all(os.path.exists(p) for p in paths)
 
 
-def test_a_checkpoint_without_checksums_from_an_older_version_loads_unverified_with_a_warning(tmp_path, caplog):
+def test_a_checkpoint_without_checksums_from_an_older_version_loads_unverified_by_opt_in_with_a_warning(
+    tmp_path, caplog
+):
     (path,) = _run_with_saves(tmp_path, [2])
     record = _record(path)
     del record["files"], record["hash"]
     with open(os.path.join(path, COMPLETE_FILE), "w") as f:
         json.dump(record, f)
     with caplog.at_level(logging.WARNING, logger="verl_balance.trainer.checkpoint"):
-        _, loaded = start_run(str(tmp_path), resume_mode="auto", resume_from_path=None, config=CONFIG)
+        _, loaded = start_run(
+            str(tmp_path), resume_mode="auto", resume_from_path=None, config=CONFIG, allow_unverified=True
+        )
     assert loaded == path and "unverified" in caplog.text
 
 

@@ -252,7 +252,7 @@ def test_critic_follows_the_actors_warm_start_unless_it_has_its_own_model(
     if lora_checkpoint:
         with open(os.path.join(ckpt, BASE_FINGERPRINT_FILE), "w") as f:
             json.dump({"seed": 0}, f)
-    monkeypatch.setattr(checkpoint, "verify_checkpoint", lambda path, hasher: None)
+    monkeypatch.setattr(checkpoint, "verify_checkpoint", lambda path, hasher, allow_unverified: None)
     monkeypatch.setattr(checkpoint, "group_hasher", lambda group: None)
     trainer = GRPOTrainer.__new__(GRPOTrainer)
     trainer.actor, trainer.critic = _RecordingGroup(), _RecordingGroup()
@@ -261,6 +261,7 @@ def test_critic_follows_the_actors_warm_start_unless_it_has_its_own_model(
             model=SimpleNamespace(warm_start_path=ckpt), actor=SimpleNamespace(use_kl_loss=False)
         ),
         critic=SimpleNamespace(model=SimpleNamespace(path=critic_path)),
+        trainer=SimpleNamespace(allow_unverified_checkpoint=False),
     )
     trainer.prepare_workers()
     assert trainer.actor.loads == [("model", os.path.abspath(ckpt))]

@@ -25,6 +25,7 @@ from verl_balance.trainer.checkpoint import (
     LATEST_FILE,
     CheckpointDiskFullError,
     CheckpointError,
+    CheckpointUnverifiedError,
     latest_checkpoint,
     save_trainer_checkpoint,
     start_run,
@@ -121,7 +122,11 @@ def test_auto_in_a_directory_with_another_runs_checkpoints_is_an_error_naming_th
     with pytest.raises(CheckpointError, match="resume_mode=disable.*superseded"):
         _run(tmp_path, "auto")
     assert _steps(tmp_path) == [3], "refusing must not touch them"
-    identity, path = _run(tmp_path, "resume_path", resume_from_path=str(legacy))
+    with pytest.raises(CheckpointUnverifiedError, match="allow_unverified_checkpoint"):  # no completeness record
+        _run(tmp_path, "resume_path", resume_from_path=str(legacy))
+    identity, path = start_run(
+        str(tmp_path), resume_mode="resume_path", resume_from_path=str(legacy), config=CONFIG, allow_unverified=True
+    )
     assert path == str(legacy) and identity.start_step == 3
 
 
@@ -248,7 +253,7 @@ def test_a_failed_save_prunes_nothing(tmp_path):
 def test_full_disk_before_a_save_names_the_directory_and_the_free_space(tmp_path, monkeypatch):
     identity, _ = _run(tmp_path, saves=[2])
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: usage(100, 99, 1))
+    monkeypatch.setattr(checkpoint.save.shutil, "disk_usage", lambda path: usage(100, 99, 1))
     with pytest.raises(CheckpointDiskFullError, match=rf"{tmp_path}.*1 B free.*max_ckpt_to_keep"):
         save_trainer_checkpoint(FakeGroup(), root=str(tmp_path), step=4, trainer_state={}, identity=identity)
     assert _steps(tmp_path) == [2]
@@ -257,7 +262,7 @@ def test_full_disk_before_a_save_names_the_directory_and_the_free_space(tmp_path
 def test_no_space_error_during_a_save_names_the_directory_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
     identity, _ = _run(tmp_path)
     usage = namedtuple("usage", "total used free")
-    monkeypatch.setattr(checkpoint.shutil, "disk_usage", lambda path: usage(100, 100, 0))
+    monkeypatch.setattr(checkpoint.save.shutil, "disk_usage", lambda path: usage(100, 100, 0))
     # What a worker's torch.save reports on ENOSPC (re-raised on the driver with its message).
     error = RuntimeError("[enforce fail at inline_container.cc:626] . PytorchStreamWriter failed writing file")
     with pytest.raises(CheckpointDiskFullError, match=rf"default_local_dir='{tmp_path}'.*0 B free"):

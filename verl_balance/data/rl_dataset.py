@@ -115,7 +115,9 @@ class RLPromptDataset(torch.utils.data.Dataset):
             )
         if not len(self):
             raise DataError(
-                f"no usable prompts in {self.files}: {self.num_filtered} over-long, {len(self.skipped)} malformed"
+                f"no usable prompts in {self.files}: {self.num_filtered} longer than "
+                f"data.max_prompt_length={config.max_prompt_length} (filtered), {len(self.skipped)} malformed"
+                + ("; raise data.max_prompt_length" if self.num_filtered else "")
             )
 
     def _parse(self, row: dict[str, Any] | str) -> tuple[list[dict[str, str]], str, dict[str, Any], dict[str, Any]]:
@@ -174,9 +176,9 @@ class RLPromptDataset(torch.utils.data.Dataset):
                     prompt_ids = prompt_ids[: config.max_prompt_length]
                 else:
                     raise SequenceTooLongError(
-                        f"{path}: row {row_index}: prompt has {len(prompt_ids)} tokens > max_prompt_length="
-                        f"{config.max_prompt_length}; raise it, set filter_overlong_prompts=True, or truncation "
-                        "to 'left' or 'right'"
+                        f"{path}: row {row_index}: prompt has {len(prompt_ids)} tokens > data.max_prompt_length="
+                        f"{config.max_prompt_length}; raise data.max_prompt_length, set "
+                        "data.filter_overlong_prompts=true, or data.truncation to 'left' or 'right'"
                     )
             try:
                 ids = array(self._prompt_ids.typecode, prompt_ids)

@@ -80,6 +80,7 @@ from verl_balance.models import ModelConfig
 from verl_balance.models.base import PackedCausalLM
 from verl_balance.models.output_head import Temperature, token_log_probs
 from verl_balance.models.value import ValueModel
+from verl_balance.utils import safe_load
 from verl_balance.utils.atomic_io import atomic_write_json
 
 __all__ = ["TrainEngine", "token_log_probs"]
@@ -696,10 +697,11 @@ class TrainEngine:
         The optimizer and schedule then follow this engine's ``optim`` config (it may differ from
         the saved run's: a resume with a new learning rate uses it from the next step on).
         A LoRA checkpoint is refused (BaseMismatchError, on every rank) unless this engine's frozen
-        base is the one its adapters were trained on."""
+        base is the one its adapters were trained on. Nothing but checkpoint data is unpickled
+        (utils/safe_load.py: a planted pickle raises UnsafeCheckpointError naming the file)."""
         check_checkpoint_base(self, path)
         state = checkpoint_state(self.model, self.optimizer)
-        dcp.load(state, checkpoint_id=path)
+        safe_load.dcp_load(state, path)  # never unpickles anything but checkpoint data
         set_state_dict(
             self.model,
             self.optimizer,
@@ -707,7 +709,7 @@ class TrainEngine:
             optim_state_dict=state["optim"],
             options=StateDictOptions(strict=not is_lora_model(self.model)),
         )
-        meta = torch.load(os.path.join(path, _ENGINE_STATE_FILE), weights_only=False)
+        meta = safe_load.load_torch_file(os.path.join(path, _ENGINE_STATE_FILE))
         self.scheduler.load_state_dict(meta["scheduler"])
         apply_optim_config(self.optimizer, self.scheduler, config=self.config)  # a resume's new optim.* keys
         self.global_step = meta["global_step"]

@@ -77,7 +77,14 @@ def score_batch(
     extras: dict[str, np.ndarray] = {}
     for i in range(count):
         extra_info = None if extra_infos is None else extra_infos[i]
-        result = reward_fn(data_sources[i], solutions[i], ground_truths[i], extra_info)
+        try:
+            result = reward_fn(data_sources[i], solutions[i], ground_truths[i], extra_info)
+        except Exception as err:  # keep its type; the note names the row the traceback alone does not
+            err.add_note(
+                f"raised by the reward function on sample {i} (data_source {data_sources[i]!r}, ground truth "
+                f"{ground_truths[i]!r}, response {str(solutions[i])[:80]!r})"
+            )
+            raise
         if isinstance(result, Mapping):
             if "score" not in result:
                 raise RewardError(f"sample {i} ({data_sources[i]}): reward dict has no 'score' key: {sorted(result)}")

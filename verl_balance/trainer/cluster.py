@@ -7,7 +7,12 @@ import os
 
 import ray
 
-from verl_balance.single_controller import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+from verl_balance.single_controller import (
+    RayClassWithInitArgs,
+    RayResourcePool,
+    RayWorkerGroup,
+    UnplaceableResourcePoolError,
+)
 from verl_balance.trainer.config import ConfigError, TrainerSection
 from verl_balance.workers.actor import ActorWorker, ActorWorkerConfig
 from verl_balance.workers.group import group_class_for
@@ -55,7 +60,7 @@ def start_ray(*, address: str | None, num_workers: int | None = None) -> None:
         ray.init(address=address, runtime_env=env, log_to_driver=True)
         return
     cpus = embedded_cluster_cpus()
-    ray.init(
+    _init_embedded(
         num_cpus=cpus,
         include_dashboard=False,
         runtime_env=env,
@@ -75,6 +80,43 @@ def start_ray(*, address: str | None, num_workers: int | None = None) -> None:
         )
 
 
+EMBEDDED_START_ATTEMPTS = 3
+"""How often ``start_ray`` starts the embedded cluster when its start-up times out: Ray waits a fixed
+30 s for its node (the raylet) to register with the GCS, which a loaded machine can exceed."""
+
+_START_TIMEOUT_TEXTS = ("timed out during startup", "waiting for node to startup", "Timed out")
+
+
+class RayStartError(RuntimeError):
+    """The embedded Ray cluster did not start (names what timed out and the ways around it)."""
+
+
+def _init_embedded(**kwargs) -> None:
+    """``ray.init(**kwargs)``, retried up to ``EMBEDDED_START_ATTEMPTS`` times when Ray's node
+    start-up times out (a warning per retry); then ``RayStartError`` naming what timed out."""
+    for attempt in range(1, EMBEDDED_START_ATTEMPTS + 1):
+        try:
+            ray.init(**kwargs)
+            return
+        except Exception as err:
+            if not any(text in str(err) for text in _START_TIMEOUT_TEXTS):
+                raise
+            ray.shutdown()  # stop what the failed attempt started before trying again
+            if attempt == EMBEDDED_START_ATTEMPTS:
+                raise RayStartError(
+                    f"the embedded Ray cluster did not start in {attempt} attempts: its node (raylet) did not "
+                    f"register with Ray's GCS within Ray's fixed 30 s start-up limit ({err}); the machine is "
+                    "probably overloaded. Retry when it is less busy, or start Ray yourself (ray start --head) "
+                    "and set trainer.ray_address=auto"
+                ) from err
+            logger.warning(
+                "embedded Ray start-up timed out (%s); retrying (attempt %d of %d)",
+                err,
+                attempt + 1,
+                EMBEDDED_START_ATTEMPTS,
+            )
+
+
 def resolve_use_gpu(device: str) -> bool:
     """trainer.device auto|cpu|cuda -> whether workers take GPU bundles (auto: the cluster has GPUs)."""
     if device == "cpu":
@@ -83,6 +125,10 @@ def resolve_use_gpu(device: str) -> bool:
     if device == "cuda" and gpus == 0:
         raise ConfigError("trainer.device=cuda but the Ray cluster has no GPUs; use trainer.device=cpu or auto")
     return gpus > 0
+
+
+class ClusterTooSmallError(ConfigError, UnplaceableResourcePoolError):
+    """The worker group the trainer keys ask for does not fit the Ray cluster (names the keys)."""
 
 
 def build_actor_group(
@@ -104,6 +150,13 @@ def build_actor_group(
             heartbeat_s=getattr(trainer_cfg, "heartbeat_interval_s", TrainerSection.heartbeat_interval_s),
             timeout_hint="trainer.worker_call_timeout_s sets this limit",
         )
+    except UnplaceableResourcePoolError as err:
+        pool.remove()
+        n, nodes = trainer_cfg.n_gpus_per_node, trainer_cfg.nnodes
+        raise ClusterTooSmallError(
+            f"trainer.n_gpus_per_node={n} x trainer.nnodes={nodes} = {n * nodes} workers do not fit the Ray "
+            f"cluster: {err}. Lower trainer.n_gpus_per_node (or trainer.nnodes), or use a larger cluster"
+        ) from err
     except BaseException:
         pool.remove()
         raise

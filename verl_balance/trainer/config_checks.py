@@ -17,6 +17,7 @@ from verl_balance.models.hf import REFUSED_MODEL_TYPES, SUPPORTED_MODEL_TYPES
 
 __all__ = [
     "ConfigError",
+    "check_adapter_dir",
     "check_choice",
     "check_finite_values",
     "check_hf_model_dir",
@@ -73,6 +74,16 @@ def check_hf_model_dir(key: str, path: str) -> None:
             f"{key}={path!r} has model_type={model_type!r}, which is not supported{' (' + why + ')' if why else ''}; "
             f"supported model_type values: {list(SUPPORTED_MODEL_TYPES)}"
         )
+
+
+def check_adapter_dir(key: str, path: str) -> None:
+    """A peft adapter directory (``save_pretrained`` of a PeftModel): its config and weights exist."""
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        if not os.path.isfile(os.path.join(path, name)):
+            raise ConfigError(
+                f"{key}={path!r} has no {name}: point it at a peft adapter directory (save_pretrained of a "
+                "PeftModel, or python -m verl_balance.export of a LoRA checkpoint), or remove the key"
+            )
 
 
 def check_writable_dir(key: str, path: str) -> None:

@@ -32,6 +32,8 @@ from verl_balance.trainer.config_checks import ConfigError
 from verl_balance.trainer.recipe import RecipeConfig
 from verl_balance.trainer.run_lock import RunLock, acquire_run_lock
 from verl_balance.trainer.sections import ModelSection, TrainerSection, record_workload
+from verl_balance.trainer.startup import check_layout_and_device
+from verl_balance.utils.atomic_io import NoFollowFileHandler
 from verl_balance.utils.tracking import Tracking, plain_config
 from verl_balance.workers.actor import ActorWorker, ActorWorkerConfig
 from verl_balance.workers.group import ActorGroup
@@ -39,6 +41,18 @@ from verl_balance.workers.group import ActorGroup
 logger = logging.getLogger(__name__)
 
 # Step metrics whose non-finite value makes a step non-finite (SFT logs train/*, GRPO actor/*).
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+"""Signals that stop a run gracefully: the step in flight finishes, a checkpoint is saved, and the
+entry points exit with 128 + the signal's number (``exit_code``)."""
+
+
+def exit_code(summary: dict) -> int:
+    """The entry points' exit status: 0 when the run finished, 128 + the signal's number when a
+    signal stopped it after its save (130 for SIGINT / Ctrl-C, 143 for SIGTERM)."""
+    name = summary.get("stop_signal")
+    return 0 if name is None else 128 + signal.Signals[name].value
+
+
 NONFINITE_WATCH_KEYS = (
     "train/loss",
     "train/grad_norm",
@@ -70,6 +84,8 @@ class DriverBase:
     global_step: int = 0
     run_identity: checkpoint.RunIdentity | None = None
     _stop_requested: bool = False
+    _stop_signal: str | None = None
+    """The signal (SIGINT, SIGTERM) that stopped the run after a save; None when it ran to the end."""
     plot_panels: tuple | None = None
     worker_cls: type = ActorWorker
     """The worker class ``start_workers`` places when the subclass names none."""
@@ -119,10 +135,18 @@ class DriverBase:
             raise ConfigError(f"{model.KEY_PREFIX}tokenizer={model.tokenizer_path!r}: {err}") from err
         self.model_section = model
         self.model_config: ModelConfig | HFModelConfig = model.model_config(vocab_size=self.tokenizer.vocab_size)
+        check_layout_and_device(
+            model_config=self.model_config,
+            model_key=f"{model.KEY_PREFIX}{'path' if model.path else 'name'}",
+            sp_key=config.SP_KEY,
+            sp_size=self.sp,
+            trainer=trainer,
+        )
         self.workload = config.balance.workload_for(self.model_config)
         record_workload(self.workload, self.out_dir)
         self.global_step = 0
         self._stop_requested = False
+        self._stop_signal = None
 
     def setup_loader(self, train_set, *, batch_size: int, shuffle: bool) -> None:
         """The resumable loader over ``train_set`` and the run length in steps."""
@@ -228,7 +252,7 @@ class DriverBase:
         if HydraConfig.initialized():
             name = HydraConfig.get().job.name or name
         os.makedirs(self.out_dir, exist_ok=True)
-        handler = logging.FileHandler(os.path.join(self.out_dir, f"{name}.log"), encoding="utf-8")
+        handler = NoFollowFileHandler(os.path.join(self.out_dir, f"{name}.log"))  # a planted link: refused
         handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
         logging.getLogger().addHandler(handler)
         return handler
@@ -243,7 +267,7 @@ class DriverBase:
             config=plain_config(self.cfg),
             total_steps=self.total_steps,
         )
-        previous_handler = signal.signal(signal.SIGINT, self._request_stop)
+        previous = {signum: signal.signal(signum, self._request_stop) for signum in STOP_SIGNALS}
         record = {"first": {}, "last": {}, "last_val": {}, "first_val": {}}
         run_start = time.perf_counter()
         restarts, max_restarts, must_restart = 0, self.trainer_config.max_restarts, False
@@ -268,13 +292,15 @@ class DriverBase:
                         max_restarts,
                     )
         finally:
-            signal.signal(signal.SIGINT, previous_handler)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
             tracker.close()
         summary = {
             "steps": self.global_step,
             "wall_s": time.perf_counter() - run_start,
             "metrics": tracker.metrics_path,
             "restarts": restarts,
+            "stop_signal": self._stop_signal,
             **self.summarize(
                 first=record["first"], last=record["last"], first_val=record["first_val"], last_val=record["last_val"]
             ),
@@ -412,6 +438,7 @@ class DriverBase:
             config=plain_config(self.cfg),
             schema=type(self.config),
             hasher=checkpoint.group_hasher(self.actor),
+            allow_unverified=t.allow_unverified_checkpoint,
         )
         if path is not None:
             self._load(path)
@@ -450,7 +477,10 @@ class DriverBase:
         identity = self.run_identity
         path = (
             checkpoint.newest_verified_checkpoint(
-                self.out_dir, lineage_id=identity.lineage_id, hasher=checkpoint.group_hasher(self.actor)
+                self.out_dir,
+                lineage_id=identity.lineage_id,
+                hasher=checkpoint.group_hasher(self.actor),
+                allow_unverified=self.trainer_config.allow_unverified_checkpoint,
             )
             or identity.branch_checkpoint
         )
@@ -467,11 +497,15 @@ class DriverBase:
         )
 
     def _request_stop(self, signum, frame) -> None:
-        """SIGINT handler: the first Ctrl-C stops after this step (and saves), the second aborts."""
+        """SIGINT / SIGTERM handler: the first stops after this step (and saves), the second aborts.
+        SLURM and Kubernetes stop a job with SIGTERM and a grace period: it gets the same save."""
         if self._stop_requested:
             raise KeyboardInterrupt
         self._stop_requested = True
+        self._stop_signal = signal.Signals(signum).name
         logger.warning(
-            "stop requested: finishing this step, saving a checkpoint, then exiting "
-            "(press Ctrl-C again to abort without saving)"
+            "stop requested (%s): finishing this step, saving a checkpoint, then exiting with code %d "
+            "(send it again to abort without saving)",
+            self._stop_signal,
+            128 + signum,
         )

@@ -345,11 +345,14 @@ class GRPOTrainer(DriverBase):
         if arr.model.warm_start_path:
             path = os.path.abspath(arr.model.warm_start_path)
             try:  # the files must match their checksums before any rank reads them
-                checkpoint.verify_checkpoint(path, hasher=checkpoint.group_hasher(self.actor))
-            except checkpoint.CheckpointCorruptError as err:
-                raise checkpoint.CheckpointCorruptError(
-                    f"actor_rollout_ref.model.warm_start_path={arr.model.warm_start_path!r}: {err}"
-                ) from err
+                checkpoint.verify_checkpoint(
+                    path,
+                    hasher=checkpoint.group_hasher(self.actor),
+                    allow_unverified=self.config.trainer.allow_unverified_checkpoint,
+                )
+            except (checkpoint.CheckpointCorruptError, checkpoint.CheckpointUnverifiedError) as err:
+                key = f"actor_rollout_ref.model.warm_start_path={arr.model.warm_start_path!r}"
+                raise type(err)(f"{key}: {err}") from err
             self.actor.load_model_weights(path)
             logger.info("warm start: weights of %s", arr.model.warm_start_path)
             if self.critic is not None and self.config.critic.model.path is None:

@@ -4,7 +4,8 @@ The lock is ``flock`` on ``<dir>/.run.lock``: the kernel releases it when the ho
 exits or dies (SIGKILL included), so a lock file left behind by a dead run never blocks the next
 one. The holder writes its host, pid and start time into the file, for the message a second run
 gets. Taken before anything in the directory is read or written (lineage, checkpoints, metrics,
-generated data) and released when the trainer closes.
+generated data) and released when the trainer closes. A symbolic link planted at ``.run.lock`` is
+refused (``O_NOFOLLOW``), so the owner record never overwrites the file it points to.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import socket
 import time
 
 from verl_balance.trainer.config import ConfigError
+from verl_balance.utils.atomic_io import open_nofollow_fd
 
 LOCK_FILE = ".run.lock"
 
@@ -63,7 +65,7 @@ def acquire_run_lock(root: str, *, key: str = "trainer.default_local_dir") -> Ru
     the directory and the owner when another live run holds it. Never waits."""
     os.makedirs(root, exist_ok=True)
     path = os.path.join(root, LOCK_FILE)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by child processes
+    fd = open_nofollow_fd(path, "r+")  # a planted link is refused (UnsafePathError naming it); not inherited
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -25,7 +25,13 @@ from verl_balance.engine.config import APPLY_ON_RESUME, LAYOUT_ON_RESUME, PARAM_
 from verl_balance.models import MODEL_DIMENSION_KEYS, load_model_config
 from verl_balance.models.config import ModelConfig, ModelConfigError
 from verl_balance.models.hf import INIT_MODES, HFModelConfig
-from verl_balance.trainer.config_checks import ConfigError, check_choice, check_hf_model_dir, check_positive
+from verl_balance.trainer.config_checks import (
+    ConfigError,
+    check_adapter_dir,
+    check_choice,
+    check_hf_model_dir,
+    check_positive,
+)
 from verl_balance.utils.atomic_io import atomic_write_json
 
 logger = logging.getLogger(__name__)
@@ -125,6 +131,8 @@ class ModelSection(ModelKeys):
     def __post_init__(self) -> None:
         check_choice("param_dtype", self.param_dtype, PARAM_DTYPES)
         check_choice("init", self.init, INIT_MODES)
+        if self.lora_adapter_path is not None:
+            check_adapter_dir("lora_adapter_path", self.lora_adapter_path)
         if self.lora_rank and self.path is None:
             raise ConfigError(
                 f"lora_rank={self.lora_rank} needs a Hugging Face model (path); the built-in preset has no "
@@ -262,7 +270,8 @@ class TrainerSection:
     )
     """Run directory: metrics, checkpoints, plots, generated data."""
     save_freq: int = field(default=-1, metadata=APPLY_ON_RESUME)
-    """Checkpoint every N steps (and at the end); <= 0 = never."""
+    """Checkpoint every N steps (and at the end); -1 (any negative) = never. 0 is refused: it reads
+    as "always" but would never save."""
     save_hf_model: bool = field(default=False, metadata=APPLY_ON_RESUME)
     """Also write each checkpoint's model as a Hugging Face ``save_pretrained`` directory,
     ``global_step_N/hf`` (safetensors, config, tokenizer); a built-in model is written as Llama."""
@@ -280,6 +289,9 @@ class TrainerSection:
     """How long to wait for the workers' resources before failing."""
     plot: bool = field(default=True, metadata=APPLY_ON_RESUME)
     """Write curves.png at the end of the run."""
+    allow_unverified_checkpoint: bool = field(default=False, metadata=APPLY_ON_RESUME)
+    """Load a checkpoint without a verified completeness record (no checkpoint_complete.json, or one
+    without file checksums, as older versions wrote) on resume and warm start; false refuses it."""
     max_ckpt_to_keep: Optional[int] = field(default=None, metadata=APPLY_ON_RESUME)
     """Keep only the newest N complete checkpoints of this run (older ones are deleted after a newer one
     is complete); null keeps every checkpoint. See docs/fault_tolerance.md."""
@@ -315,6 +327,11 @@ class TrainerSection:
             raise ConfigError("resume_mode=resume_path needs resume_from_path")
         for name in self.logger:
             check_choice("logger", name, LOGGERS)
+        if self.save_freq == 0:
+            raise ConfigError(
+                "save_freq=0 would never save a checkpoint; set a positive N (every N steps and at the last step) "
+                "or -1 (never, as in verl)"
+            )
         if self.max_ckpt_to_keep is not None:
             check_positive("max_ckpt_to_keep", self.max_ckpt_to_keep)
         if self.max_restarts < 0:

@@ -138,10 +138,12 @@ def verify_manifest(root: str, manifest: dict[str, dict], *, hasher: Hasher = lo
 def dcp_truncated_files(root: str) -> list[str]:
     """DCP shard files under ``root`` shorter than the byte ranges its ``.metadata`` records for them
     (missing ones included); [] when ``root`` has no readable ``.metadata``."""
-    import torch.distributed.checkpoint as dcp
+    from verl_balance.utils.safe_load import UnsafeCheckpointError, read_dcp_metadata
 
     try:
-        metadata = dcp.FileSystemReader(root).read_metadata()
+        metadata = read_dcp_metadata(root)  # never unpickles anything but DCP metadata
+    except UnsafeCheckpointError:
+        raise
     except Exception:
         return []
     needed: dict[str, int] = {}

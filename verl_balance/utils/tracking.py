@@ -3,7 +3,9 @@
 ``<log_dir>/metrics.jsonl`` gets one JSON object per ``log`` call: ``{"step", "time", **metrics}``,
 appended and flushed, so a resumed run continues the same file (``read_metrics`` merges the
 records of one step, later values winning, so a step re-logged after a resume reads as the new
-values). A line torn by a crash mid-write can only be the last one: it is dropped with a warning
+values). Lines are strict JSON: a non-finite value is written as null and named under
+``"nonfinite"`` (``strict_json_record``); ``read_metrics`` gives the float back. A line torn by a
+crash mid-write can only be the last one: it is dropped with a warning
 (on read, and before a new ``Tracking`` appends), never glued to the next record. The trainer
 truncates the file to the step it resumes from (``rewrite_metrics_up_to``, atomic), so one file
 holds one run's curve. ``<log_dir>/run.json`` holds the project, experiment and config (atomic).
@@ -31,7 +33,7 @@ from collections.abc import Iterable, Mapping
 from numbers import Integral, Real
 from typing import Any
 
-from verl_balance.utils.atomic_io import atomic_write_json, atomic_write_text
+from verl_balance.utils.atomic_io import atomic_write_json, atomic_write_text, open_nofollow
 
 logger = logging.getLogger(__name__)
 BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
@@ -66,6 +68,28 @@ def to_scalar(key: str, value: Any) -> float | int | str:
     if isinstance(value, str):
         return value
     raise TrackingError(f"metric {key!r} must be a scalar number or string, got {type(value).__name__}")
+
+
+NONFINITE_KEY = "nonfinite"
+"""Key of a metrics record naming its non-finite values: strict JSON (jq, JavaScript) has no NaN or
+Infinity, so such a value is written as null and ``{"nonfinite": {metric: "nan" | "inf" | "-inf"}}``
+says which it was; ``read_metrics`` restores the floats."""
+
+
+def strict_json_record(record: Mapping[str, Any]) -> dict[str, Any]:
+    """``record`` with each non-finite float as None, named under ``NONFINITE_KEY``."""
+    bad = {k: repr(v) for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)}
+    if not bad:
+        return dict(record)
+    return {**{k: (None if k in bad else v) for k, v in record.items()}, NONFINITE_KEY: bad}
+
+
+def _restore_nonfinite(record: dict[str, Any]) -> dict[str, Any]:
+    """The inverse of ``strict_json_record`` (older files with bare NaN tokens read unchanged)."""
+    bad = record.pop(NONFINITE_KEY, None) or {}
+    for key, text in bad.items():
+        record[key] = float(text)
+    return record
 
 
 def plain_config(config: Any) -> Any:
@@ -114,7 +138,7 @@ class Tracking:
             indent=2,
         )
         drop_torn_last_line(self.metrics_path)
-        self._jsonl = open(self.metrics_path, "a", encoding="utf-8")
+        self._jsonl = open_nofollow(self.metrics_path, "a")  # a planted link: UnsafePathError
         self._console = "console" in backends
         self._progress = self._open_progress(total_steps) if self._console else None
         self._tensorboard = self._open_tensorboard() if "tensorboard" in backends else None
@@ -166,7 +190,7 @@ class Tracking:
         """Record one step's metrics on every backend."""
         values = {key: to_scalar(key, value) for key, value in metrics.items()}
         record = {"step": int(step), "time": time.time(), **values}
-        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.write(json.dumps(strict_json_record(record), allow_nan=False) + "\n")
         self._jsonl.flush()
         numeric = {k: v for k, v in values.items() if not isinstance(v, str)}
         if self._tensorboard is not None:
@@ -181,7 +205,7 @@ class Tracking:
         """Drop the records logged past ``step`` (a run that went back to a checkpoint)."""
         self._jsonl.close()
         rewrite_metrics_up_to(self.metrics_path, step)
-        self._jsonl = open(self.metrics_path, "a", encoding="utf-8")
+        self._jsonl = open_nofollow(self.metrics_path, "a")  # a planted link: UnsafePathError
         if self._progress is not None:
             self._progress.n = min(self._progress.n, step)
 
@@ -261,7 +285,7 @@ def _parse_lines(path: str) -> list[tuple[str, dict]]:
                 logger.warning("%s: line %d is torn (%s), dropped: %r", path, index + 1, err.msg, line[:80])
                 continue
             raise TrackingError(f"{path}: line {index + 1} is not valid JSON ({err.msg})") from err
-        out.append((line, record))
+        out.append((line, _restore_nonfinite(record)))
     return out
 
 

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -52,6 +51,7 @@ from verl_balance.engine.train_engine import TrainEngine
 from verl_balance.protocol import Batch
 from verl_balance.rollout import RolloutEngine, RolloutOutput, build_rollout
 from verl_balance.single_controller import Dispatch, make_mesh_dispatch, register
+from verl_balance.utils import safe_load
 from verl_balance.workers.actor import ACTOR_MESH, ActorWorker, ActorWorkerConfig, batch_temperature, cat_padded
 
 ROLLOUT_MESH = "rollout"
@@ -136,9 +136,17 @@ class ActorRolloutWorker(ActorWorker):
             check_checkpoint_base(self.engine, path)
         model_sd = get_model_state_dict(self.engine.model)
         state = {"model": trainable_state(self.engine.model, model_sd) if adapters_only else model_sd}
+        problems = safe_load.state_mismatch(safe_load.read_dcp_metadata(path), state["model"])
+        if problems:  # checked before loading: DCP would drop extra layers silently or fail raw
+            raise WarmStartError(
+                f"actor_rollout_ref.model.warm_start_path={path!r} does not fit a model of {self.config.model}: "
+                f"{'; '.join(problems)}. Warm-start from a checkpoint of the same architecture"
+            )
         try:
-            dcp.load(state, checkpoint_id=path)
-        except Exception as err:  # DCP raises several types for missing keys and shape mismatches
+            safe_load.dcp_load(state, path)
+        except safe_load.UnsafeCheckpointError:
+            raise
+        except Exception as err:  # DCP raises several types (CheckpointException is unwrapped by dcp_load)
             raise WarmStartError(
                 f"actor_rollout_ref.model.warm_start_path={path!r} could not be loaded into a model of "
                 f"{self.config.model}: {err}"

@@ -17,7 +17,6 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
 from verl_balance.algorithms.value_loss import ValueLoss
@@ -26,6 +25,7 @@ from verl_balance.engine.config import EngineConfigError
 from verl_balance.models.value import VALUE_HEAD_NAMES
 from verl_balance.protocol import Batch
 from verl_balance.single_controller import Dispatch, make_mesh_dispatch, register
+from verl_balance.utils import safe_load
 from verl_balance.workers.actor import ACTOR_MESH, ActorWorker, ActorWorkerConfig, cat_padded
 
 
@@ -44,6 +44,10 @@ class CriticWorkerConfig(ActorWorkerConfig):
             self.engine = dataclasses.replace(self.engine, model_type="value_model")
         if not self.cliprange_value > 0:
             raise EngineConfigError(f"critic.cliprange_value={self.cliprange_value!r} must be > 0")
+
+
+LM_HEAD_NAMES = ("lm_head.",)
+"""A language model's head in an actor checkpoint: the value model has none, so the critic skips it."""
 
 
 class CriticWarmStartError(ValueError):
@@ -74,18 +78,18 @@ class CriticWorker(ActorWorker):
         The value head (``score``) is read too when the checkpoint has one (a critic's checkpoint);
         from a language model's checkpoint it keeps its seeded initialisation and the LM head is not
         read. Optimizer state and step count are not restored. Returns whether the head was loaded."""
-        metadata = dcp.FileSystemReader(path).read_metadata()
+        metadata = safe_load.read_dcp_metadata(path)  # a planted pickle: UnsafeCheckpointError
         model_sd = get_model_state_dict(self.engine.model)
         has_head = all(f"model.{name}" in metadata.state_dict_metadata for name in VALUE_HEAD_NAMES)
         wanted = {k: v for k, v in model_sd.items() if has_head or k not in VALUE_HEAD_NAMES}
-        missing = sorted(k for k in wanted if f"model.{k}" not in metadata.state_dict_metadata)
-        if missing:
+        problems = safe_load.state_mismatch(metadata, wanted, ignore=LM_HEAD_NAMES)
+        if problems:
             raise CriticWarmStartError(
-                f"critic warm start from {path!r}: the checkpoint lacks the value model's weights {missing[:4]}"
-                f"{' ...' if len(missing) > 4 else ''}; it must be an engine checkpoint of the actor's architecture"
+                f"critic warm start from actor_rollout_ref.model.warm_start_path={path!r}: it does not fit the "
+                f"value model: {'; '.join(problems)}; it must be an engine checkpoint of the actor's architecture"
             )
         state = {"model": wanted}
-        dcp.load(state, checkpoint_id=path)
+        safe_load.dcp_load(state, path)
         set_model_state_dict(self.engine.model, state["model"], options=StateDictOptions(strict=False))
         return has_head
 

@@ -51,6 +51,7 @@ from verl_balance.batch_keys import (
     VALUES_KEY,
 )
 from verl_balance.integrations.verl.errors import require_verl
+from verl_balance.integrations.verl.sealed_checkpoint import seal, unseal, verify_sealed
 
 require_verl()
 
@@ -648,18 +649,22 @@ class VerlBalanceEngine(BaseEngine):
             self.saved_checkpoint_paths, local_path, max_ckpt_to_keep=max_ckpt_to_keep
         )
         os.makedirs(local_path, exist_ok=True)
+        unseal(local_path)  # a save stopped half-way never looks complete
         self.engine.save_checkpoint(local_path, step=int(global_step), extra={"global_step": int(global_step)})
+        seal(local_path, step=int(global_step), group=self.layout.world_group)
         self.saved_checkpoint_paths = kept
         if dist.get_rank() == 0:
             for path in stale:
                 _remove_checkpoint_dir(path, max_ckpt_to_keep=max_ckpt_to_keep)
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=False, **kwargs):
-        """Restore ``save_checkpoint(local_path)`` (collective)."""
+        """Restore ``save_checkpoint(local_path)`` (collective): its completeness record and checksums
+        are verified first (sealed_checkpoint.py); nothing but checkpoint data is unpickled."""
         if hdfs_path is not None:
             raise NotImplementedError(f"verl_balance engine: hdfs_path={hdfs_path!r} is not supported")
         if del_local_after_load:
             raise NotImplementedError("verl_balance engine: del_local_after_load=True is not supported")
+        verify_sealed(local_path, group=self.layout.world_group)
         return self.engine.load_checkpoint(local_path)
 
 

@@ -25,6 +25,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 
 import numpy as np
@@ -40,6 +41,7 @@ from verl_balance.batch_keys import (
 )
 from verl_balance.integrations.verl.convert import batch_from_dataproto, batch_to_dataproto
 from verl_balance.integrations.verl.errors import require_verl
+from verl_balance.integrations.verl.sealed_checkpoint import seal, unseal, verify_sealed
 from verl_balance.integrations.verl.seqlen import rearrange_micro_batches
 from verl_balance.integrations.verl.trainer_balance import PLANNED_SIZES_KEY
 
@@ -154,13 +156,18 @@ class VerlActorWorker(Worker):
             raise VerlWorkerConfigError(f"hdfs_path={hdfs_path!r} is not supported; copy local_path yourself")
         if max_ckpt_to_keep is not None:
             logger.warning("VerlActorWorker ignores max_ckpt_to_keep; prune old checkpoints outside")
+        os.makedirs(local_path, exist_ok=True)
+        unseal(local_path)  # a save stopped half-way never looks complete
         self.actor.save_checkpoint(local_path, step=int(global_step), extra={"global_step": int(global_step)})
+        seal(local_path, step=int(global_step), group=self.actor.layout.world_group)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=False):
         """Restore ``save_checkpoint(local_path)``; returns the saved extra dict."""
         if hdfs_path is not None:
             raise VerlWorkerConfigError(f"hdfs_path={hdfs_path!r} is not supported; load from a local path")
+        # the completeness record and checksums first
+        verify_sealed(local_path, group=self.actor.layout.world_group)
         extra = self.actor.load_checkpoint(local_path)
         if del_local_after_load:
             dist.barrier()  # every rank has finished reading before rank 0 deletes

@@ -1,0 +1,178 @@
+"""Saving a checkpoint (staging directory, trainer state, manifest last, rename into place), loading
+the driver's state, and retention (``trainer.max_ckpt_to_keep``)."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+import time
+
+from verl_balance.trainer.checkpoint.layout import (
+    LATEST_FILE,
+    RETIRING_PREFIX,
+    STAGING_PREFIX,
+    TRAINER_STATE_FILE,
+    CheckpointDiskFullError,
+    CheckpointError,
+    checkpoint_dir,
+    read_json,
+    scan_checkpoints,
+)
+from verl_balance.trainer.checkpoint.lineage import RunIdentity
+from verl_balance.trainer.checkpoint.manifest import group_hasher, write_complete_record
+from verl_balance.utils.atomic_io import atomic_write_json, atomic_write_text, fsync_dir, refuse_symlink
+
+logger = logging.getLogger(__name__)
+
+
+def directory_size(path: str) -> int:
+    """Bytes in the files under ``path``."""
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(dirpath, name))
+            except OSError:
+                pass
+    return total
+
+
+def _is_disk_full(err: BaseException) -> bool:
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        text = str(err)
+        if "No space left" in text or "Disk quota exceeded" in text or "PytorchStreamWriter failed" in text:
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _is_permission_denied(err: BaseException) -> bool:
+    seen = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, PermissionError) or (
+            isinstance(err, OSError) and err.errno in (errno.EACCES, errno.EPERM, errno.EROFS)
+        ):
+            return True
+        if "Permission denied" in str(err) or "Read-only file system" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _disk_full_error(root: str, step: int, *, needed: int | None) -> CheckpointDiskFullError:
+    free = shutil.disk_usage(root).free
+    need = f"; the previous checkpoint took {_format_bytes(needed)}" if needed else ""
+    return CheckpointDiskFullError(
+        f"no space to save checkpoint step {step} in trainer.default_local_dir={os.path.abspath(root)!r}: "
+        f"{_format_bytes(free)} free{need}. Free space there, lower trainer.max_ckpt_to_keep, or point "
+        "trainer.default_local_dir at a larger disk"
+    )
+
+
+def save_trainer_checkpoint(
+    group,
+    *,
+    root: str,
+    step: int,
+    trainer_state: dict,
+    identity: RunIdentity,
+    max_to_keep: int | None = None,
+    protect: str | None = None,
+) -> str:
+    """Checkpoint workers and driver state as ``root/global_step_{step}``; returns its path.
+
+    Workers write their shards into a staging directory; the driver adds ``trainer_state.json``
+    and, last, ``checkpoint_complete.json``, then renames the directory into place. A stop at any
+    point leaves the previous complete checkpoints untouched. Afterwards checkpoints of this
+    lineage beyond the newest ``max_to_keep`` are deleted, except ``protect``.
+    """
+    final = checkpoint_dir(root, step)
+    staging = os.path.join(root, STAGING_PREFIX + os.path.basename(final))
+    complete, _ = scan_checkpoints(root)
+    needed = directory_size(complete[-1].path) if complete else None
+    if needed and shutil.disk_usage(root).free < needed:
+        raise _disk_full_error(root, step, needed=needed)
+    for path in (staging, final, os.path.join(root, LATEST_FILE)):
+        refuse_symlink(path)  # the workers would write their shards through a planted link
+    if os.path.exists(staging):
+        shutil.rmtree(staging)
+    try:
+        group.save_checkpoint(staging, step)
+        atomic_write_json(os.path.join(staging, TRAINER_STATE_FILE), trainer_state)
+        write_complete_record(
+            staging, {**identity.to_dict(), "step": step, "time": time.time()}, hasher=group_hasher(group)
+        )
+    except Exception as err:
+        if _is_disk_full(err):
+            shutil.rmtree(staging, ignore_errors=True)
+            raise _disk_full_error(root, step, needed=needed) from err
+        if _is_permission_denied(err):
+            raise CheckpointError(
+                f"cannot save checkpoint step {step}: trainer.default_local_dir={os.path.abspath(root)!r} is not "
+                "writable (permission denied while writing the checkpoint into it); the previous checkpoints are "
+                "intact. Make the directory writable (or point trainer.default_local_dir elsewhere) and resume"
+            ) from err
+        raise
+    if os.path.exists(final):
+        # Replacing a checkpoint of the same step: the old one stays complete until the new is in place.
+        retiring = os.path.join(root, RETIRING_PREFIX + os.path.basename(final))
+        shutil.rmtree(retiring, ignore_errors=True)
+        os.rename(final, retiring)
+        os.rename(staging, final)
+        shutil.rmtree(retiring)
+    else:
+        os.rename(staging, final)
+    fsync_dir(root)
+    atomic_write_text(os.path.join(root, LATEST_FILE), str(step))
+    if max_to_keep:
+        prune_checkpoints(root, lineage_id=identity.lineage_id, keep=max_to_keep, protect=protect)
+    return final
+
+
+def prune_checkpoints(root: str, *, lineage_id: str, keep: int, protect: str | None = None) -> list[str]:
+    """Delete this lineage's complete checkpoints except the newest ``keep`` and ``protect`` (the
+    trainer's last checkpoint known to be finite); returns the deleted paths.
+
+    Other lineages' checkpoints (and incomplete directories) are never touched."""
+    assert keep >= 1, keep
+    own = [c for c in scan_checkpoints(root)[0] if c.lineage_id == lineage_id]
+    protected = os.path.abspath(protect) if protect else None
+    deleted = []
+    for info in own[:-keep]:
+        if os.path.abspath(info.path) == protected:
+            continue
+        retiring = os.path.join(root, RETIRING_PREFIX + "pruned_" + os.path.basename(info.path))
+        os.rename(info.path, retiring)  # never a half-deleted directory under a global_step_N name
+        shutil.rmtree(retiring)
+        deleted.append(info.path)
+    if deleted:
+        fsync_dir(root)
+        logger.info("checkpoint: trainer.max_ckpt_to_keep=%d, deleted %s", keep, deleted)
+    return deleted
+
+
+def load_trainer_checkpoint(group, path: str) -> dict:
+    """Restore workers from ``path`` and return the driver's saved state."""
+    state = read_json(os.path.join(path, TRAINER_STATE_FILE))
+    if state is None:
+        raise CheckpointError(
+            f"trainer.resume_from_path={path!r} is not a complete checkpoint "
+            f"(no readable {TRAINER_STATE_FILE}); pick a global_step_N directory"
+        )
+    group.load_checkpoint(path)
+    return state
