@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from verl_balance.batch_keys import INPUT_IDS_KEY, LOSS_MASK_KEY, POSITION_IDS_KEY
 from verl_balance.engine.packing import PackedMicroBatch, pack_micro_batch, shift_targets
 from verl_balance.engine.train_engine import TrainEngine
 from verl_balance.loss import (
@@ -132,9 +133,9 @@ def pack_rolled_after_slice(
     ends = packed.cu_seqlens_host[1:] - 1
     shard_ends = torch.cat([ends, torch.arange(1, sp_size + 1) * width_local - 1])
     for key, value in packed.tensors.items():
-        if key in ("input_ids", "position_ids"):
+        if key in (INPUT_IDS_KEY, POSITION_IDS_KEY):
             continue
-        source = micro_batch["input_ids"] if key == "targets" else micro_batch.get(key)
+        source = micro_batch[INPUT_IDS_KEY] if key == "targets" else micro_batch.get(key)
         if source is None:
             continue  # a loss mask that was not on the wire stays all zero
         flat = source.cpu()[real].to(value.dtype)
@@ -162,7 +163,7 @@ class FaultyTrainEngine(TrainEngine):
     def _token_weights(self, packed: Sequence[PackedMicroBatch], *, training: bool) -> TokenWeights:
         return faulty_token_weights(
             self.bug,
-            loss_masks=[p.tensors["loss_mask"] for p in packed],
+            loss_masks=[p.tensors[LOSS_MASK_KEY] for p in packed],
             cu_seqlens=[p.cu_seqlens_host for p in packed],
             agg_mode=self.config.loss_agg_mode,
             loss_scale_factor=self.config.loss_scale_factor,
