@@ -4,17 +4,24 @@ from __future__ import annotations
 
 import hydra
 
-from verl_balance.trainer.grpo_config import register_grpo_schema
+from verl_balance.trainer.cli import run_recipe, user_errors
+from verl_balance.trainer.grpo_config import GRPOConfig, register_grpo_schema
 
 register_grpo_schema()
 
 
 @hydra.main(config_path="config", config_name="grpo", version_base="1.3")
-def main(cfg) -> None:
+def hydra_main(cfg) -> None:
     """Train with the merged config (config/grpo.yaml + command-line overrides); print the summary."""
     from verl_balance.trainer.grpo_trainer import GRPOTrainer, format_summary
 
-    print(format_summary(GRPOTrainer.train(cfg)), flush=True)
+    with user_errors():
+        print(format_summary(GRPOTrainer.train(cfg)), flush=True)
+
+
+def main() -> None:
+    """The command line: overrides checked against the schema (a typo exits 2), then Hydra."""
+    run_recipe(hydra_main, schema=GRPOConfig)
 
 
 if __name__ == "__main__":

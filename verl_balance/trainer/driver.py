@@ -32,6 +32,8 @@ from verl_balance.trainer.config_checks import ConfigError
 from verl_balance.trainer.recipe import RecipeConfig
 from verl_balance.trainer.run_lock import RunLock, acquire_run_lock
 from verl_balance.trainer.sections import ModelSection, TrainerSection, record_workload
+from verl_balance.utils import run_log
+from verl_balance.utils.progress import DEFAULT_SFT_KEYS, ProgressDisplay, TimedPhase
 from verl_balance.utils.tracking import Tracking, plain_config
 from verl_balance.workers.actor import ActorWorker, ActorWorkerConfig
 from verl_balance.workers.group import ActorGroup
@@ -47,6 +49,31 @@ NONFINITE_WATCH_KEYS = (
     "critic/vf_loss",
     "critic/grad_norm",
 )
+
+
+def tracking_backends(loggers) -> list[str]:
+    """``trainer.logger`` as ``Tracking`` backends: verl's ``file`` is our jsonl; the console is the
+    driver's progress display."""
+    return list(dict.fromkeys({"file": "jsonl"}.get(name, name) for name in loggers if name != "console"))
+
+
+def describe_parameters(init_info) -> str:
+    """``1.23M parameters`` (``LoRA: 12.3k trainable of 1.23M (1.00%)``) from rank 0's ``init_model``
+    answer; "" when it has no counts."""
+    info = init_info[0] if isinstance(init_info, list) and init_info else init_info
+    if not isinstance(info, dict) or "parameters" not in info:
+        return ""
+    total, trainable = info["parameters"], info.get("trainable_parameters", info["parameters"])
+    if trainable == total:
+        return f"{_count(total)} parameters"
+    return f"LoRA: {_count(trainable)} trainable of {_count(total)} parameters ({100.0 * trainable / total:.2f}%)"
+
+
+def _count(n: int) -> str:
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return str(n)
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -80,6 +107,11 @@ class DriverBase:
     """(step, path) of the newest checkpoint this run saved or loaded."""
     _last_finite_checkpoint: str | None = None
     """The newest checkpoint a finite step ran from (its weights are known to be finite); retention keeps it."""
+    _run_log: run_log.RunLog | None = None
+    progress: ProgressDisplay | None = None
+    """The console's progress display while ``fit`` runs (``trainer.logger`` has ``console``)."""
+    console_keys: tuple[str, ...] = DEFAULT_SFT_KEYS
+    """The recipe's console metrics when ``trainer.console_metrics`` is null."""
 
     def __init_subclass__(cls, **kwargs) -> None:
         """A trainer whose ``__init__`` fails (after ``setup_run`` took the run directory) releases
@@ -96,6 +128,7 @@ class DriverBase:
             except BaseException:
                 if self._run_lock is not None:
                     self._run_lock.release()
+                self._close_run_log()
                 raise
 
         cls.__init__ = init_or_release
@@ -113,6 +146,8 @@ class DriverBase:
         self.out_dir = trainer.default_local_dir
         # Before anything in the directory is read or written; held until close().
         self._run_lock = acquire_run_lock(self.out_dir)
+        self._setup_start = time.perf_counter()
+        self._run_log = run_log.attach(os.path.join(self.out_dir, f"{self._job_name()}.log"))
         try:
             self.tokenizer: Tokenizer = build_tokenizer(model.tokenizer_path)
         except TokenizerError as err:
@@ -145,14 +180,17 @@ class DriverBase:
     ) -> None:
         """Start (or join) Ray, place the worker group and build the sharded model on it."""
         t = self.trainer_config
-        cluster.start_ray(address=t.ray_address, num_workers=self.world)
+        with TimedPhase("cluster", "existing Ray cluster" if t.ray_address else "embedded Ray"):
+            cluster.start_ray(address=t.ray_address, num_workers=self.world)
         use_gpu = cluster.resolve_use_gpu(t.device)
         logger.info(
             "%d %s workers: dp=%d x sp=%d; %s", self.world, "GPU" if use_gpu else "CPU", self.dp, self.sp, description
         )
-        self.actor = cluster.build_actor_group(
-            worker_config=worker_config, trainer_cfg=t, use_gpu=use_gpu, worker_cls=worker_cls or self.worker_cls
-        )
+        with TimedPhase("model load") as phase:
+            self.actor = cluster.build_actor_group(
+                worker_config=worker_config, trainer_cfg=t, use_gpu=use_gpu, worker_cls=worker_cls or self.worker_cls
+            )
+            phase.detail = describe_parameters(getattr(self.actor, "init_info", None))
 
     @classmethod
     def train(cls, cfg: DictConfig) -> dict:
@@ -188,38 +226,40 @@ class DriverBase:
         a restart: the worker group is rebuilt and training continues from the lineage's newest
         complete checkpoint, the metrics file cut back to that step.
         """
-        t = self.trainer_config
         self._initial_loader_state = self.loader.state_dict()
-        log_file = self._attach_log_file()
-        try:
-            return self._fit(t)
-        finally:
-            logging.getLogger().removeHandler(log_file)
-            log_file.close()
+        return self._fit(self.trainer_config)
 
-    def _attach_log_file(self) -> logging.Handler:
-        """Log records of the run go to ``<default_local_dir>/<job>.log`` (``main_sft.log`` from the CLI)."""
-        name = "train"
+    @staticmethod
+    def _job_name() -> str:
+        """The run log's name: Hydra's job name (``main_sft`` from the CLI), else ``train``."""
         from hydra.core.hydra_config import HydraConfig
 
-        if HydraConfig.initialized():
-            name = HydraConfig.get().job.name or name
-        os.makedirs(self.out_dir, exist_ok=True)
-        handler = logging.FileHandler(os.path.join(self.out_dir, f"{name}.log"), encoding="utf-8")
-        handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
-        logging.getLogger().addHandler(handler)
-        return handler
+        return (HydraConfig.get().job.name or "train") if HydraConfig.initialized() else "train"
+
+    def _close_run_log(self) -> None:
+        """Close the run log when this driver opened it (the CLI's capture closes its own)."""
+        if self._run_log is not None and self._run_log.owned_by_driver:
+            self._run_log.close()
+        self._run_log = None
 
     def _fit(self, t) -> dict:
-        self.maybe_resume()
+        with TimedPhase("checkpoint verify/resume"):
+            self.maybe_resume()
         tracker = Tracking(
             t.project_name,
             t.experiment_name,
             log_dir=self.out_dir,
-            backends=list(t.logger),
+            backends=tracking_backends(t.logger),
             config=plain_config(self.cfg),
             total_steps=self.total_steps,
         )
+        if "console" in t.logger:
+            self.progress = ProgressDisplay(
+                total_steps=self.total_steps,
+                start_step=self.global_step,
+                keys=t.console_metrics or self.console_keys,
+                interval_s=t.progress_interval_s,
+            )
         previous_handler = signal.signal(signal.SIGINT, self._request_stop)
         record = {"first": {}, "last": {}, "last_val": {}, "first_val": {}}
         run_start = time.perf_counter()
@@ -247,9 +287,12 @@ class DriverBase:
         finally:
             signal.signal(signal.SIGINT, previous_handler)
             tracker.close()
+            if self.progress is not None:
+                self.progress.close()
         summary = {
             "steps": self.global_step,
             "wall_s": time.perf_counter() - run_start,
+            "startup_s": run_start - getattr(self, "_setup_start", run_start),
             "metrics": tracker.metrics_path,
             "restarts": restarts,
             **self.summarize(
@@ -283,6 +326,8 @@ class DriverBase:
                     record["last_val"] = self.evaluate()
                     metrics.update(record["last_val"])
                 tracker.log(metrics, step=self.global_step)
+                if self.progress is not None:
+                    self.progress.update(self.global_step, metrics)
                 self._stop_if_nonfinite_streak(metrics)
                 if t.save_freq > 0 and (self.global_step % t.save_freq == 0 or is_last):
                     self.save()
@@ -335,6 +380,12 @@ class DriverBase:
         finally:
             if self._run_lock is not None:
                 self._run_lock.release()
+            self._close_run_log()
+
+    def phase(self, name: str) -> None:
+        """Show ``name`` as the current phase of the step on the console (a terminal's bar)."""
+        if self.progress is not None:
+            self.progress.phase(name)
 
     @property
     def checkpoint_group(self):
@@ -365,7 +416,14 @@ class DriverBase:
                 self._nonfinite_streak,
             )
             return None
-        path = checkpoint.save_trainer_checkpoint(
+        with TimedPhase("checkpoint save", f"step {self.global_step}"):
+            path = self._save_checkpoint()
+        self._last_saved = (self.global_step, path)
+        logger.info("checkpoint: saved step %d -> %s", self.global_step, path)
+        return path
+
+    def _save_checkpoint(self) -> str:
+        return checkpoint.save_trainer_checkpoint(
             self.checkpoint_group,
             root=self.out_dir,
             step=self.global_step,
@@ -374,9 +432,6 @@ class DriverBase:
             max_to_keep=self.trainer_config.max_ckpt_to_keep,
             protect=self._last_finite_checkpoint,
         )
-        self._last_saved = (self.global_step, path)
-        logger.info("checkpoint: saved step %d -> %s", self.global_step, path)
-        return path
 
     def maybe_resume(self) -> None:
         """Honour trainer.resume_mode (auto: this directory's lineage only; disable; resume_path).
