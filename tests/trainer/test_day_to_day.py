@@ -187,3 +187,27 @@ def test_default_cli_run_shows_eta_and_its_log_is_the_whole_console(tmp_path):
         assert line in log, f"console line missing from the run log: {line!r}"
     assert "==== SFT summary ====" in log and "model load (" in log and "cluster (" in log
     assert "\r" not in log
+
+
+# ---------------------------------------------------------------------- verl's logger names
+def test_verl_logger_names_file_and_mlflow_and_others_refused_with_the_list(tmp_path, monkeypatch, caplog):
+    import importlib.util
+
+    from verl_balance.trainer.driver import tracking_backends
+    from verl_balance.trainer.sections import TrainerSection
+    from verl_balance.utils import tracking
+
+    TrainerSection(logger=["console", "file", "mlflow"])
+    with pytest.raises(ConfigError, match=r"logger='swanlab' is not valid.*'file'.*'mlflow'"):
+        TrainerSection(logger=["swanlab"])
+    assert tracking_backends(["console", "file", "jsonl", "mlflow"]) == ["jsonl", "mlflow"]
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        tracking.importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real_find_spec(name, *a)
+    )
+    with caplog.at_level(logging.WARNING, logger="verl_balance.utils.tracking"):
+        tracker = tracking.Tracking("p", "e", log_dir=str(tmp_path), backends=["jsonl", "mlflow"])
+    assert "mlflow package is not installed" in caplog.text
+    tracker.log({"train/loss": 1.0}, step=1)
+    tracker.close()
+    assert tracking.read_metrics(str(tmp_path))[0]["train/loss"] == 1.0

@@ -32,6 +32,7 @@ from verl_balance.trainer.config_checks import ConfigError
 from verl_balance.trainer.recipe import RecipeConfig
 from verl_balance.trainer.run_lock import RunLock, acquire_run_lock
 from verl_balance.trainer.sections import ModelSection, TrainerSection, record_workload
+from verl_balance.trainer.summary import earliest_records
 from verl_balance.utils import run_log
 from verl_balance.utils.progress import DEFAULT_SFT_KEYS, ProgressDisplay, TimedPhase
 from verl_balance.utils.tracking import Tracking, plain_config
@@ -153,6 +154,14 @@ class DriverBase:
         except TokenizerError as err:
             raise ConfigError(f"{model.KEY_PREFIX}tokenizer={model.tokenizer_path!r}: {err}") from err
         self.model_section = model
+        if model.path is None:
+            logger.warning(
+                "%spath is not set: training the built-in %r model with its byte-level tokenizer; set "
+                "%spath=<a Hugging Face model directory> to train your own model",
+                model.KEY_PREFIX,
+                model.name,
+                model.KEY_PREFIX,
+            )
         self.model_config: ModelConfig | HFModelConfig = model.model_config(vocab_size=self.tokenizer.vocab_size)
         self.workload = config.balance.workload_for(self.model_config)
         record_workload(self.workload, self.out_dir)
@@ -245,6 +254,7 @@ class DriverBase:
     def _fit(self, t) -> dict:
         with TimedPhase("checkpoint verify/resume"):
             self.maybe_resume()
+        resumed_from = self.global_step
         tracker = Tracking(
             t.project_name,
             t.experiment_name,
@@ -289,7 +299,10 @@ class DriverBase:
             tracker.close()
             if self.progress is not None:
                 self.progress.close()
+        if resumed_from:  # the first values are the run's, not this process's
+            record["first"], record["first_val"] = earliest_records(tracker.metrics_path)
         summary = {
+            "resumed_from_step": resumed_from,
             "steps": self.global_step,
             "wall_s": time.perf_counter() - run_start,
             "startup_s": run_start - getattr(self, "_setup_start", run_start),

@@ -64,6 +64,7 @@ from verl_balance.rewards.watchdog import score_batch_watched
 from verl_balance.rollout import RolloutOutput, build_rollout_batch
 from verl_balance.trainer import checkpoint, cluster
 from verl_balance.trainer.driver import DriverBase
+from verl_balance.trainer.generations import decode_generations, dump_generations
 from verl_balance.trainer.grpo_config import GRPOConfig, validate_grpo
 from verl_balance.trainer.metrics import (
     PEAK_MEMORY_KEY,
@@ -75,6 +76,8 @@ from verl_balance.trainer.metrics import (
 from verl_balance.trainer.plan_dispatch import merge_by_plan, plan_batch, split_by_plan
 from verl_balance.trainer.sections import check_profile_steps
 from verl_balance.trainer.startup import check_model_files
+from verl_balance.trainer.summary import summary_header
+from verl_balance.utils.progress import DEFAULT_RL_KEYS
 from verl_balance.utils.tracking import Tracking
 from verl_balance.workers.actor_rollout import ActorRolloutWorker, ActorRolloutWorkerConfig, sampling_seed
 from verl_balance.workers.critic import CriticWorker, CriticWorkerConfig
@@ -89,7 +92,7 @@ CRITIC_CHECKPOINT_DIR = "critic"
 """The critic's shards inside a ``global_step_N`` checkpoint (the actor's are at its root)."""
 PLOT_PANELS = (
     ("train reward (sampled rollouts)", r"^reward/(mean|accuracy)$"),
-    ("held-out accuracy (val_kwargs sampling, greedy by default)", r"^val/accuracy$"),
+    ("held-out accuracy or mean reward (val_kwargs sampling, greedy by default)", r"^val/(acc|reward_mean)$"),
     ("policy loss", r"^actor/(loss|pg_loss)$"),
     ("KL to reference, entropy, clip fraction", r"^actor/(kl|ppo_kl|entropy|pg_clipfrac)$"),
     ("imbalance (1.0 = perfectly balanced)", r"^balance/imbalance"),
@@ -97,7 +100,7 @@ PLOT_PANELS = (
 )
 PPO_PLOT_PANELS = (
     ("train reward (sampled rollouts)", r"^reward/(mean|accuracy)$"),
-    ("held-out accuracy (val_kwargs sampling, greedy by default)", r"^val/accuracy$"),
+    ("held-out accuracy or mean reward (val_kwargs sampling, greedy by default)", r"^val/(acc|reward_mean)$"),
     ("critic value loss", r"^critic/vf_loss$"),
     ("critic explained variance", r"^critic/vf_explained_var$"),
     ("policy loss", r"^actor/(loss|pg_loss)$"),
@@ -153,6 +156,18 @@ def mean_metrics(records: list[dict]) -> dict:
     """Key-wise mean over records (a key missing from a record is averaged over the others)."""
     keys = {k for r in records for k in r}
     return {k: float(np.mean([r[k] for r in records if k in r])) for k in sorted(keys)}
+
+
+def held_out_metrics(scores: np.ndarray, extras: dict, *, sources: np.ndarray) -> dict:
+    """verl's convention: ``val/acc`` only when the reward returns ``acc``; ``val/reward_mean`` (the
+    mean score) always; both per data source too."""
+    columns = {"reward_mean": scores, **({"acc": extras["acc"]} if "acc" in extras else {})}
+    out = {}
+    for name, values in columns.items():
+        out[f"val/{name}"] = float(np.nanmean(values))
+        for source in sorted(set(sources.tolist())):
+            out[f"val/{name}/{source}"] = float(np.nanmean(values[sources == source]))
+    return out
 
 
 def value_metrics(batch: Batch) -> dict:
@@ -229,6 +244,7 @@ class GRPOTrainer(DriverBase):
     """Builds data, the actor-rollout worker group and the reward function; ``fit()`` trains."""
 
     plot_panels = PLOT_PANELS
+    console_keys = DEFAULT_RL_KEYS
     actor: ActorRolloutGroup
     critic: CriticGroup | None = None
     """The critic's worker group (algorithm.adv_estimator=gae), None otherwise."""
@@ -464,6 +480,7 @@ class GRPOTrainer(DriverBase):
         metrics: dict = {}
         r = self.rollout_cfg
         with _timed(metrics, "step"):
+            self.phase("rollout")
             with _timed(metrics, "gen"):
                 batch = self.generate(
                     prompts,
@@ -480,15 +497,19 @@ class GRPOTrainer(DriverBase):
                 pending["values"] = self._submit_values_pass(batch, metrics)
             with _timed(metrics, "reward"):
                 scores, extras = self.score(batch)
+            self._dump_rollout(batch, scores, extras)
+            self.phase("log-prob passes")
             self._collect_log_prob_passes(batch, pending, metrics)
             with _timed(metrics, "adv"):
                 self._attach_advantages(batch, scores)
             if self.critic is not None:
                 metrics.update(value_metrics(batch))
+                self.phase("critic update")
                 with _timed(metrics, "update_critic"):
                     metrics.update(self.update_critic(batch))
             # verl's trainer.critic_warmup: the actor waits for the critic (0 without one).
             if self.global_step >= self.config.trainer.critic_warmup:
+                self.phase("actor update")
                 with _timed(metrics, "update"):
                     metrics.update(self.update_actor(batch))
         metrics.update(self._rollout_metrics(batch, scores, extras, prefix=""))
@@ -649,24 +670,46 @@ class GRPOTrainer(DriverBase):
         batch = self.generate(prompts, n=v.n, temperature=v.temperature, top_p=v.top_p, seed=self.config.trainer.seed)
         scores, extras = self.score(batch)
         metrics = self._rollout_metrics(batch, scores, extras, prefix="val/")
-        metrics["val/accuracy"] = metrics.pop("val/reward/accuracy")
-        accuracy = extras["acc"] if "acc" in extras else scores
-        sources = np.asarray(batch["data_source"])
-        for source in sorted(set(sources.tolist())):
-            metrics[f"val/accuracy/{source}"] = float(np.nanmean(accuracy[sources == source]))
+        del metrics["val/reward/accuracy"]
+        metrics.update(held_out_metrics(scores, extras, sources=np.asarray(batch["data_source"])))
         metrics["timing_s/val"] = time.perf_counter() - start
         self._log_generations(batch, scores, count=self.config.trainer.log_val_generations)
+        if self.config.trainer.validation_data_dir:
+            dump_generations(
+                self.config.trainer.validation_data_dir,
+                step=self.global_step,
+                batch=batch,
+                tokenizer=self.tokenizer,
+                scores=scores,
+                extras=extras,
+            )
         return metrics
+
+    def _dump_rollout(self, batch: Batch, scores: np.ndarray, extras: dict) -> None:
+        """verl's ``trainer.rollout_data_dir``: this step's responses and scores as ``<step>.jsonl``."""
+        if self.config.trainer.rollout_data_dir:
+            dump_generations(
+                self.config.trainer.rollout_data_dir,
+                step=self.global_step + 1,
+                batch=batch,
+                tokenizer=self.tokenizer,
+                scores=scores,
+                extras=extras,
+            )
 
     def _log_generations(self, batch: Batch, scores: np.ndarray, *, count: int) -> None:
         """verl's ``trainer.log_val_generations``: the first ``count`` validation samples, logged."""
-        starts, lengths = batch["prompt_lengths"].tolist(), batch["response_lengths"].tolist()
+        if count <= 0:
+            return
+        prompts, responses = decode_generations(batch, self.tokenizer, skip_special_tokens=False)
         for i in range(min(count, len(batch))):
-            row = batch["input_ids"][i].tolist()
-            prompt = self.tokenizer.decode(row[: starts[i]], skip_special_tokens=False)
-            response = self.tokenizer.decode(row[starts[i] : starts[i] + lengths[i]], skip_special_tokens=False)
             logger.info(
-                "val sample %d: %r -> %r (score %g, truth %r)", i, prompt, response, scores[i], batch["ground_truth"][i]
+                "val sample %d: %r -> %r (score %g, truth %r)",
+                i,
+                prompts[i],
+                responses[i],
+                scores[i],
+                batch["ground_truth"][i],
             )
 
     def before_training(self, tracker: Tracking) -> dict:
@@ -680,24 +723,31 @@ class GRPOTrainer(DriverBase):
 
     def summarize(self, *, first: dict, last: dict, first_val: dict, last_val: dict) -> dict:
         """First/final train reward and held-out accuracy before/after training."""
+        val_key = "val/acc" if "val/acc" in {**first_val, **last_val} else "val/reward_mean"
         return {
+            "algorithm": "PPO" if self.critic is not None else "GRPO",
             "first_reward": first.get("reward/mean"),
             "final_reward": last.get("reward/mean"),
-            "initial_val_accuracy": first_val.get("val/accuracy"),
-            "final_val_accuracy": last_val.get("val/accuracy"),
+            "val_key": val_key,
+            "initial_val": first_val.get(val_key),
+            "final_val": last_val.get(val_key),
         }
 
 
 def format_summary(summary: dict) -> str:
     """The end-of-run lines a user reads: reward and held-out accuracy first -> last, files."""
-    lines = ["", "==== GRPO summary ===="]
-    lines.append(f"steps: {summary['steps']} in {summary['wall_s']:.1f} s")
+    lines = summary_header(summary.get("algorithm", "GRPO"), summary)
     if summary.get("first_reward") is not None:
         lines.append(f"train reward: first {summary['first_reward']:.4f} -> final {summary['final_reward']:.4f}")
-    if summary.get("initial_val_accuracy") is not None or summary.get("final_val_accuracy") is not None:
-        first, last = summary.get("initial_val_accuracy"), summary.get("final_val_accuracy")
+    if summary.get("initial_val") is not None or summary.get("final_val") is not None:
+        first, last = summary.get("initial_val"), summary.get("final_val")
         fmt = lambda x: "n/a" if x is None else f"{x:.4f}"  # noqa: E731
-        lines.append(f"held-out accuracy: before {fmt(first)} -> after {fmt(last)}")
+        what = (
+            "held-out accuracy (val/acc)"
+            if summary["val_key"] == "val/acc"
+            else "held-out mean reward (val/reward_mean)"
+        )
+        lines.append(f"{what}: before {fmt(first)} -> after {fmt(last)}")
     lines.append(f"metrics: {summary['metrics']}")
     if summary.get("plot"):
         lines.append(f"plot: {summary['plot']}")

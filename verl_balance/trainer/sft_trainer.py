@@ -20,6 +20,7 @@ from verl_balance.trainer.plan_dispatch import plan_batch, split_by_plan
 from verl_balance.trainer.sections import check_profile_steps
 from verl_balance.trainer.sft_config import SFTConfig, validate_sft
 from verl_balance.trainer.startup import check_model_files
+from verl_balance.trainer.summary import summary_header
 from verl_balance.workers.actor import ActorWorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -134,8 +135,7 @@ class SFTTrainer(DriverBase):
 
 def format_summary(summary: dict) -> str:
     """The end-of-run lines a user reads: loss first -> last, eval loss, where the files are."""
-    lines = ["", "==== SFT summary ===="]
-    lines.append(f"steps: {summary['steps']} in {summary['wall_s']:.1f} s")
+    lines = summary_header("SFT", summary)
     if summary.get("first_loss") is not None:
         lines.append(f"train loss: first {summary['first_loss']:.4f} -> final {summary['final_loss']:.4f}")
     if "val/loss" in summary:

@@ -15,7 +15,8 @@ Metric names the plots and recipes look for (the trainers should use these):
 ``train/loss``, ``val/loss``, ``train/grad_norm``, ``train/lr``, ``perf/tokens_per_s``,
 ``train/valid_tokens``, ``balance/imbalance_predicted``, ``balance/imbalance_predicted_naive``,
 ``balance/imbalance_measured``, ``balance/num_micro_batches``, ``reward/mean``, ``reward/std``,
-``reward/accuracy``, ``val/accuracy``, ``response_length/mean``, ``timing_s/<phase>``.
+``reward/accuracy``, ``val/acc`` (when the reward returns ``acc``), ``val/reward_mean``,
+``response_length/mean``, ``timing_s/<phase>``.
 """
 
 from __future__ import annotations
