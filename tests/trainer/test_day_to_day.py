@@ -211,3 +211,19 @@ def test_verl_logger_names_file_and_mlflow_and_others_refused_with_the_list(tmp_
     tracker.log({"train/loss": 1.0}, step=1)
     tracker.close()
     assert tracking.read_metrics(str(tmp_path))[0]["train/loss"] == 1.0
+
+
+# ---------------------------------------------------------------------- plot labels
+def test_plot_labels_are_run_directory_names_even_with_the_same_experiment(tmp_path):
+    from verl_balance.utils.plotting import run_labels
+
+    runs = []
+    for name in ("runA", "runB"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "run.json").write_text(json.dumps({"experiment": "sft"}))
+        runs.append(str(tmp_path / name))
+    assert run_labels(runs) == ["runA", "runB"]
+    assert run_labels([str(tmp_path / "x" / "run" / "metrics.jsonl"), str(tmp_path / "y" / "run")]) == [
+        "x/run",
+        "y/run",
+    ]
