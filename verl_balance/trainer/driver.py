@@ -167,10 +167,17 @@ class DriverBase:
         record_workload(self.workload, self.out_dir)
         self.global_step = 0
         self._stop_requested = False
+        self._datasets_start = time.perf_counter()
 
     def setup_loader(self, train_set, *, batch_size: int, shuffle: bool) -> None:
-        """The resumable loader over ``train_set`` and the run length in steps."""
+        """The resumable loader over ``train_set`` and the run length in steps (and the start-up
+        line of the dataset build, timed from the end of ``setup_run``)."""
         t = self.trainer_config
+        logger.info(
+            "dataset build (%d train rows): %.1f s",
+            len(train_set),
+            time.perf_counter() - getattr(self, "_datasets_start", time.perf_counter()),
+        )
         self.loader = StatefulDataLoader(
             train_set, batch_size=batch_size, collate_fn=train_set.collate, shuffle=shuffle, seed=t.seed, drop_last=True
         )
