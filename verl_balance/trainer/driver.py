@@ -436,14 +436,8 @@ class DriverBase:
                 self._nonfinite_streak,
             )
             return None
-        with TimedPhase("checkpoint save", f"step {self.global_step}"):
-            path = self._save_checkpoint()
-        self._last_saved = (self.global_step, path)
-        logger.info("checkpoint: saved step %d -> %s", self.global_step, path)
-        return path
-
-    def _save_checkpoint(self) -> str:
-        return checkpoint.save_trainer_checkpoint(
+        start = time.perf_counter()
+        path = checkpoint.save_trainer_checkpoint(
             self.checkpoint_group,
             root=self.out_dir,
             step=self.global_step,
@@ -452,6 +446,9 @@ class DriverBase:
             max_to_keep=self.trainer_config.max_ckpt_to_keep,
             protect=self._last_finite_checkpoint,
         )
+        self._last_saved = (self.global_step, path)
+        logger.info("checkpoint: saved step %d -> %s (%.1f s)", self.global_step, path, time.perf_counter() - start)
+        return path
 
     def maybe_resume(self) -> None:
         """Honour trainer.resume_mode (auto: this directory's lineage only; disable; resume_path).

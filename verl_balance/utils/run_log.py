@@ -80,9 +80,13 @@ class RunLog:
         return self
 
     def open(self, path: str) -> None:
-        """Write the buffered console into ``path`` (appended) and log there from now on."""
-        if self.path is not None:
+        """Write the buffered console into ``path`` (appended) and log there from now on (a
+        second run in the same process switches the file)."""
+        if self.path == path:
             return
+        if self.path is not None:
+            self._sink.close()
+            self._sink = io.StringIO()
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         buffered = self._sink.getvalue()
         self._sink = open(path, "a", encoding="utf-8")
@@ -134,6 +138,9 @@ def attach(path: str) -> RunLog:
     """The active run log, now writing to ``path``; a new one owned by the caller (who closes it)
     when none is active."""
     log = _active
+    if log is not None and log.owned_by_driver and log.path not in (None, path):
+        log.close()  # a driver that was never closed: its log ends here
+        log = None
     if log is None:
         log = RunLog().start()
         log.owned_by_driver = True
