@@ -19,6 +19,7 @@ from __future__ import annotations
 import datetime
 import logging
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -91,11 +92,13 @@ class ProgressDisplay:
         if self._is_terminal:
             from tqdm import tqdm
 
+            width = _terminal_columns(self._stream)  # 0 under `script` or a bare pty: tqdm would print nothing
             self._bar = tqdm(
                 total=total_steps,
                 initial=start_step,
                 file=self._stream,
-                dynamic_ncols=True,
+                dynamic_ncols=width > 0,
+                ncols=None if width > 0 else 120,
                 unit="step",
                 desc="train",
                 bar_format="{desc} {n_fmt}/{total_fmt} |{bar}| {elapsed}<{remaining}, {rate_fmt}{postfix}",
@@ -131,7 +134,9 @@ class ProgressDisplay:
         if self._bar is not None:
             self._bar.set_description_str("train", refresh=False)
             postfix = {k: format_value(metrics[k]) for k in self.keys if _is_number(metrics.get(k))}
-            self._bar.set_postfix(postfix, refresh=False)
+            rate = metrics.get(TOKENS_PER_S_KEY)
+            prefix = f"{format_rate(float(rate))}, " if _is_number(rate) else ""
+            self._bar.set_postfix_str(prefix + ", ".join(f"{k}={v}" for k, v in postfix.items()), refresh=False)
             self._bar.update(max(0, step - self._bar.n))
             run_log.write_log_only(line + "\n")
             return
@@ -155,6 +160,13 @@ class ProgressDisplay:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+def _terminal_columns(stream) -> int:
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (OSError, ValueError, AttributeError):
+        return 0
 
 
 def _is_number(value) -> bool:
