@@ -109,3 +109,32 @@ def test_grpo_writes_generations_in_verls_layout(ray_cluster, tmp_path):
     assert np.mean([r["score"] for r in val_rows]) == pytest.approx(records[2]["val/reward_mean"], rel=1e-6)
     assert "val/acc" not in records[2], "the reward returns no acc: no accuracy is claimed"
     assert summary["algorithm"] == "GRPO" and summary["val_key"] == "val/reward_mean"
+
+
+def test_model_load_line_announces_lora_with_trainable_and_total_parameters():
+    from verl_balance.trainer.driver import describe_parameters
+
+    full = [{"parameters": 1_234_567, "trainable_parameters": 1_234_567}]
+    lora = [{"parameters": 494_032_768, "trainable_parameters": 1_081_344}]
+    assert describe_parameters(full) == "1.23M parameters"
+    assert describe_parameters(lora) == "LoRA: 1.08M trainable of 494M parameters (0.22%)"
+    assert describe_parameters(None) == ""
+
+
+@pytest.mark.slow
+def test_a_resumed_sft_summary_starts_from_the_runs_first_step(ray_cluster, tmp_path, tiny_sft_overrides):
+    from tests.trainer.conftest import run_trainer
+    from verl_balance.trainer.sft_trainer import SFTTrainer, format_summary
+
+    overrides = [o for o in tiny_sft_overrides if not o.startswith("trainer.resume_mode")]
+    overrides += ["trainer.resume_mode=auto", "trainer.save_freq=1", "trainer.total_training_steps=4"]
+    first = run_trainer(SFTTrainer(compose_config("sft", overrides)), stop_after=2)
+    assert [r["step"] for r in first] == [1, 2]
+    trainer = SFTTrainer(compose_config("sft", overrides))
+    try:
+        summary = trainer.fit()
+    finally:
+        trainer.close()
+    assert summary["resumed_from_step"] == 2 and summary["steps"] == 4
+    assert summary["first_loss"] == first[0]["train/loss"], "the run's step 1, not the resumed part's step 3"
+    assert "resumed at step 2" in format_summary(summary)
