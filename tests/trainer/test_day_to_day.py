@@ -83,13 +83,20 @@ def test_run_log_tees_prints_log_records_and_buffered_lines(tmp_path, monkeypatc
             assert not opened.owned_by_driver
             log.info("a log record")
             run_log.write_log_only("a line for the log only\n")
+            print("\x1b[36m(ActorWorker rank=1 pid=7)\x1b[0m a worker line")
             print("the summary")
         print("after the run")
     finally:
         log.removeHandler(handler)
     text = (tmp_path / "main_x.log").read_text()
-    assert text == "before the run directory is known\na log record\na line for the log only\nthe summary\n"
-    assert console.getvalue() == "before the run directory is known\na log record\nthe summary\nafter the run\n"
+    assert text == (
+        "before the run directory is known\na log record\na line for the log only\n"
+        "(ActorWorker rank=1 pid=7) a worker line\nthe summary\n"
+    )
+    assert console.getvalue() == (
+        "before the run directory is known\na log record\n\x1b[36m(ActorWorker rank=1 pid=7)\x1b[0m a worker line\n"
+        "the summary\nafter the run\n"
+    )
     assert handler.stream is console, "the handler's stream is restored"
 
 
@@ -227,3 +234,12 @@ def test_plot_labels_are_run_directory_names_even_with_the_same_experiment(tmp_p
         "x/run",
         "y/run",
     ]
+
+
+def test_worker_repr_names_the_rank_ray_prefixes_its_lines_with(monkeypatch):
+    from verl_balance.single_controller.worker import Worker
+    from verl_balance.workers.actor import ActorWorker
+
+    monkeypatch.setenv("RANK", "3")
+    assert repr(Worker()) == "Worker rank=3"
+    assert ActorWorker.__repr__ is Worker.__repr__

@@ -17,6 +17,7 @@ import contextlib
 import io
 import logging
 import os
+import re
 import sys
 from collections.abc import Iterator
 from typing import TextIO
@@ -24,6 +25,7 @@ from typing import TextIO
 __all__ = ["RunLog", "attach", "capture", "console_stream", "write_log_only"]
 
 _active: RunLog | None = None
+_ANSI_COLOR = re.compile(r"\x1b\[[0-9;]*m")
 
 
 class _Tee(io.TextIOBase):
@@ -96,7 +98,7 @@ class RunLog:
 
     def write(self, text: str) -> None:
         if not self._sink.closed:
-            self._sink.write(text)
+            self._sink.write(_ANSI_COLOR.sub("", text))  # Ray colours the workers' prefixes
 
     def flush(self) -> None:
         if not self._sink.closed:
