@@ -8,6 +8,9 @@ every ``interval_s`` seconds (and at the last step), with no carriage returns:
 
     step 5/16 | 1.21 s/step | 2.3k tok/s | ETA 0:00:13 | train/loss 2.314 | val/loss 2.402
 
+(a GRPO/PPO line adds the seconds of the step's phases: ``rollout 0.8 s, reward 0.01 s, log-prob
+0.2 s, update 0.9 s``).
+
 ``TimedPhase`` logs one line per long start-up phase (cluster, model load, dataset build,
 checkpoint verify/save) with its duration. The full metrics stay in ``metrics.jsonl`` and the
 trackers; the console shows the keys of ``trainer.console_metrics`` (null: the recipe's
@@ -42,6 +45,16 @@ DEFAULT_RL_KEYS = (
 )
 """Console keys of the GRPO/PPO recipe when ``trainer.console_metrics`` is null."""
 TOKENS_PER_S_KEY = "perf/tokens_per_s"
+PHASE_TIMINGS = (
+    ("rollout", "timing_s/gen"),
+    ("reward", "timing_s/reward"),
+    ("log-prob", "timing_s/old_log_prob"),
+    ("ref", "timing_s/ref"),
+    ("values", "timing_s/values"),
+    ("critic update", "timing_s/update_critic"),
+    ("update", "timing_s/update"),
+)
+"""(phase, metric) of a GRPO/PPO step's phases: the plain line shows the seconds of those present."""
 
 
 def format_value(value: float | int) -> str:
@@ -119,6 +132,9 @@ class ProgressDisplay:
             parts.append(format_rate(float(metrics[TOKENS_PER_S_KEY])))
         if per_step is not None:
             parts.append(f"ETA {format_eta(per_step * (self.total_steps - step))}")
+        phases = [f"{name} {metrics[key]:.2g} s" for name, key in PHASE_TIMINGS if _is_number(metrics.get(key))]
+        if phases:
+            parts.append(", ".join(phases))
         parts += [f"{key} {format_value(metrics[key])}" for key in self.keys if _is_number(metrics.get(key))]
         return " | ".join(parts)
 
@@ -146,14 +162,6 @@ class ProgressDisplay:
             print(line, file=sys.stdout, flush=True)
         else:
             run_log.write_log_only(line + "\n")
-
-    def write(self, text: str) -> None:
-        """A message line that does not break the bar (validation samples, warnings from the driver)."""
-        if self._bar is not None:
-            self._bar.write(text, file=self._stream)
-            run_log.write_log_only(text + "\n")
-        else:
-            print(text, file=sys.stdout, flush=True)
 
     def close(self) -> None:
         """Close the bar (idempotent)."""
