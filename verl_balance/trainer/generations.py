@@ -18,11 +18,13 @@ __all__ = ["decode_generations", "dump_generations"]
 logger = logging.getLogger(__name__)
 
 
-def decode_generations(batch, tokenizer, *, skip_special_tokens: bool = True) -> tuple[list[str], list[str]]:
-    """(prompts, responses) of a rollout batch, decoded row by row."""
+def decode_generations(
+    batch, tokenizer, *, skip_special_tokens: bool = True, limit: int | None = None
+) -> tuple[list[str], list[str]]:
+    """(prompts, responses) of a rollout batch's rows (the first ``limit`` of them), decoded row by row."""
     starts, lengths = batch["prompt_lengths"].tolist(), batch["response_lengths"].tolist()
     inputs, outputs = [], []
-    for i in range(len(starts)):
+    for i in range(len(starts) if limit is None else min(limit, len(starts))):
         row = batch["input_ids"][i].tolist()
         inputs.append(tokenizer.decode(row[: starts[i]], skip_special_tokens=skip_special_tokens))
         outputs.append(

@@ -701,8 +701,8 @@ class GRPOTrainer(DriverBase):
         """verl's ``trainer.log_val_generations``: the first ``count`` validation samples, logged."""
         if count <= 0:
             return
-        prompts, responses = decode_generations(batch, self.tokenizer, skip_special_tokens=False)
-        for i in range(min(count, len(batch))):
+        prompts, responses = decode_generations(batch, self.tokenizer, skip_special_tokens=False, limit=count)
+        for i in range(len(prompts)):
             logger.info(
                 "val sample %d: %r -> %r (score %g, truth %r)",
                 i,
