@@ -138,3 +138,25 @@ def test_a_resumed_sft_summary_starts_from_the_runs_first_step(ray_cluster, tmp_
     assert summary["resumed_from_step"] == 2 and summary["steps"] == 4
     assert summary["first_loss"] == first[0]["train/loss"], "the run's step 1, not the resumed part's step 3"
     assert "resumed at step 2" in format_summary(summary)
+
+
+def test_decode_generations_splits_prompt_and_response_and_honours_the_limit():
+    import torch
+
+    from verl_balance.data.tokenizer import build_tokenizer
+    from verl_balance.trainer.generations import decode_generations
+
+    tokenizer = build_tokenizer(None)
+    rows = [("copy ab", "ab"), ("copy xyz", "xyz!")]
+    encoded = [(tokenizer.encode(p), tokenizer.encode(r)) for p, r in rows]
+    width = max(len(p) + len(r) for p, r in encoded) + 2
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, (p, r) in enumerate(encoded):
+        ids[i, : len(p) + len(r)] = torch.tensor(p + r)
+    batch = {
+        "input_ids": ids,
+        "prompt_lengths": torch.tensor([len(p) for p, _ in encoded]),
+        "response_lengths": torch.tensor([len(r) for _, r in encoded]),
+    }
+    assert decode_generations(batch, tokenizer) == (["copy ab", "copy xyz"], ["ab", "xyz!"])
+    assert decode_generations(batch, tokenizer, limit=1) == (["copy ab"], ["ab"])
