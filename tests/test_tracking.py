@@ -54,8 +54,8 @@ def test_resumed_run_appends_and_reads_back_one_merged_record_per_step(tmp_path)
 
 
 def test_bad_backend_and_bad_metric_are_named(tmp_path):
-    with pytest.raises(TrackingError, match=r"\['mlflow'\].*console"):
-        Tracking("p", "e", log_dir=str(tmp_path), backends=["mlflow"])
+    with pytest.raises(TrackingError, match=r"\['swanlab'\].*console"):
+        Tracking("p", "e", log_dir=str(tmp_path), backends=["swanlab"])
     with Tracking("p", "e", log_dir=str(tmp_path), backends=[]) as tracker:
         with pytest.raises(TrackingError, match="'train/loss'"):
             tracker.log({"train/loss": [1.0, 2.0]}, step=1)

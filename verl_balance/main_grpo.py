@@ -6,21 +6,28 @@ import sys
 
 import hydra
 
-from verl_balance.trainer.grpo_config import register_grpo_schema
+from verl_balance.trainer.cli import run_recipe, user_errors
+from verl_balance.trainer.grpo_config import GRPOConfig, register_grpo_schema
 
 register_grpo_schema()
 
 
 @hydra.main(config_path="config", config_name="grpo", version_base="1.3")
-def main(cfg) -> None:
+def hydra_main(cfg) -> None:
     """Train with the merged config (config/grpo.yaml + command-line overrides); print the summary."""
     from verl_balance.trainer.driver import exit_code
     from verl_balance.trainer.grpo_trainer import GRPOTrainer, format_summary
 
-    summary = GRPOTrainer.train(cfg)
+    with user_errors():
+        summary = GRPOTrainer.train(cfg)
     print(format_summary(summary), flush=True)
     if exit_code(summary):  # stopped by SIGINT / SIGTERM after its save: 130 / 143, not 0
         sys.exit(exit_code(summary))
+
+
+def main() -> None:
+    """The command line: overrides checked against the schema (a typo exits 2), then Hydra."""
+    run_recipe(hydra_main, schema=GRPOConfig)
 
 
 if __name__ == "__main__":

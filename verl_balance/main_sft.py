@@ -6,21 +6,29 @@ import sys
 
 import hydra
 
+from verl_balance.trainer.cli import run_recipe, user_errors
 from verl_balance.trainer.config import register_schemas
+from verl_balance.trainer.sft_config import SFTConfig
 
 register_schemas()
 
 
 @hydra.main(config_path="config", config_name="sft", version_base="1.3")
-def main(cfg) -> None:
+def hydra_main(cfg) -> None:
     """Train with the merged config (config/sft.yaml + command-line overrides); print the summary."""
     from verl_balance.trainer.driver import exit_code
     from verl_balance.trainer.sft_trainer import SFTTrainer, format_summary
 
-    summary = SFTTrainer.train(cfg)
+    with user_errors():
+        summary = SFTTrainer.train(cfg)
     print(format_summary(summary), flush=True)
     if exit_code(summary):  # stopped by SIGINT / SIGTERM after its save: 130 / 143, not 0
         sys.exit(exit_code(summary))
+
+
+def main() -> None:
+    """The command line: overrides checked against the schema (a typo exits 2), then Hydra."""
+    run_recipe(hydra_main, schema=SFTConfig)
 
 
 if __name__ == "__main__":

@@ -293,7 +293,7 @@ def test_step_metrics_are_logged_under_their_names(grpo_run):
     # Two mini-batches: the second update is off-policy, so the old-log-prob pass must run.
     assert step["train/old_log_prob_pass"] == 1.0
     assert "rollout/probs_diff_mean" in step and "rollout/probs_diff_max" in step
-    assert "val/accuracy" in grpo_run["records"][0] and "val/accuracy" in grpo_run["records"][-1]
+    assert "val/acc" in grpo_run["records"][0] and "val/acc" in grpo_run["records"][-1]
 
 
 @pytest.mark.slow

@@ -290,7 +290,7 @@ def test_hf_grpo_runs_two_steps_end_to_end(ray_cluster, tiny_qwen2, tmp_path):
             assert np.isfinite(r[key]), key
         assert r["response_length/mean"] > 0
         assert r["actor/num_optimizer_steps"] == 2
-    assert "val/accuracy" in records[-1]
+    assert "val/acc" in records[-1]
 
 
 @pytest.mark.slow

@@ -130,7 +130,12 @@ def generate_samples(
     if progress is not None:
         from tqdm import tqdm
 
-        pairs = tqdm(pairs, total=num_samples, desc=progress, unit="sample", file=sys.stderr)
+        from verl_balance.utils.run_log import console_stream
+
+        # On a terminal only (disable=None), never into the run log (no carriage returns there).
+        pairs = tqdm(
+            pairs, total=num_samples, desc=progress, unit="sample", file=console_stream(sys.stderr), disable=None
+        )
     for task, size in pairs:
         prompt, answer = _MAKERS[task](rng, size)
         samples.append(SyntheticSample(task=task, prompt=prompt, answer=answer, size=size))

@@ -47,6 +47,10 @@ class Worker:
             count = torch.accelerator.device_count()
             torch.accelerator.set_device_index(0 if count == 1 else self._local_rank % count)
 
+    def __repr__(self) -> str:
+        """``ActorWorker rank=3``: Ray prefixes this worker's forwarded console lines with it."""
+        return f"{type(self).__name__} rank={self._rank}"
+
     @property
     def rank(self) -> int:
         """Global rank of this worker in its group."""

@@ -18,6 +18,7 @@ from verl_balance.workers.actor import ActorWorker, ActorWorkerConfig
 from verl_balance.workers.group import group_class_for
 
 logger = logging.getLogger(__name__)
+RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 
 CPU_WORKERS_PER_CORE = 4
 """CPU slots an embedded cluster offers per core: CPU workers mostly wait on each other's
@@ -55,11 +56,15 @@ def start_ray(*, address: str | None, num_workers: int | None = None) -> None:
     """
     if ray.is_initialized():
         return
-    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false"}}
+    # No progress bars in the workers: Ray would print them late, after the driver's lines.
+    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}}
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=True)
         return
     cpus = embedded_cluster_cpus()
+    # Ray warns on every start that it enabled token authentication (its default): a notice for the
+    # embedded cluster's log, not a warning on every run's console.
+    logging.getLogger(RAY_AUTH_LOGGER).setLevel(logging.ERROR)
     _init_embedded(
         num_cpus=cpus,
         include_dashboard=False,
@@ -161,7 +166,7 @@ def build_actor_group(
         pool.remove()
         raise
     try:
-        group.init_model()
+        group.init_info = group.init_model()  # per rank: layout, device, parameter counts
     except BaseException:  # the workers are alive: stop them and free their placement before raising
         release_group(group)
         raise

@@ -8,6 +8,7 @@ key in the cross-section checks) and what would be valid.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
 import os
@@ -25,6 +26,7 @@ __all__ = [
     "check_positive",
     "check_remove_padding",
     "check_writable_dir",
+    "did_you_mean",
     "qualify",
 ]
 
@@ -33,10 +35,27 @@ class ConfigError(ValueError):
     """A config key has an invalid value or an invalid combination with another key."""
 
 
+def did_you_mean(name, choices) -> str:
+    """`` (did you mean 'x'?)`` for the near misses of ``name`` among ``choices``: a key of another
+    section with the same last part, a near last part in the same section, a near full key; ""
+    when none is near."""
+    choices, name = [str(c) for c in choices], str(name)
+    section, _, leaf = name.rpartition(".")
+    near = []
+    if section:
+        near += [c for c in choices if c.rpartition(".")[2] == leaf]
+        siblings = {c.rpartition(".")[2]: c for c in choices if c.rpartition(".")[0] == section}
+        near += [siblings[m] for m in difflib.get_close_matches(leaf, list(siblings), n=2, cutoff=0.7)]
+    near += difflib.get_close_matches(name, choices, n=3, cutoff=0.8)
+    near = [c for c in dict.fromkeys(near) if c != name]
+    return " (did you mean " + " or ".join(repr(c) for c in near[:3]) + "?)" if near else ""
+
+
 def check_choice(key: str, value, allowed) -> None:
-    """Raise ConfigError naming ``key`` unless ``value`` is one of ``allowed``."""
+    """Raise ConfigError naming ``key`` unless ``value`` is one of ``allowed`` (with a "did you mean")."""
     if value not in allowed:
-        raise ConfigError(f"{key}={value!r} is not valid; expected one of {list(allowed)}")
+        hint = did_you_mean(value, allowed) if isinstance(value, str) else ""
+        raise ConfigError(f"{key}={value!r} is not valid{hint}; expected one of {list(allowed)}")
 
 
 def check_positive(key: str, value) -> None:

@@ -33,7 +33,9 @@ from verl_balance.trainer.recipe import RecipeConfig
 from verl_balance.trainer.run_lock import RunLock, acquire_run_lock
 from verl_balance.trainer.sections import ModelSection, TrainerSection, record_workload
 from verl_balance.trainer.startup import check_layout_and_device
-from verl_balance.utils.atomic_io import NoFollowFileHandler
+from verl_balance.trainer.summary import earliest_records, summary_header
+from verl_balance.utils import run_log
+from verl_balance.utils.progress import DEFAULT_SFT_KEYS, ProgressDisplay, TimedPhase
 from verl_balance.utils.tracking import Tracking, plain_config
 from verl_balance.workers.actor import ActorWorker, ActorWorkerConfig
 from verl_balance.workers.group import ActorGroup
@@ -61,6 +63,31 @@ NONFINITE_WATCH_KEYS = (
     "critic/vf_loss",
     "critic/grad_norm",
 )
+
+
+def tracking_backends(loggers) -> list[str]:
+    """``trainer.logger`` as ``Tracking`` backends: verl's ``file`` is our jsonl; the console is the
+    driver's progress display."""
+    return list(dict.fromkeys({"file": "jsonl"}.get(name, name) for name in loggers if name != "console"))
+
+
+def describe_parameters(init_info) -> str:
+    """``1.23M parameters`` (``LoRA: 12.3k trainable of 1.23M (1.00%)``) from rank 0's ``init_model``
+    answer; "" when it has no counts."""
+    info = init_info[0] if isinstance(init_info, list) and init_info else init_info
+    if not isinstance(info, dict) or "parameters" not in info:
+        return ""
+    total, trainable = info["parameters"], info.get("trainable_parameters", info["parameters"])
+    if trainable == total:
+        return f"{_count(total)} parameters"
+    return f"LoRA: {_count(trainable)} trainable of {_count(total)} parameters ({100.0 * trainable / total:.2f}%)"
+
+
+def _count(n: int) -> str:
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return str(n)
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -96,6 +123,11 @@ class DriverBase:
     """(step, path) of the newest checkpoint this run saved or loaded."""
     _last_finite_checkpoint: str | None = None
     """The newest checkpoint a finite step ran from (its weights are known to be finite); retention keeps it."""
+    _run_log: run_log.RunLog | None = None
+    progress: ProgressDisplay | None = None
+    """The console's progress display while ``fit`` runs (``trainer.logger`` has ``console``)."""
+    console_keys: tuple[str, ...] = DEFAULT_SFT_KEYS
+    """The recipe's console metrics when ``trainer.console_metrics`` is null."""
 
     def __init_subclass__(cls, **kwargs) -> None:
         """A trainer whose ``__init__`` fails (after ``setup_run`` took the run directory) releases
@@ -112,6 +144,7 @@ class DriverBase:
             except BaseException:
                 if self._run_lock is not None:
                     self._run_lock.release()
+                self._close_run_log()
                 raise
 
         cls.__init__ = init_or_release
@@ -129,11 +162,21 @@ class DriverBase:
         self.out_dir = trainer.default_local_dir
         # Before anything in the directory is read or written; held until close().
         self._run_lock = acquire_run_lock(self.out_dir)
+        self._setup_start = time.perf_counter()
+        self._run_log = run_log.attach(os.path.join(self.out_dir, f"{self._job_name()}.log"))
         try:
             self.tokenizer: Tokenizer = build_tokenizer(model.tokenizer_path)
         except TokenizerError as err:
             raise ConfigError(f"{model.KEY_PREFIX}tokenizer={model.tokenizer_path!r}: {err}") from err
         self.model_section = model
+        if model.path is None:
+            logger.warning(
+                "%spath is not set: training the built-in %r model with its byte-level tokenizer; set "
+                "%spath=<a Hugging Face model directory> to train your own model",
+                model.KEY_PREFIX,
+                model.name,
+                model.KEY_PREFIX,
+            )
         self.model_config: ModelConfig | HFModelConfig = model.model_config(vocab_size=self.tokenizer.vocab_size)
         check_layout_and_device(
             model_config=self.model_config,
@@ -147,10 +190,17 @@ class DriverBase:
         self.global_step = 0
         self._stop_requested = False
         self._stop_signal = None
+        self._datasets_start = time.perf_counter()
 
     def setup_loader(self, train_set, *, batch_size: int, shuffle: bool) -> None:
-        """The resumable loader over ``train_set`` and the run length in steps."""
+        """The resumable loader over ``train_set`` and the run length in steps (and the start-up
+        line of the dataset build, timed from the end of ``setup_run``)."""
         t = self.trainer_config
+        logger.info(
+            "dataset build (%d train rows): %.1f s",
+            len(train_set),
+            time.perf_counter() - getattr(self, "_datasets_start", time.perf_counter()),
+        )
         self.loader = StatefulDataLoader(
             train_set, batch_size=batch_size, collate_fn=train_set.collate, shuffle=shuffle, seed=t.seed, drop_last=True
         )
@@ -169,14 +219,17 @@ class DriverBase:
     ) -> None:
         """Start (or join) Ray, place the worker group and build the sharded model on it."""
         t = self.trainer_config
-        cluster.start_ray(address=t.ray_address, num_workers=self.world)
+        with TimedPhase("cluster", "existing Ray cluster" if t.ray_address else "embedded Ray"):
+            cluster.start_ray(address=t.ray_address, num_workers=self.world)
         use_gpu = cluster.resolve_use_gpu(t.device)
         logger.info(
             "%d %s workers: dp=%d x sp=%d; %s", self.world, "GPU" if use_gpu else "CPU", self.dp, self.sp, description
         )
-        self.actor = cluster.build_actor_group(
-            worker_config=worker_config, trainer_cfg=t, use_gpu=use_gpu, worker_cls=worker_cls or self.worker_cls
-        )
+        with TimedPhase("model load") as phase:
+            self.actor = cluster.build_actor_group(
+                worker_config=worker_config, trainer_cfg=t, use_gpu=use_gpu, worker_cls=worker_cls or self.worker_cls
+            )
+            phase.detail = describe_parameters(getattr(self.actor, "init_info", None))
 
     @classmethod
     def train(cls, cfg: DictConfig) -> dict:
@@ -216,11 +269,7 @@ class DriverBase:
     def format_summary(cls, summary: dict) -> str:
         """The end-of-run lines a user reads: steps and time, the recipe's ``summary_lines``, and
         where the metrics and the plot are."""
-        lines = [
-            "",
-            f"==== {cls.summary_title} summary ====",
-            f"steps: {summary['steps']} in {summary['wall_s']:.1f} s",
-        ]
+        lines = summary_header(summary.get("algorithm") or cls.summary_title, summary)
         lines += cls.summary_lines(summary)
         lines.append(f"metrics: {summary['metrics']}")
         if summary.get("plot"):
@@ -235,38 +284,41 @@ class DriverBase:
         a restart: the worker group is rebuilt and training continues from the lineage's newest
         complete checkpoint, the metrics file cut back to that step.
         """
-        t = self.trainer_config
         self._initial_loader_state = self.loader.state_dict()
-        log_file = self._attach_log_file()
-        try:
-            return self._fit(t)
-        finally:
-            logging.getLogger().removeHandler(log_file)
-            log_file.close()
+        return self._fit(self.trainer_config)
 
-    def _attach_log_file(self) -> logging.Handler:
-        """Log records of the run go to ``<default_local_dir>/<job>.log`` (``main_sft.log`` from the CLI)."""
-        name = "train"
+    @staticmethod
+    def _job_name() -> str:
+        """The run log's name: Hydra's job name (``main_sft`` from the CLI), else ``train``."""
         from hydra.core.hydra_config import HydraConfig
 
-        if HydraConfig.initialized():
-            name = HydraConfig.get().job.name or name
-        os.makedirs(self.out_dir, exist_ok=True)
-        handler = NoFollowFileHandler(os.path.join(self.out_dir, f"{name}.log"))  # a planted link: refused
-        handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
-        logging.getLogger().addHandler(handler)
-        return handler
+        return (HydraConfig.get().job.name or "train") if HydraConfig.initialized() else "train"
+
+    def _close_run_log(self) -> None:
+        """Close the run log when this driver opened it (the CLI's capture closes its own)."""
+        if self._run_log is not None and self._run_log.owned_by_driver:
+            self._run_log.close()
+        self._run_log = None
 
     def _fit(self, t) -> dict:
-        self.maybe_resume()
+        with TimedPhase("checkpoint verify/resume"):
+            self.maybe_resume()
+        resumed_from = self.global_step
         tracker = Tracking(
             t.project_name,
             t.experiment_name,
             log_dir=self.out_dir,
-            backends=list(t.logger),
+            backends=tracking_backends(t.logger),
             config=plain_config(self.cfg),
             total_steps=self.total_steps,
         )
+        if "console" in t.logger:
+            self.progress = ProgressDisplay(
+                total_steps=self.total_steps,
+                start_step=self.global_step,
+                keys=t.console_metrics or self.console_keys,
+                interval_s=t.progress_interval_s,
+            )
         previous = {signum: signal.signal(signum, self._request_stop) for signum in STOP_SIGNALS}
         record = {"first": {}, "last": {}, "last_val": {}, "first_val": {}}
         run_start = time.perf_counter()
@@ -295,9 +347,15 @@ class DriverBase:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
             tracker.close()
+            if self.progress is not None:
+                self.progress.close()
+        if resumed_from:  # the first values are the run's, not this process's
+            record["first"], record["first_val"] = earliest_records(tracker.metrics_path)
         summary = {
+            "resumed_from_step": resumed_from,
             "steps": self.global_step,
             "wall_s": time.perf_counter() - run_start,
+            "startup_s": run_start - getattr(self, "_setup_start", run_start),
             "metrics": tracker.metrics_path,
             "restarts": restarts,
             "stop_signal": self._stop_signal,
@@ -332,6 +390,8 @@ class DriverBase:
                     record["last_val"] = self.evaluate()
                     metrics.update(record["last_val"])
                 tracker.log(metrics, step=self.global_step)
+                if self.progress is not None:
+                    self.progress.update(self.global_step, metrics)
                 self._stop_if_nonfinite_streak(metrics)
                 if t.save_freq > 0 and (self.global_step % t.save_freq == 0 or is_last):
                     self.save()
@@ -383,6 +443,12 @@ class DriverBase:
         finally:
             if self._run_lock is not None:
                 self._run_lock.release()
+            self._close_run_log()
+
+    def phase(self, name: str) -> None:
+        """Show ``name`` as the current phase of the step on the console (a terminal's bar)."""
+        if self.progress is not None:
+            self.progress.phase(name)
 
     @property
     def checkpoint_group(self):
@@ -413,6 +479,7 @@ class DriverBase:
                 self._nonfinite_streak,
             )
             return None
+        start = time.perf_counter()
         path = checkpoint.save_trainer_checkpoint(
             self.checkpoint_group,
             root=self.out_dir,
@@ -423,7 +490,7 @@ class DriverBase:
             protect=self._last_finite_checkpoint,
         )
         self._last_saved = (self.global_step, path)
-        logger.info("checkpoint: saved step %d -> %s", self.global_step, path)
+        logger.info("checkpoint: saved step %d -> %s (%.1f s)", self.global_step, path, time.perf_counter() - start)
         return path
 
     def maybe_resume(self) -> None:

@@ -415,7 +415,13 @@ class GRPOTrainerSection(TrainerSection):
     val_before_train: bool = field(default=True, metadata=APPLY_ON_RESUME)
     """Validate the initial policy at step 0 (when test_freq > 0)."""
     log_val_generations: int = field(default=0, metadata=APPLY_ON_RESUME)
-    """Validation samples logged (prompt, response, score)."""
+    """verl's key: the first N validation samples (prompt, response, score, ground truth) logged to the
+    console and the run log at every validation; 0 = none."""
+    rollout_data_dir: Optional[str] = field(default=None, metadata=APPLY_ON_RESUME)
+    """verl's key: write every step's responses as ``<dir>/<step>.jsonl`` (input, output, gts, score,
+    step and the reward's extra fields, verl's layout); null = not written."""
+    validation_data_dir: Optional[str] = field(default=None, metadata=APPLY_ON_RESUME)
+    """verl's key: the same for every validation (step 0 = before training); null = not written."""
     critic_warmup: int = field(default=0, metadata=APPLY_ON_RESUME)
     """verl's key (adv_estimator=gae): the first critic_warmup steps train the critic only, the actor
     from step critic_warmup + 1 on. (verl counts steps from 1 and compares critic_warmup >

@@ -78,6 +78,7 @@ from verl_balance.rewards.watchdog import score_batch_watched
 from verl_balance.rollout import RolloutOutput, build_rollout_batch
 from verl_balance.trainer import checkpoint, cluster
 from verl_balance.trainer.driver import DriverBase
+from verl_balance.trainer.generations import decode_generations, dump_generations
 from verl_balance.trainer.grpo_config import validate_grpo
 from verl_balance.trainer.metrics import (
     PEAK_MEMORY_KEY,
@@ -89,6 +90,7 @@ from verl_balance.trainer.metrics import (
 from verl_balance.trainer.plan_dispatch import merge_by_plan, plan_batch, split_by_plan
 from verl_balance.trainer.sections import check_profile_steps, resolve_data_files
 from verl_balance.trainer.startup import check_model_files
+from verl_balance.utils.progress import DEFAULT_RL_KEYS
 from verl_balance.utils.tracking import Tracking
 from verl_balance.workers.actor_rollout import ActorRolloutWorker, ActorRolloutWorkerConfig, sampling_seed
 from verl_balance.workers.critic import CriticWorker, CriticWorkerConfig
@@ -99,7 +101,7 @@ CRITIC_CHECKPOINT_DIR = "critic"
 """The critic's shards inside a ``global_step_N`` checkpoint (the actor's are at its root)."""
 PLOT_PANELS = (
     ("train reward (sampled rollouts)", r"^reward/(mean|accuracy)$"),
-    ("held-out accuracy (val_kwargs sampling, greedy by default)", r"^val/accuracy$"),
+    ("held-out accuracy or mean reward (val_kwargs sampling, greedy by default)", r"^val/(acc|reward_mean)$"),
     ("policy loss", r"^actor/(loss|pg_loss)$"),
     ("KL to reference, entropy, clip fraction", r"^actor/(kl|ppo_kl|entropy|pg_clipfrac)$"),
     ("imbalance (1.0 = perfectly balanced)", r"^balance/imbalance"),
@@ -107,7 +109,7 @@ PLOT_PANELS = (
 )
 PPO_PLOT_PANELS = (
     ("train reward (sampled rollouts)", r"^reward/(mean|accuracy)$"),
-    ("held-out accuracy (val_kwargs sampling, greedy by default)", r"^val/accuracy$"),
+    ("held-out accuracy or mean reward (val_kwargs sampling, greedy by default)", r"^val/(acc|reward_mean)$"),
     ("critic value loss", r"^critic/vf_loss$"),
     ("critic explained variance", r"^critic/vf_explained_var$"),
     ("policy loss", r"^actor/(loss|pg_loss)$"),
@@ -165,6 +167,18 @@ def mean_metrics(records: list[dict]) -> dict:
     return {k: float(np.mean([r[k] for r in records if k in r])) for k in sorted(keys)}
 
 
+def held_out_metrics(scores: np.ndarray, extras: dict, *, sources: np.ndarray) -> dict:
+    """verl's convention: ``val/acc`` only when the reward returns ``acc``; ``val/reward_mean`` (the
+    mean score) always; both per data source too."""
+    columns = {"reward_mean": scores, **({"acc": extras["acc"]} if "acc" in extras else {})}
+    out = {}
+    for name, values in columns.items():
+        out[f"val/{name}"] = float(np.nanmean(values))
+        for source in sorted(set(sources.tolist())):
+            out[f"val/{name}/{source}"] = float(np.nanmean(values[sources == source]))
+    return out
+
+
 def value_metrics(batch: Batch) -> dict:
     """verl's critic data metrics over the response tokens: mean values and returns, and the
     explained variance 1 - var(returns - values) / (var(returns) + 1e-5) (unbiased variances)."""
@@ -218,6 +232,7 @@ class GRPOTrainer(DriverBase):
     """Builds data, the actor-rollout worker group and the reward function; ``fit()`` trains."""
 
     plot_panels = PLOT_PANELS
+    console_keys = DEFAULT_RL_KEYS
     actor: ActorRolloutGroup
     critic: CriticGroup | None = None
     """The critic's worker group (algorithm.adv_estimator=gae), None otherwise."""
@@ -452,6 +467,7 @@ class GRPOTrainer(DriverBase):
         metrics: dict = {}
         r = self.rollout_cfg
         with _timed(metrics, "step"):
+            self.phase("rollout")
             with _timed(metrics, "gen"):
                 batch = self.generate(
                     prompts,
@@ -468,15 +484,19 @@ class GRPOTrainer(DriverBase):
                 pending[VALUES_KEY] = self._submit_values_pass(batch, metrics)
             with _timed(metrics, "reward"):
                 scores, extras = self.score(batch)
+            self._dump_rollout(batch, scores, extras)
+            self.phase("log-prob passes")
             self._collect_log_prob_passes(batch, pending, metrics)
             with _timed(metrics, "adv"):
                 self._attach_advantages(batch, scores)
             if self.critic is not None:
                 metrics.update(value_metrics(batch))
+                self.phase("critic update")
                 with _timed(metrics, "update_critic"):
                     metrics.update(self.update_critic(batch))
             # verl's trainer.critic_warmup: the actor waits for the critic (0 without one).
             if self.global_step >= self.config.trainer.critic_warmup:
+                self.phase("actor update")
                 with _timed(metrics, "update"):
                     metrics.update(self.update_actor(batch))
         metrics.update(self._rollout_metrics(batch, scores, extras, prefix=""))
@@ -637,24 +657,46 @@ class GRPOTrainer(DriverBase):
         batch = self.generate(prompts, n=v.n, temperature=v.temperature, top_p=v.top_p, seed=self.config.trainer.seed)
         scores, extras = self.score(batch)
         metrics = self._rollout_metrics(batch, scores, extras, prefix="val/")
-        metrics["val/accuracy"] = metrics.pop("val/reward/accuracy")
-        accuracy = extras["acc"] if "acc" in extras else scores
-        sources = np.asarray(batch["data_source"])
-        for source in sorted(set(sources.tolist())):
-            metrics[f"val/accuracy/{source}"] = float(np.nanmean(accuracy[sources == source]))
+        del metrics["val/reward/accuracy"]
+        metrics.update(held_out_metrics(scores, extras, sources=np.asarray(batch["data_source"])))
         metrics["timing_s/val"] = time.perf_counter() - start
         self._log_generations(batch, scores, count=self.config.trainer.log_val_generations)
+        if self.config.trainer.validation_data_dir:
+            dump_generations(
+                self.config.trainer.validation_data_dir,
+                step=self.global_step,
+                batch=batch,
+                tokenizer=self.tokenizer,
+                scores=scores,
+                extras=extras,
+            )
         return metrics
+
+    def _dump_rollout(self, batch: Batch, scores: np.ndarray, extras: dict) -> None:
+        """verl's ``trainer.rollout_data_dir``: this step's responses and scores as ``<step>.jsonl``."""
+        if self.config.trainer.rollout_data_dir:
+            dump_generations(
+                self.config.trainer.rollout_data_dir,
+                step=self.global_step + 1,
+                batch=batch,
+                tokenizer=self.tokenizer,
+                scores=scores,
+                extras=extras,
+            )
 
     def _log_generations(self, batch: Batch, scores: np.ndarray, *, count: int) -> None:
         """verl's ``trainer.log_val_generations``: the first ``count`` validation samples, logged."""
-        starts, lengths = batch[PROMPT_LENGTHS_KEY].tolist(), batch[RESPONSE_LENGTHS_KEY].tolist()
-        for i in range(min(count, len(batch))):
-            row = batch[INPUT_IDS_KEY][i].tolist()
-            prompt = self.tokenizer.decode(row[: starts[i]], skip_special_tokens=False)
-            response = self.tokenizer.decode(row[starts[i] : starts[i] + lengths[i]], skip_special_tokens=False)
+        if count <= 0:
+            return
+        prompts, responses = decode_generations(batch, self.tokenizer, skip_special_tokens=False, limit=count)
+        for i in range(len(prompts)):
             logger.info(
-                "val sample %d: %r -> %r (score %g, truth %r)", i, prompt, response, scores[i], batch["ground_truth"][i]
+                "val sample %d: %r -> %r (score %g, truth %r)",
+                i,
+                prompts[i],
+                responses[i],
+                scores[i],
+                batch["ground_truth"][i],
             )
 
     def before_training(self, tracker: Tracking) -> dict:
@@ -668,30 +710,39 @@ class GRPOTrainer(DriverBase):
 
     def summarize(self, *, first: dict, last: dict, first_val: dict, last_val: dict) -> dict:
         """First/final train reward and held-out accuracy before/after training."""
+        val_key = "val/acc" if "val/acc" in {**first_val, **last_val} else "val/reward_mean"
         return {
+            "algorithm": "PPO" if self.critic is not None else "GRPO",
             "first_reward": first.get("reward/mean"),
             "final_reward": last.get("reward/mean"),
-            "initial_val_accuracy": first_val.get("val/accuracy"),
-            "final_val_accuracy": last_val.get("val/accuracy"),
+            "val_key": val_key,
+            "initial_val": first_val.get(val_key),
+            "final_val": last_val.get(val_key),
         }
 
     summary_title = "GRPO"
 
     @classmethod
     def summary_lines(cls, summary: dict) -> list[str]:
-        """Train reward first -> final, and held-out accuracy before -> after."""
+        """Train reward first -> final, and the held-out metric before -> after (``val/acc`` when the
+        reward returns ``acc``, else ``val/reward_mean``, named as such)."""
         lines = []
         if summary.get("first_reward") is not None:
             lines.append(f"train reward: first {summary['first_reward']:.4f} -> final {summary['final_reward']:.4f}")
-        first, last = summary.get("initial_val_accuracy"), summary.get("final_val_accuracy")
+        first, last = summary.get("initial_val"), summary.get("final_val")
         if first is not None or last is not None:
             fmt = lambda x: "n/a" if x is None else f"{x:.4f}"  # noqa: E731
-            lines.append(f"held-out accuracy: before {fmt(first)} -> after {fmt(last)}")
+            what = (
+                "held-out accuracy (val/acc)"
+                if summary["val_key"] == "val/acc"
+                else "held-out mean reward (val/reward_mean)"
+            )
+            lines.append(f"{what}: before {fmt(first)} -> after {fmt(last)}")
         return lines
 
 
 format_summary = GRPOTrainer.format_summary
-"""The end-of-run lines of a GRPO/PPO run (``DriverBase.format_summary``)."""
+"""The end-of-run lines of a GRPO/PPO run (``DriverBase.format_summary``; titled by ``algorithm``)."""
 
 
 __all__ = ["ActorCriticCheckpoint", "GRPOTrainer", "format_summary", "merge_rollout_outputs", "value_metrics"]

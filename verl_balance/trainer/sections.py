@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 WORKLOADS = ("tokens", "flops", "calibrated")
 DEVICES = ("auto", "cpu", "cuda")
 RESUME_MODES = ("auto", "disable", "resume_path")
-LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+LOGGERS = ("console", "jsonl", "file", "tensorboard", "wandb", "mlflow")
 
 
 # ---------------------------------------------------------------------- sections shared by the recipes
@@ -260,7 +260,14 @@ class TrainerSection:
     total_training_steps: Optional[int] = field(default=None, metadata=APPLY_ON_RESUME)
     """Steps to train; null = total_epochs x steps per epoch."""
     logger: list = field(default_factory=lambda: ["console", "jsonl"], metadata=APPLY_ON_RESUME)
-    """Tracking backends: any of LOGGERS."""
+    """Tracking backends: any of LOGGERS (verl's names: ``file`` is the jsonl file, ``mlflow`` a local
+    file store under default_local_dir/mlruns unless MLFLOW_TRACKING_URI is set)."""
+    console_metrics: Optional[list] = field(default=None, metadata=APPLY_ON_RESUME)
+    """Metric keys the console's progress line shows (e.g. [train/loss,val/loss]); null = the recipe's
+    few (utils/progress.py). metrics.jsonl and the trackers get every metric."""
+    progress_interval_s: float = field(default=0.0, metadata=APPLY_ON_RESUME)
+    """When stdout is not a terminal: print the progress line at most every this many seconds (and at
+    the last step); 0 = every step. The run log gets every step's line."""
     project_name: str = field(default="verl_balance", metadata=APPLY_ON_RESUME)
     """Tracking project."""
     experiment_name: str = field(default="sft", metadata=APPLY_ON_RESUME)
@@ -332,6 +339,8 @@ class TrainerSection:
                 "save_freq=0 would never save a checkpoint; set a positive N (every N steps and at the last step) "
                 "or -1 (never, as in verl)"
             )
+        if self.progress_interval_s < 0:
+            raise ConfigError(f"progress_interval_s={self.progress_interval_s} must be >= 0 (0: a line every step)")
         if self.max_ckpt_to_keep is not None:
             check_positive("max_ckpt_to_keep", self.max_ckpt_to_keep)
         if self.max_restarts < 0:

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from verl_balance.trainer.config_checks import ConfigError, check_finite_values, qualify
+from verl_balance.trainer.config_checks import ConfigError, check_finite_values, did_you_mean, qualify
 
 __all__ = ["check_known_keys", "resolve_aliases", "to_typed"]
 
@@ -27,8 +27,11 @@ def check_known_keys(cfg: DictConfig, path: str = "") -> None:
         fields = {f.name for f in dataclasses.fields(schema)}
         unknown = sorted(str(k) for k in cfg.keys() if k not in fields)
         if unknown:
+            hints = "".join(
+                did_you_mean(k, fields).replace("; did you mean", f"; {path}{k}: did you mean") for k in unknown
+            )
             raise ConfigError(
-                f"unknown config key(s) {[path + k for k in unknown]}; valid keys of "
+                f"unknown config key(s) {[path + k for k in unknown]}{hints}; valid keys of "
                 f"{path.rstrip('.') or 'the root'}: {sorted(fields)}"
             )
     for key in cfg.keys():

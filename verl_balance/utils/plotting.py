@@ -11,12 +11,11 @@ recipe) stay visible as nested stripes instead of hiding each other.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 from collections.abc import Sequence
 
-from .tracking import METRICS_FILE, RUN_FILE, read_metrics
+from .tracking import METRICS_FILE, read_metrics
 
 DEFAULT_PANELS: tuple[tuple[str, str], ...] = (
     ("loss", r"(^|[/_])loss$"),
@@ -27,13 +26,20 @@ LINE_STYLES = ("-", "--", ":", "-.")
 
 
 def run_label(path: str) -> str:
-    """The experiment name from run.json next to the metrics, else the directory name."""
-    run_dir = path if os.path.isdir(path) else os.path.dirname(path)
-    try:
-        with open(os.path.join(run_dir, RUN_FILE), encoding="utf-8") as f:
-            return str(json.load(f)["experiment"])
-    except (OSError, KeyError, ValueError):
-        return os.path.basename(os.path.normpath(run_dir)) or run_dir
+    """The run directory's name (of ``path``, a run directory or its metrics file)."""
+    return run_labels([path])[0]
+
+
+def run_labels(paths: Sequence[str]) -> list[str]:
+    """One label per run: its directory's name, or as many trailing path parts as tell the runs
+    apart (``a/run`` and ``b/run``). Not the experiment name: every SFT run is ``sft`` by default."""
+    dirs = [os.path.normpath(os.path.abspath(os.path.dirname(p) if p.endswith(".jsonl") else p)) for p in paths]
+    parts = [d.split(os.sep) for d in dirs]
+    for depth in range(1, max(len(p) for p in parts) + 1):
+        labels = ["/".join(p[-depth:]) for p in parts]
+        if len(set(labels)) == len(labels):
+            return labels
+    return labels
 
 
 def _numeric_keys(records: Sequence[list[dict]]) -> list[str]:
@@ -103,7 +109,7 @@ def plot_runs(
     if labels is not None and len(labels) != len(runs):
         raise ValueError(f"got {len(labels)} labels for {len(runs)} runs; give one label per run")
     records = [read_metrics(run) for run in runs]
-    labels = list(labels) if labels is not None else [run_label(run) for run in runs]
+    labels = list(labels) if labels is not None else run_labels(runs)
     drawn = _panel_keys(runs, _numeric_keys(records), panels)
     fig, axes = plt.subplots(len(drawn), 1, figsize=(8, 3.2 * len(drawn)), squeeze=False, sharex=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]

@@ -9,7 +9,7 @@ crash mid-write can only be the last one: it is dropped with a warning
 (on read, and before a new ``Tracking`` appends), never glued to the next record. The trainer
 truncates the file to the step it resumes from (``rewrite_metrics_up_to``, atomic), so one file
 holds one run's curve. ``<log_dir>/run.json`` holds the project, experiment and config (atomic).
-TensorBoard and W&B are optional: asked for but not
+TensorBoard, W&B and MLflow (a local file store) are optional: asked for but not
 installed gives a warning naming the package, never a crash; W&B runs offline unless WANDB_MODE
 is set.
 
@@ -17,7 +17,8 @@ Metric names the plots and recipes look for (the trainers should use these):
 ``train/loss``, ``val/loss``, ``train/grad_norm``, ``train/lr``, ``perf/tokens_per_s``,
 ``train/valid_tokens``, ``balance/imbalance_predicted``, ``balance/imbalance_predicted_naive``,
 ``balance/imbalance_measured``, ``balance/num_micro_batches``, ``reward/mean``, ``reward/std``,
-``reward/accuracy``, ``val/accuracy``, ``response_length/mean``, ``timing_s/<phase>``.
+``reward/accuracy``, ``val/acc`` (when the reward returns ``acc``), ``val/reward_mean``,
+``response_length/mean``, ``timing_s/<phase>``.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from typing import Any
 from verl_balance.utils.atomic_io import atomic_write_json, atomic_write_text, open_nofollow
 
 logger = logging.getLogger(__name__)
-BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
+BACKENDS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
 DEFAULT_CONSOLE_PATTERNS = (
     "loss",
     "grad_norm",
@@ -143,6 +144,7 @@ class Tracking:
         self._progress = self._open_progress(total_steps) if self._console else None
         self._tensorboard = self._open_tensorboard() if "tensorboard" in backends else None
         self._wandb = self._open_wandb(config_dict) if "wandb" in backends else None
+        self._mlflow = self._open_mlflow(config_dict) if "mlflow" in backends else None
 
     def _open_progress(self, total_steps: int | None) -> Any:
         """A tqdm progress bar on stderr (disabled when stderr is not a terminal)."""
@@ -181,6 +183,24 @@ class Tracking:
         os.environ.setdefault("WANDB_MODE", "offline")
         return wandb.init(project=self.project, name=self.experiment, dir=self.log_dir, config=config_dict)
 
+    def _open_mlflow(self, config_dict: Any) -> Any:
+        """An MLflow run in a local file store (``<log_dir>/mlruns`` unless MLFLOW_TRACKING_URI is set);
+        None (a warning) without mlflow."""
+        if importlib.util.find_spec("mlflow") is None:
+            logger.warning(
+                "logger 'mlflow' requested but the mlflow package is not installed "
+                "(pip install 'verl_balance[mlflow]'); continuing without it"
+            )
+            return None
+        import mlflow
+
+        if "MLFLOW_TRACKING_URI" not in os.environ:
+            mlflow.set_tracking_uri("file://" + os.path.abspath(os.path.join(self.log_dir, "mlruns")))
+        mlflow.set_experiment(self.project)
+        run = mlflow.start_run(run_name=self.experiment)
+        mlflow.log_dict(config_dict or {}, "config.json")
+        return run
+
     @property
     def metrics_path(self) -> str:
         """Path of the jsonl metrics file."""
@@ -198,6 +218,10 @@ class Tracking:
                 self._tensorboard.add_scalar(key, value, global_step=step)
         if self._wandb is not None:
             self._wandb.log(numeric, step=step)
+        if self._mlflow is not None:
+            import mlflow
+
+            mlflow.log_metrics({k.replace("@", "_at_"): v for k, v in numeric.items()}, step=step)
         if self._console:
             self._print(numeric, step=step)
 
@@ -230,6 +254,11 @@ class Tracking:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+        if self._mlflow is not None:
+            import mlflow
+
+            mlflow.end_run()
+            self._mlflow = None
         if not self._jsonl.closed:
             self._jsonl.close()
 

@@ -92,6 +92,8 @@ class ActorWorker(Worker):
             "dp_rank": self.layout.dp_rank,
             "sp_rank": self.layout.sp_rank,
             "device": str(self.layout.device),
+            "parameters": sum(p.numel() for p in self.engine.model.parameters()),
+            "trainable_parameters": sum(p.numel() for p in self.engine.model.parameters() if p.requires_grad),
         }
 
     def _loss_fn(self, *, on_policy: bool = False):

@@ -651,11 +651,26 @@ class VerlBalanceEngine(BaseEngine):
         os.makedirs(local_path, exist_ok=True)
         unseal(local_path)  # a save stopped half-way never looks complete
         self.engine.save_checkpoint(local_path, step=int(global_step), extra={"global_step": int(global_step)})
+        self._save_export_files(local_path, step=int(global_step))
         seal(local_path, step=int(global_step), group=self.layout.world_group)
         self.saved_checkpoint_paths = kept
         if dist.get_rank() == 0:
             for path in stale:
                 _remove_checkpoint_dir(path, max_ckpt_to_keep=max_ckpt_to_keep)
+
+    def _save_export_files(self, local_path: str, *, step: int) -> None:
+        """``hf_model`` in ``checkpoint.save_contents``: the HF directory ``huggingface/`` (as verl's
+        FSDP engine); always ``trainer_state.json``, which ``python -m verl_balance.export`` reads (the
+        completeness record follows: ``sealed_checkpoint.seal``)."""
+        from verl_balance.integrations.verl.checkpoint_files import HF_DIR, save_contents, write_trainer_state
+        from verl_balance.models.hf import HFModelConfig
+
+        ours = self.engine.model_config
+        if "hf_model" in save_contents(self.checkpoint_config):
+            tokenizer = getattr(self.model_config, "tokenizer_path", None) or ours.path
+            self.engine.save_hf_model(os.path.join(local_path, HF_DIR), tokenizer_path=tokenizer)
+        kind = "hf" if isinstance(ours, HFModelConfig) else "builtin"
+        write_trainer_state(local_path, step=step, model_config={"kind": kind, **ours.to_dict()})
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=False, **kwargs):
         """Restore ``save_checkpoint(local_path)`` (collective): its completeness record and checksums

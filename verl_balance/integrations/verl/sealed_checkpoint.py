@@ -38,11 +38,28 @@ def unseal(path: str) -> None:
             os.remove(record)
 
 
+def _hash_across_ranks(root: str, sizes: dict[str, int], *, group=None) -> dict[str, dict]:
+    """Every rank of ``group`` hashes its share of rank 0's ``sizes``; every rank gets the union."""
+    share = [sizes]
+    dist.broadcast_object_list(share, group=group, group_src=0)
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    mine = checksums.hash_files(root, checksums.share_of(share[0], rank=rank, world=world))
+    parts = [None] * world
+    dist.all_gather_object(parts, mine, group=group)
+    return {name: digest for part in parts for name, digest in part.items()}
+
+
 def seal(path: str, *, step: int, group=None) -> None:
-    """After every rank wrote its files: rank 0 writes the record (last), then all ranks meet."""
+    """After every rank wrote its files: the ranks hash their shares of them, then rank 0 writes
+    the record (last) and all ranks meet."""
     dist.barrier(group=group)
-    if dist.get_rank() == 0:
-        manifest = checksums.build_manifest(path)
+    is_writer = dist.get_rank(group) == 0
+    sizes = checksums.list_files(path) if is_writer else {}
+    digests = _hash_across_ranks(path, sizes, group=group)
+    if is_writer:
+        manifest = {
+            name: {"size": sizes[name], checksums.HASH_NAME: digests[name][checksums.HASH_NAME]} for name in sizes
+        }
         record = {"step": step, "time": time.time(), "hash": checksums.HASH_NAME, checksums.MANIFEST_KEY: manifest}
         atomic_write_json(os.path.join(path, checksums.COMPLETE_FILE), record)
     dist.barrier(group=group)

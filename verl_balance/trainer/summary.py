@@ -1,0 +1,33 @@
+"""End-of-run summaries: the header both recipes share and, after a resume, the run's first values
+read back from ``metrics.jsonl`` (the process that resumed never saw them)."""
+
+from __future__ import annotations
+
+import os
+
+from verl_balance.utils.tracking import read_metrics
+
+__all__ = ["earliest_records", "summary_header"]
+
+
+def earliest_records(metrics_path: str) -> tuple[dict, dict]:
+    """(the first training step's record, the first record with validation metrics) of a run's
+    ``metrics.jsonl``; {} where there is none."""
+    if not os.path.exists(metrics_path):
+        return {}, {}
+    records = read_metrics(metrics_path)
+    first = next((r for r in records if r["step"] >= 1), {})
+    first_val = next((r for r in records if any(k.startswith("val/") for k in r)), {})
+    return first, first_val
+
+
+def summary_header(title: str, summary: dict) -> list[str]:
+    """``==== <title> summary ====`` and the step count with training and start-up seconds."""
+    lines = ["", f"==== {title} summary ===="]
+    steps = f"steps: {summary['steps']} in {summary['wall_s']:.1f} s"
+    if summary.get("startup_s") is not None:
+        steps += f" (plus {summary['startup_s']:.1f} s start-up: cluster, model load, data)"
+    if summary.get("resumed_from_step"):
+        steps += f"; resumed at step {summary['resumed_from_step']}, first values from the metrics file"
+    lines.append(steps)
+    return lines

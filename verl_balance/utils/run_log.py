@@ -1,0 +1,164 @@
+"""The run log: everything the console shows, also in ``<default_local_dir>/<job>.log``.
+
+While a ``RunLog`` is active, ``sys.stdout`` and ``sys.stderr`` are tees (console + log), and every
+logging handler that wrote to the console streams writes through them, so the log holds the
+driver's records, prints, warnings, the step lines, the summary, and the workers' lines that Ray
+forwards to the driver (prefixed by the worker's rank, ``Worker.__repr__``), each exactly once.
+Terminal-only output (the tqdm bar) goes to ``console_stream`` and never reaches the log.
+
+``capture()`` (the CLI entry points) starts buffering before the run directory is known;
+``attach(path)`` (the driver, once it holds the run directory) opens the file and writes the buffer
+into it. A driver used without ``capture`` (tests, scripts) owns its log and ``close``s it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import os
+import re
+import sys
+from collections.abc import Iterator
+from typing import TextIO
+
+from verl_balance.utils.atomic_io import open_nofollow
+
+__all__ = ["RunLog", "attach", "capture", "console_stream", "write_log_only"]
+
+_active: RunLog | None = None
+_ANSI_COLOR = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class _Tee(io.TextIOBase):
+    """A text stream writing to the console stream and to the run log."""
+
+    def __init__(self, console: TextIO, log: RunLog) -> None:
+        self.console, self._log = console, log
+
+    def write(self, text: str) -> int:
+        written = self.console.write(text)
+        self._log.write(text)
+        return written if written is not None else len(text)
+
+    def flush(self) -> None:
+        self.console.flush()
+        self._log.flush()
+
+    def isatty(self) -> bool:
+        return self.console.isatty()
+
+    def fileno(self) -> int:
+        return self.console.fileno()
+
+    @property
+    def encoding(self) -> str:
+        return getattr(self.console, "encoding", "utf-8")
+
+    def __getattr__(self, name):
+        return getattr(self.console, name)
+
+
+class RunLog:
+    """Tees the console into a buffer, then (after ``open``) into a file. See the module docstring."""
+
+    def __init__(self) -> None:
+        self._sink: io.StringIO | TextIO = io.StringIO()
+        self.path: str | None = None
+        self._saved: tuple[TextIO, TextIO] = (sys.stdout, sys.stderr)
+        self._handlers: list[tuple[logging.StreamHandler, TextIO]] = []
+        self.owned_by_driver = False
+
+    def start(self) -> RunLog:
+        """Install the tees on sys.stdout/sys.stderr and the console logging handlers."""
+        global _active
+        assert _active is None, "a run log is already active"
+        out, err = self._saved = (sys.stdout, sys.stderr)
+        tees = {id(out): _Tee(out, self), id(err): _Tee(err, self)}
+        sys.stdout, sys.stderr = tees[id(out)], tees[id(err)]
+        for handler in _stream_handlers():
+            if id(handler.stream) in tees:
+                self._handlers.append((handler, handler.stream))
+                handler.setStream(tees[id(handler.stream)])
+        _active = self
+        return self
+
+    def open(self, path: str) -> None:
+        """Write the buffered console into ``path`` (appended) and log there from now on (a
+        second run in the same process switches the file)."""
+        if self.path == path:
+            return
+        if self.path is not None:
+            self._sink.close()
+            self._sink = io.StringIO()
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        buffered = self._sink.getvalue()
+        self._sink = open_nofollow(path, "a")  # a link planted at the log's name is refused, naming it
+        self._sink.write(buffered)
+        self._sink.flush()
+        self.path = path
+
+    def write(self, text: str) -> None:
+        if not self._sink.closed:
+            self._sink.write(_ANSI_COLOR.sub("", text))  # Ray colours the workers' prefixes
+
+    def flush(self) -> None:
+        if not self._sink.closed:
+            self._sink.flush()
+
+    def close(self) -> None:
+        """Restore the console streams and handlers and close the file (idempotent)."""
+        global _active
+        if _active is not self:
+            return
+        for handler, stream in self._handlers:
+            handler.setStream(stream)
+        sys.stdout, sys.stderr = self._saved
+        self._sink.close()
+        _active = None
+
+
+def _stream_handlers() -> Iterator[logging.StreamHandler]:
+    loggers = [logging.getLogger()] + [
+        lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)
+    ]
+    for lg in loggers:
+        for handler in lg.handlers:
+            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+                yield handler
+
+
+@contextlib.contextmanager
+def capture() -> Iterator[RunLog]:
+    """Buffer the console from now on; a driver's ``attach`` gives it its file. Closed on exit."""
+    log = RunLog().start()
+    try:
+        yield log
+    finally:
+        log.close()
+
+
+def attach(path: str) -> RunLog:
+    """The active run log, now writing to ``path``; a new one owned by the caller (who closes it)
+    when none is active."""
+    log = _active
+    if log is not None and log.owned_by_driver and log.path not in (None, path):
+        log.close()  # a driver that was never closed: its log ends here
+        log = None
+    if log is None:
+        log = RunLog().start()
+        log.owned_by_driver = True
+    log.open(path)
+    return log
+
+
+def console_stream(stream: TextIO) -> TextIO:
+    """The console behind ``stream`` (a tee's console side): output that must not reach the log."""
+    return stream.console if isinstance(stream, _Tee) else stream
+
+
+def write_log_only(text: str) -> None:
+    """``text`` into the active run log only (what the terminal shows as a bar)."""
+    if _active is not None:
+        _active.write(text)
+        _active.flush()
