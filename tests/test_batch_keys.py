@@ -22,6 +22,7 @@ ALLOWED = {
     ("trainer/grpo_trainer.py", "temperature"): "a key of the rollout's sampling params",
     ("data/synthetic.py", "index"): "the extra_info field of verl's data files",
     ("algorithms/policy_loss.py", "entropy"): "a metric name (actor/entropy)",
+    ("utils/progress.py", "values"): "the label of the critic's values pass on the progress line",
 }
 """(file under verl_balance/, literal) -> why that literal there is another namespace."""
 

@@ -11,6 +11,7 @@ import os
 
 import numpy as np
 
+from verl_balance.batch_keys import INPUT_IDS_KEY, PROMPT_LENGTHS_KEY, RESPONSE_LENGTHS_KEY
 from verl_balance.utils.atomic_io import atomic_write_text
 
 __all__ = ["decode_generations", "dump_generations"]
@@ -22,10 +23,10 @@ def decode_generations(
     batch, tokenizer, *, skip_special_tokens: bool = True, limit: int | None = None
 ) -> tuple[list[str], list[str]]:
     """(prompts, responses) of a rollout batch's rows (the first ``limit`` of them), decoded row by row."""
-    starts, lengths = batch["prompt_lengths"].tolist(), batch["response_lengths"].tolist()
+    starts, lengths = batch[PROMPT_LENGTHS_KEY].tolist(), batch[RESPONSE_LENGTHS_KEY].tolist()
     inputs, outputs = [], []
     for i in range(len(starts) if limit is None else min(limit, len(starts))):
-        row = batch["input_ids"][i].tolist()
+        row = batch[INPUT_IDS_KEY][i].tolist()
         inputs.append(tokenizer.decode(row[: starts[i]], skip_special_tokens=skip_special_tokens))
         outputs.append(
             tokenizer.decode(row[starts[i] : starts[i] + lengths[i]], skip_special_tokens=skip_special_tokens)
