@@ -1,5 +1,5 @@
 """The end-of-run summary a user reads (``DriverBase.format_summary`` with each recipe's title and
-``summary_lines``), pinned as text: SFT's loss and eval loss, GRPO's reward and held-out accuracy,
+``summary_lines``), pinned as text: SFT's loss and eval loss, GRPO/PPO's reward and held-out metric,
 and the common frame (steps and time, metrics file, plot only when there is one)."""
 
 from __future__ import annotations
@@ -23,20 +23,27 @@ def test_sft_summary_names_the_loss_first_to_final_the_eval_loss_and_the_files()
     )
 
 
-def test_grpo_summary_names_the_reward_and_held_out_accuracy_before_and_after():
+def test_grpo_summary_names_the_reward_and_held_out_metric_before_and_after():
     summary = {
         **BASE,
         "first_reward": 0.1,
         "final_reward": 0.9,
-        "initial_val_accuracy": None,
-        "final_val_accuracy": 0.75,
+        "val_key": "val/acc",
+        "initial_val": None,
+        "final_val": 0.75,
         "plot": "/run/curves.png",
     }
     assert grpo_summary(summary) == (
         "\n==== GRPO summary ====\nsteps: 64 in 123.5 s\ntrain reward: first 0.1000 -> final 0.9000\n"
-        "held-out accuracy: before n/a -> after 0.7500\nmetrics: /run/metrics.jsonl\nplot: /run/curves.png"
+        "held-out accuracy (val/acc): before n/a -> after 0.7500\nmetrics: /run/metrics.jsonl\nplot: /run/curves.png"
     )
-    empty = {**BASE, "first_reward": None, "initial_val_accuracy": None, "final_val_accuracy": None}
+    # a reward without ``acc``: the held-out line names the mean reward; a critic run is titled PPO
+    ppo = {**summary, "algorithm": "PPO", "val_key": "val/reward_mean", "initial_val": 0.25, "plot": None}
+    assert grpo_summary(ppo) == (
+        "\n==== PPO summary ====\nsteps: 64 in 123.5 s\ntrain reward: first 0.1000 -> final 0.9000\n"
+        "held-out mean reward (val/reward_mean): before 0.2500 -> after 0.7500\nmetrics: /run/metrics.jsonl"
+    )
+    empty = {**BASE, "first_reward": None, "val_key": "val/reward_mean", "initial_val": None, "final_val": None}
     assert grpo_summary(empty) == "\n==== GRPO summary ====\nsteps: 64 in 123.5 s\nmetrics: /run/metrics.jsonl"
 
 
