@@ -14,6 +14,7 @@ import functools
 import numpy as np
 import pytest
 
+from tests._adam import assert_same_adam_step, record_step, trainable_state
 from tests._verl import VERL_SKIP_REASON
 
 pytest.importorskip("verl", reason=VERL_SKIP_REASON)
@@ -58,22 +59,6 @@ def _numpy(pairs) -> dict:
     return {name: t.detach().cpu().double().numpy() for name, t in pairs}
 
 
-def _full(t):
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
-def _trainable_state(module) -> dict:
-    """{adapter name as in peft's adapter file (no PeftModel prefix, no ``.default``): (param, grad)}."""
-    return {
-        name.replace("base_model.model.", "").replace(".default.", "."): (
-            _full(p).detach().double().numpy().copy(),
-            None if p.grad is None else _full(p.grad).detach().double().numpy().copy(),
-        )
-        for name, p in module.named_parameters()
-        if p.requires_grad
-    }
-
-
 def _lora_engine_run(rank: int, *, model_dir: str, adapter: str, strategy: str) -> dict:
     """One verl sft train step with LoRA, then every weight-sync export and the log-probs with and
     without the adapters (verl's reference policy), on a world of 1."""
@@ -111,14 +96,11 @@ def _lora_engine_run(rank: int, *, model_dir: str, adapter: str, strategy: str) 
     vocab = model_config.hf_config.vocab_size
     trainable = sorted(n for n, p in engine.module.named_parameters() if p.requires_grad)
     optimizer = getattr(engine, "optimizer", None) or engine.engine.optimizer  # verl's, or our TrainEngine's
-    before = {}
-    optimizer.register_step_pre_hook(lambda *_: before.update(_trainable_state(engine.module)))
+    adam_step = record_step(optimizer, engine.module, rename=_adapter_name)
     with engine.train_mode():
         out = engine.train_batch(_tensordict(vocab), loss_function=functools.partial(sft_loss, config=None))
-    group = optimizer.param_groups[0]
     result = {"loss": float(sum(out["loss"])), "grad_norm": out["metrics"]["grad_norm"], "trainable": trainable}
-    result["adam"] = {key: group[key] for key in ("lr", "eps", "weight_decay")}
-    result["before"], result["after"] = before, _trainable_state(engine.module)
+    result["adam_step"] = adam_step | {"after": trainable_state(engine.module, rename=_adapter_name)}
     for key, kwargs in {
         "base": dict(base_sync_done=False),
         "adapters": dict(base_sync_done=True),
@@ -157,32 +139,9 @@ def _assert_same_tensors(ours: dict, reference: dict, **tolerance) -> None:
         np.testing.assert_allclose(value, reference[name], err_msg=name, **tolerance)
 
 
-def _adam_direction(grad: np.ndarray, eps: float) -> np.ndarray:
-    """AdamW's first update per unit of lr: bias-corrected m = g and v = g**2, so g / (|g| + eps)."""
-    return grad / (np.abs(grad) + eps)
-
-
-def _assert_same_adam_step(ours: dict, reference: dict) -> None:
-    """The same start and gradients, and parameters after the one AdamW step that those gradients
-    explain. Not the parameters alone at a fixed rtol: the first Adam step is about lr * sign(g), so an
-    entry whose gradient is rounding-level moves by up to lr on one machine and not on another."""
-    assert ours["adam"] == reference["adam"]
-    lr, eps, decay = (ours["adam"][key] for key in ("lr", "eps", "weight_decay"))
-    assert sorted(ours["before"]) == sorted(reference["before"]) == sorted(ours["after"]) == sorted(reference["after"])
-    for name, (start, grad) in ours["before"].items():
-        ref_start, ref_grad = reference["before"][name]
-        np.testing.assert_array_equal(start, ref_start, err_msg=name)  # one adapter file
-        assert np.abs(ref_grad).max() > 0, name  # every adapter gets a gradient (B != 0)
-        # Gradients to float32 rounding of the tensor's scale (the loss sums over many tokens).
-        np.testing.assert_allclose(grad, ref_grad, rtol=1e-5, atol=1e-6 * np.abs(ref_grad).max(), err_msg=name)
-        for run, g in ((ours, grad), (reference, ref_grad)):  # each engine took AdamW's first step
-            want = start * (1 - lr * decay) - lr * _adam_direction(g, eps)
-            np.testing.assert_allclose(run["after"][name][0], want, rtol=1e-5, atol=lr * 1e-5, err_msg=name)
-        # Ours against verl's, per entry: float32 rounding plus what the gradient difference moves.
-        explained = lr * np.abs(_adam_direction(grad, eps) - _adam_direction(ref_grad, eps))
-        gap = np.abs(ours["after"][name][0] - reference["after"][name][0])
-        bound = explained + 1e-5 * np.abs(reference["after"][name][0]) + lr * 1e-5
-        assert (gap <= bound).all(), (name, float((gap - bound).max()))
+def _adapter_name(name: str) -> str:
+    """An adapter's name as in peft's adapter file, less its ``base_model.model.`` prefix (no ``.default``)."""
+    return name.replace("base_model.model.", "").replace(".default.", ".")
 
 
 @pytest.mark.slow
@@ -195,7 +154,8 @@ def test_lora_train_step_and_weight_sync_equal_verls_fsdp2_engine(model_dir, lor
     # Only the adapters train, in both (ours without peft's PeftModel prefix).
     assert [n.replace("base_model.model.", "") for n in reference["trainable"]] == ours["trainable"]
     assert all(".lora_" in n for n in ours["trainable"])
-    _assert_same_adam_step(ours, reference)
+    # The same start and gradients, and the one AdamW step those gradients explain (tests/_adam.py).
+    assert_same_adam_step(ours["adam_step"], reference["adam_step"])
     # First sync (base_sync_done=False): every base weight, peft's .base_layer names (verl also gives
     # them to the untargeted k_proj / o_proj / gate_proj / up_proj), untouched by training.
     _assert_same_tensors(ours["base"], reference["base"], rtol=0, atol=0)
@@ -204,7 +164,7 @@ def test_lora_train_step_and_weight_sync_equal_verls_fsdp2_engine(model_dir, lor
     # Then the adapters alone, under peft's adapter-file keys: each engine's trained adapters exactly;
     # layered_summon gives the same.
     for run in (ours, reference):
-        trained = {"base_model.model." + name: param for name, (param, _) in run["after"].items()}
+        trained = {"base_model.model." + name: param for name, (param, _) in run["adam_step"]["after"].items()}
         _assert_same_tensors(run["adapters"], trained, rtol=0, atol=0)
         _assert_same_tensors(run["adapters_layered"], trained, rtol=0, atol=0)
     assert "base_model.model.model.layers.0.mlp.down_proj.lora_B.weight" in ours["adapters"]
