@@ -276,9 +276,12 @@ def _check_params(reference, result):
     assert_same_adam_step(result["adam_step"], reference["adam_step"])
     for run in (result, reference):
         trained = {name: param for name, (param, _) in run["adam_step"]["after"].items()}
-        assert sorted(trained) == sorted(run["params"])
+        assert set(trained) <= set(run["params"])
         for name, value in run["params"].items():
-            np.testing.assert_array_equal(value, trained[name], err_msg=name)
+            if name in trained:
+                np.testing.assert_array_equal(value, trained[name], err_msg=name)
+            else:  # a tied weight (lm_head.weight = model.embed_tokens.weight): exported under both names
+                assert any(np.array_equal(value, t) for t in trained.values()), name
 
 
 @pytest.mark.slow

@@ -156,7 +156,7 @@ class _Pool:
             return f"rank {rank} of {self.world} raised:\n{value}", None
         return None, value
 
-    def _failures(self, failure: str, failed: int, results: dict, grace_s: float = 2.0) -> str:
+    def _failures(self, failure: str, failed: int, results: dict, grace_s: float = 10.0) -> str:
         """Every failure in rank order: the other ranks get ``grace_s`` to report theirs, so the rank
         that raised first is named even when its peers' collectives failed after it."""
         failures = {failed: failure}
