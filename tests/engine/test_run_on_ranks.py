@@ -1,11 +1,15 @@
-"""``testing.multiprocess.run_on_ranks``: results in rank order from one gloo group, and a rank
-that raises fails the call with its own error (the early ``os._exit(0)`` is for finished ranks only)."""
+"""``testing.multiprocess.run_on_ranks``: results in rank order from one gloo group; warm ranks
+that start each call from a fresh process's state; a rank that raises, hangs or dies fails the call
+promptly (with its own error) and the next call gets fresh ranks."""
+
+import os
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from verl_balance.testing.multiprocess import run_on_ranks
+from verl_balance.testing.multiprocess import RankFailedError, run_on_ranks
 
 pytestmark = pytest.mark.slow  # spawns processes
 
@@ -29,3 +33,66 @@ def test_results_come_back_in_rank_order_from_one_gloo_group():
 def test_a_rank_that_raises_fails_the_call_with_its_error():
     with pytest.raises(Exception, match="rank 1 failed on purpose"):
         run_on_ranks(_rank_one_raises, world=2, init_group=False)
+
+
+def _pid_and_state(rank):
+    """The process, and what it starts from: torch's first random draw, the caller's env and cwd."""
+    return os.getpid(), float(torch.rand(1)), os.environ.get("RUN_ON_RANKS_PROBE"), os.getcwd()
+
+
+def _rank_zero_raises_while_rank_one_waits_in_a_collective(rank):
+    if rank == 0:
+        raise ValueError("rank 0 failed before the all_reduce")
+    dist.all_reduce(torch.ones(1))  # never completes: rank 0 is gone
+    return rank
+
+
+def _rank_one_hangs(rank):
+    if rank == 1:
+        time.sleep(3600)
+    return rank
+
+
+def _rank_one_dies(rank):
+    if rank == 1:
+        os._exit(7)
+    return rank
+
+
+def test_the_ranks_are_warm_and_each_call_starts_from_a_fresh_process_state(tmp_path, monkeypatch):
+    first = run_on_ranks(_pid_and_state, world=2)
+    monkeypatch.setenv("RUN_ON_RANKS_PROBE", "second call")
+    monkeypatch.chdir(tmp_path)
+    second = run_on_ranks(_pid_and_state, world=2)
+    assert [r[0] for r in second] == [r[0] for r in first]  # the same processes: no start-up
+    assert len({r[0] for r in first} | {os.getpid()}) == 3
+    # torch's random state as the process started with it (a fresh process seeds it at random), every call
+    assert [r[1] for r in first] == [r[1] for r in second]
+    fresh = run_on_ranks(_pid_and_state, world=2, fresh=True)
+    assert not {r[0] for r in fresh} & {r[0] for r in first}
+    assert [r[2:] for r in second] == [("second call", str(tmp_path))] * 2
+    assert [r[2] for r in first] == [None, None]
+
+
+@pytest.mark.parametrize(
+    ("fn", "timeout_s", "message"),
+    [
+        (
+            _rank_zero_raises_while_rank_one_waits_in_a_collective,
+            120,
+            "(?s)^rank 0 of 2 raised:.*before the all_reduce",
+        ),
+        (_rank_one_hangs, 5, r"rank\(s\) \[(0, )?1\] of 2 did not answer within 5 s"),
+        (_rank_one_dies, 120, r"rank 1 of 2 died \(exit code 7\)"),
+    ],
+    ids=["raises", "hangs", "dies"],
+)
+def test_a_failed_rank_fails_the_call_promptly_and_the_next_call_gets_fresh_ranks(fn, timeout_s, message):
+    pids = [r[0] for r in run_on_ranks(_pid_and_state, world=2)]
+    start = time.monotonic()
+    with pytest.raises(RankFailedError, match=message):
+        run_on_ranks(fn, world=2, timeout_s=timeout_s)
+    assert time.monotonic() - start < 60  # nobody waited for gloo's 30-minute collective timeout
+    again = run_on_ranks(_rank_world_and_sum, world=2)
+    assert again == [(0, 2, 3.0), (1, 2, 3.0)]
+    assert not set(pids) & {r[0] for r in run_on_ranks(_pid_and_state, world=2)}  # the failed pool was replaced

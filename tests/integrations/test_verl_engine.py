@@ -10,6 +10,7 @@ import os
 import numpy as np
 import pytest
 
+from tests._adam import assert_same_adam_step, record_step, trainable_state
 from tests._verl import VERL_SKIP_REASON
 
 pytest.importorskip("verl", reason=VERL_SKIP_REASON)
@@ -167,6 +168,8 @@ def _train_one_step(
         return built
 
     engine = new_engine()
+    # The weights before and after the first AdamW step, and the gradients it took (tests/_adam.py).
+    adam_step = record_step(getattr(engine, "optimizer", None) or engine.engine.optimizer, engine.module)
     if corrupt_backward_scale:
         # Negative control: drop the G / dp factor (the SP-scaled gradient bug).
         engine._backward_scale = lambda: 1.0
@@ -218,7 +221,7 @@ def _train_one_step(
         )
     log_probs = [t.detach().numpy() for t in infer["model_output"]["log_probs"].unbind()]
     params = {name: t.detach().cpu().double().numpy() for name, t in engine.get_per_tensor_param()[0]}
-    result = {"params": params}
+    result = {"params": params, "adam_step": adam_step | {"after": trainable_state(engine.module)}}
     if checkpoint_dir is not None:
         # Round trip: a fresh engine loaded from the checkpoint takes the same second step.
         engine.save_checkpoint(checkpoint_dir, global_step=1)
@@ -265,12 +268,20 @@ def _check_log_probs(reference, results, sp: int):
             np.testing.assert_allclose(got[:-1], want[:-1], rtol=1e-4, atol=1e-5)
 
 
-def _check_params(reference, params):
-    assert sorted(params) == sorted(reference["params"])  # the HF names verl's rollout sync expects
-    for name, value in params.items():
-        # Adam's first update is about lr * sign(g): an entry whose gradient is ~0 may move by a fraction of
-        # lr (1e-3) on rounding alone; the gradient itself is compared through grad_norm (rtol 1e-5).
-        np.testing.assert_allclose(value, reference["params"][name], rtol=1e-5, atol=5e-5, err_msg=name)
+def _check_params(reference, result):
+    """The same first AdamW step as verl's engine (the same start and gradients, the step they explain:
+    tests/_adam.py), and the weight sync exports the trained weights under the HF names verl's rollout
+    sync expects."""
+    assert sorted(result["params"]) == sorted(reference["params"])
+    assert_same_adam_step(result["adam_step"], reference["adam_step"])
+    for run in (result, reference):
+        trained = {name: param for name, (param, _) in run["adam_step"]["after"].items()}
+        assert set(trained) <= set(run["params"])
+        for name, value in run["params"].items():
+            if name in trained:
+                np.testing.assert_array_equal(value, trained[name], err_msg=name)
+            else:  # a tied weight (lm_head.weight = model.embed_tokens.weight): exported under both names
+                assert any(np.array_equal(value, t) for t in trained.values()), name
 
 
 @pytest.mark.slow
@@ -283,7 +294,7 @@ def test_dp2_loss_grad_norm_log_probs_and_weights_equal_verls_fsdp2_engine_at_dp
         assert r["loss"] == pytest.approx(reference["loss"], rel=1e-5)
         assert r["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
         _check_balance_metrics(r["metrics"])
-        _check_params(reference, r["params"])
+        _check_params(reference, r)
         (loss_kept, params_kept), (loss_restored, params_restored) = r["second_step"]
         assert loss_restored == pytest.approx(loss_kept, rel=1e-6)
         for name, value in params_kept.items():
@@ -302,7 +313,7 @@ def test_dp2_sp2_loss_grad_norm_and_log_probs_equal_verls_fsdp2_engine_at_dp1(mo
         assert r["loss"] == pytest.approx(reference["loss"], rel=1e-5)
         if r["grad_norm"] is not None:
             assert r["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
-    _check_params(reference, results[0]["params"])
+    _check_params(reference, results[0])
     _check_log_probs(reference, results, sp=2)
 
 
@@ -314,7 +325,7 @@ def test_sp2_loss_and_grad_norm_equal_verls_fsdp2_engine_at_dp1_with_negative_co
     for r in results:
         assert r["loss"] == pytest.approx(reference["loss"], rel=1e-5)
     assert results[0]["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-5)
-    _check_params(reference, results[0]["params"])
+    _check_params(reference, results[0])
     _check_log_probs(reference, results, sp=2)
     # Without the G / dp backward factor the SP gradient is off by sp (the loss is not).
     broken = _ours(model_dir, world=2, sp=2, corrupt_backward_scale=True)

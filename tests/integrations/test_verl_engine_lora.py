@@ -14,6 +14,7 @@ import functools
 import numpy as np
 import pytest
 
+from tests._adam import assert_same_adam_step, record_step, trainable_state
 from tests._verl import VERL_SKIP_REASON
 
 pytest.importorskip("verl", reason=VERL_SKIP_REASON)
@@ -94,9 +95,12 @@ def _lora_engine_run(rank: int, *, model_dir: str, adapter: str, strategy: str) 
     engine.initialize()
     vocab = model_config.hf_config.vocab_size
     trainable = sorted(n for n, p in engine.module.named_parameters() if p.requires_grad)
+    optimizer = getattr(engine, "optimizer", None) or engine.engine.optimizer  # verl's, or our TrainEngine's
+    adam_step = record_step(optimizer, engine.module, rename=_adapter_name)
     with engine.train_mode():
         out = engine.train_batch(_tensordict(vocab), loss_function=functools.partial(sft_loss, config=None))
     result = {"loss": float(sum(out["loss"])), "grad_norm": out["metrics"]["grad_norm"], "trainable": trainable}
+    result["adam_step"] = adam_step | {"after": trainable_state(engine.module, rename=_adapter_name)}
     for key, kwargs in {
         "base": dict(base_sync_done=False),
         "adapters": dict(base_sync_done=True),
@@ -135,6 +139,11 @@ def _assert_same_tensors(ours: dict, reference: dict, **tolerance) -> None:
         np.testing.assert_allclose(value, reference[name], err_msg=name, **tolerance)
 
 
+def _adapter_name(name: str) -> str:
+    """An adapter's name as in peft's adapter file, less its ``base_model.model.`` prefix (no ``.default``)."""
+    return name.replace("base_model.model.", "").replace(".default.", ".")
+
+
 @pytest.mark.slow
 def test_lora_train_step_and_weight_sync_equal_verls_fsdp2_engine(model_dir, lora_adapter_dir):
     runs = _runs(model_dir, lora_adapter_dir)
@@ -145,16 +154,19 @@ def test_lora_train_step_and_weight_sync_equal_verls_fsdp2_engine(model_dir, lor
     # Only the adapters train, in both (ours without peft's PeftModel prefix).
     assert [n.replace("base_model.model.", "") for n in reference["trainable"]] == ours["trainable"]
     assert all(".lora_" in n for n in ours["trainable"])
-    # Adam moves each adapter entry by about lr (1e-2) on step one: 1e-5 of that is rounding.
-    updated = dict(rtol=1e-5, atol=1e-6)
+    # The same start and gradients, and the one AdamW step those gradients explain (tests/_adam.py).
+    assert_same_adam_step(ours["adam_step"], reference["adam_step"])
     # First sync (base_sync_done=False): every base weight, peft's .base_layer names (verl also gives
     # them to the untargeted k_proj / o_proj / gate_proj / up_proj), untouched by training.
     _assert_same_tensors(ours["base"], reference["base"], rtol=0, atol=0)
     assert "model.layers.0.self_attn.q_proj.base_layer.weight" in ours["base"]
     assert not any("lora_" in n for n in ours["base"])
-    # Then the adapters alone, under peft's adapter-file keys; layered_summon gives the same.
-    _assert_same_tensors(ours["adapters"], reference["adapters"], **updated)
-    _assert_same_tensors(ours["adapters_layered"], reference["adapters"], **updated)
+    # Then the adapters alone, under peft's adapter-file keys: each engine's trained adapters exactly;
+    # layered_summon gives the same.
+    for run in (ours, reference):
+        trained = {"base_model.model." + name: param for name, (param, _) in run["adam_step"]["after"].items()}
+        _assert_same_tensors(run["adapters"], trained, rtol=0, atol=0)
+        _assert_same_tensors(run["adapters_layered"], trained, rtol=0, atol=0)
     assert "base_model.model.model.layers.0.mlp.down_proj.lora_B.weight" in ours["adapters"]
     assert len(ours["adapters"]) == 2 * len(LORA_TARGETS) * 2  # 2 layers of the tiny model
     for key in ("base_peft", "adapters_peft", "adapters_layered_peft"):

@@ -33,39 +33,34 @@ AUTOPATCH = "verl_balance.integrations.verl.autopatch"
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+# What docs/verl.md tells users to export (verl imports it inside `import verl` in every process),
+# set on this module's actors and tasks only: the session's one Ray cluster (tests/conftest.py) serves them.
+PATCHED_RUNTIME_ENV = {
+    "env_vars": {
+        "PYTHONPATH": os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p),
+        "OMP_NUM_THREADS": "1",
+        "VERL_BALANCE_NUM_THREADS": "1",
+        "VERL_USE_EXTERNAL_MODULES": AUTOPATCH,
+    }
+}
+
+
 @pytest.fixture(scope="module")
-def worker_group():
-    started_here = not ray.is_initialized()
-    if started_here:
-        python_path = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
-        ray.init(
-            num_cpus=NUM_WORKERS,
-            include_dashboard=False,
-            runtime_env={
-                "env_vars": {
-                    "PYTHONPATH": python_path,
-                    "OMP_NUM_THREADS": "1",
-                    "VERL_BALANCE_NUM_THREADS": "1",
-                    # what docs/verl.md tells users to export: verl imports it
-                    # inside `import verl` in every process
-                    "VERL_USE_EXTERNAL_MODULES": AUTOPATCH,
-                }
-            },
-        )
+def worker_group(ray_cluster):
     config = ActorWorkerConfig(
         model=ModelConfig.preset("tiny"), engine=EngineConfig(optim=OptimConfig(lr=1e-2), seed=0)
     )
     # max_colocate_count=1: one CPU per bundle (verl's default reserves 10 CPUs per worker).
     pool = RayResourcePool([NUM_WORKERS], use_gpu=False, max_colocate_count=1)
     cls = RayClassWithInitArgs(cls=ray.remote(integration.VerlActorWorker), config=config, micro_batch_size_per_gpu=2)
+    cls.update_options({"runtime_env": PATCHED_RUNTIME_ENV})
     group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=cls, device_name="cpu")
     group.init_model()
-    group.started_ray_here = started_here
     yield group
     for handle in group.workers:
         ray.kill(handle)
-    if started_here:
-        ray.shutdown()
+    for placement_group in pool.get_placement_groups():
+        ray.util.remove_placement_group(placement_group)
 
 
 def _sft_batch(num_rows=8, width=24, seed=0) -> DataProto:
@@ -89,10 +84,7 @@ def test_trainer_reads_dp_size_from_the_actor_mesh(worker_group):
 
 
 def test_external_modules_env_patches_verl_in_every_ray_worker(worker_group):
-    if not worker_group.started_ray_here:
-        pytest.skip("Ray was started elsewhere without VERL_USE_EXTERNAL_MODULES")
-
-    @ray.remote(num_cpus=0)
+    @ray.remote(num_cpus=0, runtime_env=PATCHED_RUNTIME_ENV)
     def patched_names():
         import verl.trainer.ppo.ray_trainer as ray_trainer
         import verl.workers.engine.utils as engine_utils

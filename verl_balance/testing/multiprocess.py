@@ -1,27 +1,48 @@
-"""Run a function on N spawned processes that form a gloo process group; collect the results.
+"""Run a function on N processes that form a gloo process group; collect the results.
 
-One helper for every multi-process test: ``run_on_ranks(fn, world=N)`` spawns N processes once,
-each joins a fresh gloo group (CPU, one torch thread), runs ``fn(rank)`` and pickles its result;
-the caller gets ``[result of rank 0, ..., result of rank N-1]``. A process that raises fails the
-spawn (its traceback is re-raised here); one that returns leaves with ``os._exit(0)`` once its result
-is on disk, skipping the interpreter teardown that can abort in torch's C++ threads. Callers that
-need several groups of different sizes in one spawn (the parity harness) pass ``init_group=False``
-and open each group with ``gloo_group``.
+One helper for every multi-process test: ``run_on_ranks(fn, world=N)`` runs ``fn(rank)`` on N
+processes, each inside a fresh gloo group (CPU, one torch thread), and returns
+``[result of rank 0, ..., result of rank N-1]``. Callers that need several groups of different sizes
+in one call (the parity harness) pass ``init_group=False`` and open each group with ``gloo_group``.
+
+Process start-up (an interpreter, torch, then transformers or verl) costs seconds per rank, so the
+processes are a warm pool: per world size, N long-lived spawned processes that receive each call's
+pickled function (with the caller's environment, working directory and ``sys.path``) and send back
+the pickled result. Each call starts from what a fresh process would see where it matters: torch's
+initial seed, default dtype, grad mode and one thread. A rank that raises fails the call with its
+traceback; a rank that dies, or that does not answer within ``timeout_s``, fails it naming the rank.
+After any failure (or an interrupt of the caller) the pool of that world size is killed, so no rank
+is left waiting in a collective, and the next call starts a fresh one. ``fresh=True`` runs on new
+processes that leave afterwards, for a function that must see a process nobody used before.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import multiprocessing
+import multiprocessing.connection
 import os
 import pickle
 import socket
 import sys
-import tempfile
+import time
+import traceback
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+# A call that takes longer fails naming the ranks that did not answer (env: VERL_BALANCE_RANKS_TIMEOUT_S).
+DEFAULT_TIMEOUT_S = float(os.environ.get("VERL_BALANCE_RANKS_TIMEOUT_S", "600"))
+# Idle warm processes kept over all world sizes; the least recently used pools are shut down first.
+MAX_WARM_PROCESSES = 8
+
+
+class RankFailedError(RuntimeError):
+    """A rank of ``run_on_ranks`` raised, died or did not answer in time."""
 
 
 def free_port() -> int:
@@ -41,33 +62,171 @@ def gloo_group(*, rank: int, world_size: int, port: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
-def _entry(rank: int, world: int, port: int, fn: Callable, out_dir: str, init_group: bool) -> None:
+@dataclass(frozen=True)
+class _Task:
+    fn: bytes  # pickled apart: unpickled after sys.path and the working directory are the caller's
+    port: int
+    init_group: bool
+    environ: dict
+    cwd: str
+    sys_path: list
+
+
+def _run_task(rank: int, world: int, task: _Task, initial_seed: int):
+    """``task.fn(rank)`` with the caller's environment and a fresh process's torch defaults."""
+    os.environ.clear()
+    os.environ.update(task.environ)
+    os.chdir(task.cwd)
+    sys.path[:] = task.sys_path
     torch.set_num_threads(1)
-    if init_group:
-        with gloo_group(rank=rank, world_size=world, port=port):
-            result = fn(rank)
-    else:
-        result = fn(rank)
-    with open(os.path.join(out_dir, f"{rank}.pkl"), "wb") as f:
-        pickle.dump(result, f)
+    torch.manual_seed(initial_seed)
+    torch.set_default_dtype(torch.float32)
+    torch.set_grad_enabled(True)
+    fn = pickle.loads(task.fn)
+    if not task.init_group:
+        return fn(rank)
+    with gloo_group(rank=rank, world_size=world, port=task.port):
+        return fn(rank)
+
+
+def _serve(rank: int, world: int, conn: multiprocessing.connection.Connection) -> None:
+    """A pool process: run tasks until the pipe closes; after a failure report it and leave."""
+    initial_seed = torch.initial_seed()
+    while True:
+        try:
+            payload = conn.recv_bytes()
+        except (EOFError, OSError):
+            break
+        try:
+            reply = pickle.dumps(("ok", _run_task(rank, world, pickle.loads(payload), initial_seed)))
+        except BaseException:
+            conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
+            break
+        conn.send_bytes(reply)
     # Leave without interpreter teardown: torch's C++ threads (gloo / TCPStore) can abort the process
-    # at exit ("terminate called without an active exception", SIGABRT) after the result is written,
-    # failing a finished run at random (3 of 12 runs of tests/engine/test_temperature.py here).
+    # at exit ("terminate called without an active exception", SIGABRT) after the result is sent.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
 
 
-def run_on_ranks(fn: Callable[[int], object], *, world: int, init_group: bool = True) -> list:
-    """fn(rank) on ``world`` spawned processes; returns [result of rank 0, ...].
+class _Pool:
+    """``world`` spawned processes, one pipe each."""
+
+    def __init__(self, world: int):
+        ctx = multiprocessing.get_context("spawn")
+        self.world = world
+        self.conns, self.procs = [], []
+        for rank in range(world):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(rank, world, child), name=f"run_on_ranks-{world}-{rank}")
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+
+    def run(self, task: _Task, timeout_s: float | None) -> list:
+        payload = pickle.dumps(task)
+        for conn in self.conns:
+            conn.send_bytes(payload)
+        results: dict[int, object] = {}
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while len(results) < self.world:
+            pending = [r for r in range(self.world) if r not in results]
+            waits = [self.conns[r] for r in pending] + [self.procs[r].sentinel for r in pending]
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = multiprocessing.connection.wait(waits, timeout=remaining)
+            if not ready:
+                raise RankFailedError(f"rank(s) {pending} of {self.world} did not answer within {timeout_s} s")
+            for rank in pending:
+                if self.conns[rank] in ready or self.procs[rank].sentinel in ready:
+                    failure, results[rank] = self._receive(rank)
+                    if failure:
+                        raise RankFailedError(self._failures(failure, rank, results))
+        return [results[rank] for rank in range(self.world)]
+
+    def _receive(self, rank: int) -> tuple[str | None, object]:
+        """(None, result) or (what went wrong, None) for a rank whose pipe or process is ready."""
+        try:
+            status, value = pickle.loads(self.conns[rank].recv_bytes())
+        except (EOFError, OSError):
+            self.procs[rank].join(timeout=5)
+            return f"rank {rank} of {self.world} died (exit code {self.procs[rank].exitcode}) before returning", None
+        if status == "error":
+            return f"rank {rank} of {self.world} raised:\n{value}", None
+        return None, value
+
+    def _failures(self, failure: str, failed: int, results: dict, grace_s: float = 10.0) -> str:
+        """Every failure in rank order: the other ranks get ``grace_s`` to report theirs, so the rank
+        that raised first is named even when its peers' collectives failed after it."""
+        failures = {failed: failure}
+        deadline = time.monotonic() + grace_s
+        for rank in range(self.world):
+            if rank in results or rank == failed:
+                continue
+            if multiprocessing.connection.wait([self.conns[rank]], timeout=max(0.0, deadline - time.monotonic())):
+                failure, _ = self._receive(rank)
+                if failure:
+                    failures[rank] = failure
+        return "\n".join(failures[rank] for rank in sorted(failures))
+
+    def close(self, *, kill: bool) -> None:
+        for conn in self.conns:
+            conn.close()  # an idle process reads EOF and leaves
+        for proc in self.procs:
+            if kill:
+                proc.kill()
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+_POOLS: OrderedDict[int, _Pool] = OrderedDict()
+
+
+def _warm_pool(world: int) -> _Pool:
+    pool = _POOLS.pop(world, None)
+    if pool is None or not all(p.is_alive() for p in pool.procs):
+        if pool is not None:
+            pool.close(kill=True)
+        while _POOLS and sum(p.world for p in _POOLS.values()) + world > MAX_WARM_PROCESSES:
+            _POOLS.popitem(last=False)[1].close(kill=False)
+        pool = _Pool(world)
+    _POOLS[world] = pool  # most recently used last
+    return pool
+
+
+@atexit.register
+def shutdown_pools() -> None:
+    """Stop every warm process (also at interpreter exit)."""
+    while _POOLS:
+        _POOLS.popitem()[1].close(kill=False)
+
+
+def run_on_ranks(
+    fn: Callable[[int], object],
+    *,
+    world: int,
+    init_group: bool = True,
+    timeout_s: float | None = DEFAULT_TIMEOUT_S,
+    fresh: bool = False,
+) -> list:
+    """fn(rank) on ``world`` processes; returns [result of rank 0, ...].
 
     fn must be picklable (a module-level function or a functools.partial of one) and so must its
     result. With init_group (default) every process is inside one gloo group of ``world`` ranks.
+    Raises RankFailedError when a rank raises, dies or has not answered after ``timeout_s``.
     """
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_entry, args=(world, free_port(), fn, out_dir, init_group), nprocs=world, join=True)
-        results = []
-        for rank in range(world):
-            with open(os.path.join(out_dir, f"{rank}.pkl"), "rb") as f:
-                results.append(pickle.load(f))
+    task = _Task(pickle.dumps(fn), free_port(), init_group, dict(os.environ), os.getcwd(), list(sys.path))
+    pool = _Pool(world) if fresh else _warm_pool(world)
+    try:
+        results = pool.run(task, timeout_s)
+    except BaseException:
+        if not fresh:
+            _POOLS.pop(world, None)
+        pool.close(kill=True)
+        raise
+    if fresh:
+        pool.close(kill=False)
     return results
