@@ -40,6 +40,26 @@ def _pid_and_state(rank):
     return os.getpid(), float(torch.rand(1)), os.environ.get("RUN_ON_RANKS_PROBE"), os.getcwd()
 
 
+def _patch_a_library_global(rank):
+    """What a negative control does in a rank (tests/engine/test_materialize.py): rebind a module's
+    function for this call only; a warm rank must not carry it into the next call."""
+    import json
+
+    from verl_balance.engine import materialize
+
+    materialize.copy_local_rows = lambda *a, **k: None
+    json.dumps = None
+    return rank
+
+
+def _library_globals(rank):
+    import json
+
+    from verl_balance.engine import materialize
+
+    return materialize.copy_local_rows.__name__, json.dumps.__name__
+
+
 def _rank_zero_raises_while_rank_one_waits_in_a_collective(rank):
     if rank == 0:
         raise ValueError("rank 0 failed before the all_reduce")
@@ -72,6 +92,12 @@ def test_the_ranks_are_warm_and_each_call_starts_from_a_fresh_process_state(tmp_
     assert not {r[0] for r in fresh} & {r[0] for r in first}
     assert [r[2:] for r in second] == [("second call", str(tmp_path))] * 2
     assert [r[2] for r in first] == [None, None]
+
+
+def test_a_module_global_rebound_in_one_call_is_restored_for_the_next():
+    assert run_on_ranks(_library_globals, world=2) == [("copy_local_rows", "dumps")] * 2
+    run_on_ranks(_patch_a_library_global, world=2)
+    assert run_on_ranks(_library_globals, world=2) == [("copy_local_rows", "dumps")] * 2
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,8 @@ Process start-up (an interpreter, torch, then transformers or verl) costs second
 processes are a warm pool: per world size, N long-lived spawned processes that receive each call's
 pickled function (with the caller's environment, working directory and ``sys.path``) and send back
 the pickled result. Each call starts from what a fresh process would see where it matters: torch's
-initial seed, default dtype, grad mode and one thread. A rank that raises fails the call with its
+initial seed, default dtype, grad mode and one thread, and module globals that a call rebound (a test's
+``module.function = stub``) are restored after it. A rank that raises fails the call with its
 traceback; a rank that dies, or that does not answer within ``timeout_s``, fails it naming the rank.
 After any failure (or an interrupt of the caller) the pool of that world size is killed, so no rank
 is left waiting in a collective, and the next call starts a fresh one. ``fresh=True`` runs on new
@@ -89,6 +90,23 @@ def _run_task(rank: int, world: int, task: _Task, initial_seed: int):
         return fn(rank)
 
 
+def _module_globals() -> list[tuple[dict, dict]]:
+    """(live namespace, copy) of every imported module: what a task may rebind."""
+    return [(vars(m), dict(vars(m))) for m in list(sys.modules.values()) if m is not None]
+
+
+def _restore_module_globals(saved: list[tuple[dict, dict]]) -> None:
+    """Undo a task's rebinding of module globals (a test's ``module.function = stub`` meant for a process
+    that would leave afterwards); names a task added (submodules, lazy attributes) stay."""
+    for live, before in saved:
+        for key, value in before.items():
+            if live.get(key, _MISSING) is not value:
+                live[key] = value
+
+
+_MISSING = object()
+
+
 def _serve(rank: int, world: int, conn: multiprocessing.connection.Connection) -> None:
     """A pool process: run tasks until the pipe closes; after a failure report it and leave."""
     initial_seed = torch.initial_seed()
@@ -97,11 +115,13 @@ def _serve(rank: int, world: int, conn: multiprocessing.connection.Connection) -
             payload = conn.recv_bytes()
         except (EOFError, OSError):
             break
+        saved = _module_globals()
         try:
             reply = pickle.dumps(("ok", _run_task(rank, world, pickle.loads(payload), initial_seed)))
         except BaseException:
             conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
             break
+        _restore_module_globals(saved)
         conn.send_bytes(reply)
     # Leave without interpreter teardown: torch's C++ threads (gloo / TCPStore) can abort the process
     # at exit ("terminate called without an active exception", SIGABRT) after the result is sent.
