@@ -254,8 +254,9 @@ def test_the_cli_refuses_a_directory_another_live_process_holds_at_once_naming_i
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
-    assert proc.returncode != 0
-    assert "RunDirectoryBusyError" in proc.stderr and f"pid {holder.pid} on host" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 2, proc.stderr[-2000:]  # a user error: one line, exit code 2, no traceback
+    assert "is in use by another live run" in proc.stderr and f"pid {holder.pid} on host" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert sorted(os.listdir(root)) == [LOCK_FILE], "the refused run wrote nothing there (no log, data, lineage)"
 
 
