@@ -29,6 +29,7 @@ The parity negative controls (deliberately wrong normalizers) live in
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -51,7 +52,9 @@ class LossConfigError(ValueError):
 def check_agg_mode(agg_mode: str, *, valid: tuple[str, ...] = AGG_MODES) -> None:
     """Raise LossConfigError unless agg_mode is one of ``valid`` (AGG_MODES)."""
     if agg_mode not in valid:
-        raise LossConfigError(f"loss_agg_mode={agg_mode!r}; valid: {valid}")
+        near = difflib.get_close_matches(str(agg_mode), valid, n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise LossConfigError(f"loss_agg_mode={agg_mode!r} is not valid{hint}; valid: {valid}")
 
 
 class LossFn(Protocol):
