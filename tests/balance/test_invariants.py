@@ -12,7 +12,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from verl_balance.balance import plan_balance
@@ -99,6 +99,7 @@ def test_polish_sync_cost_keeps_counts_and_cap_and_never_raises_the_sum_of_slot_
     np.testing.assert_array_equal(np.sort(cells[cells >= 0]), np.arange(len(costs)))
     if moves:  # an item may move to another slot's cell of the same part: part counts stay
         np.testing.assert_array_equal(_counts(cells).sum(axis=0), part_counts)
+        assert (_counts(cells)[counts > 0] > 0).all(), "a move emptied a cell"
     else:
         np.testing.assert_array_equal(_counts(cells), counts)
     assert cell_loads(cells, costs).max(axis=1).sum() <= before + 1e-9
@@ -139,6 +140,21 @@ def _unit_counts(plan, kw) -> tuple[list[int], int]:
 
 @SETTINGS
 @given(balanced_cases())
+# The polish of the two-stage layout moved a rank's only sample out of a micro-batch, emptying it.
+@example(
+    dict(
+        seq_lens=np.array([0, 0, 149, 0, 0, 15, 0, 0, 144, 4, 0, 115, 79, 0, 173, 0, 0, 109, 56, 14, 40, 0, 0, 225]),
+        dp_size=5,
+        workload=None,
+        equal_size=False,
+        group_ids=np.repeat(np.arange(8), 3),
+        group_scope="micro_batch",
+        max_token_len_per_gpu=252,
+    )
+)
+@example(
+    dict(seq_lens=np.array([1, 1, 2, 2, 2, 4]), dp_size=3, workload=None, equal_size=True, max_token_len_per_gpu=4)
+)
 def test_balanced_plan_has_an_empty_micro_batch_only_when_unavoidable(kw):
     plan = plan_balance(**kw)
     counts, num_units = _unit_counts(plan, kw)

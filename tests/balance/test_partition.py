@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from verl_balance.balance import balanced_partition, plan_balance
-from verl_balance.balance.partition import descending_order
+from verl_balance.balance.partition import descending_order, greedy_count_split
 
 # Stated quality factors, checked below against exhaustive search:
 DP_FACTOR = 4 / 3  # max part / optimal max part, equal or free counts (the classic LPT factor)
@@ -47,6 +47,26 @@ def test_partition_assigns_every_item_once_with_equal_counts(costs, k, equal_siz
     if equal_size:
         sizes = [len(p) for p in parts]
         assert max(sizes) - min(sizes) <= 1
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.integers(0, 1000), min_size=1, max_size=300), st.integers(1, 40), st.booleans())
+def test_greedy_count_split_assigns_every_item_once_within_the_count_room(sizes, k, equal_size):
+    parts = greedy_count_split(np.array(sizes), k, equal_size=equal_size)
+    assert len(parts) == k
+    np.testing.assert_array_equal(np.sort(np.concatenate(parts)), np.arange(len(sizes)))
+    counts = [len(p) for p in parts]
+    assert max(counts) <= -(-len(sizes) // k)
+    if equal_size:
+        assert max(counts) - min(counts) <= 1
+
+
+def test_greedy_count_split_is_longest_first_to_the_lightest_part_with_room():
+    # 6, 6 -> parts 0, 1; 5 -> 0 (tie: the lower part); 5 -> 1; 4 -> 0 (tie at 11); 4 -> 1.
+    parts = greedy_count_split(np.array([6, 6, 5, 5, 4, 4]), 2)
+    assert [p.tolist() for p in parts] == [[0, 2, 4], [1, 3, 5]]
+    # Count room (2 each): 10 takes part 0, two 1s fill part 1, the last 1 goes to part 0.
+    assert [p.tolist() for p in greedy_count_split(np.array([10, 1, 1, 1]), 2)] == [[0, 3], [1, 2]]
 
 
 def _brute_force_sync_cost(costs, dp, mbs):

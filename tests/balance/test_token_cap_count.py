@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from verl_balance.balance import FlopsWorkload, plan_balance
@@ -105,6 +105,8 @@ def test_samples_at_the_cap_each_get_a_micro_batch_without_extra_slots():
     seed=st.integers(0, 2**16),
     flops=st.booleans(),
 )
+# A refined cost split left one rank 7 micro-batches where the reference's split packs into 6.
+@example(dp_size=2, sp_size=1, rows_per_rank=9, sigma=0.875, cap_per_gpu=1024, seed=441, flops=False)
 def test_micro_batch_count_never_above_two_stage_reference(
     dp_size, sp_size, rows_per_rank, sigma, cap_per_gpu, seed, flops
 ):

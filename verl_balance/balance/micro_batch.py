@@ -21,9 +21,10 @@ with heavy-tailed lengths it can need far more slots than a packing (14 vs 8 at 
 ``balanced_token_cap_layout`` therefore tries the row layout at the bound
 B = ceil(total_tokens / (dp * C)) only; if that does not fit, it builds the two-stage layout
 (``pack_ranks_under_cap``: cost-balanced DP split, then each rank packed into the shared count K,
-at most first-fit-decreasing's count, with a token-balanced DP split as a second candidate when
-K > B), balances cost inside each rank under the cap toward the common slot profile, and polishes
-the sum of slot maxima; the row layout is then tried again between B + 1 and K and wins only
+at most first-fit-decreasing's count; while K > B, a token-balanced DP split and then the
+unrefined longest-first split ``partition.greedy_count_split`` are candidates too, kept only
+with fewer slots), balances cost inside each rank under the cap toward the common slot profile,
+and polishes the sum of slot maxima; the row layout is then tried again between B + 1 and K and wins only
 with fewer slots, or with the same count and a lower synchronised cost.
 
 When groups only have to share a rank (``balanced_per_rank_micro_batches``), groups are first
@@ -37,7 +38,8 @@ Invariants:
 - token cap C = max_token_len_per_gpu * sp (a micro-batch of T tokens is padded to ceil(T/sp)*sp
   and each SP rank holds ceil(T/sp), so ceil(T/sp) <= cap <=> T <= C): no cell exceeds C; the
   slot count is at least the bound B and at most the count of first-fit-decreasing on every
-  rank of the cost-balanced DP split (which always fits, as every unit <= C);
+  rank of the cost-balanced DP split (which always fits, as every unit <= C), and of the
+  longest-first split ``greedy_count_split``; the polish never empties a micro-batch;
 - token cap with a fixed cost c0 per micro-batch (a calibrated workload): the slot count is the
   fewest found or up to ``max_extra_slots`` more, whichever has the lowest paid cost
   K * c0 + sum_j max_d cost (``trade_slots_for_balance``), so the paid cost is never above the
@@ -58,6 +60,7 @@ from verl_balance.balance.partition import (
     balanced_partition,
     cell_loads,
     fill_cells,
+    greedy_count_split,
     polish_sync_cost,
     refine_cells,
     sort_into_rows,
@@ -206,8 +209,8 @@ def _fewest_slots_layout(
 
 def _two_stage_layout(costs, tokens, dp_size, token_cap, equal_size, rel_tol, max_passes, lower) -> np.ndarray:
     """Ranks first (a cost-balanced partition), then each rank packed under the cap; when that
-    needs more than ``lower`` slots, a token-balanced rank split is tried too and kept if it
-    needs fewer."""
+    needs more than ``lower`` slots, the other rank splits (``_count_first_splits``) are tried in
+    turn and one is kept only if it needs fewer."""
     refine = rel_tol < np.inf
     rank_items = (
         [np.arange(len(costs), dtype=np.int64)]
@@ -216,16 +219,33 @@ def _two_stage_layout(costs, tokens, dp_size, token_cap, equal_size, rel_tol, ma
     )
     pack = dict(costs=costs, tokens=tokens, token_cap=token_cap, rel_tol=rel_tol, max_passes=max(max_passes, 64))
     two_stage = pack_ranks_under_cap(rank_items=rank_items, **pack)
-    if two_stage.shape[1] > lower and not np.array_equal(costs, tokens):
-        # A cost-balanced split can leave one rank with more tokens than a packing into `lower`
-        # micro-batches allows; a token-balanced split trades some cost balance for fewer of them.
-        by_tokens = balanced_partition(
+    for split in _count_first_splits(costs, tokens, dp_size, equal_size, refine, rel_tol):
+        if two_stage.shape[1] <= lower:
+            break
+        candidate = pack_ranks_under_cap(rank_items=split, **pack)
+        if candidate.shape[1] < two_stage.shape[1]:
+            two_stage = candidate
+    return two_stage
+
+
+def _count_first_splits(costs, tokens, dp_size, equal_size, refine, rel_tol):
+    """Rank splits that trade cost balance for fewer micro-batches, tried lazily in this order.
+
+    A cost-balanced split can leave one rank with more tokens than a packing into ``lower``
+    micro-batches allows: a token-balanced split (when costs are not tokens) evens the tokens;
+    a refined split can still pair a rank's large samples badly (dp 2, cap 1024: seven samples at
+    the cap split 4 + 3 with the rest refined to equal totals leave one rank 7 micro-batches where
+    6 suffice), so last comes the unrefined longest-first split (``greedy_count_split``): its
+    per-rank first-fit-decreasing count is verl's two-stage count (balance_batch's greedy, then
+    rearrange_micro_batches) whenever the count room is the same (equal_size=False, or dp
+    dividing the units), so K is never above that."""
+    if dp_size == 1:
+        return
+    if not np.array_equal(costs, tokens):
+        yield balanced_partition(
             costs=tokens.astype(np.float64), num_parts=dp_size, equal_size=equal_size, refine=refine, rel_tol=rel_tol
         )
-        token_split = pack_ranks_under_cap(rank_items=by_tokens, **pack)
-        if token_split.shape[1] < two_stage.shape[1]:
-            two_stage = token_split
-    return two_stage
+    yield greedy_count_split(tokens, dp_size, equal_size=equal_size)
 
 
 def _joint_cells(costs, tokens, dp_size, token_cap, num_slots, equal_size, rel_tol, max_passes, polish_passes):

@@ -334,6 +334,27 @@ def balanced_partition(
     return [np.sort(c[c >= 0]) for c in cells[0]]
 
 
+def greedy_count_split(sizes, num_parts: int, *, equal_size: bool = True) -> list[np.ndarray]:
+    """Largest first, each item to the part with the least total that has count room (ties: the
+    lower part): at most ceil(n / num_parts) items per part, and with ``equal_size`` part counts
+    differ by at most one. Unrefined: it leaves the large items spread as evenly as the counts
+    allow, which packs under a cap where a refined partition may not. One sorted array per part."""
+    sizes = np.asarray(sizes).tolist()
+    most = -(-len(sizes) // num_parts)
+    # Parts that may reach `most` items; with equal_size the others stop one short.
+    ceil_left = (len(sizes) % num_parts or num_parts) if equal_size else num_parts
+    members: list[list[int]] = [[] for _ in range(num_parts)]
+    heap = [(0, p) for p in range(num_parts)]
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        total, p = heapq.heappop(heap)
+        while len(members[p]) == most or (len(members[p]) == most - 1 and ceil_left == 0):
+            total, p = heapq.heappop(heap)  # full for good: a part's room never comes back
+        members[p].append(i)
+        ceil_left -= len(members[p]) == most
+        heapq.heappush(heap, (total + sizes[i], p))
+    return [np.sort(np.array(m, dtype=np.int64)) for m in members]
+
+
 def polish_sync_cost(
     cells: np.ndarray,
     costs: np.ndarray,
@@ -352,7 +373,8 @@ def polish_sync_cost(
     min(delta, excess over the second maximum) without raising any other slot's maximum. Swaps
     keep every cell's count; with ``token_cap`` no cell may exceed it. With ``moves_within_part``
     an item may also move to an empty position of another slot's cell of the same part (a DP
-    rank), which keeps every part's count. Candidates are applied best first, at most one per
+    rank), which keeps every part's count, but never out of a cell holding only that item (a
+    move never empties a cell). Candidates are applied best first, at most one per
     slot touched per pass. Works in place; returns ``cells``.
     """
     num_slots, num_parts, _ = cells.shape
@@ -400,8 +422,10 @@ def _usable_swaps(values, heavy, partner, partner_room, moves_within_part):
     a = values[np.arange(num_slots), heavy]  # (S, W)
     b = values.reshape(-1, width)[partner]  # (S, K, W)
     if moves_within_part:
-        same_part = (partner % num_parts) == heavy[:, None]
-        b = np.where(np.isnan(b) & same_part[:, :, None], 0.0, b)
+        # A move may not empty the heavy cell (a micro-batch is empty only when unavoidable).
+        keeps_an_item = (~np.isnan(a)).sum(axis=1) > 1
+        movable = ((partner % num_parts) == heavy[:, None]) & keeps_an_item[:, None]
+        b = np.where(np.isnan(b) & movable[:, :, None], 0.0, b)
     delta = a[:, None, :, None] - b[:, :, None, :]  # (S, K, W, W)
     return (delta > 0) & (delta <= partner_room[:, :, None, None]), delta
 
