@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tests._adam import assert_same_adam_step, record_step, trainable_state
+from tests._chat import write_chat_parquet
 from tests._verl import VERL_SKIP_REASON
 
 pytest.importorskip("verl", reason=VERL_SKIP_REASON)
@@ -411,21 +412,8 @@ def test_main_ppo_fsdp_engine_config_maps_to_the_backend_config():
 
 @pytest.fixture(scope="module")
 def sft_setup(tmp_path_factory, model_dir):
-    import pandas as pd
-
     root = tmp_path_factory.mktemp("verl_sft")
-    rng = np.random.default_rng(0)
-    words = "the cat sat on a mat and then ran to see the big red dog near our house".split()
-    rows = [
-        {
-            "messages": [
-                {"role": "user", "content": " ".join(rng.choice(words, size=rng.integers(3, 12)))},
-                {"role": "assistant", "content": " ".join(rng.choice(words, size=rng.integers(2, 30)))},
-            ]
-        }
-        for _ in range(32)
-    ]
-    pd.DataFrame(rows).to_parquet(root / "train.parquet")
+    write_chat_parquet(root / "train.parquet", rows=32)
     return root, model_dir
 
 

@@ -9,28 +9,12 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 pytest.importorskip("verl")
+from tests._chat import write_chat_parquet  # noqa: E402
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _chat_parquet(path) -> None:
-    import pandas as pd
-
-    rng = np.random.default_rng(0)
-    words = "the cat sat on a mat and then ran to see the big red dog near our house".split()
-    rows = [
-        {
-            "messages": [
-                {"role": "user", "content": " ".join(rng.choice(words, size=rng.integers(3, 12)))},
-                {"role": "assistant", "content": " ".join(rng.choice(words, size=rng.integers(2, 30)))},
-            ]
-        }
-        for _ in range(16)
-    ]
-    pd.DataFrame(rows).to_parquet(path)
 
 
 def _logits(model_dir: str, ids):
@@ -46,7 +30,7 @@ def _logits(model_dir: str, ids):
 def test_verl_sft_trainer_on_our_backend_writes_a_loadable_hf_dir_and_exports_without_flags(tmp_path, model_dir):
     import torch
 
-    _chat_parquet(tmp_path / "train.parquet")
+    write_chat_parquet(tmp_path / "train.parquet", rows=16)
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join([REPO, str(tmp_path)]),
