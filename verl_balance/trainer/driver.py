@@ -312,13 +312,7 @@ class DriverBase:
             config=plain_config(self.cfg),
             total_steps=self.total_steps,
         )
-        if "console" in t.logger:
-            self.progress = ProgressDisplay(
-                total_steps=self.total_steps,
-                start_step=self.global_step,
-                keys=t.console_metrics or self.console_keys,
-                interval_s=t.progress_interval_s,
-            )
+        self._open_progress(t)
         previous = {signum: signal.signal(signum, self._request_stop) for signum in STOP_SIGNALS}
         record = {"first": {}, "last": {}, "last_val": {}, "first_val": {}}
         run_start = time.perf_counter()
@@ -364,14 +358,26 @@ class DriverBase:
             ),
         }
         if t.plot:
-            from verl_balance.utils.plotting import DEFAULT_PANELS, plot_runs
-
-            summary["plot"] = plot_runs(
-                [tracker.metrics_path],
-                out=os.path.join(self.out_dir, "curves.png"),
-                panels=self.plot_panels or DEFAULT_PANELS,
-            )
+            summary["plot"] = self._plot(tracker.metrics_path)
         return summary
+
+    def _open_progress(self, t) -> None:
+        """The console's progress display (``trainer.logger`` has ``console``)."""
+        if "console" in t.logger:
+            self.progress = ProgressDisplay(
+                total_steps=self.total_steps,
+                start_step=self.global_step,
+                keys=t.console_metrics or self.console_keys,
+                interval_s=t.progress_interval_s,
+            )
+
+    def _plot(self, metrics_path: str) -> str:
+        """``curves.png`` of the run's metrics in its directory; returns its path."""
+        from verl_balance.utils.plotting import DEFAULT_PANELS, plot_runs
+
+        return plot_runs(
+            [metrics_path], out=os.path.join(self.out_dir, "curves.png"), panels=self.plot_panels or DEFAULT_PANELS
+        )
 
     def _train_loop(self, tracker: Tracking, record: dict) -> None:
         """Steps from ``global_step`` to the end (or a stop request), with validation and saves."""
