@@ -186,6 +186,12 @@ def as_verl_balance_config(engine_config) -> VerlBalanceEngineConfig:
     return VerlBalanceEngineConfig(**kwargs)
 
 
+def _defer_gradient_sync(engine_config) -> bool:
+    """verl 0.9.1's ``use_no_sync_for_gradient_accumulation``; verl main (0.10.dev) removed the key and
+    always defers the gradient sync to a step's last micro-batch, so its absence means True."""
+    return bool(getattr(engine_config, "use_no_sync_for_gradient_accumulation", True))
+
+
 def _our_engine_config(engine_config: VerlBalanceEngineConfig, optimizer_config, *, model_config=None) -> EngineConfig:
     """verl's engine + optimizer configs -> verl_balance's EngineConfig (same optimizer semantics);
     ``model_config`` (verl's HFModelConfig) adds its LoRA keys (see ``_lora_keys``)."""
@@ -214,7 +220,7 @@ def _our_engine_config(engine_config: VerlBalanceEngineConfig, optimizer_config,
     )
     fsdp = FSDPConfig(
         reshard_after_forward=engine_config.reshard_after_forward,
-        defer_gradient_sync=engine_config.use_no_sync_for_gradient_accumulation,
+        defer_gradient_sync=_defer_gradient_sync(engine_config),
     )
     return EngineConfig(
         optim=optim,
@@ -627,6 +633,35 @@ class VerlBalanceEngine(BaseEngine):
                 if not is_lora_name(name)
             }
         return iter(params.items()), lora.to_dict()
+
+    def get_per_tensor_param_shard(self, **kwargs):
+        """(generator of (name, this rank's flat local bf16 shard, ShardSpec), None): verl main's sharded
+        weight export for its delta checkpoint engines, as its FSDP engine gives it; nothing is
+        gathered. ``prime_delta_snapshots`` (verl's BaseEngine) consumes it. As in verl, the base
+        weights only: with LoRA the rollout syncs through ``get_per_tensor_param``."""
+        from verl_balance.integrations.verl.shards import local_param_shards
+
+        if getattr(self.engine.model, "lora_config", None) is not None:
+            raise NotImplementedError(
+                "get_per_tensor_param_shard (verl's delta weight sync) exports full weights only; with "
+                "model.lora_rank > 0 use a checkpoint engine that syncs through get_per_tensor_param"
+            )
+        return local_param_shards(self.engine.model, device=self.layout.device), None
+
+    def get_per_tensor_param_delta_shard(self, **kwargs):
+        """verl main's delta export: per weight, the elements changed since the last export (or
+        ``prime_delta_snapshots``), in HF coordinates, built by verl's own ``hf_delta_export`` over
+        ``get_per_tensor_param_shard`` (our weight names are the HF names)."""
+        try:
+            from verl.workers.engine.utils import _hf_entry_identity, hf_delta_export
+        except ImportError as err:
+            raise NotImplementedError(
+                "get_per_tensor_param_delta_shard needs verl's delta weight sync (verl >= 0.10, "
+                "verl.workers.engine.utils.hf_delta_export); the installed verl lacks it"
+            ) from err
+        self._delta_shard_snap = getattr(self, "_delta_shard_snap", {})
+        gen, _ = self.get_per_tensor_param_shard()
+        return hf_delta_export(gen, self._delta_shard_snap, _hf_entry_identity), None
 
     def disable_adapter(self):
         """Context: forward passes use the base model alone (verl's reference policy with LoRA,
