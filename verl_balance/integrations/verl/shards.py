@@ -1,9 +1,9 @@
 """Per-tensor local shards for verl's sharded weight export (``BaseEngine.get_per_tensor_param_shard``,
-verl main, 0.10.dev): each rank yields ``(name, flat local shard, spec)`` for the delta checkpoint
+verl 0.9.1 and main): each rank yields ``(name, flat local shard, spec)`` for the delta checkpoint
 engines, which diff and gather each rank's shard without materialising full tensors.
 
 The spec is verl's ``ShardSpec`` (``verl.workers.engine.spec``) where the installed verl has it,
-else ``LocalShardSpec`` with the same placement fields (verl 0.9.1 has no consumer of this export).
+else ``LocalShardSpec`` with the same placement fields (a verl without its delta weight sync).
 Feature-detected, never pinned: one backend serves both verls."""
 
 from __future__ import annotations
