@@ -1,9 +1,9 @@
 """verl's delta-weight-sync BaseEngine methods (verl 0.9.1 and main 0.10.dev) on the verl_balance
-engine, checked under the installed verl (0.9.1 in CI; main in a session with its snapshot): ``get_per_tensor_param_shard`` yields each
-rank's local FSDP2 shard whose reassembly is ``get_per_tensor_param``'s full tensor, and, where the
-installed verl has its delta weight sync, ``prime_delta_snapshots`` + ``get_per_tensor_param_delta_shard``
-report exactly the elements that changed. The removed ``use_no_sync_for_gradient_accumulation`` key
-is feature-detected."""
+engine, under the installed verl (0.9.1 in CI; main in a session with its snapshot):
+``get_per_tensor_param_shard`` yields each rank's local FSDP2 shard whose reassembly is
+``get_per_tensor_param``'s full tensor, and, where the installed verl has its delta weight sync,
+``prime_delta_snapshots`` + ``get_per_tensor_param_delta_shard`` report exactly the elements that
+changed. The removed ``use_no_sync_for_gradient_accumulation`` key is feature-detected."""
 
 from __future__ import annotations
 
