@@ -635,7 +635,7 @@ class VerlBalanceEngine(BaseEngine):
         return iter(params.items()), lora.to_dict()
 
     def get_per_tensor_param_shard(self, **kwargs):
-        """(generator of (name, this rank's flat local bf16 shard, ShardSpec), None): verl main's sharded
+        """(generator of (name, this rank's flat local bf16 shard, ShardSpec), None): verl's sharded
         weight export for its delta checkpoint engines, as its FSDP engine gives it; nothing is
         gathered. ``prime_delta_snapshots`` (verl's BaseEngine) consumes it. As in verl, the base
         weights only: with LoRA the rollout syncs through ``get_per_tensor_param``."""
@@ -649,14 +649,14 @@ class VerlBalanceEngine(BaseEngine):
         return local_param_shards(self.engine.model, device=self.layout.device), None
 
     def get_per_tensor_param_delta_shard(self, **kwargs):
-        """verl main's delta export: per weight, the elements changed since the last export (or
+        """verl's delta export: per weight, the elements changed since the last export (or
         ``prime_delta_snapshots``), in HF coordinates, built by verl's own ``hf_delta_export`` over
         ``get_per_tensor_param_shard`` (our weight names are the HF names)."""
         try:
             from verl.workers.engine.utils import _hf_entry_identity, hf_delta_export
         except ImportError as err:
             raise NotImplementedError(
-                "get_per_tensor_param_delta_shard needs verl's delta weight sync (verl >= 0.10, "
+                "get_per_tensor_param_delta_shard needs verl's delta weight sync (verl >= 0.9.1, "
                 "verl.workers.engine.utils.hf_delta_export); the installed verl lacks it"
             ) from err
         self._delta_shard_snap = getattr(self, "_delta_shard_snap", {})
