@@ -7,7 +7,7 @@ each loss_agg_mode written out, torch.optim.AdamW. Every layout must match it (l
 parameters after one step) for fixed and token-capped micro-batches and every agg mode, and for
 every ``policy_loss.loss_mode`` of ``ENGINE_LOSS_MODES`` (token-capped micro-batches; gspo / geo_mean
 reduce per-sequence means over the SP group), all in the same warm world per layout. Negative
-control: gspo with the per-sequence sums left local (no SP all-reduce) differs from the reference on sp=2.
+control: geo_mean with the per-sequence sums left local (no SP all-reduce) differs from the reference on sp=2.
 """
 
 import dataclasses
@@ -51,8 +51,9 @@ MODES = [
     LossModeConfig(loss_mode=name, **MODE_SETTINGS.get(name, {})) for name in ENGINE_LOSS_MODES if name != "vanilla"
 ]
 """Every non-vanilla mode main_grpo runs (vanilla is CASES above), with its forced aggregation."""
-LOCAL_ONLY = "gspo-local-only-sums"
-"""The negative control's name: gspo whose per-sequence sums skip the SP all-reduce."""
+CONTROL_MODE = LossModeConfig(loss_mode="geo_mean")
+LOCAL_ONLY = "geo_mean-local-only-sums"
+"""The negative control's name: geo_mean whose per-sequence sums skip the SP all-reduce."""
 
 
 def _mode_agg(mode: LossModeConfig) -> str:
@@ -112,13 +113,21 @@ def _sequence_loss(logp, entropy, aligned, *, config: PolicyLossConfig, mode: Lo
     return policy_token_loss(**terms, **regularizers, mode=mode, reduced={k: v[0] for k, v in reduced.items()})
 
 
-def _reference(batch, *, agg_mode: str, config: PolicyLossConfig, mode: LossModeConfig | None = None) -> dict:
+def _references(batch, keys: list[tuple[str, PolicyLossConfig, LossModeConfig | None]]) -> list[dict]:
+    """The reference of each (agg_mode, config, mode): one forward per sequence shared by all keys, then
+    per key its loss, gradient (autograd.grad on the kept graph) and one AdamW step on a fresh model."""
     model = _reference_model()
-    sums, counts, metric_sums = [], [], {}
+    outputs = []
     for i in range(len(batch["input_ids"])):
         length = int(batch["attention_mask"][i].sum())
-        logp, entropy = _sequence_outputs(model, batch["input_ids"][i, :length])
         aligned = {k: batch[k][i, 1:length] for k in ("old_log_probs", "ref_log_prob", "advantages", "loss_mask")}
+        outputs.append((*_sequence_outputs(model, batch["input_ids"][i, :length]), aligned))
+    return [_reference_step(model, outputs, agg_mode=a, config=c, mode=m) for a, c, m in keys]
+
+
+def _reference_step(model, outputs, *, agg_mode: str, config: PolicyLossConfig, mode: LossModeConfig | None) -> dict:
+    sums, counts, metric_sums = [], [], {}
+    for logp, entropy, aligned in outputs:
         loss, metrics = _sequence_loss(logp, entropy, aligned, config=config, mode=mode)
         mask = aligned["loss_mask"]
         sums.append((loss * mask).sum())
@@ -133,17 +142,21 @@ def _reference(batch, *, agg_mode: str, config: PolicyLossConfig, mode: LossMode
         "seq-mean-token-sum": lambda: sums[has].mean(),
         "seq-mean-token-sum-norm": lambda: sums[has].mean() / SETTINGS.loss_scale_factor,
     }[agg_mode]()
-    loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), SETTINGS.grad_clip)
+    params = list(model.parameters())
+    grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+    stepped = _reference_model()
+    for p, g in zip(stepped.parameters(), grads):
+        p.grad = torch.zeros_like(p) if g is None else g.clone()
+    grad_norm = torch.nn.utils.clip_grad_norm_(stepped.parameters(), SETTINGS.grad_clip)
     cfg = _engine_config(agg_mode).optim
     torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
+        stepped.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
     ).step()
     return {
         "loss": loss.item(),
         "grad_norm": float(grad_norm),
         "metrics": {k: v / float(counts.sum()) for k, v in metric_sums.items()},
-        "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "params": {k: v.detach().clone() for k, v in stepped.state_dict().items()},
     }
 
 
@@ -164,9 +177,20 @@ def _worker(rank, *, dp, sp, batch):
     for mode in MODES:
         loss_fn = build_policy_loss(LOSS_CONFIG, mode=mode)
         results.append(_run_case(TrainEngine, layout, batch, "dynamic", True, _mode_agg(mode), loss_fn))
-    control = build_policy_loss(LOSS_CONFIG, mode=LossModeConfig(loss_mode="gspo"))
-    results.append(_run_case(LocalSumsEngine, layout, batch, "dynamic", True, "token-mean", control))
+    control = build_policy_loss(LOSS_CONFIG, mode=CONTROL_MODE)
+    control_batch = _control_batch(batch)
+    results.append(_run_case(LocalSumsEngine, layout, control_batch, "dynamic", True, _mode_agg(CONTROL_MODE), control))
     return results
+
+
+def _control_batch(batch):
+    """The batch with every token but the first trained, so loss tokens of a sequence straddle the SP
+    boundary (with response-suffix masks the straddling part is often all prompt, hiding the fault)."""
+    out = dict(batch)
+    mask = batch["attention_mask"].float().clone()
+    mask[:, 0] = 0
+    out["loss_mask"] = mask
+    return out
 
 
 def _local_sums(packed, values):
@@ -210,9 +234,13 @@ def reference(batch):
     cache = {}
 
     def get(agg_mode: str, config: PolicyLossConfig = LOSS_CONFIG, mode: LossModeConfig | None = None) -> dict:
+        if not cache:  # every row the layout test compares, from one shared forward
+            keys = [(a, LOSS_CONFIG, None) for a in AGG_MODES] + [(_mode_agg(m), LOSS_CONFIG, m) for m in MODES]
+            for k, ref in zip(keys, _references(batch, keys)):
+                cache[(k[0], repr(k[1]), repr(k[2]))] = ref
         key = (agg_mode, repr(config), repr(mode))
         if key not in cache:
-            cache[key] = _reference(batch, agg_mode=agg_mode, config=config, mode=mode)
+            cache[key] = _references(batch, [(agg_mode, config, mode)])[0]
         return cache[key]
 
     return get
@@ -237,9 +265,10 @@ def test_ppo_loss_is_layout_invariant(batch, reference, dp, sp):
     for mode, result in zip(MODES, results[len(CASES) :]):
         ref = reference(_mode_agg(mode), mode=mode)
         _assert_matches(result, ref, where=f"dp={dp} sp={sp} loss_mode={mode.loss_mode} {_mode_agg(mode)}")
-    control = reference("token-mean", mode=LossModeConfig(loss_mode="gspo"))
-    if sp > 1:  # negative control: sums left on the slice give another loss
-        assert results[-1][1]["loss"] != pytest.approx(control["loss"], rel=1e-3), LOCAL_ONLY
+    control = _references(_control_batch(batch), [(_mode_agg(CONTROL_MODE), LOSS_CONFIG, CONTROL_MODE)])[0]
+    if sp > 1:  # negative control: sums left on the slice fail the same comparison
+        with pytest.raises(AssertionError):
+            _assert_matches(results[-1], control, where=LOCAL_ONLY)
     else:
         _assert_matches(results[-1], control, where=LOCAL_ONLY)
 

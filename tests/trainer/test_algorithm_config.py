@@ -48,6 +48,9 @@ def test_an_estimator_whose_input_is_not_derived_fails_naming_the_key_and_the_in
         ("algorithm.kl_ctrl.kl_coef=0.01", None),  # negative control: verl's key, accepted
         ("algorithm.kl_penalty=low_var_kl", None),
         ("actor_rollout_ref.actor.loss_agg_mode=token-sum", None),
+        ("actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov", "actor_rollout_ref.actor.policy_loss.loss_mode"),
+        ("actor_rollout_ref.actor.policy_loss.loss_mode=dro", "actor_rollout_ref.actor.policy_loss.dro_beta"),
+        ("actor_rollout_ref.actor.policy_loss.loss_mode=gspo", None),
     ],
 )
 def test_algorithm_key_errors_name_the_full_key(override, key):
@@ -139,3 +142,20 @@ def test_remax_baselines_map_each_row_to_its_prompts_greedy_score():
     assert got.tolist() == [2.0, 2.0, 5.0, 5.0]
     with pytest.raises(ValueError, match="no greedy baseline for prompts \\[2\\]"):
         prompt_baselines(baseline_prompt_index=[0, 1], baseline_scores=[0.0, 1.0], row_prompt_index=[2])
+
+
+@pytest.mark.parametrize(
+    "mode,agg", [("sapo", "seq-mean-token-mean"), ("geo_mean", "seq-mean-token-mean"), ("gpg", "token-sum")]
+)
+def test_sapo_and_geo_mean_force_verls_aggregation_and_other_modes_keep_loss_agg_mode(mode, agg):
+    config = validate_grpo(
+        compose_config(
+            "grpo",
+            [
+                f"actor_rollout_ref.actor.policy_loss.loss_mode={mode}",
+                "actor_rollout_ref.actor.loss_agg_mode=token-sum",
+            ],
+        )
+    )
+    assert config.engine_config(total_steps=1).loss_agg_mode == agg
+    assert config.actor_rollout_ref.actor.loss_mode_config().loss_mode == mode

@@ -77,9 +77,8 @@ LOSS_MODE_REGISTRY: dict[str, LossModeSpec] = {
 
 
 @dataclass
-class LossModeConfig:
-    """verl's ``actor.policy_loss.*`` keys, plus the actor's ``tau_pos`` / ``tau_neg`` (SAPO), with verl's
-    defaults. The clip range and dual clip come from ``PolicyLossConfig`` (the actor's keys)."""
+class LossModeKeys:
+    """verl's ``actor.policy_loss.*`` keys with verl's defaults (the GRPO recipe's section extends it)."""
 
     loss_mode: str = "vanilla"
     """One of LOSS_MODE_REGISTRY."""
@@ -95,6 +94,13 @@ class LossModeConfig:
     """kl_cov: weight of |log-ratio| on the selected tokens."""
     dro_beta: float | None = None
     """dro: weight of the quadratic log-ratio penalty (required, > 0)."""
+
+
+@dataclass
+class LossModeConfig(LossModeKeys):
+    """``LossModeKeys`` plus the actor's ``tau_pos`` / ``tau_neg`` (SAPO) and the rollout correction, with
+    verl's defaults. The clip range and dual clip come from ``PolicyLossConfig`` (the actor's keys)."""
+
     tau_pos: float = 1.0
     """sapo: gate temperature for positive advantages (verl's ``actor.tau_pos``)."""
     tau_neg: float = 1.05

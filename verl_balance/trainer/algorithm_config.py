@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 from verl_balance.algorithms import ADV_ESTIMATOR_REGISTRY, LOSS_MODE_REGISTRY, AdvantageParams, LossModeConfig
 from verl_balance.algorithms.estimators import required_inputs
-from verl_balance.algorithms.loss_modes import SEQ_MEAN_TOKEN_MEAN
+from verl_balance.algorithms.loss_modes import SEQ_MEAN_TOKEN_MEAN, LossModeKeys
 from verl_balance.algorithms.rollout_correction import RolloutCorrectionConfig
 from verl_balance.batch_keys import INDEX_KEY, OLD_LOG_PROBS_KEY, VALUES_KEY
 from verl_balance.trainer.config_checks import ConfigError, check_choice
@@ -169,23 +169,9 @@ def supported_estimators() -> list[str]:
 
 
 @dataclass
-class PolicyLossSection:
-    """verl's ``actor_rollout_ref.actor.policy_loss`` (verl's defaults)."""
-
-    loss_mode: str = "vanilla"
-    """One of ENGINE_LOSS_MODES (verl's names)."""
-    clip_cov_ratio: float = 0.0002
-    """clip_cov: fraction of the mini-batch's tokens to drop."""
-    clip_cov_lb: float = 1.0
-    """clip_cov: lower covariance bound of a candidate."""
-    clip_cov_ub: float = 5.0
-    """clip_cov: upper covariance bound of a candidate."""
-    kl_cov_ratio: float = 0.0002
-    """kl_cov: fraction of the mini-batch's tokens that get the KL penalty."""
-    ppo_kl_coef: float = 0.1
-    """kl_cov: weight of |log-ratio| on the selected tokens."""
-    dro_beta: Optional[float] = None
-    """dro: weight of the quadratic log-ratio penalty (required, > 0, with loss_mode=dro)."""
+class PolicyLossSection(LossModeKeys):
+    """verl's ``actor_rollout_ref.actor.policy_loss`` (verl's names and defaults); ``loss_mode`` must be
+    one of ENGINE_LOSS_MODES."""
 
     def __post_init__(self) -> None:
         check_choice("loss_mode", self.loss_mode, tuple(LOSS_MODE_REGISTRY))
@@ -210,7 +196,7 @@ class ActorAlgorithmKeys:
     def loss_mode_config(self) -> LossModeConfig:
         """The loss mode's own config, as the workers take it (errors name the policy_loss key)."""
         p = self.policy_loss
-        values: dict[str, Any] = {f.name: getattr(p, f.name) for f in fields(PolicyLossSection)}
+        values: dict[str, Any] = {f.name: getattr(p, f.name) for f in fields(LossModeKeys)}
         try:
             return LossModeConfig(**values, tau_pos=self.tau_pos, tau_neg=self.tau_neg)
         except ValueError as err:
