@@ -18,12 +18,11 @@ import numpy as np
 import torch
 
 from verl_balance.algorithms import AdvantageInputs, AdvantageOutput, compute_advantage, last_token_rewards
+from verl_balance.algorithms.estimators import ESTIMATOR_KEY
 from verl_balance.algorithms.group_stats import AdvantageInputError
 from verl_balance.batch_keys import LOSS_MASK_KEY, PROMPT_INDEX_KEY, VALUES_KEY
 from verl_balance.protocol import Batch
 from verl_balance.trainer.algorithm_config import AlgorithmSection
-
-ESTIMATOR_KEY = "algorithm.adv_estimator"
 
 
 def prompt_baselines(*, baseline_prompt_index, baseline_scores: np.ndarray, row_prompt_index) -> torch.Tensor:

@@ -39,7 +39,6 @@ UNSUPPLIED_REASONS = {
 ENGINE_LOSS_MODES = ("vanilla", "sapo", "gpg", "dro", "cispo", "dppo_tv", "dppo_kl", "gspo", "geo_mean")
 """Loss modes the engine runs layout-invariantly: per-token ones, and gspo / geo_mean whose per-sequence
 means are reduced over the SP group (``TrainEngine.sequence_sum``, ``loss_modes.ModeLoss``)."""
-LOSS_MODE_KEY = "actor_rollout_ref.actor.policy_loss.loss_mode"
 NOT_YET = "main_grpo does not run it yet (issue 30 item 2)"
 
 
