@@ -1,9 +1,13 @@
-"""PPOLoss through TrainEngine on several (dp, sp) layouts == a single-process PPO reference.
+"""PPOLoss (and every loss mode main_grpo runs) through TrainEngine on several (dp, sp) layouts ==
+a single-process PPO reference.
 
 The reference uses no engine, packing or loss-contract code: one plain model forward per
 sequence, the per-token PPO loss on the token-aligned wire tensors, the aggregation formula of
 each loss_agg_mode written out, torch.optim.AdamW. Every layout must match it (loss, metrics,
-parameters after one step) for fixed and token-capped micro-batches and every agg mode.
+parameters after one step) for fixed and token-capped micro-batches and every agg mode, and for
+every ``policy_loss.loss_mode`` of ``ENGINE_LOSS_MODES`` (token-capped micro-batches; gspo / geo_mean
+reduce per-sequence means over the SP group), all in the same warm world per layout. Negative
+control: geo_mean with the per-sequence sums left local (no SP all-reduce) differs from the reference on sp=2.
 """
 
 import dataclasses
@@ -14,11 +18,21 @@ import numpy as np
 import pytest
 import torch
 
-from verl_balance.algorithms import PolicyLossConfig, PPOLoss, compute_grpo_outcome_advantage, ppo_clip_token_loss
+from verl_balance.algorithms import (
+    LossModeConfig,
+    PolicyLossConfig,
+    PPOLoss,
+    compute_grpo_outcome_advantage,
+    policy_token_loss,
+    ppo_clip_token_loss,
+    reference_reductions,
+)
+from verl_balance.algorithms.loss_modes import LOSS_MODE_REGISTRY, build_policy_loss
 from verl_balance.loss import AGG_MODES
 from verl_balance.models import LlamaForCausalLM
 from verl_balance.parity import ParitySettings, make_global_batch
 from verl_balance.testing.multiprocess import run_on_ranks
+from verl_balance.trainer.algorithm_config import ENGINE_LOSS_MODES
 
 SETTINGS = ParitySettings()
 LOSS_CONFIG = PolicyLossConfig(
@@ -32,6 +46,18 @@ LOSS_CONFIG = PolicyLossConfig(
 CASES = [(micro, True, mode) for micro, mode in itertools.product(("fixed", "dynamic"), AGG_MODES)]
 CASES.append(("dynamic", False, "token-mean"))
 METRICS = ("pg_loss", "pg_clipfrac", "ppo_kl", "kl", "entropy")
+MODE_SETTINGS = {"dro": {"dro_beta": 0.5}}
+MODES = [
+    LossModeConfig(loss_mode=name, **MODE_SETTINGS.get(name, {})) for name in ENGINE_LOSS_MODES if name != "vanilla"
+]
+"""Every non-vanilla mode main_grpo runs (vanilla is CASES above), with its forced aggregation."""
+CONTROL_MODE = LossModeConfig(loss_mode="geo_mean")
+LOCAL_ONLY = "geo_mean-local-only-sums"
+"""The negative control's name: geo_mean whose per-sequence sums skip the SP all-reduce."""
+
+
+def _mode_agg(mode: LossModeConfig) -> str:
+    return LOSS_MODE_REGISTRY[mode.loss_mode].agg_mode or "token-mean"
 
 
 def _engine_config(agg_mode: str):
@@ -76,26 +102,38 @@ def _ppo_batch() -> dict[str, torch.Tensor]:
     return batch
 
 
-def _reference(batch, *, agg_mode: str, config: PolicyLossConfig) -> dict:
+def _sequence_loss(logp, entropy, aligned, *, config: PolicyLossConfig, mode: LossModeConfig | None):
+    """One whole sequence's per-token loss: vanilla PPO-clip, or the mode with its reductions over this row."""
+    terms = dict(log_probs=logp, old_log_probs=aligned["old_log_probs"], advantages=aligned["advantages"])
+    regularizers = dict(ref_log_probs=aligned["ref_log_prob"], entropy=entropy, config=config)
+    if mode is None:
+        return ppo_clip_token_loss(**terms, **regularizers)
+    rows = {k: v[None] for k, v in terms.items()}
+    reduced = reference_reductions(**rows, loss_mask=aligned["loss_mask"][None], config=config, mode=mode)
+    return policy_token_loss(**terms, **regularizers, mode=mode, reduced={k: v[0] for k, v in reduced.items()})
+
+
+def _references(batch, keys: list[tuple[str, PolicyLossConfig, LossModeConfig | None]]) -> list[dict]:
+    """The reference of each (agg_mode, config, mode): one forward per sequence shared by all keys, then
+    per key its loss, gradient (autograd.grad on the kept graph) and one AdamW step on a fresh model."""
     model = _reference_model()
-    sums, counts, metric_sums = [], [], dict.fromkeys(METRICS, 0.0)
+    outputs = []
     for i in range(len(batch["input_ids"])):
         length = int(batch["attention_mask"][i].sum())
-        logp, entropy = _sequence_outputs(model, batch["input_ids"][i, :length])
         aligned = {k: batch[k][i, 1:length] for k in ("old_log_probs", "ref_log_prob", "advantages", "loss_mask")}
-        loss, metrics = ppo_clip_token_loss(
-            log_probs=logp,
-            old_log_probs=aligned["old_log_probs"],
-            advantages=aligned["advantages"],
-            ref_log_probs=aligned["ref_log_prob"],
-            entropy=entropy,
-            config=config,
-        )
+        outputs.append((*_sequence_outputs(model, batch["input_ids"][i, :length]), aligned))
+    return [_reference_step(model, outputs, agg_mode=a, config=c, mode=m) for a, c, m in keys]
+
+
+def _reference_step(model, outputs, *, agg_mode: str, config: PolicyLossConfig, mode: LossModeConfig | None) -> dict:
+    sums, counts, metric_sums = [], [], {}
+    for logp, entropy, aligned in outputs:
+        loss, metrics = _sequence_loss(logp, entropy, aligned, config=config, mode=mode)
         mask = aligned["loss_mask"]
         sums.append((loss * mask).sum())
         counts.append(mask.sum())
-        for name in METRICS:
-            metric_sums[name] += float((metrics[name] * mask).sum())
+        for name, value in metrics.items():
+            metric_sums[name] = metric_sums.get(name, 0.0) + float((value * mask).sum())
     sums, counts = torch.stack(sums), torch.stack(counts)
     has = counts > 0
     loss = {
@@ -104,48 +142,85 @@ def _reference(batch, *, agg_mode: str, config: PolicyLossConfig) -> dict:
         "seq-mean-token-sum": lambda: sums[has].mean(),
         "seq-mean-token-sum-norm": lambda: sums[has].mean() / SETTINGS.loss_scale_factor,
     }[agg_mode]()
-    loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), SETTINGS.grad_clip)
+    params = list(model.parameters())
+    grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+    stepped = _reference_model()
+    for p, g in zip(stepped.parameters(), grads):
+        p.grad = torch.zeros_like(p) if g is None else g.clone()
+    grad_norm = torch.nn.utils.clip_grad_norm_(stepped.parameters(), SETTINGS.grad_clip)
     cfg = _engine_config(agg_mode).optim
     torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
+        stepped.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
     ).step()
     return {
         "loss": loss.item(),
         "grad_norm": float(grad_norm),
         "metrics": {k: v / float(counts.sum()) for k, v in metric_sums.items()},
-        "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
+        "params": {k: v.detach().clone() for k, v in stepped.state_dict().items()},
     }
 
 
 def _worker(rank, *, dp, sp, batch):
-    """Every case on this rank of a (dp, sp) mesh; (eval, train, params) per case."""
-    from verl_balance.balance import plan_balance
+    """Every case, then every loss mode and the negative control, on this rank of a (dp, sp) mesh;
+    (eval, train, params) per case."""
     from verl_balance.distributed import ParallelLayout
     from verl_balance.engine import TrainEngine
+
+    class LocalSumsEngine(TrainEngine):
+        def sequence_sum(self, packed, values):  # the fault: no SP all-reduce of the sums
+            return super().sequence_sum(packed, values) if self.layout.sp == 1 else _local_sums(packed, values)
 
     layout = ParallelLayout(dp=dp, sp=sp, device_type="cpu")
     results = []
     for micro, balance, agg_mode in CASES:
-        fixed = micro == "fixed"
-        plan = plan_balance(
-            seq_lens=batch["attention_mask"].sum(1).numpy(),
-            dp_size=dp,
-            sp_size=sp,
-            micro_batch_size=SETTINGS.micro_batch_size if fixed else None,
-            max_token_len_per_gpu=None if fixed else -(-SETTINGS.tokens_per_micro_batch // sp),
-            balance=balance,
-        )
-        micro_batches = [
-            {k: v[torch.as_tensor(np.asarray(idx, dtype=np.int64))] for k, v in batch.items()}
-            for idx in plan.micro_batches[layout.dp_rank]
-        ]
-        engine = TrainEngine(model_config=SETTINGS.model, layout=layout, engine_config=_engine_config(agg_mode))
-        loss_fn = PPOLoss(LOSS_CONFIG)
-        evaluated = engine.eval_loss(micro_batches, loss_fn=loss_fn)
-        trained = engine.train_step(micro_batches, loss_fn=loss_fn)
-        results.append((evaluated, trained, engine.full_state_dict()))
+        results.append(_run_case(TrainEngine, layout, batch, micro, balance, agg_mode, PPOLoss(LOSS_CONFIG)))
+    for mode in MODES:
+        loss_fn = build_policy_loss(LOSS_CONFIG, mode=mode)
+        results.append(_run_case(TrainEngine, layout, batch, "dynamic", True, _mode_agg(mode), loss_fn))
+    control = build_policy_loss(LOSS_CONFIG, mode=CONTROL_MODE)
+    control_batch = _control_batch(batch)
+    results.append(_run_case(LocalSumsEngine, layout, control_batch, "dynamic", True, _mode_agg(CONTROL_MODE), control))
     return results
+
+
+def _control_batch(batch):
+    """The batch with every token but the first trained, so loss tokens of a sequence straddle the SP
+    boundary (with response-suffix masks the straddling part is often all prompt, hiding the fault)."""
+    out = dict(batch)
+    mask = batch["attention_mask"].float().clone()
+    mask[:, 0] = 0
+    out["loss_mask"] = mask
+    return out
+
+
+def _local_sums(packed, values):
+    bounds = packed.cu_seqlens_padded.cpu()
+    ids = torch.repeat_interleave(torch.arange(len(bounds) - 1), (bounds[1:] - bounds[:-1]).long())[packed.local_slice]
+    sums = torch.zeros(len(bounds) - 1, dtype=torch.float64).index_add_(0, ids, values.detach().double())
+    return sums[ids].to(values.dtype)
+
+
+def _run_case(engine_cls, layout, batch, micro, balance, agg_mode, loss_fn):
+    from verl_balance.balance import plan_balance
+
+    dp, sp = layout.dp, layout.sp
+    fixed = micro == "fixed"
+    plan = plan_balance(
+        seq_lens=batch["attention_mask"].sum(1).numpy(),
+        dp_size=dp,
+        sp_size=sp,
+        micro_batch_size=SETTINGS.micro_batch_size if fixed else None,
+        max_token_len_per_gpu=None if fixed else -(-SETTINGS.tokens_per_micro_batch // sp),
+        balance=balance,
+    )
+    micro_batches = [
+        {k: v[torch.as_tensor(np.asarray(idx, dtype=np.int64))] for k, v in batch.items()}
+        for idx in plan.micro_batches[layout.dp_rank]
+    ]
+    engine = engine_cls(model_config=SETTINGS.model, layout=layout, engine_config=_engine_config(agg_mode))
+    evaluated = engine.eval_loss(micro_batches, loss_fn=loss_fn)
+    trained = engine.train_step(micro_batches, loss_fn=loss_fn)
+    return evaluated, trained, engine.full_state_dict()
 
 
 @pytest.fixture(scope="module")
@@ -158,10 +233,14 @@ def reference(batch):
     """reference(agg_mode, config=LOSS_CONFIG), computed once per argument pair."""
     cache = {}
 
-    def get(agg_mode: str, config: PolicyLossConfig = LOSS_CONFIG) -> dict:
-        key = (agg_mode, repr(config))
+    def get(agg_mode: str, config: PolicyLossConfig = LOSS_CONFIG, mode: LossModeConfig | None = None) -> dict:
+        if not cache:  # every row the layout test compares, from one shared forward
+            keys = [(a, LOSS_CONFIG, None) for a in AGG_MODES] + [(_mode_agg(m), LOSS_CONFIG, m) for m in MODES]
+            for k, ref in zip(keys, _references(batch, keys)):
+                cache[(k[0], repr(k[1]), repr(k[2]))] = ref
+        key = (agg_mode, repr(config), repr(mode))
         if key not in cache:
-            cache[key] = _reference(batch, agg_mode=agg_mode, config=config)
+            cache[key] = _references(batch, [(agg_mode, config, mode)])[0]
         return cache[key]
 
     return get
@@ -180,12 +259,35 @@ def test_reference_is_sensitive_to_clipping_kl_and_entropy(reference):
 @pytest.mark.parametrize("dp,sp", [(2, 1), (1, 2)])
 def test_ppo_loss_is_layout_invariant(batch, reference, dp, sp):
     results = run_on_ranks(functools.partial(_worker, dp=dp, sp=sp, batch=batch), world=dp * sp)[0]
-    for (micro, balance, agg_mode), (evaluated, trained, params) in zip(CASES, results):
-        ref, where = reference(agg_mode), f"dp={dp} sp={sp} {micro} balance={balance} {agg_mode}"
-        assert evaluated["loss"] == pytest.approx(ref["loss"], rel=1e-5), where
-        assert trained["loss"] == pytest.approx(ref["loss"], rel=1e-5), where
-        assert trained["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5), where
-        for name in METRICS:
-            assert trained[name] == pytest.approx(ref["metrics"][name], rel=1e-5, abs=1e-7), (where, name)
-        delta = max(float((params[k] - v).abs().max()) for k, v in ref["params"].items())
-        assert delta <= 1e-5, where
+    assert len(results) == len(CASES) + len(MODES) + 1
+    for (micro, balance, agg_mode), result in zip(CASES, results):
+        _assert_matches(result, reference(agg_mode), where=f"dp={dp} sp={sp} {micro} balance={balance} {agg_mode}")
+    for mode, result in zip(MODES, results[len(CASES) :]):
+        ref = reference(_mode_agg(mode), mode=mode)
+        _assert_matches(result, ref, where=f"dp={dp} sp={sp} loss_mode={mode.loss_mode} {_mode_agg(mode)}")
+    control = _references(_control_batch(batch), [(_mode_agg(CONTROL_MODE), LOSS_CONFIG, CONTROL_MODE)])[0]
+    if sp > 1:  # negative control: sums left on the slice fail the same comparison
+        with pytest.raises(AssertionError):
+            _assert_matches(results[-1], control, where=LOCAL_ONLY)
+    else:
+        _assert_matches(results[-1], control, where=LOCAL_ONLY)
+
+
+def _assert_matches(result, ref, *, where: str) -> None:
+    evaluated, trained, params = result
+    assert evaluated["loss"] == pytest.approx(ref["loss"], rel=1e-5), where
+    assert trained["loss"] == pytest.approx(ref["loss"], rel=1e-5), where
+    assert trained["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5), where
+    for name, value in ref["metrics"].items():
+        assert trained[name] == pytest.approx(value, rel=1e-5, abs=1e-7), (where, name)
+    delta = max(float((params[k] - v).abs().max()) for k, v in ref["params"].items())
+    assert delta <= 1e-5, where
+
+
+def test_every_loss_mode_reference_differs_from_vanilla_and_exercises_the_batch(reference):
+    """Negative control of the mode rows: each mode's reference is its own loss, not vanilla's."""
+    base = reference("token-mean")["loss"]
+    for mode in MODES:
+        ref = reference(_mode_agg(mode), mode=mode)
+        assert abs(ref["loss"] - base) > 1e-4 * abs(base), mode.loss_mode
+        assert ref["grad_norm"] > 0, mode.loss_mode

@@ -178,7 +178,7 @@ def _grpo_components(cfg) -> dict:
         "engine": config.engine_config(total_steps=TOTAL_STEPS),
         "dataset": d.dataset_config(),
         "synthetic_task": d.synthetic.task_config(),
-        "policy_loss": a.policy_loss(),
+        "policy_loss": a.policy_loss_config(),
         "sp_size": config.sp_size,
         "world_size": config.trainer.world_size,
         "updates_per_step": config.updates_per_step,

@@ -79,7 +79,9 @@ def test_actor_section_is_the_policy_loss_config():
     )
     actor = config.actor_rollout_ref.actor
     assert isinstance(actor, PolicyLossConfig)
-    assert actor.policy_loss() == PolicyLossConfig(clip_ratio_high=0.28, use_kl_loss=True, kl_loss_type="low_var_kl")
+    assert actor.policy_loss_config() == PolicyLossConfig(
+        clip_ratio_high=0.28, use_kl_loss=True, kl_loss_type="low_var_kl"
+    )
 
 
 @pytest.mark.parametrize("value", [True, False])

@@ -31,9 +31,11 @@ from verl_balance.algorithms import token_loss_modes as tok
 from verl_balance.algorithms.policy_loss import (
     PolicyLossConfig,
     PolicyLossConfigError,
+    PPOLoss,
     add_regularizers,
     check_regularizer_inputs,
 )
+from verl_balance.batch_keys import LOSS_MASK_KEY
 
 LOSS_MODE_KEY = "actor_rollout_ref.actor.policy_loss.loss_mode"
 SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
@@ -75,9 +77,8 @@ LOSS_MODE_REGISTRY: dict[str, LossModeSpec] = {
 
 
 @dataclass
-class LossModeConfig:
-    """verl's ``actor.policy_loss.*`` keys, plus the actor's ``tau_pos`` / ``tau_neg`` (SAPO), with verl's
-    defaults. The clip range and dual clip come from ``PolicyLossConfig`` (the actor's keys)."""
+class LossModeKeys:
+    """verl's ``actor.policy_loss.*`` keys with verl's defaults (the GRPO recipe's section extends it)."""
 
     loss_mode: str = "vanilla"
     """One of LOSS_MODE_REGISTRY."""
@@ -93,6 +94,13 @@ class LossModeConfig:
     """kl_cov: weight of |log-ratio| on the selected tokens."""
     dro_beta: float | None = None
     """dro: weight of the quadratic log-ratio penalty (required, > 0)."""
+
+
+@dataclass
+class LossModeConfig(LossModeKeys):
+    """``LossModeKeys`` plus the actor's ``tau_pos`` / ``tau_neg`` (SAPO) and the rollout correction, with
+    verl's defaults. The clip range and dual clip come from ``PolicyLossConfig`` (the actor's keys)."""
+
     tau_pos: float = 1.0
     """sapo: gate temperature for positive advantages (verl's ``actor.tau_pos``)."""
     tau_neg: float = 1.05
@@ -164,3 +172,82 @@ def policy_token_loss(
     return add_regularizers(
         pg, metrics, log_probs=log_probs, config=config, ref_log_probs=ref_log_probs, entropy=entropy
     )
+
+
+SEQUENCE_REDUCED_MODES = ("gspo", "geo_mean")
+"""Modes whose reductions are per-sequence means, which the engine's ``sequence_sum`` (a SUM over
+the SP group of each sequence's local slice) gives exactly on any layout."""
+
+
+def sequence_reductions(
+    *, log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, loss_mask: Tensor, config, mode, sequence_sum
+) -> dict[str, Tensor]:
+    """gspo's / geo_mean's ``reduced`` on one SP slice: the same formulas as ``reference_reductions``
+    with each row sum replaced by ``sequence_sum`` (per-token local values -> their full sequence's sum)."""
+    mask = loss_mask.to(log_probs.dtype)
+    count = sequence_sum(mask)
+    if mode.loss_mode == "gspo":
+        x = (log_probs - old_log_probs).detach()
+        return {"seq_mean_log_ratio": sequence_sum(x * mask) / count.clamp(min=1)}
+    x_clip, _ = glob.geo_mean_clipped_log_ratio(
+        log_probs=log_probs.detach(), old_log_probs=old_log_probs, advantages=advantages, config=config
+    )
+    return {
+        "seq_mean_clipped_log_ratio": sequence_sum(x_clip * mask) / (count + glob.MEAN_EPS),
+        "seq_mean_advantage": sequence_sum(advantages * mask) / (count + glob.MEAN_EPS),
+    }
+
+
+class ModeLoss(PPOLoss):
+    """``PPOLoss`` with verl's ``policy_loss.loss_mode``: the per-token loss of ``policy_token_loss``.
+
+    Per-token modes need nothing more; gspo and geo_mean ask the engine for ``sequence_sum``
+    (``needs_sequence_sums``) and reduce their per-sequence means with it, so the loss is the same
+    on any (dp, sp) layout and micro-batching. Modes with mini-batch-wide top-k selections
+    (clip_cov, kl_cov) or rollout log-probs on the update path (bypass_mode) are refused here.
+    """
+
+    def __init__(self, config: PolicyLossConfig, *, mode: LossModeConfig, **kwargs):
+        super().__init__(config, **kwargs)
+        unsupported = set(required_reductions(mode)) and mode.loss_mode not in SEQUENCE_REDUCED_MODES
+        if unsupported:
+            raise PolicyLossConfigError(
+                f"{LOSS_MODE_KEY}={mode.loss_mode!r} needs mini-batch-wide reductions the engine does not supply; "
+                f"layout-invariant modes: per-token ones and {list(SEQUENCE_REDUCED_MODES)}"
+            )
+        self.mode = mode
+        self.needs_sequence_sums = mode.loss_mode in SEQUENCE_REDUCED_MODES
+
+    def token_loss(self, *, log_probs, old_log_probs, advantages, ref_log_probs, entropy, inputs, sequence_sum):
+        reduced = {}
+        if self.needs_sequence_sums:
+            if sequence_sum is None:
+                raise PolicyLossConfigError(f"{LOSS_MODE_KEY}={self.mode.loss_mode!r} needs the engine's sequence_sum")
+            reduced = sequence_reductions(
+                log_probs=log_probs,
+                old_log_probs=old_log_probs,
+                advantages=advantages,
+                loss_mask=inputs[LOSS_MASK_KEY],
+                config=self.config,
+                mode=self.mode,
+                sequence_sum=sequence_sum,
+            )
+        return policy_token_loss(
+            log_probs=log_probs,
+            old_log_probs=old_log_probs,
+            advantages=advantages,
+            config=self.config,
+            mode=self.mode,
+            reduced=reduced,
+            ref_log_probs=ref_log_probs,
+            entropy=entropy,
+        )
+
+
+def build_policy_loss(
+    config: PolicyLossConfig, *, mode: LossModeConfig | None = None, on_policy: bool = False
+) -> PPOLoss:
+    """The actor's loss function: ``PPOLoss`` for vanilla (or no mode), ``ModeLoss`` for the others."""
+    if mode is None or mode.loss_mode == "vanilla":
+        return PPOLoss(config, on_policy=on_policy)
+    return ModeLoss(config, mode=mode, on_policy=on_policy)

@@ -188,9 +188,11 @@ class PPOLoss:
         return keys + ((REF_LOG_PROB_KEY,) if self.config.use_kl_loss else ())
 
     def __call__(
-        self, *, log_probs: torch.Tensor, entropy: torch.Tensor | None, inputs
+        self, *, log_probs: torch.Tensor, entropy: torch.Tensor | None, inputs, sequence_sum=None
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Per-token loss [T_local] and per-token metrics for one micro-batch slice."""
+        """Per-token loss [T_local] and per-token metrics for one micro-batch slice. ``sequence_sum``
+        (given by the engine when ``needs_sequence_sums``): local per-token values -> the sum over each
+        full sequence, per token (see loss_modes.ModeLoss)."""
         missing = [k for k in self.required_keys() if k not in inputs]
         if missing:
             raise PolicyLossConfigError(f"micro-batch lacks {missing} needed by the PPO loss; it has {sorted(inputs)}")
@@ -203,17 +205,31 @@ class PPOLoss:
             old_log_probs = log_probs.detach()
         else:
             old_log_probs = inputs[OLD_LOG_PROBS_KEY].to(log_probs.dtype)
-        loss, metrics = ppo_clip_token_loss(
+        loss, metrics = self.token_loss(
             log_probs=log_probs,
             old_log_probs=old_log_probs,
             advantages=inputs[ADVANTAGES_KEY].to(log_probs.dtype),
-            config=self.config,
             ref_log_probs=inputs[REF_LOG_PROB_KEY].to(log_probs.dtype) if self.config.use_kl_loss else None,
             entropy=entropy,
+            inputs=inputs,
+            sequence_sum=sequence_sum,
         )
         if self.on_policy and ROLLOUT_LOG_PROBS_KEY in inputs:
             metrics["rollout_probs_diff_mean"] = self._rollout_probs_diff(log_probs, inputs)
         return loss, metrics
+
+    def token_loss(
+        self, *, log_probs, old_log_probs, advantages, ref_log_probs, entropy, inputs, sequence_sum
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The per-token loss of verl's ``vanilla`` mode (a seam: loss_modes.ModeLoss runs the others)."""
+        return ppo_clip_token_loss(
+            log_probs=log_probs,
+            old_log_probs=old_log_probs,
+            advantages=advantages,
+            config=self.config,
+            ref_log_probs=ref_log_probs,
+            entropy=entropy,
+        )
 
     def _rollout_probs_diff(self, log_probs: torch.Tensor, inputs) -> torch.Tensor:
         """|p_rollout - p_trainer| per token (verl's ``training/rollout_probs_diff_*``); keeps the

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from verl_balance.loss import check_agg_mode
+from verl_balance.loss import WEIGHT_MODES, check_agg_mode
 from verl_balance.models.attention import ATTN_IMPLS
 
 LR_SCHEDULERS = ("constant", "cosine")
@@ -116,7 +116,8 @@ class ActorKeys:
     """verl's ``actor`` keys of the engine (also the critic's, and the SFT recipe's top level)."""
 
     loss_agg_mode: str = "token-mean"
-    """Loss aggregation: one of loss.AGG_MODES (the loss contract; seq-mean-token-sum-norm is Dr.GRPO's)."""
+    """Loss aggregation: one of loss.WEIGHT_MODES (the loss contract; seq-mean-token-sum-norm is Dr.GRPO's,
+    token-sum verl's RL sum; the SFT recipe accepts loss.AGG_MODES)."""
     loss_scale_factor: Optional[float] = None
     """The constant C of seq-mean-token-sum-norm (e.g. the response length)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -208,7 +209,7 @@ class EngineConfig(KernelKeys, ModelKeys, HeadKeys, ActorKeys):
     """Directory of the traces: <profile_dir>/step_<N>/rank_<R>.trace.json (Chrome/Perfetto)."""
 
     def __post_init__(self) -> None:
-        check_agg_mode(self.loss_agg_mode)
+        check_agg_mode(self.loss_agg_mode, valid=WEIGHT_MODES)
         if self.model_type not in MODEL_TYPES:
             raise EngineConfigError(f"model_type={self.model_type!r}; valid: {list(MODEL_TYPES)}")
         if self.model_type == "value_model" and self.lora_rank:

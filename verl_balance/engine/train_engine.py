@@ -75,7 +75,7 @@ from verl_balance.engine.packing import MicroBatchError, PackedMicroBatch, pack_
 from verl_balance.engine.perf import TRAIN_FLOPS_PER_FORWARD, step_perf_metrics
 from verl_balance.engine.profiling import step_profiler
 from verl_balance.engine.timing import MicroBatchTimes, StepTimer
-from verl_balance.loss import LossFn, SFTLoss, TokenWeights, compute_token_weights
+from verl_balance.loss import LossFn, SFTLoss, TokenWeights, all_reduce_sum, compute_token_weights
 from verl_balance.models import ModelConfig
 from verl_balance.models.base import PackedCausalLM
 from verl_balance.models.output_head import Temperature, token_log_probs
@@ -536,6 +536,8 @@ class TrainEngine:
         training, the backward of G times it); returns it with the loss_fn's per-token metrics."""
         with torch.set_grad_enabled(training):
             outputs = self._loss_inputs(packed, loss_fn=loss_fn, temperature=temperature)
+            if getattr(loss_fn, "needs_sequence_sums", False):
+                outputs["sequence_sum"] = functools.partial(self.sequence_sum, packed)
             per_token_loss, per_token_metrics = loss_fn(**outputs, inputs=packed.local_inputs())
             objective = (weights[packed.local_slice] * per_token_loss).sum()
             if training:
@@ -551,6 +553,19 @@ class TrainEngine:
         needs_entropy = getattr(loss_fn, "needs_entropy", False)
         log_probs, entropy = self.forward_log_probs(packed, temperature=temperature, with_entropy=needs_entropy)
         return {LOG_PROBS_KEY: log_probs, ENTROPY_KEY: entropy}
+
+    def sequence_sum(self, packed: PackedMicroBatch, values: Tensor) -> Tensor:
+        """Per-token values on this SP rank's slice -> the (detached) sum of each token's full sequence,
+        per token: local per-sequence sums, all-reduced (SUM) over the SP group, which holds the
+        sequence's other slices (a sequence never spans DP ranks or micro-batches). Collective over the
+        SP group; padding tokens get the padding segment's sum."""
+        bounds = packed.cu_seqlens_padded.cpu()
+        ids = torch.repeat_interleave(torch.arange(len(bounds) - 1), (bounds[1:] - bounds[:-1]).long())
+        ids = ids[packed.local_slice].to(values.device, non_blocking=True)
+        sums = torch.zeros(len(bounds) - 1, dtype=torch.float64, device=values.device)
+        sums.index_add_(0, ids, values.detach().double())
+        all_reduce_sum(sums, self.layout.sp_group if self.layout.sp > 1 else None)
+        return sums[ids].to(values.dtype)
 
     def _all_reduce_step_sums(
         self, local_objective: Tensor, metric_sums: dict[str, Tensor], *, flops: float, tokens: float

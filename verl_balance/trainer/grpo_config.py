@@ -24,6 +24,7 @@ critic section without gae, setting a critic key with another estimator is an er
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
@@ -31,13 +32,14 @@ from typing import Any, ClassVar, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
-from verl_balance.algorithms import ADV_ESTIMATORS, PolicyLossConfig
+from verl_balance.algorithms import PolicyLossConfig
 from verl_balance.data.rl_dataset import RLDataConfig
 from verl_balance.data.synthetic import TASKS, SyntheticConfig
 from verl_balance.engine.config import APPLY_ON_RESUME, LAYOUT_ON_RESUME, ActorKeys, EngineConfig, FSDPKeys
-from verl_balance.loss import check_agg_mode
+from verl_balance.loss import WEIGHT_MODES, check_agg_mode
 from verl_balance.rollout.base import RolloutInputError
 from verl_balance.rollout.factory import ROLLOUT_BACKENDS, resolve_backend
+from verl_balance.trainer.algorithm_config import ActorAlgorithmKeys, AlgorithmSection
 from verl_balance.trainer.checkpoint import COMPLETE_FILE, TRAINER_STATE_FILE
 from verl_balance.trainer.config_checks import (
     ConfigError,
@@ -56,6 +58,7 @@ from verl_balance.trainer.sections import (
 )
 from verl_balance.trainer.sft_config import register_sft_schema
 
+logger = logging.getLogger(__name__)
 RECOMPUTE_OLD_LOG_PROB = ("auto", "always")
 
 
@@ -151,8 +154,9 @@ class ActorModelSection(ModelSection):
 
 
 @dataclass
-class ActorSection(FSDPKeys, ActorKeys, PolicyLossConfig):
-    """verl's ``actor_rollout_ref.actor``: the policy loss (``PolicyLossConfig``'s keys), PPO
+class ActorSection(FSDPKeys, ActorKeys, ActorAlgorithmKeys, PolicyLossConfig):
+    """verl's ``actor_rollout_ref.actor``: the policy loss (``PolicyLossConfig``'s keys, the loss mode
+    ``policy_loss.*`` and SAPO's ``tau_*``: trainer.algorithm_config.ActorAlgorithmKeys), PPO
     mini-batching and the engine's actor keys (aggregation, optimizer, FSDP2 switches, output head:
     engine.config.ActorKeys and FSDPKeys)."""
 
@@ -176,7 +180,17 @@ class ActorSection(FSDPKeys, ActorKeys, PolicyLossConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check_agg_mode(self.loss_agg_mode)
+        check_agg_mode(self.loss_agg_mode, valid=WEIGHT_MODES)
+        self.loss_mode_config()  # a loss mode's bad setting fails here, naming its policy_loss key
+        forced = self.forced_agg_mode(self.loss_agg_mode)
+        if forced != self.loss_agg_mode:
+            logger.warning(
+                "policy_loss.loss_mode=%s aggregates with %s as verl does (loss_agg_mode=%s is not used for it)",
+                self.policy_loss.loss_mode,
+                forced,
+                self.loss_agg_mode,
+            )
+            self.loss_agg_mode = forced
         check_positive("ppo_mini_batch_size", self.ppo_mini_batch_size)
         check_positive("ppo_epochs", self.ppo_epochs)
         check_choice("recompute_old_log_prob", self.recompute_old_log_prob, RECOMPUTE_OLD_LOG_PROB)
@@ -196,7 +210,7 @@ class ActorSection(FSDPKeys, ActorKeys, PolicyLossConfig):
         one_update = self.ppo_epochs == 1 and self.ppo_mini_batch_size == train_batch_size
         return self.recompute_old_log_prob == "auto" and one_update
 
-    def policy_loss(self) -> PolicyLossConfig:
+    def policy_loss_config(self) -> PolicyLossConfig:
         """The policy loss's own config, as the workers take it."""
         return narrow(self, PolicyLossConfig)
 
@@ -273,26 +287,6 @@ class ActorRolloutRefSection:
 
 
 @dataclass
-class AlgorithmSection:
-    """verl's ``algorithm``: the advantage estimator."""
-
-    adv_estimator: str = "grpo"
-    """One of algorithms.ADV_ESTIMATORS."""
-    norm_adv_by_std_in_grpo: bool = True
-    """Divide GRPO advantages by the group's standard deviation."""
-    gamma: float = 1.0
-    """GAE discount factor (adv_estimator=gae), in [0, 1]."""
-    lam: float = 1.0
-    """GAE lambda (adv_estimator=gae), in [0, 1]: 1 = Monte-Carlo returns, 0 = one-step TD."""
-
-    def __post_init__(self) -> None:
-        check_choice("adv_estimator", self.adv_estimator, ADV_ESTIMATORS)
-        for key in ("gamma", "lam"):
-            if not 0 <= getattr(self, key) <= 1:
-                raise ConfigError(f"{key}={getattr(self, key)} must be in [0, 1]")
-
-
-@dataclass
 class CriticModelSection:
     """verl's ``critic.model``: the value model's initial weights (the decoder of the actor's
     family with a scalar head per token instead of the LM head, models/value.py)."""
@@ -346,7 +340,7 @@ class CriticSection(ActorKeys):
 
     def __post_init__(self) -> None:
         if self.loss_agg_mode is not None:
-            check_agg_mode(self.loss_agg_mode)
+            check_agg_mode(self.loss_agg_mode, valid=WEIGHT_MODES)
         for key in ("ppo_mini_batch_size", "ppo_micro_batch_size_per_gpu", "ppo_max_token_len_per_gpu", "ppo_epochs"):
             if getattr(self, key) is not None:
                 check_positive(key, getattr(self, key))
@@ -549,7 +543,7 @@ class GRPOConfig(RecipeConfig):
                 f"balance.overlong={self.balance.overlong!r}: GRPO never drops or cuts a scored "
                 "response; use 'error' and size the token caps to hold a full sequence"
             )
-        if rollout.n < 2 and not self.use_critic:
+        if rollout.n < 2 and self.algorithm.compares_group:
             raise ConfigError(
                 f"actor_rollout_ref.rollout.n={rollout.n}: {self.algorithm.adv_estimator} compares the responses "
                 "to one prompt, so it needs n >= 2 (a group of one has advantage 0 and teaches nothing)"

@@ -10,7 +10,8 @@ One training step, for ``data.train_batch_size`` prompts:
 3. meanwhile score every response on the driver with the reward function
    (``custom_reward_function`` or the built-in rule for its ``data_source``), then collect the
    passes and merge them back to the batch's own row order;
-4. group-normalised advantages (``algorithm.adv_estimator``);
+4. advantages of ``algorithm.adv_estimator`` (any of verl's estimators whose inputs the trainer
+   supplies, trainer/advantage_step.py; remax adds one greedy baseline response per prompt);
 5. for each of ``ppo_epochs``, for each mini-batch of ``ppo_mini_batch_size`` prompts (all their
    responses): its own plan and one ``update_actor`` call = one optimizer step.
 
@@ -46,7 +47,6 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from verl_balance.algorithms import compute_advantages
 from verl_balance.batch_keys import (
     ADVANTAGES_KEY,
     ATTENTION_MASK_KEY,
@@ -77,6 +77,7 @@ from verl_balance.rewards import load_reward_fn
 from verl_balance.rewards.watchdog import score_batch_watched
 from verl_balance.rollout import RolloutOutput, build_rollout_batch
 from verl_balance.trainer import checkpoint, cluster
+from verl_balance.trainer.advantage_step import compute_step_advantages, prompt_baselines
 from verl_balance.trainer.driver import DriverBase
 from verl_balance.trainer.generations import decode_generations, dump_generations
 from verl_balance.trainer.grpo_config import validate_grpo
@@ -254,7 +255,7 @@ class GRPOTrainer(DriverBase):
         self.updates_per_step = config.updates_per_step
         self.old_log_prob_from_update = config.old_log_prob_from_update
         check_profile_steps(trainer=config.trainer, total_steps=self.total_steps)
-        self.policy_loss = a.policy_loss()
+        self.policy_loss = a.policy_loss_config()
         self.start_workers(
             worker_config=self._worker_config(),
             worker_cls=ActorRolloutWorker,
@@ -294,6 +295,7 @@ class GRPOTrainer(DriverBase):
             engine=config.engine_config(total_steps=self.total_steps),
             sp_size=self.sp,
             policy_loss=self.policy_loss,
+            loss_mode=self.actor_cfg.loss_mode_config(),
             pad_token_id=self.tokenizer.pad_token_id,
             stop_token_ids=(self.tokenizer.eos_token_id,),
             rollout_max_batch_size=self.rollout_cfg.max_num_seqs,
@@ -485,10 +487,11 @@ class GRPOTrainer(DriverBase):
             with _timed(metrics, "reward"):
                 scores, extras = self.score(batch)
             self._dump_rollout(batch, scores, extras)
+            baselines = self._greedy_baselines(prompts, batch, metrics)
             self.phase("log-prob passes")
             self._collect_log_prob_passes(batch, pending, metrics)
             with _timed(metrics, "adv"):
-                self._attach_advantages(batch, scores)
+                self._attach_advantages(batch, scores, extras, baselines=baselines)
             if self.critic is not None:
                 metrics.update(value_metrics(batch))
                 self.phase("critic update")
@@ -545,21 +548,30 @@ class GRPOTrainer(DriverBase):
             inputs = batch.select(batch_keys=LOG_PROB_INPUT_KEYS, non_tensor_batch_keys=[])
             return plan, self.critic.compute_values.submit(split_by_plan(inputs, plan))
 
-    def _attach_advantages(self, batch: Batch, scores: np.ndarray) -> None:
+    def _greedy_baselines(self, prompts: tuple[dict, dict], batch: Batch, metrics: dict) -> torch.Tensor | None:
+        """remax's baseline (verl's): the score of one greedy response per prompt, per row; None otherwise."""
+        if self.config.algorithm.adv_estimator != "remax":
+            return None
+        self.phase("greedy baseline")
+        with _timed(metrics, "gen_max"):
+            greedy = self.generate(prompts, n=1, temperature=0.0, top_p=1.0, seed=self.config.trainer.seed)
+            greedy_scores, _ = self.score(greedy)
+        metrics["reward/greedy_baseline_mean"] = float(np.mean(greedy_scores))
+        return prompt_baselines(
+            baseline_prompt_index=greedy[PROMPT_INDEX_KEY],
+            baseline_scores=greedy_scores,
+            row_prompt_index=batch[PROMPT_INDEX_KEY],
+        )
+
+    def _attach_advantages(
+        self, batch: Batch, scores: np.ndarray, extras: dict, *, baselines: torch.Tensor | None = None
+    ) -> None:
         """``advantages`` of ``algorithm.adv_estimator`` (and with gae the critic's ``returns``)."""
-        alg = self.config.algorithm
-        out = compute_advantages(
-            adv_estimator=alg.adv_estimator,
-            scores=torch.from_numpy(scores),
-            index=batch[PROMPT_INDEX_KEY],
-            loss_mask=batch[LOSS_MASK_KEY],
-            norm_adv_by_std_in_grpo=alg.norm_adv_by_std_in_grpo,
-            values=batch[VALUES_KEY] if VALUES_KEY in batch else None,
-            gamma=alg.gamma,
-            lam=alg.lam,
+        out = compute_step_advantages(
+            batch, scores=scores, extras=extras, algorithm=self.config.algorithm, reward_baselines=baselines
         )
         batch[ADVANTAGES_KEY] = out.advantages
-        if out.returns is not None:
+        if self.critic is not None and out.returns is not None:
             batch[RETURNS_KEY] = out.returns
 
     def _collect_log_prob_passes(self, batch: Batch, pending: dict, metrics: dict) -> None:

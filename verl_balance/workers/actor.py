@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from verl_balance.algorithms.policy_loss import PolicyLossConfig, PPOLoss
+from verl_balance.algorithms.loss_modes import LossModeConfig, build_policy_loss
+from verl_balance.algorithms.policy_loss import PolicyLossConfig
 from verl_balance.batch_keys import (
     ENTROPY_KEY,
     LOG_PROBS_KEY,
@@ -54,6 +55,8 @@ class ActorWorkerConfig:
     """Ulysses sequence-parallel degree; the DP size is the worker count divided by it."""
     policy_loss: PolicyLossConfig | None = None
     """None = SFT negative log-likelihood; a PolicyLossConfig = the PPO-clip policy loss."""
+    loss_mode: LossModeConfig | None = None
+    """verl's ``policy_loss.loss_mode`` and its settings (None = vanilla PPO-clip)."""
     save_hf_model: bool = False
     """``save_checkpoint`` also writes ``<path>/hf``, a Hugging Face save_pretrained directory."""
     hf_tokenizer_path: str | None = None
@@ -101,7 +104,7 @@ class ActorWorker(Worker):
             if on_policy:
                 raise ValueError(f"meta {ON_POLICY_KEY!r} is a PPO-loss setting; this worker trains the SFT loss")
             return SFTLoss()
-        return PPOLoss(self.config.policy_loss, on_policy=on_policy)
+        return build_policy_loss(self.config.policy_loss, mode=self.config.loss_mode, on_policy=on_policy)
 
     wire_keys: tuple[str, ...] = WIRE_KEYS
     """The batch columns handed to the engine (a subclass's loss may read more)."""

@@ -1,0 +1,88 @@
+"""The driver's advantage step: the batch's columns -> ``algorithms.compute_advantage`` of ``algorithm.adv_estimator``.
+
+Invariants:
+- The estimator sees verl's inputs on our layout (rows = prompt + response, right-padded):
+  ``token_level_rewards`` = each response's score on its last loss-mask token, ``response_mask`` =
+  the loss mask, ``index`` = the prompt of each row (verl's ``uid`` group), ``values`` = the critic's
+  (gae), ``reward_baselines`` = the greedy response's score to the same prompt (remax),
+  ``reward_components`` = the reward function's extra fields (gdpo).
+- Pure driver code (no Ray, no torch.distributed): the same function the trainer calls is the one
+  tests check against the library's estimators on hand-built inputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+
+from verl_balance.algorithms import AdvantageInputs, AdvantageOutput, compute_advantage, last_token_rewards
+from verl_balance.algorithms.estimators import ESTIMATOR_KEY
+from verl_balance.algorithms.group_stats import AdvantageInputError
+from verl_balance.batch_keys import LOSS_MASK_KEY, PROMPT_INDEX_KEY, VALUES_KEY
+from verl_balance.protocol import Batch
+from verl_balance.trainer.algorithm_config import AlgorithmSection
+
+
+def prompt_baselines(*, baseline_prompt_index, baseline_scores: np.ndarray, row_prompt_index) -> torch.Tensor:
+    """(B,) float64: the greedy baseline's score of each row's prompt (one baseline response per prompt)."""
+    prompts = np.asarray(baseline_prompt_index, dtype=np.int64)
+    if len(np.unique(prompts)) != len(prompts):
+        raise AdvantageInputError(f"{ESTIMATOR_KEY}=remax needs one greedy baseline response per prompt")
+    by_prompt = dict(zip(prompts.tolist(), np.asarray(baseline_scores, dtype=np.float64).tolist()))
+    rows = np.asarray(row_prompt_index, dtype=np.int64).tolist()
+    missing = sorted(set(rows) - set(by_prompt))
+    if missing:
+        raise AdvantageInputError(f"{ESTIMATOR_KEY}=remax: no greedy baseline for prompts {missing[:8]}")
+    return torch.tensor([by_prompt[p] for p in rows], dtype=torch.float64)
+
+
+def reward_components(extras: Mapping[str, np.ndarray], keys) -> dict[str, torch.Tensor]:
+    """gdpo's named reward components from the reward function's extra fields, or an error naming the key."""
+    missing = [k for k in keys if k not in extras]
+    if missing:
+        raise AdvantageInputError(
+            f"algorithm.gdpo_reward_keys={list(keys)}: the reward function returned no {missing} "
+            f"(its extra fields: {sorted(extras)}); return them from compute_score's dict"
+        )
+    return {k: torch.as_tensor(np.asarray(extras[k], dtype=np.float64)) for k in keys}
+
+
+def advantage_inputs(
+    batch: Batch,
+    *,
+    scores: np.ndarray,
+    extras: Mapping[str, np.ndarray],
+    algorithm: AlgorithmSection,
+    reward_baselines: torch.Tensor | None = None,
+) -> AdvantageInputs:
+    """The estimator's inputs from the batch's columns, the scores and (remax) the greedy baselines."""
+    loss_mask = batch[LOSS_MASK_KEY]
+    params = algorithm.advantage_params()
+    return AdvantageInputs(
+        token_level_rewards=last_token_rewards(scores=torch.from_numpy(np.asarray(scores)), response_mask=loss_mask),
+        response_mask=loss_mask,
+        index=np.asarray(batch[PROMPT_INDEX_KEY]),
+        values=batch[VALUES_KEY] if VALUES_KEY in batch else None,
+        reward_baselines=reward_baselines,
+        reward_components=reward_components(extras, params.gdpo_reward_keys) if params.gdpo_reward_keys else None,
+    )
+
+
+def compute_step_advantages(
+    batch: Batch,
+    *,
+    scores: np.ndarray,
+    extras: Mapping[str, np.ndarray],
+    algorithm: AlgorithmSection,
+    reward_baselines: torch.Tensor | None = None,
+) -> AdvantageOutput:
+    """``algorithm.adv_estimator``'s advantages (and returns) of the batch."""
+    inputs = advantage_inputs(
+        batch, scores=scores, extras=extras, algorithm=algorithm, reward_baselines=reward_baselines
+    )
+    return compute_advantage(adv_estimator=algorithm.adv_estimator, inputs=inputs, params=algorithm.advantage_params())
+
+
+__all__ = ["advantage_inputs", "compute_step_advantages", "prompt_baselines", "reward_components"]
