@@ -86,7 +86,10 @@ def run_once(*, root: str, mode: str, index: int, steps: int) -> list[dict]:
     """One main_grpo run; its step records after the warm-up step."""
     out_dir = os.path.join(root, f"{mode}_{index}")
     args = overrides(out_dir=out_dir, data_dir=os.path.join(root, "data"), mode=mode, steps=steps)
-    proc = subprocess.run([sys.executable, "-m", "verl_balance.main_grpo", *args], capture_output=True, text=True)
+    env = {**os.environ, "RAY_ADDRESS": "local"}  # a cluster of its own, even beside other jobs' clusters
+    proc = subprocess.run(
+        [sys.executable, "-m", "verl_balance.main_grpo", *args], capture_output=True, text=True, env=env
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"main_grpo ({mode}) failed:\n{proc.stderr[-4000:]}")
     with open(os.path.join(out_dir, "metrics.jsonl"), encoding="utf-8") as f:
