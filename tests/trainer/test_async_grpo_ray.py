@@ -131,11 +131,11 @@ def _reference_run(rank: int, *, record: dict) -> dict:
     worker.init_model()
     rollout = build_rollout(worker_config.model, backend="kv_cache", pad_token_id=worker_config.pad_token_id)
     versions = [worker.engine.full_state_dict()]
-    out = {"batches": [], "pg_loss": []}
-    for k in range(STEPS):
-        rollout.update_weights(versions[max(k - 1, 0)])
-        prompts = record["prompts"][k]
-        step_seed = sampling_seed(config.trainer.seed, k)
+
+    def sample(weights: dict, k: int):
+        """Batch k's prompts sampled with ``weights`` and step k's seeds (a plain rollout engine)."""
+        rollout.update_weights(weights)
+        prompts, step_seed = record["prompts"][k], sampling_seed(config.trainer.seed, k)
         output = rollout.generate(
             [list(p) for p in prompts[PROMPT_IDS_KEY]],
             n=r.n,
@@ -145,9 +145,13 @@ def _reference_run(rank: int, *, record: dict) -> dict:
             stop_token_ids=worker_config.stop_token_ids,
             seeds=[sampling_seed(step_seed, int(i)) for i in prompts[INDEX_KEY]],
         )
-        batch = build_rollout_batch(
+        return build_rollout_batch(
             prompts=list(prompts[PROMPT_IDS_KEY]), output=output, pad_token_id=worker_config.pad_token_id
         )
+
+    out = {"batches": [], "pg_loss": []}
+    for k in range(STEPS):
+        batch = sample(versions[max(k - 1, 0)], k)
         out["batches"].append(batch)
         batch[OLD_LOG_PROBS_KEY] = batch[ROLLOUT_LOG_PROBS_KEY].clone()
         batch[ADVANTAGES_KEY] = compute_advantages(
@@ -179,20 +183,7 @@ def _reference_run(rank: int, *, record: dict) -> dict:
         versions.append(worker.engine.full_state_dict())
     out["final_state"] = versions[-1]
     # the on-policy schedule's batch 2 (weights of version 2, as sync mode would use): the negative control
-    rollout.update_weights(versions[2])
-    prompts = record["prompts"][2]
-    output = rollout.generate(
-        [list(p) for p in prompts[PROMPT_IDS_KEY]],
-        n=r.n,
-        temperature=r.temperature,
-        top_p=r.top_p,
-        max_response_length=r.response_length,
-        stop_token_ids=worker_config.stop_token_ids,
-        seeds=[sampling_seed(sampling_seed(config.trainer.seed, 2), int(i)) for i in prompts[INDEX_KEY]],
-    )
-    out["on_policy_batch_2"] = build_rollout_batch(
-        prompts=list(prompts[PROMPT_IDS_KEY]), output=output, pad_token_id=worker_config.pad_token_id
-    )
+    out["on_policy_batch_2"] = sample(versions[2], 2)
     return out
 
 
