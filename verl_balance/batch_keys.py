@@ -52,6 +52,10 @@ ROLLOUT_LOG_PROBS_KEY = "rollout_log_probs"
 """Tensor column of a rollout batch: the sampler's own log-probs of the response tokens
 (token-aligned like ``loss_mask``, 0 elsewhere)."""
 
+POLICY_VERSION_KEY = "policy_version"
+"""Tensor column of an asynchronous rollout batch (int64): the policy version (the actor's completed
+training steps) whose weights generated the row (trainer/async_pipeline.py)."""
+
 VALUES_KEY = "values"
 """PPO: the critic's values of each token (the old values of the value loss; also the column a
 value pass returns)."""
@@ -137,6 +141,7 @@ __all__ = [
     "OLD_LOG_PROBS_KEY",
     "ON_POLICY_KEY",
     "PLANNED_MICRO_BATCH_SIZES_KEY",
+    "POLICY_VERSION_KEY",
     "POSITION_IDS_KEY",
     "PROMPT_IDS_KEY",
     "PROMPT_INDEX_KEY",

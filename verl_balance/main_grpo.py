@@ -15,11 +15,12 @@ register_grpo_schema()
 @hydra.main(config_path="config", config_name="grpo", version_base="1.3")
 def hydra_main(cfg) -> None:
     """Train with the merged config (config/grpo.yaml + command-line overrides); print the summary."""
+    from verl_balance.trainer.async_pipeline import grpo_trainer_class
     from verl_balance.trainer.driver import exit_code
-    from verl_balance.trainer.grpo_trainer import GRPOTrainer, format_summary
+    from verl_balance.trainer.grpo_trainer import format_summary
 
     with user_errors():
-        summary = GRPOTrainer.train(cfg)
+        summary = grpo_trainer_class(cfg).train(cfg)
     print(format_summary(summary), flush=True)
     if exit_code(summary):  # stopped by SIGINT / SIGTERM after its save: 130 / 143, not 0
         sys.exit(exit_code(summary))

@@ -40,6 +40,7 @@ from verl_balance.loss import WEIGHT_MODES, check_agg_mode
 from verl_balance.rollout.base import RolloutInputError
 from verl_balance.rollout.factory import ROLLOUT_BACKENDS, resolve_backend
 from verl_balance.trainer.algorithm_config import ActorAlgorithmKeys, AlgorithmSection
+from verl_balance.trainer.async_config import V1Section, check_async
 from verl_balance.trainer.checkpoint import COMPLETE_FILE, TRAINER_STATE_FILE
 from verl_balance.trainer.config_checks import (
     ConfigError,
@@ -257,6 +258,10 @@ class RolloutSection:
     """Sequences decoded together on one worker (memory bound); null = all of its prompts at once."""
     val_kwargs: ValSamplingConfig = field(default_factory=ValSamplingConfig, metadata=APPLY_ON_RESUME)
     """Sampling of validation rollouts."""
+    nnodes: int = field(default=0, metadata=LAYOUT_ON_RESUME)
+    """verl's key: nodes of the separate rollout pool (trainer.v1.trainer_mode=separate_async only; 0 = none)."""
+    n_gpus_per_node: Optional[int] = field(default=None, metadata=LAYOUT_ON_RESUME)
+    """verl's key: rollout workers per node of that pool (null = trainer.n_gpus_per_node, verl's default)."""
 
     def __post_init__(self) -> None:
         check_choice("name", self.name, ROLLOUT_BACKENDS)
@@ -272,6 +277,13 @@ class RolloutSection:
         for key in ("log_prob_micro_batch_size_per_gpu", "log_prob_max_token_len_per_gpu", "max_num_seqs"):
             if getattr(self, key) is not None:
                 check_positive(key, getattr(self, key))
+        if self.nnodes < 0:
+            raise ConfigError(f"nnodes={self.nnodes} must be >= 0")
+
+    @property
+    def rollout_workers(self) -> int:
+        """Workers of the separate rollout pool: nnodes x n_gpus_per_node (0 without one)."""
+        return self.nnodes * (self.n_gpus_per_node or 0)
 
 
 @dataclass
@@ -416,6 +428,8 @@ class GRPOTrainerSection(TrainerSection):
     step and the reward's extra fields, verl's layout); null = not written."""
     validation_data_dir: Optional[str] = field(default=None, metadata=APPLY_ON_RESUME)
     """verl's key: the same for every validation (step 0 = before training); null = not written."""
+    v1: V1Section = field(default_factory=V1Section)
+    """verl's ``trainer.v1``: trainer mode (sync | separate_async) and off-policy sampler (trainer/async_config.py)."""
     critic_warmup: int = field(default=0, metadata=APPLY_ON_RESUME)
     """verl's key (adv_estimator=gae): the first critic_warmup steps train the critic only, the actor
     from step critic_warmup + 1 on. (verl counts steps from 1 and compares critic_warmup >
@@ -507,6 +521,8 @@ class GRPOConfig(RecipeConfig):
         self._check_critic()
         self._check_batch_sizes()
         self._check_token_caps()
+        self._check_rollout_pool()
+        check_async(self)
         self.rollout_backend  # noqa: B018 -- a backend that cannot run this model fails here
 
     def _check_critic(self) -> None:
@@ -559,6 +575,13 @@ class GRPOConfig(RecipeConfig):
                 f"data-parallel size {self.dp_size}: a prompt's responses stay on one DP rank, so every rank "
                 "needs a prompt"
             )
+
+    def _check_rollout_pool(self) -> None:
+        """verl's default: actor_rollout_ref.rollout.n_gpus_per_node = trainer.n_gpus_per_node."""
+        rollout = self.actor_rollout_ref.rollout
+        if rollout.n_gpus_per_node is None:
+            rollout.n_gpus_per_node = self.trainer.n_gpus_per_node
+        check_positive("actor_rollout_ref.rollout.n_gpus_per_node", rollout.n_gpus_per_node)
 
     def _check_token_caps(self) -> None:
         actor, rollout, sp = self.actor_rollout_ref.actor, self.actor_rollout_ref.rollout, self.sp_size

@@ -78,6 +78,7 @@ from verl_balance.rewards.watchdog import score_batch_watched
 from verl_balance.rollout import RolloutOutput, build_rollout_batch
 from verl_balance.trainer import checkpoint, cluster
 from verl_balance.trainer.advantage_step import compute_step_advantages, prompt_baselines
+from verl_balance.trainer.config_checks import ConfigError
 from verl_balance.trainer.driver import DriverBase
 from verl_balance.trainer.generations import decode_generations, dump_generations
 from verl_balance.trainer.grpo_config import validate_grpo
@@ -234,12 +235,20 @@ class GRPOTrainer(DriverBase):
 
     plot_panels = PLOT_PANELS
     console_keys = DEFAULT_RL_KEYS
+    worker_cls = ActorRolloutWorker
+    trainer_modes: tuple[str, ...] = ("sync",)
+    """The ``trainer.v1.trainer_mode`` values this class runs (async modes: trainer/async_pipeline.py)."""
     actor: ActorRolloutGroup
     critic: CriticGroup | None = None
     """The critic's worker group (algorithm.adv_estimator=gae), None otherwise."""
 
     def __init__(self, cfg) -> None:
         self.config = config = validate_grpo(cfg)
+        if config.trainer.v1.trainer_mode not in self.trainer_modes:
+            raise ConfigError(
+                f"trainer.v1.trainer_mode={config.trainer.v1.trainer_mode!r} is run by "
+                f"trainer.async_pipeline.grpo_trainer_class(cfg) (main_grpo picks it), not {type(self).__name__}"
+            )
         arr = config.actor_rollout_ref
         self.actor_cfg, self.rollout_cfg = a, r = arr.actor, arr.rollout
         check_model_files(arr.model, chat_key="data.prompt_key")  # prompts are chats
@@ -258,7 +267,7 @@ class GRPOTrainer(DriverBase):
         self.policy_loss = a.policy_loss_config()
         self.start_workers(
             worker_config=self._worker_config(),
-            worker_cls=ActorRolloutWorker,
+            worker_cls=self.worker_cls,
             description=(
                 f"{arr.model.describe(self.model_config)}; {len(self.train_set)} train prompts x n={r.n}, "
                 f"{self.total_steps} steps of {self.updates_per_step} optimizer step(s)"

@@ -1,0 +1,153 @@
+"""verl's ``trainer.v1`` keys (the trainer mode and the off-policy sampler) and their checks.
+
+``trainer.v1.trainer_mode`` picks how ``main_grpo`` runs a step:
+
+- ``sync`` (default): today's ``GRPOTrainer``, generation then scoring then update, nothing else
+  changes (the async keys are not read);
+- ``separate_async``: ``trainer.async_pipeline.AsyncGRPOTrainer``, a rollout worker group of
+  ``actor_rollout_ref.rollout.nnodes x n_gpus_per_node`` workers on its own resource pool,
+  generating batch k+1 while the actor group trains on batch k (one-step off-policy with
+  ``num_warmup_batches=1``);
+- ``colocate_async``: verl's key, not built here: rejected at start-up naming the alternatives.
+
+verl (``verl/trainer/config/ppo_trainer.yaml``, ``trainer/ppo/v1/``) requires
+``data.train_batch_size = parameter_sync_step x ppo_mini_batch_size`` in ``separate_async``: the
+rollout receives new weights after the step's ``parameter_sync_step`` optimizer steps. Here a step
+trains the whole batch (its ``ppo_epochs x`` mini-batches) and then syncs once, so the same
+check holds and the step boundary is the sync point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from verl_balance.engine.config import APPLY_ON_RESUME
+from verl_balance.trainer.config_checks import ConfigError, check_choice, check_positive
+
+TRAINER_MODES = ("sync", "colocate_async", "separate_async")
+OFF_POLICY_STRATEGIES = ("drop", "wait")
+MODE_KEY = "trainer.v1.trainer_mode"
+
+
+@dataclass
+class ColocateAsyncSection:
+    """verl's ``trainer.v1.colocate_async`` (the mode itself is not built: rejected at start-up)."""
+
+    num_warmup_batches: int = 1
+    """Batches generated ahead of training."""
+
+
+@dataclass
+class SeparateAsyncSection:
+    """verl's ``trainer.v1.separate_async``."""
+
+    num_warmup_batches: int = 1
+    """Batches in flight ahead of training: batch k is generated with the weights of step
+    max(k - num_warmup_batches, 0) (1 = one-step off-policy)."""
+    parameter_sync_step: int = 4
+    """Optimizer steps between two weight syncs actor -> rollout; verl requires
+    data.train_batch_size = parameter_sync_step x actor.ppo_mini_batch_size."""
+
+    def __post_init__(self) -> None:
+        check_positive("num_warmup_batches", self.num_warmup_batches)
+        check_positive("parameter_sync_step", self.parameter_sync_step)
+
+
+@dataclass
+class SamplerSection:
+    """verl's ``trainer.v1.sampler``: how stale a sample may be when it is trained on."""
+
+    max_off_policy_threshold: int = 8
+    """Most policy versions between the weights that generated a sample and the weights it trains."""
+    max_off_policy_strategy: str = "drop"
+    """drop: prompt groups older than the threshold are not trained on (logged as dropped);
+    wait: generation waits so that no batch gets older than the threshold."""
+
+    def __post_init__(self) -> None:
+        check_positive("max_off_policy_threshold", self.max_off_policy_threshold)
+        check_choice("max_off_policy_strategy", self.max_off_policy_strategy, OFF_POLICY_STRATEGIES)
+
+
+@dataclass
+class V1Section:
+    """verl's ``trainer.v1``: the trainer mode and its settings."""
+
+    trainer_mode: str = field(default="sync", metadata=APPLY_ON_RESUME)
+    """sync | colocate_async | separate_async (see trainer/async_config.py)."""
+    colocate_async: ColocateAsyncSection = field(default_factory=ColocateAsyncSection)
+    """The colocated asynchronous mode's settings."""
+    separate_async: SeparateAsyncSection = field(default_factory=SeparateAsyncSection)
+    """The separate-rollout-pool mode's settings."""
+    sampler: SamplerSection = field(default_factory=SamplerSection)
+    """Bounded staleness of the asynchronous modes."""
+
+    def __post_init__(self) -> None:
+        check_choice("trainer_mode", self.trainer_mode, TRAINER_MODES)
+
+    @property
+    def lookahead(self) -> int:
+        """Batches generated ahead of the one being trained: ``num_warmup_batches``, and under
+        ``wait`` never more than ``max_off_policy_threshold`` (so nothing gets older than it)."""
+        ahead = self.separate_async.num_warmup_batches
+        if self.sampler.max_off_policy_strategy == "wait":
+            ahead = min(ahead, self.sampler.max_off_policy_threshold)
+        return ahead
+
+
+def check_async(config) -> None:
+    """Cross-section checks of ``trainer.v1`` on a validated ``GRPOConfig`` (ConfigError naming the keys)."""
+    v1 = config.trainer.v1
+    if v1.trainer_mode == "sync":
+        return
+    if v1.trainer_mode == "colocate_async":
+        raise ConfigError(
+            f"{MODE_KEY}='colocate_async' is not supported by verl_balance yet; use 'separate_async' (a rollout "
+            "worker group on its own workers, actor_rollout_ref.rollout.nnodes x n_gpus_per_node) or 'sync'"
+        )
+    rollout = config.actor_rollout_ref.rollout
+    if rollout.nnodes < 1 or rollout.rollout_workers < 1:
+        raise ConfigError(
+            f"{MODE_KEY}='separate_async' needs its own rollout workers: actor_rollout_ref.rollout.nnodes="
+            f"{rollout.nnodes} x n_gpus_per_node={rollout.n_gpus_per_node}; set both >= 1 (verl's keys)"
+        )
+    sync_step = v1.separate_async.parameter_sync_step
+    actor, batch = config.actor_rollout_ref.actor, config.data.train_batch_size
+    if sync_step * actor.ppo_mini_batch_size != batch:
+        raise ConfigError(
+            f"trainer.v1.separate_async.parameter_sync_step={sync_step} x actor_rollout_ref.actor."
+            f"ppo_mini_batch_size={actor.ppo_mini_batch_size} must equal data.train_batch_size={batch} (verl's "
+            f"rule: the rollout gets new weights once per step); set parameter_sync_step="
+            f"{batch // actor.ppo_mini_batch_size}"
+        )
+    sampler = v1.sampler
+    if (
+        sampler.max_off_policy_strategy == "drop"
+        and v1.separate_async.num_warmup_batches > sampler.max_off_policy_threshold
+    ):
+        raise ConfigError(
+            f"trainer.v1.separate_async.num_warmup_batches={v1.separate_async.num_warmup_batches} generates batches "
+            f"that many versions ahead, more than trainer.v1.sampler.max_off_policy_threshold="
+            f"{sampler.max_off_policy_threshold}: with max_off_policy_strategy=drop every batch after the first would "
+            "be dropped; lower num_warmup_batches, raise the threshold, or use max_off_policy_strategy=wait"
+        )
+    if config.use_critic:
+        raise ConfigError(
+            f"{MODE_KEY}='separate_async' with algorithm.adv_estimator=gae is not supported yet (the critic's "
+            "values would be stale too); use a critic-free estimator such as grpo, or trainer.v1.trainer_mode=sync"
+        )
+    if config.actor_rollout_ref.model.lora_rank:
+        raise ConfigError(
+            f"{MODE_KEY}='separate_async' with actor_rollout_ref.model.lora_rank > 0 is not supported yet (the "
+            "weight sync sends full tensors); train LoRA with trainer.v1.trainer_mode=sync"
+        )
+
+
+__all__ = [
+    "MODE_KEY",
+    "OFF_POLICY_STRATEGIES",
+    "TRAINER_MODES",
+    "SamplerSection",
+    "SeparateAsyncSection",
+    "V1Section",
+    "check_async",
+]

@@ -1,0 +1,433 @@
+"""``trainer.v1.trainer_mode=separate_async``: GRPO with a separate rollout group, one step off-policy.
+
+``AsyncGRPOTrainer`` is ``GRPOTrainer`` whose training rollouts come from a rollout worker group on
+its own resource pool (``actor_rollout_ref.rollout.nnodes x n_gpus_per_node`` RolloutWorkers,
+``workers/rollout_worker.py``), each holding a copy of the policy. Step k:
+
+1. submit the generation of the batches up to k + ``lookahead`` that are not in flight yet (their
+   prompts are the loader's next items, read without moving it: ``peek_loader_item``); a rollout
+   worker runs its calls in order, so a batch generates with the weights of the last sync submitted
+   before it: its policy version, recorded on every row (``policy_version``);
+2. wait for batch k (``timing_s/gen`` is the part of its generation that step k-1's training did not
+   hide) and apply the sampler: staleness = k - version; with ``max_off_policy_strategy=drop`` the
+   rows staler than ``max_off_policy_threshold`` are not trained on (``wait`` caps the lookahead
+   instead, ``V1Section.lookahead``);
+3. score, reference log-probs, advantages and the PPO updates as in ``GRPOTrainer`` (the training
+   plan balances the batch over the actor's DP ranks as in sync mode). The update's old log-probs
+   are the rollout's recorded ones (verl's ``rollout_correction.bypass_mode`` with the ppo_clip
+   loss: the PPO ratio pi_theta / pi_rollout is the importance weight, clipped). With
+   ``actor.recompute_old_log_prob=always`` the actor's log-probs of the batch are computed first
+   and the token- and sequence-level importance weights exp(log pi_actor - log pi_rollout) are
+   logged (``off_policy/is_weight_*``, ``rollout_correction.is_weights``);
+4. sync the new weights actor -> rollout group in buckets (``workers/weight_sync.py``): version k+1.
+
+With ``num_warmup_batches=1`` batch k is generated with the weights of step k-1 (step 0's with the
+initial weights) while step k-1 trains: one-step off-policy. Validation generates on the actor
+group's colocated rollout with the current weights, as in sync mode.
+
+Rollout work is spread over the rollout workers by predicted tokens, n x (prompt length +
+expected response length) per prompt (``balance.partition.balanced_partition``, prompt counts
+within one of each other); ``rollout/imbalance_predicted`` and ``rollout/imbalance_measured``
+(max / mean of the workers' busy seconds) report it like the training side's ``balance/*``.
+A sample's tokens depend only on its prompt, its seed (``sampling_seed(seed, sample_index)``) and
+the weights, not on the worker that drew it.
+
+Not built yet: LoRA adapters-only sync, a critic, exact resume of the in-flight batches (a
+resumed or restarted run regenerates the next batch with the restored weights), colocate_async.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, replace
+
+import numpy as np
+import ray
+import torch
+from omegaconf import OmegaConf
+
+from verl_balance.algorithms import rollout_correction as rc
+from verl_balance.balance.partition import balanced_partition
+from verl_balance.batch_keys import (
+    ATTENTION_MASK_KEY,
+    INDEX_KEY,
+    LOSS_MASK_KEY,
+    OLD_LOG_PROBS_KEY,
+    POLICY_VERSION_KEY,
+    PROMPT_IDS_KEY,
+    PROMPT_LENGTHS_KEY,
+    RESPONSE_LENGTHS_KEY,
+    ROLLOUT_LOG_PROBS_KEY,
+    SAMPLE_INDEX_KEY,
+    TEMPERATURE_KEY,
+    UID_KEY,
+)
+from verl_balance.protocol import Batch
+from verl_balance.rollout import RolloutOutput, build_rollout_batch
+from verl_balance.single_controller.resource_pool import RayResourcePool, UnplaceableResourcePoolError
+from verl_balance.single_controller.worker_group import GroupFuture, RayClassWithInitArgs
+from verl_balance.trainer import cluster
+from verl_balance.trainer.async_config import MODE_KEY
+from verl_balance.trainer.grpo_trainer import GRPOTrainer, _timed, merge_rollout_outputs
+from verl_balance.trainer.sections import TrainerSection
+from verl_balance.workers.actor_rollout import sampling_seed
+from verl_balance.workers.rollout_group import RolloutGroup
+from verl_balance.workers.rollout_worker import RolloutWorker, RolloutWorkerConfig
+from verl_balance.workers.weight_sync import DEFAULT_BUCKET_BYTES, AsyncActorRolloutWorker
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------- pure helpers
+def peek_loader_item(loader, ahead: int):
+    """The item ``for item in loader`` yields ``ahead`` (>= 1) items after the one it yielded last,
+    without moving the loader (its order is a function of its seed, epoch and position)."""
+    sampler = loader.sampler
+    per_epoch = len(sampler)
+    linear = sampler.position + ahead - 1
+    epoch, position = sampler.epoch + linear // per_epoch, linear % per_epoch
+    order = sampler.epoch_order(epoch)
+    indices = order[position * sampler.batch_size : (position + 1) * sampler.batch_size]
+    return loader.collate_fn([loader.dataset[int(i)] for i in indices])
+
+
+def assign_prompts(costs: np.ndarray, *, num_workers: int) -> tuple[list[np.ndarray], dict]:
+    """Prompt ids per rollout worker, balanced by ``costs`` (counts within one), and the
+    predicted imbalance (max / mean load) of that split and of the contiguous one."""
+    costs = np.asarray(costs, dtype=np.float64)
+    parts = balanced_partition(costs=costs, num_parts=num_workers, equal_size=True)
+    bounds = np.linspace(0, len(costs), num_workers + 1).round().astype(int)
+
+    def imbalance(loads) -> float:
+        loads = np.asarray(loads, dtype=np.float64)
+        return float(loads.max() / loads.mean()) if loads.mean() > 0 else 1.0
+
+    return parts, {
+        "rollout/imbalance_predicted": imbalance([costs[p].sum() for p in parts]),
+        "rollout/imbalance_predicted_naive": imbalance([costs[a:b].sum() for a, b in zip(bounds[:-1], bounds[1:])]),
+    }
+
+
+def select_output_rows(output: RolloutOutput, rows: np.ndarray) -> RolloutOutput:
+    """The rows ``rows`` of a RolloutOutput, in that order."""
+    index = torch.as_tensor(rows, dtype=torch.long)
+    return RolloutOutput(
+        prompt_index=output.prompt_index[rows],
+        responses=output.responses[index],
+        response_mask=output.response_mask[index],
+        response_lengths=output.response_lengths[index],
+        finish_reasons=output.finish_reasons[rows],
+        log_probs=None if output.log_probs is None else output.log_probs[index],
+    )
+
+
+def merge_assigned_outputs(outputs: list, parts: list[np.ndarray], *, pad_token_id: int) -> RolloutOutput:
+    """One prompt-major RolloutOutput from per-worker outputs, worker w having answered the
+    prompts ``parts[w]`` (its local prompt i is global prompt ``parts[w][i]``)."""
+    remapped = [
+        None if o is None else replace(o, prompt_index=np.asarray(p)[o.prompt_index]) for o, p in zip(outputs, parts)
+    ]
+    merged = merge_rollout_outputs(remapped, prompt_offsets=[0] * len(parts), pad_token_id=pad_token_id)
+    return select_output_rows(merged, np.argsort(merged.prompt_index, kind="stable"))
+
+
+def stale_rows(versions: np.ndarray, *, current: int, threshold: int) -> np.ndarray:
+    """Rows whose staleness (current version - the version that generated them) exceeds ``threshold``."""
+    return (current - np.asarray(versions)) > threshold
+
+
+def is_weight_metrics(batch: Batch) -> dict:
+    """Token- and sequence-level importance weights exp(log pi_actor - log pi_rollout) of the
+    batch (``rollout_correction.is_weights``, no truncation): mean, max, min over loss-mask
+    tokens / non-empty sequences."""
+    mask = batch[LOSS_MASK_KEY].double()
+    log_ratio = (batch[OLD_LOG_PROBS_KEY].double() - batch[ROLLOUT_LOG_PROBS_KEY].double()) * mask
+    out = {}
+    for level in rc.IS_LEVELS:
+        config = rc.RolloutCorrectionConfig(rollout_is=level)
+        stats = rc.per_sequence_stats(log_ratio, mask) if level == "sequence" else None
+        weights = rc.is_weights(log_ratio=log_ratio, loss_mask=mask, config=config, seq_stats=stats)
+        values = weights[mask.bool()] if level == "token" else weights[:, 0][mask.sum(1) > 0]
+        if values.numel():
+            out.update(
+                {
+                    f"off_policy/is_weight_{level}_mean": float(values.mean()),
+                    f"off_policy/is_weight_{level}_max": float(values.max()),
+                    f"off_policy/is_weight_{level}_min": float(values.min()),
+                }
+            )
+    return out
+
+
+@dataclass
+class InFlight:
+    """A batch whose generation was submitted to the rollout group."""
+
+    prompts: tuple[dict, dict]
+    parts: list[np.ndarray]
+    future: GroupFuture
+    version: int
+    """The policy version the rollout group generates it with (the last sync submitted before it)."""
+    predicted: dict
+
+
+# ---------------------------------------------------------------------- trainer
+class AsyncGRPOTrainer(GRPOTrainer):
+    """GRPO with a separate rollout worker group, generation overlapped with training."""
+
+    trainer_modes = ("separate_async",)
+    worker_cls = AsyncActorRolloutWorker
+    rollout_group: RolloutGroup | None = None
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        self.v1 = self.config.trainer.v1
+        self._recompute_old = self.actor_cfg.recompute_old_log_prob == "always"
+        self.old_log_prob_from_update = False  # every update is off-policy here
+        self._in_flight: dict[int, InFlight] = {}
+        self._rollout_version: int | None = None
+        self._sync_futures: list[GroupFuture] = []
+        self._bucket_plan: dict | None = None
+        self._expected_response = float(self.rollout_cfg.response_length)
+        try:
+            self.rollout_group = self._start_rollout_group()
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ rollout group
+    def _rollout_worker_config(self) -> RolloutWorkerConfig:
+        return RolloutWorkerConfig(
+            model=self.model_config,
+            pad_token_id=self.tokenizer.pad_token_id,
+            stop_token_ids=(self.tokenizer.eos_token_id,),
+            rollout_max_batch_size=self.rollout_cfg.max_num_seqs,
+            rollout_backend=self.config.rollout_backend,
+        )
+
+    def _start_rollout_group(self) -> RolloutGroup:
+        """Place nnodes x n_gpus_per_node rollout workers on their own pool and build their engines."""
+        r, t = self.rollout_cfg, self.trainer_config
+        pool = RayResourcePool(
+            n_gpus_per_node=r.n_gpus_per_node,
+            nnodes=r.nnodes,
+            use_gpu=self.actor.resource_pool.use_gpu,
+            placement_timeout_s=t.placement_timeout_s,
+        )
+        try:
+            group = RolloutGroup(
+                resource_pool=pool,
+                ray_cls_with_init=RayClassWithInitArgs(RolloutWorker, self._rollout_worker_config()),
+                call_timeout_s=getattr(t, "worker_call_timeout_s", TrainerSection.worker_call_timeout_s),
+                heartbeat_s=getattr(t, "heartbeat_interval_s", TrainerSection.heartbeat_interval_s),
+                timeout_hint="trainer.worker_call_timeout_s sets this limit",
+            )
+        except UnplaceableResourcePoolError as err:
+            pool.remove()
+            raise cluster.ClusterTooSmallError(
+                f"actor_rollout_ref.rollout.nnodes={r.nnodes} x n_gpus_per_node={r.n_gpus_per_node} rollout workers "
+                f"do not fit the Ray cluster beside the {self.world} actor workers: {err}. Lower them or use a "
+                "larger cluster"
+            ) from err
+        except BaseException:
+            pool.remove()
+            raise
+        try:
+            group.init_model()
+        except BaseException:
+            cluster.release_group(group)
+            raise
+        logger.info("%d rollout workers on their own pool (%s)", group.world_size, MODE_KEY + "=separate_async")
+        self._rollout_version = None
+        return group
+
+    def close(self) -> None:
+        """Stop the rollout workers too."""
+        try:
+            if self.rollout_group is not None:
+                cluster.release_group(self.rollout_group)
+                self.rollout_group = None
+        finally:
+            super().close()
+
+    def restart_workers(self) -> None:
+        """A dead worker (actor's or rollout's) replaces every group; in-flight batches are regenerated."""
+        self._in_flight.clear()
+        self._sync_futures = []
+        if self.rollout_group is not None:
+            cluster.release_group(self.rollout_group, broken="the old rollout group")
+        self.rollout_group = self._start_rollout_group()
+        super().restart_workers()
+
+    def _load(self, path: str) -> None:
+        """Resume: the restored weights go to the rollout group before the next generation."""
+        super()._load(path)
+        self._in_flight.clear()
+        self._rollout_version = None
+
+    # ------------------------------------------------------------------ weight sync
+    def sync_weights(self, *, version: int) -> dict:
+        """Send the actor's weights to every rollout worker in buckets (not waiting for the rollout
+        side, which applies them after the generations submitted before); the sync's metrics."""
+        start = time.perf_counter()
+        if self._bucket_plan is None:
+            self._bucket_plan = self.actor.weight_buckets(self.bucket_bytes)[0]
+        buckets = self._bucket_plan["buckets"]
+        futures = []
+        for i, names in enumerate(buckets):
+            bucket = ray.put(self.actor.export_weight_bucket(names)[0])
+            futures.append(self.rollout_group.receive_weights.submit(bucket, version, i == len(buckets) - 1))
+        self._sync_futures = futures
+        self._rollout_version = version
+        return {
+            "weight_sync/bytes": float(self._bucket_plan["bytes"]),
+            "weight_sync/buckets": float(len(buckets)),
+            "timing_s/weight_sync": time.perf_counter() - start,
+        }
+
+    def _wait_for_sync(self) -> None:
+        for future in self._sync_futures:
+            future.get()
+        self._sync_futures = []
+
+    # ------------------------------------------------------------------ generation
+    def _submit(self, prompts: tuple[dict, dict], *, step: int) -> InFlight:
+        """Start generating the batch of ``prompts`` (training batch ``step``) on the rollout group."""
+        tensors, non_tensors = prompts
+        lengths = tensors[ATTENTION_MASK_KEY].sum(1)
+        r = self.rollout_cfg
+        costs = r.n * (lengths.double().numpy() + self._expected_response)
+        parts, predicted = assign_prompts(costs, num_workers=self.rollout_group.world_size)
+        prompt_batch = Batch.from_dict(
+            tensors={PROMPT_LENGTHS_KEY: lengths},
+            non_tensors={
+                PROMPT_IDS_KEY: non_tensors[PROMPT_IDS_KEY],
+                SAMPLE_INDEX_KEY: np.asarray(non_tensors[INDEX_KEY], dtype=np.int64),
+            },
+        )
+        sampling = dict(n=r.n, temperature=r.temperature, top_p=r.top_p, max_response_length=r.response_length)
+        seed = sampling_seed(self.config.trainer.seed, step)
+        chunks = [prompt_batch.index_select(p) for p in parts]
+        future = self.rollout_group.generate_sequences.submit(chunks, sampling, seed)
+        return InFlight(prompts=prompts, parts=parts, future=future, version=self._rollout_version, predicted=predicted)
+
+    def _submit_ahead(self, step: int) -> None:
+        """Keep the batches up to ``step + lookahead`` in flight (never past the run's last step)."""
+        for ahead in range(1, self.v1.lookahead + 1):
+            target = step + ahead
+            if target < self.total_steps and target not in self._in_flight:
+                self._in_flight[target] = self._submit(peek_loader_item(self.loader, ahead), step=target)
+
+    def _collect(self, flight: InFlight, metrics: dict) -> Batch:
+        """Wait for a submitted batch: the rollout batch (prompt-major) with its policy version."""
+        answers = flight.future.get()
+        self._wait_for_sync()
+        versions = {a["version"] for a in answers}
+        assert versions == {flight.version}, (versions, flight.version)
+        output = merge_assigned_outputs(
+            [a["output"] for a in answers], flight.parts, pad_token_id=self.tokenizer.pad_token_id
+        )
+        _, non_tensors = flight.prompts
+        columns = {UID_KEY: non_tensors[INDEX_KEY]}
+        for key in ("data_source", "ground_truth", "extra_info"):
+            columns[key] = non_tensors[key]
+        batch = build_rollout_batch(
+            prompts=list(non_tensors[PROMPT_IDS_KEY]),
+            output=output,
+            pad_token_id=self.tokenizer.pad_token_id,
+            prompt_columns=columns,
+        )
+        batch[POLICY_VERSION_KEY] = torch.full((len(batch),), flight.version, dtype=torch.int64)
+        busy = np.array([a["busy_s"] for a in answers])
+        metrics.update(flight.predicted)
+        metrics["timing_s/rollout_busy_max"] = float(busy.max())
+        if busy.mean() > 0:
+            metrics["rollout/imbalance_measured"] = float(busy.max() / busy.mean())
+        return batch
+
+    # ------------------------------------------------------------------ step
+    def train_step(self, prompts: tuple[dict, dict]) -> dict:
+        """One step: batch k (generated ahead) trains while the next batches generate; then sync."""
+        metrics: dict = {}
+        step = self.global_step
+        with _timed(metrics, "step"):
+            if self._rollout_version is None:  # a fresh rollout group, or a resumed actor
+                metrics.update(self.sync_weights(version=step))
+            flight = self._in_flight.pop(step, None) or self._submit(prompts, step=step)
+            self._submit_ahead(step)
+            self.phase("rollout")
+            with _timed(metrics, "gen"):
+                batch = self._collect(flight, metrics)
+            batch = self._apply_sampler(batch, metrics)
+            if len(batch):
+                self._train_on(batch, metrics)
+            metrics.update(self.sync_weights(version=step + 1))
+        if len(batch):
+            metrics.update(self._rollout_metrics(batch, *self._last_scores, prefix=""))
+            tokens = int(batch[ATTENTION_MASK_KEY].sum())
+            metrics.update({"perf/tokens": tokens, "perf/tokens_per_s": tokens / metrics["timing_s/step"]})
+            self._expected_response = float(batch[RESPONSE_LENGTHS_KEY].double().mean())
+        metrics.update({"train/epoch": float(self.loader.epoch), "train/old_log_prob_pass": float(self._recompute_old)})
+        return metrics
+
+    def _apply_sampler(self, batch: Batch, metrics: dict) -> Batch:
+        """Staleness statistics (``off_policy/*``); with ``drop`` the batch without its stale rows."""
+        versions = batch[POLICY_VERSION_KEY].numpy()
+        staleness = self.global_step - versions
+        metrics["off_policy/staleness_mean"] = float(staleness.mean())
+        metrics["off_policy/staleness_max"] = float(staleness.max())
+        metrics["off_policy/policy_version"] = float(self.global_step)
+        sampler = self.v1.sampler
+        if sampler.max_off_policy_strategy != "drop":
+            return batch
+        stale = stale_rows(versions, current=self.global_step, threshold=sampler.max_off_policy_threshold)
+        metrics["off_policy/dropped_rows"] = float(stale.sum())
+        if not stale.any():
+            return batch
+        logger.warning("step %d: %d rows staler than the sampler's threshold dropped", self.global_step, stale.sum())
+        return batch.index_select(np.flatnonzero(~stale))
+
+    def _train_on(self, batch: Batch, metrics: dict) -> None:
+        """Score, reference (and with recompute_old_log_prob=always the actor's) log-probs,
+        advantages and the PPO updates against the rollout's recorded log-probs."""
+        batch.meta[TEMPERATURE_KEY] = float(self.rollout_cfg.temperature)
+        self.old_log_prob_from_update = not self._recompute_old  # skips the old-log-prob pass
+        try:
+            pending = self._submit_log_prob_passes(batch, metrics)
+        finally:
+            self.old_log_prob_from_update = False
+        with _timed(metrics, "reward"):
+            scores, extras = self.score(batch)
+        self._last_scores = (scores, extras)
+        self._dump_rollout(batch, scores, extras)
+        self.phase("log-prob passes")
+        self._collect_log_prob_passes(batch, pending, metrics)
+        if OLD_LOG_PROBS_KEY in batch:
+            metrics.update(is_weight_metrics(batch))
+        batch[OLD_LOG_PROBS_KEY] = batch[ROLLOUT_LOG_PROBS_KEY].clone()  # bypass: the behaviour policy's
+        with _timed(metrics, "adv"):
+            self._attach_advantages(batch, scores)
+        self.phase("actor update")
+        with _timed(metrics, "update"):
+            metrics.update(
+                self.update_actor(batch.select(batch_keys=[k for k in batch.tensor_keys if k != POLICY_VERSION_KEY]))
+            )
+
+
+def grpo_trainer_class(cfg) -> type[GRPOTrainer]:
+    """The trainer ``trainer.v1.trainer_mode`` asks for (``sync`` and an absent key: GRPOTrainer)."""
+    mode = OmegaConf.select(cfg, MODE_KEY, default="sync")
+    return AsyncGRPOTrainer if mode == "separate_async" else GRPOTrainer
+
+
+__all__ = [
+    "AsyncGRPOTrainer",
+    "assign_prompts",
+    "grpo_trainer_class",
+    "is_weight_metrics",
+    "merge_assigned_outputs",
+    "peek_loader_item",
+    "stale_rows",
+]

@@ -1,0 +1,113 @@
+"""RolloutWorker: a rollout engine on its own worker, holding its own copy of the policy.
+
+``trainer.v1.trainer_mode=separate_async`` places ``actor_rollout_ref.rollout.nnodes x
+n_gpus_per_node`` of these on a resource pool of their own. They never join a torch.distributed
+group: each generates for its own prompts (mesh ``"rollout"``, every worker its own DP rank) with
+the weights the driver last sent (``receive_weights``, bucket by bucket from the actor group,
+``workers/weight_sync.py``).
+
+Invariants:
+- A worker runs its calls in submission order (a Ray actor), so a ``generate_sequences``
+  submitted before a sync generates with the weights before it, whatever the timing: the policy
+  version of a batch is fixed when it is submitted (``trainer/async_pipeline.py``).
+- ``receive_weights`` copies each bucket into the worker's own tensors; the rollout engine is
+  pointed at them once the last bucket of a version arrived (``last=True``), so a generation never
+  sees a half-updated model.
+- Prompt ``i`` samples with ``sampling_seed(seed, sample_index[i])`` exactly as the colocated
+  rollout does (``ActorRolloutWorker.generate_sequences``), so a sample depends on its prompt, seed
+  and weights, not on which rollout worker drew it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from verl_balance.batch_keys import PROMPT_IDS_KEY, SAMPLE_INDEX_KEY
+from verl_balance.models.config import ModelConfig
+from verl_balance.models.hf import HFModelConfig
+from verl_balance.protocol import Batch
+from verl_balance.rollout import RolloutEngine, RolloutOutput, build_rollout
+from verl_balance.single_controller import Dispatch, Worker, make_mesh_dispatch, register
+from verl_balance.workers.actor_rollout import ROLLOUT_MESH, _to_cpu, sampling_seed
+
+
+@dataclass
+class RolloutWorkerConfig:
+    """What a separate rollout worker needs: the model's shape and the rollout's settings."""
+
+    model: ModelConfig | HFModelConfig
+    """The policy's architecture (the weights come from the actor group)."""
+    pad_token_id: int = 0
+    """Token id that right-pads responses."""
+    stop_token_ids: tuple = ()
+    """Token ids that end a response."""
+    rollout_max_batch_size: int | None = None
+    """Sequences decoded together (actor_rollout_ref.rollout.max_num_seqs); None = all at once."""
+    rollout_backend: str = "auto"
+    """The rollout engine (``rollout.factory.ROLLOUT_BACKENDS``)."""
+
+
+class RolloutWorker(Worker):
+    """One rollout worker of a separate rollout group."""
+
+    def __init__(self, config: RolloutWorkerConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.rollout: RolloutEngine | None = None
+        self._state: dict[str, torch.Tensor] = {}
+        self.version: int | None = None
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def init_model(self) -> dict:
+        """The rollout engine (no weights until the first ``receive_weights(last=True)``)."""
+        self.register_mesh(ROLLOUT_MESH, dp_rank=self.rank, dp_size=self.world_size, is_collect=True)
+        self.rollout = build_rollout(
+            self.config.model,
+            backend=self.config.rollout_backend,
+            pad_token_id=self.config.pad_token_id,
+            max_batch_size=self.config.rollout_max_batch_size,
+            device=self.device,
+        )
+        return {"rank": self.rank, "device": str(self.device)}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def receive_weights(self, bucket: dict[str, torch.Tensor], version: int, last: bool) -> None:
+        """Copy one bucket of unsharded tensors into this worker's copy; with ``last`` the rollout
+        generates with policy ``version`` from the next call on."""
+        for name, tensor in bucket.items():
+            own = self._state.get(name)
+            if own is None or own.shape != tensor.shape or own.dtype != tensor.dtype:
+                self._state[name] = tensor.to(self.device, copy=True)
+            else:
+                own.copy_(tensor)
+        if last:
+            self.rollout.update_weights(self._state)
+            self.version = int(version)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def weights_checksum(self) -> dict:
+        """{"version": v, "sum": float64 sum of every weight} (tests compare it with the actor's)."""
+        total = sum(float(t.double().sum()) for t in self._state.values())
+        return {"version": self.version, "sum": total, "names": sorted(self._state)}
+
+    @register(dispatch_mode=make_mesh_dispatch(ROLLOUT_MESH))
+    def generate_sequences(self, prompts: Batch, sampling: dict, seed: int) -> dict:
+        """Sample ``sampling["n"]`` responses per prompt of this worker's chunk with the current weights:
+        {"output": RolloutOutput or None (no prompts), "version": policy version, "busy_s": seconds}."""
+        if self.version is None:
+            raise RuntimeError("rollout worker has no weights yet: receive_weights(last=True) must come first")
+        start = time.perf_counter()
+        output: RolloutOutput | None = None
+        if len(prompts):
+            prompt_ids = [list(p) for p in prompts.non_tensors[PROMPT_IDS_KEY]]
+            seeds = [sampling_seed(seed, int(index)) for index in prompts.non_tensors[SAMPLE_INDEX_KEY]]
+            output = _to_cpu(
+                self.rollout.generate(prompt_ids, stop_token_ids=self.config.stop_token_ids, seeds=seeds, **sampling)
+            )
+        return {"output": output, "version": self.version, "busy_s": time.perf_counter() - start}
+
+
+__all__ = ["RolloutWorker", "RolloutWorkerConfig"]

@@ -1,0 +1,75 @@
+"""Weight sync from the actor group to a separate rollout group, in buckets of whole tensors.
+
+The actor's parameters are FSDP shards (DTensors). A sync walks them in ``state_dict`` order in
+buckets of at most ``bucket_bytes`` (a tensor larger than that is a bucket of its own): for each
+bucket every actor rank joins the all-gather of each tensor (``DTensor.full_tensor``, a collective
+over the mesh), and only global rank 0 returns the unsharded tensors, on the CPU; the driver hands
+them on to every rollout worker. At no time does any process hold more than one bucket of
+unsharded tensors beyond its own state: never a full model gathered on one rank.
+
+The tensors are exactly those of ``TrainEngine.full_state_dict`` (same names, dtype and values),
+so a rollout worker fed every bucket holds what the colocated rollout would have read.
+
+Invariants: every actor rank computes the same bucket plan (from the global shapes and dtypes of
+its state dict, in its order) and joins every ``export_weight_bucket`` call with the same names,
+so the collectives line up.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from verl_balance.single_controller import Dispatch, register
+from verl_balance.workers.actor_rollout import ActorRolloutWorker
+
+DEFAULT_BUCKET_BYTES = 256 << 20
+"""Unsharded bytes per sync bucket (verl's ``update_weights_bucket_megabytes`` is 2048 on GPUs;
+on CPU workers a smaller bucket bounds the driver's copy)."""
+
+
+def plan_buckets(sizes: list[tuple[str, int]], *, bucket_bytes: int) -> list[list[str]]:
+    """Consecutive tensor names grouped into buckets of at most ``bucket_bytes`` (a larger tensor
+    alone); every name in exactly one bucket, in the given order."""
+    if bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1")
+    buckets: list[list[str]] = []
+    filled = bucket_bytes  # forces a new bucket for the first tensor
+    for name, nbytes in sizes:
+        if filled + nbytes > bucket_bytes or not buckets:
+            buckets.append([])
+            filled = 0
+        buckets[-1].append(name)
+        filled += nbytes
+    return buckets
+
+
+def tensor_bytes(value: torch.Tensor) -> int:
+    """Unsharded bytes of a (possibly DTensor) parameter."""
+    return value.numel() * value.element_size()  # DTensor.numel() is the global count
+
+
+class AsyncActorRolloutWorker(ActorRolloutWorker):
+    """``ActorRolloutWorker`` plus the actor side of the weight sync to a separate rollout group."""
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def weight_buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict:
+        """This rank's plan: {"buckets": [[name, ...], ...], "bytes": total unsharded bytes}."""
+        sizes = [(name, tensor_bytes(value)) for name, value in self.engine.model.state_dict().items()]
+        return {"buckets": plan_buckets(sizes, bucket_bytes=bucket_bytes), "bytes": sum(b for _, b in sizes)}
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def export_weight_bucket(self, names: list[str]) -> dict[str, torch.Tensor] | None:
+        """The unsharded tensors ``names`` on CPU from global rank 0 (None on the others).
+        Collective: every rank must join with the same names."""
+        state = self.engine.model.state_dict()
+        out = {}
+        for name in names:
+            value = state[name]
+            full = (value.full_tensor() if isinstance(value, DTensor) else value).detach()
+            if self.rank == 0:
+                out[name] = full.cpu().clone()
+        return out if self.rank == 0 else None
+
+
+__all__ = ["AsyncActorRolloutWorker", "DEFAULT_BUCKET_BYTES", "plan_buckets", "tensor_bytes"]
