@@ -28,7 +28,7 @@ def hydra_main(cfg) -> None:
 
 def main() -> None:
     """The command line: overrides checked against the schema (a typo exits 2), then Hydra."""
-    run_recipe(hydra_main, schema=GRPOConfig)
+    run_recipe(hydra_main, recipe="grpo", schema=GRPOConfig)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ def hydra_main(cfg) -> None:
 
 def main() -> None:
     """The command line: overrides checked against the schema (a typo exits 2), then Hydra."""
-    run_recipe(hydra_main, schema=SFTConfig)
+    run_recipe(hydra_main, recipe="sft", schema=SFTConfig)
 
 
 if __name__ == "__main__":

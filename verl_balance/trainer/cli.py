@@ -144,13 +144,30 @@ def _has_config_flags(args: Sequence[str]) -> bool:
     return any(a.split("=")[0] in flags for a in args)
 
 
-def run_recipe(hydra_main: Callable[[], None], *, schema: type) -> None:
-    """Check the command line's overrides against ``schema``, then run the Hydra entry point with
-    the console teed into the run log (``utils.run_log``)."""
+def _verl_keys(recipe: str) -> str | None:
+    """verl's keys on the command line written as ours, no-effect keys removed (``sys.argv``
+    rewritten; trainer.verl_compat_keys); returns the start-up line naming the no-effect keys."""
+    from verl_balance.trainer.verl_compat_keys import startup_line, translate
+
+    try:
+        args, no_effect = translate(sys.argv[1:], recipe=recipe)
+    except ConfigError as err:
+        _fail(str(err))
+    sys.argv[1:] = args
+    return startup_line(no_effect, recipe=recipe)
+
+
+def run_recipe(hydra_main: Callable[[], None], *, schema: type, recipe: str) -> None:
+    """Translate verl's keys (``recipe``: 'grpo' or 'sft'), check the command line's overrides
+    against ``schema``, then run the Hydra entry point with the console teed into the run log
+    (``utils.run_log``)."""
     from verl_balance.utils import run_log
 
+    line = _verl_keys(recipe)
     args = sys.argv[1:]
     if not _has_config_flags(args) and os.environ.get("HYDRA_FULL_ERROR") != "1":
         check_overrides(args, schema=schema)
     with run_log.capture():
+        if line:
+            print(line, flush=True)
         hydra_main()

@@ -1,0 +1,361 @@
+"""verl's launch-script keys that our recipes accept beyond their own schema: one registry.
+
+Each ``VerlKey`` is a key of verl's FSDP example scripts (``examples/*_trainer/*fsdp*.sh``,
+``examples/sft/**/*fsdp*.sh``; test data in ``tests/data/verl_example_overrides/``) that the typed
+schemas do not declare, with its status here:
+
+- ``honoured``: written into ``target``, our key of the same meaning (setting both to different
+  values is an error naming them);
+- ``no_effect``: accepted and named once in the start-up line with its reason.
+
+``values``, when set, are the only values accepted; any other is refused naming the key, the valid
+values and the reason. From the registry derive the acceptance (``translate``, run on the command
+line before Hydra composes the config), the start-up line (``startup_line``) and the docs table
+``docs/verl_keys.md`` (``python -m verl_balance.trainer.verl_compat_keys > docs/verl_keys.md``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from verl_balance.trainer.config_checks import ConfigError
+
+__all__ = ["VERL_KEYS", "VerlKey", "docs_table", "lookup", "startup_line", "translate"]
+
+RECIPES = ("grpo", "sft")
+AR = "actor_rollout_ref"
+
+
+@dataclass(frozen=True)
+class VerlKey:
+    """One verl key (``pattern``: a dotted key, ``*`` for any part) and what our recipes do with it."""
+
+    pattern: str
+    status: str
+    """'honoured' (written into target) or 'no_effect' (accepted, logged at start-up)."""
+    reason: str
+    target: str | None = None
+    values: tuple[str, ...] | None = None
+    """The only values accepted (compared case-insensitively); None = any."""
+    recipes: tuple[str, ...] = RECIPES
+
+    def __post_init__(self) -> None:
+        assert self.status in ("honoured", "no_effect"), self.status
+        assert (self.target is not None) == (self.status == "honoured"), self.pattern
+
+
+def _honoured(pattern: str, target: str, reason: str, *, values=None, recipes=RECIPES) -> VerlKey:
+    return VerlKey(pattern, "honoured", reason, target=target, values=values, recipes=recipes)
+
+
+def _none(patterns: Sequence[str], reason: str, *, values=None, recipes=RECIPES) -> list[VerlKey]:
+    return [VerlKey(p, "no_effect", reason, values=values, recipes=recipes) for p in patterns]
+
+
+_FALSE = ("false",)
+_OFFLOAD = "CPU offload is not built yet: parameters and optimizer state stay on the device"
+_VLLM = "a vLLM/SGLang engine setting; our rollout (rollout.name: kv_cache or hf) runs on the actor's own weights"
+_FSDP = "the engine is FSDP2 over each data-parallel group"
+_ACTOR_LOGPROB = "the reference log-probs run on the actor's engine, with the actor's FSDP settings"
+_CHUNKED = "the output head is always chunked (model.logits_chunk_size), log-probs and entropy alike"
+
+VERL_KEYS: tuple[VerlKey, ...] = (
+    # -- honoured: verl's spelling of one of our keys
+    _honoured("data.max_response_length", f"{AR}.rollout.response_length", "verl's spelling", recipes=("grpo",)),
+    _honoured(f"{AR}.rollout.prompt_length", "data.max_prompt_length", "verl's spelling", recipes=("grpo",)),
+    *_none(
+        [f"{AR}.ref.log_prob_micro_batch_size_per_gpu", f"{AR}.ref.log_prob_max_token_len_per_gpu"],
+        "the reference log-prob pass takes the old log-prob pass's caps (rollout.log_prob_*); "
+        "a separate reference cap is not built",
+        recipes=("grpo",),
+    ),
+    _honoured(
+        f"{AR}.*.fsdp_config.ulysses_sequence_parallel_size",
+        f"{AR}.actor.ulysses_sequence_parallel_size",
+        "one Ulysses degree for the actor and its reference passes",
+        recipes=("grpo",),
+    ),
+    _honoured(
+        "reward.custom_reward_function.path", "custom_reward_function.path", "verl 0.9.1's spelling", recipes=("grpo",)
+    ),
+    _honoured(
+        "reward.custom_reward_function.name", "custom_reward_function.name", "verl 0.9.1's spelling", recipes=("grpo",)
+    ),
+    _honoured(
+        "engine.ulysses_sequence_parallel_size",
+        "ulysses_sequence_parallel_size",
+        "sft_trainer's spelling",
+        recipes=("sft",),
+    ),
+    _honoured("model.use_remove_padding", "use_remove_padding", "sft_trainer's spelling", recipes=("sft",)),
+    _honoured("optim.lr_warmup_steps_ratio", "optim.warmup_steps_ratio", "verl's spelling", recipes=("sft",)),
+    _honoured(
+        "optim.lr_decay_style", "optim.lr_scheduler", "verl's spelling", values=("constant", "cosine"), recipes=("sft",)
+    ),
+    _honoured(
+        "optim.warmup_style",
+        "optim.lr_scheduler",
+        "verl's older spelling",
+        values=("constant", "cosine"),
+        recipes=("sft",),
+    ),
+    # -- no effect here: the engine, the device, the rollout
+    *_none(
+        ["engine", "optim"],
+        "sft_trainer's config group of the FSDP engine; " + _FSDP,
+        values=("fsdp",),
+        recipes=("sft",),
+    ),
+    *_none(["model"], "sft_trainer's config group of an HF model", values=("hf_model",), recipes=("sft",)),
+    *_none([f"{AR}.actor.strategy", f"{AR}.ref.strategy", "engine.strategy"], _FSDP, values=("fsdp", "fsdp2")),
+    *_none(
+        [
+            "engine.tensor_model_parallel_size",
+            "engine.pipeline_model_parallel_size",
+            "engine.expert_model_parallel_size",
+        ],
+        "Megatron parallelism; " + _FSDP,
+        recipes=("sft",),
+    ),
+    *_none(
+        ["engine.use_mbridge", "engine.vanilla_mbridge", "engine.use_megatron_fsdp", f"{AR}.*.megatron.*"],
+        "read by verl's Megatron engine only; " + _FSDP,
+    ),
+    *_none(
+        [f"{AR}.*.fsdp_config.fsdp_size", "engine.fsdp_size"], _FSDP + " (fsdp_size=-1); hybrid sharding is not built"
+    ),
+    *_none(
+        [f"{AR}.*.fsdp_config.{k}" for k in ("param_offload", "optimizer_offload", "offload_policy")],
+        _OFFLOAD,
+        recipes=("grpo",),
+    ),
+    *_none([f"critic.fsdp.{k}" for k in ("param_offload", "optimizer_offload")], _OFFLOAD, recipes=("grpo",)),
+    *_none(
+        [f"{AR}.model.enable_activation_offload"],
+        "activation offload is not built; see model.enable_gradient_checkpointing",
+        recipes=("grpo",),
+    ),
+    *_none(
+        [f"{AR}.*.fsdp_config.{k}" for k in ("forward_prefetch", "use_orig_params", "model_dtype")]
+        + [f"{AR}.actor.fsdp_config.turbo_config.*", f"{AR}.ref.fsdp_config.turbo_config.*"],
+        "FSDP1/turbo engine setting; " + _FSDP,
+        recipes=("grpo",),
+    ),
+    *_none([f"{AR}.ref.fsdp_config.reshard_after_forward"], _ACTOR_LOGPROB, recipes=("grpo",)),
+    *_none(
+        [f"{AR}.*.entropy_checkpointing", f"{AR}.*.entropy_from_logits_with_chunking", f"{AR}.*.fsdp_config.entropy_*"]
+        + [f"{AR}.model.use_fused_kernels"],
+        _CHUNKED,
+        recipes=("grpo",),
+    ),
+    *_none(
+        [f"{AR}.actor.use_torch_compile", f"{AR}.ref.use_torch_compile"],
+        "the engine runs eagerly (no torch.compile)",
+        recipes=("grpo",),
+    ),
+    *_none([f"{AR}.nccl_timeout"], "worker calls are bounded by trainer.worker_call_timeout_s", recipes=("grpo",)),
+    *_none(
+        [f"{AR}.rollout.log_prob_use_dynamic_bsz", f"{AR}.ref.log_prob_use_dynamic_bsz"],
+        "the log-prob passes pack as the actor does (actor.use_dynamic_bsz), capped by rollout.log_prob_*",
+        recipes=("grpo",),
+    ),
+    *_none(
+        [
+            f"{AR}.rollout.{k}"
+            for k in (
+                "tensor_model_parallel_size",
+                "gpu_memory_utilization",
+                "enable_chunked_prefill",
+                "enable_prefix_caching",
+                "enforce_eager",
+                "free_cache_engine",
+                "max_model_len",
+                "max_num_batched_tokens",
+                "load_format",
+                "layered_summon",
+                "multi_stage_wake_up",
+                "checkpoint_engine.*",
+                "engine_kwargs.*",
+                "mode",
+            )
+        ],
+        _VLLM,
+        recipes=("grpo",),
+    ),
+    *_none(
+        [f"{AR}.rollout.calculate_log_probs"],
+        "the old log-probs come from the actor (recompute_old_log_prob)",
+        recipes=("grpo",),
+    ),
+    *_none([f"{AR}.rollout.ignore_eos"], "generation stops at the tokenizer's EOS", values=_FALSE, recipes=("grpo",)),
+    *_none(
+        [f"{AR}.rollout.top_k", f"{AR}.rollout.val_kwargs.top_k"],
+        "top-k sampling is off",
+        values=("-1", "0"),
+        recipes=("grpo",),
+    ),
+    *_none(
+        [f"{AR}.rollout.val_kwargs.do_sample"], "rollout.val_kwargs.temperature decides (0 = greedy)", recipes=("grpo",)
+    ),
+    *_none(
+        [f"{AR}.actor.calculate_sum_pi_squared"],
+        "read by verl's optimal_token_baseline estimator only",
+        recipes=("grpo",),
+    ),
+    *_none([f"{AR}.actor.optim.optimizer"], "the optimizer is AdamW", values=("adamw",), recipes=("grpo",)),
+    *_none(
+        [f"{AR}.actor.optim.lr_warmup_steps"],
+        "warm-up is set by optim.warmup_steps_ratio",
+        values=("-1", "0"),
+        recipes=("grpo",),
+    ),
+    *_none(
+        ["optim.min_lr", "optim.lr_warmup_init"],
+        "the schedule decays to optim.min_lr_ratio x lr from 0 warm-up",
+        recipes=("sft",),
+    ),
+    *_none(
+        ["critic.model.use_remove_padding"],
+        "the engine always runs packed sequences",
+        values=("true",),
+        recipes=("grpo",),
+    ),
+    *_none(["critic.model.enable_gradient_checkpointing"], "not applied to the critic yet", recipes=("grpo",)),
+    *_none(
+        ["model.trust_remote_code", f"{AR}.model.trust_remote_code", "data.trust_remote_code"],
+        "no remote code runs: the supported model families are built in",
+    ),
+    # -- data, reward, checkpoint, Ray
+    *_none(
+        [
+            "data.filter_overlong_prompts_workers",
+            "data.return_raw_chat",
+            "data.pad_mode",
+            "data.ignore_input_ids_mismatch",
+        ],
+        "the prompt dataset filters and packs in the driver (no padding)",
+    ),
+    *_none(
+        ["data.custom_cls.path", "data.custom_cls.name"],
+        "the prompt dataset is our RLHFDataset equivalent; custom dataset classes are not loaded",
+        values=("null", "none", "rlhfdataset"),
+    ),
+    *_none(["data.image_key", "data.image_patch_size"], "text-only models: image columns are not read"),
+    *_none(["checkpoint.save_contents"], "checkpoints always hold the model, the optimizer and the trainer state"),
+    *_none(
+        ["reward.num_workers"],
+        "rewards are scored in the driver (custom_reward_function.timeout_s bounds a call)",
+        recipes=("grpo",),
+    ),
+    *_none(
+        ["reward.reward_manager.name"],
+        "the reward is the rule or custom_reward_function of each sample",
+        values=("naive",),
+        recipes=("grpo",),
+    ),
+    *_none(
+        ["reward.reward_model.enable"],
+        "reward models are not built; rewards are rule-based",
+        values=_FALSE,
+        recipes=("grpo",),
+    ),
+    *_none(["reward.reward_model.*"], "read only with reward.reward_model.enable=true", recipes=("grpo",)),
+    *_none(["distillation.enabled"], "on-policy distillation is not built", values=_FALSE, recipes=("grpo",)),
+    *_none(["distillation.*"], "read only with distillation.enabled=true", recipes=("grpo",)),
+    *_none(["ray_kwargs.ray_init.*"], "not passed to ray.init yet: the cluster starts from trainer.* settings"),
+)
+
+
+def lookup(key: str, *, recipe: str) -> VerlKey | None:
+    """The registry's entry for ``key`` in ``recipe`` ('grpo' or 'sft'), or None."""
+    for entry in VERL_KEYS:
+        if recipe in entry.recipes and fnmatch.fnmatchcase(key, entry.pattern):
+            return entry
+    return None
+
+
+def _split(arg: str) -> tuple[str, str]:
+    key, _, value = arg.partition("=")
+    return key.lstrip("+"), value
+
+
+def _norm(value: str) -> str:
+    return value.strip().strip("'\"").lower()
+
+
+def _check_value(key: str, value: str, entry: VerlKey) -> None:
+    if entry.values is not None and _norm(value) not in entry.values:
+        raise ConfigError(
+            f"{key}={value}: this project accepts only {list(entry.values)} here ({entry.reason}); "
+            "set one of them or remove the key"
+        )
+
+
+def translate(args: Sequence[str], *, recipe: str) -> tuple[list[str], list[str]]:
+    """(the command line with verl's keys written as ours and no-effect keys removed, the
+    no-effect keys); ConfigError on a refused value or two spellings set to different values."""
+    out: list[str] = []
+    seen: dict[str, tuple[str, str]] = {}
+    no_effect: list[str] = []
+    for given in args:
+        if "=" not in given or given.startswith("-"):
+            out.append(given)
+            continue
+        key, value = _split(given)
+        entry = lookup(key, recipe=recipe)
+        arg = given
+        if entry is not None:
+            _check_value(key, value, entry)
+            if entry.status == "no_effect":
+                no_effect.append(key)
+                continue
+            key, arg = entry.target, f"{entry.target}={value}"
+        elif key == "trainer.logger" and not value.lstrip().startswith("["):
+            arg = f"trainer.logger=[{value}]"  # verl takes one logger name too; ours is a list
+        if key in seen:
+            if _norm(seen[key][1]) != _norm(value):
+                raise ConfigError(f"{seen[key][0]} and {given} set {key} to different values; set one of them")
+            continue
+        seen[key] = (given, value)
+        out.append(arg)
+    return out, no_effect
+
+
+def startup_line(no_effect: Sequence[str], *, recipe: str) -> str | None:
+    """One line naming each no-effect key once, with its reason; None when there is none."""
+    if not no_effect:
+        return None
+    by_reason: dict[str, list[str]] = {}
+    for key in dict.fromkeys(no_effect):
+        by_reason.setdefault(lookup(key, recipe=recipe).reason, []).append(key)
+    parts = [f"{', '.join(keys)} ({reason})" for reason, keys in by_reason.items()]
+    return "verl keys accepted with no effect here: " + "; ".join(parts)
+
+
+def docs_table() -> str:
+    """``docs/verl_keys.md``: every registry entry with its status, recipes and reason."""
+    lines = [
+        "# verl keys beyond the schemas",
+        "",
+        "Generated by `python -m verl_balance.trainer.verl_compat_keys > docs/verl_keys.md` from",
+        "`verl_balance/trainer/verl_compat_keys.py`; do not edit. Keys of verl's example scripts that",
+        "our schemas do not declare: `honoured` keys are written into our key of the same meaning;",
+        "`no effect` keys are accepted and named once in the start-up line with the reason. A key",
+        "with listed values refuses any other value, naming the key and these values.",
+        "",
+        "| verl key | recipes | status | values | our key / reason |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for e in VERL_KEYS:
+        status = "honoured" if e.status == "honoured" else "no effect"
+        values = ", ".join(e.values) if e.values else "any"
+        what = f"`{e.target}` ({e.reason})" if e.target else e.reason
+        lines.append(f"| `{e.pattern}` | {', '.join(e.recipes)} | {status} | {values} | {what} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.stdout.write(docs_table())
