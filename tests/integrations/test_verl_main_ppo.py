@@ -132,14 +132,16 @@ def ray_head(tmp_path_factory):
     address = f"127.0.0.1:{port}"
     status = [sys.executable, "-m", "ray.scripts.scripts", "status", f"--address={address}"]
     deadline = time.monotonic() + 180
-    while subprocess.run(status, env=cluster_env(), capture_output=True).returncode != 0:
-        assert head.poll() is None and time.monotonic() < deadline, open(log.name).read()[-4000:]
-        time.sleep(2)
-    yield address
-    head.terminate()  # --block: ray start stops the cluster's processes on SIGTERM
-    head.wait(timeout=60)
-    log.close()
-    shutil.rmtree(temp_dir, ignore_errors=True)
+    try:
+        while subprocess.run(status, env=cluster_env(), capture_output=True).returncode != 0:
+            assert head.poll() is None and time.monotonic() < deadline, open(log.name).read()[-4000:]
+            time.sleep(2)
+        yield address
+    finally:
+        head.terminate()  # --block: ray start stops the cluster's processes on SIGTERM
+        head.wait(timeout=60)
+        log.close()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
