@@ -15,7 +15,8 @@ reached the rollout server (negative control: a rollout that keeps its first wei
 (``verl_balance`` with our trainer-side balancer and one rollout replica for both workers) gives step 1
 of the plain run: samples do not depend on routing, the loss not on the row placement.
 
-Six main_ppo subprocesses (about 30 s each on 2 CPU cores) are ``slow``; the rollout server's pieces
+Six main_ppo subprocesses (about 30 s each on 2 CPU cores) are ``slow``; they share one Ray cluster
+(``ray_head``, started once per module) instead of starting one each; the rollout server's pieces
 (decode against HF ``generate`` and an uncached sampler, seeds, weight loading, registration) are
 tested in this process in the fast lane.
 """
@@ -90,6 +91,59 @@ def add_stop_tokens(model_dir: str, *, every: int = 12) -> list[int]:
     return config.eos_token_id
 
 
+def cluster_env() -> dict[str, str]:
+    """The environment shared by every run: the Ray cluster's (its workers inherit it) and each driver's."""
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([REPO_ROOT, HERE]),
+        OMP_NUM_THREADS="1",
+        VERL_PLATFORM="cpu",
+        TOKENIZERS_PARALLELISM="false",
+        WANDB_MODE="disabled",
+        RAY_AUTH_MODE="disabled",  # ``ray start`` turns on token authentication by default
+    )
+    # Ray refuses a logical GPU count (below) when CUDA_VISIBLE_DEVICES is set and empty.
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def ray_head(tmp_path_factory):
+    """One Ray cluster (``ray start --head --block``) for every main_ppo run of this module: each run
+    connects to it instead of starting its own (about 15 s each here). verl's ResourcePoolManager checks
+    for one GPU per worker and reserves CPU bundles; on a CPU host these are Ray's logical counts only
+    (the cpu platform asks Ray for no accelerator). No dashboard: its processes only cost CPU here."""
+    import shutil
+    import socket
+    import tempfile
+    import time
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    log = open(tmp_path_factory.mktemp("ray_head") / "ray_start.log", "w")
+    # Its own temp dir (short: Ray's socket paths are length-limited): /tmp/ray's current-cluster
+    # file stays untouched, so no other Ray user on the host connects to this cluster.
+    temp_dir = tempfile.mkdtemp(prefix="vbray", dir="/tmp")
+    cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}"]
+    cmd += [f"--temp-dir={temp_dir}"]
+    cmd += ["--node-ip-address=127.0.0.1", "--num-cpus=16", "--num-gpus=2", "--include-dashboard=false"]
+    head = subprocess.Popen(cmd, env=cluster_env(), stdout=log, stderr=subprocess.STDOUT)
+    address = f"127.0.0.1:{port}"
+    status = [sys.executable, "-m", "ray.scripts.scripts", "status", f"--address={address}"]
+    deadline = time.monotonic() + 180
+    try:
+        while subprocess.run(status, env=cluster_env(), capture_output=True).returncode != 0:
+            assert head.poll() is None and time.monotonic() < deadline, open(log.name).read()[-4000:]
+            time.sleep(2)
+        yield address
+    finally:
+        head.terminate()  # --block: ray start stops the cluster's processes on SIGTERM
+        head.wait(timeout=60)
+        log.close()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     """A tiny Qwen2 model (with a ChatML tokenizer) and a GSM8K-shaped parquet file."""
@@ -102,6 +156,12 @@ def workspace(tmp_path_factory):
     data = str(root / "train.parquet")
     write_gsm8k_like_parquet(data, num_prompts=NUM_PROMPTS)
     return {"root": str(root), "model_dir": model_dir, "data": data}
+
+
+@pytest.fixture(scope="module")
+def cluster_workspace(workspace, ray_head):
+    """``workspace`` and the address of the module's Ray cluster: what ``run_main_ppo`` needs."""
+    return workspace | {"ray_address": ray_head}
 
 
 def main_ppo_overrides(*, model_dir: str, data: str, strategy: str, out_dir: str) -> list[str]:
@@ -155,12 +215,9 @@ def main_ppo_overrides(*, model_dir: str, data: str, strategy: str, out_dir: str
         f"trainer.default_local_dir={out_dir}/checkpoints",
         "trainer.project_name=verl_balance_cpu_rollout",
         f"trainer.experiment_name={strategy}",
-        # verl's ResourcePoolManager checks for one GPU per worker and reserves CPU bundles; on a CPU
-        # host these are Ray's logical counts only (the cpu platform asks Ray for no accelerator).
-        "ray_kwargs.ray_init.num_cpus=16",
-        "+ray_kwargs.ray_init.num_gpus=2",
-        # no Ray dashboard: its ~10 processes only cost CPU here
-        "+ray_kwargs.ray_init.include_dashboard=False",
+        # The module's Ray cluster (``ray_head``) gives the resources: connecting to it, ray.init
+        # takes no resource counts.
+        "ray_kwargs.ray_init.num_cpus=null",
     ]
     if strategy == "verl_balance":
         overrides.append("actor_rollout_ref.model.external_lib=verl_balance.integrations.verl.engine")
@@ -176,22 +233,19 @@ def run_main_ppo(
     out_dir = os.path.join(workspace["root"], name)
     os.makedirs(out_dir, exist_ok=True)
     metrics_file = os.path.join(out_dir, "metrics.jsonl")
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([REPO_ROOT, HERE]),
-        OMP_NUM_THREADS="1",
-        VERL_PLATFORM="cpu",
-        RAY_ADDRESS="local",
-        TOKENIZERS_PARALLELISM="false",
-        VERL_USE_EXTERNAL_MODULES=EXTERNAL_MODULES + (f",{extra_modules}" if extra_modules else ""),
-        VERL_FILE_LOGGER_PATH=metrics_file,
-        WANDB_MODE="disabled",
-    )
-    # Ray refuses a logical GPU count (below) when CUDA_VISIBLE_DEVICES is set and empty.
-    env.pop("CUDA_VISIBLE_DEVICES", None)
+    # Per-run variables reach the cluster's workers through verl's runtime_env (the cluster's raylet
+    # has only the shared ones, ``cluster_env``); the driver reads them from its own environment.
+    run_vars = {
+        "VERL_USE_EXTERNAL_MODULES": EXTERNAL_MODULES + (f",{extra_modules}" if extra_modules else ""),
+        "VERL_FILE_LOGGER_PATH": metrics_file,
+    }
+    env = dict(cluster_env(), **run_vars)
+    env.pop("RAY_ADDRESS", None)  # the address comes in ray_kwargs.ray_init.address
     overrides = main_ppo_overrides(
         model_dir=workspace["model_dir"], data=workspace["data"], strategy=strategy, out_dir=out_dir
     )
+    overrides += [f'+ray_kwargs.ray_init.address="{workspace["ray_address"]}"']
+    overrides += [f'+ray_kwargs.ray_init.runtime_env.env_vars.{k}="{v}"' for k, v in run_vars.items()]
     replaced = {override.split("=")[0] for override in extra_overrides}
     overrides = [o for o in overrides if o.split("=")[0] not in replaced] + list(extra_overrides)
     proc = subprocess.run(
@@ -212,9 +266,10 @@ def run_main_ppo(
 
 
 @pytest.fixture(scope="module")
-def runs(workspace):
-    """One main_ppo run per backend (each its own local Ray instance), plus ``verl_balance`` with our
+def runs(cluster_workspace):
+    """One main_ppo run per backend (on the module's Ray cluster), plus ``verl_balance`` with our
     trainer-side balancer (``autopatch``) and one rollout replica for both workers instead of two."""
+    workspace = cluster_workspace
     out = {name: run_main_ppo(workspace, strategy=name, name=name) for name in ("verl_balance", "fsdp2")}
     out["verl_balance_autopatch_one_replica"] = run_main_ppo(
         workspace,
@@ -227,9 +282,9 @@ def runs(workspace):
 
 
 @pytest.fixture(scope="module")
-def lora_run(workspace):
+def lora_run(cluster_workspace):
     """``verl_balance`` with LoRA (``LORA``), on the same workspace."""
-    return run_main_ppo(workspace, strategy="verl_balance", name="verl_balance_lora", extra_overrides=LORA)
+    return run_main_ppo(cluster_workspace, strategy="verl_balance", name="verl_balance_lora", extra_overrides=LORA)
 
 
 def _finite(value) -> bool:
@@ -316,9 +371,9 @@ def test_main_ppo_with_lora_on_verl_balance_trains_the_adapters_and_the_rollout_
 
 
 @pytest.mark.slow
-def test_a_rollout_that_keeps_its_first_weights_is_detected(workspace, runs):
+def test_a_rollout_that_keeps_its_first_weights_is_detected(cluster_workspace, runs):
     # Negative control: the same run with a server that ignores every weight update after the first.
-    stale = run_main_ppo(workspace, strategy="fsdp2", name="fsdp2_stale_rollout", extra_modules=STALE_ROLLOUT)
+    stale = run_main_ppo(cluster_workspace, strategy="fsdp2", name="fsdp2_stale_rollout", extra_modules=STALE_ROLLOUT)
     first, second = stale["steps"][1], stale["steps"][2]
     assert first["training/rollout_probs_diff_max"] < 1e-4  # step 1 still uses the initial weights
     synced = runs["fsdp2"]["steps"][2]["training/rollout_probs_diff_max"]
@@ -327,7 +382,7 @@ def test_a_rollout_that_keeps_its_first_weights_is_detected(workspace, runs):
 
 
 @pytest.mark.slow
-def test_verls_default_v1_trainer_runs_grpo_with_the_engine_and_autopatch(workspace):
+def test_verls_default_v1_trainer_runs_grpo_with_the_engine_and_autopatch(cluster_workspace):
     # verl's default trainer (trainer.use_v1=true: replay buffer and agent loop over TransferQueue), with
     # our engine and our _balance_batch for that trainer. Its agent loop gives every sample of a prompt
     # the request id "det-0" under full_determinism, so per-request seeds would make a group's n
@@ -335,7 +390,7 @@ def test_verls_default_v1_trainer_runs_grpo_with_the_engine_and_autopatch(worksp
     # holds for any samples.
     pytest.importorskip("transfer_queue", reason="verl's v1 trainer needs TransferQueue (in the verl extra)")
     run = run_main_ppo(
-        workspace,
+        cluster_workspace,
         strategy="verl_balance",
         name="verl_balance_v1",
         extra_modules=AUTOPATCH,
