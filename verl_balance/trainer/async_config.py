@@ -130,6 +130,11 @@ def check_async(config) -> None:
             f"{sampler.max_off_policy_threshold}: with max_off_policy_strategy=drop every batch after the first would "
             "be dropped; lower num_warmup_batches, raise the threshold, or use max_off_policy_strategy=wait"
         )
+    if config.algorithm.adv_estimator == "remax":
+        raise ConfigError(
+            f"{MODE_KEY}='separate_async' with algorithm.adv_estimator=remax is not supported yet (its greedy "
+            "baseline rollout runs on the colocated workers); use trainer.v1.trainer_mode=sync or another estimator"
+        )
     if config.use_critic:
         raise ConfigError(
             f"{MODE_KEY}='separate_async' with algorithm.adv_estimator=gae is not supported yet (the critic's "

@@ -408,7 +408,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             metrics.update(is_weight_metrics(batch))
         batch[OLD_LOG_PROBS_KEY] = batch[ROLLOUT_LOG_PROBS_KEY].clone()  # bypass: the behaviour policy's
         with _timed(metrics, "adv"):
-            self._attach_advantages(batch, scores)
+            self._attach_advantages(batch, scores, extras)
         self.phase("actor update")
         with _timed(metrics, "update"):
             metrics.update(
