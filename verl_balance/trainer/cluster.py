@@ -66,6 +66,9 @@ def start_ray(*, address: str | None, num_workers: int | None = None) -> None:
     # embedded cluster's log, not a warning on every run's console.
     logging.getLogger(RAY_AUTH_LOGGER).setLevel(logging.ERROR)
     _init_embedded(
+        # Without an address Ray would join the last `ray start` cluster on this machine (its
+        # /tmp/ray/ray_current_cluster file, even a dead one) and then refuse num_cpus.
+        address=os.environ.get("RAY_ADDRESS") or "local",
         num_cpus=cpus,
         include_dashboard=False,
         runtime_env=env,
