@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from verl_balance.balance import plan_balance
 from verl_balance.balance.partition import cell_loads, fill_cells, polish_sync_cost, refine_cells, sort_into_rows
+from verl_balance.balance.plan import plan_objective
 from verl_balance.balance.workload import CalibratedWorkload, FlopsWorkload, TokenWorkload
 
 SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -213,3 +214,20 @@ def test_plan_is_frozen_once_built():
     plan = plan_balance(seq_lens=np.array([3, 1, 2, 5]), dp_size=2, micro_batch_size=1)
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.micro_batches = []  # type: ignore[misc]
+
+
+@SETTINGS
+@given(balanced_cases())
+def test_balanced_plan_is_never_worse_than_the_naive_plan_at_the_same_micro_batch_count(kw):
+    plan = plan_balance(**kw)
+    naive = plan_balance(**kw, balance=False)
+    assert plan.stats["naive_sync_cost"] == pytest.approx(naive.stats["sync_cost"])
+    if plan.num_micro_batches == naive.num_micro_batches:
+        assert plan_objective(plan.cell_costs) <= plan_objective(naive.cell_costs)
+
+
+def test_plan_objective_is_sync_cost_then_max_rank_cost():
+    # Hand-worked: 2 ranks x 2 micro-batches, costs [[3, 1], [1, 3]]: sync 3 + 3 = 6, max rank 4.
+    assert plan_objective(np.array([[3.0, 1.0], [1.0, 3.0]])) == (6.0, 4.0)
+    # Same sync cost 6, max rank 5 vs 4: the second figure breaks the tie.
+    assert plan_objective(np.array([[3.0, 2.0], [1.0, 3.0]])) > plan_objective(np.array([[3.0, 1.0], [1.0, 3.0]]))

@@ -14,7 +14,10 @@ Invariants (each asserted by tests/balance):
   ceil(T / sp) <= max_token_len_per_gpu (the per-SP-rank size after Ulysses padding);
 - a group (same group id) is never split across ranks, nor across micro-batches with
   group_scope="micro_batch";
-- samples inside a micro-batch are in ascending input order; the same input gives the same plan.
+- samples inside a micro-batch are in ascending input order; the same input gives the same plan;
+- at the same micro-batch count, a balanced plan is never worse than the naive contiguous one on
+  (sync_cost, max rank cost), compared in that order (``plan_objective``): it keeps the naive plan
+  when that is strictly better and has no more empty micro-batches.
 
 With a token cap the micro-batch count comes first: the plan uses the fewest micro-batches it
 finds (at most first-fit-decreasing's count per rank, usually the bound
@@ -414,6 +417,9 @@ def _finished_plan(inputs: _PlanInputs, micro_batches, naive, *, bound_items, bo
     cell_costs = _cell_sums(micro_batches, inputs.sample_costs) + overhead
     cell_tokens = _cell_sums(micro_batches, inputs.lengths_kept.astype(np.float64)).astype(np.int64)
     naive_costs = cell_costs if not inputs.balance else _cell_sums(naive, inputs.sample_costs) + overhead
+    if inputs.balance and _naive_is_better(cell_costs, naive_costs, micro_batches, naive):
+        micro_batches, cell_costs = naive, naive_costs
+        cell_tokens = _cell_sums(micro_batches, inputs.lengths_kept.astype(np.float64)).astype(np.int64)
     if inputs.token_cap is not None:
         assert cell_tokens.max() <= inputs.token_cap, "balancer produced a micro-batch over the token cap"
     return BalancePlan(
@@ -564,6 +570,27 @@ def _cell_sums(unit_micro_batches, unit_values: np.ndarray) -> np.ndarray:
     cell_of = np.repeat(np.arange(len(flat)), [len(c) for c in flat])
     units = np.concatenate(flat)
     return np.bincount(cell_of, weights=unit_values[units], minlength=len(flat)).reshape(dp_size, num_micro)
+
+
+def _naive_is_better(cell_costs, naive_costs, micro_batches, naive) -> bool:
+    """True when the contiguous plan, with as many micro-batches and no more empty ones, has a lower
+    (sync cost, max rank cost): the heuristics can lose to it by a hair on an already even batch,
+    and a balanced plan must never be worse than no balancing at the same micro-batch count."""
+    if naive_costs.shape != cell_costs.shape:
+        return False
+    empty = sum(len(cell) == 0 for rank in micro_batches for cell in rank)
+    if sum(len(cell) == 0 for rank in naive for cell in rank) > empty:
+        return False
+    # Equal up to summation order counts as a tie (the balanced plan stays): 1e-9 relative.
+    for theirs, ours in zip(plan_objective(naive_costs), plan_objective(cell_costs)):
+        if abs(theirs - ours) > 1e-9 * max(abs(ours), 1e-300):
+            return theirs < ours
+    return False
+
+
+def plan_objective(cell_costs: np.ndarray) -> tuple[float, float]:
+    """(sync cost, max rank cost): what the planner lowers once the micro-batch count is set."""
+    return float(cell_costs.max(axis=0).sum()), float(cell_costs.sum(axis=1).max())
 
 
 def sync_figures(cell_costs: np.ndarray, lower_bound: float) -> tuple[float, float, float]:

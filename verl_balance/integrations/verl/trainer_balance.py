@@ -28,7 +28,14 @@ from verl_balance.integrations.verl.state import current_workload
 __all__ = ["PLANNED_SIZES_KEY", "balance_batch", "balanced_balance_batch", "balanced_balance_batch_v1", "plan_dp_order"]
 
 PLANNED_SIZES_KEY = PLANNED_MICRO_BATCH_SIZES_KEY
-_STAT_KEYS = ("imbalance", "naive_imbalance", "sync_ratio", "naive_sync_ratio")
+_STAT_KEYS = (
+    "imbalance",
+    "naive_imbalance",
+    "sync_ratio",
+    "naive_sync_ratio",
+    "num_micro_batches",
+    "naive_num_micro_batches",
+)
 
 
 def plan_dp_order(
