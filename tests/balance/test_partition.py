@@ -107,3 +107,13 @@ def test_refinement_reaches_the_tolerance_on_a_large_equal_count_split():
 def test_descending_order_breaks_ties_by_index():
     order = descending_order(np.array([3.0, 5.0, 3.0, 5.0, 0.0]))
     np.testing.assert_array_equal(order, [1, 3, 0, 2, 4])
+
+
+def test_fixed_size_plan_groups_the_heaviest_rows_when_that_lowers_the_sync_cost():
+    # Hand-worked (Hypothesis found it): dp=2, micro_batch_size=2, six samples. Balancing slot sums
+    # deals {16,1 | 9,1} then {9 | 1}: 17 + 9 = 26. The heaviest rows together, {16,1 | 9,9} then
+    # {1 | 1}: 18 + 1 = 19, the brute-force optimum.
+    costs = np.array([1, 1, 1, 9, 9, 16])
+    plan = plan_balance(seq_lens=costs, dp_size=2, micro_batch_size=2)
+    assert _brute_force_sync_cost(costs.astype(np.float64), 2, 2) == 19.0
+    assert plan.stats["sync_cost"] == 19.0
