@@ -5,12 +5,21 @@ from __future__ import annotations
 import pytest
 
 from tests._verl import VERL_SKIP_REASON
+from tests.integrations.verl_ray_head import ray_head as start_ray_head
 
 
 @pytest.fixture(scope="session")
 def verl():
     """The verl package, or skip the test with the install hint."""
     return pytest.importorskip("verl", reason=VERL_SKIP_REASON)
+
+
+@pytest.fixture(scope="session")
+def ray_head(tmp_path_factory):
+    """The address of one Ray cluster for every verl subprocess of the session (``verl_ray_head.py``):
+    the main_ppo runs and the pieces runners connect to it instead of starting one each."""
+    with start_ray_head(str(tmp_path_factory.mktemp("ray_head"))) as address:
+        yield address
 
 
 @pytest.fixture(scope="session")

@@ -4,10 +4,10 @@
 The pieces are verl's, unmodified: ``RayPPOTrainer._compute_values`` -> ``compute_advantage`` (GAE)
 -> ``_update_critic`` with verl's ``TrainingWorker`` (``model_type="value_model"``, built as
 ``RayPPOTrainer.init_workers`` builds the critic) in a verl ``RayWorkerGroup`` of 2 CPU workers
-(``verl_critic_pieces_runner.py``, one subprocess, fresh workers per case). The critic directory is
-a ``Qwen2ForTokenClassification(num_labels=1)`` checkpoint, so both engines load the same head. The
-reference fsdp2 critic loads it with sdpa attention instead of verl's hard-coded flash-attention
-(``verl_value_sdpa.py``; CPU hosts have no flash-attn).
+(``verl_critic_pieces_runner.py``, one subprocess on the session's Ray cluster, fresh workers per
+case). The critic directory is a ``Qwen2ForTokenClassification(num_labels=1)`` checkpoint, so both
+engines load the same head. The reference fsdp2 critic loads it with sdpa attention instead of verl's
+hard-coded flash-attention (``verl_value_sdpa.py``; CPU hosts have no flash-attn).
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import sys
 import pytest
 
 from tests._verl import VERL_SKIP_REASON
+from tests.integrations.verl_ray_head import runner_env
 
 pytest.importorskip("verl", reason=VERL_SKIP_REASON)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(os.path.dirname(HERE))
 EXTERNAL_MODULES = ",".join(
     ["verl_balance.integrations.verl.cpu_platform", "verl_balance.integrations.verl.engine", "verl_value_sdpa"]
 )
@@ -48,15 +48,9 @@ def critic_model_dir(tmp_path_factory):
     return str(root / "critic")
 
 
-def _run_cases(model_dir: str, cases: list[str]) -> dict[str, dict]:
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([REPO_ROOT, HERE]),
-        OMP_NUM_THREADS="1",
-        CUDA_VISIBLE_DEVICES="",
-        RAY_ADDRESS="local",
-        VERL_USE_EXTERNAL_MODULES=EXTERNAL_MODULES,
-    )
+def _run_cases(model_dir: str, cases: list[str], *, ray_address: str) -> dict[str, dict]:
+    """{case: result} from one ``verl_critic_pieces_runner.py`` process (on the session's Ray cluster)."""
+    env = runner_env(ray_address, VERL_USE_EXTERNAL_MODULES=EXTERNAL_MODULES)
     args = [sys.executable, os.path.join(HERE, "verl_critic_pieces_runner.py"), "--model-dir", model_dir]
     for case in cases:
         args += ["--case", case]
@@ -68,8 +62,9 @@ def _run_cases(model_dir: str, cases: list[str]) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def critic_results(critic_model_dir):
-    return _run_cases(critic_model_dir, ["fsdp2:1:1", "fsdp2:2:1", "verl_balance:2:1", "verl_balance:1:2"])
+def critic_results(critic_model_dir, ray_head):
+    cases = ["fsdp2:1:1", "fsdp2:2:1", "verl_balance:2:1", "verl_balance:1:2"]
+    return _run_cases(critic_model_dir, cases, ray_address=ray_head)
 
 
 def _assert_same_critic_step(ours: dict, reference: dict, *, rel: float = 1e-5) -> None:

@@ -5,7 +5,6 @@ gives the loss and gradient norm of verl's own fsdp2 engine at DP1 on the same m
 from __future__ import annotations
 
 import functools
-import os
 
 import numpy as np
 import pytest
@@ -16,6 +15,8 @@ from tests._verl import VERL_SKIP_REASON
 
 pytest.importorskip("verl", reason=VERL_SKIP_REASON)
 
+from tests.integrations.verl_ray_head import runner_env  # noqa: E402
+from tests.integrations.verl_sft_ranks import run_verl_sft  # noqa: E402
 from verl_balance.testing.multiprocess import run_on_ranks  # noqa: E402
 
 NUM_SAMPLES = 8
@@ -407,7 +408,7 @@ def test_main_ppo_fsdp_engine_config_maps_to_the_backend_config():
         as_verl_balance_config(FSDPEngineConfig(strategy="fsdp2", param_offload=True))
 
 
-# verl's own SFT trainer, unmodified, under torchrun on CPU.
+# verl's own SFT trainer, unmodified, with torchrun's environment on warm gloo ranks on CPU.
 
 
 @pytest.fixture(scope="module")
@@ -437,25 +438,26 @@ SFT_RUN_TESTS = {
 
 @pytest.fixture(scope="module")
 def sft_run(sft_setup, request):
-    """``sft_run(name)``: the (loss, grad_norm) curve of ``SFT_RUNS[name]``. Two runs at a time (a
-    one-process run leaves a core idle); every run the collected tests need starts on the first call."""
+    """``sft_run(name)``: the (loss, grad_norm) curve of ``SFT_RUNS[name]``. The Ray run (a subprocess)
+    starts on the first call, beside the torchrun-environment runs on the warm ranks (one at a time)."""
     from concurrent.futures import ThreadPoolExecutor
 
     root, model_dir = sft_setup
     collected = {item.name for item in request.session.items if getattr(item, "module", None) is request.module}
     wanted = ["fsdp2_dp1"] + [name for test, names in SFT_RUN_TESTS.items() if test in collected for name in names]
+    in_subprocess = [name for name in wanted if SFT_RUNS[name].get("on_ray")]
+    ray_address = request.getfixturevalue("ray_head") if in_subprocess else None
     futures = {}
-    with ThreadPoolExecutor(max_workers=2) as pool:
-
-        def start(name: str):
-            if name not in futures:
-                futures[name] = pool.submit(_run_sft_trainer, root, model_dir, **SFT_RUNS[name])
-            return futures[name]
+    with ThreadPoolExecutor(max_workers=1) as pool:
 
         def result(name: str):
-            for other in wanted:
-                start(other)
-            return start(name).result()
+            for other in in_subprocess:
+                if other not in futures:
+                    kwargs = dict(SFT_RUNS[other], ray_address=ray_address)
+                    futures[other] = pool.submit(_run_sft_trainer, root, model_dir, **kwargs)
+            if name in futures:
+                return futures[name].result()
+            return _run_sft_trainer(root, model_dir, **SFT_RUNS[name])
 
         yield result
         for future in futures.values():
@@ -464,45 +466,29 @@ def sft_run(sft_setup, request):
 
 @functools.cache  # the fsdp2 reference run serves several tests (sft_run's and the LoRA test's)
 def _run_sft_trainer(
-    root, model_dir: str, *, strategy: str, nproc: int, sp: int, on_ray: bool = False, extra: tuple[str, ...] = ()
+    root,
+    model_dir: str,
+    *,
+    strategy: str,
+    nproc: int,
+    sp: int,
+    on_ray: bool = False,
+    extra: tuple[str, ...] = (),
+    ray_address: str | None = None,
 ) -> list[tuple[float, float]]:
-    """(loss, grad_norm) per step from the console log of verl.trainer.sft_trainer (torchrun), or of
-    verl.trainer.sft_trainer_ray (its own ``ray.init()``, ``nproc`` Ray workers) when ``on_ray``;
-    ``extra``: more Hydra overrides."""
+    """(loss, grad_norm) per step from the console of verl.trainer.sft_trainer with torchrun's environment
+    on ``nproc`` warm ranks (``verl_sft_ranks.py``), or of verl.trainer.sft_trainer_ray (a subprocess
+    on the session's Ray cluster at ``ray_address``, ``nproc`` Ray workers) when ``on_ray``; ``extra``:
+    more Hydra overrides."""
     import re
-    import subprocess
-    import sys
 
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([repo, str(root)]),
-        OMP_NUM_THREADS="1",
-        CUDA_VISIBLE_DEVICES="",
-        RAY_ADDRESS="local",  # a fresh Ray instance, never a running one
-        VERL_USE_EXTERNAL_MODULES="verl_balance.integrations.verl.cpu_platform,verl_balance.integrations.verl.autopatch",
-    )
     run_name = f"ckpt_{strategy}_{nproc}_{sp}_{len(extra)}" + ("_ray" if on_ray else "")  # runs may be concurrent
     target = (
         ["engine._target_=verl_balance.integrations.verl.engine.VerlBalanceEngineConfig"]
         if strategy == "verl_balance"
         else []
     )
-    launcher = (
-        ["-m", "verl.trainer.sft_trainer_ray", f"trainer.n_gpus_per_node={nproc}"]
-        if on_ray
-        else [
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            "-m",
-            "verl.trainer.sft_trainer",
-        ]
-    )
-    cmd = [
-        sys.executable,
-        *launcher,
+    overrides = [
         f"data.train_files={root / 'train.parquet'}",
         "data.train_batch_size=8",
         "data.max_length=256",
@@ -528,12 +514,33 @@ def _run_sft_trainer(
         "trainer.resume_mode=disable",
         *extra,
     ]
+    if on_ray:
+        console = _run_sft_trainer_ray(root, overrides, nproc=nproc, ray_address=ray_address)
+    else:
+        console = run_verl_sft(overrides, nproc=nproc, cwd=str(root))
+    losses = [float(x) for x in re.findall(r"train/loss:([0-9.eE+-]+)", console)]
+    norms = [float(x) for x in re.findall(r"train/grad_norm:([0-9.eE+-]+)", console)]
+    assert len(losses) == len(norms) == 3, console[-3000:]
+    return list(zip(losses, norms))
+
+
+def _run_sft_trainer_ray(root, overrides: list[str], *, nproc: int, ray_address: str) -> str:
+    """The stdout of ``python -m verl.trainer.sft_trainer_ray`` on the session's Ray cluster. Its bare
+    ``ray.init()`` takes the workers' variables from the job config Ray reads from the environment
+    (``RAY_JOB_CONFIG_JSON_ENV_VAR``, as a Ray job's driver gets them)."""
+    import json
+    import subprocess
+    import sys
+
+    run_vars = dict(
+        VERL_USE_EXTERNAL_MODULES="verl_balance.integrations.verl.cpu_platform,verl_balance.integrations.verl.autopatch"
+    )
+    job_config = {"runtime_env": {"env_vars": run_vars}}
+    env = runner_env(ray_address, RAY_JOB_CONFIG_JSON_ENV_VAR=json.dumps(job_config), **run_vars)
+    cmd = [sys.executable, "-m", "verl.trainer.sft_trainer_ray", f"trainer.n_gpus_per_node={nproc}", *overrides]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=str(root))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    losses = [float(x) for x in re.findall(r"train/loss:([0-9.eE+-]+)", proc.stdout)]
-    norms = [float(x) for x in re.findall(r"train/grad_norm:([0-9.eE+-]+)", proc.stdout)]
-    assert len(losses) == len(norms) == 3, proc.stdout[-3000:]
-    return list(zip(losses, norms))
+    return proc.stdout
 
 
 @pytest.mark.slow

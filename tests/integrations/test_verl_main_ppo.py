@@ -16,7 +16,7 @@ reached the rollout server (negative control: a rollout that keeps its first wei
 of the plain run: samples do not depend on routing, the loss not on the row placement.
 
 Six main_ppo subprocesses (about 30 s each on 2 CPU cores) are ``slow``; they share one Ray cluster
-(``ray_head``, started once per module) instead of starting one each; the rollout server's pieces
+(``ray_head``, started once per session, conftest.py) instead of starting one each; the rollout server's pieces
 (decode against HF ``generate`` and an uncached sampler, seeds, weight loading, registration) are
 tested in this process in the fast lane.
 """
@@ -32,6 +32,7 @@ import sys
 import pytest
 
 from tests._verl import VERL_SKIP_REASON, no_worse_than_naive
+from tests.integrations.verl_ray_head import cluster_env
 
 pytest.importorskip("verl", reason=VERL_SKIP_REASON)
 pytest.importorskip("pyarrow", reason="writing the parquet data set needs pyarrow")
@@ -91,59 +92,6 @@ def add_stop_tokens(model_dir: str, *, every: int = 12) -> list[int]:
     return config.eos_token_id
 
 
-def cluster_env() -> dict[str, str]:
-    """The environment shared by every run: the Ray cluster's (its workers inherit it) and each driver's."""
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([REPO_ROOT, HERE]),
-        OMP_NUM_THREADS="1",
-        VERL_PLATFORM="cpu",
-        TOKENIZERS_PARALLELISM="false",
-        WANDB_MODE="disabled",
-        RAY_AUTH_MODE="disabled",  # ``ray start`` turns on token authentication by default
-    )
-    # Ray refuses a logical GPU count (below) when CUDA_VISIBLE_DEVICES is set and empty.
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    return env
-
-
-@pytest.fixture(scope="module")
-def ray_head(tmp_path_factory):
-    """One Ray cluster (``ray start --head --block``) for every main_ppo run of this module: each run
-    connects to it instead of starting its own (about 15 s each here). verl's ResourcePoolManager checks
-    for one GPU per worker and reserves CPU bundles; on a CPU host these are Ray's logical counts only
-    (the cpu platform asks Ray for no accelerator). No dashboard: its processes only cost CPU here."""
-    import shutil
-    import socket
-    import tempfile
-    import time
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    log = open(tmp_path_factory.mktemp("ray_head") / "ray_start.log", "w")
-    # Its own temp dir (short: Ray's socket paths are length-limited): /tmp/ray's current-cluster
-    # file stays untouched, so no other Ray user on the host connects to this cluster.
-    temp_dir = tempfile.mkdtemp(prefix="vbray", dir="/tmp")
-    cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", f"--port={port}"]
-    cmd += [f"--temp-dir={temp_dir}"]
-    cmd += ["--node-ip-address=127.0.0.1", "--num-cpus=16", "--num-gpus=2", "--include-dashboard=false"]
-    head = subprocess.Popen(cmd, env=cluster_env(), stdout=log, stderr=subprocess.STDOUT)
-    address = f"127.0.0.1:{port}"
-    status = [sys.executable, "-m", "ray.scripts.scripts", "status", f"--address={address}"]
-    deadline = time.monotonic() + 180
-    try:
-        while subprocess.run(status, env=cluster_env(), capture_output=True).returncode != 0:
-            assert head.poll() is None and time.monotonic() < deadline, open(log.name).read()[-4000:]
-            time.sleep(2)
-        yield address
-    finally:
-        head.terminate()  # --block: ray start stops the cluster's processes on SIGTERM
-        head.wait(timeout=60)
-        log.close()
-        shutil.rmtree(temp_dir, ignore_errors=True)
-
-
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     """A tiny Qwen2 model (with a ChatML tokenizer) and a GSM8K-shaped parquet file."""
@@ -160,7 +108,7 @@ def workspace(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster_workspace(workspace, ray_head):
-    """``workspace`` and the address of the module's Ray cluster: what ``run_main_ppo`` needs."""
+    """``workspace`` and the address of the session's Ray cluster: what ``run_main_ppo`` needs."""
     return workspace | {"ray_address": ray_head}
 
 
@@ -215,7 +163,7 @@ def main_ppo_overrides(*, model_dir: str, data: str, strategy: str, out_dir: str
         f"trainer.default_local_dir={out_dir}/checkpoints",
         "trainer.project_name=verl_balance_cpu_rollout",
         f"trainer.experiment_name={strategy}",
-        # The module's Ray cluster (``ray_head``) gives the resources: connecting to it, ray.init
+        # The session's Ray cluster (``ray_head``) gives the resources: connecting to it, ray.init
         # takes no resource counts.
         "ray_kwargs.ray_init.num_cpus=null",
     ]
@@ -267,7 +215,7 @@ def run_main_ppo(
 
 @pytest.fixture(scope="module")
 def runs(cluster_workspace):
-    """One main_ppo run per backend (on the module's Ray cluster), plus ``verl_balance`` with our
+    """One main_ppo run per backend (on the session's Ray cluster), plus ``verl_balance`` with our
     trainer-side balancer (``autopatch``) and one rollout replica for both workers instead of two."""
     workspace = cluster_workspace
     out = {name: run_main_ppo(workspace, strategy=name, name=name) for name in ("verl_balance", "fsdp2")}

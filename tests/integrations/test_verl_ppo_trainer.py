@@ -4,7 +4,7 @@
 The pieces are verl's, unmodified: ``RayPPOTrainer._balance_batch`` -> ``_compute_old_log_prob`` ->
 ``compute_advantage`` (GRPO) -> ``_update_actor``, with verl's ``ActorRolloutRefWorker`` in a verl
 ``RayWorkerGroup`` of 2 CPU workers (``verl_ppo_pieces_runner.py``, one subprocess per environment,
-one Ray instance in each, fresh workers per case). The reference is verl's ``fsdp2`` engine at DP2 on
+each connected to the session's Ray cluster, fresh workers per case). The reference is verl's ``fsdp2`` engine at DP2 on
 the same rollout batch.
 """
 
@@ -18,25 +18,18 @@ import sys
 import pytest
 
 from tests._verl import VERL_SKIP_REASON, no_worse_than_naive
+from tests.integrations.verl_ray_head import runner_env
 
 pytest.importorskip("verl", reason=VERL_SKIP_REASON)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO_ROOT = os.path.dirname(os.path.dirname(HERE))
 CPU_SHIM = "verl_balance.integrations.verl.cpu_platform"
 AUTOPATCH = "verl_balance.integrations.verl.autopatch"
 
 
-def _run_cases(model_dir: str, cases: list[str], *, external_modules: str) -> dict[str, dict]:
-    """{case: result} from one ``verl_ppo_pieces_runner.py`` process (its own local Ray instance)."""
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([REPO_ROOT, HERE]),
-        OMP_NUM_THREADS="1",
-        CUDA_VISIBLE_DEVICES="",
-        RAY_ADDRESS="local",
-        VERL_USE_EXTERNAL_MODULES=external_modules,
-    )
+def _run_cases(model_dir: str, cases: list[str], *, external_modules: str, ray_address: str) -> dict[str, dict]:
+    """{case: result} from one ``verl_ppo_pieces_runner.py`` process (on the session's Ray cluster)."""
+    env = runner_env(ray_address, VERL_USE_EXTERNAL_MODULES=external_modules)
     args = [sys.executable, os.path.join(HERE, "verl_ppo_pieces_runner.py"), "--model-dir", model_dir]
     for case in cases:
         args += ["--case", case]
@@ -56,10 +49,10 @@ def _assert_same_step(ours: dict, reference: dict, *, rel: float = 1e-5) -> None
 
 
 @pytest.fixture(scope="module")
-def verl_balance_trainer_results(model_dir):
+def verl_balance_trainer_results(model_dir, ray_head):
     """verl's own ``_balance_batch``; our backend reached through ``model.external_lib`` only."""
     cases = ["fsdp2:1:1", "fsdp2:2:1", "verl_balance:1:1", "verl_balance:2:1", "verl_balance:1:2"]
-    return _run_cases(model_dir, cases, external_modules=CPU_SHIM)
+    return _run_cases(model_dir, cases, external_modules=CPU_SHIM, ray_address=ray_head)
 
 
 @pytest.mark.slow
@@ -92,10 +85,10 @@ def test_ppo_step_with_ulysses_sp2_matches_fsdp2_dp2_for_one_mini_batch(verl_bal
 
 @pytest.mark.slow
 def test_with_autopatch_the_ppo_step_matches_fsdp2_and_a_local_token_count_is_detected(
-    model_dir, verl_balance_trainer_results
+    model_dir, ray_head, verl_balance_trainer_results
 ):
     cases = ["fsdp2:2:1", "verl_balance:2:1", "verl_balance_local_token_count:2:1"]
-    results = _run_cases(model_dir, cases, external_modules=f"{CPU_SHIM},{AUTOPATCH}")
+    results = _run_cases(model_dir, cases, external_modules=f"{CPU_SHIM},{AUTOPATCH}", ray_address=ray_head)
     reference = results["fsdp2:2:1"]
     balance = reference["balance_metrics"]
     assert no_worse_than_naive(balance)  # the patch ran

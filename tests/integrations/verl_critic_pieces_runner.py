@@ -21,7 +21,7 @@ import json
 import os
 
 import numpy as np
-from verl_ppo_pieces_runner import NUM_PROMPTS, ROLLOUT_N, _flat, _is_number, rollout_batch
+from verl_ppo_pieces_runner import NUM_PROMPTS, ROLLOUT_N, _flat, _is_number, _release, rollout_batch
 
 
 def critic_config(*, model_dir: str, strategy: str, mini_batches: int, loss_agg_mode: str, sp: int):
@@ -93,13 +93,12 @@ def run(*, model_dir: str, strategy: str, mini_batches: int, loss_agg_mode: str,
     config = critic_config(
         model_dir=model_dir, strategy=strategy, mini_batches=mini_batches, loss_agg_mode=loss_agg_mode, sp=sp
     )
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True)
+    critic, worker_config = critic_worker_config(config)
+    pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1)
+    workers = RayWorkerGroup(
+        pool, RayClassWithInitArgs(cls=ray.remote(TrainingWorker), config=worker_config), device_name="cpu"
+    )
     try:
-        critic, worker_config = critic_worker_config(config)
-        pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1)
-        workers = RayWorkerGroup(
-            pool, RayClassWithInitArgs(cls=ray.remote(TrainingWorker), config=worker_config), device_name="cpu"
-        )
         workers.reset()
         workers.set_loss_fn(partial(value_loss, config=critic))
 
@@ -133,7 +132,7 @@ def run(*, model_dir: str, strategy: str, mini_batches: int, loss_agg_mode: str,
             "reduced": {k: float(np.mean(_flat(v))) for k, v in critic_metrics.items() if _numbers(v)},
         }
     finally:
-        ray.shutdown()
+        _release(workers, pool)
 
 
 def _numbers(value) -> bool:
@@ -149,16 +148,25 @@ def main() -> None:
     parser.add_argument("--case", action="append", required=True, metavar="STRATEGY:MINI_BATCHES:SP")
     parser.add_argument("--loss-agg-mode", default="token-mean")
     args = parser.parse_args()
-    for case in args.case:
-        strategy, mini_batches, sp = case.split(":")
-        result = run(
-            model_dir=args.model_dir,
-            strategy=strategy,
-            mini_batches=int(mini_batches),
-            loss_agg_mode=args.loss_agg_mode,
-            sp=int(sp),
-        )
-        print("RESULT " + json.dumps(dict(result, case=case)), flush=True)
+    import ray
+    from verl_ray_head import connect_runner
+
+    # One Ray connection for all cases (the test session's cluster, or a local instance when run by
+    # hand); each case has its own workers.
+    connect_runner()
+    try:
+        for case in args.case:
+            strategy, mini_batches, sp = case.split(":")
+            result = run(
+                model_dir=args.model_dir,
+                strategy=strategy,
+                mini_batches=int(mini_batches),
+                loss_agg_mode=args.loss_agg_mode,
+                sp=int(sp),
+            )
+            print("RESULT " + json.dumps(dict(result, case=case)), flush=True)
+    finally:
+        ray.shutdown()
 
 
 if __name__ == "__main__":

@@ -213,9 +213,11 @@ def main() -> None:
     parser.add_argument("--loss-agg-mode", default="token-mean")
     args = parser.parse_args()
     import ray
+    from verl_ray_head import connect_runner
 
-    # One local Ray instance for all cases (its start-up costs as much as a case); each case has its own workers.
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=True)
+    # One Ray connection for all cases (the test session's cluster, or a local instance when run by
+    # hand: its start-up costs as much as a case); each case has its own workers.
+    connect_runner()
     try:
         for case in args.case:
             strategy, mini_batches, sp = case.split(":")
