@@ -1,7 +1,8 @@
 """The component configs each recipe hands its components (engine, balancer, dataset, policy
 loss, rollout, model), built from the recipe YAML plus the overrides of recipes/*.sh and a few
 non-default layouts, as plain JSON values. ``tests/trainer/data/recipe_components.json`` holds
-them as built before the config layer was split (issue 18); the test in test_config.py rebuilds
+them as built before the config layer was split (issue 18), with verl's defaults since issue 30
+(SFT: ``data.messages_key=messages``, save and validate at the last step: ``last_step``); the test in test_config.py rebuilds
 them with the current API (``RecipeConfig.engine_config`` etc.) and compares field by field.
 
 Regenerate (only when a change of a component config is intended):
@@ -155,7 +156,17 @@ def _sft_components(cfg) -> dict:
             "token_cap": config.data.max_token_len_per_gpu if config.data.use_dynamic_bsz else None,
         },
     }
-    return {**out, **_model_and_workload(config, config.model)}
+    return {**out, **_model_and_workload(config, config.model), **_last_step(config.trainer)}
+
+
+def _last_step(trainer) -> dict:
+    """Whether the run's last step saves and validates (verl's rule: always in SFT, freq > 0 in GRPO)."""
+    return {
+        "last_step": {
+            "save": trainer.save_due(TOTAL_STEPS, is_last=True),
+            "validate": trainer.validate_due(TOTAL_STEPS, is_last=True),
+        }
+    }
 
 
 def _model_and_workload(config, section) -> dict:
@@ -202,7 +213,7 @@ def _grpo_components(cfg) -> dict:
             "val_kwargs": r.val_kwargs,
         },
     }
-    return {**out, **_model_and_workload(config, arr.model)}
+    return {**out, **_model_and_workload(config, arr.model), **_last_step(config.trainer)}
 
 
 def all_component_configs(root: Path) -> dict:
