@@ -18,7 +18,7 @@ from tests.trainer.conftest import compose_config
 from verl_balance.trainer.cli import _lookup, _verl_keys
 from verl_balance.trainer.config_checks import ConfigError
 from verl_balance.trainer.grpo_config import register_grpo_schema
-from verl_balance.trainer.verl_compat_keys import docs_table, lookup, startup_line, translate
+from verl_balance.trainer.verl_compat_keys import docs_table, lookup, startup_line, target_of, translate
 
 register_grpo_schema()  # compose_config("grpo", ...) needs the GRPO schema in Hydra's store
 
@@ -101,7 +101,7 @@ def test_every_override_of_a_verl_script_is_accepted_or_logged(script):
         key = _key(given)
         entry = lookup(key, recipe=recipe)
         assert (entry is not None and entry.status == "no_effect" and key in line) or (
-            (entry.target if entry else key) in kept
+            (target_of(key, entry) if entry else key) in kept
         ), given
 
 
@@ -164,6 +164,36 @@ def test_honoured_grpo_keys_reach_the_typed_config(tmp_path):
     assert cfg.sp_size == 2
     assert (cfg.custom_reward_function.path, cfg.custom_reward_function.name) == ("/r.py", "score")
     assert cfg.trainer.logger == ["console"]
+
+
+def test_ray_init_keys_reach_the_typed_config_and_ray_init(monkeypatch, tmp_path):
+    import functools
+
+    from verl_balance.trainer import cluster
+    from verl_balance.trainer.grpo_config import GRPOConfig
+
+    lines = [
+        "ray_kwargs.ray_init.num_cpus=3",
+        "ray_kwargs.ray_init.runtime_env.py_executable=null",
+        "+ray_kwargs.ray_init.runtime_env.env_vars.TRANSFER_QUEUE_ENABLE=1",
+        f"trainer.default_local_dir={tmp_path}",
+    ]
+    args, no_effect = translate(lines, recipe="grpo")
+    assert no_effect == []
+    cfg = GRPOConfig.from_hydra(compose_config("grpo", args))
+    calls = []
+
+    @functools.wraps(cluster.ray.init)
+    def init(**kwargs):
+        calls.append(kwargs)
+
+    monkeypatch.setattr(cluster.ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(cluster.ray, "init", init)
+    monkeypatch.setattr(cluster.ray, "cluster_resources", lambda: {"CPU": 3})
+    cluster.start_ray(address=cfg.trainer.ray_address, ray_init=cfg.ray_kwargs.ray_init)
+    assert calls[0]["num_cpus"] == 3
+    assert calls[0]["runtime_env"]["env_vars"]["TRANSFER_QUEUE_ENABLE"] == "1"
+    assert "py_executable" not in calls[0]["runtime_env"]  # null left out, as verl does
 
 
 def test_honoured_sft_keys_reach_the_typed_config(tmp_path):

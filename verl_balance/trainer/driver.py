@@ -220,7 +220,8 @@ class DriverBase:
         """Start (or join) Ray, place the worker group and build the sharded model on it."""
         t = self.trainer_config
         with TimedPhase("cluster", "existing Ray cluster" if t.ray_address else "embedded Ray"):
-            cluster.start_ray(address=t.ray_address, num_workers=self.world)
+            ray_kwargs = getattr(self.config, "ray_kwargs", None)
+            cluster.start_ray(address=t.ray_address, num_workers=self.world, ray_init=getattr(ray_kwargs, "ray_init", None))
         use_gpu = cluster.resolve_use_gpu(t.device)
         logger.info(
             "%d %s workers: dp=%d x sp=%d; %s", self.world, "GPU" if use_gpu else "CPU", self.dp, self.sp, description

@@ -53,6 +53,7 @@ from verl_balance.trainer.recipe import RecipeConfig, engine_keys
 from verl_balance.trainer.sections import (
     BalanceSection,
     ModelSection,
+    RayKwargsSection,
     SyntheticDataConfig,
     TrainerSection,
     narrow,
@@ -468,6 +469,8 @@ class GRPOConfig(RecipeConfig):
     """SFT-recipe spelling of actor_rollout_ref.actor.ulysses_sequence_parallel_size (either works)."""
     balance: GRPOBalanceSection = field(default_factory=GRPOBalanceSection)
     """Workload model of the balancer (its switch is trainer.balance_batch; overlong must be error)."""
+    ray_kwargs: RayKwargsSection = field(default_factory=RayKwargsSection)
+    """verl's ``ray_kwargs``: ``ray.init``'s arguments."""
     trainer: GRPOTrainerSection = field(default_factory=GRPOTrainerSection)
     """Cluster, run length, logging, checkpoints."""
 

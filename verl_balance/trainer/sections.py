@@ -381,6 +381,22 @@ class TrainerSection:
         return self.nnodes * self.n_gpus_per_node
 
 
+@dataclass
+class RayKwargsSection:
+    """verl's ``ray_kwargs``: arguments of the ``ray.init`` that starts (or joins) the cluster."""
+
+    ray_init: dict = field(default_factory=lambda: {"num_cpus": None}, metadata=APPLY_ON_RESUME)
+    """verl's key: keyword arguments of ``ray.init`` (num_cpus, runtime_env, address, namespace, ...),
+    merged over ours (trainer/cluster.py start_ray; runtime_env key by key); null values are left out,
+    as in verl. ``num_cpus`` sizes the embedded cluster; ``address`` is trainer.ray_address's other
+    spelling. A key ray.init does not take is refused, naming it."""
+
+    def __post_init__(self) -> None:
+        from verl_balance.trainer.ray_init import check_ray_init
+
+        check_ray_init(self.ray_init)
+
+
 def _due(freq: int, step: int, *, is_last: bool, at_last_step: bool) -> bool:
     """verl's rule: every ``freq`` steps and the last one when freq > 0; the last step regardless
     of freq when ``at_last_step`` (sft_trainer)."""

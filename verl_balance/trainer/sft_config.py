@@ -20,6 +20,7 @@ from verl_balance.trainer.recipe import RecipeConfig
 from verl_balance.trainer.sections import (
     BalanceSection,
     ModelSection,
+    RayKwargsSection,
     SFTTrainerSection,
     SyntheticDataConfig,
     narrow,
@@ -113,6 +114,8 @@ class SFTConfig(RecipeConfig, ActorKeys):
     """verl's key; must be true (the engine always runs packed, padding-free sequences)."""
     balance: SFTBalanceSection = field(default_factory=SFTBalanceSection)
     """Workload balancer."""
+    ray_kwargs: RayKwargsSection = field(default_factory=RayKwargsSection)
+    """verl's ``ray_kwargs``: ``ray.init``'s arguments."""
     trainer: SFTTrainerSection = field(default_factory=SFTTrainerSection)
     """Cluster, run length, logging, checkpoints (saved and validated at the last step, as verl's sft_trainer)."""
 

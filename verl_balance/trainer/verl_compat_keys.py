@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from verl_balance.trainer.config_checks import ConfigError
 
-__all__ = ["VERL_KEYS", "VerlKey", "docs_table", "lookup", "startup_line", "translate"]
+__all__ = ["VERL_KEYS", "VerlKey", "docs_table", "lookup", "startup_line", "target_of", "translate"]
 
 RECIPES = ("grpo", "sft")
 AR = "actor_rollout_ref"
@@ -41,14 +41,17 @@ class VerlKey:
     values: tuple[str, ...] | None = None
     """The only values accepted (compared case-insensitively); None = any."""
     recipes: tuple[str, ...] = RECIPES
+    free_dict: bool = False
+    """The target is a key under a free dict of our schema (``ray_kwargs.ray_init``): written with
+    Hydra's ``++`` (add or override), since the dict declares no keys; ``*`` in target is the key's tail."""
 
     def __post_init__(self) -> None:
         assert self.status in ("honoured", "no_effect"), self.status
         assert (self.target is not None) == (self.status == "honoured"), self.pattern
 
 
-def _honoured(pattern: str, target: str, reason: str, *, values=None, recipes=RECIPES) -> VerlKey:
-    return VerlKey(pattern, "honoured", reason, target=target, values=values, recipes=recipes)
+def _honoured(pattern: str, target: str, reason: str, *, values=None, recipes=RECIPES, free_dict=False) -> VerlKey:
+    return VerlKey(pattern, "honoured", reason, target=target, values=values, recipes=recipes, free_dict=free_dict)
 
 
 def _none(patterns: Sequence[str], reason: str, *, values=None, recipes=RECIPES) -> list[VerlKey]:
@@ -101,6 +104,13 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         "verl's older spelling",
         values=("constant", "cosine"),
         recipes=("sft",),
+    ),
+    _honoured(
+        "ray_kwargs.ray_init.*",
+        "ray_kwargs.ray_init.*",
+        "passed to ray.init (trainer/cluster.py start_ray) over our arguments, runtime_env key by key; "
+        "null values left out as in verl; a key ray.init does not take is refused",
+        free_dict=True,
     ),
     # -- no effect here: the engine, the device, the rollout
     *_none(
@@ -265,7 +275,7 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     *_none(["reward.reward_model.*"], "read only with reward.reward_model.enable=true", recipes=("grpo",)),
     *_none(["distillation.enabled"], "on-policy distillation is not built", values=_FALSE, recipes=("grpo",)),
     *_none(["distillation.*"], "read only with distillation.enabled=true", recipes=("grpo",)),
-    *_none(["ray_kwargs.ray_init.*"], "not passed to ray.init yet: the cluster starts from trainer.* settings"),
+    *_none(["ray_kwargs.timeline_json_file"], "Ray's timeline is not written; trainer.profile_steps traces the workers"),
 )
 
 
@@ -294,6 +304,14 @@ def _check_value(key: str, value: str, entry: VerlKey) -> None:
         )
 
 
+def target_of(key: str, entry: VerlKey) -> str:
+    """Our key for ``key``: the entry's target; under a free dict the target's ``*`` is the key's tail."""
+    if not entry.free_dict:
+        return entry.target
+    head = entry.target.rstrip("*")
+    return head + key[len(entry.pattern.rstrip("*")) :]
+
+
 def translate(args: Sequence[str], *, recipe: str) -> tuple[list[str], list[str]]:
     """(the command line with verl's keys written as ours and no-effect keys removed, the
     no-effect keys); ConfigError on a refused value or two spellings set to different values."""
@@ -312,7 +330,7 @@ def translate(args: Sequence[str], *, recipe: str) -> tuple[list[str], list[str]
             if entry.status == "no_effect":
                 no_effect.append(key)
                 continue
-            key, arg = entry.target, f"{entry.target}={value}"
+            key, arg = target_of(key, entry), f"{'++' if entry.free_dict else ''}{target_of(key, entry)}={value}"
         elif key == "trainer.logger" and not value.lstrip().startswith("["):
             arg = f"trainer.logger=[{value}]"  # verl takes one logger name too; ours is a list
         if key in seen:
