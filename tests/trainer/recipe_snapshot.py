@@ -198,10 +198,9 @@ def _grpo_components(cfg) -> dict:
         "plan": {
             "balance": config.balance_enabled,
             "update_cap": a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
-            "log_prob_cap": (r.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu)
-            if a.use_dynamic_bsz
-            else None,
-            "log_prob_mbs": r.log_prob_micro_batch_size_per_gpu or a.ppo_micro_batch_size_per_gpu,
+            "log_prob_cap": arr.log_prob_plan("old").token_cap,
+            "log_prob_mbs": arr.log_prob_plan("old").micro_batch_size,
+            "ref_log_prob": arr.log_prob_plan("ref"),
             "update_mbs": a.ppo_micro_batch_size_per_gpu,
         },
         "rollout": {

@@ -62,6 +62,7 @@ from verl_balance.trainer.sft_config import register_sft_schema
 
 logger = logging.getLogger(__name__)
 RECOMPUTE_OLD_LOG_PROB = ("auto", "always")
+AR = "actor_rollout_ref"
 
 
 @dataclass
@@ -252,9 +253,13 @@ class RolloutSection:
     response_length: int = 64
     """Most tokens of one response."""
     log_prob_micro_batch_size_per_gpu: Optional[int] = field(default=None, metadata=LAYOUT_ON_RESUME)
-    """Responses per micro-batch of the old/reference log-prob passes (null = the actor's)."""
+    """Responses per micro-batch of the old log-prob pass (and of the reference pass, unless ref.* sets
+    its own; null = the actor's ppo_micro_batch_size_per_gpu)."""
+    log_prob_use_dynamic_bsz: Optional[bool] = field(default=None, metadata=LAYOUT_ON_RESUME)
+    """verl's key: pack the old log-prob pass's micro-batches up to log_prob_max_token_len_per_gpu tokens
+    (null = the actor's use_dynamic_bsz, verl's default)."""
     log_prob_max_token_len_per_gpu: Optional[int] = field(default=None, metadata=LAYOUT_ON_RESUME)
-    """Token cap of the old/reference log-prob passes (null = the actor's)."""
+    """Token cap of the old log-prob pass (null = the actor's ppo_max_token_len_per_gpu)."""
     max_num_seqs: Optional[int] = field(default=None, metadata=LAYOUT_ON_RESUME)
     """Sequences decoded together on one worker (memory bound); null = all of its prompts at once."""
     val_kwargs: ValSamplingConfig = field(default_factory=ValSamplingConfig, metadata=APPLY_ON_RESUME)
@@ -288,6 +293,38 @@ class RolloutSection:
 
 
 @dataclass
+class RefSection:
+    """verl's ``actor_rollout_ref.ref``: the micro-batching of the reference log-prob pass (the reference
+    policy runs on the actor's engine). Null keys take the old log-prob pass's (``rollout.log_prob_*``)."""
+
+    log_prob_micro_batch_size_per_gpu: Optional[int] = field(default=None, metadata=LAYOUT_ON_RESUME)
+    """Responses per micro-batch of the reference pass."""
+    log_prob_use_dynamic_bsz: Optional[bool] = field(default=None, metadata=LAYOUT_ON_RESUME)
+    """Pack the reference pass's micro-batches up to log_prob_max_token_len_per_gpu tokens."""
+    log_prob_max_token_len_per_gpu: Optional[int] = field(default=None, metadata=LAYOUT_ON_RESUME)
+    """Token cap of a reference-pass micro-batch per worker (per SP rank)."""
+
+    def __post_init__(self) -> None:
+        for key in ("log_prob_micro_batch_size_per_gpu", "log_prob_max_token_len_per_gpu"):
+            if getattr(self, key) is not None:
+                check_positive(key, getattr(self, key))
+
+
+@dataclass(frozen=True)
+class LogProbPlan:
+    """How a log-prob pass is cut into micro-batches (the planner's arguments), and the keys that set it."""
+
+    micro_batch_size: Optional[int]
+    token_cap: Optional[int]
+    """None: fixed micro-batches of micro_batch_size responses."""
+    micro_batch_key: str
+    token_cap_key: str
+
+
+LOG_PROB_PASSES = ("old", "ref")
+
+
+@dataclass
 class ActorRolloutRefSection:
     """verl's ``actor_rollout_ref``: one model, trained by the actor and sampled by the rollout."""
 
@@ -296,7 +333,28 @@ class ActorRolloutRefSection:
     actor: ActorSection = field(default_factory=ActorSection)
     """Policy loss, mini-batching and optimizer."""
     rollout: RolloutSection = field(default_factory=RolloutSection)
-    """Sampling."""
+    """Sampling, and the old log-prob pass's micro-batching."""
+    ref: RefSection = field(default_factory=RefSection)
+    """The reference log-prob pass's micro-batching."""
+
+    def log_prob_plan(self, name: str) -> LogProbPlan:
+        """The micro-batching of log-prob pass ``name`` ('old' or 'ref'): its own keys, null ones taken
+        from the old pass's (for 'ref'), then the actor's. Per-token log-probs do not depend on it."""
+        assert name in LOG_PROB_PASSES, name
+        keys = {"micro": "ppo_micro_batch_size_per_gpu", "dyn": "use_dynamic_bsz", "cap": "ppo_max_token_len_per_gpu"}
+        chosen = {k: (f"{AR}.actor.{key}", getattr(self.actor, key)) for k, key in keys.items()}
+        own = {"micro": "log_prob_micro_batch_size_per_gpu", "dyn": "log_prob_use_dynamic_bsz"}
+        own["cap"] = "log_prob_max_token_len_per_gpu"
+        for section in ("rollout", "ref")[: LOG_PROB_PASSES.index(name) + 1]:
+            for k, key in own.items():
+                if getattr(getattr(self, section), key) is not None:
+                    chosen[k] = (f"{AR}.{section}.{key}", getattr(getattr(self, section), key))
+        return LogProbPlan(
+            micro_batch_size=chosen["micro"][1],
+            token_cap=chosen["cap"][1] if chosen["dyn"][1] else None,
+            micro_batch_key=chosen["micro"][0],
+            token_cap_key=chosen["cap"][0],
+        )
 
 
 @dataclass
@@ -592,9 +650,15 @@ class GRPOConfig(RecipeConfig):
         caps = {}
         if actor.use_dynamic_bsz:
             caps["actor_rollout_ref.actor.ppo_max_token_len_per_gpu"] = actor.ppo_max_token_len_per_gpu
-            log_prob_cap = rollout.log_prob_max_token_len_per_gpu
-            if log_prob_cap is not None:
-                caps["actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"] = log_prob_cap
+        for name in LOG_PROB_PASSES:
+            plan = self.actor_rollout_ref.log_prob_plan(name)
+            if plan.token_cap is not None:
+                caps[plan.token_cap_key] = plan.token_cap
+            elif plan.micro_batch_size is None:
+                raise ConfigError(
+                    f"{plan.micro_batch_key}=null with fixed micro-batches for the {name} log-prob pass; "
+                    "set it to a positive number of responses, or use dynamic batches"
+                )
         if self.use_critic and self.critic.use_dynamic_bsz:
             caps["critic.ppo_max_token_len_per_gpu"] = self.critic.ppo_max_token_len_per_gpu
         for key, cap in caps.items():

@@ -69,12 +69,6 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     # -- honoured: verl's spelling of one of our keys
     _honoured("data.max_response_length", f"{AR}.rollout.response_length", "verl's spelling", recipes=("grpo",)),
     _honoured(f"{AR}.rollout.prompt_length", "data.max_prompt_length", "verl's spelling", recipes=("grpo",)),
-    *_none(
-        [f"{AR}.ref.log_prob_micro_batch_size_per_gpu", f"{AR}.ref.log_prob_max_token_len_per_gpu"],
-        "the reference log-prob pass takes the old log-prob pass's caps (rollout.log_prob_*); "
-        "a separate reference cap is not built",
-        recipes=("grpo",),
-    ),
     _honoured(
         f"{AR}.*.fsdp_config.ulysses_sequence_parallel_size",
         f"{AR}.actor.ulysses_sequence_parallel_size",
@@ -167,11 +161,6 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         recipes=("grpo",),
     ),
     *_none([f"{AR}.nccl_timeout"], "worker calls are bounded by trainer.worker_call_timeout_s", recipes=("grpo",)),
-    *_none(
-        [f"{AR}.rollout.log_prob_use_dynamic_bsz", f"{AR}.ref.log_prob_use_dynamic_bsz"],
-        "the log-prob passes pack as the actor does (actor.use_dynamic_bsz), capped by rollout.log_prob_*",
-        recipes=("grpo",),
-    ),
     *_none(
         [
             f"{AR}.rollout.{k}"
