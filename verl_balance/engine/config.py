@@ -147,6 +147,15 @@ class FSDPKeys(HeadKeys):
 
 
 @dataclass
+class CriticFSDPKeys:
+    """verl's critic spelling of the engine's FSDP2 switches (``critic.fsdp``, its own section in verl)."""
+
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig, metadata=LAYOUT_ON_RESUME)
+    """verl's key: the critic engine's FSDP2 switches (the same fields as the actor's fsdp_config, and
+    as in verl independent of it)."""
+
+
+@dataclass
 class LoRAKeys:
     """verl's LoRA keys of ``model`` (its HFModelConfig's names: the verl backend reads them so)."""
 
@@ -183,7 +192,7 @@ class KernelKeys:
     """The packed-attention implementation: one of models.attention.ATTN_IMPLS."""
 
 
-ENGINE_KEY_GROUPS = (ActorKeys, HeadKeys, FSDPKeys, LoRAKeys, ModelKeys, KernelKeys)
+ENGINE_KEY_GROUPS = (ActorKeys, HeadKeys, FSDPKeys, CriticFSDPKeys, LoRAKeys, ModelKeys, KernelKeys)
 """Every group; a field declared in one of them is an engine key (trainer/recipe.engine_keys)."""
 
 

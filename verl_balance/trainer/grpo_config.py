@@ -35,7 +35,14 @@ from omegaconf import DictConfig
 from verl_balance.algorithms import PolicyLossConfig
 from verl_balance.data.rl_dataset import RLDataConfig
 from verl_balance.data.synthetic import TASKS, SyntheticConfig
-from verl_balance.engine.config import APPLY_ON_RESUME, LAYOUT_ON_RESUME, ActorKeys, EngineConfig, FSDPKeys
+from verl_balance.engine.config import (
+    APPLY_ON_RESUME,
+    LAYOUT_ON_RESUME,
+    ActorKeys,
+    CriticFSDPKeys,
+    EngineConfig,
+    FSDPKeys,
+)
 from verl_balance.loss import WEIGHT_MODES, check_agg_mode
 from verl_balance.rollout.base import RolloutInputError
 from verl_balance.rollout.factory import ROLLOUT_BACKENDS, resolve_backend
@@ -368,18 +375,24 @@ class CriticModelSection:
     same built-in preset and dimensions) and, with ``actor_rollout_ref.model.warm_start_path``, that
     checkpoint's decoder weights (verl's critic starts from the actor's weights). It must share the
     actor's tokenizer."""
+    enable_gradient_checkpointing: Optional[bool] = field(default=None, metadata=LAYOUT_ON_RESUME)
+    """verl's key: activation checkpointing per decoder layer of the value model; null = the actor's
+    (actor_rollout_ref.model.enable_gradient_checkpointing)."""
+    use_remove_padding: bool = field(default=True, metadata=LAYOUT_ON_RESUME)
+    """verl's key; must be true (the engine always runs packed, padding-free sequences)."""
 
     def __post_init__(self) -> None:
         if self.path is not None:
             check_hf_model_dir("path", self.path)
+        check_remove_padding("use_remove_padding", self.use_remove_padding)
 
 
 @dataclass
-class CriticSection(ActorKeys):
+class CriticSection(CriticFSDPKeys, ActorKeys):
     """verl's ``critic``: the value model trained on GAE returns (only with algorithm.adv_estimator=gae).
     Keys left null take the actor's value (``actor_rollout_ref.actor.<same key>``), as in verl: the
     INHERITED ones, among them the engine's ActorKeys ``loss_agg_mode`` and ``loss_scale_factor``;
-    ``optim`` is the critic's own (OptimConfig's defaults, verl's critic lr 1e-5)."""
+    ``optim`` and ``fsdp`` (engine.config.CriticFSDPKeys) are the critic's own, as in verl."""
 
     ppo_mini_batch_size: Optional[int] = None
     """Prompts per critic optimizer step (all their responses); null = the actor's."""
@@ -508,8 +521,9 @@ class GRPOConfig(RecipeConfig):
     SP_KEY: ClassVar[str] = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
     CRITIC_ENGINE_SECTIONS: ClassVar[tuple[str, ...]] = ("critic",)
     """The critic engine's own keys (adv_estimator=gae; model_type value_model)."""
-    CRITIC_SHARED_KEYS: ClassVar[tuple[str, ...]] = ("param_dtype", "fsdp")
-    """Engine fields the critic takes from the actor's keys (no LoRA, no LM head)."""
+    CRITIC_SHARED_KEYS: ClassVar[tuple[str, ...]] = ("param_dtype",)
+    """Engine fields the critic takes from the actor's keys (no LoRA, no LM head; its FSDP2 switches are
+    its own critic.fsdp, as in verl)."""
     BALANCE_KEY: ClassVar[str] = "trainer.balance_batch"
     ALIASES: ClassVar[dict[str, str]] = {"ulysses_sequence_parallel_size": SP_KEY}
 

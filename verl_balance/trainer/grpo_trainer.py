@@ -318,6 +318,8 @@ class GRPOTrainer(DriverBase):
         if config.critic.model.path is not None:
             section = replace(config.actor_rollout_ref.model, path=config.critic.model.path, warm_start_path=None)
             model = section.model_config(vocab_size=self.tokenizer.vocab_size)
+        if config.critic.model.enable_gradient_checkpointing is not None:
+            model = replace(model, enable_gradient_checkpointing=config.critic.model.enable_gradient_checkpointing)
         return CriticWorkerConfig(
             model=model,
             engine=config.critic_engine_config(total_steps=self.total_steps),

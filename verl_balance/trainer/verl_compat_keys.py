@@ -217,12 +217,11 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         recipes=("sft",),
     ),
     *_none(
-        ["critic.model.use_remove_padding"],
-        "the engine always runs packed sequences",
-        values=("true",),
+        [f"critic.fsdp.{k}" for k in ("offload_policy", "fsdp_size", "forward_prefetch", "use_orig_params", "model_dtype")]
+        + ["critic.fsdp.wrap_policy.*"],
+        "FSDP1/hybrid-sharding setting; " + _FSDP,
         recipes=("grpo",),
     ),
-    *_none(["critic.model.enable_gradient_checkpointing"], "not applied to the critic yet", recipes=("grpo",)),
     *_none(
         ["model.trust_remote_code", f"{AR}.model.trust_remote_code", "data.trust_remote_code"],
         "no remote code runs: the supported model families are built in",
