@@ -240,3 +240,33 @@ def test_docs_table_equals_the_generated_one():
     assert DOCS.read_text() == docs_table(), (
         "regenerate: python -m verl_balance.trainer.verl_compat_keys > docs/verl_keys.md"
     )
+
+
+def test_offload_and_critic_keys_reach_the_engines_and_the_offload_decision(tmp_path):
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from verl_balance.engine.offload import cpu_offload_policy
+    from verl_balance.trainer.grpo_config import GRPOConfig
+
+    args, no_effect = translate(
+        [
+            "algorithm.adv_estimator=gae",
+            "actor_rollout_ref.actor.fsdp_config.param_offload=True",
+            "actor_rollout_ref.actor.fsdp_config.optimizer_offload=True",
+            "actor_rollout_ref.ref.fsdp_config.param_offload=True",
+            "critic.fsdp.optimizer_offload=True",
+            "critic.model.enable_gradient_checkpointing=True",
+            "critic.model.use_remove_padding=True",
+            f"trainer.default_local_dir={tmp_path}",
+        ],
+        recipe="grpo",
+    )
+    assert no_effect == ["actor_rollout_ref.ref.fsdp_config.param_offload"]  # the reference runs on the actor
+    cfg = GRPOConfig.from_hydra(compose_config("grpo", args))
+    actor_fsdp = cfg.engine_config(total_steps=1).fsdp
+    critic_fsdp = cfg.critic_engine_config(total_steps=1).fsdp
+    assert (actor_fsdp.param_offload, actor_fsdp.optimizer_offload) == (True, True)
+    assert (critic_fsdp.param_offload, critic_fsdp.optimizer_offload) == (False, True)
+    assert isinstance(cpu_offload_policy(actor_fsdp, device_type="cuda"), CPUOffloadPolicy)
+    assert cpu_offload_policy(actor_fsdp, device_type="cpu") is None
+    assert cfg.critic.model.enable_gradient_checkpointing is True

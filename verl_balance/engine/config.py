@@ -99,6 +99,17 @@ class FSDPConfig:
     micro-batch's backward (``set_requires_gradient_sync``), instead of after every micro-batch.
     Saves (micro-batches - 1) reduce-scatters per step; costs one unsharded fp32 gradient per
     parameter (4 * P bytes) for the whole step, on top of the sharded 4 * P / W."""
+    param_offload: bool = False
+    """verl's key: keep the sharded parameters (and so their gradients and AdamW state) in CPU memory on
+    CUDA workers, FSDP2's ``CPUOffloadPolicy`` (engine/offload.py): each unit's shard is copied to the
+    GPU for its all-gather, and the optimizer steps on the CPU. Device memory drops by the sharded
+    model, gradients and optimizer state ((b + 4 + 8) * P / W bytes) at the cost of host-device copies
+    every micro-batch and a CPU optimizer step. No effect on CPU workers (logged)."""
+    optimizer_offload: bool = False
+    """verl's key: the optimizer state in CPU memory. FSDP2 offloads parameters, gradients and optimizer
+    state together, so on CUDA this is param_offload's CPUOffloadPolicy too; no effect on CPU workers."""
+    offload_policy: bool = False
+    """verl's FSDP2 switch for the same CPUOffloadPolicy (either of the three turns it on)."""
 
 
 # ---------------------------------------------------------------------- the engine's keys, one home each

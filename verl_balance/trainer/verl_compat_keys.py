@@ -59,7 +59,6 @@ def _none(patterns: Sequence[str], reason: str, *, values=None, recipes=RECIPES)
 
 
 _FALSE = ("false",)
-_OFFLOAD = "CPU offload is not built yet: parameters and optimizer state stay on the device"
 _VLLM = "a vLLM/SGLang engine setting; our rollout (rollout.name: kv_cache or hf) runs on the actor's own weights"
 _FSDP = "the engine is FSDP2 over each data-parallel group"
 _ACTOR_LOGPROB = "the reference log-probs run on the actor's engine, with the actor's FSDP settings"
@@ -132,11 +131,10 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         [f"{AR}.*.fsdp_config.fsdp_size", "engine.fsdp_size"], _FSDP + " (fsdp_size=-1); hybrid sharding is not built"
     ),
     *_none(
-        [f"{AR}.*.fsdp_config.{k}" for k in ("param_offload", "optimizer_offload", "offload_policy")],
-        _OFFLOAD,
+        [f"{AR}.ref.fsdp_config.{k}" for k in ("param_offload", "optimizer_offload", "offload_policy")],
+        _ACTOR_LOGPROB + " (actor_rollout_ref.actor.fsdp_config.param_offload offloads it)",
         recipes=("grpo",),
     ),
-    *_none([f"critic.fsdp.{k}" for k in ("param_offload", "optimizer_offload")], _OFFLOAD, recipes=("grpo",)),
     *_none(
         [f"{AR}.model.enable_activation_offload"],
         "activation offload is not built; see model.enable_gradient_checkpointing",
@@ -217,7 +215,7 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         recipes=("sft",),
     ),
     *_none(
-        [f"critic.fsdp.{k}" for k in ("offload_policy", "fsdp_size", "forward_prefetch", "use_orig_params", "model_dtype")]
+        [f"critic.fsdp.{k}" for k in ("fsdp_size", "forward_prefetch", "use_orig_params", "model_dtype")]
         + ["critic.fsdp.wrap_policy.*"],
         "FSDP1/hybrid-sharding setting; " + _FSDP,
         recipes=("grpo",),
