@@ -12,8 +12,7 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy
 
 from verl_balance.distributed import ParallelLayout
-from verl_balance.engine import EngineConfig, TrainEngine
-from verl_balance.engine import materialize
+from verl_balance.engine import EngineConfig, TrainEngine, materialize
 from verl_balance.engine.config import FSDPConfig
 from verl_balance.engine.offload import OFFLOAD_SWITCHES, cpu_offload_policy
 from verl_balance.models.config import ModelConfig
@@ -47,7 +46,9 @@ def test_shard_model_passes_the_policy_to_every_fully_shard(monkeypatch, policy)
     calls = []
     monkeypatch.setattr(materialize, "fully_shard", lambda module, **kwargs: calls.append((module, kwargs)))
     model = _TwoUnits()
-    materialize.shard_model(model, mesh="mesh", param_dtype=torch.float32, reshard_after_forward=True, offload_policy=policy)
+    materialize.shard_model(
+        model, mesh="mesh", param_dtype=torch.float32, reshard_after_forward=True, offload_policy=policy
+    )
     assert [m for m, _ in calls] == [model.a, model.b, model]
     if policy is None:  # FSDP2's own default (no offload): the argument is not passed
         assert all("offload_policy" not in kw for _, kw in calls)

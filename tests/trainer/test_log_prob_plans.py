@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from tests.trainer.conftest import compose_config
+from verl_balance.balance import TokenWorkload
 from verl_balance.batch_keys import (
     ATTENTION_MASK_KEY,
     INPUT_IDS_KEY,
@@ -22,7 +23,6 @@ from verl_balance.batch_keys import (
     PROMPT_INDEX_KEY,
     REF_LOG_PROB_KEY,
 )
-from verl_balance.balance import TokenWorkload
 from verl_balance.protocol import Batch
 from verl_balance.trainer.config_checks import ConfigError
 from verl_balance.trainer.grpo_config import register_grpo_schema, validate_grpo
@@ -50,7 +50,11 @@ def test_each_pass_takes_its_own_keys_then_the_old_pass_then_the_actor(tmp_path)
     arr = cfg.actor_rollout_ref
     old, ref = arr.log_prob_plan("old"), arr.log_prob_plan("ref")
     assert (old.micro_batch_size, old.token_cap) == (3, None)  # fixed: the actor is not dynamic
-    assert (ref.micro_batch_size, ref.token_cap, ref.token_cap_key) == (3, 500, f"{AR}.ref.log_prob_max_token_len_per_gpu")
+    assert (ref.micro_batch_size, ref.token_cap, ref.token_cap_key) == (
+        3,
+        500,
+        f"{AR}.ref.log_prob_max_token_len_per_gpu",
+    )
     plain = _config(tmp_path).actor_rollout_ref  # nothing set: the actor's micro-batching for both
     assert plain.log_prob_plan("old") == plain.log_prob_plan("ref")
     assert plain.log_prob_plan("old").micro_batch_size == plain.actor.ppo_micro_batch_size_per_gpu
@@ -122,6 +126,6 @@ def test_old_and_ref_passes_run_their_own_plans_and_give_the_same_log_probs(tmp_
     torch.testing.assert_close(batch[OLD_LOG_PROBS_KEY].double(), reference, rtol=1e-6, atol=0)
     torch.testing.assert_close(batch[REF_LOG_PROB_KEY].double(), reference, rtol=1e-6, atol=0)
     # Negative control: the reference outputs merged by the old pass's plan are not in row order.
-    (old_plan, _), (ref_plan, ref_future) = pending["old_log_prob"], pending["ref"]
+    (old_plan, _), (_, ref_future) = pending["old_log_prob"], pending["ref"]
     wrong = merge_by_plan(ref_future.get(), old_plan)[REF_LOG_PROB_KEY].double()
     assert not torch.allclose(wrong, reference, rtol=1e-6, atol=0)

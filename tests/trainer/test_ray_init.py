@@ -55,7 +55,11 @@ def test_start_ray_passes_ray_init_to_the_embedded_cluster(fake_ray):
     cluster.start_ray(address=None, ray_init={"num_cpus": 3, "runtime_env": {"env_vars": {"X": 1}}})
     (kwargs,) = fake_ray
     assert kwargs["num_cpus"] == 3  # not embedded_cluster_cpus()
-    assert kwargs["runtime_env"]["env_vars"] == {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "X": "1"}
+    assert kwargs["runtime_env"]["env_vars"] == {
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        "X": "1",
+    }
     assert kwargs["_system_config"]["worker_niceness"] == cluster.EMBEDDED_WORKER_NICENESS
     fake_ray.clear()
     cluster.start_ray(address=None)  # the negative control: no ray_init, the machine's size

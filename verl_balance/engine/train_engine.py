@@ -69,7 +69,7 @@ from verl_balance.engine.lora import (
     read_base_fingerprint,
     save_lora_config,
 )
-from verl_balance.engine.materialize import build_sharded_model, buffers_to, fill_lora, shard_model
+from verl_balance.engine.materialize import buffers_to, build_sharded_model, fill_lora, shard_model
 from verl_balance.engine.offload import cpu_offload_policy
 from verl_balance.engine.optim import apply_optim_config, build_optimizer
 from verl_balance.engine.packing import MicroBatchError, PackedMicroBatch, pack_micro_batch
@@ -129,7 +129,9 @@ class TrainEngine:
         param_dtype = torch.bfloat16 if engine_config.param_dtype == "bfloat16" else torch.float32
         # One fp32 rank has nothing to shard, reduce or cast: FSDP2 would only add an unshard and
         # reshard per unit and micro-batch (measured ~20% of CPU step time on the small model).
-        offload = cpu_offload_policy(engine_config.fsdp, device_type=self.device.type, log=layout.world_size == 1 or layout.rank == 0)
+        offload = cpu_offload_policy(
+            engine_config.fsdp, device_type=self.device.type, log=layout.world_size == 1 or layout.rank == 0
+        )
         self.sharded = layout.world_size > 1 or param_dtype != torch.float32 or offload is not None
         shard = None
         if self.sharded:

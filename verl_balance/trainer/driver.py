@@ -221,7 +221,9 @@ class DriverBase:
         t = self.trainer_config
         with TimedPhase("cluster", "existing Ray cluster" if t.ray_address else "embedded Ray"):
             ray_kwargs = getattr(self.config, "ray_kwargs", None)
-            cluster.start_ray(address=t.ray_address, num_workers=self.world, ray_init=getattr(ray_kwargs, "ray_init", None))
+            cluster.start_ray(
+                address=t.ray_address, num_workers=self.world, ray_init=getattr(ray_kwargs, "ray_init", None)
+            )
         use_gpu = cluster.resolve_use_gpu(t.device)
         logger.info(
             "%d %s workers: dp=%d x sp=%d; %s", self.world, "GPU" if use_gpu else "CPU", self.dp, self.sp, description

@@ -261,7 +261,9 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     *_none(["reward.reward_model.*"], "read only with reward.reward_model.enable=true", recipes=("grpo",)),
     *_none(["distillation.enabled"], "on-policy distillation is not built", values=_FALSE, recipes=("grpo",)),
     *_none(["distillation.*"], "read only with distillation.enabled=true", recipes=("grpo",)),
-    *_none(["ray_kwargs.timeline_json_file"], "Ray's timeline is not written; trainer.profile_steps traces the workers"),
+    *_none(
+        ["ray_kwargs.timeline_json_file"], "Ray's timeline is not written; trainer.profile_steps traces the workers"
+    ),
 )
 
 
