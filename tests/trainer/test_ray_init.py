@@ -4,7 +4,6 @@ cluster, ``address`` as trainer.ray_address's other spelling; a key ray.init doe
 
 from __future__ import annotations
 
-import functools
 import shutil
 import tempfile
 
@@ -37,41 +36,24 @@ def test_a_key_ray_init_does_not_take_is_refused_naming_it():
     assert check_ray_init({"_temp_dir": "/t", "num_cpus": None}) == {"_temp_dir": "/t"}  # Ray checks its own _*
 
 
-@pytest.fixture
-def fake_ray(monkeypatch):
-    calls = []
-
-    @functools.wraps(cluster.ray.init)  # keeps ray.init's signature, which the key check reads
-    def init(**kwargs):
-        calls.append(kwargs)
-
-    monkeypatch.setattr(cluster.ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(cluster.ray, "init", init)
-    monkeypatch.setattr(cluster.ray, "cluster_resources", lambda: {"CPU": 3})
-    return calls
-
-
-def test_start_ray_passes_ray_init_to_the_embedded_cluster(fake_ray):
-    cluster.start_ray(address=None, ray_init={"num_cpus": 3, "runtime_env": {"env_vars": {"X": 1}}})
-    (kwargs,) = fake_ray
-    assert kwargs["num_cpus"] == 3  # not embedded_cluster_cpus()
-    assert kwargs["runtime_env"]["env_vars"] == {
-        "TOKENIZERS_PARALLELISM": "false",
-        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-        "X": "1",
-    }
+def test_ray_init_reaches_the_embedded_clusters_arguments():
+    embedded, kwargs = cluster.ray_init_arguments(
+        address=None, ray_init={"num_cpus": 3, "runtime_env": {"env_vars": {"X": 1}}}
+    )
+    assert embedded and kwargs["num_cpus"] == 3  # not embedded_cluster_cpus()
+    env_vars = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "X": "1"}
+    assert kwargs["runtime_env"]["env_vars"] == env_vars
     assert kwargs["_system_config"]["worker_niceness"] == cluster.EMBEDDED_WORKER_NICENESS
-    fake_ray.clear()
-    cluster.start_ray(address=None)  # the negative control: no ray_init, the machine's size
-    assert fake_ray[0]["num_cpus"] == cluster.embedded_cluster_cpus()
+    _, plain = cluster.ray_init_arguments(address=None, ray_init=None)  # negative control: the machine's size
+    assert plain["num_cpus"] == cluster.embedded_cluster_cpus()
 
 
-def test_ray_init_address_joins_that_cluster_and_two_addresses_are_refused(fake_ray):
-    cluster.start_ray(address=None, ray_init={"address": "10.0.0.1:6379", "namespace": "n"})
-    assert fake_ray[0]["address"] == "10.0.0.1:6379" and fake_ray[0]["namespace"] == "n"
-    assert "num_cpus" not in fake_ray[0]
+def test_ray_init_address_joins_that_cluster_and_two_addresses_are_refused():
+    embedded, kwargs = cluster.ray_init_arguments(address=None, ray_init={"address": "10.0.0.1:6379", "namespace": "n"})
+    assert not embedded and kwargs["address"] == "10.0.0.1:6379" and kwargs["namespace"] == "n"
+    assert "num_cpus" not in kwargs
     with pytest.raises(ConfigError, match=r"trainer\.ray_address=.*ray_kwargs\.ray_init\.address="):
-        cluster.start_ray(address="auto", ray_init={"address": "10.0.0.1:6379"})
+        cluster.ray_init_arguments(address="auto", ray_init={"address": "10.0.0.1:6379"})
 
 
 @pytest.mark.slow

@@ -166,9 +166,7 @@ def test_honoured_grpo_keys_reach_the_typed_config(tmp_path):
     assert cfg.trainer.logger == ["console"]
 
 
-def test_ray_init_keys_reach_the_typed_config_and_ray_init(monkeypatch, tmp_path):
-    import functools
-
+def test_ray_init_keys_reach_the_typed_config_and_ray_init(tmp_path):
     from verl_balance.trainer import cluster
     from verl_balance.trainer.grpo_config import GRPOConfig
 
@@ -181,19 +179,10 @@ def test_ray_init_keys_reach_the_typed_config_and_ray_init(monkeypatch, tmp_path
     args, no_effect = translate(lines, recipe="grpo")
     assert no_effect == []
     cfg = GRPOConfig.from_hydra(compose_config("grpo", args))
-    calls = []
-
-    @functools.wraps(cluster.ray.init)
-    def init(**kwargs):
-        calls.append(kwargs)
-
-    monkeypatch.setattr(cluster.ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(cluster.ray, "init", init)
-    monkeypatch.setattr(cluster.ray, "cluster_resources", lambda: {"CPU": 3})
-    cluster.start_ray(address=cfg.trainer.ray_address, ray_init=cfg.ray_kwargs.ray_init)
-    assert calls[0]["num_cpus"] == 3
-    assert calls[0]["runtime_env"]["env_vars"]["TRANSFER_QUEUE_ENABLE"] == "1"
-    assert "py_executable" not in calls[0]["runtime_env"]  # null left out, as verl does
+    _, kwargs = cluster.ray_init_arguments(address=cfg.trainer.ray_address, ray_init=cfg.ray_kwargs.ray_init)
+    assert kwargs["num_cpus"] == 3
+    assert kwargs["runtime_env"]["env_vars"]["TRANSFER_QUEUE_ENABLE"] == "1"
+    assert "py_executable" not in kwargs["runtime_env"]  # null left out, as verl does
 
 
 def test_honoured_sft_keys_reach_the_typed_config(tmp_path):

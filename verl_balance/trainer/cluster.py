@@ -61,21 +61,38 @@ def start_ray(*, address: str | None, num_workers: int | None = None, ray_init: 
     """
     if ray.is_initialized():
         return
+    embedded, kwargs = ray_init_arguments(address=address, ray_init=ray_init)
+    if not embedded:
+        ray.init(**kwargs)
+        return
+    # Ray warns on every start that it enabled token authentication (its default): a notice for the
+    # embedded cluster's log, not a warning on every run's console.
+    logging.getLogger(RAY_AUTH_LOGGER).setLevel(logging.ERROR)
+    _init_embedded(**kwargs)
+    cpus = kwargs["num_cpus"]
+    cores = embedded_cluster_cpus() // CPU_WORKERS_PER_CORE
+    if num_workers is not None and cores < num_workers <= cpus and ray.cluster_resources().get("GPU", 0) == 0:
+        logger.warning(
+            "%d CPU workers on %d core(s): they share the cores (the embedded cluster offers %d CPU slots)",
+            num_workers,
+            cores,
+            cpus,
+        )
+
+
+def ray_init_arguments(*, address: str | None, ray_init: Mapping | None) -> tuple[bool, dict]:
+    """(whether the cluster is embedded, the arguments of ``ray.init``): ours, with the user's
+    ``ray_init`` merged over them (``ray_init.merge_ray_init``)."""
     address = _address(address, check_ray_init(ray_init).get("address"))
     # No progress bars in the workers: Ray would print them late, after the driver's lines.
     env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}}
     if address:
-        ray.init(**merge_ray_init({"address": address, "runtime_env": env, "log_to_driver": True}, ray_init))
-        return
-    cpus = int(check_ray_init(ray_init).get("num_cpus", embedded_cluster_cpus()))
-    # Ray warns on every start that it enabled token authentication (its default): a notice for the
-    # embedded cluster's log, not a warning on every run's console.
-    logging.getLogger(RAY_AUTH_LOGGER).setLevel(logging.ERROR)
+        return False, merge_ray_init({"address": address, "runtime_env": env, "log_to_driver": True}, ray_init)
     defaults = dict(
         # Without an address Ray would join the last `ray start` cluster on this machine (its
         # /tmp/ray/ray_current_cluster file, even a dead one) and then refuse num_cpus.
         address=os.environ.get("RAY_ADDRESS") or "local",
-        num_cpus=cpus,
+        num_cpus=embedded_cluster_cpus(),
         include_dashboard=False,
         runtime_env=env,
         log_to_driver=True,
@@ -84,15 +101,7 @@ def start_ray(*, address: str | None, num_workers: int | None = None, ray_init: 
             "max_direct_call_object_size": INLINE_ARGUMENT_BYTES,
         },
     )
-    _init_embedded(**merge_ray_init(defaults, ray_init))
-    cores = cpus // CPU_WORKERS_PER_CORE
-    if num_workers is not None and cores < num_workers <= cpus and ray.cluster_resources().get("GPU", 0) == 0:
-        logger.warning(
-            "%d CPU workers on %d core(s): they share the cores (the embedded cluster offers %d CPU slots)",
-            num_workers,
-            cores,
-            cpus,
-        )
+    return True, merge_ray_init(defaults, ray_init)
 
 
 def _address(address: str | None, ray_init_address: str | None) -> str | None:
