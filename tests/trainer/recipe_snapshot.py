@@ -1,8 +1,9 @@
 """The component configs each recipe hands its components (engine, balancer, dataset, policy
 loss, rollout, model), built from the recipe YAML plus the overrides of recipes/*.sh and a few
 non-default layouts, as plain JSON values. ``tests/trainer/data/recipe_components.json`` holds
-them as built before the config layer was split (issue 18); the test in test_config.py rebuilds
-them with the current API (``RecipeConfig.engine_config`` etc.) and compares field by field.
+them as built before the config layer was split (issue 18), with verl's defaults since issue 30
+(SFT: ``data.messages_key=messages``, save and validate at the last step: ``last_step``); the test in
+test_config.py rebuilds them with the current API (``RecipeConfig.engine_config`` etc.) and compares field by field.
 
 Regenerate (only when a change of a component config is intended):
     PYTHONPATH=$PWD python -m tests.trainer.recipe_snapshot
@@ -155,7 +156,17 @@ def _sft_components(cfg) -> dict:
             "token_cap": config.data.max_token_len_per_gpu if config.data.use_dynamic_bsz else None,
         },
     }
-    return {**out, **_model_and_workload(config, config.model)}
+    return {**out, **_model_and_workload(config, config.model), **_last_step(config.trainer)}
+
+
+def _last_step(trainer) -> dict:
+    """Whether the run's last step saves and validates (verl's rule: always in SFT, freq > 0 in GRPO)."""
+    return {
+        "last_step": {
+            "save": trainer.save_due(TOTAL_STEPS, is_last=True),
+            "validate": trainer.validate_due(TOTAL_STEPS, is_last=True),
+        }
+    }
 
 
 def _model_and_workload(config, section) -> dict:
@@ -187,10 +198,9 @@ def _grpo_components(cfg) -> dict:
         "plan": {
             "balance": config.balance_enabled,
             "update_cap": a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None,
-            "log_prob_cap": (r.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu)
-            if a.use_dynamic_bsz
-            else None,
-            "log_prob_mbs": r.log_prob_micro_batch_size_per_gpu or a.ppo_micro_batch_size_per_gpu,
+            "log_prob_cap": arr.log_prob_plan("old").token_cap,
+            "log_prob_mbs": arr.log_prob_plan("old").micro_batch_size,
+            "ref_log_prob": arr.log_prob_plan("ref"),
             "update_mbs": a.ppo_micro_batch_size_per_gpu,
         },
         "rollout": {
@@ -202,7 +212,7 @@ def _grpo_components(cfg) -> dict:
             "val_kwargs": r.val_kwargs,
         },
     }
-    return {**out, **_model_and_workload(config, arr.model)}
+    return {**out, **_model_and_workload(config, arr.model), **_last_step(config.trainer)}
 
 
 def all_component_configs(root: Path) -> dict:

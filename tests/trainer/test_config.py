@@ -62,8 +62,34 @@ def test_recipe_values_reach_the_engine_unchanged(recipe, expected):
 def test_sft_data_section_is_the_dataset_config():
     config = validate_sft(compose_config("sft", ["data.max_length=300", "data.truncation=left"]))
     assert isinstance(config.data, SFTDataConfig)
-    assert config.data.dataset_config() == SFTDataConfig(max_length=300, truncation="left")
+    assert config.data.dataset_config() == SFTDataConfig(max_length=300, truncation="left", messages_key="messages")
     assert validate_sft(compose_config("sft", [])).data.max_length == 512  # the recipe's value
+
+
+def test_sft_messages_key_defaults_to_verls_and_null_selects_prompt_response():
+    assert validate_sft(compose_config("sft", [])).data.messages_key == "messages"  # verl's sft_trainer default
+    assert validate_sft(compose_config("sft", ["data.messages_key=null"])).data.messages_key is None
+
+
+# verl 0.9.1's rules, worked by hand for a 5-step run: sft_trainer saves and validates at the last step
+# whatever the freq; the ppo trainer only when freq > 0 (then every freq steps and at the last step).
+LAST_STEP_CASES = [
+    ("sft", -1, [5]),
+    ("sft", 2, [2, 4, 5]),
+    ("sft", 5, [5]),
+    ("grpo", -1, []),
+    ("grpo", 2, [2, 4, 5]),
+    ("grpo", 3, [3, 5]),
+]
+
+
+@pytest.mark.parametrize("recipe, freq, steps", LAST_STEP_CASES)
+def test_save_and_validation_steps_follow_verls_trainers(recipe, freq, steps, tmp_path):
+    overrides = [f"trainer.save_freq={freq}", f"trainer.test_freq={freq}", f"trainer.default_local_dir={tmp_path}"]
+    cfg = compose_config(recipe, overrides)
+    trainer = (validate_sft(cfg) if recipe == "sft" else validate_grpo(cfg)).trainer
+    assert [s for s in range(1, 6) if trainer.save_due(s, is_last=s == 5)] == steps
+    assert [s for s in range(1, 6) if trainer.validate_due(s, is_last=s == 5)] == steps
 
 
 def test_actor_section_is_the_policy_loss_config():

@@ -19,6 +19,7 @@ from verl_balance.engine.config import (
     ENGINE_FIELD,
     ENGINE_KEY_GROUPS,
     ActorKeys,
+    CriticFSDPKeys,
     EngineConfig,
     KernelKeys,
     LoRAKeys,
@@ -55,7 +56,7 @@ CRITIC_KEYS = {
     "loss_agg_mode": "critic.loss_agg_mode",
     "loss_scale_factor": "critic.loss_scale_factor",
     "param_dtype": "actor_rollout_ref.model.param_dtype",
-    "fsdp": "actor_rollout_ref.actor.fsdp_config",
+    "fsdp": "critic.fsdp",  # verl's own critic section (issue 30): it was the actor's fsdp_config
 }
 
 
@@ -75,7 +76,35 @@ def test_every_recipe_key_group_field_reaches_the_engine_and_every_engine_field_
     engine_fields = {f.name for f in dataclasses.fields(EngineConfig)}
     assert recipe_groups <= engine_fields, recipe_groups - engine_fields
     assert set(SFTConfig.engine_keys()) == set(GRPOConfig.engine_keys()) == recipe_groups
-    assert set(GRPOConfig.critic_engine_keys()) == _engine_names(ActorKeys) | set(GRPOConfig.CRITIC_SHARED_KEYS)
+    critic_own = _engine_names(ActorKeys) | _engine_names(CriticFSDPKeys)
+    assert set(GRPOConfig.critic_engine_keys()) == critic_own | set(GRPOConfig.CRITIC_SHARED_KEYS)
+
+
+def test_critic_fsdp_and_model_keys_reach_the_critic_engine_and_model(tmp_path):
+    from types import SimpleNamespace
+
+    from verl_balance.trainer.grpo_trainer import GRPOTrainer
+
+    gae = ["algorithm.adv_estimator=gae", f"trainer.default_local_dir={tmp_path}"]
+    config = validate_grpo(
+        compose_config(
+            "grpo",
+            [*gae, "critic.fsdp.reshard_after_forward=false", "critic.model.enable_gradient_checkpointing=true"],
+        )
+    )
+    assert config.critic_engine_config(total_steps=1).fsdp.reshard_after_forward is False
+    assert config.engine_config(total_steps=1).fsdp.reshard_after_forward is True  # the actor keeps its own
+    trainer = GRPOTrainer.__new__(GRPOTrainer)
+    model = config.actor_rollout_ref.model.model_config(vocab_size=300)
+    trainer.config, trainer.model_config, trainer.total_steps, trainer.sp = config, model, 1, 1
+    trainer.tokenizer = SimpleNamespace(vocab_size=300)
+    assert model.enable_gradient_checkpointing is False
+    assert trainer._critic_worker_config().model.enable_gradient_checkpointing is True
+    plain = validate_grpo(compose_config("grpo", gae))  # negative control: null = the actor's setting
+    trainer.config = plain
+    assert trainer._critic_worker_config().model.enable_gradient_checkpointing is False
+    with pytest.raises(ConfigError, match=r"critic\.model\.use_remove_padding=false"):
+        validate_grpo(compose_config("grpo", [*gae, "critic.model.use_remove_padding=false"]))
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ from tests.trainer.conftest import compose_config
 from verl_balance.trainer.cli import _lookup, _verl_keys
 from verl_balance.trainer.config_checks import ConfigError
 from verl_balance.trainer.grpo_config import register_grpo_schema
-from verl_balance.trainer.verl_compat_keys import docs_table, lookup, startup_line, translate
+from verl_balance.trainer.verl_compat_keys import docs_table, lookup, startup_line, target_of, translate
 
 register_grpo_schema()  # compose_config("grpo", ...) needs the GRPO schema in Hydra's store
 
@@ -101,7 +101,7 @@ def test_every_override_of_a_verl_script_is_accepted_or_logged(script):
         key = _key(given)
         entry = lookup(key, recipe=recipe)
         assert (entry is not None and entry.status == "no_effect" and key in line) or (
-            (entry.target if entry else key) in kept
+            (target_of(key, entry) if entry else key) in kept
         ), given
 
 
@@ -166,6 +166,25 @@ def test_honoured_grpo_keys_reach_the_typed_config(tmp_path):
     assert cfg.trainer.logger == ["console"]
 
 
+def test_ray_init_keys_reach_the_typed_config_and_ray_init(tmp_path):
+    from verl_balance.trainer import cluster
+    from verl_balance.trainer.grpo_config import GRPOConfig
+
+    lines = [
+        "ray_kwargs.ray_init.num_cpus=3",
+        "ray_kwargs.ray_init.runtime_env.py_executable=null",
+        "+ray_kwargs.ray_init.runtime_env.env_vars.TRANSFER_QUEUE_ENABLE=1",
+        f"trainer.default_local_dir={tmp_path}",
+    ]
+    args, no_effect = translate(lines, recipe="grpo")
+    assert no_effect == []
+    cfg = GRPOConfig.from_hydra(compose_config("grpo", args))
+    _, kwargs = cluster.ray_init_arguments(address=cfg.trainer.ray_address, ray_init=cfg.ray_kwargs.ray_init)
+    assert kwargs["num_cpus"] == 3
+    assert kwargs["runtime_env"]["env_vars"]["TRANSFER_QUEUE_ENABLE"] == "1"
+    assert "py_executable" not in kwargs["runtime_env"]  # null left out, as verl does
+
+
 def test_honoured_sft_keys_reach_the_typed_config(tmp_path):
     from verl_balance.trainer.sft_config import SFTConfig
 
@@ -210,3 +229,33 @@ def test_docs_table_equals_the_generated_one():
     assert DOCS.read_text() == docs_table(), (
         "regenerate: python -m verl_balance.trainer.verl_compat_keys > docs/verl_keys.md"
     )
+
+
+def test_offload_and_critic_keys_reach_the_engines_and_the_offload_decision(tmp_path):
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    from verl_balance.engine.offload import cpu_offload_policy
+    from verl_balance.trainer.grpo_config import GRPOConfig
+
+    args, no_effect = translate(
+        [
+            "algorithm.adv_estimator=gae",
+            "actor_rollout_ref.actor.fsdp_config.param_offload=True",
+            "actor_rollout_ref.actor.fsdp_config.optimizer_offload=True",
+            "actor_rollout_ref.ref.fsdp_config.param_offload=True",
+            "critic.fsdp.optimizer_offload=True",
+            "critic.model.enable_gradient_checkpointing=True",
+            "critic.model.use_remove_padding=True",
+            f"trainer.default_local_dir={tmp_path}",
+        ],
+        recipe="grpo",
+    )
+    assert no_effect == ["actor_rollout_ref.ref.fsdp_config.param_offload"]  # the reference runs on the actor
+    cfg = GRPOConfig.from_hydra(compose_config("grpo", args))
+    actor_fsdp = cfg.engine_config(total_steps=1).fsdp
+    critic_fsdp = cfg.critic_engine_config(total_steps=1).fsdp
+    assert (actor_fsdp.param_offload, actor_fsdp.optimizer_offload) == (True, True)
+    assert (critic_fsdp.param_offload, critic_fsdp.optimizer_offload) == (False, True)
+    assert isinstance(cpu_offload_policy(actor_fsdp, device_type="cuda"), CPUOffloadPolicy)
+    assert cpu_offload_policy(actor_fsdp, device_type="cpu") is None
+    assert cfg.critic.model.enable_gradient_checkpointing is True

@@ -99,6 +99,17 @@ class FSDPConfig:
     micro-batch's backward (``set_requires_gradient_sync``), instead of after every micro-batch.
     Saves (micro-batches - 1) reduce-scatters per step; costs one unsharded fp32 gradient per
     parameter (4 * P bytes) for the whole step, on top of the sharded 4 * P / W."""
+    param_offload: bool = False
+    """verl's key: keep the sharded parameters (and so their gradients and AdamW state) in CPU memory on
+    CUDA workers, FSDP2's ``CPUOffloadPolicy`` (engine/offload.py): each unit's shard is copied to the
+    GPU for its all-gather, and the optimizer steps on the CPU. Device memory drops by the sharded
+    model, gradients and optimizer state ((b + 4 + 8) * P / W bytes) at the cost of host-device copies
+    every micro-batch and a CPU optimizer step. No effect on CPU workers (logged)."""
+    optimizer_offload: bool = False
+    """verl's key: the optimizer state in CPU memory. FSDP2 offloads parameters, gradients and optimizer
+    state together, so on CUDA this is param_offload's CPUOffloadPolicy too; no effect on CPU workers."""
+    offload_policy: bool = False
+    """verl's FSDP2 switch for the same CPUOffloadPolicy (either of the three turns it on)."""
 
 
 # ---------------------------------------------------------------------- the engine's keys, one home each
@@ -147,6 +158,15 @@ class FSDPKeys(HeadKeys):
 
 
 @dataclass
+class CriticFSDPKeys:
+    """verl's critic spelling of the engine's FSDP2 switches (``critic.fsdp``, its own section in verl)."""
+
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig, metadata=LAYOUT_ON_RESUME)
+    """verl's key: the critic engine's FSDP2 switches (the same fields as the actor's fsdp_config, and
+    as in verl independent of it)."""
+
+
+@dataclass
 class LoRAKeys:
     """verl's LoRA keys of ``model`` (its HFModelConfig's names: the verl backend reads them so)."""
 
@@ -183,7 +203,7 @@ class KernelKeys:
     """The packed-attention implementation: one of models.attention.ATTN_IMPLS."""
 
 
-ENGINE_KEY_GROUPS = (ActorKeys, HeadKeys, FSDPKeys, LoRAKeys, ModelKeys, KernelKeys)
+ENGINE_KEY_GROUPS = (ActorKeys, HeadKeys, FSDPKeys, CriticFSDPKeys, LoRAKeys, ModelKeys, KernelKeys)
 """Every group; a field declared in one of them is an engine key (trainer/recipe.engine_keys)."""
 
 

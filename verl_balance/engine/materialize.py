@@ -336,12 +336,27 @@ def fill_lora(model: nn.Module, config) -> None:
 
 
 # ---------------------------------------------------------------------------- construction
-def shard_model(model: nn.Module, *, mesh, param_dtype: torch.dtype, reshard_after_forward: bool) -> None:
-    """FSDP2 over ``mesh``: one unit per ``fsdp_units()`` module, then the root."""
+def shard_model(
+    model: nn.Module, *, mesh, param_dtype: torch.dtype, reshard_after_forward: bool, offload_policy=None
+) -> None:
+    """FSDP2 over ``mesh``: one unit per ``fsdp_units()`` module, then the root. ``offload_policy``:
+    FSDP2's CPUOffloadPolicy (engine/offload.py), or None (FSDP2's default, no offload)."""
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    kwargs = dict(mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+    if offload_policy is not None:
+        kwargs["offload_policy"] = offload_policy
     for unit in model.fsdp_units():
-        fully_shard(unit, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(unit, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def buffers_to(model: nn.Module, device: torch.device) -> None:
+    """Move every buffer (not the parameters) to ``device``: with CPU offload the sharded parameters
+    stay in CPU memory while the buffers (e.g. rotary tables) are used on the GPU."""
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None:
+                module._buffers[name] = buf.to(device)
 
 
 def build_sharded_model(
@@ -354,11 +369,13 @@ def build_sharded_model(
     shard: Callable[[nn.Module], None] | None,
     lora=None,
     value_head: bool = False,
+    offload: bool = False,
 ) -> PackedCausalLM:
     """Meta build -> LoRA adapters (``lora``: an EngineConfig with lora_rank > 0, or None) ->
     ``shard`` (FSDP2; None: the plain module) -> local storage on ``device`` -> weights (see the
     module docstring). ``value_head``: a ``models.value.ValueModel`` (no LM head), its head
-    from a ``*ForTokenClassification`` checkpoint or ``fill_value_head``.
+    from a ``*ForTokenClassification`` checkpoint or ``fill_value_head``. ``offload``: ``shard`` applies
+    FSDP2's CPU offload, so the parameters are materialized on the CPU and only the buffers go to ``device``.
     ``model.set_sequence_parallel_group`` is the caller's."""
     from verl_balance.models.hf import HFModelConfig
 
@@ -371,9 +388,11 @@ def build_sharded_model(
     if shard is not None:
         shard(model)
     ties = tied_parameter_names(model)
-    model.to_empty(device=device)
+    model.to_empty(device=torch.device("cpu") if offload else device)
     retie(model, ties)
     restore_buffers(model, buffers)
+    if offload:
+        buffers_to(model, device)
     head_loaded = value_head and pretrained and checkpoint_has_value_head(model_config.path)
     if pretrained:
         fill_pretrained(model, model_config.path, skip=() if head_loaded or not value_head else VALUE_HEAD_NAMES)

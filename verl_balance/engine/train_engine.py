@@ -69,7 +69,8 @@ from verl_balance.engine.lora import (
     read_base_fingerprint,
     save_lora_config,
 )
-from verl_balance.engine.materialize import build_sharded_model, fill_lora, shard_model
+from verl_balance.engine.materialize import buffers_to, build_sharded_model, fill_lora, shard_model
+from verl_balance.engine.offload import cpu_offload_policy
 from verl_balance.engine.optim import apply_optim_config, build_optimizer
 from verl_balance.engine.packing import MicroBatchError, PackedMicroBatch, pack_micro_batch
 from verl_balance.engine.perf import TRAIN_FLOPS_PER_FORWARD, step_perf_metrics
@@ -128,7 +129,10 @@ class TrainEngine:
         param_dtype = torch.bfloat16 if engine_config.param_dtype == "bfloat16" else torch.float32
         # One fp32 rank has nothing to shard, reduce or cast: FSDP2 would only add an unshard and
         # reshard per unit and micro-batch (measured ~20% of CPU step time on the small model).
-        self.sharded = layout.world_size > 1 or param_dtype != torch.float32
+        offload = cpu_offload_policy(
+            engine_config.fsdp, device_type=self.device.type, log=layout.world_size == 1 or layout.rank == 0
+        )
+        self.sharded = layout.world_size > 1 or param_dtype != torch.float32 or offload is not None
         shard = None
         if self.sharded:
             shard = functools.partial(
@@ -136,6 +140,7 @@ class TrainEngine:
                 mesh=layout.fsdp_mesh,
                 param_dtype=param_dtype,
                 reshard_after_forward=engine_config.fsdp.reshard_after_forward,
+                offload_policy=offload,
             )
         if model is None:
             # Meta build, FSDP2, then only this rank's shard is allocated and filled: from the seed
@@ -149,6 +154,7 @@ class TrainEngine:
                 shard=shard,
                 lora=engine_config if engine_config.lora_rank else None,
                 value_head=engine_config.model_type == "value_model",
+                offload=offload is not None,
             )
         else:
             # A caller-built (materialized) model: moved whole to the device, then sharded.
@@ -160,9 +166,11 @@ class TrainEngine:
             if engine_config.lora_rank:
                 apply_lora(model, engine_config)
                 fill_lora(model, engine_config)
-            model.to(self.device)
+            model.to(torch.device("cpu") if offload is not None else self.device)
             if shard is not None:
                 shard(model)
+            if offload is not None:
+                buffers_to(model, self.device)
         model.set_sequence_parallel_group(layout.sp_group if layout.sp > 1 else None)
         self.model = model
         # Only trainable parameters (all of them, or the LoRA adapters) get AdamW state.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 
 import ray
 
@@ -14,6 +15,7 @@ from verl_balance.single_controller import (
     UnplaceableResourcePoolError,
 )
 from verl_balance.trainer.config import ConfigError, TrainerSection
+from verl_balance.trainer.ray_init import RAY_INIT_KEY, check_ray_init, merge_ray_init
 from verl_balance.workers.actor import ActorWorker, ActorWorkerConfig
 from verl_balance.workers.group import group_class_for
 
@@ -45,7 +47,7 @@ A dp=1 step's batch (~240 KB at 32 x 475 tokens) then skips the store: 9 ms per 
 12-17 ms on 2 CPU cores (benchmarks/sft_bench.py overhead)."""
 
 
-def start_ray(*, address: str | None, num_workers: int | None = None) -> None:
+def start_ray(*, address: str | None, num_workers: int | None = None, ray_init: Mapping | None = None) -> None:
     """Connect to a cluster (``address``) or start an embedded one sized to this machine.
 
     The embedded cluster has ``embedded_cluster_cpus()`` CPU slots (and the GPUs Ray detects),
@@ -53,23 +55,44 @@ def start_ray(*, address: str | None, num_workers: int | None = None) -> None:
     ``UnplaceableResourcePoolError`` an external cluster gives. ``num_workers`` only serves a
     warning when CPU workers fit but outnumber the cores. Its workers run at
     ``EMBEDDED_WORKER_NICENESS`` and pass arguments up to ``INLINE_ARGUMENT_BYTES`` inline.
+    ``ray_init`` (verl's ``ray_kwargs.ray_init``) goes to ``ray.init`` over these choices
+    (``ray_init.merge_ray_init``): its ``num_cpus`` sizes the embedded cluster, its ``address`` is
+    ``address``'s other spelling.
     """
     if ray.is_initialized():
         return
-    # No progress bars in the workers: Ray would print them late, after the driver's lines.
-    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}}
-    if address:
-        ray.init(address=address, runtime_env=env, log_to_driver=True)
+    embedded, kwargs = ray_init_arguments(address=address, ray_init=ray_init)
+    if not embedded:
+        ray.init(**kwargs)
         return
-    cpus = embedded_cluster_cpus()
     # Ray warns on every start that it enabled token authentication (its default): a notice for the
     # embedded cluster's log, not a warning on every run's console.
     logging.getLogger(RAY_AUTH_LOGGER).setLevel(logging.ERROR)
-    _init_embedded(
+    _init_embedded(**kwargs)
+    cpus = kwargs["num_cpus"]
+    cores = embedded_cluster_cpus() // CPU_WORKERS_PER_CORE
+    if num_workers is not None and cores < num_workers <= cpus and ray.cluster_resources().get("GPU", 0) == 0:
+        logger.warning(
+            "%d CPU workers on %d core(s): they share the cores (the embedded cluster offers %d CPU slots)",
+            num_workers,
+            cores,
+            cpus,
+        )
+
+
+def ray_init_arguments(*, address: str | None, ray_init: Mapping | None) -> tuple[bool, dict]:
+    """(whether the cluster is embedded, the arguments of ``ray.init``): ours, with the user's
+    ``ray_init`` merged over them (``ray_init.merge_ray_init``)."""
+    address = _address(address, check_ray_init(ray_init).get("address"))
+    # No progress bars in the workers: Ray would print them late, after the driver's lines.
+    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}}
+    if address:
+        return False, merge_ray_init({"address": address, "runtime_env": env, "log_to_driver": True}, ray_init)
+    defaults = dict(
         # Without an address Ray would join the last `ray start` cluster on this machine (its
         # /tmp/ray/ray_current_cluster file, even a dead one) and then refuse num_cpus.
         address=os.environ.get("RAY_ADDRESS") or "local",
-        num_cpus=cpus,
+        num_cpus=embedded_cluster_cpus(),
         include_dashboard=False,
         runtime_env=env,
         log_to_driver=True,
@@ -78,14 +101,17 @@ def start_ray(*, address: str | None, num_workers: int | None = None) -> None:
             "max_direct_call_object_size": INLINE_ARGUMENT_BYTES,
         },
     )
-    cores = cpus // CPU_WORKERS_PER_CORE
-    if num_workers is not None and cores < num_workers <= cpus and ray.cluster_resources().get("GPU", 0) == 0:
-        logger.warning(
-            "%d CPU workers on %d core(s): they share the cores (the embedded cluster offers %d CPU slots)",
-            num_workers,
-            cores,
-            cpus,
+    return True, merge_ray_init(defaults, ray_init)
+
+
+def _address(address: str | None, ray_init_address: str | None) -> str | None:
+    """trainer.ray_address, or its other spelling ray_kwargs.ray_init.address (both set: the same)."""
+    if address and ray_init_address and address != ray_init_address:
+        raise ConfigError(
+            f"trainer.ray_address={address!r} and {RAY_INIT_KEY}.address={ray_init_address!r} name two "
+            "clusters; set one of them"
         )
+    return address or ray_init_address
 
 
 EMBEDDED_START_ATTEMPTS = 3

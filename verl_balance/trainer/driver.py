@@ -220,7 +220,10 @@ class DriverBase:
         """Start (or join) Ray, place the worker group and build the sharded model on it."""
         t = self.trainer_config
         with TimedPhase("cluster", "existing Ray cluster" if t.ray_address else "embedded Ray"):
-            cluster.start_ray(address=t.ray_address, num_workers=self.world)
+            ray_kwargs = getattr(self.config, "ray_kwargs", None)
+            cluster.start_ray(
+                address=t.ray_address, num_workers=self.world, ray_init=getattr(ray_kwargs, "ray_init", None)
+            )
         use_gpu = cluster.resolve_use_gpu(t.device)
         logger.info(
             "%d %s workers: dp=%d x sp=%d; %s", self.world, "GPU" if use_gpu else "CPU", self.dp, self.sp, description
@@ -384,6 +387,7 @@ class DriverBase:
         t = self.trainer_config
         if self.global_step == 0 and not record["first_val"]:
             record["first_val"] = self.before_training(tracker)
+        saved = False
         while self.global_step < self.total_steps and not self._stop_requested:
             for item in self.loader:
                 metrics = self.train_step(item)
@@ -392,18 +396,19 @@ class DriverBase:
                 record["first"] = record["first"] or metrics
                 record["last"] = metrics
                 is_last = self.global_step >= self.total_steps
-                if t.test_freq > 0 and (self.global_step % t.test_freq == 0 or is_last):
+                if t.validate_due(self.global_step, is_last=is_last):
                     record["last_val"] = self.evaluate()
                     metrics.update(record["last_val"])
                 tracker.log(metrics, step=self.global_step)
                 if self.progress is not None:
                     self.progress.update(self.global_step, metrics)
                 self._stop_if_nonfinite_streak(metrics)
-                if t.save_freq > 0 and (self.global_step % t.save_freq == 0 or is_last):
+                saved = t.save_due(self.global_step, is_last=is_last)
+                if saved:
                     self.save()
                 if is_last or self._stop_requested:
                     break
-        if self._stop_requested and not (t.save_freq > 0 and self.global_step % t.save_freq == 0):
+        if self._stop_requested and not saved:
             self.save()
 
     # ------------------------------------------------------------------ state

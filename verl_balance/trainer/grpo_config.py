@@ -35,7 +35,14 @@ from omegaconf import DictConfig
 from verl_balance.algorithms import PolicyLossConfig
 from verl_balance.data.rl_dataset import RLDataConfig
 from verl_balance.data.synthetic import TASKS, SyntheticConfig
-from verl_balance.engine.config import APPLY_ON_RESUME, LAYOUT_ON_RESUME, ActorKeys, EngineConfig, FSDPKeys
+from verl_balance.engine.config import (
+    APPLY_ON_RESUME,
+    LAYOUT_ON_RESUME,
+    ActorKeys,
+    CriticFSDPKeys,
+    EngineConfig,
+    FSDPKeys,
+)
 from verl_balance.loss import WEIGHT_MODES, check_agg_mode
 from verl_balance.rollout.base import RolloutInputError
 from verl_balance.rollout.factory import ROLLOUT_BACKENDS, resolve_backend
@@ -53,6 +60,7 @@ from verl_balance.trainer.recipe import RecipeConfig, engine_keys
 from verl_balance.trainer.sections import (
     BalanceSection,
     ModelSection,
+    RayKwargsSection,
     SyntheticDataConfig,
     TrainerSection,
     narrow,
@@ -61,6 +69,7 @@ from verl_balance.trainer.sft_config import register_sft_schema
 
 logger = logging.getLogger(__name__)
 RECOMPUTE_OLD_LOG_PROB = ("auto", "always")
+AR = "actor_rollout_ref"
 
 
 @dataclass
@@ -251,9 +260,13 @@ class RolloutSection:
     response_length: int = 64
     """Most tokens of one response."""
     log_prob_micro_batch_size_per_gpu: Optional[int] = field(default=None, metadata=LAYOUT_ON_RESUME)
-    """Responses per micro-batch of the old/reference log-prob passes (null = the actor's)."""
+    """Responses per micro-batch of the old log-prob pass (and of the reference pass, unless ref.* sets
+    its own; null = the actor's ppo_micro_batch_size_per_gpu)."""
+    log_prob_use_dynamic_bsz: Optional[bool] = field(default=None, metadata=LAYOUT_ON_RESUME)
+    """verl's key: pack the old log-prob pass's micro-batches up to log_prob_max_token_len_per_gpu tokens
+    (null = the actor's use_dynamic_bsz, verl's default)."""
     log_prob_max_token_len_per_gpu: Optional[int] = field(default=None, metadata=LAYOUT_ON_RESUME)
-    """Token cap of the old/reference log-prob passes (null = the actor's)."""
+    """Token cap of the old log-prob pass (null = the actor's ppo_max_token_len_per_gpu)."""
     max_num_seqs: Optional[int] = field(default=None, metadata=LAYOUT_ON_RESUME)
     """Sequences decoded together on one worker (memory bound); null = all of its prompts at once."""
     val_kwargs: ValSamplingConfig = field(default_factory=ValSamplingConfig, metadata=APPLY_ON_RESUME)
@@ -287,6 +300,38 @@ class RolloutSection:
 
 
 @dataclass
+class RefSection:
+    """verl's ``actor_rollout_ref.ref``: the micro-batching of the reference log-prob pass (the reference
+    policy runs on the actor's engine). Null keys take the old log-prob pass's (``rollout.log_prob_*``)."""
+
+    log_prob_micro_batch_size_per_gpu: Optional[int] = field(default=None, metadata=LAYOUT_ON_RESUME)
+    """Responses per micro-batch of the reference pass."""
+    log_prob_use_dynamic_bsz: Optional[bool] = field(default=None, metadata=LAYOUT_ON_RESUME)
+    """Pack the reference pass's micro-batches up to log_prob_max_token_len_per_gpu tokens."""
+    log_prob_max_token_len_per_gpu: Optional[int] = field(default=None, metadata=LAYOUT_ON_RESUME)
+    """Token cap of a reference-pass micro-batch per worker (per SP rank)."""
+
+    def __post_init__(self) -> None:
+        for key in ("log_prob_micro_batch_size_per_gpu", "log_prob_max_token_len_per_gpu"):
+            if getattr(self, key) is not None:
+                check_positive(key, getattr(self, key))
+
+
+@dataclass(frozen=True)
+class LogProbPlan:
+    """How a log-prob pass is cut into micro-batches (the planner's arguments), and the keys that set it."""
+
+    micro_batch_size: Optional[int]
+    token_cap: Optional[int]
+    """None: fixed micro-batches of micro_batch_size responses."""
+    micro_batch_key: str
+    token_cap_key: str
+
+
+LOG_PROB_PASSES = ("old", "ref")
+
+
+@dataclass
 class ActorRolloutRefSection:
     """verl's ``actor_rollout_ref``: one model, trained by the actor and sampled by the rollout."""
 
@@ -295,7 +340,28 @@ class ActorRolloutRefSection:
     actor: ActorSection = field(default_factory=ActorSection)
     """Policy loss, mini-batching and optimizer."""
     rollout: RolloutSection = field(default_factory=RolloutSection)
-    """Sampling."""
+    """Sampling, and the old log-prob pass's micro-batching."""
+    ref: RefSection = field(default_factory=RefSection)
+    """The reference log-prob pass's micro-batching."""
+
+    def log_prob_plan(self, name: str) -> LogProbPlan:
+        """The micro-batching of log-prob pass ``name`` ('old' or 'ref'): its own keys, null ones taken
+        from the old pass's (for 'ref'), then the actor's. Per-token log-probs do not depend on it."""
+        assert name in LOG_PROB_PASSES, name
+        keys = {"micro": "ppo_micro_batch_size_per_gpu", "dyn": "use_dynamic_bsz", "cap": "ppo_max_token_len_per_gpu"}
+        chosen = {k: (f"{AR}.actor.{key}", getattr(self.actor, key)) for k, key in keys.items()}
+        own = {"micro": "log_prob_micro_batch_size_per_gpu", "dyn": "log_prob_use_dynamic_bsz"}
+        own["cap"] = "log_prob_max_token_len_per_gpu"
+        for section in ("rollout", "ref")[: LOG_PROB_PASSES.index(name) + 1]:
+            for k, key in own.items():
+                if getattr(getattr(self, section), key) is not None:
+                    chosen[k] = (f"{AR}.{section}.{key}", getattr(getattr(self, section), key))
+        return LogProbPlan(
+            micro_batch_size=chosen["micro"][1],
+            token_cap=chosen["cap"][1] if chosen["dyn"][1] else None,
+            micro_batch_key=chosen["micro"][0],
+            token_cap_key=chosen["cap"][0],
+        )
 
 
 @dataclass
@@ -309,18 +375,24 @@ class CriticModelSection:
     same built-in preset and dimensions) and, with ``actor_rollout_ref.model.warm_start_path``, that
     checkpoint's decoder weights (verl's critic starts from the actor's weights). It must share the
     actor's tokenizer."""
+    enable_gradient_checkpointing: Optional[bool] = field(default=None, metadata=LAYOUT_ON_RESUME)
+    """verl's key: activation checkpointing per decoder layer of the value model; null = the actor's
+    (actor_rollout_ref.model.enable_gradient_checkpointing)."""
+    use_remove_padding: bool = field(default=True, metadata=LAYOUT_ON_RESUME)
+    """verl's key; must be true (the engine always runs packed, padding-free sequences)."""
 
     def __post_init__(self) -> None:
         if self.path is not None:
             check_hf_model_dir("path", self.path)
+        check_remove_padding("use_remove_padding", self.use_remove_padding)
 
 
 @dataclass
-class CriticSection(ActorKeys):
+class CriticSection(CriticFSDPKeys, ActorKeys):
     """verl's ``critic``: the value model trained on GAE returns (only with algorithm.adv_estimator=gae).
     Keys left null take the actor's value (``actor_rollout_ref.actor.<same key>``), as in verl: the
     INHERITED ones, among them the engine's ActorKeys ``loss_agg_mode`` and ``loss_scale_factor``;
-    ``optim`` is the critic's own (OptimConfig's defaults, verl's critic lr 1e-5)."""
+    ``optim`` and ``fsdp`` (engine.config.CriticFSDPKeys) are the critic's own, as in verl."""
 
     ppo_mini_batch_size: Optional[int] = None
     """Prompts per critic optimizer step (all their responses); null = the actor's."""
@@ -449,8 +521,9 @@ class GRPOConfig(RecipeConfig):
     SP_KEY: ClassVar[str] = "actor_rollout_ref.actor.ulysses_sequence_parallel_size"
     CRITIC_ENGINE_SECTIONS: ClassVar[tuple[str, ...]] = ("critic",)
     """The critic engine's own keys (adv_estimator=gae; model_type value_model)."""
-    CRITIC_SHARED_KEYS: ClassVar[tuple[str, ...]] = ("param_dtype", "fsdp")
-    """Engine fields the critic takes from the actor's keys (no LoRA, no LM head)."""
+    CRITIC_SHARED_KEYS: ClassVar[tuple[str, ...]] = ("param_dtype",)
+    """Engine fields the critic takes from the actor's keys (no LoRA, no LM head; its FSDP2 switches are
+    its own critic.fsdp, as in verl)."""
     BALANCE_KEY: ClassVar[str] = "trainer.balance_batch"
     ALIASES: ClassVar[dict[str, str]] = {"ulysses_sequence_parallel_size": SP_KEY}
 
@@ -468,6 +541,8 @@ class GRPOConfig(RecipeConfig):
     """SFT-recipe spelling of actor_rollout_ref.actor.ulysses_sequence_parallel_size (either works)."""
     balance: GRPOBalanceSection = field(default_factory=GRPOBalanceSection)
     """Workload model of the balancer (its switch is trainer.balance_batch; overlong must be error)."""
+    ray_kwargs: RayKwargsSection = field(default_factory=RayKwargsSection)
+    """verl's ``ray_kwargs``: ``ray.init``'s arguments."""
     trainer: GRPOTrainerSection = field(default_factory=GRPOTrainerSection)
     """Cluster, run length, logging, checkpoints."""
 
@@ -589,9 +664,15 @@ class GRPOConfig(RecipeConfig):
         caps = {}
         if actor.use_dynamic_bsz:
             caps["actor_rollout_ref.actor.ppo_max_token_len_per_gpu"] = actor.ppo_max_token_len_per_gpu
-            log_prob_cap = rollout.log_prob_max_token_len_per_gpu
-            if log_prob_cap is not None:
-                caps["actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"] = log_prob_cap
+        for name in LOG_PROB_PASSES:
+            plan = self.actor_rollout_ref.log_prob_plan(name)
+            if plan.token_cap is not None:
+                caps[plan.token_cap_key] = plan.token_cap
+            elif plan.micro_batch_size is None:
+                raise ConfigError(
+                    f"{plan.micro_batch_key}=null with fixed micro-batches for the {name} log-prob pass; "
+                    "set it to a positive number of responses, or use dynamic batches"
+                )
         if self.use_critic and self.critic.use_dynamic_bsz:
             caps["critic.ppo_max_token_len_per_gpu"] = self.critic.ppo_max_token_len_per_gpu
         for key, cap in caps.items():

@@ -257,10 +257,7 @@ class GRPOTrainer(DriverBase):
         reward = config.custom_reward_function
         self.reward_fn = load_reward_fn(reward.path, reward.name, reward_kwargs=dict(reward.reward_kwargs))
         self.update_cap = a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None
-        self.log_prob_cap = (
-            (r.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu) if a.use_dynamic_bsz else None
-        )
-        self.log_prob_mbs = r.log_prob_micro_batch_size_per_gpu or a.ppo_micro_batch_size_per_gpu
+        self.log_prob_plans = {"old_log_prob": arr.log_prob_plan("old"), "ref": arr.log_prob_plan("ref")}
         self.updates_per_step = config.updates_per_step
         self.old_log_prob_from_update = config.old_log_prob_from_update
         check_profile_steps(trainer=config.trainer, total_steps=self.total_steps)
@@ -321,6 +318,8 @@ class GRPOTrainer(DriverBase):
         if config.critic.model.path is not None:
             section = replace(config.actor_rollout_ref.model, path=config.critic.model.path, warm_start_path=None)
             model = section.model_config(vocab_size=self.tokenizer.vocab_size)
+        if config.critic.model.enable_gradient_checkpointing is not None:
+            model = replace(model, enable_gradient_checkpointing=config.critic.model.enable_gradient_checkpointing)
         return CriticWorkerConfig(
             model=model,
             engine=config.critic_engine_config(total_steps=self.total_steps),
@@ -525,8 +524,9 @@ class GRPOTrainer(DriverBase):
 
     def _submit_log_prob_passes(self, batch: Batch, metrics: dict) -> dict:
         """Start the old (unless the update takes them from its own forward) and reference
-        log-prob passes without waiting; {name: (plan, GroupFuture)}. Only the columns a
-        log-prob pass reads travel."""
+        log-prob passes without waiting; {name: (plan, GroupFuture)}. Each pass is cut by its own
+        micro-batching (``log_prob_plans``: rollout.log_prob_*, ref.log_prob_*); passes with the same
+        one share the plan. Only the columns a log-prob pass reads travel."""
         passes = {}
         if not self.old_log_prob_from_update:
             passes["old_log_prob"] = self.actor.compute_log_prob
@@ -534,13 +534,16 @@ class GRPOTrainer(DriverBase):
             passes["ref"] = self.actor.compute_ref_log_prob
         if not passes:
             return {}
-        with _timed(metrics, next(iter(passes))):  # planning and cutting count to the first pass
-            plan = self._plan(batch, micro_batch_size=self.log_prob_mbs, token_cap=self.log_prob_cap)
-            inputs = batch.select(batch_keys=LOG_PROB_INPUT_KEYS, non_tensor_batch_keys=[])
-            chunks = split_by_plan(inputs, plan)
+        inputs = batch.select(batch_keys=LOG_PROB_INPUT_KEYS, non_tensor_batch_keys=[])
+        cut: dict = {}
         pending = {}
         for name, call in passes.items():
-            with _timed(metrics, name):
+            with _timed(metrics, name):  # planning and cutting count to the first pass using the plan
+                spec = self.log_prob_plans[name]
+                if spec not in cut:
+                    plan = self._plan(batch, micro_batch_size=spec.micro_batch_size, token_cap=spec.token_cap)
+                    cut[spec] = (plan, split_by_plan(inputs, plan))
+                plan, chunks = cut[spec]
                 pending[name] = (plan, call.submit(chunks))
         return pending
 

@@ -249,6 +249,10 @@ def record_workload(workload, out_dir: str) -> str | None:
 class TrainerSection:
     """Cluster size, run length, logging, checkpoints (verl's ``trainer`` keys)."""
 
+    AT_LAST_STEP: ClassVar[bool] = False
+    """Whether the last step saves and validates whatever save_freq / test_freq say (verl's
+    sft_trainer: True) or only when they are > 0 (verl's ppo trainer: False)."""
+
     device: str = field(default="auto", metadata=LAYOUT_ON_RESUME)
     """'auto' (GPUs when the Ray cluster has them), 'cpu' or 'cuda'."""
     nnodes: int = field(default=1, metadata=LAYOUT_ON_RESUME)
@@ -277,13 +281,14 @@ class TrainerSection:
     )
     """Run directory: metrics, checkpoints, plots, generated data."""
     save_freq: int = field(default=-1, metadata=APPLY_ON_RESUME)
-    """Checkpoint every N steps (and at the end); -1 (any negative) = never. 0 is refused: it reads
-    as "always" but would never save."""
+    """Checkpoint every N steps and at the last step; -1 (any negative) = only at the last step in SFT
+    (verl's sft_trainer), never in GRPO (verl's ppo trainer). 0 is refused: it reads as "always"."""
     save_hf_model: bool = field(default=False, metadata=APPLY_ON_RESUME)
     """Also write each checkpoint's model as a Hugging Face ``save_pretrained`` directory,
     ``global_step_N/hf`` (safetensors, config, tokenizer); a built-in model is written as Llama."""
     test_freq: int = field(default=-1, metadata=APPLY_ON_RESUME)
-    """Validate every N steps (and at the end); <= 0 = never."""
+    """Validate every N steps and at the last step; <= 0 = only at the last step in SFT (when there is
+    validation data, verl's sft_trainer), never in GRPO (verl's ppo trainer)."""
     resume_mode: str = field(default="auto", metadata=APPLY_ON_RESUME)
     """'auto' (latest checkpoint of default_local_dir, if any), 'disable' or 'resume_path'."""
     resume_from_path: Optional[str] = field(default=None, metadata=APPLY_ON_RESUME)
@@ -337,7 +342,7 @@ class TrainerSection:
         if self.save_freq == 0:
             raise ConfigError(
                 "save_freq=0 would never save a checkpoint; set a positive N (every N steps and at the last step) "
-                "or -1 (never, as in verl)"
+                "or -1 (as in verl: only at the last step in SFT, never in GRPO)"
             )
         if self.progress_interval_s < 0:
             raise ConfigError(f"progress_interval_s={self.progress_interval_s} must be >= 0 (0: a line every step)")
@@ -357,6 +362,14 @@ class TrainerSection:
                 f"(global_step as logged), got {bad_steps}"
             )
 
+    def save_due(self, step: int, *, is_last: bool) -> bool:
+        """Whether the run saves a checkpoint after ``step`` (1-based)."""
+        return _due(self.save_freq, step, is_last=is_last, at_last_step=self.AT_LAST_STEP)
+
+    def validate_due(self, step: int, *, is_last: bool) -> bool:
+        """Whether the run validates after ``step`` (1-based)."""
+        return _due(self.test_freq, step, is_last=is_last, at_last_step=self.AT_LAST_STEP)
+
     @property
     def profile_path(self) -> str:
         """Absolute directory of the profiler traces: ``profile_dir``, else ``default_local_dir``/profile."""
@@ -366,6 +379,38 @@ class TrainerSection:
     def world_size(self) -> int:
         """Workers in the group: nnodes x n_gpus_per_node."""
         return self.nnodes * self.n_gpus_per_node
+
+
+@dataclass
+class RayKwargsSection:
+    """verl's ``ray_kwargs``: arguments of the ``ray.init`` that starts (or joins) the cluster."""
+
+    ray_init: dict = field(default_factory=lambda: {"num_cpus": None}, metadata=APPLY_ON_RESUME)
+    """verl's key: keyword arguments of ``ray.init`` (num_cpus, runtime_env, address, namespace, ...),
+    merged over ours (trainer/cluster.py start_ray; runtime_env key by key); null values are left out,
+    as in verl. ``num_cpus`` sizes the embedded cluster; ``address`` is trainer.ray_address's other
+    spelling. A key ray.init does not take is refused, naming it."""
+
+    def __post_init__(self) -> None:
+        from verl_balance.trainer.ray_init import check_ray_init
+
+        check_ray_init(self.ray_init)
+
+
+def _due(freq: int, step: int, *, is_last: bool, at_last_step: bool) -> bool:
+    """verl's rule: every ``freq`` steps and the last one when freq > 0; the last step regardless
+    of freq when ``at_last_step`` (sft_trainer)."""
+    if freq > 0:
+        return is_last or step % freq == 0
+    return is_last and at_last_step
+
+
+@dataclass
+class SFTTrainerSection(TrainerSection):
+    """``trainer`` of the SFT recipe: verl's sft_trainer saves and validates at the last step
+    whatever save_freq / test_freq say."""
+
+    AT_LAST_STEP: ClassVar[bool] = True
 
 
 def narrow(instance, cls):

@@ -20,8 +20,9 @@ from verl_balance.trainer.recipe import RecipeConfig
 from verl_balance.trainer.sections import (
     BalanceSection,
     ModelSection,
+    RayKwargsSection,
+    SFTTrainerSection,
     SyntheticDataConfig,
-    TrainerSection,
     narrow,
 )
 
@@ -52,6 +53,9 @@ class SFTDataSection(SFTDataConfig):
 
     train_files: Optional[Any] = None
     """Parquet/jsonl file(s) in verl's SFT schema; null = generate the synthetic task."""
+    messages_key: Optional[str] = "messages"
+    """The recipe's default is verl's sft_trainer's: each row's chat column (null: prompt_key/response_key,
+    the dataset's own default)."""
     val_files: Optional[Any] = field(default=None, metadata=APPLY_ON_RESUME)
     """Validation file(s); null with synthetic data = the generated validation split."""
     train_batch_size: int = 32
@@ -110,8 +114,10 @@ class SFTConfig(RecipeConfig, ActorKeys):
     """verl's key; must be true (the engine always runs packed, padding-free sequences)."""
     balance: SFTBalanceSection = field(default_factory=SFTBalanceSection)
     """Workload balancer."""
-    trainer: TrainerSection = field(default_factory=TrainerSection)
-    """Cluster, run length, logging, checkpoints."""
+    ray_kwargs: RayKwargsSection = field(default_factory=RayKwargsSection)
+    """verl's ``ray_kwargs``: ``ray.init``'s arguments."""
+    trainer: SFTTrainerSection = field(default_factory=SFTTrainerSection)
+    """Cluster, run length, logging, checkpoints (saved and validated at the last step, as verl's sft_trainer)."""
 
     def __post_init__(self) -> None:
         check_positive("ulysses_sequence_parallel_size", self.ulysses_sequence_parallel_size)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from verl_balance.trainer.config_checks import ConfigError
 
-__all__ = ["VERL_KEYS", "VerlKey", "docs_table", "lookup", "startup_line", "translate"]
+__all__ = ["VERL_KEYS", "VerlKey", "docs_table", "lookup", "startup_line", "target_of", "translate"]
 
 RECIPES = ("grpo", "sft")
 AR = "actor_rollout_ref"
@@ -41,14 +41,17 @@ class VerlKey:
     values: tuple[str, ...] | None = None
     """The only values accepted (compared case-insensitively); None = any."""
     recipes: tuple[str, ...] = RECIPES
+    free_dict: bool = False
+    """The target is a key under a free dict of our schema (``ray_kwargs.ray_init``): written with
+    Hydra's ``++`` (add or override), since the dict declares no keys; ``*`` in target is the key's tail."""
 
     def __post_init__(self) -> None:
         assert self.status in ("honoured", "no_effect"), self.status
         assert (self.target is not None) == (self.status == "honoured"), self.pattern
 
 
-def _honoured(pattern: str, target: str, reason: str, *, values=None, recipes=RECIPES) -> VerlKey:
-    return VerlKey(pattern, "honoured", reason, target=target, values=values, recipes=recipes)
+def _honoured(pattern: str, target: str, reason: str, *, values=None, recipes=RECIPES, free_dict=False) -> VerlKey:
+    return VerlKey(pattern, "honoured", reason, target=target, values=values, recipes=recipes, free_dict=free_dict)
 
 
 def _none(patterns: Sequence[str], reason: str, *, values=None, recipes=RECIPES) -> list[VerlKey]:
@@ -56,7 +59,6 @@ def _none(patterns: Sequence[str], reason: str, *, values=None, recipes=RECIPES)
 
 
 _FALSE = ("false",)
-_OFFLOAD = "CPU offload is not built yet: parameters and optimizer state stay on the device"
 _VLLM = "a vLLM/SGLang engine setting; our rollout (rollout.name: kv_cache or hf) runs on the actor's own weights"
 _FSDP = "the engine is FSDP2 over each data-parallel group"
 _ACTOR_LOGPROB = "the reference log-probs run on the actor's engine, with the actor's FSDP settings"
@@ -66,12 +68,6 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     # -- honoured: verl's spelling of one of our keys
     _honoured("data.max_response_length", f"{AR}.rollout.response_length", "verl's spelling", recipes=("grpo",)),
     _honoured(f"{AR}.rollout.prompt_length", "data.max_prompt_length", "verl's spelling", recipes=("grpo",)),
-    *_none(
-        [f"{AR}.ref.log_prob_micro_batch_size_per_gpu", f"{AR}.ref.log_prob_max_token_len_per_gpu"],
-        "the reference log-prob pass takes the old log-prob pass's caps (rollout.log_prob_*); "
-        "a separate reference cap is not built",
-        recipes=("grpo",),
-    ),
     _honoured(
         f"{AR}.*.fsdp_config.ulysses_sequence_parallel_size",
         f"{AR}.actor.ulysses_sequence_parallel_size",
@@ -102,6 +98,13 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         values=("constant", "cosine"),
         recipes=("sft",),
     ),
+    _honoured(
+        "ray_kwargs.ray_init.*",
+        "ray_kwargs.ray_init.*",
+        "passed to ray.init (trainer/cluster.py start_ray) over our arguments, runtime_env key by key; "
+        "null values left out as in verl; a key ray.init does not take is refused",
+        free_dict=True,
+    ),
     # -- no effect here: the engine, the device, the rollout
     *_none(
         ["engine", "optim"],
@@ -128,11 +131,10 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         [f"{AR}.*.fsdp_config.fsdp_size", "engine.fsdp_size"], _FSDP + " (fsdp_size=-1); hybrid sharding is not built"
     ),
     *_none(
-        [f"{AR}.*.fsdp_config.{k}" for k in ("param_offload", "optimizer_offload", "offload_policy")],
-        _OFFLOAD,
+        [f"{AR}.ref.fsdp_config.{k}" for k in ("param_offload", "optimizer_offload", "offload_policy")],
+        _ACTOR_LOGPROB + " (actor_rollout_ref.actor.fsdp_config.param_offload offloads it)",
         recipes=("grpo",),
     ),
-    *_none([f"critic.fsdp.{k}" for k in ("param_offload", "optimizer_offload")], _OFFLOAD, recipes=("grpo",)),
     *_none(
         [f"{AR}.model.enable_activation_offload"],
         "activation offload is not built; see model.enable_gradient_checkpointing",
@@ -157,11 +159,6 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         recipes=("grpo",),
     ),
     *_none([f"{AR}.nccl_timeout"], "worker calls are bounded by trainer.worker_call_timeout_s", recipes=("grpo",)),
-    *_none(
-        [f"{AR}.rollout.log_prob_use_dynamic_bsz", f"{AR}.ref.log_prob_use_dynamic_bsz"],
-        "the log-prob passes pack as the actor does (actor.use_dynamic_bsz), capped by rollout.log_prob_*",
-        recipes=("grpo",),
-    ),
     *_none(
         [
             f"{AR}.rollout.{k}"
@@ -218,12 +215,11 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         recipes=("sft",),
     ),
     *_none(
-        ["critic.model.use_remove_padding"],
-        "the engine always runs packed sequences",
-        values=("true",),
+        [f"critic.fsdp.{k}" for k in ("fsdp_size", "forward_prefetch", "use_orig_params", "model_dtype")]
+        + ["critic.fsdp.wrap_policy.*"],
+        "FSDP1/hybrid-sharding setting; " + _FSDP,
         recipes=("grpo",),
     ),
-    *_none(["critic.model.enable_gradient_checkpointing"], "not applied to the critic yet", recipes=("grpo",)),
     *_none(
         ["model.trust_remote_code", f"{AR}.model.trust_remote_code", "data.trust_remote_code"],
         "no remote code runs: the supported model families are built in",
@@ -265,7 +261,9 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     *_none(["reward.reward_model.*"], "read only with reward.reward_model.enable=true", recipes=("grpo",)),
     *_none(["distillation.enabled"], "on-policy distillation is not built", values=_FALSE, recipes=("grpo",)),
     *_none(["distillation.*"], "read only with distillation.enabled=true", recipes=("grpo",)),
-    *_none(["ray_kwargs.ray_init.*"], "not passed to ray.init yet: the cluster starts from trainer.* settings"),
+    *_none(
+        ["ray_kwargs.timeline_json_file"], "Ray's timeline is not written; trainer.profile_steps traces the workers"
+    ),
 )
 
 
@@ -294,6 +292,14 @@ def _check_value(key: str, value: str, entry: VerlKey) -> None:
         )
 
 
+def target_of(key: str, entry: VerlKey) -> str:
+    """Our key for ``key``: the entry's target; under a free dict the target's ``*`` is the key's tail."""
+    if not entry.free_dict:
+        return entry.target
+    head = entry.target.rstrip("*")
+    return head + key[len(entry.pattern.rstrip("*")) :]
+
+
 def translate(args: Sequence[str], *, recipe: str) -> tuple[list[str], list[str]]:
     """(the command line with verl's keys written as ours and no-effect keys removed, the
     no-effect keys); ConfigError on a refused value or two spellings set to different values."""
@@ -312,7 +318,7 @@ def translate(args: Sequence[str], *, recipe: str) -> tuple[list[str], list[str]
             if entry.status == "no_effect":
                 no_effect.append(key)
                 continue
-            key, arg = entry.target, f"{entry.target}={value}"
+            key, arg = target_of(key, entry), f"{'++' if entry.free_dict else ''}{target_of(key, entry)}={value}"
         elif key == "trainer.logger" and not value.lstrip().startswith("["):
             arg = f"trainer.logger=[{value}]"  # verl takes one logger name too; ours is a list
         if key in seen:

@@ -1,7 +1,9 @@
 """``patch_verl()``: swap our balancer into verl's modules and trainers, reversibly.
 
 Targets (module -> attribute): the three ``seqlen_balancing`` functions in verl's module and in
-every verl module that imported them by name, the legacy ``RayPPOTrainer._balance_batch`` and
+every verl module that imported them by name, verl's reward loader ``get_custom_reward_fn`` (wrapped
+to read our top-level ``custom_reward_function`` when verl's ``reward.custom_reward_function`` is unset:
+``reward_spelling.py``), the legacy ``RayPPOTrainer._balance_batch`` and
 the default (v1) ``PPOTrainer._balance_batch``. A target module that is not imported yet is
 either imported now (``import_modules=True``) or patched the moment verl imports it (an import
 hook; that is how ``VERL_USE_EXTERNAL_MODULES=verl_balance.integrations.verl.autopatch`` works
@@ -21,6 +23,7 @@ from typing import Any
 
 from verl_balance.balance.workload import resolve_workload
 from verl_balance.integrations.verl.errors import require_verl
+from verl_balance.integrations.verl.reward_spelling import reward_loader_with_our_spelling
 from verl_balance.integrations.verl.seqlen import (
     get_reverse_idx,
     get_seqlen_balanced_partitions,
@@ -37,12 +40,15 @@ FUNCTION_TARGETS = {
     "verl.trainer.sft_trainer_ray": ("get_seqlen_balanced_partitions",),
     "verl.trainer.ppo.v1.trainer_base": ("get_seqlen_balanced_partitions",),
     "verl.workers.engine.utils": ("rearrange_micro_batches",),
+    "verl.trainer.ppo.reward": ("get_custom_reward_fn",),
 }
 _REPLACEMENTS = {
     "get_seqlen_balanced_partitions": get_seqlen_balanced_partitions,
     "rearrange_micro_batches": rearrange_micro_batches,
     "get_reverse_idx": get_reverse_idx,
 }
+# name -> factory of the replacement from verl's original (wrappers rather than drop-ins)
+_WRAPPERS = {"get_custom_reward_fn": reward_loader_with_our_spelling}
 # module -> (class name, method name, replacement)
 TRAINER_TARGETS = {
     "verl.trainer.ppo.ray_trainer": ("RayPPOTrainer", "_balance_batch", balanced_balance_batch),
@@ -79,7 +85,8 @@ class VerlPatch:
         self.pending.discard(module.__name__)
         for name in FUNCTION_TARGETS.get(module.__name__, ()):
             if name in module.__dict__:
-                self._set(module, name, _REPLACEMENTS[name])
+                original = module.__dict__[name]
+                self._set(module, name, _WRAPPERS[name](original) if name in _WRAPPERS else _REPLACEMENTS[name])
         if self._balance_trainer and module.__name__ in TRAINER_TARGETS:
             class_name, method, replacement = TRAINER_TARGETS[module.__name__]
             owner = module.__dict__.get(class_name)

@@ -1,0 +1,70 @@
+"""verl's ``ray_kwargs.ray_init`` reaches ``ray.init``: merged over start_ray's own arguments
+(runtime_env key by key, nulls left out as in verl's main_ppo), ``num_cpus`` sizing the embedded
+cluster, ``address`` as trainer.ray_address's other spelling; a key ray.init does not take is refused."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+
+import pytest
+
+from verl_balance.trainer import cluster
+from verl_balance.trainer.config_checks import ConfigError
+from verl_balance.trainer.ray_init import check_ray_init, merge_ray_init
+
+
+def test_merge_puts_the_users_arguments_over_ours_and_runtime_env_key_by_key():
+    ours = {"num_cpus": 8, "runtime_env": {"env_vars": {"A": "1", "B": "2"}}, "_system_config": {"x": 1}}
+    user = {
+        "num_cpus": 3,
+        "namespace": None,
+        "runtime_env": {"env_vars": {"B": 5, "C": "3"}, "py_executable": None, "working_dir": "/w"},
+        "_system_config": {"y": 2},
+    }
+    assert merge_ray_init(ours, user) == {  # worked by hand
+        "num_cpus": 3,
+        "runtime_env": {"env_vars": {"A": "1", "B": "5", "C": "3"}, "working_dir": "/w"},
+        "_system_config": {"x": 1, "y": 2},
+    }
+    assert merge_ray_init(ours, None) == ours
+
+
+def test_a_key_ray_init_does_not_take_is_refused_naming_it():
+    with pytest.raises(ConfigError, match=r"ray_kwargs\.ray_init: ray\.init takes no argument bogus, nope"):
+        check_ray_init({"num_cpus": 2, "nope": 1, "bogus": None or 1})
+    assert check_ray_init({"_temp_dir": "/t", "num_cpus": None}) == {"_temp_dir": "/t"}  # Ray checks its own _*
+
+
+def test_ray_init_reaches_the_embedded_clusters_arguments():
+    embedded, kwargs = cluster.ray_init_arguments(
+        address=None, ray_init={"num_cpus": 3, "runtime_env": {"env_vars": {"X": 1}}}
+    )
+    assert embedded and kwargs["num_cpus"] == 3  # not embedded_cluster_cpus()
+    env_vars = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "X": "1"}
+    assert kwargs["runtime_env"]["env_vars"] == env_vars
+    assert kwargs["_system_config"]["worker_niceness"] == cluster.EMBEDDED_WORKER_NICENESS
+    _, plain = cluster.ray_init_arguments(address=None, ray_init=None)  # negative control: the machine's size
+    assert plain["num_cpus"] == cluster.embedded_cluster_cpus()
+
+
+def test_ray_init_address_joins_that_cluster_and_two_addresses_are_refused():
+    embedded, kwargs = cluster.ray_init_arguments(address=None, ray_init={"address": "10.0.0.1:6379", "namespace": "n"})
+    assert not embedded and kwargs["address"] == "10.0.0.1:6379" and kwargs["namespace"] == "n"
+    assert "num_cpus" not in kwargs
+    with pytest.raises(ConfigError, match=r"trainer\.ray_address=.*ray_kwargs\.ray_init\.address="):
+        cluster.ray_init_arguments(address="auto", ray_init={"address": "10.0.0.1:6379"})
+
+
+@pytest.mark.slow
+def test_num_cpus_sizes_a_real_embedded_cluster():
+    import ray
+
+    assert not ray.is_initialized()
+    temp_dir = tempfile.mkdtemp(prefix="rk", dir="/tmp")  # Ray's socket paths must stay short
+    try:
+        cluster.start_ray(address=None, ray_init={"num_cpus": 3, "_temp_dir": temp_dir})
+        assert ray.cluster_resources()["CPU"] == 3
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
