@@ -20,7 +20,9 @@ SPAWNING_MODULES = ("subprocess", "multiprocessing", "torch.multiprocessing", "r
 # Library entry points and fixtures that start processes: torch multiprocessing spawn, a Ray cluster and
 # its workers. (A RayWorkerGroup needs a running cluster, i.e. ray_cluster or ray.init, both flagged, so
 # a test constructing one only to see it refuse its arguments is not.)
-SPAWNING_HELPERS = frozenset({"run_on_ranks", "run_layouts", "start_ray", "build_actor_group", "ray_cluster"})
+SPAWNING_HELPERS = frozenset(
+    {"run_on_ranks", "run_layouts", "start_ray", "build_actor_group", "ray_cluster", "ray_head"}
+)
 
 
 def _is_slow_mark(node: ast.AST) -> bool:

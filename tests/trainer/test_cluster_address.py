@@ -1,5 +1,6 @@
-"""``start_ray`` without an address starts a new local cluster even when a dead one left its address
-file behind (Ray's ``ray_current_cluster``), and still joins ``RAY_ADDRESS`` when the user sets it.
+"""``start_ray``'s ``ray.init`` arguments (``ray_init_arguments``): without an address, a new local
+cluster even when a dead one left its address file behind (Ray's ``ray_current_cluster``); with
+``RAY_ADDRESS`` set by the user, that cluster, joined without sizing it.
 
 The address Ray would use is resolved by Ray's own ``get_ray_address_from_environment`` from what
 ``start_ray`` passes to ``ray.init``, in this process, with the stale file planted under a private
@@ -12,6 +13,10 @@ from ray._common.utils import get_ray_address_file
 from ray._private.services import get_ray_address_from_environment
 
 from verl_balance.trainer import cluster
+
+# Marked slow by the rule of tests/test_slow_marks.py (it reads Ray's own address resolution), though
+# it starts no process.
+pytestmark = pytest.mark.slow
 
 STALE = "127.0.0.1:9"  # the discard port: nothing answers there
 
@@ -28,25 +33,18 @@ def stale_address_file(tmp_path, monkeypatch):
     return path
 
 
-@pytest.fixture
-def init_kwargs(monkeypatch):
-    captured: dict = {}
-    monkeypatch.setattr(cluster.ray, "is_initialized", lambda: False)
-    monkeypatch.setattr(cluster, "_init_embedded", lambda **kwargs: captured.update(kwargs))
-    monkeypatch.setattr(cluster.ray, "cluster_resources", lambda: {"CPU": 2.0})
-    return captured
-
-
-def test_a_stale_cluster_address_file_is_not_joined_by_the_embedded_start(stale_address_file, init_kwargs):
+def test_a_stale_cluster_address_file_is_not_joined_by_the_embedded_start(stale_address_file):
     # Negative control: Ray itself, given no address, picks the planted dead cluster.
     assert get_ray_address_from_environment(None, None) == STALE
-    cluster.start_ray(address=None)
-    assert init_kwargs["address"] == "local"
-    assert get_ray_address_from_environment(init_kwargs["address"], None) == "local"
-    assert init_kwargs["num_cpus"] == cluster.embedded_cluster_cpus()
+    embedded, kwargs = cluster.ray_init_arguments(address=None, ray_init=None)
+    assert embedded and kwargs["address"] == "local"
+    assert get_ray_address_from_environment(kwargs["address"], None) == "local"
+    assert kwargs["num_cpus"] == cluster.embedded_cluster_cpus()
 
 
-def test_ray_address_in_the_environment_is_still_joined(stale_address_file, init_kwargs, monkeypatch):
+def test_ray_address_in_the_environment_is_joined_without_sizing_it(stale_address_file, monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.5:6379")
-    cluster.start_ray(address=None)
-    assert get_ray_address_from_environment(init_kwargs["address"], None) == "10.0.0.5:6379"
+    embedded, kwargs = cluster.ray_init_arguments(address=None, ray_init=None)
+    # Joining a running cluster: ray.init refuses num_cpus there, so none is passed.
+    assert not embedded and "num_cpus" not in kwargs
+    assert get_ray_address_from_environment(kwargs["address"], None) == "10.0.0.5:6379"

@@ -83,7 +83,8 @@ def start_ray(*, address: str | None, num_workers: int | None = None, ray_init: 
 def ray_init_arguments(*, address: str | None, ray_init: Mapping | None) -> tuple[bool, dict]:
     """(whether the cluster is embedded, the arguments of ``ray.init``): ours, with the user's
     ``ray_init`` merged over them (``ray_init.merge_ray_init``)."""
-    address = _address(address, check_ray_init(ray_init).get("address"))
+    # RAY_ADDRESS joins that cluster, as Ray's own ray.init() would (never with num_cpus: Ray refuses it).
+    address = _address(address, check_ray_init(ray_init).get("address")) or os.environ.get("RAY_ADDRESS") or None
     # No progress bars in the workers: Ray would print them late, after the driver's lines.
     env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}}
     if address:
@@ -91,7 +92,7 @@ def ray_init_arguments(*, address: str | None, ray_init: Mapping | None) -> tupl
     defaults = dict(
         # Without an address Ray would join the last `ray start` cluster on this machine (its
         # /tmp/ray/ray_current_cluster file, even a dead one) and then refuse num_cpus.
-        address=os.environ.get("RAY_ADDRESS") or "local",
+        address="local",
         num_cpus=embedded_cluster_cpus(),
         include_dashboard=False,
         runtime_env=env,
