@@ -11,7 +11,9 @@ One training step, for ``data.train_batch_size`` prompts:
    (``custom_reward_function`` or the built-in rule for its ``data_source``), then collect the
    passes and merge them back to the batch's own row order;
 4. advantages of ``algorithm.adv_estimator`` (any of verl's estimators whose inputs the trainer
-   supplies, trainer/advantage_step.py; remax adds one greedy baseline response per prompt);
+   supplies, trainer/advantage_step.py; remax adds one greedy baseline response per prompt), from
+   the scores minus the KL penalty (``algorithm.use_kl_in_reward``) after verl's decoupled rollout
+   correction (``algorithm.rollout_correction``: IS weights, rejected tokens out of the loss mask);
 5. for each of ``ppo_epochs``, for each mini-batch of ``ppo_mini_batch_size`` prompts (all their
    responses): its own plan and one ``update_actor`` call = one optimizer step.
 
@@ -22,6 +24,10 @@ the critic takes ``critic.ppo_epochs`` x mini-batches of value-loss steps, each 
 and the actor's update (5.) is skipped during the first ``trainer.critic_warmup`` steps. The
 critic's state is saved with the actor's in every ``global_step_N`` (under ``critic/``, in the
 same checksum manifest) and restored with it.
+
+DAPO (``algorithm.filter_groups.enable``) scores before the passes: 1. and 3. repeat on the loader's
+next prompt batches until ``data.train_batch_size`` prompts have responses that differ in the
+metric (trainer/dynamic_sampling.py); the dapo reward manager adds the overlong penalty to every score.
 
 On-policy steps (``actor.recompute_old_log_prob=auto``, ``ppo_epochs=1``, one mini-batch) skip the
 old-log-prob pass: the single update is the first forward of the sampled weights, so the PPO loss
