@@ -183,6 +183,7 @@ def test_sapo_and_geo_mean_force_verls_aggregation_and_other_modes_keep_loss_agg
 
 
 KL_IN_REWARD = "algorithm.use_kl_in_reward=true"
+ASYNC = "trainer.v1.trainer_mode=separate_async"
 OVERLONG = ["custom_reward_function.overlong_buffer.enable=true", "custom_reward_function.overlong_buffer.len=2"]
 
 
@@ -191,6 +192,8 @@ OVERLONG = ["custom_reward_function.overlong_buffer.enable=true", "custom_reward
     [
         (["algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.horizon=0"], "algorithm.kl_ctrl.horizon"),
         (["algorithm.filter_groups.enable=true", "algorithm.adv_estimator=remax"], "algorithm.filter_groups.enable"),
+        (["algorithm.filter_groups.enable=true", ASYNC], "algorithm.filter_groups.enable"),
+        (["algorithm.rollout_correction.rollout_is=token", ASYNC], "algorithm.rollout_correction.rollout_is"),
         (
             ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_final_reward", KL_IN_REWARD],
             "algorithm.filter_groups.metric",

@@ -566,6 +566,14 @@ class GRPOConfig(RecipeConfig):
     def _check_dynamic_sampling(self) -> None:
         """algorithm.filter_groups filters on the scores before the log-prob passes."""
         groups, algorithm = self.algorithm.filter_groups, self.algorithm
+        mode = self.trainer.v1.trainer_mode
+        if mode != "sync" and (groups.enable or algorithm.corrects_rollout):
+            key = "filter_groups.enable" if groups.enable else "rollout_correction.rollout_is/rollout_rs"
+            raise ConfigError(
+                f"algorithm.{key} runs in the synchronous trainer only, not trainer.v1.trainer_mode={mode!r} "
+                "(whose update already takes the rollout's log-probs, verl's bypass mode); set "
+                "trainer.v1.trainer_mode=sync or remove it"
+            )
         if not groups.enable:
             return
         if algorithm.adv_estimator == "remax":
