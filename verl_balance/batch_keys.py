@@ -52,6 +52,10 @@ ROLLOUT_LOG_PROBS_KEY = "rollout_log_probs"
 """Tensor column of a rollout batch: the sampler's own log-probs of the response tokens
 (token-aligned like ``loss_mask``, 0 elsewhere)."""
 
+ROLLOUT_IS_WEIGHTS_KEY = "rollout_is_weights"
+"""RL (verl's key): the rollout correction's importance weight of each token (token-aligned like
+``loss_mask``), multiplying its policy loss; set by the driver (trainer/advantage_step.py)."""
+
 POLICY_VERSION_KEY = "policy_version"
 """Tensor column of an asynchronous rollout batch (int64): the policy version (the actor's completed
 training steps) whose weights generated the row (trainer/async_pipeline.py)."""
@@ -93,6 +97,7 @@ WIRE_KEYS = (
     ADVANTAGES_KEY,
     REF_LOG_PROB_KEY,
     ROLLOUT_LOG_PROBS_KEY,
+    ROLLOUT_IS_WEIGHTS_KEY,
 )
 """Tensor columns a worker hands to the engine (every other column stays on the driver side)."""
 
@@ -150,6 +155,7 @@ __all__ = [
     "RESPONSE_LENGTHS_KEY",
     "RESPONSE_MASK_KEY",
     "RETURNS_KEY",
+    "ROLLOUT_IS_WEIGHTS_KEY",
     "ROLLOUT_LOG_PROBS_KEY",
     "SAMPLE_INDEX_KEY",
     "TEMPERATURE_KEY",

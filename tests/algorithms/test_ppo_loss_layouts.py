@@ -6,7 +6,8 @@ sequence, the per-token PPO loss on the token-aligned wire tensors, the aggregat
 each loss_agg_mode written out, torch.optim.AdamW. Every layout must match it (loss, metrics,
 parameters after one step) for fixed and token-capped micro-batches and every agg mode, and for
 every ``policy_loss.loss_mode`` of ``ENGINE_LOSS_MODES`` (token-capped micro-batches; gspo / geo_mean
-reduce per-sequence means over the SP group), all in the same warm world per layout. Negative
+reduce per-sequence means over the SP group), all in the same warm world per layout, and vanilla and
+geo_mean with the rollout correction's per-token ``rollout_is_weights`` on the wire. Negative
 control: geo_mean with the per-sequence sums left local (no SP all-reduce) differs from the reference on sp=2.
 """
 
@@ -51,6 +52,9 @@ MODES = [
     LossModeConfig(loss_mode=name, **MODE_SETTINGS.get(name, {})) for name in ENGINE_LOSS_MODES if name != "vanilla"
 ]
 """Every non-vanilla mode main_grpo runs (vanilla is CASES above), with its forced aggregation."""
+IS_MODES = [None, LossModeConfig(loss_mode="geo_mean")]
+"""Rows with the rollout correction's IS weights (vanilla multiplies pg per token; geo_mean takes their
+per-sequence geometric mean, an SP-reduced sum)."""
 CONTROL_MODE = LossModeConfig(loss_mode="geo_mean")
 LOCAL_ONLY = "geo_mean-local-only-sums"
 """The negative control's name: geo_mean whose per-sequence sums skip the SP all-reduce."""
@@ -102,15 +106,32 @@ def _ppo_batch() -> dict[str, torch.Tensor]:
     return batch
 
 
+def _is_batch(batch):
+    """The batch with IS weights in (0.5, 2) on the loss tokens (0 elsewhere), as the driver sets them."""
+    gen = torch.Generator().manual_seed(11)
+    out = dict(batch)
+    out["rollout_is_weights"] = (0.5 + 1.5 * torch.rand(batch["loss_mask"].shape, generator=gen)) * batch["loss_mask"]
+    return out
+
+
 def _sequence_loss(logp, entropy, aligned, *, config: PolicyLossConfig, mode: LossModeConfig | None):
     """One whole sequence's per-token loss: vanilla PPO-clip, or the mode with its reductions over this row."""
     terms = dict(log_probs=logp, old_log_probs=aligned["old_log_probs"], advantages=aligned["advantages"])
     regularizers = dict(ref_log_probs=aligned["ref_log_prob"], entropy=entropy, config=config)
+    weights = aligned.get("rollout_is_weights")
     if mode is None:
-        return ppo_clip_token_loss(**terms, **regularizers)
+        return ppo_clip_token_loss(**terms, **regularizers, rollout_is_weights=weights)
     rows = {k: v[None] for k, v in terms.items()}
-    reduced = reference_reductions(**rows, loss_mask=aligned["loss_mask"][None], config=config, mode=mode)
-    return policy_token_loss(**terms, **regularizers, mode=mode, reduced={k: v[0] for k, v in reduced.items()})
+    reduced = reference_reductions(
+        **rows,
+        loss_mask=aligned["loss_mask"][None],
+        config=config,
+        mode=mode,
+        rollout_is_weights=None if weights is None else weights[None],
+    )
+    return policy_token_loss(
+        **terms, **regularizers, mode=mode, reduced={k: v[0] for k, v in reduced.items()}, rollout_is_weights=weights
+    )
 
 
 def _references(batch, keys: list[tuple[str, PolicyLossConfig, LossModeConfig | None]]) -> list[dict]:
@@ -120,7 +141,8 @@ def _references(batch, keys: list[tuple[str, PolicyLossConfig, LossModeConfig | 
     outputs = []
     for i in range(len(batch["input_ids"])):
         length = int(batch["attention_mask"][i].sum())
-        aligned = {k: batch[k][i, 1:length] for k in ("old_log_probs", "ref_log_prob", "advantages", "loss_mask")}
+        columns = ("old_log_probs", "ref_log_prob", "advantages", "loss_mask", "rollout_is_weights")
+        aligned = {k: batch[k][i, 1:length] for k in columns if k in batch}
         outputs.append((*_sequence_outputs(model, batch["input_ids"][i, :length]), aligned))
     return [_reference_step(model, outputs, agg_mode=a, config=c, mode=m) for a, c, m in keys]
 
@@ -177,6 +199,10 @@ def _worker(rank, *, dp, sp, batch):
     for mode in MODES:
         loss_fn = build_policy_loss(LOSS_CONFIG, mode=mode)
         results.append(_run_case(TrainEngine, layout, batch, "dynamic", True, _mode_agg(mode), loss_fn))
+    for mode in IS_MODES:
+        agg_mode = "token-mean" if mode is None else _mode_agg(mode)
+        loss_fn = build_policy_loss(LOSS_CONFIG, mode=mode)
+        results.append(_run_case(TrainEngine, layout, _is_batch(batch), "dynamic", True, agg_mode, loss_fn))
     control = build_policy_loss(LOSS_CONFIG, mode=CONTROL_MODE)
     control_batch = _control_batch(batch)
     results.append(_run_case(LocalSumsEngine, layout, control_batch, "dynamic", True, _mode_agg(CONTROL_MODE), control))
@@ -259,12 +285,15 @@ def test_reference_is_sensitive_to_clipping_kl_and_entropy(reference):
 @pytest.mark.parametrize("dp,sp", [(2, 1), (1, 2)])
 def test_ppo_loss_is_layout_invariant(batch, reference, dp, sp):
     results = run_on_ranks(functools.partial(_worker, dp=dp, sp=sp, batch=batch), world=dp * sp)[0]
-    assert len(results) == len(CASES) + len(MODES) + 1
+    assert len(results) == len(CASES) + len(MODES) + len(IS_MODES) + 1
     for (micro, balance, agg_mode), result in zip(CASES, results):
         _assert_matches(result, reference(agg_mode), where=f"dp={dp} sp={sp} {micro} balance={balance} {agg_mode}")
     for mode, result in zip(MODES, results[len(CASES) :]):
         ref = reference(_mode_agg(mode), mode=mode)
         _assert_matches(result, ref, where=f"dp={dp} sp={sp} loss_mode={mode.loss_mode} {_mode_agg(mode)}")
+    for mode, result in zip(IS_MODES, results[len(CASES) + len(MODES) :]):
+        ref = _is_reference(batch, mode)
+        _assert_matches(result, ref, where=f"dp={dp} sp={sp} rollout_is_weights loss_mode={mode and mode.loss_mode}")
     control = _references(_control_batch(batch), [(_mode_agg(CONTROL_MODE), LOSS_CONFIG, CONTROL_MODE)])[0]
     if sp > 1:  # negative control: sums left on the slice fail the same comparison
         with pytest.raises(AssertionError):
@@ -282,6 +311,20 @@ def _assert_matches(result, ref, *, where: str) -> None:
         assert trained[name] == pytest.approx(value, rel=1e-5, abs=1e-7), (where, name)
     delta = max(float((params[k] - v).abs().max()) for k, v in ref["params"].items())
     assert delta <= 1e-5, where
+
+
+def _is_reference(batch, mode: LossModeConfig | None) -> dict:
+    agg_mode = "token-mean" if mode is None else _mode_agg(mode)
+    return _references(_is_batch(batch), [(agg_mode, LOSS_CONFIG, mode)])[0]
+
+
+@pytest.mark.parametrize("mode", IS_MODES, ids=["vanilla", "geo_mean"])
+def test_rollout_is_weights_change_the_reference_loss_and_gradient(batch, reference, mode):
+    """Negative control of the IS rows: with the weights the loss is not the unweighted one."""
+    unweighted = reference("token-mean" if mode is None else _mode_agg(mode), mode=mode)
+    weighted = _is_reference(batch, mode)
+    assert abs(weighted["loss"] - unweighted["loss"]) > 1e-4 * abs(unweighted["loss"])
+    assert abs(weighted["grad_norm"] - unweighted["grad_norm"]) > 1e-6
 
 
 def test_every_loss_mode_reference_differs_from_vanilla_and_exercises_the_batch(reference):

@@ -3,6 +3,7 @@ driver's advantage step, errors naming the key for what the trainer cannot run."
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -11,9 +12,23 @@ import torch
 
 from tests.trainer.conftest import compose_config
 from verl_balance.algorithms import ADV_ESTIMATOR_REGISTRY, AdvantageInputs, compute_advantage
-from verl_balance.batch_keys import LOSS_MASK_KEY, PROMPT_INDEX_KEY, VALUES_KEY
+from verl_balance.algorithms.rollout_correction import RolloutCorrectionConfig
+from verl_balance.batch_keys import (
+    LOSS_MASK_KEY,
+    OLD_LOG_PROBS_KEY,
+    PROMPT_INDEX_KEY,
+    REF_LOG_PROB_KEY,
+    ROLLOUT_IS_WEIGHTS_KEY,
+    ROLLOUT_LOG_PROBS_KEY,
+    VALUES_KEY,
+)
 from verl_balance.protocol import Batch
-from verl_balance.trainer.advantage_step import compute_step_advantages, prompt_baselines
+from verl_balance.trainer.advantage_step import (
+    compute_step_advantages,
+    correct_rollout,
+    prompt_baselines,
+    token_level_rewards,
+)
 from verl_balance.trainer.algorithm_config import AlgorithmSection, supported_estimators
 from verl_balance.trainer.config import ConfigError
 from verl_balance.trainer.grpo_config import register_grpo_schema, validate_grpo
@@ -40,9 +55,15 @@ def test_an_estimator_whose_input_is_not_derived_fails_naming_the_key_and_the_in
     "override,key",
     [
         ("algorithm.adv_estimator=grpo_typo", "algorithm.adv_estimator"),
-        ("algorithm.use_kl_in_reward=true", "algorithm.use_kl_in_reward"),
-        ("algorithm.filter_groups.enable=true", "algorithm.filter_groups.enable"),
-        ("algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is"),
+        ("algorithm.use_kl_in_reward=true", None),  # built (issue 30 item 2): accepted
+        ("algorithm.filter_groups.enable=true", None),
+        ("algorithm.rollout_correction.rollout_is=token", None),
+        ("algorithm.rollout_correction.bypass_mode=true", None),
+        ("algorithm.kl_penalty=full", "algorithm.kl_penalty"),
+        ("algorithm.rollout_correction.rollout_is=tokens", "algorithm.rollout_correction.rollout_is"),
+        ("algorithm.use_pf_ppo=true", "algorithm.use_pf_ppo"),
+        ("custom_reward_function.reward_manager=prime", "custom_reward_function.reward_manager"),
+        ("custom_reward_function.overlong_buffer.enable=true", "custom_reward_function.overlong_buffer.enable"),
         ("algorithm.kl_ctrl.type=pid", "algorithm.kl_ctrl.type"),
         ("algorithm.gdpo_reward_weights=[1.0]", "algorithm.gdpo_reward_weights"),
         ("algorithm.kl_ctrl.kl_coef=0.01", None),  # negative control: verl's key, accepted
@@ -159,3 +180,132 @@ def test_sapo_and_geo_mean_force_verls_aggregation_and_other_modes_keep_loss_agg
     )
     assert config.engine_config(total_steps=1).loss_agg_mode == agg
     assert config.actor_rollout_ref.actor.loss_mode_config().loss_mode == mode
+
+
+KL_IN_REWARD = "algorithm.use_kl_in_reward=true"
+ASYNC = "trainer.v1.trainer_mode=separate_async"
+OVERLONG = ["custom_reward_function.overlong_buffer.enable=true", "custom_reward_function.overlong_buffer.len=2"]
+
+
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (["algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.horizon=0"], "algorithm.kl_ctrl.horizon"),
+        (["algorithm.filter_groups.enable=true", "algorithm.adv_estimator=remax"], "algorithm.filter_groups.enable"),
+        (["algorithm.filter_groups.enable=true", ASYNC], "algorithm.filter_groups.enable"),
+        (["algorithm.rollout_correction.rollout_is=token", ASYNC], "algorithm.rollout_correction.rollout_is"),
+        (
+            ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_final_reward", KL_IN_REWARD],
+            "algorithm.filter_groups.metric",
+        ),
+        (
+            ["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.rollout_is=token"],
+            "algorithm.rollout_correction.bypass_mode",
+        ),
+        (
+            ["custom_reward_function.reward_manager=dapo", OVERLONG[0], "custom_reward_function.overlong_buffer.len=9"],
+            "custom_reward_function.overlong_buffer.len",
+        ),
+    ],
+)
+def test_combinations_main_grpo_cannot_run_fail_naming_the_key(overrides, key):
+    with pytest.raises(ConfigError, match=re.escape(key)):
+        validate_grpo(compose_config("grpo", ["actor_rollout_ref.rollout.response_length=8", *overrides]))
+
+
+@pytest.mark.parametrize(
+    "override,reference,old_pass",
+    [
+        (KL_IN_REWARD, True, True),
+        ("actor_rollout_ref.actor.use_kl_loss=true", True, False),
+        ("algorithm.rollout_correction.rollout_rs=token_k2", False, True),
+        ("algorithm.rollout_correction.bypass_mode=true", False, True),
+        ("algorithm.adv_estimator=grpo", False, False),  # negative control: on-policy, no reference
+    ],
+)
+def test_kl_in_reward_runs_the_reference_and_the_old_log_prob_pass_and_correction_the_old_pass(
+    override, reference, old_pass
+):
+    extra = ["algorithm.rollout_correction.rollout_rs_threshold=0.1"] if "rollout_rs=" in override else []
+    on_policy = ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8"]
+    config = validate_grpo(compose_config("grpo", [*on_policy, override, *extra]))
+    assert config.use_reference_policy == reference
+    # the on-policy shortcut takes the old log-probs from the update: never when the driver reads them first
+    assert config.old_log_prob_from_update == (not old_pass)
+
+
+def test_verls_dapo_reward_manager_keys_reach_the_reward_section():
+    from verl_balance.trainer.verl_compat_keys import translate
+
+    for prefix in ("reward.reward_kwargs", "+reward_model.reward_kwargs"):
+        manager = "reward.reward_manager.name" if prefix.startswith("reward.") else "reward_model.reward_manager"
+        args, no_effect = translate(
+            [
+                f"{manager}=dapo",
+                f"{prefix}.overlong_buffer_cfg.enable=true",
+                f"{prefix}.overlong_buffer_cfg.len=3",
+                f"{prefix}.overlong_buffer_cfg.penalty_factor=0.5",
+                f"{prefix}.overlong_buffer_cfg.log=true",
+                f"{prefix}.max_resp_len=6",
+            ],
+            recipe="grpo",
+        )
+        assert not no_effect
+        reward = validate_grpo(compose_config("grpo", args)).custom_reward_function
+        assert reward.reward_manager == "dapo" and reward.max_resp_len == 6
+        assert (reward.overlong_buffer.len, reward.overlong_buffer.penalty_factor) == (3, 0.5)
+        assert reward.overlong_buffer.enable and reward.overlong_buffer.log
+
+
+def _kl_batch():
+    batch, scores, extras = _batch()
+    gen = torch.Generator().manual_seed(3)
+    mask = batch[LOSS_MASK_KEY]
+    batch[OLD_LOG_PROBS_KEY] = -torch.rand(mask.shape, generator=gen) * mask
+    batch[REF_LOG_PROB_KEY] = (batch[OLD_LOG_PROBS_KEY] + 0.3 * torch.randn(mask.shape, generator=gen)) * mask
+    batch[ROLLOUT_LOG_PROBS_KEY] = (batch[OLD_LOG_PROBS_KEY] + 0.2 * torch.randn(mask.shape, generator=gen)) * mask
+    return batch, scores, extras
+
+
+def test_driver_rewards_with_kl_are_the_scores_minus_the_penalty_before_the_estimator():
+    batch, scores, extras = _kl_batch()
+    algorithm = AlgorithmSection(use_kl_in_reward=True, kl_penalty="k2")
+    controller = algorithm.kl_ctrl.controller()
+    rewards, metrics = token_level_rewards(batch, scores=scores, algorithm=algorithm, kl_controller=controller)
+    mask = batch[LOSS_MASK_KEY]
+    kl = 0.5 * (batch[OLD_LOG_PROBS_KEY] - batch[REF_LOG_PROB_KEY]).square() * mask
+    want = _reference_inputs(batch, scores).token_level_rewards - 0.001 * kl
+    torch.testing.assert_close(rewards, want, rtol=1e-6, atol=1e-7)
+    assert metrics["actor/reward_kl_penalty_coeff"] == 0.001
+    got = compute_step_advantages(batch, scores=scores, extras=extras, algorithm=algorithm, rewards=rewards)
+    plain = compute_step_advantages(batch, scores=scores, extras=extras, algorithm=algorithm)
+    assert not torch.allclose(got.advantages, plain.advantages)  # negative control: the penalty reaches them
+    off, no_metrics = token_level_rewards(batch, scores=scores, algorithm=AlgorithmSection(), kl_controller=None)
+    assert no_metrics == {} and torch.equal(off, _reference_inputs(batch, scores).token_level_rewards)
+
+
+def test_rollout_rejection_leaves_the_rewards_where_they_were_and_the_estimator_sees_the_kept_mask():
+    """verl: token_level_scores sit on the original last token; the advantages use the modified mask."""
+    batch, scores, extras = _kl_batch()
+    original = batch[LOSS_MASK_KEY].clone()
+    corr = RolloutCorrectionConfig(
+        rollout_is="token", rollout_is_threshold=1.1, rollout_rs="token_k1", rollout_rs_threshold="0.85_1.15"
+    )
+    algorithm = AlgorithmSection(rollout_correction=corr)
+    rewards, _ = token_level_rewards(batch, scores=scores, algorithm=algorithm, kl_controller=None)
+    metrics = correct_rollout(batch, algorithm=algorithm)
+    kept = batch[LOSS_MASK_KEY]
+    assert 0 < kept.sum() < original.sum() and "rollout_corr/rollout_rs_masked_fraction" in metrics
+    assert ROLLOUT_IS_WEIGHTS_KEY in batch and (batch[ROLLOUT_IS_WEIGHTS_KEY] <= 1.1).all()
+    got = compute_step_advantages(batch, scores=scores, extras=extras, algorithm=algorithm, rewards=rewards)
+    inputs = _reference_inputs(
+        Batch.from_dict(tensors={LOSS_MASK_KEY: original}, non_tensors={PROMPT_INDEX_KEY: batch[PROMPT_INDEX_KEY]}),
+        scores,
+    )
+    want = compute_advantage(
+        adv_estimator="grpo",
+        inputs=dataclasses.replace(inputs, response_mask=kept),
+        params=algorithm.advantage_params(),
+    )
+    torch.testing.assert_close(got.advantages, want.advantages, rtol=1e-6, atol=1e-7)
+    assert (got.advantages[kept == 0] == 0).all()

@@ -22,7 +22,7 @@ from verl_balance.algorithms import outcome_estimators as outcome
 from verl_balance.algorithms import token_estimators as token
 from verl_balance.algorithms.estimator_inputs import AdvantageInputs, AdvantageOutput, AdvantageParams
 from verl_balance.algorithms.group_stats import AdvantageInputError
-from verl_balance.batch_keys import INDEX_KEY, OLD_LOG_PROBS_KEY, VALUES_KEY
+from verl_balance.batch_keys import INDEX_KEY, OLD_LOG_PROBS_KEY, ROLLOUT_IS_WEIGHTS_KEY, VALUES_KEY
 
 ESTIMATOR_KEY = "algorithm.adv_estimator"
 
@@ -54,8 +54,8 @@ ADV_ESTIMATOR_REGISTRY: dict[str, EstimatorSpec] = {
     "gpg": EstimatorSpec(outcome.gpg, _GROUP),
     "rloo_vectorized": EstimatorSpec(outcome.rloo, _GROUP),
     "grpo_vectorized": EstimatorSpec(outcome.grpo, _GROUP),
-    "optimal_token_baseline": EstimatorSpec(token.optimal_token_baseline, _OTB, ("rollout_is_weights",)),
-    "tir_optimal_token_baseline": EstimatorSpec(token.tir_optimal_token_baseline, _OTB, ("rollout_is_weights",)),
+    "optimal_token_baseline": EstimatorSpec(token.optimal_token_baseline, _OTB, (ROLLOUT_IS_WEIGHTS_KEY,)),
+    "tir_optimal_token_baseline": EstimatorSpec(token.tir_optimal_token_baseline, _OTB, (ROLLOUT_IS_WEIGHTS_KEY,)),
     "gdpo": EstimatorSpec(outcome.gdpo, _GROUP, ("reward_components",)),
 }
 """verl's 14 estimators and our drgrpo (= grpo with norm_adv_by_std_in_grpo=false)."""
@@ -99,7 +99,7 @@ def compute_advantage(*, adv_estimator: str, inputs: AdvantageInputs, params: Ad
             f"token_level_rewards {tuple(inputs.token_level_rewards.shape)} and response_mask {shape} must be the "
             f"same (B, L)"
         )
-    for name in (VALUES_KEY, OLD_LOG_PROBS_KEY, "sum_pi_squared", "rollout_is_weights"):
+    for name in (VALUES_KEY, OLD_LOG_PROBS_KEY, "sum_pi_squared", ROLLOUT_IS_WEIGHTS_KEY):
         tensor = getattr(inputs, name)
         if tensor is not None and tuple(tensor.shape) != shape:
             raise AdvantageInputError(f"{name} has shape {tuple(tensor.shape)}; it must be (B, L) = {shape}")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 KL_ESTIMATORS = ("low_var_kl", "k1", "k2", "abs")
-_ALIASES = {"k3": "low_var_kl", "kl": "k1", "mse": "k2"}
+KL_ALIASES = {"k3": "low_var_kl", "kl": "k1", "mse": "k2"}
 
 
 class KLEstimatorError(ValueError):
@@ -25,10 +25,10 @@ class KLEstimatorError(ValueError):
 
 def canonical_kl_type(kl_type: str) -> str:
     """Resolve verl's aliases (k3, kl, mse) to one of KL_ESTIMATORS; raise on unknown names."""
-    name = _ALIASES.get(kl_type, kl_type)
+    name = KL_ALIASES.get(kl_type, kl_type)
     if name not in KL_ESTIMATORS:
         raise KLEstimatorError(
-            f"kl_loss_type={kl_type!r} is not supported; valid: {sorted(KL_ESTIMATORS + tuple(_ALIASES))}"
+            f"kl_loss_type={kl_type!r} is not supported; valid: {sorted(KL_ESTIMATORS + tuple(KL_ALIASES))}"
         )
     return name
 

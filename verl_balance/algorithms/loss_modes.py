@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor
 
 from verl_balance.algorithms import global_loss_modes as glob
@@ -180,7 +181,15 @@ the SP group of each sequence's local slice) gives exactly on any layout."""
 
 
 def sequence_reductions(
-    *, log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, loss_mask: Tensor, config, mode, sequence_sum
+    *,
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    loss_mask: Tensor,
+    config,
+    mode,
+    sequence_sum,
+    rollout_is_weights: Tensor | None = None,
 ) -> dict[str, Tensor]:
     """gspo's / geo_mean's ``reduced`` on one SP slice: the same formulas as ``reference_reductions``
     with each row sum replaced by ``sequence_sum`` (per-token local values -> their full sequence's sum)."""
@@ -192,10 +201,14 @@ def sequence_reductions(
     x_clip, _ = glob.geo_mean_clipped_log_ratio(
         log_probs=log_probs.detach(), old_log_probs=old_log_probs, advantages=advantages, config=config
     )
-    return {
+    out = {
         "seq_mean_clipped_log_ratio": sequence_sum(x_clip * mask) / (count + glob.MEAN_EPS),
         "seq_mean_advantage": sequence_sum(advantages * mask) / (count + glob.MEAN_EPS),
     }
+    if rollout_is_weights is not None:
+        log_w = torch.log(rollout_is_weights + 1e-10)
+        out["seq_is_weight"] = torch.exp(sequence_sum(log_w * mask) / (count + glob.MEAN_EPS))
+    return out
 
 
 class ModeLoss(PPOLoss):
@@ -218,7 +231,9 @@ class ModeLoss(PPOLoss):
         self.mode = mode
         self.needs_sequence_sums = mode.loss_mode in SEQUENCE_REDUCED_MODES
 
-    def token_loss(self, *, log_probs, old_log_probs, advantages, ref_log_probs, entropy, inputs, sequence_sum):
+    def token_loss(
+        self, *, log_probs, old_log_probs, advantages, ref_log_probs, entropy, inputs, sequence_sum, rollout_is_weights
+    ):
         reduced = {}
         if self.needs_sequence_sums:
             if sequence_sum is None:
@@ -231,6 +246,7 @@ class ModeLoss(PPOLoss):
                 config=self.config,
                 mode=self.mode,
                 sequence_sum=sequence_sum,
+                rollout_is_weights=rollout_is_weights,
             )
         return policy_token_loss(
             log_probs=log_probs,
@@ -241,6 +257,7 @@ class ModeLoss(PPOLoss):
             reduced=reduced,
             ref_log_probs=ref_log_probs,
             entropy=entropy,
+            rollout_is_weights=rollout_is_weights,
         )
 
 

@@ -10,7 +10,9 @@ Invariants:
   (verl's ``vanilla`` policy loss):
       pg = max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high))
       if A < 0 and clip_ratio_c is set: pg = min(pg, -A clip_ratio_c)     (dual clip)
-      loss = pg + kl_loss_coef * kl(log_prob, ref_log_prob) - entropy_coeff * entropy
+      loss = pg * w + kl_loss_coef * kl(log_prob, ref_log_prob) - entropy_coeff * entropy
+  with w the rollout correction's per-token IS weight (``rollout_is_weights`` in the inputs, set by
+  the driver; 1 without it), applied to pg as verl's compute_policy_loss_vanilla does
   so aggregating ``loss`` with one set of weights equals verl's pg_loss + kl_coef * kl_loss -
   entropy_coeff * entropy_loss aggregated term by term.
 - Metrics (detached, per token): pg_loss, pg_clipfrac (the clipped branch is strictly larger),
@@ -35,6 +37,7 @@ from verl_balance.batch_keys import (
     LOSS_MASK_KEY,
     OLD_LOG_PROBS_KEY,
     REF_LOG_PROB_KEY,
+    ROLLOUT_IS_WEIGHTS_KEY,
     ROLLOUT_LOG_PROBS_KEY,
 )
 
@@ -137,6 +140,7 @@ def ppo_clip_token_loss(
     config: PolicyLossConfig,
     ref_log_probs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Per-token PPO-clip loss (same shape as ``log_probs``) and per-token detached metrics."""
     check_regularizer_inputs(config=config, ref_log_probs=ref_log_probs, entropy=entropy)
@@ -152,6 +156,8 @@ def ppo_clip_token_loss(
         negative = advantages < 0
         metrics["pg_clipfrac_lower"] = ((pg > dual_bound) & negative).float()
         pg = torch.where(negative, torch.minimum(pg, dual_bound), pg)
+    if rollout_is_weights is not None:
+        pg = pg * rollout_is_weights
     metrics["pg_loss"] = pg.detach()
     metrics["ppo_kl"] = (-log_ratio).detach()
 
@@ -213,13 +219,16 @@ class PPOLoss:
             entropy=entropy,
             inputs=inputs,
             sequence_sum=sequence_sum,
+            rollout_is_weights=(
+                inputs[ROLLOUT_IS_WEIGHTS_KEY].to(log_probs.dtype) if ROLLOUT_IS_WEIGHTS_KEY in inputs else None
+            ),
         )
         if self.on_policy and ROLLOUT_LOG_PROBS_KEY in inputs:
             metrics["rollout_probs_diff_mean"] = self._rollout_probs_diff(log_probs, inputs)
         return loss, metrics
 
     def token_loss(
-        self, *, log_probs, old_log_probs, advantages, ref_log_probs, entropy, inputs, sequence_sum
+        self, *, log_probs, old_log_probs, advantages, ref_log_probs, entropy, inputs, sequence_sum, rollout_is_weights
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The per-token loss of verl's ``vanilla`` mode (a seam: loss_modes.ModeLoss runs the others)."""
         return ppo_clip_token_loss(
@@ -229,6 +238,7 @@ class PPOLoss:
             config=self.config,
             ref_log_probs=ref_log_probs,
             entropy=entropy,
+            rollout_is_weights=rollout_is_weights,
         )
 
     def _rollout_probs_diff(self, log_probs: torch.Tensor, inputs) -> torch.Tensor:

@@ -191,3 +191,47 @@ def bypass_mode(*, log_probs, old_log_probs, advantages, config, mode, reduced):
     if keep is not None:
         pg = pg * keep
     return pg, metrics
+
+
+def decoupled_correction(
+    *, old_log_probs: Tensor, rollout_log_probs: Tensor, loss_mask: Tensor, config: RolloutCorrectionConfig
+) -> tuple[Tensor | None, Tensor, dict[str, float]]:
+    """verl's decoupled mode on the driver's whole batch (``compute_rollout_correction_and_add_to_batch``):
+    (IS weights per token or None, the loss mask with rejected tokens zeroed, ``rollout_corr/*`` metrics).
+
+    The weights multiply each token's policy loss (``rollout_is_weights`` on the wire); the rejected
+    tokens leave the loss mask, so they leave the loss contract's token counts too, as in verl.
+    A batch with no loss-mask token is an error (verl's)."""
+    if not loss_mask.any():
+        raise ValueError(f"{KEY}: the batch has no response token to correct")
+    mask = loss_mask.to(old_log_probs.dtype)
+    log_ratio = old_log_probs - rollout_log_probs
+    seq_stats = per_sequence_stats(log_ratio, mask)
+    metrics: dict[str, float] = {}
+    weights = None
+    if config.rollout_is is not None:
+        weights = is_weights(log_ratio=log_ratio, loss_mask=mask, config=config, seq_stats=seq_stats)
+        metrics["rollout_corr/rollout_is_mean"] = float((weights * mask).sum() / (mask.sum() + 1e-8))
+        if config.rollout_is_batch_normalize:
+            weights, metrics["rollout_corr/rollout_is_batch_norm_factor"] = batch_normalize(weights, mask, config)
+    new_mask = mask
+    if config.rollout_rs is not None:
+        new_mask = mask * keep_mask(log_ratio=log_ratio, loss_mask=mask, config=config, seq_stats=seq_stats)
+        metrics["rollout_corr/rollout_rs_masked_fraction"] = float(((1 - new_mask) * mask).sum() / (mask.sum() + 1e-8))
+        rejected = (mask - new_mask).sum(-1) > 0
+        metrics["rollout_corr/rollout_rs_seq_masked_fraction"] = float(rejected.double().mean())
+    return weights, new_mask.to(loss_mask.dtype), metrics
+
+
+def batch_normalize(weights: Tensor, mask: Tensor, config: RolloutCorrectionConfig) -> tuple[Tensor, float]:
+    """``rollout_is_batch_normalize``: the weights over their batch mean (token: over loss-mask tokens;
+    sequence: over non-empty rows of each row's token mean), unless that mean is <= 1e-8; (weights, mean)."""
+    if config.rollout_is == "token":
+        mean = (weights * mask).sum() / (mask.sum() + 1e-8)
+    else:
+        rows = (mask.sum(-1) > 0).to(weights.dtype)
+        per_row = (weights * mask).sum(-1) / (mask.sum(-1) + 1e-8)
+        mean = (per_row * rows).sum() / rows.sum().clamp_min(1e-8)
+    if mean > 1e-8:
+        return weights / mean, float(mean)
+    return weights, 1.0

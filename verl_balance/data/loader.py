@@ -63,8 +63,13 @@ class StatefulSampler:
     def __iter__(self) -> Iterator[np.ndarray]:
         if self.position >= len(self):
             self.epoch, self.position = self.epoch + 1, 0
-        order = self.epoch_order(self.epoch)
+        orders: dict[int, np.ndarray] = {}
         while self.position < len(self):
+            # Read per batch: another iterator (DAPO's extra generation batches) may move the epoch.
+            order = orders.get(self.epoch)
+            if order is None:
+                orders.clear()
+                order = orders[self.epoch] = self.epoch_order(self.epoch)
             start = self.position * self.batch_size
             batch = order[start : start + self.batch_size]
             self.position += 1

@@ -6,6 +6,10 @@ Invariants:
   the loss mask, ``index`` = the prompt of each row (verl's ``uid`` group), ``values`` = the critic's
   (gae), ``reward_baselines`` = the greedy response's score to the same prompt (remax),
   ``reward_components`` = the reward function's extra fields (gdpo).
+- ``token_level_rewards`` = the scores, minus beta x KL(old || ref) per token with
+  ``use_kl_in_reward`` (verl's apply_kl_penalty, before the rollout correction); the decoupled
+  rollout correction then sets ``rollout_is_weights`` and zeroes rejected tokens of the loss mask,
+  so the estimator sees verl's modified response mask (the rewards keep the original positions).
 - Pure driver code (no Ray, no torch.distributed): the same function the trainer calls is the one
   tests check against the library's estimators on hand-built inputs.
 """
@@ -20,7 +24,17 @@ import torch
 from verl_balance.algorithms import AdvantageInputs, AdvantageOutput, compute_advantage, last_token_rewards
 from verl_balance.algorithms.estimators import ESTIMATOR_KEY
 from verl_balance.algorithms.group_stats import AdvantageInputError
-from verl_balance.batch_keys import LOSS_MASK_KEY, PROMPT_INDEX_KEY, VALUES_KEY
+from verl_balance.algorithms.kl_in_reward import KLController, apply_kl_in_reward
+from verl_balance.algorithms.rollout_correction import decoupled_correction
+from verl_balance.batch_keys import (
+    LOSS_MASK_KEY,
+    OLD_LOG_PROBS_KEY,
+    PROMPT_INDEX_KEY,
+    REF_LOG_PROB_KEY,
+    ROLLOUT_IS_WEIGHTS_KEY,
+    ROLLOUT_LOG_PROBS_KEY,
+    VALUES_KEY,
+)
 from verl_balance.protocol import Batch
 from verl_balance.trainer.algorithm_config import AlgorithmSection
 
@@ -49,6 +63,49 @@ def reward_components(extras: Mapping[str, np.ndarray], keys) -> dict[str, torch
     return {k: torch.as_tensor(np.asarray(extras[k], dtype=np.float64)) for k in keys}
 
 
+def token_level_rewards(
+    batch: Batch, *, scores: np.ndarray, algorithm: AlgorithmSection, kl_controller: KLController | None
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """(B, L) rewards: each score on its row's last loss-mask token; with ``use_kl_in_reward`` minus
+    beta x KL(old_log_probs || ref_log_prob) per token (``kl_controller`` is updated, as in verl)."""
+    loss_mask = batch[LOSS_MASK_KEY]
+    rewards = last_token_rewards(scores=torch.from_numpy(np.asarray(scores)), response_mask=loss_mask)
+    if not algorithm.use_kl_in_reward:
+        return rewards, {}
+    missing = [k for k in (OLD_LOG_PROBS_KEY, REF_LOG_PROB_KEY) if k not in batch]
+    assert not missing and kl_controller is not None, f"use_kl_in_reward without {missing} or a controller"
+    return apply_kl_in_reward(
+        token_level_scores=rewards,
+        old_log_probs=batch[OLD_LOG_PROBS_KEY],
+        ref_log_probs=batch[REF_LOG_PROB_KEY],
+        response_mask=loss_mask,
+        controller=kl_controller,
+        kl_type=algorithm.kl_penalty,
+    )
+
+
+def correct_rollout(batch: Batch, *, algorithm: AlgorithmSection) -> dict[str, float]:
+    """verl's decoupled rollout correction on the batch, in place: ``rollout_is_weights`` (with
+    ``rollout_is``) and rejected tokens removed from the loss mask (with ``rollout_rs``); its metrics.
+    Nothing when the correction is off or in bypass mode."""
+    if not algorithm.corrects_rollout:
+        return {}
+    if ROLLOUT_LOG_PROBS_KEY not in batch:
+        raise AdvantageInputError(
+            "algorithm.rollout_correction needs the rollout's log-probs, which this rollout did not record"
+        )
+    weights, mask, metrics = decoupled_correction(
+        old_log_probs=batch[OLD_LOG_PROBS_KEY],
+        rollout_log_probs=batch[ROLLOUT_LOG_PROBS_KEY],
+        loss_mask=batch[LOSS_MASK_KEY],
+        config=algorithm.rollout_correction,
+    )
+    batch[LOSS_MASK_KEY] = mask
+    if weights is not None:
+        batch[ROLLOUT_IS_WEIGHTS_KEY] = weights.to(torch.float32)
+    return metrics
+
+
 def advantage_inputs(
     batch: Batch,
     *,
@@ -56,12 +113,16 @@ def advantage_inputs(
     extras: Mapping[str, np.ndarray],
     algorithm: AlgorithmSection,
     reward_baselines: torch.Tensor | None = None,
+    rewards: torch.Tensor | None = None,
 ) -> AdvantageInputs:
-    """The estimator's inputs from the batch's columns, the scores and (remax) the greedy baselines."""
+    """The estimator's inputs from the batch's columns, the scores (or ``rewards``, the token-level
+    rewards already built) and (remax) the greedy baselines."""
     loss_mask = batch[LOSS_MASK_KEY]
     params = algorithm.advantage_params()
+    if rewards is None:
+        rewards = last_token_rewards(scores=torch.from_numpy(np.asarray(scores)), response_mask=loss_mask)
     return AdvantageInputs(
-        token_level_rewards=last_token_rewards(scores=torch.from_numpy(np.asarray(scores)), response_mask=loss_mask),
+        token_level_rewards=rewards,
         response_mask=loss_mask,
         index=np.asarray(batch[PROMPT_INDEX_KEY]),
         values=batch[VALUES_KEY] if VALUES_KEY in batch else None,
@@ -77,12 +138,20 @@ def compute_step_advantages(
     extras: Mapping[str, np.ndarray],
     algorithm: AlgorithmSection,
     reward_baselines: torch.Tensor | None = None,
+    rewards: torch.Tensor | None = None,
 ) -> AdvantageOutput:
     """``algorithm.adv_estimator``'s advantages (and returns) of the batch."""
     inputs = advantage_inputs(
-        batch, scores=scores, extras=extras, algorithm=algorithm, reward_baselines=reward_baselines
+        batch, scores=scores, extras=extras, algorithm=algorithm, reward_baselines=reward_baselines, rewards=rewards
     )
     return compute_advantage(adv_estimator=algorithm.adv_estimator, inputs=inputs, params=algorithm.advantage_params())
 
 
-__all__ = ["advantage_inputs", "compute_step_advantages", "prompt_baselines", "reward_components"]
+__all__ = [
+    "advantage_inputs",
+    "compute_step_advantages",
+    "correct_rollout",
+    "prompt_baselines",
+    "reward_components",
+    "token_level_rewards",
+]

@@ -10,8 +10,11 @@ Invariants:
   start-up naming the key and the missing input (never a silent fallback).
 - ``actor_rollout_ref.actor.policy_loss.loss_mode`` is any name of ``algorithms.LOSS_MODE_REGISTRY``
   whose reductions the engine supplies (``ENGINE_LOSS_MODES``); the others fail naming the key.
-- Keys of features main_grpo does not run yet (KL in the reward, dynamic sampling, overlong shaping,
-  rollout correction) are accepted at verl's defaults and refused, naming the key, when changed.
+- KL in the reward (``use_kl_in_reward``, ``kl_penalty``, ``kl_ctrl``), DAPO's dynamic sampling
+  (``filter_groups``) and the rollout correction (``rollout_correction``: IS weights and rejection on
+  the driver's batch, verl's decoupled mode; ``bypass_mode`` with ``loss_type=ppo_clip`` alone) run
+  in main_grpo's synchronous trainer; a value it cannot run (pf_ppo, bypass_mode with IS weights or
+  rejection) is refused naming the key.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any, Optional
 
 from verl_balance.algorithms import ADV_ESTIMATOR_REGISTRY, LOSS_MODE_REGISTRY, AdvantageParams, LossModeConfig
 from verl_balance.algorithms.estimators import required_inputs
+from verl_balance.algorithms.kl_in_reward import KL_CTRL_TYPES, KLController, build_kl_controller, in_reward_kl_type
 from verl_balance.algorithms.loss_modes import SEQ_MEAN_TOKEN_MEAN, LossModeKeys
 from verl_balance.algorithms.rollout_correction import RolloutCorrectionConfig
 from verl_balance.batch_keys import INDEX_KEY, OLD_LOG_PROBS_KEY, VALUES_KEY
@@ -39,7 +43,7 @@ UNSUPPLIED_REASONS = {
 ENGINE_LOSS_MODES = ("vanilla", "sapo", "gpg", "dro", "cispo", "dppo_tv", "dppo_kl", "gspo", "geo_mean")
 """Loss modes the engine runs layout-invariantly: per-token ones, and gspo / geo_mean whose per-sequence
 means are reduced over the SP group (``TrainEngine.sequence_sum``, ``loss_modes.ModeLoss``)."""
-NOT_YET = "main_grpo does not run it yet (issue 30 item 2)"
+NOT_YET = "main_grpo does not run it"
 
 
 @dataclass
@@ -56,7 +60,16 @@ class KLCtrlSection:
     """adaptive: the KL the controller steers to."""
 
     def __post_init__(self) -> None:
-        check_choice("type", self.type, ("fixed", "adaptive"))
+        check_choice("type", self.type, KL_CTRL_TYPES)
+        if self.type == "adaptive" and not (self.horizon > 0 and self.target_kl > 0):
+            raise ConfigError(
+                f"horizon={self.horizon}, target_kl={self.target_kl}: type=adaptive needs both > 0 (verl's "
+                "AdaptiveKLController divides by them)"
+            )
+
+    def controller(self) -> KLController:
+        """verl's ``get_kl_controller``: the coefficient that steps update."""
+        return build_kl_controller(type=self.type, kl_coef=self.kl_coef, target_kl=self.target_kl, horizon=self.horizon)
 
 
 @dataclass
@@ -70,7 +83,12 @@ class FilterGroupsSection:
     max_num_gen_batches: int = 0
     """Most generation batches per step (0 = no limit)."""
     max_inflight_gen_batches: int = 1
-    """verl's async-generation bound."""
+    """verl's bound on prompt batches generated concurrently; the synchronous trainer generates one
+    at a time (any value runs as 1)."""
+
+    def __post_init__(self) -> None:
+        if self.enable and not str(self.metric).strip():
+            raise ConfigError("metric='' with enable=true: name the per-response metric (reward, acc, seq_reward, ...)")
 
 
 @dataclass
@@ -90,16 +108,17 @@ class AlgorithmSection:
     gdpo_reward_weights: Optional[list] = None
     """gdpo: one weight per gdpo_reward_keys entry (null = all 1)."""
     use_kl_in_reward: bool = False
-    """verl's KL penalty in the reward (refused when true: main_grpo does not run it yet)."""
+    """Subtract kl_ctrl's beta x KL(old policy || reference) per token from the rewards before the
+    advantages (verl's apply_kl_penalty; runs the reference policy)."""
     kl_penalty: str = "kl"
-    """KL estimator of the in-reward penalty (with use_kl_in_reward)."""
+    """KL estimator of the in-reward penalty: kl/k1, abs, mse/k2, low_var_kl/k3 (a '+' suffix is accepted)."""
     kl_ctrl: KLCtrlSection = field(default_factory=KLCtrlSection)
     """The in-reward KL coefficient's controller (with use_kl_in_reward)."""
     filter_groups: FilterGroupsSection = field(default_factory=FilterGroupsSection)
-    """DAPO's dynamic sampling (enable=true is refused: main_grpo does not run it yet)."""
+    """DAPO's dynamic sampling: groups whose metric is constant are dropped and more batches generated."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
-    """verl's rollout-correction options (IS weights, rejection, bypass mode); refused when changed:
-    main_grpo does not run them yet."""
+    """verl's rollout correction: IS weights and rejection from the rollout's own log-probs (decoupled
+    mode), or bypass_mode (the rollout's log-probs are the old ones; loss_type=ppo_clip only)."""
     use_pf_ppo: bool = False
     """verl's prioritized-filtering PPO (refused when true: main_grpo does not run it)."""
     pf_ppo: dict = field(default_factory=lambda: {"reweight_method": "pow", "weight_pow": 2.0})
@@ -122,25 +141,38 @@ class AlgorithmSection:
                 f"gdpo_reward_weights={list(self.gdpo_reward_weights)} needs one weight per gdpo_reward_keys entry "
                 f"({list(self.gdpo_reward_keys or ())})"
             )
+        try:
+            in_reward_kl_type(self.kl_penalty)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         self._refuse_unbuilt()
 
     def _refuse_unbuilt(self) -> None:
-        """verl's keys of features not run here: accepted at verl's defaults, refused when changed."""
+        """verl's values of features not run here: refused naming the key."""
         changed = []
-        if self.use_kl_in_reward:
-            changed.append("use_kl_in_reward=true")
-        if self.filter_groups.enable:
-            changed.append("filter_groups.enable=true")
         if self.use_pf_ppo:
             changed.append("use_pf_ppo=true")
-        default = RolloutCorrectionConfig()
-        changed += [
-            f"rollout_correction.{f.name}={getattr(self.rollout_correction, f.name)!r}"
-            for f in fields(RolloutCorrectionConfig)
-            if getattr(self.rollout_correction, f.name) != getattr(default, f.name)
-        ]
+        corr = self.rollout_correction
+        if corr.bypass_mode and (corr.loss_type != "ppo_clip" or corr.rollout_is or corr.rollout_rs):
+            changed.append(
+                f"rollout_correction.bypass_mode=true with loss_type={corr.loss_type!r}, "
+                f"rollout_is={corr.rollout_is!r}, rollout_rs={corr.rollout_rs!r} (bypass mode runs "
+                "loss_type=ppo_clip without IS weights or rejection here; set bypass_mode=false for verl's "
+                "decoupled IS weights and rejection)"
+            )
         if changed:
             raise ConfigError(f"{', '.join(changed)}: {NOT_YET}; remove the override(s) to run without it")
+
+    @property
+    def corrects_rollout(self) -> bool:
+        """Whether the step weights or rejects tokens by the rollout-vs-actor divergence (decoupled mode)."""
+        corr = self.rollout_correction
+        return not corr.bypass_mode and (corr.rollout_is is not None or corr.rollout_rs is not None)
+
+    @property
+    def needs_old_log_probs_before_advantages(self) -> bool:
+        """KL in the reward and the decoupled rollout correction read the old log-probs on the driver."""
+        return self.use_kl_in_reward or self.corrects_rollout
 
     def advantage_params(self) -> AdvantageParams:
         """The estimators' settings."""
@@ -177,7 +209,7 @@ class PolicyLossSection(LossModeKeys):
         if self.loss_mode not in ENGINE_LOSS_MODES:
             raise ConfigError(
                 f"loss_mode={self.loss_mode!r} needs a mini-batch-wide top-k or the rollout log-probs on the "
-                f"update path, which {NOT_YET}; valid here: {list(ENGINE_LOSS_MODES)}"
+                f"update path, which the engine does not supply yet; valid here: {list(ENGINE_LOSS_MODES)}"
             )
 
 

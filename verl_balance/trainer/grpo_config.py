@@ -44,6 +44,7 @@ from verl_balance.engine.config import (
     FSDPKeys,
 )
 from verl_balance.loss import WEIGHT_MODES, check_agg_mode
+from verl_balance.rewards.overlong import REWARD_MANAGERS, OverlongBufferConfig
 from verl_balance.rollout.base import RolloutInputError
 from verl_balance.rollout.factory import ROLLOUT_BACKENDS, resolve_backend
 from verl_balance.trainer.algorithm_config import ActorAlgorithmKeys, AlgorithmSection
@@ -456,8 +457,23 @@ class CustomRewardSection:
     timeout_s: Optional[float] = field(default=300.0, metadata=APPLY_ON_RESUME)
     """Longest one reward call (one response) may take before the run fails with an error naming the
     function and the sample; heartbeat lines (trainer.heartbeat_interval_s) while it runs; null = no limit."""
+    reward_manager: str = "naive"
+    """verl's reward manager (reward.reward_manager.name): naive, or dapo (adds overlong_buffer's shaping)."""
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    """DAPO's overlong penalty (verl's reward_kwargs.overlong_buffer_cfg; read with reward_manager=dapo)."""
+    max_resp_len: Optional[int] = None
+    """verl's reward_kwargs.max_resp_len: the length the overlong penalty reaches penalty_factor at
+    (null = actor_rollout_ref.rollout.response_length)."""
 
     def __post_init__(self) -> None:
+        check_choice("reward_manager", self.reward_manager, REWARD_MANAGERS)
+        if self.overlong_buffer.enable and self.reward_manager != "dapo":
+            raise ConfigError(
+                f"overlong_buffer.enable=true is read by the dapo reward manager only (as in verl), not "
+                f"reward_manager={self.reward_manager!r}: set reward.reward_manager.name=dapo"
+            )
+        if self.max_resp_len is not None:
+            check_positive("max_resp_len", self.max_resp_len)
         if self.name is not None and self.path is None:
             raise ConfigError(f"name={self.name!r} is set but path is not")
         if self.timeout_s is not None:
@@ -580,8 +596,18 @@ class GRPOConfig(RecipeConfig):
 
     @property
     def old_log_prob_from_update(self) -> bool:
-        """Whether each step takes its old log-probs from the update forward (see ActorSection)."""
+        """Whether each step takes its old log-probs from the update forward (see ActorSection); never
+        when the driver reads them before the advantages (KL in the reward, rollout correction) or
+        when they are the rollout's (rollout_correction.bypass_mode)."""
+        algorithm = self.algorithm
+        if algorithm.needs_old_log_probs_before_advantages or algorithm.rollout_correction.bypass_mode:
+            return False
         return self.actor_rollout_ref.actor.old_log_prob_from_update(train_batch_size=self.data.train_batch_size)
+
+    @property
+    def use_reference_policy(self) -> bool:
+        """verl's need_reference_policy: the KL loss or the KL in the reward reads the reference log-probs."""
+        return self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward
 
     @property
     def rollout_backend(self) -> str:
@@ -593,12 +619,48 @@ class GRPOConfig(RecipeConfig):
             raise ConfigError(f"actor_rollout_ref.rollout.name: {err}") from err
 
     def check_sections(self) -> None:
+        self._check_dynamic_sampling()
+        self._check_overlong_buffer()
         self._check_critic()
         self._check_batch_sizes()
         self._check_token_caps()
         self._check_rollout_pool()
         check_async(self)
         self.rollout_backend  # noqa: B018 -- a backend that cannot run this model fails here
+
+    def _check_overlong_buffer(self) -> None:
+        """DAPO's overlong penalty starts max_resp_len - overlong_buffer.len tokens in (verl's assert)."""
+        reward = self.custom_reward_function
+        max_len = reward.max_resp_len or self.actor_rollout_ref.rollout.response_length
+        if reward.overlong_buffer.enable and max_len < reward.overlong_buffer.len:
+            raise ConfigError(
+                f"custom_reward_function.overlong_buffer.len={reward.overlong_buffer.len} is longer than max_resp_len "
+                f"{max_len} (reward_kwargs.max_resp_len, default actor_rollout_ref.rollout.response_length)"
+            )
+
+    def _check_dynamic_sampling(self) -> None:
+        """algorithm.filter_groups filters on the scores before the log-prob passes."""
+        groups, algorithm = self.algorithm.filter_groups, self.algorithm
+        mode = self.trainer.v1.trainer_mode
+        if mode != "sync" and (groups.enable or algorithm.corrects_rollout):
+            key = "filter_groups.enable" if groups.enable else "rollout_correction.rollout_is/rollout_rs"
+            raise ConfigError(
+                f"algorithm.{key} runs in the synchronous trainer only, not trainer.v1.trainer_mode={mode!r} "
+                "(whose update already takes the rollout's log-probs, verl's bypass mode); set "
+                "trainer.v1.trainer_mode=sync or remove it"
+            )
+        if not groups.enable:
+            return
+        if algorithm.adv_estimator == "remax":
+            raise ConfigError(
+                "algorithm.filter_groups.enable=true with algorithm.adv_estimator=remax: the greedy baselines of "
+                "several generation batches are not built; use a group estimator (grpo, rloo, ...)"
+            )
+        if groups.metric == "seq_final_reward" and algorithm.use_kl_in_reward:
+            raise ConfigError(
+                "algorithm.filter_groups.metric=seq_final_reward with algorithm.use_kl_in_reward=true: groups are "
+                "filtered before the KL penalty here; use metric=seq_reward (the score)"
+            )
 
     def _check_critic(self) -> None:
         """The critic section is read with gae only; its null keys take the actor's values."""

@@ -11,7 +11,9 @@ One training step, for ``data.train_batch_size`` prompts:
    (``custom_reward_function`` or the built-in rule for its ``data_source``), then collect the
    passes and merge them back to the batch's own row order;
 4. advantages of ``algorithm.adv_estimator`` (any of verl's estimators whose inputs the trainer
-   supplies, trainer/advantage_step.py; remax adds one greedy baseline response per prompt);
+   supplies, trainer/advantage_step.py; remax adds one greedy baseline response per prompt), from
+   the scores minus the KL penalty (``algorithm.use_kl_in_reward``) after verl's decoupled rollout
+   correction (``algorithm.rollout_correction``: IS weights, rejected tokens out of the loss mask);
 5. for each of ``ppo_epochs``, for each mini-batch of ``ppo_mini_batch_size`` prompts (all their
    responses): its own plan and one ``update_actor`` call = one optimizer step.
 
@@ -22,6 +24,10 @@ the critic takes ``critic.ppo_epochs`` x mini-batches of value-loss steps, each 
 and the actor's update (5.) is skipped during the first ``trainer.critic_warmup`` steps. The
 critic's state is saved with the actor's in every ``global_step_N`` (under ``critic/``, in the
 same checksum manifest) and restored with it.
+
+DAPO (``algorithm.filter_groups.enable``) scores before the passes: 1. and 3. repeat on the loader's
+next prompt batches until ``data.train_batch_size`` prompts have responses that differ in the
+metric (trainer/dynamic_sampling.py); the dapo reward manager adds the overlong penalty to every score.
 
 On-policy steps (``actor.recompute_old_log_prob=auto``, ``ppo_epochs=1``, one mini-batch) skip the
 old-log-prob pass: the single update is the first forward of the sampled weights, so the PPO loss
@@ -74,12 +80,20 @@ from verl_balance.batch_keys import (
 from verl_balance.data.rl_dataset import RLPromptDataset
 from verl_balance.protocol import Batch
 from verl_balance.rewards import load_reward_fn
+from verl_balance.rewards.overlong import shape_scores
 from verl_balance.rewards.watchdog import score_batch_watched
 from verl_balance.rollout import RolloutOutput, build_rollout_batch
 from verl_balance.trainer import checkpoint, cluster
-from verl_balance.trainer.advantage_step import compute_step_advantages, prompt_baselines
+from verl_balance.trainer.advantage_step import (
+    compute_step_advantages,
+    correct_rollout,
+    prompt_baselines,
+    token_level_rewards,
+)
+from verl_balance.trainer.checkpoint.layout import read_json
 from verl_balance.trainer.config_checks import ConfigError
 from verl_balance.trainer.driver import DriverBase
+from verl_balance.trainer.dynamic_sampling import GroupFilter
 from verl_balance.trainer.generations import decode_generations, dump_generations
 from verl_balance.trainer.grpo_config import validate_grpo
 from verl_balance.trainer.metrics import (
@@ -99,6 +113,8 @@ from verl_balance.workers.critic import CriticWorker, CriticWorkerConfig
 from verl_balance.workers.group import ActorRolloutGroup, CriticGroup
 
 logger = logging.getLogger(__name__)
+KL_COEF_STATE = "kl_ctrl_in_reward_value"
+"""Trainer-state key of the in-reward KL coefficient (algorithm.use_kl_in_reward)."""
 CRITIC_CHECKPOINT_DIR = "critic"
 """The critic's shards inside a ``global_step_N`` checkpoint (the actor's are at its root)."""
 PLOT_PANELS = (
@@ -262,6 +278,9 @@ class GRPOTrainer(DriverBase):
         self.old_log_prob_from_update = config.old_log_prob_from_update
         check_profile_steps(trainer=config.trainer, total_steps=self.total_steps)
         self.policy_loss = a.policy_loss_config()
+        algorithm = config.algorithm
+        self.kl_ctrl = algorithm.kl_ctrl.controller() if algorithm.use_kl_in_reward else None
+        """verl's kl_ctrl_in_reward: the in-reward KL coefficient (driver state, checkpointed)."""
         self.start_workers(
             worker_config=self._worker_config(),
             worker_cls=self.worker_cls,
@@ -306,7 +325,7 @@ class GRPOTrainer(DriverBase):
             stop_token_ids=(self.tokenizer.eos_token_id,),
             rollout_max_batch_size=self.rollout_cfg.max_num_seqs,
             rollout_backend=config.rollout_backend,
-            use_reference_policy=self.actor_cfg.use_kl_loss,
+            use_reference_policy=config.use_reference_policy,
             **self.export_options(),
         )
 
@@ -342,6 +361,24 @@ class GRPOTrainer(DriverBase):
             use_gpu=self.actor.resource_pool.use_gpu,
             worker_cls=CriticWorker,
         )
+
+    def _trainer_state(self) -> dict:
+        """The driver's state; with use_kl_in_reward also the KL controller's coefficient."""
+        state = super()._trainer_state()
+        if self.kl_ctrl is not None:
+            state[KL_COEF_STATE] = self.kl_ctrl.value
+        return state
+
+    def _load(self, path: str) -> None:
+        """Resume the driver's state; an adaptive KL coefficient continues from the checkpoint's."""
+        super()._load(path)
+        if self.kl_ctrl is None:
+            return
+        state = read_json(os.path.join(path, checkpoint.TRAINER_STATE_FILE)) or {}
+        if KL_COEF_STATE in state:
+            self.kl_ctrl.value = float(state[KL_COEF_STATE])
+        else:
+            logger.warning("checkpoint %s holds no %s: the KL coefficient restarts at kl_coef", path, KL_COEF_STATE)
 
     @property
     def checkpoint_group(self):
@@ -382,7 +419,7 @@ class GRPOTrainer(DriverBase):
             logger.info("warm start: weights of %s", arr.model.warm_start_path)
             if self.critic is not None and self.config.critic.model.path is None:
                 self._warm_start_critic(path)
-        if arr.actor.use_kl_loss:
+        if self.config.use_reference_policy:
             self.actor.sync_reference_policy()
 
     def _warm_start_critic(self, path: str) -> None:
@@ -438,7 +475,7 @@ class GRPOTrainer(DriverBase):
         ids = batch[INPUT_IDS_KEY].tolist()
         solutions = [self.tokenizer.decode(row[s:e]) for row, s, e in zip(ids, starts, ends)]
         reward = self.config.custom_reward_function
-        return score_batch_watched(
+        scores, extras = score_batch_watched(
             reward_fn=self.reward_fn,
             data_sources=list(batch["data_source"]),
             solutions=solutions,
@@ -447,6 +484,15 @@ class GRPOTrainer(DriverBase):
             timeout_s=reward.timeout_s,
             heartbeat_s=self.config.trainer.heartbeat_interval_s,
             name=f"{reward.name or 'compute_score'} of {reward.path}" if reward.path else None,
+        )
+        if reward.reward_manager != "dapo":
+            return scores, extras
+        return shape_scores(  # verl's dapo reward manager: the overlong penalty
+            scores,
+            extras,
+            response_lengths=batch[RESPONSE_LENGTHS_KEY].numpy(),
+            max_resp_len=reward.max_resp_len or self.rollout_cfg.response_length,
+            config=reward.overlong_buffer,
         )
 
     def _plan(self, batch: Batch, *, micro_batch_size, token_cap):
@@ -475,31 +521,22 @@ class GRPOTrainer(DriverBase):
     def train_step(self, prompts: tuple[dict, dict]) -> dict:
         """One GRPO step on one batch of prompts; returns the step's metrics."""
         metrics: dict = {}
-        r = self.rollout_cfg
         with _timed(metrics, "step"):
-            self.phase("rollout")
-            with _timed(metrics, "gen"):
-                batch = self.generate(
-                    prompts,
-                    n=r.n,
-                    temperature=r.temperature,
-                    top_p=r.top_p,
-                    seed=sampling_seed(self.config.trainer.seed, self.global_step),
-                )
-            # Old, reference and new log-probs are all taken at the sampling temperature.
-            batch.meta[TEMPERATURE_KEY] = float(r.temperature)
-            # The log-prob (and values) passes run on the workers while the driver scores the responses.
-            pending = self._submit_log_prob_passes(batch, metrics)
-            if self.critic is not None:
-                pending[VALUES_KEY] = self._submit_values_pass(batch, metrics)
-            with _timed(metrics, "reward"):
-                scores, extras = self.score(batch)
+            if self.config.algorithm.filter_groups.enable:
+                batch, scores, extras = self._dynamic_sampling(prompts, metrics)
+                pending = self._submit_passes(batch, metrics)
+            else:
+                batch = self._generate_step(prompts, metrics, seed=self.global_step)
+                # The log-prob (and values) passes run on the workers while the driver scores the responses.
+                pending = self._submit_passes(batch, metrics)
+                with _timed(metrics, "reward"):
+                    scores, extras = self.score(batch)
             self._dump_rollout(batch, scores, extras)
             baselines = self._greedy_baselines(prompts, batch, metrics)
             self.phase("log-prob passes")
             self._collect_log_prob_passes(batch, pending, metrics)
             with _timed(metrics, "adv"):
-                self._attach_advantages(batch, scores, extras, baselines=baselines)
+                metrics.update(self._attach_advantages(batch, scores, extras, baselines=baselines))
             if self.critic is not None:
                 metrics.update(value_metrics(batch))
                 self.phase("critic update")
@@ -522,15 +559,61 @@ class GRPOTrainer(DriverBase):
         )
         return metrics
 
+    def _generate_step(self, prompts: tuple[dict, dict], metrics: dict, *, seed: int) -> Batch:
+        """The step's rollout batch (``rollout.n`` responses per prompt) at the sampling temperature;
+        with rollout_correction.bypass_mode its old log-probs are the rollout's own."""
+        r = self.rollout_cfg
+        self.phase("rollout")
+        with _timed(metrics, "gen"):
+            batch = self.generate(
+                prompts,
+                n=r.n,
+                temperature=r.temperature,
+                top_p=r.top_p,
+                seed=sampling_seed(self.config.trainer.seed, seed),
+            )
+        # Old, reference and new log-probs are all taken at the sampling temperature.
+        batch.meta[TEMPERATURE_KEY] = float(r.temperature)
+        if self.config.algorithm.rollout_correction.bypass_mode:
+            batch[OLD_LOG_PROBS_KEY] = batch[ROLLOUT_LOG_PROBS_KEY].clone()  # verl's apply_bypass_mode
+        return batch
+
+    def _dynamic_sampling(self, prompts: tuple[dict, dict], metrics: dict) -> tuple[Batch, np.ndarray, dict]:
+        """DAPO (algorithm.filter_groups, trainer/dynamic_sampling.py): generate and score batches of
+        prompts until ``data.train_batch_size`` of them have responses that differ in the metric."""
+        groups = self.config.algorithm.filter_groups
+        kept = GroupFilter(
+            metric=groups.metric,
+            train_batch_size=self.config.data.train_batch_size,
+            max_num_gen_batches=groups.max_num_gen_batches,
+            pad_token_id=self.tokenizer.pad_token_id,
+        )
+        while True:
+            batch = self._generate_step(prompts, metrics, seed=self.global_step)
+            with _timed(metrics, "reward"):
+                scores, extras = self.score(batch)
+            if kept.add(batch, scores=scores, extras=extras):
+                break
+            prompts = next(iter(self.loader))  # the loader's next batch: a resume continues after it
+        metrics.update(kept.metrics())
+        return kept.result()
+
+    def _submit_passes(self, batch: Batch, metrics: dict) -> dict:
+        """Start the log-prob passes and (with a critic) the values pass, without waiting."""
+        pending = self._submit_log_prob_passes(batch, metrics)
+        if self.critic is not None:
+            pending[VALUES_KEY] = self._submit_values_pass(batch, metrics)
+        return pending
+
     def _submit_log_prob_passes(self, batch: Batch, metrics: dict) -> dict:
         """Start the old (unless the update takes them from its own forward) and reference
         log-prob passes without waiting; {name: (plan, GroupFuture)}. Each pass is cut by its own
         micro-batching (``log_prob_plans``: rollout.log_prob_*, ref.log_prob_*); passes with the same
         one share the plan. Only the columns a log-prob pass reads travel."""
         passes = {}
-        if not self.old_log_prob_from_update:
+        if not self.old_log_prob_from_update and not self.config.algorithm.rollout_correction.bypass_mode:
             passes["old_log_prob"] = self.actor.compute_log_prob
-        if self.actor_cfg.use_kl_loss:
+        if self.config.use_reference_policy:
             passes["ref"] = self.actor.compute_ref_log_prob
         if not passes:
             return {}
@@ -577,14 +660,20 @@ class GRPOTrainer(DriverBase):
 
     def _attach_advantages(
         self, batch: Batch, scores: np.ndarray, extras: dict, *, baselines: torch.Tensor | None = None
-    ) -> None:
-        """``advantages`` of ``algorithm.adv_estimator`` (and with gae the critic's ``returns``)."""
+    ) -> dict:
+        """``advantages`` of ``algorithm.adv_estimator`` (and with gae the critic's ``returns``) from the
+        token-level rewards (with use_kl_in_reward, minus the KL penalty), after the decoupled rollout
+        correction (``rollout_is_weights``, rejected tokens out of the loss mask); its metrics."""
+        algorithm = self.config.algorithm
+        rewards, metrics = token_level_rewards(batch, scores=scores, algorithm=algorithm, kl_controller=self.kl_ctrl)
+        metrics.update(correct_rollout(batch, algorithm=algorithm))
         out = compute_step_advantages(
-            batch, scores=scores, extras=extras, algorithm=self.config.algorithm, reward_baselines=baselines
+            batch, scores=scores, extras=extras, algorithm=algorithm, reward_baselines=baselines, rewards=rewards
         )
         batch[ADVANTAGES_KEY] = out.advantages
         if self.critic is not None and out.returns is not None:
             batch[RETURNS_KEY] = out.returns
+        return metrics
 
     def _collect_log_prob_passes(self, batch: Batch, pending: dict, metrics: dict) -> None:
         """Wait for the submitted passes and attach ``old_log_probs`` / ``ref_log_prob`` in row
@@ -615,6 +704,8 @@ class GRPOTrainer(DriverBase):
         if not on_policy and ROLLOUT_LOG_PROBS_KEY in batch:
             # Compared with the old log-probs on the driver (rollout_probs_diff); not needed on the wire.
             drop.add(ROLLOUT_LOG_PROBS_KEY)
+        if not a.use_kl_loss and REF_LOG_PROB_KEY in batch:
+            drop.add(REF_LOG_PROB_KEY)  # read by the KL in the reward only
         if drop:
             batch = batch.select(batch_keys=[k for k in batch.tensor_keys if k not in drop])
         for _ in range(a.ppo_epochs):

@@ -58,6 +58,31 @@ def _none(patterns: Sequence[str], reason: str, *, values=None, recipes=RECIPES)
     return [VerlKey(p, "no_effect", reason, values=values, recipes=recipes) for p in patterns]
 
 
+def _reward_manager_keys() -> list[VerlKey]:
+    """verl's reward manager (naive or dapo) and the dapo manager's overlong shaping, in verl 0.9.1's
+    ``reward.*`` spelling and the legacy ``reward_model.*`` one."""
+    ours = "custom_reward_function"
+    manager = "verl's reward manager: naive, or dapo (the score plus DAPO's overlong penalty)"
+    keys = [
+        _honoured(f"{prefix}", f"{ours}.reward_manager", manager, values=("naive", "dapo"), recipes=("grpo",))
+        for prefix in ("reward.reward_manager.name", "reward_model.reward_manager")
+    ]
+    for kwargs in ("reward.reward_kwargs", "reward_model.reward_kwargs"):
+        keys += [
+            _honoured(
+                f"{kwargs}.overlong_buffer_cfg.{name}",
+                f"{ours}.overlong_buffer.{name}",
+                "DAPO's overlong penalty (the dapo reward manager)",
+                recipes=("grpo",),
+            )
+            for name in ("enable", "len", "penalty_factor", "log")
+        ]
+        keys.append(
+            _honoured(f"{kwargs}.max_resp_len", f"{ours}.max_resp_len", "DAPO's overlong penalty", recipes=("grpo",))
+        )
+    return keys
+
+
 _FALSE = ("false",)
 _VLLM = "a vLLM/SGLang engine setting; our rollout (rollout.name: kv_cache or hf) runs on the actor's own weights"
 _FSDP = "the engine is FSDP2 over each data-parallel group"
@@ -246,12 +271,7 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         "rewards are scored in the driver (custom_reward_function.timeout_s bounds a call)",
         recipes=("grpo",),
     ),
-    *_none(
-        ["reward.reward_manager.name"],
-        "the reward is the rule or custom_reward_function of each sample",
-        values=("naive",),
-        recipes=("grpo",),
-    ),
+    *_reward_manager_keys(),
     *_none(
         ["reward.reward_model.enable"],
         "reward models are not built; rewards are rule-based",
