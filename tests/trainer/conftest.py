@@ -25,6 +25,11 @@ def compose_config(name: str, overrides: list[str]):
 def run_trainer(trainer, *, stop_after: int | None = None) -> list[dict]:
     """``trainer.fit()`` (then ``close``); with ``stop_after=k`` a Ctrl-C arrives during step k
     (handled after it: save, exit). Returns the run's metrics records."""
+    return fit_trainer(trainer, stop_after=stop_after)[1]
+
+
+def fit_trainer(trainer, *, stop_after: int | None = None) -> tuple[dict, list[dict]]:
+    """``run_trainer`` that also returns the summary of ``fit()``: (summary, metrics records)."""
     from verl_balance.utils.tracking import read_metrics
 
     if stop_after is not None:
@@ -38,10 +43,10 @@ def run_trainer(trainer, *, stop_after: int | None = None) -> list[dict]:
 
         trainer.train_step = train_step_then_interrupt
     try:
-        trainer.fit()
+        summary = trainer.fit()
     finally:
         trainer.close()
-    return read_metrics(os.path.join(trainer.cfg.trainer.default_local_dir, "metrics.jsonl"))
+    return summary, read_metrics(os.path.join(trainer.cfg.trainer.default_local_dir, "metrics.jsonl"))
 
 
 def train_sft(overrides: list[str], *, stop_after: int | None = None) -> list[dict]:
@@ -50,6 +55,31 @@ def train_sft(overrides: list[str], *, stop_after: int | None = None) -> list[di
     from verl_balance.trainer.sft_trainer import SFTTrainer
 
     return run_trainer(SFTTrainer(compose_config("sft", overrides)), stop_after=stop_after)
+
+
+def run_cli_in_process(module: str, args: list[str], *, monkeypatch, capsys) -> tuple[int, str]:
+    """``python -m <module> <args>`` run in this process as ``python -m`` runs it (runpy), with Ray's
+    start-up replaced by a failure (these are early errors): (exit code, stderr). One interpreter start
+    less than a subprocess; the process-level exit (code 2, one line, no traceback) is shown by the
+    subprocess in tests/trainer/test_day_to_day.py::test_cli_typo_and_bad_value_are_one_line_exit_2."""
+    import runpy
+
+    from verl_balance.trainer import cluster
+
+    def started(**kwargs):
+        raise AssertionError("Ray was started before the error")
+
+    monkeypatch.setattr(cluster, "start_ray", started)
+    monkeypatch.setattr("sys.argv", [module.rsplit(".", 1)[-1], *args])
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    capsys.readouterr()
+    try:
+        runpy.run_module(module, run_name="__main__")
+    except SystemExit as exit_info:
+        code = exit_info.code if isinstance(exit_info.code, int) else 1
+    else:
+        code = 0
+    return code, capsys.readouterr().err
 
 
 @pytest.fixture
@@ -87,6 +117,47 @@ def straight_and_resumed_runs(base: list[str], root) -> dict:
     first = train_sft(base + [f"trainer.default_local_dir={resumed_dir}", "trainer.resume_mode=auto"], stop_after=2)
     resumed = train_sft(base + [f"trainer.default_local_dir={resumed_dir}", "trainer.resume_mode=auto"])
     return {"root": root, "straight": straight, "first": first, "resumed": resumed}
+
+
+def sft_reference_overrides(root) -> list[str]:
+    """The 2-worker tiny SFT config of ``sft_reference_runs`` (checkpoints at steps 2 and 4), data under
+    ``root``; without ``trainer.default_local_dir`` and ``trainer.resume_mode``."""
+    return [
+        "trainer.device=cpu",
+        "model.name=tiny",
+        "data.train_batch_size=16",
+        "data.synthetic.num_train=128",
+        "data.synthetic.num_val=32",
+        f"data.synthetic.out_dir={root / 'data'}",
+        "trainer.logger=[jsonl]",
+        "trainer.plot=false",
+        "trainer.n_gpus_per_node=2",
+        "trainer.total_training_steps=4",
+        "trainer.save_freq=2",
+        "optim.lr=3e-3",
+    ]
+
+
+@pytest.fixture(scope="session")
+def sft_reference_runs(ray_cluster, tmp_path_factory) -> dict:
+    """One SFT config (``sft_reference_overrides``) run straight through, and stopped by Ctrl-C during
+    step 3 (not a ``save_freq`` step: only the stop saves it) and resumed in its directory; each run is (summary, metrics records). Shared by the resume,
+    summary, verified-checkpoint and checkpoint-trust tests, so its trainers start once per session:
+    a test that changes a run directory works on a copy. Keys: "root", "base", "straight", "first",
+    "resumed"; the run directories are root/"straight" and root/"resumed"."""
+    from verl_balance.trainer.sft_trainer import SFTTrainer
+
+    root = tmp_path_factory.mktemp("sft_reference")
+    base = sft_reference_overrides(root)
+
+    def fit(name: str, resume_mode: str, stop_after: int | None = None):
+        overrides = base + [f"trainer.default_local_dir={root / name}", f"trainer.resume_mode={resume_mode}"]
+        return fit_trainer(SFTTrainer(compose_config("sft", overrides)), stop_after=stop_after)
+
+    straight = fit("straight", "disable")
+    first = fit("resumed", "auto", stop_after=3)
+    resumed = fit("resumed", "auto")
+    return {"root": root, "base": base, "straight": straight, "first": first, "resumed": resumed}
 
 
 def hf_sft_overrides(model_dir: str, root, *, lr: float) -> list[str]:

@@ -4,8 +4,8 @@ engine state, its manifest rewritten by the attacker) is refused on ``resume_pat
 GRPO warm start, and the payload never runs; a 2-layer checkpoint warm-starting a 1-layer actor is
 refused naming ``warm_start_path`` and the layer's keys.
 
-One straight SFT run (checkpoints at steps 2 and 4) is the reference curve and the source of the
-received checkpoints. References: the straight run's metrics; a marker directory only the payload
+One straight SFT run (checkpoints at steps 2 and 4; the shared ``sft_reference_runs``, copied) is the
+reference curve and the source of the received checkpoints. References: the straight run's metrics; a marker directory only the payload
 would create (tests/trainer/test_checkpoint_trust.py shows the plain readers creating it).
 """
 
@@ -49,27 +49,15 @@ def _sft(overrides: list[str], *, sigterm_in_step: int | None = None) -> tuple[d
 
 
 @pytest.fixture(scope="module")
-def runs(ray_cluster, tmp_path_factory):
+def runs(sft_reference_runs, tmp_path_factory):
+    """The shared straight run (checkpoints at steps 2 and 4) and this module's SIGTERM-stopped run resumed."""
     root = tmp_path_factory.mktemp("trust")
-    base = [
-        "trainer.device=cpu",
-        "model.name=tiny",
-        "trainer.n_gpus_per_node=2",
-        "data.train_batch_size=16",
-        "data.synthetic.num_train=128",
-        "data.synthetic.num_val=16",
-        f"data.synthetic.out_dir={root / 'data'}",
-        "trainer.logger=[jsonl]",
-        "trainer.plot=false",
-        "trainer.total_training_steps=4",
-        "optim.lr=3e-3",
-    ]
-    straight = _sft(
-        base + [f"trainer.default_local_dir={root / 'straight'}", "trainer.resume_mode=disable", "trainer.save_freq=2"]
-    )
+    shutil.copytree(sft_reference_runs["root"] / "straight", root / "straight")
+    base = sft_reference_runs["base"]
     resumed_dir = root / "resumed"
     stopped = _sft(base + [f"trainer.default_local_dir={resumed_dir}", "trainer.resume_mode=auto"], sigterm_in_step=3)
     resumed = _sft(base + [f"trainer.default_local_dir={resumed_dir}", "trainer.resume_mode=auto"])
+    straight = sft_reference_runs["straight"]
     return {"root": root, "base": base, "straight": straight, "stopped": stopped, "resumed": resumed}
 
 

@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from tests.trainer.conftest import run_cli_in_process
 from verl_balance.trainer.cli import check_overrides, user_errors
 from verl_balance.trainer.config_checks import ConfigError, did_you_mean
 from verl_balance.trainer.sft_config import SFTConfig
@@ -147,17 +148,25 @@ def test_user_errors_exit_2_and_bugs_keep_their_traceback(capsys, monkeypatch):
 
 
 @pytest.mark.slow
-def test_cli_typo_and_bad_value_are_one_line_exit_2():
-    for override, expected in [
-        ("trainer.total_epoch=2", "did you mean 'trainer.total_epochs'?"),
-        ("balance.workload=flop", "did you mean 'flops'?"),
+def test_cli_typo_and_bad_value_are_one_line_exit_2(monkeypatch, capsys):
+    """The typo through a real ``python -m`` (the interpreter's own exit code and stderr); the bad value
+    through the same entry point in this process (run_cli_in_process), one interpreter start less."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "verl_balance.main_sft", "trainer.total_epoch=2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    bad_value = run_cli_in_process(
+        "verl_balance.main_sft", ["balance.workload=flop"], monkeypatch=monkeypatch, capsys=capsys
+    )
+    for (code, stderr), expected in [
+        ((proc.returncode, proc.stderr), "did you mean 'trainer.total_epochs'?"),
+        (bad_value, "did you mean 'flops'?"),
     ]:
-        proc = subprocess.run(
-            [sys.executable, "-m", "verl_balance.main_sft", override], capture_output=True, text=True, timeout=120
-        )
-        assert proc.returncode == 2, proc.stderr
-        assert expected in proc.stderr
-        assert "Traceback" not in proc.stderr and "HYDRA_FULL_ERROR" not in proc.stderr
+        assert code == 2, stderr
+        assert expected in stderr
+        assert "Traceback" not in stderr and "HYDRA_FULL_ERROR" not in stderr
 
 
 @pytest.mark.slow

@@ -18,7 +18,7 @@ from collections import namedtuple
 
 import pytest
 
-from tests.trainer.conftest import compose_config
+from tests.trainer.conftest import compose_config, run_cli_in_process
 from verl_balance.trainer import checkpoint
 from verl_balance.trainer.checkpoint import (
     COMPLETE_FILE,
@@ -322,13 +322,17 @@ def _cli(args, *, cwd, timeout=300):
     )
 
 
-@pytest.mark.slow
-def test_cli_rejects_an_appended_unknown_key_and_an_unusable_output_dir_naming_the_key(tmp_path):
-    proc = _cli(["+data.trian_files=x", f"trainer.default_local_dir={tmp_path / 'run'}"], cwd=tmp_path)
-    assert proc.returncode != 0 and "data.trian_files" in proc.stderr, proc.stderr[-2000:]
+def test_cli_rejects_an_appended_unknown_key_and_an_unusable_output_dir_naming_the_key(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+
+    def cli(args):
+        return run_cli_in_process("verl_balance.main_sft", args, monkeypatch=monkeypatch, capsys=capsys)
+
+    code, stderr = cli(["+data.trian_files=x", f"trainer.default_local_dir={tmp_path / 'run'}"])
+    assert code != 0 and "data.trian_files" in stderr, stderr[-2000:]
     (tmp_path / "a_file").write_text("")
-    proc = _cli([f"trainer.default_local_dir={tmp_path / 'a_file' / 'run'}"], cwd=tmp_path)
-    assert proc.returncode != 0 and "trainer.default_local_dir" in proc.stderr, proc.stderr[-2000:]
+    code, stderr = cli([f"trainer.default_local_dir={tmp_path / 'a_file' / 'run'}"])
+    assert code != 0 and "trainer.default_local_dir" in stderr, stderr[-2000:]
     assert sorted(os.listdir(tmp_path)) == ["a_file"], "nothing may be written into the current directory"
 
 
