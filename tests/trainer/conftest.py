@@ -120,8 +120,9 @@ def straight_and_resumed_runs(base: list[str], root) -> dict:
 
 
 def sft_reference_overrides(root) -> list[str]:
-    """The 2-worker tiny SFT config of ``sft_reference_runs`` (checkpoints at steps 2 and 4), data under
-    ``root``; without ``trainer.default_local_dir`` and ``trainer.resume_mode``."""
+    """The 2-worker tiny SFT config of ``sft_reference_runs`` (checkpoints at steps 2 and 4, each with
+    its Hugging Face export in hf/), data under ``root``; without ``trainer.default_local_dir`` and
+    ``trainer.resume_mode``."""
     return [
         "trainer.device=cpu",
         "model.name=tiny",
@@ -134,17 +135,19 @@ def sft_reference_overrides(root) -> list[str]:
         "trainer.n_gpus_per_node=2",
         "trainer.total_training_steps=4",
         "trainer.save_freq=2",
+        "trainer.save_hf_model=true",
         "optim.lr=3e-3",
     ]
 
 
 @pytest.fixture(scope="session")
 def sft_reference_runs(ray_cluster, tmp_path_factory) -> dict:
-    """One SFT config (``sft_reference_overrides``) run straight through, and stopped by Ctrl-C during
-    step 3 (not a ``save_freq`` step: only the stop saves it) and resumed in its directory; each run is (summary, metrics records). Shared by the resume,
-    summary, verified-checkpoint and checkpoint-trust tests, so its trainers start once per session:
-    a test that changes a run directory works on a copy. Keys: "root", "base", "straight", "first",
-    "resumed"; the run directories are root/"straight" and root/"resumed"."""
+    """One SFT config (``sft_reference_overrides``) run straight through, and stopped by Ctrl-C
+    during step 3 (not a ``save_freq`` step: only the stop saves it) and resumed in its directory;
+    each run is (summary, metrics records). Shared by the resume, summary, verified-checkpoint,
+    checkpoint-trust, worker-restart and built-in HF export tests, so its trainers start once per
+    session: a test that changes a run directory works on a copy. Keys: "root", "base", "straight",
+    "first", "resumed"; the run directories are root/"straight" and root/"resumed"."""
     from verl_balance.trainer.sft_trainer import SFTTrainer
 
     root = tmp_path_factory.mktemp("sft_reference")

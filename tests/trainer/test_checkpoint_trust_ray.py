@@ -5,8 +5,9 @@ GRPO warm start, and the payload never runs; a 2-layer checkpoint warm-starting 
 refused naming ``warm_start_path`` and the layer's keys.
 
 One straight SFT run (checkpoints at steps 2 and 4; the shared ``sft_reference_runs``, copied) is the
-reference curve and the source of the received checkpoints. References: the straight run's metrics; a marker directory only the payload
-would create (tests/trainer/test_checkpoint_trust.py shows the plain readers creating it).
+reference curve and the source of the received checkpoints. References: the straight run's metrics;
+a marker directory only the payload would create (tests/trainer/test_checkpoint_trust.py shows the
+plain readers creating it).
 """
 
 from __future__ import annotations
