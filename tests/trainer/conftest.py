@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "verl_balance" / "config"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+CONFIG_DIR = REPO_ROOT / "verl_balance" / "config"
 
 
 def compose_config(name: str, overrides: list[str]):
@@ -161,6 +164,42 @@ def sft_reference_runs(ray_cluster, tmp_path_factory) -> dict:
     first = fit("resumed", "auto", stop_after=3)
     resumed = fit("resumed", "auto")
     return {"root": root, "base": base, "straight": straight, "first": first, "resumed": resumed}
+
+
+@pytest.fixture(scope="session")
+def cli_sft_run(tmp_path_factory) -> dict:
+    """One real ``python -m verl_balance.main_sft`` run with the default console (2 workers, 4 steps,
+    validation and checkpoints at steps 2 and 4) on a fresh embedded Ray cluster, started in an empty
+    working directory: {"proc": the CompletedProcess, "cwd", "run_dir"}. Checked by the day-to-day
+    console test and the run-log location test."""
+    root = tmp_path_factory.mktemp("cli_sft_run")
+    cwd, run_dir = root / "cwd", root / "run"
+    cwd.mkdir()
+    python_path = os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "verl_balance.main_sft",
+            "trainer.device=cpu",
+            "trainer.n_gpus_per_node=2",
+            "data.train_batch_size=16",
+            "data.synthetic.num_train=64",
+            "data.synthetic.num_val=16",
+            f"data.synthetic.out_dir={root / 'data'}",
+            "trainer.test_freq=2",
+            "trainer.save_freq=2",
+            "trainer.plot=false",
+            f"trainer.default_local_dir={run_dir}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=cwd,
+        # a fresh embedded cluster, never a running one
+        env={**os.environ, "PYTHONPATH": python_path, "RAY_ADDRESS": "local"},
+    )
+    return {"proc": proc, "cwd": cwd, "run_dir": run_dir}
 
 
 def hf_sft_overrides(model_dir: str, root, *, lr: float) -> list[str]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import os
 import re
 import subprocess
 import sys
@@ -170,28 +169,8 @@ def test_cli_typo_and_bad_value_are_one_line_exit_2(monkeypatch, capsys):
 
 
 @pytest.mark.slow
-def test_default_cli_run_shows_eta_and_its_log_is_the_whole_console(tmp_path):
-    run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "verl_balance.main_sft",
-            "trainer.device=cpu",
-            "trainer.n_gpus_per_node=2",
-            "data.train_batch_size=16",
-            "data.synthetic.num_train=64",
-            "data.synthetic.num_val=16",
-            "trainer.test_freq=2",
-            "trainer.plot=false",
-            f"trainer.default_local_dir={run_dir}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-        env={**os.environ, "RAY_ADDRESS": "local"},  # a fresh embedded cluster, never a running one
-    )
+def test_default_cli_run_shows_eta_and_its_log_is_the_whole_console(cli_sft_run):
+    proc, run_dir = cli_sft_run["proc"], cli_sft_run["run_dir"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     step_lines = re.findall(r"^step (\d+)/(\d+) \|.*\| ETA \d+:\d\d:\d\d \|.*train/loss", proc.stdout, flags=re.M)
