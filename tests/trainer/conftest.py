@@ -202,6 +202,69 @@ def cli_sft_run(tmp_path_factory) -> dict:
     return {"proc": proc, "cwd": cwd, "run_dir": run_dir}
 
 
+def hf_grpo_run(model_dir: str, root, extra: list[str]) -> list[dict]:
+    """2 GRPO steps (validation at step 2) of the tiny HF model ``model_dir`` on 2 workers, data and
+    run under ``root``, ``extra`` overrides last; returns the run's metrics records."""
+    from verl_balance.trainer.grpo_config import register_grpo_schema
+    from verl_balance.trainer.grpo_trainer import GRPOTrainer
+    from verl_balance.utils.tracking import read_metrics
+
+    register_grpo_schema()
+    cfg = compose_config(
+        "grpo",
+        [
+            "trainer.device=cpu",
+            "trainer.n_gpus_per_node=2",
+            "trainer.logger=[jsonl]",
+            "trainer.plot=false",
+            "trainer.resume_mode=disable",
+            f"trainer.default_local_dir={root / 'run'}",
+            f"actor_rollout_ref.model.path={model_dir}",
+            "data.synthetic.num_train=64",
+            "data.synthetic.num_val=4",
+            f"data.synthetic.out_dir={root / 'data'}",
+            "data.synthetic.tasks=[copy]",
+            "data.synthetic.max_size=6",
+            "data.max_prompt_length=64",
+            "data.train_batch_size=4",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "actor_rollout_ref.actor.optim.lr=5e-2",
+            "actor_rollout_ref.rollout.n=4",
+            "actor_rollout_ref.rollout.response_length=8",
+            "actor_rollout_ref.actor.use_kl_loss=true",
+            # A random tiny model earns no reward (zero advantages): the entropy bonus makes the
+            # adapters move anyway, so the KL to the base model is exercised.
+            "actor_rollout_ref.actor.entropy_coeff=0.1",
+            "trainer.total_training_steps=2",
+            "trainer.test_freq=2",
+            *extra,
+        ],
+    )
+    trainer = GRPOTrainer(cfg)
+    try:
+        summary = trainer.fit()
+    finally:
+        trainer.close()
+    return read_metrics(summary["metrics"])
+
+
+@pytest.fixture(scope="session")
+def hf_grpo_runs(ray_cluster, tmp_path_factory) -> dict:
+    """``hf_grpo_run`` on a tiny random qwen2 directory with LoRA (rank 8) and with full fine-tuning:
+    {"model_dir", "lora": records, "full": records}. Shared by the LoRA GRPO tests and the HF GRPO
+    end-to-end test, so these trainers start once per session."""
+    from verl_balance.models.tiny_hf import main as tiny_hf_main
+
+    model_dir = str(tmp_path_factory.mktemp("grpo_tiny_qwen2") / "model")
+    tiny_hf_main(["--family", "qwen2", "--out", model_dir])
+    lora = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16"]
+    return {
+        "model_dir": model_dir,
+        "lora": hf_grpo_run(model_dir, tmp_path_factory.mktemp("grpo_lora"), lora),
+        "full": hf_grpo_run(model_dir, tmp_path_factory.mktemp("grpo_full"), []),
+    }
+
+
 def hf_sft_overrides(model_dir: str, root, *, lr: float) -> list[str]:
     """SFT on a tiny HF model directory with synthetic data under ``root``, jsonl metrics only."""
     return [
