@@ -150,7 +150,8 @@ def sft_reference_runs(ray_cluster, tmp_path_factory) -> dict:
     each run is (summary, metrics records). Shared by the resume, summary, verified-checkpoint,
     checkpoint-trust, worker-restart and built-in HF export tests, so its trainers start once per
     session: a test that changes a run directory works on a copy. Keys: "root", "base", "straight",
-    "first", "resumed"; the run directories are root/"straight" and root/"resumed"."""
+    "first", "latest_after_first" (latest_checkpointed_iteration.txt after the stop), "resumed"; the
+    run directories are root/"straight" and root/"resumed"."""
     from verl_balance.trainer.sft_trainer import SFTTrainer
 
     root = tmp_path_factory.mktemp("sft_reference")
@@ -162,8 +163,16 @@ def sft_reference_runs(ray_cluster, tmp_path_factory) -> dict:
 
     straight = fit("straight", "disable")
     first = fit("resumed", "auto", stop_after=3)
+    latest_after_first = (root / "resumed" / "latest_checkpointed_iteration.txt").read_text()
     resumed = fit("resumed", "auto")
-    return {"root": root, "base": base, "straight": straight, "first": first, "resumed": resumed}
+    return {
+        "root": root,
+        "base": base,
+        "straight": straight,
+        "first": first,
+        "latest_after_first": latest_after_first,
+        "resumed": resumed,
+    }
 
 
 @pytest.fixture(scope="session")

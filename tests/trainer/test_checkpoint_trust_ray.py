@@ -57,16 +57,24 @@ def runs(sft_reference_runs, tmp_path_factory):
     base = sft_reference_runs["base"]
     resumed_dir = root / "resumed"
     stopped = _sft(base + [f"trainer.default_local_dir={resumed_dir}", "trainer.resume_mode=auto"], sigterm_in_step=3)
+    latest_after_stop = (resumed_dir / "latest_checkpointed_iteration.txt").read_text()
     resumed = _sft(base + [f"trainer.default_local_dir={resumed_dir}", "trainer.resume_mode=auto"])
     straight = sft_reference_runs["straight"]
-    return {"root": root, "base": base, "straight": straight, "stopped": stopped, "resumed": resumed}
+    return {
+        "root": root,
+        "base": base,
+        "straight": straight,
+        "stopped": stopped,
+        "latest_after_stop": latest_after_stop,
+        "resumed": resumed,
+    }
 
 
 def test_sigterm_saves_and_exits_143_and_the_resume_continues_the_curve_exactly(runs):
     (summary, first), (_, resumed), (_, straight) = runs["stopped"], runs["resumed"], runs["straight"]
     assert [r["step"] for r in first] == [1, 2, 3], "SIGTERM must stop after the current step"
     assert summary["stop_signal"] == "SIGTERM" and exit_code(summary) == 143
-    assert (runs["root"] / "resumed" / "latest_checkpointed_iteration.txt").read_text() == "3"
+    assert runs["latest_after_stop"] == "3"  # save_freq=2: the step-3 checkpoint is the one the stop saved
     assert exit_code(runs["straight"][0]) == 0, "a finished run exits 0"
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for key in ("train/loss", "train/grad_norm"):
