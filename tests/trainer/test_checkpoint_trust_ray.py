@@ -4,9 +4,10 @@ engine state, its manifest rewritten by the attacker) is refused on ``resume_pat
 GRPO warm start, and the payload never runs; a 2-layer checkpoint warm-starting a 1-layer actor is
 refused naming ``warm_start_path`` and the layer's keys.
 
-One straight SFT run (checkpoints at steps 2 and 4) is the reference curve and the source of the
-received checkpoints. References: the straight run's metrics; a marker directory only the payload
-would create (tests/trainer/test_checkpoint_trust.py shows the plain readers creating it).
+One straight SFT run (checkpoints at steps 2 and 4; the shared ``sft_reference_runs``, copied) is the
+reference curve and the source of the received checkpoints. References: the straight run's metrics;
+a marker directory only the payload would create (tests/trainer/test_checkpoint_trust.py shows the
+plain readers creating it).
 """
 
 from __future__ import annotations
@@ -49,35 +50,31 @@ def _sft(overrides: list[str], *, sigterm_in_step: int | None = None) -> tuple[d
 
 
 @pytest.fixture(scope="module")
-def runs(ray_cluster, tmp_path_factory):
+def runs(sft_reference_runs, tmp_path_factory):
+    """The shared straight run (checkpoints at steps 2 and 4) and this module's SIGTERM-stopped run resumed."""
     root = tmp_path_factory.mktemp("trust")
-    base = [
-        "trainer.device=cpu",
-        "model.name=tiny",
-        "trainer.n_gpus_per_node=2",
-        "data.train_batch_size=16",
-        "data.synthetic.num_train=128",
-        "data.synthetic.num_val=16",
-        f"data.synthetic.out_dir={root / 'data'}",
-        "trainer.logger=[jsonl]",
-        "trainer.plot=false",
-        "trainer.total_training_steps=4",
-        "optim.lr=3e-3",
-    ]
-    straight = _sft(
-        base + [f"trainer.default_local_dir={root / 'straight'}", "trainer.resume_mode=disable", "trainer.save_freq=2"]
-    )
+    shutil.copytree(sft_reference_runs["root"] / "straight", root / "straight")
+    base = sft_reference_runs["base"]
     resumed_dir = root / "resumed"
     stopped = _sft(base + [f"trainer.default_local_dir={resumed_dir}", "trainer.resume_mode=auto"], sigterm_in_step=3)
+    latest_after_stop = (resumed_dir / "latest_checkpointed_iteration.txt").read_text()
     resumed = _sft(base + [f"trainer.default_local_dir={resumed_dir}", "trainer.resume_mode=auto"])
-    return {"root": root, "base": base, "straight": straight, "stopped": stopped, "resumed": resumed}
+    straight = sft_reference_runs["straight"]
+    return {
+        "root": root,
+        "base": base,
+        "straight": straight,
+        "stopped": stopped,
+        "latest_after_stop": latest_after_stop,
+        "resumed": resumed,
+    }
 
 
 def test_sigterm_saves_and_exits_143_and_the_resume_continues_the_curve_exactly(runs):
     (summary, first), (_, resumed), (_, straight) = runs["stopped"], runs["resumed"], runs["straight"]
     assert [r["step"] for r in first] == [1, 2, 3], "SIGTERM must stop after the current step"
     assert summary["stop_signal"] == "SIGTERM" and exit_code(summary) == 143
-    assert (runs["root"] / "resumed" / "latest_checkpointed_iteration.txt").read_text() == "3"
+    assert runs["latest_after_stop"] == "3"  # save_freq=2: the step-3 checkpoint is the one the stop saved
     assert exit_code(runs["straight"][0]) == 0, "a finished run exits 0"
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     for key in ("train/loss", "train/grad_norm"):

@@ -1,8 +1,9 @@
 """Verified checkpoints end to end (embedded Ray, 2 CPU workers, tiny model): the workers hash
 the checkpoint's files, and a resume falls back past a corrupt newest checkpoint.
 
-Reference: the uninterrupted run's own losses and grad norms (written before any damage); the
-resumed runs must reproduce steps 3-4 from the step-2 checkpoint exactly.
+Reference: the uninterrupted run's own losses and grad norms (the shared ``sft_reference_runs``
+straight run, copied before any damage); the resumed runs must reproduce steps 3-4 from the step-2
+checkpoint exactly.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -38,12 +40,12 @@ def _flip_64_bytes(path: str) -> None:
 
 
 def test_resume_falls_back_past_a_flipped_byte_and_a_truncated_shard_and_matches_the_uninterrupted_curve(
-    ray_cluster, tiny_sft_overrides, tmp_path, caplog
+    sft_reference_runs, tmp_path, caplog
 ):
+    # The uninterrupted run (checkpoints at steps 2 and 4) is the shared reference run, copied: it is damaged here.
     run = tmp_path / "run"
-    base = [o for o in tiny_sft_overrides if not o.startswith("trainer.resume_mode")]
-    base += ["trainer.n_gpus_per_node=2", "trainer.total_training_steps=4", "trainer.save_freq=2", "optim.lr=3e-3"]
-    _fit(base + ["trainer.resume_mode=disable"])
+    shutil.copytree(sft_reference_runs["root"] / "straight", run)
+    base = sft_reference_runs["base"] + [f"trainer.default_local_dir={run}"]
     expected = read_metrics(str(run))
     assert [r["step"] for r in expected] == [1, 2, 3, 4]
     with open(run / "global_step_4" / "checkpoint_complete.json") as f:

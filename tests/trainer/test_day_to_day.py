@@ -6,13 +6,13 @@ from __future__ import annotations
 import io
 import json
 import logging
-import os
 import re
 import subprocess
 import sys
 
 import pytest
 
+from tests.trainer.conftest import run_cli_in_process
 from verl_balance.trainer.cli import check_overrides, user_errors
 from verl_balance.trainer.config_checks import ConfigError, did_you_mean
 from verl_balance.trainer.sft_config import SFTConfig
@@ -147,42 +147,30 @@ def test_user_errors_exit_2_and_bugs_keep_their_traceback(capsys, monkeypatch):
 
 
 @pytest.mark.slow
-def test_cli_typo_and_bad_value_are_one_line_exit_2():
-    for override, expected in [
-        ("trainer.total_epoch=2", "did you mean 'trainer.total_epochs'?"),
-        ("balance.workload=flop", "did you mean 'flops'?"),
+def test_cli_typo_and_bad_value_are_one_line_exit_2(monkeypatch, capsys):
+    """The typo through a real ``python -m`` (the interpreter's own exit code and stderr); the bad value
+    through the same entry point in this process (run_cli_in_process), one interpreter start less."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "verl_balance.main_sft", "trainer.total_epoch=2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    bad_value = run_cli_in_process(
+        "verl_balance.main_sft", ["balance.workload=flop"], monkeypatch=monkeypatch, capsys=capsys
+    )
+    for (code, stderr), expected in [
+        ((proc.returncode, proc.stderr), "did you mean 'trainer.total_epochs'?"),
+        (bad_value, "did you mean 'flops'?"),
     ]:
-        proc = subprocess.run(
-            [sys.executable, "-m", "verl_balance.main_sft", override], capture_output=True, text=True, timeout=120
-        )
-        assert proc.returncode == 2, proc.stderr
-        assert expected in proc.stderr
-        assert "Traceback" not in proc.stderr and "HYDRA_FULL_ERROR" not in proc.stderr
+        assert code == 2, stderr
+        assert expected in stderr
+        assert "Traceback" not in stderr and "HYDRA_FULL_ERROR" not in stderr
 
 
 @pytest.mark.slow
-def test_default_cli_run_shows_eta_and_its_log_is_the_whole_console(tmp_path):
-    run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "verl_balance.main_sft",
-            "trainer.device=cpu",
-            "trainer.n_gpus_per_node=2",
-            "data.train_batch_size=16",
-            "data.synthetic.num_train=64",
-            "data.synthetic.num_val=16",
-            "trainer.test_freq=2",
-            "trainer.plot=false",
-            f"trainer.default_local_dir={run_dir}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-        env={**os.environ, "RAY_ADDRESS": "local"},  # a fresh embedded cluster, never a running one
-    )
+def test_default_cli_run_shows_eta_and_its_log_is_the_whole_console(cli_sft_run):
+    proc, run_dir = cli_sft_run["proc"], cli_sft_run["run_dir"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     step_lines = re.findall(r"^step (\d+)/(\d+) \|.*\| ETA \d+:\d\d:\d\d \|.*train/loss", proc.stdout, flags=re.M)

@@ -122,22 +122,14 @@ def test_model_load_line_announces_lora_with_trainable_and_total_parameters():
 
 
 @pytest.mark.slow
-def test_a_resumed_sft_summary_starts_from_the_runs_first_step(ray_cluster, tmp_path, tiny_sft_overrides):
-    from tests.trainer.conftest import run_trainer
-    from verl_balance.trainer.sft_trainer import SFTTrainer, format_summary
+def test_a_resumed_sft_summary_starts_from_the_runs_first_step(sft_reference_runs):
+    from verl_balance.trainer.sft_trainer import format_summary
 
-    overrides = [o for o in tiny_sft_overrides if not o.startswith("trainer.resume_mode")]
-    overrides += ["trainer.resume_mode=auto", "trainer.save_freq=1", "trainer.total_training_steps=4"]
-    first = run_trainer(SFTTrainer(compose_config("sft", overrides)), stop_after=2)
-    assert [r["step"] for r in first] == [1, 2]
-    trainer = SFTTrainer(compose_config("sft", overrides))
-    try:
-        summary = trainer.fit()
-    finally:
-        trainer.close()
-    assert summary["resumed_from_step"] == 2 and summary["steps"] == 4
-    assert summary["first_loss"] == first[0]["train/loss"], "the run's step 1, not the resumed part's step 3"
-    assert "resumed at step 2" in format_summary(summary)
+    (_, first), (summary, _) = sft_reference_runs["first"], sft_reference_runs["resumed"]
+    assert [r["step"] for r in first] == [1, 2, 3]
+    assert summary["resumed_from_step"] == 3 and summary["steps"] == 4
+    assert summary["first_loss"] == first[0]["train/loss"], "the run's step 1, not the resumed part's step 4"
+    assert "resumed at step 3" in format_summary(summary)
 
 
 def test_decode_generations_splits_prompt_and_response_and_honours_the_limit():

@@ -10,15 +10,13 @@ weights.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 
 import numpy as np
 import pytest
 import torch
 
-from tests.trainer.conftest import compose_config
+from tests.trainer.conftest import compose_config, run_cli_in_process
 from verl_balance.balance import FlopsWorkload
 from verl_balance.models.config import ModelConfig
 from verl_balance.protocol import Batch
@@ -181,16 +179,15 @@ def test_default_recipe_config_is_valid():
     validate_grpo(_grpo_config([]))
 
 
-@pytest.mark.slow  # a second interpreter
-def test_unknown_key_fails_at_startup_naming_it():
-    proc = subprocess.run(
-        [sys.executable, "-m", "verl_balance.main_grpo", "actor_rollout_ref.actor.ppo_mini_batch_sise=4"],
-        capture_output=True,
-        text=True,
-        timeout=120,
+def test_unknown_key_fails_at_startup_naming_it(monkeypatch, capsys):
+    code, stderr = run_cli_in_process(
+        "verl_balance.main_grpo",
+        ["actor_rollout_ref.actor.ppo_mini_batch_sise=4"],
+        monkeypatch=monkeypatch,
+        capsys=capsys,
     )
-    assert proc.returncode != 0
-    assert "ppo_mini_batch_sise" in proc.stderr
+    assert code != 0
+    assert "ppo_mini_batch_sise" in stderr
 
 
 # ---------------------------------------------------------------------- short runs (Ray)

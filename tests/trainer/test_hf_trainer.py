@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.trainer.conftest import compose_config, hf_sft_overrides, straight_and_resumed_runs, train_sft
+from tests.trainer.conftest import compose_config, hf_sft_overrides, straight_and_resumed_runs
 from verl_balance.trainer.config import ConfigError, validate_sft
 from verl_balance.utils.tracking import read_metrics
 
@@ -247,42 +247,10 @@ def test_save_hf_model_export_reloads_with_the_trained_logits(hf_resume_runs, ti
 
 # ---------------------------------------------------------------------- GRPO (Ray)
 @pytest.mark.slow
-def test_hf_grpo_runs_two_steps_end_to_end(ray_cluster, tiny_qwen2, tmp_path):
-    from verl_balance.trainer.grpo_config import register_grpo_schema
-    from verl_balance.trainer.grpo_trainer import GRPOTrainer
-
-    register_grpo_schema()
-    cfg = compose_config(
-        "grpo",
-        [
-            "trainer.device=cpu",
-            "trainer.n_gpus_per_node=2",
-            "trainer.logger=[jsonl]",
-            "trainer.plot=false",
-            "trainer.resume_mode=disable",
-            f"trainer.default_local_dir={tmp_path / 'run'}",
-            f"actor_rollout_ref.model.path={tiny_qwen2}",
-            "data.synthetic.num_train=64",
-            "data.synthetic.num_val=4",
-            f"data.synthetic.out_dir={tmp_path / 'data'}",
-            "data.synthetic.tasks=[copy]",
-            "data.synthetic.max_size=6",
-            "data.max_prompt_length=64",
-            "data.train_batch_size=4",
-            "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-            "actor_rollout_ref.rollout.n=4",
-            "actor_rollout_ref.rollout.response_length=8",
-            "actor_rollout_ref.actor.use_kl_loss=true",
-            "trainer.total_training_steps=2",
-            "trainer.test_freq=2",
-        ],
-    )
-    trainer = GRPOTrainer(cfg)
-    try:
-        summary = trainer.fit()
-    finally:
-        trainer.close()
-    records = read_metrics(summary["metrics"])
+def test_hf_grpo_runs_two_steps_end_to_end(hf_grpo_runs):
+    """The full fine-tuning run of the shared HF GRPO runs (tests/trainer/conftest.py: tiny qwen2,
+    2 workers, mini-batches of 2 of 4 prompts, KL loss, validation at step 2)."""
+    records = hf_grpo_runs["full"]
     train = [r for r in records if "reward/mean" in r]
     assert [r["step"] for r in train] == [1, 2]
     for r in train:
@@ -294,34 +262,16 @@ def test_hf_grpo_runs_two_steps_end_to_end(ray_cluster, tiny_qwen2, tmp_path):
 
 
 @pytest.mark.slow
-def test_save_hf_model_writes_a_builtin_model_as_llama_with_its_logits(ray_cluster, tmp_path):
-    """The built-in preset exports as transformers' Llama (same math) from the same staged save."""
+def test_save_hf_model_writes_a_builtin_model_as_llama_with_its_logits(sft_reference_runs, tmp_path):
+    """The built-in preset exports as transformers' Llama (same math) from the same staged save
+    (the shared reference run of the tiny preset, saved with trainer.save_hf_model=true)."""
     from transformers import AutoModelForCausalLM
 
     from verl_balance.export import export_checkpoint, load_checkpoint_model_state, recorded_model_config
     from verl_balance.models import LlamaForCausalLM, ModelConfig
 
-    train_sft(
-        [
-            "trainer.device=cpu",
-            "model.name=tiny",
-            "model.hidden_size=32",
-            "model.num_layers=2",
-            "data.train_batch_size=8",
-            "data.synthetic.num_train=32",
-            "data.synthetic.num_val=8",
-            f"data.synthetic.out_dir={tmp_path / 'data'}",
-            "trainer.logger=[jsonl]",
-            "trainer.plot=false",
-            "trainer.n_gpus_per_node=2",
-            "trainer.total_training_steps=1",
-            "trainer.save_freq=1",
-            "trainer.save_hf_model=true",
-            f"trainer.default_local_dir={tmp_path / 'run'}",
-            "trainer.resume_mode=disable",
-        ]
-    )
-    checkpoint = str(tmp_path / "run" / "global_step_1")
+    assert "trainer.save_hf_model=true" in sft_reference_runs["base"]
+    checkpoint = str(sft_reference_runs["root"] / "straight" / "global_step_4")
     recorded = recorded_model_config(checkpoint)
     assert recorded["kind"] == "builtin"
     config = ModelConfig(**{k: v for k, v in recorded.items() if k != "kind"})

@@ -176,21 +176,47 @@ def _sft_run(overrides: list[str]) -> tuple[list[dict], list[dict]]:
     return ranks, read_metrics(os.path.join(cfg.trainer.default_local_dir, "metrics.jsonl"))
 
 
+@pytest.fixture(scope="module")
+def fsdp_runs(ray_cluster, tmp_path_factory) -> dict:
+    """The same 4-step SFT config with the default (memory-safe) FSDP switches, profiling step 2, and
+    with FAST_SWITCHES: {"root", "default": (ranks, records), "fast": (ranks, records)}."""
+    root = tmp_path_factory.mktemp("fsdp_runs")
+    # 16 samples on 2 DP ranks, 4 per micro-batch: 2 micro-batches per rank, so deferring the
+    # gradient sync and keeping parameters unsharded between micro-batches change the schedule.
+    base = [
+        "trainer.device=cpu",
+        "model.name=tiny",
+        "data.train_batch_size=16",
+        "data.synthetic.num_train=128",
+        "data.synthetic.num_val=32",
+        f"data.synthetic.out_dir={root / 'data'}",
+        "trainer.logger=[jsonl]",
+        "trainer.plot=false",
+        "trainer.resume_mode=disable",
+        "trainer.n_gpus_per_node=2",
+        "trainer.total_training_steps=4",
+        "data.micro_batch_size_per_gpu=4",
+        "balance.enable=false",
+    ]
+    fast = [f"model.fsdp_config.{k}={str(v).lower()}" for k, v in FAST_SWITCHES.items()]
+    default = _sft_run(base + ["trainer.profile_steps=[2]", f"trainer.default_local_dir={root / 'default'}"])
+    switched = _sft_run(base + fast + [f"trainer.default_local_dir={root / 'fast'}"])
+    return {"root": root, "default": default, "fast": switched}
+
+
 @pytest.mark.slow
-def test_profile_step_writes_one_trace_per_rank_and_perf_metrics_are_logged(ray_cluster, tiny_sft_overrides, tmp_path):
-    _, records = _sft_run(
-        tiny_sft_overrides
-        + ["trainer.n_gpus_per_node=2", "trainer.total_training_steps=3", "trainer.profile_steps=[2]"]
-    )
-    profile_dir = tmp_path / "run" / "profile"
+def test_profile_step_writes_one_trace_per_rank_and_perf_metrics_are_logged(fsdp_runs):
+    _, records = fsdp_runs["default"]
+    profile_dir = fsdp_runs["root"] / "default" / "profile"
     traces = sorted(
         os.path.relpath(p, profile_dir)
         for p in glob.glob(str(profile_dir / "**" / "*"), recursive=True)
         if os.path.isfile(p)
     )
     assert traces == ["step_2/rank_0.trace.json", "step_2/rank_1.trace.json"]
+    assert not os.path.exists(fsdp_runs["root"] / "fast" / "profile"), "negative control: no profile_steps, no trace"
     steps = [r for r in records if "train/loss" in r]
-    assert len(steps) == 3
+    assert len(steps) == 4
     for r in steps:
         assert r["perf/tokens_per_s_per_device"] > 0
         assert "train/perf/tokens_per_s_per_device" not in r
@@ -199,18 +225,9 @@ def test_profile_step_writes_one_trace_per_rank_and_perf_metrics_are_logged(ray_
 
 
 @pytest.mark.slow
-def test_fast_fsdp_switches_give_the_default_loss_curve(ray_cluster, tiny_sft_overrides, tmp_path):
-    # 16 samples on 2 DP ranks, 4 per micro-batch: 2 micro-batches per rank, so deferring the
-    # gradient sync and keeping parameters unsharded between micro-batches change the schedule.
-    base = tiny_sft_overrides + [
-        "trainer.n_gpus_per_node=2",
-        "trainer.total_training_steps=4",
-        "data.micro_batch_size_per_gpu=4",
-        "balance.enable=false",
-    ]
-    fast = [f"model.fsdp_config.{k}={str(v).lower()}" for k, v in FAST_SWITCHES.items()]
-    ranks_default, default = _sft_run(base + [f"trainer.default_local_dir={tmp_path / 'default'}"])
-    ranks_fast, switched = _sft_run(base + fast + [f"trainer.default_local_dir={tmp_path / 'fast'}"])
+def test_fast_fsdp_switches_give_the_default_loss_curve(fsdp_runs):
+    # The default run also profiles step 2 (the test above): tracing does not change the math.
+    (ranks_default, default), (ranks_fast, switched) = fsdp_runs["default"], fsdp_runs["fast"]
     # Negative control against a vacuous pass: the switches really reached every worker.
     assert all(r["engine"]["fsdp"] == MEMORY_SAFE for r in ranks_default)
     assert all(r["engine"]["fsdp"] == FAST_SWITCHES for r in ranks_fast)

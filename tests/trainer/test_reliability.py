@@ -12,13 +12,11 @@ import errno
 import json
 import logging
 import os
-import subprocess
-import sys
 from collections import namedtuple
 
 import pytest
 
-from tests.trainer.conftest import compose_config
+from tests.trainer.conftest import compose_config, run_cli_in_process
 from verl_balance.trainer import checkpoint
 from verl_balance.trainer.checkpoint import (
     COMPLETE_FILE,
@@ -34,7 +32,6 @@ from verl_balance.trainer.config import ConfigError, check_known_keys, validate_
 from verl_balance.utils import atomic_io
 from verl_balance.utils.tracking import Tracking, TrackingError, read_metrics
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = {"model": {"name": "tiny"}, "optim": {"lr": 1e-3}, "trainer": {"seed": 1, "save_freq": 2}}
 
 
@@ -306,56 +303,26 @@ def test_invalid_reliability_keys_name_the_key(override, key):
         validate_sft(compose_config("sft", [override]))
 
 
-def _cli(args, *, cwd, timeout=300):
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([REPO_ROOT, os.environ.get("PYTHONPATH", "")]),
-        "RAY_ADDRESS": "local",
-    }  # an embedded cluster even if another one runs on this machine
-    return subprocess.run(
-        [sys.executable, "-m", "verl_balance.main_sft", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=cwd,
-        env=env,
-    )
+def test_cli_rejects_an_appended_unknown_key_and_an_unusable_output_dir_naming_the_key(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
 
+    def cli(args):
+        return run_cli_in_process("verl_balance.main_sft", args, monkeypatch=monkeypatch, capsys=capsys)
 
-@pytest.mark.slow
-def test_cli_rejects_an_appended_unknown_key_and_an_unusable_output_dir_naming_the_key(tmp_path):
-    proc = _cli(["+data.trian_files=x", f"trainer.default_local_dir={tmp_path / 'run'}"], cwd=tmp_path)
-    assert proc.returncode != 0 and "data.trian_files" in proc.stderr, proc.stderr[-2000:]
+    code, stderr = cli(["+data.trian_files=x", f"trainer.default_local_dir={tmp_path / 'run'}"])
+    assert code != 0 and "data.trian_files" in stderr, stderr[-2000:]
     (tmp_path / "a_file").write_text("")
-    proc = _cli([f"trainer.default_local_dir={tmp_path / 'a_file' / 'run'}"], cwd=tmp_path)
-    assert proc.returncode != 0 and "trainer.default_local_dir" in proc.stderr, proc.stderr[-2000:]
+    code, stderr = cli([f"trainer.default_local_dir={tmp_path / 'a_file' / 'run'}"])
+    assert code != 0 and "trainer.default_local_dir" in stderr, stderr[-2000:]
     assert sorted(os.listdir(tmp_path)) == ["a_file"], "nothing may be written into the current directory"
 
 
 @pytest.mark.slow
-def test_cli_log_goes_into_the_run_directory_not_the_current_one(tmp_path):
-    cwd = tmp_path / "cwd"
-    cwd.mkdir()
-    proc = _cli(
-        [
-            "trainer.device=cpu",
-            "trainer.n_gpus_per_node=1",
-            "trainer.total_training_steps=1",
-            "trainer.save_freq=1",
-            "data.train_batch_size=4",
-            "data.synthetic.num_train=16",
-            "data.synthetic.num_val=4",
-            f"data.synthetic.out_dir={tmp_path / 'data'}",
-            "trainer.logger=[jsonl]",
-            "trainer.plot=false",
-            f"trainer.default_local_dir={tmp_path / 'run'}",
-        ],
-        cwd=cwd,
-        timeout=600,
-    )
+def test_cli_log_goes_into_the_run_directory_not_the_current_one(cli_sft_run):
+    proc, cwd, run_dir = cli_sft_run["proc"], cli_sft_run["cwd"], cli_sft_run["run_dir"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert os.listdir(cwd) == [], "the CLI must leave nothing (main_sft.log) in the current directory"
-    assert "checkpoint: saved step 1" in (tmp_path / "run" / "main_sft.log").read_text()
+    assert "checkpoint: saved step 2" in (run_dir / "main_sft.log").read_text()
 
 
 # ---------------------------------------------------------------------- 9. rollout seeds

@@ -42,29 +42,24 @@ def _sft_trainer(overrides, *, kill_before_step: int | None = None):
 
 
 def test_worker_killed_mid_run_restarts_from_the_checkpoint_and_matches_the_uninterrupted_curve(
-    ray_cluster, tiny_sft_overrides, tmp_path
+    sft_reference_runs, tmp_path
 ):
-    base = [o for o in tiny_sft_overrides if not o.startswith(("trainer.default_local_dir", "trainer.resume_mode"))]
-    base += ["trainer.n_gpus_per_node=2", "trainer.total_training_steps=6", "trainer.save_freq=2", "optim.lr=3e-3"]
-    straight = _sft_trainer(base + [f"trainer.default_local_dir={tmp_path / 'straight'}"])
-    try:
-        straight.fit()
-    finally:
-        straight.close()
-    expected = read_metrics(str(tmp_path / "straight"))
-
+    # The uninterrupted curve: the shared reference run (4 steps, checkpoints at steps 2 and 4).
+    expected = sft_reference_runs["straight"][1]
+    assert [r["step"] for r in expected] == [1, 2, 3, 4]
     healed = _sft_trainer(
-        base + [f"trainer.default_local_dir={tmp_path / 'healed'}", "trainer.max_restarts=1"], kill_before_step=6
-    )  # step 5 is logged but not saved: it must be redone
+        sft_reference_runs["base"] + [f"trainer.default_local_dir={tmp_path / 'healed'}", "trainer.max_restarts=1"],
+        kill_before_step=4,
+    )  # step 3 is logged but not saved: it must be redone
     try:
         summary = healed.fit()
     finally:
         healed.close()
     records = read_metrics(str(tmp_path / "healed"))
-    assert summary["restarts"] == 1 and summary["steps"] == 6
+    assert summary["restarts"] == 1 and summary["steps"] == 4
     raw_steps = [json.loads(line)["step"] for line in (tmp_path / "healed" / "metrics.jsonl").read_text().splitlines()]
-    assert raw_steps == [1, 2, 3, 4, 5, 6], "the step logged after the checkpoint is cut back, then logged once"
-    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    assert raw_steps == [1, 2, 3, 4], "the step logged after the checkpoint is cut back, then logged once"
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
     np.testing.assert_allclose([r["train/loss"] for r in records], [r["train/loss"] for r in expected], rtol=1e-6)
     np.testing.assert_allclose(
         [r["train/grad_norm"] for r in records], [r["train/grad_norm"] for r in expected], rtol=1e-6

@@ -243,20 +243,26 @@ def test_a_trainer_that_fails_during_set_up_releases_the_run_directory(tmp_path)
     acquire_run_lock(str(root)).release()  # free, although `info` still references the half-built trainer
 
 
-@pytest.mark.slow
-def test_the_cli_refuses_a_directory_another_live_process_holds_at_once_naming_it(tmp_path):
-    from tests.trainer.test_reliability import _cli
+@pytest.mark.slow  # the lock holder is a second interpreter; the CLI runs in this process
+def test_the_cli_refuses_a_directory_another_live_process_holds_at_once_naming_it(tmp_path, monkeypatch, capsys):
+    from tests.trainer.conftest import run_cli_in_process
 
     root = tmp_path / "run"
     holder = _lock_holder(root)
+    monkeypatch.chdir(tmp_path)
     try:
-        proc = _cli(["trainer.device=cpu", f"trainer.default_local_dir={root}"], cwd=tmp_path, timeout=300)
+        code, stderr = run_cli_in_process(
+            "verl_balance.main_sft",
+            ["trainer.device=cpu", f"trainer.default_local_dir={root}"],
+            monkeypatch=monkeypatch,
+            capsys=capsys,
+        )
     finally:
         holder.send_signal(signal.SIGKILL)
         holder.wait()
-    assert proc.returncode == 2, proc.stderr[-2000:]  # a user error: one line, exit code 2, no traceback
-    assert "is in use by another live run" in proc.stderr and f"pid {holder.pid} on host" in proc.stderr, proc.stderr
-    assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert code == 2, stderr[-2000:]  # a user error: one line, exit code 2, no traceback
+    assert "is in use by another live run" in stderr and f"pid {holder.pid} on host" in stderr, stderr
+    assert "Traceback" not in stderr, stderr[-2000:]
     assert sorted(os.listdir(root)) == [LOCK_FILE], "the refused run wrote nothing there (no log, data, lineage)"
 
 
