@@ -77,7 +77,9 @@ def test_grpo_update_measures_imbalance_from_busy_time_summed_over_its_updates(m
     monkeypatch.setattr(grpo_trainer, "plan_metrics", lambda plan: {})
     actor = _FakeActor()
     trainer = SimpleNamespace(
-        actor_cfg=SimpleNamespace(ppo_epochs=1, ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=None),
+        actor_cfg=SimpleNamespace(
+            ppo_epochs=1, ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=None, use_kl_loss=False
+        ),
         old_log_prob_from_update=False,
         dp=2,
         update_cap=None,
