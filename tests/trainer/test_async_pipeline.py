@@ -169,3 +169,53 @@ def test_weight_buckets_keep_order_cover_every_tensor_and_respect_the_size():
     assert plan_buckets(sizes, bucket_bytes=1000) == [["a", "b", "c", "d", "e"]]
     with pytest.raises(ValueError, match="bucket_bytes"):
         plan_buckets(sizes, bucket_bytes=0)
+
+
+def _output(seed: int = 0) -> RolloutOutput:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([3, 1, 2, 3])
+    mask = (torch.arange(3)[None, :] < lengths[:, None]).long()
+    return RolloutOutput(
+        prompt_index=np.array([0, 0, 1, 1]),
+        responses=torch.randint(1, 50, (4, 3), generator=gen) * mask,
+        response_mask=mask,
+        response_lengths=lengths,
+        finish_reasons=np.array(["length", "stop", "stop", "length"], dtype=object),
+        log_probs=-torch.rand(4, 3, generator=gen) * mask,
+    )
+
+
+def test_an_in_flight_batch_round_trips_through_its_checkpoint_file_exactly(tmp_path):
+    from verl_balance.trainer.async_checkpoint import in_flight_file, load_rollout_output, save_rollout_output
+
+    original, path = _output(), str(tmp_path / in_flight_file(3))
+    save_rollout_output(path, original, version=2, predicted={"rollout/imbalance_predicted": 1.25})
+    restored, version, predicted = load_rollout_output(path)
+    assert version == 2 and predicted == {"rollout/imbalance_predicted": 1.25}
+    for name in ("responses", "response_mask", "response_lengths", "log_probs"):
+        assert torch.equal(getattr(restored, name), getattr(original, name)), name
+        assert getattr(restored, name).dtype == getattr(original, name).dtype, name
+    assert restored.prompt_index.tolist() == [0, 0, 1, 1]
+    assert restored.finish_reasons.tolist() == ["length", "stop", "stop", "length"]
+    other, _, _ = load_rollout_output(_saved(tmp_path / "other.safetensors", _output(seed=1)))
+    assert not torch.equal(other.log_probs, original.log_probs)  # negative control: the file is what is read
+
+
+def _saved(path, output) -> str:
+    from verl_balance.trainer.async_checkpoint import save_rollout_output
+
+    save_rollout_output(str(path), output, version=0, predicted={})
+    return str(path)
+
+
+def test_a_missing_or_linked_in_flight_file_is_refused_naming_it(tmp_path):
+    from verl_balance.trainer.async_checkpoint import load_rollout_output
+    from verl_balance.trainer.checkpoint import CheckpointError
+    from verl_balance.utils.atomic_io import UnsafePathError
+
+    with pytest.raises(CheckpointError, match="in_flight_7.safetensors is missing"):
+        load_rollout_output(str(tmp_path / "in_flight_7.safetensors"))
+    target = _saved(tmp_path / "elsewhere.safetensors", _output())
+    (tmp_path / "in_flight_8.safetensors").symlink_to(target)
+    with pytest.raises(UnsafePathError, match="in_flight_8.safetensors is a symbolic link"):
+        load_rollout_output(str(tmp_path / "in_flight_8.safetensors"))

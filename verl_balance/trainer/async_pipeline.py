@@ -32,13 +32,18 @@ within one of each other); ``rollout/imbalance_predicted`` and ``rollout/imbalan
 A sample's tokens depend only on its prompt, its seed (``sampling_seed(seed, sample_index)``) and
 the weights, not on the worker that drew it.
 
-Not built yet: LoRA adapters-only sync, a critic, exact resume of the in-flight batches (a
-resumed or restarted run regenerates the next batch with the restored weights), colocate_async.
+A checkpoint (a save, SIGINT / SIGTERM) waits for the in-flight batches and keeps their rollout
+outputs with the policy version (``trainer/async_checkpoint.py``), so a resumed run, or one
+restarted after a dead worker (rollout's or actor's; ``trainer.max_restarts``), trains on the same
+samples and continues the uninterrupted curve; every later batch is generated from its seeds.
+
+Not built yet: LoRA adapters-only sync, a critic, colocate_async.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, replace
 
@@ -67,7 +72,16 @@ from verl_balance.protocol import Batch
 from verl_balance.rollout import RolloutOutput, build_rollout_batch
 from verl_balance.single_controller.resource_pool import RayResourcePool, UnplaceableResourcePoolError
 from verl_balance.single_controller.worker_group import GroupFuture, RayClassWithInitArgs
-from verl_balance.trainer import cluster
+from verl_balance.trainer import checkpoint, cluster
+from verl_balance.trainer.async_checkpoint import (
+    EXPECTED_RESPONSE_STATE_KEY,
+    IN_FLIGHT_STATE_KEY,
+    POLICY_VERSION_STATE_KEY,
+    AsyncCheckpoint,
+    in_flight_file,
+    load_rollout_output,
+    save_rollout_output,
+)
 from verl_balance.trainer.async_config import MODE_KEY
 from verl_balance.trainer.grpo_trainer import GRPOTrainer, _timed, merge_rollout_outputs
 from verl_balance.trainer.sections import TrainerSection
@@ -162,14 +176,22 @@ def is_weight_metrics(batch: Batch) -> dict:
 
 @dataclass
 class InFlight:
-    """A batch whose generation was submitted to the rollout group."""
+    """A batch whose generation was submitted to the rollout group (or restored from a checkpoint)."""
 
     prompts: tuple[dict, dict]
     parts: list[np.ndarray]
-    future: GroupFuture
+    future: GroupFuture | None
     version: int
     """The policy version the rollout group generates it with (the last sync submitted before it)."""
     predicted: dict
+    answers: list[dict] | None = None
+    """The workers' answers once waited for (a restored batch: one answer, its saved output)."""
+
+    def result(self) -> list[dict]:
+        """The workers' answers ({"output", "version", "busy_s"} each), waiting for them once."""
+        if self.answers is None:
+            self.answers = self.future.get()
+        return self.answers
 
 
 # ---------------------------------------------------------------------- trainer
@@ -256,16 +278,72 @@ class AsyncGRPOTrainer(GRPOTrainer):
         """A dead worker (actor's or rollout's) replaces every group; in-flight batches are regenerated."""
         self._in_flight.clear()
         self._sync_futures = []
+        self._expected_response = float(self.rollout_cfg.response_length)
         if self.rollout_group is not None:
             cluster.release_group(self.rollout_group, broken="the old rollout group")
         self.rollout_group = self._start_rollout_group()
         super().restart_workers()
 
+    # ------------------------------------------------------------------ checkpoint
+    @property
+    def checkpoint_group(self):
+        """The actor's shards plus the in-flight batches' rollout outputs (``async_checkpoint``)."""
+        return AsyncCheckpoint(self.actor, self._save_in_flight)
+
+    def _trainer_state(self) -> dict:
+        """The driver's state plus the policy version, the in-flight batches and the length estimate."""
+        return {
+            **super()._trainer_state(),
+            POLICY_VERSION_STATE_KEY: self.global_step,
+            IN_FLIGHT_STATE_KEY: [
+                {"step": k, "version": f.version, "file": in_flight_file(k)} for k, f in sorted(self._in_flight.items())
+            ],
+            EXPECTED_RESPONSE_STATE_KEY: self._expected_response,
+        }
+
+    def _save_in_flight(self, path: str) -> None:
+        """Wait for every in-flight batch and write its rollout output into the checkpoint ``path``."""
+        for step, flight in sorted(self._in_flight.items()):
+            output = merge_assigned_outputs(
+                [a["output"] for a in flight.result()], flight.parts, pad_token_id=self.tokenizer.pad_token_id
+            )
+            file = os.path.join(path, in_flight_file(step))
+            save_rollout_output(file, output, version=flight.version, predicted=flight.predicted)
+
     def _load(self, path: str) -> None:
-        """Resume: the restored weights go to the rollout group before the next generation."""
+        """Resume: the in-flight batches come back from the checkpoint (trained on as they were
+        generated); the restored weights go to the rollout group before the next generation."""
         super()._load(path)
-        self._in_flight.clear()
+        state = checkpoint.read_json(os.path.join(path, checkpoint.TRAINER_STATE_FILE)) or {}
+        self._in_flight = self._restore_in_flight(path, state)
         self._rollout_version = None
+        self._expected_response = float(state.get(EXPECTED_RESPONSE_STATE_KEY, self.rollout_cfg.response_length))
+
+    def _restore_in_flight(self, path: str, state: dict) -> dict[int, InFlight]:
+        """The in-flight batches a checkpoint saved, their prompts re-read from the restored loader."""
+        entries = state.get(IN_FLIGHT_STATE_KEY)
+        if entries is None:
+            logger.warning(
+                "checkpoint %s has no in-flight batches (written with trainer.v1.trainer_mode=sync): batch %d is "
+                "generated with the restored weights, one version newer than an uninterrupted run would use",
+                path,
+                self.global_step,
+            )
+            return {}
+        flights = {}
+        for entry in entries:
+            step = int(entry["step"])
+            output, version, predicted = load_rollout_output(os.path.join(path, in_flight_file(step)))
+            if version != int(entry["version"]) or step < self.global_step:
+                raise checkpoint.CheckpointError(
+                    f"{path}: in-flight batch {step} (policy version {version}) does not match its trainer state "
+                    f"{entry} at step {self.global_step}; resume from another global_step_N directory"
+                )
+            prompts = peek_loader_item(self.loader, step - self.global_step + 1)
+            answer = {"output": output, "version": version, "busy_s": 0.0}
+            parts = [np.arange(len(prompts[1][INDEX_KEY]))]
+            flights[step] = InFlight(prompts, parts, None, version, predicted, answers=[answer])
+        return flights
 
     # ------------------------------------------------------------------ weight sync
     def sync_weights(self, *, version: int) -> dict:
@@ -322,7 +400,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
     def _collect(self, flight: InFlight, metrics: dict) -> Batch:
         """Wait for a submitted batch: the rollout batch (prompt-major) with its policy version."""
-        answers = flight.future.get()
+        answers = flight.result()
         self._wait_for_sync()
         versions = {a["version"] for a in answers}
         assert versions == {flight.version}, (versions, flight.version)
