@@ -52,8 +52,26 @@ python -m verl_balance.main_grpo "${COMMON[@]}" trainer.v1.trainer_mode=separate
     actor_rollout_ref.rollout.nnodes=1 actor_rollout_ref.rollout.n_gpus_per_node=1 \
     trainer.experiment_name=grpo_async_demo trainer.default_local_dir="$OUT/async" "$@"
 
-# Side by side: reward and held-out accuracy per step, step time, staleness of the async samples.
-PLOT=$(python -m verl_balance.utils.plotting "$OUT/sync" "$OUT/async" --labels sync,separate_async \
-    --keys '^timing_s/step$' --keys '^off_policy/staleness_mean$' --out "$OUT/curves.png" \
-    --title "GRPO on 2 CPU cores: sync vs one-step off-policy (separate rollout worker)")
+# Side by side: train reward and held-out accuracy per step, step time, staleness of the samples.
+PLOT=$(python - "$OUT" <<'PY'
+import os, sys
+
+from verl_balance.utils.plotting import plot_runs
+
+out = sys.argv[1]
+panels = (
+    ("train reward", r"^reward/mean$"),
+    ("held-out accuracy", r"^val/acc$"),
+    ("step time (s)", r"^timing_s/step$"),
+    ("staleness (policy versions)", r"^off_policy/staleness_mean$"),
+)
+print(plot_runs(
+    [os.path.join(out, "sync"), os.path.join(out, "async")],
+    out=os.path.join(out, "curves.png"),
+    labels=["sync", "separate_async"],
+    panels=panels,
+    title="GRPO on 2 CPU cores: sync vs one-step off-policy (separate rollout worker)",
+))
+PY
+)
 echo "sync vs separate_async plot: $PLOT"
