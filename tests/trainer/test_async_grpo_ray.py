@@ -287,8 +287,8 @@ def test_one_and_two_rollout_workers_give_the_same_samples_and_losses(async_runs
 
 
 def test_two_and_four_trainer_workers_give_the_same_samples_and_losses(async_runs):
-    """Layout invariance on the training side: the samples depend on the weights only, and the
-    weights after each step do not depend on the actor's DP size (rtol 1e-6)."""
+    """Layout invariance on the training side: the same samples (tokens equal, log-probs rtol 1e-6)
+    and losses within the parity contract's rtol 1e-5 (fp32 sums in another order per DP size)."""
     from verl_balance.batch_keys import INPUT_IDS_KEY, ROLLOUT_LOG_PROBS_KEY
 
     two, four = async_runs[2, 1], async_runs[4, 1]
@@ -297,7 +297,7 @@ def test_two_and_four_trainer_workers_give_the_same_samples_and_losses(async_run
         torch.testing.assert_close(a[ROLLOUT_LOG_PROBS_KEY], b[ROLLOUT_LOG_PROBS_KEY], rtol=1e-6, atol=1e-7)
     losses = {w: [m["actor/pg_loss"] for m in async_runs[w, 1]["metrics"]] for w in (2, 4)}
     assert len(losses[2]) == STEPS and min(abs(x) for x in losses[2]) > 1e-6
-    np.testing.assert_allclose(losses[2], losses[4], rtol=1e-6, atol=1e-8)
+    np.testing.assert_allclose(losses[2], losses[4], rtol=1e-5, atol=1e-8)  # the parity contract's fp32 rtol
 
 
 def _by_step(record: dict) -> dict:
