@@ -384,3 +384,73 @@ def test_without_max_restarts_a_killed_rollout_worker_ends_the_run_naming_it(ray
             trainer.fit()
     finally:
         trainer.close()
+
+
+def test_lora_sends_the_base_once_then_only_the_adapters_and_the_rollout_merges_them(
+    ray_cluster, tiny_qwen2, async_root
+):
+    """A LoRA actor (tiny HF qwen2, rank 4 on every Linear): the first sync carries every tensor,
+    each later one only the adapters, and after the last the rollout worker generates with
+    W + (alpha / r) * B @ A of each adapted module, computed here by hand from the actor's tensors."""
+    from verl_balance.utils.tracking import read_metrics
+
+    rank, alpha, steps = 4, 8, 3
+    replaced = ("trainer.total_training_steps", "data.max_prompt_length")
+    overrides = [o for o in _overrides(async_root, name="lora") if not o.startswith(replaced)] + [
+        f"actor_rollout_ref.model.path={tiny_qwen2}",
+        f"actor_rollout_ref.model.lora_rank={rank}",
+        f"actor_rollout_ref.model.lora_alpha={alpha}",
+        "actor_rollout_ref.actor.entropy_coeff=0.1",  # the adapters move even without reward
+        "data.max_prompt_length=64",
+        f"trainer.total_training_steps={steps}",
+    ]
+    trainer, _ = _recording_trainer(overrides)
+    try:
+        summary = trainer.fit()
+        plan = trainer.actor.weight_buckets()[0]
+        actor = trainer.actor.export_weight_bucket([n for bucket in plan["buckets"] for n in bucket])[0]
+        rollout = trainer.rollout_group.weights_checksum()[0]
+    finally:
+        trainer.close()
+    adapters = {n: t for n, t in actor.items() if ".lora_A." in n or ".lora_B." in n}
+    assert adapters and len(adapters) < len(actor)
+    full_bytes = sum(t.numel() * t.element_size() for t in actor.values())
+    adapter_bytes = sum(t.numel() * t.element_size() for t in adapters.values())
+    sent = [m["weight_sync/bytes"] for m in read_metrics(summary["metrics"]) if m["step"] >= 1]
+    assert sent == [full_bytes + adapter_bytes] + [adapter_bytes] * (steps - 1)  # step 1: base, then its update
+
+    merged, moved = {}, 0
+    for name, tensor in actor.items():
+        if name in adapters:
+            continue
+        if name.endswith(".base_layer.weight"):
+            prefix = name[: -len(".base_layer.weight")]
+            a, b = actor[f"{prefix}.lora_A.default.weight"], actor[f"{prefix}.lora_B.default.weight"]
+            delta = (alpha / rank) * (b.double() @ a.double())
+            moved += bool(delta.abs().max() > 1e-6)
+            tensor = tensor.double() + delta
+            name = f"{prefix}.weight"
+        merged[name] = tensor.double()
+    assert moved > 0  # negative control: the unmerged base would differ from the expected weights
+    assert rollout["version"] == steps and rollout["names"] == sorted(merged)
+    for name, tensor in merged.items():
+        assert rollout["sums"][name] == pytest.approx(float(tensor.sum()), rel=1e-6, abs=1e-6), name
+
+
+def test_colocate_async_draws_the_samples_and_losses_of_separate_async(async_runs, async_root):
+    """trainer.v1.trainer_mode=colocate_async on the actor's own rollout: batch k+1 is submitted
+    before step k's updates, so it has version k's weights: the separate run's samples, versions
+    and losses (itself checked against the hand-built reference above)."""
+    from verl_balance.batch_keys import POLICY_VERSION_KEY
+    from verl_balance.utils.tracking import read_metrics
+
+    overrides = [o for o in _overrides(async_root, name="colocate") if not o.startswith("trainer.v1.")]
+    overrides += ["trainer.v1.trainer_mode=colocate_async"]
+    trainer, record = _recording_trainer(overrides)
+    try:
+        summary = trainer.fit()
+    finally:
+        trainer.close()
+    assert trainer.rollout_group is None
+    assert [set(b[POLICY_VERSION_KEY].tolist()) for b in record["batches"]] == [{0}, {0}, {1}, {2}]
+    _assert_same_run(record, read_metrics(summary["metrics"]), async_runs[1, 1])

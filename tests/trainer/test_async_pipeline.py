@@ -31,6 +31,8 @@ ASYNC = [
     "trainer.v1.separate_async.parameter_sync_step=2",  # 16 prompts / mini-batches of 8
 ]
 
+COLOCATE = ["trainer.v1.trainer_mode=colocate_async"]
+
 
 def _config(overrides):
     register_grpo_schema()
@@ -42,6 +44,13 @@ def test_default_and_explicit_sync_run_the_unchanged_synchronous_trainer():
     assert grpo_trainer_class(default) is GRPOTrainer and grpo_trainer_class(explicit) is GRPOTrainer
     assert validate_grpo(default) == validate_grpo(explicit)  # the same typed recipe: the same run, bit for bit
     assert grpo_trainer_class(_config(ASYNC)) is AsyncGRPOTrainer
+
+
+def test_colocate_async_runs_the_async_trainer_with_its_own_warmup_key():
+    config = _config(["trainer.device=cpu", *COLOCATE, "trainer.v1.colocate_async.num_warmup_batches=2"])
+    assert grpo_trainer_class(config) is AsyncGRPOTrainer
+    v1 = validate_grpo(config).trainer.v1
+    assert v1.lookahead == 2 and v1.separate_async.num_warmup_batches == 1  # the mode's own key is read
 
 
 def test_synchronous_trainer_refuses_an_async_mode_before_starting_anything(tmp_path):
@@ -59,7 +68,9 @@ def test_rollout_pool_size_defaults_to_the_trainer_gpus_per_node_as_in_verl():
 @pytest.mark.parametrize(
     ("overrides", "key"),
     [
-        (["trainer.v1.trainer_mode=colocate_async"], "trainer.v1.trainer_mode"),
+        (COLOCATE + ["trainer.v1.colocate_async.num_warmup_batches=9"], "trainer.v1.colocate_async.num_warmup_batches"),
+        (COLOCATE + ["algorithm.adv_estimator=remax"], "algorithm.adv_estimator"),
+        (COLOCATE + ["trainer.v1.colocate_async.num_warmup_batches=0"], "num_warmup_batches"),
         (["trainer.v1.trainer_mode=separate_async"], "actor_rollout_ref.rollout.nnodes"),
         (ASYNC + ["trainer.v1.separate_async.parameter_sync_step=3"], "parameter_sync_step"),
         (ASYNC + ["trainer.v1.separate_async.num_warmup_batches=9"], "max_off_policy_threshold"),
