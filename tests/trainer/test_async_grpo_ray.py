@@ -430,7 +430,7 @@ def test_lora_sends_the_base_once_then_only_the_adapters_and_the_rollout_merges_
             moved += bool(delta.abs().max() > 1e-6)
             tensor = tensor.double() + delta
             name = f"{prefix}.weight"
-        merged[name] = tensor.double()
+        merged[name.replace(".base_layer.", ".")] = tensor.double()  # a wrapped Linear's bias too
     assert moved > 0  # negative control: the unmerged base would differ from the expected weights
     assert rollout["version"] == steps and rollout["names"] == sorted(merged)
     for name, tensor in merged.items():
