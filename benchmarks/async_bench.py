@@ -1,5 +1,5 @@
 """Synchronous vs one-step off-policy GRPO (``trainer.v1.trainer_mode``) on the CPU demo, and the
-weight sync's bytes and seconds at the Qwen2.5-0.5B shape.
+weight sync's bytes and seconds at the Qwen2.5-0.5B shape (full, and LoRA adapters-only bytes).
 
     PYTHONPATH=. python benchmarks/async_bench.py                 # 2 rounds x 6 steps per mode + sync shape
     PYTHONPATH=. python benchmarks/async_bench.py --quick         # 1 round x 4 steps
@@ -9,10 +9,11 @@ Modes (same seed, data and sizes; 16 prompts x 8 responses x <= 16 tokens, one m
 demo's tiny model, 2 CPU cores):
 
 - ``sync``: 1 worker, generation then scoring then update;
+- ``colocate_async``: 1 worker, one-step off-policy on its own rollout: batch k+1's generation is
+  queued on the worker before batch k's updates (only the driver's scoring and planning overlap it);
 - ``separate_async``: 1 trainer worker + 1 rollout worker on its own pool (verl's
   ``actor_rollout_ref.rollout.nnodes=1 n_gpus_per_node=1``), ``num_warmup_batches=1``: batch k+1
-  generates while batch k trains (one-step off-policy; ``colocate_async`` is not built, so
-  "one-step-off" and "separate" are this one mode here).
+  generates while batch k trains (one-step off-policy).
 
 Runs are interleaved (sync, async, async, sync, ...); the first step of each run is dropped; each
 figure is the median over the remaining steps. The async bound is max(generation, training) per
@@ -41,7 +42,7 @@ import time
 import numpy as np
 
 DIMS = ("hidden_size=64", "intermediate_size=192", "num_layers=2")
-MODES = ("sync", "separate_async")
+MODES = ("sync", "colocate_async", "separate_async")
 QWEN_05B = {"vocab": 151936, "hidden": 896, "layers": 24, "intermediate": 4864, "heads": 14, "kv_heads": 2}
 
 
@@ -98,27 +99,22 @@ def run_once(*, root: str, mode: str, index: int, steps: int) -> list[dict]:
     return train[1:]
 
 
+def _cell(value: float | None) -> str:
+    return f"{'-':>16}" if value is None else f"{value:>16.3f}"
+
+
 def _median(records: list[dict], key: str) -> float | None:
     values = [r[key] for r in records if key in r]
     return float(np.median(values)) if values else None
 
 
 def table(records: dict[str, list[dict]]) -> str:
-    """Median step time and tokens/s per mode, their ratios and the async overlap bound."""
+    """Median step time and tokens/s per mode, the sync/mode ratios and the async overlap bound."""
+    lines = [f"{'median':<28}" + "".join(f"{m:>16}" for m in MODES)]
+    for key in ("timing_s/step", "perf/tokens_per_s", "timing_s/gen", "timing_s/update", "timing_s/weight_sync"):
+        lines.append(f"{key:<28}" + "".join(_cell(_median(records[m], key)) for m in MODES))
     step = {m: _median(records[m], "timing_s/step") for m in MODES}
-    tps = {m: _median(records[m], "perf/tokens_per_s") for m in MODES}
-    lines = [f"{'median':<28}{'sync':>10}{'async':>10}{'sync/async':>12}"]
-    lines.append(
-        f"{'timing_s/step':<28}{step['sync']:>10.3f}{step['separate_async']:>10.3f}"
-        f"{step['sync'] / step['separate_async']:>12.2f}"
-    )
-    lines.append(
-        f"{'perf/tokens_per_s':<28}{tps['sync']:>10.0f}{tps['separate_async']:>10.0f}"
-        f"{tps['sync'] / tps['separate_async']:>12.2f}"
-    )
-    for key in ("timing_s/gen", "timing_s/update", "timing_s/reward", "timing_s/weight_sync"):
-        cells = [_median(records[m], key) for m in MODES]
-        lines.append(f"{key:<28}" + "".join("         -" if c is None else f"{c:>10.3f}" for c in cells))
+    lines.append(f"{'sync step / mode step':<28}" + "".join(f"{step['sync'] / step[m]:>16.2f}" for m in MODES))
     ratios = []
     for r in records["separate_async"]:
         train = sum(r.get(f"timing_s/{k}", 0.0) for k in ("reward", "adv", "update"))
@@ -153,6 +149,19 @@ def qwen_05b_shapes() -> dict[str, tuple[int, ...]]:
             }
         )
     return shapes
+
+
+def lora_sync_bytes_at_05b(*, rank: int = 32) -> str:
+    """Bytes of a LoRA sync (adapters only, rank ``rank`` on every decoder Linear) at the 0.5B
+    shape, against the full sync's (fp32; arithmetic from the shapes)."""
+    shapes = qwen_05b_shapes()
+    full = 4 * sum(int(np.prod(shape)) for shape in shapes.values())
+    linears = [shape for name, shape in shapes.items() if name.endswith("_proj.weight")]
+    adapters = 4 * sum(rank * (rows + cols) for rows, cols in linears)  # A: r x in, B: out x r
+    return (
+        f"LoRA sync at the Qwen2.5-0.5B shape (rank {rank}, {len(linears)} Linears): {adapters / 2**20:.1f} MiB per "
+        f"step after the first sync, vs {full / 2**20:.0f} MiB full ({full / adapters:.0f}x fewer bytes)"
+    )
 
 
 def weight_sync_at_05b(*, repeats: int = 2) -> str:
@@ -207,6 +216,7 @@ def main() -> None:
         print("GRPO, 16 prompts x 8 responses x <=16 tokens, tiny model, 1 trainer worker (+1 rollout worker)")
         print(table(records))
     print(weight_sync_at_05b())
+    print(lora_sync_bytes_at_05b())
 
 
 if __name__ == "__main__":

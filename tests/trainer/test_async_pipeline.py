@@ -31,6 +31,8 @@ ASYNC = [
     "trainer.v1.separate_async.parameter_sync_step=2",  # 16 prompts / mini-batches of 8
 ]
 
+COLOCATE = ["trainer.v1.trainer_mode=colocate_async"]
+
 
 def _config(overrides):
     register_grpo_schema()
@@ -42,6 +44,13 @@ def test_default_and_explicit_sync_run_the_unchanged_synchronous_trainer():
     assert grpo_trainer_class(default) is GRPOTrainer and grpo_trainer_class(explicit) is GRPOTrainer
     assert validate_grpo(default) == validate_grpo(explicit)  # the same typed recipe: the same run, bit for bit
     assert grpo_trainer_class(_config(ASYNC)) is AsyncGRPOTrainer
+
+
+def test_colocate_async_runs_the_async_trainer_with_its_own_warmup_key():
+    config = _config(["trainer.device=cpu", *COLOCATE, "trainer.v1.colocate_async.num_warmup_batches=2"])
+    assert grpo_trainer_class(config) is AsyncGRPOTrainer
+    v1 = validate_grpo(config).trainer.v1
+    assert v1.lookahead == 2 and v1.separate_async.num_warmup_batches == 1  # the mode's own key is read
 
 
 def test_synchronous_trainer_refuses_an_async_mode_before_starting_anything(tmp_path):
@@ -59,7 +68,9 @@ def test_rollout_pool_size_defaults_to_the_trainer_gpus_per_node_as_in_verl():
 @pytest.mark.parametrize(
     ("overrides", "key"),
     [
-        (["trainer.v1.trainer_mode=colocate_async"], "trainer.v1.trainer_mode"),
+        (COLOCATE + ["trainer.v1.colocate_async.num_warmup_batches=9"], "trainer.v1.colocate_async.num_warmup_batches"),
+        (COLOCATE + ["algorithm.adv_estimator=remax"], "algorithm.adv_estimator"),
+        (COLOCATE + ["trainer.v1.colocate_async.num_warmup_batches=0"], "num_warmup_batches"),
         (["trainer.v1.trainer_mode=separate_async"], "actor_rollout_ref.rollout.nnodes"),
         (ASYNC + ["trainer.v1.separate_async.parameter_sync_step=3"], "parameter_sync_step"),
         (ASYNC + ["trainer.v1.separate_async.num_warmup_batches=9"], "max_off_policy_threshold"),
@@ -169,3 +180,53 @@ def test_weight_buckets_keep_order_cover_every_tensor_and_respect_the_size():
     assert plan_buckets(sizes, bucket_bytes=1000) == [["a", "b", "c", "d", "e"]]
     with pytest.raises(ValueError, match="bucket_bytes"):
         plan_buckets(sizes, bucket_bytes=0)
+
+
+def _in_flight_output(seed: int = 0) -> RolloutOutput:
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([3, 1, 2, 3])
+    mask = (torch.arange(3)[None, :] < lengths[:, None]).long()
+    return RolloutOutput(
+        prompt_index=np.array([0, 0, 1, 1]),
+        responses=torch.randint(1, 50, (4, 3), generator=gen) * mask,
+        response_mask=mask,
+        response_lengths=lengths,
+        finish_reasons=np.array(["length", "stop", "stop", "length"], dtype=object),
+        log_probs=-torch.rand(4, 3, generator=gen) * mask,
+    )
+
+
+def test_an_in_flight_batch_round_trips_through_its_checkpoint_file_exactly(tmp_path):
+    from verl_balance.trainer.async_checkpoint import in_flight_file, load_rollout_output, save_rollout_output
+
+    original, path = _in_flight_output(), str(tmp_path / in_flight_file(3))
+    save_rollout_output(path, original, version=2, predicted={"rollout/imbalance_predicted": 1.25})
+    restored, version, predicted = load_rollout_output(path)
+    assert version == 2 and predicted == {"rollout/imbalance_predicted": 1.25}
+    for name in ("responses", "response_mask", "response_lengths", "log_probs"):
+        assert torch.equal(getattr(restored, name), getattr(original, name)), name
+        assert getattr(restored, name).dtype == getattr(original, name).dtype, name
+    assert restored.prompt_index.tolist() == [0, 0, 1, 1]
+    assert restored.finish_reasons.tolist() == ["length", "stop", "stop", "length"]
+    other, _, _ = load_rollout_output(_saved(tmp_path / "other.safetensors", _in_flight_output(seed=1)))
+    assert not torch.equal(other.log_probs, original.log_probs)  # negative control: the file is what is read
+
+
+def _saved(path, output) -> str:
+    from verl_balance.trainer.async_checkpoint import save_rollout_output
+
+    save_rollout_output(str(path), output, version=0, predicted={})
+    return str(path)
+
+
+def test_a_missing_or_linked_in_flight_file_is_refused_naming_it(tmp_path):
+    from verl_balance.trainer.async_checkpoint import load_rollout_output
+    from verl_balance.trainer.checkpoint import CheckpointError
+    from verl_balance.utils.atomic_io import UnsafePathError
+
+    with pytest.raises(CheckpointError, match="in_flight_7.safetensors is missing"):
+        load_rollout_output(str(tmp_path / "in_flight_7.safetensors"))
+    target = _saved(tmp_path / "elsewhere.safetensors", _in_flight_output())
+    (tmp_path / "in_flight_8.safetensors").symlink_to(target)
+    with pytest.raises(UnsafePathError, match="in_flight_8.safetensors is a symbolic link"):
+        load_rollout_output(str(tmp_path / "in_flight_8.safetensors"))

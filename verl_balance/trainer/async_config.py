@@ -8,7 +8,9 @@
   ``actor_rollout_ref.rollout.nnodes x n_gpus_per_node`` workers on its own resource pool,
   generating batch k+1 while the actor group trains on batch k (one-step off-policy with
   ``num_warmup_batches=1``);
-- ``colocate_async``: verl's key, not built here: rejected at start-up naming the alternatives.
+- ``colocate_async``: the same trainer without a rollout group: batch k+1 generates on the actor
+  workers' colocated rollout, submitted before step k's updates (so with the weights of step k),
+  ``colocate_async.num_warmup_batches`` ahead.
 
 verl (``verl/trainer/config/ppo_trainer.yaml``, ``trainer/ppo/v1/``) requires
 ``data.train_batch_size = parameter_sync_step x ppo_mini_batch_size`` in ``separate_async``: the
@@ -31,10 +33,13 @@ MODE_KEY = "trainer.v1.trainer_mode"
 
 @dataclass
 class ColocateAsyncSection:
-    """verl's ``trainer.v1.colocate_async`` (the mode itself is not built: rejected at start-up)."""
+    """verl's ``trainer.v1.colocate_async``."""
 
     num_warmup_batches: int = 1
-    """Batches generated ahead of training."""
+    """Batches generated ahead of training (1 = one-step off-policy)."""
+
+    def __post_init__(self) -> None:
+        check_positive("num_warmup_batches", self.num_warmup_batches)
 
 
 @dataclass
@@ -88,7 +93,8 @@ class V1Section:
     def lookahead(self) -> int:
         """Batches generated ahead of the one being trained: ``num_warmup_batches``, and under
         ``wait`` never more than ``max_off_policy_threshold`` (so nothing gets older than it)."""
-        ahead = self.separate_async.num_warmup_batches
+        mode = self.colocate_async if self.trainer_mode == "colocate_async" else self.separate_async
+        ahead = mode.num_warmup_batches
         if self.sampler.max_off_policy_strategy == "wait":
             ahead = min(ahead, self.sampler.max_off_policy_threshold)
         return ahead
@@ -97,20 +103,26 @@ class V1Section:
 def check_async(config) -> None:
     """Cross-section checks of ``trainer.v1`` on a validated ``GRPOConfig`` (ConfigError naming the keys)."""
     v1 = config.trainer.v1
-    if v1.trainer_mode == "sync":
+    mode = v1.trainer_mode
+    if mode == "sync":
         return
-    if v1.trainer_mode == "colocate_async":
-        raise ConfigError(
-            f"{MODE_KEY}='colocate_async' is not supported by verl_balance yet; use 'separate_async' (a rollout "
-            "worker group on its own workers, actor_rollout_ref.rollout.nnodes x n_gpus_per_node) or 'sync'"
-        )
-    rollout = config.actor_rollout_ref.rollout
+    section = v1.colocate_async if mode == "colocate_async" else v1.separate_async
+    if mode == "separate_async":
+        _check_rollout_pool(config.actor_rollout_ref.rollout)
+        _check_sync_step(config, v1.separate_async.parameter_sync_step)
+    _check_staleness(v1.sampler, section.num_warmup_batches, key=f"trainer.v1.{mode}.num_warmup_batches")
+    _check_async_algorithm(config, mode)
+
+
+def _check_rollout_pool(rollout) -> None:
     if rollout.nnodes < 1 or rollout.rollout_workers < 1:
         raise ConfigError(
             f"{MODE_KEY}='separate_async' needs its own rollout workers: actor_rollout_ref.rollout.nnodes="
             f"{rollout.nnodes} x n_gpus_per_node={rollout.n_gpus_per_node}; set both >= 1 (verl's keys)"
         )
-    sync_step = v1.separate_async.parameter_sync_step
+
+
+def _check_sync_step(config, sync_step: int) -> None:
     actor, batch = config.actor_rollout_ref.actor, config.data.train_batch_size
     if sync_step * actor.ppo_mini_batch_size != batch:
         raise ConfigError(
@@ -119,31 +131,29 @@ def check_async(config) -> None:
             f"rule: the rollout gets new weights once per step); set parameter_sync_step="
             f"{batch // actor.ppo_mini_batch_size}"
         )
-    sampler = v1.sampler
-    if (
-        sampler.max_off_policy_strategy == "drop"
-        and v1.separate_async.num_warmup_batches > sampler.max_off_policy_threshold
-    ):
+
+
+def _check_staleness(sampler: SamplerSection, warmup: int, *, key: str) -> None:
+    if sampler.max_off_policy_strategy == "drop" and warmup > sampler.max_off_policy_threshold:
         raise ConfigError(
-            f"trainer.v1.separate_async.num_warmup_batches={v1.separate_async.num_warmup_batches} generates batches "
-            f"that many versions ahead, more than trainer.v1.sampler.max_off_policy_threshold="
-            f"{sampler.max_off_policy_threshold}: with max_off_policy_strategy=drop every batch after the first would "
-            "be dropped; lower num_warmup_batches, raise the threshold, or use max_off_policy_strategy=wait"
+            f"{key}={warmup} generates batches that many versions ahead, more than "
+            f"trainer.v1.sampler.max_off_policy_threshold={sampler.max_off_policy_threshold}: with "
+            "max_off_policy_strategy=drop every batch after the first would be dropped; lower num_warmup_batches, "
+            "raise the threshold, or use max_off_policy_strategy=wait"
         )
+
+
+def _check_async_algorithm(config, mode: str) -> None:
     if config.algorithm.adv_estimator == "remax":
         raise ConfigError(
-            f"{MODE_KEY}='separate_async' with algorithm.adv_estimator=remax is not supported yet (its greedy "
-            "baseline rollout runs on the colocated workers); use trainer.v1.trainer_mode=sync or another estimator"
+            f"{MODE_KEY}={mode!r} with algorithm.adv_estimator=remax is not supported yet (its greedy baseline "
+            "rollout would run with other weights than the batch's); use trainer.v1.trainer_mode=sync or another "
+            "estimator"
         )
     if config.use_critic:
         raise ConfigError(
-            f"{MODE_KEY}='separate_async' with algorithm.adv_estimator=gae is not supported yet (the critic's "
-            "values would be stale too); use a critic-free estimator such as grpo, or trainer.v1.trainer_mode=sync"
-        )
-    if config.actor_rollout_ref.model.lora_rank:
-        raise ConfigError(
-            f"{MODE_KEY}='separate_async' with actor_rollout_ref.model.lora_rank > 0 is not supported yet (the "
-            "weight sync sends full tensors); train LoRA with trainer.v1.trainer_mode=sync"
+            f"{MODE_KEY}={mode!r} with algorithm.adv_estimator=gae is not supported yet (the critic's values would "
+            "be stale too); use a critic-free estimator such as grpo, or trainer.v1.trainer_mode=sync"
         )
 
 

@@ -1,4 +1,4 @@
-"""``trainer.v1.trainer_mode=separate_async``: GRPO with a separate rollout group, one step off-policy.
+"""``trainer.v1.trainer_mode=separate_async`` (and ``colocate_async``): GRPO one step off-policy.
 
 ``AsyncGRPOTrainer`` is ``GRPOTrainer`` whose training rollouts come from a rollout worker group on
 its own resource pool (``actor_rollout_ref.rollout.nnodes x n_gpus_per_node`` RolloutWorkers,
@@ -32,13 +32,28 @@ within one of each other); ``rollout/imbalance_predicted`` and ``rollout/imbalan
 A sample's tokens depend only on its prompt, its seed (``sampling_seed(seed, sample_index)``) and
 the weights, not on the worker that drew it.
 
-Not built yet: LoRA adapters-only sync, a critic, exact resume of the in-flight batches (a
-resumed or restarted run regenerates the next batch with the restored weights), colocate_async.
+A checkpoint (a save, SIGINT / SIGTERM) waits for the in-flight batches and keeps their rollout
+outputs with the policy version (``trainer/async_checkpoint.py``), so a resumed run, or one
+restarted after a dead worker (rollout's or actor's; ``trainer.max_restarts``), trains on the same
+samples and continues the uninterrupted curve; every later batch is generated from its seeds.
+
+With LoRA (``actor_rollout_ref.model.lora_rank > 0``) the first sync to a rollout group sends the
+base and the adapters, every later one the adapters only; the rollout workers merge them
+(``weight_sync/bytes`` says what a step sent).
+
+``trainer.v1.trainer_mode=colocate_async`` runs the same schedule on the actor group's colocated
+rollout: step k submits batch k+1's generation to the actor workers before its own log-prob passes
+and updates, so (a worker runs its calls in order) batch k+1 is generated with version k, exactly
+the samples ``separate_async`` draws; there is no weight sync. The workers do one thing at a time,
+so only the driver's work (scoring, advantages, planning) overlaps the generation.
+
+Not built yet: a critic.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, replace
 
@@ -67,7 +82,16 @@ from verl_balance.protocol import Batch
 from verl_balance.rollout import RolloutOutput, build_rollout_batch
 from verl_balance.single_controller.resource_pool import RayResourcePool, UnplaceableResourcePoolError
 from verl_balance.single_controller.worker_group import GroupFuture, RayClassWithInitArgs
-from verl_balance.trainer import cluster
+from verl_balance.trainer import checkpoint, cluster
+from verl_balance.trainer.async_checkpoint import (
+    EXPECTED_RESPONSE_STATE_KEY,
+    IN_FLIGHT_STATE_KEY,
+    POLICY_VERSION_STATE_KEY,
+    AsyncCheckpoint,
+    in_flight_file,
+    load_rollout_output,
+    save_rollout_output,
+)
 from verl_balance.trainer.async_config import MODE_KEY
 from verl_balance.trainer.grpo_trainer import GRPOTrainer, _timed, merge_rollout_outputs
 from verl_balance.trainer.sections import TrainerSection
@@ -132,6 +156,12 @@ def merge_assigned_outputs(outputs: list, parts: list[np.ndarray], *, pad_token_
     return select_output_rows(merged, np.argsort(merged.prompt_index, kind="stable"))
 
 
+def add_metrics(metrics: dict, more: dict) -> None:
+    """``metrics`` plus ``more``, summing the values of keys both have (two syncs in one step)."""
+    for key, value in more.items():
+        metrics[key] = metrics.get(key, 0.0) + value
+
+
 def stale_rows(versions: np.ndarray, *, current: int, threshold: int) -> np.ndarray:
     """Rows whose staleness (current version - the version that generated them) exceeds ``threshold``."""
     return (current - np.asarray(versions)) > threshold
@@ -160,23 +190,42 @@ def is_weight_metrics(batch: Batch) -> dict:
     return out
 
 
+class ColocatedFuture:
+    """colocate_async: the actor group's ``generate_sequences`` answers as the rollout group's
+    ({"output", "version", "busy_s"} per rank; the version is the actor's at submission)."""
+
+    def __init__(self, future: GroupFuture, version: int) -> None:
+        self._future, self._version = future, version
+
+    def get(self) -> list[dict]:
+        return [{"output": o, "version": self._version, "busy_s": 0.0} for o in self._future.get()]
+
+
 @dataclass
 class InFlight:
-    """A batch whose generation was submitted to the rollout group."""
+    """A batch whose generation was submitted to the rollout group (or restored from a checkpoint)."""
 
     prompts: tuple[dict, dict]
     parts: list[np.ndarray]
-    future: GroupFuture
+    future: GroupFuture | ColocatedFuture | None
     version: int
     """The policy version the rollout group generates it with (the last sync submitted before it)."""
     predicted: dict
+    answers: list[dict] | None = None
+    """The workers' answers once waited for (a restored batch: one answer, its saved output)."""
+
+    def result(self) -> list[dict]:
+        """The workers' answers ({"output", "version", "busy_s"} each), waiting for them once."""
+        if self.answers is None:
+            self.answers = self.future.get()
+        return self.answers
 
 
 # ---------------------------------------------------------------------- trainer
 class AsyncGRPOTrainer(GRPOTrainer):
     """GRPO with a separate rollout worker group, generation overlapped with training."""
 
-    trainer_modes = ("separate_async",)
+    trainer_modes = ("separate_async", "colocate_async")
     worker_cls = AsyncActorRolloutWorker
     rollout_group: RolloutGroup | None = None
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
@@ -189,10 +238,13 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self._in_flight: dict[int, InFlight] = {}
         self._rollout_version: int | None = None
         self._sync_futures: list[GroupFuture] = []
-        self._bucket_plan: dict | None = None
+        self._bucket_plans: dict[bool, dict] = {}
+        self._rollout_has_base = False
         self._expected_response = float(self.rollout_cfg.response_length)
+        self.separate = self.v1.trainer_mode == "separate_async"
         try:
-            self.rollout_group = self._start_rollout_group()
+            if self.separate:
+                self.rollout_group = self._start_rollout_group()
         except BaseException:
             self.close()
             raise
@@ -205,6 +257,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             stop_token_ids=(self.tokenizer.eos_token_id,),
             rollout_max_batch_size=self.rollout_cfg.max_num_seqs,
             rollout_backend=self.config.rollout_backend,
+            lora_scaling=self._weight_plan(adapters_only=False)["lora_scaling"],
         )
 
     def _start_rollout_group(self) -> RolloutGroup:
@@ -241,6 +294,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             raise
         logger.info("%d rollout workers on their own pool (%s)", group.world_size, MODE_KEY + "=separate_async")
         self._rollout_version = None
+        self._rollout_has_base = False
         return group
 
     def close(self) -> None:
@@ -256,33 +310,96 @@ class AsyncGRPOTrainer(GRPOTrainer):
         """A dead worker (actor's or rollout's) replaces every group; in-flight batches are regenerated."""
         self._in_flight.clear()
         self._sync_futures = []
+        self._expected_response = float(self.rollout_cfg.response_length)
         if self.rollout_group is not None:
             cluster.release_group(self.rollout_group, broken="the old rollout group")
-        self.rollout_group = self._start_rollout_group()
+        if self.separate:
+            self.rollout_group = self._start_rollout_group()
         super().restart_workers()
 
+    # ------------------------------------------------------------------ checkpoint
+    @property
+    def checkpoint_group(self):
+        """The actor's shards plus the in-flight batches' rollout outputs (``async_checkpoint``)."""
+        return AsyncCheckpoint(self.actor, self._save_in_flight)
+
+    def _trainer_state(self) -> dict:
+        """The driver's state plus the policy version, the in-flight batches and the length estimate."""
+        return {
+            **super()._trainer_state(),
+            POLICY_VERSION_STATE_KEY: self.global_step,
+            IN_FLIGHT_STATE_KEY: [
+                {"step": k, "version": f.version, "file": in_flight_file(k)} for k, f in sorted(self._in_flight.items())
+            ],
+            EXPECTED_RESPONSE_STATE_KEY: self._expected_response,
+        }
+
+    def _save_in_flight(self, path: str) -> None:
+        """Wait for every in-flight batch and write its rollout output into the checkpoint ``path``."""
+        for step, flight in sorted(self._in_flight.items()):
+            output = merge_assigned_outputs(
+                [a["output"] for a in flight.result()], flight.parts, pad_token_id=self.tokenizer.pad_token_id
+            )
+            file = os.path.join(path, in_flight_file(step))
+            save_rollout_output(file, output, version=flight.version, predicted=flight.predicted)
+
     def _load(self, path: str) -> None:
-        """Resume: the restored weights go to the rollout group before the next generation."""
+        """Resume: the in-flight batches come back from the checkpoint (trained on as they were
+        generated); the restored weights go to the rollout group before the next generation."""
         super()._load(path)
-        self._in_flight.clear()
+        state = checkpoint.read_json(os.path.join(path, checkpoint.TRAINER_STATE_FILE)) or {}
+        self._in_flight = self._restore_in_flight(path, state)
         self._rollout_version = None
+        self._expected_response = float(state.get(EXPECTED_RESPONSE_STATE_KEY, self.rollout_cfg.response_length))
+
+    def _restore_in_flight(self, path: str, state: dict) -> dict[int, InFlight]:
+        """The in-flight batches a checkpoint saved, their prompts re-read from the restored loader."""
+        entries = state.get(IN_FLIGHT_STATE_KEY)
+        if entries is None:
+            logger.warning(
+                "checkpoint %s has no in-flight batches (written with trainer.v1.trainer_mode=sync): batch %d is "
+                "generated with the restored weights, one version newer than an uninterrupted run would use",
+                path,
+                self.global_step,
+            )
+            return {}
+        flights = {}
+        for entry in entries:
+            step = int(entry["step"])
+            output, version, predicted = load_rollout_output(os.path.join(path, in_flight_file(step)))
+            if version != int(entry["version"]) or step < self.global_step:
+                raise checkpoint.CheckpointError(
+                    f"{path}: in-flight batch {step} (policy version {version}) does not match its trainer state "
+                    f"{entry} at step {self.global_step}; resume from another global_step_N directory"
+                )
+            prompts = peek_loader_item(self.loader, step - self.global_step + 1)
+            answer = {"output": output, "version": version, "busy_s": 0.0}
+            parts = [np.arange(len(prompts[1][INDEX_KEY]))]
+            flights[step] = InFlight(prompts, parts, None, version, predicted, answers=[answer])
+        return flights
 
     # ------------------------------------------------------------------ weight sync
+    def _weight_plan(self, *, adapters_only: bool) -> dict:
+        """The actor's bucket plan (every tensor, or a LoRA actor's adapters only), computed once."""
+        if adapters_only not in self._bucket_plans:
+            self._bucket_plans[adapters_only] = self.actor.weight_buckets(self.bucket_bytes, adapters_only)[0]
+        return self._bucket_plans[adapters_only]
+
     def sync_weights(self, *, version: int) -> dict:
         """Send the actor's weights to every rollout worker in buckets (not waiting for the rollout
-        side, which applies them after the generations submitted before); the sync's metrics."""
+        side, which applies them after the generations submitted before); the sync's metrics.
+        With LoRA a rollout group that holds the base gets the adapters only."""
         start = time.perf_counter()
-        if self._bucket_plan is None:
-            self._bucket_plan = self.actor.weight_buckets(self.bucket_bytes)[0]
-        buckets = self._bucket_plan["buckets"]
-        futures = []
+        lora = self._weight_plan(adapters_only=False)["lora_scaling"] is not None
+        plan = self._weight_plan(adapters_only=lora and self._rollout_has_base)
+        buckets = plan["buckets"]
         for i, names in enumerate(buckets):
             bucket = ray.put(self.actor.export_weight_bucket(names)[0])
-            futures.append(self.rollout_group.receive_weights.submit(bucket, version, i == len(buckets) - 1))
-        self._sync_futures = futures
+            self._sync_futures.append(self.rollout_group.receive_weights.submit(bucket, version, i == len(buckets) - 1))
         self._rollout_version = version
+        self._rollout_has_base = True
         return {
-            "weight_sync/bytes": float(self._bucket_plan["bytes"]),
+            "weight_sync/bytes": float(plan["bytes"]),
             "weight_sync/buckets": float(len(buckets)),
             "timing_s/weight_sync": time.perf_counter() - start,
         }
@@ -299,7 +416,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
         lengths = tensors[ATTENTION_MASK_KEY].sum(1)
         r = self.rollout_cfg
         costs = r.n * (lengths.double().numpy() + self._expected_response)
-        parts, predicted = assign_prompts(costs, num_workers=self.rollout_group.world_size)
+        workers = self.rollout_group.world_size if self.separate else self.world
+        parts, predicted = assign_prompts(costs, num_workers=workers)
         prompt_batch = Batch.from_dict(
             tensors={PROMPT_LENGTHS_KEY: lengths},
             non_tensors={
@@ -310,6 +428,9 @@ class AsyncGRPOTrainer(GRPOTrainer):
         sampling = dict(n=r.n, temperature=r.temperature, top_p=r.top_p, max_response_length=r.response_length)
         seed = sampling_seed(self.config.trainer.seed, step)
         chunks = [prompt_batch.index_select(p) for p in parts]
+        if not self.separate:  # the actor's own rollout, queued before this step's updates
+            future = ColocatedFuture(self.actor.generate_sequences.submit(chunks, sampling, seed), self.global_step)
+            return InFlight(prompts=prompts, parts=parts, future=future, version=self.global_step, predicted=predicted)
         future = self.rollout_group.generate_sequences.submit(chunks, sampling, seed)
         return InFlight(prompts=prompts, parts=parts, future=future, version=self._rollout_version, predicted=predicted)
 
@@ -322,7 +443,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
     def _collect(self, flight: InFlight, metrics: dict) -> Batch:
         """Wait for a submitted batch: the rollout batch (prompt-major) with its policy version."""
-        answers = flight.future.get()
+        answers = flight.result()
         self._wait_for_sync()
         versions = {a["version"] for a in answers}
         assert versions == {flight.version}, (versions, flight.version)
@@ -353,8 +474,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
         metrics: dict = {}
         step = self.global_step
         with _timed(metrics, "step"):
-            if self._rollout_version is None:  # a fresh rollout group, or a resumed actor
-                metrics.update(self.sync_weights(version=step))
+            if self.separate and self._rollout_version is None:  # a fresh rollout group, or a resumed actor
+                add_metrics(metrics, self.sync_weights(version=step))
             flight = self._in_flight.pop(step, None) or self._submit(prompts, step=step)
             self._submit_ahead(step)
             self.phase("rollout")
@@ -363,7 +484,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
             batch = self._apply_sampler(batch, metrics)
             if len(batch):
                 self._train_on(batch, metrics)
-            metrics.update(self.sync_weights(version=step + 1))
+            if self.separate:
+                add_metrics(metrics, self.sync_weights(version=step + 1))
         if len(batch):
             metrics.update(self._rollout_metrics(batch, *self._last_scores, prefix=""))
             tokens = int(batch[ATTENTION_MASK_KEY].sum())
@@ -419,7 +541,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
 def grpo_trainer_class(cfg) -> type[GRPOTrainer]:
     """The trainer ``trainer.v1.trainer_mode`` asks for (``sync`` and an absent key: GRPOTrainer)."""
     mode = OmegaConf.select(cfg, MODE_KEY, default="sync")
-    return AsyncGRPOTrainer if mode == "separate_async" else GRPOTrainer
+    return AsyncGRPOTrainer if mode in AsyncGRPOTrainer.trainer_modes else GRPOTrainer
 
 
 __all__ = [

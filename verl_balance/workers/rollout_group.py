@@ -23,7 +23,8 @@ class RolloutGroup(RayWorkerGroup):
 
     @group_method
     def weights_checksum(self) -> list[dict]:
-        """``RolloutWorker.weights_checksum`` on every rank: version and float64 sum of its weights."""
+        """``RolloutWorker.weights_checksum`` on every rank: version and float64 sums of the weights it
+        generates with."""
         ...
 
     @group_method

@@ -12,7 +12,8 @@ Invariants:
   version of a batch is fixed when it is submitted (``trainer/async_pipeline.py``).
 - ``receive_weights`` copies each bucket into the worker's own tensors; the rollout engine is
   pointed at them once the last bucket of a version arrived (``last=True``), so a generation never
-  sees a half-updated model.
+  sees a half-updated model. With LoRA (``lora_scaling``) they are the actor's LoRA-named tensors
+  and the engine gets the merged ones.
 - Prompt ``i`` samples with ``sampling_seed(seed, sample_index[i])`` exactly as the colocated
   rollout does (``ActorRolloutWorker.generate_sequences``), so a sample depends on its prompt, seed
   and weights, not on which rollout worker drew it.
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from verl_balance.batch_keys import PROMPT_IDS_KEY, SAMPLE_INDEX_KEY
+from verl_balance.engine.lora import adapter_names, base_name, is_lora_name, merged_weight
 from verl_balance.models.config import ModelConfig
 from verl_balance.models.hf import HFModelConfig
 from verl_balance.protocol import Batch
@@ -48,6 +50,10 @@ class RolloutWorkerConfig:
     """Sequences decoded together (actor_rollout_ref.rollout.max_num_seqs); None = all at once."""
     rollout_backend: str = "auto"
     """The rollout engine (``rollout.factory.ROLLOUT_BACKENDS``)."""
+    lora_scaling: float | None = None
+    """peft's factor on B @ A when the actor trains LoRA adapters (None: full weights). The worker
+    then holds the actor's LoRA-named tensors (the base once, the adapters at every sync) and
+    generates with W + scaling * B @ A of each adapted module, as the colocated rollout does."""
 
 
 class RolloutWorker(Worker):
@@ -58,6 +64,8 @@ class RolloutWorker(Worker):
         self.config = config
         self.rollout: RolloutEngine | None = None
         self._state: dict[str, torch.Tensor] = {}
+        self._weights: dict[str, torch.Tensor] = {}
+        """What the rollout generates with: ``_state``, or with LoRA its merged plain tensors."""
         self.version: int | None = None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
@@ -84,14 +92,30 @@ class RolloutWorker(Worker):
             else:
                 own.copy_(tensor)
         if last:
-            self.rollout.update_weights(self._state)
+            self._weights = self._state if self.config.lora_scaling is None else self._merged_lora_weights()
+            self.rollout.update_weights(self._weights)
             self.version = int(version)
+
+    def _merged_lora_weights(self) -> dict[str, torch.Tensor]:
+        """The plain model's tensors: each adapted base weight with its adapters merged
+        (``lora.merged_weight``, in fp32, back to the base's dtype, as ``ActorRolloutWorker``)."""
+        out = {}
+        for name, tensor in self._state.items():
+            if is_lora_name(name):
+                continue
+            pair = adapter_names(name)
+            if pair is not None and pair[0] in self._state:
+                a, b = self._state[pair[0]], self._state[pair[1]]
+                tensor = merged_weight(tensor, a, b, scaling=self.config.lora_scaling).to(tensor.dtype)
+            out[base_name(name)] = tensor
+        return out
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def weights_checksum(self) -> dict:
-        """{"version": v, "sum": float64 sum of every weight} (tests compare it with the actor's)."""
-        total = sum(float(t.double().sum()) for t in self._state.values())
-        return {"version": self.version, "sum": total, "names": sorted(self._state)}
+        """{"version": v, "sum": float64 sum of the weights it generates with, "names", "sums": per
+        tensor} (tests compare them with the actor's)."""
+        sums = {name: float(t.double().sum()) for name, t in self._weights.items()}
+        return {"version": self.version, "sum": sum(sums.values()), "names": sorted(sums), "sums": sums}
 
     @register(dispatch_mode=make_mesh_dispatch(ROLLOUT_MESH))
     def generate_sequences(self, prompts: Batch, sampling: dict, seed: int) -> dict:

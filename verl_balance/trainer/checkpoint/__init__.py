@@ -41,6 +41,7 @@ from verl_balance.trainer.checkpoint.layout import (
     checkpoint_dir,
     is_complete,
     latest_checkpoint,
+    read_json,
     scan_checkpoints,
 )
 from verl_balance.trainer.checkpoint.lineage import (
@@ -74,6 +75,7 @@ __all__ = [
     "STAGING_PREFIX",
     "SUPERSEDED_DIR",
     "TRAINER_STATE_FILE",
+    "read_json",
     "CheckpointCorruptError",
     "CheckpointDiskFullError",
     "CheckpointError",
