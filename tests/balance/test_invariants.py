@@ -223,7 +223,11 @@ def test_balanced_plan_is_never_worse_than_the_naive_plan_at_the_same_micro_batc
     naive = plan_balance(**kw, balance=False)
     assert plan.stats["naive_sync_cost"] == pytest.approx(naive.stats["sync_cost"])
     if plan.num_micro_batches == naive.num_micro_batches:
-        assert plan_objective(plan.cell_costs) <= plan_objective(naive.cell_costs)
+        # Lexicographic, with equal up to summation order (1e-9 relative) counted as a tie.
+        for ours, theirs in zip(plan_objective(plan.cell_costs), plan_objective(naive.cell_costs)):
+            if ours != pytest.approx(theirs, rel=1e-9):
+                assert ours < theirs
+                break
 
 
 def test_plan_objective_is_sync_cost_then_max_rank_cost():

@@ -21,8 +21,14 @@ from verl_balance.trainer.metrics import reduce_rank_metrics
 
 register_grpo_schema()
 
+NO_OFFLOAD = {"param_offload": False, "optimizer_offload": False, "offload_policy": False}
 FAST_SWITCHES = {"reshard_after_forward": False, "reshard_after_backward": False, "defer_gradient_sync": True}
-MEMORY_SAFE = {"reshard_after_forward": True, "reshard_after_backward": True, "defer_gradient_sync": False}
+MEMORY_SAFE = {
+    "reshard_after_forward": True,
+    "reshard_after_backward": True,
+    "defer_gradient_sync": False,
+    **NO_OFFLOAD,
+}
 
 
 def _sft_engine(overrides: list[str]):
@@ -55,7 +61,7 @@ def test_fsdp_config_overrides_reach_the_engine_config(recipe, section):
     else:
         _, engine = _grpo_engine(overrides)
     assert isinstance(engine.fsdp, FSDPConfig)
-    assert dataclasses.asdict(engine.fsdp) == FAST_SWITCHES
+    assert dataclasses.asdict(engine.fsdp) == {**FAST_SWITCHES, **NO_OFFLOAD}
     # Each switch on its own reaches the engine alone (no switch is wired to another's key).
     for key, value in FAST_SWITCHES.items():
         single = [f"{section}.{key}={str(value).lower()}"]

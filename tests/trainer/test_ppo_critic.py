@@ -262,6 +262,7 @@ def test_critic_follows_the_actors_warm_start_unless_it_has_its_own_model(
         ),
         critic=SimpleNamespace(model=SimpleNamespace(path=critic_path)),
         trainer=SimpleNamespace(allow_unverified_checkpoint=False),
+        use_reference_policy=False,
     )
     trainer.prepare_workers()
     assert trainer.actor.loads == [("model", os.path.abspath(ckpt))]

@@ -23,14 +23,22 @@ import os
 import numpy as np
 import torch
 
+from verl_balance.batch_keys import (
+    LOG_PROBS_KEY,
+    POLICY_VERSION_KEY,
+    PROMPT_INDEX_KEY,
+    RESPONSE_LENGTHS_KEY,
+    RESPONSE_MASK_KEY,
+)
 from verl_balance.rollout import RolloutOutput
 from verl_balance.trainer.checkpoint import CheckpointError
 from verl_balance.utils.atomic_io import refuse_symlink
 
-POLICY_VERSION_STATE_KEY = "policy_version"
+POLICY_VERSION_STATE_KEY = POLICY_VERSION_KEY
 IN_FLIGHT_STATE_KEY = "in_flight"
 EXPECTED_RESPONSE_STATE_KEY = "rollout_expected_response_length"
-_TENSORS = ("prompt_index", "responses", "response_mask", "response_lengths", "log_probs")
+# RolloutOutput fields, saved under their own names (the batch columns of the same names).
+_TENSORS = (PROMPT_INDEX_KEY, "responses", RESPONSE_MASK_KEY, RESPONSE_LENGTHS_KEY, LOG_PROBS_KEY)
 
 
 def in_flight_file(step: int) -> str:
@@ -45,7 +53,7 @@ def save_rollout_output(path: str, output: RolloutOutput, *, version: int, predi
     refuse_symlink(path)
     tensors = {name: torch.as_tensor(getattr(output, name)).contiguous() for name in _TENSORS[:-1]}
     if output.log_probs is not None:
-        tensors["log_probs"] = output.log_probs.contiguous()
+        tensors[LOG_PROBS_KEY] = output.log_probs.contiguous()
     metadata = {
         "version": str(int(version)),
         "finish_reasons": json.dumps([str(r) for r in output.finish_reasons]),
@@ -73,12 +81,12 @@ def load_rollout_output(path: str) -> tuple[RolloutOutput, int, dict]:
     if missing:
         raise CheckpointError(f"{path} is not an in-flight batch file (missing {missing}); resume from another step")
     output = RolloutOutput(
-        prompt_index=tensors["prompt_index"].numpy(),
+        prompt_index=tensors[PROMPT_INDEX_KEY].numpy(),
         responses=tensors["responses"],
-        response_mask=tensors["response_mask"],
-        response_lengths=tensors["response_lengths"],
+        response_mask=tensors[RESPONSE_MASK_KEY],
+        response_lengths=tensors[RESPONSE_LENGTHS_KEY],
         finish_reasons=np.asarray(json.loads(metadata["finish_reasons"]), dtype=object),
-        log_probs=tensors.get("log_probs"),
+        log_probs=tensors.get(LOG_PROBS_KEY),
     )
     return output, int(metadata["version"]), json.loads(metadata.get("predicted", "{}"))
 
