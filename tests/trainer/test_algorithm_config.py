@@ -193,7 +193,15 @@ OVERLONG = ["custom_reward_function.overlong_buffer.enable=true", "custom_reward
         (["algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.horizon=0"], "algorithm.kl_ctrl.horizon"),
         (["algorithm.filter_groups.enable=true", "algorithm.adv_estimator=remax"], "algorithm.filter_groups.enable"),
         (["algorithm.filter_groups.enable=true", ASYNC], "algorithm.filter_groups.enable"),
-        (["algorithm.rollout_correction.rollout_is=token", ASYNC], "algorithm.rollout_correction.rollout_is"),
+        (["algorithm.rollout_correction.rollout_is=token", ASYNC], "actor_rollout_ref.actor.recompute_old_log_prob"),
+        (
+            [
+                "algorithm.rollout_correction.rollout_rs=token_k2",
+                "algorithm.rollout_correction.rollout_rs_threshold=0.1",
+                ASYNC,
+            ],
+            "algorithm.rollout_correction.rollout_is/rollout_rs",
+        ),
         (
             ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_final_reward", KL_IN_REWARD],
             "algorithm.filter_groups.metric",
@@ -211,6 +219,24 @@ OVERLONG = ["custom_reward_function.overlong_buffer.enable=true", "custom_reward
 def test_combinations_main_grpo_cannot_run_fail_naming_the_key(overrides, key):
     with pytest.raises(ConfigError, match=re.escape(key)):
         validate_grpo(compose_config("grpo", ["actor_rollout_ref.rollout.response_length=8", *overrides]))
+
+
+@pytest.mark.parametrize("mode", ["separate_async", "colocate_async"])
+def test_async_modes_take_the_decoupled_rollout_correction_when_the_old_log_probs_are_recomputed(mode):
+    overrides = [
+        "actor_rollout_ref.rollout.response_length=8",
+        f"trainer.v1.trainer_mode={mode}",
+        "actor_rollout_ref.rollout.nnodes=1",
+        "trainer.v1.separate_async.parameter_sync_step=2",
+        "algorithm.rollout_correction.rollout_is=token",
+        "algorithm.rollout_correction.rollout_rs=token_k2",
+        "algorithm.rollout_correction.rollout_rs_threshold=0.02",
+    ]
+    with pytest.raises(ConfigError, match=re.escape("recompute_old_log_prob='auto'")):  # negative control
+        validate_grpo(compose_config("grpo", overrides))
+    recomputed = [*overrides, "actor_rollout_ref.actor.recompute_old_log_prob=always"]
+    config = validate_grpo(compose_config("grpo", recomputed))
+    assert config.algorithm.corrects_rollout and config.trainer.v1.trainer_mode == mode
 
 
 @pytest.mark.parametrize(

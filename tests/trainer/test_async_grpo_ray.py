@@ -77,11 +77,14 @@ def _recording_trainer(overrides: list[str]):
 
     register_grpo_schema()
     trainer = AsyncGRPOTrainer(compose_config("grpo", overrides))
-    record: dict = {"steps": [], "prompts": [], "batches": [], "scores": []}
+    record: dict = {"steps": [], "prompts": [], "batches": [], "scores": [], "loss_masks": []}
     collect, score = trainer._collect, trainer.score
 
     def recording_collect(flight, metrics):
+        from verl_balance.batch_keys import LOSS_MASK_KEY
+
         batch = collect(flight, metrics)
+        record["loss_masks"].append(batch[LOSS_MASK_KEY].clone())  # before any rollout rejection
         record["steps"].append(trainer.global_step)
         record["prompts"].append(flight.prompts[1])
         record["batches"].append(batch)
@@ -454,3 +457,91 @@ def test_colocate_async_draws_the_samples_and_losses_of_separate_async(async_run
     assert trainer.rollout_group is None
     assert [set(b[POLICY_VERSION_KEY].tolist()) for b in record["batches"]] == [{0}, {0}, {1}, {2}]
     _assert_same_run(record, read_metrics(summary["metrics"]), async_runs[1, 1])
+
+
+RC_STEPS = 3
+RC_KEYS = {
+    "rollout_is": "token",
+    "rollout_is_threshold": 2.0,
+    "rollout_rs": "token_k2",
+    "rollout_rs_threshold": 0.02,
+}
+"""The decoupled correction of the corrected run: truncated token IS weights, token-level k2 rejection."""
+
+
+@pytest.fixture(scope="module")
+def corrected_run(ray_cluster, async_root):
+    """separate_async with verl's decoupled rollout correction (old log-probs recomputed), one
+    mini-batch per step; records what each update received."""
+    from verl_balance.utils.tracking import read_metrics
+
+    replaced = ("trainer.total_training_steps", "actor_rollout_ref.actor.ppo_mini_batch_size", "trainer.v1.separate")
+    overrides = [o for o in _overrides(async_root, name="rollout_corr") if not o.startswith(replaced)]
+    overrides += [f"algorithm.rollout_correction.{k}={v}" for k, v in RC_KEYS.items()]
+    overrides += [
+        f"trainer.total_training_steps={RC_STEPS}",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "trainer.v1.separate_async.parameter_sync_step=1",
+        "actor_rollout_ref.actor.recompute_old_log_prob=always",
+    ]
+    trainer, record = _recording_trainer(overrides)
+    record["updates"] = []
+    update_actor = trainer.update_actor
+
+    def recording_update(batch):
+        record["updates"].append({k: batch[k].clone() for k in batch.tensor_keys})
+        return update_actor(batch)
+
+    trainer.update_actor = recording_update
+    try:
+        summary = trainer.fit()
+    finally:
+        trainer.close()
+    record["metrics"] = [r for r in read_metrics(summary["metrics"]) if r["step"] >= 1]
+    return record
+
+
+def test_async_decoupled_correction_trains_with_verls_weights_on_the_actors_and_rollouts_log_probs(corrected_run):
+    """The IS weights and the loss mask each update received are decoupled_correction of the
+    recomputed old log-probs vs the rollout's (and by hand: min(exp(old - rollout), 2) x mask);
+    its rollout_corr/* metrics are logged next to the staleness ones."""
+    from verl_balance.algorithms.rollout_correction import RolloutCorrectionConfig, decoupled_correction
+    from verl_balance.batch_keys import LOSS_MASK_KEY, OLD_LOG_PROBS_KEY, ROLLOUT_IS_WEIGHTS_KEY, ROLLOUT_LOG_PROBS_KEY
+
+    config = RolloutCorrectionConfig(**RC_KEYS)
+    updates, metrics = corrected_run["updates"], corrected_run["metrics"]
+    assert len(updates) == len(metrics) == RC_STEPS
+    rejected = []
+    for update, mask, logged in zip(updates, corrected_run["loss_masks"], metrics):
+        old, rollout = update[OLD_LOG_PROBS_KEY], update[ROLLOUT_LOG_PROBS_KEY]
+        weights, kept, expected = decoupled_correction(
+            old_log_probs=old, rollout_log_probs=rollout, loss_mask=mask, config=config
+        )
+        torch.testing.assert_close(update[ROLLOUT_IS_WEIGHTS_KEY], weights.float(), rtol=1e-6, atol=0)
+        by_hand = torch.exp(old.double() - rollout.double()).clamp(max=2.0) * mask
+        torch.testing.assert_close(update[ROLLOUT_IS_WEIGHTS_KEY].double(), by_hand, rtol=1e-6, atol=1e-7)
+        assert torch.equal(update[LOSS_MASK_KEY], kept)
+        assert expected and set(expected) <= set(logged)
+        for key, value in expected.items():
+            assert logged[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key
+        assert {"off_policy/staleness_mean", "off_policy/is_weight_token_mean"} <= set(logged)
+        rejected.append(logged["rollout_corr/rollout_rs_masked_fraction"])
+    assert not torch.equal(updates[-1][OLD_LOG_PROBS_KEY], updates[-1][ROLLOUT_LOG_PROBS_KEY])  # one step stale
+    assert 0 < max(rejected) < 0.5, rejected  # the rejection bites, a little
+
+
+def test_async_decoupled_correction_pg_loss_is_the_is_weighted_loss_not_the_unweighted_one(corrected_run):
+    """One mini-batch per step, so the update's ratio pi_theta / pi_old is 1 and verl's token-mean
+    pg_loss is -sum(A w m) / sum(m) over the kept tokens; with weights all ones (negative control)
+    it would differ once the batch is stale (step 0 trains on its own version's samples: w ~ 1)."""
+    from verl_balance.batch_keys import ADVANTAGES_KEY, LOSS_MASK_KEY, ROLLOUT_IS_WEIGHTS_KEY
+
+    for step, (update, logged) in enumerate(zip(corrected_run["updates"], corrected_run["metrics"])):
+        mask, advantages = update[LOSS_MASK_KEY].double(), update[ADVANTAGES_KEY].double()
+        weights = update[ROLLOUT_IS_WEIGHTS_KEY].double()
+        weighted = float(-(advantages * weights * mask).sum() / mask.sum())
+        unweighted = float(-(advantages * mask).sum() / mask.sum())
+        tolerance = 1e-5 * abs(weighted) + 1e-7
+        assert logged["actor/pg_loss"] == pytest.approx(weighted, rel=1e-5, abs=1e-7), step
+        if step >= 1:
+            assert abs(weighted - unweighted) > 10 * tolerance, (step, weighted, unweighted)

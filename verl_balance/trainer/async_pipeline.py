@@ -18,7 +18,12 @@ its own resource pool (``actor_rollout_ref.rollout.nnodes x n_gpus_per_node`` Ro
    loss: the PPO ratio pi_theta / pi_rollout is the importance weight, clipped). With
    ``actor.recompute_old_log_prob=always`` the actor's log-probs of the batch are computed first
    and the token- and sequence-level importance weights exp(log pi_actor - log pi_rollout) are
-   logged (``off_policy/is_weight_*``, ``rollout_correction.is_weights``);
+   logged (``off_policy/is_weight_*``, ``rollout_correction.is_weights``). With verl's decoupled
+   correction (``algorithm.rollout_correction.rollout_is`` / ``rollout_rs``, which needs
+   ``recompute_old_log_prob=always``) the old log-probs stay the actor's and, as in sync mode,
+   ``advantage_step.correct_rollout`` sets the truncated IS weights and rejects tokens from the
+   loss mask before the advantages (``rollout_corr/*`` metrics); the PPO ratio is then
+   pi_theta / pi_old, times the IS weight;
 4. sync the new weights actor -> rollout group in buckets (``workers/weight_sync.py``): version k+1.
 
 With ``num_warmup_batches=1`` batch k is generated with the weights of step k-1 (step 0's with the
@@ -513,7 +518,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
 
     def _train_on(self, batch: Batch, metrics: dict) -> None:
         """Score, reference (and with recompute_old_log_prob=always the actor's) log-probs,
-        advantages and the PPO updates against the rollout's recorded log-probs."""
+        advantages and the PPO updates against the rollout's recorded log-probs (bypass), or with
+        the decoupled rollout correction against the actor's, IS-weighted."""
         batch.meta[TEMPERATURE_KEY] = float(self.rollout_cfg.temperature)
         self.old_log_prob_from_update = not self._recompute_old  # skips the old-log-prob pass
         try:
@@ -528,9 +534,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
         self._collect_log_prob_passes(batch, pending, metrics)
         if OLD_LOG_PROBS_KEY in batch:
             metrics.update(is_weight_metrics(batch))
-        batch[OLD_LOG_PROBS_KEY] = batch[ROLLOUT_LOG_PROBS_KEY].clone()  # bypass: the behaviour policy's
-        with _timed(metrics, "adv"):
-            self._attach_advantages(batch, scores, extras)
+        if not self.config.algorithm.corrects_rollout:
+            batch[OLD_LOG_PROBS_KEY] = batch[ROLLOUT_LOG_PROBS_KEY].clone()  # bypass: the behaviour policy's
+        with _timed(metrics, "adv"):  # decoupled: correct_rollout's weights and rejection, as in sync mode
+            metrics.update(self._attach_advantages(batch, scores, extras))
         self.phase("actor update")
         with _timed(metrics, "update"):
             metrics.update(

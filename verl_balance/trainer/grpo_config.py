@@ -642,12 +642,18 @@ class GRPOConfig(RecipeConfig):
         """algorithm.filter_groups filters on the scores before the log-prob passes."""
         groups, algorithm = self.algorithm.filter_groups, self.algorithm
         mode = self.trainer.v1.trainer_mode
-        if mode != "sync" and (groups.enable or algorithm.corrects_rollout):
-            key = "filter_groups.enable" if groups.enable else "rollout_correction.rollout_is/rollout_rs"
+        if mode != "sync" and groups.enable:
             raise ConfigError(
-                f"algorithm.{key} runs in the synchronous trainer only, not trainer.v1.trainer_mode={mode!r} "
-                "(whose update already takes the rollout's log-probs, verl's bypass mode); set "
-                "trainer.v1.trainer_mode=sync or remove it"
+                f"algorithm.filter_groups.enable runs in the synchronous trainer only, not trainer.v1.trainer_mode="
+                f"{mode!r}; set trainer.v1.trainer_mode=sync or remove it"
+            )
+        recompute = self.actor_rollout_ref.actor.recompute_old_log_prob
+        if mode != "sync" and algorithm.corrects_rollout and recompute != "always":
+            raise ConfigError(
+                f"algorithm.rollout_correction.rollout_is/rollout_rs with trainer.v1.trainer_mode={mode!r} compares "
+                "the actor's old log-probs with the rollout's, but actor_rollout_ref.actor.recompute_old_log_prob="
+                f"{recompute!r} takes the rollout's as the old ones (bypass); set recompute_old_log_prob=always or "
+                "remove the rollout correction"
             )
         if not groups.enable:
             return
