@@ -13,7 +13,8 @@ Invariants:
 - KL in the reward (``use_kl_in_reward``, ``kl_penalty``, ``kl_ctrl``), DAPO's dynamic sampling
   (``filter_groups``) and the rollout correction (``rollout_correction``: IS weights and rejection on
   the driver's batch, verl's decoupled mode; ``bypass_mode`` with ``loss_type=ppo_clip`` alone) run
-  in main_grpo's synchronous trainer; a value it cannot run (pf_ppo, bypass_mode with IS weights or
+  in main_grpo's synchronous trainer (the async modes take the decoupled correction when the old
+  log-probs are recomputed, and refuse dynamic sampling); a value it cannot run (pf_ppo, bypass_mode with IS weights or
   rejection) is refused naming the key.
 """
 
