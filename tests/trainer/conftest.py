@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -76,12 +77,19 @@ def run_cli_in_process(module: str, args: list[str], *, monkeypatch, capsys) -> 
     monkeypatch.setattr("sys.argv", [module.rsplit(".", 1)[-1], *args])
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     capsys.readouterr()
+    # Hydra points the root logger's handlers at this test's captured streams, which pytest closes
+    # afterwards: the next test logging through root would hit a closed file. Restore them.
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
     try:
         runpy.run_module(module, run_name="__main__")
     except SystemExit as exit_info:
         code = exit_info.code if isinstance(exit_info.code, int) else 1
     else:
         code = 0
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
     return code, capsys.readouterr().err
 
 

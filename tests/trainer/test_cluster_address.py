@@ -48,3 +48,9 @@ def test_ray_address_in_the_environment_is_joined_without_sizing_it(stale_addres
     # Joining a running cluster: ray.init refuses num_cpus there, so none is passed.
     assert not embedded and "num_cpus" not in kwargs
     assert get_ray_address_from_environment(kwargs["address"], None) == "10.0.0.5:6379"
+
+
+def test_ray_address_local_asks_for_the_embedded_cluster(stale_address_file, monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "local")
+    embedded, kwargs = cluster.ray_init_arguments(address=None, ray_init=None)
+    assert embedded and kwargs["address"] == "local" and not kwargs["include_dashboard"]

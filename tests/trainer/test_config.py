@@ -62,13 +62,14 @@ def test_recipe_values_reach_the_engine_unchanged(recipe, expected):
 def test_sft_data_section_is_the_dataset_config():
     config = validate_sft(compose_config("sft", ["data.max_length=300", "data.truncation=left"]))
     assert isinstance(config.data, SFTDataConfig)
-    assert config.data.dataset_config() == SFTDataConfig(max_length=300, truncation="left", messages_key="messages")
+    assert config.data.dataset_config() == SFTDataConfig(max_length=300, truncation="left")
     assert validate_sft(compose_config("sft", [])).data.max_length == 512  # the recipe's value
 
 
-def test_sft_messages_key_defaults_to_verls_and_null_selects_prompt_response():
-    assert validate_sft(compose_config("sft", [])).data.messages_key == "messages"  # verl's sft_trainer default
-    assert validate_sft(compose_config("sft", ["data.messages_key=null"])).data.messages_key is None
+def test_sft_messages_key_defaults_to_prompt_response_and_verls_spelling_selects_chats():
+    # null: prompt_key/response_key files keep working (verl's default "messages" would refuse them).
+    assert validate_sft(compose_config("sft", [])).data.messages_key is None
+    assert validate_sft(compose_config("sft", ["data.messages_key=messages"])).data.messages_key == "messages"
 
 
 # verl 0.9.1's rules, worked by hand for a 5-step run: sft_trainer saves and validates at the last step

@@ -4,7 +4,10 @@ cluster, ``address`` as trainer.ray_address's other spelling; a key ray.init doe
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -12,6 +15,8 @@ import pytest
 from verl_balance.trainer import cluster
 from verl_balance.trainer.config_checks import ConfigError
 from verl_balance.trainer.ray_init import check_ray_init, merge_ray_init
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_merge_puts_the_users_arguments_over_ours_and_runtime_env_key_by_key():
@@ -58,13 +63,20 @@ def test_ray_init_address_joins_that_cluster_and_two_addresses_are_refused():
 
 @pytest.mark.slow
 def test_num_cpus_sizes_a_real_embedded_cluster():
-    import ray
-
-    assert not ray.is_initialized()
+    # In its own interpreter: this process may already hold the session's Ray cluster.
     temp_dir = tempfile.mkdtemp(prefix="rk", dir="/tmp")  # Ray's socket paths must stay short
+    script = (
+        "import ray\n"
+        "from verl_balance.trainer import cluster\n"
+        f"cluster.start_ray(address=None, ray_init={{'num_cpus': 3, '_temp_dir': {temp_dir!r}}})\n"
+        "print('CPU', ray.cluster_resources()['CPU'])\n"
+        "ray.shutdown()\n"
+    )
     try:
-        cluster.start_ray(address=None, ray_init={"num_cpus": 3, "_temp_dir": temp_dir})
-        assert ray.cluster_resources()["CPU"] == 3
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO_ROOT, os.environ.get("PYTHONPATH", "")])}
+        env.pop("RAY_ADDRESS", None)
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "CPU 3.0" in proc.stdout.splitlines()
     finally:
-        ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)

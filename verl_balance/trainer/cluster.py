@@ -83,8 +83,10 @@ def start_ray(*, address: str | None, num_workers: int | None = None, ray_init: 
 def ray_init_arguments(*, address: str | None, ray_init: Mapping | None) -> tuple[bool, dict]:
     """(whether the cluster is embedded, the arguments of ``ray.init``): ours, with the user's
     ``ray_init`` merged over them (``ray_init.merge_ray_init``)."""
-    # RAY_ADDRESS joins that cluster, as Ray's own ray.init() would (never with num_cpus: Ray refuses it).
-    address = _address(address, check_ray_init(ray_init).get("address")) or os.environ.get("RAY_ADDRESS") or None
+    # RAY_ADDRESS joins that cluster, as Ray's own ray.init() would (never with num_cpus: Ray refuses it);
+    # RAY_ADDRESS=local asks for a new embedded cluster, which is what no address gives.
+    env_address = os.environ.get("RAY_ADDRESS") if os.environ.get("RAY_ADDRESS") != "local" else None
+    address = _address(address, check_ray_init(ray_init).get("address")) or env_address or None
     # No progress bars in the workers: Ray would print them late, after the driver's lines.
     env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}}
     if address:

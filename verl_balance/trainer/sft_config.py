@@ -53,9 +53,9 @@ class SFTDataSection(SFTDataConfig):
 
     train_files: Optional[Any] = None
     """Parquet/jsonl file(s) in verl's SFT schema; null = generate the synthetic task."""
-    messages_key: Optional[str] = "messages"
-    """The recipe's default is verl's sft_trainer's: each row's chat column (null: prompt_key/response_key,
-    the dataset's own default)."""
+    messages_key: Optional[str] = None
+    """Each row's chat column (verl's sft_trainer sets ``messages``); null: prompt_key/response_key, so
+    that prompt/response files keep working (a per-file choice by the columns present is not built)."""
     val_files: Optional[Any] = field(default=None, metadata=APPLY_ON_RESUME)
     """Validation file(s); null with synthetic data = the generated validation split."""
     train_batch_size: int = 32
