@@ -157,20 +157,7 @@ class TrainEngine:
                 offload=offload is not None,
             )
         else:
-            # A caller-built (materialized) model: moved whole to the device, then sharded.
-            if isinstance(model, ValueModel) != (engine_config.model_type == "value_model"):
-                raise EngineConfigError(
-                    f"model_type={engine_config.model_type!r} but the given model is a {type(model).__name__}; "
-                    "a value model is a models.value.ValueModel"
-                )
-            if engine_config.lora_rank:
-                apply_lora(model, engine_config)
-                fill_lora(model, engine_config)
-            model.to(torch.device("cpu") if offload is not None else self.device)
-            if shard is not None:
-                shard(model)
-            if offload is not None:
-                buffers_to(model, self.device)
+            self._shard_given_model(model, shard=shard, offload=offload is not None)
         model.set_sequence_parallel_group(layout.sp_group if layout.sp > 1 else None)
         self.model = model
         # Only trainable parameters (all of them, or the LoRA adapters) get AdamW state.
@@ -178,6 +165,24 @@ class TrainEngine:
         self.optimizer, self.scheduler = build_optimizer(trainable, config=engine_config)
         self.global_step = 0
         self.flops_workload = _flops_workload(model_config)
+
+    def _shard_given_model(self, model: PackedCausalLM, *, shard, offload: bool) -> None:
+        """A caller-built (materialized) model: LoRA applied, moved whole to the device (to the CPU
+        with offload, buffers then to the device), then sharded."""
+        engine_config = self.config
+        if isinstance(model, ValueModel) != (engine_config.model_type == "value_model"):
+            raise EngineConfigError(
+                f"model_type={engine_config.model_type!r} but the given model is a {type(model).__name__}; "
+                "a value model is a models.value.ValueModel"
+            )
+        if engine_config.lora_rank:
+            apply_lora(model, engine_config)
+            fill_lora(model, engine_config)
+        model.to(torch.device("cpu") if offload else self.device)
+        if shard is not None:
+            shard(model)
+        if offload:
+            buffers_to(model, self.device)
 
     @property
     def is_value_model(self) -> bool:
