@@ -554,10 +554,10 @@ def _parity_worker(rank: int, jobs: list, settings: ParitySettings) -> list:
 
     torch.set_num_threads(1)
     out = []
-    for dp, sp, port, cases in jobs:
+    for dp, sp, init_method, cases in jobs:
         if rank >= dp * sp:
             continue  # this process sits out a smaller layout
-        with gloo_group(rank=rank, world_size=dp * sp, port=port):
+        with gloo_group(rank=rank, world_size=dp * sp, init_method=init_method):
             results = _run_cases(dp=dp, sp=sp, cases=cases, settings=settings)
         out.append(results if rank == 0 else None)
     return out
@@ -574,7 +574,7 @@ def run_layouts(
     Each layout gets a fresh gloo process group of dp*sp ranks; processes beyond that size sit
     it out. Results are compared with reference_steps.
     """
-    from verl_balance.testing.multiprocess import free_port, run_on_ranks
+    from verl_balance.testing.multiprocess import new_rendezvous, run_on_ranks
 
     references = references if references is not None else {}
     cases = [c for _, layout_cases in jobs for c in layout_cases]
@@ -586,7 +586,7 @@ def run_layouts(
     missing = [m for m in missing if f"value_model/{m}" not in references]
     if missing:
         references.update(reference_value_steps(settings, agg_modes=missing))
-    spawn_jobs = [(dp, sp, free_port(), cases) for (dp, sp), cases in jobs]
+    spawn_jobs = [(dp, sp, new_rendezvous(), cases) for (dp, sp), cases in jobs]
     per_rank = run_on_ranks(
         functools.partial(_parity_worker, jobs=spawn_jobs, settings=settings),
         world=max(dp * sp for (dp, sp), _ in jobs),

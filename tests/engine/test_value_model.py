@@ -18,7 +18,7 @@ from verl_balance.engine import TrainEngine
 from verl_balance.engine.config import EngineConfig, EngineConfigError
 from verl_balance.loss import AGG_MODES, compute_token_weights
 from verl_balance.parity import ParitySettings, make_value_batch, reference_value_model
-from verl_balance.testing.multiprocess import free_port, gloo_group
+from verl_balance.testing.multiprocess import gloo_group, new_rendezvous
 
 SETTINGS = ParitySettings(num_samples=6, seed=11)
 
@@ -26,7 +26,7 @@ SETTINGS = ParitySettings(num_samples=6, seed=11)
 @pytest.fixture(scope="module")
 def single_rank():
     """A one-rank gloo group in this process (TrainEngine's collectives need one)."""
-    with gloo_group(rank=0, world_size=1, port=free_port()):
+    with gloo_group(rank=0, world_size=1, init_method=new_rendezvous()):
         yield ParallelLayout(dp=1, sp=1, device_type="cpu")
 
 

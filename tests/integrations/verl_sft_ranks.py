@@ -17,10 +17,12 @@ import functools
 import io
 import os
 
-from verl_balance.testing.multiprocess import free_port, run_on_ranks
+from verl_balance.testing.multiprocess import free_port, new_rendezvous, run_on_ranks
 
 
-def _sft_rank(rank: int, *, world: int, port: int, overrides: tuple[str, ...], cwd: str, env: dict) -> str | None:
+def _sft_rank(
+    rank: int, *, world: int, port: int, init_method: str, overrides: tuple[str, ...], cwd: str, env: dict
+) -> str | None:
     """One torchrun worker of ``verl.trainer.sft_trainer``; rank 0 returns its console output."""
     os.environ.update(env)
     os.environ.update(
@@ -30,6 +32,8 @@ def _sft_rank(rank: int, *, world: int, port: int, overrides: tuple[str, ...], c
         LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
+        # verl's initialize_global_process_group reads its init_method here: a file store, as in run_on_ranks
+        DIST_INIT_METHOD=f"{init_method}?rank={rank}&world_size={world}",
     )
     os.chdir(cwd)
     from verl_balance.integrations.verl import cpu_platform
@@ -59,5 +63,13 @@ def run_verl_sft(overrides: list[str], *, nproc: int, cwd: str, timeout_s: float
     """``torchrun --nproc_per_node=nproc -m verl.trainer.sft_trainer *overrides`` on warm ranks; rank 0's
     console output (verl's console logger prints ``train/loss:...`` per step there)."""
     env = dict(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", VERL_PLATFORM="cpu", TOKENIZERS_PARALLELISM="false")
-    fn = functools.partial(_sft_rank, world=nproc, port=free_port(), overrides=tuple(overrides), cwd=cwd, env=env)
+    fn = functools.partial(
+        _sft_rank,
+        world=nproc,
+        port=free_port(),
+        init_method=new_rendezvous(),
+        overrides=tuple(overrides),
+        cwd=cwd,
+        env=env,
+    )
     return run_on_ranks(fn, world=nproc, init_group=False, timeout_s=timeout_s)[0]

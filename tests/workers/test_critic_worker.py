@@ -21,7 +21,7 @@ from verl_balance.parity import ParitySettings, make_value_batch
 from verl_balance.protocol import Batch
 from verl_balance.single_controller.decorator import get_registration
 from verl_balance.single_controller.worker_group import declared_group_methods
-from verl_balance.testing.multiprocess import free_port, gloo_group
+from verl_balance.testing.multiprocess import gloo_group, new_rendezvous
 from verl_balance.workers.actor import ActorWorker
 from verl_balance.workers.critic import CriticWarmStartError, CriticWorker, CriticWorkerConfig
 from verl_balance.workers.group import CriticGroup, group_class_for
@@ -39,7 +39,7 @@ def _config() -> CriticWorkerConfig:
 
 @pytest.fixture(scope="module")
 def critic():
-    with gloo_group(rank=0, world_size=1, port=free_port()):
+    with gloo_group(rank=0, world_size=1, init_method=new_rendezvous()):
         worker = CriticWorker(_config())
         worker.init_model()
         yield worker

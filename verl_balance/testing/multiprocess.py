@@ -25,10 +25,13 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import shutil
 import socket
 import sys
+import tempfile
 import time
 import traceback
+import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -53,12 +56,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_RENDEZVOUS_DIR: list[str] = []
+
+
+def new_rendezvous() -> str:
+    """A ``file://`` init_method that no other process group on this machine uses.
+
+    Not ``tcp://127.0.0.1:<free_port()>``: a port that was free when chosen can be taken before rank 0
+    binds it (by a second pytest-xdist worker's group, or Ray), and then the ranks of two groups meet in
+    one store ("Gloo connectFullMesh failed ... Connection closed by peer"). A new file name cannot be.
+    """
+    if not _RENDEZVOUS_DIR:
+        _RENDEZVOUS_DIR.append(tempfile.mkdtemp(prefix="verl_balance_rendezvous_"))
+        atexit.register(shutil.rmtree, _RENDEZVOUS_DIR[0], ignore_errors=True)
+    return "file://" + os.path.join(_RENDEZVOUS_DIR[0], uuid.uuid4().hex)
+
+
 @contextlib.contextmanager
-def gloo_group(*, rank: int, world_size: int, port: int) -> Iterator[None]:
-    """The default process group (gloo over TCP on ``port``) for the duration of the block."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+def gloo_group(*, rank: int, world_size: int, init_method: str) -> Iterator[None]:
+    """The default process group (gloo, rendezvous at ``init_method``: see ``new_rendezvous``) for the block."""
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
     try:
         yield
+        # init_process_group returns on a rank before its peers have finished connecting to it; a rank
+        # that left the block at once would close its sockets under them ("Connection closed by peer").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
@@ -66,7 +88,7 @@ def gloo_group(*, rank: int, world_size: int, port: int) -> Iterator[None]:
 @dataclass(frozen=True)
 class _Task:
     fn: bytes  # pickled apart: unpickled after sys.path and the working directory are the caller's
-    port: int
+    init_method: str
     init_group: bool
     environ: dict
     cwd: str
@@ -86,7 +108,7 @@ def _run_task(rank: int, world: int, task: _Task, initial_seed: int):
     fn = pickle.loads(task.fn)
     if not task.init_group:
         return fn(rank)
-    with gloo_group(rank=rank, world_size=world, port=task.port):
+    with gloo_group(rank=rank, world_size=world, init_method=task.init_method):
         return fn(rank)
 
 
@@ -238,7 +260,7 @@ def run_on_ranks(
     result. With init_group (default) every process is inside one gloo group of ``world`` ranks.
     Raises RankFailedError when a rank raises, dies or has not answered after ``timeout_s``.
     """
-    task = _Task(pickle.dumps(fn), free_port(), init_group, dict(os.environ), os.getcwd(), list(sys.path))
+    task = _Task(pickle.dumps(fn), new_rendezvous(), init_group, dict(os.environ), os.getcwd(), list(sys.path))
     pool = _Pool(world) if fresh else _warm_pool(world)
     try:
         results = pool.run(task, timeout_s)
