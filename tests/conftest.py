@@ -5,6 +5,14 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
+
+# One intra-op thread in the test process and in every process it starts (they inherit the variable):
+# the suite's processes (two xdist workers, their gloo ranks and Ray workers) outnumber the cores, and
+# with torch's default of one thread per core every small op waits for a second, busy core to join it
+# (a tiny model's generate call took 18 s with 2 threads and 0.3 s with 1 at load 15 here).
+os.environ["OMP_NUM_THREADS"] = "1"
+torch.set_num_threads(1)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 4 workers of the largest test layout + headroom for a second group being torn down.
