@@ -507,7 +507,33 @@ def reference_log_probs(
     return out
 
 
-def _run_cases(*, dp: int, sp: int, cases: list[ParityCase], settings: ParitySettings) -> list:
+def max_param_delta(engine, ref_params: dict[str, torch.Tensor]) -> float:
+    """max |parameter - reference| over every entry of ``ref_params`` (the model's own names), on every
+    rank. Collective: each rank compares its FSDP2 shard with the same slice of the reference (a local
+    slice, no communication) and one all-reduce(MAX) combines them, instead of gathering every tensor."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    state = engine.model.state_dict()
+    delta = torch.zeros(())
+    for name, ref in ref_params.items():
+        value = state[name]
+        if isinstance(value, DTensor):
+            local_ref = distribute_tensor(ref, value.device_mesh, value.placements, src_data_rank=None).to_local()
+            value = value.to_local()
+        else:
+            local_ref = ref
+        if value.numel():
+            delta = torch.maximum(delta, (value.detach().cpu() - local_ref).abs().max())
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(delta, op=dist.ReduceOp.MAX)
+    return float(delta)
+
+
+def _run_cases(
+    *, dp: int, sp: int, cases: list[ParityCase], settings: ParitySettings, references: dict[str, dict]
+) -> list:
+    """(case, eval loss, train loss, grad norm, max parameter delta to ``references``) per case."""
     from verl_balance.algorithms.value_loss import ValueLoss
     from verl_balance.balance import plan_balance
     from verl_balance.distributed import ParallelLayout
@@ -544,23 +570,40 @@ def _run_cases(*, dp: int, sp: int, cases: list[ParityCase], settings: ParitySet
         engine = FaultyTrainEngine(bug=case.bug, **kwargs) if case.bug else TrainEngine(**kwargs)
         evaluated = engine.eval_loss(micro_batches, loss_fn=loss_fn)
         trained = engine.train_step(micro_batches, loss_fn=loss_fn)
-        params = engine.full_state_dict()
-        results.append((case, evaluated["loss"], trained["loss"], trained["grad_norm"], params))
+        delta = max_param_delta(engine, references[reference_key(case)]["params"])
+        results.append((case, evaluated["loss"], trained["loss"], trained["grad_norm"], delta))
     return results
 
 
-def _parity_worker(rank: int, jobs: list, settings: ParitySettings) -> list:
+def _parity_worker(rank: int, jobs: list, settings: ParitySettings, references: dict[str, dict]) -> dict:
+    """This process's part of every job: {job index: results} for the jobs whose first rank it is.
+    Jobs of one wave run side by side on disjoint ranks; a process outside a job sits it out."""
     from verl_balance.testing.multiprocess import gloo_group
 
     torch.set_num_threads(1)
-    out = []
-    for dp, sp, init_method, cases in jobs:
-        if rank >= dp * sp:
-            continue  # this process sits out a smaller layout
-        with gloo_group(rank=rank, world_size=dp * sp, init_method=init_method):
-            results = _run_cases(dp=dp, sp=sp, cases=cases, settings=settings)
-        out.append(results if rank == 0 else None)
+    out = {}
+    for index, first_rank, dp, sp, init_method, cases in jobs:
+        if not first_rank <= rank < first_rank + dp * sp:
+            continue
+        with gloo_group(rank=rank - first_rank, world_size=dp * sp, init_method=init_method):
+            results = _run_cases(dp=dp, sp=sp, cases=cases, settings=settings, references=references)
+        if rank == first_rank:
+            out[index] = results
     return out
+
+
+def pack_waves(sizes: list[int], *, world: int) -> list[tuple[int, int]]:
+    """(wave, first rank) per job of ``sizes`` ranks: the largest first, each into the first wave
+    with enough free ranks left, so small layouts share a wave instead of idling the others' ranks."""
+    free: list[int] = []  # next free rank per wave
+    placed = {}
+    for index in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        wave = next((w for w, used in enumerate(free) if used + sizes[index] <= world), len(free))
+        if wave == len(free):
+            free.append(0)
+        placed[index] = (wave, free[wave])
+        free[wave] += sizes[index]
+    return [placed[i] for i in range(len(sizes))]
 
 
 def run_layouts(
@@ -571,8 +614,9 @@ def run_layouts(
 ) -> list[ParityResult]:
     """Run (layout, cases) jobs in ONE set of spawned processes (max dp*sp of them).
 
-    Each layout gets a fresh gloo process group of dp*sp ranks; processes beyond that size sit
-    it out. Results are compared with reference_steps.
+    Each layout gets a fresh gloo process group of dp*sp ranks; layouts smaller than the world run
+    side by side on disjoint ranks (``pack_waves``). Each rank compares its shard of every parameter
+    with reference_steps' (``max_param_delta``); losses and gradient norms are compared here.
     """
     from verl_balance.testing.multiprocess import new_rendezvous, run_on_ranks
 
@@ -586,18 +630,26 @@ def run_layouts(
     missing = [m for m in missing if f"value_model/{m}" not in references]
     if missing:
         references.update(reference_value_steps(settings, agg_modes=missing))
-    spawn_jobs = [(dp, sp, new_rendezvous(), cases) for (dp, sp), cases in jobs]
+    world = max(dp * sp for (dp, sp), _ in jobs)
+    places = pack_waves([dp * sp for (dp, sp), _ in jobs], world=world)
+    spawn_jobs = sorted(
+        (wave, index, first, dp, sp, new_rendezvous(), cases)
+        for index, (((dp, sp), cases), (wave, first)) in enumerate(zip(jobs, places))
+    )
+    ref_params = {key: {"params": ref["params"]} for key, ref in references.items()}
     per_rank = run_on_ranks(
-        functools.partial(_parity_worker, jobs=spawn_jobs, settings=settings),
-        world=max(dp * sp for (dp, sp), _ in jobs),
+        functools.partial(
+            _parity_worker, jobs=[job[1:] for job in spawn_jobs], settings=settings, references=ref_params
+        ),
+        world=world,
         init_group=False,
     )
-    raw = [(layout, layout_results) for (layout, _), layout_results in zip(jobs, per_rank[0])]
+    by_job = {index: found for rank_results in per_rank for index, found in rank_results.items()}
     results = []
-    for layout, layout_results in raw:
-        for case, eval_loss, train_loss, grad_norm, params in layout_results:
+    for index, (layout, _) in enumerate(jobs):
+        layout_results = by_job[index]
+        for case, eval_loss, train_loss, grad_norm, delta in layout_results:
             ref = references[reference_key(case)]
-            delta = max(float((params[k] - v).abs().max()) for k, v in ref["params"].items())
             results.append(
                 ParityResult(
                     layout=layout,

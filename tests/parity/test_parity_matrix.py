@@ -111,3 +111,17 @@ def test_eval_only_control_fails_in_eval_but_not_in_train(parity_results):
 
 def test_every_known_bug_has_a_control():
     assert set(NEGATIVE_CONTROLS) == set(KNOWN_BUGS)
+
+
+@pytest.mark.parametrize("sizes", [[1, 2, 4, 2, 4, 4], [1, 4, 4], [2, 1, 1, 2], [4]])
+def test_layouts_sharing_a_wave_use_disjoint_ranks_inside_the_world(sizes):
+    from verl_balance.parity import pack_waves
+
+    places = pack_waves(sizes, world=4)
+    assert len(places) == len(sizes)
+    for wave in {w for w, _ in places}:
+        ranks = [r for (w, first), size in zip(places, sizes) if w == wave for r in range(first, first + size)]
+        assert len(ranks) == len(set(ranks)) and all(0 <= r < 4 for r in ranks), (wave, places)
+    # Negative control: the schedule is not simply one layout per wave when two fit side by side.
+    if sizes == [1, 2, 4, 2, 4, 4]:
+        assert len({w for w, _ in places}) == 5
