@@ -55,6 +55,7 @@ from verl_balance.batch_keys import (
     LOG_PROBS_KEY,
     LOSS_MASK_KEY,
     POSITION_IDS_KEY,
+    SUM_PI_SQUARED_KEY,
     VALUES_KEY,
 )
 from verl_balance.distributed.layout import ParallelLayout
@@ -632,25 +633,55 @@ class TrainEngine:
 
     @torch.no_grad()
     def compute_log_prob(
-        self, micro_batches: Sequence[Mapping[str, Tensor]], *, with_entropy: bool = False, temperature: float = 1.0
+        self,
+        micro_batches: Sequence[Mapping[str, Tensor]],
+        *,
+        with_entropy: bool = False,
+        with_sum_pi_squared: bool = False,
+        temperature: float = 1.0,
     ) -> list[dict[str, Tensor]]:
-        """Per micro-batch {"log_probs": (b, L)[, "entropy": (b, L)]} on every rank.
+        """Per micro-batch {"log_probs": (b, L)[, "entropy": (b, L)][, "sum_pi_squared": (b, L)]} on
+        every rank.
 
         log_probs[i, t] = log p(token t | tokens < t) of sample i (0 at t = 0 and at padding);
-        entropy[i, t] is the entropy of that same predictive distribution; both at ``temperature``.
+        entropy[i, t] is the entropy of that same predictive distribution and sum_pi_squared[i, t]
+        its sum over the vocabulary of p(v)^2 (computed per token chunk by the output head, exact on
+        any SP slice); all at ``temperature``.
         """
         self._require_model_type("language_model", "compute_log_prob")
         self.check_micro_batches(micro_batches)
         self.model.eval()
         outputs = []
         for p in self.pack_micro_batches(micro_batches, require_loss_mask=False):
-            log_probs, entropy = self.gathered_log_probs(p, temperature=temperature, with_entropy=with_entropy)
-            result = {LOG_PROBS_KEY: p.unpack(log_probs)}
-            if with_entropy:
-                result[ENTROPY_KEY] = p.unpack(entropy)
-            outputs.append(result)
+            if with_sum_pi_squared:
+                columns = self._gathered_head_stats(p, temperature=temperature)
+            else:
+                log_probs, entropy = self.gathered_log_probs(p, temperature=temperature, with_entropy=with_entropy)
+                columns = {LOG_PROBS_KEY: log_probs, ENTROPY_KEY: entropy}
+            if not with_entropy:
+                columns.pop(ENTROPY_KEY)
+            outputs.append({k: p.unpack(v) for k, v in columns.items()})
         self.reshard()
         return outputs
+
+    def _gathered_head_stats(self, packed: PackedMicroBatch, *, temperature: Temperature) -> dict[str, Tensor]:
+        """{log_probs, entropy, sum_pi_squared} [total_len] of the whole packed stream (no grad): the
+        output head's ``head_token_stats`` on this SP rank's slice, gathered over the SP group.
+        Collective as ``gathered_log_probs``."""
+        self._require_model_type("language_model", "forward_log_probs")
+        stats = self.model(
+            input_ids=packed.local(INPUT_IDS_KEY),
+            position_ids=packed.local(POSITION_IDS_KEY),
+            cu_seqlens=packed.cu_seqlens_padded,
+            max_seqlen=packed.max_seqlen,
+            targets=packed.local("targets"),
+            temperature=temperature,
+            with_sum_pi_squared=True,
+            logits_chunk_size=self.config.logits_chunk_size,
+        )
+        group, length = self.layout.sp_group, packed.total_len
+        keys = (LOG_PROBS_KEY, ENTROPY_KEY, SUM_PI_SQUARED_KEY)
+        return {k: gather_and_unpad(v, group=group, length=length) for k, v in zip(keys, stats)}
 
     @torch.no_grad()
     def compute_values(self, micro_batches: Sequence[Mapping[str, Tensor]]) -> list[dict[str, Tensor]]:

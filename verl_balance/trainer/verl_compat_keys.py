@@ -224,7 +224,8 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     ),
     *_none(
         [f"{AR}.actor.calculate_sum_pi_squared"],
-        "read by verl's optimal_token_baseline estimator only",
+        "the old log-prob pass computes sum pi^2 whenever algorithm.adv_estimator is optimal_token_baseline or "
+        "tir_optimal_token_baseline, its only readers (verl needs the key set for them)",
         recipes=("grpo",),
     ),
     *_none([f"{AR}.actor.optim.optimizer"], "the optimizer is AdamW", values=("adamw",), recipes=("grpo",)),
