@@ -75,7 +75,9 @@ def test_optimal_token_baselines_run_the_old_log_prob_pass_before_the_advantages
         ("algorithm.kl_ctrl.kl_coef=0.01", None),  # negative control: verl's key, accepted
         ("algorithm.kl_penalty=low_var_kl", None),
         ("actor_rollout_ref.actor.loss_agg_mode=token-sum", None),
-        ("actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov", "actor_rollout_ref.actor.policy_loss.loss_mode"),
+        ("actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov", None),  # mini-batch-wide selection: accepted
+        ("actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov", None),
+        ("actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode", "actor_rollout_ref.actor.policy_loss.loss_mode"),
         ("actor_rollout_ref.actor.policy_loss.loss_mode=dro", "actor_rollout_ref.actor.policy_loss.dro_beta"),
         ("actor_rollout_ref.actor.policy_loss.loss_mode=gspo", None),
     ],

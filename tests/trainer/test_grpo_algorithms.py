@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from tests.trainer.conftest import compose_config
-from verl_balance.algorithms import compute_advantage
+from verl_balance.algorithms import LossModeConfig, compute_advantage
 from verl_balance.algorithms.rollout_correction import RolloutCorrectionConfig, decoupled_correction
 from verl_balance.trainer.algorithm_config import AlgorithmSection, supported_estimators
 from verl_balance.trainer.grpo_config import register_grpo_schema
 
 register_grpo_schema()
+COV_MODES = ("clip_cov", "kl_cov")
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +64,10 @@ def algorithm_steps(ray_cluster, tmp_path_factory):
             trainer.config.algorithm = AlgorithmSection(adv_estimator=name)
             records[name] = trainer.train_step(next(prompts))
             records[name]["advantage_step"] = seen.pop()
+        trainer.config.algorithm = AlgorithmSection(adv_estimator="grpo")
+        for mode in COV_MODES:  # the mini-batch-wide covariance selections, on sp=2 (verl's default ratios)
+            trainer.actor.set_loss_mode(LossModeConfig(loss_mode=mode))
+            records[mode] = trainer.train_step(next(prompts))
     finally:
         seen.restore()
         trainer.close()
@@ -92,12 +97,23 @@ class _AdvantageStepRecorder(list):
 
 @pytest.mark.slow
 def test_every_critic_free_estimator_runs_a_main_grpo_step_with_the_gspo_loss_on_sp2(algorithm_steps):
-    assert set(algorithm_steps) == set(supported_estimators()) - {"gae"}
+    assert set(algorithm_steps) == set(supported_estimators()) - {"gae"} | set(COV_MODES)
     for name, metrics in algorithm_steps.items():
         assert metrics["actor/num_optimizer_steps"] == 2, name
         assert math.isfinite(metrics["actor/loss"]) and math.isfinite(metrics["actor/grad_norm"]), name
     assert "reward/greedy_baseline_mean" in algorithm_steps["remax"]  # remax ran its greedy baseline rollout
     assert "reward/greedy_baseline_mean" not in algorithm_steps["grpo"]
+
+
+@pytest.mark.slow
+def test_clip_cov_and_kl_cov_run_main_grpo_steps_on_sp2(algorithm_steps):
+    """Each selects max(1, int(ratio x N)) tokens of the mini-batch: clip_cov drops them (its pg_clipfrac is
+    their share of the loss tokens, > 0 when a token is a candidate), kl_cov penalises them."""
+    for mode in COV_MODES:
+        metrics = algorithm_steps[mode]
+        assert metrics["actor/num_optimizer_steps"] == 2, mode
+        assert math.isfinite(metrics["actor/loss"]) and math.isfinite(metrics["actor/grad_norm"]), mode
+    assert 0 <= algorithm_steps["clip_cov"]["actor/pg_clipfrac"] <= 0.5
 
 
 @pytest.mark.slow

@@ -528,12 +528,15 @@ class TrainEngine:
             self.zero_grad()
         else:
             self.model.eval()
+        selections = [None] * len(packed)
+        if getattr(loss_fn, "needs_batch_selection", False):
+            selections = self._batch_selections(packed, loss_fn=loss_fn, temperature=temperature)
         for k, (p, w) in enumerate(zip(packed, weights)):
             if training:
                 self.prepare_backward(is_last=k == len(packed) - 1)
             timer.start()
             objective, per_token_metrics = self._forward_backward(
-                p, w, loss_fn=loss_fn, training=training, temperature=temperature
+                p, w, loss_fn=loss_fn, training=training, temperature=temperature, selection=selections[k]
             )
             timer.stop()
             local_objective += objective.detach().double()
@@ -544,7 +547,14 @@ class TrainEngine:
         return local_objective, metric_sums, timer
 
     def _forward_backward(
-        self, packed: PackedMicroBatch, weights: Tensor, *, loss_fn: LossFn, training: bool, temperature: float
+        self,
+        packed: PackedMicroBatch,
+        weights: Tensor,
+        *,
+        loss_fn: LossFn,
+        training: bool,
+        temperature: float,
+        selection: dict | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """One micro-batch: the local objective sum(w * l) over this rank's token slice (and, when
         training, the backward of G times it); returns it with the loss_fn's per-token metrics."""
@@ -552,6 +562,8 @@ class TrainEngine:
             outputs = self._loss_inputs(packed, loss_fn=loss_fn, temperature=temperature)
             if getattr(loss_fn, "needs_sequence_sums", False):
                 outputs["sequence_sum"] = functools.partial(self.sequence_sum, packed)
+            if selection is not None:
+                outputs["batch_selection"] = selection
             per_token_loss, per_token_metrics = loss_fn(**outputs, inputs=packed.local_inputs())
             objective = (weights[packed.local_slice] * per_token_loss).sum()
             if training:
@@ -567,6 +579,44 @@ class TrainEngine:
         needs_entropy = getattr(loss_fn, "needs_entropy", False)
         log_probs, entropy = self.forward_log_probs(packed, temperature=temperature, with_entropy=needs_entropy)
         return {LOG_PROBS_KEY: log_probs, ENTROPY_KEY: entropy}
+
+    def _batch_selections(self, packed: Sequence[PackedMicroBatch], *, loss_fn, temperature: float) -> list[dict]:
+        """A loss's mini-batch-wide token selection (clip_cov, kl_cov), per micro-batch: a no-grad forward of
+        every micro-batch gives the current log-probs (the parameters do not change within the step), then
+        ``loss_fn.batch_selections`` reduces over the world. Collective: every rank runs it before the
+        step's first forward (the forwards' collectives, SP-group sequence sums, world reductions)."""
+        # N, the mini-batch's loss-mask tokens: each DP group's full sequences counted once (SP rank 0)
+        local = sum(float(p.tensors[LOSS_MASK_KEY].sum()) for p in packed) if self.layout.sp_rank == 0 else 0.0
+        num_tokens = int(self._world_sum(torch.tensor([local], dtype=torch.float64))[0])
+        with torch.no_grad():
+            log_probs = [self.forward_log_probs(p, temperature=temperature)[0] for p in packed]
+        return loss_fn.batch_selections(
+            log_probs=log_probs,
+            inputs=[p.local_inputs() for p in packed],
+            sequence_sums=[functools.partial(self.sequence_sum, p) for p in packed],
+            seed=self.global_step,
+            num_tokens=num_tokens,
+            world_sum=self._world_sum,
+            world_gather=self._world_gather,
+        )
+
+    def _world_sum(self, values: Tensor) -> Tensor:
+        """In-place SUM of a small tensor over the world (through the device for NCCL)."""
+        if self.layout.world_size > 1:
+            moved = values.to(self.device)
+            dist.all_reduce(moved, op=dist.ReduceOp.SUM, group=self.layout.world_group)
+            values.copy_(moved.to(values.device))
+        return values
+
+    def _world_gather(self, values: Tensor) -> tuple[Tensor, int]:
+        """(every rank's equal-sized 1-D ``values`` concatenated in rank order, this rank's index)."""
+        if self.layout.world_size == 1:
+            return values, 0
+        group = self.layout.world_group
+        moved = values.to(self.device)
+        out = moved.new_empty(moved.numel() * dist.get_world_size(group))
+        dist.all_gather_into_tensor(out, moved, group=group)
+        return out.to(values.device), dist.get_rank(group)
 
     def sequence_sum(self, packed: PackedMicroBatch, values: Tensor) -> Tensor:
         """Per-token values on this SP rank's slice -> the (detached) sum of each token's full sequence,

@@ -10,6 +10,8 @@ Invariants:
   start-up naming the key and the missing input (never a silent fallback).
 - ``actor_rollout_ref.actor.policy_loss.loss_mode`` is any name of ``algorithms.LOSS_MODE_REGISTRY``
   whose reductions the engine supplies (``ENGINE_LOSS_MODES``); the others fail naming the key.
+  clip_cov / kl_cov select tokens by the covariance over the whole mini-batch (all micro-batches and
+  ranks), where verl uses each micro-batch's: equal with one micro-batch per mini-batch on one rank.
 - KL in the reward (``use_kl_in_reward``, ``kl_penalty``, ``kl_ctrl``), DAPO's dynamic sampling
   (``filter_groups``) and the rollout correction (``rollout_correction``: IS weights and rejection on
   the driver's batch, verl's decoupled mode; ``bypass_mode`` with ``loss_type=ppo_clip`` alone) run
@@ -45,9 +47,23 @@ old log-prob pass's log-probs and sum over the vocabulary of pi^2 (the optimal-t
 pass then runs before the advantages)."""
 UNSUPPLIED_REASONS: dict[str, str] = {}
 """Why an estimator input is not supplied (none today; the start-up error names any future one)."""
-ENGINE_LOSS_MODES = ("vanilla", "sapo", "gpg", "dro", "cispo", "dppo_tv", "dppo_kl", "gspo", "geo_mean")
-"""Loss modes the engine runs layout-invariantly: per-token ones, and gspo / geo_mean whose per-sequence
-means are reduced over the SP group (``TrainEngine.sequence_sum``, ``loss_modes.ModeLoss``)."""
+ENGINE_LOSS_MODES = (
+    "vanilla",
+    "sapo",
+    "gpg",
+    "dro",
+    "cispo",
+    "dppo_tv",
+    "dppo_kl",
+    "gspo",
+    "geo_mean",
+    "clip_cov",
+    "kl_cov",
+)
+"""Loss modes the engine runs layout-invariantly: per-token ones, gspo / geo_mean whose per-sequence
+means are reduced over the SP group (``TrainEngine.sequence_sum``, ``loss_modes.ModeLoss``), and
+clip_cov / kl_cov whose covariance selection is over the whole mini-batch (``algorithms/batch_selection.py``;
+verl selects per micro-batch)."""
 NOT_YET = "main_grpo does not run it"
 
 
@@ -225,8 +241,9 @@ class PolicyLossSection(LossModeKeys):
         check_choice("loss_mode", self.loss_mode, tuple(LOSS_MODE_REGISTRY))
         if self.loss_mode not in ENGINE_LOSS_MODES:
             raise ConfigError(
-                f"loss_mode={self.loss_mode!r} needs a mini-batch-wide top-k or the rollout log-probs on the "
-                f"update path, which the engine does not supply yet; valid here: {list(ENGINE_LOSS_MODES)}"
+                f"loss_mode={self.loss_mode!r} needs the rollout log-probs on the update path, which the engine "
+                f"does not supply yet (algorithm.rollout_correction.bypass_mode=true runs verl's bypass with "
+                f"loss_type=ppo_clip); valid here: {list(ENGINE_LOSS_MODES)}"
             )
 
 

@@ -174,6 +174,12 @@ class ActorWorker(Worker):
         return Batch.from_dict(tensors={k: cat_padded([o[k] for o in outputs]) for k in keys})
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def set_loss_mode(self, loss_mode: LossModeConfig | None) -> None:
+        """Train the next updates with this ``policy_loss.loss_mode`` (None = vanilla PPO-clip): the
+        loss is built per update from the config, so no engine state changes."""
+        self.config.loss_mode = loss_mode
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def describe(self) -> dict:
         """What this rank runs: layout, model dims and engine settings (for logs and tests)."""
         return {

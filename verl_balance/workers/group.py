@@ -87,6 +87,11 @@ class ActorGroup(EngineGroup):
         of every row, concatenated in DP order."""
         ...
 
+    @group_method
+    def set_loss_mode(self, loss_mode) -> None:
+        """``ActorWorker.set_loss_mode``: the next updates' ``policy_loss.loss_mode`` on every rank."""
+        ...
+
 
 class ActorRolloutGroup(ActorGroup):
     """Driver-side worker group of ``workers.actor_rollout.ActorRolloutWorker`` ranks."""
