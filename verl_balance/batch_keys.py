@@ -73,6 +73,11 @@ LOG_PROBS_KEY = "log_probs"
 ENTROPY_KEY = "entropy"
 """Output column of a log-prob pass (when asked for): each position's entropy, aligned like ``log_probs``."""
 
+SUM_PI_SQUARED_KEY = "sum_pi_squared"
+"""Output column of a log-prob pass (when asked for) and RL column (verl's key): sum over the
+vocabulary of p(v)^2 of each position's distribution at the pass's temperature, aligned like
+``log_probs`` (the optimal-token baselines' path variance; verl's ``actor.calculate_sum_pi_squared``)."""
+
 PROMPT_LENGTHS_KEY = "prompt_lengths"
 """Column of a rollout batch: the prompt's length in tokens (the response starts there)."""
 
@@ -158,6 +163,7 @@ __all__ = [
     "ROLLOUT_IS_WEIGHTS_KEY",
     "ROLLOUT_LOG_PROBS_KEY",
     "SAMPLE_INDEX_KEY",
+    "SUM_PI_SQUARED_KEY",
     "TEMPERATURE_KEY",
     "UID_KEY",
     "VALUES_KEY",

@@ -28,7 +28,7 @@ from verl_balance.algorithms import (
     ppo_clip_token_loss,
     reference_reductions,
 )
-from verl_balance.algorithms.loss_modes import LOSS_MODE_REGISTRY, build_policy_loss
+from verl_balance.algorithms.loss_modes import BATCH_SELECTED_MODES, LOSS_MODE_REGISTRY, build_policy_loss
 from verl_balance.loss import AGG_MODES
 from verl_balance.models import LlamaForCausalLM
 from verl_balance.parity import ParitySettings, make_global_batch
@@ -49,9 +49,12 @@ CASES.append(("dynamic", False, "token-mean"))
 METRICS = ("pg_loss", "pg_clipfrac", "ppo_kl", "kl", "entropy")
 MODE_SETTINGS = {"dro": {"dro_beta": 0.5}}
 MODES = [
-    LossModeConfig(loss_mode=name, **MODE_SETTINGS.get(name, {})) for name in ENGINE_LOSS_MODES if name != "vanilla"
+    LossModeConfig(loss_mode=name, **MODE_SETTINGS.get(name, {}))
+    for name in ENGINE_LOSS_MODES
+    if name != "vanilla" and name not in BATCH_SELECTED_MODES
 ]
-"""Every non-vanilla mode main_grpo runs (vanilla is CASES above), with its forced aggregation."""
+"""Every non-vanilla mode main_grpo runs (vanilla is CASES above), with its forced aggregation; clip_cov and
+kl_cov (a selection over the whole mini-batch, not per row) are test_cov_loss_layouts.py's."""
 IS_MODES = [None, LossModeConfig(loss_mode="geo_mean")]
 """Rows with the rollout correction's IS weights (vanilla multiplies pg per token; geo_mean takes their
 per-sequence geometric mean, an SP-reduced sum)."""

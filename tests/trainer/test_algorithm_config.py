@@ -20,6 +20,7 @@ from verl_balance.batch_keys import (
     REF_LOG_PROB_KEY,
     ROLLOUT_IS_WEIGHTS_KEY,
     ROLLOUT_LOG_PROBS_KEY,
+    SUM_PI_SQUARED_KEY,
     VALUES_KEY,
 )
 from verl_balance.protocol import Batch
@@ -34,21 +35,26 @@ from verl_balance.trainer.config import ConfigError
 from verl_balance.trainer.grpo_config import register_grpo_schema, validate_grpo
 
 register_grpo_schema()
-UNSUPPORTED = {"optimal_token_baseline", "tir_optimal_token_baseline"}
+OTB = ("optimal_token_baseline", "tir_optimal_token_baseline")
 
 
-def test_every_verl_estimator_but_the_optimal_token_baselines_is_selectable_in_main_grpo():
-    assert set(ADV_ESTIMATOR_REGISTRY) - set(supported_estimators()) == UNSUPPORTED
+def test_every_verl_estimator_is_selectable_in_main_grpo():
+    assert set(supported_estimators()) == set(ADV_ESTIMATOR_REGISTRY)
     for name in supported_estimators():
         config = validate_grpo(compose_config("grpo", [f"algorithm.adv_estimator={name}"]))
         assert config.algorithm.adv_estimator == name
         assert config.use_critic == (name == "gae")
+        assert config.algorithm.needs_sum_pi_squared == (name in OTB)
 
 
-@pytest.mark.parametrize("name", sorted(UNSUPPORTED))
-def test_an_estimator_whose_input_is_not_derived_fails_naming_the_key_and_the_input(name):
-    with pytest.raises(ConfigError, match=r"algorithm\.adv_estimator.*sum_pi_squared.*calculate_sum_pi_squared"):
-        validate_grpo(compose_config("grpo", [f"algorithm.adv_estimator={name}"]))
+@pytest.mark.parametrize("name", OTB)
+def test_optimal_token_baselines_run_the_old_log_prob_pass_before_the_advantages(name):
+    on_policy = ["data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8"]
+    config = validate_grpo(compose_config("grpo", [*on_policy, f"algorithm.adv_estimator={name}"]))
+    assert config.algorithm.needs_old_log_probs_before_advantages
+    assert not config.old_log_prob_from_update  # the pass that computes sum_pi_squared runs
+    grpo = validate_grpo(compose_config("grpo", [*on_policy, "algorithm.adv_estimator=grpo"]))
+    assert grpo.old_log_prob_from_update  # negative control: grpo takes them from the update
 
 
 @pytest.mark.parametrize(
@@ -69,7 +75,9 @@ def test_an_estimator_whose_input_is_not_derived_fails_naming_the_key_and_the_in
         ("algorithm.kl_ctrl.kl_coef=0.01", None),  # negative control: verl's key, accepted
         ("algorithm.kl_penalty=low_var_kl", None),
         ("actor_rollout_ref.actor.loss_agg_mode=token-sum", None),
-        ("actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov", "actor_rollout_ref.actor.policy_loss.loss_mode"),
+        ("actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov", None),  # mini-batch-wide selection: accepted
+        ("actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov", None),
+        ("actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode", "actor_rollout_ref.actor.policy_loss.loss_mode"),
         ("actor_rollout_ref.actor.policy_loss.loss_mode=dro", "actor_rollout_ref.actor.policy_loss.dro_beta"),
         ("actor_rollout_ref.actor.policy_loss.loss_mode=gspo", None),
     ],
@@ -101,8 +109,12 @@ def _batch(rows: int = 8, width: int = 10, seed: int = 0) -> tuple[Batch, np.nda
         start = int(torch.randint(2, 4, (1,), generator=gen))
         length = int(torch.randint(1, 7, (1,), generator=gen))
         mask[i, start : start + length] = 1
+    old_log_probs = -torch.rand(rows, width, generator=gen) * 3 * mask
+    sum_pi_squared = (old_log_probs.exp().square() + 0.2 * torch.rand(rows, width, generator=gen)).clamp(max=1) * mask
+    tensors = {LOSS_MASK_KEY: mask, VALUES_KEY: torch.randn(rows, width, generator=gen) * mask}
+    tensors.update({OLD_LOG_PROBS_KEY: old_log_probs, SUM_PI_SQUARED_KEY: sum_pi_squared})
     batch = Batch.from_dict(
-        tensors={LOSS_MASK_KEY: mask, VALUES_KEY: torch.randn(rows, width, generator=gen) * mask},
+        tensors=tensors,
         non_tensors={PROMPT_INDEX_KEY: np.repeat(np.arange(rows // 4), 4)},
     )
     scores = torch.randint(0, 3, (rows,), generator=gen).double().numpy()
@@ -121,7 +133,7 @@ def _reference_inputs(batch, scores, **extra) -> AdvantageInputs:
     )
 
 
-@pytest.mark.parametrize("name", sorted(set(ADV_ESTIMATOR_REGISTRY) - UNSUPPORTED))
+@pytest.mark.parametrize("name", sorted(ADV_ESTIMATOR_REGISTRY))
 def test_driver_advantages_equal_the_estimator_on_hand_built_verl_inputs(name):
     batch, scores, extras = _batch()
     overrides = {"gdpo_reward_keys": ["acc", "format"], "gdpo_reward_weights": [1.0, 0.5]} if name == "gdpo" else {}
@@ -129,6 +141,8 @@ def test_driver_advantages_equal_the_estimator_on_hand_built_verl_inputs(name):
     baselines = torch.tensor([1.0, 0.0]).double()[batch[PROMPT_INDEX_KEY]] if name == "remax" else None
     got = compute_step_advantages(batch, scores=scores, extras=extras, algorithm=algorithm, reward_baselines=baselines)
     extra = {"values": batch[VALUES_KEY], "reward_baselines": baselines}
+    if name in OTB:
+        extra.update(old_log_probs=batch[OLD_LOG_PROBS_KEY], sum_pi_squared=batch[SUM_PI_SQUARED_KEY])
     if name == "gdpo":
         extra["reward_components"] = {k: torch.as_tensor(extras[k]) for k in ("acc", "format")}
     want = compute_advantage(
@@ -209,6 +223,14 @@ OVERLONG = ["custom_reward_function.overlong_buffer.enable=true", "custom_reward
         (
             ["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.rollout_is=token"],
             "algorithm.rollout_correction.bypass_mode",
+        ),
+        (
+            ["algorithm.adv_estimator=optimal_token_baseline", "algorithm.rollout_correction.bypass_mode=true"],
+            "algorithm.adv_estimator='optimal_token_baseline' with algorithm.rollout_correction.bypass_mode",
+        ),
+        (
+            ["algorithm.adv_estimator=tir_optimal_token_baseline", ASYNC],
+            "actor_rollout_ref.actor.recompute_old_log_prob='auto' skips",
         ),
         (
             ["custom_reward_function.reward_manager=dapo", OVERLONG[0], "custom_reward_function.overlong_buffer.len=9"],

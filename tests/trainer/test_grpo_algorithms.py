@@ -12,11 +12,13 @@ import pytest
 import torch
 
 from tests.trainer.conftest import compose_config
+from verl_balance.algorithms import LossModeConfig, compute_advantage
 from verl_balance.algorithms.rollout_correction import RolloutCorrectionConfig, decoupled_correction
 from verl_balance.trainer.algorithm_config import AlgorithmSection, supported_estimators
 from verl_balance.trainer.grpo_config import register_grpo_schema
 
 register_grpo_schema()
+COV_MODES = ("clip_cov", "kl_cov")
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +55,7 @@ def algorithm_steps(ray_cluster, tmp_path_factory):
     )
     trainer = GRPOTrainer(cfg)
     records = {}
+    seen = _AdvantageStepRecorder()
     try:
         prompts = iter(trainer.loader)
         for name in supported_estimators():
@@ -60,19 +63,73 @@ def algorithm_steps(ray_cluster, tmp_path_factory):
                 continue  # needs the critic's worker group: tests/trainer/test_ppo_critic.py
             trainer.config.algorithm = AlgorithmSection(adv_estimator=name)
             records[name] = trainer.train_step(next(prompts))
+            records[name]["advantage_step"] = seen.pop()
+        trainer.config.algorithm = AlgorithmSection(adv_estimator="grpo")
+        for mode in COV_MODES:  # the mini-batch-wide covariance selections, on sp=2 (verl's default ratios)
+            trainer.actor.set_loss_mode(LossModeConfig(loss_mode=mode))
+            records[mode] = trainer.train_step(next(prompts))
     finally:
+        seen.restore()
         trainer.close()
     return records
 
 
+class _AdvantageStepRecorder(list):
+    """Wraps the trainer's advantage step: each call's batch columns and result are appended."""
+
+    def __init__(self):
+        from verl_balance.trainer import grpo_trainer
+        from verl_balance.trainer.advantage_step import advantage_inputs
+
+        super().__init__()
+        self.module, self.original = grpo_trainer, grpo_trainer.compute_step_advantages
+
+        def recording(batch, **kwargs):
+            out = self.original(batch, **kwargs)
+            self.append({"inputs": advantage_inputs(batch, **kwargs), "params": kwargs["algorithm"], "out": out})
+            return out
+
+        grpo_trainer.compute_step_advantages = recording
+
+    def restore(self):
+        self.module.compute_step_advantages = self.original
+
+
 @pytest.mark.slow
 def test_every_critic_free_estimator_runs_a_main_grpo_step_with_the_gspo_loss_on_sp2(algorithm_steps):
-    assert set(algorithm_steps) == set(supported_estimators()) - {"gae"}
+    assert set(algorithm_steps) == set(supported_estimators()) - {"gae"} | set(COV_MODES)
     for name, metrics in algorithm_steps.items():
         assert metrics["actor/num_optimizer_steps"] == 2, name
         assert math.isfinite(metrics["actor/loss"]) and math.isfinite(metrics["actor/grad_norm"]), name
     assert "reward/greedy_baseline_mean" in algorithm_steps["remax"]  # remax ran its greedy baseline rollout
     assert "reward/greedy_baseline_mean" not in algorithm_steps["grpo"]
+
+
+@pytest.mark.slow
+def test_clip_cov_and_kl_cov_run_main_grpo_steps_on_sp2(algorithm_steps):
+    """Each selects max(1, int(ratio x N)) tokens of the mini-batch: clip_cov drops them (its pg_clipfrac is
+    their share of the loss tokens, > 0 when a token is a candidate), kl_cov penalises them."""
+    for mode in COV_MODES:
+        metrics = algorithm_steps[mode]
+        assert metrics["actor/num_optimizer_steps"] == 2, mode
+        assert math.isfinite(metrics["actor/loss"]) and math.isfinite(metrics["actor/grad_norm"]), mode
+    assert 0 <= algorithm_steps["clip_cov"]["actor/pg_clipfrac"] <= 0.5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["optimal_token_baseline", "tir_optimal_token_baseline"])
+def test_optimal_token_baselines_read_the_old_log_prob_pass_sum_pi_squared(algorithm_steps, name):
+    """The step's old log-prob pass carried sum_v pi^2 to the estimator: p(target)^2 <= it <= 1 on the
+    loss tokens (the entropy, a log-prob or zeros would fail), and the step's advantages are the estimator's
+    on these columns. The column's exactness is tests/algorithms/test_sum_pi_squared.py's."""
+    record = algorithm_steps[name]["advantage_step"]
+    inputs, params = record["inputs"], record["params"].advantage_params()
+    mask = inputs.response_mask > 0
+    spi2, old = inputs.sum_pi_squared[mask], inputs.old_log_probs[mask]
+    assert mask.any() and bool((spi2 <= 1 + 1e-6).all()) and bool((spi2 >= old.exp().square() - 1e-6).all())
+    assert bool((spi2 > 0).all())
+    want = compute_advantage(adv_estimator=name, inputs=inputs, params=params)
+    torch.testing.assert_close(record["out"].advantages, want.advantages, rtol=1e-6, atol=1e-7)
 
 
 REWARD_FILE = """

@@ -22,7 +22,7 @@ from verl_balance.algorithms import outcome_estimators as outcome
 from verl_balance.algorithms import token_estimators as token
 from verl_balance.algorithms.estimator_inputs import AdvantageInputs, AdvantageOutput, AdvantageParams
 from verl_balance.algorithms.group_stats import AdvantageInputError
-from verl_balance.batch_keys import INDEX_KEY, OLD_LOG_PROBS_KEY, ROLLOUT_IS_WEIGHTS_KEY, VALUES_KEY
+from verl_balance.batch_keys import INDEX_KEY, OLD_LOG_PROBS_KEY, ROLLOUT_IS_WEIGHTS_KEY, SUM_PI_SQUARED_KEY, VALUES_KEY
 
 ESTIMATOR_KEY = "algorithm.adv_estimator"
 
@@ -39,7 +39,7 @@ class EstimatorSpec:
 
 
 _GROUP = (INDEX_KEY,)
-_OTB = (INDEX_KEY, OLD_LOG_PROBS_KEY, "sum_pi_squared")
+_OTB = (INDEX_KEY, OLD_LOG_PROBS_KEY, SUM_PI_SQUARED_KEY)
 
 ADV_ESTIMATOR_REGISTRY: dict[str, EstimatorSpec] = {
     "gae": EstimatorSpec(token.gae, (VALUES_KEY,)),
@@ -99,7 +99,7 @@ def compute_advantage(*, adv_estimator: str, inputs: AdvantageInputs, params: Ad
             f"token_level_rewards {tuple(inputs.token_level_rewards.shape)} and response_mask {shape} must be the "
             f"same (B, L)"
         )
-    for name in (VALUES_KEY, OLD_LOG_PROBS_KEY, "sum_pi_squared", ROLLOUT_IS_WEIGHTS_KEY):
+    for name in (VALUES_KEY, OLD_LOG_PROBS_KEY, SUM_PI_SQUARED_KEY, ROLLOUT_IS_WEIGHTS_KEY):
         tensor = getattr(inputs, name)
         if tensor is not None and tuple(tensor.shape) != shape:
             raise AdvantageInputError(f"{name} has shape {tuple(tensor.shape)}; it must be (B, L) = {shape}")

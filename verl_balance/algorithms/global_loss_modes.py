@@ -23,8 +23,8 @@ sequence i, the full-sequence count the engine already has):
   token count), cov = (A - mean_A)(log_prob - mean_lp); a candidate is a loss-mask token that PPO's
   clip did not already clip with clip_cov_lb < cov < clip_cov_ub; k = max(int(clip_cov_ratio * N), 1)
   candidates are drawn uniformly at random, batch-wide. A layout-invariant draw: a key per token from
-  (seed, step, sample uid, response position), then the k smallest keys among the candidates (a
-  global top-k over the world, e.g. all-gather of the candidates' keys).
+  (the step, a fingerprint of the sequence's token ids, the position), then the k smallest keys among
+  the candidates (a global top-k over the world: batch_selection.py).
 - ``kl_cov_select`` (kl_cov): 1 on the k = max(1, int(kl_cov_ratio * N)) loss-mask tokens of largest
   cov (same global means, detached log-probs): a global top-k over the world.
 
@@ -32,8 +32,7 @@ verl computes clip_cov's and kl_cov's statistics per micro-batch (the batch its 
 sees), so in verl they depend on the micro-batch size; the global reductions above make them
 layout-invariant, equal to verl's with one micro-batch holding the whole mini-batch. Because they
 select by the *current* log-probs, a token's selection is known only after the forward of every
-micro-batch: the engine needs a no-grad forward over the mini-batch first (or, on the first update
-of a step, the old log-probs, which then equal the current ones).
+micro-batch: the engine runs a no-grad forward over the mini-batch first (``TrainEngine._batch_selections``).
 
 Per token (r = exp(x), [lo, hi] the clip range, A the advantage):
 - gspo (https://arxiv.org/abs/2507.18071): log r_seq = min(log_prob - sg(log_prob) + s_i, 10),

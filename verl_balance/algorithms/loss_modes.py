@@ -29,6 +29,7 @@ from torch import Tensor
 from verl_balance.algorithms import global_loss_modes as glob
 from verl_balance.algorithms import rollout_correction as rc
 from verl_balance.algorithms import token_loss_modes as tok
+from verl_balance.algorithms.batch_selection import covariance_selections, sequence_fingerprint_terms, token_hash_keys
 from verl_balance.algorithms.policy_loss import (
     PolicyLossConfig,
     PolicyLossConfigError,
@@ -36,7 +37,7 @@ from verl_balance.algorithms.policy_loss import (
     add_regularizers,
     check_regularizer_inputs,
 )
-from verl_balance.batch_keys import LOSS_MASK_KEY
+from verl_balance.batch_keys import ADVANTAGES_KEY, INPUT_IDS_KEY, LOSS_MASK_KEY, POSITION_IDS_KEY
 
 LOSS_MODE_KEY = "actor_rollout_ref.actor.policy_loss.loss_mode"
 SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
@@ -211,28 +212,71 @@ def sequence_reductions(
     return out
 
 
+BATCH_SELECTED_MODES = ("clip_cov", "kl_cov")
+"""Modes whose reductions are token selections over the whole mini-batch (batch_selection.py), which
+the engine computes from a no-grad forward of every micro-batch before the update's forwards."""
+
+
 class ModeLoss(PPOLoss):
     """``PPOLoss`` with verl's ``policy_loss.loss_mode``: the per-token loss of ``policy_token_loss``.
 
     Per-token modes need nothing more; gspo and geo_mean ask the engine for ``sequence_sum``
-    (``needs_sequence_sums``) and reduce their per-sequence means with it, so the loss is the same
-    on any (dp, sp) layout and micro-batching. Modes with mini-batch-wide top-k selections
-    (clip_cov, kl_cov) or rollout log-probs on the update path (bypass_mode) are refused here.
+    (``needs_sequence_sums``) and reduce their per-sequence means with it; clip_cov and kl_cov ask for
+    their mini-batch-wide selection (``needs_batch_selection``: the engine calls ``batch_selections``
+    with every micro-batch's current log-probs and the world collectives, and hands each micro-batch
+    its part as ``batch_selection``). So the loss is the same on any (dp, sp) layout and micro-batching.
+    bypass_mode (rollout log-probs on the update path) is refused here.
     """
 
     def __init__(self, config: PolicyLossConfig, *, mode: LossModeConfig, **kwargs):
         super().__init__(config, **kwargs)
-        unsupported = set(required_reductions(mode)) and mode.loss_mode not in SEQUENCE_REDUCED_MODES
-        if unsupported:
+        supported = SEQUENCE_REDUCED_MODES + BATCH_SELECTED_MODES
+        if set(required_reductions(mode)) and mode.loss_mode not in supported:
             raise PolicyLossConfigError(
-                f"{LOSS_MODE_KEY}={mode.loss_mode!r} needs mini-batch-wide reductions the engine does not supply; "
-                f"layout-invariant modes: per-token ones and {list(SEQUENCE_REDUCED_MODES)}"
+                f"{LOSS_MODE_KEY}={mode.loss_mode!r} needs reductions the engine does not supply; "
+                f"layout-invariant modes: per-token ones and {list(supported)}"
             )
         self.mode = mode
         self.needs_sequence_sums = mode.loss_mode in SEQUENCE_REDUCED_MODES
+        self.needs_batch_selection = mode.loss_mode in BATCH_SELECTED_MODES
+
+    def batch_selections(
+        self, *, log_probs, inputs, sequence_sums, seed: int, num_tokens: int, world_sum, world_gather
+    ) -> list[dict[str, Tensor]]:
+        """Per micro-batch, clip_cov's / kl_cov's ``reduced`` selection of its local tokens
+        (batch_selection.covariance_selections over the whole mini-batch; ``sequence_sums[i]`` is the
+        engine's ``sequence_sum`` of micro-batch i, ``seed`` the step that varies clip_cov's draw)."""
+
+        def hash_keys(i: int) -> Tensor:
+            positions = inputs[i][POSITION_IDS_KEY]
+            terms = sequence_fingerprint_terms(inputs[i][INPUT_IDS_KEY], positions)
+            return token_hash_keys(sequence_sums[i](terms), positions, seed=seed)
+
+        return covariance_selections(
+            log_probs=log_probs,
+            old_log_probs=[self.old_log_probs(lp, x) for lp, x in zip(log_probs, inputs)],
+            advantages=[x[ADVANTAGES_KEY].to(lp.dtype) for lp, x in zip(log_probs, inputs)],
+            loss_masks=[x[LOSS_MASK_KEY].to(lp.dtype) for lp, x in zip(log_probs, inputs)],
+            hash_keys=hash_keys,
+            num_tokens=num_tokens,
+            config=self.config,
+            mode=self.mode,
+            world_sum=world_sum,
+            world_gather=world_gather,
+        )
 
     def token_loss(
-        self, *, log_probs, old_log_probs, advantages, ref_log_probs, entropy, inputs, sequence_sum, rollout_is_weights
+        self,
+        *,
+        log_probs,
+        old_log_probs,
+        advantages,
+        ref_log_probs,
+        entropy,
+        inputs,
+        sequence_sum,
+        rollout_is_weights,
+        batch_selection=None,
     ):
         reduced = {}
         if self.needs_sequence_sums:
@@ -248,6 +292,12 @@ class ModeLoss(PPOLoss):
                 sequence_sum=sequence_sum,
                 rollout_is_weights=rollout_is_weights,
             )
+        if self.needs_batch_selection:
+            if batch_selection is None:
+                raise PolicyLossConfigError(
+                    f"{LOSS_MODE_KEY}={self.mode.loss_mode!r} needs the engine's mini-batch-wide batch_selection"
+                )
+            reduced = dict(batch_selection)
         return policy_token_loss(
             log_probs=log_probs,
             old_log_probs=old_log_probs,

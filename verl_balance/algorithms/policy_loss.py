@@ -194,11 +194,12 @@ class PPOLoss:
         return keys + ((REF_LOG_PROB_KEY,) if self.config.use_kl_loss else ())
 
     def __call__(
-        self, *, log_probs: torch.Tensor, entropy: torch.Tensor | None, inputs, sequence_sum=None
+        self, *, log_probs: torch.Tensor, entropy: torch.Tensor | None, inputs, sequence_sum=None, batch_selection=None
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Per-token loss [T_local] and per-token metrics for one micro-batch slice. ``sequence_sum``
         (given by the engine when ``needs_sequence_sums``): local per-token values -> the sum over each
-        full sequence, per token (see loss_modes.ModeLoss)."""
+        full sequence, per token; ``batch_selection`` (when ``needs_batch_selection``): this slice's
+        mini-batch-wide token selection (see loss_modes.ModeLoss)."""
         missing = [k for k in self.required_keys() if k not in inputs]
         if missing:
             raise PolicyLossConfigError(f"micro-batch lacks {missing} needed by the PPO loss; it has {sorted(inputs)}")
@@ -207,10 +208,7 @@ class PPOLoss:
                 f"on_policy=True takes the old log-probs from the update forward, but the micro-batch carries "
                 f"{OLD_LOG_PROBS_KEY!r}; send one or the other"
             )
-        if self.on_policy:
-            old_log_probs = log_probs.detach()
-        else:
-            old_log_probs = inputs[OLD_LOG_PROBS_KEY].to(log_probs.dtype)
+        old_log_probs = self.old_log_probs(log_probs, inputs)
         loss, metrics = self.token_loss(
             log_probs=log_probs,
             old_log_probs=old_log_probs,
@@ -219,6 +217,7 @@ class PPOLoss:
             entropy=entropy,
             inputs=inputs,
             sequence_sum=sequence_sum,
+            batch_selection=batch_selection,
             rollout_is_weights=(
                 inputs[ROLLOUT_IS_WEIGHTS_KEY].to(log_probs.dtype) if ROLLOUT_IS_WEIGHTS_KEY in inputs else None
             ),
@@ -227,8 +226,24 @@ class PPOLoss:
             metrics["rollout_probs_diff_mean"] = self._rollout_probs_diff(log_probs, inputs)
         return loss, metrics
 
+    def old_log_probs(self, log_probs: torch.Tensor, inputs) -> torch.Tensor:
+        """The PPO ratio's denominator: this forward's own (detached) when on-policy, else the wire's."""
+        if self.on_policy:
+            return log_probs.detach()
+        return inputs[OLD_LOG_PROBS_KEY].to(log_probs.dtype)
+
     def token_loss(
-        self, *, log_probs, old_log_probs, advantages, ref_log_probs, entropy, inputs, sequence_sum, rollout_is_weights
+        self,
+        *,
+        log_probs,
+        old_log_probs,
+        advantages,
+        ref_log_probs,
+        entropy,
+        inputs,
+        sequence_sum,
+        rollout_is_weights,
+        batch_selection=None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The per-token loss of verl's ``vanilla`` mode (a seam: loss_modes.ModeLoss runs the others)."""
         return ppo_clip_token_loss(

@@ -55,6 +55,7 @@ from verl_balance.batch_keys import (
     LOG_PROBS_KEY,
     LOSS_MASK_KEY,
     POSITION_IDS_KEY,
+    SUM_PI_SQUARED_KEY,
     VALUES_KEY,
 )
 from verl_balance.distributed.layout import ParallelLayout
@@ -527,12 +528,15 @@ class TrainEngine:
             self.zero_grad()
         else:
             self.model.eval()
+        selections = [None] * len(packed)
+        if getattr(loss_fn, "needs_batch_selection", False):
+            selections = self._batch_selections(packed, loss_fn=loss_fn, temperature=temperature)
         for k, (p, w) in enumerate(zip(packed, weights)):
             if training:
                 self.prepare_backward(is_last=k == len(packed) - 1)
             timer.start()
             objective, per_token_metrics = self._forward_backward(
-                p, w, loss_fn=loss_fn, training=training, temperature=temperature
+                p, w, loss_fn=loss_fn, training=training, temperature=temperature, selection=selections[k]
             )
             timer.stop()
             local_objective += objective.detach().double()
@@ -543,7 +547,14 @@ class TrainEngine:
         return local_objective, metric_sums, timer
 
     def _forward_backward(
-        self, packed: PackedMicroBatch, weights: Tensor, *, loss_fn: LossFn, training: bool, temperature: float
+        self,
+        packed: PackedMicroBatch,
+        weights: Tensor,
+        *,
+        loss_fn: LossFn,
+        training: bool,
+        temperature: float,
+        selection: dict | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
         """One micro-batch: the local objective sum(w * l) over this rank's token slice (and, when
         training, the backward of G times it); returns it with the loss_fn's per-token metrics."""
@@ -551,6 +562,8 @@ class TrainEngine:
             outputs = self._loss_inputs(packed, loss_fn=loss_fn, temperature=temperature)
             if getattr(loss_fn, "needs_sequence_sums", False):
                 outputs["sequence_sum"] = functools.partial(self.sequence_sum, packed)
+            if selection is not None:
+                outputs["batch_selection"] = selection
             per_token_loss, per_token_metrics = loss_fn(**outputs, inputs=packed.local_inputs())
             objective = (weights[packed.local_slice] * per_token_loss).sum()
             if training:
@@ -566,6 +579,44 @@ class TrainEngine:
         needs_entropy = getattr(loss_fn, "needs_entropy", False)
         log_probs, entropy = self.forward_log_probs(packed, temperature=temperature, with_entropy=needs_entropy)
         return {LOG_PROBS_KEY: log_probs, ENTROPY_KEY: entropy}
+
+    def _batch_selections(self, packed: Sequence[PackedMicroBatch], *, loss_fn, temperature: float) -> list[dict]:
+        """A loss's mini-batch-wide token selection (clip_cov, kl_cov), per micro-batch: a no-grad forward of
+        every micro-batch gives the current log-probs (the parameters do not change within the step), then
+        ``loss_fn.batch_selections`` reduces over the world. Collective: every rank runs it before the
+        step's first forward (the forwards' collectives, SP-group sequence sums, world reductions)."""
+        # N, the mini-batch's loss-mask tokens: each DP group's full sequences counted once (SP rank 0)
+        local = sum(float(p.tensors[LOSS_MASK_KEY].sum()) for p in packed) if self.layout.sp_rank == 0 else 0.0
+        num_tokens = int(self._world_sum(torch.tensor([local], dtype=torch.float64))[0])
+        with torch.no_grad():
+            log_probs = [self.forward_log_probs(p, temperature=temperature)[0] for p in packed]
+        return loss_fn.batch_selections(
+            log_probs=log_probs,
+            inputs=[p.local_inputs() for p in packed],
+            sequence_sums=[functools.partial(self.sequence_sum, p) for p in packed],
+            seed=self.global_step,
+            num_tokens=num_tokens,
+            world_sum=self._world_sum,
+            world_gather=self._world_gather,
+        )
+
+    def _world_sum(self, values: Tensor) -> Tensor:
+        """In-place SUM of a small tensor over the world (through the device for NCCL)."""
+        if self.layout.world_size > 1:
+            moved = values.to(self.device)
+            dist.all_reduce(moved, op=dist.ReduceOp.SUM, group=self.layout.world_group)
+            values.copy_(moved.to(values.device))
+        return values
+
+    def _world_gather(self, values: Tensor) -> tuple[Tensor, int]:
+        """(every rank's equal-sized 1-D ``values`` concatenated in rank order, this rank's index)."""
+        if self.layout.world_size == 1:
+            return values, 0
+        group = self.layout.world_group
+        moved = values.to(self.device)
+        out = moved.new_empty(moved.numel() * dist.get_world_size(group))
+        dist.all_gather_into_tensor(out, moved, group=group)
+        return out.to(values.device), dist.get_rank(group)
 
     def sequence_sum(self, packed: PackedMicroBatch, values: Tensor) -> Tensor:
         """Per-token values on this SP rank's slice -> the (detached) sum of each token's full sequence,
@@ -632,25 +683,55 @@ class TrainEngine:
 
     @torch.no_grad()
     def compute_log_prob(
-        self, micro_batches: Sequence[Mapping[str, Tensor]], *, with_entropy: bool = False, temperature: float = 1.0
+        self,
+        micro_batches: Sequence[Mapping[str, Tensor]],
+        *,
+        with_entropy: bool = False,
+        with_sum_pi_squared: bool = False,
+        temperature: float = 1.0,
     ) -> list[dict[str, Tensor]]:
-        """Per micro-batch {"log_probs": (b, L)[, "entropy": (b, L)]} on every rank.
+        """Per micro-batch {"log_probs": (b, L)[, "entropy": (b, L)][, "sum_pi_squared": (b, L)]} on
+        every rank.
 
         log_probs[i, t] = log p(token t | tokens < t) of sample i (0 at t = 0 and at padding);
-        entropy[i, t] is the entropy of that same predictive distribution; both at ``temperature``.
+        entropy[i, t] is the entropy of that same predictive distribution and sum_pi_squared[i, t]
+        its sum over the vocabulary of p(v)^2 (computed per token chunk by the output head, exact on
+        any SP slice); all at ``temperature``.
         """
         self._require_model_type("language_model", "compute_log_prob")
         self.check_micro_batches(micro_batches)
         self.model.eval()
         outputs = []
         for p in self.pack_micro_batches(micro_batches, require_loss_mask=False):
-            log_probs, entropy = self.gathered_log_probs(p, temperature=temperature, with_entropy=with_entropy)
-            result = {LOG_PROBS_KEY: p.unpack(log_probs)}
-            if with_entropy:
-                result[ENTROPY_KEY] = p.unpack(entropy)
-            outputs.append(result)
+            if with_sum_pi_squared:
+                columns = self._gathered_head_stats(p, temperature=temperature)
+            else:
+                log_probs, entropy = self.gathered_log_probs(p, temperature=temperature, with_entropy=with_entropy)
+                columns = {LOG_PROBS_KEY: log_probs, ENTROPY_KEY: entropy}
+            if not with_entropy:
+                columns.pop(ENTROPY_KEY)
+            outputs.append({k: p.unpack(v) for k, v in columns.items()})
         self.reshard()
         return outputs
+
+    def _gathered_head_stats(self, packed: PackedMicroBatch, *, temperature: Temperature) -> dict[str, Tensor]:
+        """{log_probs, entropy, sum_pi_squared} [total_len] of the whole packed stream (no grad): the
+        output head's ``head_token_stats`` on this SP rank's slice, gathered over the SP group.
+        Collective as ``gathered_log_probs``."""
+        self._require_model_type("language_model", "forward_log_probs")
+        stats = self.model(
+            input_ids=packed.local(INPUT_IDS_KEY),
+            position_ids=packed.local(POSITION_IDS_KEY),
+            cu_seqlens=packed.cu_seqlens_padded,
+            max_seqlen=packed.max_seqlen,
+            targets=packed.local("targets"),
+            temperature=temperature,
+            with_sum_pi_squared=True,
+            logits_chunk_size=self.config.logits_chunk_size,
+        )
+        group, length = self.layout.sp_group, packed.total_len
+        keys = (LOG_PROBS_KEY, ENTROPY_KEY, SUM_PI_SQUARED_KEY)
+        return {k: gather_and_unpad(v, group=group, length=length) for k, v in zip(keys, stats)}
 
     @torch.no_grad()
     def compute_values(self, micro_batches: Sequence[Mapping[str, Tensor]]) -> list[dict[str, Tensor]]:

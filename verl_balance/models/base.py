@@ -37,13 +37,15 @@ class PackedCausalLM(Protocol):
         targets: Tensor | None = None,
         temperature: Temperature = 1.0,
         with_entropy: bool = False,
+        with_sum_pi_squared: bool = False,
         logits_chunk_size: int | None = None,
     ) -> Tensor | tuple[Tensor, Tensor | None]:
         """Logits [T_local, V]; cu_seqlens spans the full padded stream (all SP slices). With
         ``targets`` [T_local]: ``head_token_log_probs`` of the final hidden states instead, i.e.
         (log p(target) [T_local], entropy [T_local] or None) at ``temperature``, chunked over tokens
-        when ``logits_chunk_size`` >= 1. The head runs inside forward so that FSDP2's root hooks
-        unshard the output weight for it (and again for its backward)."""
+        when ``logits_chunk_size`` >= 1; with ``with_sum_pi_squared`` (no grad) ``head_token_stats``'
+        (log p(target), entropy, sum_v p(v)^2) instead. The head runs inside forward so that FSDP2's
+        root hooks unshard the output weight for it (and again for its backward)."""
         ...
 
     def forward_hidden(self, *, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:

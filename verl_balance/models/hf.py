@@ -42,7 +42,7 @@ from verl_balance.models.attention import (
     register_hf_attention,
 )
 from verl_balance.models.config import ModelConfigError
-from verl_balance.models.output_head import LogitTransform, Temperature, head_token_log_probs
+from verl_balance.models.output_head import LogitTransform, Temperature, head_token_log_probs, head_token_stats
 
 # Each has a tiny variant in tests/models/_tiny_variants.py whose packed logits equal HF's.
 SUPPORTED_MODEL_TYPES = (
@@ -320,6 +320,7 @@ class HFCausalLM(nn.Module):
         targets: Tensor | None = None,
         temperature: Temperature = 1.0,
         with_entropy: bool = False,
+        with_sum_pi_squared: bool = False,
         logits_chunk_size: int | None = None,
     ) -> Tensor | tuple[Tensor, Tensor | None]:
         """Logits [T_local, V] (the family's LogitTransform applied) for this rank's slice of the
@@ -330,6 +331,15 @@ class HFCausalLM(nn.Module):
         )
         if targets is None:
             return self.logit_transform.apply(self.lm_head(hidden))
+        if with_sum_pi_squared:  # no-grad log-prob pass of the optimal-token baselines
+            return head_token_stats(
+                hidden,
+                self.output_weight(),
+                targets,
+                transform=self.logit_transform,
+                temperature=temperature,
+                chunk_size=logits_chunk_size,
+            )
         return head_token_log_probs(
             hidden,
             self.output_weight(),

@@ -21,7 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from verl_balance.models.attention import check_sequence_parallel_heads, packed_attention
 from verl_balance.models.config import ModelConfig, ModelConfigError
-from verl_balance.models.output_head import LogitTransform, Temperature, head_token_log_probs
+from verl_balance.models.output_head import LogitTransform, Temperature, head_token_log_probs, head_token_stats
 
 
 def check_sequence_parallel(config: ModelConfig, sp_size: int) -> None:
@@ -211,6 +211,7 @@ class LlamaForCausalLM(nn.Module):
         targets: Tensor | None = None,
         temperature: Temperature = 1.0,
         with_entropy: bool = False,
+        with_sum_pi_squared: bool = False,
         logits_chunk_size: int | None = None,
     ) -> Tensor | tuple[Tensor, Tensor | None]:
         """Logits [T_local, V] for this rank's slice of the packed stream; with ``targets``, the
@@ -221,6 +222,15 @@ class LlamaForCausalLM(nn.Module):
         )
         if targets is None:
             return self.logit_transform.apply(F.linear(hidden, self.output_weight()))
+        if with_sum_pi_squared:  # no-grad log-prob pass of the optimal-token baselines
+            return head_token_stats(
+                hidden,
+                self.output_weight(),
+                targets,
+                transform=self.logit_transform,
+                temperature=temperature,
+                chunk_size=logits_chunk_size,
+            )
         return head_token_log_probs(
             hidden,
             self.output_weight(),

@@ -271,6 +271,37 @@ def chunked_token_log_probs(
     return log_probs, entropy if with_entropy else None
 
 
+@torch.no_grad()
+def head_token_stats(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    *,
+    transform: LogitTransform,
+    temperature: Temperature = 1.0,
+    chunk_size: int | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(log p(target), entropy, sum_v p(v)^2) per token [T], fp32, no gradient: the log-prob pass of
+    the optimal-token baselines (verl's ``calculate_sum_pi_squared``, at ``temperature`` as verl's).
+    Each chunk of ``chunk_size`` tokens (all of them when 0 / None) is computed exactly as
+    ``head_token_log_probs`` computes it, so the log-probs and entropy equal that path's."""
+    check_temperature(temperature)
+    n = hidden.shape[0]
+    step = chunk_size or max(n, 1)
+    dtype = torch.promote_types(hidden.dtype, torch.float32)
+    out = torch.empty(3, n, dtype=dtype, device=hidden.device)
+    for start in range(0, n, step):
+        end = min(start + step, n)
+        chunk_temperature = _slice_temperature(temperature, start, end)
+        logp, _ = _chunk_log_softmax(hidden[start:end], weight, transform, chunk_temperature, want_capped=False)
+        out[0, start:end] = logp.gather(-1, targets[start:end].long().unsqueeze(-1)).squeeze(-1)
+        p = logp.exp()
+        out[1, start:end] = -(p * logp).sum(-1)
+        out[2, start:end] = p.square_().sum(-1)
+        del logp, p
+    return out[0], out[1], out[2]
+
+
 def head_token_log_probs(
     hidden: Tensor,
     weight: Tensor,

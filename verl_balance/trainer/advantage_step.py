@@ -5,7 +5,9 @@ Invariants:
   ``token_level_rewards`` = each response's score on its last loss-mask token, ``response_mask`` =
   the loss mask, ``index`` = the prompt of each row (verl's ``uid`` group), ``values`` = the critic's
   (gae), ``reward_baselines`` = the greedy response's score to the same prompt (remax),
-  ``reward_components`` = the reward function's extra fields (gdpo).
+  ``reward_components`` = the reward function's extra fields (gdpo), ``old_log_probs``,
+  ``sum_pi_squared`` (the old log-prob pass's sum over the vocabulary of pi^2) and the rollout
+  correction's ``rollout_is_weights`` (the optimal-token baselines), when the batch has them.
 - ``token_level_rewards`` = the scores, minus beta x KL(old || ref) per token with
   ``use_kl_in_reward`` (verl's apply_kl_penalty, before the rollout correction); the decoupled
   rollout correction then sets ``rollout_is_weights`` and zeroes rejected tokens of the loss mask,
@@ -33,6 +35,7 @@ from verl_balance.batch_keys import (
     REF_LOG_PROB_KEY,
     ROLLOUT_IS_WEIGHTS_KEY,
     ROLLOUT_LOG_PROBS_KEY,
+    SUM_PI_SQUARED_KEY,
     VALUES_KEY,
 )
 from verl_balance.protocol import Batch
@@ -126,6 +129,9 @@ def advantage_inputs(
         response_mask=loss_mask,
         index=np.asarray(batch[PROMPT_INDEX_KEY]),
         values=batch[VALUES_KEY] if VALUES_KEY in batch else None,
+        old_log_probs=batch[OLD_LOG_PROBS_KEY] if OLD_LOG_PROBS_KEY in batch else None,
+        sum_pi_squared=batch[SUM_PI_SQUARED_KEY] if SUM_PI_SQUARED_KEY in batch else None,
+        rollout_is_weights=batch[ROLLOUT_IS_WEIGHTS_KEY] if ROLLOUT_IS_WEIGHTS_KEY in batch else None,
         reward_baselines=reward_baselines,
         reward_components=reward_components(extras, params.gdpo_reward_keys) if params.gdpo_reward_keys else None,
     )

@@ -10,6 +10,8 @@ Invariants:
   start-up naming the key and the missing input (never a silent fallback).
 - ``actor_rollout_ref.actor.policy_loss.loss_mode`` is any name of ``algorithms.LOSS_MODE_REGISTRY``
   whose reductions the engine supplies (``ENGINE_LOSS_MODES``); the others fail naming the key.
+  clip_cov / kl_cov select tokens by the covariance over the whole mini-batch (all micro-batches and
+  ranks), where verl uses each micro-batch's: equal with one micro-batch per mini-batch on one rank.
 - KL in the reward (``use_kl_in_reward``, ``kl_penalty``, ``kl_ctrl``), DAPO's dynamic sampling
   (``filter_groups``) and the rollout correction (``rollout_correction``: IS weights and rejection on
   the driver's batch, verl's decoupled mode; ``bypass_mode`` with ``loss_type=ppo_clip`` alone) run
@@ -28,22 +30,40 @@ from verl_balance.algorithms.estimators import required_inputs
 from verl_balance.algorithms.kl_in_reward import KL_CTRL_TYPES, KLController, build_kl_controller, in_reward_kl_type
 from verl_balance.algorithms.loss_modes import SEQ_MEAN_TOKEN_MEAN, LossModeKeys
 from verl_balance.algorithms.rollout_correction import RolloutCorrectionConfig
-from verl_balance.batch_keys import INDEX_KEY, OLD_LOG_PROBS_KEY, VALUES_KEY
+from verl_balance.batch_keys import INDEX_KEY, OLD_LOG_PROBS_KEY, SUM_PI_SQUARED_KEY, VALUES_KEY
 from verl_balance.trainer.config_checks import ConfigError, check_choice
 
-SUPPLIED_INPUTS = (INDEX_KEY, VALUES_KEY, "reward_baselines", "reward_components")
+SUPPLIED_INPUTS = (
+    INDEX_KEY,
+    VALUES_KEY,
+    "reward_baselines",
+    "reward_components",
+    OLD_LOG_PROBS_KEY,
+    SUM_PI_SQUARED_KEY,
+)
 """``AdvantageInputs`` fields the GRPO trainer supplies: the prompt uid of each row, the critic's values
-(gae), the greedy baseline rollout's reward (remax) and the reward function's extra fields (gdpo)."""
-UNSUPPLIED_REASONS = {
-    "sum_pi_squared": (
-        "the per-token sum over the vocabulary of pi^2 (verl's actor.calculate_sum_pi_squared), which the "
-        "chunked output head does not compute yet"
-    ),
-    OLD_LOG_PROBS_KEY: "the old log-probs before the advantages",
-}
-ENGINE_LOSS_MODES = ("vanilla", "sapo", "gpg", "dro", "cispo", "dppo_tv", "dppo_kl", "gspo", "geo_mean")
-"""Loss modes the engine runs layout-invariantly: per-token ones, and gspo / geo_mean whose per-sequence
-means are reduced over the SP group (``TrainEngine.sequence_sum``, ``loss_modes.ModeLoss``)."""
+(gae), the greedy baseline rollout's reward (remax), the reward function's extra fields (gdpo), and the
+old log-prob pass's log-probs and sum over the vocabulary of pi^2 (the optimal-token baselines: the
+pass then runs before the advantages)."""
+UNSUPPLIED_REASONS: dict[str, str] = {}
+"""Why an estimator input is not supplied (none today; the start-up error names any future one)."""
+ENGINE_LOSS_MODES = (
+    "vanilla",
+    "sapo",
+    "gpg",
+    "dro",
+    "cispo",
+    "dppo_tv",
+    "dppo_kl",
+    "gspo",
+    "geo_mean",
+    "clip_cov",
+    "kl_cov",
+)
+"""Loss modes the engine runs layout-invariantly: per-token ones, gspo / geo_mean whose per-sequence
+means are reduced over the SP group (``TrainEngine.sequence_sum``, ``loss_modes.ModeLoss``), and
+clip_cov / kl_cov whose covariance selection is over the whole mini-batch (``algorithms/batch_selection.py``;
+verl selects per micro-batch)."""
 NOT_YET = "main_grpo does not run it"
 
 
@@ -161,6 +181,11 @@ class AlgorithmSection:
                 "loss_type=ppo_clip without IS weights or rejection here; set bypass_mode=false for verl's "
                 "decoupled IS weights and rejection)"
             )
+        if corr.bypass_mode and self.needs_sum_pi_squared:
+            changed.append(
+                f"adv_estimator={self.adv_estimator!r} with rollout_correction.bypass_mode=true (the estimator "
+                "reads sum pi^2 from the old log-prob pass, which bypass mode skips; set bypass_mode=false)"
+            )
         if changed:
             raise ConfigError(f"{', '.join(changed)}: {NOT_YET}; remove the override(s) to run without it")
 
@@ -171,9 +196,16 @@ class AlgorithmSection:
         return not corr.bypass_mode and (corr.rollout_is is not None or corr.rollout_rs is not None)
 
     @property
+    def needs_sum_pi_squared(self) -> bool:
+        """The optimal-token baselines read the old log-prob pass's sum over the vocabulary of pi^2
+        (verl's actor.calculate_sum_pi_squared, set here by the estimator)."""
+        return SUM_PI_SQUARED_KEY in required_inputs(self.adv_estimator, self.advantage_params())
+
+    @property
     def needs_old_log_probs_before_advantages(self) -> bool:
-        """KL in the reward and the decoupled rollout correction read the old log-probs on the driver."""
-        return self.use_kl_in_reward or self.corrects_rollout
+        """KL in the reward, the decoupled rollout correction and the optimal-token baselines read the
+        old log-probs on the driver."""
+        return self.use_kl_in_reward or self.corrects_rollout or self.needs_sum_pi_squared
 
     def advantage_params(self) -> AdvantageParams:
         """The estimators' settings."""
@@ -209,8 +241,9 @@ class PolicyLossSection(LossModeKeys):
         check_choice("loss_mode", self.loss_mode, tuple(LOSS_MODE_REGISTRY))
         if self.loss_mode not in ENGINE_LOSS_MODES:
             raise ConfigError(
-                f"loss_mode={self.loss_mode!r} needs a mini-batch-wide top-k or the rollout log-probs on the "
-                f"update path, which the engine does not supply yet; valid here: {list(ENGINE_LOSS_MODES)}"
+                f"loss_mode={self.loss_mode!r} needs the rollout log-probs on the update path, which the engine "
+                f"does not supply yet (algorithm.rollout_correction.bypass_mode=true runs verl's bypass with "
+                f"loss_type=ppo_clip); valid here: {list(ENGINE_LOSS_MODES)}"
             )
 
 

@@ -655,6 +655,12 @@ class GRPOConfig(RecipeConfig):
                 f"{recompute!r} takes the rollout's as the old ones (bypass); set recompute_old_log_prob=always or "
                 "remove the rollout correction"
             )
+        if mode != "sync" and algorithm.needs_sum_pi_squared and recompute != "always":
+            raise ConfigError(
+                f"algorithm.adv_estimator={algorithm.adv_estimator!r} with trainer.v1.trainer_mode={mode!r} reads "
+                "sum pi^2 from the actor's old log-prob pass, which actor_rollout_ref.actor.recompute_old_log_prob="
+                f"{recompute!r} skips; set recompute_old_log_prob=always or choose another estimator"
+            )
         if not groups.enable:
             return
         if algorithm.adv_estimator == "remax":

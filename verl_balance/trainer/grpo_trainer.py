@@ -73,6 +73,7 @@ from verl_balance.batch_keys import (
     RETURNS_KEY,
     ROLLOUT_LOG_PROBS_KEY,
     SAMPLE_INDEX_KEY,
+    SUM_PI_SQUARED_KEY,
     TEMPERATURE_KEY,
     UID_KEY,
     VALUES_KEY,
@@ -620,6 +621,8 @@ class GRPOTrainer(DriverBase):
         inputs = batch.select(batch_keys=LOG_PROB_INPUT_KEYS, non_tensor_batch_keys=[])
         cut: dict = {}
         pending = {}
+        # The optimal-token baselines read sum_v pi^2 from the old log-prob pass (verl's calculate_sum_pi_squared).
+        kwargs = {"old_log_prob": {"with_sum_pi_squared": True} if self.config.algorithm.needs_sum_pi_squared else {}}
         for name, call in passes.items():
             with _timed(metrics, name):  # planning and cutting count to the first pass using the plan
                 spec = self.log_prob_plans[name]
@@ -627,7 +630,7 @@ class GRPOTrainer(DriverBase):
                     plan = self._plan(batch, micro_batch_size=spec.micro_batch_size, token_cap=spec.token_cap)
                     cut[spec] = (plan, split_by_plan(inputs, plan))
                 plan, chunks = cut[spec]
-                pending[name] = (plan, call.submit(chunks))
+                pending[name] = (plan, call.submit(chunks, **kwargs.get(name, {})))
         return pending
 
     def _submit_values_pass(self, batch: Batch, metrics: dict) -> tuple:
@@ -683,7 +686,10 @@ class GRPOTrainer(DriverBase):
         if "old_log_prob" in pending:
             plan, future = pending["old_log_prob"]
             with _timed(metrics, "old_log_prob"):
-                batch[OLD_LOG_PROBS_KEY] = merge_by_plan(future.get(), plan)[LOG_PROBS_KEY]
+                merged = merge_by_plan(future.get(), plan)
+                batch[OLD_LOG_PROBS_KEY] = merged[LOG_PROBS_KEY]
+                if SUM_PI_SQUARED_KEY in merged:
+                    batch[SUM_PI_SQUARED_KEY] = merged[SUM_PI_SQUARED_KEY]
             metrics.update(rollout_probs_diff(batch))
         if "ref" in pending:
             plan, future = pending["ref"]
@@ -700,7 +706,7 @@ class GRPOTrainer(DriverBase):
         actor_records, plan_records = [], []
         busy = np.zeros(self.dp)
         on_policy = self.old_log_prob_from_update
-        drop = {VALUES_KEY, RETURNS_KEY} & set(batch.tensor_keys)  # the critic's columns
+        drop = {VALUES_KEY, RETURNS_KEY, SUM_PI_SQUARED_KEY} & set(batch.tensor_keys)  # read on the driver only
         if not on_policy and ROLLOUT_LOG_PROBS_KEY in batch:
             # Compared with the old log-probs on the driver (rollout_probs_diff); not needed on the wire.
             drop.add(ROLLOUT_LOG_PROBS_KEY)

@@ -224,7 +224,8 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     ),
     *_none(
         [f"{AR}.actor.calculate_sum_pi_squared"],
-        "read by verl's optimal_token_baseline estimator only",
+        "the old log-prob pass computes sum pi^2 whenever algorithm.adv_estimator is optimal_token_baseline or "
+        "tir_optimal_token_baseline, its only readers (verl needs the key set for them)",
         recipes=("grpo",),
     ),
     *_none([f"{AR}.actor.optim.optimizer"], "the optimizer is AdamW", values=("adamw",), recipes=("grpo",)),
@@ -361,6 +362,19 @@ def startup_line(no_effect: Sequence[str], *, recipe: str) -> str | None:
     return "verl keys accepted with no effect here: " + "; ".join(parts)
 
 
+MEANING_DIFFERS = (
+    (
+        f"{AR}.actor.policy_loss.loss_mode",
+        "clip_cov, kl_cov",
+        "the covariance of advantage and log-prob, its means, the token count and the top-k are over the whole "
+        "mini-batch (every micro-batch of every DP / SP rank), so the loss is layout-invariant; verl takes them "
+        "over each micro-batch. Equal when a mini-batch is one micro-batch on one rank. clip_cov's uniform draw "
+        "hashes (sequence, position, step), not verl's randperm",
+    ),
+)
+"""Schema keys of verl's name whose meaning differs from verl's here (listed in the docs table)."""
+
+
 def docs_table() -> str:
     """``docs/verl_keys.md``: every registry entry with its status, recipes and reason."""
     lines = [
@@ -380,6 +394,9 @@ def docs_table() -> str:
         values = ", ".join(e.values) if e.values else "any"
         what = f"`{e.target}` ({e.reason})" if e.target else e.reason
         lines.append(f"| `{e.pattern}` | {', '.join(e.recipes)} | {status} | {values} | {what} |")
+    lines += ["", "## Declared verl keys whose meaning differs from verl's", "", "| verl key | value | here |"]
+    lines += ["| --- | --- | --- |"]
+    lines += [f"| `{key}` | {value} | {note} |" for key, value, note in MEANING_DIFFERS]
     return "\n".join(lines) + "\n"
 
 

@@ -26,6 +26,7 @@ from verl_balance.batch_keys import (
     MICRO_BATCH_SIZES_KEY,
     ON_POLICY_KEY,
     ROLLOUT_LOG_PROBS_KEY,
+    SUM_PI_SQUARED_KEY,
     TEMPERATURE_KEY,
     WIRE_KEYS,
 )
@@ -160,15 +161,23 @@ class ActorWorker(Worker):
         return metrics
 
     @register(dispatch_mode=make_mesh_dispatch(ACTOR_MESH))
-    def compute_log_prob(self, batch: Batch, with_entropy: bool = False) -> Batch:
-        """Per-token log-probs (B, L) of this chunk's rows, in the chunk's row order."""
+    def compute_log_prob(self, batch: Batch, with_entropy: bool = False, with_sum_pi_squared: bool = False) -> Batch:
+        """Per-token log-probs (B, L) of this chunk's rows, in the chunk's row order (and the entropy,
+        and the sum over the vocabulary of p^2, when asked)."""
         outputs = self.engine.compute_log_prob(
-            self._micro_batches(batch), with_entropy=with_entropy, temperature=batch_temperature(batch)
+            self._micro_batches(batch),
+            with_entropy=with_entropy,
+            with_sum_pi_squared=with_sum_pi_squared,
+            temperature=batch_temperature(batch),
         )
-        tensors = {LOG_PROBS_KEY: cat_padded([o[LOG_PROBS_KEY] for o in outputs])}
-        if with_entropy:
-            tensors[ENTROPY_KEY] = cat_padded([o[ENTROPY_KEY] for o in outputs])
-        return Batch.from_dict(tensors=tensors)
+        keys = [LOG_PROBS_KEY] + [ENTROPY_KEY] * with_entropy + [SUM_PI_SQUARED_KEY] * with_sum_pi_squared
+        return Batch.from_dict(tensors={k: cat_padded([o[k] for o in outputs]) for k in keys})
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def set_loss_mode(self, loss_mode: LossModeConfig | None) -> None:
+        """Train the next updates with this ``policy_loss.loss_mode`` (None = vanilla PPO-clip): the
+        loss is built per update from the config, so no engine state changes."""
+        self.config.loss_mode = loss_mode
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def describe(self) -> dict:

@@ -80,9 +80,16 @@ class ActorGroup(EngineGroup):
         ...
 
     @group_method
-    def compute_log_prob(self, chunks: list[Batch], with_entropy: bool = False) -> Batch:
-        """``ActorWorker.compute_log_prob``: per-token ``log_probs`` (and ``entropy``) of every row,
-        concatenated in DP order."""
+    def compute_log_prob(
+        self, chunks: list[Batch], with_entropy: bool = False, with_sum_pi_squared: bool = False
+    ) -> Batch:
+        """``ActorWorker.compute_log_prob``: per-token ``log_probs`` (and ``entropy``, ``sum_pi_squared``)
+        of every row, concatenated in DP order."""
+        ...
+
+    @group_method
+    def set_loss_mode(self, loss_mode) -> None:
+        """``ActorWorker.set_loss_mode``: the next updates' ``policy_loss.loss_mode`` on every rank."""
         ...
 
 
