@@ -29,7 +29,7 @@ from verl_balance.workers.group import CriticGroup, group_class_for
 SETTINGS = ParitySettings(num_samples=6, seed=5, lr=1e-2)
 MICRO_BATCH_SIZES = [2, 3, 1]
 # The actor's own API, not the critic's (a CriticWorker inherits them; the critic group omits them).
-ACTOR_ONLY = {"update_actor", "compute_log_prob"}
+ACTOR_ONLY = {"update_actor", "compute_log_prob", "set_loss_mode"}
 
 
 def _config() -> CriticWorkerConfig:
