@@ -5,9 +5,9 @@ The override lists of verl's ``examples/grpo_trainer/run_qwen3_8b_fsdp.sh`` (GRP
 tests/data/verl_example_overrides/ and given to ``python -m verl_balance.main_grpo`` (run in this
 process on the session's Ray cluster) with only these replaced: the model paths (a tiny random
 Qwen2), the data files (a tiny gsm8k-shaped parquet, tests/data/gsm8k_tiny.py), the batch sizes and
-lengths, ``trainer.n_gpus_per_node``, and ``rollout.name=vllm`` (no vLLM here: our ``hf``
-rollout, the one for an HF model directory). Added: ``trainer.device=cpu``, 2 training steps, the run directory, and the gsm8k rule
-as ``custom_reward_function`` (our package has no built-in rule for ``openai/gsm8k``). Every other
+lengths, ``trainer.n_gpus_per_node``, and ``rollout.name=vllm`` (no vLLM here: our ``hf`` rollout,
+the one for an HF model directory). Added: ``trainer.device=cpu``, 2 training steps, the run
+directory, and the gsm8k rule as ``custom_reward_function`` (our package has no built-in rule for ``openai/gsm8k``). Every other
 override is verl's, unchanged.
 """
 
@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 
 from tests.data.gsm8k_tiny import write_gsm8k_parquet
-from tests.trainer.conftest import run_cli_in_process
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 GSM8K_REWARD = DATA / "gsm8k_tiny.py"
@@ -72,6 +71,7 @@ def gsm8k_files(tmp_path_factory) -> tuple[str, str]:
 
 def launch(script: str, *, model, files, tmp_path, monkeypatch, capsys) -> tuple[list[dict], str]:
     """``main_grpo`` with ``script``'s scaled-down overrides: (metrics records, stdout)."""
+    import logging
     import runpy
 
     from verl_balance.utils.tracking import read_metrics
@@ -81,8 +81,6 @@ def launch(script: str, *, model, files, tmp_path, monkeypatch, capsys) -> tuple
     monkeypatch.setattr("sys.argv", ["main_grpo", *args])
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     capsys.readouterr()
-    import logging
-
     root = logging.getLogger()
     handlers, level = list(root.handlers), root.level
     try:
