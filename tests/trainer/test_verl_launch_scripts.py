@@ -7,8 +7,8 @@ process on the session's Ray cluster) with only these replaced: the model paths 
 Qwen2), the data files (a tiny gsm8k-shaped parquet, tests/data/gsm8k_tiny.py), the batch sizes and
 lengths, ``trainer.n_gpus_per_node``, and ``rollout.name=vllm`` (no vLLM here: our ``hf`` rollout,
 the one for an HF model directory). Added: ``trainer.device=cpu``, 2 training steps, the run
-directory, and the gsm8k rule as ``custom_reward_function`` (our package has no built-in rule for ``openai/gsm8k``). Every other
-override is verl's, unchanged.
+directory, and the gsm8k rule as ``custom_reward_function`` (our package has no built-in rule
+for ``openai/gsm8k``). Every other override is verl's, unchanged.
 """
 
 from __future__ import annotations
