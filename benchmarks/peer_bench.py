@@ -570,7 +570,8 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 
 def print_table(pairs: list[tuple[str, str, list[str]]], stats: dict[str, dict]) -> None:
-    head = f"{'section':<9} {'run':<32} {'runs':>4} {'s/step':>8} {'tok/s':>8} {'peak RSS GiB':>12}"
+    width = max([9, *(len(section) for section, _, _ in pairs)])
+    head = f"{'section':<{width}} {'run':<32} {'runs':>4} {'s/step':>8} {'tok/s':>8} {'peak RSS GiB':>12}"
     head += "   ours/peer: s/step  tok/s  RSS"
     print("\n" + head)
     print("-" * len(head))
@@ -585,7 +586,7 @@ def print_table(pairs: list[tuple[str, str, list[str]]], stats: dict[str, dict])
                     f" {_ratio(o['rss_gib'], s['rss_gib']):>4}"
                 )
             print(
-                f"{section:<9} {name:<32} {s['runs']:>4} {_fmt(s['s_step'], '.3f'):>8} "
+                f"{section:<{width}} {name:<32} {s['runs']:>4} {_fmt(s['s_step'], '.3f'):>8} "
                 f"{_fmt(s['tok_s'], '.0f'):>8} {_fmt(s['rss_gib'], '.2f'):>12}{ratios}"
             )
     for name, s in stats.items():
