@@ -13,6 +13,18 @@ the order alternating between repeats, so load drifts hit both sides):
 - ``grpo-trl``: TRL's ``GRPOTrainer`` against ``python -m verl_balance.main_grpo``, one worker:
   16 prompts x 4 responses, 32 response tokens, the synthetic task and its rule reward, one
   optimizer update per step, no KL term.
+- ``grpo-verl-script``: verl's own gsm8k GRPO launch script (``examples/grpo_trainer/run_qwen3_8b_fsdp.sh``,
+  its overrides from tests/data/verl_example_overrides/), scaled down, run by verl 0.9.1's
+  ``python -m verl.trainer.main_ppo`` (``actor.strategy=fsdp2``, the ``verl_balance_cpu`` rollout of
+  ``cpu_platform``/``cpu_rollout``) and by ``python -m verl_balance.main_grpo``, DP=2. Replaced on
+  both sides: model, data (a tiny gsm8k-shaped parquet: tests/data/gsm8k_tiny.py), batch sizes
+  (``--grpo-prompts`` prompts, mini-batch a quarter of it as in the script), lengths, 2 workers, no
+  validation or checkpoint during the timed steps, loggers. verl's rollout.n=5, KL loss, dynamic
+  batches and token caps stay. verl scores ``openai/gsm8k`` with its built-in rule, ours with the same
+  rule as ``custom_reward_function`` (tests/data/gsm8k_tiny.py). What verl needs to run on CPU: the
+  CPU rollout (``rollout.name=verl_balance_cpu``, one replica per worker), fp32, sdpa, no torch.compile,
+  one agent-loop and one reward worker, ``trainer.use_v1=False``, logical GPU counts for Ray, and
+  ``benchmarks/verl_cpu_pin_memory.py`` (verl's fsdp2 reference engine pins memory, which needs CUDA).
 
 Model: a random Qwen2 checkpoint built here (``--model small``: 4 layers, hidden 256) with the
 locally trained byte-level BPE tokenizer of ``verl_balance.models.tiny_hf``; nothing is downloaded.
@@ -46,10 +58,16 @@ import time
 from dataclasses import dataclass, field
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SECTIONS = ("sft-verl", "sft-trl", "grpo-trl")
+SECTIONS = ("sft-verl", "sft-trl", "grpo-trl", "grpo-verl-script")
 # (hidden, layers, heads, kv heads, intermediate)
 MODELS = {"tiny": (64, 2, 4, 2, 128), "small": (256, 4, 4, 2, 512)}
 CPU_SHIM = "verl_balance.integrations.verl.cpu_platform,verl_balance.integrations.verl.autopatch"
+CPU_ROLLOUT = (
+    "verl_balance.integrations.verl.cpu_platform,verl_balance.integrations.verl.cpu_rollout,"
+    "benchmarks.verl_cpu_pin_memory"  # verl's fsdp2 reference engine pins its offloaded shards
+)
+VERL_GRPO_SCRIPT = os.path.join(REPO, "tests", "data", "verl_example_overrides", "grpo_trainer__run_qwen3_8b_fsdp.txt")
+GSM8K_TINY = os.path.join(REPO, "tests", "data", "gsm8k_tiny.py")
 
 
 @dataclass
@@ -107,7 +125,8 @@ def write_model(out: str, size: str) -> str:
 
 
 def write_data(out_dir: str, *, num_train: int, sft_median: float) -> dict[str, str]:
-    """SFT chats (longer answers, lognormal sizes) and RL prompts of the synthetic task."""
+    """SFT chats (longer answers, lognormal sizes) and RL prompts of the synthetic task; gsm8k-shaped
+    RL prompts in verl's layout."""
     from verl_balance.data.synthetic import SyntheticConfig, write_dataset
 
     sft = write_dataset(
@@ -118,7 +137,11 @@ def write_data(out_dir: str, *, num_train: int, sft_median: float) -> dict[str, 
         config=SyntheticConfig(median_size=sft_median, sigma=1.0, max_size=int(sft_median * 8)),
     )
     rl = write_dataset(out_dir=os.path.join(out_dir, "rl"), num_train=num_train, num_val=0, seed=1)
-    return {"sft": sft["sft_train"], "rl": rl["rl_train"]}
+    sys.path.insert(0, REPO)
+    from tests.data.gsm8k_tiny import write_gsm8k_parquet
+
+    gsm8k = write_gsm8k_parquet(os.path.join(out_dir, "gsm8k.parquet"), count=num_train)
+    return {"sft": sft["sft_train"], "rl": rl["rl_train"], "gsm8k": gsm8k}
 
 
 # ----------------------------------------------------------------------------- the cases
@@ -225,6 +248,88 @@ def ours_grpo_case(args, model: str, data: str, run_dir: str) -> Case:
         "trainer.resume_mode=disable",
     ]
     return Case("ours main_grpo", argv, _env(args.threads), re.compile(r"^step (\d+)\b"), f"jsonl:{run_dir}")
+
+
+def verl_script_overrides(args, *, model: str, data: str) -> list[str]:
+    """verl's GRPO gsm8k script's overrides with model, data, sizes, workers, validation,
+    checkpoints and loggers replaced (the same lines for both trainers)."""
+    a = "actor_rollout_ref"
+    replaced = {
+        "data.train_files": data,
+        "data.val_files": data,
+        "data.train_batch_size": str(args.grpo_prompts),
+        "data.max_prompt_length": "160",
+        "data.max_response_length": str(args.grpo_response),
+        f"{a}.model.path": model,
+        f"{a}.actor.ppo_mini_batch_size": str(max(2, args.grpo_prompts // 4)),  # the script's 1024 / 256
+        "trainer.n_gpus_per_node": "2",
+        "trainer.save_freq": "-1",
+        "trainer.test_freq": "-1",
+    }
+    with open(VERL_GRPO_SCRIPT) as f:
+        lines = [line.strip() for line in f if line.strip() and not line.startswith("#")]
+    dropped = ("trainer.logger", f"{a}.rollout.name")
+    kept = [line for line in lines if line.partition("=")[0] not in {*replaced, *dropped}]
+    return [
+        *kept,
+        *(f"{k}={v}" for k, v in replaced.items()),
+        "trainer.val_before_train=False",
+        f"trainer.total_training_steps={args.steps}",
+    ]
+
+
+def verl_script_verl_case(args, model: str, data: str, run_dir: str) -> Case:
+    """verl's main_ppo on the scaled-down script: fsdp2 and the CPU rollout."""
+    a = "actor_rollout_ref"
+    cpu_replaced = (f"{a}.rollout.tensor_model_parallel_size=",)
+    argv = [
+        sys.executable,
+        *("-m", "verl.trainer.main_ppo"),
+        *(o for o in verl_script_overrides(args, model=model, data=data) if not o.startswith(cpu_replaced)),
+        f"{a}.actor.strategy=fsdp2",
+        f"{a}.rollout.name=verl_balance_cpu",
+        f"{a}.rollout.tensor_model_parallel_size=1",  # one CPU rollout replica per worker
+        f"{a}.rollout.dtype=float32",
+        f"{a}.rollout.agent.num_workers=1",
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+        f"{a}.actor.use_torch_compile=False",
+        f"{a}.actor.fsdp_config.use_torch_compile=False",
+        *(f"+{a}.actor.fsdp_config.mixed_precision.{k}=fp32" for k in ("param_dtype", "reduce_dtype", "buffer_dtype")),
+        "reward.num_workers=1",
+        # verl's resource pool asks Ray for one GPU per worker: logical counts on a CPU host
+        "+ray_kwargs.ray_init.num_gpus=2",
+        "ray_kwargs.ray_init.num_cpus=16",
+        "trainer.use_v1=False",
+        "trainer.device=cpu",
+        "trainer.logger=[console]",
+        f"trainer.default_local_dir={run_dir}",
+        "trainer.resume_mode=disable",
+    ]
+    env = _env(1, VERL_USE_EXTERNAL_MODULES=CPU_ROLLOUT, VERL_PLATFORM="cpu", WANDB_MODE="disabled")
+    env.pop("CUDA_VISIBLE_DEVICES")  # Ray refuses a logical GPU count when it is set and empty
+    return Case(
+        name="verl main_ppo fsdp2 (script)",
+        argv=argv,
+        env=env,
+        step_pattern=re.compile(r"\bstep:(\d+) - "),
+        tokens_from=r"line:perf/total_num_tokens:([0-9.]+)",
+    )
+
+
+def verl_script_ours_case(args, model: str, data: str, run_dir: str) -> Case:
+    """``main_grpo`` on the scaled-down script (rollout.name=vllm cannot run here: our hf rollout)."""
+    argv = [
+        sys.executable,
+        *("-m", "verl_balance.main_grpo"),
+        *verl_script_overrides(args, model=model, data=data),
+        "actor_rollout_ref.rollout.name=hf",
+        f"custom_reward_function.path={GSM8K_TINY}",
+        "trainer.device=cpu",
+        "trainer.logger=[console,jsonl]",
+        f"trainer.default_local_dir={run_dir}",
+        "trainer.resume_mode=disable",
+    ]
+    return Case("ours main_grpo (script)", argv, _env(1), re.compile(r"^step (\d+)\b"), f"jsonl:{run_dir}")
 
 
 def trl_case(kind: str, args, model: str, data: str, run_dir: str) -> Case:
@@ -465,7 +570,8 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 
 def print_table(pairs: list[tuple[str, str, list[str]]], stats: dict[str, dict]) -> None:
-    head = f"{'section':<9} {'run':<32} {'runs':>4} {'s/step':>8} {'tok/s':>8} {'peak RSS GiB':>12}"
+    width = max([9, *(len(section) for section, _, _ in pairs)])
+    head = f"{'section':<{width}} {'run':<32} {'runs':>4} {'s/step':>8} {'tok/s':>8} {'peak RSS GiB':>12}"
     head += "   ours/peer: s/step  tok/s  RSS"
     print("\n" + head)
     print("-" * len(head))
@@ -480,7 +586,7 @@ def print_table(pairs: list[tuple[str, str, list[str]]], stats: dict[str, dict])
                     f" {_ratio(o['rss_gib'], s['rss_gib']):>4}"
                 )
             print(
-                f"{section:<9} {name:<32} {s['runs']:>4} {_fmt(s['s_step'], '.3f'):>8} "
+                f"{section:<{width}} {name:<32} {s['runs']:>4} {_fmt(s['s_step'], '.3f'):>8} "
                 f"{_fmt(s['tok_s'], '.0f'):>8} {_fmt(s['rss_gib'], '.2f'):>12}{ratios}"
             )
     for name, s in stats.items():
@@ -505,10 +611,10 @@ def build_pairs(args, model: str, data: dict[str, str]):
     ours first, then its peer(s)."""
     pairs, skipped = [], []
     for section in args.only:
-        if section == "sft-verl" and not _have("verl"):
+        if section in ("sft-verl", "grpo-verl-script") and not _have("verl"):
             skipped.append(f"{section}: verl is not importable")
             continue
-        if section == "sft-verl" and _have("trl"):
+        if section in ("sft-verl", "grpo-verl-script") and _have("trl"):
             # verl 0.9.1's fsdp2 engine imports trl's AutoModelForCausalLMWithValueHead whenever trl is
             # importable; trl >= 1.x no longer has it, so fsdp2 cannot start in this environment.
             skipped.append(f"{section}: trl is importable here and breaks verl 0.9.1's fsdp2; use --trl-path")
@@ -520,6 +626,11 @@ def build_pairs(args, model: str, data: dict[str, str]):
             makers = [
                 (mode, functools.partial(verl_sft_case, mode, args, model, data["sft"]))
                 for mode in ("verl_balance", "fsdp2_padded", "fsdp2_rmpad")
+            ]
+        elif section == "grpo-verl-script":
+            makers = [
+                ("ours", functools.partial(verl_script_ours_case, args, model, data["gsm8k"])),
+                ("verl", functools.partial(verl_script_verl_case, args, model, data["gsm8k"])),
             ]
         elif section == "sft-trl":
             makers = [

@@ -50,6 +50,26 @@ def test_summary_pools_repeats_and_table_ratios_are_ours_over_peer(peer_bench, c
     assert "peer: FAILED exit 1" in out
 
 
+def test_verl_script_section_passes_verls_own_overrides_to_both_trainers(peer_bench):
+    args = peer_bench.parse_args(["--only", "grpo-verl-script", "--grpo-prompts", "8", "--steps", "3"])
+    ours = peer_bench.verl_script_ours_case(args, "/m", "/d.parquet", "/run").argv
+    verl = peer_bench.verl_script_verl_case(args, "/m", "/d.parquet", "/run").argv
+    assert verl[1:3] == ["-m", "verl.trainer.main_ppo"] and ours[1:3] == ["-m", "verl_balance.main_grpo"]
+    with open(peer_bench.VERL_GRPO_SCRIPT) as f:
+        script = [line.strip() for line in f if line.strip() and not line.startswith("#")]
+    scaled = ("data.", "actor_rollout_ref.model.path", "actor_rollout_ref.actor.ppo_mini_batch_size", "trainer.")
+    unchanged = [line for line in script if not line.startswith(scaled) and "rollout.name" not in line]
+    assert len(unchanged) >= 20  # the algorithm, actor, rollout and ref lines of verl's script
+    for line in unchanged:
+        assert line in ours, line
+        assert line in verl or line.startswith("actor_rollout_ref.rollout.tensor_model_parallel_size"), line
+    for argv in (ours, verl):
+        assert "data.train_batch_size=8" in argv and "actor_rollout_ref.actor.ppo_mini_batch_size=2" in argv
+        assert "trainer.n_gpus_per_node=2" in argv and "trainer.total_training_steps=3" in argv
+    assert {"actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.rollout.name=verl_balance_cpu"} <= set(verl)
+    assert "actor_rollout_ref.rollout.name=hf" in ours
+
+
 @pytest.mark.slow
 def test_sft_trl_section_on_a_tiny_model_prints_a_table_with_both_rows_measured(peer_bench):
     trl_path = os.environ.get("PEER_TRL_PATH")
