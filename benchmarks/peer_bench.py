@@ -20,8 +20,8 @@ the order alternating between repeats, so load drifts hit both sides):
   both sides: model, data (a tiny gsm8k-shaped parquet: tests/data/gsm8k_tiny.py), batch sizes
   (``--grpo-prompts`` prompts, mini-batch a quarter of it as in the script), lengths, 2 workers, no
   validation or checkpoint during the timed steps, loggers. verl's rollout.n=5, KL loss, dynamic
-  batches and token caps stay. verl scores ``openai/gsm8k`` with its built-in rule, ours with the same
-  rule as ``custom_reward_function`` (tests/data/gsm8k_tiny.py). What verl needs to run on CPU: the
+  batches and token caps stay. Both score ``openai/gsm8k`` with their built-in rule (the same strict
+  rule: ``verl_balance.rewards.gsm8k``). What verl needs to run on CPU: the
   CPU rollout (``rollout.name=verl_balance_cpu``, one replica per worker), fp32, sdpa, no torch.compile,
   one agent-loop and one reward worker, ``trainer.use_v1=False``, logical GPU counts for Ray, and
   ``benchmarks/verl_cpu_pin_memory.py`` (verl's fsdp2 reference engine pins memory, which needs CUDA).
@@ -67,7 +67,6 @@ CPU_ROLLOUT = (
     "benchmarks.verl_cpu_pin_memory"  # verl's fsdp2 reference engine pins its offloaded shards
 )
 VERL_GRPO_SCRIPT = os.path.join(REPO, "tests", "data", "verl_example_overrides", "grpo_trainer__run_qwen3_8b_fsdp.txt")
-GSM8K_TINY = os.path.join(REPO, "tests", "data", "gsm8k_tiny.py")
 
 
 @dataclass
@@ -323,7 +322,6 @@ def verl_script_ours_case(args, model: str, data: str, run_dir: str) -> Case:
         *("-m", "verl_balance.main_grpo"),
         *verl_script_overrides(args, model=model, data=data),
         "actor_rollout_ref.rollout.name=hf",
-        f"custom_reward_function.path={GSM8K_TINY}",
         "trainer.device=cpu",
         "trainer.logger=[console,jsonl]",
         f"trainer.default_local_dir={run_dir}",

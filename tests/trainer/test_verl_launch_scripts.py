@@ -7,8 +7,8 @@ process on the session's Ray cluster) with only these replaced: the model paths 
 Qwen2), the data files (a tiny gsm8k-shaped parquet, tests/data/gsm8k_tiny.py), the batch sizes and
 lengths, ``trainer.n_gpus_per_node``, and ``rollout.name=vllm`` (no vLLM here: our ``hf`` rollout,
 the one for an HF model directory). Added: ``trainer.device=cpu``, 2 training steps, the run
-directory, and the gsm8k rule as ``custom_reward_function`` (our package has no built-in rule
-for ``openai/gsm8k``). Every other override is verl's, unchanged.
+directory. Like verl's, the scripts pass no reward function: ``data_source="openai/gsm8k"`` is scored
+by the built-in rule (``verl_balance.rewards.gsm8k``). Every other override is verl's, unchanged.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import pytest
 from tests.data.gsm8k_tiny import write_gsm8k_parquet
 
 DATA = Path(__file__).resolve().parents[1] / "data"
-GSM8K_REWARD = DATA / "gsm8k_tiny.py"
 NO_EFFECT_PREFIX = "verl keys accepted with no effect here:"
 
 
@@ -57,7 +56,6 @@ def scaled_down(script: str, *, model: str, train: str, val: str, run_dir: Path)
         "trainer.resume_mode=disable",
         "trainer.plot=false",
         f"trainer.default_local_dir={run_dir}",
-        f"custom_reward_function.path={GSM8K_REWARD}",
     ]
 
 
@@ -156,15 +154,3 @@ def test_verl_gsm8k_ppo_script_trains_its_critic_two_steps_through_main_grpo(
     line = no_effect_keys(stdout)
     for key in ("actor_rollout_ref.rollout.gpu_memory_utilization", "actor_rollout_ref.ref.fsdp_config.param_offload"):
         assert key in line
-
-
-def test_gsm8k_rule_scores_the_last_final_answer_only():
-    from tests.data.gsm8k_tiny import compute_score, gsm8k_rows
-
-    row = gsm8k_rows(1)[0]
-    truth = row["reward_model"]["ground_truth"]
-    assert row["data_source"] == "openai/gsm8k" and row["prompt"][0]["role"] == "user"
-    assert compute_score("openai/gsm8k", f"so #### 3 then #### {truth}", truth) == 1.0
-    assert compute_score("openai/gsm8k", f"#### {truth} no, #### {int(truth) + 1}", truth) == 0.0
-    assert compute_score("openai/gsm8k", f"the answer is {truth}", truth) == 0.0  # strict: needs ####
-    assert compute_score("openai/gsm8k", "#### 1,234", "1234") == 1.0

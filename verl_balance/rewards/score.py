@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from .gsm8k import GSM8K_DATA_SOURCE, score_gsm8k
 from .synthetic import SYNTHETIC_DATA_SOURCES, score_task
 
 RewardFn = Callable[..., float | dict[str, Any]]
@@ -27,7 +28,8 @@ class RewardError(ValueError):
 
 
 _SCORERS: dict[str, Callable[..., float | dict[str, Any]]] = {
-    source: partial(score_task, task=source.split("/", 1)[1]) for source in SYNTHETIC_DATA_SOURCES
+    **{source: partial(score_task, task=source.split("/", 1)[1]) for source in SYNTHETIC_DATA_SOURCES},
+    GSM8K_DATA_SOURCE: score_gsm8k,
 }
 
 
