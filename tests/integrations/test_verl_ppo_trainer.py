@@ -3,10 +3,9 @@
 
 The pieces are verl's, unmodified: ``RayPPOTrainer._balance_batch`` -> ``_compute_old_log_prob`` ->
 ``compute_advantage`` (GRPO) -> ``_update_actor``, with verl's ``ActorRolloutRefWorker`` in a verl
-``RayWorkerGroup`` of 2 CPU workers (``verl_ppo_pieces_runner.py``: one subprocess for every case,
-connected to the session's Ray cluster, fresh workers per case; the ``:autopatch`` cases patch verl
-with our balancer for that case only). The reference is verl's ``fsdp2`` engine at DP2 on the same
-rollout batch.
+``RayWorkerGroup`` of 2 CPU workers (``verl_ppo_pieces_runner.py``, one subprocess per environment,
+each connected to the session's Ray cluster, fresh workers per case). The reference is verl's ``fsdp2`` engine at DP2 on
+the same rollout batch.
 """
 
 from __future__ import annotations
@@ -25,6 +24,7 @@ pytest.importorskip("verl", reason=VERL_SKIP_REASON)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CPU_SHIM = "verl_balance.integrations.verl.cpu_platform"
+AUTOPATCH = "verl_balance.integrations.verl.autopatch"
 
 
 def _run_cases(model_dir: str, cases: list[str], *, external_modules: str, ray_address: str) -> dict[str, dict]:
@@ -50,10 +50,8 @@ def _assert_same_step(ours: dict, reference: dict, *, rel: float = 1e-5) -> None
 
 @pytest.fixture(scope="module")
 def verl_balance_trainer_results(model_dir, ray_head):
-    """verl's own ``_balance_batch``, our backend reached through ``model.external_lib`` only; and, in
-    the same runner, the ``:autopatch`` cases (our ``_balance_batch`` and micro-batch packer in verl)."""
+    """verl's own ``_balance_batch``; our backend reached through ``model.external_lib`` only."""
     cases = ["fsdp2:1:1", "fsdp2:2:1", "verl_balance:1:1", "verl_balance:2:1", "verl_balance:1:2"]
-    cases += ["fsdp2:2:1:autopatch", "verl_balance:2:1:autopatch", "verl_balance_local_token_count:2:1:autopatch"]
     return _run_cases(model_dir, cases, external_modules=CPU_SHIM, ray_address=ray_head)
 
 
@@ -86,15 +84,18 @@ def test_ppo_step_with_ulysses_sp2_matches_fsdp2_dp2_for_one_mini_batch(verl_bal
 
 
 @pytest.mark.slow
-def test_with_autopatch_the_ppo_step_matches_fsdp2_and_a_local_token_count_is_detected(verl_balance_trainer_results):
-    results = verl_balance_trainer_results
-    reference = results["fsdp2:2:1:autopatch"]
+def test_with_autopatch_the_ppo_step_matches_fsdp2_and_a_local_token_count_is_detected(
+    model_dir, ray_head, verl_balance_trainer_results
+):
+    cases = ["fsdp2:2:1", "verl_balance:2:1", "verl_balance_local_token_count:2:1"]
+    results = _run_cases(model_dir, cases, external_modules=f"{CPU_SHIM},{AUTOPATCH}", ray_address=ray_head)
+    reference = results["fsdp2:2:1"]
     balance = reference["balance_metrics"]
     assert no_worse_than_naive(balance)  # the patch ran
-    _assert_same_step(results["verl_balance:2:1:autopatch"], reference)
+    _assert_same_step(results["verl_balance:2:1"], reference)
     # The patched partition placed the rows differently from verl's own, so this is a second batch layout.
     assert reference["balanced_uids"] != verl_balance_trainer_results["fsdp2:2:1"]["balanced_uids"]
     # Negative control: normalising by this rank's loss tokens instead of the DP group's is caught.
-    broken = results["verl_balance_local_token_count:2:1:autopatch"]
+    broken = results["verl_balance_local_token_count:2:1"]
     assert broken["pg_loss"] != pytest.approx(reference["pg_loss"], rel=1e-3)
     assert broken["grad_norm"] != pytest.approx(reference["grad_norm"], rel=1e-3)

@@ -4,23 +4,17 @@ Runs, unmodified, what ``RayPPOTrainer.fit`` runs for one GRPO step after genera
 ``_balance_batch`` -> ``_compute_old_log_prob`` -> ``compute_advantage`` -> ``_update_actor``, with
 verl's ``ActorRolloutRefWorker`` (role ``actor``) in a verl ``RayWorkerGroup`` of 2 CPU workers, on a
 fixed synthetic rollout batch (what the agent loop would return). The actor's engine is chosen by
-``actor_rollout_ref.actor.strategy`` only. A case ending in ``:autopatch`` runs with our balancer
-patched into verl, as ``VERL_USE_EXTERNAL_MODULES=...autopatch`` would do it: ``patch_verl`` in this
-process for the case (undone after it) and the autopatch module in its workers' variable (Ray merges
-a worker group's ``env_vars`` into the job's). Used by ``test_verl_ppo_trainer.py``; run by hand with::
+``actor_rollout_ref.actor.strategy`` only. Used by ``test_verl_ppo_trainer.py``; run by hand with::
 
-    VERL_USE_EXTERNAL_MODULES=verl_balance.integrations.verl.cpu_platform \\
-    python tests/integrations/verl_ppo_pieces_runner.py --model-dir DIR \\
-        --case verl_balance:2:1 --case fsdp2:2:1:autopatch
+    VERL_USE_EXTERNAL_MODULES=verl_balance.integrations.verl.cpu_platform,verl_balance.integrations.verl.autopatch \\
+    python tests/integrations/verl_ppo_pieces_runner.py --model-dir DIR --case verl_balance:2:1 --case fsdp2:2:1
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-from collections.abc import Iterator
 
 import numpy as np
 
@@ -28,7 +22,6 @@ NUM_PROMPTS = 4
 ROLLOUT_N = 2
 PROMPT_LEN = 10  # left-padded prompt width
 RESPONSE_LEN = 24  # right-padded response width
-AUTOPATCH = "verl_balance.integrations.verl.autopatch"
 
 
 def ppo_config(*, model_dir: str, strategy: str, mini_batches: int, loss_agg_mode: str, sp: int):
@@ -116,27 +109,7 @@ def rollout_batch(vocab_size: int):
     )
 
 
-@contextlib.contextmanager
-def autopatched(enabled: bool) -> Iterator[dict[str, str]]:
-    """Our balancer in verl for the block (this process) when ``enabled``; yields the workers' extra
-    variables (the autopatch module appended to this process's ``VERL_USE_EXTERNAL_MODULES``)."""
-    if not enabled:
-        yield {}
-        return
-    from verl_balance.integrations.verl.patch import patch_verl
-
-    modules = [m for m in os.environ.get("VERL_USE_EXTERNAL_MODULES", "").split(",") if m]
-    assert AUTOPATCH not in modules, "an :autopatch case needs a runner without the autopatch module"
-    patch = patch_verl(import_modules=False)
-    try:
-        yield {"VERL_USE_EXTERNAL_MODULES": ",".join([*modules, AUTOPATCH])}
-    finally:
-        patch.undo()
-
-
-def run(
-    *, model_dir: str, strategy: str, mini_batches: int, loss_agg_mode: str, sp: int, worker_env: dict[str, str]
-) -> dict:
+def run(*, model_dir: str, strategy: str, mini_batches: int, loss_agg_mode: str, sp: int) -> dict:
     import ray
     import transformers
     from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
@@ -152,11 +125,9 @@ def run(
     worker_cls = RayClassWithInitArgs(
         cls=ray.remote(ActorRolloutRefWorker), config=config.actor_rollout_ref, role="actor"
     )
-    workers = RayWorkerGroup(pool, worker_cls, device_name="cpu", worker_env=worker_env or None)
+    workers = RayWorkerGroup(pool, worker_cls, device_name="cpu")
     try:
         workers.init_model()
-        if worker_env:
-            assert _imported_in_workers(workers, AUTOPATCH), "the :autopatch case's workers are not patched"
 
         # The trainer's own methods, on a trainer holding only what these pieces read.
         trainer = RayPPOTrainer.__new__(RayPPOTrainer)
@@ -200,16 +171,6 @@ def run(
         _release(workers, pool)
 
 
-def _imported_in_workers(workers, module: str) -> bool:
-    """Whether every worker process of ``workers`` has imported ``module``."""
-    import sys
-
-    import ray
-
-    calls = [handle.__ray_call__.remote(lambda _actor: module in sys.modules) for handle in workers.workers]
-    return all(ray.get(calls))
-
-
 def _release(workers, pool) -> None:
     """Kill this case's worker processes and free its bundles: the next case starts on fresh workers."""
     import ray
@@ -246,8 +207,8 @@ def main() -> None:
         "--case",
         action="append",
         required=True,
-        metavar="STRATEGY:MINI_BATCHES:SP[:autopatch]",
-        help="one PPO step on fresh workers per case, e.g. fsdp2:2:1, verl_balance:1:2 or fsdp2:2:1:autopatch",
+        metavar="STRATEGY:MINI_BATCHES:SP",
+        help="one PPO step on fresh workers per case, e.g. fsdp2:2:1 or verl_balance:1:2",
     )
     parser.add_argument("--loss-agg-mode", default="token-mean")
     args = parser.parse_args()
@@ -259,18 +220,14 @@ def main() -> None:
     connect_runner()
     try:
         for case in args.case:
-            strategy, mini_batches, sp, *patch = case.split(":")
-            if patch not in ([], ["autopatch"]):
-                raise ValueError(f"--case {case}: the optional fourth field is 'autopatch'")
-            with autopatched(patch == ["autopatch"]) as worker_env:
-                result = run(
-                    model_dir=args.model_dir,
-                    strategy=strategy,
-                    mini_batches=int(mini_batches),
-                    loss_agg_mode=args.loss_agg_mode,
-                    sp=int(sp),
-                    worker_env=worker_env,
-                )
+            strategy, mini_batches, sp = case.split(":")
+            result = run(
+                model_dir=args.model_dir,
+                strategy=strategy,
+                mini_batches=int(mini_batches),
+                loss_agg_mode=args.loss_agg_mode,
+                sp=int(sp),
+            )
             print("RESULT " + json.dumps(dict(result, case=case)), flush=True)
     finally:
         ray.shutdown()
