@@ -1,7 +1,10 @@
 """verl's ``sft_trainer`` with ``engine.strategy=verl_balance`` and ``hf_model`` in
 ``checkpoint.save_contents`` writes ``global_step_N/huggingface`` (verl's place) that transformers
 loads, and ``python -m verl_balance.export`` exports the same checkpoint without flags: both give
-the same logits, which differ from the untrained model's (the directory holds the trained weights)."""
+the same logits, which differ from the untrained model's (the directory holds the trained weights).
+
+The trainer is the suite's one real ``torchrun`` launch (the other verl SFT runs use the warm ranks of
+``verl_sft_ranks.py``); the export CLI's ``main`` runs in this process with the command's arguments."""
 
 from __future__ import annotations
 
@@ -26,9 +29,20 @@ def _logits(model_dir: str, ids):
         return model(input_ids=ids).logits
 
 
+def _exit_code(main, argv: list[str]) -> int:
+    """The exit status of ``python -m ... *argv`` from the CLI's ``main`` run in this process."""
+    try:
+        main(argv)
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else 1
+    return 0
+
+
 @pytest.mark.slow
 def test_verl_sft_trainer_on_our_backend_writes_a_loadable_hf_dir_and_exports_without_flags(tmp_path, model_dir):
     import torch
+
+    from verl_balance.export import main as export_main
 
     write_chat_parquet(tmp_path / "train.parquet", rows=16)
     env = dict(
@@ -77,14 +91,7 @@ def test_verl_sft_trainer_on_our_backend_writes_a_loadable_hf_dir_and_exports_wi
     assert (hf_dir / "tokenizer_config.json").is_file(), "the tokenizer travels with the weights"
 
     exported = tmp_path / "exported"
-    export = subprocess.run(
-        [sys.executable, "-m", "verl_balance.export", str(checkpoint), str(exported)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert export.returncode == 0, export.stderr[-3000:]
+    assert _exit_code(export_main, [str(checkpoint), str(exported)]) == 0
 
     ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
     from_verl_dir, from_export, untrained = (_logits(str(d), ids) for d in (hf_dir, exported, model_dir))

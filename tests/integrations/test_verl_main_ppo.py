@@ -11,11 +11,12 @@ Step 1's rollout comes from the same initial weights and the same per-request sa
 (``rollout.full_determinism=True``), so both backends train on the same samples and must log the same
 ``actor/pg_loss`` and ``actor/grad_norm``. Step 2's rollout comes from each backend's own updated
 weights; the rollout's log-probabilities then equal the trainer's recomputed ones only if the update
-reached the rollout server (negative control: a rollout that keeps its first weights). A fourth run
-(``verl_balance`` with our trainer-side balancer and one rollout replica for both workers) gives step 1
-of the plain run: samples do not depend on routing, the loss not on the row placement.
+reached the rollout server (negative control: a rollout that keeps its first weights, in the v1
+trainer's run, whose checks hold for any samples). A third run (``verl_balance`` with our trainer-side
+balancer and one rollout replica for both workers) gives step 1 of the plain run: samples do not
+depend on routing, the loss not on the row placement.
 
-Six main_ppo subprocesses (about 30 s each on 2 CPU cores) are ``slow``; they share one Ray cluster
+Five main_ppo subprocesses (about 30 s each on 2 CPU cores) are ``slow``; they share one Ray cluster
 (``ray_head``, started once per session, conftest.py) instead of starting one each; the rollout server's pieces
 (decode against HF ``generate`` and an uncached sampler, seeds, weight loading, registration) are
 tested in this process in the fast lane.
@@ -230,6 +231,30 @@ def runs(cluster_workspace):
 
 
 @pytest.fixture(scope="module")
+def v1_stale_run(cluster_workspace):
+    """verl's default v1 trainer (``trainer.use_v1=True``) with our engine and autopatch, on a rollout
+    server that keeps its first weights (``STALE_ROLLOUT``): one run for two tests. Its checks of the
+    trainer hold for any samples; the stale server is the negative control of the weight sync.
+
+    verl's v1 agent loop gives every sample of a prompt the request id "det-0" under
+    full_determinism, so per-request seeds would make a group's n samples identical (all GRPO
+    advantages 0): this run samples with fresh seeds."""
+    pytest.importorskip("transfer_queue", reason="verl's v1 trainer needs TransferQueue (in the verl extra)")
+    return run_main_ppo(
+        cluster_workspace,
+        strategy="verl_balance",
+        name="verl_balance_v1_stale_rollout",
+        extra_modules=f"{AUTOPATCH},{STALE_ROLLOUT}",
+        extra_overrides=(
+            "trainer.use_v1=True",
+            "actor_rollout_ref.rollout.full_determinism=False",
+            # one TransferQueue storage actor instead of verl's 8 (a process each) for 16 samples a step
+            "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
+        ),
+    )
+
+
+@pytest.fixture(scope="module")
 def lora_run(cluster_workspace):
     """``verl_balance`` with LoRA (``LORA``), on the same workspace."""
     return run_main_ppo(cluster_workspace, strategy="verl_balance", name="verl_balance_lora", extra_overrides=LORA)
@@ -319,10 +344,11 @@ def test_main_ppo_with_lora_on_verl_balance_trains_the_adapters_and_the_rollout_
 
 
 @pytest.mark.slow
-def test_a_rollout_that_keeps_its_first_weights_is_detected(cluster_workspace, runs):
-    # Negative control: the same run with a server that ignores every weight update after the first.
-    stale = run_main_ppo(cluster_workspace, strategy="fsdp2", name="fsdp2_stale_rollout", extra_modules=STALE_ROLLOUT)
-    first, second = stale["steps"][1], stale["steps"][2]
+def test_a_rollout_that_keeps_its_first_weights_is_detected(v1_stale_run, runs):
+    # Negative control: a run whose server ignores every weight update after the first. It is the v1
+    # trainer's run (below): verl's synchronous v1 trainer updates the (colocated) rollout after
+    # every step and computes the same rollout-vs-trainer log-prob metric (calculate_log_probs).
+    first, second = v1_stale_run["steps"][1], v1_stale_run["steps"][2]
     assert first["training/rollout_probs_diff_max"] < 1e-4  # step 1 still uses the initial weights
     synced = runs["fsdp2"]["steps"][2]["training/rollout_probs_diff_max"]
     assert second["training/rollout_probs_diff_max"] > 100 * synced
@@ -330,25 +356,11 @@ def test_a_rollout_that_keeps_its_first_weights_is_detected(cluster_workspace, r
 
 
 @pytest.mark.slow
-def test_verls_default_v1_trainer_runs_grpo_with_the_engine_and_autopatch(cluster_workspace):
+def test_verls_default_v1_trainer_runs_grpo_with_the_engine_and_autopatch(v1_stale_run):
     # verl's default trainer (trainer.use_v1=true: replay buffer and agent loop over TransferQueue), with
-    # our engine and our _balance_batch for that trainer. Its agent loop gives every sample of a prompt
-    # the request id "det-0" under full_determinism, so per-request seeds would make a group's n
-    # samples identical (all GRPO advantages 0): this run samples with fresh seeds, and checks what
-    # holds for any samples.
-    pytest.importorskip("transfer_queue", reason="verl's v1 trainer needs TransferQueue (in the verl extra)")
-    run = run_main_ppo(
-        cluster_workspace,
-        strategy="verl_balance",
-        name="verl_balance_v1",
-        extra_modules=AUTOPATCH,
-        extra_overrides=(
-            "trainer.use_v1=True",
-            "actor_rollout_ref.rollout.full_determinism=False",
-            # one TransferQueue storage actor instead of verl's 8 (a process each) for 16 samples a step
-            "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
-        ),
-    )
+    # our engine and our _balance_batch for that trainer. What is checked holds for any samples (the
+    # run's rollout keeps its first weights: the negative control above).
+    run = v1_stale_run
     assert sorted(run["steps"]) == list(range(1, STEPS + 1)), run["log"]
     for step, metrics in run["steps"].items():
         assert _finite(metrics["actor/pg_loss"]), (step, metrics)
