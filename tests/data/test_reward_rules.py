@@ -46,8 +46,8 @@ def test_extract_answer_takes_first_nonempty_line():
 
 
 def test_unknown_data_source_names_the_known_ones():
-    with pytest.raises(RewardError, match=r"'openai/gsm8k'.*synthetic/add"):
-        compute_score("openai/gsm8k", "1", "1")
+    with pytest.raises(RewardError, match=r"'lighteval/MATH'.*'openai/gsm8k'.*synthetic/add"):
+        compute_score("lighteval/MATH", "1", "1")
 
 
 def test_score_batch_collects_scores_and_extras():
