@@ -117,8 +117,9 @@ def test_micro_batches_respect_cap_cover_every_row_and_match_indices(
     try:
         micro_batches, indices = integration.rearrange_micro_batches(batch, cap, **kwargs)
     except BalanceInputError:
-        # we may only refuse what verl refuses too (too few rows for the count the cap forces)
-        with pytest.raises(ValueError):
+        # we may only refuse what verl refuses too (too few rows for the count the cap forces):
+        # verl 0.9.1 raises ValueError, verl main (0.10.dev) an AssertionError (num_micro_batches <= num_groups)
+        with pytest.raises((ValueError, AssertionError)):
             verl_sb.rearrange_micro_batches(batch, cap, **kwargs)
         return
     assert len(micro_batches) == len(indices)
