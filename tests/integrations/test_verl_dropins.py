@@ -117,8 +117,9 @@ def test_micro_batches_respect_cap_cover_every_row_and_match_indices(
     try:
         micro_batches, indices = integration.rearrange_micro_batches(batch, cap, **kwargs)
     except BalanceInputError:
-        # we may only refuse what verl refuses too (too few rows for the count the cap forces)
-        with pytest.raises(ValueError):
+        # we may only refuse what verl refuses too (too few rows for the count the cap forces):
+        # verl 0.9.1 raises ValueError, verl main (0.10.dev) an AssertionError (num_micro_batches <= num_groups)
+        with pytest.raises((ValueError, AssertionError)):
             verl_sb.rearrange_micro_batches(batch, cap, **kwargs)
         return
     assert len(micro_batches) == len(indices)
@@ -135,14 +136,22 @@ def test_micro_batches_respect_cap_cover_every_row_and_match_indices(
 
 
 def test_micro_batch_count_is_never_more_than_verl_uses():
+    # verl main (0.10.dev) packs into ceil(tokens / cap) micro-batches even when one then exceeds the
+    # cap (0.9.1 adds micro-batches until the cap holds): a packing over the cap is no valid bound, so
+    # such trials only check that ours keeps the cap.
     rng = np.random.default_rng(1)
+    compared = 0
     for trial in range(15):
         lengths = rng.integers(1, 512, size=int(rng.integers(8, 64)))
         batch = _padded_batch(lengths, width=512)
         cap = int(rng.integers(512, 2048))
-        ours, _ = integration.rearrange_micro_batches(batch, cap)
-        theirs, _ = verl_sb.rearrange_micro_batches(batch, cap)
-        assert len(ours) <= len(theirs), trial
+        ours, ours_idx = integration.rearrange_micro_batches(batch, cap)
+        theirs, theirs_idx = verl_sb.rearrange_micro_batches(batch, cap)
+        assert all(sum(lengths[i] for i in idx) <= cap for idx in ours_idx), trial
+        if all(sum(lengths[i] for i in idx) <= cap for idx in theirs_idx):
+            compared += 1
+            assert len(ours) <= len(theirs), trial
+    assert compared >= 5, compared
 
 
 def test_forced_groups_stay_together():

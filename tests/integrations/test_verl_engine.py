@@ -4,6 +4,7 @@ gives the loss and gradient norm of verl's own fsdp2 engine at DP1 on the same m
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -406,6 +407,9 @@ def test_main_ppo_fsdp_engine_config_maps_to_the_backend_config():
         as_verl_balance_config(FSDPEngineConfig(strategy="fsdp2", mixed_precision={"param_dtype": "fp16"}))
     with pytest.raises(VerlBalanceEngineConfigError, match="offload"):
         as_verl_balance_config(FSDPEngineConfig(strategy="fsdp2", param_offload=True))
+    if "grad_offload" in {f.name for f in dataclasses.fields(FSDPEngineConfig)}:  # verl main (0.10.dev) only
+        with pytest.raises(VerlBalanceEngineConfigError, match="grad_offload"):
+            as_verl_balance_config(FSDPEngineConfig(strategy="fsdp2", grad_offload=True))
 
 
 # verl's own SFT trainer, unmodified, with torchrun's environment on warm gloo ranks on CPU.

@@ -131,9 +131,10 @@ class VerlBalanceEngineConfig(FSDPEngineConfig, KernelKeys):
             raise VerlBalanceEngineConfigError(f"engine.attn_impl={self.attn_impl!r}; valid: {list(ATTN_IMPLS)}")
         dtype = self.param_dtype_name  # validates mixed_precision.param_dtype
         assert dtype in _PARAM_DTYPES.values()
-        if self.param_offload or self.optimizer_offload or self.offload_policy:
+        # grad_offload: verl main (0.10.dev) only; absent in verl 0.9.1's FSDPEngineConfig
+        if self.param_offload or self.optimizer_offload or self.offload_policy or getattr(self, "grad_offload", False):
             raise VerlBalanceEngineConfigError(
-                "engine.param_offload / optimizer_offload / offload_policy: offload "
+                "engine.param_offload / optimizer_offload / offload_policy / grad_offload: offload "
                 "is not implemented by the verl_balance backend; set them to false"
             )
         if self.logits_chunk_size == 0 and (self.entropy_from_logits_with_chunking or self.entropy_checkpointing):
