@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -12,6 +11,7 @@ import textwrap
 import pytest
 
 from tests._verl import VERL_SKIP_REASON
+from verl_balance.testing.multiprocess import free_port, new_rendezvous
 
 pytest.importorskip("verl", reason=VERL_SKIP_REASON)
 
@@ -39,17 +39,14 @@ RANK_SCRIPT = textwrap.dedent(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _run_ranks(world_size: int, external_modules: str | None) -> list[subprocess.CompletedProcess]:
     env = dict(
         os.environ,
         MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
+        MASTER_PORT=str(free_port()),
+        # verl's initialiser reads its init_method here: a file store, which no other process can take
+        # between choosing and binding (a free TCP port can be: EADDRINUSE under the parallel suite)
+        DIST_INIT_METHOD=new_rendezvous(),
         WORLD_SIZE=str(world_size),
         PYTHONPATH=os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p),
         OMP_NUM_THREADS="1",
