@@ -7,6 +7,8 @@ import os
 import pytest
 import torch
 
+from tests.file_order import load_weights, slowest_files_first
+
 # One intra-op thread in the test process and in every process it starts (they inherit the variable):
 # the suite's processes (two xdist workers, their gloo ranks and Ray workers) outnumber the cores, and
 # with torch's default of one thread per core every small op waits for a second, busy core to join it
@@ -17,6 +19,18 @@ torch.set_num_threads(1)
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 4 workers of the largest test layout + headroom for a second group being torn down.
 RAY_NUM_CPUS = 6
+
+
+def pytest_configure(config):
+    # xdist hands out files in collection order once its own reorder (most tests first) is off;
+    # pytest_collection_modifyitems below puts the slowest files first (tests/file_order.py).
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    order = slowest_files_first([item.nodeid for item in items], load_weights())
+    items[:] = [items[i] for i in order]
 
 
 @pytest.fixture(scope="session")
