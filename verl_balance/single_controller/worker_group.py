@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import socket
 import time
 import uuid
 from collections import Counter
@@ -61,6 +60,7 @@ from verl_balance.single_controller.modes import (
     Registration,
     UnsupportedDispatch,
 )
+from verl_balance.single_controller.rendezvous_port import free_rendezvous_port
 from verl_balance.single_controller.resource_pool import RayResourcePool, check_device_name
 from verl_balance.single_controller.worker import NUM_THREADS_ENV
 
@@ -127,10 +127,7 @@ class RayClassWithInitArgs:
 
 @ray.remote(num_cpus=0)
 def _node_address_and_free_port() -> tuple[str, int]:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        port = sock.getsockname()[1]
-    return ray.util.get_node_ip_address().strip("[]"), port
+    return ray.util.get_node_ip_address().strip("[]"), free_rendezvous_port()
 
 
 def _worker_place(actor: Any) -> tuple[str, int]:
