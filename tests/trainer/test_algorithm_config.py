@@ -276,6 +276,30 @@ def test_bypass_mode_with_reinforce_is_weights_and_rejection_runs_as_the_bypass_
     assert plain.loss_mode_config().loss_mode == "vanilla" and plain.algorithm.corrects_rollout
 
 
+def test_the_actor_workers_get_the_bypass_loss_mode_of_the_algorithm_keys():
+    """GRPOTrainer._worker_config hands the workers GRPOConfig.loss_mode_config (not the actor section's own)."""
+    from types import SimpleNamespace
+
+    from verl_balance.trainer.grpo_trainer import GRPOTrainer
+
+    trainer = GRPOTrainer.__new__(GRPOTrainer)
+    # negative control: without bypass_mode the workers run vanilla and the actor's own (default) keys
+    for overrides, want in ((BYPASS, ("bypass_mode", "sequence")), (BYPASS[1:], ("vanilla", None))):
+        config = validate_grpo(compose_config("grpo", overrides))
+        arr = config.actor_rollout_ref
+        trainer.config, trainer.total_steps, trainer.sp = config, 1, 1
+        trainer.model_config = arr.model.model_config(vocab_size=300)
+        trainer.actor_cfg, trainer.rollout_cfg, trainer.policy_loss = (
+            arr.actor,
+            arr.rollout,
+            arr.actor.policy_loss_config(),
+        )
+        trainer.tokenizer = SimpleNamespace(vocab_size=300, pad_token_id=0, eos_token_id=1)
+        trainer.trainer_config, trainer.model_section = config.trainer, arr.model
+        mode = trainer._worker_config().loss_mode
+        assert (mode.loss_mode, mode.rollout_correction.rollout_is) == want
+
+
 def test_policy_loss_bypass_mode_reads_the_actors_rollout_correction_keys():
     """actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode takes policy_loss.rollout_correction.*, where
     verl's bypass loss reads them."""
