@@ -280,15 +280,14 @@ def test_bypass_mode_reductions_follow_the_settings():
 def test_is_weights_truncate_or_icepop():
     lr = torch.log(torch.tensor([[0.5, 1.0, 3.0]], dtype=torch.float64))
     mask = torch.ones_like(lr)
-    tis = is_weights(log_ratio=lr, loss_mask=mask, config=RolloutCorrectionConfig("token", 2.0), seq_stats={})
+    tis = is_weights(log_ratio=lr, loss_mask=mask, config=RolloutCorrectionConfig("token", 2.0))
     torch.testing.assert_close(tis, torch.tensor([[0.5, 1.0, 2.0]], dtype=torch.float64))
-    icepop = is_weights(log_ratio=lr, loss_mask=mask, config=RolloutCorrectionConfig("token", "0.8_2"), seq_stats={})
+    icepop = is_weights(log_ratio=lr, loss_mask=mask, config=RolloutCorrectionConfig("token", "0.8_2"))
     torch.testing.assert_close(icepop, torch.tensor([[0.0, 1.0, 0.0]], dtype=torch.float64))
     seq = is_weights(
         log_ratio=lr,
         loss_mask=mask,
         config=RolloutCorrectionConfig("sequence", 5.0),
-        seq_stats={"lr_sum": lr.sum(-1, keepdim=True).expand_as(lr)},
     )
     torch.testing.assert_close(seq, torch.full_like(lr, 1.5))
 
@@ -296,7 +295,7 @@ def test_is_weights_truncate_or_icepop():
 def test_token_k1_rejection_keeps_ratios_inside_the_bounds():
     lr = torch.log(torch.tensor([[0.5, 1.0, 1.1, 3.0]], dtype=torch.float64))
     config = RolloutCorrectionConfig(rollout_rs="token_k1", rollout_rs_threshold="0.8_1.25")
-    keep = keep_mask(log_ratio=lr, loss_mask=torch.ones_like(lr), config=config, seq_stats={})
+    keep = keep_mask(log_ratio=lr, loss_mask=torch.ones_like(lr), config=config)
     # k1 = -log r must lie in [log 0.8, log 1.25]: r in [0.8, 1.25].
     torch.testing.assert_close(keep, torch.tensor([[0.0, 1.0, 1.0, 0.0]], dtype=torch.float64))
 

@@ -7,8 +7,11 @@ each loss_agg_mode written out, torch.optim.AdamW. Every layout must match it (l
 parameters after one step) for fixed and token-capped micro-batches and every agg mode, and for
 every ``policy_loss.loss_mode`` of ``ENGINE_LOSS_MODES`` (token-capped micro-batches; gspo / geo_mean
 reduce per-sequence means over the SP group), all in the same warm world per layout, and vanilla and
-geo_mean with the rollout correction's per-token ``rollout_is_weights`` on the wire. Negative
-control: geo_mean with the per-sequence sums left local (no SP all-reduce) differs from the reference on sp=2.
+geo_mean with the rollout correction's per-token ``rollout_is_weights`` on the wire, and bypass_mode
+(ppo_clip with sequence-level rejection; reinforce with sequence-level IS weights, also batch-normalised
+with token rejection: per-sequence SUMs over the SP group, the mean over the world). Negative
+controls: geo_mean, and bypass_mode's sequence-level IS weights, with the per-sequence sums left local
+(no SP all-reduce) differ from the reference on sp=2.
 """
 
 import dataclasses
@@ -28,6 +31,7 @@ from verl_balance.algorithms import (
     ppo_clip_token_loss,
     reference_reductions,
 )
+from verl_balance.algorithms import rollout_correction as rc
 from verl_balance.algorithms.loss_modes import BATCH_SELECTED_MODES, LOSS_MODE_REGISTRY, build_policy_loss
 from verl_balance.loss import AGG_MODES
 from verl_balance.models import LlamaForCausalLM
@@ -51,16 +55,45 @@ MODE_SETTINGS = {"dro": {"dro_beta": 0.5}}
 MODES = [
     LossModeConfig(loss_mode=name, **MODE_SETTINGS.get(name, {}))
     for name in ENGINE_LOSS_MODES
-    if name != "vanilla" and name not in BATCH_SELECTED_MODES
+    if name not in ("vanilla", "bypass_mode") and name not in BATCH_SELECTED_MODES
 ]
 """Every non-vanilla mode main_grpo runs (vanilla is CASES above), with its forced aggregation; clip_cov and
-kl_cov (a selection over the whole mini-batch, not per row) are test_cov_loss_layouts.py's."""
+kl_cov (a selection over the whole mini-batch, not per row) are test_cov_loss_layouts.py's, bypass_mode
+(vanilla's loss without its correction keys) BYPASS_MODES."""
+BYPASS_MODES = [
+    LossModeConfig(
+        loss_mode="bypass_mode",
+        rollout_correction=rc.RolloutCorrectionConfig(
+            loss_type="ppo_clip", rollout_rs="seq_max_k2,seq_mean_k1", rollout_rs_threshold="0.3,0.9_1.1"
+        ),
+    ),
+    LossModeConfig(
+        loss_mode="bypass_mode",
+        rollout_correction=rc.RolloutCorrectionConfig(
+            loss_type="reinforce", rollout_is="sequence", rollout_is_threshold=5.0
+        ),
+    ),
+    LossModeConfig(
+        loss_mode="bypass_mode",
+        rollout_correction=rc.RolloutCorrectionConfig(
+            loss_type="reinforce",
+            rollout_is="sequence",
+            rollout_is_threshold=5.0,
+            rollout_is_batch_normalize=True,
+            rollout_rs="token_k2",
+            rollout_rs_threshold=0.1,
+        ),
+    ),
+]
+"""bypass_mode rows (old log-probs = the batch's, standing for the rollout's): each needs per-sequence sums
+over the SP group, the last also the IS weights' mean over the mini-batch (a world SUM)."""
+BYPASS_CONTROL_MODE = BYPASS_MODES[1]
 IS_MODES = [None, LossModeConfig(loss_mode="geo_mean")]
 """Rows with the rollout correction's IS weights (vanilla multiplies pg per token; geo_mean takes their
 per-sequence geometric mean, an SP-reduced sum)."""
 CONTROL_MODE = LossModeConfig(loss_mode="geo_mean")
-LOCAL_ONLY = "geo_mean-local-only-sums"
-"""The negative control's name: geo_mean whose per-sequence sums skip the SP all-reduce."""
+LOCAL_ONLY = "local-only-sums"
+"""The negative controls' name: geo_mean's and bypass_mode's per-sequence sums skip the SP all-reduce."""
 
 
 def _mode_agg(mode: LossModeConfig) -> str:
@@ -117,21 +150,31 @@ def _is_batch(batch):
     return out
 
 
-def _sequence_loss(logp, entropy, aligned, *, config: PolicyLossConfig, mode: LossModeConfig | None):
-    """One whole sequence's per-token loss: vanilla PPO-clip, or the mode with its reductions over this row."""
+def _sequence_loss(logp, entropy, aligned, *, config: PolicyLossConfig, mode: LossModeConfig | None, is_mean=None):
+    """One whole sequence's per-token loss: vanilla PPO-clip, or the mode with its reductions over this row
+    (``is_mean``: bypass_mode's batch-normalisation terms over the whole batch)."""
     terms = dict(log_probs=logp, old_log_probs=aligned["old_log_probs"], advantages=aligned["advantages"])
     regularizers = dict(ref_log_probs=aligned["ref_log_prob"], entropy=entropy, config=config)
     weights = aligned.get("rollout_is_weights")
     if mode is None:
         return ppo_clip_token_loss(**terms, **regularizers, rollout_is_weights=weights)
     rows = {k: v[None] for k, v in terms.items()}
-    reduced = reference_reductions(
-        **rows,
-        loss_mask=aligned["loss_mask"][None],
-        config=config,
-        mode=mode,
-        rollout_is_weights=None if weights is None else weights[None],
-    )
+    if is_mean is not None:
+        reduced = rc.bypass_reductions(
+            log_probs=rows["log_probs"],
+            old_log_probs=rows["old_log_probs"],
+            loss_mask=aligned["loss_mask"][None],
+            config=mode.rollout_correction,
+            is_mean_terms=is_mean,
+        )
+    else:
+        reduced = reference_reductions(
+            **rows,
+            loss_mask=aligned["loss_mask"][None],
+            config=config,
+            mode=mode,
+            rollout_is_weights=None if weights is None else weights[None],
+        )
     return policy_token_loss(
         **terms, **regularizers, mode=mode, reduced={k: v[0] for k, v in reduced.items()}, rollout_is_weights=weights
     )
@@ -150,10 +193,24 @@ def _references(batch, keys: list[tuple[str, PolicyLossConfig, LossModeConfig | 
     return [_reference_step(model, outputs, agg_mode=a, config=c, mode=m) for a, c, m in keys]
 
 
+def _batch_is_mean(outputs, mode: LossModeConfig | None):
+    """bypass_mode's rollout_is_batch_normalize: the IS weights' mean terms summed over every sequence."""
+    corr = None if mode is None else mode.rollout_correction
+    if corr is None or mode.loss_mode != "bypass_mode" or not corr.rollout_is_batch_normalize:
+        return None
+    total = torch.zeros(2, dtype=torch.float64)
+    for logp, _, aligned in outputs:
+        mask = aligned["loss_mask"][None]
+        log_ratio = logp.detach()[None] - aligned["old_log_probs"][None]
+        total += rc.is_batch_mean_terms(rc.is_weights(log_ratio=log_ratio, loss_mask=mask, config=corr), mask, corr)
+    return total
+
+
 def _reference_step(model, outputs, *, agg_mode: str, config: PolicyLossConfig, mode: LossModeConfig | None) -> dict:
     sums, counts, metric_sums = [], [], {}
+    is_mean = _batch_is_mean(outputs, mode)
     for logp, entropy, aligned in outputs:
-        loss, metrics = _sequence_loss(logp, entropy, aligned, config=config, mode=mode)
+        loss, metrics = _sequence_loss(logp, entropy, aligned, config=config, mode=mode, is_mean=is_mean)
         mask = aligned["loss_mask"]
         sums.append((loss * mask).sum())
         counts.append(mask.sum())
@@ -206,9 +263,16 @@ def _worker(rank, *, dp, sp, batch):
         agg_mode = "token-mean" if mode is None else _mode_agg(mode)
         loss_fn = build_policy_loss(LOSS_CONFIG, mode=mode)
         results.append(_run_case(TrainEngine, layout, _is_batch(batch), "dynamic", True, agg_mode, loss_fn))
-    control = build_policy_loss(LOSS_CONFIG, mode=CONTROL_MODE)
+    for mode in BYPASS_MODES:
+        results.append(
+            _run_case(
+                TrainEngine, layout, batch, "dynamic", True, "token-mean", build_policy_loss(LOSS_CONFIG, mode=mode)
+            )
+        )
     control_batch = _control_batch(batch)
-    results.append(_run_case(LocalSumsEngine, layout, control_batch, "dynamic", True, _mode_agg(CONTROL_MODE), control))
+    for mode in (CONTROL_MODE, BYPASS_CONTROL_MODE):
+        control = build_policy_loss(LOSS_CONFIG, mode=mode)
+        results.append(_run_case(LocalSumsEngine, layout, control_batch, "dynamic", True, _mode_agg(mode), control))
     return results
 
 
@@ -265,6 +329,7 @@ def reference(batch):
     def get(agg_mode: str, config: PolicyLossConfig = LOSS_CONFIG, mode: LossModeConfig | None = None) -> dict:
         if not cache:  # every row the layout test compares, from one shared forward
             keys = [(a, LOSS_CONFIG, None) for a in AGG_MODES] + [(_mode_agg(m), LOSS_CONFIG, m) for m in MODES]
+            keys += [("token-mean", LOSS_CONFIG, m) for m in BYPASS_MODES]
             for k, ref in zip(keys, _references(batch, keys)):
                 cache[(k[0], repr(k[1]), repr(k[2]))] = ref
         key = (agg_mode, repr(config), repr(mode))
@@ -288,7 +353,7 @@ def test_reference_is_sensitive_to_clipping_kl_and_entropy(reference):
 @pytest.mark.parametrize("dp,sp", [(2, 1), (1, 2)])
 def test_ppo_loss_is_layout_invariant(batch, reference, dp, sp):
     results = run_on_ranks(functools.partial(_worker, dp=dp, sp=sp, batch=batch), world=dp * sp)[0]
-    assert len(results) == len(CASES) + len(MODES) + len(IS_MODES) + 1
+    assert len(results) == len(CASES) + len(MODES) + len(IS_MODES) + len(BYPASS_MODES) + 2
     for (micro, balance, agg_mode), result in zip(CASES, results):
         _assert_matches(result, reference(agg_mode), where=f"dp={dp} sp={sp} {micro} balance={balance} {agg_mode}")
     for mode, result in zip(MODES, results[len(CASES) :]):
@@ -297,12 +362,17 @@ def test_ppo_loss_is_layout_invariant(batch, reference, dp, sp):
     for mode, result in zip(IS_MODES, results[len(CASES) + len(MODES) :]):
         ref = _is_reference(batch, mode)
         _assert_matches(result, ref, where=f"dp={dp} sp={sp} rollout_is_weights loss_mode={mode and mode.loss_mode}")
-    control = _references(_control_batch(batch), [(_mode_agg(CONTROL_MODE), LOSS_CONFIG, CONTROL_MODE)])[0]
-    if sp > 1:  # negative control: sums left on the slice fail the same comparison
-        with pytest.raises(AssertionError):
-            _assert_matches(results[-1], control, where=LOCAL_ONLY)
-    else:
-        _assert_matches(results[-1], control, where=LOCAL_ONLY)
+    first = len(CASES) + len(MODES) + len(IS_MODES)
+    for mode, result in zip(BYPASS_MODES, results[first:]):
+        ref = reference("token-mean", mode=mode)
+        _assert_matches(result, ref, where=f"dp={dp} sp={sp} loss_mode=bypass_mode {mode.rollout_correction}")
+    for mode, result in zip((CONTROL_MODE, BYPASS_CONTROL_MODE), results[-2:]):
+        control = _references(_control_batch(batch), [(_mode_agg(mode), LOSS_CONFIG, mode)])[0]
+        if sp > 1:  # negative control: sums left on the slice fail the same comparison
+            with pytest.raises(AssertionError):
+                _assert_matches(result, control, where=f"{LOCAL_ONLY} {mode.loss_mode}")
+        else:
+            _assert_matches(result, control, where=f"{LOCAL_ONLY} {mode.loss_mode}")
 
 
 def _assert_matches(result, ref, *, where: str) -> None:
@@ -337,3 +407,25 @@ def test_every_loss_mode_reference_differs_from_vanilla_and_exercises_the_batch(
         ref = reference(_mode_agg(mode), mode=mode)
         assert abs(ref["loss"] - base) > 1e-4 * abs(base), mode.loss_mode
         assert ref["grad_norm"] > 0, mode.loss_mode
+
+
+def test_bypass_rows_reject_some_sequences_truncate_some_weights_and_differ_from_vanilla(batch, reference):
+    """Negative control of the bypass rows: rejection and truncation act on part of the batch (so a wrong
+    per-sequence sum changes them), and each row's loss is not vanilla PPO's."""
+    base = reference("token-mean")["loss"]
+    for mode in BYPASS_MODES:
+        ref = reference("token-mean", mode=mode)
+        assert abs(ref["loss"] - base) > 1e-4 * abs(base), mode.rollout_correction
+        if mode.rollout_correction.rollout_rs is not None:
+            assert 0.05 < ref["metrics"]["rollout_corr/rollout_rs_masked_fraction"] < 0.95, mode.rollout_correction
+    model = _reference_model()
+    corr, weights = BYPASS_MODES[1].rollout_correction, []
+    for i in range(len(batch["input_ids"])):
+        length = int(batch["attention_mask"][i].sum())
+        logp = _sequence_outputs(model, batch["input_ids"][i, :length])[0].detach()[None]
+        mask = batch["loss_mask"][i, 1:length][None]
+        lr = logp - batch["old_log_probs"][i, 1:length][None]
+        if mask.sum() > 0:
+            weights.append(float(rc.is_weights(log_ratio=lr, loss_mask=mask, config=corr).max()))
+    truncated = sum(w == corr.rollout_is_threshold for w in weights)
+    assert 0 < truncated < len(weights) - 2, weights

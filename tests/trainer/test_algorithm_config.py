@@ -77,7 +77,17 @@ def test_optimal_token_baselines_run_the_old_log_prob_pass_before_the_advantages
         ("actor_rollout_ref.actor.loss_agg_mode=token-sum", None),
         ("actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov", None),  # mini-batch-wide selection: accepted
         ("actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov", None),
-        ("actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode", "actor_rollout_ref.actor.policy_loss.loss_mode"),
+        ("actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode", None),  # built (issue 30 item 2): accepted
+        ("actor_rollout_ref.actor.policy_loss.loss_mode=vanila", "actor_rollout_ref.actor.policy_loss.loss_mode"),
+        ("algorithm.rollout_correction.loss_type=ppo", "algorithm.rollout_correction.loss_type"),
+        (
+            "actor_rollout_ref.actor.policy_loss.rollout_correction.loss_type=reinforced",
+            "actor_rollout_ref.actor.policy_loss.rollout_correction.loss_type",
+        ),
+        (
+            "actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_rs=seq_max_k1",
+            "actor_rollout_ref.actor.policy_loss.rollout_correction.rollout_rs",
+        ),
         ("actor_rollout_ref.actor.policy_loss.loss_mode=dro", "actor_rollout_ref.actor.policy_loss.dro_beta"),
         ("actor_rollout_ref.actor.policy_loss.loss_mode=gspo", None),
     ],
@@ -221,8 +231,8 @@ OVERLONG = ["custom_reward_function.overlong_buffer.enable=true", "custom_reward
             "algorithm.filter_groups.metric",
         ),
         (
-            ["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.rollout_is=token"],
-            "algorithm.rollout_correction.bypass_mode",
+            ["algorithm.rollout_correction.bypass_mode=true", "actor_rollout_ref.actor.policy_loss.loss_mode=gspo"],
+            "but loss_mode='gspo' is set",
         ),
         (
             ["algorithm.adv_estimator=optimal_token_baseline", "algorithm.rollout_correction.bypass_mode=true"],
@@ -241,6 +251,67 @@ OVERLONG = ["custom_reward_function.overlong_buffer.enable=true", "custom_reward
 def test_combinations_main_grpo_cannot_run_fail_naming_the_key(overrides, key):
     with pytest.raises(ConfigError, match=re.escape(key)):
         validate_grpo(compose_config("grpo", ["actor_rollout_ref.rollout.response_length=8", *overrides]))
+
+
+BYPASS = [
+    "algorithm.rollout_correction.bypass_mode=true",
+    "algorithm.rollout_correction.loss_type=reinforce",
+    "algorithm.rollout_correction.rollout_is=sequence",
+    "algorithm.rollout_correction.rollout_is_batch_normalize=true",
+    "algorithm.rollout_correction.rollout_rs='token_k2,seq_max_k3'",
+    "algorithm.rollout_correction.rollout_rs_threshold=0.1",
+]
+
+
+def test_bypass_mode_with_reinforce_is_weights_and_rejection_runs_as_the_bypass_loss_mode():
+    """algorithm.rollout_correction.bypass_mode=true with IS weights and rejection (refused before issue 30
+    item 2): the actor's loss mode is bypass_mode with the algorithm's keys (verl's apply_bypass_mode), the
+    old log-prob pass is skipped, and the decoupled correction does not also run on the driver."""
+    config = validate_grpo(compose_config("grpo", BYPASS))
+    mode = config.loss_mode_config()
+    assert mode.loss_mode == "bypass_mode" and mode.rollout_correction == config.algorithm.rollout_correction
+    assert mode.rollout_correction.loss_type == "reinforce" and mode.rollout_correction.rollout_is == "sequence"
+    assert not config.old_log_prob_from_update and not config.algorithm.corrects_rollout
+    plain = validate_grpo(compose_config("grpo", BYPASS[1:]))  # negative control: no bypass, decoupled mode
+    assert plain.loss_mode_config().loss_mode == "vanilla" and plain.algorithm.corrects_rollout
+
+
+def test_the_actor_workers_get_the_bypass_loss_mode_of_the_algorithm_keys():
+    """GRPOTrainer._worker_config hands the workers GRPOConfig.loss_mode_config (not the actor section's own)."""
+    from types import SimpleNamespace
+
+    from verl_balance.trainer.grpo_trainer import GRPOTrainer
+
+    trainer = GRPOTrainer.__new__(GRPOTrainer)
+    # negative control: without bypass_mode the workers run vanilla and the actor's own (default) keys
+    for overrides, want in ((BYPASS, ("bypass_mode", "sequence")), (BYPASS[1:], ("vanilla", None))):
+        config = validate_grpo(compose_config("grpo", overrides))
+        arr = config.actor_rollout_ref
+        trainer.config, trainer.total_steps, trainer.sp = config, 1, 1
+        trainer.model_config = arr.model.model_config(vocab_size=300)
+        trainer.actor_cfg, trainer.rollout_cfg, trainer.policy_loss = (
+            arr.actor,
+            arr.rollout,
+            arr.actor.policy_loss_config(),
+        )
+        trainer.tokenizer = SimpleNamespace(vocab_size=300, pad_token_id=0, eos_token_id=1)
+        trainer.trainer_config, trainer.model_section = config.trainer, arr.model
+        mode = trainer._worker_config().loss_mode
+        assert (mode.loss_mode, mode.rollout_correction.rollout_is) == want
+
+
+def test_policy_loss_bypass_mode_reads_the_actors_rollout_correction_keys():
+    """actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode takes policy_loss.rollout_correction.*, where
+    verl's bypass loss reads them."""
+    keys = ["loss_mode=bypass_mode", "rollout_correction.loss_type=reinforce", "rollout_correction.rollout_is=token"]
+    config = validate_grpo(compose_config("grpo", [f"actor_rollout_ref.actor.policy_loss.{k}" for k in keys]))
+    mode = config.loss_mode_config()
+    assert (mode.loss_mode, mode.rollout_correction.loss_type, mode.rollout_correction.rollout_is) == (
+        "bypass_mode",
+        "reinforce",
+        "token",
+    )
+    assert config.algorithm.rollout_correction.rollout_is is None  # the algorithm's keys stay verl's defaults
 
 
 @pytest.mark.parametrize("mode", ["separate_async", "colocate_async"])

@@ -96,19 +96,21 @@ class LossModeKeys:
     """kl_cov: weight of |log-ratio| on the selected tokens."""
     dro_beta: float | None = None
     """dro: weight of the quadratic log-ratio penalty (required, > 0)."""
+    rollout_correction: rc.RolloutCorrectionConfig = field(default_factory=rc.RolloutCorrectionConfig)
+    """bypass_mode: its loss type, IS weights and rejection (verl's ``policy_loss.rollout_correction``, which
+    verl's trainer fills from ``algorithm.rollout_correction`` with bypass_mode=true; its bypass_mode key
+    has no effect here)."""
 
 
 @dataclass
 class LossModeConfig(LossModeKeys):
-    """``LossModeKeys`` plus the actor's ``tau_pos`` / ``tau_neg`` (SAPO) and the rollout correction, with
-    verl's defaults. The clip range and dual clip come from ``PolicyLossConfig`` (the actor's keys)."""
+    """``LossModeKeys`` plus the actor's ``tau_pos`` / ``tau_neg`` (SAPO), with verl's defaults. The clip
+    range and dual clip come from ``PolicyLossConfig`` (the actor's keys)."""
 
     tau_pos: float = 1.0
     """sapo: gate temperature for positive advantages (verl's ``actor.tau_pos``)."""
     tau_neg: float = 1.05
     """sapo: gate temperature for non-positive advantages (verl's ``actor.tau_neg``)."""
-    rollout_correction: rc.RolloutCorrectionConfig = field(default_factory=rc.RolloutCorrectionConfig)
-    """bypass_mode's IS weights, rejection and loss type."""
 
     def __post_init__(self):
         if self.loss_mode not in LOSS_MODE_REGISTRY:
@@ -225,27 +227,32 @@ class ModeLoss(PPOLoss):
     their mini-batch-wide selection (``needs_batch_selection``: the engine calls ``batch_selections``
     with every micro-batch's current log-probs and the world collectives, and hands each micro-batch
     its part as ``batch_selection``). So the loss is the same on any (dp, sp) layout and micro-batching.
-    bypass_mode (rollout log-probs on the update path) is refused here.
+    bypass_mode's rejection and sequence-level IS weights take per-sequence sums (``sequence_sum``) and
+    its ``rollout_is_batch_normalize`` the mini-batch's mean of the weights (``needs_batch_selection``:
+    ``batch_selections`` sums rollout_correction.is_batch_mean_terms over the world).
     """
 
     def __init__(self, config: PolicyLossConfig, *, mode: LossModeConfig, **kwargs):
         super().__init__(config, **kwargs)
-        supported = SEQUENCE_REDUCED_MODES + BATCH_SELECTED_MODES
-        if set(required_reductions(mode)) and mode.loss_mode not in supported:
-            raise PolicyLossConfigError(
-                f"{LOSS_MODE_KEY}={mode.loss_mode!r} needs reductions the engine does not supply; "
-                f"layout-invariant modes: per-token ones and {list(supported)}"
-            )
         self.mode = mode
-        self.needs_sequence_sums = mode.loss_mode in SEQUENCE_REDUCED_MODES
-        self.needs_batch_selection = mode.loss_mode in BATCH_SELECTED_MODES
+        reductions = required_reductions(mode)
+        bypass = mode.loss_mode == "bypass_mode"
+        normalize = mode.rollout_correction.rollout_is_batch_normalize
+        self.normalizes_is_weights = "bypass_is_weights" in reductions and normalize
+        self.needs_sequence_sums = mode.loss_mode in SEQUENCE_REDUCED_MODES or (bypass and bool(reductions))
+        self.needs_batch_selection = mode.loss_mode in BATCH_SELECTED_MODES or self.normalizes_is_weights
 
     def batch_selections(
         self, *, log_probs, inputs, sequence_sums, seed: int, num_tokens: int, world_sum, world_gather
     ) -> list[dict[str, Tensor]]:
         """Per micro-batch, clip_cov's / kl_cov's ``reduced`` selection of its local tokens
         (batch_selection.covariance_selections over the whole mini-batch; ``sequence_sums[i]`` is the
-        engine's ``sequence_sum`` of micro-batch i, ``seed`` the step that varies clip_cov's draw)."""
+        engine's ``sequence_sum`` of micro-batch i, ``seed`` the step that varies clip_cov's draw), or
+        bypass_mode's {"bypass_is_mean_terms"}: the mini-batch's sums of is_batch_mean_terms."""
+        if self.normalizes_is_weights:
+            return self._is_mean_terms(
+                log_probs=log_probs, inputs=inputs, sequence_sums=sequence_sums, world_sum=world_sum
+            )
 
         def hash_keys(i: int) -> Tensor:
             positions = inputs[i][POSITION_IDS_KEY]
@@ -265,6 +272,18 @@ class ModeLoss(PPOLoss):
             world_gather=world_gather,
         )
 
+    def _is_mean_terms(self, *, log_probs, inputs, sequence_sums, world_sum) -> list[dict[str, Tensor]]:
+        """bypass_mode's batch-normalisation: the world SUM of every local slice's is_batch_mean_terms."""
+        corr = self.mode.rollout_correction
+        terms = torch.zeros(2, dtype=torch.float64)
+        for lp, x, seq_sum in zip(log_probs, inputs, sequence_sums):
+            mask = x[LOSS_MASK_KEY].to(lp.dtype)
+            log_ratio = lp.detach() - self.old_log_probs(lp, x)
+            weights = rc.is_weights(log_ratio=log_ratio, loss_mask=mask, config=corr, sequence_sum=seq_sum)
+            terms += rc.is_batch_mean_terms(weights, mask, corr, seq_sum).cpu()
+        world_sum(terms)
+        return [{"bypass_is_mean_terms": terms} for _ in log_probs]
+
     def token_loss(
         self,
         *,
@@ -279,7 +298,22 @@ class ModeLoss(PPOLoss):
         batch_selection=None,
     ):
         reduced = {}
-        if self.needs_sequence_sums:
+        if self.mode.loss_mode == "bypass_mode":
+            missing_sums = self.needs_sequence_sums and sequence_sum is None
+            if missing_sums or (self.normalizes_is_weights and not batch_selection):
+                raise PolicyLossConfigError(
+                    f"{LOSS_MODE_KEY}='bypass_mode' with {self.mode.rollout_correction} needs the engine's "
+                    "sequence_sum and (rollout_is_batch_normalize) its mini-batch-wide batch_selection"
+                )
+            reduced = rc.bypass_reductions(
+                log_probs=log_probs,
+                old_log_probs=old_log_probs,
+                loss_mask=inputs[LOSS_MASK_KEY],
+                config=self.mode.rollout_correction,
+                sequence_sum=sequence_sum,
+                is_mean_terms=(batch_selection or {}).get("bypass_is_mean_terms"),
+            )
+        elif self.needs_sequence_sums:
             if sequence_sum is None:
                 raise PolicyLossConfigError(f"{LOSS_MODE_KEY}={self.mode.loss_mode!r} needs the engine's sequence_sum")
             reduced = sequence_reductions(
@@ -292,7 +326,7 @@ class ModeLoss(PPOLoss):
                 sequence_sum=sequence_sum,
                 rollout_is_weights=rollout_is_weights,
             )
-        if self.needs_batch_selection:
+        if self.needs_batch_selection and self.mode.loss_mode != "bypass_mode":
             if batch_selection is None:
                 raise PolicyLossConfigError(
                     f"{LOSS_MODE_KEY}={self.mode.loss_mode!r} needs the engine's mini-batch-wide batch_selection"

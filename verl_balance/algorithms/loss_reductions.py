@@ -70,23 +70,14 @@ def _kl_cov_select(log_probs, advantages, mask, mode) -> Tensor:
 
 def _bypass(log_probs, old_log_probs, mask, mode: LossModeConfig) -> dict[str, Tensor]:
     corr = mode.rollout_correction
-    log_ratio = log_probs.detach() - old_log_probs
-    stats = rc.per_sequence_stats(log_ratio, mask)
-    out = {}
-    if corr.rollout_rs is not None:
-        out["bypass_keep_mask"] = rc.keep_mask(log_ratio=log_ratio, loss_mask=mask, config=corr, seq_stats=stats)
-    if corr.rollout_is is not None:
-        weights = rc.is_weights(log_ratio=log_ratio, loss_mask=mask, config=corr, seq_stats=stats)
-        if corr.rollout_is_batch_normalize:
-            if corr.rollout_is == "token":
-                mean = (weights * mask).sum() / (mask.sum() + MEAN_EPS)
-            else:
-                per_seq = _row_mean(weights, mask)[:, 0]
-                has = (mask.sum(-1) > 0).to(weights.dtype)
-                mean = (per_seq * has).sum() / has.sum().clamp(min=MEAN_EPS)
-            weights = weights / mean if mean > MEAN_EPS else weights
-        out["bypass_is_weights"] = weights
-    return out
+    terms = None
+    if corr.rollout_is_batch_normalize and corr.rollout_is is not None:
+        log_ratio = log_probs.detach() - old_log_probs
+        weights = rc.is_weights(log_ratio=log_ratio, loss_mask=mask, config=corr)
+        terms = rc.is_batch_mean_terms(weights, mask, corr)
+    return rc.bypass_reductions(
+        log_probs=log_probs, old_log_probs=old_log_probs, loss_mask=mask, config=corr, is_mean_terms=terms
+    )
 
 
 def reference_reductions(

@@ -17,20 +17,26 @@ With lr = log_prob (current, detached) - rollout_log_prob per token and m the lo
 - bypass_mode loss (old_log_prob = rollout_log_prob): ``loss_type=ppo_clip`` is vanilla PPO-clip (its
   ratio already is the IS correction: no weights); ``reinforce`` is -sg(w) A log_prob. Rejected
   tokens get loss 0; the contract weights still count them (verl's global token count comes from
-  the original mask too). Unlike verl's, the per-token metrics are not masked by the rejection, so
-  their means run over every loss-mask token.
+  the original mask too). With loss_agg_mode=seq-mean-token-mean and token-level rejection verl
+  divides a sequence's loss by its kept tokens, here by all its loss-mask tokens (the contract's n_i);
+  every other agg mode, and sequence-level rejection, is verl's. Per-token metrics (global loss-mask
+  means, like the loss's others): ``rollout_corr/rollout_is_mean`` (the applied weights) and
+  ``rollout_corr/rollout_rs_masked_fraction`` (1 - keep); verl's other ``rollout_corr/*`` statistics
+  (max, min, std, ESS, per-option fractions) are not logged in bypass mode. Unlike verl's, ppo_kl and
+  the clip fractions are not masked by the rejection, so their means run over every loss-mask token.
 
-Reductions the engine must supply (``reduced``, per token, detached): ``bypass_is_weights``
-(sequence level: per-sequence sums of lr over the SP group; batch-normalised: a mini-batch mean
-over the world) and ``bypass_keep_mask`` (sequence options: per-sequence SUM / MAX over the SP
-group). ``per_sequence_stats`` and ``is_weights`` / ``keep_mask`` below take those reduced values,
-so the same code serves the engine (reduced values) and the single-process reference.
+Every per-sequence quantity is a per-sequence SUM (seq_max: the number of loss-mask tokens above the
+bound is 0), so ``is_weights`` / ``keep_mask`` take a ``sequence_sum``: ``row_sum`` for a batch held
+whole, the engine's SP-group sum (``TrainEngine.sequence_sum``) on a slice; the results are the same.
+``rollout_is_batch_normalize``'s mean is over the mini-batch: ``is_batch_mean_terms`` are local sums
+whose SUM over the world (every micro-batch, DP and SP rank) gives it (verl takes it over the batch one
+loss call sees, all-reduced over DP: equal with the mini-batch as one micro-batch).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -55,7 +61,11 @@ RS_OPTIONS = (
 )
 IS_LEVELS = ("token", "sequence")
 LOSS_TYPES = ("ppo_clip", "reinforce")
-KEY = "algorithm.rollout_correction"
+KEY = "rollout_correction"
+"""Errors name rollout_correction.<key>; the config loader writes the section that holds it in front
+(algorithm. or actor_rollout_ref.actor.policy_loss.)."""
+SequenceSum = Callable[[Tensor], Tensor]
+"""Per-token values -> the sum over each token's full sequence, per token."""
 
 
 def _floats(spec, key: str) -> tuple[float, float | None]:
@@ -134,26 +144,17 @@ def token_divergences(log_ratio: Tensor) -> dict[str, Tensor]:
     return {"k1": -lr, "k2": 0.5 * lr.square(), "k3": torch.exp(lr) - 1.0 - lr}
 
 
-def per_sequence_stats(log_ratio: Tensor, loss_mask: Tensor) -> dict[str, Tensor]:
-    """The per-sequence values of a (B, L) batch held whole, broadcast per token: ``lr_sum`` and
-    ``{sum,mean,max}_k{1,2,3}`` (the engine computes them with SP-group reductions instead)."""
-    m = loss_mask.to(log_ratio.dtype)
-    n = m.sum(-1, keepdim=True)
-    stats = {"lr_sum": (log_ratio * m).sum(-1, keepdim=True)}
-    for name, k in token_divergences(log_ratio).items():
-        total = (k * m).sum(-1, keepdim=True)
-        stats[f"sum_{name}"] = total
-        stats[f"mean_{name}"] = total / (n + 1e-8)
-        peak = k.masked_fill(m == 0, -torch.inf).max(-1, keepdim=True).values
-        stats[f"max_{name}"] = torch.where(torch.isinf(peak), torch.zeros_like(peak), peak)
-    return {k: v.expand_as(log_ratio) for k, v in stats.items()}
+def row_sum(values: Tensor) -> Tensor:
+    """(B, L) per-token values of a batch held whole (one sequence per row) -> each row's sum, per token:
+    the single-process ``sequence_sum`` (the engine's sums the sequence's slices over the SP group)."""
+    return values.sum(-1, keepdim=True).expand_as(values)
 
 
 def is_weights(
-    *, log_ratio: Tensor, loss_mask: Tensor, config: RolloutCorrectionConfig, seq_stats: Mapping[str, Tensor]
+    *, log_ratio: Tensor, loss_mask: Tensor, config: RolloutCorrectionConfig, sequence_sum: SequenceSum = row_sum
 ) -> Tensor:
     """Truncated (TIS) or IcePop IS weights per token, before batch normalisation; 0 off the mask."""
-    level_ratio = log_ratio if config.rollout_is == "token" else seq_stats["lr_sum"]
+    level_ratio = log_ratio if config.rollout_is == "token" else sequence_sum(log_ratio * loss_mask)
     raw = torch.exp(torch.clamp(level_ratio, min=-SAFETY_BOUND, max=SAFETY_BOUND)) * loss_mask
     upper, lower = _floats(config.rollout_is_threshold, "rollout_is_threshold")
     if lower is None:
@@ -161,20 +162,86 @@ def is_weights(
     return torch.where((raw >= lower) & (raw <= upper), raw, torch.zeros_like(raw)).detach()
 
 
-def keep_mask(*, log_ratio: Tensor, loss_mask: Tensor, config: RolloutCorrectionConfig, seq_stats) -> Tensor:
-    """1 where every rejection option keeps the token (or its sequence), 0 where one rejects it."""
+def keep_mask(
+    *, log_ratio: Tensor, loss_mask: Tensor, config: RolloutCorrectionConfig, sequence_sum: SequenceSum = row_sum
+) -> Tensor:
+    """1 where every rejection option keeps the token (or its sequence), 0 where one rejects it.
+    Every sequence statistic is a per-sequence sum, so it is exact on any SP slice."""
     token = token_divergences(log_ratio)
+    mask = loss_mask.to(log_ratio.dtype)
     keep = torch.ones_like(log_ratio)
     for option, (low, high) in config.rs_thresholds().items():
         level, k = option.rsplit("_", 1)
-        stat = token[k] if level == "token" else seq_stats[f"{level.removeprefix('seq_')}_{k}"]
+        if level == "token":
+            stat = token[k]
+        elif level == "seq_max":  # max_t k_t <= high  <=>  no loss-mask token of the sequence above high
+            stat = torch.where(sequence_sum((token[k] > high).to(mask.dtype) * mask) > 0, math.inf, -math.inf)
+        else:
+            stat = sequence_sum(token[k] * mask)
+            if level == "seq_mean":
+                stat = stat / (sequence_sum(mask) + 1e-8)
         keep = keep * ((stat >= low) & (stat <= high)).to(keep.dtype)
     return keep
+
+
+def is_batch_mean_terms(
+    weights: Tensor, loss_mask: Tensor, config: RolloutCorrectionConfig, sequence_sum: SequenceSum = row_sum
+) -> Tensor:
+    """(numerator, denominator) of ``rollout_is_batch_normalize``'s mean, as sums over this slice's tokens
+    (float64), so their SUM over every slice of the mini-batch gives the mean: token level, sum(w m) over
+    sum(m); sequence level, the sum over non-empty sequences of their token mean of w over their number
+    (each token adds w m / n_i and m / n_i; n_i = its full sequence's loss-mask count)."""
+    w, m = weights.double(), loss_mask.double()
+    if config.rollout_is == "token":
+        return torch.stack([(w * m).sum(), m.sum()])
+    count = sequence_sum(m)
+    share = torch.where(count > 0, m / count.clamp(min=1e-300), torch.zeros_like(m))
+    return torch.stack([(w * m / (count + 1e-8)).sum(), share.sum()])
+
+
+def batch_mean(terms: Tensor, config: RolloutCorrectionConfig) -> float:
+    """The IS weights' mini-batch mean from ``is_batch_mean_terms`` summed over the mini-batch (verl's
+    masked means: token level over count + 1e-8, sequence level over max(count, 1e-8))."""
+    count = terms[1] + 1e-8 if config.rollout_is == "token" else terms[1].clamp(min=1e-8)
+    return float(terms[0] / count)
+
+
+def normalized_is_weights(weights: Tensor, mean: float) -> Tensor:
+    """The weights over their mini-batch mean, unless that mean is <= 1e-8 (verl's)."""
+    return weights / mean if mean > 1e-8 else weights
+
+
+def bypass_reductions(
+    *,
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    loss_mask: Tensor,
+    config: RolloutCorrectionConfig,
+    sequence_sum: SequenceSum = row_sum,
+    is_mean_terms: Tensor | None = None,
+) -> dict[str, Tensor]:
+    """bypass_mode's ``reduced`` (module docstring): ``bypass_keep_mask`` with ``rollout_rs``, and with
+    ``loss_type=reinforce`` and ``rollout_is`` the ``bypass_is_weights`` (batch-normalised by
+    ``is_mean_terms``, the mini-batch's summed ``is_batch_mean_terms``, when ``rollout_is_batch_normalize``)."""
+    mask = loss_mask.to(log_probs.dtype)
+    log_ratio = log_probs.detach() - old_log_probs
+    terms = dict(log_ratio=log_ratio, loss_mask=mask, config=config, sequence_sum=sequence_sum)
+    out = {}
+    if config.rollout_rs is not None:
+        out["bypass_keep_mask"] = keep_mask(**terms)
+    if config.loss_type == "reinforce" and config.rollout_is is not None:
+        weights = is_weights(**terms)
+        if config.rollout_is_batch_normalize:
+            assert is_mean_terms is not None, "rollout_is_batch_normalize needs the mini-batch's mean"
+            weights = normalized_is_weights(weights, batch_mean(is_mean_terms, config))
+        out["bypass_is_weights"] = weights
+    return out
 
 
 def bypass_mode(*, log_probs, old_log_probs, advantages, config, mode, reduced):
     """verl's bypass_mode: old_log_probs are the rollout's; ppo_clip or reinforce (module docstring)."""
     keep = reduced.get("bypass_keep_mask")
+    weights = reduced.get("bypass_is_weights")
     if mode.rollout_correction.loss_type == "ppo_clip":
         pg, metrics = vanilla(
             log_probs=log_probs,
@@ -185,11 +252,13 @@ def bypass_mode(*, log_probs, old_log_probs, advantages, config, mode, reduced):
             reduced=reduced,
         )
     else:
-        weights = reduced.get("bypass_is_weights")
         pg = -advantages * log_probs * (1.0 if weights is None else weights)
         metrics = {"ppo_kl": (old_log_probs - log_probs).detach()}
+    if weights is not None:
+        metrics["rollout_corr/rollout_is_mean"] = weights.detach()
     if keep is not None:
         pg = pg * keep
+        metrics["rollout_corr/rollout_rs_masked_fraction"] = (1.0 - keep).detach()
     return pg, metrics
 
 
@@ -203,20 +272,19 @@ def decoupled_correction(
     tokens leave the loss mask, so they leave the loss contract's token counts too, as in verl.
     A batch with no loss-mask token is an error (verl's)."""
     if not loss_mask.any():
-        raise ValueError(f"{KEY}: the batch has no response token to correct")
+        raise ValueError("algorithm.rollout_correction: the batch has no response token to correct")
     mask = loss_mask.to(old_log_probs.dtype)
     log_ratio = old_log_probs - rollout_log_probs
-    seq_stats = per_sequence_stats(log_ratio, mask)
     metrics: dict[str, float] = {}
     weights = None
     if config.rollout_is is not None:
-        weights = is_weights(log_ratio=log_ratio, loss_mask=mask, config=config, seq_stats=seq_stats)
+        weights = is_weights(log_ratio=log_ratio, loss_mask=mask, config=config)
         metrics["rollout_corr/rollout_is_mean"] = float((weights * mask).sum() / (mask.sum() + 1e-8))
         if config.rollout_is_batch_normalize:
             weights, metrics["rollout_corr/rollout_is_batch_norm_factor"] = batch_normalize(weights, mask, config)
     new_mask = mask
     if config.rollout_rs is not None:
-        new_mask = mask * keep_mask(log_ratio=log_ratio, loss_mask=mask, config=config, seq_stats=seq_stats)
+        new_mask = mask * keep_mask(log_ratio=log_ratio, loss_mask=mask, config=config)
         metrics["rollout_corr/rollout_rs_masked_fraction"] = float(((1 - new_mask) * mask).sum() / (mask.sum() + 1e-8))
         rejected = (mask - new_mask).sum(-1) > 0
         metrics["rollout_corr/rollout_rs_seq_masked_fraction"] = float(rejected.double().mean())
@@ -224,14 +292,7 @@ def decoupled_correction(
 
 
 def batch_normalize(weights: Tensor, mask: Tensor, config: RolloutCorrectionConfig) -> tuple[Tensor, float]:
-    """``rollout_is_batch_normalize``: the weights over their batch mean (token: over loss-mask tokens;
-    sequence: over non-empty rows of each row's token mean), unless that mean is <= 1e-8; (weights, mean)."""
-    if config.rollout_is == "token":
-        mean = (weights * mask).sum() / (mask.sum() + 1e-8)
-    else:
-        rows = (mask.sum(-1) > 0).to(weights.dtype)
-        per_row = (weights * mask).sum(-1) / (mask.sum(-1) + 1e-8)
-        mean = (per_row * rows).sum() / rows.sum().clamp_min(1e-8)
-    if mean > 1e-8:
-        return weights / mean, float(mean)
-    return weights, 1.0
+    """``rollout_is_batch_normalize`` on a batch held whole: (the weights over their batch mean, the mean;
+    1.0 when the mean is <= 1e-8 and the weights stay as they are)."""
+    mean = batch_mean(is_batch_mean_terms(weights, mask, config), config)
+    return normalized_is_weights(weights, mean), mean if mean > 1e-8 else 1.0

@@ -14,10 +14,12 @@ Invariants:
   ranks), where verl uses each micro-batch's: equal with one micro-batch per mini-batch on one rank.
 - KL in the reward (``use_kl_in_reward``, ``kl_penalty``, ``kl_ctrl``), DAPO's dynamic sampling
   (``filter_groups``) and the rollout correction (``rollout_correction``: IS weights and rejection on
-  the driver's batch, verl's decoupled mode; ``bypass_mode`` with ``loss_type=ppo_clip`` alone) run
-  in main_grpo's synchronous trainer (the async modes take the decoupled correction when the old
-  log-probs are recomputed, and refuse dynamic sampling); a value it cannot run (pf_ppo, bypass_mode with IS weights or
-  rejection) is refused naming the key.
+  the driver's batch, verl's decoupled mode; with ``bypass_mode=true`` the rollout's log-probs are the
+  old ones and the policy loss is ``loss_mode=bypass_mode`` with these keys, as verl's apply_bypass_mode
+  sets them: ppo_clip or reinforce, IS weights and rejection from the current log-probs inside the loss)
+  run in main_grpo's synchronous trainer (the async modes take the decoupled correction when the old
+  log-probs are recomputed, and refuse dynamic sampling); a value it cannot run (pf_ppo) is refused
+  naming the key.
 """
 
 from __future__ import annotations
@@ -59,11 +61,13 @@ ENGINE_LOSS_MODES = (
     "geo_mean",
     "clip_cov",
     "kl_cov",
+    "bypass_mode",
 )
 """Loss modes the engine runs layout-invariantly: per-token ones, gspo / geo_mean whose per-sequence
-means are reduced over the SP group (``TrainEngine.sequence_sum``, ``loss_modes.ModeLoss``), and
+means are reduced over the SP group (``TrainEngine.sequence_sum``, ``loss_modes.ModeLoss``),
 clip_cov / kl_cov whose covariance selection is over the whole mini-batch (``algorithms/batch_selection.py``;
-verl selects per micro-batch)."""
+verl selects per micro-batch), and bypass_mode (sequence IS weights and rejection from SP-group sums,
+``rollout_is_batch_normalize`` over the whole mini-batch)."""
 NOT_YET = "main_grpo does not run it"
 
 
@@ -139,7 +143,8 @@ class AlgorithmSection:
     """DAPO's dynamic sampling: groups whose metric is constant are dropped and more batches generated."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """verl's rollout correction: IS weights and rejection from the rollout's own log-probs (decoupled
-    mode), or bypass_mode (the rollout's log-probs are the old ones; loss_type=ppo_clip only)."""
+    mode), or bypass_mode (the rollout's log-probs are the old ones; the policy loss is loss_mode=bypass_mode
+    with these keys)."""
     use_pf_ppo: bool = False
     """verl's prioritized-filtering PPO (refused when true: main_grpo does not run it)."""
     pf_ppo: dict = field(default_factory=lambda: {"reweight_method": "pow", "weight_pow": 2.0})
@@ -174,13 +179,6 @@ class AlgorithmSection:
         if self.use_pf_ppo:
             changed.append("use_pf_ppo=true")
         corr = self.rollout_correction
-        if corr.bypass_mode and (corr.loss_type != "ppo_clip" or corr.rollout_is or corr.rollout_rs):
-            changed.append(
-                f"rollout_correction.bypass_mode=true with loss_type={corr.loss_type!r}, "
-                f"rollout_is={corr.rollout_is!r}, rollout_rs={corr.rollout_rs!r} (bypass mode runs "
-                "loss_type=ppo_clip without IS weights or rejection here; set bypass_mode=false for verl's "
-                "decoupled IS weights and rejection)"
-            )
         if corr.bypass_mode and self.needs_sum_pi_squared:
             changed.append(
                 f"adv_estimator={self.adv_estimator!r} with rollout_correction.bypass_mode=true (the estimator "
@@ -235,15 +233,17 @@ def supported_estimators() -> list[str]:
 @dataclass
 class PolicyLossSection(LossModeKeys):
     """verl's ``actor_rollout_ref.actor.policy_loss`` (verl's names and defaults); ``loss_mode`` must be
-    one of ENGINE_LOSS_MODES."""
+    one of ENGINE_LOSS_MODES. ``loss_mode=bypass_mode`` reads ``policy_loss.rollout_correction.*`` and, as
+    in verl, takes the old log-probs the trainer has (the recomputed ones); with
+    ``algorithm.rollout_correction.bypass_mode=true`` they are the rollout's and the algorithm's keys
+    replace these (``GRPOConfig.loss_mode_config``)."""
 
     def __post_init__(self) -> None:
         check_choice("loss_mode", self.loss_mode, tuple(LOSS_MODE_REGISTRY))
         if self.loss_mode not in ENGINE_LOSS_MODES:
             raise ConfigError(
-                f"loss_mode={self.loss_mode!r} needs the rollout log-probs on the update path, which the engine "
-                f"does not supply yet (algorithm.rollout_correction.bypass_mode=true runs verl's bypass with "
-                f"loss_type=ppo_clip); valid here: {list(ENGINE_LOSS_MODES)}"
+                f"loss_mode={self.loss_mode!r}: the engine does not run it layout-invariantly; valid here: "
+                f"{list(ENGINE_LOSS_MODES)}"
             )
 
 
@@ -258,10 +258,14 @@ class ActorAlgorithmKeys:
     tau_neg: float = 1.05
     """sapo: gate temperature for non-positive advantages."""
 
-    def loss_mode_config(self) -> LossModeConfig:
-        """The loss mode's own config, as the workers take it (errors name the policy_loss key)."""
+    def loss_mode_config(self, *, bypass: RolloutCorrectionConfig | None = None) -> LossModeConfig:
+        """The loss mode's own config, as the workers take it (errors name the policy_loss key). ``bypass``:
+        ``algorithm.rollout_correction`` with bypass_mode=true, which (verl's apply_bypass_mode) makes the
+        mode bypass_mode and its ``rollout_correction`` these keys."""
         p = self.policy_loss
         values: dict[str, Any] = {f.name: getattr(p, f.name) for f in fields(LossModeKeys)}
+        if bypass is not None:
+            values.update(loss_mode="bypass_mode", rollout_correction=bypass)
         try:
             return LossModeConfig(**values, tau_pos=self.tau_pos, tau_neg=self.tau_neg)
         except ValueError as err:

@@ -181,8 +181,7 @@ def is_weight_metrics(batch: Batch) -> dict:
     out = {}
     for level in rc.IS_LEVELS:
         config = rc.RolloutCorrectionConfig(rollout_is=level)
-        stats = rc.per_sequence_stats(log_ratio, mask) if level == "sequence" else None
-        weights = rc.is_weights(log_ratio=log_ratio, loss_mask=mask, config=config, seq_stats=stats)
+        weights = rc.is_weights(log_ratio=log_ratio, loss_mask=mask, config=config)
         values = weights[mask.bool()] if level == "token" else weights[:, 0][mask.sum(1) > 0]
         if values.numel():
             out.update(

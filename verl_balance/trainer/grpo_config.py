@@ -32,7 +32,7 @@ from typing import Any, ClassVar, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig
 
-from verl_balance.algorithms import PolicyLossConfig
+from verl_balance.algorithms import LossModeConfig, PolicyLossConfig
 from verl_balance.data.rl_dataset import RLDataConfig
 from verl_balance.data.synthetic import TASKS, SyntheticConfig
 from verl_balance.engine.config import (
@@ -604,6 +604,21 @@ class GRPOConfig(RecipeConfig):
             return False
         return self.actor_rollout_ref.actor.old_log_prob_from_update(train_batch_size=self.data.train_batch_size)
 
+    def loss_mode_config(self) -> LossModeConfig:
+        """The actor's policy-loss mode as the workers take it: ``actor.policy_loss.*``, or with
+        ``algorithm.rollout_correction.bypass_mode=true`` bypass_mode with the algorithm's correction keys."""
+        corr = self.algorithm.rollout_correction
+        return self.actor_rollout_ref.actor.loss_mode_config(bypass=corr if corr.bypass_mode else None)
+
+    def _check_bypass_mode(self) -> None:
+        """verl's apply_bypass_mode overwrites policy_loss.loss_mode; a different mode set by the user is refused."""
+        mode = self.actor_rollout_ref.actor.policy_loss.loss_mode
+        if self.algorithm.rollout_correction.bypass_mode and mode not in ("vanilla", "bypass_mode"):
+            raise ConfigError(
+                f"algorithm.rollout_correction.bypass_mode=true runs actor_rollout_ref.actor.policy_loss.loss_mode="
+                f"bypass_mode, but loss_mode={mode!r} is set; remove one of them"
+            )
+
     @property
     def use_reference_policy(self) -> bool:
         """verl's need_reference_policy: the KL loss or the KL in the reward reads the reference log-probs."""
@@ -619,6 +634,7 @@ class GRPOConfig(RecipeConfig):
             raise ConfigError(f"actor_rollout_ref.rollout.name: {err}") from err
 
     def check_sections(self) -> None:
+        self._check_bypass_mode()
         self._check_dynamic_sampling()
         self._check_overlong_buffer()
         self._check_critic()

@@ -321,7 +321,7 @@ class GRPOTrainer(DriverBase):
             engine=config.engine_config(total_steps=self.total_steps),
             sp_size=self.sp,
             policy_loss=self.policy_loss,
-            loss_mode=self.actor_cfg.loss_mode_config(),
+            loss_mode=self.config.loss_mode_config(),
             pad_token_id=self.tokenizer.pad_token_id,
             stop_token_ids=(self.tokenizer.eos_token_id,),
             rollout_max_batch_size=self.rollout_cfg.max_num_seqs,

@@ -371,6 +371,14 @@ MEANING_DIFFERS = (
         "over each micro-batch. Equal when a mini-batch is one micro-batch on one rank. clip_cov's uniform draw "
         "hashes (sequence, position, step), not verl's randperm",
     ),
+    (
+        f"{AR}.actor.policy_loss.loss_mode",
+        "bypass_mode",
+        "rollout_is_batch_normalize's mean is over the whole mini-batch (verl: the micro-batch, all-reduced over "
+        "DP). With loss_agg_mode=seq-mean-token-mean and token-level rollout_rs a sequence's loss is divided by "
+        "all its response tokens (the loss contract's count), verl divides by its kept ones. Only the "
+        "rollout_corr/rollout_is_mean and rollout_rs_masked_fraction metrics are logged",
+    ),
 )
 """Schema keys of verl's name whose meaning differs from verl's here (listed in the docs table)."""
 
