@@ -57,9 +57,11 @@ def test_parquet_prompt_response_and_messages_give_identical_samples(tmp_path):
         [{"role": "user", "content": p}, {"role": "assistant", "content": r}]
         for p, r in zip(rows["prompt"], rows["response"])
     ]
-    path = str(tmp_path / "d.parquet")
+    path, plain_path = str(tmp_path / "d.parquet"), str(tmp_path / "plain.parquet")
     pq.write_table(pa.table(rows), path)
-    plain, chat = _dataset(path), _dataset(path, messages_key="messages")
+    pq.write_table(pa.table({k: rows[k] for k in ("prompt", "response")}), plain_path)
+    plain, chat = _dataset(plain_path), _dataset(path, messages_key="messages")
+    assert plain.chat_columns == [None] and chat.chat_columns == ["messages"]
     for i in range(2):
         assert plain[i]["input_ids"].tolist() == chat[i]["input_ids"].tolist()
         assert plain[i]["loss_mask"].tolist() == chat[i]["loss_mask"].tolist()
@@ -147,3 +149,66 @@ def test_collate_right_pads_with_contiguous_attention_and_restarting_positions()
     assert batch["loss_mask"].tolist() == [[0, 0, 0, 1, 1], [0, 0, 1, 0, 0]]
     assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 0, 0]]
     assert all(t.dtype == torch.long for t in batch.values())
+
+
+# verl's rule for data.messages_key, with prompt/response files kept: rows whose chat differs from
+# their prompt/response pair show which columns were read.
+CHAT = [{"role": "user", "content": "b"}, {"role": "assistant", "content": "ab"}]
+CHAT_IDS = [BOS, b, SEP, a, b, EOS]
+PAIR_IDS = [BOS, a, SEP, c, EOS]
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
+def test_unset_messages_key_reads_verls_default_messages_column_when_the_file_has_one(tmp_path, suffix):
+    rows = [{"messages": CHAT, "prompt": "a", "response": "c"}]
+    both, pair = _file(tmp_path / f"both.{suffix}", rows), _file(tmp_path / f"pair.{suffix}", rows, drop="messages")
+    assert _dataset(both)[0]["input_ids"].tolist() == CHAT_IDS
+    assert _dataset(pair)[0]["input_ids"].tolist() == PAIR_IDS
+    # Negative control: an explicit key is read even where prompt/response are present.
+    renamed = _file(tmp_path / f"chat.{suffix}", [{"chat": CHAT, "prompt": "a", "response": "c"}])
+    assert _dataset(renamed)[0]["input_ids"].tolist() == PAIR_IDS
+    assert _dataset(renamed, messages_key="chat")[0]["input_ids"].tolist() == CHAT_IDS
+
+
+def test_unset_messages_key_chooses_per_file_and_reports_the_choice(tmp_path):
+    rows = [{"messages": CHAT, "prompt": "a", "response": "c"}]
+    files = [_file(tmp_path / "both.parquet", rows), _file(tmp_path / "pair.jsonl", rows, drop="messages")]
+    ds = SFTDataset(files=files, tokenizer=ByteTokenizer())
+    assert ds.chat_columns == ["messages", None]
+    assert [ds[i]["input_ids"].tolist() for i in range(2)] == [CHAT_IDS, PAIR_IDS]
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
+def test_set_messages_key_missing_from_the_file_is_refused_naming_key_columns_and_fix(tmp_path, suffix):
+    path = _file(tmp_path / f"pair.{suffix}", [{"prompt": "a", "response": "c"}])
+    with pytest.raises(DataError) as info:
+        _dataset(path, messages_key="messages")
+    message = str(info.value)
+    assert f"pair.{suffix}: data.messages_key='messages' is not a column" in message
+    assert "columns present: ['prompt', 'response']" in message and "remove it" in message
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
+def test_file_with_neither_chats_nor_prompt_response_is_refused_naming_both(tmp_path, suffix):
+    path = _file(tmp_path / f"qa.{suffix}", [{"question": "a", "response": "c"}])
+    with pytest.raises(DataError) as info:
+        _dataset(path)
+    message = str(info.value)
+    assert "missing column(s) ['prompt'] (data.prompt_key/data.response_key)" in message
+    assert "no 'messages' column (data.messages_key" in message and "['question', 'response']" in message
+    # The fix the message names works.
+    assert _dataset(path, prompt_key="question")[0]["input_ids"].tolist() == PAIR_IDS
+
+
+def test_jsonl_columns_come_from_the_first_object_rows_past_malformed_lines(tmp_path):
+    rows = ["{not json", {"prompt": "a"}, {"prompt": "a", "response": "c"}]
+    ds = _dataset(_jsonl(tmp_path / "d.jsonl", rows), on_malformed="skip")
+    assert ds.chat_columns == [None] and len(ds) == 1 and len(ds.skipped) == 2
+
+
+def _file(path, rows, *, drop: str | None = None) -> str:
+    rows = [{k: v for k, v in row.items() if k != drop} for row in rows]
+    if str(path).endswith(".jsonl"):
+        return _jsonl(path, rows)
+    pq.write_table(pa.Table.from_pylist(rows), str(path))
+    return str(path)

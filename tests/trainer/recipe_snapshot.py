@@ -2,7 +2,8 @@
 loss, rollout, model), built from the recipe YAML plus the overrides of recipes/*.sh and a few
 non-default layouts, as plain JSON values. ``tests/trainer/data/recipe_components.json`` holds
 them as built before the config layer was split (issue 18), with verl's defaults since issue 30
-(SFT: ``data.messages_key=messages``, save and validate at the last step: ``last_step``); the test in
+(SFT: save and validate at the last step: ``last_step``; ``data.messages_key`` stays null, which reads
+verl's default ``messages`` column where a file has one, see ``data.sft_dataset.chat_column``); the test in
 test_config.py rebuilds them with the current API (``RecipeConfig.engine_config`` etc.) and compares field by field.
 
 Regenerate (only when a change of a component config is intended):

@@ -48,6 +48,7 @@ def _overrides(root, *, trainer_workers: int = 1, rollout_workers: int = 1, name
         "trainer.resume_mode=disable",
         "trainer.save_freq=-1",
         "trainer.test_freq=0",
+        "trainer.val_before_train=false",  # no validation: every rollout is a training one
         f"trainer.total_training_steps={STEPS}",
         f"trainer.default_local_dir={root / name}",
         "data.synthetic.num_train=32",

@@ -66,8 +66,9 @@ def test_sft_data_section_is_the_dataset_config():
     assert validate_sft(compose_config("sft", [])).data.max_length == 512  # the recipe's value
 
 
-def test_sft_messages_key_defaults_to_prompt_response_and_verls_spelling_selects_chats():
-    # null: prompt_key/response_key files keep working (verl's default "messages" would refuse them).
+def test_sft_messages_key_is_unset_by_default_so_each_file_chooses_and_a_set_key_is_kept():
+    # null: verl's default "messages" where the file has that column, else prompt_key/response_key, so
+    # prompt/response files keep working (data.sft_dataset.chat_column; tests/data/test_sft_dataset.py).
     assert validate_sft(compose_config("sft", [])).data.messages_key is None
     assert validate_sft(compose_config("sft", ["data.messages_key=messages"])).data.messages_key == "messages"
 

@@ -30,6 +30,7 @@ def _base(root) -> list[str]:
         "trainer.logger=[jsonl]",
         "trainer.plot=false",
         "trainer.resume_mode=disable",
+        "trainer.val_before_train=false",  # every recorded rollout is a training step's
         "data.synthetic.num_train=64",
         "data.synthetic.num_val=8",
         f"data.synthetic.out_dir={root / 'data'}",

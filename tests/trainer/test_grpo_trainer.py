@@ -210,6 +210,24 @@ def _run_grpo(overrides) -> tuple[list[dict], dict]:
     return read_metrics(summary["metrics"]), summary
 
 
+@pytest.mark.parametrize(
+    "test_freq, val_before_train, validates", [(-1, True, True), (0, True, True), (5, True, True), (5, False, False)]
+)
+def test_val_before_train_alone_decides_the_step_0_validation(test_freq, val_before_train, validates):
+    # verl's fit: `if trainer.val_before_train: validate()`, test_freq not consulted (the run with
+    # test_freq=-1 is observed in tests/trainer/test_ppo_critic.py). The last case is the negative control.
+    from types import SimpleNamespace
+
+    from verl_balance.trainer.grpo_trainer import GRPOTrainer
+
+    overrides = [f"trainer.test_freq={test_freq}", f"trainer.val_before_train={val_before_train}"]
+    driver = SimpleNamespace(config=validate_grpo(_grpo_config(overrides)), evaluate=lambda: {"val/acc": 0.5})
+    logged = []
+    tracker = SimpleNamespace(log=lambda metrics, *, step: logged.append((step, metrics)))
+    metrics = GRPOTrainer.before_training(driver, tracker)
+    assert (metrics, logged) == (({"val/acc": 0.5}, [(0, {"val/acc": 0.5})]) if validates else ({}, []))
+
+
 @pytest.fixture(scope="module")
 def grpo_run(ray_cluster, tmp_path_factory):
     """One short GRPO run from random weights on a reward a uniform policy scores ~0.1 on."""

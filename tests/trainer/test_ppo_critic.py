@@ -120,7 +120,8 @@ CRITIC_KEYS = (
 
 @pytest.fixture(scope="module")
 def ppo_runs(ray_cluster, tmp_path_factory):
-    """A 3-step PPO run straight through, and the same run stopped by Ctrl-C after step 2 and resumed."""
+    """A 3-step PPO run straight through, and the same run stopped by Ctrl-C after step 2 and resumed:
+    each run's training-step records, and under "raw" every record (step 0: val_before_train)."""
     root = tmp_path_factory.mktemp("ppo")
     base = [
         "algorithm.adv_estimator=gae",
@@ -154,7 +155,9 @@ def ppo_runs(ray_cluster, tmp_path_factory):
     resumed_dir = root / "resumed"
     first = _train_ppo(base + [f"trainer.default_local_dir={resumed_dir}", "trainer.resume_mode=auto"], stop_after=2)
     resumed = _train_ppo(base + [f"trainer.default_local_dir={resumed_dir}", "trainer.resume_mode=auto"])
-    return {"root": root, "straight": straight, "first": first, "resumed": resumed}
+    raw = {"straight": straight, "first": first, "resumed": resumed}
+    steps = {name: [r for r in records if r["step"] >= 1] for name, records in raw.items()}
+    return {"root": root, **steps, "raw": raw}
 
 
 @pytest.mark.slow
@@ -171,6 +174,18 @@ def test_ppo_run_logs_finite_critic_metrics_and_waits_for_the_critic(ppo_runs):
     assert all(np.isfinite(r["actor/pg_loss"]) for r in steps[1:])
     # The critic learns: its loss moves between steps (a critic that never updates would not).
     assert len({round(r["critic/vf_loss"], 6) for r in steps}) == 3
+
+
+@pytest.mark.slow
+def test_val_before_train_validates_the_initial_policy_at_step_0_although_test_freq_is_off(ppo_runs):
+    # verl's fit: trainer.val_before_train (default true) validates before the first step whatever
+    # trainer.test_freq says; test_freq=-1 here, so no later step validates.
+    straight = ppo_runs["raw"]["straight"]
+    validated = [r["step"] for r in straight if any(key.startswith("val/") for key in r)]
+    assert validated == [0]
+    assert np.isfinite(straight[0]["val/reward_mean"]) and "actor/pg_loss" not in straight[0]
+    # A resumed run does not validate again (verl does, at the resumed step): one step-0 record.
+    assert [r["step"] for r in ppo_runs["raw"]["resumed"]] == [0, 1, 2, 3]
 
 
 @pytest.mark.slow

@@ -106,6 +106,7 @@ def test_grpo_rollouts_and_losses_are_identical_on_2_and_4_workers(ray_cluster, 
         "actor_rollout_ref.rollout.n=4",
         "actor_rollout_ref.rollout.response_length=8",
         "trainer.total_training_steps=3",
+        "trainer.val_before_train=false",  # every recorded rollout is a training step's
         "actor_rollout_ref.actor.optim.lr=1e-2",
     ]
     responses, losses = {}, {}

@@ -8,6 +8,8 @@ import os
 import shutil
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from tests.trainer.conftest import compose_config
@@ -117,3 +119,68 @@ def test_builtin_chat_template_opt_in_trains_on_a_directory_without_one(ray_clus
     assert "model.custom_chat_template=builtin: rendering chats with the built-in template" in caplog.text
     losses = [r["train/loss"] for r in records if "train/loss" in r]
     assert len(losses) == 2 and np.all(np.isfinite(losses))
+
+
+# ---------------------------------------------------------------------- data.messages_key, verl's default
+def _write_jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def _pair_file(tmp_path) -> str:
+    path = tmp_path / "pairs.parquet"
+    pq.write_table(
+        pa.table({"prompt": [f"copy {i}" for i in range(32)], "response": [f"{i}" for i in range(32)]}), path
+    )
+    return str(path)
+
+
+def test_sft_default_messages_key_names_prompt_response_files_in_one_startup_line(tmp_path, caplog):
+    from verl_balance.trainer.sft_config import validate_sft
+    from verl_balance.trainer.sft_trainer import _chat_key
+
+    pairs, chats = _pair_file(tmp_path), _chat_file(tmp_path)
+    jsonl_pairs = _write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "a", "response": "b"}])
+    overrides = [f"data.train_files=[{pairs},{jsonl_pairs}]", f"data.val_files={pairs}"]
+    data = validate_sft(compose_config("sft", overrides)).data
+    with caplog.at_level("INFO", logger="verl_balance.trainer.sft_trainer"):
+        assert _chat_key(data) is None
+    lines = [r.getMessage() for r in caplog.records if "data.messages_key is unset" in r.getMessage()]
+    assert lines == [
+        f"data.messages_key is unset and {pairs}, {jsonl_pairs} have no 'messages' column: training prompt/response "
+        "from data.prompt_key='prompt' / data.response_key='response'"
+    ]
+    caplog.clear()
+    # Negative controls: chat files (or the synthetic task's) are rendered as chats, and say nothing.
+    data = validate_sft(compose_config("sft", [f"data.train_files={chats}"])).data
+    with caplog.at_level("INFO", logger="verl_balance.trainer.sft_trainer"):
+        assert _chat_key(data) == "data.messages_key=messages (verl's default)"
+        assert _chat_key(validate_sft(compose_config("sft", [])).data) == "data.messages_key=messages (verl's default)"
+    assert "data.messages_key is unset" not in caplog.text
+
+
+def test_sft_set_messages_key_missing_from_the_train_file_fails_before_ray_starts(model_dir, tmp_path, no_ray):
+    from verl_balance.data import DataError
+    from verl_balance.trainer.sft_trainer import SFTTrainer
+
+    pairs = _pair_file(tmp_path)
+    cfg = compose_config(
+        "sft", _overrides(model_dir, tmp_path, f"data.train_files={pairs}", "data.messages_key=messages")
+    )
+    with pytest.raises(
+        DataError, match=r"data.messages_key='messages' is not a column; columns present: \['prompt', 'response'\]"
+    ):
+        SFTTrainer(cfg)
+
+
+def test_sft_default_messages_key_needs_a_chat_template_only_for_chat_files(model_dir, tmp_path, no_ray):
+    from verl_balance.trainer.sft_trainer import SFTTrainer
+
+    os.remove(os.path.join(model_dir, "chat_template.jinja"))
+    chats = compose_config("sft", _overrides(model_dir, tmp_path, f"data.train_files={_chat_file(tmp_path)}"))
+    with pytest.raises(ConfigError, match=r"data.messages_key=messages \(verl's default\) is set.*no chat template"):
+        SFTTrainer(chats)
+    # A prompt/response file passes the check (as before the default) and gets as far as starting Ray.
+    pairs = compose_config("sft", _overrides(model_dir, tmp_path, f"data.train_files={_pair_file(tmp_path)}"))
+    with pytest.raises(AssertionError, match="Ray was started"):
+        SFTTrainer(pairs)

@@ -8,6 +8,7 @@ change: they are checked here only once the GRPO schema declares them.
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -259,3 +260,30 @@ def test_offload_and_critic_keys_reach_the_engines_and_the_offload_decision(tmp_
     assert isinstance(cpu_offload_policy(actor_fsdp, device_type="cuda"), CPUOffloadPolicy)
     assert cpu_offload_policy(actor_fsdp, device_type="cpu") is None
     assert cfg.critic.model.enable_gradient_checkpointing is True
+
+
+def test_max_inflight_gen_batches_is_accepted_with_no_effect_and_named_with_its_reason():
+    key = "algorithm.filter_groups.max_inflight_gen_batches"
+    args, no_effect = translate(["algorithm.filter_groups.enable=true", f"{key}=4"], recipe="grpo")
+    assert args == ["algorithm.filter_groups.enable=true"] and no_effect == [key]
+    line = startup_line(no_effect, recipe="grpo")
+    assert f"{key} (dynamic sampling generates one whole prompt batch at a time" in line
+    # The schema does not declare it, so without the registry Hydra refuses it (no silent no-op).
+    assert not _declared(key, "grpo")
+    with pytest.raises(Exception, match="max_inflight_gen_batches"):
+        compose_config("grpo", [f"{key}=4"])
+
+
+def _rollout_names(reason: str) -> list[str]:
+    """The names a reason lists after 'rollout.name is ', parenthetical notes removed."""
+    clause = re.sub(r" \([^)]*\)", "", re.search(r"rollout\.name is (.*?): ", reason).group(1))
+    return re.findall(r"(?:^|, | or )(\w+)", clause)
+
+
+def test_vllm_setting_reason_lists_exactly_the_rollout_backends():
+    from verl_balance.rollout.factory import ROLLOUT_BACKENDS
+
+    reason = lookup("actor_rollout_ref.rollout.gpu_memory_utilization", recipe="grpo").reason
+    assert _rollout_names(reason) == list(ROLLOUT_BACKENDS)
+    # Negative control: the former wording ("kv_cache or hf") misses auto.
+    assert _rollout_names("rollout.name is kv_cache or hf: x") != list(ROLLOUT_BACKENDS)

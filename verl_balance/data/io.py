@@ -227,6 +227,28 @@ def num_rows_hint(path: str) -> int | None:
     return open_parquet(path).metadata.num_rows
 
 
+def file_columns(path: str, *, sample_rows: int = PARQUET_BATCH_ROWS) -> list[str]:
+    """The columns of a data file: a parquet file's schema (its footer), or for jsonl the keys of
+    its first ``sample_rows`` lines that are JSON objects, in first-seen order (other lines are
+    left to the row reader's malformed-row policy)."""
+    if path.endswith(".parquet"):
+        return list(open_parquet(path).schema_arrow.names)
+    keys: dict[str, None] = {}
+    seen = 0
+    with open(path, "rb") as f:
+        for raw in f:
+            try:
+                record = json.loads(raw)
+            except (UnicodeDecodeError, json.JSONDecodeError):
+                continue
+            if isinstance(record, dict):
+                keys.update(dict.fromkeys(record))
+                seen += 1
+                if seen == sample_rows:
+                    break
+    return list(keys)
+
+
 def check_choice(name: str, value: str, valid: Sequence[str]) -> None:
     """Raise DataError naming the key when ``value`` is not one of ``valid``."""
     if value not in valid:

@@ -40,6 +40,7 @@ from .io import (
     as_file_list,
     check_choice,
     collect_young_garbage,
+    file_columns,
     find_invalid_text,
     gc_paused,
     iter_rows,
@@ -58,16 +59,20 @@ Span = tuple[int, int]
 class SFTDataConfig:
     """Which columns hold the data and how to treat long or malformed rows (verl's key names).
 
-    With ``messages_key`` set, each row is a chat and every assistant turn is a target; otherwise
-    ``prompt_key``/``response_key`` hold one user prompt and one assistant response.
+    A file with a chat column (``messages_key``; unset: verl's default ``messages``) is read as
+    chats, every assistant turn a target; with ``messages_key`` unset, a file without a ``messages``
+    column is read from ``prompt_key``/``response_key`` (one user prompt, one assistant response).
+    ``chat_column`` applies the rule.
     """
 
     prompt_key: str = "prompt"
-    """Column of the user prompt (a string) when ``messages_key`` is null."""
+    """Column of the user prompt (a string) in a file read as prompt/response."""
     response_key: str = "response"
-    """Column of the assistant response (a non-empty string) when ``messages_key`` is null."""
+    """Column of the assistant response (a non-empty string) in a file read as prompt/response."""
     messages_key: str | None = None
-    """Column of a chat (a list of {"role", "content"}); every assistant turn is a target. Null: prompt/response."""
+    """Column of a chat (a list of {"role", "content"}); every assistant turn is a target. Null: verl's
+    default ``messages`` in a file that has that column, else prompt_key/response_key. A set key must be
+    a column of every file."""
     max_length: int = 1024
     """Most tokens a sample may have after the chat template; longer ones follow ``truncation``."""
     truncation: str = "error"
@@ -83,6 +88,39 @@ class SFTDataConfig:
         check_choice("on_malformed", self.on_malformed, MALFORMED_POLICIES)
         if self.max_length < 2:
             raise DataError(f"max_length={self.max_length} is too small; need at least 2 tokens (context + target)")
+
+
+DEFAULT_MESSAGES_KEY = "messages"
+"""verl's sft_trainer default of ``data.messages_key``: read when ``messages_key`` is unset and the file has it."""
+
+
+def chat_column(config: SFTDataConfig, *, path: str) -> str | None:
+    """The chat column ``config`` reads from the file at ``path``; None: its prompt/response columns.
+
+    An explicitly set ``messages_key`` must be a column of the file. Unset, verl's default
+    ``messages`` is read when the file has that column, else ``prompt_key``/``response_key`` when it
+    has both. Anything else is a DataError naming the key, the columns present and the fix.
+    """
+    columns = file_columns(path)
+    if config.messages_key is not None:
+        if config.messages_key in columns:
+            return config.messages_key
+        raise DataError(
+            f"{path}: data.messages_key={config.messages_key!r} is not a column; columns present: {columns}; "
+            "set data.messages_key to the file's chat column, or remove it to read verl's default "
+            f"{DEFAULT_MESSAGES_KEY!r} or else data.prompt_key/data.response_key"
+        )
+    if DEFAULT_MESSAGES_KEY in columns:
+        return DEFAULT_MESSAGES_KEY
+    missing = [key for key in (config.prompt_key, config.response_key) if key not in columns]
+    if not missing:
+        return None
+    raise DataError(
+        f"{path}: missing column(s) {missing} (data.prompt_key/data.response_key) and no "
+        f"{DEFAULT_MESSAGES_KEY!r} column (data.messages_key, unset: verl's default); columns present: "
+        f"{columns}; set data.messages_key to the file's chat column, or data.prompt_key and "
+        "data.response_key to its prompt and response columns"
+    )
 
 
 def tokenize_chat(tokenizer: Tokenizer, messages: Sequence[Mapping[str, str]]) -> tuple[list[int], list[int]]:
@@ -307,6 +345,8 @@ class SFTDataset(torch.utils.data.Dataset):
         self.num_truncated = 0
         self.num_without_targets = 0
         self._fingerprint: str | None = None
+        self.chat_columns = [chat_column(config, path=path) for path in self.files]
+        """Per file: the chat column read (``chat_column``), or None for its prompt/response columns."""
         store = _SampleStore(vocab_size=tokenizer.vocab_size)
         with gc_paused():
             for file_index, path in enumerate(self.files):
@@ -333,27 +373,26 @@ class SFTDataset(torch.utils.data.Dataset):
             "SFT dataset: %d samples, %d tokens, %.1f MB in memory", len(self), len(self._token_ids), self.nbytes / 1e6
         )
 
-    @property
-    def columns(self) -> list[str]:
-        """The columns read from every file."""
-        if self.config.messages_key is not None:
-            return [self.config.messages_key]
-        return [self.config.prompt_key, self.config.response_key]
+    def columns_of(self, file_index: int) -> list[str]:
+        """The columns read from file ``file_index``: its chat column, or its prompt and response columns."""
+        chat = self.chat_columns[file_index]
+        return [chat] if chat is not None else [self.config.prompt_key, self.config.response_key]
 
-    def _messages_of(self, row: dict[str, Any] | str) -> list[dict[str, str]]:
-        """The chat of one row, or raise ValueError with the reason it is malformed."""
+    def _messages_of(self, row: dict[str, Any] | str, *, file_index: int) -> list[dict[str, str]]:
+        """The chat of one row of file ``file_index``, or raise ValueError with the reason it is malformed."""
         if isinstance(row, str):
             raise ValueError(row)
-        for key in self.columns:
+        chat = self.chat_columns[file_index]
+        for key in self.columns_of(file_index):
             if row.get(key) is None:
                 raise ValueError(f"missing or null key {key!r}")
-        if self.config.messages_key is not None:
-            messages = validate_messages(row[self.config.messages_key])
+        if chat is not None:
+            messages = validate_messages(row[chat])
             assistant_turns = [m["content"] for m in messages if m["role"] == "assistant"]
             if not assistant_turns:
-                raise ValueError(f"{self.config.messages_key!r} has no assistant message to train on")
+                raise ValueError(f"{chat!r} has no assistant message to train on")
             if any(not content for content in assistant_turns):
-                raise ValueError(f"{self.config.messages_key!r} has an empty assistant message")
+                raise ValueError(f"{chat!r} has an empty assistant message")
             return messages
         prompt, response = row[self.config.prompt_key], row[self.config.response_key]
         for key, value in ((self.config.prompt_key, prompt), (self.config.response_key, response)):
@@ -378,7 +417,7 @@ class SFTDataset(torch.utils.data.Dataset):
         with tqdm(
             total=total, desc=f"tokenizing {os.path.basename(path)}", unit="row", disable=not large, mininterval=2.0
         ) as progress:
-            for row_index, row in iter_rows(path, columns=self.columns):
+            for row_index, row in iter_rows(path, columns=self.columns_of(file_index)):
                 chunk.append((row_index, row))
                 if len(chunk) == ROWS_PER_CHUNK:
                     self._add_chunk(path, file_index, chunk, store)
@@ -394,7 +433,7 @@ class SFTDataset(torch.utils.data.Dataset):
         parsed: list[tuple[int, Any]] = []
         for row_index, row in chunk:
             try:
-                parsed.append((row_index, self._messages_of(row)))
+                parsed.append((row_index, self._messages_of(row, file_index=file_index)))
             except ValueError as err:  # TokenizerError is a ValueError too
                 parsed.append((row_index, err))
         chats = [messages for _, messages in parsed if not isinstance(messages, Exception)]

@@ -106,10 +106,8 @@ class FilterGroupsSection:
     metric: str = "reward"
     """The per-response metric a group must vary in."""
     max_num_gen_batches: int = 0
-    """Most generation batches per step (0 = no limit)."""
-    max_inflight_gen_batches: int = 1
-    """verl's bound on prompt batches generated concurrently; the synchronous trainer generates one
-    at a time (any value runs as 1)."""
+    """Most generation batches per step (0 = no limit). verl's ``max_inflight_gen_batches`` is accepted
+    with no effect (trainer/verl_compat_keys.py): batches are generated one at a time."""
 
     def __post_init__(self) -> None:
         if self.enable and not str(self.metric).strip():

@@ -507,7 +507,7 @@ class GRPOTrainerSection(TrainerSection):
     balance_batch: bool = field(default=True, metadata=LAYOUT_ON_RESUME)
     """Plan each batch over DP ranks by workload, a prompt's responses on one rank."""
     val_before_train: bool = field(default=True, metadata=APPLY_ON_RESUME)
-    """Validate the initial policy at step 0 (when test_freq > 0)."""
+    """Validate the initial policy at step 0, whatever test_freq says (verl's rule; not again on resume)."""
     log_val_generations: int = field(default=0, metadata=APPLY_ON_RESUME)
     """verl's key: the first N validation samples (prompt, response, score, ground truth) logged to the
     console and the run log at every validation; 0 = none."""

@@ -821,9 +821,9 @@ class GRPOTrainer(DriverBase):
             )
 
     def before_training(self, tracker: Tracking) -> dict:
-        """verl's ``trainer.val_before_train``: held-out accuracy of the initial policy at step 0."""
-        t = self.config.trainer
-        if not (t.test_freq > 0 and t.val_before_train):
+        """verl's ``trainer.val_before_train``: held-out accuracy of the initial policy at step 0,
+        whatever ``test_freq`` says (verl's ``fit``)."""
+        if not self.config.trainer.val_before_train:
             return {}
         metrics = self.evaluate()
         tracker.log(metrics, step=0)

@@ -54,8 +54,9 @@ class SFTDataSection(SFTDataConfig):
     train_files: Optional[Any] = None
     """Parquet/jsonl file(s) in verl's SFT schema; null = generate the synthetic task."""
     messages_key: Optional[str] = None
-    """Each row's chat column (verl's sft_trainer sets ``messages``); null: prompt_key/response_key, so
-    that prompt/response files keep working (a per-file choice by the columns present is not built)."""
+    """Each row's chat column. Null: verl's sft_trainer default ``messages`` in a file that has that column;
+    a file without it is read from prompt_key/response_key (named in a start-up line). A set key must be
+    a column of every file (``data.sft_dataset.chat_column``)."""
     val_files: Optional[Any] = field(default=None, metadata=APPLY_ON_RESUME)
     """Validation file(s); null with synthetic data = the generated validation split."""
     train_batch_size: int = 32

@@ -8,10 +8,12 @@ mini-batch (loss contract), so the logged loss does not depend on the layout or 
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 from verl_balance.batch_keys import ATTENTION_MASK_KEY
-from verl_balance.data.sft_dataset import SFTDataset
+from verl_balance.data.io import DataError, as_file_list
+from verl_balance.data.sft_dataset import DEFAULT_MESSAGES_KEY, SFTDataset, chat_column
 from verl_balance.protocol import Batch
 from verl_balance.trainer.driver import DriverBase
 from verl_balance.trainer.metrics import plan_metrics, reduce_rank_metrics
@@ -24,12 +26,51 @@ from verl_balance.workers.actor import ActorWorkerConfig
 logger = logging.getLogger(__name__)
 
 
+def _chat_key(data) -> str | None:
+    """The key the chat-template check names when some sample of the run is read as a chat
+    (``data.messages_key``, or its default), else None. The columns of every data file are checked
+    here, before Ray starts (``chat_column``); files read as prompt/response are named in one
+    start-up line."""
+    config = data.dataset_config()
+    paths = list(dict.fromkeys(_listed_files(data.train_files) + _listed_files(data.val_files)))
+    prompt_response = [path for path in paths if chat_column(config, path=path) is None]
+    if prompt_response:
+        logger.info(
+            "data.messages_key is unset and %s %s no %r column: training prompt/response from "
+            "data.prompt_key=%r / data.response_key=%r",
+            ", ".join(prompt_response),
+            "has" if len(prompt_response) == 1 else "have",
+            DEFAULT_MESSAGES_KEY,
+            config.prompt_key,
+            config.response_key,
+        )
+    # The synthetic task (train_files null) writes a messages column.
+    if data.train_files is not None and len(prompt_response) == len(paths):
+        return None
+    if data.messages_key is not None:
+        return "data.messages_key"
+    return f"data.messages_key={DEFAULT_MESSAGES_KEY} (verl's default)"
+
+
+def _listed_files(files) -> list[str]:
+    """The readable data files among ``files`` (a path, a list, or null); a missing or unsupported
+    one is left to the dataset, which names it once the run directory is taken."""
+    listed = [] if files is None else [files] if isinstance(files, (str, os.PathLike)) else list(files)
+    paths = []
+    for file in listed:
+        try:
+            paths += as_file_list(file)
+        except DataError:
+            pass
+    return paths
+
+
 class SFTTrainer(DriverBase):
     """Builds data, workers and trackers from a validated config; ``fit()`` trains."""
 
     def __init__(self, cfg) -> None:
         self.config = config = validate_sft(cfg)
-        check_model_files(config.model, chat_key="data.messages_key" if config.data.messages_key else None)
+        check_model_files(config.model, chat_key=_chat_key(config.data))
         self.setup_run(cfg, config=config, model=config.model)
         train_files, val_files = resolve_data_files(
             config.data, kind="sft", default_local_dir=config.trainer.default_local_dir

@@ -84,7 +84,11 @@ def _reward_manager_keys() -> list[VerlKey]:
 
 
 _FALSE = ("false",)
-_VLLM = "a vLLM/SGLang engine setting; our rollout (rollout.name: kv_cache or hf) runs on the actor's own weights"
+_VLLM = (
+    "a vLLM/SGLang engine setting; rollout.name is auto, kv_cache (the built-in model) or hf (an HF model "
+    "directory): a PyTorch decoder with its own KV cache on the actor's workers (the rollout workers with "
+    "trainer.v1.trainer_mode=separate_async), no vLLM/SGLang engine"
+)
 _FSDP = "the engine is FSDP2 over each data-parallel group"
 _ACTOR_LOGPROB = "the reference log-probs run on the actor's engine, with the actor's FSDP settings"
 _CHUNKED = "the output head is always chunked (model.logits_chunk_size), log-probs and entropy alike"
@@ -226,6 +230,13 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         [f"{AR}.actor.calculate_sum_pi_squared"],
         "the old log-prob pass computes sum pi^2 whenever algorithm.adv_estimator is optimal_token_baseline or "
         "tir_optimal_token_baseline, its only readers (verl needs the key set for them)",
+        recipes=("grpo",),
+    ),
+    *_none(
+        ["algorithm.filter_groups.max_inflight_gen_batches"],
+        "dynamic sampling generates one whole prompt batch at a time until the train batch is full or "
+        "algorithm.filter_groups.max_num_gen_batches is reached (the DAPO recipe's loop); verl's V1 replay "
+        "buffer, which reads this key, refills prompt by prompt with up to this many train batches in flight",
         recipes=("grpo",),
     ),
     *_none([f"{AR}.actor.optim.optimizer"], "the optimizer is AdamW", values=("adamw",), recipes=("grpo",)),
