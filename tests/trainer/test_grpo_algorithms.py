@@ -87,33 +87,39 @@ def algorithm_steps(ray_cluster, tmp_path_factory):
         ],
     )
     trainer = GRPOTrainer(cfg)
-    steps = []
     seen = _AdvantageStepRecorder()
     try:
-        prompts = _epochs(trainer.loader)
-        probe = _probe_batch(trainer, next(prompts))
-        before = _probe_log_probs(trainer, probe)
-        repeat_change = float((_probe_log_probs(trainer, probe) - before).abs().max())
-        for estimator, mode in SCHEDULE:
-            trainer.config.algorithm = AlgorithmSection(adv_estimator=estimator)
-            section = _main_grpo_actor_section(trainer.actor_cfg, mode)
-            trainer.actor.set_loss_mode(section.loss_mode_config())
-            entry = []
-            for _ in range(STEPS_PER_ENTRY):
-                metrics = trainer.train_step(next(prompts))
-                after = _probe_log_probs(trainer, probe)
-                change = float((after - before).abs().max())
-                entry.append({"metrics": metrics, "advantage_step": seen.pop(), "probe_change": change})
-                before = after
-            ranks = trainer.actor.describe()  # after the entry: the mode its steps trained with
-            for step in entry:
-                step.update(estimator=estimator, loss_mode=mode, agg_mode=section.loss_agg_mode, ranks=ranks)
-                step["mode_config"] = dataclasses.asdict(section.loss_mode_config())
-            steps.extend(entry)
+        return _run_schedule(trainer, seen)
     finally:
         seen.restore()
         trainer.close()
-    return {"steps": steps, "probe_repeat_change": repeat_change}
+
+
+def _run_schedule(trainer, seen) -> dict:
+    """SCHEDULE's steps, the probe's log-probs before the first and after each, each entry's describe()."""
+    prompts = _epochs(trainer.loader)
+    probe = _probe_batch(trainer, next(prompts))
+    # Submitted, not awaited: a Ray actor runs its calls in submission order, so each probe reads the
+    # weights between its step and the next while the driver goes on (no round trip per step).
+    probes = [_submit_probe(trainer, probe), _submit_probe(trainer, probe)]
+    steps, entries = [], []
+    for estimator, mode in SCHEDULE:
+        trainer.config.algorithm = AlgorithmSection(adv_estimator=estimator)
+        section = _main_grpo_actor_section(trainer.actor_cfg, mode)
+        trainer.actor.set_loss_mode(section.loss_mode_config())
+        for _ in range(STEPS_PER_ENTRY):
+            metrics = trainer.train_step(next(prompts))
+            probes.append(_submit_probe(trainer, probe))
+            steps.append({"metrics": metrics, "advantage_step": seen.pop(), "estimator": estimator})
+            steps[-1].update(loss_mode=mode, agg_mode=section.loss_agg_mode)
+            steps[-1]["mode_config"] = dataclasses.asdict(section.loss_mode_config())
+        entries.append(trainer.actor.describe.submit())  # after the entry: the mode its steps trained with
+    log_probs = [_probe_result(p) for p in probes]
+    ranks = [e.get() for e in entries]
+    for k, step in enumerate(steps):
+        step["probe_change"] = float((log_probs[k + 2] - log_probs[k + 1]).abs().max())
+        step["ranks"] = ranks[k // STEPS_PER_ENTRY]
+    return {"steps": steps, "probe_repeat_change": float((log_probs[1] - log_probs[0]).abs().max())}
 
 
 def _epochs(loader):
@@ -137,15 +143,23 @@ def _probe_batch(trainer, prompts):
     return batch
 
 
-def _probe_log_probs(trainer, probe) -> torch.Tensor:
-    """The actor's per-token log-probs of the probe, planned and merged as the old log-prob pass does."""
-    from verl_balance.batch_keys import LOG_PROBS_KEY
+def _submit_probe(trainer, probe):
+    """Start the actor's log-prob pass over the probe, planned as the old log-prob pass is: (plan, future)."""
     from verl_balance.trainer.grpo_trainer import LOG_PROB_INPUT_KEYS
-    from verl_balance.trainer.plan_dispatch import merge_by_plan, split_by_plan
+    from verl_balance.trainer.plan_dispatch import split_by_plan
 
     plan = trainer._plan(probe, micro_batch_size=4, token_cap=None)
     chunks = split_by_plan(probe.select(batch_keys=LOG_PROB_INPUT_KEYS, non_tensor_batch_keys=[]), plan)
-    return merge_by_plan(trainer.actor.compute_log_prob(chunks), plan)[LOG_PROBS_KEY]
+    return plan, trainer.actor.compute_log_prob.submit(chunks)
+
+
+def _probe_result(pending) -> torch.Tensor:
+    """The probe's per-token log-probs in row order."""
+    from verl_balance.batch_keys import LOG_PROBS_KEY
+    from verl_balance.trainer.plan_dispatch import merge_by_plan
+
+    plan, future = pending
+    return merge_by_plan(future.get(), plan)[LOG_PROBS_KEY]
 
 
 class _AdvantageStepRecorder(list):
