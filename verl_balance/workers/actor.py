@@ -181,7 +181,8 @@ class ActorWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def describe(self) -> dict:
-        """What this rank runs: layout, model dims and engine settings (for logs and tests)."""
+        """What this rank runs: layout, model dims, engine settings and the policy-loss mode (for logs
+        and tests)."""
         return {
             "rank": self.rank,
             "dp": self.layout.dp,
@@ -191,6 +192,7 @@ class ActorWorker(Worker):
             "device": str(self.layout.device),
             "model": self.config.model.to_dict(),
             "engine": asdict(self.config.engine),
+            "loss_mode": None if self.config.loss_mode is None else asdict(self.config.loss_mode),
             "num_threads": torch.get_num_threads(),
         }
 
