@@ -359,7 +359,7 @@ def dapo_steps(ray_cluster, tmp_path_factory):
             f"trainer.default_local_dir={root / 'run'}",
             "trainer.test_freq=-1",
             "trainer.save_freq=-1",
-            "data.synthetic.num_train=64",
+            "data.synthetic.num_train=256",  # dynamic sampling draws extra batches from the same loader
             "data.synthetic.num_val=4",
             f"data.synthetic.out_dir={root / 'data'}",
             "data.synthetic.tasks=[copy]",
@@ -384,7 +384,7 @@ def dapo_steps(ray_cluster, tmp_path_factory):
         return metrics
 
     trainer._attach_advantages = recording_attach
-    records, coefficients = [], []
+    records, coefficients, modes = [], [], []
     try:
         prompts = iter(trainer.loader)
         for _ in range(2):
@@ -392,13 +392,17 @@ def dapo_steps(ray_cluster, tmp_path_factory):
             records.append(trainer.train_step(next(prompts)))
         state = trainer._trainer_state()
         algorithm = trainer.config.algorithm
-        trainer.config.algorithm = dataclasses.replace(
-            algorithm, rollout_correction=RolloutCorrectionConfig(bypass_mode=True)
-        )
-        records.append(trainer.train_step(next(prompts)))
+        for correction in (
+            RolloutCorrectionConfig(bypass_mode=True),  # ppo_clip: the ratio against the rollout is the correction
+            RolloutCorrectionConfig(bypass_mode=True, loss_type="reinforce", rollout_is="sequence"),
+        ):
+            trainer.config.algorithm = dataclasses.replace(algorithm, rollout_correction=correction)
+            trainer.actor.set_loss_mode(trainer.config.loss_mode_config())  # as main_grpo builds the workers
+            records.append(trainer.train_step(next(prompts)))
+            modes.append(trainer.actor.describe()[0]["loss_mode"])
     finally:
         trainer.close()
-    return {"records": records, "seen": seen, "coefficients": coefficients, "state": state}
+    return {"records": records, "seen": seen, "coefficients": coefficients, "state": state, "modes": modes}
 
 
 @pytest.mark.slow
@@ -457,3 +461,14 @@ def test_bypass_mode_takes_the_rollouts_log_probs_as_the_old_ones(dapo_steps):
     assert "timing_s/old_log_prob" not in bypass and "timing_s/old_log_prob" in dapo_steps["records"][0]
     assert torch.equal(batch["old_log_probs"], batch["rollout_log_probs"])
     assert math.isfinite(bypass["actor/loss"]) and "rollout_corr/rollout_is_mean" not in bypass
+
+
+@pytest.mark.slow
+def test_the_bypass_steps_train_verls_bypass_loss_mode_and_reinforce_logs_its_sequence_is_weights(dapo_steps):
+    ppo_clip, reinforce = dapo_steps["modes"]
+    assert ppo_clip["loss_mode"] == reinforce["loss_mode"] == "bypass_mode"
+    assert ppo_clip["rollout_correction"]["loss_type"] == "ppo_clip"
+    assert reinforce["rollout_correction"]["loss_type"] == "reinforce"
+    metrics, batch = dapo_steps["records"][3], dapo_steps["seen"][3]["batch"]
+    assert torch.equal(batch["old_log_probs"], batch["rollout_log_probs"]) and "timing_s/old_log_prob" not in metrics
+    assert math.isfinite(metrics["actor/loss"]) and 0 < metrics["rollout_corr/rollout_is_mean"] <= 2.0

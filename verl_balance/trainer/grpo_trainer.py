@@ -172,12 +172,15 @@ def rollout_probs_diff(batch: Batch) -> dict:
 
 def update_metrics(per_rank: list[dict]) -> dict:
     """The driver's record of one ``update_actor`` call: the engine's global actor/perf figures;
-    an on-policy update's rollout-vs-trainer gap under the names ``rollout_probs_diff`` uses."""
+    an on-policy update's rollout-vs-trainer gap under the names ``rollout_probs_diff`` uses; the
+    bypass_mode loss's ``rollout_corr/*`` under verl's names (no ``actor/`` prefix)."""
     reduced = reduce_rank_metrics(per_rank, prefix="actor/")
     for name in ("mean", "max"):
         if f"actor/rollout_probs_diff_{name}" in reduced:
             reduced[f"rollout/probs_diff_{name}"] = reduced.pop(f"actor/rollout_probs_diff_{name}")
-    return {k: v for k, v in reduced.items() if k.startswith(("actor/", "perf/", "rollout/"))}
+    for key in [k for k in reduced if k.startswith("actor/rollout_corr/")]:  # bypass_mode's, verl's names
+        reduced[key.removeprefix("actor/")] = reduced.pop(key)
+    return {k: v for k, v in reduced.items() if k.startswith(("actor/", "perf/", "rollout/", "rollout_corr/"))}
 
 
 def mean_metrics(records: list[dict]) -> dict:
