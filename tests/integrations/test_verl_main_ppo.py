@@ -13,8 +13,9 @@ Step 1's rollout comes from the same initial weights and the same per-request sa
 weights; the rollout's log-probabilities then equal the trainer's recomputed ones only if the update
 reached the rollout server (negative control: a rollout that keeps its first weights, in the v1
 trainer's run, whose checks hold for any samples). A third run (``verl_balance`` with our trainer-side
-balancer and one rollout replica for both workers) gives step 1 of the plain run: samples do not
-depend on routing, the loss not on the row placement.
+balancer and one rollout replica for both workers) gives step 1 of the plain run, which has two
+replicas: samples do not depend on routing, the loss not on the row placement. Only the plain run
+has two replicas; every other run has one (a rollout server process less per run).
 
 Five main_ppo subprocesses (about 30 s each on 2 CPU cores) are ``slow``; they share one Ray cluster
 (``ray_head``, started once per session, conftest.py) instead of starting one each; the rollout server's pieces
@@ -47,6 +48,7 @@ NUM_PROMPTS = 8
 TRAIN_BATCH_SIZE = 4  # prompts per step: 2 steps in one epoch
 ROLLOUT_N = 2
 STEPS = 2
+TWO_REPLICAS = "actor_rollout_ref.rollout.tensor_model_parallel_size=1"  # one replica (server) per trainer worker
 # LoRA on our backend (rank 8 on every Linear, fresh adapters: B = 0). verl then computes the reference
 # policy in the actor with the adapters disabled (ref_in_actor); use_kl_loss makes it do so. lr 1e-2:
 # the step-1 update moves the policy clearly away from the base.
@@ -142,7 +144,9 @@ def main_ppo_overrides(*, model_dir: str, data: str, strategy: str, out_dir: str
         f"{rollout}.name=verl_balance_cpu",
         f"{rollout}.n={ROLLOUT_N}",
         f"{rollout}.dtype=float32",
-        f"{rollout}.tensor_model_parallel_size=1",  # one replica (one server) per trainer worker
+        # One replica (one server process) for both trainer workers; the plain verl_balance run has two
+        # (TWO_REPLICAS), the replica-count side of the routing comparison.
+        f"{rollout}.tensor_model_parallel_size=2",
         f"{rollout}.full_determinism=True",  # request ids = sample indices: the same samples in both runs
         f"{rollout}.agent.num_workers=1",
         f"{rollout}.log_prob_use_dynamic_bsz=True",
@@ -217,17 +221,18 @@ def run_main_ppo(
 @pytest.fixture(scope="module")
 def runs(cluster_workspace):
     """One main_ppo run per backend (on the session's Ray cluster), plus ``verl_balance`` with our
-    trainer-side balancer (``autopatch``) and one rollout replica for both workers instead of two."""
+    trainer-side balancer (``autopatch``). The plain ``verl_balance`` run has two rollout replicas
+    (one per trainer worker), the others one replica for both workers (one server process less)."""
     workspace = cluster_workspace
-    out = {name: run_main_ppo(workspace, strategy=name, name=name) for name in ("verl_balance", "fsdp2")}
-    out["verl_balance_autopatch_one_replica"] = run_main_ppo(
-        workspace,
-        strategy="verl_balance",
-        name="verl_balance_autopatch_one_replica",
-        extra_modules=AUTOPATCH,
-        extra_overrides=("actor_rollout_ref.rollout.tensor_model_parallel_size=2",),
-    )
-    return out
+    return {
+        "verl_balance": run_main_ppo(
+            workspace, strategy="verl_balance", name="verl_balance", extra_overrides=(TWO_REPLICAS,)
+        ),
+        "fsdp2": run_main_ppo(workspace, strategy="fsdp2", name="fsdp2"),
+        "verl_balance_autopatch_one_replica": run_main_ppo(
+            workspace, strategy="verl_balance", name="verl_balance_autopatch_one_replica", extra_modules=AUTOPATCH
+        ),
+    }
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,8 @@ Runs, unmodified, what ``RayPPOTrainer.fit`` runs for the critic of one PPO step
 ``_compute_values`` -> ``compute_advantage`` (GAE) -> ``_update_critic``, with verl's
 ``TrainingWorker`` (model_type ``value_model``, built as ``RayPPOTrainer.init_workers`` builds the
 critic) in a verl ``RayWorkerGroup`` of 2 CPU workers, on the fixed rollout batch of
-``verl_ppo_pieces_runner.py``. The critic's engine is chosen by ``critic.strategy`` only. Used by
+``verl_ppo_pieces_runner.py``. Each case has its own worker and engine; all cases share the same 2
+Ray processes (verl's colocated ``WorkerDict``). The critic's engine is chosen by ``critic.strategy`` only. Used by
 ``test_verl_critic.py``. verl 0.9.1's ``TrainingWorker`` (the critic) does not import
 ``critic.model.external_lib``, so our backend is registered through ``VERL_USE_EXTERNAL_MODULES``
 (as ``verl_balance.integrations.verl.autopatch`` also does). Run by hand with::
@@ -21,7 +22,15 @@ import json
 import os
 
 import numpy as np
-from verl_ppo_pieces_runner import NUM_PROMPTS, ROLLOUT_N, _flat, _is_number, _release, rollout_batch
+from verl_ppo_pieces_runner import (
+    NUM_PROMPTS,
+    ROLLOUT_N,
+    _flat,
+    _is_number,
+    _release,
+    colocated_case_workers,
+    rollout_batch,
+)
 
 
 def critic_config(*, model_dir: str, strategy: str, mini_batches: int, loss_agg_mode: str, sp: int):
@@ -80,59 +89,78 @@ def critic_worker_config(config):
     return critic, worker
 
 
-def run(*, model_dir: str, strategy: str, mini_batches: int, loss_agg_mode: str, sp: int) -> dict:
+def run(workers, *, config, critic, model_dir: str, strategy: str) -> dict:
+    """One PPO step's critic pieces on ``workers`` (this case's critic group, built from ``config``)."""
     from functools import partial
 
-    import ray
     import transformers
-    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer, compute_advantage
-    from verl.workers.engine_workers import TrainingWorker
     from verl.workers.utils.losses import value_loss
 
-    config = critic_config(
-        model_dir=model_dir, strategy=strategy, mini_batches=mini_batches, loss_agg_mode=loss_agg_mode, sp=sp
-    )
-    critic, worker_config = critic_worker_config(config)
-    pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1)
-    workers = RayWorkerGroup(
-        pool, RayClassWithInitArgs(cls=ray.remote(TrainingWorker), config=worker_config), device_name="cpu"
-    )
-    try:
-        workers.reset()
-        workers.set_loss_fn(partial(value_loss, config=critic))
+    workers.reset()
+    workers.set_loss_fn(partial(value_loss, config=critic))
 
-        trainer = RayPPOTrainer.__new__(RayPPOTrainer)
-        trainer.config = config
-        trainer.critic_wg = workers
+    trainer = RayPPOTrainer.__new__(RayPPOTrainer)
+    trainer.config = config
+    trainer.critic_wg = workers
 
-        batch = rollout_batch(transformers.AutoConfig.from_pretrained(model_dir).vocab_size)
-        batch.meta_info["temperature"] = config.actor_rollout_ref.rollout.temperature  # as fit() sets it
-        batch.meta_info["global_token_num"] = batch.batch["attention_mask"].sum(-1).tolist()
-        batch = batch.union(trainer._compute_values(batch))
-        batch = compute_advantage(
-            batch,
-            adv_estimator=config.algorithm.adv_estimator,
-            gamma=config.algorithm.gamma,
-            lam=config.algorithm.lam,
-            num_repeat=config.actor_rollout_ref.rollout.n,
-            config=config.algorithm,
+    batch = rollout_batch(transformers.AutoConfig.from_pretrained(model_dir).vocab_size)
+    batch.meta_info["temperature"] = config.actor_rollout_ref.rollout.temperature  # as fit() sets it
+    batch.meta_info["global_token_num"] = batch.batch["attention_mask"].sum(-1).tolist()
+    batch = batch.union(trainer._compute_values(batch))
+    batch = compute_advantage(
+        batch,
+        adv_estimator=config.algorithm.adv_estimator,
+        gamma=config.algorithm.gamma,
+        lam=config.algorithm.lam,
+        num_repeat=config.actor_rollout_ref.rollout.n,
+        config=config.algorithm,
+    )
+    critic_metrics = trainer._update_critic(batch).meta_info["metrics"]
+    mask = batch.batch["response_mask"].bool()
+    values = [batch.batch["values"][i][mask[i]].tolist() for i in range(len(batch))]
+    return {
+        "strategy": strategy,
+        "values": [x for row in values for x in row],
+        "returns_sum": float(batch.batch["returns"][mask].sum()),
+        "vf_loss": [float(x) for x in _flat(critic_metrics["critic/vf_loss"])],
+        "grad_norm": [float(x) for x in _flat(critic_metrics["critic/grad_norm"])],
+        "vf_clipfrac": [float(x) for x in _flat(critic_metrics["critic/vf_clipfrac"])],
+        "metric_keys": sorted(critic_metrics),
+        "reduced": {k: float(np.mean(_flat(v))) for k, v in critic_metrics.items() if _numbers(v)},
+    }
+
+
+def run_cases(*, model_dir: str, cases: list[str], loss_agg_mode: str) -> None:
+    """Print one ``RESULT`` line per ``STRATEGY:MINI_BATCHES:SP`` case, in order; every case has its
+    own critic worker, all colocated on the same 2 Ray processes (``colocated_case_workers``)."""
+    import ray
+    from verl.single_controller.ray import RayClassWithInitArgs
+    from verl.workers.engine_workers import TrainingWorker
+
+    configs, critics, classes = {}, {}, {}
+    for index, case in enumerate(cases):
+        strategy, mini_batches, sp = case.split(":")
+        key = f"case{index}"  # a method-name prefix in verl's fused worker
+        configs[key] = critic_config(
+            model_dir=model_dir,
+            strategy=strategy,
+            mini_batches=int(mini_batches),
+            loss_agg_mode=loss_agg_mode,
+            sp=int(sp),
         )
-        critic_metrics = trainer._update_critic(batch).meta_info["metrics"]
-        mask = batch.batch["response_mask"].bool()
-        values = [batch.batch["values"][i][mask[i]].tolist() for i in range(len(batch))]
-        return {
-            "strategy": strategy,
-            "values": [x for row in values for x in row],
-            "returns_sum": float(batch.batch["returns"][mask].sum()),
-            "vf_loss": [float(x) for x in _flat(critic_metrics["critic/vf_loss"])],
-            "grad_norm": [float(x) for x in _flat(critic_metrics["critic/grad_norm"])],
-            "vf_clipfrac": [float(x) for x in _flat(critic_metrics["critic/vf_clipfrac"])],
-            "metric_keys": sorted(critic_metrics),
-            "reduced": {k: float(np.mean(_flat(v))) for k, v in critic_metrics.items() if _numbers(v)},
-        }
+        critics[key], worker_config = critic_worker_config(configs[key])
+        classes[key] = RayClassWithInitArgs(cls=ray.remote(TrainingWorker), config=worker_config)
+    groups, fused, pool = colocated_case_workers(classes)
+    try:
+        for index, case in enumerate(cases):
+            key = f"case{index}"
+            result = run(
+                groups[key], config=configs[key], critic=critics[key], model_dir=model_dir, strategy=case.split(":")[0]
+            )
+            print("RESULT " + json.dumps(dict(result, case=case)), flush=True)
     finally:
-        _release(workers, pool)
+        _release(fused, pool)
 
 
 def _numbers(value) -> bool:
@@ -152,19 +180,10 @@ def main() -> None:
     from verl_ray_head import connect_runner
 
     # One Ray connection for all cases (the test session's cluster, or a local instance when run by
-    # hand); each case has its own workers.
+    # hand); the cases share two worker processes.
     connect_runner()
     try:
-        for case in args.case:
-            strategy, mini_batches, sp = case.split(":")
-            result = run(
-                model_dir=args.model_dir,
-                strategy=strategy,
-                mini_batches=int(mini_batches),
-                loss_agg_mode=args.loss_agg_mode,
-                sp=int(sp),
-            )
-            print("RESULT " + json.dumps(dict(result, case=case)), flush=True)
+        run_cases(model_dir=args.model_dir, cases=args.case, loss_agg_mode=args.loss_agg_mode)
     finally:
         ray.shutdown()
 

@@ -4,7 +4,9 @@ Runs, unmodified, what ``RayPPOTrainer.fit`` runs for one GRPO step after genera
 ``_balance_batch`` -> ``_compute_old_log_prob`` -> ``compute_advantage`` -> ``_update_actor``, with
 verl's ``ActorRolloutRefWorker`` (role ``actor``) in a verl ``RayWorkerGroup`` of 2 CPU workers, on a
 fixed synthetic rollout batch (what the agent loop would return). The actor's engine is chosen by
-``actor_rollout_ref.actor.strategy`` only. Used by ``test_verl_ppo_trainer.py``; run by hand with::
+``actor_rollout_ref.actor.strategy`` only. Every case has its own worker object, config and engine;
+all cases' workers share the same 2 Ray processes (verl's colocated ``WorkerDict``, as in ``main_ppo``).
+Used by ``test_verl_ppo_trainer.py``; run by hand with::
 
     VERL_USE_EXTERNAL_MODULES=verl_balance.integrations.verl.cpu_platform,verl_balance.integrations.verl.autopatch \\
     python tests/integrations/verl_ppo_pieces_runner.py --model-dir DIR --case verl_balance:2:1 --case fsdp2:2:1
@@ -109,70 +111,105 @@ def rollout_batch(vocab_size: int):
     )
 
 
-def run(*, model_dir: str, strategy: str, mini_batches: int, loss_agg_mode: str, sp: int) -> dict:
-    import ray
+def colocated_case_workers(worker_classes: dict, *, num_workers: int = 2) -> tuple[dict, object, object]:
+    """({case key: worker group}, the fused group, its pool): one verl worker per case on each of
+    ``num_workers`` Ray processes, colocated as ``RayPPOTrainer.init_workers`` colocates the actor,
+    reference and critic (verl's ``create_colocated_worker_cls``). Each case keeps its own worker
+    object, config and engine; the cases share the processes (and their torch.distributed world),
+    so the verl/torch imports are paid once per process instead of once per case."""
+    from verl.single_controller.ray import RayResourcePool, RayWorkerGroup
+    from verl.single_controller.ray.base import create_colocated_worker_cls
+
+    # main_ppo's pool for FSDP actors; verl's default of 10 CPUs per bundle does not fit a small host.
+    pool = RayResourcePool([num_workers], use_gpu=False, max_colocate_count=1)
+    fused = RayWorkerGroup(pool, create_colocated_worker_cls(worker_classes), device_name="cpu")
+    return fused.spawn(prefix_set=list(worker_classes)), fused, pool
+
+
+def run(workers, *, config, model_dir: str, strategy: str, mini_batches: int) -> dict:
+    """One GRPO step's pieces on ``workers`` (this case's actor group, built from ``config``)."""
     import transformers
-    from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
     from verl.trainer.ppo.metric_utils import reduce_metrics
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer, compute_advantage
+
+    workers.init_model()
+
+    # The trainer's own methods, on a trainer holding only what these pieces read.
+    trainer = RayPPOTrainer.__new__(RayPPOTrainer)
+    trainer.config = config
+    trainer.actor_rollout_wg = workers
+    trainer.distillation_config = None
+    trainer.use_prefix_grouper = False
+
+    vocab_size = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
+    batch = rollout_batch(vocab_size)
+    batch.meta_info["temperature"] = config.actor_rollout_ref.rollout.temperature  # as fit() sets it
+    metrics: dict = {}
+    trainer._balance_batch(batch, metrics=metrics)
+    batch.meta_info["global_token_num"] = batch.batch["attention_mask"].sum(-1).tolist()
+    balanced_order = batch.non_tensor_batch["uid"].tolist()
+    old_log_prob, _ = trainer._compute_old_log_prob(batch)
+    old_log_prob.batch.pop("entropys")
+    batch = batch.union(old_log_prob)
+    batch = compute_advantage(
+        batch,
+        adv_estimator=config.algorithm.adv_estimator,
+        num_repeat=config.actor_rollout_ref.rollout.n,
+        norm_adv_by_std_in_grpo=config.algorithm.norm_adv_by_std_in_grpo,
+        config=config.algorithm,
+    )
+    actor_metrics = trainer._update_actor(batch).meta_info["metrics"]
+    by_row = np.argsort(batch.non_tensor_batch["row_id"])  # the batch is in balanced order now
+    mask = batch.batch["response_mask"].bool()
+    old_log_probs = [batch.batch["old_log_probs"][i][mask[i]].tolist() for i in by_row.tolist()]
+    return {
+        "strategy": strategy,
+        "mini_batches": mini_batches,
+        "balanced_uids": balanced_order,
+        "old_log_probs": [x for row in old_log_probs for x in row],  # in rollout row order
+        "pg_loss": [float(x) for x in _flat(actor_metrics["actor/pg_loss"])],
+        "grad_norm": [float(x) for x in _flat(actor_metrics["actor/grad_norm"])],
+        "reduced": {k: float(v) for k, v in reduce_metrics(actor_metrics).items() if _is_number(v)},
+        "balance_metrics": {k: float(v) for k, v in metrics.items() if _is_number(v)},
+    }
+
+
+def run_cases(*, model_dir: str, cases: list[str], loss_agg_mode: str) -> None:
+    """Print one ``RESULT`` line per ``STRATEGY:MINI_BATCHES:SP`` case, in order. Each case's engine
+    is built only when its turn comes (``init_model``), after the earlier cases trained."""
+    import ray
+    from verl.single_controller.ray import RayClassWithInitArgs
     from verl.workers.engine_workers import ActorRolloutRefWorker
 
-    config = ppo_config(
-        model_dir=model_dir, strategy=strategy, mini_batches=mini_batches, loss_agg_mode=loss_agg_mode, sp=sp
-    )
-    # main_ppo's pool for FSDP actors; verl's default of 10 CPUs per bundle does not fit a small host.
-    pool = RayResourcePool([2], use_gpu=False, max_colocate_count=1)
-    worker_cls = RayClassWithInitArgs(
-        cls=ray.remote(ActorRolloutRefWorker), config=config.actor_rollout_ref, role="actor"
-    )
-    workers = RayWorkerGroup(pool, worker_cls, device_name="cpu")
-    try:
-        workers.init_model()
-
-        # The trainer's own methods, on a trainer holding only what these pieces read.
-        trainer = RayPPOTrainer.__new__(RayPPOTrainer)
-        trainer.config = config
-        trainer.actor_rollout_wg = workers
-        trainer.distillation_config = None
-        trainer.use_prefix_grouper = False
-
-        vocab_size = transformers.AutoConfig.from_pretrained(model_dir).vocab_size
-        batch = rollout_batch(vocab_size)
-        batch.meta_info["temperature"] = config.actor_rollout_ref.rollout.temperature  # as fit() sets it
-        metrics: dict = {}
-        trainer._balance_batch(batch, metrics=metrics)
-        batch.meta_info["global_token_num"] = batch.batch["attention_mask"].sum(-1).tolist()
-        balanced_order = batch.non_tensor_batch["uid"].tolist()
-        old_log_prob, _ = trainer._compute_old_log_prob(batch)
-        old_log_prob.batch.pop("entropys")
-        batch = batch.union(old_log_prob)
-        batch = compute_advantage(
-            batch,
-            adv_estimator=config.algorithm.adv_estimator,
-            num_repeat=config.actor_rollout_ref.rollout.n,
-            norm_adv_by_std_in_grpo=config.algorithm.norm_adv_by_std_in_grpo,
-            config=config.algorithm,
+    configs, classes = {}, {}
+    for index, case in enumerate(cases):
+        strategy, mini_batches, sp = case.split(":")
+        key = f"case{index}"  # a method-name prefix in verl's fused worker
+        configs[key] = ppo_config(
+            model_dir=model_dir,
+            strategy=strategy,
+            mini_batches=int(mini_batches),
+            loss_agg_mode=loss_agg_mode,
+            sp=int(sp),
         )
-        actor_metrics = trainer._update_actor(batch).meta_info["metrics"]
-        by_row = np.argsort(batch.non_tensor_batch["row_id"])  # the batch is in balanced order now
-        mask = batch.batch["response_mask"].bool()
-        old_log_probs = [batch.batch["old_log_probs"][i][mask[i]].tolist() for i in by_row.tolist()]
-        return {
-            "strategy": strategy,
-            "mini_batches": mini_batches,
-            "balanced_uids": balanced_order,
-            "old_log_probs": [x for row in old_log_probs for x in row],  # in rollout row order
-            "pg_loss": [float(x) for x in _flat(actor_metrics["actor/pg_loss"])],
-            "grad_norm": [float(x) for x in _flat(actor_metrics["actor/grad_norm"])],
-            "reduced": {k: float(v) for k, v in reduce_metrics(actor_metrics).items() if _is_number(v)},
-            "balance_metrics": {k: float(v) for k, v in metrics.items() if _is_number(v)},
-        }
+        classes[key] = RayClassWithInitArgs(
+            cls=ray.remote(ActorRolloutRefWorker), config=configs[key].actor_rollout_ref, role="actor"
+        )
+    groups, fused, pool = colocated_case_workers(classes)
+    try:
+        for index, case in enumerate(cases):
+            strategy, mini_batches, _ = case.split(":")
+            key = f"case{index}"
+            result = run(
+                groups[key], config=configs[key], model_dir=model_dir, strategy=strategy, mini_batches=int(mini_batches)
+            )
+            print("RESULT " + json.dumps(dict(result, case=case)), flush=True)
     finally:
-        _release(workers, pool)
+        _release(fused, pool)
 
 
 def _release(workers, pool) -> None:
-    """Kill this case's worker processes and free its bundles: the next case starts on fresh workers."""
+    """Kill the worker processes and free their bundles."""
     import ray
 
     for handle in workers.workers:
@@ -208,7 +245,7 @@ def main() -> None:
         action="append",
         required=True,
         metavar="STRATEGY:MINI_BATCHES:SP",
-        help="one PPO step on fresh workers per case, e.g. fsdp2:2:1 or verl_balance:1:2",
+        help="one PPO step on its own worker per case (colocated), e.g. fsdp2:2:1 or verl_balance:1:2",
     )
     parser.add_argument("--loss-agg-mode", default="token-mean")
     args = parser.parse_args()
@@ -216,19 +253,10 @@ def main() -> None:
     from verl_ray_head import connect_runner
 
     # One Ray connection for all cases (the test session's cluster, or a local instance when run by
-    # hand: its start-up costs as much as a case); each case has its own workers.
+    # hand: its start-up costs as much as a case); the cases share two worker processes.
     connect_runner()
     try:
-        for case in args.case:
-            strategy, mini_batches, sp = case.split(":")
-            result = run(
-                model_dir=args.model_dir,
-                strategy=strategy,
-                mini_batches=int(mini_batches),
-                loss_agg_mode=args.loss_agg_mode,
-                sp=int(sp),
-            )
-            print("RESULT " + json.dumps(dict(result, case=case)), flush=True)
+        run_cases(model_dir=args.model_dir, cases=args.case, loss_agg_mode=args.loss_agg_mode)
     finally:
         ray.shutdown()
 
