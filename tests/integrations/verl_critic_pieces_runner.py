@@ -29,6 +29,7 @@ from verl_ppo_pieces_runner import (
     _is_number,
     _release,
     colocated_case_workers,
+    parsed_cases,
     rollout_batch,
 )
 
@@ -139,25 +140,16 @@ def run_cases(*, model_dir: str, cases: list[str], loss_agg_mode: str) -> None:
     from verl.workers.engine_workers import TrainingWorker
 
     configs, critics, classes = {}, {}, {}
-    for index, case in enumerate(cases):
-        strategy, mini_batches, sp = case.split(":")
-        key = f"case{index}"  # a method-name prefix in verl's fused worker
+    for key, strategy, mini_batches, sp in parsed_cases(cases):
         configs[key] = critic_config(
-            model_dir=model_dir,
-            strategy=strategy,
-            mini_batches=int(mini_batches),
-            loss_agg_mode=loss_agg_mode,
-            sp=int(sp),
+            model_dir=model_dir, strategy=strategy, mini_batches=mini_batches, loss_agg_mode=loss_agg_mode, sp=sp
         )
         critics[key], worker_config = critic_worker_config(configs[key])
         classes[key] = RayClassWithInitArgs(cls=ray.remote(TrainingWorker), config=worker_config)
     groups, fused, pool = colocated_case_workers(classes)
     try:
-        for index, case in enumerate(cases):
-            key = f"case{index}"
-            result = run(
-                groups[key], config=configs[key], critic=critics[key], model_dir=model_dir, strategy=case.split(":")[0]
-            )
+        for case, (key, strategy, _, _) in zip(cases, parsed_cases(cases)):
+            result = run(groups[key], config=configs[key], critic=critics[key], model_dir=model_dir, strategy=strategy)
             print("RESULT " + json.dumps(dict(result, case=case)), flush=True)
     finally:
         _release(fused, pool)

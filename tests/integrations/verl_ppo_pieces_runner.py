@@ -174,6 +174,16 @@ def run(workers, *, config, model_dir: str, strategy: str, mini_batches: int) ->
     }
 
 
+def parsed_cases(cases: list[str]) -> list[tuple[str, str, int, int]]:
+    """(key, strategy, mini-batches, sp) of each ``STRATEGY:MINI_BATCHES:SP`` case; the key is the case's
+    method-name prefix in verl's fused worker."""
+    parsed = []
+    for index, case in enumerate(cases):
+        strategy, mini_batches, sp = case.split(":")
+        parsed.append((f"case{index}", strategy, int(mini_batches), int(sp)))
+    return parsed
+
+
 def run_cases(*, model_dir: str, cases: list[str], loss_agg_mode: str) -> None:
     """Print one ``RESULT`` line per ``STRATEGY:MINI_BATCHES:SP`` case, in order. Each case's engine
     is built only when its turn comes (``init_model``), after the earlier cases trained."""
@@ -182,26 +192,18 @@ def run_cases(*, model_dir: str, cases: list[str], loss_agg_mode: str) -> None:
     from verl.workers.engine_workers import ActorRolloutRefWorker
 
     configs, classes = {}, {}
-    for index, case in enumerate(cases):
-        strategy, mini_batches, sp = case.split(":")
-        key = f"case{index}"  # a method-name prefix in verl's fused worker
+    for key, strategy, mini_batches, sp in parsed_cases(cases):
         configs[key] = ppo_config(
-            model_dir=model_dir,
-            strategy=strategy,
-            mini_batches=int(mini_batches),
-            loss_agg_mode=loss_agg_mode,
-            sp=int(sp),
+            model_dir=model_dir, strategy=strategy, mini_batches=mini_batches, loss_agg_mode=loss_agg_mode, sp=sp
         )
         classes[key] = RayClassWithInitArgs(
             cls=ray.remote(ActorRolloutRefWorker), config=configs[key].actor_rollout_ref, role="actor"
         )
     groups, fused, pool = colocated_case_workers(classes)
     try:
-        for index, case in enumerate(cases):
-            strategy, mini_batches, _ = case.split(":")
-            key = f"case{index}"
+        for case, (key, strategy, mini_batches, _) in zip(cases, parsed_cases(cases)):
             result = run(
-                groups[key], config=configs[key], model_dir=model_dir, strategy=strategy, mini_batches=int(mini_batches)
+                groups[key], config=configs[key], model_dir=model_dir, strategy=strategy, mini_batches=mini_batches
             )
             print("RESULT " + json.dumps(dict(result, case=case)), flush=True)
     finally:
