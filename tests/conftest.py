@@ -53,6 +53,24 @@ def ray_cluster():
             # one intra-op thread per worker process: the workers share a few cores
             runtime_env={"env_vars": {"PYTHONPATH": python_path, "OMP_NUM_THREADS": "1"}},
         )
+    # Successive trainer runs reuse idle worker processes instead of paying an interpreter, torch
+    # and FSDP per worker again (single_controller/worker_hosts.py); test-defined classes are not hosted.
+    from verl_balance.single_controller.worker_hosts import disable_worker_hosts, enable_worker_hosts
+    from verl_balance.workers.host import WorkerHost
+
+    enable_worker_hosts(classes=hosted_worker_classes(), host=WorkerHost)
     yield ray
+    disable_worker_hosts()
     if started_here:
         ray.shutdown()
+
+
+def hosted_worker_classes() -> tuple[type, ...]:
+    """The trainer's worker classes: their groups run in warm processes during the suite."""
+    from verl_balance.workers.actor import ActorWorker
+    from verl_balance.workers.actor_rollout import ActorRolloutWorker
+    from verl_balance.workers.critic import CriticWorker
+    from verl_balance.workers.rollout_worker import RolloutWorker
+    from verl_balance.workers.weight_sync import AsyncActorRolloutWorker
+
+    return (ActorWorker, ActorRolloutWorker, AsyncActorRolloutWorker, CriticWorker, RolloutWorker)

@@ -3,7 +3,8 @@
 The test session's embedded Ray (tests/conftest.py) is one node; these scenarios start their own
 cluster (``ray.cluster_utils.Cluster``: several raylets with distinct resources on this machine, or
 the trainer's embedded cluster), so they must not share the test process. Each prints one JSON
-line with what it measured; the assertions live in the test.
+line with what it measured; the assertions live in the test. ``single_node_run``, the two-node
+run's reference, needs no cluster of its own: the test runs it on the session's cluster.
 
     python -m tests.single_controller.cluster_scenarios multinode
     python -m tests.single_controller.cluster_scenarios oversized
@@ -85,8 +86,16 @@ def _train(pool) -> dict:
         pool.remove()
 
 
+def single_node_run() -> dict:
+    """The same training on one node of 4 workers: the reference of the two-node run (any cluster)."""
+    from verl_balance.single_controller import RayResourcePool
+
+    return _train(RayResourcePool(n_gpus_per_node=4, nnodes=1, use_gpu=False, placement_timeout_s=300))
+
+
 def multinode() -> dict:
-    """One node first (nnodes=2 must fail), then two nodes: placement per node and training parity."""
+    """One node first (nnodes=2 must fail), then two nodes: placement per node and the training run
+    (its single-node reference, ``single_node_run``, runs on the test session's cluster)."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -108,7 +117,6 @@ def multinode() -> dict:
         cluster.add_node(num_cpus=2)
         cluster.wait_for_nodes()
         out["multi"] = _train(RayResourcePool(n_gpus_per_node=2, nnodes=2, use_gpu=False, placement_timeout_s=120))
-        out["single"] = _train(RayResourcePool(n_gpus_per_node=4, nnodes=1, use_gpu=False, placement_timeout_s=120))
         out["nodes"] = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"])
         return out
     finally:

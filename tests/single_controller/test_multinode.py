@@ -38,8 +38,12 @@ def run_scenario(name: str, timeout_s: float = 900) -> dict:
 
 
 @pytest.fixture(scope="module")
-def multinode():
-    return run_scenario("multinode")
+def multinode(ray_cluster):
+    """The two-node scenario (its own cluster, in a fresh interpreter) and, as ``single``, its
+    single-node reference run on the test session's cluster."""
+    from tests.single_controller.cluster_scenarios import single_node_run
+
+    return {**run_scenario("multinode"), "single": single_node_run()}
 
 
 def test_nnodes_2_on_a_one_node_cluster_is_an_immediate_error(multinode):

@@ -63,6 +63,7 @@ from verl_balance.single_controller.modes import (
 from verl_balance.single_controller.rendezvous_port import free_rendezvous_port
 from verl_balance.single_controller.resource_pool import RayResourcePool, check_device_name
 from verl_balance.single_controller.worker import NUM_THREADS_ENV
+from verl_balance.single_controller.worker_hosts import active_hosts
 
 logger = logging.getLogger(__name__)
 
@@ -331,6 +332,9 @@ class RayWorkerGroup:
         self._workers: list[ray.actor.ActorHandle] = []
         self._worker_names: list[str] = []
         self._places: list[tuple[str, int]] = []  # (node id, pid) per rank, once the workers are ready
+        self._host_starts: list = []  # hosted workers (worker_hosts.py): their constructor calls
+        self._hosts = None  # the WorkerHosts this group's workers live in, if hosted
+        self._failed = False  # a call failed or was interrupted: the workers are not reused
         self.failure_grace_s = failure_grace_s
         self.call_timeout_s = call_timeout_s
         self.heartbeat_s = heartbeat_s
@@ -363,8 +367,11 @@ class RayWorkerGroup:
                 **worker_env,
                 **self._extension.worker_env(name_prefix=self.name_prefix, local_world_size=pool.n_gpus_per_node),
             }
-        actor_cls = ray.remote(self.ray_cls_with_init.cls)
         init = self.ray_cls_with_init
+        hosts = active_hosts()
+        if hosts is not None and hosts.hosts(init.cls, use_gpu=pool.use_gpu, has_extension=self._extension is not None):
+            self._hosts = hosts
+        actor_cls = None if self._hosts is not None else ray.remote(init.cls)
         for pg_index, pg in enumerate(pgs):
             for local_rank in range(pool.n_gpus_per_node):
                 rank = len(self._workers)
@@ -374,8 +381,17 @@ class RayWorkerGroup:
                 }
                 name = f"{self.name_prefix}_{init.cls.__name__}_{pg_index}:{local_rank}"
                 options = self._actor_options(pg, local_rank=local_rank, env=env, name=name)
-                self._workers.append(actor_cls.options(**options).remote(*init.args, **init.kwargs))
+                self._workers.append(self._new_worker(actor_cls, options))
                 self._worker_names.append(name)
+
+    def _new_worker(self, actor_cls: Any, options: dict[str, Any]) -> Any:
+        """A new actor, or a warm host given the worker to construct (``worker_hosts.py``)."""
+        init = self.ray_cls_with_init
+        if self._hosts is None:
+            return actor_cls.options(**options).remote(*init.args, **init.kwargs)
+        host, start = self._hosts.start_worker(init.cls, options=options, args=init.args, kwargs=init.kwargs)
+        self._host_starts.append(start)
+        return host
 
     def _actor_options(self, pg: Any, *, local_rank: int, env: dict[str, str], name: str) -> dict[str, Any]:
         """Ray actor options of one worker: its bundle, its share of the bundle, its environment."""
@@ -395,6 +411,8 @@ class RayWorkerGroup:
 
     def _wait_until_ready(self, timeout_s: float) -> None:
         # the first task after each constructor: it proves the worker ready and tells where it runs
+        if self._host_starts:
+            self._wait("__init__", self._host_starts, list(range(self.world_size)), timeout_s=timeout_s)
         places = [w.__ray_call__.remote(_worker_place) for w in self._workers]
         self._places = self._wait("__init__", places, list(range(self.world_size)), timeout_s=timeout_s)
 
@@ -499,6 +517,13 @@ class RayWorkerGroup:
         return refs
 
     def _wait(self, method: str, refs: list, ranks: list[int], *, timeout_s: float | None = None) -> list:
+        try:
+            return self._wait_outputs(method, refs, ranks, timeout_s=timeout_s)
+        except BaseException:
+            self._failed = True
+            raise
+
+    def _wait_outputs(self, method: str, refs: list, ranks: list[int], *, timeout_s: float | None) -> list:
         position = {ref: i for i, ref in enumerate(refs)}
         outputs: list[Any] = [None] * len(refs)
         pending = list(refs)
@@ -621,9 +646,13 @@ class RayWorkerGroup:
         return GroupFuture(self, method, self._submit(method, [(args, kwargs)]), [0], lambda outputs: outputs[0]).get()
 
     def shutdown(self) -> None:
-        """Kill the workers (the resource pool stays reserved; ``resource_pool.remove()`` frees it)."""
-        for worker in self._workers:
-            ray.kill(worker, no_restart=True)
+        """Kill the workers, or hand hosted workers' processes back after a clean run (``worker_hosts.py``);
+        the resource pool stays reserved (``resource_pool.remove()`` frees it)."""
+        if self._hosts is not None:
+            self._hosts.release(self._workers, clean=not self._failed)
+        else:
+            for worker in self._workers:
+                ray.kill(worker, no_restart=True)
         self._workers = []
         self._worker_names = []
         self._places = []

@@ -39,6 +39,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from verl_balance.utils.process_state import (
+    destroy_process_groups,
+    module_globals,
+    reset_torch_defaults,
+    restore_module_globals,
+)
+
 # A call that takes longer fails naming the ranks that did not answer (env: VERL_BALANCE_RANKS_TIMEOUT_S).
 DEFAULT_TIMEOUT_S = float(os.environ.get("VERL_BALANCE_RANKS_TIMEOUT_S", "600"))
 # Idle warm processes kept over all world sizes; the least recently used pools are shut down first.
@@ -101,32 +108,13 @@ def _run_task(rank: int, world: int, task: _Task, initial_seed: int):
     os.environ.update(task.environ)
     os.chdir(task.cwd)
     sys.path[:] = task.sys_path
-    torch.set_num_threads(1)
-    torch.manual_seed(initial_seed)
-    torch.set_default_dtype(torch.float32)
-    torch.set_grad_enabled(True)
+    reset_torch_defaults(initial_seed=initial_seed, num_threads=1)
+    assert destroy_process_groups(), "this torch cannot clear DTensor's mesh caches between pooled tasks"
     fn = pickle.loads(task.fn)
     if not task.init_group:
         return fn(rank)
     with gloo_group(rank=rank, world_size=world, init_method=task.init_method):
         return fn(rank)
-
-
-def _module_globals() -> list[tuple[dict, dict]]:
-    """(live namespace, copy) of every imported module: what a task may rebind."""
-    return [(vars(m), dict(vars(m))) for m in list(sys.modules.values()) if m is not None]
-
-
-def _restore_module_globals(saved: list[tuple[dict, dict]]) -> None:
-    """Undo a task's rebinding of module globals (a test's ``module.function = stub`` meant for a process
-    that would leave afterwards); names a task added (submodules, lazy attributes) stay."""
-    for live, before in saved:
-        for key, value in before.items():
-            if live.get(key, _MISSING) is not value:
-                live[key] = value
-
-
-_MISSING = object()
 
 
 def _serve(rank: int, world: int, conn: multiprocessing.connection.Connection) -> None:
@@ -137,13 +125,13 @@ def _serve(rank: int, world: int, conn: multiprocessing.connection.Connection) -
             payload = conn.recv_bytes()
         except (EOFError, OSError):
             break
-        saved = _module_globals()
+        saved = module_globals()
         try:
             reply = pickle.dumps(("ok", _run_task(rank, world, pickle.loads(payload), initial_seed)))
         except BaseException:
             conn.send_bytes(pickle.dumps(("error", traceback.format_exc())))
             break
-        _restore_module_globals(saved)
+        restore_module_globals(saved)
         conn.send_bytes(reply)
     # Leave without interpreter teardown: torch's C++ threads (gloo / TCPStore) can abort the process
     # at exit ("terminate called without an active exception", SIGABRT) after the result is sent.

@@ -1,0 +1,60 @@
+"""What a fresh process would see, restored in a process that runs one job after another.
+
+The warm pools (``testing/multiprocess.py``'s gloo ranks, ``single_controller/worker_hosts.py``'s
+Ray worker hosts) run successive jobs in one process to save its start-up. A job must still start
+from a fresh process's state where it matters: torch's initial seed, default dtype, grad mode and
+thread count, and the module globals an earlier job rebound (a test's ``module.function = stub``
+meant for a process that would leave afterwards).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+
+_MISSING = object()
+
+
+def module_globals() -> list[tuple[dict, dict]]:
+    """(live namespace, copy) of every imported module: what a job may rebind."""
+    return [(vars(m), dict(vars(m))) for m in list(sys.modules.values()) if m is not None]
+
+
+def restore_module_globals(saved: list[tuple[dict, dict]]) -> None:
+    """Undo a job's rebinding of module globals; names a job added (submodules, lazy attributes) stay."""
+    for live, before in saved:
+        for key, value in before.items():
+            if live.get(key, _MISSING) is not value:
+                live[key] = value
+
+
+def reset_torch_defaults(*, initial_seed: int, num_threads: int) -> None:
+    """torch's process-wide defaults as a fresh process has them (``initial_seed``: the process's own)."""
+    torch.set_num_threads(num_threads)
+    torch.manual_seed(initial_seed)
+    torch.set_default_dtype(torch.float32)
+    torch.set_grad_enabled(True)
+
+
+def destroy_process_groups() -> bool:
+    """Leave this process's process groups and forget DTensor's caches of their meshes (local operations).
+
+    Returns False where this torch has no way to clear those caches: the process must then not serve
+    another job. DTensor caches its sharding propagation by op schema, and a ``DeviceMesh`` compares
+    equal to any mesh of the same ranks and shape whichever rank the process holds in it: a process
+    that joins a new group as another rank would get the earlier group's mesh back from the cache,
+    with the earlier rank's coordinate (DCP then saves two ranks' shards at one offset, and DTensor
+    collectives take the wrong peers).
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    try:
+        from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    except ImportError:
+        return False
+    _clear_sharding_prop_cache()
+    clear_redistribute_planner_cache()
+    return True
