@@ -12,9 +12,10 @@ workers; this module, driver side, gets the class from ``enable_worker_hosts(hos
 worker starts from what a fresh actor would see where it matters:
 - its environment: the host's start-up environment plus this rank's variables (the rendezvous);
   nothing the previous worker set;
-- no process group (the previous worker's is destroyed), torch's initial seed, float32 default
-  dtype, grad mode on, the host's thread count, and module globals a worker rebound restored
-  (``utils/process_state.py``, shared with the gloo-rank pool of ``testing/multiprocess.py``).
+- no process group (the previous worker's is destroyed) and no DTensor cache of its meshes, torch's
+  initial seed, float32 default dtype, grad mode on, the host's thread count, and module globals a
+  worker rebound restored (``utils/process_state.py``, shared with the gloo-rank pool of
+  ``testing/multiprocess.py``); a host that cannot be reset so is killed, not reused.
 What differs from an actor per worker: the pid is the host's (rank i of a new group may run in the
 process rank j of an earlier group had), and an error in the worker's constructor is the error of
 the group's start-up call (a ``RayTaskError``) rather than a dead actor.

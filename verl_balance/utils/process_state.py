@@ -3,8 +3,9 @@
 The warm pools (``testing/multiprocess.py``'s gloo ranks, ``single_controller/worker_hosts.py``'s
 Ray worker hosts) run successive jobs in one process to save its start-up. A job must still start
 from a fresh process's state where it matters: torch's initial seed, default dtype, grad mode and
-thread count, and the module globals an earlier job rebound (a test's ``module.function = stub``
-meant for a process that would leave afterwards).
+thread count, no process group and no DTensor cache of an earlier group's meshes, and the module
+globals an earlier job rebound (a test's ``module.function = stub`` meant for a process that would
+leave afterwards).
 """
 
 from __future__ import annotations
