@@ -33,8 +33,36 @@ def pytest_collection_modifyitems(config, items):
     items[:] = [items[i] for i in order]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def forked_ray_workers(request):
+    """Every Ray worker the session starts (here, in verl's clusters and in subprocess drivers) is a fork
+    of one preloaded interpreter (``verl_balance/testing/forked_workers.py``): about 4 s of CPU less per
+    worker process. Only sessions with slow tests start one (the fast lane has no Ray);
+    ``VERL_BALANCE_FORKED_WORKERS=0`` starts workers as Ray does by default."""
+    has_slow = any(item.get_closest_marker("slow") for item in request.session.items)
+    if not has_slow or os.environ.get("VERL_BALANCE_FORKED_WORKERS", "1") == "0":
+        yield None
+        return
+    import shutil
+    import tempfile
+
+    from verl_balance.testing import forked_workers
+
+    folder = tempfile.mkdtemp(prefix="vbfw", dir="/tmp")  # short: a socket path has at most 107 bytes
+    socket_path = os.path.join(folder, "socket")
+    server = forked_workers.start_server(socket_path, env=dict(os.environ))
+    os.environ[forked_workers.SOCKET_ENV] = socket_path
+    os.environ["RAY_RUNTIME_ENV_HOOK"] = f"{forked_workers.__name__}.runtime_env_hook"
+    yield socket_path
+    os.environ.pop(forked_workers.SOCKET_ENV, None)
+    os.environ.pop("RAY_RUNTIME_ENV_HOOK", None)
+    server.terminate()
+    server.wait(timeout=30)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
-def ray_cluster():
+def ray_cluster(forked_ray_workers):
     """Start Ray once (or reuse a running session) and stop it at the end if we started it."""
     ray = pytest.importorskip("ray")
     started_here = not ray.is_initialized()

@@ -1,0 +1,155 @@
+"""The forked-worker server (``verl_balance/testing/forked_workers.py``) starts a script as a fresh
+interpreter would, and a worker dies with the process Ray started: the suite's Ray workers are its forks.
+
+Each test runs a small script through the real client (the command Ray runs) and checks what a fresh
+``python SCRIPT`` gives: arguments, directory, environment, ``sys.path``, streams, exit status, atexit
+handlers; and that the preloaded modules are the third-party ones only."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+import pytest
+
+from verl_balance.testing import forked_workers
+
+pytestmark = pytest.mark.slow  # a server process that imports torch and transformers
+
+PROBE = textwrap.dedent(
+    """
+    import atexit, json, os, sys
+    report = {
+        "argv": sys.argv, "cwd": os.getcwd(), "env": dict(os.environ), "path": sys.path[:3],
+        "preloaded": sorted(m for m in ("torch", "transformers", "ray", "verl", "verl_balance") if m in sys.modules),
+        "pgid": os.getpgid(0), "pid": os.getpid(),
+    }
+    atexit.register(lambda: open(os.environ["ATEXIT_FILE"], "w").write("ran"))
+    print(json.dumps(report))
+    print("to stderr", file=sys.stderr)
+    if sys.argv[1] == "raise":
+        raise RuntimeError("probe failed")
+    if sys.argv[1] == "sleep":
+        sys.stdout.flush()
+        import time
+        time.sleep(600)
+    sys.exit(int(sys.argv[1]))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def server():
+    folder = tempfile.mkdtemp(prefix="vbfwt", dir="/tmp")
+    socket_path = os.path.join(folder, "socket")
+    proc = forked_workers.start_server(socket_path, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    yield socket_path
+    proc.terminate()
+    proc.wait(timeout=30)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+def _start(command, folder, mode: str, *, new_session: bool = False):
+    """``command probe.py mode`` in ``folder`` with an extra PYTHONPATH entry; streams to files there.
+    Its own process group, as the raylet starts each worker (or its own session)."""
+    folder.mkdir(exist_ok=True)
+    script = folder / "probe.py"
+    script.write_text(PROBE)
+    env = dict(os.environ, ATEXIT_FILE=str(folder / "atexit"), PYTHONPATH=str(folder / "extra"), PROBE_VAR="x")
+    with open(folder / "out", "w") as out, open(folder / "err", "w") as err:
+        group = {"start_new_session": True} if new_session else {"process_group": 0}
+        return subprocess.Popen([*command, str(script), mode], cwd=folder, env=env, stdout=out, stderr=err, **group)
+
+
+def _client(socket_path):
+    return [sys.executable, "-S", forked_workers.__file__, socket_path]
+
+
+def _report(folder):
+    return json.loads((folder / "out").read_text().splitlines()[0])
+
+
+def _finish(proc, folder):
+    status = proc.wait(timeout=120)
+    atexit_ran = (folder / "atexit").exists()
+    return status, _report(folder), atexit_ran, (folder / "err").read_text()
+
+
+@pytest.mark.parametrize("mode", ["0", "3", "raise"])
+def test_a_forked_script_sees_and_returns_what_a_fresh_interpreter_does(server, tmp_path, mode):
+    fresh = _finish(_start([sys.executable], tmp_path / "fresh", mode), tmp_path / "fresh")
+    forked = _finish(_start(_client(server), tmp_path / "forked", mode), tmp_path / "forked")
+    assert forked[0] == fresh[0] == {"0": 0, "3": 3, "raise": 1}[mode]
+    assert forked[2] and fresh[2]  # atexit handlers ran
+    assert "to stderr" in forked[3] and ("RuntimeError: probe failed" in forked[3]) == (mode == "raise")
+    ours, theirs = forked[1], fresh[1]
+    assert [os.path.basename(a) for a in ours["argv"]] == [os.path.basename(a) for a in theirs["argv"]]
+    assert ours["cwd"] == str(tmp_path / "forked") and theirs["cwd"] == str(tmp_path / "fresh")
+    assert ours["path"][:2] == [str(tmp_path / "forked"), str(tmp_path / "forked" / "extra")]
+    assert theirs["path"][:2] == [str(tmp_path / "fresh"), str(tmp_path / "fresh" / "extra")]
+    assert ours["path"][2] == theirs["path"][2]  # then the interpreter's own entries
+    assert ours["env"]["PROBE_VAR"] == "x" and ours["env"]["ATEXIT_FILE"].endswith("forked/atexit")
+    assert set(ours["env"]) == set(theirs["env"])  # the client's environment, nothing of the server's
+    # preloaded: the third-party modules only (negative control: a fresh interpreter has none)
+    assert ours["preloaded"] == ["torch", "transformers"] and theirs["preloaded"] == []
+
+
+def test_a_client_in_another_session_starts_a_fresh_interpreter(server, tmp_path):
+    """The worker cannot join a process group of another session: the client runs the script itself."""
+    client = _start(_client(server), tmp_path, "3", new_session=True)
+    status, report, atexit_ran, _ = _finish(client, tmp_path)
+    assert (status, atexit_ran, report["preloaded"]) == (3, True, [])
+    assert report["pid"] == client.pid and report["path"][:2] == [str(tmp_path), str(tmp_path / "extra")]
+
+
+def _wait_gone(pid: int, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return True
+        except OSError:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.mark.parametrize("stopped", [False, True], ids=["running", "stopped"])
+def test_a_worker_dies_with_its_client_and_with_its_clients_process_group(server, tmp_path, stopped):
+    for how in ("kill_client", "kill_group"):
+        folder = tmp_path / how
+        client = _start(_client(server), folder, "sleep")
+        deadline = time.monotonic() + 60
+        while not (folder / "out").read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        report = _report(folder)
+        worker_pid = report["pid"]
+        assert worker_pid != client.pid
+        assert report["pgid"] == client.pid  # the worker is in the client's process group
+        if stopped:
+            os.kill(worker_pid, signal.SIGSTOP)
+        if how == "kill_client":
+            os.kill(client.pid, signal.SIGKILL)
+        else:
+            os.killpg(client.pid, signal.SIGKILL)
+        client.wait(timeout=30)
+        assert _wait_gone(worker_pid), f"{how}: worker {worker_pid} outlived its client"
+
+
+def test_the_hook_adds_the_client_only_while_a_server_is_named(monkeypatch):
+    monkeypatch.delenv(forked_workers.SOCKET_ENV, raising=False)
+    assert forked_workers.runtime_env_hook({"env_vars": {"A": "1"}}) == {"env_vars": {"A": "1"}}
+    assert forked_workers.runtime_env_hook(None) is None
+    monkeypatch.setenv(forked_workers.SOCKET_ENV, "/tmp/s")
+    hooked = forked_workers.runtime_env_hook({"env_vars": {"A": "1"}})
+    assert hooked == {"env_vars": {"A": "1"}, "py_executable": f"{sys.executable} -S {forked_workers.__file__} /tmp/s"}
+    own = {"py_executable": "uv run"}
+    assert forked_workers.runtime_env_hook(own) == own  # a job's own executable wins

@@ -1,0 +1,227 @@
+"""Ray worker processes forked from a preloaded interpreter: the test suite's process start-ups.
+
+A Ray worker process starts an interpreter and imports torch, tensordict and transformers before it
+runs a line of the code under test: about 4-5 s of CPU on a 2-core machine, paid by each of the suite's
+~170 worker processes (a third of the suite's CPU). A *preload server* imports those modules once;
+a worker process is then a fork of it.
+
+How a worker starts: Ray launches every worker of a job as ``<py_executable> default_worker.py ARGS``
+(the ``py_executable`` runtime-env field, which ``runtime_env_hook`` adds to every job while
+``SOCKET_ENV`` names a running server). ``py_executable`` is this file run as a stdlib-only *client*
+(``python -S``): it sends the server its argv, environment, working directory and standard streams
+(``SCM_RIGHTS``). The server forks a *waiter*, the waiter forks the *worker*: the worker takes those
+over and runs ``default_worker.py`` as ``__main__``, then leaves through the interpreter's normal exit
+(atexit handlers, non-daemon threads), as a fresh interpreter would. It registers with the raylet
+under its own pid. The waiter sends the client the worker's pid and later its exit status; the client
+exits with that status. The worker joins the client's process group, which the raylet signals (it
+starts each worker as a group leader and kills the group), so the raylet's signals reach the worker
+as they would a fresh one. When the client is gone all the same (SIGKILLed alone), the waiter
+SIGKILLs the worker: a stopped or hung worker could not notice by itself. A client in another session
+than the server's (a raylet started under ``setsid``) cannot have its group joined: it then runs
+``default_worker.py`` itself, as a fresh interpreter.
+
+Invariants (asserted by the server, tests/test_forked_workers.py checks the rest):
+- Only third-party modules are preloaded (``PRELOAD``); neither Ray (its C++ config and auth token
+  are read per process) nor verl nor verl_balance is in the server, so the code under test is
+  imported in the worker, with the worker's environment and ``sys.path`` (its ``PYTHONPATH``).
+- The server has one thread when it forks and has run no torch op (a fork of a multi-threaded
+  process may inherit held locks); it runs with ``OMP_NUM_THREADS`` as the workers do (libgomp reads
+  it when torch loads).
+- The server exits when the process that started it does.
+
+Test infrastructure only: the package never starts workers this way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+
+__all__ = ["PRELOAD", "SOCKET_ENV", "runtime_env_hook", "start_server"]
+
+# Third-party modules every worker of the suite imports before our code (verl's and ours).
+PRELOAD = ("torch", "torch.distributed.tensor", "tensordict", "transformers", "transformers.modeling_utils")
+# Path of the running server's socket; unset: Ray starts workers as usual.
+SOCKET_ENV = "VERL_BALANCE_FORKED_WORKERS_SOCKET"
+_NOT_PRELOADED = ("ray", "verl", "verl_balance")
+_HEADER = struct.Struct("!i")
+# The server's answer to a client in another session (Linux lets a process join a process group of its
+# own session only): that client starts the worker as a fresh interpreter.
+_NOT_FORKED = -1
+
+
+def runtime_env_hook(runtime_env: dict | None) -> dict | None:
+    """Ray's ``RAY_RUNTIME_ENV_HOOK``: a job's workers start as forks of the server named by ``SOCKET_ENV``."""
+    socket_path = os.environ.get(SOCKET_ENV)
+    if not socket_path or (runtime_env or {}).get("py_executable"):
+        return runtime_env
+    client = f"{sys.executable} -S {os.path.abspath(__file__)} {socket_path}"
+    return {**(runtime_env or {}), "py_executable": client}
+
+
+def start_server(socket_path: str, *, env: dict[str, str], timeout_s: float = 120.0):
+    """Start the server (a ``subprocess.Popen``) with the workers' base environment; wait until it listens."""
+    import selectors
+    import subprocess
+
+    env = {k: v for k, v in env.items() if k != "PYTHONPATH"}  # each worker's own PYTHONPATH applies
+    server = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "--serve", socket_path], env=env, stdout=subprocess.PIPE
+    )
+    with selectors.DefaultSelector() as selector:
+        selector.register(server.stdout, selectors.EVENT_READ)
+        if not selector.select(timeout_s) or server.stdout.readline() != b"ready\n":
+            server.kill()
+            raise RuntimeError(f"the forked-worker server did not start within {timeout_s:.0f} s")
+    return server
+
+
+def _send(sock: socket.socket, payload: bytes, fds: tuple[int, ...] = ()) -> None:
+    data = _HEADER.pack(len(payload)) + payload
+    if fds:
+        socket.send_fds(sock, [data], list(fds))
+    else:
+        sock.sendall(data)
+
+
+def _receive(sock: socket.socket, size: int) -> bytes:
+    chunks = []
+    while size:
+        chunk = sock.recv(size)
+        if not chunk:
+            raise ConnectionError("the forked-worker server closed the connection")
+        chunks.append(chunk)
+        size -= len(chunk)
+    return b"".join(chunks)
+
+
+def _receive_int(sock: socket.socket) -> int:
+    return _HEADER.unpack(_receive(sock, _HEADER.size))[0]
+
+
+def client_main(socket_path: str, argv: list[str]) -> int:
+    """The process Ray starts: have the server fork the worker, then stand in for it until it exits.
+
+    The worker joins this process's group: the raylet signals a worker's process group (it starts
+    each worker as a group leader), so its signals reach the worker as they would a fresh one. This
+    process ignores them and exits with the worker's status."""
+    signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    for signum in signals:
+        signal.signal(signum, signal.SIG_IGN)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(socket_path)
+    request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}
+    request.update(process_group=os.getpgid(0), session=os.getsid(0))
+    _send(sock, json.dumps(request).encode(), (0, 1, 2))
+    if _receive_int(sock) == _NOT_FORKED:  # else the worker's pid: it is running
+        sock.close()
+        for signum in signals:
+            signal.signal(signum, signal.SIG_DFL)
+        os.execv(sys.executable, [sys.executable, *argv])
+    return _receive_int(sock)
+
+
+def become_worker(request: dict, fds: list[int]) -> None:
+    """In the worker: the client's streams, directory, environment and PYTHONPATH; run its script."""
+    import runpy
+
+    os.setpgid(0, request["process_group"])
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    script = request["argv"][0]
+    python_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    # As the interpreter builds it: the script's folder, then PYTHONPATH, then the standard entries.
+    sys.path[:] = [os.path.dirname(os.path.abspath(script)), *python_path, *sys.path[1:]]
+    sys.argv = list(request["argv"])
+    runpy.run_path(script, run_name="__main__")
+
+
+def _kill_when_client_leaves(conn: socket.socket, pid: int) -> None:
+    """In the waiter: return when the worker exits; SIGKILL it first if the client goes (the raylet
+    kills the process it started, and a stopped or hung worker would not notice)."""
+    import select
+
+    worker = os.pidfd_open(pid)
+    try:
+        while True:
+            ready, _, _ = select.select([conn, worker], [], [])
+            if worker in ready:
+                return
+            if not conn.recv(1):  # the client never writes: readable means it closed
+                os.kill(pid, signal.SIGKILL)
+                return
+    finally:
+        os.close(worker)
+
+
+def _wait_for_worker(conn: socket.socket) -> tuple[dict, list[int]] | None:
+    """In the waiter: read a request and fork its worker; returns it in the worker, exits in the waiter."""
+    header, fds, _flags, _address = socket.recv_fds(conn, _HEADER.size, 3)
+    request = json.loads(_receive(conn, _HEADER.unpack(header)[0]))
+    if request["session"] != os.getsid(0):
+        conn.sendall(_HEADER.pack(_NOT_FORKED))  # it could not join the client's process group
+        os._exit(0)
+    pid = os.fork()
+    if pid == 0:
+        conn.close()
+        return request, fds
+    for fd in fds:
+        os.close(fd)
+    conn.sendall(_HEADER.pack(pid))
+    _kill_when_client_leaves(conn, pid)
+    _, status = os.waitpid(pid, 0)
+    code = os.waitstatus_to_exitcode(status)
+    try:
+        conn.sendall(_HEADER.pack(code if code >= 0 else 128 - code))  # a signal: the shell's 128+N
+    except OSError:
+        pass
+    os._exit(0)
+
+
+def serve(socket_path: str) -> tuple[dict, list[int]]:
+    """Preload ``PRELOAD`` and fork a waiter per connection; returns only in a worker (its request)."""
+    import importlib
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    loaded = [name for name in _NOT_PRELOADED if name in sys.modules]
+    assert not loaded, f"the forked-worker server imported {loaded}: a worker must import them itself"
+    threads = len(os.listdir(f"/proc/{os.getpid()}/task"))
+    assert threads == 1, f"the forked-worker server has {threads} threads (OMP_NUM_THREADS unset?)"
+    parent = os.getppid()
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # waiters are reaped by the kernel
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(socket_path)
+    server.listen(128)
+    server.settimeout(1.0)
+    print("ready", flush=True)
+    while os.getppid() == parent:
+        try:
+            conn, _ = server.accept()
+        except TimeoutError:
+            continue
+        conn.settimeout(None)
+        if os.fork() == 0:
+            server.close()
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            work = _wait_for_worker(conn)
+            if work is not None:
+                return work
+        conn.close()
+    os.unlink(socket_path)
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--serve":
+        become_worker(*serve(sys.argv[2]))  # only a worker gets here; it exits as a fresh interpreter would
+    else:
+        sys.exit(client_main(sys.argv[1], sys.argv[2:]))
