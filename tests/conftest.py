@@ -15,6 +15,10 @@ from tests.file_order import load_weights, slowest_files_first
 # (a tiny model's generate call took 18 s with 2 threads and 0.3 s with 1 at load 15 here).
 os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
+# Every Ray cluster of the session (they inherit the variable) reports its node's process statistics
+# to the dashboard once a minute instead of every 5 s: a psutil pass over every worker process of the
+# node each time, and the suite reads none of it.
+os.environ.setdefault("REPORTER_UPDATE_INTERVAL_MS", "60000")
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 4 workers of the largest test layout + headroom for a second group being torn down.

@@ -31,6 +31,10 @@ PROBE = textwrap.dedent(
         "preloaded": sorted(m for m in ("torch", "transformers", "ray", "verl", "verl_balance") if m in sys.modules),
         "pgid": os.getpgid(0), "pid": os.getpid(),
     }
+    report["hash"] = hash("a string")
+    if sys.argv[1] == "seeds":  # torch and numpy: seconds to import in a fresh interpreter, only here
+        import numpy, random, torch
+        report["seeds"] = [torch.initial_seed(), numpy.random.random(), random.random()]
     atexit.register(lambda: open(os.environ["ATEXIT_FILE"], "w").write("ran"))
     print(json.dumps(report))
     print("to stderr", file=sys.stderr)
@@ -40,7 +44,7 @@ PROBE = textwrap.dedent(
         sys.stdout.flush()
         import time
         time.sleep(600)
-    sys.exit(int(sys.argv[1]))
+    sys.exit(0 if sys.argv[1] == "seeds" else int(sys.argv[1]))
     """
 )
 
@@ -99,6 +103,17 @@ def test_a_forked_script_sees_and_returns_what_a_fresh_interpreter_does(server, 
     assert set(ours["env"]) == set(theirs["env"])  # the client's environment, nothing of the server's
     # preloaded: the third-party modules only (negative control: a fresh interpreter has none)
     assert ours["preloaded"] == ["torch", "transformers"] and theirs["preloaded"] == []
+
+
+def test_each_forked_worker_draws_its_own_random_seeds_as_a_fresh_interpreter_does(server, tmp_path):
+    forked = [_finish(_start(_client(server), tmp_path / f"f{i}", "seeds"), tmp_path / f"f{i}")[1] for i in range(2)]
+    fresh = [_finish(_start([sys.executable], tmp_path / f"s{i}", "seeds"), tmp_path / f"s{i}")[1] for i in range(2)]
+    for pair in (forked, fresh):
+        assert all(a != b for a, b in zip(pair[0]["seeds"], pair[1]["seeds"], strict=True))  # torch, numpy, random
+    assert fresh[0]["hash"] != fresh[1]["hash"]
+    # The documented difference, and the control that this test sees inherited state: nothing redraws
+    # the string-hash seed, so the forks share their server's.
+    assert forked[0]["hash"] == forked[1]["hash"]
 
 
 def test_a_client_in_another_session_starts_a_fresh_interpreter(server, tmp_path):

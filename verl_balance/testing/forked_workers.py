@@ -29,6 +29,12 @@ Invariants (asserted by the server, tests/test_forked_workers.py checks the rest
   it when torch loads).
 - The server exits when the process that started it does.
 
+What still differs from a fresh interpreter: the preloaded modules were imported with the server's
+environment (the suite's, before any test ran), and every fork shares the server's string-hash seed
+(``PYTHONHASHSEED``), so an iteration order over a set of strings agrees across forked workers where
+fresh ones might disagree. The random generators are drawn anew in each worker (torch's, numpy's and
+Python's), as a fresh interpreter draws its own.
+
 Test infrastructure only: the package never starts workers this way.
 """
 
@@ -41,10 +47,15 @@ import socket
 import struct
 import sys
 
-__all__ = ["PRELOAD", "SOCKET_ENV", "runtime_env_hook", "start_server"]
+__all__ = ["PRELOAD", "SOCKET_ENV", "reseed_like_a_fresh_process", "runtime_env_hook", "start_server"]
 
-# Third-party modules every worker of the suite imports before our code (verl's and ours).
-PRELOAD = ("torch", "torch.distributed.tensor", "tensordict", "transformers", "transformers.modeling_utils")
+# Third-party modules the suite's workers import before our code (ours and verl's; verl and LoRA also
+# import sympy and peft). Not pyarrow (nor pandas or datasets, which import it): it starts a thread
+# when imported, and a fork of a process with a second thread may inherit a lock that thread held.
+PRELOAD = (
+    *("torch", "torch.distributed.tensor", "tensordict", "transformers", "transformers.modeling_utils"),
+    *("sympy", "peft"),
+)
 # Path of the running server's socket; unset: Ray starts workers as usual.
 SOCKET_ENV = "VERL_BALANCE_FORKED_WORKERS_SOCKET"
 _NOT_PRELOADED = ("ray", "verl", "verl_balance")
@@ -125,6 +136,16 @@ def client_main(socket_path: str, argv: list[str]) -> int:
     return _receive_int(sock)
 
 
+def reseed_like_a_fresh_process() -> None:
+    """In a fork: the random states a fresh interpreter draws for itself, drawn anew (a fork inherits
+    its parent's). Python's ``random`` reseeds itself after a fork; torch's generator and numpy's global
+    one do not, and without this every forked rank would share one torch seed, hiding a missing seed or
+    broadcast that fresh ranks would show as disagreeing weights."""
+    sys.modules["torch"].seed()
+    if "numpy.random" in sys.modules:
+        sys.modules["numpy.random"].seed()
+
+
 def become_worker(request: dict, fds: list[int]) -> None:
     """In the worker: the client's streams, directory, environment and PYTHONPATH; run its script."""
     import runpy
@@ -136,6 +157,7 @@ def become_worker(request: dict, fds: list[int]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
+    reseed_like_a_fresh_process()
     script = request["argv"][0]
     python_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     # As the interpreter builds it: the script's folder, then PYTHONPATH, then the standard entries.

@@ -6,7 +6,11 @@ processes, each inside a fresh gloo group (CPU, one torch thread), and returns
 in one call (the parity harness) pass ``init_group=False`` and open each group with ``gloo_group``.
 
 Process start-up (an interpreter, torch, then transformers or verl) costs seconds per rank, so the
-processes are a warm pool: per world size, N long-lived spawned processes that receive each call's
+processes are forks of multiprocessing's fork server, which imports the third-party modules every rank
+needs once (``forked_workers.PRELOAD``: torch, tensordict, transformers; never verl or verl_balance,
+which each rank imports itself; every rank draws its own random seeds as a fresh process does, and
+shares the server's string-hash seed, as ``forked_workers`` explains), and
+they are a warm pool: per world size, N long-lived processes that receive each call's
 pickled function (with the caller's environment, working directory and ``sys.path``) and send back
 the pickled result. Each call starts from what a fresh process would see where it matters: torch's
 initial seed, default dtype, grad mode and one thread, and module globals that a call rebound (a test's
@@ -39,6 +43,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from verl_balance.testing.forked_workers import PRELOAD, reseed_like_a_fresh_process
 from verl_balance.utils.process_state import (
     destroy_process_groups,
     module_globals,
@@ -120,6 +125,7 @@ def _run_task(rank: int, world: int, task: _Task, initial_seed: int):
 
 def _serve(rank: int, world: int, conn: multiprocessing.connection.Connection) -> None:
     """A pool process: run tasks until the pipe closes; after a failure report it and leave."""
+    reseed_like_a_fresh_process()  # a fork of the fork server: its own seeds, as a fresh process has
     initial_seed = torch.initial_seed()
     while True:
         try:
@@ -142,10 +148,11 @@ def _serve(rank: int, world: int, conn: multiprocessing.connection.Connection) -
 
 
 class _Pool:
-    """``world`` spawned processes, one pipe each."""
+    """``world`` processes forked by the fork server, one pipe each."""
 
     def __init__(self, world: int):
-        ctx = multiprocessing.get_context("spawn")
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(list(PRELOAD))  # read when the fork server starts (the first pool)
         self.world = world
         self.conns, self.procs = [], []
         for rank in range(world):
