@@ -91,12 +91,8 @@ def start_server(socket_path: str, *, env: dict[str, str], timeout_s: float = 12
     return server
 
 
-def _send(sock: socket.socket, payload: bytes, fds: tuple[int, ...] = ()) -> None:
-    data = _HEADER.pack(len(payload)) + payload
-    if fds:
-        socket.send_fds(sock, [data], list(fds))
-    else:
-        sock.sendall(data)
+def _send_with_fds(sock: socket.socket, payload: bytes, fds: tuple[int, ...]) -> None:
+    socket.send_fds(sock, [_HEADER.pack(len(payload)) + payload], list(fds))
 
 
 def _receive(sock: socket.socket, size: int) -> bytes:
@@ -127,7 +123,7 @@ def client_main(socket_path: str, argv: list[str]) -> int:
     sock.connect(socket_path)
     request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}
     request.update(process_group=os.getpgid(0), session=os.getsid(0))
-    _send(sock, json.dumps(request).encode(), (0, 1, 2))
+    _send_with_fds(sock, json.dumps(request).encode(), (0, 1, 2))
     if _receive_int(sock) == _NOT_FORKED:  # else the worker's pid: it is running
         sock.close()
         for signum in signals:
