@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from verl_balance.distributed import (
     all_to_all_head_to_seq,
     all_to_all_seq_to_head,
+    all_to_all_seq_to_head_together,
     gather_and_unpad,
     pad_and_slice,
     pad_to_multiple,
@@ -59,6 +60,36 @@ def _check_group(group, tag):
     (gathered * grad_out).sum().backward()
     expected = pad_and_slice(grad_out, rank=rank, world=world)
     errors[f"{tag} gather bwd"] = float((local.grad - expected).abs().max())
+    errors.update(_check_together(group, tag, gen))
+    return errors
+
+
+def _check_together(group, tag, gen):
+    """q, k, v of different head counts and widths in one all-to-all: each equals plain indexing,
+    forward and backward, and the forward and the backward issue one collective each."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    seq = 2 * world
+    shapes = {"q": (seq, 2 * world, 3), "k": (seq, world, 3), "v": (seq, world, 5)}
+    full = {name: torch.randn(shape, generator=gen) for name, shape in shapes.items()}
+    grads = {name: torch.randn(shape, generator=gen) for name, shape in shapes.items()}
+    rows = slice(rank * seq // world, (rank + 1) * seq // world)
+    local = {name: x[rows].clone().requires_grad_(True) for name, x in full.items()}
+    cols = {name: slice(rank * shape[1] // world, (rank + 1) * shape[1] // world) for name, shape in shapes.items()}
+    calls = []
+    all_to_all_single = dist.all_to_all_single
+    dist.all_to_all_single = lambda *args, **kwargs: calls.append(1) or all_to_all_single(*args, **kwargs)
+    try:
+        outs = dict(zip(shapes, all_to_all_seq_to_head_together(*local.values(), group=group)))
+        forward_calls = len(calls)
+        sum((outs[name] * grads[name][:, cols[name]]).sum() for name in shapes).backward()
+    finally:
+        dist.all_to_all_single = all_to_all_single
+    errors = {f"{tag} together collectives": float(abs(forward_calls - 1) + abs(len(calls) - 2))}
+    for name in shapes:
+        expected = full[name][:, cols[name]]
+        assert outs[name].shape == expected.shape, (name, outs[name].shape, expected.shape)
+        errors[f"{tag} together {name} fwd"] = float((outs[name] - expected).abs().max())
+        errors[f"{tag} together {name} bwd"] = float((local[name].grad - grads[name][rows]).abs().max())
     return errors
 
 
@@ -76,7 +107,7 @@ def ulysses_errors():
 
 def test_all_to_all_and_gather_match_plain_indexing_forward_and_backward(ulysses_errors):
     for rank, errors in enumerate(ulysses_errors):
-        assert len(errors) == 12
+        assert len(errors) == 26
         for name, err in errors.items():
             assert err == 0.0, f"rank {rank}: {name} off by {err}"
 

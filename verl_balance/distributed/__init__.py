@@ -9,6 +9,7 @@ from verl_balance.distributed.layout import (
 from verl_balance.distributed.ulysses import (
     all_to_all_head_to_seq,
     all_to_all_seq_to_head,
+    all_to_all_seq_to_head_together,
     gather_and_unpad,
     pad_and_slice,
     pad_to_multiple,
@@ -21,6 +22,7 @@ __all__ = [
     "ParallelLayout",
     "all_to_all_head_to_seq",
     "all_to_all_seq_to_head",
+    "all_to_all_seq_to_head_together",
     "default_device_type",
     "gather_and_unpad",
     "init_distributed",

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from verl_balance.distributed.ulysses import all_to_all_head_to_seq, all_to_all_seq_to_head
+from verl_balance.distributed.ulysses import all_to_all_head_to_seq, all_to_all_seq_to_head_together
 from verl_balance.models.config import ModelConfigError
 
 ATTN_IMPLS = ("auto", "sdpa_masked", "sdpa_loop", "flash_attn")
@@ -243,7 +243,7 @@ def packed_attention(
             # its contiguous block of query heads is grouped with.
             rep = sp // num_kv_heads
             k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        q, k, v = (all_to_all_seq_to_head(z, group=sp_group) for z in (q, k, v))
+        q, k, v = all_to_all_seq_to_head_together(q, k, v, group=sp_group)
     out = varlen_causal_attention(
         q,
         k,
