@@ -40,7 +40,10 @@ PROBE = textwrap.dedent(
     print("to stderr", file=sys.stderr)
     if sys.argv[1] == "raise":
         raise RuntimeError("probe failed")
-    if sys.argv[1] == "sleep":
+    if sys.argv[1] in ("sleep", "trap"):
+        if sys.argv[1] == "trap":  # a driver's SIGTERM handler (the recipes save and exit on it)
+            import signal
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))
         sys.stdout.flush()
         import time
         time.sleep(600)
@@ -70,6 +73,18 @@ def _start(command, folder, mode: str, *, new_session: bool = False):
     with open(folder / "out", "w") as out, open(folder / "err", "w") as err:
         group = {"start_new_session": True} if new_session else {"process_group": 0}
         return subprocess.Popen([*command, str(script), mode], cwd=folder, env=env, stdout=out, stderr=err, **group)
+
+
+def _start_driver(folder, args: list[str], *, forked: bool):
+    """A test's subprocess driver ``python ARGS``: ``python_command`` (forked: a server is named in the
+    environment, as in the suite) or a fresh interpreter; ``folder`` holds the probe as a script and
+    as module ``probe``."""
+    folder.mkdir(exist_ok=True)
+    (folder / "probe.py").write_text(PROBE)
+    command = forked_workers.python_command(args) if forked else [sys.executable, *args]
+    env = dict(os.environ, ATEXIT_FILE=str(folder / "atexit"), PYTHONPATH=str(folder / "extra"))
+    with open(folder / "out", "w") as out, open(folder / "err", "w") as err:
+        return subprocess.Popen(command, cwd=folder, env=env, stdout=out, stderr=err)
 
 
 def _client(socket_path):
@@ -168,3 +183,43 @@ def test_the_hook_adds_the_client_only_while_a_server_is_named(monkeypatch):
     assert hooked == {"env_vars": {"A": "1"}, "py_executable": f"{sys.executable} -S {forked_workers.__file__} /tmp/s"}
     own = {"py_executable": "uv run"}
     assert forked_workers.runtime_env_hook(own) == own  # a job's own executable wins
+
+
+@pytest.mark.parametrize("mode", ["0", "3", "raise"])
+def test_a_forked_driver_module_sees_and_returns_what_python_dash_m_does(server, tmp_path, monkeypatch, mode):
+    """``python -m probe``: argv, ``sys.path`` (the working directory first), exit status, atexit."""
+    monkeypatch.delenv(forked_workers.SOCKET_ENV, raising=False)
+    assert forked_workers.python_command(["-m", "probe"]) == [sys.executable, "-m", "probe"]  # no server named
+    monkeypatch.setenv(forked_workers.SOCKET_ENV, server)
+    runs = {}
+    for name in ("fresh", "forked"):
+        folder = tmp_path / name
+        runs[name] = _finish(_start_driver(folder, ["-m", "probe", mode], forked=name == "forked"), folder)
+        status, report, atexit_ran, err = runs[name]
+        assert status == {"0": 0, "3": 3, "raise": 1}[mode] and atexit_ran
+        assert report["argv"] == [str(folder / "probe.py"), mode] and report["cwd"] == str(folder)
+        assert report["path"][:2] == [str(folder), str(folder / "extra")]
+        assert ("RuntimeError: probe failed" in err) == (mode == "raise")
+    assert runs["forked"][1]["path"][2] == runs["fresh"][1]["path"][2]
+    assert set(runs["forked"][1]["env"]) == set(runs["fresh"][1]["env"])
+    # negative control: only the forked driver has the preloaded modules
+    assert (runs["forked"][1]["preloaded"], runs["fresh"][1]["preloaded"]) == (["torch", "transformers"], [])
+
+
+def test_a_signal_to_a_forked_drivers_pid_reaches_the_driver(server, tmp_path, monkeypatch):
+    """A test signals the pid it started: the client passes SIGTERM on to the driver (its own process
+    group), whose handler decides the exit status, as for a fresh ``python SCRIPT``."""
+    monkeypatch.setenv(forked_workers.SOCKET_ENV, server)
+    for name in ("fresh", "forked"):
+        folder = tmp_path / name
+        driver = _start_driver(folder, [str(folder / "probe.py"), "trap"], forked=name == "forked")
+        deadline = time.monotonic() + 60
+        while not (folder / "out").read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        report = _report(folder)
+        assert (report["pid"] == driver.pid) == (name == "fresh")
+        if name == "forked":
+            assert report["pgid"] == report["pid"]  # its own group: a signal to the client's group is not doubled
+        driver.send_signal(signal.SIGTERM)
+        status, _, atexit_ran, _ = _finish(driver, folder)
+        assert (status, atexit_ran) == (7, True), name

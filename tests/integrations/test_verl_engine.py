@@ -18,6 +18,7 @@ pytest.importorskip("verl", reason=VERL_SKIP_REASON)
 
 from tests.integrations.verl_ray_head import runner_env  # noqa: E402
 from tests.integrations.verl_sft_ranks import run_verl_sft  # noqa: E402
+from verl_balance.testing.forked_workers import python_command  # noqa: E402
 from verl_balance.testing.multiprocess import run_on_ranks  # noqa: E402
 
 NUM_SAMPLES = 8
@@ -534,14 +535,13 @@ def _run_sft_trainer_ray(root, overrides: list[str], *, nproc: int, ray_address:
     (``RAY_JOB_CONFIG_JSON_ENV_VAR``, as a Ray job's driver gets them)."""
     import json
     import subprocess
-    import sys
 
     run_vars = dict(
         VERL_USE_EXTERNAL_MODULES="verl_balance.integrations.verl.cpu_platform,verl_balance.integrations.verl.autopatch"
     )
     job_config = {"runtime_env": {"env_vars": run_vars}}
     env = runner_env(ray_address, RAY_JOB_CONFIG_JSON_ENV_VAR=json.dumps(job_config), **run_vars)
-    cmd = [sys.executable, "-m", "verl.trainer.sft_trainer_ray", f"trainer.n_gpus_per_node={nproc}", *overrides]
+    cmd = python_command(["-m", "verl.trainer.sft_trainer_ray", f"trainer.n_gpus_per_node={nproc}", *overrides])
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=str(root))
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc.stdout

@@ -29,12 +29,12 @@ import json
 import math
 import os
 import subprocess
-import sys
 
 import pytest
 
 from tests._verl import VERL_SKIP_REASON, no_worse_than_naive
 from tests.integrations.verl_ray_head import cluster_env
+from verl_balance.testing.forked_workers import python_command
 
 pytest.importorskip("verl", reason=VERL_SKIP_REASON)
 pytest.importorskip("pyarrow", reason="writing the parquet data set needs pyarrow")
@@ -202,7 +202,7 @@ def run_main_ppo(
     replaced = {override.split("=")[0] for override in extra_overrides}
     overrides = [o for o in overrides if o.split("=")[0] not in replaced] + list(extra_overrides)
     proc = subprocess.run(
-        [sys.executable, "-m", "verl.trainer.main_ppo", *overrides],
+        python_command(["-m", "verl.trainer.main_ppo", *overrides]),
         env=env,
         cwd=out_dir,
         capture_output=True,

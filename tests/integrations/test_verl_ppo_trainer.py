@@ -13,12 +13,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 
 from tests._verl import VERL_SKIP_REASON, no_worse_than_naive
 from tests.integrations.verl_ray_head import runner_env
+from verl_balance.testing.forked_workers import python_command
 
 pytest.importorskip("verl", reason=VERL_SKIP_REASON)
 
@@ -30,7 +30,7 @@ AUTOPATCH = "verl_balance.integrations.verl.autopatch"
 def _run_cases(model_dir: str, cases: list[str], *, external_modules: str, ray_address: str) -> dict[str, dict]:
     """{case: result} from one ``verl_ppo_pieces_runner.py`` process (on the session's Ray cluster)."""
     env = runner_env(ray_address, VERL_USE_EXTERNAL_MODULES=external_modules)
-    args = [sys.executable, os.path.join(HERE, "verl_ppo_pieces_runner.py"), "--model-dir", model_dir]
+    args = python_command([os.path.join(HERE, "verl_ppo_pieces_runner.py"), "--model-dir", model_dir])
     for case in cases:
         args += ["--case", case]
     proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=900)

@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
+
+from verl_balance.testing.forked_workers import python_command
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +25,7 @@ def run_scenario(name: str, timeout_s: float = 900) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)}
     env.pop("RAY_ADDRESS", None)
     result = subprocess.run(
-        [sys.executable, "-m", "tests.single_controller.cluster_scenarios", name],
+        python_command(["-m", "tests.single_controller.cluster_scenarios", name]),
         capture_output=True,
         text=True,
         env=env,

@@ -6,10 +6,11 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from verl_balance.testing.forked_workers import python_command
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 CONFIG_DIR = REPO_ROOT / "verl_balance" / "config"
@@ -194,21 +195,22 @@ def cli_sft_run(tmp_path_factory) -> dict:
     cwd.mkdir()
     python_path = os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "verl_balance.main_sft",
-            "trainer.device=cpu",
-            "trainer.n_gpus_per_node=2",
-            "data.train_batch_size=16",
-            "data.synthetic.num_train=64",
-            "data.synthetic.num_val=16",
-            f"data.synthetic.out_dir={root / 'data'}",
-            "trainer.test_freq=2",
-            "trainer.save_freq=2",
-            "trainer.plot=false",
-            f"trainer.default_local_dir={run_dir}",
-        ],
+        python_command(
+            [
+                "-m",
+                "verl_balance.main_sft",
+                "trainer.device=cpu",
+                "trainer.n_gpus_per_node=2",
+                "data.train_batch_size=16",
+                "data.synthetic.num_train=64",
+                "data.synthetic.num_val=16",
+                f"data.synthetic.out_dir={root / 'data'}",
+                "trainer.test_freq=2",
+                "trainer.save_freq=2",
+                "trainer.plot=false",
+                f"trainer.default_local_dir={run_dir}",
+            ]
+        ),
         capture_output=True,
         text=True,
         timeout=600,

@@ -8,11 +8,12 @@ import json
 import os
 import re
 import subprocess
-import sys
 import textwrap
 import time
 
 import pytest
+
+from verl_balance.testing.forked_workers import python_command
 
 pytestmark = pytest.mark.slow  # a subprocess with Ray workers
 
@@ -65,7 +66,7 @@ def test_failing_driver_stops_its_workers_and_exits_nonzero(mode, tmp_path):
     script.write_text(DRIVER)
     python_path = os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "PYTHONPATH": python_path, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, str(script), mode, str(tmp_path)]
+    command = python_command([str(script), mode, str(tmp_path)])
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, output[-3000:]

@@ -20,6 +20,14 @@ SIGKILLs the worker: a stopped or hung worker could not notice by itself. A clie
 than the server's (a raylet started under ``setsid``) cannot have its group joined: it then runs
 ``default_worker.py`` itself, as a fresh interpreter.
 
+Drivers: a test that starts a driver as a subprocess (``main_ppo``, a recipe's command line, a pieces
+runner) runs ``python_command(["-m", MODULE, ...])`` or ``python_command([SCRIPT, ...])``: the same
+client in driver mode. The driver runs the module as ``python -m`` does (``sys.argv[0]`` the module's
+file, the working directory first on ``sys.path``) in a process group of its own, and the client
+passes the SIGTERM, SIGINT and SIGHUP sent to it on to the driver: a test signalling the pid it
+started reaches the driver as it would a fresh one, and a signal to the client's whole group reaches
+the driver once (through the client), not twice.
+
 Invariants (asserted by the server, tests/test_forked_workers.py checks the rest):
 - Only third-party modules are preloaded (``PRELOAD``); neither Ray (its C++ config and auth token
   are read per process) nor verl nor verl_balance is in the server, so the code under test is
@@ -35,7 +43,7 @@ environment (the suite's, before any test ran), and every fork shares the server
 fresh ones might disagree. The random generators are drawn anew in each worker (torch's, numpy's and
 Python's), as a fresh interpreter draws its own.
 
-Test infrastructure only: the package never starts workers this way.
+Test infrastructure only: the package never starts workers or drivers this way.
 """
 
 from __future__ import annotations
@@ -47,7 +55,14 @@ import socket
 import struct
 import sys
 
-__all__ = ["PRELOAD", "SOCKET_ENV", "reseed_like_a_fresh_process", "runtime_env_hook", "start_server"]
+__all__ = [
+    "PRELOAD",
+    "SOCKET_ENV",
+    "python_command",
+    "reseed_like_a_fresh_process",
+    "runtime_env_hook",
+    "start_server",
+]
 
 # Third-party modules the suite's workers import before our code (ours and verl's; verl and LoRA also
 # import sympy and peft). Not pyarrow (nor pandas or datasets, which import it): it starts a thread
@@ -63,6 +78,7 @@ _HEADER = struct.Struct("!i")
 # The server's answer to a client in another session (Linux lets a process join a process group of its
 # own session only): that client starts the worker as a fresh interpreter.
 _NOT_FORKED = -1
+_DRIVER = "--driver"
 
 
 def runtime_env_hook(runtime_env: dict | None) -> dict | None:
@@ -110,25 +126,44 @@ def _receive_int(sock: socket.socket) -> int:
     return _HEADER.unpack(_receive(sock, _HEADER.size))[0]
 
 
-def client_main(socket_path: str, argv: list[str]) -> int:
-    """The process Ray starts: have the server fork the worker, then stand in for it until it exits.
+def python_command(args: list[str]) -> list[str]:
+    """``[python, *args]`` for a test's subprocess driver (``args``: ``-m MODULE ...`` or ``SCRIPT ...``):
+    while a server runs, a client that has the driver forked from it (``client_main``)."""
+    socket_path = os.environ.get(SOCKET_ENV)
+    if not socket_path:
+        return [sys.executable, *args]
+    return [sys.executable, "-S", os.path.abspath(__file__), _DRIVER, socket_path, *args]
 
-    The worker joins this process's group: the raylet signals a worker's process group (it starts
-    each worker as a group leader), so its signals reach the worker as they would a fresh one. This
-    process ignores them and exits with the worker's status."""
+
+def client_main(socket_path: str, argv: list[str], *, driver: bool = False) -> int:
+    """The process Ray (or a test, for a ``driver``) starts: have the server fork the worker, then stand
+    in for it until it exits, with its exit status.
+
+    A Ray worker joins this process's group: the raylet signals a worker's process group (it starts
+    each worker as a group leader), so its signals reach the worker as they would a fresh one, and this
+    process ignores them. A driver gets a group of its own, and this process passes the signals sent
+    to it (a test's SIGTERM or SIGINT to the pid it started) on to the driver."""
     signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-    for signum in signals:
-        signal.signal(signum, signal.SIG_IGN)
+    if driver:  # held until the driver's pid is known, then passed on
+        signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+    else:
+        for signum in signals:
+            signal.signal(signum, signal.SIG_IGN)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(socket_path)
-    request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd()}
+    request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "driver": driver}
     request.update(process_group=os.getpgid(0), session=os.getsid(0))
     _send_with_fds(sock, json.dumps(request).encode(), (0, 1, 2))
-    if _receive_int(sock) == _NOT_FORKED:  # else the worker's pid: it is running
+    pid = _receive_int(sock)
+    if pid == _NOT_FORKED:  # a worker in another session: run it here
         sock.close()
         for signum in signals:
             signal.signal(signum, signal.SIG_DFL)
         os.execv(sys.executable, [sys.executable, *argv])
+    if driver:
+        for signum in signals:
+            signal.signal(signum, lambda signum, _frame: os.kill(pid, signum))
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
     return _receive_int(sock)
 
 
@@ -143,10 +178,11 @@ def reseed_like_a_fresh_process() -> None:
 
 
 def become_worker(request: dict, fds: list[int]) -> None:
-    """In the worker: the client's streams, directory, environment and PYTHONPATH; run its script."""
+    """In the worker: the client's streams, directory, environment and PYTHONPATH; run its script or
+    (``-m``) module as ``python`` would."""
     import runpy
 
-    os.setpgid(0, request["process_group"])
+    os.setpgid(0, 0 if request.get("driver") else request["process_group"])
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
@@ -154,12 +190,19 @@ def become_worker(request: dict, fds: list[int]) -> None:
     os.environ.clear()
     os.environ.update(request["env"])
     reseed_like_a_fresh_process()
-    script = request["argv"][0]
+    argv = request["argv"]
+    module = argv[1] if argv[0] == "-m" else None
     python_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    # As the interpreter builds it: the script's folder, then PYTHONPATH, then the standard entries.
-    sys.path[:] = [os.path.dirname(os.path.abspath(script)), *python_path, *sys.path[1:]]
-    sys.argv = list(request["argv"])
-    runpy.run_path(script, run_name="__main__")
+    # As the interpreter builds it: the script's folder (the working directory for -m), then
+    # PYTHONPATH, then the standard entries.
+    first = os.getcwd() if module else os.path.dirname(os.path.abspath(argv[0]))
+    sys.path[:] = [first, *python_path, *sys.path[1:]]
+    if module:
+        sys.argv = argv[1:]  # run_module puts the module's file name first, as -m does
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(argv)
+        runpy.run_path(argv[0], run_name="__main__")
 
 
 def _kill_when_client_leaves(conn: socket.socket, pid: int) -> None:
@@ -184,7 +227,7 @@ def _wait_for_worker(conn: socket.socket) -> tuple[dict, list[int]] | None:
     """In the waiter: read a request and fork its worker; returns it in the worker, exits in the waiter."""
     header, fds, _flags, _address = socket.recv_fds(conn, _HEADER.size, 3)
     request = json.loads(_receive(conn, _HEADER.unpack(header)[0]))
-    if request["session"] != os.getsid(0):
+    if not request["driver"] and request["session"] != os.getsid(0):
         conn.sendall(_HEADER.pack(_NOT_FORKED))  # it could not join the client's process group
         os._exit(0)
     pid = os.fork()
@@ -241,5 +284,7 @@ def serve(socket_path: str) -> tuple[dict, list[int]]:
 if __name__ == "__main__":
     if sys.argv[1] == "--serve":
         become_worker(*serve(sys.argv[2]))  # only a worker gets here; it exits as a fresh interpreter would
+    elif sys.argv[1] == _DRIVER:
+        sys.exit(client_main(sys.argv[2], sys.argv[3:], driver=True))
     else:
         sys.exit(client_main(sys.argv[1], sys.argv[2:]))
