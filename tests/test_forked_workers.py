@@ -221,5 +221,8 @@ def test_a_signal_to_a_forked_drivers_pid_reaches_the_driver(server, tmp_path, m
         if name == "forked":
             assert report["pgid"] == report["pid"]  # its own group: a signal to the client's group is not doubled
         driver.send_signal(signal.SIGTERM)
-        status, _, atexit_ran, _ = _finish(driver, folder)
+        try:
+            status, _, atexit_ran, _ = _finish(driver, folder)
+        finally:
+            driver.kill()  # only a driver the signal did not reach is still running
         assert (status, atexit_ran) == (7, True), name
