@@ -16,6 +16,7 @@ import pytest
 
 pytest.importorskip("verl")
 from tests._chat import write_chat_parquet  # noqa: E402
+from verl_balance.testing import forked_workers  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -54,9 +55,13 @@ def test_verl_sft_trainer_on_our_backend_writes_a_loadable_hf_dir_and_exports_wi
         VERL_USE_EXTERNAL_MODULES="verl_balance.integrations.verl.cpu_platform,verl_balance.integrations.verl.autopatch",
     )
     run_dir = tmp_path / "run"
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    trainer = ["-m", "verl.trainer.sft_trainer"]
+    if os.environ.get(forked_workers.SOCKET_ENV):  # each rank a fork of the suite's preload server
+        launcher, trainer = [*launcher, "--no-python"], forked_workers.python_command(trainer)
     cmd = [
-        sys.executable,
-        *("-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "verl.trainer.sft_trainer"),
+        *launcher,
+        *trainer,
         f"data.train_files={tmp_path / 'train.parquet'}",
         "data.train_batch_size=8",
         "data.max_length=256",

@@ -22,7 +22,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 
-def _all_to_all(xs: tuple[Tensor, ...], *, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int) -> tuple:
+def _all_to_all(
+    xs: tuple[Tensor, ...], *, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int
+) -> tuple[Tensor, ...]:
     """One all-to-all for every tensor of ``xs``: rank j receives block j of each along scatter_dim
     and joins the blocks it receives along gather_dim. The tensors may differ in shape (q with Hq
     heads, k and v with Hkv) but each rank holds the same shapes."""

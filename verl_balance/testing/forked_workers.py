@@ -162,9 +162,16 @@ def client_main(socket_path: str, argv: list[str], *, driver: bool = False) -> i
         os.execv(sys.executable, [sys.executable, *argv])
     if driver:
         for signum in signals:
-            signal.signal(signum, lambda signum, _frame: os.kill(pid, signum))
+            signal.signal(signum, lambda signum, _frame: _pass_on(signum, pid))
         signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
     return _receive_int(sock)
+
+
+def _pass_on(signum: int, pid: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass  # the driver has just exited: its status is on its way
 
 
 def reseed_like_a_fresh_process() -> None:
@@ -182,7 +189,7 @@ def become_worker(request: dict, fds: list[int]) -> None:
     (``-m``) module as ``python`` would."""
     import runpy
 
-    os.setpgid(0, 0 if request.get("driver") else request["process_group"])
+    os.setpgid(0, 0 if request["driver"] else request["process_group"])
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
