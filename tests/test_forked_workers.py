@@ -1,9 +1,10 @@
 """The forked-worker server (``verl_balance/testing/forked_workers.py``) starts a script as a fresh
 interpreter would, and a worker dies with the process Ray started: the suite's Ray workers are its forks.
 
-Each test runs a small script through the real client (the command Ray runs) and checks what a fresh
-``python SCRIPT`` gives: arguments, directory, environment, ``sys.path``, streams, exit status, atexit
-handlers; and that the preloaded modules are the third-party ones only."""
+Each test runs a small script through the real client (the command Ray runs, or ``python_command`` for
+a test's driver) and checks what a fresh ``python SCRIPT`` or ``python -m MODULE`` gives: arguments,
+directory, environment, ``sys.path``, streams, exit status, atexit handlers, a signal to a driver's pid;
+and that the preloaded modules are the third-party ones only."""
 
 from __future__ import annotations
 
