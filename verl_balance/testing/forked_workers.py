@@ -79,6 +79,8 @@ _HEADER = struct.Struct("!i")
 # own session only): that client starts the worker as a fresh interpreter.
 _NOT_FORKED = -1
 _DRIVER = "--driver"
+# The stdlib-only client (this file without site): a Ray worker's py_executable, a driver's command.
+_CLIENT = (sys.executable, "-S", os.path.abspath(__file__))
 
 
 def runtime_env_hook(runtime_env: dict | None) -> dict | None:
@@ -86,7 +88,7 @@ def runtime_env_hook(runtime_env: dict | None) -> dict | None:
     socket_path = os.environ.get(SOCKET_ENV)
     if not socket_path or (runtime_env or {}).get("py_executable"):
         return runtime_env
-    client = f"{sys.executable} -S {os.path.abspath(__file__)} {socket_path}"
+    client = " ".join((*_CLIENT, socket_path))
     return {**(runtime_env or {}), "py_executable": client}
 
 
@@ -132,7 +134,7 @@ def python_command(args: list[str]) -> list[str]:
     socket_path = os.environ.get(SOCKET_ENV)
     if not socket_path:
         return [sys.executable, *args]
-    return [sys.executable, "-S", os.path.abspath(__file__), _DRIVER, socket_path, *args]
+    return [*_CLIENT, _DRIVER, socket_path, *args]
 
 
 def client_main(socket_path: str, argv: list[str], *, driver: bool = False) -> int:
