@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import re
 import sys
 import time
 
@@ -11,6 +13,7 @@ import torch
 import torch.distributed as dist
 from ray import cloudpickle
 
+from tests.conftest import NATIVE_CRASH_OF_A_WORKER
 from verl_balance.single_controller import (
     Dispatch,
     RayClassWithInitArgs,
@@ -40,6 +43,12 @@ class CrashingWorker(Worker):
         return value.item()
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def segfault_after_a_last_word(self, dying_rank: int) -> None:
+        print(f"rank {self.rank}: last word before the crash", file=sys.stderr, flush=True)
+        if self.rank == dying_rank:
+            faulthandler._sigsegv()  # a native crash: what a heap corruption in a library looks like
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def raise_then_peer_dies(self) -> int:
         if self.rank == 0:
             raise RuntimeError("connection closed by peer")  # what a survivor of a dead peer often sees first
@@ -61,6 +70,7 @@ def test_killed_worker_raises_naming_rank_actor_and_method(ray_cluster):
         assert (error.rank, error.actor_id, error.method) == (1, dying_actor, "all_reduce_or_die")
         message = str(error)
         assert "worker rank 1" in message and dying_actor in message and "CrashingWorker.all_reduce_or_die" in message
+        assert not re.search(NATIVE_CRASH_OF_A_WORKER, f"WorkerDiedError: {message}")  # an exit is not rerun
     finally:
         wg.shutdown()
         pool.remove()
@@ -76,6 +86,22 @@ def test_dead_peer_is_reported_even_when_a_survivor_errors_first(ray_cluster):
             wg.raise_then_peer_dies()
         assert any("worker rank 0 raised meanwhile" in note for note in info.value.__notes__)
         assert isinstance(info.value.__cause__, RuntimeError)  # the survivor's error is kept as the cause
+    finally:
+        wg.shutdown()
+        pool.remove()
+
+
+def test_a_segfaulted_worker_is_reported_with_the_last_lines_of_its_own_stderr(ray_cluster):
+    pool = RayResourcePool(n_gpus_per_node=2, use_gpu=False)
+    wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=RayClassWithInitArgs(CrashingWorker))
+    try:
+        with pytest.raises(WorkerDiedError) as info:
+            wg.segfault_after_a_last_word(1)
+        message = str(info.value)
+        assert "rank 1: last word before the crash" in message
+        assert "Segmentation fault" in message  # Python's fault handler, which Ray enables in its workers
+        assert "rank 0: last word" not in message  # the dead rank's own log, not a survivor's
+        assert re.search(NATIVE_CRASH_OF_A_WORKER, f"WorkerDiedError: {message}")  # the suite reruns such a test
     finally:
         wg.shutdown()
         pool.remove()

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import time
 import uuid
 from collections import Counter
@@ -131,11 +132,31 @@ def _node_address_and_free_port() -> tuple[str, int]:
     return ray.util.get_node_ip_address().strip("[]"), free_rendezvous_port()
 
 
-def _worker_place(actor: Any) -> tuple[str, int]:
-    """(node id, pid) of the worker process (run inside it via ``__ray_call__``)."""
-    import os
+def _worker_place(actor: Any) -> tuple[str, int, str | None]:
+    """(node id, pid, the file its stderr goes to or None) of the worker process (run inside it via
+    ``__ray_call__``). Ray writes a worker's stderr to a log file of its node's session: what a worker
+    that died says last (a segfault, a fatal error) is there."""
+    try:
+        stderr_path = os.readlink("/proc/self/fd/2")
+    except OSError:  # not Linux, or no stderr
+        stderr_path = None
+    if stderr_path is not None and not os.path.isfile(stderr_path):
+        stderr_path = None  # a terminal or a pipe
+    return ray.get_runtime_context().get_node_id(), os.getpid(), stderr_path
 
-    return ray.get_runtime_context().get_node_id(), os.getpid()
+
+def _last_log_lines(path: str, *, max_lines: int = 25, max_bytes: int = 8000) -> str:
+    """The last lines of a dead worker's stderr file, '' if unreadable. Ray's own markers (``:job_id:``
+    ...) and the fault handler's list of extension modules are left out: they say nothing of the cause."""
+    try:
+        with open(path, "rb") as log:
+            start = max(0, log.seek(0, os.SEEK_END) - max_bytes)
+            log.seek(start)
+            lines = log.read().decode("utf-8", "replace").splitlines()[1 if start else 0 :]  # a cut first line
+    except OSError:
+        return ""
+    lines = [line[:300] for line in lines if line.strip() and not line.startswith((":", "Extension modules:"))]
+    return "\n".join(lines[-max_lines:])
 
 
 class GroupFuture:
@@ -331,7 +352,8 @@ class RayWorkerGroup:
         self._mesh_layouts: dict[str, MeshLayout] = {}
         self._workers: list[ray.actor.ActorHandle] = []
         self._worker_names: list[str] = []
-        self._places: list[tuple[str, int]] = []  # (node id, pid) per rank, once the workers are ready
+        # (node id, pid, stderr file) per rank, once the workers are ready
+        self._places: list[tuple[str, int, str | None]] = []
         self._host_starts: list = []  # hosted workers (worker_hosts.py): their constructor calls
         self._hosts = None  # the WorkerHosts this group's workers live in, if hosted
         self._failed = False  # a call failed or was interrupted: the workers are not reused
@@ -588,7 +610,7 @@ class RayWorkerGroup:
                 continue
             text = self._worker_names[rank]
             if rank < len(self._places):
-                node, pid = self._places[rank]
+                node, pid, _ = self._places[rank]
                 text += f" pid {pid}" + (f" {_process_state(pid)}" if node == here else "")
             parts.append(text)
         return ", ".join(parts)
@@ -623,11 +645,22 @@ class RayWorkerGroup:
         reason = " ".join(str(error).split())[:600]
         return WorkerDiedError(
             f"worker rank {rank} (actor {actor_id}, name {self._worker_names[rank]}) died during "
-            f"{self._describe_method(method)}; the group is unusable, call shutdown(). Ray says: {reason}",
+            f"{self._describe_method(method)}; the group is unusable, call shutdown(). Ray says: {reason}"
+            f"{self._last_words(rank)}",
             rank=rank,
             actor_id=actor_id,
             method=method,
         )
+
+    def _last_words(self, rank: int) -> str:
+        """The dead rank's last stderr lines when its log is on the driver's node (else where it is)."""
+        if rank >= len(self._places) or self._places[rank][2] is None:
+            return ""
+        node, _, path = self._places[rank]
+        if node != ray.get_runtime_context().get_node_id():
+            return f"\nits stderr is {path} on node {node}"
+        tail = _last_log_lines(path)
+        return f"\nthe last lines of its stderr ({path}):\n{tail}" if tail else ""
 
     def _describe_method(self, method: str) -> str:
         return f"{self.ray_cls_with_init.cls.__name__}.{method}"
