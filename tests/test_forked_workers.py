@@ -30,7 +30,7 @@ PROBE = textwrap.dedent(
     report = {
         "argv": sys.argv, "cwd": os.getcwd(), "env": dict(os.environ), "path": sys.path[:3],
         "preloaded": sorted(m for m in ("torch", "transformers", "ray", "verl", "verl_balance") if m in sys.modules),
-        "pgid": os.getpgid(0), "pid": os.getpid(),
+        "pgid": os.getpgid(0), "pid": os.getpid(), "oom_score_adj": open("/proc/self/oom_score_adj").read().strip(),
     }
     report["hash"] = hash("a string")
     if sys.argv[1] == "seeds":  # torch and numpy: seconds to import in a fresh interpreter, only here
@@ -64,16 +64,30 @@ def server():
     shutil.rmtree(folder, ignore_errors=True)
 
 
+def _raise_oom_score_adj():
+    with open("/proc/self/oom_score_adj", "w") as adj:
+        adj.write("1000")
+
+
 def _start(command, folder, mode: str, *, new_session: bool = False):
     """``command probe.py mode`` in ``folder`` with an extra PYTHONPATH entry; streams to files there.
-    Its own process group, as the raylet starts each worker (or its own session)."""
+    Its own process group, as the raylet starts each worker (or its own session), and the
+    ``oom_score_adj`` of 1000 the raylet gives it."""
     folder.mkdir(exist_ok=True)
     script = folder / "probe.py"
     script.write_text(PROBE)
     env = dict(os.environ, ATEXIT_FILE=str(folder / "atexit"), PYTHONPATH=str(folder / "extra"), PROBE_VAR="x")
     with open(folder / "out", "w") as out, open(folder / "err", "w") as err:
         group = {"start_new_session": True} if new_session else {"process_group": 0}
-        return subprocess.Popen([*command, str(script), mode], cwd=folder, env=env, stdout=out, stderr=err, **group)
+        return subprocess.Popen(
+            [*command, str(script), mode],
+            cwd=folder,
+            env=env,
+            stdout=out,
+            stderr=err,
+            preexec_fn=_raise_oom_score_adj,
+            **group,
+        )
 
 
 def _start_driver(folder, args: list[str], *, forked: bool):
@@ -117,6 +131,7 @@ def test_a_forked_script_sees_and_returns_what_a_fresh_interpreter_does(server, 
     assert ours["path"][2] == theirs["path"][2]  # then the interpreter's own entries
     assert ours["env"]["PROBE_VAR"] == "x" and ours["env"]["ATEXIT_FILE"].endswith("forked/atexit")
     assert set(ours["env"]) == set(theirs["env"])  # the client's environment, nothing of the server's
+    assert ours["oom_score_adj"] == theirs["oom_score_adj"] == "1000"  # the server's is 0
     # preloaded: the third-party modules only (negative control: a fresh interpreter has none)
     assert ours["preloaded"] == ["torch", "transformers"] and theirs["preloaded"] == []
 

@@ -9,15 +9,16 @@ How a worker starts: Ray launches every worker of a job as ``<py_executable> def
 (the ``py_executable`` runtime-env field, which ``runtime_env_hook`` adds to every job while
 ``SOCKET_ENV`` names a running server). ``py_executable`` is this file run as a stdlib-only *client*
 (``python -S``): it sends the server its argv, environment, working directory and standard streams
-(``SCM_RIGHTS``). The server forks a *waiter*, the waiter forks the *worker*: the worker takes those
-over and runs ``default_worker.py`` as ``__main__``, then leaves through the interpreter's normal exit
-(atexit handlers, non-daemon threads), as a fresh interpreter would. It registers with the raylet
-under its own pid. The waiter sends the client the worker's pid and later its exit status; the client
-exits with that status. The worker joins the client's process group, which the raylet signals (it
-starts each worker as a group leader and kills the group), so the raylet's signals reach the worker
-as they would a fresh one. When the client is gone all the same (SIGKILLed alone), the waiter
-SIGKILLs the worker: a stopped or hung worker could not notice by itself. A client in another session
-than the server's (a raylet started under ``setsid``) cannot have its group joined: it then runs
+(``SCM_RIGHTS``). The server forks a *waiter*, the waiter forks the *worker*: the worker takes those and
+the client's ``oom_score_adj`` over (the kernel's OOM killer picks it as it would pick a fresh worker,
+not the small client) and runs ``default_worker.py`` as ``__main__``, then leaves through the
+interpreter's normal exit (atexit handlers, non-daemon threads), as a fresh interpreter would. It
+registers with the raylet under its own pid. The waiter sends the client the worker's pid and later its
+exit status; the client exits with that status. The worker joins the client's process group, which the
+raylet signals (it starts each worker as a group leader and kills the group), so the raylet's signals
+reach the worker as they would a fresh one. When the client is gone all the same (SIGKILLed alone), the
+waiter SIGKILLs the worker: a stopped or hung worker could not notice by itself. A client in another
+session than the server's (a raylet started under ``setsid``) cannot have its group joined: it then runs
 ``default_worker.py`` itself, as a fresh interpreter.
 
 Drivers: a test that starts a driver as a subprocess (``main_ppo``, a recipe's command line, a pieces
@@ -154,7 +155,7 @@ def client_main(socket_path: str, argv: list[str], *, driver: bool = False) -> i
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.connect(socket_path)
     request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "driver": driver}
-    request.update(process_group=os.getpgid(0), session=os.getsid(0))
+    request.update(process_group=os.getpgid(0), session=os.getsid(0), oom_score_adj=_oom_score_adj())
     _send_with_fds(sock, json.dumps(request).encode(), (0, 1, 2))
     pid = _receive_int(sock)
     if pid == _NOT_FORKED:  # a worker in another session: run it here
@@ -167,6 +168,16 @@ def client_main(socket_path: str, argv: list[str], *, driver: bool = False) -> i
             signal.signal(signum, lambda signum, _frame: _pass_on(signum, pid))
         signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
     return _receive_int(sock)
+
+
+def _oom_score_adj() -> str | None:
+    """This process's ``oom_score_adj`` (the raylet raises its workers' to 1000: the kernel's OOM killer
+    takes a worker before the raylet); None where there is none."""
+    try:
+        with open("/proc/self/oom_score_adj") as adj:
+            return adj.read().strip()
+    except OSError:
+        return None
 
 
 def _pass_on(signum: int, pid: int) -> None:
@@ -192,6 +203,12 @@ def become_worker(request: dict, fds: list[int]) -> None:
     import runpy
 
     os.setpgid(0, 0 if request["driver"] else request["process_group"])
+    if request.get("oom_score_adj") is not None:  # the OOM killer's choice as for the client, not the server
+        try:
+            with open("/proc/self/oom_score_adj", "w") as adj:
+                adj.write(request["oom_score_adj"])
+        except OSError:
+            pass  # lowering it takes a privilege: the server's stays
     for target, fd in enumerate(fds):
         os.dup2(fd, target)
         os.close(fd)
