@@ -36,11 +36,11 @@ for name, value in (
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 4 workers of the largest test layout + headroom for a second group being torn down.
 RAY_NUM_CPUS = 6
-# A test in which a Ray worker process died of a native crash (Ray's fault handler prints "*** SIGSEGV
-# received" to the worker's stderr, which WorkerDiedError quotes) runs once more. One such crash (a
-# segfault in malloc on a non-Python thread of a CPU rollout worker, in 1 of ~15 suite runs) failed a
-# CI run; no test of ours asserts a native crash through this path. Any other failure fails at once,
-# and pytest's summary lists every rerun test with its first error.
+# A slow test (the only ones with Ray workers) in which a Ray worker process died of a native crash
+# (Ray's fault handler prints "*** SIGSEGV received" to the worker's stderr, which WorkerDiedError
+# quotes) runs once more. One such crash (a segfault in malloc on a non-Python thread of a CPU rollout
+# worker, in 1 of ~15 suite runs) failed a CI run; no test of ours asserts a native crash through this
+# path. Any other failure fails at once, and pytest's summary lists every rerun test.
 NATIVE_CRASH_OF_A_WORKER = r"WorkerDiedError: (?s:.*)\*\*\* SIG(SEGV|BUS|ABRT|ILL|FPE) received"
 
 
@@ -49,15 +49,22 @@ def pytest_configure(config):
     # pytest_collection_modifyitems below puts the slowest files first (tests/file_order.py).
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
-    if config.pluginmanager.hasplugin("rerunfailures") and config.getoption("reruns") is None:
-        config.option.reruns = 1
-        config.option.only_rerun = [NATIVE_CRASH_OF_A_WORKER]
+    if _reruns_native_crashes(config):
         config.option.reportchars = (config.option.reportchars or "") + "R"  # rerun tests in the summary
+
+
+def _reruns_native_crashes(config) -> bool:
+    """pytest-rerunfailures is installed and the command line sets no rerun policy of its own."""
+    return config.pluginmanager.hasplugin("rerunfailures") and config.getoption("reruns") is None
 
 
 def pytest_collection_modifyitems(config, items):
     order = slowest_files_first([item.nodeid for item in items], load_weights())
     items[:] = [items[i] for i in order]
+    if _reruns_native_crashes(config):
+        for item in items:
+            if item.get_closest_marker("slow"):
+                item.add_marker(pytest.mark.flaky(reruns=1, only_rerun=[NATIVE_CRASH_OF_A_WORKER]))
 
 
 @pytest.fixture(scope="session", autouse=True)
