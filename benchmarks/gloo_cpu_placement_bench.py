@@ -33,7 +33,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from verl_balance.testing.multiprocess import gloo_group, new_rendezvous, run_on_ranks
+from verl_balance.distributed.launcher import gloo_group, new_rendezvous, run_on_ranks
 
 
 def _pin_all_threads(cpus: set[int]) -> None:

@@ -26,11 +26,11 @@ import time
 import torch
 
 from verl_balance.distributed import ParallelLayout
+from verl_balance.distributed.launcher import run_on_ranks
 from verl_balance.engine import EngineConfig, TrainEngine
 from verl_balance.engine.config import OptimConfig
 from verl_balance.models.hf import HFModelConfig
 from verl_balance.models.tiny_hf import write_tiny_model
-from verl_balance.testing.multiprocess import run_on_ranks
 
 # Qwen2.5-0.5B's dimensions (config.json of Qwen/Qwen2.5-0.5B).
 SHAPES = {

@@ -117,7 +117,7 @@ def _verl(rank, *, model_dir: str, dp: int):
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.utils.losses import sft_loss
 
-    from verl_balance.integrations.verl import cpu_platform  # noqa: F401  (installs the CPU shim)
+    from verl_balance.integrations.verl.cpu_shims import platform as cpu_platform  # noqa: F401  (installs the CPU shim)
 
     model_config = HFModelConfig(
         path=model_dir, use_remove_padding=False, override_config={"attn_implementation": "sdpa"}
@@ -161,7 +161,7 @@ def _verl(rank, *, model_dir: str, dp: int):
 
 
 def _measure(fn, world: int):
-    from verl_balance.testing.multiprocess import run_on_ranks
+    from verl_balance.distributed.launcher import run_on_ranks
 
     results = run_on_ranks(fn, world=world)
     return [max(r[i] for r in results) for i in range(3)]  # the worst rank

@@ -110,8 +110,8 @@ def measure_rank(rank: int, *, model: str, dp: int, param_dtype: str, ac: bool, 
 
 
 def run_case(name: str, *, tokens: int, seq_len: int, hf_dir: str) -> list[tuple[str, int, int]]:
+    from verl_balance.distributed.launcher import run_on_ranks
     from verl_balance.memory import MemoryLayout, estimate, load_shapes
-    from verl_balance.testing.multiprocess import run_on_ranks
 
     kind, dp, param_dtype, ac = CASES[name]
     model = hf_dir if kind == "hf" else kind

@@ -61,9 +61,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTIONS = ("sft-verl", "sft-trl", "grpo-trl", "grpo-verl-script")
 # (hidden, layers, heads, kv heads, intermediate)
 MODELS = {"tiny": (64, 2, 4, 2, 128), "small": (256, 4, 4, 2, 512)}
-CPU_SHIM = "verl_balance.integrations.verl.cpu_platform,verl_balance.integrations.verl.autopatch"
+CPU_SHIM = "verl_balance.integrations.verl.cpu_shims.platform,verl_balance.integrations.verl.autopatch"
 CPU_ROLLOUT = (
-    "verl_balance.integrations.verl.cpu_platform,verl_balance.integrations.verl.cpu_rollout,"
+    "verl_balance.integrations.verl.cpu_shims.platform,verl_balance.integrations.verl.cpu_shims.rollout,"
     "benchmarks.verl_cpu_pin_memory"  # verl's fsdp2 reference engine pins its offloaded shards
 )
 VERL_GRPO_SCRIPT = os.path.join(REPO, "tests", "data", "verl_example_overrides", "grpo_trainer__run_qwen3_8b_fsdp.txt")

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from verl_balance.distributed import all_to_all_seq_to_head, all_to_all_seq_to_head_together
-from verl_balance.testing.multiprocess import run_on_ranks
+from verl_balance.distributed.launcher import run_on_ranks
 
 SHAPES = {"qwen2.5-0.5b sp2": (14, 2, 64, 2), "72b-like sp4": (64, 8, 128, 4)}
 

@@ -72,7 +72,7 @@ def main() -> None:
     import verl.utils.seqlen_balancing as verl_sb
 
     from verl_balance.integrations.verl import get_seqlen_balanced_partitions as ours
-    from verl_balance.integrations.verl.seqlen import _lower_bound
+    from verl_balance.integrations.verl.patches.seqlen import _lower_bound
 
     sizes = [n for n in args.sizes if n <= 1024] if args.quick else args.sizes
     ks = [8] if args.quick else args.ks

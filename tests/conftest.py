@@ -116,9 +116,9 @@ def ray_cluster(forked_ray_workers):
             runtime_env={"env_vars": {"PYTHONPATH": python_path, "OMP_NUM_THREADS": "1"}},
         )
     # Successive trainer runs reuse idle worker processes instead of paying an interpreter, torch
-    # and FSDP per worker again (single_controller/worker_hosts.py); test-defined classes are not hosted.
-    from verl_balance.single_controller.worker_hosts import disable_worker_hosts, enable_worker_hosts
-    from verl_balance.workers.host import WorkerHost
+    # and FSDP per worker again (testing/worker_hosts.py); test-defined classes are not hosted.
+    from verl_balance.testing.worker_host import WorkerHost
+    from verl_balance.testing.worker_hosts import disable_worker_hosts, enable_worker_hosts
 
     enable_worker_hosts(classes=hosted_worker_classes(), host=WorkerHost)
     yield ray

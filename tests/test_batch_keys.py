@@ -18,8 +18,8 @@ KEYS = {value: name for name, value in vars(batch_keys).items() if name.endswith
 
 ALLOWED = {
     ("models/attention.py", "position_ids"): "a keyword Hugging Face passes to every attention function",
-    ("integrations/verl/cpu_rollout.py", "temperature"): "a key of verl's sampling params",
-    ("trainer/grpo_trainer.py", "temperature"): "a key of the rollout's sampling params",
+    ("integrations/verl/cpu_shims/rollout.py", "temperature"): "a key of verl's sampling params",
+    ("trainer/grpo/trainer.py", "temperature"): "a key of the rollout's sampling params",
     ("data/synthetic.py", "index"): "the extra_info field of verl's data files",
     ("algorithms/policy_loss.py", "entropy"): "a metric name (actor/entropy)",
     ("utils/progress.py", "values"): "the label of the critic's values pass on the progress line",

@@ -9,7 +9,9 @@ the layer rules). Invariants (docs/design.md, "Layers"):
 - no import cycle anywhere in the package;
 - ``balance/`` imports only the standard library, numpy and ``balance`` itself;
 - ``single_controller/`` imports nothing of ``integrations/`` and never ``verl``;
-- only ``single_controller/``, ``workers/``, ``trainer/`` and ``integrations/`` import Ray;
+- only ``single_controller/``, ``workers/``, ``trainer/``, ``integrations/`` and ``testing/`` import Ray;
+- the suite's process pools (``TEST_MACHINERY``: the warm-host pool and the forked-worker server) are
+  imported by nothing outside ``testing/``: production code knows only the ``WorkerFactory`` seam;
 - only ``integrations/verl/`` imports ``verl``, and no core module imports ``integrations/``;
 - the driver side (``trainer/``, ``single_controller/``) never imports ``torch.distributed``;
 - the top-level command modules (``CLI_MODULES``: ``python -m verl_balance.<name>``) are imported by
@@ -31,6 +33,8 @@ import verl_balance
 ROOT_PACKAGE = "verl_balance"
 # Top-level command-line modules (``python -m verl_balance.<name>``): entry points, never a library's import.
 CLI_MODULES = ("main_sft", "main_grpo", "export", "parity", "memory", "calibrate")
+# The suite's process pools: test machinery that production modules never import.
+TEST_MACHINERY = ("testing.worker_hosts", "testing.worker_host", "testing.forked_workers")
 
 
 @dataclass(frozen=True)
@@ -151,7 +155,7 @@ def _in(module: str, package: str) -> bool:
 
 def _layer_rules(pkg: str) -> dict[str, object]:
     """rule name -> broken(importing module, imported target)."""
-    ray_allowed = [f"{pkg}.{p}" for p in ("single_controller", "workers", "trainer", "integrations")]
+    ray_allowed = [f"{pkg}.{p}" for p in ("single_controller", "workers", "trainer", "integrations", "testing")]
     driver = [f"{pkg}.{p}" for p in ("trainer", "single_controller")]
     return {
         "balance/ imports numpy and the standard library only": lambda m, t: (
@@ -163,7 +167,7 @@ def _layer_rules(pkg: str) -> dict[str, object]:
         "single_controller/ knows nothing of verl": lambda m, t: (
             _in(m, f"{pkg}.single_controller") and (_in(t, f"{pkg}.integrations") or _top(t) == "verl")
         ),
-        "only single_controller/, workers/, trainer/, integrations/ import Ray": lambda m, t: (
+        "only single_controller/, workers/, trainer/, integrations/, testing/ import Ray": lambda m, t: (
             _top(t) == "ray" and not any(_in(m, p) for p in ray_allowed)
         ),
         "only integrations/verl/ imports verl": lambda m, t: (
@@ -174,6 +178,9 @@ def _layer_rules(pkg: str) -> dict[str, object]:
         ),
         "the driver never imports torch.distributed": lambda m, t: (
             _in(t, "torch.distributed") and any(_in(m, p) for p in driver)
+        ),
+        "test machinery is imported by nothing outside testing/": lambda m, t: (
+            any(_in(t, f"{pkg}.{name}") for name in TEST_MACHINERY) and not _in(m, f"{pkg}.testing")
         ),
         "top-level command modules are imported by nothing in the package": lambda m, t: (
             any(_in(t, f"{pkg}.{cli}") for cli in CLI_MODULES) and not _in(m, t)
@@ -288,6 +295,11 @@ def test_planted_layer_violations_are_reported(tmp_path):
             "engine/__init__.py": "",
             "engine/e.py": "def names():\n    from planted.export import main\n",
             "main_sft.py": "from planted import export\n",
+            "testing/__init__.py": "",
+            "testing/worker_hosts.py": "import ray\nfrom planted.testing import forked_workers\n",
+            "testing/forked_workers.py": "",
+            "single_controller/g.py": "def h():\n    from planted.testing.worker_hosts import enable\n",
+            "distributed/launcher.py": "from planted.testing import forked_workers\n",
         },
     )
     found = {
@@ -305,4 +317,6 @@ def test_planted_layer_violations_are_reported(tmp_path):
         ("planted.loss", 1, "planted.integrations.verl", "no"),
         ("planted.engine.e", 2, "planted.export", "top-level"),
         ("planted.main_sft", 1, "planted.export", "top-level"),
+        ("planted.single_controller.g", 2, "planted.testing.worker_hosts", "test"),
+        ("planted.distributed.launcher", 1, "planted.testing.forked_workers", "test"),
     }, sorted(found)

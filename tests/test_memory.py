@@ -282,7 +282,7 @@ LIVE_CASES = [
 @pytest.mark.slow
 @pytest.mark.parametrize("model, dp, sp, param_dtype", LIVE_CASES)
 def test_live_engine_state_bytes_equal_prediction(model, dp, sp, param_dtype, tmp_path):
-    from verl_balance.testing.multiprocess import run_on_ranks
+    from verl_balance.distributed.launcher import run_on_ranks
 
     if model.startswith("hf:"):
         from verl_balance.models.tiny_hf import write_tiny_model

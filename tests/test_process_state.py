@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from verl_balance.testing.multiprocess import new_rendezvous
+from verl_balance.distributed.launcher import new_rendezvous
 from verl_balance.utils.process_state import destroy_process_groups
 
 pytestmark = pytest.mark.slow  # two spawned processes

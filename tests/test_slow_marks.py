@@ -211,7 +211,7 @@ def test_the_slow_mark_check_flags_planted_unmarked_spawning_tests():
         import subprocess, sys
         import pytest
         import torch.multiprocessing as mp
-        from verl_balance.testing.multiprocess import run_on_ranks
+        from verl_balance.distributed.launcher import run_on_ranks
         from tests.fake.helpers import run_cli
 
         def _indirect():

@@ -54,11 +54,11 @@ ROLLOUT_LOG_PROBS_KEY = "rollout_log_probs"
 
 ROLLOUT_IS_WEIGHTS_KEY = "rollout_is_weights"
 """RL (verl's key): the rollout correction's importance weight of each token (token-aligned like
-``loss_mask``), multiplying its policy loss; set by the driver (trainer/advantage_step.py)."""
+``loss_mask``), multiplying its policy loss; set by the driver (trainer/grpo/advantage_step.py)."""
 
 POLICY_VERSION_KEY = "policy_version"
 """Tensor column of an asynchronous rollout batch (int64): the policy version (the actor's completed
-training steps) whose weights generated the row (trainer/async_pipeline.py)."""
+training steps) whose weights generated the row (trainer/grpo/async_trainer.py)."""
 
 VALUES_KEY = "values"
 """PPO: the critic's values of each token (the old values of the value loss; also the column a

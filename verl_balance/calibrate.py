@@ -165,7 +165,7 @@ def _measure_rank(rank: int, *, model_config, engine_config, world: int, grid, w
 
 def measure(*, model_config, engine_config, world: int, grid, warmup: int, repeats: int, seed: int) -> np.ndarray:
     """Median over repeats of the max over ranks of each grid point's micro-batch busy seconds."""
-    from verl_balance.testing.multiprocess import run_on_ranks
+    from verl_balance.distributed.launcher import run_on_ranks
 
     fn = functools.partial(
         _measure_rank,

@@ -6,8 +6,8 @@ import sys
 
 import hydra
 
-from verl_balance.trainer.cli import run_recipe, user_errors
-from verl_balance.trainer.grpo_config import GRPOConfig, register_grpo_schema
+from verl_balance.trainer.config.cli import run_recipe, user_errors
+from verl_balance.trainer.config.grpo import GRPOConfig, register_grpo_schema
 
 register_grpo_schema()
 
@@ -15,9 +15,9 @@ register_grpo_schema()
 @hydra.main(config_path="config", config_name="grpo", version_base="1.3")
 def hydra_main(cfg) -> None:
     """Train with the merged config (config/grpo.yaml + command-line overrides); print the summary."""
-    from verl_balance.trainer.async_pipeline import grpo_trainer_class
     from verl_balance.trainer.driver import exit_code
-    from verl_balance.trainer.grpo_trainer import format_summary
+    from verl_balance.trainer.grpo.async_trainer import grpo_trainer_class
+    from verl_balance.trainer.grpo.trainer import format_summary
 
     with user_errors():
         summary = grpo_trainer_class(cfg).train(cfg)

@@ -6,9 +6,9 @@ import sys
 
 import hydra
 
-from verl_balance.trainer.cli import run_recipe, user_errors
 from verl_balance.trainer.config import register_schemas
-from verl_balance.trainer.sft_config import SFTConfig
+from verl_balance.trainer.config.cli import run_recipe, user_errors
+from verl_balance.trainer.config.sft import SFTConfig
 
 register_schemas()
 

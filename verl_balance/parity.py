@@ -578,7 +578,7 @@ def _run_cases(
 def _parity_worker(rank: int, jobs: list, settings: ParitySettings, references: dict[str, dict]) -> dict:
     """This process's part of every job: {job index: results} for the jobs whose first rank it is.
     Jobs of one wave run side by side on disjoint ranks; a process outside a job sits it out."""
-    from verl_balance.testing.multiprocess import gloo_group
+    from verl_balance.distributed.launcher import gloo_group
 
     torch.set_num_threads(1)
     out = {}
@@ -618,7 +618,7 @@ def run_layouts(
     side by side on disjoint ranks (``pack_waves``). Each rank compares its shard of every parameter
     with reference_steps' (``max_param_delta``); losses and gradient norms are compared here.
     """
-    from verl_balance.testing.multiprocess import new_rendezvous, run_on_ranks
+    from verl_balance.distributed.launcher import new_rendezvous, run_on_ranks
 
     references = references if references is not None else {}
     cases = [c for _, layout_cases in jobs for c in layout_cases]

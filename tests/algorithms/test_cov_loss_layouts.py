@@ -23,7 +23,7 @@ from tests.algorithms.test_ppo_loss_layouts import (
 )
 from verl_balance.algorithms import LossModeConfig, policy_token_loss, reference_reductions
 from verl_balance.algorithms.loss_modes import build_policy_loss
-from verl_balance.testing.multiprocess import run_on_ranks
+from verl_balance.distributed.launcher import run_on_ranks
 
 MODES = [
     LossModeConfig(loss_mode="kl_cov", kl_cov_ratio=0.1, ppo_kl_coef=0.5),

@@ -24,7 +24,7 @@ from verl_balance.algorithms import PPOLoss
 from verl_balance.algorithms.advantages import last_token_rewards
 from verl_balance.algorithms.estimator_inputs import AdvantageInputs, AdvantageParams
 from verl_balance.algorithms.estimators import ADV_ESTIMATOR_REGISTRY, compute_advantage
-from verl_balance.testing.multiprocess import run_on_ranks
+from verl_balance.distributed.launcher import run_on_ranks
 
 ESTIMATORS = sorted(ADV_ESTIMATOR_REGISTRY)
 PARAMS = AdvantageParams(gamma=0.9, lam=0.8)

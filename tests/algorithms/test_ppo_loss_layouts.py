@@ -33,11 +33,11 @@ from verl_balance.algorithms import (
 )
 from verl_balance.algorithms import rollout_correction as rc
 from verl_balance.algorithms.loss_modes import BATCH_SELECTED_MODES, LOSS_MODE_REGISTRY, build_policy_loss
+from verl_balance.distributed.launcher import run_on_ranks
 from verl_balance.loss import AGG_MODES
 from verl_balance.models import LlamaForCausalLM
 from verl_balance.parity import ParitySettings, make_global_batch
-from verl_balance.testing.multiprocess import run_on_ranks
-from verl_balance.trainer.algorithm_config import ENGINE_LOSS_MODES
+from verl_balance.trainer.config.algorithm import ENGINE_LOSS_MODES
 
 SETTINGS = ParitySettings()
 LOSS_CONFIG = PolicyLossConfig(

@@ -17,10 +17,10 @@ import torch
 
 from tests._verl import VERL_SKIP_REASON
 from verl_balance.batch_keys import ENTROPY_KEY, LOG_PROBS_KEY, SUM_PI_SQUARED_KEY
+from verl_balance.distributed.launcher import run_on_ranks
 from verl_balance.models import LlamaForCausalLM
 from verl_balance.models.output_head import LogitTransform, head_token_log_probs, head_token_stats
 from verl_balance.parity import ParitySettings, make_global_batch
-from verl_balance.testing.multiprocess import run_on_ranks
 
 SETTINGS = ParitySettings()
 TEMPERATURE = 0.7

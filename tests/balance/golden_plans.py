@@ -119,7 +119,7 @@ def partition_input(case: dict) -> list:
 
 
 def run_partition_case(case: dict) -> list[list[int]]:
-    from verl_balance.integrations.verl.seqlen import get_seqlen_balanced_partitions
+    from verl_balance.integrations.verl.patches.seqlen import get_seqlen_balanced_partitions
 
     return get_seqlen_balanced_partitions(partition_input(case), case["k"], case["equal_size"])
 
@@ -140,7 +140,7 @@ def run_rearrange_case(case: dict) -> list[list[int]]:
     import torch
     from tensordict import TensorDict
 
-    from verl_balance.integrations.verl.seqlen import rearrange_micro_batches
+    from verl_balance.integrations.verl.patches.seqlen import rearrange_micro_batches
 
     lengths = torch.as_tensor(lengths_for("heavy", case["n"], case["seed"]))
     mask = (torch.arange(int(lengths.max()))[None, :] < lengths[:, None]).long()

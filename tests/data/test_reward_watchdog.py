@@ -64,8 +64,8 @@ def test_errors_of_the_reward_function_keep_their_type():
 
 def test_grpo_trainer_scores_with_the_configured_reward_timeout(tmp_path):
     """GRPOTrainer.score applies custom_reward_function.timeout_s and names the file's function."""
-    from verl_balance.trainer.grpo_config import register_grpo_schema, validate_grpo
-    from verl_balance.trainer.grpo_trainer import GRPOTrainer
+    from verl_balance.trainer.config.grpo import register_grpo_schema, validate_grpo
+    from verl_balance.trainer.grpo.trainer import GRPOTrainer
 
     register_grpo_schema()
     reward_file = tmp_path / "slow_reward.py"

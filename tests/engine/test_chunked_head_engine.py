@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from verl_balance.algorithms.policy_loss import PolicyLossConfig, PPOLoss
+from verl_balance.distributed.launcher import run_on_ranks
 from verl_balance.distributed.layout import ParallelLayout
 from verl_balance.engine.train_engine import TrainEngine
 from verl_balance.parity import ParitySettings, make_global_batch
-from verl_balance.testing.multiprocess import run_on_ranks
 
 pytestmark = pytest.mark.slow  # spawns a process group
 

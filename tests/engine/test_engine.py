@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from verl_balance.distributed import ParallelLayout
+from verl_balance.distributed.launcher import run_on_ranks
 from verl_balance.engine import EngineConfig, MicroBatchError, TrainEngine
 from verl_balance.engine.config import FSDPConfig, OptimConfig
 from verl_balance.engine.optim import lr_multiplier
 from verl_balance.models import LlamaForCausalLM
 from verl_balance.parity import ParitySettings, make_global_batch, reference_steps
-from verl_balance.testing.multiprocess import run_on_ranks
 
 pytestmark = pytest.mark.slow  # spawns a process group
 

@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from verl_balance.distributed import ParallelLayout
+from verl_balance.distributed.launcher import run_on_ranks
 from verl_balance.engine import EngineConfig, TrainEngine
 from verl_balance.engine.config import EngineConfigError, OptimConfig
 from verl_balance.engine.lora import is_lora_name
 from verl_balance.models.hf import HFModelConfig
 from verl_balance.models.tiny_hf import write_tiny_model
 from verl_balance.testing.faults import FaultyTrainEngine
-from verl_balance.testing.multiprocess import run_on_ranks
 
 pytestmark = pytest.mark.slow  # spawns process groups
 

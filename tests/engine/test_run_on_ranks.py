@@ -1,4 +1,4 @@
-"""``testing.multiprocess.run_on_ranks``: results in rank order from one gloo group; warm ranks
+"""``distributed.launcher.run_on_ranks``: results in rank order from one gloo group; warm ranks
 that start each call from a fresh process's state; a rank that raises, hangs or dies fails the call
 promptly (with its own error) and the next call gets fresh ranks."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from verl_balance.testing.multiprocess import RankFailedError, run_on_ranks
+from verl_balance.distributed.launcher import RankFailedError, run_on_ranks
 
 pytestmark = pytest.mark.slow  # spawns processes
 

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 
 from verl_balance.distributed import ParallelLayout
+from verl_balance.distributed.launcher import run_on_ranks
 from verl_balance.engine import MicroBatchError, TrainEngine
 from verl_balance.parity import ParitySettings, make_global_batch, reference_steps
-from verl_balance.testing.multiprocess import run_on_ranks
 
 pytestmark = pytest.mark.slow  # spawns a process group
 

@@ -7,10 +7,10 @@ Reference: a plain per-sequence forward of the same initial model, logits divide
 import pytest
 import torch
 
+from verl_balance.distributed.launcher import run_on_ranks
 from verl_balance.distributed.layout import ParallelLayout
 from verl_balance.engine.train_engine import TrainEngine
 from verl_balance.parity import ParitySettings, make_global_batch, reference_log_probs
-from verl_balance.testing.multiprocess import run_on_ranks
 
 pytestmark = pytest.mark.slow  # spawns a process group
 

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from verl_balance.distributed import ParallelLayout
+from verl_balance.distributed.launcher import run_on_ranks
 from verl_balance.engine import TrainEngine
 from verl_balance.engine.config import FSDPConfig
 from verl_balance.parity import ParitySettings, make_global_batch
 from verl_balance.testing.faults import FaultyTrainEngine
-from verl_balance.testing.multiprocess import run_on_ranks
 
 SETTINGS = ParitySettings(num_samples=8, seed=7)
 # Two micro-batches per DP rank (sample 1 has no loss tokens at all).

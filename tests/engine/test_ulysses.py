@@ -20,7 +20,7 @@ from verl_balance.distributed import (
     padded_length,
     slice_for_rank,
 )
-from verl_balance.testing.multiprocess import run_on_ranks
+from verl_balance.distributed.launcher import run_on_ranks
 
 pytestmark = pytest.mark.slow  # spawns a process group
 

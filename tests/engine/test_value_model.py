@@ -14,11 +14,11 @@ import torch
 
 from verl_balance.algorithms.value_loss import ValueLoss, ValueLossConfigError
 from verl_balance.distributed import ParallelLayout
+from verl_balance.distributed.launcher import gloo_group, new_rendezvous
 from verl_balance.engine import TrainEngine
 from verl_balance.engine.config import EngineConfig, EngineConfigError
 from verl_balance.loss import AGG_MODES, compute_token_weights
 from verl_balance.parity import ParitySettings, make_value_batch, reference_value_model
-from verl_balance.testing.multiprocess import gloo_group, new_rendezvous
 
 SETTINGS = ParitySettings(num_samples=6, seed=11)
 

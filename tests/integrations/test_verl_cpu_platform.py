@@ -11,12 +11,12 @@ import textwrap
 import pytest
 
 from tests._verl import VERL_SKIP_REASON
-from verl_balance.testing.multiprocess import free_port, new_rendezvous
+from verl_balance.distributed.launcher import free_port, new_rendezvous
 
 pytest.importorskip("verl", reason=VERL_SKIP_REASON)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SHIM = "verl_balance.integrations.verl.cpu_platform"
+SHIM = "verl_balance.integrations.verl.cpu_shims.platform"
 
 # verl's own code path: device name, backend, engine lookup, then its Ray-style process-group
 # initialiser and one collective, on every rank.
@@ -93,7 +93,7 @@ def test_without_the_shim_verls_process_group_does_not_start_on_cpu_negative_con
 
 
 def test_shim_stays_out_of_the_way_when_cuda_is_visible(monkeypatch):
-    from verl_balance.integrations.verl import cpu_platform
+    from verl_balance.integrations.verl.cpu_shims import platform as cpu_platform
 
     monkeypatch.delenv("VERL_PLATFORM", raising=False)
     monkeypatch.setattr(cpu_platform.torch.cuda, "is_available", lambda: True)

@@ -17,7 +17,7 @@ TARGETS = ["q_proj", "k_proj", "up_proj"]
 
 @pytest.fixture(scope="module")
 def cpu_rollout():
-    from verl_balance.integrations.verl import cpu_rollout
+    from verl_balance.integrations.verl.cpu_shims import rollout as cpu_rollout
 
     return cpu_rollout
 

@@ -26,7 +26,7 @@ pytest.importorskip("verl", reason=VERL_SKIP_REASON)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXTERNAL_MODULES = ",".join(
-    ["verl_balance.integrations.verl.cpu_platform", "verl_balance.integrations.verl.engine", "verl_value_sdpa"]
+    ["verl_balance.integrations.verl.cpu_shims.platform", "verl_balance.integrations.verl.engine", "verl_value_sdpa"]
 )
 
 

@@ -24,9 +24,9 @@ import verl.utils.seqlen_balancing as verl_sb  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 
 from verl_balance.integrations import verl as integration  # noqa: E402
-from verl_balance.integrations.verl import trainer_balance  # noqa: E402
-from verl_balance.integrations.verl.state import current_workload  # noqa: E402
-from verl_balance.integrations.verl.workload import VerlWorkload  # noqa: E402
+from verl_balance.integrations.verl.patches import trainer_balance  # noqa: E402
+from verl_balance.integrations.verl.patches.state import current_workload  # noqa: E402
+from verl_balance.integrations.verl.patches.workload import VerlWorkload  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 AUTOPATCH = "verl_balance.integrations.verl.autopatch"
@@ -203,8 +203,8 @@ def test_external_modules_env_patches_verl_on_import_without_importing_trainers_
     assert out.returncode == 0, out.stderr[-3000:]
     early, partition, packer, trainer = out.stdout.split()[-4:]
     assert early == "False"
-    assert partition == packer == "verl_balance.integrations.verl.seqlen"
-    assert trainer == "verl_balance.integrations.verl.trainer_balance"
+    assert partition == packer == "verl_balance.integrations.verl.patches.seqlen"
+    assert trainer == "verl_balance.integrations.verl.patches.trainer_balance"
     # negative control: without the variable verl keeps its own functions
     env.pop("VERL_USE_EXTERNAL_MODULES")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests._verl import VERL_SKIP_REASON
-from verl_balance.testing.multiprocess import run_on_ranks
+from verl_balance.distributed.launcher import run_on_ranks
 
 pytest.importorskip("verl", reason=VERL_SKIP_REASON)
 

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from tests._verl import VERL_SKIP_REASON
-from verl_balance.integrations.verl.karmarkar_karp import karmarkar_karp
-from verl_balance.integrations.verl.seqlen import _lower_bound, get_seqlen_balanced_partitions
+from verl_balance.integrations.verl.patches.karmarkar_karp import karmarkar_karp
+from verl_balance.integrations.verl.patches.seqlen import _lower_bound, get_seqlen_balanced_partitions
 
 
 # Michiels et al. (2012), "Performance ratios of the Karmarkar-Karp differencing method": the k-way

@@ -18,8 +18,8 @@ pytest.importorskip("verl", reason=VERL_SKIP_REASON)
 
 from tests.integrations.verl_ray_head import runner_env  # noqa: E402
 from tests.integrations.verl_sft_ranks import run_verl_sft  # noqa: E402
+from verl_balance.distributed.launcher import run_on_ranks  # noqa: E402
 from verl_balance.testing.forked_workers import python_command  # noqa: E402
-from verl_balance.testing.multiprocess import run_on_ranks  # noqa: E402
 
 NUM_SAMPLES = 8
 
@@ -140,8 +140,8 @@ def _train_one_step(
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.utils.losses import sft_loss
 
-    from verl_balance.integrations.verl import cpu_platform  # noqa: F401  (importing installs it on CPU)
     from verl_balance.integrations.verl import engine as verl_engine
+    from verl_balance.integrations.verl.cpu_shims import platform as cpu_platform  # noqa: F401  (importing installs it on CPU)
 
     model_config = HFModelConfig(
         path=model_dir, use_remove_padding=False, override_config={"attn_implementation": "sdpa"}
@@ -537,7 +537,7 @@ def _run_sft_trainer_ray(root, overrides: list[str], *, nproc: int, ray_address:
     import subprocess
 
     run_vars = dict(
-        VERL_USE_EXTERNAL_MODULES="verl_balance.integrations.verl.cpu_platform,verl_balance.integrations.verl.autopatch"
+        VERL_USE_EXTERNAL_MODULES="verl_balance.integrations.verl.cpu_shims.platform,verl_balance.integrations.verl.autopatch"
     )
     job_config = {"runtime_env": {"env_vars": run_vars}}
     env = runner_env(ray_address, RAY_JOB_CONFIG_JSON_ENV_VAR=json.dumps(job_config), **run_vars)

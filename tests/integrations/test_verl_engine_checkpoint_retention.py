@@ -15,11 +15,11 @@ from tests._verl import VERL_SKIP_REASON
 
 pytest.importorskip("verl", reason=VERL_SKIP_REASON)
 
+from verl_balance.distributed.launcher import run_on_ranks  # noqa: E402
 from verl_balance.integrations.verl.engine import (  # noqa: E402
     VerlBalanceEngineConfigError,
     plan_checkpoint_retention,
 )
-from verl_balance.testing.multiprocess import run_on_ranks  # noqa: E402
 
 WORLD = 2
 
@@ -106,8 +106,8 @@ def _save_three_times(rank: int, *, model_dir: str, root: str, max_ckpt_to_keep)
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.utils.losses import sft_loss
 
-    from verl_balance.integrations.verl import cpu_platform  # noqa: F401  (verl's CPU platform: get_device_name() is "cpu")
     from verl_balance.integrations.verl import engine as verl_engine
+    from verl_balance.integrations.verl.cpu_shims import platform as cpu_platform  # noqa: F401  (verl's CPU platform: get_device_name() is "cpu")
 
     model_config = HFModelConfig(
         path=model_dir, use_remove_padding=False, override_config={"attn_implementation": "sdpa"}

@@ -52,7 +52,7 @@ def test_verl_sft_trainer_on_our_backend_writes_a_loadable_hf_dir_and_exports_wi
         OMP_NUM_THREADS="1",
         CUDA_VISIBLE_DEVICES="",
         RAY_ADDRESS="local",
-        VERL_USE_EXTERNAL_MODULES="verl_balance.integrations.verl.cpu_platform,verl_balance.integrations.verl.autopatch",
+        VERL_USE_EXTERNAL_MODULES="verl_balance.integrations.verl.cpu_shims.platform,verl_balance.integrations.verl.autopatch",
     )
     run_dir = tmp_path / "run"
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]

@@ -20,7 +20,7 @@ from tests._verl import VERL_SKIP_REASON
 pytest.importorskip("verl", reason=VERL_SKIP_REASON)
 pytest.importorskip("peft")
 
-from verl_balance.testing.multiprocess import run_on_ranks  # noqa: E402
+from verl_balance.distributed.launcher import run_on_ranks  # noqa: E402
 
 LORA_TARGETS = ["q_proj", "v_proj", "down_proj"]  # conftest.LORA_TARGETS: the adapter of lora_adapter_dir
 NUM_SAMPLES = 6
@@ -67,8 +67,8 @@ def _lora_engine_run(rank: int, *, model_dir: str, adapter: str, strategy: str) 
     from verl.workers.engine.base import EngineRegistry
     from verl.workers.utils.losses import sft_loss
 
-    from verl_balance.integrations.verl import cpu_platform  # noqa: F401  (importing installs it on CPU)
     from verl_balance.integrations.verl import engine as verl_engine
+    from verl_balance.integrations.verl.cpu_shims import platform as cpu_platform  # noqa: F401  (importing installs it on CPU)
 
     model_config = HFModelConfig(
         path=model_dir,

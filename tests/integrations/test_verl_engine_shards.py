@@ -17,7 +17,7 @@ from tests._verl import VERL_SKIP_REASON
 
 pytest.importorskip("verl", reason=VERL_SKIP_REASON)
 
-from verl_balance.testing.multiprocess import run_on_ranks  # noqa: E402
+from verl_balance.distributed.launcher import run_on_ranks  # noqa: E402
 
 
 def _has_delta_sync() -> bool:
@@ -35,8 +35,8 @@ def _shard_run(rank: int, *, model_dir: str) -> dict:
     from verl.workers.config import FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine.base import EngineRegistry
 
-    from verl_balance.integrations.verl import cpu_platform  # noqa: F401  (importing installs it on CPU)
     from verl_balance.integrations.verl import engine as verl_engine
+    from verl_balance.integrations.verl.cpu_shims import platform as cpu_platform  # noqa: F401  (importing installs it on CPU)
 
     precision = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
     engine = EngineRegistry.new(

@@ -17,8 +17,9 @@ ROOT = pathlib.Path(facade.__file__).parent
 def _module_level_edges() -> dict[str, set[str]]:
     """Module -> integration modules it imports at module level (lazy imports inside functions excluded)."""
     edges = {}
-    for path in ROOT.glob("*.py"):
-        name = PACKAGE if path.stem == "__init__" else f"{PACKAGE}.{path.stem}"
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join([PACKAGE, *(parts[:-1] if parts[-1] == "__init__" else parts)])
         deps = set()
         for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(PACKAGE):

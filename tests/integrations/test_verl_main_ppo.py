@@ -1,5 +1,5 @@
 """verl 0.9.1's own ``python -m verl.trainer.main_ppo`` runs GRPO end to end on CPU with the
-``verl_balance_cpu`` rollout (``verl_balance.integrations.verl.cpu_rollout``), for
+``verl_balance_cpu`` rollout (``verl_balance.integrations.verl.cpu_shims.rollout``), for
 ``actor_rollout_ref.actor.strategy=verl_balance`` and for verl's ``fsdp2``.
 
 Everything is verl's, unmodified: the Hydra entry point, ``RayPPOTrainer.fit`` (``trainer.use_v1=False``,
@@ -41,7 +41,7 @@ pytest.importorskip("pyarrow", reason="writing the parquet data set needs pyarro
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(os.path.dirname(HERE))
-EXTERNAL_MODULES = "verl_balance.integrations.verl.cpu_platform,verl_balance.integrations.verl.cpu_rollout"
+EXTERNAL_MODULES = "verl_balance.integrations.verl.cpu_shims.platform,verl_balance.integrations.verl.cpu_shims.rollout"
 STALE_ROLLOUT = "verl_main_ppo_stale_rollout"  # negative control (this folder)
 AUTOPATCH = "verl_balance.integrations.verl.autopatch"
 NUM_PROMPTS = 8
@@ -383,7 +383,7 @@ def test_verls_default_v1_trainer_runs_grpo_with_the_engine_and_autopatch(v1_sta
 
 @pytest.fixture(scope="module")
 def cpu_rollout():
-    from verl_balance.integrations.verl import cpu_rollout
+    from verl_balance.integrations.verl.cpu_shims import rollout as cpu_rollout
 
     return cpu_rollout
 

@@ -21,9 +21,9 @@ from verl import DataProto  # noqa: E402
 
 from verl_balance.balance import FlopsWorkload  # noqa: E402
 from verl_balance.integrations import verl as integration  # noqa: E402
-from verl_balance.integrations.verl.state import PATCH_STATE  # noqa: E402
-from verl_balance.integrations.verl.trainer_balance import balanced_balance_batch  # noqa: E402
-from verl_balance.integrations.verl.workload import VerlWorkload  # noqa: E402
+from verl_balance.integrations.verl.patches.state import PATCH_STATE  # noqa: E402
+from verl_balance.integrations.verl.patches.trainer_balance import balanced_balance_batch  # noqa: E402
+from verl_balance.integrations.verl.patches.workload import VerlWorkload  # noqa: E402
 
 TARGETS = [
     (verl_sb, "get_seqlen_balanced_partitions"),

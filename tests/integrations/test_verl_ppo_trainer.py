@@ -23,7 +23,7 @@ from verl_balance.testing.forked_workers import python_command
 pytest.importorskip("verl", reason=VERL_SKIP_REASON)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CPU_SHIM = "verl_balance.integrations.verl.cpu_platform"
+CPU_SHIM = "verl_balance.integrations.verl.cpu_shims.platform"
 AUTOPATCH = "verl_balance.integrations.verl.autopatch"
 
 

@@ -92,8 +92,8 @@ def test_external_modules_env_patches_verl_in_every_ray_worker(worker_group):
         return {engine_utils.rearrange_micro_batches.__module__, ray_trainer.RayPPOTrainer._balance_batch.__module__}
 
     assert ray.get(patched_names.remote()) == {
-        "verl_balance.integrations.verl.seqlen",
-        "verl_balance.integrations.verl.trainer_balance",
+        "verl_balance.integrations.verl.patches.seqlen",
+        "verl_balance.integrations.verl.patches.trainer_balance",
     }
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from verl.workers.rollout.replica import RolloutReplicaRegistry
 
-from verl_balance.integrations.verl import cpu_rollout
+from verl_balance.integrations.verl.cpu_shims import rollout as cpu_rollout
 
 
 class StaleCPURolloutServer(cpu_rollout.CPURolloutServer):

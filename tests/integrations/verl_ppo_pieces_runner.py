@@ -8,7 +8,8 @@ fixed synthetic rollout batch (what the agent loop would return). The actor's en
 all cases' workers share the same 2 Ray processes (verl's colocated ``WorkerDict``, as in ``main_ppo``).
 Used by ``test_verl_ppo_trainer.py``; run by hand with::
 
-    VERL_USE_EXTERNAL_MODULES=verl_balance.integrations.verl.cpu_platform,verl_balance.integrations.verl.autopatch \\
+    export VERL_USE_EXTERNAL_MODULES=verl_balance.integrations.verl.cpu_shims.platform
+    VERL_USE_EXTERNAL_MODULES+=,verl_balance.integrations.verl.autopatch
     python tests/integrations/verl_ppo_pieces_runner.py --model-dir DIR --case verl_balance:2:1 --case fsdp2:2:1
 """
 

@@ -17,7 +17,7 @@ import functools
 import io
 import os
 
-from verl_balance.testing.multiprocess import free_port, new_rendezvous, run_on_ranks
+from verl_balance.distributed.launcher import free_port, new_rendezvous, run_on_ranks
 
 
 def _sft_rank(
@@ -36,7 +36,7 @@ def _sft_rank(
         DIST_INIT_METHOD=f"{init_method}?rank={rank}&world_size={world}",
     )
     os.chdir(cwd)
-    from verl_balance.integrations.verl import cpu_platform
+    from verl_balance.integrations.verl.cpu_shims import platform as cpu_platform
 
     cpu_platform.install()  # before verl's modules that ask for the device on import
     import verl
@@ -45,7 +45,7 @@ def _sft_rank(
     from verl.utils.device import auto_set_device
 
     from verl_balance.integrations.verl import engine  # noqa: F401  (registers the backend)
-    from verl_balance.integrations.verl.patch import patch_verl
+    from verl_balance.integrations.verl.patches.patch import patch_verl
 
     config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
     with initialize_config_dir(config_dir=config_dir, version_base=None):

@@ -10,12 +10,12 @@ import torch
 from safetensors import safe_open
 
 from verl_balance.distributed import ParallelLayout
+from verl_balance.distributed.launcher import run_on_ranks
 from verl_balance.engine import EngineConfig, TrainEngine
 from verl_balance.engine.config import OptimConfig
 from verl_balance.export import ExportError, export_checkpoint, save_hf_pretrained
 from verl_balance.export import main as export_main
 from verl_balance.models.hf import HFModelConfig, build_hf_model
-from verl_balance.testing.multiprocess import run_on_ranks
 from verl_balance.trainer.checkpoint import write_complete_record
 
 

@@ -9,9 +9,9 @@ import torch
 from _tiny_variants import NEW_FAMILY_VARIANTS
 
 from verl_balance import parity
+from verl_balance.distributed.launcher import run_on_ranks
 from verl_balance.models import load_model_config
 from verl_balance.models.tiny_hf import write_tiny_model
-from verl_balance.testing.multiprocess import run_on_ranks
 
 
 @pytest.mark.slow

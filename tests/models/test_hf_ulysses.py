@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 from _tiny_variants import NEW_FAMILY_VARIANTS
 
+from verl_balance.distributed.launcher import run_on_ranks
 from verl_balance.distributed.ulysses import pad_and_slice, padded_length
 from verl_balance.models.hf import HFCausalLM, HFModelConfig
-from verl_balance.testing.multiprocess import run_on_ranks
 
 LENGTHS = [5, 1, 12, 3, 8]
 SP = 2

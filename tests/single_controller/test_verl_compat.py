@@ -33,8 +33,8 @@ from verl.single_controller.base.decorator import (  # noqa: E402
 )
 
 from verl_balance import single_controller as ours  # noqa: E402
-from verl_balance.integrations.verl import worker_group as verl_group  # noqa: E402  (installs the extension)
-from verl_balance.integrations.verl.controller import drop_padding, pad_for_even_chunks  # noqa: E402
+from verl_balance.integrations.verl.controller import worker_group as verl_group  # noqa: E402  (installs the extension)
+from verl_balance.integrations.verl.controller.extension import drop_padding, pad_for_even_chunks  # noqa: E402
 from verl_balance.single_controller.decorator import get_registration  # noqa: E402
 
 # the worker class below is shipped to the Ray workers by value (this test module is not importable there)

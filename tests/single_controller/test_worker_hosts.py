@@ -22,10 +22,10 @@ from verl_balance.single_controller import (
     RayWorkerGroup,
     Worker,
     register,
-    worker_hosts,
 )
-from verl_balance.single_controller.worker_hosts import worker_hosting
-from verl_balance.workers.host import WorkerHost
+from verl_balance.testing import worker_hosts
+from verl_balance.testing.worker_host import WorkerHost
+from verl_balance.testing.worker_hosts import worker_hosting
 
 pytestmark = pytest.mark.slow  # Ray worker processes
 

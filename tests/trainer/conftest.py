@@ -224,8 +224,8 @@ def cli_sft_run(tmp_path_factory) -> dict:
 def hf_grpo_run(model_dir: str, root, extra: list[str]) -> list[dict]:
     """2 GRPO steps (validation at step 2) of the tiny HF model ``model_dir`` on 2 workers, data and
     run under ``root``, ``extra`` overrides last; returns the run's metrics records."""
-    from verl_balance.trainer.grpo_config import register_grpo_schema
-    from verl_balance.trainer.grpo_trainer import GRPOTrainer
+    from verl_balance.trainer.config.grpo import register_grpo_schema
+    from verl_balance.trainer.grpo.trainer import GRPOTrainer
     from verl_balance.utils.tracking import read_metrics
 
     register_grpo_schema()

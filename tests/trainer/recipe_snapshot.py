@@ -123,7 +123,7 @@ def plain(value):
 def component_configs(recipe: str, overrides: list[str], root: Path) -> dict:
     """The component configs of one recipe run, built with the current config API."""
     from tests.trainer.conftest import compose_config
-    from verl_balance.trainer.grpo_config import register_grpo_schema
+    from verl_balance.trainer.config.grpo import register_grpo_schema
 
     register_grpo_schema()
     fixtures = make_fixtures(root)
@@ -181,7 +181,7 @@ def _model_and_workload(config, section) -> dict:
 
 
 def _grpo_components(cfg) -> dict:
-    from verl_balance.trainer.grpo_config import validate_grpo
+    from verl_balance.trainer.config.grpo import validate_grpo
 
     config = validate_grpo(cfg)
     arr = config.actor_rollout_ref

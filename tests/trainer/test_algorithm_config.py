@@ -24,15 +24,15 @@ from verl_balance.batch_keys import (
     VALUES_KEY,
 )
 from verl_balance.protocol import Batch
-from verl_balance.trainer.advantage_step import (
+from verl_balance.trainer.config import ConfigError
+from verl_balance.trainer.config.algorithm import AlgorithmSection, supported_estimators
+from verl_balance.trainer.config.grpo import register_grpo_schema, validate_grpo
+from verl_balance.trainer.grpo.advantage_step import (
     compute_step_advantages,
     correct_rollout,
     prompt_baselines,
     token_level_rewards,
 )
-from verl_balance.trainer.algorithm_config import AlgorithmSection, supported_estimators
-from verl_balance.trainer.config import ConfigError
-from verl_balance.trainer.grpo_config import register_grpo_schema, validate_grpo
 
 register_grpo_schema()
 OTB = ("optimal_token_baseline", "tir_optimal_token_baseline")
@@ -280,7 +280,7 @@ def test_the_actor_workers_get_the_bypass_loss_mode_of_the_algorithm_keys():
     """GRPOTrainer._worker_config hands the workers GRPOConfig.loss_mode_config (not the actor section's own)."""
     from types import SimpleNamespace
 
-    from verl_balance.trainer.grpo_trainer import GRPOTrainer
+    from verl_balance.trainer.grpo.trainer import GRPOTrainer
 
     trainer = GRPOTrainer.__new__(GRPOTrainer)
     # negative control: without bypass_mode the workers run vanilla and the actor's own (default) keys
@@ -354,7 +354,7 @@ def test_kl_in_reward_runs_the_reference_and_the_old_log_prob_pass_and_correctio
 
 
 def test_verls_dapo_reward_manager_keys_reach_the_reward_section():
-    from verl_balance.trainer.verl_compat_keys import translate
+    from verl_balance.trainer.config.verl_keys import translate
 
     for prefix in ("reward.reward_kwargs", "+reward_model.reward_kwargs"):
         manager = "reward.reward_manager.name" if prefix.startswith("reward.") else "reward_model.reward_manager"

@@ -73,8 +73,8 @@ def _overrides(root, *, trainer_workers: int = 1, rollout_workers: int = 1, name
 def _recording_trainer(overrides: list[str]):
     """An AsyncGRPOTrainer that records, per training step, its prompts, rollout batch and scores
     (``record["steps"]`` lists the step of each; a step redone after a restart appears twice)."""
-    from verl_balance.trainer.async_pipeline import AsyncGRPOTrainer
-    from verl_balance.trainer.grpo_config import register_grpo_schema
+    from verl_balance.trainer.config.grpo import register_grpo_schema
+    from verl_balance.trainer.grpo.async_trainer import AsyncGRPOTrainer
 
     register_grpo_schema()
     trainer = AsyncGRPOTrainer(compose_config("grpo", overrides))
@@ -221,7 +221,7 @@ def _reference_run(rank: int, *, record: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(async_runs):
-    from verl_balance.testing.multiprocess import run_on_ranks
+    from verl_balance.distributed.launcher import run_on_ranks
 
     run = async_runs[1, 1]
     record = {key: run[key] for key in ("prompts", "scores", "config", "worker_config", "workload")}

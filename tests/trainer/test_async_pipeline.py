@@ -10,7 +10,9 @@ import torch
 
 from tests.trainer.conftest import compose_config
 from verl_balance.rollout import RolloutOutput
-from verl_balance.trainer.async_pipeline import (
+from verl_balance.trainer.config.checks import ConfigError
+from verl_balance.trainer.config.grpo import register_grpo_schema, validate_grpo
+from verl_balance.trainer.grpo.async_trainer import (
     AsyncGRPOTrainer,
     assign_prompts,
     grpo_trainer_class,
@@ -19,9 +21,7 @@ from verl_balance.trainer.async_pipeline import (
     peek_loader_item,
     stale_rows,
 )
-from verl_balance.trainer.config_checks import ConfigError
-from verl_balance.trainer.grpo_config import register_grpo_schema, validate_grpo
-from verl_balance.trainer.grpo_trainer import GRPOTrainer
+from verl_balance.trainer.grpo.trainer import GRPOTrainer
 from verl_balance.workers.weight_sync import plan_buckets
 
 ASYNC = [
@@ -197,7 +197,7 @@ def _in_flight_output(seed: int = 0) -> RolloutOutput:
 
 
 def test_an_in_flight_batch_round_trips_through_its_checkpoint_file_exactly(tmp_path):
-    from verl_balance.trainer.async_checkpoint import in_flight_file, load_rollout_output, save_rollout_output
+    from verl_balance.trainer.grpo.async_checkpoint import in_flight_file, load_rollout_output, save_rollout_output
 
     original, path = _in_flight_output(), str(tmp_path / in_flight_file(3))
     save_rollout_output(path, original, version=2, predicted={"rollout/imbalance_predicted": 1.25})
@@ -213,15 +213,15 @@ def test_an_in_flight_batch_round_trips_through_its_checkpoint_file_exactly(tmp_
 
 
 def _saved(path, output) -> str:
-    from verl_balance.trainer.async_checkpoint import save_rollout_output
+    from verl_balance.trainer.grpo.async_checkpoint import save_rollout_output
 
     save_rollout_output(str(path), output, version=0, predicted={})
     return str(path)
 
 
 def test_a_missing_or_linked_in_flight_file_is_refused_naming_it(tmp_path):
-    from verl_balance.trainer.async_checkpoint import load_rollout_output
     from verl_balance.trainer.checkpoint import CheckpointError
+    from verl_balance.trainer.grpo.async_checkpoint import load_rollout_output
     from verl_balance.utils.atomic_io import UnsafePathError
 
     with pytest.raises(CheckpointError, match="in_flight_7.safetensors is missing"):

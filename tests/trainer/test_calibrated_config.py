@@ -9,7 +9,7 @@ import pytest
 from tests.trainer.conftest import compose_config
 from verl_balance.balance.workload import CalibratedWorkload
 from verl_balance.trainer.config import CALIBRATION_RUN_FILE, ConfigError, record_workload, validate_sft
-from verl_balance.trainer.grpo_config import register_grpo_schema, validate_grpo
+from verl_balance.trainer.config.grpo import register_grpo_schema, validate_grpo
 
 COEFFICIENTS = {"micro_batch": 5.5e-3, "sequence": 1e-4, "token": 2e-5, "pair": 3e-9}
 

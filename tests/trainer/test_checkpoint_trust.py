@@ -196,7 +196,7 @@ def test_a_checkpoint_without_a_verified_record_is_refused_by_every_loader_unles
 
 def test_the_verl_backend_refuses_an_unsealed_checkpoint_and_accepts_a_sealed_one(sealed, monkeypatch):
     pytest.importorskip("verl")
-    from verl_balance.integrations.verl import sealed_checkpoint
+    from verl_balance.integrations.verl.backend import sealed_checkpoint
 
     ckpt, _ = sealed
     monkeypatch.delenv(sealed_checkpoint.ALLOW_UNVERIFIED_ENV, raising=False)

@@ -105,8 +105,8 @@ def test_resume_path_refuses_a_planted_payload_and_it_never_runs(runs, planted):
 
 
 def _grpo(runs, name: str, extra: list[str]) -> None:
-    from verl_balance.trainer.grpo_config import register_grpo_schema
-    from verl_balance.trainer.grpo_trainer import GRPOTrainer
+    from verl_balance.trainer.config.grpo import register_grpo_schema
+    from verl_balance.trainer.grpo.trainer import GRPOTrainer
 
     register_grpo_schema()
     root = runs["root"]

@@ -16,7 +16,7 @@ from verl_balance.algorithms import PolicyLossConfig
 from verl_balance.data.sft_dataset import SFTDataConfig
 from verl_balance.engine.config import OptimConfig
 from verl_balance.trainer.config import ConfigError, qualify, validate_sft
-from verl_balance.trainer.grpo_config import register_grpo_schema, validate_grpo
+from verl_balance.trainer.config.grpo import register_grpo_schema, validate_grpo
 
 register_grpo_schema()
 
@@ -271,7 +271,7 @@ def test_grpo_top_level_ulysses_degree_is_verls_key():
 def test_instantiation_builds_every_section_once(monkeypatch):
     # Each section's __post_init__ (its checks, any file it reads) runs once per config, however
     # deep the section sits (data.synthetic, actor_rollout_ref.rollout.val_kwargs, ...).
-    from verl_balance.trainer import grpo_config
+    from verl_balance.trainer.config import grpo as grpo_config
 
     calls: dict[str, int] = {}
     for cls in (grpo_config.GRPOSyntheticConfig, grpo_config.ValSamplingConfig, grpo_config.ActorModelSection):
@@ -300,8 +300,8 @@ def _leaves(tree: dict, prefix: str = "") -> dict:
 def test_recipe_yaml_holds_only_values_that_differ_from_the_schema(recipe):
     # A YAML value equal to the schema default would be a second copy of the default, to be kept
     # in step by hand; every key is still overridable without '+' because the schema is typed.
-    from verl_balance.trainer.grpo_config import GRPOConfig
-    from verl_balance.trainer.sft_config import SFTConfig
+    from verl_balance.trainer.config.grpo import GRPOConfig
+    from verl_balance.trainer.config.sft import SFTConfig
 
     yaml = OmegaConf.to_container(OmegaConf.load(recipe_snapshot.CONFIG_DIR / f"{recipe}.yaml"))
     for key in ("defaults", "hydra"):

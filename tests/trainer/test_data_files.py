@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pyarrow.parquet as pq
 
-from verl_balance.trainer.grpo_config import GRPOSyntheticConfig
-from verl_balance.trainer.sections import SyntheticDataConfig, resolve_data_files
+from verl_balance.trainer.config.grpo import GRPOSyntheticConfig
+from verl_balance.trainer.config.sections import SyntheticDataConfig, resolve_data_files
 
 
 def _data(synthetic, *, train_files=None, val_files=None) -> SimpleNamespace:

@@ -13,9 +13,9 @@ import sys
 import pytest
 
 from tests.trainer.conftest import run_cli_in_process
-from verl_balance.trainer.cli import check_overrides, user_errors
-from verl_balance.trainer.config_checks import ConfigError, did_you_mean
-from verl_balance.trainer.sft_config import SFTConfig
+from verl_balance.trainer.config.checks import ConfigError, did_you_mean
+from verl_balance.trainer.config.cli import check_overrides, user_errors
+from verl_balance.trainer.config.sft import SFTConfig
 from verl_balance.utils import run_log
 from verl_balance.utils.progress import ProgressDisplay, format_eta
 
@@ -188,8 +188,8 @@ def test_default_cli_run_shows_eta_and_its_log_is_the_whole_console(cli_sft_run)
 def test_verl_logger_names_file_and_mlflow_and_others_refused_with_the_list(tmp_path, monkeypatch, caplog):
     import importlib.util
 
+    from verl_balance.trainer.config.sections import TrainerSection
     from verl_balance.trainer.driver import tracking_backends
-    from verl_balance.trainer.sections import TrainerSection
     from verl_balance.utils import tracking
 
     TrainerSection(logger=["console", "file", "mlflow"])

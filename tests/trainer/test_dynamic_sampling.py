@@ -10,7 +10,7 @@ import torch
 
 from verl_balance.batch_keys import INPUT_IDS_KEY, LOSS_MASK_KEY, PROMPT_INDEX_KEY, UID_KEY
 from verl_balance.protocol import Batch
-from verl_balance.trainer.dynamic_sampling import (
+from verl_balance.trainer.grpo.dynamic_sampling import (
     DynamicSamplingError,
     GroupFilter,
     group_metric,

@@ -195,7 +195,7 @@ def test_the_run_directory_is_left_unlocked_after_an_early_error(tmp_path, no_ra
             _base(tmp_path)
             + ["model.name=tiny", "trainer.device=cpu", "trainer.n_gpus_per_node=3", "ulysses_sequence_parallel_size=3"]
         )
-    from verl_balance.trainer.run_lock import acquire_run_lock
+    from verl_balance.trainer.checkpoint.run_lock import acquire_run_lock
 
     acquire_run_lock(os.path.join(tmp_path, "run")).release()
 

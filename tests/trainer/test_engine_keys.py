@@ -25,8 +25,8 @@ from verl_balance.engine.config import (
     LoRAKeys,
 )
 from verl_balance.trainer.config import ConfigError
-from verl_balance.trainer.grpo_config import GRPOConfig, register_grpo_schema, validate_grpo
-from verl_balance.trainer.sft_config import SFTConfig, validate_sft
+from verl_balance.trainer.config.grpo import GRPOConfig, register_grpo_schema, validate_grpo
+from verl_balance.trainer.config.sft import SFTConfig, validate_sft
 
 register_grpo_schema()
 
@@ -83,7 +83,7 @@ def test_every_recipe_key_group_field_reaches_the_engine_and_every_engine_field_
 def test_critic_fsdp_and_model_keys_reach_the_critic_engine_and_model(tmp_path):
     from types import SimpleNamespace
 
-    from verl_balance.trainer.grpo_trainer import GRPOTrainer
+    from verl_balance.trainer.grpo.trainer import GRPOTrainer
 
     gae = ["algorithm.adv_estimator=gae", f"trainer.default_local_dir={tmp_path}"]
     config = validate_grpo(

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from tests.trainer.conftest import compose_config
-from verl_balance.trainer.grpo_trainer import format_summary, held_out_metrics
+from verl_balance.trainer.grpo.trainer import format_summary, held_out_metrics
 from verl_balance.trainer.summary import earliest_records
 
 PARTIAL_CREDIT_REWARD = textwrap.dedent('''
@@ -56,8 +56,8 @@ def test_resumed_summary_reads_the_first_values_from_the_metrics_file(tmp_path):
 
 @pytest.mark.slow
 def test_grpo_writes_generations_in_verls_layout(ray_cluster, tmp_path):
-    from verl_balance.trainer.grpo_config import register_grpo_schema
-    from verl_balance.trainer.grpo_trainer import GRPOTrainer
+    from verl_balance.trainer.config.grpo import register_grpo_schema
+    from verl_balance.trainer.grpo.trainer import GRPOTrainer
     from verl_balance.utils.tracking import read_metrics
 
     register_grpo_schema()
@@ -136,7 +136,7 @@ def test_decode_generations_splits_prompt_and_response_and_honours_the_limit():
     import torch
 
     from verl_balance.data.tokenizer import build_tokenizer
-    from verl_balance.trainer.generations import decode_generations
+    from verl_balance.trainer.grpo.generations import decode_generations
 
     tokenizer = build_tokenizer(None)
     rows = [("copy ab", "ab"), ("copy xyz", "xyz!")]

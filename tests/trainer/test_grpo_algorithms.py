@@ -19,14 +19,14 @@ from verl_balance.algorithms import LOSS_MODE_REGISTRY, LossModeConfig, PolicyLo
 from verl_balance.algorithms.loss_modes import policy_token_loss
 from verl_balance.algorithms.loss_reductions import reference_reductions
 from verl_balance.algorithms.rollout_correction import RolloutCorrectionConfig, decoupled_correction
-from verl_balance.trainer.algorithm_config import (
+from verl_balance.trainer.config.algorithm import (
     ENGINE_LOSS_MODES,
     AlgorithmSection,
     PolicyLossSection,
     supported_estimators,
 )
-from verl_balance.trainer.config_checks import ConfigError
-from verl_balance.trainer.grpo_config import register_grpo_schema
+from verl_balance.trainer.config.checks import ConfigError
+from verl_balance.trainer.config.grpo import register_grpo_schema
 
 register_grpo_schema()
 COV_MODES = ("clip_cov", "kl_cov")
@@ -50,7 +50,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 def algorithm_steps(ray_cluster, tmp_path_factory):
     """{"steps": one record per step (estimator, loss mode, metrics, advantage step, the ranks' describe(),
     the probe's log-prob change), "probe_repeat_change": the probe's change with no step in between}."""
-    from verl_balance.trainer.grpo_trainer import GRPOTrainer
+    from verl_balance.trainer.grpo.trainer import GRPOTrainer
 
     root = tmp_path_factory.mktemp("grpo_algorithms")
     score = root / "score.py"
@@ -145,7 +145,7 @@ def _probe_batch(trainer, prompts):
 
 def _submit_probe(trainer, probe):
     """Start the actor's log-prob pass over the probe, planned as the old log-prob pass is: (plan, future)."""
-    from verl_balance.trainer.grpo_trainer import LOG_PROB_INPUT_KEYS
+    from verl_balance.trainer.grpo.trainer import LOG_PROB_INPUT_KEYS
     from verl_balance.trainer.plan_dispatch import split_by_plan
 
     plan = trainer._plan(probe, micro_batch_size=4, token_cap=None)
@@ -166,8 +166,8 @@ class _AdvantageStepRecorder(list):
     """Wraps the trainer's advantage step: each call's batch columns and result are appended."""
 
     def __init__(self):
-        from verl_balance.trainer import grpo_trainer
-        from verl_balance.trainer.advantage_step import advantage_inputs
+        from verl_balance.trainer.grpo import trainer as grpo_trainer
+        from verl_balance.trainer.grpo.advantage_step import advantage_inputs
 
         super().__init__()
         self.module, self.original = grpo_trainer, grpo_trainer.compute_step_advantages
@@ -320,8 +320,8 @@ def dapo_steps(ray_cluster, tmp_path_factory):
     """Two main_grpo steps with verl's KL in the reward (adaptive), DAPO's dynamic sampling and overlong
     shaping, the decoupled rollout correction (token IS + rejection), then one bypass-mode step; the
     batch and scores each step hands to the advantage step are recorded."""
-    from verl_balance.trainer.grpo_trainer import GRPOTrainer
-    from verl_balance.trainer.verl_compat_keys import translate
+    from verl_balance.trainer.config.verl_keys import translate
+    from verl_balance.trainer.grpo.trainer import GRPOTrainer
 
     root = tmp_path_factory.mktemp("grpo_dapo")
     reward = root / "reward.py"

@@ -14,7 +14,7 @@ import pytest
 
 from tests.trainer.conftest import compose_config
 from tests.trainer.test_grpo_trainer import LETTER_REWARD
-from verl_balance.trainer.grpo_config import register_grpo_schema, validate_grpo
+from verl_balance.trainer.config.grpo import register_grpo_schema, validate_grpo
 from verl_balance.utils.tracking import read_metrics
 
 COMPARED = ("actor/loss", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl")
@@ -50,7 +50,7 @@ def _base(root) -> list[str]:
 
 def _run(overrides: list[str]) -> tuple[list[dict], list]:
     """Train; the step records and each step's rollout token ids."""
-    from verl_balance.trainer.grpo_trainer import GRPOTrainer
+    from verl_balance.trainer.grpo.trainer import GRPOTrainer
 
     register_grpo_schema()
     trainer = GRPOTrainer(compose_config("grpo", overrides))

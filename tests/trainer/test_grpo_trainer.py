@@ -22,8 +22,8 @@ from verl_balance.models.config import ModelConfig
 from verl_balance.protocol import Batch
 from verl_balance.rollout import RolloutOutput
 from verl_balance.trainer.config import ConfigError
-from verl_balance.trainer.grpo_config import register_grpo_schema, validate_grpo
-from verl_balance.trainer.grpo_trainer import merge_rollout_outputs
+from verl_balance.trainer.config.grpo import register_grpo_schema, validate_grpo
+from verl_balance.trainer.grpo.trainer import merge_rollout_outputs
 from verl_balance.trainer.plan_dispatch import plan_batch, run_by_plan, split_by_plan
 from verl_balance.utils.tracking import read_metrics
 
@@ -200,7 +200,7 @@ LETTER_REWARD = textwrap.dedent('''
 
 
 def _run_grpo(overrides) -> tuple[list[dict], dict]:
-    from verl_balance.trainer.grpo_trainer import GRPOTrainer
+    from verl_balance.trainer.grpo.trainer import GRPOTrainer
 
     trainer = GRPOTrainer(_grpo_config(overrides))
     try:
@@ -218,7 +218,7 @@ def test_val_before_train_alone_decides_the_step_0_validation(test_freq, val_bef
     # test_freq=-1 is observed in tests/trainer/test_ppo_critic.py). The last case is the negative control.
     from types import SimpleNamespace
 
-    from verl_balance.trainer.grpo_trainer import GRPOTrainer
+    from verl_balance.trainer.grpo.trainer import GRPOTrainer
 
     overrides = [f"trainer.test_freq={test_freq}", f"trainer.val_before_train={val_before_train}"]
     driver = SimpleNamespace(config=validate_grpo(_grpo_config(overrides)), evaluate=lambda: {"val/acc": 0.5})

@@ -61,8 +61,8 @@ def test_supported_model_type_passes_the_startup_check(tmp_path, tiny_qwen2):
 
 @pytest.mark.parametrize("recipe,key", [("sft", "model.path"), ("grpo", "actor_rollout_ref.model.path")])
 def test_missing_model_directory_fails_at_startup_naming_the_key(tmp_path, recipe, key):
-    from verl_balance.trainer.grpo_config import register_grpo_schema
-    from verl_balance.trainer.grpo_trainer import GRPOTrainer
+    from verl_balance.trainer.config.grpo import register_grpo_schema
+    from verl_balance.trainer.grpo.trainer import GRPOTrainer
     from verl_balance.trainer.sft_trainer import SFTTrainer
 
     register_grpo_schema()
@@ -133,7 +133,7 @@ def test_gradient_checkpointing_reaches_a_builtin_preset(tmp_path):
 def test_grpo_model_path_to_a_checkpoint_is_refused_naming_warm_start_path(tmp_path):
     # The old spelling (a checkpoint as model.path, read as the warm start) is removed: it fails
     # naming the key that starts from a checkpoint's weights.
-    from verl_balance.trainer.grpo_config import register_grpo_schema, validate_grpo
+    from verl_balance.trainer.config.grpo import register_grpo_schema, validate_grpo
 
     register_grpo_schema()
     checkpoint = tmp_path / "global_step_3"

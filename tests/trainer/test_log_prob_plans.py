@@ -24,11 +24,11 @@ from verl_balance.batch_keys import (
     REF_LOG_PROB_KEY,
 )
 from verl_balance.protocol import Batch
-from verl_balance.trainer.config_checks import ConfigError
-from verl_balance.trainer.grpo_config import register_grpo_schema, validate_grpo
-from verl_balance.trainer.grpo_trainer import GRPOTrainer
+from verl_balance.trainer.config.checks import ConfigError
+from verl_balance.trainer.config.grpo import register_grpo_schema, validate_grpo
+from verl_balance.trainer.config.verl_keys import translate
+from verl_balance.trainer.grpo.trainer import GRPOTrainer
 from verl_balance.trainer.plan_dispatch import merge_by_plan
-from verl_balance.trainer.verl_compat_keys import translate
 
 register_grpo_schema()
 AR = "actor_rollout_ref"

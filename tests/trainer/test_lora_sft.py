@@ -73,7 +73,7 @@ def test_lora_on_the_builtin_preset_is_refused_naming_the_key(tmp_path):
 
 
 def test_grpo_lora_keys_reach_the_engine_config(tmp_path, tiny_qwen2):
-    from verl_balance.trainer.grpo_config import register_grpo_schema, validate_grpo
+    from verl_balance.trainer.config.grpo import register_grpo_schema, validate_grpo
 
     register_grpo_schema()
     run = f"trainer.default_local_dir={tmp_path / 'run'}"

@@ -15,8 +15,8 @@ import torch
 
 from verl_balance.batch_keys import PROMPT_INDEX_KEY
 from verl_balance.protocol import Batch
-from verl_balance.trainer import grpo_trainer
-from verl_balance.trainer.grpo_trainer import GRPOTrainer
+from verl_balance.trainer.grpo import trainer as grpo_trainer
+from verl_balance.trainer.grpo.trainer import GRPOTrainer
 from verl_balance.trainer.metrics import busy_seconds, measured_balance_metrics, reduce_rank_metrics
 
 WALL = 4.0  # every rank's wall seconds of an update: they all wait for the slowest

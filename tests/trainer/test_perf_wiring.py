@@ -16,7 +16,7 @@ from hydra.errors import ConfigCompositionException
 from tests.trainer.conftest import compose_config
 from verl_balance.engine.config import FSDPConfig
 from verl_balance.trainer.config import ConfigError, check_profile_steps, engine_profile_steps, validate_sft
-from verl_balance.trainer.grpo_config import register_grpo_schema, validate_grpo
+from verl_balance.trainer.config.grpo import register_grpo_schema, validate_grpo
 from verl_balance.trainer.metrics import reduce_rank_metrics
 
 register_grpo_schema()
@@ -253,7 +253,7 @@ def test_fast_fsdp_switches_give_the_default_loss_curve(fsdp_runs):
 
 @pytest.mark.slow
 def test_grpo_profile_step_traces_each_update_and_logs_perf_metrics(ray_cluster, tmp_path):
-    from verl_balance.trainer.grpo_trainer import GRPOTrainer
+    from verl_balance.trainer.grpo.trainer import GRPOTrainer
     from verl_balance.utils.tracking import read_metrics
 
     # 8 prompts per step in mini-batches of 4, one epoch: U = 2 updates per driver step, so driver

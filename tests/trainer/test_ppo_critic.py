@@ -19,7 +19,7 @@ import torch
 
 from tests.trainer.conftest import compose_config, run_trainer
 from verl_balance.trainer.config import ConfigError
-from verl_balance.trainer.grpo_config import register_grpo_schema, validate_grpo
+from verl_balance.trainer.config.grpo import register_grpo_schema, validate_grpo
 
 register_grpo_schema()
 
@@ -101,7 +101,7 @@ def test_gae_accepts_one_response_per_prompt():
 # ---------------------------------------------------------------------- short runs (Ray)
 def _train_ppo(overrides: list[str], *, stop_after: int | None = None) -> list[dict]:
     """Run the recipe (``run_trainer``: ``stop_after=k`` sends a Ctrl-C during step k)."""
-    from verl_balance.trainer.grpo_trainer import GRPOTrainer
+    from verl_balance.trainer.grpo.trainer import GRPOTrainer
 
     return run_trainer(GRPOTrainer(_config(overrides)), stop_after=stop_after)
 
@@ -217,7 +217,7 @@ def test_ppo_resume_after_ctrl_c_continues_actor_and_critic_exactly(ppo_runs):
 def test_explained_variance_is_verls_formula():
     """value_metrics against verl's compute_data_metrics expression, written out here."""
     from verl_balance.protocol import Batch
-    from verl_balance.trainer.grpo_trainer import value_metrics
+    from verl_balance.trainer.grpo.trainer import value_metrics
 
     gen = torch.Generator().manual_seed(0)
     mask = (torch.rand(4, 7, generator=gen) < 0.7).float()
@@ -260,7 +260,7 @@ def test_critic_follows_the_actors_warm_start_unless_it_has_its_own_model(
 
     from verl_balance.engine.lora import BASE_FINGERPRINT_FILE
     from verl_balance.trainer import checkpoint
-    from verl_balance.trainer.grpo_trainer import GRPOTrainer
+    from verl_balance.trainer.grpo.trainer import GRPOTrainer
 
     ckpt = str(tmp_path / "global_step_4")
     os.makedirs(ckpt)

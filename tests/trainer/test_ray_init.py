@@ -13,8 +13,8 @@ import tempfile
 import pytest
 
 from verl_balance.trainer import cluster
-from verl_balance.trainer.config_checks import ConfigError
-from verl_balance.trainer.ray_init import check_ray_init, merge_ray_init
+from verl_balance.trainer.config.checks import ConfigError
+from verl_balance.trainer.config.ray_init import check_ray_init, merge_ray_init
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -86,8 +86,8 @@ def test_without_max_restarts_a_killed_worker_ends_the_run(ray_cluster, tiny_sft
 
 
 def test_grpo_rollouts_and_losses_are_identical_on_2_and_4_workers(ray_cluster, tmp_path):
-    from verl_balance.trainer.grpo_config import register_grpo_schema
-    from verl_balance.trainer.grpo_trainer import GRPOTrainer
+    from verl_balance.trainer.config.grpo import register_grpo_schema
+    from verl_balance.trainer.grpo.trainer import GRPOTrainer
 
     register_grpo_schema()
     base = [

@@ -14,7 +14,7 @@ import os
 import pytest
 
 from verl_balance.trainer.checkpoint import LATEST_FILE, SUPERSEDED_DIR, save_trainer_checkpoint, start_run
-from verl_balance.trainer.run_lock import LOCK_FILE, acquire_run_lock
+from verl_balance.trainer.checkpoint.run_lock import LOCK_FILE, acquire_run_lock
 from verl_balance.utils.atomic_io import NoFollowFileHandler, UnsafePathError, atomic_write_text
 from verl_balance.utils.tracking import METRICS_FILE, Tracking
 

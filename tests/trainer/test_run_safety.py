@@ -31,13 +31,13 @@ from verl_balance.trainer.checkpoint import (
     save_trainer_checkpoint,
     start_run,
 )
+from verl_balance.trainer.checkpoint.resume_policy import ResumeConfigError, policy_table, resume_policies
+from verl_balance.trainer.checkpoint.run_lock import LOCK_FILE, RunDirectoryBusyError, acquire_run_lock
 from verl_balance.trainer.config import ConfigError, SFTConfig, validate_sft
-from verl_balance.trainer.resume_policy import ResumeConfigError, policy_table, resume_policies
-from verl_balance.trainer.run_lock import LOCK_FILE, RunDirectoryBusyError, acquire_run_lock
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 _HOLDER = (
-    "import sys, time; from verl_balance.trainer.run_lock import acquire_run_lock; "
+    "import sys, time; from verl_balance.trainer.checkpoint.run_lock import acquire_run_lock; "
     "lock = acquire_run_lock(sys.argv[1]); print('locked', flush=True); time.sleep(600)"
 )
 
@@ -112,7 +112,7 @@ def test_an_auto_run_with_no_saved_state_yet_may_change_any_key(tmp_path):
 
 
 def test_docs_table_of_resume_keys_is_the_one_generated_from_the_schema_metadata():
-    from verl_balance.trainer.grpo_config import GRPOConfig
+    from verl_balance.trainer.config.grpo import GRPOConfig
 
     table = policy_table({"sft": SFTConfig, "grpo": GRPOConfig})
     with open(os.path.join(REPO_ROOT, "docs", "fault_tolerance.md"), encoding="utf-8") as f:
@@ -173,8 +173,8 @@ def test_a_restored_optimizer_uses_the_new_lr_and_schedule_from_the_next_step():
 )
 def test_a_non_finite_config_value_is_rejected_at_startup_naming_the_key(tmp_path, recipe, override, key):
     if recipe == "grpo":
-        from verl_balance.trainer.grpo_config import register_grpo_schema
-        from verl_balance.trainer.grpo_config import validate_grpo as validate
+        from verl_balance.trainer.config.grpo import register_grpo_schema
+        from verl_balance.trainer.config.grpo import validate_grpo as validate
 
         register_grpo_schema()
     else:

@@ -18,8 +18,8 @@ import pytest
 from tests.trainer.conftest import compose_config, train_sft
 from verl_balance.testing.faults import InfWeightsTrainEngine, NaNLossTrainEngine
 from verl_balance.trainer.checkpoint import COMPLETE_FILE
+from verl_balance.trainer.checkpoint.run_lock import RunDirectoryBusyError
 from verl_balance.trainer.driver import NonFiniteTrainingError
-from verl_balance.trainer.run_lock import RunDirectoryBusyError
 from verl_balance.trainer.sft_trainer import SFTTrainer
 from verl_balance.utils.tracking import read_metrics
 from verl_balance.workers.actor import ActorWorker

@@ -64,8 +64,8 @@ def _overrides(model_dir, tmp_path, *extra) -> list[str]:
 
 @pytest.mark.parametrize("recipe", ["sft", "grpo"])
 def test_truncated_weights_fail_naming_the_file_before_ray_starts(recipe, model_dir, tmp_path, no_ray):
-    from verl_balance.trainer.grpo_config import register_grpo_schema
-    from verl_balance.trainer.grpo_trainer import GRPOTrainer
+    from verl_balance.trainer.config.grpo import register_grpo_schema
+    from verl_balance.trainer.grpo.trainer import GRPOTrainer
     from verl_balance.trainer.sft_trainer import SFTTrainer
 
     register_grpo_schema()
@@ -136,7 +136,7 @@ def _pair_file(tmp_path) -> str:
 
 
 def test_sft_default_messages_key_names_prompt_response_files_in_one_startup_line(tmp_path, caplog):
-    from verl_balance.trainer.sft_config import validate_sft
+    from verl_balance.trainer.config.sft import validate_sft
     from verl_balance.trainer.sft_trainer import _chat_key
 
     pairs, chats = _pair_file(tmp_path), _chat_file(tmp_path)

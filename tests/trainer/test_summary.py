@@ -4,8 +4,8 @@ and the common frame (steps and time, metrics file, plot only when there is one)
 
 from __future__ import annotations
 
-from verl_balance.trainer.grpo_trainer import GRPOTrainer
-from verl_balance.trainer.grpo_trainer import format_summary as grpo_summary
+from verl_balance.trainer.grpo.trainer import GRPOTrainer
+from verl_balance.trainer.grpo.trainer import format_summary as grpo_summary
 from verl_balance.trainer.sft_trainer import SFTTrainer
 from verl_balance.trainer.sft_trainer import format_summary as sft_summary
 

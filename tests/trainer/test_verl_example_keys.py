@@ -16,10 +16,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from tests.trainer.conftest import compose_config
-from verl_balance.trainer.cli import _lookup, _verl_keys
-from verl_balance.trainer.config_checks import ConfigError
-from verl_balance.trainer.grpo_config import register_grpo_schema
-from verl_balance.trainer.verl_compat_keys import docs_table, lookup, startup_line, target_of, translate
+from verl_balance.trainer.config.checks import ConfigError
+from verl_balance.trainer.config.cli import _lookup, _verl_keys
+from verl_balance.trainer.config.grpo import register_grpo_schema
+from verl_balance.trainer.config.verl_keys import docs_table, lookup, startup_line, target_of, translate
 
 register_grpo_schema()  # compose_config("grpo", ...) needs the GRPO schema in Hydra's store
 
@@ -72,8 +72,8 @@ def _refused(line: str) -> bool:
 
 
 def _declared(key: str, recipe: str) -> bool:
-    from verl_balance.trainer.grpo_config import GRPOConfig
-    from verl_balance.trainer.sft_config import SFTConfig
+    from verl_balance.trainer.config.grpo import GRPOConfig
+    from verl_balance.trainer.config.sft import SFTConfig
 
     return _lookup(OmegaConf.structured(GRPOConfig if recipe == "grpo" else SFTConfig), key)[0]
 
@@ -113,7 +113,7 @@ def test_every_override_of_a_verl_script_is_accepted_or_logged(script):
 def test_a_value_this_project_cannot_honour_is_refused_naming_the_key(script, line):
     key = _key(line)
     if key == "actor_rollout_ref.rollout.name":
-        from verl_balance.trainer.grpo_config import RolloutSection
+        from verl_balance.trainer.config.grpo import RolloutSection
 
         with pytest.raises(ConfigError, match=r"name.*kv_cache"):
             RolloutSection(name=line.partition("=")[2])
@@ -141,7 +141,7 @@ def test_run_recipe_rewrites_the_command_line_and_returns_the_startup_line(monke
 
 
 def test_honoured_grpo_keys_reach_the_typed_config(tmp_path):
-    from verl_balance.trainer.grpo_config import GRPOConfig
+    from verl_balance.trainer.config.grpo import GRPOConfig
 
     args, _ = translate(
         [
@@ -169,7 +169,7 @@ def test_honoured_grpo_keys_reach_the_typed_config(tmp_path):
 
 def test_ray_init_keys_reach_the_typed_config_and_ray_init(tmp_path):
     from verl_balance.trainer import cluster
-    from verl_balance.trainer.grpo_config import GRPOConfig
+    from verl_balance.trainer.config.grpo import GRPOConfig
 
     lines = [
         "ray_kwargs.ray_init.num_cpus=3",
@@ -187,7 +187,7 @@ def test_ray_init_keys_reach_the_typed_config_and_ray_init(tmp_path):
 
 
 def test_honoured_sft_keys_reach_the_typed_config(tmp_path):
-    from verl_balance.trainer.sft_config import SFTConfig
+    from verl_balance.trainer.config.sft import SFTConfig
 
     args, no_effect = translate(
         [
@@ -228,7 +228,7 @@ def test_two_spellings_set_to_the_same_value_are_one_override():
 
 def test_docs_table_equals_the_generated_one():
     assert DOCS.read_text() == docs_table(), (
-        "regenerate: python -m verl_balance.trainer.verl_compat_keys > docs/verl_keys.md"
+        "regenerate: python -m verl_balance.trainer.config.verl_keys > docs/verl_keys.md"
     )
 
 
@@ -236,7 +236,7 @@ def test_offload_and_critic_keys_reach_the_engines_and_the_offload_decision(tmp_
     from torch.distributed.fsdp import CPUOffloadPolicy
 
     from verl_balance.engine.offload import cpu_offload_policy
-    from verl_balance.trainer.grpo_config import GRPOConfig
+    from verl_balance.trainer.config.grpo import GRPOConfig
 
     args, no_effect = translate(
         [

@@ -14,6 +14,7 @@ import torch
 
 from verl_balance.batch_keys import MICRO_BATCH_SIZES_KEY
 from verl_balance.distributed import ParallelLayout
+from verl_balance.distributed.launcher import gloo_group, new_rendezvous
 from verl_balance.engine import TrainEngine
 from verl_balance.engine.config import EngineConfig, EngineConfigError
 from verl_balance.models.value import VALUE_HEAD_NAMES
@@ -21,7 +22,6 @@ from verl_balance.parity import ParitySettings, make_value_batch
 from verl_balance.protocol import Batch
 from verl_balance.single_controller.decorator import get_registration
 from verl_balance.single_controller.worker_group import declared_group_methods
-from verl_balance.testing.multiprocess import gloo_group, new_rendezvous
 from verl_balance.workers.actor import ActorWorker
 from verl_balance.workers.critic import CriticWarmStartError, CriticWorker, CriticWorkerConfig
 from verl_balance.workers.group import CriticGroup, group_class_for

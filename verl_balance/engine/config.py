@@ -19,7 +19,7 @@ PARAM_DTYPES = ("float32", "bfloat16")
 MODEL_TYPES = ("language_model", "value_model")
 DEFAULT_LOGITS_CHUNK_SIZE = 1024
 
-# Field metadata read by trainer/resume_policy.py: what a resumed run may change (the trainer's
+# Field metadata read by trainer/checkpoint/resume_policy.py: what a resumed run may change (the trainer's
 # recipes nest these classes). "apply": the new value is used from the next step on.
 ON_RESUME = "on_resume"
 APPLY_ON_RESUME = {ON_RESUME: "apply"}
@@ -114,7 +114,7 @@ class FSDPConfig:
 
 # ---------------------------------------------------------------------- the engine's keys, one home each
 # Each engine key is one field of one of these groups, named as verl names it. EngineConfig inherits
-# them, and so do the recipe sections that hold them (trainer/sft_config.py, trainer/grpo_config.py),
+# them, and so do the recipe sections that hold them (trainer/config/sft.py, trainer/config/grpo.py),
 # so a key has one name, one default and one docstring; the recipes' key maps are derived from
 # the groups (trainer/recipe.engine_keys) and the verl backend reads LoRAKeys / KernelKeys by their names. A
 # group holds no checks: EngineConfig.__post_init__ checks the values, naming the user's key.

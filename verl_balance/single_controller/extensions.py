@@ -10,7 +10,7 @@ looked up along the value's MRO, so a registration never imports the container's
 Controller extensions. Another framework's workers (its ``register`` marks, its mode objects, its
 worker base class and its data) run on this controller through a ``ControllerExtension``
 registered with ``register_extension``; every hook's default answers "not mine". The verl
-integration installs one (``verl_balance.integrations.verl.controller``). This module imports
+integration installs one (``verl_balance.integrations.verl.controller.extension``). This module imports
 no framework.
 """
 

@@ -33,7 +33,7 @@ The workers must import ``verl_balance``: install the package, export ``PYTHONPA
 Another framework's worker classes run here through an installed ``ControllerExtension``
 (``extensions.py``): it reads their ``register`` marks, adds the environment their base class
 expects and reads their mesh registrations. verl's constructor arguments and method names live in
-``verl_balance.integrations.verl.worker_group.RayWorkerGroup``, a subclass of this class.
+``verl_balance.integrations.verl.controller.worker_group.RayWorkerGroup``, a subclass of this class.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ from verl_balance.single_controller.modes import (
 from verl_balance.single_controller.rendezvous_port import free_rendezvous_port
 from verl_balance.single_controller.resource_pool import RayResourcePool, check_device_name
 from verl_balance.single_controller.worker import NUM_THREADS_ENV
-from verl_balance.single_controller.worker_hosts import active_hosts
+from verl_balance.single_controller.worker_factory import installed_worker_factory
 
 logger = logging.getLogger(__name__)
 
@@ -354,8 +354,8 @@ class RayWorkerGroup:
         self._worker_names: list[str] = []
         # (node id, pid, stderr file) per rank, once the workers are ready
         self._places: list[tuple[str, int, str | None]] = []
-        self._host_starts: list = []  # hosted workers (worker_hosts.py): their constructor calls
-        self._hosts = None  # the WorkerHosts this group's workers live in, if hosted
+        self._factory_starts: list = []  # workers from an installed WorkerFactory: their construction refs
+        self._factory = None  # the WorkerFactory that started this group's workers (worker_factory.py), if any
         self._failed = False  # a call failed or was interrupted: the workers are not reused
         self.failure_grace_s = failure_grace_s
         self.call_timeout_s = call_timeout_s
@@ -390,10 +390,12 @@ class RayWorkerGroup:
                 **self._extension.worker_env(name_prefix=self.name_prefix, local_world_size=pool.n_gpus_per_node),
             }
         init = self.ray_cls_with_init
-        hosts = active_hosts()
-        if hosts is not None and hosts.hosts(init.cls, use_gpu=pool.use_gpu, has_extension=self._extension is not None):
-            self._hosts = hosts
-        actor_cls = None if self._hosts is not None else ray.remote(init.cls)
+        factory = installed_worker_factory()
+        if factory is not None and factory.accepts(
+            init.cls, use_gpu=pool.use_gpu, has_extension=self._extension is not None
+        ):
+            self._factory = factory
+        actor_cls = None if self._factory is not None else ray.remote(init.cls)
         for pg_index, pg in enumerate(pgs):
             for local_rank in range(pool.n_gpus_per_node):
                 rank = len(self._workers)
@@ -407,13 +409,13 @@ class RayWorkerGroup:
                 self._worker_names.append(name)
 
     def _new_worker(self, actor_cls: Any, options: dict[str, Any]) -> Any:
-        """A new actor, or a warm host given the worker to construct (``worker_hosts.py``)."""
+        """A new actor, or a worker of the installed ``WorkerFactory`` (``worker_factory.py``)."""
         init = self.ray_cls_with_init
-        if self._hosts is None:
+        if self._factory is None:
             return actor_cls.options(**options).remote(*init.args, **init.kwargs)
-        host, start = self._hosts.start_worker(init.cls, options=options, args=init.args, kwargs=init.kwargs)
-        self._host_starts.append(start)
-        return host
+        handle, start = self._factory.start_worker(init.cls, options=options, args=init.args, kwargs=init.kwargs)
+        self._factory_starts.append(start)
+        return handle
 
     def _actor_options(self, pg: Any, *, local_rank: int, env: dict[str, str], name: str) -> dict[str, Any]:
         """Ray actor options of one worker: its bundle, its share of the bundle, its environment."""
@@ -433,8 +435,8 @@ class RayWorkerGroup:
 
     def _wait_until_ready(self, timeout_s: float) -> None:
         # the first task after each constructor: it proves the worker ready and tells where it runs
-        if self._host_starts:
-            self._wait("__init__", self._host_starts, list(range(self.world_size)), timeout_s=timeout_s)
+        if self._factory_starts:
+            self._wait("__init__", self._factory_starts, list(range(self.world_size)), timeout_s=timeout_s)
         places = [w.__ray_call__.remote(_worker_place) for w in self._workers]
         self._places = self._wait("__init__", places, list(range(self.world_size)), timeout_s=timeout_s)
 
@@ -679,10 +681,10 @@ class RayWorkerGroup:
         return GroupFuture(self, method, self._submit(method, [(args, kwargs)]), [0], lambda outputs: outputs[0]).get()
 
     def shutdown(self) -> None:
-        """Kill the workers, or hand hosted workers' processes back after a clean run (``worker_hosts.py``);
+        """Kill the workers, or hand a ``WorkerFactory``'s workers back to it (``worker_factory.py``);
         the resource pool stays reserved (``resource_pool.remove()`` frees it)."""
-        if self._hosts is not None:
-            self._hosts.release(self._workers, clean=not self._failed)
+        if self._factory is not None:
+            self._factory.release(self._workers, clean=not self._failed)
         else:
             for worker in self._workers:
                 ray.kill(worker, no_restart=True)

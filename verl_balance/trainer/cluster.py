@@ -15,7 +15,7 @@ from verl_balance.single_controller import (
     UnplaceableResourcePoolError,
 )
 from verl_balance.trainer.config import ConfigError, TrainerSection
-from verl_balance.trainer.ray_init import RAY_INIT_KEY, check_ray_init, merge_ray_init
+from verl_balance.trainer.config.ray_init import RAY_INIT_KEY, check_ray_init, merge_ray_init
 from verl_balance.workers.actor import ActorWorker, ActorWorkerConfig
 from verl_balance.workers.group import group_class_for
 

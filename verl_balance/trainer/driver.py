@@ -28,10 +28,10 @@ from verl_balance.models.config import ModelConfig
 from verl_balance.models.hf import HFModelConfig
 from verl_balance.single_controller import WorkerDiedError
 from verl_balance.trainer import checkpoint, cluster
-from verl_balance.trainer.config_checks import ConfigError
-from verl_balance.trainer.recipe import RecipeConfig
-from verl_balance.trainer.run_lock import RunLock, acquire_run_lock
-from verl_balance.trainer.sections import ModelSection, TrainerSection, record_workload
+from verl_balance.trainer.checkpoint.run_lock import RunLock, acquire_run_lock
+from verl_balance.trainer.config.checks import ConfigError
+from verl_balance.trainer.config.recipe import RecipeConfig
+from verl_balance.trainer.config.sections import ModelSection, TrainerSection, record_workload
 from verl_balance.trainer.startup import check_layout_and_device
 from verl_balance.trainer.summary import earliest_records, summary_header
 from verl_balance.utils import run_log

@@ -15,11 +15,11 @@ from verl_balance.batch_keys import ATTENTION_MASK_KEY
 from verl_balance.data.io import DataError, as_file_list
 from verl_balance.data.sft_dataset import DEFAULT_MESSAGES_KEY, SFTDataset, chat_column
 from verl_balance.protocol import Batch
+from verl_balance.trainer.config.sections import check_profile_steps, resolve_data_files
+from verl_balance.trainer.config.sft import validate_sft
 from verl_balance.trainer.driver import DriverBase
 from verl_balance.trainer.metrics import plan_metrics, reduce_rank_metrics
 from verl_balance.trainer.plan_dispatch import plan_batch, split_by_plan
-from verl_balance.trainer.sections import check_profile_steps, resolve_data_files
-from verl_balance.trainer.sft_config import validate_sft
 from verl_balance.trainer.startup import check_model_files
 from verl_balance.workers.actor import ActorWorkerConfig
 

@@ -1,6 +1,6 @@
 """What a fresh process would see, restored in a process that runs one job after another.
 
-The warm pools (``testing/multiprocess.py``'s gloo ranks, ``single_controller/worker_hosts.py``'s
+The warm pools (``distributed/launcher.py``'s gloo ranks, ``testing/worker_hosts.py``'s
 Ray worker hosts) run successive jobs in one process to save its start-up. A job must still start
 from a fresh process's state where it matters: torch's initial seed, default dtype, grad mode and
 thread count, no process group and no DTensor cache of an earlier group's meshes, and the module
@@ -59,3 +59,23 @@ def destroy_process_groups() -> bool:
     _clear_sharding_prop_cache()
     clear_redistribute_planner_cache()
     return True
+
+
+# Third-party modules the warm gloo ranks' fork server (distributed/launcher.py) imports once for every
+# rank it forks; verl and LoRA also import sympy and peft. Not pyarrow (nor pandas or datasets, which
+# import it): it starts a thread when imported, and a fork of a process with a second thread may
+# inherit a lock that thread held.
+FORK_SERVER_PRELOAD = (
+    *("torch", "torch.distributed.tensor", "tensordict", "transformers", "transformers.modeling_utils"),
+    *("sympy", "peft"),
+)
+
+
+def reseed_like_a_fresh_process() -> None:
+    """In a fork: the random states a fresh interpreter draws for itself, drawn anew (a fork inherits
+    its parent's). Python's ``random`` reseeds itself after a fork; torch's generator and numpy's global
+    one do not, and without this every forked rank would share one torch seed, hiding a missing seed or
+    broadcast that fresh ranks would show as disagreeing weights."""
+    sys.modules["torch"].seed()
+    if "numpy.random" in sys.modules:
+        sys.modules["numpy.random"].seed()

@@ -9,7 +9,7 @@ the weights the driver last sent (``receive_weights``, bucket by bucket from the
 Invariants:
 - A worker runs its calls in submission order (a Ray actor), so a ``generate_sequences``
   submitted before a sync generates with the weights before it, whatever the timing: the policy
-  version of a batch is fixed when it is submitted (``trainer/async_pipeline.py``).
+  version of a batch is fixed when it is submitted (``trainer/grpo/async_trainer.py``).
 - ``receive_weights`` copies each bucket into the worker's own tensors; the rollout engine is
   pointed at them once the last bucket of a version arrived (``last=True``), so a generation never
   sees a half-updated model. With LoRA (``lora_scaling``) they are the actor's LoRA-named tensors

@@ -1,22 +1,20 @@
 """verl-facing adapters (optional ``verl`` extra); this facade keeps the public names in one place.
 
-Modules (imports point one way: errors/state/workload <- seqlen <- trainer_balance <- patch;
-convert, loss stand alone; worker uses convert, seqlen, trainer_balance):
+Sub-packages by concern (imports point one way: ``errors`` <- ``patches`` <- ``controller``; the
+entry points ``engine`` and ``autopatch`` sit on top):
 
-- ``seqlen``: drop-ins for ``verl.utils.seqlen_balancing`` (``get_seqlen_balanced_partitions``,
-  ``rearrange_micro_batches``, ``get_reverse_idx``);
-- ``trainer_balance``: ``balance_batch`` and the replacements of verl's trainers' ``_balance_batch``;
-- ``patch``: ``patch_verl()`` swaps the above into verl (``autopatch`` does it on import, for
-  ``VERL_USE_EXTERNAL_MODULES``);
-- ``workload``: workload models (``VerlWorkload``, FLOPs from a Hugging Face config, the
-  ``VERL_BALANCE_WORKLOAD`` default);
-- ``convert``: ``DataProto``/TensorDict <-> ``Batch``;
-- ``loss``: ``loss_counts`` + ``agg_loss``, our loss contract for verl-shaped loss matrices;
-- ``worker``: ``VerlActorWorker``, our actor as a verl ``Worker`` (imported lazily: it needs verl);
-- ``controller``: verl's modes, ``register`` marks, ``Worker`` classes and ``DataProto`` /
-  ``TensorDict`` rows on our single controller (a ``ControllerExtension`` plus row containers);
-- ``worker_group``: ``RayWorkerGroup`` with verl's constructor and ``execute_*_sync`` names
-  (imported lazily: it imports Ray).
+- ``engine``: ``verl_balance`` as a verl training-engine backend (``strategy=verl_balance``), with its
+  checkpoint record, HF export files and per-tensor shards in ``backend/``;
+- ``patches/``: our balancer inside verl's modules: drop-ins for ``verl.utils.seqlen_balancing``
+  (``seqlen``), ``balance_batch`` and the trainers' ``_balance_batch`` (``trainer_balance``),
+  ``patch_verl()`` (``patch``; ``autopatch`` applies it on import, for ``VERL_USE_EXTERNAL_MODULES``),
+  workload models (``workload``) and the reward-key spelling;
+- ``controller/``: verl's modes, ``register`` marks, ``Worker`` classes and row containers on our
+  single controller (``extension``), ``RayWorkerGroup`` with verl's constructor (``worker_group``),
+  ``VerlActorWorker`` (``worker``);
+- ``cpu_shims/``: a CPU platform and a CPU rollout server so verl's own trainers run without a GPU
+  (CI, laptops; loaded through ``VERL_USE_EXTERNAL_MODULES``);
+- ``convert``: ``DataProto``/TensorDict <-> ``Batch``; ``loss``: ``loss_counts`` + ``agg_loss``.
 
 Importing this package never imports verl; functions that need verl import it when called and
 raise ``VerlNotInstalledError`` (an ImportError naming the ``verl`` extra) when it is missing.
@@ -27,18 +25,18 @@ objects on our worker groups.
 
 from __future__ import annotations
 
-from verl_balance.integrations.verl.controller import install as _install_controller_extension
+from verl_balance.integrations.verl.controller.extension import install as _install_controller_extension
 from verl_balance.integrations.verl.convert import batch_from_dataproto, batch_from_tensordict, batch_to_dataproto
 from verl_balance.integrations.verl.errors import INSTALL_HINT, VerlNotInstalledError, require_verl
 from verl_balance.integrations.verl.loss import LossCounts, agg_loss, loss_counts
-from verl_balance.integrations.verl.patch import VerlPatch, patch_verl
-from verl_balance.integrations.verl.seqlen import (
+from verl_balance.integrations.verl.patches.patch import VerlPatch, patch_verl
+from verl_balance.integrations.verl.patches.seqlen import (
     get_reverse_idx,
     get_seqlen_balanced_partitions,
     rearrange_micro_batches,
 )
-from verl_balance.integrations.verl.trainer_balance import balance_batch
-from verl_balance.integrations.verl.workload import VerlWorkload, workload_from_hf_config, workload_of_actor
+from verl_balance.integrations.verl.patches.trainer_balance import balance_batch
+from verl_balance.integrations.verl.patches.workload import VerlWorkload, workload_from_hf_config, workload_of_actor
 
 __all__ = [
     "INSTALL_HINT",
@@ -68,13 +66,13 @@ _install_controller_extension()
 
 def __getattr__(name: str):
     if name == "RayWorkerGroup":  # imports Ray, which this facade does not need otherwise
-        from verl_balance.integrations.verl.worker_group import RayWorkerGroup
+        from verl_balance.integrations.verl.controller.worker_group import RayWorkerGroup
 
         return RayWorkerGroup
     # VerlActorWorker subclasses verl's Worker, so it can only be defined once verl is imported.
     if name == "VerlActorWorker":
         require_verl()
-        from verl_balance.integrations.verl.worker import VerlActorWorker
+        from verl_balance.integrations.verl.controller.worker import VerlActorWorker
 
         return VerlActorWorker
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

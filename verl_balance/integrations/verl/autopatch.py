@@ -10,7 +10,7 @@ trainer modules are patched when verl imports them (nothing is imported early).
 
 from __future__ import annotations
 
-from verl_balance.integrations.verl.patch import patch_verl
+from verl_balance.integrations.verl.patches.patch import patch_verl
 
 PATCH = patch_verl(import_modules=False)
 

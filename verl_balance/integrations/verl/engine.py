@@ -50,8 +50,8 @@ from verl_balance.batch_keys import (
     TEMPERATURE_KEY,
     VALUES_KEY,
 )
+from verl_balance.integrations.verl.backend.sealed_checkpoint import seal, unseal, verify_sealed
 from verl_balance.integrations.verl.errors import require_verl
-from verl_balance.integrations.verl.sealed_checkpoint import seal, unseal, verify_sealed
 
 require_verl()
 
@@ -640,7 +640,7 @@ class VerlBalanceEngine(BaseEngine):
         weight export for its delta checkpoint engines, as its FSDP engine gives it; nothing is
         gathered. ``prime_delta_snapshots`` (verl's BaseEngine) consumes it. As in verl, the base
         weights only: with LoRA the rollout syncs through ``get_per_tensor_param``."""
-        from verl_balance.integrations.verl.shards import local_param_shards
+        from verl_balance.integrations.verl.backend.shards import local_param_shards
 
         if getattr(self.engine.model, "lora_config", None) is not None:
             raise NotImplementedError(
@@ -698,7 +698,7 @@ class VerlBalanceEngine(BaseEngine):
         """``hf_model`` in ``checkpoint.save_contents``: the HF directory ``huggingface/`` (as verl's
         FSDP engine); always ``trainer_state.json``, which ``python -m verl_balance.export`` reads (the
         completeness record follows: ``sealed_checkpoint.seal``)."""
-        from verl_balance.integrations.verl.checkpoint_files import HF_DIR, save_contents, write_trainer_state
+        from verl_balance.integrations.verl.backend.checkpoint_files import HF_DIR, save_contents, write_trainer_state
         from verl_balance.models.hf import HFModelConfig
 
         ours = self.engine.model_config

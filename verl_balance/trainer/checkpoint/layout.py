@@ -11,8 +11,8 @@ import re
 import shutil
 import time
 
+from verl_balance.trainer.checkpoint.resume_policy import ResumeConfigError
 from verl_balance.trainer.config import ConfigError
-from verl_balance.trainer.resume_policy import ResumeConfigError
 from verl_balance.utils import checksums
 from verl_balance.utils.atomic_io import fsync_dir, refuse_symlink
 

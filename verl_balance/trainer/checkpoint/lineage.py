@@ -30,8 +30,8 @@ from verl_balance.trainer.checkpoint.layout import (
     scan_checkpoints,
 )
 from verl_balance.trainer.checkpoint.manifest import newest_verified_checkpoint, verify_checkpoint
+from verl_balance.trainer.checkpoint.resume_policy import APPLY, REFUSE, changed_keys, policy_of, resume_policies
 from verl_balance.trainer.config import RESUME_MODES, ConfigError, SFTConfig
-from verl_balance.trainer.resume_policy import APPLY, REFUSE, changed_keys, policy_of, resume_policies
 from verl_balance.utils import checksums
 from verl_balance.utils.atomic_io import atomic_write_json
 from verl_balance.utils.tracking import METRICS_FILE, rewrite_metrics_up_to

@@ -23,14 +23,14 @@ from typing import Any
 
 from verl_balance.balance.workload import resolve_workload
 from verl_balance.integrations.verl.errors import require_verl
-from verl_balance.integrations.verl.reward_spelling import reward_loader_with_our_spelling
-from verl_balance.integrations.verl.seqlen import (
+from verl_balance.integrations.verl.patches.reward_spelling import reward_loader_with_our_spelling
+from verl_balance.integrations.verl.patches.seqlen import (
     get_reverse_idx,
     get_seqlen_balanced_partitions,
     rearrange_micro_batches,
 )
-from verl_balance.integrations.verl.state import PATCH_STATE
-from verl_balance.integrations.verl.trainer_balance import balanced_balance_batch, balanced_balance_batch_v1
+from verl_balance.integrations.verl.patches.state import PATCH_STATE
+from verl_balance.integrations.verl.patches.trainer_balance import balanced_balance_batch, balanced_balance_batch_v1
 
 __all__ = ["FUNCTION_TARGETS", "TRAINER_TARGETS", "VerlPatch", "patch_verl"]
 

@@ -23,7 +23,7 @@ import torch
 
 from verl_balance.balance import TooFewSamplesError, plan_balance
 from verl_balance.batch_keys import ATTENTION_MASK_KEY, PLANNED_MICRO_BATCH_SIZES_KEY, UID_KEY
-from verl_balance.integrations.verl.state import current_workload
+from verl_balance.integrations.verl.patches.state import current_workload
 
 __all__ = ["PLANNED_SIZES_KEY", "balance_batch", "balanced_balance_batch", "balanced_balance_batch_v1", "plan_dp_order"]
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-from verl_balance.trainer.config_checks import ConfigError, check_finite_values, did_you_mean, qualify
+from verl_balance.trainer.config.checks import ConfigError, check_finite_values, did_you_mean, qualify
 
 __all__ = ["check_known_keys", "resolve_aliases", "to_typed"]
 

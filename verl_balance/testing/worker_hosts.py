@@ -3,19 +3,20 @@
 A Ray actor's process leaves with the actor, so every new group pays an interpreter, torch, FSDP
 and the worker's imports again: about 3 s of CPU per worker, more than a short job's steps (a test
 suite builds hundreds of groups). With hosting on (``enable_worker_hosts(classes=...)``; the test
-suite turns it on for the trainer's worker classes), a group's worker of one of those classes is an
+suite turns it on for the trainer's worker classes, installing it as the process's
+``single_controller.worker_factory.WorkerFactory``), a group's worker of one of those classes is an
 object inside a *host*: a Ray actor that outlives the group and, once the group has shut down
 cleanly, serves the next group's worker of the same class, actor options and environment.
 
-The host process itself is ``workers/host.py``'s ``WorkerHost`` (worker-side code lives with the
-workers; this module, driver side, gets the class from ``enable_worker_hosts(host=...)``). A hosted
+The host process itself is ``testing/worker_host.py``'s ``WorkerHost`` (this module, driver side, gets
+the class from ``enable_worker_hosts(host=...)``). A hosted
 worker starts from what a fresh actor would see where it matters:
 - its environment: the host's start-up environment plus this rank's variables (the rendezvous);
   nothing the previous worker set;
 - no process group (the previous worker's is destroyed) and no DTensor cache of its meshes, torch's
   initial seed, float32 default dtype, grad mode on, the host's thread count, and module globals a
   worker rebound restored (``utils/process_state.py``, shared with the gloo-rank pool of
-  ``testing/multiprocess.py``); a host that cannot be reset so is killed, not reused.
+  ``distributed/launcher.py``); a host that cannot be reset so is killed, not reused.
 What differs from an actor per worker: the pid is the host's (rank i of a new group may run in the
 process rank j of an earlier group had), and an error in the worker's constructor is the error of
 the group's start-up call (a ``RayTaskError``) rather than a dead actor.
@@ -35,6 +36,8 @@ from contextlib import contextmanager
 from typing import Any
 
 import ray
+
+from verl_balance.single_controller.worker_factory import install_worker_factory, installed_worker_factory
 
 __all__ = ["WorkerHosts", "enable_worker_hosts", "disable_worker_hosts", "worker_hosting", "active_hosts"]
 
@@ -77,7 +80,7 @@ class WorkerHosts:
         self._key_of: dict[Any, tuple] = {}  # host actor id -> its key
         self._job_id: str | None = None
 
-    def hosts(self, cls: type, *, use_gpu: bool, has_extension: bool) -> bool:
+    def accepts(self, cls: type, *, use_gpu: bool, has_extension: bool) -> bool:
         """Whether a group of ``cls`` workers is hosted (exact class; CPU groups without extension)."""
         return cls in self.classes and not use_gpu and not has_extension
 
@@ -151,35 +154,36 @@ class WorkerHosts:
         self._idle.clear()
 
 
-_ACTIVE: list[WorkerHosts] = []
-
-
 def active_hosts() -> WorkerHosts | None:
     """The driver's hosts, or None when hosting is off (the default)."""
-    return _ACTIVE[-1] if _ACTIVE else None
+    factory = installed_worker_factory()
+    return factory if isinstance(factory, WorkerHosts) else None
 
 
 def enable_worker_hosts(*, classes: tuple[type, ...], host: type) -> WorkerHosts:
-    """Host the workers of exactly these classes in ``host`` processes from now on (``workers.host.WorkerHost``:
-    the worker side lives with the workers; see the module docstring)."""
+    """Host the workers of exactly these classes in ``host`` processes from now on
+    (``testing.worker_host.WorkerHost``; see the module docstring)."""
     disable_worker_hosts()
-    _ACTIVE.append(WorkerHosts(classes, host=host))
-    return _ACTIVE[-1]
+    hosts = WorkerHosts(classes, host=host)
+    install_worker_factory(hosts)
+    return hosts
 
 
 def disable_worker_hosts() -> None:
     """Stop hosting; idle hosts are killed (busy ones are killed when their group shuts down)."""
-    while _ACTIVE:
-        _ACTIVE.pop().shutdown()
+    hosts = active_hosts()
+    if hosts is not None:
+        install_worker_factory(None)
+        hosts.shutdown()
 
 
 @contextmanager
 def worker_hosting(*, classes: tuple[type, ...], host: type) -> Iterator[WorkerHosts]:
-    """Hosting of ``classes`` for the block; the previous setting afterwards."""
-    previous = list(_ACTIVE)
-    _ACTIVE[:] = [WorkerHosts(classes, host=host)]
+    """Hosting of ``classes`` for the block; the previous factory afterwards."""
+    hosts = WorkerHosts(classes, host=host)
+    previous = install_worker_factory(hosts)
     try:
-        yield _ACTIVE[0]
+        yield hosts
     finally:
-        _ACTIVE[0].shutdown()
-        _ACTIVE[:] = previous
+        hosts.shutdown()
+        install_worker_factory(previous)

@@ -15,9 +15,9 @@ from omegaconf import DictConfig
 from verl_balance.data.sft_dataset import SFTDataConfig
 from verl_balance.engine.config import APPLY_ON_RESUME, LAYOUT_ON_RESUME, ActorKeys, FSDPKeys
 from verl_balance.loss import check_agg_mode
-from verl_balance.trainer.config_checks import ConfigError, check_positive, check_remove_padding
-from verl_balance.trainer.recipe import RecipeConfig
-from verl_balance.trainer.sections import (
+from verl_balance.trainer.config.checks import ConfigError, check_positive, check_remove_padding
+from verl_balance.trainer.config.recipe import RecipeConfig
+from verl_balance.trainer.config.sections import (
     BalanceSection,
     ModelSection,
     RayKwargsSection,

@@ -20,6 +20,6 @@ PATCH_STATE = PatchState()
 
 def current_workload() -> Any:
     """The workload the drop-ins use when the caller passes none (same rule in every process)."""
-    from verl_balance.integrations.verl.workload import workload_from_env
+    from verl_balance.integrations.verl.patches.workload import workload_from_env
 
     return PATCH_STATE.workload if PATCH_STATE.workload is not None else workload_from_env()

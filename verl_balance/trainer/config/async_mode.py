@@ -4,7 +4,7 @@
 
 - ``sync`` (default): today's ``GRPOTrainer``, generation then scoring then update, nothing else
   changes (the async keys are not read);
-- ``separate_async``: ``trainer.async_pipeline.AsyncGRPOTrainer``, a rollout worker group of
+- ``separate_async``: ``trainer.grpo.async_trainer.AsyncGRPOTrainer``, a rollout worker group of
   ``actor_rollout_ref.rollout.nnodes x n_gpus_per_node`` workers on its own resource pool,
   generating batch k+1 while the actor group trains on batch k (one-step off-policy with
   ``num_warmup_batches=1``);
@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from verl_balance.engine.config import APPLY_ON_RESUME
-from verl_balance.trainer.config_checks import ConfigError, check_choice, check_positive
+from verl_balance.trainer.config.checks import ConfigError, check_choice, check_positive
 
 TRAINER_MODES = ("sync", "colocate_async", "separate_async")
 OFF_POLICY_STRATEGIES = ("drop", "wait")
@@ -78,7 +78,7 @@ class V1Section:
     """verl's ``trainer.v1``: the trainer mode and its settings."""
 
     trainer_mode: str = field(default="sync", metadata=APPLY_ON_RESUME)
-    """sync | colocate_async | separate_async (see trainer/async_config.py)."""
+    """sync | colocate_async | separate_async (see trainer/config/async_mode.py)."""
     colocate_async: ColocateAsyncSection = field(default_factory=ColocateAsyncSection)
     """The colocated asynchronous mode's settings."""
     separate_async: SeparateAsyncSection = field(default_factory=SeparateAsyncSection)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
-from verl_balance.trainer.config_checks import ConfigError, did_you_mean
+from verl_balance.trainer.config.checks import ConfigError, did_you_mean
 
 __all__ = ["USER_ERRORS", "check_overrides", "run_recipe", "user_errors"]
 
@@ -36,7 +36,7 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     from verl_balance.models.preflight import PreflightError
     from verl_balance.rewards.score import RewardError
     from verl_balance.single_controller.resource_pool import UnplaceableResourcePoolError
-    from verl_balance.trainer.resume_policy import ResumeConfigError
+    from verl_balance.trainer.checkpoint.resume_policy import ResumeConfigError
     from verl_balance.utils.tracking import TrackingError
 
     return (
@@ -146,8 +146,8 @@ def _has_config_flags(args: Sequence[str]) -> bool:
 
 def _verl_keys(recipe: str) -> str | None:
     """verl's keys on the command line written as ours, no-effect keys removed (``sys.argv``
-    rewritten; trainer.verl_compat_keys); returns the start-up line naming the no-effect keys."""
-    from verl_balance.trainer.verl_compat_keys import startup_line, translate
+    rewritten; trainer.config.verl_keys); returns the start-up line naming the no-effect keys."""
+    from verl_balance.trainer.config.verl_keys import startup_line, translate
 
     try:
         args, no_effect = translate(sys.argv[1:], recipe=recipe)

@@ -2,7 +2,7 @@
 it): the synthetic task, the model, the workload balancer and the trainer loop (verl's ``trainer``).
 
 Choices are ``str`` fields checked in ``__post_init__`` against module-level tuples (OmegaConf
-cannot hold ``Literal`` annotations); ``typed_config.to_typed`` runs those checks and writes the
+cannot hold ``Literal`` annotations); ``typed.to_typed`` runs those checks and writes the
 keys of a ``ConfigError`` out in full. Key names follow verl's wherever the concept is the same.
 """
 
@@ -25,7 +25,7 @@ from verl_balance.engine.config import APPLY_ON_RESUME, LAYOUT_ON_RESUME, PARAM_
 from verl_balance.models import MODEL_DIMENSION_KEYS, load_model_config
 from verl_balance.models.config import ModelConfig, ModelConfigError
 from verl_balance.models.hf import INIT_MODES, HFModelConfig
-from verl_balance.trainer.config_checks import (
+from verl_balance.trainer.config.checks import (
     ConfigError,
     check_adapter_dir,
     check_choice,
@@ -392,7 +392,7 @@ class RayKwargsSection:
     spelling. A key ray.init does not take is refused, naming it."""
 
     def __post_init__(self) -> None:
-        from verl_balance.trainer.ray_init import check_ray_init
+        from verl_balance.trainer.config.ray_init import check_ray_init
 
         check_ray_init(self.ray_init)
 

@@ -47,18 +47,18 @@ from verl_balance.loss import WEIGHT_MODES, check_agg_mode
 from verl_balance.rewards.overlong import REWARD_MANAGERS, OverlongBufferConfig
 from verl_balance.rollout.base import RolloutInputError
 from verl_balance.rollout.factory import ROLLOUT_BACKENDS, resolve_backend
-from verl_balance.trainer.algorithm_config import ActorAlgorithmKeys, AlgorithmSection
-from verl_balance.trainer.async_config import V1Section, check_async
 from verl_balance.trainer.checkpoint import COMPLETE_FILE, TRAINER_STATE_FILE
-from verl_balance.trainer.config_checks import (
+from verl_balance.trainer.config.algorithm import ActorAlgorithmKeys, AlgorithmSection
+from verl_balance.trainer.config.async_mode import V1Section, check_async
+from verl_balance.trainer.config.checks import (
     ConfigError,
     check_choice,
     check_hf_model_dir,
     check_positive,
     check_remove_padding,
 )
-from verl_balance.trainer.recipe import RecipeConfig, engine_keys
-from verl_balance.trainer.sections import (
+from verl_balance.trainer.config.recipe import RecipeConfig, engine_keys
+from verl_balance.trainer.config.sections import (
     BalanceSection,
     ModelSection,
     RayKwargsSection,
@@ -66,7 +66,7 @@ from verl_balance.trainer.sections import (
     TrainerSection,
     narrow,
 )
-from verl_balance.trainer.sft_config import register_sft_schema
+from verl_balance.trainer.config.sft import register_sft_schema
 
 logger = logging.getLogger(__name__)
 RECOMPUTE_OLD_LOG_PROB = ("auto", "always")
@@ -167,7 +167,7 @@ class ActorModelSection(ModelSection):
 @dataclass
 class ActorSection(FSDPKeys, ActorKeys, ActorAlgorithmKeys, PolicyLossConfig):
     """verl's ``actor_rollout_ref.actor``: the policy loss (``PolicyLossConfig``'s keys, the loss mode
-    ``policy_loss.*`` and SAPO's ``tau_*``: trainer.algorithm_config.ActorAlgorithmKeys), PPO
+    ``policy_loss.*`` and SAPO's ``tau_*``: trainer.config.algorithm.ActorAlgorithmKeys), PPO
     mini-batching and the engine's actor keys (aggregation, optimizer, FSDP2 switches, output head:
     engine.config.ActorKeys and FSDPKeys)."""
 
@@ -517,7 +517,7 @@ class GRPOTrainerSection(TrainerSection):
     validation_data_dir: Optional[str] = field(default=None, metadata=APPLY_ON_RESUME)
     """verl's key: the same for every validation (step 0 = before training); null = not written."""
     v1: V1Section = field(default_factory=V1Section)
-    """verl's ``trainer.v1``: trainer mode (sync | separate_async) and off-policy sampler (trainer/async_config.py)."""
+    """verl's ``trainer.v1``: trainer mode (sync | separate_async) and off-policy sampler (config/async_mode.py)."""
     critic_warmup: int = field(default=0, metadata=APPLY_ON_RESUME)
     """verl's key (adv_estimator=gae): the first critic_warmup steps train the critic only, the actor
     from step critic_warmup + 1 on. (verl counts steps from 1 and compares critic_warmup >

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from verl_balance.integrations.verl.controller import install
+from verl_balance.integrations.verl.controller.extension import install
 from verl_balance.single_controller import worker_group as core
 from verl_balance.single_controller.modes import Dispatch
 from verl_balance.single_controller.resource_pool import RayResourcePool

@@ -22,9 +22,9 @@ from typing import ClassVar
 from omegaconf import DictConfig
 
 from verl_balance.engine.config import ENGINE_FIELD, ENGINE_KEY_GROUPS, EngineConfig
-from verl_balance.trainer.config_checks import ConfigError, check_layout, check_writable_dir
-from verl_balance.trainer.sections import TrainerSection, engine_profile_steps
-from verl_balance.trainer.typed_config import check_known_keys, to_typed
+from verl_balance.trainer.config.checks import ConfigError, check_layout, check_writable_dir
+from verl_balance.trainer.config.sections import TrainerSection, engine_profile_steps
+from verl_balance.trainer.config.typed import check_known_keys, to_typed
 
 __all__ = ["RecipeConfig", "engine_keys"]
 

@@ -4,7 +4,7 @@ verl 0.9.1 has no CPU platform: it falls back to cuda/nccl, and builds the proce
 ``f"cpu:gloo,{device}:{backend}"``, which on CPU is ``"cpu:gloo,cpu:gloo"`` (torch rejects it).
 This module, loaded in every process through verl's own hook::
 
-    VERL_USE_EXTERNAL_MODULES=verl_balance.integrations.verl.cpu_platform[,verl_balance.integrations.verl.autopatch]
+    VERL_USE_EXTERNAL_MODULES=verl_balance.integrations.verl.cpu_shims.platform[,verl_balance.integrations.verl.autopatch]
 
 does exactly three things, and only where no accelerator is visible (or ``VERL_PLATFORM=cpu``):
 

@@ -28,8 +28,8 @@ from verl_balance.balance.partition import cell_loads, fill_cells, refine_cells,
 from verl_balance.balance.workload import resolve_workload
 from verl_balance.batch_keys import ATTENTION_MASK_KEY, INPUT_IDS_KEY
 from verl_balance.integrations.verl.errors import require_verl
-from verl_balance.integrations.verl.karmarkar_karp import karmarkar_karp
-from verl_balance.integrations.verl.state import current_workload
+from verl_balance.integrations.verl.patches.karmarkar_karp import karmarkar_karp
+from verl_balance.integrations.verl.patches.state import current_workload
 
 __all__ = ["get_reverse_idx", "get_seqlen_balanced_partitions", "rearrange_micro_batches"]
 

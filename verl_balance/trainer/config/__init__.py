@@ -1,11 +1,14 @@
 """Typed configs of the Hydra recipes: the names users import (``SFTConfig``, ``ConfigError``,
 ``validate_sft``, ``register_schemas``...), defined by role in:
 
-- ``config_checks``: ``ConfigError`` and the checks that name the user's key;
+- ``checks``: ``ConfigError`` and the checks that name the user's key;
 - ``sections``: the sections both recipes share (model, balancer, trainer loop, synthetic task);
-- ``typed_config``: the merged Hydra config as typed objects, in one pass (aliases, unknown keys);
+- ``typed``: the merged Hydra config as typed objects, in one pass (aliases, unknown keys);
 - ``recipe``: ``RecipeConfig``, the base that hands out the engine's config;
-- ``sft_config`` / ``grpo_config``: each recipe's schema (GRPO: import ``grpo_config``).
+- ``sft`` / ``grpo``: each recipe's schema (GRPO: import ``trainer.config.grpo``), with
+  ``algorithm`` (verl's ``algorithm.*`` / ``policy_loss.*``) and ``async_mode`` (``trainer.v1.*``);
+- ``verl_keys``: verl's launch-script keys beyond the schemas (honoured spellings, no-effect keys);
+- ``cli``: the command line (override checks, one-line user errors); ``ray_init``: ``ray_kwargs``.
 
 The YAML files in ``config/`` fill the schemas with the recipe's values; Hydra rejects unknown keys
 at startup because the merged config is typed by them. Key names follow verl's wherever the
@@ -14,7 +17,7 @@ concept is the same, so a verl user's overrides carry over.
 
 from __future__ import annotations
 
-from verl_balance.trainer.config_checks import (
+from verl_balance.trainer.config.checks import (
     ConfigError,
     check_choice,
     check_finite_values,
@@ -25,8 +28,8 @@ from verl_balance.trainer.config_checks import (
     check_writable_dir,
     qualify,
 )
-from verl_balance.trainer.recipe import RecipeConfig
-from verl_balance.trainer.sections import (
+from verl_balance.trainer.config.recipe import RecipeConfig
+from verl_balance.trainer.config.sections import (
     CALIBRATION_RUN_FILE,
     DEVICES,
     LOGGERS,
@@ -41,7 +44,7 @@ from verl_balance.trainer.sections import (
     narrow,
     record_workload,
 )
-from verl_balance.trainer.sft_config import (
+from verl_balance.trainer.config.sft import (
     SFTBalanceSection,
     SFTConfig,
     SFTDataSection,
@@ -49,10 +52,10 @@ from verl_balance.trainer.sft_config import (
     register_sft_schema,
     validate_sft,
 )
-from verl_balance.trainer.typed_config import check_known_keys, resolve_aliases, to_typed
+from verl_balance.trainer.config.typed import check_known_keys, resolve_aliases, to_typed
 
 register_schemas = register_sft_schema
-"""Register the SFT schema in Hydra's ConfigStore (``grpo_config.register_grpo_schema`` adds GRPO's)."""
+"""Register the SFT schema in Hydra's ConfigStore (``grpo.register_grpo_schema`` adds GRPO's)."""
 
 __all__ = [
     "CALIBRATION_RUN_FILE",

@@ -11,7 +11,7 @@ One training step, for ``data.train_batch_size`` prompts:
    (``custom_reward_function`` or the built-in rule for its ``data_source``), then collect the
    passes and merge them back to the batch's own row order;
 4. advantages of ``algorithm.adv_estimator`` (any of verl's estimators whose inputs the trainer
-   supplies, trainer/advantage_step.py; remax adds one greedy baseline response per prompt), from
+   supplies, trainer/grpo/advantage_step.py; remax adds one greedy baseline response per prompt), from
    the scores minus the KL penalty (``algorithm.use_kl_in_reward``) after verl's decoupled rollout
    correction (``algorithm.rollout_correction``: IS weights, rejected tokens out of the loss mask);
 5. for each of ``ppo_epochs``, for each mini-batch of ``ppo_mini_batch_size`` prompts (all their
@@ -27,7 +27,7 @@ same checksum manifest) and restored with it.
 
 DAPO (``algorithm.filter_groups.enable``) scores before the passes: 1. and 3. repeat on the loader's
 next prompt batches until ``data.train_batch_size`` prompts have responses that differ in the
-metric (trainer/dynamic_sampling.py); the dapo reward manager adds the overlong penalty to every score.
+metric (trainer/grpo/dynamic_sampling.py); the dapo reward manager adds the overlong penalty to every score.
 
 On-policy steps (``actor.recompute_old_log_prob=auto``, ``ppo_epochs=1``, one mini-batch) skip the
 old-log-prob pass: the single update is the first forward of the sampled weights, so the PPO loss
@@ -85,18 +85,19 @@ from verl_balance.rewards.overlong import shape_scores
 from verl_balance.rewards.watchdog import score_batch_watched
 from verl_balance.rollout import RolloutOutput, build_rollout_batch
 from verl_balance.trainer import checkpoint, cluster
-from verl_balance.trainer.advantage_step import (
+from verl_balance.trainer.checkpoint.layout import read_json
+from verl_balance.trainer.config.checks import ConfigError
+from verl_balance.trainer.config.grpo import validate_grpo
+from verl_balance.trainer.config.sections import check_profile_steps, resolve_data_files
+from verl_balance.trainer.driver import DriverBase
+from verl_balance.trainer.grpo.advantage_step import (
     compute_step_advantages,
     correct_rollout,
     prompt_baselines,
     token_level_rewards,
 )
-from verl_balance.trainer.checkpoint.layout import read_json
-from verl_balance.trainer.config_checks import ConfigError
-from verl_balance.trainer.driver import DriverBase
-from verl_balance.trainer.dynamic_sampling import GroupFilter
-from verl_balance.trainer.generations import decode_generations, dump_generations
-from verl_balance.trainer.grpo_config import validate_grpo
+from verl_balance.trainer.grpo.dynamic_sampling import GroupFilter
+from verl_balance.trainer.grpo.generations import decode_generations, dump_generations
 from verl_balance.trainer.metrics import (
     PEAK_MEMORY_KEY,
     busy_seconds,
@@ -105,7 +106,6 @@ from verl_balance.trainer.metrics import (
     reduce_rank_metrics,
 )
 from verl_balance.trainer.plan_dispatch import merge_by_plan, plan_batch, split_by_plan
-from verl_balance.trainer.sections import check_profile_steps, resolve_data_files
 from verl_balance.trainer.startup import check_model_files
 from verl_balance.utils.progress import DEFAULT_RL_KEYS
 from verl_balance.utils.tracking import Tracking
@@ -257,7 +257,7 @@ class GRPOTrainer(DriverBase):
     console_keys = DEFAULT_RL_KEYS
     worker_cls = ActorRolloutWorker
     trainer_modes: tuple[str, ...] = ("sync",)
-    """The ``trainer.v1.trainer_mode`` values this class runs (async modes: trainer/async_pipeline.py)."""
+    """The ``trainer.v1.trainer_mode`` values this class runs (async modes: trainer/grpo/async_trainer.py)."""
     actor: ActorRolloutGroup
     critic: CriticGroup | None = None
     """The critic's worker group (algorithm.adv_estimator=gae), None otherwise."""
@@ -267,7 +267,7 @@ class GRPOTrainer(DriverBase):
         if config.trainer.v1.trainer_mode not in self.trainer_modes:
             raise ConfigError(
                 f"trainer.v1.trainer_mode={config.trainer.v1.trainer_mode!r} is run by "
-                f"trainer.async_pipeline.grpo_trainer_class(cfg) (main_grpo picks it), not {type(self).__name__}"
+                f"trainer.grpo.async_trainer.grpo_trainer_class(cfg) (main_grpo picks it), not {type(self).__name__}"
             )
         arr = config.actor_rollout_ref
         self.actor_cfg, self.rollout_cfg = a, r = arr.actor, arr.rollout
@@ -583,7 +583,7 @@ class GRPOTrainer(DriverBase):
         return batch
 
     def _dynamic_sampling(self, prompts: tuple[dict, dict], metrics: dict) -> tuple[Batch, np.ndarray, dict]:
-        """DAPO (algorithm.filter_groups, trainer/dynamic_sampling.py): generate and score batches of
+        """DAPO (algorithm.filter_groups, trainer/grpo/dynamic_sampling.py): generate and score batches of
         prompts until ``data.train_batch_size`` of them have responses that differ in the metric."""
         groups = self.config.algorithm.filter_groups
         kept = GroupFilter(

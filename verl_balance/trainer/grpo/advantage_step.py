@@ -39,7 +39,7 @@ from verl_balance.batch_keys import (
     VALUES_KEY,
 )
 from verl_balance.protocol import Batch
-from verl_balance.trainer.algorithm_config import AlgorithmSection
+from verl_balance.trainer.config.algorithm import AlgorithmSection
 
 
 def prompt_baselines(*, baseline_prompt_index, baseline_scores: np.ndarray, row_prompt_index) -> torch.Tensor:

@@ -38,7 +38,7 @@ A sample's tokens depend only on its prompt, its seed (``sampling_seed(seed, sam
 the weights, not on the worker that drew it.
 
 A checkpoint (a save, SIGINT / SIGTERM) waits for the in-flight batches and keeps their rollout
-outputs with the policy version (``trainer/async_checkpoint.py``), so a resumed run, or one
+outputs with the policy version (``trainer/grpo/async_checkpoint.py``), so a resumed run, or one
 restarted after a dead worker (rollout's or actor's; ``trainer.max_restarts``), trains on the same
 samples and continues the uninterrupted curve; every later batch is generated from its seeds.
 
@@ -88,7 +88,9 @@ from verl_balance.rollout import RolloutOutput, build_rollout_batch
 from verl_balance.single_controller.resource_pool import RayResourcePool, UnplaceableResourcePoolError
 from verl_balance.single_controller.worker_group import GroupFuture, RayClassWithInitArgs
 from verl_balance.trainer import checkpoint, cluster
-from verl_balance.trainer.async_checkpoint import (
+from verl_balance.trainer.config.async_mode import MODE_KEY
+from verl_balance.trainer.config.sections import TrainerSection
+from verl_balance.trainer.grpo.async_checkpoint import (
     EXPECTED_RESPONSE_STATE_KEY,
     IN_FLIGHT_STATE_KEY,
     POLICY_VERSION_STATE_KEY,
@@ -97,9 +99,7 @@ from verl_balance.trainer.async_checkpoint import (
     load_rollout_output,
     save_rollout_output,
 )
-from verl_balance.trainer.async_config import MODE_KEY
-from verl_balance.trainer.grpo_trainer import GRPOTrainer, _timed, merge_rollout_outputs
-from verl_balance.trainer.sections import TrainerSection
+from verl_balance.trainer.grpo.trainer import GRPOTrainer, _timed, merge_rollout_outputs
 from verl_balance.workers.actor_rollout import sampling_seed
 from verl_balance.workers.rollout_group import RolloutGroup
 from verl_balance.workers.rollout_worker import RolloutWorker, RolloutWorkerConfig

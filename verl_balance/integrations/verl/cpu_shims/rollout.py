@@ -3,7 +3,7 @@
 verl 0.9.1 generates only through rollout *servers* (vLLM, SGLang, TensorRT-LLM), none of which
 runs without an accelerator. This module, loaded in every process through verl's own hook::
 
-    VERL_USE_EXTERNAL_MODULES=verl_balance.integrations.verl.cpu_platform,verl_balance.integrations.verl.cpu_rollout
+    VERL_USE_EXTERNAL_MODULES=verl_balance.integrations.verl.cpu_shims.platform,verl_balance.integrations.verl.cpu_shims.rollout
 
 registers a rollout named ``verl_balance_cpu`` (``actor_rollout_ref.rollout.name=verl_balance_cpu``)
 in verl's two registries:

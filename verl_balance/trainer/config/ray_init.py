@@ -12,7 +12,7 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
-from verl_balance.trainer.config_checks import ConfigError
+from verl_balance.trainer.config.checks import ConfigError
 
 __all__ = ["RAY_INIT_KEY", "check_ray_init", "merge_ray_init"]
 

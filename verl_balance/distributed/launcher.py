@@ -1,24 +1,24 @@
 """Run a function on N processes that form a gloo process group; collect the results.
 
-One helper for every multi-process test: ``run_on_ranks(fn, world=N)`` runs ``fn(rank)`` on N
-processes, each inside a fresh gloo group (CPU, one torch thread), and returns
-``[result of rank 0, ..., result of rank N-1]``. Callers that need several groups of different sizes
-in one call (the parity harness) pass ``init_group=False`` and open each group with ``gloo_group``.
+One launcher for every multi-process job (the parity harness, calibration, benchmarks, tests):
+``run_on_ranks(fn, world=N)`` runs ``fn(rank)`` on N processes, each inside a fresh gloo group (CPU, one
+torch thread), and returns ``[result of rank 0, ..., result of rank N-1]``. Callers that need several
+groups of different sizes in one call (the parity harness) pass ``init_group=False`` and open each group
+with ``gloo_group``.
 
 Process start-up (an interpreter, torch, then transformers or verl) costs seconds per rank, so the
 processes are forks of multiprocessing's fork server, which imports the third-party modules every rank
-needs once (``forked_workers.PRELOAD``: torch, tensordict, transformers; never verl or verl_balance,
-which each rank imports itself; every rank draws its own random seeds as a fresh process does, and
-shares the server's string-hash seed, as ``forked_workers`` explains), and
-they are a warm pool: per world size, N long-lived processes that receive each call's
-pickled function (with the caller's environment, working directory and ``sys.path``) and send back
-the pickled result. Each call starts from what a fresh process would see where it matters: torch's
-initial seed, default dtype, grad mode and one thread, and module globals that a call rebound (a test's
-``module.function = stub``) are restored after it. A rank that raises fails the call with its
-traceback; a rank that dies, or that does not answer within ``timeout_s``, fails it naming the rank.
-After any failure (or an interrupt of the caller) the pool of that world size is killed, so no rank
-is left waiting in a collective, and the next call starts a fresh one. ``fresh=True`` runs on new
-processes that leave afterwards, for a function that must see a process nobody used before.
+needs once (``process_state.FORK_SERVER_PRELOAD``; never verl or verl_balance, which each rank imports
+itself; every rank draws its own random seeds as a fresh process does), and they are a warm pool: per
+world size, N long-lived processes that receive each call's pickled function (with the caller's
+environment, working directory and ``sys.path``) and send back the pickled result. Each call starts from
+what a fresh process would see where it matters: torch's initial seed, default dtype, grad mode and one
+thread, and module globals that a call rebound (a test's ``module.function = stub``) are restored after
+it. A rank that raises fails the call with its traceback; a rank that dies, or that does not answer
+within ``timeout_s``, fails it naming the rank. After any failure (or an interrupt of the caller) the
+pool of that world size is killed, so no rank is left waiting in a collective, and the next call starts
+a fresh one. ``fresh=True`` runs on new processes that leave afterwards, for a function that must see a
+process nobody used before.
 """
 
 from __future__ import annotations
@@ -43,10 +43,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from verl_balance.testing.forked_workers import PRELOAD, reseed_like_a_fresh_process
 from verl_balance.utils.process_state import (
+    FORK_SERVER_PRELOAD,
     destroy_process_groups,
     module_globals,
+    reseed_like_a_fresh_process,
     reset_torch_defaults,
     restore_module_globals,
 )
@@ -152,7 +153,7 @@ class _Pool:
 
     def __init__(self, world: int):
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(list(PRELOAD))  # read when the fork server starts (the first pool)
+        ctx.set_forkserver_preload(list(FORK_SERVER_PRELOAD))  # read when the fork server starts (the first pool)
         self.world = world
         self.conns, self.procs = [], []
         for rank in range(world):

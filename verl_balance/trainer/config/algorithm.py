@@ -1,7 +1,7 @@
 """verl's RL-algorithm keys of the GRPO recipe: ``algorithm.*`` and ``actor_rollout_ref.actor.policy_loss.*``.
 
 Names, defaults and meanings are verl 0.9.1's (``trainer/config/*.yaml``, ``trainer/ppo/core_algos.py``),
-so a verl launch script's algorithm overrides carry over. ``grpo_config`` nests ``AlgorithmSection``
+so a verl launch script's algorithm overrides carry over. ``config.grpo`` nests ``AlgorithmSection``
 as ``algorithm`` and ``ActorAlgorithmKeys`` into ``actor_rollout_ref.actor``.
 
 Invariants:
@@ -33,7 +33,7 @@ from verl_balance.algorithms.kl_in_reward import KL_CTRL_TYPES, KLController, bu
 from verl_balance.algorithms.loss_modes import SEQ_MEAN_TOKEN_MEAN, LossModeKeys
 from verl_balance.algorithms.rollout_correction import RolloutCorrectionConfig
 from verl_balance.batch_keys import INDEX_KEY, OLD_LOG_PROBS_KEY, SUM_PI_SQUARED_KEY, VALUES_KEY
-from verl_balance.trainer.config_checks import ConfigError, check_choice
+from verl_balance.trainer.config.checks import ConfigError, check_choice
 
 SUPPLIED_INPUTS = (
     INDEX_KEY,
@@ -107,7 +107,7 @@ class FilterGroupsSection:
     """The per-response metric a group must vary in."""
     max_num_gen_batches: int = 0
     """Most generation batches per step (0 = no limit). verl's ``max_inflight_gen_batches`` is accepted
-    with no effect (trainer/verl_compat_keys.py): batches are generated one at a time."""
+    with no effect (trainer/config/verl_keys.py): batches are generated one at a time."""
 
     def __post_init__(self) -> None:
         if self.enable and not str(self.metric).strip():

@@ -39,11 +39,11 @@ from verl_balance.batch_keys import (
     OLD_LOG_PROBS_KEY,
     VERL_ENTROPY_KEY,
 )
+from verl_balance.integrations.verl.backend.sealed_checkpoint import seal, unseal, verify_sealed
 from verl_balance.integrations.verl.convert import batch_from_dataproto, batch_to_dataproto
 from verl_balance.integrations.verl.errors import require_verl
-from verl_balance.integrations.verl.sealed_checkpoint import seal, unseal, verify_sealed
-from verl_balance.integrations.verl.seqlen import rearrange_micro_batches
-from verl_balance.integrations.verl.trainer_balance import PLANNED_SIZES_KEY
+from verl_balance.integrations.verl.patches.seqlen import rearrange_micro_batches
+from verl_balance.integrations.verl.patches.trainer_balance import PLANNED_SIZES_KEY
 
 require_verl()
 

@@ -1,6 +1,6 @@
 """`WorkerHost`: a worker process that runs one worker object after another, each as in a fresh process.
 
-The worker side of ``single_controller/worker_hosts.py`` (which says when a group's workers are
+The worker side of ``testing/worker_hosts.py`` (which says when a group's workers are
 hosted): the group's pool subclasses ``WorkerHost`` with forwarders of the worker class's methods
 and starts it as a Ray actor. ``host_start`` sets this rank's environment and constructs the worker;
 ``host_stop`` drops it, leaves its process group, and restores what a fresh process would see
