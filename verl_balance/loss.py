@@ -42,7 +42,7 @@ AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mea
 """The modes the recipes accept (``check_agg_mode``) and the parity matrix covers."""
 WEIGHT_MODES = (*AGG_MODES, "token-sum")
 """Every mode the weights function implements. token-sum (verl's, for the RL losses) joins AGG_MODES
-once the parity matrix and the verl backend's ``agg_loss`` rescaling cover it."""
+once the parity matrix covers it (``integrations.verl.agg_loss`` already aggregates it)."""
 
 
 class LossConfigError(ValueError):
