@@ -65,14 +65,10 @@ def test_multi_turn_compute_gae_advantage_return(seed):
     rng = random.Random(seed)
     gamma, lam = rng.uniform(0.0, 1.0), rng.uniform(0.0, 1.0)
     rewards = torch.tensor([[0.0, 0.0, 0.1, 0.1, 0.1, 0.0, 0.0, 0.1, 1.0, 0.0, 0.0]])
-    values1 = torch.tensor(
-        [[rng.uniform(-100.0, 100.0), rng.random(), 4.0, 5.0, 6.0, rng.uniform(-100.0, 0), rng.random()]
-         + [7.0, 9.0, 0.0, 0.0]]
-    )  # fmt: skip
-    values2 = torch.tensor(
-        [[rng.random(), rng.uniform(-100.0, 100.0), 4.0, 5.0, 6.0, rng.random(), rng.uniform(0.0, 100.0)]
-         + [7.0, 9.0, 0.0, 0.0]]
-    )  # fmt: skip
+    tail = [7.0, 9.0, 0.0, 0.0]
+    values1 = [rng.uniform(-100.0, 100.0), rng.random(), 4.0, 5.0, 6.0, rng.uniform(-100.0, 0), rng.random()]
+    values2 = [rng.random(), rng.uniform(-100.0, 100.0), 4.0, 5.0, 6.0, rng.random(), rng.uniform(0.0, 100.0)]
+    values1, values2 = torch.tensor([values1 + tail]), torch.tensor([values2 + tail])
     response_mask = torch.tensor([[0, 0, 1, 1, 1, 0, 0, 1, 1, 0, 0]], dtype=torch.float)
 
     adv1, ret1 = _gae(rewards, values1, response_mask, gamma, lam)
