@@ -42,11 +42,9 @@ def build_model(model_config, *, sp_size: int = 1, attn_impl: str = "auto") -> P
 def load_model_config(*, name: str | None, path: str | None, overrides: dict[str, Any] | None = None, vocab_size: int):
     """``HFModelConfig`` for a local HF directory (``path``), else the built-in preset ``name``.
 
-    ``overrides`` (None values ignored): for a preset, any of MODEL_DIMENSION_KEYS and
-    MODEL_RUNTIME_KEYS; for an HF directory, ``init``/``enable_gradient_checkpointing``, and dimension
-    keys only if they equal the directory's. ``vocab_size`` is the tokenizer's: the model's
-    vocabulary must hold it (a preset takes it as its default).
-    """
+    ``overrides`` (None ignored): for a preset, MODEL_DIMENSION_KEYS and MODEL_RUNTIME_KEYS; for a
+    directory, ``init``/``enable_gradient_checkpointing``, and dimension keys only if they equal the
+    directory's. ``vocab_size`` is the tokenizer's, which the model's vocabulary must hold."""
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     if path is None:
         if name is None:

@@ -1,14 +1,11 @@
 """Hugging Face safetensors directories, read and written one tensor slice at a time.
 
-Reading: ``safetensors_key_files`` maps tensor names to files; ``engine/materialize.py`` reads each
-rank's own rows with ``safe_open(...).get_slice``.
-
-Writing (``ShardedSafetensorsWriter``): tensors arrive one at a time (e.g. gathered one parameter
-at a time from an FSDP2 model); they are buffered until the current file reaches
-``max_shard_bytes`` and then written, so the writer holds at most one file's tensors
-(+ the one being added). Several files get HF's ``model-0000k-of-0000n.safetensors`` names and a
-``model.safetensors.index.json``; one file is ``model.safetensors``. The file plan is fixed from
-the (name, shape, dtype) list before any tensor arrives, so names never change mid-write.
+Reading: ``safetensors_key_files`` maps tensor names to files; each rank reads its own rows with
+``safe_open(...).get_slice``. Writing (``ShardedSafetensorsWriter``): tensors arrive one at a time
+and are buffered until the file reaches ``max_shard_bytes``, so at most one file's tensors (+ the
+one added) are held. Several files get HF's ``model-0000k-of-0000n.safetensors`` names and an
+index; one file is ``model.safetensors``. The file plan is fixed from (name, shape, dtype) before
+any tensor arrives.
 """
 
 from __future__ import annotations
@@ -158,8 +155,7 @@ class ShardedSafetensorsWriter:
             self._group, self._pending = self._group + 1, {}
 
     def close(self) -> list[str]:
-        """Check that every planned tensor was written; write the index (several files). Returns
-        the file names."""
+        """Check every planned tensor was written and write the index; returns the file names."""
         if self._group != len(self.groups):
             raise ValueError(f"only {self._group} of {len(self.groups)} safetensors files were complete")
         if len(self.groups) > 1:
