@@ -173,8 +173,7 @@ def _base_keys(state: dict) -> set[str]:
 
 
 def check_lora_base(checkpoint: str, model_config) -> dict | None:
-    """Refuse (ExportError naming the changed files) a base model directory other than the adapters'
-    one; returns the recorded fingerprint (None: a full checkpoint)."""
+    """Refuse a base directory other than the adapters' (naming changed files); returns the fingerprint."""
     from verl_balance.engine.lora import base_fingerprint, base_mismatch_message, read_base_fingerprint
 
     saved = read_base_fingerprint(checkpoint)
@@ -187,8 +186,7 @@ def check_lora_base(checkpoint: str, model_config) -> dict | None:
 
 
 def lora_base_state(model_config, lora) -> dict[str, torch.Tensor]:
-    """The frozen base of a LoRA model from its model directory, under the engine's LoRA names
-    (adapter entries hold placeholders the checkpoint's adapters replace)."""
+    """The frozen base of a LoRA model from its directory, under the engine's LoRA names."""
     from peft import inject_adapter_in_model
 
     from verl_balance.engine.lora import ADAPTER
@@ -213,8 +211,7 @@ def recorded_model_config(checkpoint: str) -> dict | None:
 
 
 def verify_export_source(checkpoint: str, *, allow_incomplete: bool = False) -> None:
-    """Refuse (``ExportError`` naming the file) a checkpoint without a checksummed completeness record
-    (unless ``allow_incomplete``) or whose files do not match it."""
+    """Refuse (naming the file) a checkpoint without a checksummed completeness record, or not matching it."""
     record_path = os.path.join(checkpoint, checksums.COMPLETE_FILE)
     if not os.path.exists(os.path.join(checkpoint, ".metadata")):
         return  # not a DCP checkpoint at all: load_checkpoint_model_state says so

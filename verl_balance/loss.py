@@ -80,8 +80,7 @@ class SFTLoss:
 
 
 def sequence_token_counts(loss_mask: Tensor, cu_seqlens: Tensor) -> Tensor:
-    """n_i = the loss mask's sum over each packed sequence (int64 [num_sequences], on the mask's device);
-    padding beyond cu_seqlens[-1] ignored; no device wait with cu_seqlens on the CPU."""
+    """n_i = the loss mask's sum per packed sequence (int64, mask's device); padding beyond cu_seqlens ignored."""
     cu_host = cu_seqlens.cpu()
     lengths = (cu_host[1:] - cu_host[:-1]).long()
     total = int(cu_host[-1])
@@ -125,8 +124,7 @@ def contract_weights(
     loss_scale_factor: float | None = None,
     scale: float = 1.0,
 ) -> Tensor:
-    """The table above for one micro-batch from the global N (num_tokens), S (num_sequences) and its
-    full-sequence n_i (seq_counts), times ``scale``; zero counts give zero weights."""
+    """The table above for one micro-batch from global N, S and its n_i, times ``scale``; 0 counts give 0."""
     m = (loss_mask > 0).to(torch.float32)
     if agg_mode == "token-sum":
         return m * scale

@@ -49,8 +49,7 @@ class MemoryModelError(ValueError):
 # ---------------------------------------------------------------------------------------- shapes
 @dataclass(frozen=True)
 class ModelShapes:
-    """Every parameter tensor of a causal LM by FSDP2 unit: ``root`` (embeddings, final norm,
-    lm_head) and one tuple per decoder layer; names are Hugging Face's."""
+    """Every parameter tensor of a causal LM by FSDP2 unit (``root``, one tuple per layer), HF's names."""
 
     name: str
     family: str
@@ -472,8 +471,7 @@ class MemoryEstimate:
 
 
 def state_bytes(shapes: ModelShapes, layout: MemoryLayout, *, rank: int = 0) -> dict[str, int]:
-    """Exact sharded parameter, gradient and optimizer-state bytes of ``rank`` (fp32 master
-    weights and gradients, AdamW exp_avg + exp_avg_sq + one fp32 step scalar per tensor)."""
+    """Exact sharded parameter, gradient and AdamW state bytes of ``rank``."""
     world = layout.world_size
     if not 0 <= rank < world:
         raise MemoryModelError("rank", f"rank={rank} outside [0, {world})")
@@ -509,8 +507,7 @@ def head_bytes_per_position(dtype_bytes: int) -> int:
 
 
 def estimate(shapes: ModelShapes, layout: MemoryLayout, *, rank: int = 0) -> MemoryEstimate:
-    """The per-rank memory of one training step of ``shapes`` under ``layout`` (rank 0 holds the
-    largest shards)."""
+    """The per-rank memory of one training step (rank 0 holds the largest shards)."""
     check_layout(shapes, layout)
     b = DTYPE_BYTES[layout.param_dtype]
     state = state_bytes(shapes, layout, rank=rank)

@@ -100,8 +100,7 @@ def last_token_rewards(*, scores, response_mask: torch.Tensor) -> torch.Tensor:
 def compute_gae(
     *, token_level_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantages, returns), (B, L) float32, as verl's ``compute_gae_advantage_return``; 0 outside
-    ``response_mask``."""
+    """(advantages, returns), (B, L) float32, as verl's ``compute_gae_advantage_return``; 0 off the response."""
     if not (token_level_rewards.shape == values.shape == response_mask.shape and values.dim() == 2):
         raise AdvantageInputError(
             f"token_level_rewards {tuple(token_level_rewards.shape)}, values {tuple(values.shape)} and response_mask "
@@ -169,8 +168,7 @@ def compute_advantages(
     gamma: float = 1.0,
     lam: float = 1.0,
 ) -> AdvantageOutput:
-    """(B, L) float32 advantages for an estimator in ADV_ESTIMATORS (gae: from ``values``, ``gamma``,
-    ``lam``, with the returns)."""
+    """(B, L) float32 advantages of an estimator in ADV_ESTIMATORS (gae: from ``values``, with returns)."""
     if loss_mask.dim() != 2:
         raise AdvantageInputError(f"loss_mask must be (B, L), got shape {tuple(loss_mask.shape)}")
     if adv_estimator == "gae":

@@ -23,8 +23,7 @@ class AdvantageInputs:
     """The batch columns an estimator may read (optional ones: ``ADV_ESTIMATOR_REGISTRY[name].inputs``)."""
 
     token_level_rewards: torch.Tensor
-    """(B, L) per-token reward (score on the last response token, minus the in-reward KL penalty);
-    verl's ``token_level_rewards``."""
+    """(B, L) per-token reward (score on the last response token, minus any in-reward KL penalty)."""
     response_mask: torch.Tensor
     """(B, L): 1 on the response tokens the loss trains on."""
     index: Any = None

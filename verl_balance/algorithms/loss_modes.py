@@ -93,8 +93,7 @@ class LossModeKeys:
     dro_beta: float | None = None
     """dro: weight of the quadratic log-ratio penalty (required, > 0)."""
     rollout_correction: rc.RolloutCorrectionConfig = field(default_factory=rc.RolloutCorrectionConfig)
-    """bypass_mode's loss type, IS weights and rejection (verl's ``policy_loss.rollout_correction``;
-    its bypass_mode key has no effect here)."""
+    """bypass_mode's loss type, IS weights and rejection (verl's ``policy_loss.rollout_correction``)."""
 
 
 @dataclass
@@ -187,8 +186,7 @@ def sequence_reductions(
     sequence_sum,
     rollout_is_weights: Tensor | None = None,
 ) -> dict[str, Tensor]:
-    """gspo's / geo_mean's ``reduced`` on one SP slice: ``reference_reductions`` with row sums replaced
-    by ``sequence_sum``."""
+    """gspo's / geo_mean's ``reduced`` on one SP slice (``reference_reductions`` over ``sequence_sum``)."""
     mask = loss_mask.to(log_probs.dtype)
     count = sequence_sum(mask)
     if mode.loss_mode == "gspo":
@@ -208,8 +206,7 @@ def sequence_reductions(
 
 
 BATCH_SELECTED_MODES = ("clip_cov", "kl_cov")
-"""Modes whose reductions are mini-batch token selections (batch_selection.py), computed by the
-engine from a no-grad forward of every micro-batch before the update."""
+"""Modes whose reductions are mini-batch token selections (batch_selection.py), from a no-grad forward."""
 
 
 class ModeLoss(PPOLoss):
@@ -232,8 +229,7 @@ class ModeLoss(PPOLoss):
     def batch_selections(
         self, *, log_probs, inputs, sequence_sums, seed: int, num_tokens: int, world_sum, world_gather
     ) -> list[dict[str, Tensor]]:
-        """Per micro-batch, clip_cov's / kl_cov's selection of its local tokens over the whole mini-batch
-        (``seed``: the step), or bypass_mode's {"bypass_is_mean_terms"} summed over the world."""
+        """Per micro-batch, its part of clip_cov's / kl_cov's mini-batch selection, or bypass_mode's mean terms."""
         if self.normalizes_is_weights:
             return self._is_mean_terms(
                 log_probs=log_probs, inputs=inputs, sequence_sums=sequence_sums, world_sum=world_sum

@@ -40,8 +40,7 @@ class PolicyLossConfigError(ValueError):
 
 @dataclass
 class PolicyLossConfig:
-    """verl's actor keys ``actor_rollout_ref.actor.{clip_ratio, ..., entropy_coeff}``; the GRPO recipe's
-    actor section extends this class (one definition, one default)."""
+    """verl's ``actor_rollout_ref.actor`` loss keys; the GRPO recipe's actor section extends this class."""
 
     clip_ratio: float = 0.2
     """Clip range of the probability ratio: [1 - low, 1 + high], both default to this."""
@@ -155,8 +154,7 @@ def ppo_clip_token_loss(
 
 
 class PPOLoss:
-    """The PPO-clip ``LossFn`` (loss.py) over ``old_log_probs``, ``advantages`` and, with ``use_kl_loss``,
-    ``ref_log_prob``; padding and prompt tokens have advantage 0, so a finite 0 loss."""
+    """The PPO-clip ``LossFn`` over ``old_log_probs``, ``advantages`` (and ``ref_log_prob`` with use_kl_loss)."""
 
     def __init__(self, config: PolicyLossConfig, *, report_entropy: bool = True, on_policy: bool = False):
         """``report_entropy``: entropy even when entropy_coeff == 0. ``on_policy``: old log-probs are this
@@ -175,8 +173,7 @@ class PPOLoss:
     def __call__(
         self, *, log_probs: torch.Tensor, entropy: torch.Tensor | None, inputs, sequence_sum=None, batch_selection=None
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Per-token loss [T_local] and metrics of one micro-batch slice; ``sequence_sum`` and
-        ``batch_selection`` are the engine's reductions (loss_modes.ModeLoss)."""
+        """Per-token loss [T_local] and metrics of one micro-batch slice (reductions: loss_modes.ModeLoss)."""
         missing = [k for k in self.required_keys() if k not in inputs]
         if missing:
             raise PolicyLossConfigError(f"micro-batch lacks {missing} needed by the PPO loss; it has {sorted(inputs)}")

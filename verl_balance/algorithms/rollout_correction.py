@@ -74,8 +74,7 @@ def _floats(spec, key: str) -> tuple[float, float | None]:
 
 @dataclass
 class RolloutCorrectionConfig:
-    """verl's ``algorithm.rollout_correction`` keys with the defaults of verl's YAML; with
-    ``bypass_mode`` verl copies them into ``actor.policy_loss.rollout_correction``."""
+    """verl's ``algorithm.rollout_correction`` keys with the defaults of verl's YAML."""
 
     rollout_is: str | None = None
     """IS weight level: token, sequence, or null (no weights)."""
@@ -175,8 +174,7 @@ def keep_mask(
 def is_batch_mean_terms(
     weights: Tensor, loss_mask: Tensor, config: RolloutCorrectionConfig, sequence_sum: SequenceSum = row_sum
 ) -> Tensor:
-    """(numerator, denominator) sums (float64) over this slice whose SUM over the mini-batch gives
-    ``rollout_is_batch_normalize``'s mean; sequence level each token adds w m / n_i and m / n_i."""
+    """(numerator, denominator) float64 sums over this slice; their SUM over the mini-batch gives the mean."""
     w, m = weights.double(), loss_mask.double()
     if config.rollout_is == "token":
         return torch.stack([(w * m).sum(), m.sum()])
@@ -205,8 +203,7 @@ def bypass_reductions(
     sequence_sum: SequenceSum = row_sum,
     is_mean_terms: Tensor | None = None,
 ) -> dict[str, Tensor]:
-    """bypass_mode's ``reduced``: ``bypass_keep_mask`` with ``rollout_rs``; ``bypass_is_weights`` with
-    ``reinforce`` and ``rollout_is`` (normalised by ``is_mean_terms`` when batch-normalising)."""
+    """bypass_mode's ``reduced``: ``bypass_keep_mask`` and, for reinforce with rollout_is, ``bypass_is_weights``."""
     mask = loss_mask.to(log_probs.dtype)
     log_ratio = log_probs.detach() - old_log_probs
     terms = dict(log_ratio=log_ratio, loss_mask=mask, config=config, sequence_sum=sequence_sum)

@@ -93,8 +93,7 @@ def balanced_token_cap_layout(
     micro_batch_cost: float = 0.0,
     max_extra_slots: int = 4,
 ) -> np.ndarray:
-    """Balanced ``layout[rank, slot, position]`` with no cell over ``token_cap`` tokens: fewest slots
-    found, then the lowest synchronised cost; with ``micro_batch_cost`` > 0, ``trade_slots_for_balance``."""
+    """Balanced ``layout[rank, slot, position]`` under ``token_cap``: fewest slots found, then lowest sync cost."""
     fewest = _fewest_slots_layout(
         costs, tokens, dp_size, token_cap, equal_size, rel_tol, max_passes, polish_passes, joint_tries
     )
@@ -158,8 +157,7 @@ def trade_slots_for_balance(
 def _fewest_slots_layout(
     costs, tokens, dp_size, token_cap, equal_size, rel_tol, max_passes, polish_passes, joint_tries
 ) -> np.ndarray:
-    """The joint layout at the bound when it fits, else the two-stage layout polished, unless a joint
-    layout with at most as many slots balances better."""
+    """The joint layout at the bound if it fits, else the polished two-stage one (or a joint one no longer)."""
     lower = max(1, -(-int(tokens.sum()) // (dp_size * token_cap)))
     cells = _joint_cells(costs, tokens, dp_size, token_cap, lower, equal_size, rel_tol, max_passes, polish_passes)
     if cells is not None:
@@ -193,8 +191,7 @@ def _fewest_slots_layout(
 
 
 def _two_stage_layout(costs, tokens, dp_size, token_cap, equal_size, rel_tol, max_passes, lower) -> np.ndarray:
-    """Ranks first (cost-balanced partition), then each rank packed under the cap; while that needs
-    more than ``lower`` slots, the ``_count_first_splits`` are tried and kept only with fewer."""
+    """Ranks first, then each rank packed under the cap; ``_count_first_splits`` tried while over ``lower``."""
     refine = rel_tol < np.inf
     rank_items = (
         [np.arange(len(costs), dtype=np.int64)]
@@ -317,8 +314,7 @@ def pack_ranks_under_cap(
 
 
 def _match_slot_profile(layout, costs, tokens, token_cap, rel_tol, max_passes):
-    """Re-balance each rank's micro-batches toward the slot maxima scaled to its total (a rank with
-    one heavy micro-batch sets the profile the others should match); returns heaviest first."""
+    """Re-balance each rank's micro-batches toward the slot maxima scaled to its total; heaviest first."""
     loads = np.append(costs, 0.0)[layout].sum(axis=-1)
     profile = loads.max(axis=0)
     if profile.sum() <= 0:
@@ -344,8 +340,7 @@ def _match_slot_profile(layout, costs, tokens, token_cap, rel_tol, max_passes):
 
 
 def _pack_at(num_bins, by_cost, by_tokens, ffd_bin, ffd_count, costs, tokens, token_cap, max_passes):
-    """``grid[rank, bin, position]`` within the cap, or None. Per rank the first that fits of:
-    capacity-constrained LPT on cost, first fit decreasing, worst fit decreasing refined on tokens."""
+    """``grid[rank, bin, position]`` within the cap, or None (LPT on cost, then FFD, then WFD on tokens)."""
     dp_size = by_cost.shape[0]
     lpt_bin = _greedy_pack(by_cost, tokens, costs, token_cap, num_bins, rule="lightest")
     lpt_ok = ((lpt_bin >= 0) | (by_cost < 0)).all(axis=1)
@@ -380,8 +375,7 @@ def _rank_matrix(rank_items: list[np.ndarray], key: np.ndarray) -> np.ndarray:
 
 
 def _first_fit(sizes: list[int], capacity: int) -> list[int]:
-    """The bin of each of ``sizes`` under first fit in the given order (a max-segment-tree over free
-    room; at most 2 * sum / capacity + 1 bins)."""
+    """The bin of each of ``sizes`` under first fit in the given order (max-segment-tree over free room)."""
     num_bins = max(1, min(len(sizes), 2 * (-(-sum(sizes) // capacity)) + 1))
     size = 1
     while size < num_bins:
@@ -412,8 +406,7 @@ def _first_fit(sizes: list[int], capacity: int) -> list[int]:
 def _greedy_pack(
     items: np.ndarray, tokens: np.ndarray, costs: np.ndarray, token_cap: int, num_bins: int, *, rule: str
 ) -> np.ndarray:
-    """The bin per entry of ``items[rank, t]`` (-1: padding or no room), all ranks advancing together:
-    rule "lightest" = the fitting bin of least cost, "emptiest" = the most room even if it overflows."""
+    """The bin per entry (-1: none), ranks in step: "lightest" fitting bin, or "emptiest" even overflowing."""
     dp_size, rounds = items.shape
     room = np.full((dp_size, num_bins), float(token_cap))
     load = np.zeros((dp_size, num_bins))
@@ -476,8 +469,7 @@ def _pack_rows(row_tokens: np.ndarray, num_slots: int, slot_cap: int, rel_tol: f
 
 
 def assign_cells_to_ranks(cells: np.ndarray, costs: np.ndarray) -> np.ndarray:
-    """``layout[rank, slot, position]``: each slot's heaviest cell to the rank of lowest running total
-    (balances rank totals; per-slot cell costs unchanged)."""
+    """``layout[rank, slot, position]``: each slot's heaviest cell to the rank of lowest running total."""
     num_slots, dp_size, _ = cells.shape
     if dp_size == 1:
         return cells.transpose(1, 0, 2).copy()
@@ -495,8 +487,7 @@ def assign_cells_to_ranks(cells: np.ndarray, costs: np.ndarray) -> np.ndarray:
 def naive_layout(
     *, rank_items: list[np.ndarray], tokens: np.ndarray, micro_batch_size: int | None, token_cap: int | None
 ) -> list[list[np.ndarray]]:
-    """Contiguous baseline: rank d keeps ``rank_items[d]`` in order, in chunks of ``micro_batch_size``
-    items or a greedy sequential fill up to ``token_cap`` tokens."""
+    """Contiguous baseline: rank d's items in order, in chunks of ``micro_batch_size`` or filled to the cap."""
     per_rank: list[list[np.ndarray]] = []
     for chunk in rank_items:
         if micro_batch_size is not None:

@@ -39,8 +39,7 @@ def descending_order(costs: np.ndarray) -> np.ndarray:
 
 
 def sort_into_rows(costs: np.ndarray, num_parts: int) -> np.ndarray:
-    """Item ids sorted by descending cost (stable), cut into rows of ``num_parts``; the last row
-    is padded with -1. Shape (ceil(n / num_parts), num_parts)."""
+    """Item ids by descending cost in rows of ``num_parts``, the last padded with -1: (ceil(n / parts), parts)."""
     n = len(costs)
     order = descending_order(costs)
     num_rows = -(-n // num_parts)
@@ -52,8 +51,7 @@ def sort_into_rows(costs: np.ndarray, num_parts: int) -> np.ndarray:
 def fill_cells(
     *, rows: np.ndarray, row_slot: np.ndarray, num_slots: int, costs: np.ndarray, extra_width: int = 0
 ) -> np.ndarray:
-    """``cells[num_slots, num_parts, most rows in a slot + extra_width]``: each slot's rows dealt
-    largest item to the lightest part."""
+    """``cells[slots, parts, most rows + extra_width]``: each slot's rows dealt largest to the lightest part."""
     num_rows, num_parts = rows.shape
     by_slot = np.argsort(row_slot, kind="stable")
     slot_sorted = row_slot[by_slot]
@@ -131,8 +129,7 @@ def refine_cells(
 
 
 def _pairs_over_threshold(loads, slot_ids, half, shift, *, rel_tol, stop_at):
-    """(slot, heavy part, light part) of the pairs whose heavy part is above the slot's threshold:
-    the i-th heaviest part of a slot with its (i + shift)-th lightest; None when no part is over."""
+    """(slot, heavy, light) pairs, i-th heaviest with (i + shift)-th lightest, over the threshold; or None."""
     num_parts = loads.shape[1]
     threshold = loads.sum(axis=1) / num_parts * (1.0 + rel_tol)  # the mean; np.mean's overhead is 5x
     if stop_at is not None:
@@ -148,8 +145,7 @@ def _pairs_over_threshold(loads, slot_ids, half, shift, *, rel_tol, stop_at):
 
 
 class _SwapGrid:
-    """refine_cells' working state: the caller's ``cells`` (changed in place) with costs, loads and
-    token counts kept in step by ``swap``."""
+    """refine_cells' working state: the caller's ``cells`` (in place) with costs, loads and tokens in step."""
 
     def __init__(self, cells, values, loads, tok_values, tok_loads, token_cap) -> None:
         self.cells, self.values, self.valid, self.loads = cells, values, cells >= 0, loads
@@ -165,8 +161,7 @@ class _SwapGrid:
         return cls(cells, values, loads, tok_values, tok_values.sum(axis=-1), token_cap)
 
     def best_swaps(self, pair_slot, heavy, light, gap, *, allow_moves):
-        """Per pair: (score, position in the heavy cell, position in the light cell) of the swap
-        whose cost difference is closest to gap / 2 (inf score: none allowed)."""
+        """Per pair: (score, heavy position, light position) of the swap closest to gap / 2 (inf: none)."""
         a = self.values[pair_slot, heavy]  # (pairs, width)
         a_valid = self.valid[pair_slot, heavy]
         b_usable = self.valid[pair_slot, light] | allow_moves
@@ -277,8 +272,7 @@ def assign_rows_lpt(row_weights: np.ndarray, num_slots: int) -> np.ndarray:
 
 
 def assign_rows_capacity(row_weights: np.ndarray, capacities: np.ndarray) -> np.ndarray:
-    """The slot of every row, dealt round by round to slots with room, largest row to the lightest slot.
-    ``capacities.sum() == len(rows)``."""
+    """The slot of every row, dealt round by round to slots with room (``capacities.sum() == len(rows)``)."""
     assert int(capacities.sum()) == len(row_weights)
     remaining = capacities.astype(np.int64).copy()
     loads = np.zeros(len(capacities))
@@ -384,8 +378,7 @@ def _slack_partners(loads: np.ndarray, partners: int):
 
 
 def _usable_swaps(values, heavy, partner, partner_room, moves_within_part):
-    """(usable (S, K, W, W), delta): swapping heavy position i with partner position j moves
-    delta = a_i - b_j > 0 of cost, at most the partner's room."""
+    """(usable (S, K, W, W), delta = a_i - b_j): positive moves of cost within the partner's room."""
     num_slots, num_parts, width = values.shape
     a = values[np.arange(num_slots), heavy]  # (S, W)
     b = values.reshape(-1, width)[partner]  # (S, K, W)

@@ -287,8 +287,7 @@ def _plan_inputs(
 
 
 def _rank_units(group_ids, kept: np.ndarray, num_samples: int, *, dp_size: int, equal_size: bool) -> np.ndarray:
-    """Rank-level unit per sample (its group renumbered by first appearance, or itself; -1 if skipped).
-    Raises if equal_size cannot give every rank one."""
+    """Rank-level unit per sample (group by first appearance, or itself; -1 skipped); checks equal_size."""
     rank_unit_of_sample = np.full(num_samples, -1, dtype=np.int64)
     rank_unit_of_sample[kept] = (
         _unit_ids(np.asarray(group_ids)[kept], len(kept)) if group_ids is not None else np.arange(len(kept))
@@ -546,8 +545,7 @@ def _cell_sums(unit_micro_batches, unit_values: np.ndarray) -> np.ndarray:
 
 
 def _naive_is_better(cell_costs, naive_costs, micro_batches, naive) -> bool:
-    """True when the contiguous plan, at the same count and with no more empty micro-batches, has a
-    lower (sync cost, max rank cost)."""
+    """True when the contiguous plan, no emptier at the same count, has a lower (sync, max rank) cost."""
     if naive_costs.shape != cell_costs.shape:
         return False
     empty = sum(len(cell) == 0 for rank in micro_batches for cell in rank)

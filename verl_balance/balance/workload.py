@@ -122,8 +122,7 @@ class FlopsWorkload:
 
     @classmethod
     def from_model_config(cls, cfg) -> FlopsWorkload:
-        """From a model config object or dict (ours, ``HFModelConfig`` or a transformers config; MoE keys
-        as ``moe_dimensions`` reads them; a multimodal config's ``text_config``)."""
+        """From a model config object or dict (ours, HF's, or a multimodal config's ``text_config``)."""
         get = _getter(cfg)
         text_config = get("text_config")
         if text_config is not None:
@@ -168,8 +167,7 @@ def _first(get, *keys):
 
 
 def mla_query_head_dim(cfg) -> int | None:
-    """DeepSeek MLA's query/key head ``qk_nope_head_dim + qk_rope_head_dim``, else None (approximate:
-    the low-rank projections are not modelled)."""
+    """DeepSeek MLA's query/key head ``qk_nope_head_dim + qk_rope_head_dim``, else None."""
     get = _getter(cfg)
     if get("qk_nope_head_dim") is None or get("qk_rope_head_dim") is None:
         return None

@@ -29,8 +29,7 @@ def default_device_type() -> str:
 
 
 def init_distributed(*, backend: str | None = None, timeout_s: float = 600.0) -> None:
-    """Initialize the default process group from torchrun-style env vars (idempotent); on GPUs bind
-    this process to cuda:LOCAL_RANK."""
+    """Initialize the default process group from torchrun env vars (idempotent; GPUs: cuda:LOCAL_RANK)."""
     if dist.is_initialized():
         return
     if backend is None:
@@ -42,8 +41,7 @@ def init_distributed(*, backend: str | None = None, timeout_s: float = 600.0) ->
 
 @dataclass
 class ParallelLayout:
-    """Data-parallel x Ulysses-sequence-parallel layout of the default process group; the mesh is built
-    lazily, so a layout can be validated before torch.distributed is initialized."""
+    """(dp, sp) layout of the default process group; the mesh is built lazily, on first use."""
 
     dp: int = 1
     sp: int = 1

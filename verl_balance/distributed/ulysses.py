@@ -23,8 +23,7 @@ from torch import Tensor
 def _all_to_all(
     xs: tuple[Tensor, ...], *, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int
 ) -> tuple[Tensor, ...]:
-    """One all-to-all for all of ``xs``: rank j receives block j of each along scatter_dim and joins them
-    along gather_dim (shapes may differ between tensors, not between ranks)."""
+    """One all-to-all for all of ``xs``: block j of each to rank j, received blocks joined along gather_dim."""
     world = dist.get_world_size(group)
     if world == 1:
         return xs
@@ -71,8 +70,7 @@ def all_to_all_head_to_seq(x: Tensor, *, group: dist.ProcessGroup, seq_dim: int 
 
 
 def padded_length(length: int, *, multiple: int) -> int:
-    """Smallest multiple of `multiple` >= length, at least `multiple` (an empty micro-batch still runs a
-    forward on every SP rank)."""
+    """Smallest multiple of `multiple` >= length, at least `multiple` (every SP rank runs a forward)."""
     return max(multiple, -(-length // multiple) * multiple)
 
 

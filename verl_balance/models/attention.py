@@ -39,8 +39,7 @@ def _flash_attn_varlen():
 
 
 def resolve_attn_impl(impl: str, *, device: torch.device) -> str:
-    """Concrete implementation for "auto": flash-attn varlen on CUDA if installed, else the
-    per-sequence SDPA loop (cost grows with sum(L_i^2), "sdpa_masked" with T^2)."""
+    """ "auto": flash-attn varlen on CUDA if installed, else the per-sequence SDPA loop."""
     if impl not in ATTN_IMPLS:
         raise ModelConfigError(f"attn_impl={impl!r}; valid: {ATTN_IMPLS}")
     if impl != "auto":
@@ -331,8 +330,7 @@ def hf_packed_attention_forward(
 
 
 def register_hf_attention() -> str:
-    """Register ``hf_packed_attention_forward`` with transformers (idempotent, no mask function: HF
-    builds no mask and never detects packing); returns its name."""
+    """Register ``hf_packed_attention_forward`` (idempotent, no mask function); returns its name."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(HF_ATTN_IMPLEMENTATION, hf_packed_attention_forward)

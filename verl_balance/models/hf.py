@@ -83,8 +83,7 @@ def _effective_sliding_window(hf_config) -> int | None:
 
 
 def check_family_features(hf_config, *, path: str) -> None:
-    """Raise ModelConfigError naming the model type and key of a feature packed training cannot
-    reproduce exactly (docs/models.md, "Families")."""
+    """Raise ModelConfigError naming the model type and key of a feature packing cannot reproduce exactly."""
     model_type = hf_config.model_type
 
     def refuse(key: str, why: str) -> None:
@@ -104,8 +103,7 @@ def check_family_features(hf_config, *, path: str) -> None:
 
 
 def rope_length_limit(hf_config) -> int | None:
-    """Longest packed sequence a length-dependent RoPE is exact for (original_max_position_embeddings);
-    None when every layer's RoPE is fixed."""
+    """Longest packed sequence a length-dependent RoPE is exact for; None when every RoPE is fixed."""
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
     per_layer = params.values() if all(isinstance(v, dict) for v in params.values()) and params else [params]
     limits = [
@@ -313,8 +311,7 @@ class HFCausalLM(nn.Module):
         with_sum_pi_squared: bool = False,
         logits_chunk_size: int | None = None,
     ) -> Tensor | tuple[Tensor, Tensor | None]:
-        """Logits [T_local, V] (LogitTransform applied) of this rank's slice; with ``targets``, the output
-        head's (log p(target), entropy or None) instead."""
+        """Logits [T_local, V] of this rank's slice; with ``targets``, (log p(target), entropy or None)."""
         hidden = self.forward_hidden(
             input_ids=input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen
         )

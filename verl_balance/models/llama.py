@@ -207,8 +207,7 @@ class LlamaForCausalLM(nn.Module):
         with_sum_pi_squared: bool = False,
         logits_chunk_size: int | None = None,
     ) -> Tensor | tuple[Tensor, Tensor | None]:
-        """Logits [T_local, V] of this rank's slice; with ``targets``, the output head's (log p(target),
-        entropy or None) instead."""
+        """Logits [T_local, V] of this rank's slice; with ``targets``, (log p(target), entropy or None)."""
         hidden = self.forward_hidden(
             input_ids=input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen
         )

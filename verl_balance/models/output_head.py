@@ -267,8 +267,7 @@ def head_token_stats(
     temperature: Temperature = 1.0,
     chunk_size: int | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(log p(target), entropy, sum_v p(v)^2) per token [T], fp32, no gradient (verl's
-    ``calculate_sum_pi_squared`` at ``temperature``); log-probs and entropy equal ``head_token_log_probs``'."""
+    """(log p(target), entropy, sum_v p(v)^2) per token, fp32, no grad; equal to ``head_token_log_probs``'."""
     check_temperature(temperature)
     n = hidden.shape[0]
     step = chunk_size or max(n, 1)

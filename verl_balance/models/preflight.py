@@ -110,8 +110,7 @@ def _check_json_file(path: str, *, key: str) -> None:
 def check_chat_template(
     tokenizer: Tokenizer, *, tokenizer_path: str, chat_key: str | None, custom_chat_template: str | None, key: str
 ) -> None:
-    """A chat template must be present when ``chat_key`` data is rendered as chats (the built-in
-    fallback changes every sample's tokens): allowed only with ``custom_chat_template=builtin``."""
+    """A chat template must be present for chat data unless ``custom_chat_template=builtin``."""
     hf = getattr(tokenizer, "hf_tokenizer", None)
     has_template = hf is None or bool(getattr(hf, "chat_template", None))  # the byte tokenizer has its own
     if custom_chat_template not in (None, BUILTIN_CHAT_TEMPLATE):
@@ -166,8 +165,7 @@ def check_weight_files(model_dir: str, *, key: str) -> None:
 
 
 def check_safetensors_file(path: str) -> None:
-    """The header of a safetensors file parses and the file holds every byte it declares (8-byte LE
-    header length N, N bytes of JSON with ``data_offsets``; data ends at the largest ``end``)."""
+    """A safetensors file's header parses and the file holds every byte its ``data_offsets`` declare."""
     size = os.path.getsize(path)
     if size < 8:
         raise PreflightError(f"{path}: {size} bytes, too short for a safetensors file (truncated or empty)")

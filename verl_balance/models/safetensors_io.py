@@ -48,8 +48,7 @@ def safetensors_key_files(path: str) -> dict[str, str]:
 
 
 def checkpoint_key(name: str, files: dict[str, str]) -> str | None:
-    """The checkpoint's key for parameter ``name`` (HF's base-model prefix may be absent; Mixtral's
-    on-disk ``block_sparse_moe`` is transformers' ``mlp``)."""
+    """The checkpoint's key for ``name`` (base-model prefix may be absent; Mixtral's ``block_sparse_moe``)."""
     for candidate in _name_variants(name):
         if candidate in files:
             return candidate
@@ -191,8 +190,7 @@ def save_hf_directory(
     tokenizer_path: str | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> str:
-    """A save_pretrained-style directory: ``hf_config`` as config.json (with the tensors' dtype),
-    the tensors as bounded safetensors files, and the tokenizer of ``tokenizer_path`` if it has one."""
+    """A save_pretrained-style directory: config.json, bounded safetensors files, and the tokenizer if any."""
     os.makedirs(out, exist_ok=True)
     write_tensors(out, specs, tensors, max_shard_bytes=max_shard_bytes)
     dtypes = {s.dtype for s in specs}
