@@ -3,13 +3,10 @@
     python -m verl_balance.export CHECKPOINT OUT [--model-path DIR | --builtin-config CONFIG.json]
                                   [--overwrite] [--allow-incomplete] [--merge-lora]
 
-CHECKPOINT is an engine checkpoint (``global_step_N/``, DCP shards of any layout); OUT receives
-config.json, safetensors and the tokenizer of the model directory (``--model-path``, or the
-``model_config`` recorded in trainer_state.json; a built-in model is written as Llama), so
-``AutoModelForCausalLM.from_pretrained(OUT)`` gives the trained model's logits exactly. A LoRA
-checkpoint (adapters only) is written as a peft adapter directory, or with ``--merge-lora`` as the
-merged model (W + scaling * B @ A); its frozen base is read from the recorded model directory and
-refused, naming the file, if a weight file changed since.
+CHECKPOINT is an engine checkpoint (``global_step_N/``, any layout); OUT gets config.json,
+safetensors and the tokenizer (a built-in model as Llama), so ``AutoModelForCausalLM`` loads the
+trained model's logits exactly. A LoRA checkpoint becomes a peft adapter directory, or with
+``--merge-lora`` the merged model; its recorded base directory is refused if a weight file changed.
 
 Invariants:
 - The checkpoint must be complete and match its recorded checksums before anything is read

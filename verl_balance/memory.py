@@ -2,8 +2,7 @@
 
     python -m verl_balance.memory qwen2.5-7b --gpus 8 --sp 2 --tokens 16384 --ac --head-chunk 4096
 
-The model is a Hugging Face directory or config.json (``FAMILIES``; a multimodal config counts its
-``text_config`` only), a named size (``NAMED_SIZES``) or ``preset:<name>``.
+The model is an HF directory or config.json (``FAMILIES``), a ``NAMED_SIZES`` key or ``preset:<name>``.
 
 Exact (tests/test_memory.py checks them against live tensors): every parameter tensor
 (``ModelShapes.tensors``; tied embeddings once, every MoE expert on every rank), sharded on dim 0

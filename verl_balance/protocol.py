@@ -4,7 +4,6 @@ A Batch holds B rows: ``tensors`` (a ``TensorDict``, ``batch_size == [B]``), ``n
 (``dict[str, np.ndarray]`` of length B) and ``meta`` (a plain dict, not indexed by row).
 
 Invariants (checked on construction and by every operation):
-
 - every tensor and every non-tensor column has exactly B rows;
 - row operations (``index_select``, ``chunk``, ``split``, ``repeat``, slicing) apply the same
   row selection to tensors and non-tensors, so row i of every column always describes sample i;
@@ -12,9 +11,8 @@ Invariants (checked on construction and by every operation):
 - a pickled Batch (Ray transport) arrives with its tensors on the CPU: the receiver moves it with
   ``to(device)``.
 
-Names follow verl's ``DataProto`` (``batch`` / ``non_tensor_batch`` / ``meta_info``, the keywords
-of ``select`` / ``pop``); as there, ``union``, ``reorder`` and ``to`` act in place and return
-``self``, every other operation returns a new Batch sharing tensor storage where torch does.
+Names and in-place semantics follow verl's ``DataProto``: ``union``, ``reorder`` and ``to`` act in
+place and return ``self``; every other operation returns a new Batch sharing tensor storage.
 Plans are applied in ``trainer/plan_dispatch.py``; DataProto conversion in ``integrations/verl/convert.py``.
 """
 

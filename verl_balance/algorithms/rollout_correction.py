@@ -19,10 +19,9 @@ With lr = log_prob (current, detached) - rollout_log_prob per token and m the lo
   the clip fractions are not masked by the rejection; of ``rollout_corr/*`` only
   ``rollout_is_mean`` and ``rollout_rs_masked_fraction`` (1 - keep) are logged.
 
-Every per-sequence quantity is a per-sequence SUM (seq_max: the count of tokens over the bound),
-so ``is_weights`` / ``keep_mask`` take a ``sequence_sum`` (``row_sum`` whole, the engine's SP-group
-sum on a slice) with equal results. ``is_batch_mean_terms`` are local sums whose SUM over the world
-gives the mini-batch mean (verl's equals it with the mini-batch as one micro-batch).
+Every per-sequence quantity is a SUM (seq_max: the count over the bound), so ``is_weights`` /
+``keep_mask`` take a ``sequence_sum`` (``row_sum`` whole, the SP-group sum on a slice); the batch
+mean is the world SUM of ``is_batch_mean_terms``.
 """
 
 from __future__ import annotations

@@ -3,14 +3,8 @@
 A layout is a cell grid ``cells[slot, part, position]`` of unit ids (-1 = empty); after
 ``assign_cells_to_ranks`` a slot is one micro-batch index and a part is one DP rank. With FSDP
 every micro-batch ends in collectives, so a step costs the synchronised cost
-``sum_j max_d cost(d, j)``, not ``max_d sum_j cost(d, j)``; both are >= max(total / dp, largest unit).
-Balanced layouts sort units into rows of ``dp``, deal whole rows to slots, refine each slot's cells
-to equal cost (``partition.refine_cells``) and trim the remaining excess across slots
-(``partition.polish_sync_cost``).
-
-Token cap rule: **fewest micro-batches first, then balance within that count** (each micro-batch
-costs a collective round); with a fixed cost per micro-batch (calibrated workload) extra slots are
-kept only when they lower the paid cost.
+``sum_j max_d cost(d, j)``, not ``max_d sum_j cost(d, j)``. Token cap rule: **fewest
+micro-batches first, then balance within that count** (each micro-batch costs a collective round).
 
 Invariants:
 - fixed micro_batch_size (in units): every rank has ceil(max_count / mbs) slots; slot j < last

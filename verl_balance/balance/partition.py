@@ -1,11 +1,9 @@
 """Balanced multi-way partition of weighted items, vectorised over many independent problems.
 
-The data structure is a *cell grid* ``cells[s, p, w]``: slot ``s`` (an independent problem,
-e.g. one micro-batch slot), part ``p`` (e.g. one DP rank), position ``w``; entries are item ids
-or -1 (empty). ``fill_cells`` deals rows of ``num_parts`` cost-sorted items, largest item to the
-lightest part (equal-count LPT); ``refine_cells`` pairs each slot's i-th heaviest part with its
-i-th lightest and swaps the two items whose cost difference is closest to half the pair's gap
-(with ``allow_moves`` an empty position is an item of cost 0).
+The data structure is a *cell grid* ``cells[s, p, w]``: slot ``s`` (an independent problem),
+part ``p`` (e.g. one DP rank), position ``w``; entries are item ids or -1 (empty). ``fill_cells``
+deals cost-sorted rows (equal-count LPT); ``refine_cells`` swaps items between each slot's i-th
+heaviest and i-th lightest part.
 
 Invariants:
 - every item id appears exactly once in the grid; refinement only permutes grid entries within
@@ -337,10 +335,9 @@ def polish_sync_cost(
 ) -> np.ndarray:
     """Lower ``sum_s max_p load(s, p)`` in place by swaps between any two cells, across slots too.
 
-    Each pass, every slot's heaviest cell swaps with one of the ``partners`` cells with the most
-    room below their own slot's maximum, so no other slot's maximum rises. Swaps keep every cell's
-    count and ``token_cap``; ``moves_within_part`` also moves an item to an empty position of the same
-    part in another slot, never emptying a cell. At most one swap per slot touched per pass."""
+    Each slot's heaviest cell swaps with one of the ``partners`` cells with the most room below their
+    own slot's maximum, keeping counts and ``token_cap``; ``moves_within_part`` also moves an item to
+    an empty position of the same part, never emptying a cell."""
     num_slots, num_parts, _ = cells.shape
     if num_slots < 2 or num_parts < 2:
         return cells

@@ -18,12 +18,10 @@ Invariants (each asserted by tests/balance):
 - at the same micro-batch count, a balanced plan is never worse than the naive contiguous one on
   (sync_cost, max rank cost), in that order (``plan_objective``).
 
-Micro-batch count: with a token cap the fewest found (at most first-fit-decreasing's count per
-rank, usually ceil(tokens / (dp * cap * sp))), then cost balanced within it. With a calibrated
-workload (fixed cost c0 = ``micro_batch_cost`` > 0 per micro-batch) the plan minimises the paid
-cost ``K * c0 + sum_j max_d cost(d, j)``: under a token cap up to 4 more micro-batches, kept only
-when the paid cost drops (never over the cap); a fixed micro_batch_size keeps the user's count;
-group_scope="rank" keeps the fewest. With c0 (0 for token and FLOPs workloads):
+Micro-batch count: under a token cap the fewest found, then cost balanced within it (micro_batch.py).
+A calibrated workload's fixed cost c0 = ``micro_batch_cost`` per micro-batch can buy up to 4 more
+under a cap; a fixed micro_batch_size and group_scope="rank" keep their count. With c0 (0 for
+token and FLOPs workloads):
 - ``cell_costs`` includes c0 in every cell (an empty micro-batch still runs forward and FSDP's
   collectives), so ``sync_cost`` = K * c0 + sum_j max_d (sequence costs of cell (d, j));
 - ``lower_bound`` = max(total / dp, largest unit) + micro_batch_bound * c0 <= sync_cost of any
@@ -201,12 +199,10 @@ def plan_balance(
 ) -> BalancePlan:
     """Plan DP ranks x micro-batches for one global batch (invariants: module docstring).
 
-    seq_lens: per-sample token counts. workload: None/"tokens" or any object with ``cost(lengths)``.
-    group_ids: samples sharing an id stay on one rank, and in one micro-batch when
-    group_scope="micro_batch" (verl's force_group_size; atomic under the token cap); with
-    group_scope="rank" (verl's uid-grouped balance_batch) equal_size counts groups per rank.
-    overlong: "error" | "skip" | "truncate" for samples over the token cap.
-    balance=False gives the naive contiguous plan."""
+    seq_lens: per-sample token counts; workload: None/"tokens" or an object with ``cost(lengths)``;
+    group_ids: samples sharing an id stay on one rank, and in one micro-batch with
+    group_scope="micro_batch" (verl's force_group_size); with "rank" equal_size counts groups;
+    overlong: "error" | "skip" | "truncate" over the token cap; balance=False: the naive plan."""
     _check_config(dp_size, sp_size, micro_batch_size, max_token_len_per_gpu, overlong)
     if group_scope not in GROUP_SCOPES:
         raise BalanceConfigError(f"group_scope={group_scope!r} is invalid; valid: {GROUP_SCOPES}")

@@ -234,10 +234,8 @@ CALIBRATION_COEFFICIENTS = ("micro_batch", "sequence", "token", "pair")
 
 @dataclass(frozen=True)
 class CalibratedWorkload:
-    """Measured seconds of forward + backward on one rank (``python -m verl_balance.calibrate``, NNLS):
-
-        cost(micro-batch) = micro_batch + sum over its sequences of
-                            (sequence + token * L + pair * L (L + 1) / 2)
+    """Measured seconds of forward + backward on one rank, fitted by ``python -m verl_balance.calibrate``:
+    cost(micro-batch) = micro_batch + sum over sequences of (sequence + token * L + pair * L (L + 1) / 2).
 
     ``cost(lengths)`` is the per-sequence part; ``micro_batch_cost`` is paid by every micro-batch on
     every rank, empty ones included. ``fingerprint`` records hardware, model, dtype, kernel."""

@@ -9,8 +9,7 @@ Invariants:
   token attends at least to itself, so padding never gives an all-masked row (no NaN).
 - Scores: times ``scaling`` (default head_dim ** -0.5), soft-capped (``c * tanh(s / c)``) when
   ``softcap`` is set, then mask and softmax: HF eager's order.
-- The HF entry point refuses any attention argument it does not honour (non-causal, unknown
-  non-None keywords such as sinks), so no family feature is dropped silently.
+- The HF entry point refuses any attention argument it does not honour.
 - With sp > 1, q/k/v arrive sequence-sharded ([T/sp, H, d]) and an all-to-all gives each rank
   whole sequences for H/sp heads, then back. KV heads fewer than sp are repeated first so each
   rank gets the KV head its block of query heads is grouped with.

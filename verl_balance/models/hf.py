@@ -10,8 +10,6 @@ Invariants:
 - Tied embeddings stay one Parameter, in the FSDP2 root unit, so sharding keeps them tied.
 - Boundaries come from cu_seqlens only: ``attention_mask=None``, ``use_cache=False`` and no mask
   function, so nothing can disable packed masking.
-- Every HF model is built from a fresh copy of its config (``from_config`` writes the attention
-  implementation into the config it is given).
 - ``forward`` returns exactly HF's logits (``self.logit_transform``).
 - A family feature packed attention cannot honour is refused at start-up naming the model type and
   key (``check_family_features``), or at call time (an attention argument, a sequence beyond a
