@@ -358,7 +358,6 @@ def _write_export(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """CLI entry point (see the module docstring)."""
     parser = argparse.ArgumentParser(description="Export an engine checkpoint as a Hugging Face model directory.")
     parser.add_argument("checkpoint", help="global_step_N directory written by the trainer")
     parser.add_argument("out", help="output directory (save_pretrained layout)")

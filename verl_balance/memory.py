@@ -584,7 +584,6 @@ def format_report(est: MemoryEstimate, *, gpu_mem_gib: float | None = None, head
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI (see the module docstring)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m verl_balance.memory", description=__doc__.splitlines()[0])

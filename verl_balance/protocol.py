@@ -190,12 +190,10 @@ class Batch:
 
     @property
     def tensor_keys(self) -> list[str]:
-        """Names of the tensor columns."""
         return list(self._tensors.keys())
 
     @property
     def non_tensor_keys(self) -> list[str]:
-        """Names of the non-tensor columns."""
         return list(self._non_tensors.keys())
 
     def __len__(self) -> int:

@@ -1,10 +1,9 @@
 """clip_cov's and kl_cov's token selections over the whole mini-batch, from the local slices of every
 micro-batch of every rank (global_loss_modes.py states the formulas).
 
-Means, token count N and top-k run over the whole mini-batch, so the loss is layout-invariant;
-on one rank with one micro-batch it is verl's (clip_cov: when k >= the candidates; a smaller draw
-is uniform in both but not the same one). The caller supplies ``world_sum`` (in-place SUM over
-every rank) and ``world_gather`` (equal-sized 1-D tensors -> concatenation in rank order).
+Means, N and top-k run over the whole mini-batch (clip_cov equals verl's draw when k >= the
+candidates; a smaller draw is uniform in both, not the same). The caller supplies ``world_sum``
+(in-place SUM over every rank) and ``world_gather`` (equal 1-D tensors, concatenated in rank order).
 
 Exactly k tokens by smallest keys: each rank sends its k smallest, the k-th smallest gathered key
 is the threshold, every smaller key is selected and ties go in rank order. Keys: kl_cov -cov;

@@ -1,9 +1,8 @@
 """PPO's clipped value loss (verl's ``core_algos.compute_value_loss``) under the loss contract.
 
-A ``ValueLossFn`` is the value-model counterpart of ``loss.LossFn``: called per micro-batch with
-``values`` (the head's prediction at each target-aligned position of this rank's SP slice) and
-the local wire ``inputs``; it returns per-token loss and metrics, and the engine applies the
-contract weights, so the logged loss is verl's ``vf_loss`` over the mini-batch at any layout.
+A ``ValueLossFn`` is the value-model ``loss.LossFn``: per-token loss and metrics from ``values``
+(the head's target-aligned predictions on this SP slice) and the local wire ``inputs``; under the
+contract weights the logged loss is verl's ``vf_loss`` over the mini-batch at any layout.
 
 Per token, with v_old = wire ``values``, R = ``returns``, c = cliprange_value:
     v_clip = v_old + clamp(v - v_old, -c, c)

@@ -116,7 +116,6 @@ class BalancePlan:
 
     @property
     def dp_size(self) -> int:
-        """Number of DP ranks."""
         return len(self.micro_batches)
 
     @property

@@ -58,7 +58,6 @@ class ParallelLayout:
 
     @property
     def world_size(self) -> int:
-        """W = dp * sp."""
         return self.dp * self.sp
 
     @property
@@ -113,7 +112,6 @@ class ParallelLayout:
 
     @property
     def device(self) -> torch.device:
-        """This rank's compute device."""
         if self.device_type == "cuda":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device(self.device_type)
