@@ -1,8 +1,8 @@
 """What an advantage estimator receives: the batch's tensors and verl's ``algorithm.*`` settings.
 
 Every per-token tensor is (B, L) over whole rows (prompt + response, right-padded);
-``response_mask`` is 1 exactly on the loss's response tokens. Estimators skip masked tokens (or use
-``response_positions``), so values on response tokens equal verl's on its response-only slices.
+``response_mask`` is 1 exactly on the loss's response tokens. Estimators skip masked tokens (or count
+positions from the first response token), so values on response tokens equal verl's on its slices.
 """
 
 from __future__ import annotations
