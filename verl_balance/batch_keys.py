@@ -1,6 +1,5 @@
 """Names of the ``Batch`` columns and meta keys that cross a module or process boundary; library
-code spells them only through these constants (tests/test_batch_keys.py scans for literals).
-"""
+code spells them only through these constants (tests/test_batch_keys.py scans for literals)."""
 
 from __future__ import annotations
 

@@ -119,9 +119,8 @@ def _skeleton_state(model_config, lora) -> dict[str, torch.Tensor]:
 def load_checkpoint_model_state(
     checkpoint: str, *, model_config, lora=None, base_state: dict[str, torch.Tensor] | None = None
 ) -> dict[str, torch.Tensor]:
-    """Full (unsharded) model tensors of a DCP engine checkpoint, read in this process only (``lora``:
-    the engine's LoRA names). A LoRA checkpoint holds only the adapters: ``base_state`` supplies the
-    frozen base; without it only the adapters are returned."""
+    """Full (unsharded) model tensors of a DCP engine checkpoint, in this process only; a LoRA checkpoint's
+    frozen base comes from ``base_state`` (without it only the adapters are returned)."""
     if not os.path.exists(os.path.join(checkpoint, ".metadata")):
         raise ExportError(
             f"{checkpoint!r} is not an engine checkpoint (no DCP .metadata); pass a global_step_N directory"

@@ -97,9 +97,7 @@ def _check_keys(kind: str, requested: Iterable[str] | None, available: Iterable[
 
 
 class Batch:
-    """B rows of tensors (TensorDict), non-tensor columns (numpy arrays) and a meta dict.
-
-    ``tensors`` may be a TensorDict or a mapping; B is taken from the columns (0 when none)."""
+    """B rows of tensors (TensorDict or mapping), non-tensor numpy columns and a meta dict (B = 0 if none)."""
 
     __slots__ = ("_tensors", "_non_tensors", "_meta")
 

@@ -245,9 +245,8 @@ def bypass_mode(*, log_probs, old_log_probs, advantages, config, mode, reduced):
 def decoupled_correction(
     *, old_log_probs: Tensor, rollout_log_probs: Tensor, loss_mask: Tensor, config: RolloutCorrectionConfig
 ) -> tuple[Tensor | None, Tensor, dict[str, float]]:
-    """verl's decoupled mode on the driver's whole batch: (IS weights or None, the loss mask with
-    rejected tokens zeroed, ``rollout_corr/*`` metrics). Rejected tokens leave the contract's counts,
-    as in verl; a batch with no loss-mask token is an error."""
+    """verl's decoupled mode on the whole batch: (IS weights or None, the loss mask without rejected
+    tokens, which leave the contract's counts as in verl, ``rollout_corr/*`` metrics); no mask: error."""
     if not loss_mask.any():
         raise ValueError("algorithm.rollout_correction: the batch has no response token to correct")
     mask = loss_mask.to(old_log_probs.dtype)

@@ -128,9 +128,8 @@ def trade_slots_for_balance(
     max_passes: int,
     polish_passes: int,
 ) -> np.ndarray:
-    """``layout``, or one with up to ``max_extra_slots`` more slots when its ``paid_sync_cost`` is lower.
-    An extra slot can only save the excess over total / dp, so the search stops once
-    slots * fixed cost + total / dp reaches the best paid cost."""
+    """``layout``, or one with up to ``max_extra_slots`` more slots when its ``paid_sync_cost`` is lower
+    (the search stops once slots * fixed cost + total / dp reaches the best paid cost)."""
     best, best_paid = layout, paid_sync_cost(layout, costs, micro_batch_cost)
     floor = float(costs.sum()) / dp_size
     for num_slots in range(layout.shape[1] + 1, layout.shape[1] + max_extra_slots + 1):

@@ -290,9 +290,7 @@ def assign_rows_capacity(row_weights: np.ndarray, capacities: np.ndarray) -> np.
 def balanced_partition(
     *, costs, num_parts: int, equal_size: bool = True, refine: bool = True, rel_tol: float = 1e-5
 ) -> list[np.ndarray]:
-    """One sorted int64 array per part of item ids 0..n-1, near-equal in total cost.
-
-    equal_size=True: part sizes differ by at most one (verl-compatible); False: sizes are free."""
+    """One sorted int64 array per part of ids 0..n-1, near-equal in cost; equal_size: sizes differ by <= 1."""
     costs = np.asarray(costs, dtype=np.float64)
     rows = sort_into_rows(costs, num_parts)
     extra = 0 if equal_size else max(1, rows.shape[0] // 4)
@@ -304,9 +302,8 @@ def balanced_partition(
 
 
 def greedy_count_split(sizes, num_parts: int, *, equal_size: bool = True) -> list[np.ndarray]:
-    """Largest first, each item to the least-loaded part with count room (ties: lower part), unrefined.
-    At most ceil(n / num_parts) items per part; with ``equal_size`` counts differ by at most one.
-    Spreading the large items evenly packs under a cap where a refined partition may not."""
+    """Largest first, each item to the least-loaded part with count room (ties: lower part), unrefined, so
+    large items stay spread for packing under a cap; <= ceil(n / num_parts) per part (equal_size: +-1)."""
     sizes = np.asarray(sizes).tolist()
     most = -(-len(sizes) // num_parts)
     # Parts that may reach `most` items; with equal_size the others stop one short.

@@ -103,9 +103,8 @@ class BalanceStats(TypedDict):
 
 @dataclass(frozen=True)
 class BalancePlan:
-    """For each DP rank its micro-batches, each an int64 array of sample indices into the input.
-
-    Frozen. ``stats`` holds the plan's figures and those of the naive contiguous plan (``naive_*``)."""
+    """Per DP rank its micro-batches, each an int64 array of input sample indices (frozen); ``stats``
+    holds the plan's figures and the naive contiguous plan's (``naive_*``)."""
 
     micro_batches: list[list[np.ndarray]]
     stats: BalanceStats = field(default_factory=dict)  # type: ignore[assignment]

@@ -175,9 +175,7 @@ def mla_query_head_dim(cfg) -> int | None:
 
 
 def moe_dimensions(cfg) -> dict:
-    """The MoE fields of ``FlopsWorkload`` from a config (object or dict); {} for a dense model.
-
-    Reads our names or Hugging Face's (Mixtral, Qwen2/3-MoE, DeepSeek spellings)."""
+    """The MoE fields of ``FlopsWorkload`` from a config (ours or HF's spellings); {} for a dense model."""
     get = _getter(cfg)
     experts = _first(get, "num_experts", "num_local_experts", "n_routed_experts")
     if not experts:

@@ -1,7 +1,6 @@
 """The small interface the engine needs from a causal LM (built-in decoder or an HF adapter): one
 packed, padding-free stream per micro-batch (this rank's SP slice) in, logits for the same tokens
-out; the model owns its Ulysses exchange.
-"""
+out; the model owns its Ulysses exchange."""
 
 from __future__ import annotations
 

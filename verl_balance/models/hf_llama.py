@@ -1,6 +1,5 @@
 """The built-in decoder as transformers' ``LlamaForCausalLM`` (the same math under HF's names), for
-the streamed export of a sharded engine and ``python -m verl_balance.export``.
-"""
+the streamed export of a sharded engine and ``python -m verl_balance.export``."""
 
 from __future__ import annotations
 

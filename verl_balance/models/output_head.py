@@ -243,9 +243,8 @@ def chunked_token_log_probs(
     with_entropy: bool = False,
     chunk_size: int,
 ) -> tuple[Tensor, Tensor | None]:
-    """``token_log_probs(transform(hidden @ weight^T), targets, ...)`` without the [T, V] logits: the
-    head's peak is about chunk_size x V (fp32). The forward is exact; gradients are the analytic ones
-    (equal to autograd's up to rounding)."""
+    """``token_log_probs(transform(hidden @ weight^T), targets, ...)`` without the [T, V] logits (peak about
+    chunk_size x V fp32); exact forward, analytic gradients (autograd's up to rounding)."""
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"logits_chunk_size={chunk_size!r} must be an int >= 1 (or 0 for the unchunked path)")
     check_temperature(temperature)

@@ -73,9 +73,8 @@ _FUSED_EXPERT_SOURCES = {
 
 
 def expert_sources(name: str, files: dict[str, str]) -> list[list[str]] | None:
-    """For a fused MoE expert parameter ``name``: per expert, the checkpoint keys whose tensors
-    concatenated along dim 0 give that expert's slice; None when ``name`` is no such parameter or
-    the checkpoint lacks the per-expert tensors."""
+    """Per expert, the checkpoint keys that concatenated on dim 0 give fused MoE parameter ``name``'s slice;
+    None when ``name`` is not fused or the checkpoint lacks per-expert tensors."""
     for suffix, namings in _FUSED_EXPERT_SOURCES.items():
         if not name.endswith(suffix):
             continue
