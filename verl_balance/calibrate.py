@@ -6,9 +6,8 @@ seconds on CPU, CUDA event time on GPUs) over a grid of micro-batches of ``b`` s
 
     seconds(micro-batch) = micro_batch + sequence * b + token * b L + pair * b L (L + 1) / 2
 
-``sequence`` is kept only when it lowers the RMS relative error by at least a fifth. Writes a JSON
-(coefficients, fingerprint of hardware / model / dtype / kernel / world size, residuals) for
-``balance.workload=calibrated balance.calibration_path=FILE`` and prints the fit per grid point.
+``sequence`` is kept only when it lowers the RMS relative error by at least a fifth. The JSON written
+(coefficients, fingerprint, residuals) is for ``balance.workload=calibrated balance.calibration_path=FILE``.
 
     PYTHONPATH=. python -m verl_balance.calibrate --model small --attn-impl sdpa_loop --world 2 \\
         --out calibration.json

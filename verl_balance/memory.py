@@ -11,7 +11,6 @@ gradients, AdamW exp_avg + exp_avg_sq plus one fp32 ``step`` per tensor. W = 1 i
 plain module: the same bytes, nothing in flight.
 
 Estimates (``benchmarks/memory_model_check.py`` compares them with a measured peak RSS):
-
 - In flight (FSDP2, reshard_after_forward): the root unit (embeddings, final norm, lm_head) gathered
   in the compute dtype through the backward plus ``prefetch_units`` layers; gradients of the root
   and one layer in the compute dtype, plus that layer's fp32 reduce-scatter input.
