@@ -167,7 +167,7 @@ def ppo_clip_token_loss(
 
 
 class PPOLoss:
-    """The PPO-clip ``LossFn`` for ``TrainEngine.train_step`` / ``eval_loss`` (see verl_balance/loss.py).
+    """The PPO-clip ``LossFn`` for ``TrainEngine.train_batch`` / ``eval_loss`` (see verl_balance/loss.py).
 
     Reads verl's per-token keys from ``inputs`` (target-aligned local slices): ``old_log_probs``,
     ``advantages`` and, with ``use_kl_loss``, ``ref_log_prob``. Padding and prompt tokens carry
