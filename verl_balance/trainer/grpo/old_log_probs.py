@@ -10,7 +10,8 @@ from dataclasses import dataclass
 class OldLogProbs:
     """A step's old-log-prob decision. ``from_update`` implies no ``recompute``: the one on-policy
     optimizer step's own forward gives them (``PPOLoss(on_policy=True)``, ratio exactly 1). With
-    neither, they are the rollout's recorded log-probs (``rollout_correction.bypass_mode``, async)."""
+    neither, they are the rollout's recorded log-probs (``rollout_correction.bypass_mode``, async).
+    docs/verl.md section 8 says why the on-policy shortcut is exact."""
 
     recompute: bool
     """The actor's old-log-prob pass runs on the batch before the advantages (``train/old_log_prob_pass``)."""

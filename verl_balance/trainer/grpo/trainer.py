@@ -6,7 +6,10 @@ the critic's values pass) through DP plans, score the responses meanwhile, colle
 compute ``algorithm.adv_estimator``'s advantages (``advantage_step``), then train the critic
 (``critic_role``) and the actor: ``ppo_epochs`` x mini-batches of ``ppo_mini_batch_size`` prompts,
 each mini-batch its own plan and one optimizer step (``train_actor``). Where the old log-probs come
-from is decided once per step (``old_log_probs.OldLogProbs``).
+from is decided once per step (``old_log_probs.OldLogProbs``). DAPO (``algorithm.filter_groups``)
+scores before the passes, generating until enough prompts' responses differ (``dynamic_sampling``);
+remax adds one greedy response per prompt as its baseline; with a critic the actor's update waits
+``trainer.critic_warmup`` steps.
 
 Invariants: rows keep the rollout's prompt-major order on the driver; every per-row tensor that
 comes back from workers goes through ``merge_by_plan`` before it is attached. A response is never
