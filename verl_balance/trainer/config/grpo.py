@@ -212,12 +212,11 @@ class ActorSection(FSDPKeys, ActorKeys, ActorAlgorithmKeys, PolicyLossConfig):
         if self.ulysses_sequence_parallel_size is not None:
             check_positive("ulysses_sequence_parallel_size", self.ulysses_sequence_parallel_size)
 
-    def old_log_prob_from_update(self, *, train_batch_size: int) -> bool:
-        """Whether a step takes its old log-probs from the update forward instead of a separate
-        pass: only with recompute_old_log_prob=auto and an on-policy update, i.e. the step's one
-        optimizer step runs on rows sampled with the same weights (one epoch, one mini-batch).
-        An off-policy correction that needs the old log-probs before the update (e.g. rollout
-        importance sampling) must make this False."""
+    def single_on_policy_update(self, *, train_batch_size: int) -> bool:
+        """Whether the actor allows a step's old log-probs from the update forward instead of a
+        separate pass: only with recompute_old_log_prob=auto and an on-policy update, i.e. the step's
+        one optimizer step runs on rows sampled with the same weights (one epoch, one mini-batch).
+        ``GRPOConfig.old_log_prob_from_update`` adds the algorithm's conditions."""
         one_update = self.ppo_epochs == 1 and self.ppo_mini_batch_size == train_batch_size
         return self.recompute_old_log_prob == "auto" and one_update
 
@@ -596,13 +595,14 @@ class GRPOConfig(RecipeConfig):
 
     @property
     def old_log_prob_from_update(self) -> bool:
-        """Whether each step takes its old log-probs from the update forward (see ActorSection); never
-        when the driver reads them before the advantages (KL in the reward, rollout correction) or
-        when they are the rollout's (rollout_correction.bypass_mode)."""
+        """Whether each step takes its old log-probs from the update forward (the actor allows it:
+        ``ActorSection.single_on_policy_update``); never when the driver reads them before the
+        advantages (KL in the reward, rollout correction) or when they are the rollout's
+        (rollout_correction.bypass_mode)."""
         algorithm = self.algorithm
         if algorithm.needs_old_log_probs_before_advantages or algorithm.rollout_correction.bypass_mode:
             return False
-        return self.actor_rollout_ref.actor.old_log_prob_from_update(train_batch_size=self.data.train_batch_size)
+        return self.actor_rollout_ref.actor.single_on_policy_update(train_batch_size=self.data.train_batch_size)
 
     def loss_mode_config(self) -> LossModeConfig:
         """The actor's policy-loss mode as the workers take it: ``actor.policy_loss.*``, or with
