@@ -53,6 +53,7 @@ from verl_balance.data.rl_dataset import RLPromptDataset
 from verl_balance.protocol import Batch
 from verl_balance.rewards import load_reward_fn
 from verl_balance.rewards.overlong import shape_scores
+from verl_balance.rewards.score import check_reward_rules
 from verl_balance.rewards.watchdog import score_batch_watched
 from verl_balance.trainer import checkpoint, cluster
 from verl_balance.trainer.checkpoint.layout import read_json
@@ -87,7 +88,7 @@ from verl_balance.trainer.metrics import (
     reduce_rank_metrics,
 )
 from verl_balance.trainer.plan_dispatch import merge_by_plan, plan_batch, split_by_plan
-from verl_balance.trainer.startup import check_model_files
+from verl_balance.trainer.startup import check_critic_weights, check_model_files, check_warm_start
 from verl_balance.utils.progress import DEFAULT_RL_KEYS
 from verl_balance.utils.tracking import Tracking
 from verl_balance.workers.actor_rollout import ActorRolloutWorker, ActorRolloutWorkerConfig, sampling_seed
@@ -176,10 +177,13 @@ class GRPOTrainer(DriverBase):
         arr = config.actor_rollout_ref
         self.actor_cfg, self.rollout_cfg = a, r = arr.actor, arr.rollout
         check_model_files(arr.model, chat_key="data.prompt_key")  # prompts are chats
+        check_critic_weights(config)
         self.setup_run(cfg, config=config, model=arr.model)
         self._load_datasets()
         reward = config.custom_reward_function
         self.reward_fn = load_reward_fn(reward.path, reward.name, reward_kwargs=dict(reward.reward_kwargs))
+        if reward.path is None:  # the built-in rules: every data_source of the data needs one, known before Ray
+            check_reward_rules({**getattr(self.val_set, "data_source_rows", {}), **self.train_set.data_source_rows})
         self.update_cap = a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None
         self.log_prob_plans = {"old_log_prob": arr.log_prob_plan("old"), "ref": arr.log_prob_plan("ref")}
         self.updates_per_step = config.updates_per_step
@@ -188,8 +192,10 @@ class GRPOTrainer(DriverBase):
         algorithm = config.algorithm
         self.kl_ctrl = algorithm.kl_ctrl.controller() if algorithm.use_kl_in_reward else None
         """verl's kl_ctrl_in_reward: the in-reward KL coefficient (driver state, checkpointed)."""
+        worker_config = self._worker_config()
+        self._check_warm_start(worker_config)
         self.start_workers(
-            worker_config=self._worker_config(),
+            worker_config=worker_config,
             worker_cls=self.worker_cls,
             description=(
                 f"{arr.model.describe(self.model_config)}; {len(self.train_set)} train prompts x n={r.n}, "
@@ -204,6 +210,18 @@ class GRPOTrainer(DriverBase):
         except BaseException:
             self.close()
             raise
+
+    def _check_warm_start(self, worker_config: ActorRolloutWorkerConfig) -> None:
+        """Before Ray: the warm-start checkpoint's names and shapes (its DCP metadata) fit the actor."""
+        path = self.config.actor_rollout_ref.model.warm_start_path
+        if path:
+            check_warm_start(
+                os.path.abspath(path),
+                key="actor_rollout_ref.model.warm_start_path",
+                model_config=self.model_config,
+                engine_config=worker_config.engine,
+                sp_size=self.sp,
+            )
 
     def _load_datasets(self) -> None:
         """The train/validation prompt sets (configured files or the synthetic task) and the loader."""
