@@ -217,3 +217,43 @@ def test_calibration_coefficients_at_the_range_ends_plan_without_overflow():
         assert sorted(np.concatenate([i for mbs in plan.micro_batches for i in mbs]).tolist()) == list(range(256))
     with pytest.raises(BalanceConfigError, match="out of range"):  # negative control: just past the end
         CalibratedWorkload(micro_batch=0, sequence=0, token=1e6 * 1.01, pair=0)
+
+
+# ---------------------------------------------------------------------- separate_async from one line
+def test_separate_async_from_one_line_derives_the_pool_and_the_sync_step_and_names_them(caplog):
+    import logging
+
+    from verl_balance.trainer.config.grpo import register_grpo_schema, validate_grpo
+
+    register_grpo_schema()
+    one_line = ["trainer.device=cpu", "trainer.v1.trainer_mode=separate_async"]
+    sizes = ["data.train_batch_size=12", "actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.n_gpus_per_node=2"]
+    with caplog.at_level(logging.INFO, logger="verl_balance.trainer.config.async_mode"):
+        config = validate_grpo(compose_config("grpo", one_line + sizes))
+    assert config.trainer.v1.separate_async.parameter_sync_step == 3  # 12 prompts / mini-batches of 4
+    rollout = config.actor_rollout_ref.rollout
+    assert (rollout.nnodes, rollout.n_gpus_per_node, rollout.rollout_workers) == (1, 2, 2)
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("parameter_sync_step not set, using 3" in line for line in lines) == 1, lines
+    assert sum("rollout.nnodes not set, using 1 node x n_gpus_per_node=2" in line for line in lines) == 1, lines
+    # verl's 0 for the pool's workers per node is "unset" too; explicit values are kept and not named
+    caplog.clear()
+    explicit = ["actor_rollout_ref.rollout.nnodes=1", "actor_rollout_ref.rollout.n_gpus_per_node=0"]
+    config = validate_grpo(
+        compose_config("grpo", one_line + sizes + explicit + ["trainer.v1.separate_async.parameter_sync_step=3"])
+    )
+    assert (config.actor_rollout_ref.rollout.rollout_workers, config.trainer.v1.separate_async.parameter_sync_step) == (
+        2,
+        3,
+    )
+    assert not [r for r in caplog.records if "not set, using" in r.getMessage()]
+
+
+def test_an_explicit_parameter_sync_step_against_verls_rule_stays_an_error():
+    from verl_balance.trainer.config.grpo import register_grpo_schema, validate_grpo
+
+    register_grpo_schema()
+    overrides = ["trainer.device=cpu", "trainer.v1.trainer_mode=separate_async", "data.train_batch_size=12"]
+    overrides += ["actor_rollout_ref.actor.ppo_mini_batch_size=4", "trainer.v1.separate_async.parameter_sync_step=4"]
+    with pytest.raises(ConfigError, match=r"parameter_sync_step=4 x .*must equal data\.train_batch_size=12"):
+        validate_grpo(compose_config("grpo", overrides))

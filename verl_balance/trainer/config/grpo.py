@@ -272,9 +272,10 @@ class RolloutSection:
     val_kwargs: ValSamplingConfig = field(default_factory=ValSamplingConfig, metadata=APPLY_ON_RESUME)
     """Sampling of validation rollouts."""
     nnodes: int = field(default=0, metadata=LAYOUT_ON_RESUME)
-    """verl's key: nodes of the separate rollout pool (trainer.v1.trainer_mode=separate_async only; 0 = none)."""
+    """verl's key: nodes of the separate rollout pool (trainer.v1.trainer_mode=separate_async only; 0 = one
+    node there, named at start-up: trainer/config/async_mode.py)."""
     n_gpus_per_node: Optional[int] = field(default=None, metadata=LAYOUT_ON_RESUME)
-    """verl's key: rollout workers per node of that pool (null = trainer.n_gpus_per_node, verl's default)."""
+    """verl's key: rollout workers per node of that pool (null or 0 = trainer.n_gpus_per_node, verl's default)."""
 
     def __post_init__(self) -> None:
         check_choice("name", self.name, ROLLOUT_BACKENDS)
@@ -744,7 +745,7 @@ class GRPOConfig(RecipeConfig):
     def _check_rollout_pool(self) -> None:
         """verl's default: actor_rollout_ref.rollout.n_gpus_per_node = trainer.n_gpus_per_node."""
         rollout = self.actor_rollout_ref.rollout
-        if rollout.n_gpus_per_node is None:
+        if not rollout.n_gpus_per_node:  # unset or verl's 0
             rollout.n_gpus_per_node = self.trainer.n_gpus_per_node
         check_positive("actor_rollout_ref.rollout.n_gpus_per_node", rollout.n_gpus_per_node)
 
