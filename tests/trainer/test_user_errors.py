@@ -143,10 +143,19 @@ def test_two_spellings_of_one_key_with_different_last_values_stay_an_error_namin
 @pytest.mark.parametrize(
     "schema, override, expected",
     [
-        (SFTConfig, "data.train_batch_size=sixteen", "data.train_batch_size=sixteen is not valid: expected an integer"),
+        (
+            SFTConfig,
+            "data.train_batch_size=sixteen",
+            "data.train_batch_size=sixteen is not valid: expected an integer, got the string 'sixteen'",
+        ),
         (SFTConfig, "optim.lr=fast", "optim.lr=fast is not valid: expected a number"),
         (SFTConfig, "balance.enable=maybe", "balance.enable=maybe is not valid: expected true or false"),
-        (SFTConfig, "trainer.total_epochs=1.5", "trainer.total_epochs=1.5 is not valid: expected an integer"),
+        (SFTConfig, "trainer.total_epochs=1.5", "trainer.total_epochs=1.5 is not valid: expected an integer, got the"),
+        (
+            SFTConfig,
+            "data.train_batch_size=null",
+            "data.train_batch_size=null is not valid: expected an integer, got null",
+        ),
         (GRPOConfig, "actor_rollout_ref.rollout.n=four", "actor_rollout_ref.rollout.n=four is not valid: expected"),
     ],
 )
@@ -178,8 +187,7 @@ def test_a_type_error_through_the_command_line_is_one_line_exit_2():
     )
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip().splitlines() == [
-        "error: data.train_batch_size=sixteen is not valid: expected an integer (Value 'sixteen' of type 'str' "
-        "could not be converted to Integer)"
+        "error: data.train_batch_size=sixteen is not valid: expected an integer, got the string 'sixteen'"
     ]
 
 

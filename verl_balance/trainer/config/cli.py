@@ -14,6 +14,7 @@ An override whose value does not fit its key's type is one line too (``check_ove
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -166,8 +167,7 @@ def check_overrides(args: Sequence[str], *, schema: type) -> None:
         overrides = OverridesParser.create().parse_overrides(lines)
     except HydraException:
         return  # a syntax error: Hydra's own message says where
-    root = OmegaConf.structured(schema)
-    all_keys = _leaf_keys(root)
+    root = _structured(schema)
     for override in overrides:
         key = override.key_or_group
         if override.is_hydra_override() or "/" in key or override.type == OverrideType.DEL:
@@ -179,7 +179,7 @@ def check_overrides(args: Sequence[str], *, schema: type) -> None:
         if exists and section is None and not override.is_sweep_override():
             _check_type(root, key, override)
         if not exists:
-            hint = did_you_mean(key, all_keys)
+            hint = did_you_mean(key, _leaf_keys(root))
             where = key.rpartition(".")[0]
             valid = sorted(str(k) for k in section.keys()) if section is not None else []
             _fail(
@@ -198,6 +198,10 @@ _EXPECTED = {
 }
 
 
+_KINDS = {str: "the string", int: "the integer", float: "the number", bool: "the boolean", list: "the list"}
+_KINDS[dict] = "the mapping"
+
+
 def _schema_node(root: DictConfig, key: str):
     """The node of ``key`` when every section on its path is typed, else None."""
     node = root
@@ -211,6 +215,7 @@ def _schema_node(root: DictConfig, key: str):
 def _check_type(root: DictConfig, key: str, override) -> None:
     """Exit 2 (one line: key, expected type, value) when ``override``'s value does not fit the type
     the schema declares for ``key``, e.g. ``data.train_batch_size=sixteen``."""
+    from omegaconf import ValueNode
     from omegaconf.errors import OmegaConfBaseException
 
     node = _schema_node(root, key)
@@ -218,11 +223,20 @@ def _check_type(root: DictConfig, key: str, override) -> None:
     if node is None or (isinstance(value, str) and "${" in value):
         return  # a free dict's key, or an interpolation resolved later
     try:
-        OmegaConf.update(root.copy(), key, value, merge=True)
-    except OmegaConfBaseException as err:
+        if isinstance(node, ValueNode):
+            node.validate_and_convert(value)
+        else:  # a list or a section: merged into a copy, as Hydra merges it
+            OmegaConf.update(root.copy(), key, value, merge=True)
+    except OmegaConfBaseException:
         expected = _EXPECTED.get(type(node).__name__, "a value of its declared type")
-        why = str(err.msg).splitlines()[0] if getattr(err, "msg", None) else type(err).__name__
-        _fail(f"{key}={override.get_value_element_as_str()} is not valid: expected {expected} ({why})")
+        got = "null" if value is None else f"{_KINDS.get(type(value), type(value).__name__)} {value!r}"
+        _fail(f"{key}={override.get_value_element_as_str()} is not valid: expected {expected}, got {got}")
+
+
+@functools.lru_cache(maxsize=4)
+def _structured(schema: type) -> DictConfig:
+    """The schema's config, built once per schema (read-only here: a type check updates a copy)."""
+    return OmegaConf.structured(schema)
 
 
 def _has_config_flags(args: Sequence[str]) -> bool:

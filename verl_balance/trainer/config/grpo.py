@@ -240,6 +240,8 @@ class ValSamplingConfig:
         check_positive("n", self.n)
         if not self.temperature >= 0:
             raise ConfigError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p={self.top_p} must be in (0, 1]")
 
 
 @dataclass
