@@ -140,6 +140,10 @@ class ModelSection(ModelKeys):
             )
         if self.path is not None:
             check_hf_model_dir("path", self.path)
+        for key in MODEL_DIMENSION_KEYS:  # a dimension override, when set, is a positive count
+            value = getattr(self, key)
+            if value is not None and not isinstance(value, bool):
+                check_positive(key, value)
 
     @property
     def tokenizer_path(self) -> str:
