@@ -146,6 +146,7 @@ def test_a_planted_payload_in_data_pt_is_refused_without_running(checkpoint, tmp
     torch.save({"_num_yielded": 1, "x": _Payload(str(marker))}, checkpoint / "data.pt")
     problem = trainer_files_problem(str(checkpoint / "actor"))
     assert problem is not None and "data.pt" in problem and "weights_only=False" in problem
+    assert "GLOBAL io.open" in problem  # names what the pickle asked for
     assert not marker.exists()
     # Negative control: verl's own read of the file (weights_only=False) runs it.
     torch.load(checkpoint / "data.pt", weights_only=False)

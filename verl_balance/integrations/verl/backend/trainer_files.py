@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import glob
 import os
+import pickle
+import re
 
+import torch
 import torch.distributed as dist
-
-from verl_balance.utils.safe_load import UnsafeCheckpointError, load_torch_file
 
 __all__ = ["TrainerFileError", "trainer_file_paths", "trainer_files_problem", "verify_trainer_files"]
 
@@ -41,9 +42,16 @@ def trainer_file_paths(local_path: str) -> list[str]:
 
 def _fix(path: str) -> str:
     return (
-        f"verl's trainer unpickles it with weights_only=False right after this load. Restore the file verl "
-        f"saved, or delete {path} to resume the weights and restart the data order at the epoch's start"
+        f"verl's trainer would unpickle it with weights_only=False right after this load, running any code in "
+        f"it. Restore the file verl saved, or delete {path} to resume the weights and restart the data order at "
+        "the epoch's start"
     )
+
+
+def _unpickling_refusal(err: pickle.UnpicklingError) -> str:
+    """The global torch's safe unpickler refused (``GLOBAL io.open``), else the error's first line."""
+    found = re.search(r"Unsupported global: (GLOBAL \S+)", str(err))
+    return f"a pickled {found.group(1)}" if found else str(err).splitlines()[0][:200]
 
 
 def trainer_files_problem(local_path: str) -> str | None:
@@ -52,9 +60,10 @@ def trainer_files_problem(local_path: str) -> str | None:
         if os.path.islink(path) or not os.path.isfile(path):
             return f"{path} is a symlink or not a regular file: refused. {_fix(path)}"
         try:
-            state = load_torch_file(path)
-        except UnsafeCheckpointError as err:
-            return f"{err}. {_fix(path)}"
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as err:
+            what = _unpickling_refusal(err)
+            return f"{path} holds {what}, not only a data loader's tensors and plain values: refused. {_fix(path)}"
         except Exception as err:  # truncated or not a torch file: verl's own load would fail on it too
             return f"{path} is not a readable torch file ({type(err).__name__}: {err}). {_fix(path)}"
         if not isinstance(state, dict):
