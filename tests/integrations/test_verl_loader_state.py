@@ -114,7 +114,7 @@ def test_the_layout_is_read_from_the_state_and_foreign_or_per_worker_states_are_
         convert_loader_state(iterable, num_workers=2, base_seed=0)
 
 
-class _Payload:
+class PlantedPayload:
     """A pickle that writes ``marker`` when unpickled (what a planted data.pt would do)."""
 
     def __init__(self, marker: str) -> None:
@@ -143,7 +143,7 @@ def test_the_loader_state_verl_saves_passes_the_trainer_file_check(checkpoint):
 
 def test_a_planted_payload_in_data_pt_is_refused_without_running(checkpoint, tmp_path):
     marker = tmp_path / "payload_ran"
-    torch.save({"_num_yielded": 1, "x": _Payload(str(marker))}, checkpoint / "data.pt")
+    torch.save({"_num_yielded": 1, "x": PlantedPayload(str(marker))}, checkpoint / "data.pt")
     problem = trainer_files_problem(str(checkpoint / "actor"))
     assert problem is not None and "data.pt" in problem and "weights_only=False" in problem
     assert "GLOBAL io.open" in problem  # names what the pickle asked for

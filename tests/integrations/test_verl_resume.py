@@ -26,6 +26,7 @@ from tests._verl import VERL_SKIP_REASON
 pytest.importorskip("verl", reason=VERL_SKIP_REASON)
 pytest.importorskip("pyarrow", reason="writing the parquet data sets needs pyarrow")
 
+from tests.integrations.test_verl_loader_state import PlantedPayload  # noqa: E402
 from tests.integrations.test_verl_main_ppo import (  # noqa: E402
     AUTOPATCH,
     add_stop_tokens,
@@ -46,16 +47,6 @@ V1 = (
     "algorithm.adv_estimator=reinforce_plus_plus",
 )
 PPO_KEYS = ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "response_length/mean")
-
-
-class _Payload:
-    """Unpickling it creates ``marker`` (what code planted in a data-loader state file would do)."""
-
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -115,7 +106,8 @@ def sft_runs(tmp_path_factory, model_dir):
     out["resumed"] = _sft_steps(run("resumed", f"trainer.total_training_steps={STEPS}", *workers))
     shutil.copytree(root / "resumed", root / "planted")
     marker = root / "payload_ran"
-    torch.save({"_num_yielded": 1, "x": _Payload(str(marker))}, root / "planted" / f"global_step_{STEPS}" / "data_1.pt")
+    planted = root / "planted" / f"global_step_{STEPS}" / "data_1.pt"
+    torch.save({"_num_yielded": 1, "x": PlantedPayload(str(marker))}, planted)
     try:
         run("planted", f"trainer.total_training_steps={STEPS + 1}", *workers)
         out["planted"] = "the run went on"
