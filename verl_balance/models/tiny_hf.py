@@ -225,11 +225,13 @@ def write_tiny_model(
     tie_word_embeddings: bool | None = None,
     sliding_window: int | None = None,
     initializer_range: float = 0.2,
+    hidden_size: int = 64,
 ) -> str:
     """Write config.json, model.safetensors and the tokenizer files of a tiny random model to ``out``.
 
     The default ``initializer_range`` (0.2) gives peaked logits, so greedy decoding has no near
-    ties; 0.02 (HF's usual) keeps gradients well scaled for optimizer-step comparisons."""
+    ties; 0.02 (HF's usual) keeps gradients well scaled for optimizer-step comparisons.
+    ``hidden_size`` 128 gives qwen3 a head_dim of 64, the least vLLM's CPU attention takes."""
     from transformers import AutoModelForCausalLM
 
     tokenizer = build_tokenizer()
@@ -240,6 +242,7 @@ def write_tiny_model(
         num_kv_heads=num_kv_heads,
         tie_word_embeddings=tie_word_embeddings,
         sliding_window=sliding_window,
+        hidden_size=hidden_size,
     )
     config.initializer_range = initializer_range
     config.pad_token_id = tokenizer.pad_token_id
