@@ -20,7 +20,7 @@ Invariants (every backend: the built-in ``KVCacheRollout``, ``HFRollout``, or a 
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,6 +96,16 @@ def validate_prompts(prompts: Sequence[Sequence[int]], *, vocab_size: int) -> li
 
 class RolloutEngine(abc.ABC):
     """Generates responses from policy weights; a vLLM/SGLang backend implements the same two methods."""
+
+    streams_weights: bool = False
+    """True when ``load_weights`` copies a stream of tensors into the engine's own storage (vLLM), so a
+    caller should stream them rather than build a full state dict."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Use the ``(name, tensor)`` pairs (a full state) from now on; returns how many were read."""
+        state = dict(weights)
+        self.update_weights(state)
+        return len(state)
 
     @abc.abstractmethod
     def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:

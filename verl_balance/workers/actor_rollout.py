@@ -6,6 +6,9 @@ Invariants:
   hands them to its rollout engine (``rollout.build_rollout``) by reference. The gather is redone
   only when the actor took an optimizer step since the last one, so validation and training
   rollouts of one step share it.
+- A rollout that ``streams_weights`` (vLLM) is fed the unsharded tensors bucket by bucket
+  (``workers/buckets.stream_full_tensors``) and copies them into its own storage in place, so no rank
+  holds the gathered model beyond one bucket; the others get ``full_state_dict`` by reference.
 - Generation uses its own mesh, ``"rollout"``: every worker is its own DP rank (an SP group does
   not need to generate together), so the driver sends one prompt chunk per worker and gets back one
   ``RolloutOutput`` per worker, in worker-rank order. Because ``full_state_dict`` is collective,
@@ -53,6 +56,7 @@ from verl_balance.rollout import RolloutEngine, RolloutOutput, build_rollout
 from verl_balance.single_controller import Dispatch, make_mesh_dispatch, register
 from verl_balance.utils import safe_load
 from verl_balance.workers.actor import ACTOR_MESH, ActorWorker, ActorWorkerConfig, batch_temperature, cat_padded
+from verl_balance.workers.buckets import stream_full_tensors
 
 ROLLOUT_MESH = "rollout"
 
@@ -182,6 +186,8 @@ class ActorRolloutWorker(ActorWorker):
         if self._uses_lora:
             self._rollout_state = self._merged_lora_weights(self._rollout_state)
             self.rollout.update_weights(self._rollout_state)
+        elif self.rollout.streams_weights:  # vLLM: in place, one bucket unsharded at a time
+            self.rollout.load_weights(stream_full_tensors(self.engine.model.state_dict(), device=device))
         else:
             self.rollout.update_weights({k: v.to(device) for k, v in self.engine.full_state_dict().items()})
         self._rollout_weights_step = step

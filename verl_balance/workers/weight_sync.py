@@ -27,31 +27,7 @@ from torch.distributed.tensor import DTensor
 from verl_balance.engine.lora import is_lora_name, lora_scaling
 from verl_balance.single_controller import Dispatch, register
 from verl_balance.workers.actor_rollout import ActorRolloutWorker
-
-DEFAULT_BUCKET_BYTES = 256 << 20
-"""Unsharded bytes per sync bucket (verl's ``update_weights_bucket_megabytes`` is 2048 on GPUs;
-on CPU workers a smaller bucket bounds the driver's copy)."""
-
-
-def plan_buckets(sizes: list[tuple[str, int]], *, bucket_bytes: int) -> list[list[str]]:
-    """Consecutive tensor names grouped into buckets of at most ``bucket_bytes`` (a larger tensor
-    alone); every name in exactly one bucket, in the given order."""
-    if bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1")
-    buckets: list[list[str]] = []
-    filled = bucket_bytes  # forces a new bucket for the first tensor
-    for name, nbytes in sizes:
-        if filled + nbytes > bucket_bytes or not buckets:
-            buckets.append([])
-            filled = 0
-        buckets[-1].append(name)
-        filled += nbytes
-    return buckets
-
-
-def tensor_bytes(value: torch.Tensor) -> int:
-    """Unsharded bytes of a (possibly DTensor) parameter."""
-    return value.numel() * value.element_size()  # DTensor.numel() is the global count
+from verl_balance.workers.buckets import DEFAULT_BUCKET_BYTES, plan_buckets, tensor_bytes
 
 
 class AsyncActorRolloutWorker(ActorRolloutWorker):
