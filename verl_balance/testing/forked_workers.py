@@ -273,10 +273,23 @@ def _wait_for_worker(conn: socket.socket) -> tuple[dict, list[int]] | None:
     os._exit(0)
 
 
+def _hide_unloadable_torch_extensions() -> None:
+    """What ``import verl_balance`` does first (``utils/torch_extensions.py``), without importing the
+    package (a worker imports it itself): the preloaded transformers must not see an unloadable torchvision."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "utils", "torch_extensions.py")
+    spec = importlib.util.spec_from_file_location("_forked_workers_torch_extensions", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.hide_unloadable_extensions()
+
+
 def serve(socket_path: str) -> tuple[dict, list[int]]:
     """Preload ``PRELOAD`` and fork a waiter per connection; returns only in a worker (its request)."""
     import importlib
 
+    _hide_unloadable_torch_extensions()
     for name in PRELOAD:
         importlib.import_module(name)
     loaded = [name for name in _NOT_PRELOADED if name in sys.modules]

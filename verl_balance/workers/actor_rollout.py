@@ -53,6 +53,7 @@ from verl_balance.engine.lora import (
 from verl_balance.engine.train_engine import TrainEngine
 from verl_balance.protocol import Batch
 from verl_balance.rollout import RolloutEngine, RolloutOutput, build_rollout
+from verl_balance.rollout.vllm_rollout import VLLMRolloutConfig
 from verl_balance.single_controller import Dispatch, make_mesh_dispatch, register
 from verl_balance.utils import safe_load
 from verl_balance.workers.actor import ACTOR_MESH, ActorWorker, ActorWorkerConfig, batch_temperature, cat_padded
@@ -83,6 +84,8 @@ class ActorRolloutWorkerConfig(ActorWorkerConfig):
     """Sequences decoded together on one worker; None = all of its prompts at once."""
     rollout_backend: str = "auto"
     """The rollout engine (``rollout.factory.ROLLOUT_BACKENDS``; GRPO's actor_rollout_ref.rollout.name)."""
+    vllm: VLLMRolloutConfig | None = None
+    """The vLLM engine's settings (rollout_backend "vllm"; None = VLLMRolloutConfig's defaults)."""
     use_reference_policy: bool = False
     """Build the frozen reference engine (needed for the KL loss)."""
 
@@ -108,6 +111,7 @@ class ActorRolloutWorker(ActorWorker):
             backend=self.config.rollout_backend,
             pad_token_id=self.config.pad_token_id,
             max_batch_size=self.config.rollout_max_batch_size,
+            vllm_config=self.config.vllm,
             device=self.layout.device,
         )
         if self.config.use_reference_policy and not self._uses_lora:

@@ -32,6 +32,7 @@ from verl_balance.models.config import ModelConfig
 from verl_balance.models.hf import HFModelConfig
 from verl_balance.protocol import Batch
 from verl_balance.rollout import RolloutEngine, RolloutOutput, build_rollout
+from verl_balance.rollout.vllm_rollout import VLLMRolloutConfig
 from verl_balance.single_controller import Dispatch, Worker, make_mesh_dispatch, register
 from verl_balance.workers.actor_rollout import ROLLOUT_MESH, _to_cpu, sampling_seed
 
@@ -50,6 +51,8 @@ class RolloutWorkerConfig:
     """Sequences decoded together (actor_rollout_ref.rollout.max_num_seqs); None = all at once."""
     rollout_backend: str = "auto"
     """The rollout engine (``rollout.factory.ROLLOUT_BACKENDS``)."""
+    vllm: VLLMRolloutConfig | None = None
+    """The vLLM engine's settings (rollout_backend "vllm"; None = VLLMRolloutConfig's defaults)."""
     lora_scaling: float | None = None
     """peft's factor on B @ A when the actor trains LoRA adapters (None: full weights). The worker
     then holds the actor's LoRA-named tensors (the base once, the adapters at every sync) and
@@ -77,6 +80,7 @@ class RolloutWorker(Worker):
             backend=self.config.rollout_backend,
             pad_token_id=self.config.pad_token_id,
             max_batch_size=self.config.rollout_max_batch_size,
+            vllm_config=self.config.vllm,
             device=self.device,
         )
         return {"rank": self.rank, "device": str(self.device)}

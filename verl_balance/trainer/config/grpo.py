@@ -278,6 +278,44 @@ class RolloutSection:
     node there, named at start-up: trainer/config/async_mode.py)."""
     n_gpus_per_node: Optional[int] = field(default=None, metadata=LAYOUT_ON_RESUME)
     """verl's key: rollout workers per node of that pool (null or 0 = trainer.n_gpus_per_node, verl's default)."""
+    # -- vLLM's keys (name=vllm only; with another backend verl_keys.py names them as without effect)
+    top_k: int = field(default=-1, metadata=APPLY_ON_RESUME)
+    """vLLM: top-k of training rollouts (-1 or 0: off)."""
+    dtype: str = field(default="float32", metadata=APPLY_ON_RESUME)
+    """vLLM: the engine's dtype (verl's default bfloat16 on GPUs; float32 keeps a CPU run exact)."""
+    load_format: str = field(default="dummy", metadata=APPLY_ON_RESUME)
+    """vLLM: 'dummy' (random until the first weight sync, verl's default), 'auto' or 'safetensors'."""
+    gpu_memory_utilization: float = field(default=0.5, metadata=APPLY_ON_RESUME)
+    """vLLM: GPU memory fraction for the engine (GPU only)."""
+    tensor_model_parallel_size: int = field(default=1, metadata=LAYOUT_ON_RESUME)
+    """vLLM: TP degree of an engine; 1 (one engine per worker)."""
+    max_num_batched_tokens: Optional[int] = field(default=None, metadata=APPLY_ON_RESUME)
+    """vLLM: tokens per scheduler step (null = vLLM's default)."""
+    max_model_len: Optional[int] = field(default=None, metadata=APPLY_ON_RESUME)
+    """vLLM: prompt + response tokens (null = the model's max_position_embeddings)."""
+    enforce_eager: bool = field(default=True, metadata=APPLY_ON_RESUME)
+    """vLLM: no CUDA graphs."""
+    enable_chunked_prefill: bool = field(default=True, metadata=APPLY_ON_RESUME)
+    """vLLM: chunked prefill."""
+    enable_prefix_caching: bool = field(default=False, metadata=APPLY_ON_RESUME)
+    """vLLM: prefix caching (reset at every weight update)."""
+    free_cache_engine: bool = field(default=True, metadata=APPLY_ON_RESUME)
+    """vLLM on GPUs: sleep between generations (weights offloaded, KV cache freed); no effect on CPU."""
+    seed: Optional[int] = field(default=None, metadata=APPLY_ON_RESUME)
+    """vLLM: the engine's own seed (null = trainer.seed); rollouts use per-prompt seeds from trainer.seed."""
+
+    def vllm_config(self, *, seed: int):
+        """The ``VLLMRolloutConfig`` of these keys (``seed``: trainer.seed, unless rollout.seed is set);
+        RolloutInputError (a ValueError, qualified with the section's keys at load) for a bad value."""
+        from verl_balance.rollout.vllm_rollout import VLLMRolloutConfig
+
+        keys = (
+            "dtype", "load_format", "gpu_memory_utilization", "tensor_model_parallel_size", "max_num_seqs",
+            "max_num_batched_tokens", "max_model_len", "enforce_eager", "enable_chunked_prefill",
+            "enable_prefix_caching", "free_cache_engine", "temperature", "top_p", "top_k",
+        )  # fmt: skip
+        engine_seed = self.seed if self.seed is not None else seed
+        return VLLMRolloutConfig(**{k: getattr(self, k) for k in keys}, seed=engine_seed)
 
     def __post_init__(self) -> None:
         check_choice("name", self.name, ROLLOUT_BACKENDS)
@@ -295,6 +333,8 @@ class RolloutSection:
                 check_positive(key, getattr(self, key))
         if self.nnodes < 0:
             raise ConfigError(f"nnodes={self.nnodes} must be >= 0")
+        if self.name == "vllm":
+            self.vllm_config(seed=0)  # its checks, before Ray starts
 
     @property
     def rollout_workers(self) -> int:

@@ -44,6 +44,9 @@ class VerlKey:
     free_dict: bool = False
     """The target is a key under a free dict of our schema (``ray_kwargs.ray_init``): written with
     Hydra's ``++`` (add or override), since the dict declares no keys; ``*`` in target is the key's tail."""
+    schema_when: tuple[str, str] | None = None
+    """(key, value): when the command line sets that key to that value, this key is our schema's own and
+    passes through unchanged (vLLM's keys with ``actor_rollout_ref.rollout.name=vllm``)."""
 
     def __post_init__(self) -> None:
         assert self.status in ("honoured", "no_effect"), self.status
@@ -54,8 +57,8 @@ def _honoured(pattern: str, target: str, reason: str, *, values=None, recipes=RE
     return VerlKey(pattern, "honoured", reason, target=target, values=values, recipes=recipes, free_dict=free_dict)
 
 
-def _none(patterns: Sequence[str], reason: str, *, values=None, recipes=RECIPES) -> list[VerlKey]:
-    return [VerlKey(p, "no_effect", reason, values=values, recipes=recipes) for p in patterns]
+def _none(patterns: Sequence[str], reason: str, *, values=None, recipes=RECIPES, schema_when=None) -> list[VerlKey]:
+    return [VerlKey(p, "no_effect", reason, values=values, recipes=recipes, schema_when=schema_when) for p in patterns]
 
 
 def _reward_manager_keys() -> list[VerlKey]:
@@ -85,10 +88,13 @@ def _reward_manager_keys() -> list[VerlKey]:
 
 _FALSE = ("false",)
 _VLLM = (
-    "a vLLM/SGLang engine setting; rollout.name is auto, kv_cache (the built-in model) or hf (an HF model "
-    "directory): a PyTorch decoder with its own KV cache on the actor's workers (the rollout workers with "
-    "trainer.v1.trainer_mode=separate_async), no vLLM/SGLang engine"
+    "a vLLM engine setting, read with rollout.name=vllm only; rollout.name is auto, kv_cache (the built-in model), "
+    "hf (an HF model directory: a PyTorch decoder with its own KV cache) or vllm (an HF model directory on an "
+    "in-process vLLM engine), on the actor's workers (the rollout workers with "
+    "trainer.v1.trainer_mode=separate_async)"
 )
+_WITH_VLLM = (f"{AR}.rollout.name", "vllm")
+_SGLANG = "an SGLang/vLLM engine setting that the vllm backend does not read (one in-process engine per worker)"
 _FSDP = "the engine is FSDP2 over each data-parallel group"
 _ACTOR_LOGPROB = "the reference log-probs run on the actor's engine, with the actor's FSDP settings"
 _CHUNKED = "the output head is always chunked (model.logits_chunk_size), log-probs and entropy alike"
@@ -201,14 +207,20 @@ VERL_KEYS: tuple[VerlKey, ...] = (
                 "max_model_len",
                 "max_num_batched_tokens",
                 "load_format",
-                "layered_summon",
-                "multi_stage_wake_up",
-                "checkpoint_engine.*",
-                "engine_kwargs.*",
-                "mode",
+                "dtype",
+                "seed",
             )
         ],
         _VLLM,
+        recipes=("grpo",),
+        schema_when=_WITH_VLLM,
+    ),
+    *_none(
+        [
+            f"{AR}.rollout.{k}"
+            for k in ("layered_summon", "multi_stage_wake_up", "checkpoint_engine.*", "engine_kwargs.*", "mode")
+        ],
+        _SGLANG,
         recipes=("grpo",),
     ),
     *_none(
@@ -218,11 +230,13 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     ),
     *_none([f"{AR}.rollout.ignore_eos"], "generation stops at the tokenizer's EOS", values=_FALSE, recipes=("grpo",)),
     *_none(
-        [f"{AR}.rollout.top_k", f"{AR}.rollout.val_kwargs.top_k"],
-        "top-k sampling is off",
+        [f"{AR}.rollout.top_k"],
+        "top-k sampling is off (rollout.name=vllm reads it)",
         values=("-1", "0"),
         recipes=("grpo",),
+        schema_when=_WITH_VLLM,
     ),
+    *_none([f"{AR}.rollout.val_kwargs.top_k"], "top-k sampling is off", values=("-1", "0"), recipes=("grpo",)),
     *_none(
         [f"{AR}.rollout.val_kwargs.do_sample"], "rollout.val_kwargs.temperature decides (0 = greedy)", recipes=("grpo",)
     ),
@@ -341,12 +355,15 @@ def translate(args: Sequence[str], *, recipe: str) -> tuple[list[str], list[str]
     position: dict[str, int] = {}  # our key -> its index in out
     spellings: dict[str, dict[str, tuple[str, str]]] = {}  # our key -> spelling -> (last arg given, value)
     no_effect: list[str] = []
+    given_values = {k: _norm(v) for k, v in (_split(a) for a in args if "=" in a and not a.startswith("-"))}
     for given in args:
         if "=" not in given or given.startswith("-"):
             out.append(given)
             continue
         spelled, value = _split(given)
         key, entry, arg = spelled, lookup(spelled, recipe=recipe), given
+        if entry is not None and entry.schema_when and given_values.get(entry.schema_when[0]) == entry.schema_when[1]:
+            entry = None  # our schema's key in this run
         if entry is not None:
             _check_value(key, value, entry)
             if entry.status == "no_effect":
@@ -417,6 +434,8 @@ def docs_table() -> str:
     ]
     for e in VERL_KEYS:
         status = "honoured" if e.status == "honoured" else "no effect"
+        if e.schema_when:
+            status += f" (schema key with `{e.schema_when[0]}={e.schema_when[1]}`)"
         values = ", ".join(e.values) if e.values else "any"
         what = f"`{e.target}` ({e.reason})" if e.target else e.reason
         lines.append(f"| `{e.pattern}` | {', '.join(e.recipes)} | {status} | {values} | {what} |")

@@ -227,6 +227,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             stop_token_ids=(self.tokenizer.eos_token_id,),
             rollout_max_batch_size=self.rollout_cfg.max_num_seqs,
             rollout_backend=self.config.rollout_backend,
+            vllm=self._vllm_config(),
             lora_scaling=self._weight_plan(adapters_only=False)["lora_scaling"],
         )
 

@@ -236,6 +236,12 @@ class GRPOTrainer(DriverBase):
         )
         self.setup_loader(self.train_set, batch_size=d.train_batch_size, shuffle=d.shuffle)
 
+    def _vllm_config(self):
+        """The vLLM engines' settings (rollout.name=vllm), else None."""
+        if self.config.rollout_backend != "vllm":
+            return None
+        return self.rollout_cfg.vllm_config(seed=self.config.trainer.seed)
+
     def _worker_config(self) -> ActorRolloutWorkerConfig:
         """The actor-rollout workers' config: the recipe's engine config for the whole run, the
         policy loss, the rollout backend and the tokenizer's special tokens."""
@@ -250,6 +256,7 @@ class GRPOTrainer(DriverBase):
             stop_token_ids=(self.tokenizer.eos_token_id,),
             rollout_max_batch_size=self.rollout_cfg.max_num_seqs,
             rollout_backend=config.rollout_backend,
+            vllm=self._vllm_config(),
             use_reference_policy=config.use_reference_policy,
             **self.export_options(),
         )
