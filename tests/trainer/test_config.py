@@ -218,7 +218,7 @@ def test_grpo_rollout_name_chooses_the_backend_of_the_model(snapshot_root):
         (
             ["actor_rollout_ref.rollout.name=naive"],
             r"actor_rollout_ref.rollout.name='naive' is not valid; "
-            r"expected one of \['auto', 'kv_cache', 'hf'\]",
+            r"expected one of \['auto', 'kv_cache', 'hf', 'vllm'\]",
         ),
         (
             ["actor_rollout_ref.rollout.name=hf"],
@@ -227,7 +227,7 @@ def test_grpo_rollout_name_chooses_the_backend_of_the_model(snapshot_root):
         ),
         (
             ["actor_rollout_ref.rollout.name=kv_cache", "actor_rollout_ref.model.path=<hf>"],
-            r"'kv_cache' cannot run an HF model directory; expected one of \['auto', 'hf'\]",
+            r"'kv_cache' cannot run an HF model directory; expected one of \['auto', 'hf', 'vllm'\]",
         ),
     ],
 )

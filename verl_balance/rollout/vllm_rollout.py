@@ -101,8 +101,8 @@ class VLLMRolloutConfig:
         if self.temperature != 1 and (self.top_p < 1 or self.top_k > 0):
             raise RolloutInputError(
                 f"temperature={self.temperature} with top_p={self.top_p}, top_k={self.top_k}: vLLM reports either "
-                "raw log-probs (temperature 1) or log-probs after top-k/top-p renormalisation, neither the policy's "
-                "log_softmax(logits / temperature); set temperature=1, or top_p=1 and top_k=-1"
+                "raw log-probs (T = 1) or log-probs after top-k/top-p renormalisation, neither the policy's "
+                "log_softmax(logits / T); set temperature=1, or top_p=1 and top_k=-1"
             )
 
     @property

@@ -287,8 +287,6 @@ class RolloutSection:
     """vLLM: 'dummy' (random until the first weight sync, verl's default), 'auto' or 'safetensors'."""
     gpu_memory_utilization: float = field(default=0.5, metadata=APPLY_ON_RESUME)
     """vLLM: GPU memory fraction for the engine (GPU only)."""
-    tensor_model_parallel_size: int = field(default=1, metadata=LAYOUT_ON_RESUME)
-    """vLLM: TP degree of an engine; 1 (one engine per worker)."""
     max_num_batched_tokens: Optional[int] = field(default=None, metadata=APPLY_ON_RESUME)
     """vLLM: tokens per scheduler step (null = vLLM's default)."""
     max_model_len: Optional[int] = field(default=None, metadata=APPLY_ON_RESUME)
@@ -310,7 +308,7 @@ class RolloutSection:
         from verl_balance.rollout.vllm_rollout import VLLMRolloutConfig
 
         keys = (
-            "dtype", "load_format", "gpu_memory_utilization", "tensor_model_parallel_size", "max_num_seqs",
+            "dtype", "load_format", "gpu_memory_utilization", "max_num_seqs",
             "max_num_batched_tokens", "max_model_len", "enforce_eager", "enable_chunked_prefill",
             "enable_prefix_caching", "free_cache_engine", "temperature", "top_p", "top_k",
         )  # fmt: skip

@@ -88,9 +88,9 @@ def _reward_manager_keys() -> list[VerlKey]:
 
 _FALSE = ("false",)
 _VLLM = (
-    "a vLLM engine setting, read with rollout.name=vllm only; rollout.name is auto, kv_cache (the built-in model), "
-    "hf (an HF model directory: a PyTorch decoder with its own KV cache) or vllm (an HF model directory on an "
-    "in-process vLLM engine), on the actor's workers (the rollout workers with "
+    "a vLLM engine setting, read with rollout.name=vllm only; rollout.name is auto, kv_cache (the built-in "
+    "model), hf (an HF model directory, a PyTorch decoder with its own KV cache) or vllm (an HF model directory "
+    "on an in-process vLLM engine): the engine runs on the actor's workers (the rollout workers with "
     "trainer.v1.trainer_mode=separate_async)"
 )
 _WITH_VLLM = (f"{AR}.rollout.name", "vllm")
@@ -198,7 +198,6 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         [
             f"{AR}.rollout.{k}"
             for k in (
-                "tensor_model_parallel_size",
                 "gpu_memory_utilization",
                 "enable_chunked_prefill",
                 "enable_prefix_caching",
@@ -214,6 +213,12 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         _VLLM,
         recipes=("grpo",),
         schema_when=_WITH_VLLM,
+    ),
+    *_none(
+        [f"{AR}.rollout.tensor_model_parallel_size"],
+        "every rollout worker runs one vLLM engine of its own (tensor parallel size 1; an engine across workers "
+        "is not built); with rollout.name other than vllm: " + _VLLM,
+        recipes=("grpo",),
     ),
     *_none(
         [

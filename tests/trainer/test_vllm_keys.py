@@ -1,0 +1,69 @@
+"""verl's vLLM keys with ``actor_rollout_ref.rollout.name=vllm``: read into the engine's config, bad
+values refused before Ray naming the key; with another backend named as without effect (no vLLM needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.trainer import recipe_snapshot
+from tests.trainer.conftest import compose_config
+from verl_balance.trainer.config import ConfigError
+from verl_balance.trainer.config.grpo import register_grpo_schema, validate_grpo
+from verl_balance.trainer.config.verl_keys import startup_line, translate
+
+AR = "actor_rollout_ref.rollout"
+VLLM_KEYS = [f"{AR}.gpu_memory_utilization=0.3", f"{AR}.enforce_eager=False", f"{AR}.top_k=5", f"{AR}.dtype=bfloat16"]
+
+
+@pytest.fixture(scope="module")
+def snapshot_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("vllm_keys")
+
+
+def _config(snapshot_root, args):
+    register_grpo_schema()
+    hf = recipe_snapshot.make_fixtures(snapshot_root)["<hf>"]
+    return validate_grpo(compose_config("grpo", [f"actor_rollout_ref.model.path={hf}", *args]))
+
+
+def test_with_name_vllm_the_keys_reach_the_engine_config(snapshot_root):
+    args, no_effect = translate([f"{AR}.name=vllm", *VLLM_KEYS, f"{AR}.tensor_model_parallel_size=2"], recipe="grpo")
+    assert no_effect == [f"{AR}.tensor_model_parallel_size"]  # one engine per worker: named, not read
+    config = _config(snapshot_root, args)
+    assert config.rollout_backend == "vllm"
+    vllm = config.actor_rollout_ref.rollout.vllm_config(seed=7)
+    assert (vllm.gpu_memory_utilization, vllm.enforce_eager, vllm.top_k, vllm.dtype) == (0.3, False, 5, "bfloat16")
+    assert vllm.seed == 7 and vllm.logprobs_mode == "raw_logprobs"
+
+
+def test_with_another_backend_the_keys_are_named_without_effect(snapshot_root):
+    engine_keys = [k for k in VLLM_KEYS if ".top_k=" not in k]
+    args, no_effect = translate([f"{AR}.name=hf", *engine_keys], recipe="grpo")
+    assert sorted(no_effect) == sorted(k.partition("=")[0] for k in engine_keys)
+    assert "read with rollout.name=vllm only" in startup_line(no_effect, recipe="grpo")
+    config = _config(snapshot_root, args)
+    assert config.actor_rollout_ref.rollout.dtype == "float32"  # not read: the schema's default
+    # top-k changes the samples, so a backend without it refuses it instead of ignoring it
+    with pytest.raises(ConfigError, match=rf"{AR}.top_k=5: this project accepts only \['-1', '0'\]"):
+        translate([f"{AR}.name=hf", f"{AR}.top_k=5"], recipe="grpo")
+
+
+@pytest.mark.parametrize(
+    ("arg", "message"),
+    [
+        (f"{AR}.gpu_memory_utilization=1.5", f"{AR}.gpu_memory_utilization=1.5 must be in"),
+        (f"{AR}.load_format=gguf", f"{AR}.load_format='gguf' is not valid"),
+        (f"{AR}.top_p=0.9", f"{AR}.temperature=0.7 with {AR}.top_p=0.9"),
+    ],
+)
+def test_a_bad_vllm_value_is_one_line_naming_the_key_before_ray(snapshot_root, arg, message):
+    args, _ = translate([f"{AR}.name=vllm", f"{AR}.temperature=0.7", arg], recipe="grpo")
+    with pytest.raises(ConfigError, match=message) as err:
+        _config(snapshot_root, args)
+    assert "\n" not in str(err.value)
+
+
+def test_sglang_is_refused_naming_the_backends(snapshot_root):
+    valid = r"'sglang' is not valid; expected one of \['auto', 'kv_cache', 'hf', 'vllm'\]"
+    with pytest.raises(ConfigError, match=valid):
+        _config(snapshot_root, [f"{AR}.name=sglang"])
