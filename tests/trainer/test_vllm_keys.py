@@ -67,3 +67,11 @@ def test_sglang_is_refused_naming_the_backends(snapshot_root):
     valid = r"'sglang' is not valid; expected one of \['auto', 'kv_cache', 'hf', 'vllm'\]"
     with pytest.raises(ConfigError, match=valid):
         _config(snapshot_root, [f"{AR}.name=sglang"])
+
+
+def test_engine_startup_is_one_timed_phrase_from_the_workers_answers():
+    from verl_balance.trainer.driver import describe_rollout_startup
+
+    infos = [{"rank": 0, "rollout_startup_s": 21.04}, {"rank": 1, "rollout_startup_s": 30.96}]
+    assert describe_rollout_startup(infos) == "; 2 vLLM engines started (slowest 31.0 s)"
+    assert describe_rollout_startup([{"rank": 0, "rollout_startup_s": None}]) == ""  # HF / built-in rollouts

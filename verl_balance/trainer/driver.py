@@ -83,6 +83,16 @@ def describe_parameters(init_info) -> str:
     return f"LoRA: {_count(trainable)} trainable of {_count(total)} parameters ({100.0 * trainable / total:.2f}%)"
 
 
+def describe_rollout_startup(init_info) -> str:
+    """``; 2 vLLM engines started (slowest 31.2 s)`` from the workers' ``init_model`` answers
+    (``rollout_startup_s``); "" when no worker started an engine that reports it."""
+    infos = init_info if isinstance(init_info, list) else [init_info]
+    seconds = [i["rollout_startup_s"] for i in infos if isinstance(i, dict) and i.get("rollout_startup_s") is not None]
+    if not seconds:
+        return ""
+    return f"; {len(seconds)} vLLM engine{'s' * (len(seconds) > 1)} started (slowest {max(seconds):.1f} s)"
+
+
 def _count(n: int) -> str:
     for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
         if n >= scale:
@@ -232,7 +242,8 @@ class DriverBase:
             self.actor = cluster.build_actor_group(
                 worker_config=worker_config, trainer_cfg=t, use_gpu=use_gpu, worker_cls=worker_cls or self.worker_cls
             )
-            phase.detail = describe_parameters(getattr(self.actor, "init_info", None))
+            init_info = getattr(self.actor, "init_info", None)
+            phase.detail = describe_parameters(init_info) + describe_rollout_startup(init_info)
 
     @classmethod
     def train(cls, cfg: DictConfig) -> dict:

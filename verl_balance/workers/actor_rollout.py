@@ -114,6 +114,7 @@ class ActorRolloutWorker(ActorWorker):
             vllm_config=self.config.vllm,
             device=self.layout.device,
         )
+        info["rollout_startup_s"] = getattr(self.rollout, "startup_s", None)  # vLLM: the engine's start
         if self.config.use_reference_policy and not self._uses_lora:
             # With LoRA the reference is the actor with its adapters disabled (no second engine).
             self.ref_engine = TrainEngine(

@@ -83,7 +83,11 @@ class RolloutWorker(Worker):
             vllm_config=self.config.vllm,
             device=self.device,
         )
-        return {"rank": self.rank, "device": str(self.device)}
+        return {
+            "rank": self.rank,
+            "device": str(self.device),
+            "rollout_startup_s": getattr(self.rollout, "startup_s", None),
+        }
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def receive_weights(self, bucket: dict[str, torch.Tensor], version: int, last: bool) -> None:

@@ -55,6 +55,7 @@ from verl_balance.single_controller.worker_group import GroupFuture, RayClassWit
 from verl_balance.trainer import checkpoint, cluster
 from verl_balance.trainer.config.async_mode import MODE_KEY
 from verl_balance.trainer.config.sections import TrainerSection
+from verl_balance.trainer.driver import describe_rollout_startup
 from verl_balance.trainer.grpo.async_checkpoint import (
     EXPECTED_RESPONSE_STATE_KEY,
     IN_FLIGHT_STATE_KEY,
@@ -259,11 +260,16 @@ class AsyncGRPOTrainer(GRPOTrainer):
             pool.remove()
             raise
         try:
-            group.init_model()
+            init_info = group.init_model()
         except BaseException:
             cluster.release_group(group)
             raise
-        logger.info("%d rollout workers on their own pool (%s)", group.world_size, MODE_KEY + "=separate_async")
+        logger.info(
+            "%d rollout workers on their own pool (%s)%s",
+            group.world_size,
+            MODE_KEY + "=separate_async",
+            describe_rollout_startup(init_info),
+        )
         self._rollout_version = None
         self._rollout_has_base = False
         return group
