@@ -22,12 +22,10 @@ PROBS_DIFF_MAX = 1e-3
 stale engine (one step behind, lr 1e-2) is off by far more."""
 
 
-@pytest.fixture(scope="module")
-def vllm_grpo_run(ray_cluster, tmp_path_factory):
-    root = tmp_path_factory.mktemp("grpo_vllm")
+def _run_on_vllm(root, extra: list[str]):
     (root / "letters.py").write_text(LETTER_REWARD)
     model = write_tiny_model(str(root / "qwen3"), family="qwen3", hidden_size=128)
-    records, summary = _run_grpo(
+    records, _ = _run_grpo(
         [
             "trainer.device=cpu",
             "trainer.n_gpus_per_node=2",
@@ -52,16 +50,45 @@ def vllm_grpo_run(ray_cluster, tmp_path_factory):
             "actor_rollout_ref.actor.ppo_mini_batch_size=2",
             "actor_rollout_ref.actor.optim.lr=1e-2",
             f"custom_reward_function.path={root / 'letters.py'}",
+            *extra,
         ]
     )
-    return records, summary
+    return [r for r in records if "rollout/probs_diff_max" in r]
 
 
-def test_three_grpo_steps_on_vllm_at_dp2_keep_the_rollout_on_the_trainers_weights(vllm_grpo_run):
-    records, _ = vllm_grpo_run
-    steps = [r for r in records if "rollout/probs_diff_max" in r]
+@pytest.fixture(scope="module")
+def sync_steps(ray_cluster, tmp_path_factory):
+    return _run_on_vllm(tmp_path_factory.mktemp("grpo_vllm_sync"), [])
+
+
+@pytest.fixture(scope="module")
+def separate_async_lora_steps(ray_cluster, tmp_path_factory):
+    """separate_async (one vLLM rollout worker on its own pool, weights sent bucket by bucket after each
+    sync) with LoRA (the rollout worker merges the adapters); the trainer recomputes the old log-probs,
+    which at step k use the weights batch k was generated with (version k - 1)."""
+    extra = [
+        "trainer.v1.trainer_mode=separate_async",
+        "trainer.v1.separate_async.parameter_sync_step=2",
+        "actor_rollout_ref.rollout.nnodes=1",
+        "actor_rollout_ref.rollout.n_gpus_per_node=1",
+        "actor_rollout_ref.actor.recompute_old_log_prob=always",
+        "actor_rollout_ref.model.lora_rank=8",
+        "actor_rollout_ref.model.lora_alpha=16",
+    ]
+    return _run_on_vllm(tmp_path_factory.mktemp("grpo_vllm_async"), extra)
+
+
+def test_three_grpo_steps_on_vllm_at_dp2_keep_the_rollout_on_the_trainers_weights(sync_steps):
+    assert [r["step"] for r in sync_steps] == [1, 2, 3]
+    for r in sync_steps:
+        assert r["rollout/probs_diff_max"] < PROBS_DIFF_MAX, r
+    # the weights moved between steps (so steps 2 and 3 test a sync, not the initial load)
+    assert all(r["actor/grad_norm"] > 0 for r in sync_steps)
+
+
+def test_separate_async_with_lora_on_a_vllm_rollout_worker(separate_async_lora_steps):
+    steps = separate_async_lora_steps
     assert [r["step"] for r in steps] == [1, 2, 3]
     for r in steps:
         assert r["rollout/probs_diff_max"] < PROBS_DIFF_MAX, r
-    # the weights moved between steps (so steps 2 and 3 test a sync, not the initial load)
     assert all(r["actor/grad_norm"] > 0 for r in steps)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 from typing import Any
 
 import torch
@@ -48,9 +49,10 @@ class WorkerHost:
     def host_stop(self) -> bool:
         """Drop the worker and everything it set up, so the next worker sees a fresh process.
 
-        False: this process cannot be reset (see ``destroy_process_groups``); the driver kills it."""
+        False: this process cannot be reset (see ``destroy_process_groups``; or it ran a vLLM engine, whose
+        distributed state and engine globals live in vLLM's modules); the driver kills it."""
         self._worker = None
-        reusable = destroy_process_groups()
+        reusable = destroy_process_groups() and "vllm" not in sys.modules
         gc.collect()
         restore_module_globals(self._saved_globals)
         os.environ.clear()
