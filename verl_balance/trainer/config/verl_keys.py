@@ -217,7 +217,7 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     *_none(
         [f"{AR}.rollout.tensor_model_parallel_size"],
         "every rollout worker runs one vLLM engine of its own (tensor parallel size 1; an engine across workers "
-        "is not built); with rollout.name other than vllm: " + _VLLM,
+        "is not built)",
         recipes=("grpo",),
     ),
     *_none(
