@@ -257,7 +257,7 @@ def write_tiny_model(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """CLI: ``--family FAMILY --out DIR [--seed N] [--num-kv-heads K] [--tie|--no-tie]``."""
+    """CLI: ``--family FAMILY --out DIR [--seed N] [--num-kv-heads K] [--hidden-size H] [--tie|--no-tie]``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", required=True, choices=SUPPORTED_FAMILIES)
     parser.add_argument("--out", required=True)
@@ -265,6 +265,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-kv-heads", type=int, default=2)
     parser.add_argument("--sliding-window", type=int, default=None)
     parser.add_argument("--initializer-range", type=float, default=0.2)
+    parser.add_argument("--hidden-size", type=int, default=64, help="128: qwen3 head_dim 64, vLLM's CPU minimum")
     parser.add_argument("--tie", dest="tie", action="store_true", default=None)
     parser.add_argument("--no-tie", dest="tie", action="store_false")
     args = parser.parse_args(argv)
@@ -277,6 +278,7 @@ def main(argv: list[str] | None = None) -> None:
         tie_word_embeddings=args.tie,
         sliding_window=args.sliding_window,
         initializer_range=args.initializer_range,
+        hidden_size=args.hidden_size,
     )
     print(args.out)
 

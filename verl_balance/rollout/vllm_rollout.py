@@ -26,7 +26,7 @@ Invariants (``rollout/base.py``'s, as vLLM can hold them):
 - Sleep mode (GPU only, ``free_cache_engine``): the engine sleeps (level 1: weights to host memory, KV
   cache freed) after each ``generate`` and wakes its weights before an update and its KV cache before
   generating. vLLM's CPU platform has no sleep mode: there the KV cache stays allocated
-  (``kv_cache_memory_bytes``) and ``free_cache_engine`` has no effect.
+  (``kv_cache_memory_bytes``, default ``CPU_KV_CACHE_BYTES``) and ``free_cache_engine`` has no effect.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ import torch
 from verl_balance.rollout.base import RolloutEngine, RolloutInputError, RolloutOutput, SamplingParams, validate_prompts
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
+CPU_KV_CACHE_BYTES = 256 << 20
 LOAD_FORMATS = ("dummy", "auto", "safetensors")
 
 
@@ -55,8 +56,9 @@ class VLLMRolloutConfig:
     """'dummy': random weights until the first sync (verl's default); 'auto'/'safetensors': the directory's."""
     gpu_memory_utilization: float = 0.5
     """GPU memory fraction for weights and KV cache (GPU only)."""
-    kv_cache_memory_bytes: int | None = 256 << 20
-    """KV cache size; on CPU always used (vLLM would otherwise take a fraction of the host's memory)."""
+    kv_cache_memory_bytes: int | None = None
+    """KV cache size (null: gpu_memory_utilization decides on a GPU, ``CPU_KV_CACHE_BYTES`` on CPU, where
+    vLLM would otherwise reserve that fraction of the host's memory)."""
     tensor_model_parallel_size: int = 1
     """vLLM's TP degree; 1 here (one engine per worker, no engine across workers)."""
     max_num_seqs: int | None = None
@@ -192,9 +194,13 @@ class VLLMRollout(RolloutEngine):
         self.pad_token_id = int(pad_token_id)
         self.vocab_size = int(model_config.vocab_size)
         vllm = import_vllm()
-        self._sleep_mode = self.config.free_cache_engine and torch.device(device or "cpu").type == "cuda"
+        on_gpu = torch.device(device or "cpu").type == "cuda"
+        self._sleep_mode = self.config.free_cache_engine and on_gpu
+        kwargs = self._engine_kwargs(max_batch_size=max_batch_size, dtype=dtype)
+        if not on_gpu and self.config.kv_cache_memory_bytes is None:
+            kwargs["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
         start = time.perf_counter()
-        self.llm = vllm.LLM(**self._engine_kwargs(max_batch_size=max_batch_size, dtype=dtype))
+        self.llm = vllm.LLM(**kwargs)
         self.startup_s = time.perf_counter() - start
         self._asleep: set[str] = set()  # vLLM sleep-mode tags now asleep ("weights", "kv_cache")
         self._has_weights = self.config.load_format != "dummy"
@@ -331,8 +337,10 @@ class VLLMRollout(RolloutEngine):
 
     def _log_probs_exact(self, params: SamplingParams) -> bool:
         """Whether vLLM's log-probs of this call are log_softmax(logits / temperature) of the sampled token."""
+        if params.greedy:  # no processing: both modes give log_softmax(logits)
+            return True
         if self.config.logprobs_mode == "raw_logprobs":
-            return params.greedy or params.temperature == 1
+            return params.temperature == 1
         return params.top_p == 1 and self.config.top_k <= 0
 
     def _to_output(self, completions: list, *, n: int, with_log_probs: bool) -> RolloutOutput:
@@ -360,4 +368,11 @@ class VLLMRollout(RolloutEngine):
         )
 
 
-__all__ = ["VLLMRollout", "VLLMRolloutConfig", "VLLMWorkerExtension", "import_vllm", "request_seed"]
+__all__ = [
+    "CPU_KV_CACHE_BYTES",
+    "VLLMRollout",
+    "VLLMRolloutConfig",
+    "VLLMWorkerExtension",
+    "import_vllm",
+    "request_seed",
+]
