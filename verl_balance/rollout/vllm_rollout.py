@@ -224,7 +224,9 @@ class VLLMRollout(RolloutEngine):
             max_logprobs=0,
             worker_extension_cls=f"{VLLMWorkerExtension.__module__}.{VLLMWorkerExtension.__qualname__}",
             enable_sleep_mode=self._sleep_mode,
-            skip_tokenizer_init=True,
+            # Token ids in and out; the directory's tokenizer only spares vLLM's chat-template warm-up a
+            # logged traceback, so it is loaded when there is one.
+            skip_tokenizer_init=not os.path.exists(os.path.join(self.model_config.path, "tokenizer_config.json")),
         )
         optional = dict(
             max_num_seqs=cfg.max_num_seqs or max_batch_size,
