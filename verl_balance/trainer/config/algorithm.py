@@ -25,9 +25,10 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional
+from typing import Any
 
 from verl_balance.algorithms import ADV_ESTIMATOR_REGISTRY, LOSS_MODE_REGISTRY, AdvantageParams, LossModeConfig
+from verl_balance.algorithms.estimator_inputs import AdvantageKeys
 from verl_balance.algorithms.estimators import required_inputs
 from verl_balance.algorithms.kl_in_reward import KL_CTRL_TYPES, KLController, build_kl_controller, in_reward_kl_type
 from verl_balance.algorithms.loss_modes import SEQ_MEAN_TOKEN_MEAN, LossModeKeys
@@ -113,21 +114,12 @@ class FilterGroupsSection:
 
 
 @dataclass
-class AlgorithmSection:
-    """verl's ``algorithm``: the advantage estimator and its settings."""
+class AlgorithmSection(AdvantageKeys):
+    """verl's ``algorithm``: the advantage estimator, its settings (``AdvantageKeys``) and the steps
+    around it."""
 
     adv_estimator: str = "grpo"
     """One of algorithms.ADV_ESTIMATOR_REGISTRY (verl's 14 estimators and drgrpo)."""
-    norm_adv_by_std_in_grpo: bool = True
-    """Divide the group-relative advantages by the group's standard deviation (grpo, grpo_passk, gdpo)."""
-    gamma: float = 1.0
-    """Discount factor (gae, reinforce_plus_plus), in [0, 1]."""
-    lam: float = 1.0
-    """GAE lambda (adv_estimator=gae), in [0, 1]: 1 = Monte-Carlo returns, 0 = one-step TD."""
-    gdpo_reward_keys: Optional[list] = None
-    """gdpo: the reward function's extra fields to normalise separately (null = the score alone)."""
-    gdpo_reward_weights: Optional[list] = None
-    """gdpo: one weight per gdpo_reward_keys entry (null = all 1)."""
     use_kl_in_reward: bool = False
     """Subtract kl_ctrl's beta x KL(old policy || reference) per token from the rewards before the
     advantages (verl's apply_kl_penalty; runs the reference policy)."""
@@ -202,14 +194,8 @@ class AlgorithmSection:
         return self.use_kl_in_reward or self.corrects_rollout or self.needs_sum_pi_squared
 
     def advantage_params(self) -> AdvantageParams:
-        """The estimators' settings."""
-        return AdvantageParams(
-            gamma=self.gamma,
-            lam=self.lam,
-            norm_adv_by_std_in_grpo=self.norm_adv_by_std_in_grpo,
-            gdpo_reward_keys=tuple(self.gdpo_reward_keys) if self.gdpo_reward_keys else None,
-            gdpo_reward_weights=tuple(self.gdpo_reward_weights) if self.gdpo_reward_weights else None,
-        )
+        """The estimators' settings: this section's ``AdvantageKeys``."""
+        return AdvantageParams(**{f.name: getattr(self, f.name) for f in fields(AdvantageKeys)})
 
     @property
     def compares_group(self) -> bool:
