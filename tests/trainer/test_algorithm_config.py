@@ -354,21 +354,19 @@ def test_kl_in_reward_runs_the_reference_and_the_old_log_prob_pass_and_correctio
 
 
 def test_verls_dapo_reward_manager_keys_reach_the_reward_section():
-    from verl_balance.trainer.config.verl_keys import translate
+    from verl_balance.trainer.config.grpo import GRPOConfig
 
     for prefix in ("reward.reward_kwargs", "+reward_model.reward_kwargs"):
         manager = "reward.reward_manager.name" if prefix.startswith("reward.") else "reward_model.reward_manager"
-        args, no_effect = translate(
-            [
-                f"{manager}=dapo",
-                f"{prefix}.overlong_buffer_cfg.enable=true",
-                f"{prefix}.overlong_buffer_cfg.len=3",
-                f"{prefix}.overlong_buffer_cfg.penalty_factor=0.5",
-                f"{prefix}.overlong_buffer_cfg.log=true",
-                f"{prefix}.max_resp_len=6",
-            ],
-            recipe="grpo",
-        )
+        args = [
+            f"{manager}=dapo",
+            f"{prefix}.overlong_buffer_cfg.enable=true",
+            f"{prefix}.overlong_buffer_cfg.len=3",
+            f"{prefix}.overlong_buffer_cfg.penalty_factor=0.5",
+            f"{prefix}.overlong_buffer_cfg.log=true",
+            f"{prefix}.max_resp_len=6",
+        ]
+        _, no_effect = GRPOConfig.translate(compose_config("grpo", args))
         assert not no_effect
         reward = validate_grpo(compose_config("grpo", args)).custom_reward_function
         assert reward.reward_manager == "dapo" and reward.max_resp_len == 6

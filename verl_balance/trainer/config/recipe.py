@@ -148,7 +148,7 @@ class RecipeConfig:
         """The recipe as typed objects from the merged config (or a mapping of overrides of the
         schema's defaults); ConfigError naming the key when it is invalid. verl's keys are translated
         (``verl_keys.translate``) and the no-effect ones named in one printed line."""
-        cfg, no_effect = translate(cls._typed_node(cfg), recipe=cls.RECIPE, defaults=_defaults(cls))
+        cfg, no_effect = cls.translate(cfg)
         check_known_keys(cfg)
         config = to_typed(cfg)
         if not isinstance(config, cls):
@@ -161,6 +161,13 @@ class RecipeConfig:
         if line:
             print(line, flush=True)
         return config
+
+    @classmethod
+    def translate(cls, cfg: DictConfig | Mapping) -> tuple[DictConfig, list[str]]:
+        """(``cfg`` typed by the schema with verl's keys written as ours, the no-effect keys): the
+        recipe's rows of ``verl_keys.translate``, our keys' unset values being the schema's defaults and
+        the recipe file's."""
+        return translate(cls._typed_node(cfg), recipe=cls.RECIPE, defaults=_defaults(cls))
 
     @classmethod
     def _typed_node(cls, cfg: DictConfig | Mapping) -> DictConfig:

@@ -176,7 +176,13 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         recipes=("sft",),
     ),
     *_none(
-        ["engine.use_mbridge", "engine.vanilla_mbridge", "engine.use_megatron_fsdp", f"{AR}.*.megatron.*"],
+        [
+            "engine.use_mbridge",
+            "engine.vanilla_mbridge",
+            "engine.use_megatron_fsdp",
+            "engine.override_transformer_config.*",
+            f"{AR}.*.megatron.*",
+        ],
         "read by verl's Megatron engine only; " + _FSDP,
     ),
     *_none(
@@ -199,6 +205,12 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         recipes=("grpo",),
     ),
     *_none([f"{AR}.ref.fsdp_config.reshard_after_forward"], _ACTOR_LOGPROB, recipes=("grpo",)),
+    *_none(
+        [f"{AR}.*.fsdp_config.mixed_precision.reduce_dtype"],
+        "gradients are reduced in fp32; model.param_dtype sets the compute dtype",
+        values=("fp32", "float32"),
+        recipes=("grpo",),
+    ),
     *_none(
         [f"{AR}.*.entropy_checkpointing", f"{AR}.*.entropy_from_logits_with_chunking", f"{AR}.*.fsdp_config.entropy_*"]
         + [f"{AR}.model.use_fused_kernels"],
@@ -300,6 +312,13 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         values=("null", "none", "rlhfdataset"),
     ),
     *_none(["data.image_key", "data.image_patch_size"], "text-only models: image columns are not read"),
+    *_none(
+        ["data.apply_chat_template_kwargs.reasoning_effort"],
+        "the chat template renders with its own defaults (gpt-oss's reasoning_effort is medium); "
+        "other apply_chat_template_kwargs are refused",
+        values=("medium",),
+        recipes=("grpo",),
+    ),
     *_none(["checkpoint.save_contents"], "checkpoints always hold the model, the optimizer and the trainer state"),
     *_none(
         ["reward.num_workers"],
@@ -384,24 +403,24 @@ def _is_section(node: Any) -> bool:
     return isinstance(node, DictConfig) and not node._is_none() and dataclasses.is_dataclass(OmegaConf.get_type(node))
 
 
-def _leaves(parent: DictConfig, key: Any, full: str) -> list[tuple[str, Any]]:
+def _leaves(parent: DictConfig, key: Any, path: tuple) -> list[tuple[tuple, Any]]:
     node = parent._get_node(key)
     if isinstance(node, DictConfig) and not node._is_none() and not node._is_missing() and len(node):
-        return [leaf for k in node.keys() for leaf in _leaves(node, k, f"{full}.{k}")]
+        return [leaf for k in node.keys() for leaf in _leaves(node, k, (*path, k))]
     value = parent[key]
-    return [(full, OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value)]
+    return [(path, OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value)]
 
 
-def undeclared_leaves(cfg: DictConfig, path: str = "") -> list[tuple[str, Any]]:
-    """(dotted key, value) of every leaf under a key that its typed section does not declare; the
+def undeclared_leaves(cfg: DictConfig, path: tuple = ()) -> list[tuple[tuple, Any]]:
+    """(key path, value) of every leaf under a key that its typed section does not declare; the
     schema's free dicts and lists are values, not walked."""
     declared = {f.name for f in dataclasses.fields(OmegaConf.get_type(cfg))}
-    out: list[tuple[str, Any]] = []
+    out: list[tuple[tuple, Any]] = []
     for key in cfg.keys():
         if key not in declared:
-            out += _leaves(cfg, key, f"{path}{key}")
+            out += _leaves(cfg, key, (*path, key))
         elif _is_section(cfg._get_node(key)):
-            out += undeclared_leaves(cfg._get_node(key), f"{path}{key}.")
+            out += undeclared_leaves(cfg._get_node(key), (*path, key))
     return out
 
 
@@ -430,18 +449,19 @@ def _write(cfg: DictConfig, key: str, value: Any, target: str, *, written: dict,
     written[target] = (key, value)
 
 
-def _remove(cfg: DictConfig, key: str) -> None:
-    """Delete ``key`` and each parent it leaves empty that no typed section declares."""
-    while key:
-        parent_key, _, leaf = key.rpartition(".")
-        parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
-        if _is_section(parent) and leaf in {f.name for f in dataclasses.fields(OmegaConf.get_type(parent))}:
+def _remove(cfg: DictConfig, path: tuple) -> None:
+    """Delete the key at ``path`` and each parent it leaves empty that no typed section declares."""
+    while path:
+        parent = cfg
+        for part in path[:-1]:
+            parent = parent._get_node(part)
+        if _is_section(parent) and path[-1] in {f.name for f in dataclasses.fields(OmegaConf.get_type(parent))}:
             return
         with open_dict(parent):
-            del parent[leaf]
+            del parent[path[-1]]
         if len(parent) or _is_section(parent):
             return
-        key = parent_key
+        path = path[:-1]
 
 
 def translate(cfg: DictConfig, *, recipe: str, defaults: Sequence[DictConfig] = ()) -> tuple[DictConfig, list[str]]:
@@ -452,7 +472,8 @@ def translate(cfg: DictConfig, *, recipe: str, defaults: Sequence[DictConfig] = 
     out = copy.deepcopy(cfg)
     no_effect: list[str] = []
     written: dict[str, tuple[str, Any]] = {}
-    for key, value in undeclared_leaves(cfg):
+    for path, value in undeclared_leaves(cfg):
+        key = ".".join(map(str, path))
         entry = lookup(key, recipe=recipe)
         if entry is None:
             continue
@@ -461,7 +482,7 @@ def translate(cfg: DictConfig, *, recipe: str, defaults: Sequence[DictConfig] = 
             no_effect.append(key)
         else:
             _write(out, key, value, target_of(key, entry), written=written, defaults=defaults)
-        _remove(out, key)
+        _remove(out, path)
     return out, no_effect
 
 
@@ -504,9 +525,11 @@ def docs_table() -> str:
         "",
         "Generated by `python -m verl_balance.trainer.config.verl_keys > docs/verl_keys.md` from",
         "`verl_balance/trainer/config/verl_keys.py`; do not edit. Keys of verl's example scripts that",
-        "our schemas do not declare: `honoured` keys are written into our key of the same meaning;",
-        "`no effect` keys are accepted and named once in the start-up line with the reason. A key",
-        "with listed values refuses any other value, naming the key and these values.",
+        "our schemas do not declare, on the command line, in a YAML file or in a mapping given to",
+        "`from_hydra` alike: `honoured` keys are written into our key of the same meaning (two spellings",
+        "with different values are refused naming both); `no effect` keys are accepted and named once in",
+        "the start-up line with the reason. A key with listed values refuses any other value, naming the",
+        "key and these values.",
         "",
         "| verl key | recipes | status | values | our key / reason |",
         "| --- | --- | --- | --- | --- |",
