@@ -376,3 +376,41 @@ def test_a_mapping_in_python_refuses_an_unknown_key_and_a_wrong_type_naming_them
         GRPOConfig.from_hydra({**run, "data": {"max_prompt_length": "many"}})
     with pytest.raises(ConfigError, match=r"data\.max_response_length='many' \(our actor_rollout_ref"):
         GRPOConfig.from_hydra({**run, "data": {"max_response_length": "many"}})
+
+
+@pytest.mark.parametrize(
+    "body,named",
+    [
+        ({"data.max_respons_length": 3}, "data.max_respons_length"),  # neither schema nor table knows it
+        ({"data.max_response_length": "many"}, "data.max_response_length='many'"),  # verl's key, a bad value
+    ],
+)
+def test_main_grpo_with_a_users_yaml_file_exits_2_naming_its_bad_key(tmp_path, monkeypatch, capsys, body, named):
+    from tests.trainer.conftest import run_cli_in_process
+
+    _yaml_config(tmp_path, body, run_dir=tmp_path / "run")  # writes mine.yaml
+    code, err = run_cli_in_process(
+        "verl_balance.main_grpo",
+        ["--config-dir", str(tmp_path), "--config-name", "mine"],
+        monkeypatch=monkeypatch,
+        capsys=capsys,
+    )
+    assert code == 2 and named in err and "Traceback" not in err, err
+
+
+def test_main_grpo_takes_verl_keys_from_a_users_yaml_file_up_to_ray_start(tmp_path, monkeypatch, capsys):
+    """Negative control of the test above: a file with verl's keys spelled right passes every start-up
+    check (the stand-in for Ray's start fails on purpose)."""
+    from tests.trainer.conftest import run_cli_in_process
+
+    reward = tmp_path / "reward.py"
+    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 0.0\n")
+    body = {**VERL_SPELLINGS, "reward.custom_reward_function.path": str(reward)}
+    _yaml_config(tmp_path, body, run_dir=tmp_path / "run")
+    code, err = run_cli_in_process(
+        "verl_balance.main_grpo",
+        ["--config-dir", str(tmp_path), "--config-name", "mine"],
+        monkeypatch=monkeypatch,
+        capsys=capsys,
+    )
+    assert code == 1 and "Ray was started before the error" in err, err[-2000:]
