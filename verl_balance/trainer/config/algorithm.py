@@ -1,25 +1,14 @@
-"""verl's RL-algorithm keys of the GRPO recipe: ``algorithm.*`` and ``actor_rollout_ref.actor.policy_loss.*``.
-
-Names, defaults and meanings are verl 0.9.1's (``trainer/config/*.yaml``, ``trainer/ppo/core_algos.py``),
-so a verl launch script's algorithm overrides carry over. ``config.grpo`` nests ``AlgorithmSection``
-as ``algorithm`` and ``ActorAlgorithmKeys`` into ``actor_rollout_ref.actor``.
+"""verl's RL-algorithm keys of the GRPO recipe: ``algorithm.*`` and ``actor_rollout_ref.actor.policy_loss.*``,
+with verl's names, defaults and meanings (``config.grpo`` nests them).
 
 Invariants:
-- ``algorithm.adv_estimator`` is any name of ``algorithms.ADV_ESTIMATOR_REGISTRY`` that this trainer can
-  feed (``SUPPLIED_INPUTS``); an estimator needing an input the trainer does not derive fails at
-  start-up naming the key and the missing input (never a silent fallback).
-- ``actor_rollout_ref.actor.policy_loss.loss_mode`` is any name of ``algorithms.LOSS_MODE_REGISTRY``
-  whose reductions the engine supplies (``ENGINE_LOSS_MODES``); the others fail naming the key.
-  clip_cov / kl_cov select tokens by the covariance over the whole mini-batch (all micro-batches and
-  ranks), where verl uses each micro-batch's: equal with one micro-batch per mini-batch on one rank.
-- KL in the reward (``use_kl_in_reward``, ``kl_penalty``, ``kl_ctrl``), DAPO's dynamic sampling
-  (``filter_groups``) and the rollout correction (``rollout_correction``: IS weights and rejection on
-  the driver's batch, verl's decoupled mode; with ``bypass_mode=true`` the rollout's log-probs are the
-  old ones and the policy loss is ``loss_mode=bypass_mode`` with these keys, as verl's apply_bypass_mode
-  sets them: ppo_clip or reinforce, IS weights and rejection from the current log-probs inside the loss)
-  run in main_grpo's synchronous trainer (the async modes take the decoupled correction when the old
-  log-probs are recomputed, and refuse dynamic sampling); a value it cannot run (pf_ppo) is refused
-  naming the key.
+- ``algorithm.adv_estimator`` is a name of ``ADV_ESTIMATOR_REGISTRY`` whose every input the trainer
+  supplies (``SUPPLIED_INPUTS``); any other fails at start-up naming the key and the missing input.
+- ``policy_loss.loss_mode`` is one the engine runs layout-invariantly (``ENGINE_LOSS_MODES``); clip_cov /
+  kl_cov select over the whole mini-batch, where verl selects per micro-batch.
+- DAPO's dynamic sampling (``filter_groups``) runs in the synchronous trainer only (``GRPOConfig`` refuses
+  it with an async trainer mode).
+- A feature not run here (``use_pf_ppo``) is refused naming the key, never ignored.
 """
 
 from __future__ import annotations
