@@ -8,9 +8,8 @@ per worker (per SP rank, after Ulysses padding).
 
 Sections nest their component's config: ``data`` extends the dataset's ``RLDataConfig``,
 ``actor_rollout_ref.actor`` extends ``PolicyLossConfig`` and nests the engine's ``OptimConfig``.
-The Ulysses degree may be given as verl's ``actor_rollout_ref.actor.ulysses_sequence_parallel_size``
-or as the top-level ``ulysses_sequence_parallel_size`` of the SFT recipe (an alias the instantiation
-pass writes into verl's key); setting both to different values is an error. The balancer switch is
+The Ulysses degree is verl's ``actor_rollout_ref.actor.ulysses_sequence_parallel_size`` (the SFT
+recipe's top-level spelling is a row of ``verl_keys``). The balancer switch is
 verl's ``trainer.balance_batch``; the ``balance`` section holds only its cost model. The rollout
 backend is ``actor_rollout_ref.rollout.name`` (``rollout.factory.ROLLOUT_BACKENDS``).
 
@@ -543,7 +542,7 @@ class GRPOConfig(RecipeConfig):
     """Engine fields the critic takes from the actor's keys (no LoRA, no LM head; its FSDP2 switches are
     its own critic.fsdp, as in verl)."""
     BALANCE_KEY: ClassVar[str] = "trainer.balance_batch"
-    ALIASES: ClassVar[dict[str, str]] = {"ulysses_sequence_parallel_size": SP_KEY}
+    RECIPE: ClassVar[str] = "grpo"
 
     data: GRPODataSection = field(default_factory=GRPODataSection)
     """Files, columns, prompt-length policy and batch sizes."""
@@ -555,8 +554,6 @@ class GRPOConfig(RecipeConfig):
     """The value model of PPO (algorithm.adv_estimator=gae only)."""
     custom_reward_function: CustomRewardSection = field(default_factory=CustomRewardSection)
     """Reward function."""
-    ulysses_sequence_parallel_size: Optional[int] = field(default=None, metadata=LAYOUT_ON_RESUME)
-    """SFT-recipe spelling of actor_rollout_ref.actor.ulysses_sequence_parallel_size (either works)."""
     balance: GRPOBalanceSection = field(default_factory=GRPOBalanceSection)
     """Workload model of the balancer (its switch is trainer.balance_batch; overlong must be error)."""
     ray_kwargs: RayKwargsSection = field(default_factory=RayKwargsSection)
@@ -785,7 +782,7 @@ def validate_grpo(cfg: DictConfig) -> GRPOConfig:
 def register_grpo_schema() -> None:
     """Register "grpo_schema" (and the SFT schema) in Hydra's ConfigStore."""
     register_sft_schema()
-    ConfigStore.instance().store(name="grpo_schema", node=GRPOConfig)
+    ConfigStore.instance().store(name="grpo_schema", node=GRPOConfig.schema_node())
 
 
 __all__ = ["GRPOConfig", "register_grpo_schema", "validate_grpo"]

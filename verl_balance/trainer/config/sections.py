@@ -14,7 +14,7 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Optional
+from typing import Any, ClassVar, Optional
 
 from verl_balance.balance import FlopsWorkload, TokenWorkload
 from verl_balance.balance.errors import BalanceConfigError
@@ -267,9 +267,10 @@ class TrainerSection:
     """Passes over the training set (when total_training_steps is null)."""
     total_training_steps: Optional[int] = field(default=None, metadata=APPLY_ON_RESUME)
     """Steps to train; null = total_epochs x steps per epoch."""
-    logger: list = field(default_factory=lambda: ["console", "jsonl"], metadata=APPLY_ON_RESUME)
-    """Tracking backends: any of LOGGERS (verl's names: ``file`` is the jsonl file, ``mlflow`` a local
-    file store under default_local_dir/mlruns unless MLFLOW_TRACKING_URI is set)."""
+    logger: Any = field(default_factory=lambda: ["console", "jsonl"], metadata=APPLY_ON_RESUME)
+    """Tracking backends: a list of LOGGERS, or one name as verl also takes (verl's names: ``file`` is the
+    jsonl file, ``mlflow`` a local file store under default_local_dir/mlruns unless MLFLOW_TRACKING_URI
+    is set)."""
     console_metrics: Optional[list] = field(default=None, metadata=APPLY_ON_RESUME)
     """Metric keys the console's progress line shows (e.g. [train/loss,val/loss]); null = the recipe's
     few (utils/progress.py). metrics.jsonl and the trackers get every metric."""
@@ -347,6 +348,10 @@ class TrainerSection:
                 f"resume_from_path={self.resume_from_path!r} {what} (resume_mode=resume_path); point it at a "
                 "complete global_step_N directory, or set resume_mode=auto"
             )
+        if isinstance(self.logger, str):
+            self.logger = [self.logger]
+        if not isinstance(self.logger, (list, tuple)):
+            raise ConfigError(f"logger={self.logger!r}: give a list of {list(LOGGERS)} or one of them")
         for name in self.logger:
             check_choice("logger", name, LOGGERS)
         if self.save_freq == 0:
