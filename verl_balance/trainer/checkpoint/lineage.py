@@ -113,10 +113,11 @@ def read_lineage(root: str) -> dict | None:
 def check_resume_config(lineage: dict, config: dict, *, policies: Mapping[str, str]) -> None:
     """Refuse a resume that changes a key with policy refuse (ResumeKeyChangedError naming each such
     key, its old and new value); log the applied changes (they take effect from the next step).
-    Keys absent from the recorded config (added by a newer version) are not compared."""
+    Keys absent from either side are not compared: one added by a newer version after the lineage
+    started, or one a newer version folded into another spelling (``model.partial_pretrain`` is now
+    ``model.path``'s verl alias, compared as ``model.path``)."""
     old, new = flatten_config(lineage.get("config") or {}), flatten_config(config)
-    # A key absent from the record was added by a newer version after the lineage started: not compared.
-    changed = [k for k in changed_keys(old, new) if k in old]
+    changed = [k for k in changed_keys(old, new) if k in old and k in new]
     refused = [k for k in changed if policy_of(k, policies) == REFUSE]
     if refused:
         shown = "; ".join(f"{k}: {old.get(k, '<absent>')!r} -> {new.get(k, '<absent>')!r}" for k in refused)
