@@ -34,7 +34,7 @@ from collections.abc import Iterable, Mapping
 from numbers import Integral, Real
 from typing import Any
 
-from verl_balance.utils.atomic_io import atomic_write_json, atomic_write_text, open_nofollow
+from verl_balance.utils.atomic_io import atomic_write_json, atomic_write_text, make_dir_nofollow, open_nofollow
 
 logger = logging.getLogger(__name__)
 BACKENDS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
@@ -168,7 +168,7 @@ class Tracking:
             return None
         from torch.utils.tensorboard import SummaryWriter
 
-        return SummaryWriter(log_dir=os.path.join(self.log_dir, "tensorboard"))
+        return SummaryWriter(log_dir=make_dir_nofollow(os.path.join(self.log_dir, "tensorboard")))
 
     def _open_wandb(self, config_dict: Any) -> Any:
         """A W&B run (offline unless WANDB_MODE is set); None (a warning) without wandb."""
@@ -278,10 +278,11 @@ def _format(value: float | int) -> str:
 
 
 def drop_torn_last_line(path: str) -> bool:
-    """Cut a last line without its newline (a write torn by a crash); True if one was dropped."""
-    if not os.path.exists(path):
+    """Cut a last line without its newline (a write torn by a crash); True if one was dropped.
+    ``path`` (the run's own metrics file) is read without following a link (``UnsafePathError``)."""
+    if not os.path.lexists(path):
         return False
-    with open(path, "rb") as f:
+    with open_nofollow(path, "rb", encoding=None) as f:
         data = f.read()
     if not data or data.endswith(b"\n"):
         return False
@@ -296,10 +297,15 @@ def drop_torn_last_line(path: str) -> bool:
     return True
 
 
-def _parse_lines(path: str) -> list[tuple[str, dict]]:
-    """(line, record) of every non-empty line; a torn last line is dropped with a warning."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        lines = f.read().split("\n")
+def _parse_lines(path: str, *, nofollow: bool = False) -> list[tuple[str, dict]]:
+    """(line, record) of every non-empty line; a torn last line is dropped with a warning. With
+    ``nofollow`` (the run's own file) a link or a hard-linked file is an ``UnsafePathError``."""
+    if nofollow:
+        with open_nofollow(path, "r", errors="replace") as f:
+            lines = f.read().split("\n")
+    else:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = f.read().split("\n")
     out = []
     last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
     for index, line in enumerate(lines):
@@ -320,7 +326,7 @@ def _parse_lines(path: str) -> list[tuple[str, dict]]:
 
 def rewrite_metrics_up_to(path: str, step: int) -> None:
     """Keep the records of steps <= ``step`` (and drop a torn last line), atomically."""
-    kept = [line for line, record in _parse_lines(path) if int(record["step"]) <= step]
+    kept = [line for line, record in _parse_lines(path, nofollow=True) if int(record["step"]) <= step]
     atomic_write_text(path, "".join(line + "\n" for line in kept))
 
 

@@ -32,7 +32,7 @@ from verl_balance.trainer.config.checks import (
     check_hf_model_dir,
     check_positive,
 )
-from verl_balance.utils.atomic_io import atomic_write_json
+from verl_balance.utils.atomic_io import atomic_write_json, refuse_symlink
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,9 @@ def resolve_data_files(data, *, kind: str, default_local_dir: str) -> tuple:
     synthetic = data.synthetic
     out_dir = synthetic.out_dir or os.path.join(default_local_dir, "data")
     train, val = (os.path.join(out_dir, f"{kind}_{split}.parquet") for split in ("train", "val"))
+    if synthetic.out_dir is None:  # inside the run directory: never through a planted link
+        for path in (out_dir, train, val):
+            refuse_symlink(path)
     if not (os.path.exists(train) and os.path.exists(val)):
         logger.info("data.train_files is null: generating the synthetic task into %s", out_dir)
         write_dataset(
