@@ -9,6 +9,10 @@ Terminal-only output (the tqdm bar) goes to ``console_stream`` and never reaches
 ``capture()`` (the CLI entry points) starts buffering before the run directory is known;
 ``attach(path)`` (the driver, once it holds the run directory) opens the file and writes the buffer
 into it. A driver used without ``capture`` (tests, scripts) owns its log and ``close``s it.
+
+A write to the file that fails (a full disk) stops the file, never the console: one line on the
+console names the file, the error and the free space, and the run's own error (e.g. the checkpoint
+that did not fit) still reaches the terminal, so the process ends with its own exit code.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from collections.abc import Iterator
 from typing import TextIO
 
 from verl_balance.utils.atomic_io import open_nofollow
+from verl_balance.utils.disk import disk_full_text, is_disk_full
 
 __all__ = ["RunLog", "attach", "capture", "console_stream", "write_log_only"]
 
@@ -94,17 +99,36 @@ class RunLog:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         buffered = self._sink.getvalue()
         self._sink = open_nofollow(path, "a")  # a link planted at the log's name is refused, naming it
-        self._sink.write(buffered)
-        self._sink.flush()
         self.path = path
+        try:
+            self._sink.write(buffered)
+            self._sink.flush()
+        except OSError as err:
+            self._stop_file(err)
 
     def write(self, text: str) -> None:
         if not self._sink.closed:
-            self._sink.write(_ANSI_COLOR.sub("", text))  # Ray colours the workers' prefixes
+            try:
+                self._sink.write(_ANSI_COLOR.sub("", text))  # Ray colours the workers' prefixes
+            except OSError as err:
+                self._stop_file(err)
 
     def flush(self) -> None:
         if not self._sink.closed:
-            self._sink.flush()
+            try:
+                self._sink.flush()
+            except OSError as err:
+                self._stop_file(err)
+
+    def _stop_file(self, err: OSError) -> None:
+        """The file can no longer be written: close it (dropping what it buffered) and say so once
+        on the console; the console goes on."""
+        sink, self._sink = self._sink, io.StringIO()
+        self._sink.close()
+        with contextlib.suppress(OSError):
+            sink.close()
+        why = disk_full_text("write the run log", os.path.dirname(self.path or ".")) if is_disk_full(err) else err
+        print(f"warning: the run log {self.path} stopped: {why}", file=self._saved[1], flush=True)
 
     def close(self) -> None:
         """Restore the console streams and handlers and close the file (idempotent)."""

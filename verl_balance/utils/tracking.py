@@ -23,6 +23,7 @@ Metric names the plots and recipes look for (the trainers should use these):
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -35,6 +36,7 @@ from numbers import Integral, Real
 from typing import Any
 
 from verl_balance.utils.atomic_io import atomic_write_json, atomic_write_text, make_dir_nofollow, open_nofollow
+from verl_balance.utils.disk import disk_full_text, is_disk_full
 
 logger = logging.getLogger(__name__)
 BACKENDS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
@@ -210,8 +212,15 @@ class Tracking:
         """Record one step's metrics on every backend."""
         values = {key: to_scalar(key, value) for key, value in metrics.items()}
         record = {"step": int(step), "time": time.time(), **values}
-        self._jsonl.write(json.dumps(strict_json_record(record), allow_nan=False) + "\n")
-        self._jsonl.flush()
+        try:
+            self._jsonl.write(json.dumps(strict_json_record(record), allow_nan=False) + "\n")
+            self._jsonl.flush()
+        except OSError as err:
+            with contextlib.suppress(OSError):  # its buffer cannot be flushed either: drop it
+                self._jsonl.close()
+            if not is_disk_full(err):
+                raise
+            raise TrackingError(disk_full_text(f"append step {step} to {METRICS_FILE}", self.log_dir)) from err
         numeric = {k: v for k, v in values.items() if not isinstance(v, str)}
         if self._tensorboard is not None:
             for key, value in numeric.items():
