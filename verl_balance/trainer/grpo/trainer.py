@@ -52,6 +52,7 @@ from verl_balance.batch_keys import (
 from verl_balance.data.rl_dataset import RLPromptDataset
 from verl_balance.protocol import Batch
 from verl_balance.rewards import load_reward_fn
+from verl_balance.rewards.children import RewardChildren
 from verl_balance.rewards.overlong import shape_scores
 from verl_balance.rewards.score import check_reward_rules
 from verl_balance.rewards.watchdog import score_batch_watched
@@ -184,6 +185,7 @@ class GRPOTrainer(DriverBase):
         self.reward_fn = load_reward_fn(reward.path, reward.name, reward_kwargs=dict(reward.reward_kwargs))
         if reward.path is None:  # the built-in rules: every data_source of the data needs one, known before Ray
             check_reward_rules({**getattr(self.val_set, "data_source_rows", {}), **self.train_set.data_source_rows})
+        self.reward_children = RewardChildren()  # what reward calls leave running ends with the run
         self.update_cap = a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None
         self.log_prob_plans = {"old_log_prob": arr.log_prob_plan("old"), "ref": arr.log_prob_plan("ref")}
         self.updates_per_step = config.updates_per_step
@@ -313,6 +315,8 @@ class GRPOTrainer(DriverBase):
     def close(self) -> None:
         """Stop the critic's workers too (the actor's and the run directory: ``DriverBase.close``)."""
         try:
+            if getattr(self, "reward_children", None) is not None:
+                self.reward_children.reap()
             self.critic.release()
         finally:
             super().close()
@@ -377,6 +381,7 @@ class GRPOTrainer(DriverBase):
             timeout_s=reward.timeout_s,
             heartbeat_s=self.config.trainer.heartbeat_interval_s,
             name=f"{reward.name or 'compute_score'} of {reward.path}" if reward.path else None,
+            children=self.reward_children,
         )
         if reward.reward_manager != "dapo":
             return scores, extras
