@@ -38,6 +38,7 @@ def test_sys_exit_in_a_reward_is_a_named_error_not_a_silent_success():
         score_batch_watched(reward_fn=exits_on_b, timeout_s=5, heartbeat_s=None, **SAMPLES)
 
 
+@pytest.mark.slow  # starts another process
 def test_sys_exit_in_a_reward_exits_the_cli_with_2_not_0(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(
@@ -88,6 +89,7 @@ def _sleepers() -> list[int]:
     return out
 
 
+@pytest.mark.slow  # starts another process
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="Linux /proc")
 def test_processes_left_by_reward_calls_are_reaped_and_older_ones_kept(tmp_path):
     before = subprocess.Popen(["sleep", "63"])  # started before any reward call: never the reward's

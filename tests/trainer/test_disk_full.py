@@ -110,6 +110,7 @@ def small_tmpfs(tmp_path):
         subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
+@pytest.mark.slow  # starts another process
 def test_a_real_full_disk_during_save_is_named_staging_removed_previous_kept(small_tmpfs):
     root = str(small_tmpfs / "run")
     identity, first = _run_with_one_checkpoint(root)

@@ -806,10 +806,12 @@ class TrainEngine:
         The optimizer and schedule then follow this engine's ``optim`` config (it may differ from
         the saved run's: a resume with a new learning rate uses it from the next step on).
         A LoRA checkpoint is refused (BaseMismatchError, on every rank) unless this engine's frozen
-        base is the one its adapters were trained on. Nothing but checkpoint data is unpickled
+        base is the one its adapters were trained on, and one of another architecture (keys or shapes,
+        ``check_checkpoint_fits``) is refused. Nothing but checkpoint data is unpickled
         (utils/safe_load.py: a planted pickle raises UnsafeCheckpointError naming the file)."""
         check_checkpoint_base(self, path)
         state = checkpoint_state(self.model, self.optimizer)
+        check_checkpoint_fits(path, state["model"])
         safe_load.dcp_load(state, path)  # never unpickles anything but checkpoint data
         set_state_dict(
             self.model,
@@ -854,6 +856,19 @@ def engine_base_fingerprint(engine: TrainEngine) -> dict:
         cached = base_fingerprint(engine.model_config, seed=engine.config.seed)
         engine._base_fingerprint = cached
     return cached
+
+
+def check_checkpoint_fits(path: str, model_state: dict) -> None:
+    """Refuse (``EngineConfigError`` on every rank: each reads the same ``.metadata``) a checkpoint
+    whose model keys or shapes differ from ``model_state``: DCP would load the common keys and drop
+    the rest silently (a 4-layer checkpoint into a 2-layer model)."""
+    problems = safe_load.state_mismatch(safe_load.read_dcp_metadata(path), model_state)
+    if problems:
+        raise EngineConfigError(
+            f"checkpoint {path!r} does not fit this model: {'; '.join(problems)}. A resume loads a checkpoint "
+            "of the same architecture (model.* as when it was saved); start from another one, or change the "
+            "model back"
+        )
 
 
 def check_checkpoint_base(engine: TrainEngine, path: str) -> None:
