@@ -16,6 +16,7 @@ from verl_balance.single_controller import (
 )
 from verl_balance.trainer.config import ConfigError, TrainerSection
 from verl_balance.trainer.config.ray_init import RAY_INIT_KEY, check_ray_init, merge_ray_init
+from verl_balance.trainer.signals import stop_signals_blocked
 from verl_balance.workers.actor import ActorWorker, ActorWorkerConfig
 from verl_balance.workers.group import group_class_for
 
@@ -63,12 +64,14 @@ def start_ray(*, address: str | None, num_workers: int | None = None, ray_init: 
         return
     embedded, kwargs = ray_init_arguments(address=address, ray_init=ray_init)
     if not embedded:
-        ray.init(**kwargs)
+        with stop_signals_blocked():  # keeps this driver's SIGTERM handler (not Ray's sys.exit(15))
+            ray.init(**kwargs)
         return
     # Ray warns on every start that it enabled token authentication (its default): a notice for the
     # embedded cluster's log, not a warning on every run's console.
     logging.getLogger(RAY_AUTH_LOGGER).setLevel(logging.ERROR)
-    _init_embedded(**kwargs)
+    with stop_signals_blocked():  # the cluster's processes ignore a process-group SIGTERM / SIGINT
+        _init_embedded(**kwargs)
     cpus = kwargs["num_cpus"]
     cores = embedded_cluster_cpus() // CPU_WORKERS_PER_CORE
     if num_workers is not None and cores < num_workers <= cpus and ray.cluster_resources().get("GPU", 0) == 0:

@@ -18,6 +18,7 @@ import logging
 import math
 import os
 import signal
+import sys
 import time
 
 from omegaconf import DictConfig
@@ -32,6 +33,7 @@ from verl_balance.trainer.checkpoint.run_lock import RunLock, acquire_run_lock
 from verl_balance.trainer.config.checks import ConfigError
 from verl_balance.trainer.config.recipe import RecipeConfig
 from verl_balance.trainer.config.sections import ModelSection, TrainerSection, record_workload
+from verl_balance.trainer.signals import STOP_SIGNALS, RunInterrupted, interrupt_handlers
 from verl_balance.trainer.startup import check_layout_and_device
 from verl_balance.trainer.summary import earliest_records, summary_header
 from verl_balance.utils import run_log
@@ -41,10 +43,6 @@ from verl_balance.workers.actor import ActorWorker, ActorWorkerConfig
 from verl_balance.workers.group import ActorGroup
 
 logger = logging.getLogger(__name__)
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-"""Signals that stop a run gracefully: the step in flight finishes, a checkpoint is saved, and the
-entry points exit with 128 + the signal's number (``exit_code``)."""
 
 
 def exit_code(summary: dict) -> int:
@@ -236,12 +234,19 @@ class DriverBase:
 
     @classmethod
     def train(cls, cfg: DictConfig) -> dict:
-        """Build the trainer from ``cfg``, fit, and release its workers (also on error); the summary."""
-        trainer = cls(cfg)
+        """Build the trainer from ``cfg``, fit, and release its workers (also on error); the summary.
+        SIGINT / SIGTERM outside the steps (start-up, resume, shut-down) end the process with one
+        line and exit code 130 / 143 (``trainer/signals.py``)."""
         try:
-            return trainer.fit()
-        finally:
-            trainer.close()
+            with interrupt_handlers():
+                trainer = cls(cfg)
+                try:
+                    return trainer.fit()
+                finally:
+                    trainer.close()
+        except RunInterrupted as stop:
+            print(f"error: {stop}", file=sys.stderr, flush=True)
+            raise SystemExit(stop.exit_code) from None
 
     # ------------------------------------------------------------------ subclass hooks
     def train_step(self, item) -> dict:
@@ -347,6 +352,14 @@ class DriverBase:
             tracker.close()
             if self.progress is not None:
                 self.progress.close()
+        if self._stop_signal is not None and self.global_step >= self.total_steps:
+            logger.warning(
+                "%s arrived during the last step: the run finished its %d steps and saved them, so it exits with 0 "
+                "(docs/fault_tolerance.md, 'Exit codes')",
+                self._stop_signal,
+                self.total_steps,
+            )
+            self._stop_signal = None
         if resumed_from:  # the first values are the run's, not this process's
             record["first"], record["first_val"] = earliest_records(tracker.metrics_path)
         summary = {
