@@ -879,14 +879,17 @@ def check_checkpoint_base(engine: TrainEngine, path: str) -> None:
     group = engine.layout.world_group
     message = None
     if dist.get_rank(group) == 0 and is_lora_model(engine.model):
-        saved = read_base_fingerprint(path)
-        if saved is None:
-            message = (
-                f"checkpoint {path!r} has no {BASE_FINGERPRINT_FILE}: it is not a LoRA checkpoint of this "
-                "version (its frozen base cannot be checked); resume it with the version that wrote it"
-            )
-        else:
-            message = base_mismatch_message(path, saved, engine_base_fingerprint(engine))
+        try:
+            saved = read_base_fingerprint(path)
+            if saved is None:
+                message = (
+                    f"checkpoint {path!r} has no {BASE_FINGERPRINT_FILE}: it is not a LoRA checkpoint of this "
+                    "version (its frozen base cannot be checked); resume it with the version that wrote it"
+                )
+            else:
+                message = base_mismatch_message(path, saved, engine_base_fingerprint(engine))
+        except (OSError, ValueError, TypeError, AttributeError, KeyError) as err:  # a malformed record: say so
+            message = f"checkpoint {path!r}: its {BASE_FINGERPRINT_FILE} cannot be used ({err!r}); it is refused"
     box = [message]
     if dist.get_world_size(group) > 1:
         dist.broadcast_object_list(box, group=group, group_src=0)
