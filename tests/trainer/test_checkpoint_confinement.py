@@ -205,3 +205,15 @@ def test_an_empty_or_malformed_manifest_is_refused_by_every_verifier(two, tmp_pa
     from verl_balance.integrations.verl.backend import sealed_checkpoint
 
     assert why in sealed_checkpoint._problem(victim)
+
+
+def test_a_linked_metadata_file_is_refused_also_without_a_manifest(two, tmp_path):
+    victim, victim_state, other, other_state = two
+    os.remove(os.path.join(victim, ".metadata"))
+    os.symlink(os.path.join(other, ".metadata"), os.path.join(victim, ".metadata"))
+    with pytest.raises(CheckpointPathError, match=r"'.metadata'.*symbolic link"):
+        safe_load.read_dcp_metadata(victim)  # the reader itself: the unverified opt-in reads it too
+    with pytest.raises(CheckpointPathError, match="symbolic link"):
+        checksums.dcp_truncated_files(victim)
+    loaded = _plain_torch_load(victim, victim_state)  # negative control: torch follows it (the other's shard name)
+    assert set(loaded) == set(victim_state)

@@ -84,6 +84,7 @@ from verl_balance.models.output_head import Temperature, token_log_probs
 from verl_balance.models.value import ValueModel
 from verl_balance.utils import safe_load
 from verl_balance.utils.atomic_io import atomic_write_json
+from verl_balance.utils.confined import check_confined
 
 __all__ = ["TrainEngine", "token_log_probs"]
 
@@ -820,6 +821,7 @@ class TrainEngine:
             optim_state_dict=state["optim"],
             options=StateDictOptions(strict=not is_lora_model(self.model)),
         )
+        check_confined(path, [_ENGINE_STATE_FILE])  # a regular file of the checkpoint, not a link
         meta = safe_load.load_torch_file(os.path.join(path, _ENGINE_STATE_FILE))
         self.scheduler.load_state_dict(meta["scheduler"])
         apply_optim_config(self.optimizer, self.scheduler, config=self.config)  # a resume's new optim.* keys

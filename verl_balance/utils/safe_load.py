@@ -112,6 +112,7 @@ class SafeFileSystemReader(dcp.FileSystemReader):
     def read_metadata(self, *args, **kwargs):
         rank = kwargs.get("rank")
         path = os.fspath(self._get_metadata_path(rank))
+        check_confined(os.fspath(self.path), [os.path.relpath(path, os.fspath(self.path))])  # not a link
         with open(path, "rb") as f:
             try:
                 metadata = _MetadataUnpickler(f, path=path).load()
