@@ -154,3 +154,22 @@ def test_metrics_on_a_full_disk_is_a_named_error(tmp_path):
     with pytest.raises(TrackingError, match=rf"no space to append step 3 to metrics.jsonl in '{tmp_path}' \(.* free\)"):
         tracking.log({"train/loss": 1.0}, step=3)
     tracking.close()  # the buffered record is dropped, not raised again
+
+
+def test_a_full_disk_anywhere_in_a_run_is_a_named_user_error(tmp_path):
+    from omegaconf import OmegaConf
+
+    from verl_balance.trainer.driver import DriverBase, RunDiskFullError
+
+    class FullAtStart(DriverBase):
+        error: BaseException = OSError(errno.ENOSPC, "No space left on device")
+
+        def __init__(self, cfg) -> None:
+            raise self.error
+
+    cfg = OmegaConf.create({"trainer": {"default_local_dir": str(tmp_path)}})
+    with pytest.raises(RunDiskFullError, match=rf"no space to write the run files in '{tmp_path}' \(.* free\)"):
+        FullAtStart.train(cfg)
+    FullAtStart.error = OSError(errno.EACCES, "Permission denied")  # negative control: not a full disk
+    with pytest.raises(PermissionError):
+        FullAtStart.train(cfg)

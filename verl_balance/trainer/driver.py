@@ -21,7 +21,7 @@ import signal
 import sys
 import time
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from verl_balance.data.loader import StatefulDataLoader
 from verl_balance.data.tokenizer import Tokenizer, TokenizerError, build_tokenizer
@@ -37,12 +37,17 @@ from verl_balance.trainer.signals import STOP_SIGNALS, RunInterrupted, interrupt
 from verl_balance.trainer.startup import check_layout_and_device
 from verl_balance.trainer.summary import earliest_records, summary_header
 from verl_balance.utils import run_log
+from verl_balance.utils.disk import disk_full_text, is_disk_full
 from verl_balance.utils.progress import DEFAULT_SFT_KEYS, ProgressDisplay, TimedPhase
-from verl_balance.utils.tracking import Tracking, plain_config
+from verl_balance.utils.tracking import Tracking, TrackingError, plain_config
 from verl_balance.workers.actor import ActorWorker, ActorWorkerConfig
 from verl_balance.workers.group import ActorGroup
 
 logger = logging.getLogger(__name__)
+
+
+class RunDiskFullError(ConfigError):
+    """The disk (or quota) of the run directory filled up while the run wrote its files."""
 
 
 def exit_code(summary: dict) -> int:
@@ -236,7 +241,8 @@ class DriverBase:
     def train(cls, cfg: DictConfig) -> dict:
         """Build the trainer from ``cfg``, fit, and release its workers (also on error); the summary.
         SIGINT / SIGTERM outside the steps (start-up, resume, shut-down) end the process with one
-        line and exit code 130 / 143 (``trainer/signals.py``)."""
+        line and exit code 130 / 143 (``trainer/signals.py``); a full disk anywhere is a
+        ``RunDiskFullError`` naming ``trainer.default_local_dir`` and its free space."""
         try:
             with interrupt_handlers():
                 trainer = cls(cfg)
@@ -244,6 +250,11 @@ class DriverBase:
                     return trainer.fit()
                 finally:
                     trainer.close()
+        except Exception as err:
+            if isinstance(err, (ConfigError, TrackingError)) or not is_disk_full(err):
+                raise  # a checkpoint's or the metrics' own disk-full error already names its directory
+            directory = OmegaConf.select(cfg, "trainer.default_local_dir", default=None) or "."
+            raise RunDiskFullError(f"{disk_full_text('write the run files', directory)} ({err})") from err
         except RunInterrupted as stop:
             print(f"error: {stop}", file=sys.stderr, flush=True)
             raise SystemExit(stop.exit_code) from None
