@@ -72,6 +72,7 @@ def start_ray(*, address: str | None, num_workers: int | None = None, ray_init: 
     logging.getLogger(RAY_AUTH_LOGGER).setLevel(logging.ERROR)
     with stop_signals_blocked():  # the cluster's processes ignore a process-group SIGTERM / SIGINT
         _init_embedded(**kwargs)
+    _stop_without_sigterm_at_shutdown()
     cpus = kwargs["num_cpus"]
     cores = embedded_cluster_cpus() // CPU_WORKERS_PER_CORE
     if num_workers is not None and cores < num_workers <= cpus and ray.cluster_resources().get("GPU", 0) == 0:
@@ -155,6 +156,22 @@ def _init_embedded(**kwargs) -> None:
                 attempt + 1,
                 EMBEDDED_START_ATTEMPTS,
             )
+
+
+def _stop_without_sigterm_at_shutdown() -> None:
+    """The embedded cluster's processes block SIGTERM (``signals.stop_signals_blocked``), so the
+    SIGTERM with which ``ray.shutdown`` asks each to stop would only cost its 1 s wait before the
+    SIGKILL it sends anyway (4 s per run measured): its node stops them with SIGKILL at once."""
+    node = getattr(getattr(ray, "_private", None) and ray._private.worker, "_global_node", None)
+    kill_all = getattr(node, "kill_all_processes", None)
+    if kill_all is None:
+        return  # another Ray version: the shutdown keeps its graceful wait
+
+    def kill_all_at_once(*args, **kwargs):
+        kwargs["allow_graceful"] = False
+        return kill_all(*args, **kwargs)
+
+    node.kill_all_processes = kill_all_at_once
 
 
 def resolve_use_gpu(device: str) -> bool:
