@@ -67,11 +67,14 @@ def test_sys_exit_at_a_reward_files_import_is_a_named_error(tmp_path):
         load_reward_fn(str(path))
 
 
+_DURATIONS = [f"{600 + i}.{os.getpid()}" for i in range(3)]  # unique to this process: no other sleep matches
+
+
 def _forks(data_source, solution_str, ground_truth, extra_info=None):
     """Leaves a child, a grandchild under a shell, and a new session with a member whose leader exits."""
-    subprocess.Popen(["sleep", "60"])
-    subprocess.Popen(["sh", "-c", "sleep 61 & wait"])
-    subprocess.Popen(["sh", "-c", "sleep 62 & exit 0"], start_new_session=True)
+    subprocess.Popen(["sleep", _DURATIONS[0]])
+    subprocess.Popen(["sh", "-c", f"sleep {_DURATIONS[1]} & wait"])
+    subprocess.Popen(["sh", "-c", f"sleep {_DURATIONS[2]} & exit 0"], start_new_session=True)
     return 1.0
 
 
@@ -84,7 +87,7 @@ def _sleepers() -> list[int]:
                     cmd = f.read().split(b"\0")
             except OSError:
                 continue
-            if cmd[:1] == [b"sleep"] and cmd[1:2] in ([b"60"], [b"61"], [b"62"]) and _stat(int(name)) is not None:
+            if cmd[:1] == [b"sleep"] and cmd[1:2] in [[d.encode()] for d in _DURATIONS] and _stat(int(name)):
                 out.append(int(name))
     return out
 
@@ -92,7 +95,7 @@ def _sleepers() -> list[int]:
 @pytest.mark.slow  # starts another process
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="Linux /proc")
 def test_processes_left_by_reward_calls_are_reaped_and_older_ones_kept(tmp_path):
-    before = subprocess.Popen(["sleep", "63"])  # started before any reward call: never the reward's
+    before = subprocess.Popen(["sleep", "603"])  # started before any reward call: never the reward's
     children = RewardChildren()
     try:
         score_batch_watched(reward_fn=_forks, timeout_s=5, heartbeat_s=None, children=children, **SAMPLES)
