@@ -217,3 +217,19 @@ def test_a_linked_metadata_file_is_refused_also_without_a_manifest(two, tmp_path
         checksums.dcp_truncated_files(victim)
     loaded = _plain_torch_load(victim, victim_state)  # negative control: torch follows it (the other's shard name)
     assert set(loaded) == set(victim_state)
+
+
+def test_a_linked_completeness_record_counts_as_none(two, tmp_path):
+    from verl_balance.trainer.checkpoint import CheckpointUnverifiedError
+
+    victim, _, other, _ = two
+    os.remove(os.path.join(victim, COMPLETE_FILE))
+    os.symlink(os.path.join(other, COMPLETE_FILE), os.path.join(victim, COMPLETE_FILE))
+    with pytest.raises(CheckpointUnverifiedError, match="no readable checkpoint_complete.json"):
+        verify_checkpoint(victim)
+    pytest.importorskip("verl")
+    from verl_balance.integrations.verl.backend import sealed_checkpoint
+
+    assert "has no verified" in (sealed_checkpoint._problem(victim) or "")
+    with open(os.path.join(victim, COMPLETE_FILE), encoding="utf-8") as f:  # negative control: a plain read
+        assert json.load(f)["files"]  # follows it to the other checkpoint's manifest
