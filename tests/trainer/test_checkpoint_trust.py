@@ -225,30 +225,3 @@ def test_a_two_layer_checkpoint_does_not_fit_a_one_layer_model_and_the_keys_are_
     assert "shape mismatch" in " ".join(safe_load.state_mismatch(metadata, wider))
     same = LlamaForCausalLM(two).state_dict()  # negative control: the same architecture fits exactly
     assert safe_load.state_mismatch(metadata, same) == []
-
-
-# ---------------------------------------------------------------------- verl's data.pt (issue 50)
-def test_the_verl_backend_refuses_a_planted_verl_dataloader_state_beside_its_checkpoint(tmp_path, monkeypatch):
-    """verl's trainer unpickles ``global_step_N/data.pt`` with weights_only=False right after our
-    engine loaded ``global_step_N/actor``: the backend's load refuses a payload there first."""
-    pytest.importorskip("verl")
-    from torchdata.stateful_dataloader import StatefulDataLoader
-
-    from verl_balance.integrations.verl.backend import sealed_checkpoint
-
-    monkeypatch.delenv(sealed_checkpoint.ALLOW_UNVERIFIED_ENV, raising=False)
-    step = tmp_path / "global_step_1"
-    actor = step / "actor"
-    _quiet_dcp_save({"model": {"w": torch.ones(2)}}, str(actor))
-    write_complete_record(str(actor), {"step": 1})
-    loader = StatefulDataLoader(list(range(8)), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(0))
-    next(iter(loader))
-    torch.save(loader.state_dict(), step / "data.pt")  # what verl saves: loads with weights_only=True
-    assert sealed_checkpoint._problem(str(actor)) is None
-    marker = str(tmp_path / "ran")
-    torch.save({**loader.state_dict(), "planted": Payload(marker)}, step / "data.pt")
-    problem = sealed_checkpoint._problem(str(actor))
-    assert problem is not None and "data.pt is refused" in problem and "weights_only=False" in problem
-    assert not os.path.exists(marker)
-    torch.load(step / "data.pt", weights_only=False)  # negative control: verl's own read runs it
-    assert os.path.isdir(marker)

@@ -6,9 +6,7 @@ complete), writes the shards and, after every rank finished, rank 0 writes the r
 and xxh3_128 of every file (``utils/checksums.py``). A load verifies the files against it on rank 0
 before any rank reads them; a directory without a record (or without checksums) is refused unless
 ``VERL_BALANCE_ALLOW_UNVERIFIED_CHECKPOINT=1`` (checkpoints of older versions), and the verdict
-reaches every rank, so no rank is left waiting in a collective. verl's own ``global_step_N/data.pt``
-(the dataloader state, which verl's trainer unpickles with ``weights_only=False`` right after the
-engine loads) is checked then too: a pickle naming anything but tensors and plain values is refused.
+reaches every rank, so no rank is left waiting in a collective.
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ import time
 
 import torch.distributed as dist
 
-from verl_balance.utils import checksums, safe_load
+from verl_balance.utils import checksums
 from verl_balance.utils.atomic_io import atomic_write_json, open_nofollow
 
 logger = logging.getLogger(__name__)
@@ -67,36 +65,8 @@ def seal(path: str, *, step: int, group=None) -> None:
     dist.barrier(group=group)
 
 
-VERL_DATALOADER_STATE = "data.pt"
-"""verl's trainers save the dataloader state beside ``actor/`` and unpickle it with
-``torch.load(weights_only=False)`` after the engine loaded ``actor/``."""
-
-
-def _dataloader_state_problem(path: str) -> str | None:
-    """Why verl's ``global_step_N/data.pt`` beside the engine's directory ``path`` must not be
-    loaded: a link, or a pickle naming more than tensors and plain values (verl would run it)."""
-    data = os.path.join(os.path.dirname(os.path.abspath(path)), VERL_DATALOADER_STATE)
-    if not os.path.lexists(data):
-        return None
-    if os.path.islink(data) or not os.path.isfile(data):
-        return f"{data} (verl's dataloader state) is a link or not a regular file: refused"
-    try:
-        safe_load.load_torch_file(data)  # weights_only=True: a real dataloader state loads
-    except safe_load.UnsafeCheckpointError as err:
-        return f"{err} (verl unpickles {VERL_DATALOADER_STATE} with weights_only=False after this engine loads)"
-    except Exception as err:  # torn or foreign: verl would fail on it anyway, say which file
-        return f"{data} (verl's dataloader state) cannot be read: {err!r}"
-    return None
-
-
 def _problem(path: str) -> str | None:
-    """Why ``path`` may not be loaded (None: verified, or unverified by the explicit opt-in), or
-    why verl's ``data.pt`` beside it must not be (``_dataloader_state_problem``)."""
-    return _record_problem(path) or _dataloader_state_problem(path)
-
-
-def _record_problem(path: str) -> str | None:
-    """Why ``path``'s record or files may not be loaded (None: verified, or the explicit opt-in)."""
+    """Why ``path`` may not be loaded (None: verified, or unverified by the explicit opt-in)."""
     record_path = os.path.join(path, checksums.COMPLETE_FILE)
     try:
         with open_nofollow(record_path, "r") as f:  # a planted link counts as no record
