@@ -235,6 +235,11 @@ def test_worker_repr_names_the_rank_ray_prefixes_its_lines_with(monkeypatch):
 
 def test_rl_progress_line_shows_the_phases_of_the_step():
     out = _Pipe()
-    progress = ProgressDisplay(total_steps=2, keys=("reward/mean",), stream=out, clock=lambda: 0.0)
-    metrics = {"timing_s/gen": 1.25, "timing_s/old_log_prob": 0.5, "timing_s/update": 2.0, "reward/mean": 0.5}
-    assert progress.line(1, metrics) == "step 1/2 | rollout 1.2 s, log-prob 0.5 s, update 2 s | reward/mean 0.5"
+    progress = ProgressDisplay(total_steps=2, keys=("critic/score/mean",), stream=out, clock=lambda: 0.0)
+    metrics = {
+        "timing_s/gen": 1.25,
+        "timing_s/old_log_prob": 0.5,
+        "timing_s/update_actor": 2.0,
+        "critic/score/mean": 0.5,
+    }
+    assert progress.line(1, metrics) == "step 1/2 | rollout 1.2 s, log-prob 0.5 s, update 2 s | critic/score/mean 0.5"

@@ -34,13 +34,14 @@ def test_grpo_summary_names_the_reward_and_held_out_metric_before_and_after():
         "plot": "/run/curves.png",
     }
     assert grpo_summary(summary) == (
-        "\n==== GRPO summary ====\nsteps: 64 in 123.5 s\ntrain reward: first 0.1000 -> final 0.9000\n"
+        "\n==== GRPO summary ====\nsteps: 64 in 123.5 s\n"
+        "train score (critic/score/mean): first 0.1000 -> final 0.9000\n"
         "held-out accuracy (val/acc): before n/a -> after 0.7500\nmetrics: /run/metrics.jsonl\nplot: /run/curves.png"
     )
     # a reward without ``acc``: the held-out line names the mean reward; a critic run is titled PPO
     ppo = {**summary, "algorithm": "PPO", "val_key": "val/reward_mean", "initial_val": 0.25, "plot": None}
     assert grpo_summary(ppo) == (
-        "\n==== PPO summary ====\nsteps: 64 in 123.5 s\ntrain reward: first 0.1000 -> final 0.9000\n"
+        "\n==== PPO summary ====\nsteps: 64 in 123.5 s\ntrain score (critic/score/mean): first 0.1000 -> final 0.9000\n"
         "held-out mean reward (val/reward_mean): before 0.2500 -> after 0.7500\nmetrics: /run/metrics.jsonl"
     )
     empty = {**BASE, "first_reward": None, "val_key": "val/reward_mean", "initial_val": None, "final_val": None}

@@ -17,7 +17,8 @@ Invariants:
   entropy_coeff * entropy_loss aggregated term by term.
 - Metrics (detached, per token): pg_loss, pg_clipfrac (the clipped branch is strictly larger),
   pg_clipfrac_lower (dual clip active), ppo_kl (= old_log_prob - log_prob, the k1 estimate of
-  KL(old || new)), kl (when use_kl_loss), entropy (when given).
+  KL(old || new)), kl_loss (verl's name: the per-token KL to the reference, when use_kl_loss),
+  entropy (when given).
 - On-policy update (``PPOLoss(on_policy=True)``: the step's only optimizer step, on rows sampled
   with the current weights): old_log_prob is the forward's own ``log_prob.detach()``. Then
   log_ratio == 0 and ratio == 1 exactly, pg_clipfrac, pg_clipfrac_lower and ppo_kl are 0, and the
@@ -119,11 +120,11 @@ def add_regularizers(
     entropy: torch.Tensor | None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """pg + kl_loss_coef * kl - entropy_coeff * entropy per token (each when configured), with the
-    ``kl`` and ``entropy`` metrics added to ``metrics``."""
+    ``kl_loss`` and ``entropy`` metrics added to ``metrics``."""
     loss = pg
     if config.use_kl_loss:
         kl = kl_penalty(log_probs=log_probs, ref_log_probs=ref_log_probs, kl_type=config.kl_loss_type)
-        metrics["kl"] = kl.detach()
+        metrics["kl_loss"] = kl.detach()
         loss = loss + config.kl_loss_coef * kl
     if entropy is not None:
         metrics["entropy"] = entropy.detach()

@@ -35,15 +35,16 @@ logger = logging.getLogger(__name__)
 DEFAULT_SFT_KEYS = ("train/loss", "val/loss", "train/grad_norm", "train/lr")
 """Console keys of the SFT recipe when ``trainer.console_metrics`` is null."""
 DEFAULT_RL_KEYS = (
-    "reward/mean",
+    "critic/score/mean",
     "val/acc",
     "val/reward_mean",
     "actor/pg_loss",
     "critic/vf_loss",
-    "actor/kl",
+    "actor/kl_loss",
     "response_length/mean",
 )
-"""Console keys of the GRPO/PPO recipe when ``trainer.console_metrics`` is null."""
+"""Console keys of the GRPO/PPO recipe when ``trainer.console_metrics`` is null (verl's names where
+verl logs the figure, docs/metrics.md)."""
 TOKENS_PER_S_KEY = "perf/tokens_per_s"
 PHASE_TIMINGS = (
     ("rollout", "timing_s/gen"),
@@ -52,7 +53,7 @@ PHASE_TIMINGS = (
     ("ref", "timing_s/ref"),
     ("values", "timing_s/values"),
     ("critic update", "timing_s/update_critic"),
-    ("update", "timing_s/update"),
+    ("update", "timing_s/update_actor"),
 )
 """(phase, metric) of a GRPO/PPO step's phases: the plain line shows the seconds of those present."""
 

@@ -100,6 +100,16 @@ from verl_balance.trainer.grpo.async_checkpoint import (
     save_rollout_output,
 )
 from verl_balance.trainer.grpo.trainer import GRPOTrainer, _timed, merge_rollout_outputs
+from verl_balance.trainer.metrics import (
+    EPOCH_KEY,
+    TIMING_ADV,
+    TIMING_GEN,
+    TIMING_REWARD,
+    TIMING_STEP,
+    TIMING_UPDATE_ACTOR,
+    throughput_metrics,
+    timing_key,
+)
 from verl_balance.workers.actor_rollout import sampling_seed
 from verl_balance.workers.rollout_group import RolloutGroup
 from verl_balance.workers.rollout_worker import RolloutWorker, RolloutWorkerConfig
@@ -477,13 +487,13 @@ class AsyncGRPOTrainer(GRPOTrainer):
         """One step: batch k (generated ahead) trains while the next batches generate; then sync."""
         metrics: dict = {}
         step = self.global_step
-        with _timed(metrics, "step"):
+        with _timed(metrics, TIMING_STEP):
             if self.separate and self._rollout_version is None:  # a fresh rollout group, or a resumed actor
                 add_metrics(metrics, self.sync_weights(version=step))
             flight = self._in_flight.pop(step, None) or self._submit(prompts, step=step)
             self._submit_ahead(step)
             self.phase("rollout")
-            with _timed(metrics, "gen"):
+            with _timed(metrics, TIMING_GEN):
                 batch = self._collect(flight, metrics)
             batch = self._apply_sampler(batch, metrics)
             if len(batch):
@@ -491,11 +501,12 @@ class AsyncGRPOTrainer(GRPOTrainer):
             if self.separate:
                 add_metrics(metrics, self.sync_weights(version=step + 1))
         if len(batch):
-            metrics.update(self._rollout_metrics(batch, *self._last_scores, prefix=""))
+            metrics.update(self._rollout_metrics(batch, *self._last_scores))
             tokens = int(batch[ATTENTION_MASK_KEY].sum())
-            metrics.update({"perf/tokens": tokens, "perf/tokens_per_s": tokens / metrics["timing_s/step"]})
+            step_seconds = metrics[timing_key(TIMING_STEP)]
+            metrics.update(throughput_metrics(tokens=tokens, step_seconds=step_seconds, num_devices=self.world))
             self._expected_response = float(batch[RESPONSE_LENGTHS_KEY].double().mean())
-        metrics.update({"train/epoch": float(self.loader.epoch), "train/old_log_prob_pass": float(self._recompute_old)})
+        metrics.update({EPOCH_KEY: float(self.loader.epoch), "train/old_log_prob_pass": float(self._recompute_old)})
         return metrics
 
     def _apply_sampler(self, batch: Batch, metrics: dict) -> Batch:
@@ -525,7 +536,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             pending = self._submit_log_prob_passes(batch, metrics)
         finally:
             self.old_log_prob_from_update = False
-        with _timed(metrics, "reward"):
+        with _timed(metrics, TIMING_REWARD):
             scores, extras = self.score(batch)
         self._last_scores = (scores, extras)
         self._dump_rollout(batch, scores, extras)
@@ -535,10 +546,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
             metrics.update(is_weight_metrics(batch))
         if not self.config.algorithm.corrects_rollout:
             batch[OLD_LOG_PROBS_KEY] = batch[ROLLOUT_LOG_PROBS_KEY].clone()  # bypass: the behaviour policy's
-        with _timed(metrics, "adv"):  # decoupled: correct_rollout's weights and rejection, as in sync mode
+        with _timed(metrics, TIMING_ADV):  # decoupled: correct_rollout's weights and rejection, as in sync mode
             metrics.update(self._attach_advantages(batch, scores, extras))
         self.phase("actor update")
-        with _timed(metrics, "update"):
+        with _timed(metrics, TIMING_UPDATE_ACTOR):
             metrics.update(
                 self.update_actor(batch.select(batch_keys=[k for k in batch.tensor_keys if k != POLICY_VERSION_KEY]))
             )
