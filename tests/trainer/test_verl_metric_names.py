@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests._verl import VERL_SKIP_REASON
 from verl_balance.trainer.metrics import (
     advantage_data_metrics,
     rollout_data_metrics,
@@ -80,7 +81,7 @@ def test_advantage_data_metrics_sum_rewards_per_sequence_and_mask_advantages():
 
 
 def test_data_and_throughput_metrics_equal_verls_own():
-    pytest.importorskip("verl")
+    pytest.importorskip("verl", reason=VERL_SKIP_REASON)
     from verl import DataProto
     from verl.trainer.ppo.metric_utils import compute_data_metrics, compute_throughout_metrics
 
@@ -147,7 +148,7 @@ def test_validation_metrics_hand_worked():
 
 
 def test_validation_metrics_equal_verls_own():
-    pytest.importorskip("verl")
+    pytest.importorskip("verl", reason=VERL_SKIP_REASON)
     from verl.trainer.ppo.metric_utils import process_validation_metrics
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 

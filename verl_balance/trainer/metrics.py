@@ -103,9 +103,10 @@ VAL_ACC_KEY = "val/acc"
 VAL_REWARD_KEY = "val/reward_mean"
 """The held-out mean score over all data sources (per source: ``val-core/<source>/reward/mean@N``)."""
 TIMING_PREFIX = "timing_s/"
-# verl's timing_raw names (ray_trainer.py marked_timer) of the GRPO/PPO step's phases.
+# verl's timing_raw names (ray_trainer.py marked_timer) of the GRPO/PPO step's phases (the values
+# pass is timed as batch_keys.VALUES_KEY, verl's "values").
 TIMING_GEN, TIMING_REWARD, TIMING_OLD_LOG_PROB, TIMING_REF = "gen", "reward", "old_log_prob", "ref"
-TIMING_VALUES, TIMING_ADV, TIMING_UPDATE_CRITIC, TIMING_UPDATE_ACTOR = "values", "adv", "update_critic", "update_actor"
+TIMING_ADV, TIMING_UPDATE_CRITIC, TIMING_UPDATE_ACTOR = "adv", "update_critic", "update_actor"
 TIMING_STEP, TIMING_VALIDATE, TIMING_GEN_MAX = "step", "testing", "gen_max"
 
 
