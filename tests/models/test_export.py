@@ -122,7 +122,7 @@ def test_builtin_checkpoint_cli_export_reads_dcp(tmp_path):
     import warnings
 
     import torch.distributed.checkpoint as dcp
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     from verl_balance.models import LlamaForCausalLM, ModelConfig
 
@@ -139,3 +139,10 @@ def test_builtin_checkpoint_cli_export_reads_dcp(tmp_path):
     )
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), local_files_only=True)
     torch.testing.assert_close(hf.model.layers[1].self_attn.k_proj.weight, model.layers[1].attn.k_proj.weight)
+    # Readable by a serving process of another user, as save_pretrained's files are (safetensors writes 0600).
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in ("model.safetensors", "config.json", "generation_config.json"):
+        assert os.stat(tmp_path / "hf" / name).st_mode & 0o777 == 0o666 & ~umask, name
+    generation = GenerationConfig.from_pretrained(str(tmp_path / "hf"), local_files_only=True)
+    assert generation.to_dict() == GenerationConfig.from_model_config(hf.config).to_dict()

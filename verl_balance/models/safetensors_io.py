@@ -196,13 +196,22 @@ def save_hf_directory(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> str:
     """A save_pretrained-style directory: ``hf_config`` as config.json (with the tensors' dtype),
-    the tensors as bounded safetensors files, and the tokenizer of ``tokenizer_path`` if it has one."""
+    the tensors as bounded safetensors files, generation_config.json (``tokenizer_path``'s when it
+    has one, else derived from ``hf_config`` as save_pretrained does), and the tokenizer of
+    ``tokenizer_path`` if it has one."""
+    from transformers import GenerationConfig
+
     os.makedirs(out, exist_ok=True)
     write_tensors(out, specs, tensors, max_shard_bytes=max_shard_bytes)
     dtypes = {s.dtype for s in specs}
     if len(dtypes) == 1:
         hf_config.dtype = dtypes.pop()
     hf_config.save_pretrained(out)
+    if tokenizer_path and os.path.exists(os.path.join(tokenizer_path, "generation_config.json")):
+        generation = GenerationConfig.from_pretrained(tokenizer_path, local_files_only=True)
+    else:
+        generation = GenerationConfig.from_model_config(hf_config)
+    generation.save_pretrained(out)
     if tokenizer_path and os.path.exists(os.path.join(tokenizer_path, "tokenizer_config.json")):
         from transformers import AutoTokenizer
 
