@@ -137,8 +137,13 @@ def test_model_load_line_announces_lora_with_trainable_and_total_parameters():
 def test_a_resumed_sft_summary_starts_from_the_runs_first_step(sft_reference_runs):
     from verl_balance.trainer.sft_trainer import format_summary
 
-    (_, first), (summary, _) = sft_reference_runs["first"], sft_reference_runs["resumed"]
+    (stopped, first), (summary, _) = sft_reference_runs["first"], sft_reference_runs["resumed"]
     assert [r["step"] for r in first] == [1, 2, 3]
+    # The run Ctrl-C stopped says so; the one that finished does not.
+    assert "interrupted (SIGINT) after step 3 of 4: checkpoint saved, the same command resumes" in format_summary(
+        stopped
+    )
+    assert "interrupted" not in format_summary(summary)
     assert summary["resumed_from_step"] == 3 and summary["steps"] == 4
     assert summary["first_loss"] == first[0]["train/loss"], "the run's step 1, not the resumed part's step 4"
     assert "resumed at step 3" in format_summary(summary)

@@ -351,6 +351,8 @@ class DriverBase:
         summary = {
             "resumed_from_step": resumed_from,
             "steps": self.global_step,
+            "total_steps": self.total_steps,
+            "val_step": record.get("last_val_step"),
             "wall_s": time.perf_counter() - run_start,
             "startup_s": run_start - getattr(self, "_setup_start", run_start),
             "metrics": tracker.metrics_path,
@@ -398,6 +400,7 @@ class DriverBase:
                 is_last = self.global_step >= self.total_steps
                 if t.validate_due(self.global_step, is_last=is_last):
                     record["last_val"] = self.evaluate()
+                    record["last_val_step"] = self.global_step
                     metrics.update(record["last_val"])
                 tracker.log(metrics, step=self.global_step)
                 if self.progress is not None:

@@ -162,7 +162,8 @@ class SFTTrainer(DriverBase):
         if summary.get("first_loss") is not None:
             lines.append(f"train loss: first {summary['first_loss']:.4f} -> final {summary['final_loss']:.4f}")
         if "val/loss" in summary:
-            lines.append(f"eval loss: {summary['val/loss']:.4f}")
+            at = f" (step {summary['val_step']})" if summary.get("val_step") is not None else ""
+            lines.append(f"eval loss{at}: {summary['val/loss']:.4f}")
         return lines
 
 
