@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Mapping
 
 import ray
@@ -61,6 +62,7 @@ def start_ray(*, address: str | None, num_workers: int | None = None, ray_init: 
     """
     if ray.is_initialized():
         return
+    plain_worker_prefixes(sys.stdout)
     embedded, kwargs = ray_init_arguments(address=address, ray_init=ray_init)
     if not embedded:
         ray.init(**kwargs)
@@ -80,6 +82,25 @@ def start_ray(*, address: str | None, num_workers: int | None = None, ray_init: 
         )
 
 
+WORKER_WARNINGS = "ignore::FutureWarning"
+"""The workers' ``PYTHONWARNINGS`` unless the user set one: the libraries' FutureWarnings (deprecations
+announced to their callers, i.e. to this package) would reach every run's console once per worker."""
+
+
+def worker_warning_env() -> dict[str, str]:
+    """{"PYTHONWARNINGS": WORKER_WARNINGS}, or {} when the driver's environment sets PYTHONWARNINGS
+    (the workers inherit the user's choice)."""
+    return {} if os.environ.get("PYTHONWARNINGS") else {"PYTHONWARNINGS": WORKER_WARNINGS}
+
+
+def plain_worker_prefixes(stream) -> None:
+    """Ray prints each forwarded worker line behind a colour-coded ``(Worker pid=...)`` prefix: on a
+    ``stream`` that is not a terminal (a pipe, a file) the colour codes are noise, so Ray is told to
+    leave them out (its ``RAY_COLOR_PREFIX=0``, read by the driver as it prints) unless the user chose."""
+    if not stream.isatty():
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+
+
 def ray_init_arguments(*, address: str | None, ray_init: Mapping | None) -> tuple[bool, dict]:
     """(whether the cluster is embedded, the arguments of ``ray.init``): ours, with the user's
     ``ray_init`` merged over them (``ray_init.merge_ray_init``)."""
@@ -88,7 +109,7 @@ def ray_init_arguments(*, address: str | None, ray_init: Mapping | None) -> tupl
     env_address = os.environ.get("RAY_ADDRESS") if os.environ.get("RAY_ADDRESS") != "local" else None
     address = _address(address, check_ray_init(ray_init).get("address")) or env_address or None
     # No progress bars in the workers: Ray would print them late, after the driver's lines.
-    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}}
+    env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1", **worker_warning_env()}}
     if address:
         return False, merge_ray_init({"address": address, "runtime_env": env, "log_to_driver": True}, ray_init)
     defaults = dict(
