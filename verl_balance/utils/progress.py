@@ -117,6 +117,7 @@ class ProgressDisplay:
                 desc="train",
                 bar_format="{desc} {n_fmt}/{total_fmt} |{bar}| {elapsed}<{remaining}, {rate_fmt}{postfix}",
             )
+            run_log.show_bar(self._bar)  # lines written meanwhile go above the bar, never through it
 
     def seconds_per_step(self) -> float | None:
         """Mean wall seconds per step of this process (None before its first step)."""
@@ -167,6 +168,7 @@ class ProgressDisplay:
     def close(self) -> None:
         """Close the bar (idempotent)."""
         if self._bar is not None:
+            run_log.show_bar(None)
             self._bar.close()
             self._bar = None
 
