@@ -18,7 +18,7 @@ demo's tiny model, 2 CPU cores):
 Runs are interleaved (sync, async, async, sync, ...); the first step of each run is dropped; each
 figure is the median over the remaining steps. The async bound is max(generation, training) per
 step: generation = the rollout worker's busy seconds (``timing_s/rollout_busy_max``), training =
-reward + advantages + update (``timing_s/reward + adv + update``); ``step / bound`` is 1.0 for a
+reward + advantages + update (``timing_s/reward + adv + update_actor``); ``step / bound`` is 1.0 for a
 perfect overlap.
 
 Weight sync at the 0.5B shape (``--sync-only`` or after the runs): a random state dict of
@@ -117,7 +117,7 @@ def table(records: dict[str, list[dict]]) -> str:
     lines.append(f"{'sync step / mode step':<28}" + "".join(f"{step['sync'] / step[m]:>16.2f}" for m in MODES))
     ratios = []
     for r in records["separate_async"]:
-        train = sum(r.get(f"timing_s/{k}", 0.0) for k in ("reward", "adv", "update"))
+        train = sum(r.get(f"timing_s/{k}", 0.0) for k in ("reward", "adv", "update_actor"))
         ratios.append(r["timing_s/step"] / max(r["timing_s/rollout_busy_max"], train))
     lines.append(f"async step / max(generation, training): median {np.median(ratios):.2f} (1.0 = perfect overlap)")
     lines.append(f"steps timed: { {m: len(records[m]) for m in MODES} }")
