@@ -111,7 +111,7 @@ def _median(records: list[dict], key: str) -> float | None:
 def table(records: dict[str, list[dict]]) -> str:
     """Median step time and tokens/s per mode, the sync/mode ratios and the async overlap bound."""
     lines = [f"{'median':<28}" + "".join(f"{m:>16}" for m in MODES)]
-    for key in ("timing_s/step", "perf/tokens_per_s", "timing_s/gen", "timing_s/update", "timing_s/weight_sync"):
+    for key in ("timing_s/step", "perf/tokens_per_s", "timing_s/gen", "timing_s/update_actor", "timing_s/weight_sync"):
         lines.append(f"{key:<28}" + "".join(_cell(_median(records[m], key)) for m in MODES))
     step = {m: _median(records[m], "timing_s/step") for m in MODES}
     lines.append(f"{'sync step / mode step':<28}" + "".join(f"{step['sync'] / step[m]:>16.2f}" for m in MODES))
