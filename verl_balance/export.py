@@ -46,7 +46,7 @@ from verl_balance.models.config import ModelConfig, ModelConfigError
 from verl_balance.models.hf import HFModelConfig, build_hf_model
 from verl_balance.models.hf_llama import builtin_to_hf_llama, save_builtin_as_hf_llama  # noqa: F401 (re-exported)
 from verl_balance.models.llama import LlamaForCausalLM
-from verl_balance.models.safetensors_io import DEFAULT_MAX_SHARD_BYTES, TensorSpec, save_hf_directory
+from verl_balance.models.safetensors_io import DEFAULT_MAX_SHARD_BYTES, TensorSpec, save_hf_directory, share_files
 from verl_balance.utils import checksums, safe_load
 from verl_balance.utils.atomic_io import fsync_dir
 
@@ -294,18 +294,6 @@ def _replace_with(staging: str, out: str) -> None:
         shutil.rmtree(old) if os.path.isdir(old) and not os.path.islink(old) else os.remove(old)
 
 
-def _share_files(directory: str) -> None:
-    """Give the export's files the mode a plain ``open`` gives (0666 less the umask, 0644 under the
-    usual 022): safetensors writes its files 0600, unreadable to a serving process of another user."""
-    umask = os.umask(0)
-    os.umask(umask)
-    for root, _, files in os.walk(directory):
-        for name in files:
-            path = os.path.join(root, name)
-            if os.path.isfile(path) and not os.path.islink(path):
-                os.chmod(path, 0o666 & ~umask)
-
-
 def export_checkpoint(
     checkpoint: str,
     out: str,
@@ -332,7 +320,7 @@ def export_checkpoint(
     staging = os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.staging-{uuid.uuid4().hex[:8]}")
     try:
         _write_export(checkpoint, staging, model_path=model_path, builtin_config=builtin_config, merge_lora=merge_lora)
-        _share_files(staging)
+        share_files(staging)  # the peft adapter directory's too
         _replace_with(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone already after a successful rename

@@ -80,6 +80,11 @@ def test_gathered_tied_weights_are_written_once(tiny_model_dirs, tmp_path):
     out = save_hf_pretrained(state, model_config=config, out=str(tmp_path / "hf"))
     with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
         assert "lm_head.weight" not in set(f.keys())
+    # save_hf_directory (also trainer.save_hf_model's global_step_N/hf): files 0666 less the umask, not 0600
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(os.path.join(out, "model.safetensors")).st_mode & 0o777 == 0o666 & ~umask
+    assert os.path.isfile(os.path.join(out, "generation_config.json"))
 
 
 def test_export_errors_name_what_is_missing(tiny_model_dirs, tmp_path):

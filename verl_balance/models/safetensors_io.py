@@ -186,6 +186,19 @@ def write_tensors(
     return writer.close()
 
 
+def share_files(directory: str) -> None:
+    """Give the regular files under ``directory`` the mode a plain ``open`` gives (0666 less the umask,
+    0644 under the usual 022), as save_pretrained's are: safetensors writes its files 0600, unreadable
+    to a serving process of another user."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for root, _, files in os.walk(directory):
+        for name in files:
+            path = os.path.join(root, name)
+            if os.path.isfile(path) and not os.path.islink(path):
+                os.chmod(path, 0o666 & ~umask)
+
+
 def save_hf_directory(
     out: str,
     *,
@@ -218,4 +231,5 @@ def save_hf_directory(
         AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True).save_pretrained(out)
     else:
         logger.warning("no tokenizer found at %r; %s has weights and config only", tokenizer_path, out)
+    share_files(out)
     return out
