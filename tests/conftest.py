@@ -42,6 +42,10 @@ RAY_NUM_CPUS = 6
 # worker, in 1 of ~15 suite runs) failed a CI run; no test of ours asserts a native crash through this
 # path. Any other failure fails at once, and pytest's summary lists every rerun test.
 NATIVE_CRASH_OF_A_WORKER = r"WorkerDiedError: (?s:.*)\*\*\* SIG(SEGV|BUS|ABRT|ILL|FPE) received"
+# CI's lanes (.ci/run): the README's command runs in a venv without verl, and every test it skips for
+# want of verl appends its node id (a test, or a whole module skipped at import) to the file this
+# variable names; the verl lane then runs exactly those, in a venv with verl.
+VERL_SKIPS_ENV = "VERL_BALANCE_VERL_SKIPS"
 
 
 def pytest_configure(config):
@@ -65,6 +69,24 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if item.get_closest_marker("slow"):
                 item.add_marker(pytest.mark.flaky(reruns=1, only_rerun=[NATIVE_CRASH_OF_A_WORKER]))
+
+
+def _record_verl_skip(report) -> None:
+    path = os.environ.get(VERL_SKIPS_ENV)
+    if not path or not report.skipped or not isinstance(report.longrepr, tuple):
+        return
+    reason = str(report.longrepr[2])
+    if "'verl" in reason or "verl-balance[verl]" in reason or "No module named 'verl" in reason:
+        with open(path, "a") as f:
+            f.write(report.nodeid + "\n")
+
+
+def pytest_runtest_logreport(report):
+    _record_verl_skip(report)
+
+
+def pytest_collectreport(report):
+    _record_verl_skip(report)
 
 
 @pytest.fixture(scope="session", autouse=True)

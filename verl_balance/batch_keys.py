@@ -1,29 +1,22 @@
-"""Names of the ``Batch`` columns and meta keys that cross a module or process boundary.
-
-The driver writes them and the workers (or the integration) read them, so both sides import the
-names from here instead of from each other; library code spells a column or meta key only through
-these constants (tests/test_batch_keys.py scans for literals).
-"""
+"""Names of the ``Batch`` columns and meta keys that cross a module or process boundary; library
+code spells them only through these constants (tests/test_batch_keys.py scans for literals)."""
 
 from __future__ import annotations
 
 # ---------------------------------------------------------------------- meta keys
 MICRO_BATCH_SIZES_KEY = "micro_batch_sizes"
-"""Meta key of one DP rank's chunk: its micro-batch sizes in row order (set by ``split_by_plan``);
-the worker recovers its micro-batches with ``chunk.split(chunk.meta[MICRO_BATCH_SIZES_KEY])``."""
+"""Meta key of one DP rank's chunk: its micro-batch sizes in row order (``split_by_plan``); the
+worker splits with ``chunk.split(chunk.meta[MICRO_BATCH_SIZES_KEY])``."""
 
 PLANNED_MICRO_BATCH_SIZES_KEY = "verl_balance/micro_batch_sizes"
-"""Meta key of a whole verl ``DataProto`` reordered by a plan: one list of micro-batch sizes per
-DP rank (the integration's drop-ins set it; each rank's worker takes its own list)."""
+"""Meta key of a verl ``DataProto`` reordered by a plan: one list of micro-batch sizes per DP rank."""
 
 TEMPERATURE_KEY = "temperature"
-"""Meta key (verl's): the sampling temperature at which old, reference and new log-probs are
-taken; absent means 1."""
+"""Meta key (verl's): the temperature of old, reference and new log-probs; absent means 1."""
 
 ON_POLICY_KEY = "on_policy"
-"""Meta key of an update chunk: True when this optimizer step is the only one on rows the current
-weights sampled (one PPO epoch, one mini-batch), so the PPO loss takes the old log-probs from the
-update forward itself (detached) and the chunk carries no ``old_log_probs``; absent means False."""
+"""Meta key of an update chunk: True when this is the only optimizer step on rows the current
+weights sampled, so PPO's old log-probs are the update forward's own (the chunk carries none)."""
 
 # ---------------------------------------------------------------------- tensor columns of a Batch row
 INPUT_IDS_KEY = "input_ids"
@@ -39,8 +32,8 @@ LOSS_MASK_KEY = "loss_mask"
 """[B, L]: 1 where token t is a target (its log-prob p(tok_t | tok_<t) counts)."""
 
 OLD_LOG_PROBS_KEY = "old_log_probs"
-"""RL: the log-probs of the policy that sampled (or last scored) the responses, token-aligned like
-``loss_mask`` (0 elsewhere); the PPO ratio's denominator."""
+"""RL: log-probs of the policy that sampled (or last scored) the responses, token-aligned like ``loss_mask``
+(0 elsewhere); the PPO ratio's denominator."""
 
 ADVANTAGES_KEY = "advantages"
 """RL: the advantage of each response token (token-aligned like ``loss_mask``)."""
@@ -49,20 +42,17 @@ REF_LOG_PROB_KEY = "ref_log_prob"
 """RL (verl's key): the reference policy's log-probs, for the KL loss (token-aligned like ``loss_mask``)."""
 
 ROLLOUT_LOG_PROBS_KEY = "rollout_log_probs"
-"""Tensor column of a rollout batch: the sampler's own log-probs of the response tokens
-(token-aligned like ``loss_mask``, 0 elsewhere)."""
+"""Rollout column: the sampler's own log-probs of the response tokens (token-aligned, 0 elsewhere)."""
 
 ROLLOUT_IS_WEIGHTS_KEY = "rollout_is_weights"
-"""RL (verl's key): the rollout correction's importance weight of each token (token-aligned like
-``loss_mask``), multiplying its policy loss; set by the driver (trainer/grpo/advantage_step.py)."""
+"""RL (verl's key): the rollout correction's importance weight per token (token-aligned),
+multiplying its policy loss; set by the driver (trainer/grpo/advantage_step.py)."""
 
 POLICY_VERSION_KEY = "policy_version"
-"""Tensor column of an asynchronous rollout batch (int64): the policy version (the actor's completed
-training steps) whose weights generated the row (trainer/grpo/async_trainer.py)."""
+"""Async rollout column (int64): the policy version (actor's completed steps) that generated the row."""
 
 VALUES_KEY = "values"
-"""PPO: the critic's values of each token (the old values of the value loss; also the column a
-value pass returns)."""
+"""PPO: the critic's values per token (the value loss's old values; a value pass's output)."""
 
 RETURNS_KEY = "returns"
 """PPO: the GAE returns, the value loss's targets (token-aligned like ``loss_mask``)."""
@@ -74,9 +64,8 @@ ENTROPY_KEY = "entropy"
 """Output column of a log-prob pass (when asked for): each position's entropy, aligned like ``log_probs``."""
 
 SUM_PI_SQUARED_KEY = "sum_pi_squared"
-"""Output column of a log-prob pass (when asked for) and RL column (verl's key): sum over the
-vocabulary of p(v)^2 of each position's distribution at the pass's temperature, aligned like
-``log_probs`` (the optimal-token baselines' path variance; verl's ``actor.calculate_sum_pi_squared``)."""
+"""Log-prob pass output and RL column (verl's key): sum_v p(v)^2 per position at the pass's
+temperature (the optimal-token baselines' path variance; verl's ``calculate_sum_pi_squared``)."""
 
 PROMPT_LENGTHS_KEY = "prompt_lengths"
 """Column of a rollout batch: the prompt's length in tokens (the response starts there)."""
@@ -123,17 +112,14 @@ PROMPT_IDS_KEY = "raw_prompt_ids"
 """Non-tensor column of a prompt batch: each prompt's token ids (verl's key)."""
 
 PROMPT_INDEX_KEY = "prompt_index"
-"""Column of a rollout batch: the position of the response's prompt in the step's prompt batch;
-a prompt's responses form one balancing group."""
+"""Rollout column: the position of the response's prompt in the step's prompt batch (its group)."""
 
 INDEX_KEY = "index"
-"""Non-tensor column of a prompt batch from the dataset: each prompt's dataset index (verl's
-``extra_info.index`` when the file has one)."""
+"""Prompt column from the dataset: each prompt's dataset index (verl's ``extra_info.index`` if any)."""
 
 SAMPLE_INDEX_KEY = "sample_index"
-"""Non-tensor column of a prompt batch: each prompt's global (dataset) index. With the call's seed it
-fixes the prompt's sampling stream, so its responses do not depend on which worker samples it or
-which prompts share the call (GRPO rollouts are the same on any layout)."""
+"""Prompt column: each prompt's global index; with the call's seed it fixes the prompt's sampling
+stream, so rollouts do not depend on the worker or the other prompts of the call."""
 
 __all__ = [
     "ADVANTAGES_KEY",

@@ -1,24 +1,20 @@
 """Calibrate the balancer's cost model on this hardware: ``python -m verl_balance.calibrate``.
 
-Times the engine's forward + backward (``TrainEngine.train_step``'s per-micro-batch busy time, the
-figure engine/timing.py reports: process CPU seconds on CPU, CUDA event time on GPUs) over a grid of
-micro-batches of ``b`` sequences of length ``L``, with warm-up micro-batches and repeats (median),
-and fits by non-negative least squares, weighted to minimise relative error:
+Times the engine's forward + backward per micro-batch (``TrainEngine.train_batch``'s busy time,
+engine/timing.py: process CPU seconds on CPU, CUDA event time on GPUs) over a grid of micro-batches
+of ``b`` sequences of length ``L`` (warm-up, median of repeats) and fits by non-negative least squares
+on relative error:
 
     seconds(micro-batch) = micro_batch + sequence * b + token * b L + pair * b L (L + 1) / 2
 
-``sequence`` is kept only when it lowers the RMS relative error by at least a fifth (per-sequence
-work: one attention call per sequence with attn_impl=sdpa_loop, per-sequence loss bookkeeping).
-Writes a JSON (coefficients, fingerprint of hardware / model / dtype / attention kernel / world
-size, fit residuals per grid point) for ``balance.workload=calibrated balance.calibration_path=FILE``
-and prints predicted vs measured per grid point, R^2 and the max relative error.
+``sequence`` is kept only when it lowers the RMS relative error by at least a fifth. The JSON written
+(coefficients, fingerprint, residuals) is for ``balance.workload=calibrated balance.calibration_path=FILE``.
 
     PYTHONPATH=. python -m verl_balance.calibrate --model small --attn-impl sdpa_loop --world 2 \\
         --out calibration.json
 
-``--world N`` runs N ranks (gloo, FSDP2 over all of them, as a dp=N run): each micro-batch's time
-is the max over ranks, the figure an FSDP step waits for. One process (``--world 1``) runs the plain
-module without FSDP, so it misses FSDP's per-micro-batch all-gather / reduce-scatter cost.
+``--world N`` runs N gloo ranks under FSDP2 (a dp=N run), each time the max over ranks; ``--world 1``
+runs the plain module, missing FSDP's per-micro-batch all-gather / reduce-scatter cost.
 """
 
 from __future__ import annotations
@@ -155,11 +151,11 @@ def _measure_rank(rank: int, *, model_config, engine_config, world: int, grid, w
     engine = TrainEngine(model_config=model_config, engine_config=engine_config, layout=layout)
     generator = torch.Generator().manual_seed(seed + rank)
     order = np.random.default_rng(seed).permutation(len(grid))  # same shuffled order on every rank
-    engine.train_step([_micro_batch(grid[0], vocab_size=model_config.vocab_size, generator=generator)] * 2)
+    engine.train_batch([_micro_batch(grid[0], vocab_size=model_config.vocab_size, generator=generator)] * 2)
     out = {}
     for i in order:
         mbs = [_micro_batch(grid[i], vocab_size=model_config.vocab_size, generator=generator)] * (warmup + repeats)
-        out[int(i)] = list(engine.train_step(mbs)["micro_batch_busy_seconds"][warmup:])
+        out[int(i)] = list(engine.train_batch(mbs)["micro_batch_busy_seconds"][warmup:])
     return out
 
 

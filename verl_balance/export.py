@@ -3,30 +3,18 @@
     python -m verl_balance.export CHECKPOINT OUT [--model-path DIR | --builtin-config CONFIG.json]
                                   [--overwrite] [--allow-incomplete] [--merge-lora]
 
-CHECKPOINT is an engine checkpoint (``global_step_N/``: DCP shards of {"model", "optim"} written
-by ``TrainEngine.save_checkpoint``, any layout); OUT receives config.json, model.safetensors and
-the tokenizer of the model directory (``--model-path``, or the ``model_config`` the trainer recorded
-in the checkpoint's trainer_state.json; a built-in model is written as Llama).
-``AutoModelForCausalLM.from_pretrained(OUT)`` then gives the trained model's logits exactly.
-A LoRA run's checkpoint (it holds adapter_config.json) is written as a peft adapter directory
-(adapter_config.json + adapter_model.safetensors, for ``PeftModel.from_pretrained``), or with
-``--merge-lora`` as the plain HF model with the adapters merged (W + scaling * B @ A). Such a
-checkpoint holds only the adapters: the frozen base is read from the model directory recorded in its
-base_fingerprint.json (or ``--model-path``), refused, naming the file, if a weight file changed since.
+CHECKPOINT is an engine checkpoint (``global_step_N/``, any layout); OUT gets config.json,
+safetensors and the tokenizer (a built-in model as Llama), so ``AutoModelForCausalLM`` loads the
+trained model's logits exactly. A LoRA checkpoint becomes a peft adapter directory, or with
+``--merge-lora`` the merged model; its recorded base directory is refused if a weight file changed.
 
-Safety: the checkpoint must be complete (``checkpoint_complete.json``) and its files must match the
-checksums recorded there, checked before anything is read (``--allow-incomplete`` exports one
-without the record, unverified). A non-empty OUT is refused unless ``--overwrite``. The export is
-written to a staging directory beside OUT and renamed into place once complete, so a failed export
-leaves nothing half-written and ``--overwrite`` replaces the old OUT (no stale files of it remain)
-only after the new one is complete.
-
-Invariant: tied embeddings are written once (``model.embed_tokens.weight``; HF re-ties
-``lm_head.weight`` on load).
-
-Memory: ``load_checkpoint_model_state`` reads the whole model into this one process's host memory,
-4 * P bytes for P parameters (fp32), and ``save_hf_pretrained`` then streams it into safetensors
-files of at most ``max_shard_bytes`` (default 2 GiB); nothing is held on a GPU.
+Invariants:
+- The checkpoint must be complete and match its recorded checksums before anything is read
+  (``--allow-incomplete``: without the record, unverified).
+- A non-empty OUT is refused unless ``--overwrite``; the export is staged beside OUT and renamed
+  into place once complete, so a failure leaves nothing half-written.
+- Tied embeddings are written once (HF re-ties ``lm_head.weight`` on load).
+- The whole fp32 model is held in this process's host memory (4 * P bytes), none on a GPU.
 """
 
 from __future__ import annotations
@@ -67,14 +55,11 @@ def save_hf_pretrained(
     tokenizer_path: str | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> str:
-    """Write ``state_dict`` (HF names, full tensors; a tied ``lm_head.weight`` may be absent) as a
-    save_pretrained directory: fp32 safetensors files of at most ``max_shard_bytes`` each (plus an
-    index when there are several), config and (from ``tokenizer_path``) tokenizer.
+    """Write ``state_dict`` (HF names, full tensors) as a save_pretrained directory of fp32 safetensors
+    files of at most ``max_shard_bytes``, with config and tokenizer.
 
-    Names and shapes are checked against the model built on the meta device (no weights); tensors
-    are streamed file by file, so beyond ``state_dict`` itself this holds at most one file's fp32
-    copies (none when the tensors already are fp32 on the host). A tied ``lm_head.weight`` is not
-    written (HF re-ties it on load)."""
+    Names and shapes are checked against the model built on meta; beyond ``state_dict`` at most one
+    file's fp32 copies are held. A tied ``lm_head.weight`` is not written."""
     from verl_balance.engine.materialize import parameters_on_meta
 
     with parameters_on_meta(), torch.random.fork_rng(devices=[]):
@@ -134,11 +119,8 @@ def _skeleton_state(model_config, lora) -> dict[str, torch.Tensor]:
 def load_checkpoint_model_state(
     checkpoint: str, *, model_config, lora=None, base_state: dict[str, torch.Tensor] | None = None
 ) -> dict[str, torch.Tensor]:
-    """Full (unsharded) model tensors of a DCP engine checkpoint, read in this process only
-    (``model_config``: the HFModelConfig or built-in ModelConfig it was trained with; ``lora``: the
-    run's LoraConfig, names then are the engine's LoRA names, see engine/lora.py). A LoRA checkpoint
-    holds only the adapters: ``base_state`` (``lora_base_state``) supplies the frozen base tensors;
-    without it only the adapters are returned."""
+    """Full (unsharded) model tensors of a DCP engine checkpoint, in this process only; a LoRA checkpoint's
+    frozen base comes from ``base_state`` (without it only the adapters are returned)."""
     if not os.path.exists(os.path.join(checkpoint, ".metadata")):
         raise ExportError(
             f"{checkpoint!r} is not an engine checkpoint (no DCP .metadata); pass a global_step_N directory"
@@ -187,8 +169,7 @@ def _base_keys(state: dict) -> set[str]:
 
 
 def check_lora_base(checkpoint: str, model_config) -> dict | None:
-    """Refuse (ExportError naming the changed files) a base model directory that is not the one the
-    checkpoint's adapters were trained on; returns the recorded fingerprint (None: a full checkpoint)."""
+    """Refuse a base directory other than the adapters' (naming changed files); returns the fingerprint."""
     from verl_balance.engine.lora import base_fingerprint, base_mismatch_message, read_base_fingerprint
 
     saved = read_base_fingerprint(checkpoint)
@@ -201,8 +182,7 @@ def check_lora_base(checkpoint: str, model_config) -> dict | None:
 
 
 def lora_base_state(model_config, lora) -> dict[str, torch.Tensor]:
-    """The frozen base of a LoRA model from its model directory, under the engine's LoRA names
-    (adapter entries hold placeholders the checkpoint's adapters replace)."""
+    """The frozen base of a LoRA model from its directory, under the engine's LoRA names."""
     from peft import inject_adapter_in_model
 
     from verl_balance.engine.lora import ADAPTER
@@ -214,8 +194,7 @@ def lora_base_state(model_config, lora) -> dict[str, torch.Tensor]:
 
 
 def recorded_model_config(checkpoint: str) -> dict | None:
-    """The ``model_config`` the trainer recorded in the checkpoint's trainer_state.json (``kind``
-    "hf" with the HFModelConfig fields, or "builtin" with the ModelConfig fields); None if absent."""
+    """The ``model_config`` recorded in trainer_state.json (kind "hf" or "builtin"); None if absent."""
     trainer_state = os.path.join(checkpoint, TRAINER_STATE_FILE)
     if not os.path.exists(trainer_state):
         return None
@@ -228,9 +207,7 @@ def recorded_model_config(checkpoint: str) -> dict | None:
 
 
 def verify_export_source(checkpoint: str, *, allow_incomplete: bool = False) -> None:
-    """Refuse a checkpoint without a verified completeness record (no record, or one without file
-    checksums; unless ``allow_incomplete``) or whose files do not match the checksums recorded
-    there; ``ExportError`` names the file."""
+    """Refuse (naming the file) a checkpoint without a checksummed completeness record, or not matching it."""
     record_path = os.path.join(checkpoint, checksums.COMPLETE_FILE)
     if not os.path.exists(os.path.join(checkpoint, ".metadata")):
         return  # not a DCP checkpoint at all: load_checkpoint_model_state says so
@@ -281,8 +258,7 @@ def _check_out(out: str, *, checkpoint: str, overwrite: bool) -> None:
 
 
 def _replace_with(staging: str, out: str) -> None:
-    """Move the finished ``staging`` to ``out``; an existing ``out`` is renamed aside first and
-    removed only once the new one is in place."""
+    """Move ``staging`` to ``out``; an existing ``out`` is renamed aside and removed once the new one is in place."""
     parent = os.path.dirname(os.path.abspath(out))
     old = None
     if os.path.lexists(out):
@@ -304,15 +280,10 @@ def export_checkpoint(
     allow_incomplete: bool = False,
     merge_lora: bool = False,
 ) -> str:
-    """Export ``checkpoint`` to ``out``; returns ``out``. An HF model needs its directory
-    (``model_path``); a built-in model its ``ModelConfig`` as JSON (``builtin_config``, the
-    ``to_dict()`` fields) and is written as a Llama model. Without either, the model config the
-    trainer recorded in the checkpoint is used.
+    """Export ``checkpoint`` to ``out`` (see the module docstring); returns ``out``.
 
-    The checkpoint is verified first (``verify_export_source``); a non-empty ``out`` needs
-    ``overwrite``; the export is staged beside ``out`` and renamed into place when complete.
-    A LoRA run's checkpoint is written as a peft adapter directory, or with ``merge_lora`` as the
-    plain HF model with the adapters merged."""
+    An HF model needs ``model_path``, a built-in one ``builtin_config`` (``to_dict()`` JSON); without
+    either, the recorded model config is used."""
     _check_out(out, checkpoint=checkpoint, overwrite=overwrite)
     verify_export_source(checkpoint, allow_incomplete=allow_incomplete)
     target = os.path.abspath(out)  # no trailing slash: its basename names the staging directory
@@ -387,7 +358,6 @@ def _write_export(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """CLI entry point (see the module docstring)."""
     parser = argparse.ArgumentParser(description="Export an engine checkpoint as a Hugging Face model directory.")
     parser.add_argument("checkpoint", help="global_step_N directory written by the trainer")
     parser.add_argument("out", help="output directory (save_pretrained layout)")

@@ -15,16 +15,13 @@ Invariants:
 - N, S and n_i are counted on full (unsliced) sequences and all-reduced (SUM) over the DP group
   only: the SP ranks of one DP group hold the same sequences, so reducing over the whole world
   would count every token sp times.
-- Targets are rolled on the packed, unsliced stream before SP slicing (see engine/packing.py), so
-  every target token lives on exactly one SP rank and none is lost at a shard edge.
-- Each rank back-propagates G * sum over its own token slice of w * l, where G is the engine's
-  gradient divide factor (FSDP2 averages gradients over G ranks); the average then equals grad J
-  exactly. all_reduce_sum of the local sums over the world equals J: that is the logged loss, in
-  training and in evaluation alike (evaluation runs the same code without backward).
+- Targets are rolled on the packed, unsliced stream before SP slicing (engine/packing.py), so
+  every target token lives on exactly one SP rank.
+- Each rank back-propagates G * sum over its own token slice of w * l, G the engine's gradient
+  divide factor (FSDP2 averages over G ranks), so the average equals grad J exactly; the world
+  SUM of the local sums is J, the logged loss in training and evaluation alike.
 - Zero valid tokens anywhere: weights are 0 (never 0/0); a rank still joins every collective.
-
-The parity negative controls (deliberately wrong normalizers) live in
-``verl_balance.testing.faults``; nothing in this module can be switched into a wrong mode.
+- No mode here is wrong on purpose: the parity negative controls live in ``testing/faults.py``.
 """
 
 from __future__ import annotations
@@ -41,8 +38,8 @@ from torch import Tensor
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 """The modes the recipes accept (``check_agg_mode``) and the parity matrix covers."""
 WEIGHT_MODES = (*AGG_MODES, "token-sum")
-"""Every mode the weights function implements. token-sum (verl's, for the RL losses) joins AGG_MODES
-once the parity matrix and the verl backend's ``agg_loss`` rescaling cover it."""
+"""AGG_MODES plus verl's token-sum (the RL losses, ``integrations.verl.agg_loss``), which the
+parity matrix does not cover yet."""
 
 
 class LossConfigError(ValueError):
@@ -60,12 +57,9 @@ def check_agg_mode(agg_mode: str, *, valid: tuple[str, ...] = AGG_MODES) -> None
 class LossFn(Protocol):
     """Per-token loss for one micro-batch on this rank's SP slice.
 
-    Called with target-aligned packed tensors: log_probs[t] = log p(target_t | tokens <= t),
-    entropy[t] (or None unless `needs_entropy`), and `inputs`, the local slices of every
-    per-token tensor of the micro-batch (`loss_mask` and extras such as `advantages`,
-    `old_log_probs`), aligned the same way. Returns (per-token loss [T_local], per-token metric
-    tensors [T_local]); the engine applies the contract weights and reductions.
-    """
+    Target-aligned packed inputs: log_probs[t] = log p(target_t | tokens <= t), entropy[t] (None
+    unless `needs_entropy`), `inputs` the local slices of every per-token wire tensor. Returns
+    (per-token loss [T_local], per-token metrics [T_local]); the engine applies the contract weights."""
 
     needs_entropy: bool
 
@@ -86,11 +80,7 @@ class SFTLoss:
 
 
 def sequence_token_counts(loss_mask: Tensor, cu_seqlens: Tensor) -> Tensor:
-    """n_i = sum of the loss mask over each packed sequence (int64 [num_sequences], on the mask's device).
-
-    Tokens beyond cu_seqlens[-1] (padding) are ignored. With cu_seqlens on the CPU (as the engine
-    passes it) this does not wait for the device.
-    """
+    """n_i = the loss mask's sum per packed sequence (int64, mask's device); padding beyond cu_seqlens ignored."""
     cu_host = cu_seqlens.cpu()
     lengths = (cu_host[1:] - cu_host[:-1]).long()
     total = int(cu_host[-1])
@@ -134,11 +124,7 @@ def contract_weights(
     loss_scale_factor: float | None = None,
     scale: float = 1.0,
 ) -> Tensor:
-    """The table above for one micro-batch, given the global counts N (num_tokens), S
-    (num_sequences) and this micro-batch's full-sequence counts n_i (seq_counts); times ``scale``.
-
-    Zero counts give zero weights, never 0/0: when a count is 0 every mask it covers is 0 too.
-    """
+    """The table above for one micro-batch from global N, S and its n_i, times ``scale``; 0 counts give 0."""
     m = (loss_mask > 0).to(torch.float32)
     if agg_mode == "token-sum":
         return m * scale
@@ -167,12 +153,9 @@ def compute_token_weights(
 ) -> TokenWeights:
     """Per-token weights of each micro-batch of this DP rank (full padded stream, not sliced).
 
-    loss_masks[k] / cu_seqlens[k]: the target-aligned loss mask of micro-batch k and the
-    boundaries of its real sequences (padding beyond cu_seqlens[k][-1] has mask 0). Collective
-    over dp_group (every rank of the mesh must call it). One all-reduce and one device-to-host
-    read of the two global counts per call, however many micro-batches; pass cu_seqlens on the
-    CPU to avoid further waits.
-    """
+    loss_masks[k] / cu_seqlens[k]: micro-batch k's target-aligned loss mask and real-sequence
+    boundaries. Collective over dp_group: one all-reduce and one device-to-host read per call,
+    however many micro-batches (pass cu_seqlens on the CPU to avoid further waits)."""
     check_agg_mode(agg_mode, valid=WEIGHT_MODES)
     check_loss_scale_factor(agg_mode, loss_scale_factor)
     device = loss_masks[0].device if loss_masks else torch.device("cpu")

@@ -1,60 +1,26 @@
 """Per-rank memory model of one TrainEngine training step (FSDP2 + Ulysses SP), pure Python.
 
     python -m verl_balance.memory qwen2.5-7b --gpus 8 --sp 2 --tokens 16384 --ac --head-chunk 4096
-    python -m verl_balance.memory /path/to/hf_model_dir --dp 8 --sp 1 --tokens 8192 --gpu-mem 80
 
-The model is a local Hugging Face directory (its ``config.json``: llama, mistral, qwen2, qwen3, gemma,
-gemma2, gemma3_text, mixtral, qwen2_moe, qwen3_moe), a named size (``NAMED_SIZES``: published
-config dimensions, hard-coded) or a built-in preset (``preset:tiny``/``small``/``100m``). A
-multimodal config.json (a ``text_config`` and no top-level ``hidden_size``) counts its language
-model only.
+The model is an HF directory or config.json (``FAMILIES``), a ``NAMED_SIZES`` key or ``preset:<name>``.
 
-What is exact (counted from the shapes, checked against the live tensors in
-tests/test_memory.py):
+Exact (tests/test_memory.py checks them against live tensors): every parameter tensor
+(``ModelShapes.tensors``; tied embeddings once, every MoE expert on every rank), sharded on dim 0
+over W = dp * sp ranks with ``torch.chunk`` rows (rank 0 holds the most); fp32 master weights and
+gradients, AdamW exp_avg + exp_avg_sq plus one fp32 ``step`` per tensor. W = 1 in fp32 runs the
+plain module: the same bytes, nothing in flight.
 
-- Parameters: every tensor of the family's module tree (``ModelShapes.tensors``), tied embeddings
-  counted once, GQA k/v projections ``num_kv_heads * head_dim`` wide, Qwen2 q/k/v biases, Qwen3 /
-  Gemma3 q/k norms, Gemma2/3 extra norms, MoE: router, all experts (held by every rank; only
-  ``experts_per_token`` of them compute per token), Qwen2-MoE shared expert and its gate.
-- Sharded state (engine/train_engine.py): the model is built in fp32 and FSDP2 shards every
-  parameter on dim 0 over all W = dp * sp ranks (``torch.chunk``: rank r holds rows
-  [r * c, min((r + 1) * c, d0)), c = ceil(d0 / W); rank 0 holds the most). fp32 master weights
-  (4 bytes), fp32 gradients (reduce_dtype float32: 4 bytes), AdamW exp_avg + exp_avg_sq (2 x 4
-  bytes) plus one fp32 ``step`` scalar per parameter tensor. With W = 1 and param_dtype float32 the
-  engine runs the plain module: the same bytes, nothing in flight.
-
-What is an estimate (stated assumptions; ``benchmarks/memory_model_check.py`` compares it with a
-measured peak RSS on CPU):
-
-- Unsharded parameters in flight (FSDP2, reshard_after_forward=True): the root unit (embeddings,
-  final norm, lm_head) stays all-gathered in the compute dtype (param_dtype) for the whole
-  forward + backward (FSDP2 does not reshard the root after forward), plus ``prefetch_units`` (2)
-  decoder-layer units: the one computing and the one prefetched.
-- Unsharded gradients in flight: the root unit's gradients in the compute dtype (the lm_head
-  gradient is produced first in the backward and reduced last), one layer unit's gradients in the
-  compute dtype plus their fp32 reduce-scatter input (reduce_dtype) when compute is not fp32.
-- Activations per token (T = ``tokens``, the micro-batch tokens per SP rank; Ulysses all-to-all
-  keeps the per-rank size, so activation bytes per rank depend on T, not on sp), compute dtype b
-  bytes, flash-attention style kernel (no T x T matrix; CPU's sdpa kernels are not modelled):
-  per decoder layer the tensors autograd saves: each RMSNorm its fp32 input (4h) and bf16 output
-  (bh); q, k, v after RoPE, the attention output and the o_proj input (b(3q + 2kv)), the kernel's
-  fp32 log-sum-exp (4 * heads); SwiGLU gate, up, silu(gate), product (4bI); MoE: router softmax
-  (4E) and per active expert the routed input, gate_up, silu, product and output
-  (k * b(2h + 4I_moe)), plus the shared expert. With activation checkpointing only each layer's
-  input (bh per layer) is kept, plus one layer's recompute at a time; that recompute runs after
-  the output head's backward has freed the head's tensors, so the peak holds the larger of the two.
-- Output head: unchunked, [T, V] logits in the compute dtype (held by the engine through the
-  backward), their fp32 log-softmax (saved), the fp32 gradient of the log-probs scattered to
-  [T, V] and the fp32 gradient of the logits: (b + 12) bytes per position and vocabulary entry
-  (16 when b = 4: the fp32 cast is then the logits themselves). Chunked (``head_chunk``): the same
-  per chunk of tokens, chunk x V.
-- Peak = all of the above alive at once (the start of the backward; with checkpointing the larger
-  of head and recompute, see above). Optimizer-step temporaries,
-  the allocator's fragmentation and caching, CUDA context (~0.5-1 GB) and NCCL buffers are not
-  counted: keep a margin.
-- Start-up: the old full-materialization path builds the full fp32 model on every rank (P x 4
-  bytes, on the host and then on the device before ``fully_shard``); sharded loading needs only
-  the fp32 shard (P x 4 / W) plus one tensor at a time.
+Estimates (``benchmarks/memory_model_check.py`` compares them with a measured peak RSS):
+- In flight (FSDP2, reshard_after_forward): the root unit (embeddings, final norm, lm_head) gathered
+  in the compute dtype through the backward plus ``prefetch_units`` layers; gradients of the root
+  and one layer in the compute dtype, plus that layer's fp32 reduce-scatter input.
+- Activations: what autograd saves per token per layer (``activation_bytes_per_token``), T =
+  tokens per SP rank (Ulysses keeps per-rank bytes independent of sp), flash-attention style (no
+  T x T). With checkpointing only each layer's input, plus one layer's recompute.
+- Output head: (b + 12) bytes per token and vocabulary entry; ``head_chunk`` replaces T by the chunk.
+- Peak = all of it at the start of the backward, with checkpointing the larger of head and
+  recompute (a layer is recomputed after the head's backward freed its tensors). Not counted:
+  optimizer-step temporaries, allocator caching, CUDA context, NCCL buffers; keep a margin.
 """
 
 from __future__ import annotations
@@ -81,8 +47,7 @@ class MemoryModelError(ValueError):
 # ---------------------------------------------------------------------------------------- shapes
 @dataclass(frozen=True)
 class ModelShapes:
-    """Every parameter tensor of a causal LM by FSDP2 unit: ``root`` (embeddings, final norm,
-    lm_head) and one tuple per decoder layer; names are Hugging Face's."""
+    """Every parameter tensor of a causal LM by FSDP2 unit (``root``, one tuple per layer), HF's names."""
 
     name: str
     family: str
@@ -431,8 +396,7 @@ def layout_from_gpus(*, gpus: int | None, dp: int | None, sp: int, **kw) -> Memo
 
 
 def check_layout(shapes: ModelShapes, layout: MemoryLayout) -> None:
-    """Raise MemoryModelError unless Ulysses with layout.sp can split the model's heads
-    (the rule of models/attention.check_sequence_parallel_heads)."""
+    """Raise MemoryModelError unless Ulysses can split the heads (attention.check_sequence_parallel_heads)."""
     sp = layout.sp
     if shapes.num_heads % sp:
         raise MemoryModelError("sp", f"sp={sp} must divide num_heads={shapes.num_heads} of {shapes.name}")
@@ -483,9 +447,7 @@ class MemoryEstimate:
 
     @property
     def step_transient(self) -> int:
-        """What a training step adds on top of the resident state at its peak. With activation
-        checkpointing a layer is recomputed only after the head's backward has freed its tensors,
-        so the peak holds the larger of the two, not both."""
+        """What a training step adds on top of the resident state at its peak (head or recompute, not both)."""
         return self.unsharded_params + self.unsharded_grads + self.activations + max(self.head, self.recompute)
 
     @property
@@ -507,8 +469,7 @@ class MemoryEstimate:
 
 
 def state_bytes(shapes: ModelShapes, layout: MemoryLayout, *, rank: int = 0) -> dict[str, int]:
-    """Exact sharded parameter, gradient and optimizer-state bytes of ``rank`` (fp32 master
-    weights and gradients, AdamW exp_avg + exp_avg_sq + one fp32 step scalar per tensor)."""
+    """Exact sharded parameter, gradient and AdamW state bytes of ``rank``."""
     world = layout.world_size
     if not 0 <= rank < world:
         raise MemoryModelError("rank", f"rank={rank} outside [0, {world})")
@@ -518,7 +479,9 @@ def state_bytes(shapes: ModelShapes, layout: MemoryLayout, *, rank: int = 0) -> 
 
 
 def activation_bytes_per_token(shapes: ModelShapes, *, layer: int, dtype_bytes: int) -> int:
-    """Bytes autograd saves per token in decoder layer ``layer`` (module docstring)."""
+    """Bytes autograd saves per token in decoder layer ``layer``: fp32 input and compute-dtype output
+    of each RMSNorm, q/k/v after RoPE, attention output, o_proj input, fp32 log-sum-exp, SwiGLU's 4
+    intermediates (MoE: fp32 router softmax and the k active experts, plus the shared expert)."""
     b, h = dtype_bytes, shapes.hidden_size
     q, kv = shapes.num_heads * shapes.head_dim, shapes.num_kv_heads * shapes.head_dim
     norm = (FP32 + b) * h if b != FP32 else 2 * FP32 * h
@@ -536,13 +499,13 @@ def activation_bytes_per_token(shapes: ModelShapes, *, layer: int, dtype_bytes: 
 
 
 def head_bytes_per_position(dtype_bytes: int) -> int:
-    """Bytes per (token, vocab entry) of the output head at its peak (module docstring)."""
+    """Bytes per (token, vocab entry) of the head at its peak: compute-dtype logits, fp32 log-softmax,
+    fp32 log-prob and logit gradients."""
     return dtype_bytes + 3 * FP32
 
 
 def estimate(shapes: ModelShapes, layout: MemoryLayout, *, rank: int = 0) -> MemoryEstimate:
-    """The per-rank memory of one training step of ``shapes`` under ``layout`` (rank 0 holds the
-    largest shards)."""
+    """The per-rank memory of one training step (rank 0 holds the largest shards)."""
     check_layout(shapes, layout)
     b = DTYPE_BYTES[layout.param_dtype]
     state = state_bytes(shapes, layout, rank=rank)
@@ -620,7 +583,6 @@ def format_report(est: MemoryEstimate, *, gpu_mem_gib: float | None = None, head
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI (see the module docstring)."""
     import argparse
 
     parser = argparse.ArgumentParser(prog="python -m verl_balance.memory", description=__doc__.splitlines()[0])

@@ -3,7 +3,7 @@
 One set of processes is spawned for all layouts; each layout gets its own gloo process group
 (CPU, fp32), inside which every case of the matrix {fixed micro-batch size, dynamic token cap}
 x {balance on, off} x {loss_agg_mode} builds a TrainEngine from the same seed, forms this DP rank's micro-batches with
-verl_balance.balance.plan_balance, and runs eval_loss then train_step on the same global batch.
+verl_balance.balance.plan_balance, and runs eval_loss then train_batch on the same global batch.
 The reference is computed in one process WITHOUT any distributed, packing, or loss-contract
 code: a plain forward of the model per sequence, the aggregation formula written out directly,
 torch.optim.AdamW. A case passes when the eval loss and train loss match the reference to
@@ -569,7 +569,7 @@ def _run_cases(
         )
         engine = FaultyTrainEngine(bug=case.bug, **kwargs) if case.bug else TrainEngine(**kwargs)
         evaluated = engine.eval_loss(micro_batches, loss_fn=loss_fn)
-        trained = engine.train_step(micro_batches, loss_fn=loss_fn)
+        trained = engine.train_batch(micro_batches, loss_fn=loss_fn)
         delta = max_param_delta(engine, references[reference_key(case)]["params"])
         results.append((case, evaluated["loss"], trained["loss"], trained["grad_norm"], delta))
     return results

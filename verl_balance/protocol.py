@@ -1,26 +1,19 @@
 """`Batch`: the unit of data exchanged between the driver and its workers.
 
-A Batch holds B rows in three parts:
-
-- ``tensors``: a ``TensorDict`` with ``batch_size == [B]`` (every tensor's dim 0 is the row);
-- ``non_tensors``: ``dict[str, np.ndarray]`` of numpy object (or plain) arrays of length B;
-- ``meta``: a plain dict that travels with the batch and is not indexed by row.
+A Batch holds B rows: ``tensors`` (a ``TensorDict``, ``batch_size == [B]``), ``non_tensors``
+(``dict[str, np.ndarray]`` of length B) and ``meta`` (a plain dict, not indexed by row).
 
 Invariants (checked on construction and by every operation):
-
 - every tensor and every non-tensor column has exactly B rows;
 - row operations (``index_select``, ``chunk``, ``split``, ``repeat``, slicing) apply the same
   row selection to tensors and non-tensors, so row i of every column always describes sample i;
 - ``meta`` is shared (shallow-copied) into derived batches, never indexed;
 - a pickled Batch (Ray transport) arrives with its tensors on the CPU: the receiver moves it with
-  ``to(device)``. Workers may return CUDA tensors to a driver that has no GPU.
+  ``to(device)``.
 
-Names follow verl's ``DataProto`` so code written against it carries over: the attribute aliases
-``batch`` / ``non_tensor_batch`` / ``meta_info`` and the keyword names of ``select`` / ``pop``.
-Like DataProto, ``union``, ``reorder`` and ``to`` act in place (and return ``self`` for chaining);
-every other operation returns a new Batch that shares tensor storage where torch does.
-Applying a ``BalancePlan`` to a Batch lives in ``trainer/plan_dispatch.py``; converting to and
-from verl's ``DataProto`` lives in ``integrations/`` (``batch_from_dataproto``/``batch_to_dataproto``).
+Names and in-place semantics follow verl's ``DataProto``: ``union``, ``reorder`` and ``to`` act in
+place and return ``self``; every other operation returns a new Batch sharing tensor storage.
+Plans are applied in ``trainer/plan_dispatch.py``; DataProto conversion in ``integrations/verl/convert.py``.
 """
 
 from __future__ import annotations
@@ -104,12 +97,7 @@ def _check_keys(kind: str, requested: Iterable[str] | None, available: Iterable[
 
 
 class Batch:
-    """B rows of tensors (TensorDict), non-tensor columns (numpy arrays) and a meta dict.
-
-    Construct with ``Batch(tensors=..., non_tensors=..., meta=...)`` or ``Batch.from_dict``;
-    ``tensors`` may be a TensorDict or a mapping of tensors. B is taken from the columns (0 when
-    there are none); every column must have B rows.
-    """
+    """B rows of tensors (TensorDict or mapping), non-tensor numpy columns and a meta dict (B = 0 if none)."""
 
     __slots__ = ("_tensors", "_non_tensors", "_meta")
 
@@ -200,12 +188,10 @@ class Batch:
 
     @property
     def tensor_keys(self) -> list[str]:
-        """Names of the tensor columns."""
         return list(self._tensors.keys())
 
     @property
     def non_tensor_keys(self) -> list[str]:
-        """Names of the non-tensor columns."""
         return list(self._non_tensors.keys())
 
     def __len__(self) -> int:
@@ -294,10 +280,7 @@ class Batch:
         return self._derive(tensors, non_tensors, meta)
 
     def union(self, other: Batch) -> Batch:
-        """Add ``other``'s columns and meta to this Batch in place (DataProto semantics); returns self.
-
-        Keys present in both must hold equal values; the row counts must match.
-        """
+        """Add ``other``'s columns and meta in place (DataProto semantics; shared keys must be equal); returns self."""
         if len(self) != len(other):
             raise BatchError(f"cannot union batches of {len(self)} and {len(other)} rows")
         for key, value in other._tensors.items():
@@ -369,10 +352,7 @@ class Batch:
         return self
 
     def split(self, split_size: int | Sequence[int]) -> list[Batch]:
-        """Consecutive pieces of ``split_size`` rows (last may be shorter), or of the given sizes.
-
-        A list of sizes must sum to ``len(self)``; zero sizes give empty Batches.
-        """
+        """Consecutive pieces of ``split_size`` rows (last may be shorter), or of the given sizes (summing to B)."""
         if isinstance(split_size, (int, np.integer)):
             if split_size <= 0:
                 raise BatchError(f"split_size must be positive, got {split_size}")
@@ -385,10 +365,7 @@ class Batch:
         return [self.slice(int(bounds[i]), int(bounds[i + 1])) for i in range(len(sizes))]
 
     def chunk(self, chunks: int) -> list[Batch]:
-        """``chunks`` consecutive pieces whose sizes differ by at most one (larger pieces first).
-
-        With ``len(self) % chunks == 0`` this is DataProto.chunk exactly.
-        """
+        """``chunks`` consecutive pieces differing by at most one row, larger first (DataProto.chunk when even)."""
         if chunks <= 0:
             raise BatchError(f"chunks must be positive, got {chunks}")
         base, extra = divmod(len(self), chunks)
@@ -411,9 +388,8 @@ class Batch:
     def concat(batches: Sequence[Batch]) -> Batch:
         """Rows of all ``batches`` in order; columns must match.
 
-        Meta keys present in several batches must agree, except ``"metrics"`` (gathered into a
-        dict of lists, as DataProto does) and ``micro_batch_sizes`` (per-rank, dropped).
-        """
+        Shared meta keys must agree, except ``"metrics"`` (gathered into lists, as DataProto) and
+        ``micro_batch_sizes`` (dropped)."""
         batches = list(batches)
         if not batches:
             raise BatchError("cannot concat an empty list of batches")

@@ -312,7 +312,7 @@ def _run_case(engine_cls, layout, batch, micro, balance, agg_mode, loss_fn):
     ]
     engine = engine_cls(model_config=SETTINGS.model, layout=layout, engine_config=_engine_config(agg_mode))
     evaluated = engine.eval_loss(micro_batches, loss_fn=loss_fn)
-    trained = engine.train_step(micro_batches, loss_fn=loss_fn)
+    trained = engine.train_batch(micro_batches, loss_fn=loss_fn)
     return evaluated, trained, engine.full_state_dict()
 
 

@@ -1,5 +1,5 @@
 """TrainEngine's public micro-batch API, driven by hand as an external loop (verl's engine backend)
-does, takes the same step as ``train_step`` / ``eval_loss`` on the same micro-batches.
+does, takes the same step as ``train_batch`` / ``eval_loss`` on the same micro-batches.
 
 The hand loop's loss is written out here (token-mean: loss-mask tokens over the global count taken
 from the wire tensors, log-softmax + gather), independent of ``loss.compute_token_weights``. Negative
@@ -93,7 +93,7 @@ def _scenarios(rank: int) -> dict:
     reference = engine()
     out = {"gradient_divide_factor": reference.gradient_divide_factor, "initial": _params(reference)}
     out["ref_eval"] = reference.eval_loss(mbs)["loss"]
-    ref = reference.train_step(mbs)
+    ref = reference.train_batch(mbs)
     out["ref"] = {
         "loss": ref["loss"],
         "grad_norm": ref["grad_norm"],

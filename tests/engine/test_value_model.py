@@ -143,7 +143,7 @@ def test_value_steps_lower_the_value_loss_on_a_fixed_batch(single_rank):
     engine = _value_engine(single_rank)
     micro_batches = _split(make_value_batch(SETTINGS), [3, 3])
     loss_fn = ValueLoss(cliprange_value=10.0)
-    losses = [engine.train_step(micro_batches, loss_fn=loss_fn) for _ in range(3)]
+    losses = [engine.train_batch(micro_batches, loss_fn=loss_fn) for _ in range(3)]
     assert losses[-1]["loss"] < losses[0]["loss"]
     assert {"vf_clipfrac", "vpred_mean", "grad_norm"} <= set(losses[0])
 
@@ -154,7 +154,7 @@ def test_value_engine_refuses_language_model_calls_and_a_missing_loss(single_ran
     with pytest.raises(EngineConfigError, match="compute_log_prob needs model_type='language_model'"):
         engine.compute_log_prob(micro_batches)
     with pytest.raises(EngineConfigError, match="needs a value loss_fn"):
-        engine.train_step(micro_batches)
+        engine.train_batch(micro_batches)
     with pytest.raises(EngineConfigError, match="model_type="):
         EngineConfig(model_type="reward_model")
     with pytest.raises(EngineConfigError, match="lora_rank"):

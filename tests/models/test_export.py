@@ -36,7 +36,7 @@ def _train_and_save(rank, *, path: str, ckpt: str):
     )
     before = engine.full_state_dict()
     for _ in range(2):
-        engine.train_step(_micro_batches(config.vocab_size, rank))
+        engine.train_batch(_micro_batches(config.vocab_size, rank))
     engine.save_checkpoint(ckpt, step=2)
     return before, engine.full_state_dict()
 

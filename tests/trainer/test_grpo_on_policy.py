@@ -84,7 +84,7 @@ def test_old_log_probs_come_from_the_update_only_for_one_epoch_and_one_mini_batc
     cfg = compose_config("grpo", _base(tmp_path) + [f"trainer.default_local_dir={tmp_path}"] + overrides)
     config = validate_grpo(cfg)
     actor = config.actor_rollout_ref.actor
-    assert actor.old_log_prob_from_update(train_batch_size=config.data.train_batch_size) is expected
+    assert actor.single_on_policy_update(train_batch_size=config.data.train_batch_size) is expected
 
 
 @pytest.mark.slow

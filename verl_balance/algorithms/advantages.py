@@ -2,27 +2,19 @@
 response) and GAE with a learned critic (PPO).
 
 Invariants:
-- Input: ``scores[i]`` is the scalar reward of response i; ``index[i]`` names its group (the
-  prompt uid: all n responses to one prompt share it). Groups are arbitrary hashable labels in
-  any order; rows of a group need not be contiguous.
-- Output is token-aligned (B, L): ``advantages[i, t] = a_i * loss_mask[i, t]``, so it is 0 on
-  prompt and padding tokens and constant over the response tokens of a sequence.
-- grpo: a_i = (r_i - mean_g) / (std_g + epsilon), std the unbiased (Bessel) sample std of the
-  group, as in verl (``torch.std``). With ``norm_adv_by_std_in_grpo=False`` a_i = r_i - mean_g
-  (Dr.GRPO, https://arxiv.org/abs/2503.20783; pair it with loss_agg_mode
-  ``seq-mean-token-sum-norm`` to also drop the per-sequence length normalisation).
-- rloo: a_i = r_i - mean of the other responses of the group = n/(n-1) * (r_i - mean_g).
-- A group of size 1 has no baseline, so its advantage is 0 (no gradient). verl instead uses
-  mean 0 and std 1 there, i.e. a_i = r_i; we deliberately do not push a lone sample by its raw
-  reward.
-- Group statistics are computed in float64 and vectorised (no Python loop over groups); the
-  result does not depend on the order of the rows.
-- gae: verl's ``compute_gae_advantage_return`` on the full (B, L) sequence: the score is the reward
-  of the last response token, ``values[i, t]`` is the critic's value of the state before token t
-  (aligned like the log-probs), prompt and padding tokens are skipped by the recursion (so the
-  result equals verl's on the response slice), the advantages are whitened over all valid tokens
-  of the batch (unbiased variance, verl's ``masked_whiten``), and returns = raw advantages + values.
-  Unlike verl, advantages and returns are 0 outside the response mask.
+- ``scores[i]`` is response i's scalar reward; ``index[i]`` its group (the prompt uid), any
+  hashable label, rows of a group in any order.
+- Output is (B, L) ``advantages[i, t] = a_i * loss_mask[i, t]``: 0 on prompt and padding.
+- grpo: a_i = (r_i - mean_g) / (std_g + epsilon), std unbiased (verl's ``torch.std``);
+  ``norm_adv_by_std_in_grpo=False``: a_i = r_i - mean_g (Dr.GRPO, arXiv 2503.20783).
+- rloo: a_i = r_i - mean of the group's others = n/(n-1) * (r_i - mean_g).
+- A group of one has no baseline, so advantage 0 (verl uses a_i = r_i: we do not push a lone
+  sample by its raw reward).
+- Group statistics are float64 and vectorised; the row order does not matter.
+- gae: verl's ``compute_gae_advantage_return`` on the full (B, L) rows: the score on the last
+  response token, ``values[i, t]`` the value of the state before token t, prompt and padding
+  skipped by the recursion, advantages whitened over the batch's valid tokens, returns = raw
+  advantages + values; both 0 outside the response mask (unlike verl).
 """
 
 from __future__ import annotations
@@ -90,8 +82,7 @@ def group_outcome_advantages(
 
 
 def last_token_rewards(*, scores, response_mask: torch.Tensor) -> torch.Tensor:
-    """verl's ``token_level_rewards`` (B, L) float32: ``scores[i]`` on the last response token of row i
-    (the last position where ``response_mask`` is 1), 0 elsewhere; a row without response tokens gets none."""
+    """(B, L) float32 ``token_level_rewards``: ``scores[i]`` on row i's last response token, 0 elsewhere."""
     scores = validated_scores(scores)
     if scores.shape[0] != response_mask.shape[0]:
         raise AdvantageInputError(
@@ -109,9 +100,7 @@ def last_token_rewards(*, scores, response_mask: torch.Tensor) -> torch.Tensor:
 def compute_gae(
     *, token_level_rewards: torch.Tensor, values: torch.Tensor, response_mask: torch.Tensor, gamma: float, lam: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantages, returns), both (B, L) float32, as verl's ``compute_gae_advantage_return``: the
-    backward GAE recursion over the valid tokens, returns = advantages + values, then the advantages
-    whitened over the valid tokens; both 0 outside ``response_mask``."""
+    """(advantages, returns), (B, L) float32, as verl's ``compute_gae_advantage_return``; 0 off the response."""
     if not (token_level_rewards.shape == values.shape == response_mask.shape and values.dim() == 2):
         raise AdvantageInputError(
             f"token_level_rewards {tuple(token_level_rewards.shape)}, values {tuple(values.shape)} and response_mask "
@@ -145,8 +134,7 @@ class AdvantageOutput(NamedTuple):
     advantages: torch.Tensor
     """0 on prompt and padding tokens."""
     returns: torch.Tensor | None
-    """The critic's regression targets (gae); ``compute_advantages`` gives None for its outcome
-    estimators, the registry (estimators.py) verl's second output for every estimator."""
+    """The critic's regression targets (gae); None from ``compute_advantages``'s outcome estimators."""
 
 
 def compute_grpo_outcome_advantage(
@@ -180,9 +168,7 @@ def compute_advantages(
     gamma: float = 1.0,
     lam: float = 1.0,
 ) -> AdvantageOutput:
-    """Token-aligned (B, L) float32 advantages for an estimator in ADV_ESTIMATORS: ``a_i * loss_mask[i, t]``
-    for the outcome estimators; GAE from ``values`` (the critic's, aligned like the log-probs) with
-    ``gamma`` and ``lam`` for gae, which also gives the returns."""
+    """(B, L) float32 advantages of an estimator in ADV_ESTIMATORS (gae: from ``values``, with returns)."""
     if loss_mask.dim() != 2:
         raise AdvantageInputError(f"loss_mask must be (B, L), got shape {tuple(loss_mask.shape)}")
     if adv_estimator == "gae":

@@ -1,21 +1,14 @@
 """clip_cov's and kl_cov's token selections over the whole mini-batch, from the local slices of every
 micro-batch of every rank (global_loss_modes.py states the formulas).
 
-verl computes these statistics over the batch one loss call sees (a micro-batch), so its selection
-depends on the micro-batch size. Here the means, the token count N and the top-k run over the whole
-mini-batch (all micro-batches, all DP and SP ranks), so the loss is layout-invariant; with the
-mini-batch as one micro-batch on one rank it is verl's (clip_cov: whenever the draw keeps every
-candidate, i.e. k >= the number of candidates; a smaller draw is uniform in both but not the same one).
+Means, N and top-k run over the whole mini-batch (clip_cov equals verl's draw when k >= the
+candidates; a smaller draw is uniform in both, not the same). The caller supplies ``world_sum``
+(in-place SUM over every rank) and ``world_gather`` (equal 1-D tensors, concatenated in rank order).
 
-The caller supplies the collectives: ``world_sum`` (in-place SUM over every rank) and ``world_gather``
-(an equal-sized 1-D tensor per rank -> their concatenation in rank order, with this rank's index).
-
-Selection of exactly k tokens by the smallest keys: each rank sends its k smallest keys (padded), the
-k-th smallest of the gathered ones is the threshold t; every key < t is selected, and of the keys == t
-the first ones in rank order, so exactly k are selected. Keys: kl_cov, -cov; clip_cov, a hash of
-(the sequence's token ids, the token's position, the step), so the uniform draw does not depend on
-which rank or micro-batch holds the token. Tokens with equal keys are equal tokens of equal sequences
-(same loss, same gradient), so which of them is taken does not change the loss.
+Exactly k tokens by smallest keys: each rank sends its k smallest, the k-th smallest gathered key
+is the threshold, every smaller key is selected and ties go in rank order. Keys: kl_cov -cov;
+clip_cov a hash of (sequence token ids, position, step), independent of the holding rank. Equal
+keys are equal tokens of equal sequences, so the tie choice does not change the loss.
 """
 
 from __future__ import annotations
@@ -32,8 +25,7 @@ HASH_MULTIPLIERS = (48271, 69621)
 
 
 def sequence_fingerprint_terms(input_ids: Tensor, position_ids: Tensor) -> Tensor:
-    """Per-token float64 terms whose sum over a sequence fingerprints its token ids (exact integers < 2^53:
-    each term is < 2^31 and a sequence has far fewer than 2^22 tokens)."""
+    """Per-token float64 terms whose sum over a sequence fingerprints its token ids (exact below 2^53)."""
     coef = (position_ids.long() * 2654435761 + 97) % HASH_MODULUS
     return ((input_ids.long() % HASH_MODULUS) * coef % HASH_MODULUS).double()
 

@@ -1,10 +1,8 @@
 """What an advantage estimator receives: the batch's tensors and verl's ``algorithm.*`` settings.
 
-Layout (ours, not verl's): every per-token tensor is (B, L) over whole rows (prompt + response,
-right-padded), ``response_mask`` is 1 exactly on the response tokens whose log-prob the loss uses
-(our ``loss_mask``). verl's tensors hold the response slice only; because every estimator skips
-masked tokens (or works on response-relative positions, see ``response_positions``), the values on
-response tokens equal verl's on the same responses.
+Every per-token tensor is (B, L) over whole rows (prompt + response, right-padded);
+``response_mask`` is 1 exactly on the loss's response tokens. Estimators skip masked tokens (or count
+positions from the first response token), so values on response tokens equal verl's on its slices.
 """
 
 from __future__ import annotations
@@ -22,12 +20,10 @@ __all__ = ["AdvantageInputs", "AdvantageOutput", "AdvantageParams"]
 
 @dataclass(frozen=True)
 class AdvantageInputs:
-    """The batch columns an estimator may read; each estimator's registry entry names the optional ones
-    it needs (``estimators.ADV_ESTIMATOR_REGISTRY[name].inputs``)."""
+    """The batch columns an estimator may read (optional ones: ``ADV_ESTIMATOR_REGISTRY[name].inputs``)."""
 
     token_level_rewards: torch.Tensor
-    """(B, L): the reward of each token (the outcome score on the last response token, minus the KL
-    penalty per token with ``use_kl_in_reward``); verl's ``token_level_rewards``."""
+    """(B, L) per-token reward (score on the last response token, minus any in-reward KL penalty)."""
     response_mask: torch.Tensor
     """(B, L): 1 on the response tokens the loss trains on."""
     index: Any = None
@@ -67,7 +63,6 @@ class AdvantageParams:
     gdpo_reward_weights: Sequence[float] | None = None
     """gdpo: one weight per component (null = all 1)."""
     otb_handle_zero_tail: bool = True
-    """Optimal-token baselines: no baseline on the part of a group's single longest response past the
-    second longest (verl's ``handle_zero_tail``, not a config key in verl)."""
+    """Optimal-token baselines: none past the second-longest response of a group (verl's ``handle_zero_tail``)."""
     otb_epsilon: float = 1e-8
     """Optimal-token baselines: added to the baseline's denominator."""

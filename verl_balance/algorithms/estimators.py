@@ -1,16 +1,13 @@
-"""The advantage-estimator registry: verl 0.9.1's ``algorithm.adv_estimator`` names (plus our drgrpo),
+"""The advantage-estimator registry: verl's ``algorithm.adv_estimator`` names (plus our drgrpo),
 each with the batch inputs it needs, so a trainer checks them at start-up.
 
 Invariants:
-- ``ADV_ESTIMATOR_REGISTRY[name].inputs`` lists every optional ``AdvantageInputs`` field the
-  estimator reads; ``token_level_rewards`` and ``response_mask`` are always needed. ``check_estimator``
-  fails naming ``algorithm.adv_estimator`` for an unknown name or an input the trainer cannot supply.
-- Every estimator takes ``(*, inputs: AdvantageInputs, params: AdvantageParams)`` and returns
-  ``AdvantageOutput`` with (B, L) float32 tensors that are 0 outside ``response_mask``; on response
-  tokens it equals verl's function of the same name on the response slice (tests/algorithms), except
-  where ``advantages.py`` documents our convention (a group of one gets advantage 0 in grpo, drgrpo,
-  rloo and their ``*_vectorized`` twins).
-- The families' formulas are in ``outcome_estimators`` and ``token_estimators``.
+- ``ADV_ESTIMATOR_REGISTRY[name].inputs`` lists every optional ``AdvantageInputs`` field it
+  reads; ``check_estimator`` fails naming ``algorithm.adv_estimator`` for an unknown name or an
+  input the trainer cannot supply.
+- Every estimator takes ``(*, inputs, params)`` and returns (B, L) float32 tensors, 0 outside
+  ``response_mask``, equal to verl's on the response slice (tests/algorithms) except where
+  ``advantages.py`` documents ours (a group of one gets advantage 0 in grpo, drgrpo, rloo).
 """
 
 from __future__ import annotations
@@ -72,16 +69,14 @@ def estimator_spec(adv_estimator: str) -> EstimatorSpec:
 
 
 def required_inputs(adv_estimator: str, params: AdvantageParams | None = None) -> tuple[str, ...]:
-    """The optional inputs this estimator needs with these settings (gdpo with
-    ``gdpo_reward_keys`` also needs ``reward_components``)."""
+    """The optional inputs needed with these settings (gdpo with ``gdpo_reward_keys``: ``reward_components``)."""
     spec = estimator_spec(adv_estimator)
     extra = ("reward_components",) if adv_estimator == "gdpo" and params and params.gdpo_reward_keys else ()
     return spec.inputs + extra
 
 
 def check_estimator(adv_estimator: str, *, available: Iterable[str], params: AdvantageParams | None = None) -> None:
-    """Start-up check: raise naming ``algorithm.adv_estimator`` when an input it needs is not in ``available``
-    (the ``AdvantageInputs`` field names the trainer will supply)."""
+    """Raise naming ``algorithm.adv_estimator`` when a needed input is not in ``available``."""
     missing = [name for name in required_inputs(adv_estimator, params) if name not in set(available)]
     if missing:
         raise AdvantageInputError(

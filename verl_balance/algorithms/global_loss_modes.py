@@ -1,49 +1,30 @@
 """verl's policy-loss modes whose per-token loss needs a quantity reduced over a whole sequence or
-over the whole mini-batch, and the reductions the engine must supply.
+the whole mini-batch, and the reductions the engine must supply.
 
-One SP rank holds a slice of each packed sequence and one DP rank a subset of the sequences, so
-these modes cannot be computed from the local slice. Each function takes the reduced quantities
-in ``reduced`` (per-token tensors aligned with ``log_probs``, detached), so the loss itself stays
-per token and goes through the loss contract. ``reference_reductions`` computes them for a batch
-held whole on one process ((B, L) rows, one sequence per row): the single-process reference.
+Each function takes its reduced quantities in ``reduced`` (per token, aligned with ``log_probs``,
+detached), so the loss stays per token under the loss contract; ``reference_reductions`` is the
+single-process reference. x = log_prob - old_log_prob, m the loss mask, n_i = sum of m over
+sequence i, N the contract's token count:
 
-Reductions (x = log_prob - old_log_prob of the current forward, m the loss mask, n_i = sum of m over
-sequence i, the full-sequence count the engine already has):
+- ``seq_mean_log_ratio`` (gspo): s_i = sum_t(x m) / max(n_i, 1), summed over the SP group.
+- ``seq_mean_clipped_log_ratio``, ``seq_mean_advantage`` (geo_mean): mu_i = sum_t(x' m) / (n_i + 1e-8),
+  A_i = sum_t(A m) / (n_i + 1e-8); with IS weights ``seq_is_weight`` =
+  exp(sum_t(log(w + 1e-10) m) / (n_i + 1e-8)).
+- ``clip_cov_drop`` (clip_cov): cov = (A - mean_A)(log_prob - mean_lp), means over the
+  mini-batch; of the loss-mask tokens PPO did not clip with clip_cov_lb < cov < clip_cov_ub,
+  k = max(int(clip_cov_ratio * N), 1) are dropped (batch_selection.py).
+- ``kl_cov_select`` (kl_cov): the k = max(1, int(kl_cov_ratio * N)) loss-mask tokens of largest cov.
 
-- ``seq_mean_log_ratio`` (gspo): s_i = sum_t(x m) / max(n_i, 1), broadcast to sequence i's tokens.
-  Engine: per-sequence sums of x*m on the local slice, all-reduce SUM over the SP group (a sequence
-  never spans DP ranks or micro-batches), divided by n_i. Detached, so no autograd across ranks.
-- ``seq_mean_clipped_log_ratio``, ``seq_mean_advantage`` (geo_mean): mu_i = sum_t(x' m) / (n_i + 1e-8)
-  with x' the sign-aware clipped log-ratio below, and A_i = sum_t(A m) / (n_i + 1e-8); the same
-  SP-group per-sequence sums. With rollout IS weights also ``seq_is_weight`` = exp(sum_t(log(w + 1e-10)
-  m) / (n_i + 1e-8)).
-- ``clip_cov_drop`` (clip_cov): 1 on the tokens whose loss is dropped. With global means
-  mean_A = sum(A m) / N and mean_lp = sum(log_prob m) / N over the mini-batch (all-reduce SUM over
-  the world: DP ranks hold disjoint sequences and SP ranks disjoint tokens; N = the contract's
-  token count), cov = (A - mean_A)(log_prob - mean_lp); a candidate is a loss-mask token that PPO's
-  clip did not already clip with clip_cov_lb < cov < clip_cov_ub; k = max(int(clip_cov_ratio * N), 1)
-  candidates are drawn uniformly at random, batch-wide. A layout-invariant draw: a key per token from
-  (the step, a fingerprint of the sequence's token ids, the position), then the k smallest keys among
-  the candidates (a global top-k over the world: batch_selection.py).
-- ``kl_cov_select`` (kl_cov): 1 on the k = max(1, int(kl_cov_ratio * N)) loss-mask tokens of largest
-  cov (same global means, detached log-probs): a global top-k over the world.
+verl takes clip_cov's and kl_cov's statistics per micro-batch; these equal verl's with one
+micro-batch holding the mini-batch, at any layout.
 
-verl computes clip_cov's and kl_cov's statistics per micro-batch (the batch its loss function
-sees), so in verl they depend on the micro-batch size; the global reductions above make them
-layout-invariant, equal to verl's with one micro-batch holding the whole mini-batch. Because they
-select by the *current* log-probs, a token's selection is known only after the forward of every
-micro-batch: the engine runs a no-grad forward over the mini-batch first (``TrainEngine._batch_selections``).
-
-Per token (r = exp(x), [lo, hi] the clip range, A the advantage):
-- gspo (https://arxiv.org/abs/2507.18071): log r_seq = min(log_prob - sg(log_prob) + s_i, 10),
-  pg = max(-A r_seq, -A clip(r_seq, 1 - lo, 1 + hi)): value from the sequence ratio, gradient per token.
-- geo_mean (GMPO, https://arxiv.org/abs/2507.20673): verl's per-sequence loss is
-  L_i = -A_i exp(mu_i), averaged over sequences. The per-token surrogate
-  pg = -A_i sg(exp(mu_i)) (1 + x' - sg(x')) with seq-mean-token-mean weights m / (n_i S) has exactly
-  the value sum_i L_i / S and the gradient of verl's loss (d mu_i / d x' = m / n_i). So geo_mean needs
-  loss_agg_mode seq-mean-token-mean (``LOSS_MODE_REGISTRY``'s ``agg_mode``).
-  x' = sign(A) min(sign(A) x, sign(A) clamp(x, -lo, hi)) (x not clamped to +-20, as verl).
-- clip_cov: pg = max(-A r, -A clip(r, 1 - lo, 1 + hi)) * (1 - drop), r = exp(x) unclamped.
+Per token (r = exp(x), [lo, hi] the clip range):
+- gspo (arXiv 2507.18071): log r_seq = min(log_prob - sg(log_prob) + s_i, 10),
+  pg = max(-A r_seq, -A clip(r_seq, 1 - lo, 1 + hi)).
+- geo_mean (GMPO, arXiv 2507.20673): pg = -A_i sg(exp(mu_i)) (1 + x' - sg(x')) has the value and
+  gradient of verl's -A_i exp(mu_i) under seq-mean-token-mean weights, hence that ``agg_mode``;
+  x' = sign(A) min(sign(A) x, sign(A) clamp(x, -lo, hi)).
+- clip_cov: pg = max(-A r, -A clip(r, 1 - lo, 1 + hi)) * (1 - drop), r unclamped.
 - kl_cov: pg = -A r + ppo_kl_coef * |x| on the selected tokens, -A r elsewhere.
 """
 

@@ -1,12 +1,10 @@
 """Vectorised group and masked statistics shared by the advantage estimators.
 
 Invariants:
-- No Python loop over groups or rows: every statistic is one ``index_add_`` / ``scatter_reduce_``
-  over dense group ids, so the result does not depend on the order of the rows.
-- Group statistics are float64 (callers pass float64 values); std is the unbiased (Bessel) sample
-  std, verl's ``torch.std``; a group of one has std 0 here (callers decide what a singleton means).
-- ``masked_whiten`` is verl's ``masked_whiten``: (x - mean) * rsqrt(unbiased var + 1e-8) over the
-  masked elements, the means taken as sum / (count + 1e-8).
+- One ``index_add_`` / ``scatter_reduce_`` over dense group ids, no loop: row order is irrelevant.
+- Group statistics are float64; std is the unbiased sample std (verl's ``torch.std``); a group of
+  one has std 0 here (callers decide what a singleton means).
+- ``masked_whiten`` is verl's: (x - mean) * rsqrt(unbiased var + 1e-8), means as sum / (count + 1e-8).
 """
 
 from __future__ import annotations

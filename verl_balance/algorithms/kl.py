@@ -1,14 +1,8 @@
 """Per-token KL estimators between the current policy and a reference policy.
 
-Invariants:
-- Every estimator is elementwise: output[..., t] depends only on log_probs[..., t] and
-  ref_log_probs[..., t], so it can be evaluated on any packed, sliced or padded layout and
-  aggregated afterwards by the loss contract (padding is removed by the loss mask there).
-- With x = log p(tok) - log p_ref(tok) and tokens sampled from p (Schulman, "Approximating
-  KL divergence", 2020): k1 = x (unbiased, high variance), k2 = x^2 / 2, abs = |x|,
-  low_var_kl = k3 = exp(-x) + x - 1 >= 0 (unbiased, low variance).
-- low_var_kl matches verl: the log-ratio is clamped to [-20, 20] before exp and the result to
-  [-10, 10], so a single wild token cannot produce inf/NaN.
+Elementwise (any packed, sliced or padded layout; the loss contract masks padding). With
+x = log p - log p_ref (Schulman 2020): k1 = x, k2 = x^2 / 2, abs = |x|,
+low_var_kl = k3 = exp(-x) + x - 1 >= 0, clamped as verl (x to [-20, 20], result to [-10, 10]).
 """
 
 from __future__ import annotations

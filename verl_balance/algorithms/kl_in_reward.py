@@ -1,15 +1,13 @@
 """verl's KL penalty in the reward (``algorithm.use_kl_in_reward``) and its coefficient controllers.
 
-Invariants (verl 0.9.1's ``apply_kl_penalty`` and ``core_algos.{Fixed,Adaptive}KLController``):
-- token_level_rewards = token_level_scores - beta * kl * m, with kl the per-token estimator
-  ``kl_penalty`` of (old_log_probs, ref_log_probs), m the loss mask and beta the controller's value
-  *before* this step's update.
-- current_kl = the mean over rows of each row's masked token mean (sum / (count + 1e-8), so an
-  empty row counts as 0); the controller is then updated with (current_kl, n_steps = rows).
+Invariants (verl's ``apply_kl_penalty`` and ``core_algos.{Fixed,Adaptive}KLController``):
+- token_level_rewards = token_level_scores - beta * kl * m, kl the ``kl_penalty`` estimator of
+  (old_log_probs, ref_log_probs), beta the controller's value *before* this step's update.
+- current_kl = the mean over rows of each row's masked token mean (sum / (count + 1e-8)); the
+  controller is updated with (current_kl, n_steps = rows).
 - Adaptive: beta *= 1 + clip(current_kl / target_kl - 1, -0.2, 0.2) * n_steps / horizon; fixed:
-  beta never changes. The coefficient is driver state: trainers checkpoint ``value``.
-- Elementwise per token apart from the row means, so it runs on the driver's whole batch; the
-  penalty changes the rewards, never the loss.
+  constant. ``value`` is driver state that trainers checkpoint.
+- The penalty changes the rewards on the driver's whole batch, never the loss.
 """
 
 from __future__ import annotations
@@ -57,8 +55,7 @@ def build_kl_controller(*, type: str, kl_coef: float, target_kl: float, horizon:
 
 
 def in_reward_kl_type(name: str) -> str:
-    """``algorithm.kl_penalty`` -> one of kl.KL_ESTIMATORS; verl's straight-through suffix ``+`` changes
-    only a gradient, and rewards carry none, so ``k3+`` is ``k3`` here."""
+    """``algorithm.kl_penalty`` -> one of kl.KL_ESTIMATORS (``k3+`` is ``k3``: rewards carry no gradient)."""
     try:
         return canonical_kl_type(name[:-1] if name.endswith("+") else name)
     except ValueError:

@@ -1,19 +1,15 @@
-"""The policy-loss mode registry: verl 0.9.1's ``actor.policy_loss.loss_mode`` names, each a per-token
-loss under the loss contract, with the reductions the engine must supply and its aggregation.
+"""The policy-loss mode registry: verl's ``actor.policy_loss.loss_mode`` names, each a per-token loss
+under the loss contract, with the reductions the engine must supply and its aggregation.
 
 Invariants:
-- ``policy_token_loss`` returns the per-token loss and per-token detached metrics (no reduction:
-  the engine applies ``loss.compute_token_weights``). Per token it is
+- ``policy_token_loss`` returns per-token loss and detached metrics, unreduced:
       loss = pg * w_IS + kl_loss_coef * kl(log_prob, ref_log_prob) - entropy_coeff * entropy
-  (w_IS = ``rollout_is_weights`` when given, for the modes verl applies them to), so one set of
-  weights aggregates verl's pg_loss, kl_loss and entropy terms alike.
-- ``LOSS_MODE_REGISTRY[name].reductions`` names the quantities reduced over a sequence or the
-  mini-batch that the mode reads from ``reduced`` (global_loss_modes.py and rollout_correction.py
-  say which collective gives each); ``reference_reductions`` computes them for a batch held whole
-  on one process. Modes without reductions are exact on any SP slice as they stand.
-- ``agg_mode``: sapo and geo_mean are aggregated seq-mean-token-mean in verl whatever
-  ``loss_agg_mode`` says; a trainer must use that mode for them (their KL / entropy terms then use
-  it too, which verl aggregates with ``loss_agg_mode``: equal when the two agree).
+  (w_IS = ``rollout_is_weights`` for the modes verl applies them to).
+- ``LOSS_MODE_REGISTRY[name].reductions`` names what the mode reads from ``reduced``;
+  ``reference_reductions`` computes it for a batch held whole. Modes without reductions are exact
+  on any SP slice as they stand.
+- ``agg_mode``: verl aggregates sapo and geo_mean seq-mean-token-mean whatever ``loss_agg_mode``
+  says; a trainer must use that mode for them.
 - With one micro-batch holding the mini-batch, J = sum(w * pg) equals verl's function of the same
   name with its ``agg_loss``, value and gradient (tests/algorithms).
 """
@@ -75,7 +71,7 @@ LOSS_MODE_REGISTRY: dict[str, LossModeSpec] = {
     "dppo_kl": LossModeSpec(tok.dppo_kl),
     "bypass_mode": LossModeSpec(rc.bypass_mode, applies_is_weights=False),
 }
-"""verl 0.9.1's 12 policy-loss modes."""
+"""verl's 12 policy-loss modes."""
 
 
 @dataclass
@@ -97,15 +93,12 @@ class LossModeKeys:
     dro_beta: float | None = None
     """dro: weight of the quadratic log-ratio penalty (required, > 0)."""
     rollout_correction: rc.RolloutCorrectionConfig = field(default_factory=rc.RolloutCorrectionConfig)
-    """bypass_mode: its loss type, IS weights and rejection (verl's ``policy_loss.rollout_correction``, which
-    verl's trainer fills from ``algorithm.rollout_correction`` with bypass_mode=true; its bypass_mode key
-    has no effect here)."""
+    """bypass_mode's loss type, IS weights and rejection (verl's ``policy_loss.rollout_correction``)."""
 
 
 @dataclass
 class LossModeConfig(LossModeKeys):
-    """``LossModeKeys`` plus the actor's ``tau_pos`` / ``tau_neg`` (SAPO), with verl's defaults. The clip
-    range and dual clip come from ``PolicyLossConfig`` (the actor's keys)."""
+    """``LossModeKeys`` plus SAPO's ``tau_pos`` / ``tau_neg``; clip range and dual clip: ``PolicyLossConfig``."""
 
     tau_pos: float = 1.0
     """sapo: gate temperature for positive advantages (verl's ``actor.tau_pos``)."""
@@ -179,8 +172,7 @@ def policy_token_loss(
 
 
 SEQUENCE_REDUCED_MODES = ("gspo", "geo_mean")
-"""Modes whose reductions are per-sequence means, which the engine's ``sequence_sum`` (a SUM over
-the SP group of each sequence's local slice) gives exactly on any layout."""
+"""Modes whose reductions are per-sequence means, exact on any layout via the engine's ``sequence_sum``."""
 
 
 def sequence_reductions(
@@ -194,8 +186,7 @@ def sequence_reductions(
     sequence_sum,
     rollout_is_weights: Tensor | None = None,
 ) -> dict[str, Tensor]:
-    """gspo's / geo_mean's ``reduced`` on one SP slice: the same formulas as ``reference_reductions``
-    with each row sum replaced by ``sequence_sum`` (per-token local values -> their full sequence's sum)."""
+    """gspo's / geo_mean's ``reduced`` on one SP slice (``reference_reductions`` over ``sequence_sum``)."""
     mask = loss_mask.to(log_probs.dtype)
     count = sequence_sum(mask)
     if mode.loss_mode == "gspo":
@@ -215,22 +206,15 @@ def sequence_reductions(
 
 
 BATCH_SELECTED_MODES = ("clip_cov", "kl_cov")
-"""Modes whose reductions are token selections over the whole mini-batch (batch_selection.py), which
-the engine computes from a no-grad forward of every micro-batch before the update's forwards."""
+"""Modes whose reductions are mini-batch token selections (batch_selection.py), from a no-grad forward."""
 
 
 class ModeLoss(PPOLoss):
-    """``PPOLoss`` with verl's ``policy_loss.loss_mode``: the per-token loss of ``policy_token_loss``.
+    """``PPOLoss`` with verl's ``policy_loss.loss_mode``, the same on any (dp, sp) layout and micro-batching.
 
-    Per-token modes need nothing more; gspo and geo_mean ask the engine for ``sequence_sum``
-    (``needs_sequence_sums``) and reduce their per-sequence means with it; clip_cov and kl_cov ask for
-    their mini-batch-wide selection (``needs_batch_selection``: the engine calls ``batch_selections``
-    with every micro-batch's current log-probs and the world collectives, and hands each micro-batch
-    its part as ``batch_selection``). So the loss is the same on any (dp, sp) layout and micro-batching.
-    bypass_mode's rejection and sequence-level IS weights take per-sequence sums (``sequence_sum``) and
-    its ``rollout_is_batch_normalize`` the mini-batch's mean of the weights (``needs_batch_selection``:
-    ``batch_selections`` sums rollout_correction.is_batch_mean_terms over the world).
-    """
+    gspo and geo_mean ask for ``sequence_sum`` (``needs_sequence_sums``); clip_cov, kl_cov and
+    bypass_mode's ``rollout_is_batch_normalize`` ask for ``batch_selections`` over the mini-batch
+    (``needs_batch_selection``); bypass_mode's rejection uses ``sequence_sum``."""
 
     def __init__(self, config: PolicyLossConfig, *, mode: LossModeConfig, **kwargs):
         super().__init__(config, **kwargs)
@@ -245,10 +229,7 @@ class ModeLoss(PPOLoss):
     def batch_selections(
         self, *, log_probs, inputs, sequence_sums, seed: int, num_tokens: int, world_sum, world_gather
     ) -> list[dict[str, Tensor]]:
-        """Per micro-batch, clip_cov's / kl_cov's ``reduced`` selection of its local tokens
-        (batch_selection.covariance_selections over the whole mini-batch; ``sequence_sums[i]`` is the
-        engine's ``sequence_sum`` of micro-batch i, ``seed`` the step that varies clip_cov's draw), or
-        bypass_mode's {"bypass_is_mean_terms"}: the mini-batch's sums of is_batch_mean_terms."""
+        """Per micro-batch, its part of clip_cov's / kl_cov's mini-batch selection, or bypass_mode's mean terms."""
         if self.normalizes_is_weights:
             return self._is_mean_terms(
                 log_probs=log_probs, inputs=inputs, sequence_sums=sequence_sums, world_sum=world_sum

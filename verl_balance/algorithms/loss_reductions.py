@@ -1,11 +1,9 @@
 """The reduced quantities of the policy-loss modes for a mini-batch held whole on one process.
 
-``reference_reductions`` takes (B, L) tensors, one sequence per row (all of the mini-batch's tokens),
-and returns the ``reduced`` mapping ``loss_modes.policy_token_loss`` reads: what the engine computes
-with SP-group and world reductions (global_loss_modes.py, rollout_correction.py), computed here
-directly. It is the single-process reference of those reductions, and what a world of one uses.
-clip_cov's random draw follows verl's (``torch.randperm`` over the candidates in row-major order,
-from ``generator``, the default generator when None), so with the same seed it drops the same tokens.
+``reference_reductions`` takes (B, L) rows, one sequence each, and returns the ``reduced`` mapping
+that the engine otherwise computes with SP-group and world reductions: the single-process
+reference, and what a world of one uses. clip_cov's draw is verl's (``torch.randperm`` over the
+candidates in row-major order from ``generator``), so a seed drops the same tokens as verl.
 """
 
 from __future__ import annotations

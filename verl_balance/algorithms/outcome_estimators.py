@@ -1,22 +1,17 @@
 """Outcome estimators: one scalar score per response (the row sum of ``token_level_rewards``),
-compared within its group (the responses to one prompt), broadcast over the response tokens.
+compared within its group, broadcast over the response tokens (``a_i * response_mask``).
 
-Invariants (with r_i the score of row i, g its group of n_g rows, mean_g / std_g the group's mean
-and unbiased std, float64, vectorised over groups; every output is ``a_i * response_mask``):
-- grpo, drgrpo, rloo and their verl twins grpo_vectorized, rloo_vectorized use
-  ``advantages.group_outcome_advantages``, so a group of one gets advantage 0 (documented there).
-- opo: a_i = r_i - sum_g(len_j r_j) / sum_g(len_j), len = response tokens (length-weighted
-  baseline, https://arxiv.org/abs/2505.23585); a group of one: baseline 0 (verl).
-- grpo_passk: only the best response of each group (the first row of the group's maximum) gets
-  a = r_max - r_second_max (/ (std_g + eps) with norm_adv_by_std_in_grpo); every group needs at
-  least 2 rows (https://arxiv.org/abs/2503.19595).
-- gpg: a_i = alpha * (r_i - mean_g), alpha = B / #{i: r_i != 0} over the batch (1 if no score is
-  non-zero); a group of one: mean 0 (verl).
-- reinforce_plus_plus_baseline: a_i = r_i - mean_g (a group of one: mean 0, verl), broadcast,
-  then whitened over all response tokens of the batch (``group_stats.masked_whiten``).
-- gdpo: each reward component k standardised within its group, (r_k - mean_g) / (std_g + eps)
-  (a group of one: mean 0, std 1, as verl's GRPO), summed with weights w_k, whitened over the
-  response tokens. Without ``gdpo_reward_keys`` the one component is the summed reward.
+Invariants (r_i the score of row i, group g, mean_g / unbiased std_g in float64):
+- grpo, drgrpo, rloo, grpo_vectorized, rloo_vectorized: ``advantages.group_outcome_advantages``
+  (a group of one gets 0).
+- opo: a_i = r_i - sum_g(len_j r_j) / sum_g(len_j) (arXiv 2505.23585); a group of one: baseline 0.
+- grpo_passk: only each group's best row (the first maximum) gets a = r_max - r_second_max
+  (/ (std_g + eps) with norm_adv_by_std_in_grpo); every group needs 2 rows (arXiv 2503.19595).
+- gpg: a_i = alpha * (r_i - mean_g), alpha = B / #{i: r_i != 0} (1 if none); singleton mean 0.
+- reinforce_plus_plus_baseline: a_i = r_i - mean_g (singleton mean 0), whitened over the batch's
+  response tokens.
+- gdpo: each reward component standardised in its group (singleton: mean 0, std 1), summed with
+  weights w_k, whitened; without ``gdpo_reward_keys`` the one component is the summed reward.
 """
 
 from __future__ import annotations

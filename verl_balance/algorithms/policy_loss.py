@@ -1,29 +1,21 @@
 """PPO-clip policy loss (with optional dual clip, KL-to-reference and entropy bonus), per token.
 
 Invariants:
-- Everything here is elementwise over tokens: ``loss[..., t]`` depends only on the inputs at
-  ``[..., t]``. No reduction happens here; the engine applies the loss contract weights
-  (``loss_agg_mode``) to the per-token loss and turns the per-token metrics into true global
-  means over the loss-masked tokens of the mini-batch. Hence the result is the same on any
-  (dp, sp) layout, micro-batching or padding.
-- Per-token loss, with ratio r = exp(clamp(log_prob - old_log_prob, -20, 20)) and advantage A
-  (verl's ``vanilla`` policy loss):
+- Elementwise over tokens, no reduction: the engine applies the loss contract weights and turns
+  per-token metrics into global loss-mask means, so the result is the same on any (dp, sp)
+  layout, micro-batching or padding.
+- Per token, r = exp(clamp(log_prob - old_log_prob, -20, 20)) (verl's ``vanilla``):
       pg = max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high))
       if A < 0 and clip_ratio_c is set: pg = min(pg, -A clip_ratio_c)     (dual clip)
       loss = pg * w + kl_loss_coef * kl(log_prob, ref_log_prob) - entropy_coeff * entropy
-  with w the rollout correction's per-token IS weight (``rollout_is_weights`` in the inputs, set by
-  the driver; 1 without it), applied to pg as verl's compute_policy_loss_vanilla does
-  so aggregating ``loss`` with one set of weights equals verl's pg_loss + kl_coef * kl_loss -
-  entropy_coeff * entropy_loss aggregated term by term.
+  with w the rollout correction's IS weight (``rollout_is_weights``, else 1), so one set of weights
+  aggregates to verl's pg_loss + kl_coef * kl_loss - entropy_coeff * entropy_loss.
 - Metrics (detached, per token): pg_loss, pg_clipfrac (the clipped branch is strictly larger),
-  pg_clipfrac_lower (dual clip active), ppo_kl (= old_log_prob - log_prob, the k1 estimate of
-  KL(old || new)), kl_loss (verl's name: the per-token KL to the reference, when use_kl_loss),
-  entropy (when given).
-- On-policy update (``PPOLoss(on_policy=True)``: the step's only optimizer step, on rows sampled
-  with the current weights): old_log_prob is the forward's own ``log_prob.detach()``. Then
-  log_ratio == 0 and ratio == 1 exactly, pg_clipfrac, pg_clipfrac_lower and ppo_kl are 0, and the
-  loss value and gradient (d pg / d log_prob = -A) are exactly those of a separate old-log-prob pass
-  whose values equal this forward's bit for bit (see docs/verl.md section 8).
+  pg_clipfrac_lower (dual clip active), ppo_kl (= old_log_prob - log_prob), kl_loss (verl's
+  name; when use_kl_loss), entropy.
+- ``PPOLoss(on_policy=True)`` (the step's only optimizer step): old_log_prob is the forward's own
+  ``log_prob.detach()``, so ratio == 1 exactly, the clip fractions and ppo_kl are 0, and loss and
+  gradient equal those of a separate old-log-prob pass bit for bit (docs/verl.md section 8).
 """
 
 from __future__ import annotations
@@ -49,11 +41,7 @@ class PolicyLossConfigError(ValueError):
 
 @dataclass
 class PolicyLossConfig:
-    """verl's actor keys: ``actor_rollout_ref.actor.{clip_ratio, ..., entropy_coeff}``.
-
-    The GRPO recipe's ``actor_rollout_ref.actor`` section extends this class, so these keys have
-    one definition and one default.
-    """
+    """verl's ``actor_rollout_ref.actor`` loss keys; the GRPO recipe's actor section extends this class."""
 
     clip_ratio: float = 0.2
     """Clip range of the probability ratio: [1 - low, 1 + high], both default to this."""
@@ -119,8 +107,7 @@ def add_regularizers(
     ref_log_probs: torch.Tensor | None,
     entropy: torch.Tensor | None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """pg + kl_loss_coef * kl - entropy_coeff * entropy per token (each when configured), with the
-    ``kl_loss`` and ``entropy`` metrics added to ``metrics``."""
+    """pg + kl_loss_coef * kl - entropy_coeff * entropy per token, adding the ``kl_loss`` and ``entropy`` metrics."""
     loss = pg
     if config.use_kl_loss:
         kl = kl_penalty(log_probs=log_probs, ref_log_probs=ref_log_probs, kl_type=config.kl_loss_type)
@@ -168,22 +155,12 @@ def ppo_clip_token_loss(
 
 
 class PPOLoss:
-    """The PPO-clip ``LossFn`` for ``TrainEngine.train_step`` / ``eval_loss`` (see verl_balance/loss.py).
-
-    Reads verl's per-token keys from ``inputs`` (target-aligned local slices): ``old_log_probs``,
-    ``advantages`` and, with ``use_kl_loss``, ``ref_log_prob``. Padding and prompt tokens carry
-    advantage 0 and equal log-probs there, so their loss is a finite 0 (weights 0 remove them).
-    """
+    """The PPO-clip ``LossFn`` over ``old_log_probs``, ``advantages`` (and ``ref_log_prob`` with use_kl_loss)."""
 
     def __init__(self, config: PolicyLossConfig, *, report_entropy: bool = True, on_policy: bool = False):
-        """``report_entropy`` asks the engine for per-token entropy even when entropy_coeff == 0.
-
-        ``on_policy``: the old log-probs are this forward's own, detached (the micro-batches carry
-        none). With ``rollout_log_probs`` in the inputs it also reports the rollout-vs-trainer
-        probability gap: the per-token metric ``rollout_probs_diff_mean`` and, over all calls, the
-        local maximum over loss-masked tokens ``rollout_probs_diff_max`` (a 0-d tensor; None before
-        the first call).
-        """
+        """``report_entropy``: entropy even when entropy_coeff == 0. ``on_policy``: old log-probs are this
+        forward's own, detached. With ``rollout_log_probs`` it reports ``rollout_probs_diff_mean`` per
+        token and the running local maximum ``rollout_probs_diff_max`` (0-d tensor; None before a call)."""
         self.config = config
         self.needs_entropy = config.needs_entropy or report_entropy
         self.on_policy = on_policy
@@ -197,10 +174,7 @@ class PPOLoss:
     def __call__(
         self, *, log_probs: torch.Tensor, entropy: torch.Tensor | None, inputs, sequence_sum=None, batch_selection=None
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Per-token loss [T_local] and per-token metrics for one micro-batch slice. ``sequence_sum``
-        (given by the engine when ``needs_sequence_sums``): local per-token values -> the sum over each
-        full sequence, per token; ``batch_selection`` (when ``needs_batch_selection``): this slice's
-        mini-batch-wide token selection (see loss_modes.ModeLoss)."""
+        """Per-token loss [T_local] and metrics of one micro-batch slice (reductions: loss_modes.ModeLoss)."""
         missing = [k for k in self.required_keys() if k not in inputs]
         if missing:
             raise PolicyLossConfigError(f"micro-batch lacks {missing} needed by the PPO loss; it has {sorted(inputs)}")
@@ -258,8 +232,7 @@ class PPOLoss:
         )
 
     def _rollout_probs_diff(self, log_probs: torch.Tensor, inputs) -> torch.Tensor:
-        """|p_rollout - p_trainer| per token (verl's ``training/rollout_probs_diff_*``); keeps the
-        running maximum over loss-masked tokens in ``rollout_probs_diff_max``."""
+        """|p_rollout - p_trainer| per token, updating the running loss-mask maximum."""
         rollout = inputs[ROLLOUT_LOG_PROBS_KEY].to(log_probs.dtype)
         diff = (rollout.exp() - log_probs.detach().exp()).abs()
         if diff.numel():

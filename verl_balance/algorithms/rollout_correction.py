@@ -3,34 +3,25 @@ importance weights and rejection of tokens/sequences by the training-vs-rollout 
 
 With lr = log_prob (current, detached) - rollout_log_prob per token and m the loss mask:
 
-- IS weights (``rollout_is``): token: w_t = exp(clamp(lr_t, -20, 20)); sequence: w_t =
-  exp(clamp(sum_t lr m, -20, 20)) on every token of the sequence; then w * m, and either truncated
-  (TIS, ``rollout_is_threshold`` = upper: min(w, upper)) or zeroed outside [lower, upper] (IcePop,
-  threshold "lower_upper"). ``rollout_is_batch_normalize`` divides by their mean over the
-  mini-batch (token: over loss-mask tokens; sequence: over non-empty sequences of the per-sequence
-  token mean) when that mean exceeds 1e-8.
-- Rejection (``rollout_rs``, comma-separated options, all must pass): per token k1 = -lr,
-  k2 = lr^2 / 2, k3 = exp(lr) - 1 - lr (lr clamped to +-20); ``token_k*`` judge each token,
-  ``seq_sum_k*`` / ``seq_mean_k*`` / ``seq_max_k*`` the sequence's sum / mean / max over its loss-mask
-  tokens and keep or reject the whole sequence. k1 options keep log(lower) <= stat <= log(upper)
-  (threshold "lower_upper", or one value u meaning [1/u, u]); k2/k3 keep stat <= upper.
-- bypass_mode loss (old_log_prob = rollout_log_prob): ``loss_type=ppo_clip`` is vanilla PPO-clip (its
-  ratio already is the IS correction: no weights); ``reinforce`` is -sg(w) A log_prob. Rejected
-  tokens get loss 0; the contract weights still count them (verl's global token count comes from
-  the original mask too). With loss_agg_mode=seq-mean-token-mean and token-level rejection verl
-  divides a sequence's loss by its kept tokens, here by all its loss-mask tokens (the contract's n_i);
-  every other agg mode, and sequence-level rejection, is verl's. Per-token metrics (global loss-mask
-  means, like the loss's others): ``rollout_corr/rollout_is_mean`` (the applied weights) and
-  ``rollout_corr/rollout_rs_masked_fraction`` (1 - keep); verl's other ``rollout_corr/*`` statistics
-  (max, min, std, ESS, per-option fractions) are not logged in bypass mode. Unlike verl's, ppo_kl and
-  the clip fractions are not masked by the rejection, so their means run over every loss-mask token.
+- IS weights (``rollout_is``): token w_t = exp(clamp(lr_t, -20, 20)); sequence w_t =
+  exp(clamp(sum_t lr m, -20, 20)); then w * m, truncated (TIS: min(w, upper)) or zeroed outside
+  [lower, upper] (IcePop, "lower_upper"). ``rollout_is_batch_normalize`` divides by their
+  mini-batch mean (token: over loss-mask tokens; sequence: over non-empty sequences' token means)
+  when it exceeds 1e-8.
+- Rejection (``rollout_rs``, comma-separated, all must pass): k1 = -lr, k2 = lr^2 / 2,
+  k3 = exp(lr) - 1 - lr (lr clamped to +-20); ``token_k*`` per token, ``seq_{sum,mean,max}_k*``
+  over the sequence's loss-mask tokens. k1 keeps log(lower) <= stat <= log(upper) (one value u
+  means [1/u, u]); k2/k3 keep stat <= upper.
+- Loss (old_log_prob = rollout_log_prob): ``ppo_clip`` is vanilla PPO-clip without weights;
+  ``reinforce`` is -sg(w) A log_prob. Rejected tokens get loss 0 but stay in the contract's counts
+  (as verl's global token count). Deviations from verl: with seq-mean-token-mean and token-level
+  rejection a sequence's loss is divided by all its loss-mask tokens, not its kept ones; ppo_kl and
+  the clip fractions are not masked by the rejection; of ``rollout_corr/*`` only
+  ``rollout_is_mean`` and ``rollout_rs_masked_fraction`` (1 - keep) are logged.
 
-Every per-sequence quantity is a per-sequence SUM (seq_max: the number of loss-mask tokens above the
-bound is 0), so ``is_weights`` / ``keep_mask`` take a ``sequence_sum``: ``row_sum`` for a batch held
-whole, the engine's SP-group sum (``TrainEngine.sequence_sum``) on a slice; the results are the same.
-``rollout_is_batch_normalize``'s mean is over the mini-batch: ``is_batch_mean_terms`` are local sums
-whose SUM over the world (every micro-batch, DP and SP rank) gives it (verl takes it over the batch one
-loss call sees, all-reduced over DP: equal with the mini-batch as one micro-batch).
+Every per-sequence quantity is a SUM (seq_max: the count over the bound), so ``is_weights`` /
+``keep_mask`` take a ``sequence_sum`` (``row_sum`` whole, the SP-group sum on a slice); the batch
+mean is the world SUM of ``is_batch_mean_terms``.
 """
 
 from __future__ import annotations
@@ -62,8 +53,7 @@ RS_OPTIONS = (
 IS_LEVELS = ("token", "sequence")
 LOSS_TYPES = ("ppo_clip", "reinforce")
 KEY = "rollout_correction"
-"""Errors name rollout_correction.<key>; the config loader writes the section that holds it in front
-(algorithm. or actor_rollout_ref.actor.policy_loss.)."""
+"""Errors name rollout_correction.<key>; the config loader prefixes the section that holds it."""
 SequenceSum = Callable[[Tensor], Tensor]
 """Per-token values -> the sum over each token's full sequence, per token."""
 
@@ -83,9 +73,7 @@ def _floats(spec, key: str) -> tuple[float, float | None]:
 
 @dataclass
 class RolloutCorrectionConfig:
-    """verl's ``algorithm.rollout_correction`` keys (the defaults of verl's YAML; its dataclass says
-    ``rollout_is="sequence"``, the YAML null). With ``bypass_mode`` verl's trainer copies them into
-    ``actor.policy_loss.rollout_correction`` and sets ``loss_mode=bypass_mode``."""
+    """verl's ``algorithm.rollout_correction`` keys with the defaults of verl's YAML."""
 
     rollout_is: str | None = None
     """IS weight level: token, sequence, or null (no weights)."""
@@ -145,8 +133,7 @@ def token_divergences(log_ratio: Tensor) -> dict[str, Tensor]:
 
 
 def row_sum(values: Tensor) -> Tensor:
-    """(B, L) per-token values of a batch held whole (one sequence per row) -> each row's sum, per token:
-    the single-process ``sequence_sum`` (the engine's sums the sequence's slices over the SP group)."""
+    """(B, L) per-token values of a whole batch -> each row's sum per token (single-process ``sequence_sum``)."""
     return values.sum(-1, keepdim=True).expand_as(values)
 
 
@@ -165,8 +152,7 @@ def is_weights(
 def keep_mask(
     *, log_ratio: Tensor, loss_mask: Tensor, config: RolloutCorrectionConfig, sequence_sum: SequenceSum = row_sum
 ) -> Tensor:
-    """1 where every rejection option keeps the token (or its sequence), 0 where one rejects it.
-    Every sequence statistic is a per-sequence sum, so it is exact on any SP slice."""
+    """1 where every rejection option keeps the token (or its sequence), 0 where one rejects it."""
     token = token_divergences(log_ratio)
     mask = loss_mask.to(log_ratio.dtype)
     keep = torch.ones_like(log_ratio)
@@ -187,10 +173,7 @@ def keep_mask(
 def is_batch_mean_terms(
     weights: Tensor, loss_mask: Tensor, config: RolloutCorrectionConfig, sequence_sum: SequenceSum = row_sum
 ) -> Tensor:
-    """(numerator, denominator) of ``rollout_is_batch_normalize``'s mean, as sums over this slice's tokens
-    (float64), so their SUM over every slice of the mini-batch gives the mean: token level, sum(w m) over
-    sum(m); sequence level, the sum over non-empty sequences of their token mean of w over their number
-    (each token adds w m / n_i and m / n_i; n_i = its full sequence's loss-mask count)."""
+    """(numerator, denominator) float64 sums over this slice; their SUM over the mini-batch gives the mean."""
     w, m = weights.double(), loss_mask.double()
     if config.rollout_is == "token":
         return torch.stack([(w * m).sum(), m.sum()])
@@ -200,8 +183,7 @@ def is_batch_mean_terms(
 
 
 def batch_mean(terms: Tensor, config: RolloutCorrectionConfig) -> float:
-    """The IS weights' mini-batch mean from ``is_batch_mean_terms`` summed over the mini-batch (verl's
-    masked means: token level over count + 1e-8, sequence level over max(count, 1e-8))."""
+    """The IS weights' mini-batch mean from summed ``is_batch_mean_terms`` (verl's masked-mean epsilons)."""
     count = terms[1] + 1e-8 if config.rollout_is == "token" else terms[1].clamp(min=1e-8)
     return float(terms[0] / count)
 
@@ -220,9 +202,7 @@ def bypass_reductions(
     sequence_sum: SequenceSum = row_sum,
     is_mean_terms: Tensor | None = None,
 ) -> dict[str, Tensor]:
-    """bypass_mode's ``reduced`` (module docstring): ``bypass_keep_mask`` with ``rollout_rs``, and with
-    ``loss_type=reinforce`` and ``rollout_is`` the ``bypass_is_weights`` (batch-normalised by
-    ``is_mean_terms``, the mini-batch's summed ``is_batch_mean_terms``, when ``rollout_is_batch_normalize``)."""
+    """bypass_mode's ``reduced``: ``bypass_keep_mask`` and, for reinforce with rollout_is, ``bypass_is_weights``."""
     mask = loss_mask.to(log_probs.dtype)
     log_ratio = log_probs.detach() - old_log_probs
     terms = dict(log_ratio=log_ratio, loss_mask=mask, config=config, sequence_sum=sequence_sum)
@@ -265,12 +245,8 @@ def bypass_mode(*, log_probs, old_log_probs, advantages, config, mode, reduced):
 def decoupled_correction(
     *, old_log_probs: Tensor, rollout_log_probs: Tensor, loss_mask: Tensor, config: RolloutCorrectionConfig
 ) -> tuple[Tensor | None, Tensor, dict[str, float]]:
-    """verl's decoupled mode on the driver's whole batch (``compute_rollout_correction_and_add_to_batch``):
-    (IS weights per token or None, the loss mask with rejected tokens zeroed, ``rollout_corr/*`` metrics).
-
-    The weights multiply each token's policy loss (``rollout_is_weights`` on the wire); the rejected
-    tokens leave the loss mask, so they leave the loss contract's token counts too, as in verl.
-    A batch with no loss-mask token is an error (verl's)."""
+    """verl's decoupled mode on the whole batch: (IS weights or None, the loss mask without rejected
+    tokens, which leave the contract's counts as in verl, ``rollout_corr/*`` metrics); no mask: error."""
     if not loss_mask.any():
         raise ValueError("algorithm.rollout_correction: the batch has no response token to correct")
     mask = loss_mask.to(old_log_probs.dtype)
@@ -292,7 +268,6 @@ def decoupled_correction(
 
 
 def batch_normalize(weights: Tensor, mask: Tensor, config: RolloutCorrectionConfig) -> tuple[Tensor, float]:
-    """``rollout_is_batch_normalize`` on a batch held whole: (the weights over their batch mean, the mean;
-    1.0 when the mean is <= 1e-8 and the weights stay as they are)."""
+    """(weights / their batch mean, the mean); a mean <= 1e-8 leaves the weights and returns 1.0."""
     mean = batch_mean(is_batch_mean_terms(weights, mask, config), config)
     return normalized_is_weights(weights, mean), mean if mean > 1e-8 else 1.0

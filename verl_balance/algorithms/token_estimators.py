@@ -1,24 +1,20 @@
 """Estimators with a value per token: returns-to-go over the response tokens, against a per-token
 baseline (reinforce_plus_plus, remax, the optimal-token baselines) or the critic's values (gae).
 
-Invariants (float64 inside, float32 out; 0 outside the response mask, where verl leaves values
-that no loss reads):
-- Returns G_t skip masked tokens: a prompt, padding or tool-observation token passes the running
-  return on unchanged and gets none (verl's recursion), so G_t on response tokens equals verl's on
-  the response slice.
-- reinforce_plus_plus: G_t = r_t + gamma * G_next over response tokens; advantages = G whitened
-  over all response tokens of the batch; returns = G.
-- remax: G_t = sum of r over the response tokens from t on (gamma 1); advantages = G_t - b_i, b_i
-  the reward of the greedy response to the same prompt (``reward_baselines``); returns = G.
-- optimal_token_baseline (verl's OTB): with pi_t = exp(old
-  log-prob), w_t = (1 - 2 pi_t + sum_pi_squared_t) * rho_t^2 (rho = rollout IS weight, 1 without),
-  W_t = cumulative sum of w over the row's response tokens, the baseline of group g at response
-  position j is B_j = sum_g(G_j W_j) / (sum_g(W_j) + eps) over the group's rows having a response
-  token at j; advantages = G - B. Position j counts from the row's first response token (verl's
-  response slice). A group of one gets no baseline (a = G). With ``otb_handle_zero_tail`` the
-  group's single longest response gets no baseline from the second-longest length on.
-- tir_optimal_token_baseline: the same, but j is the rank of the token among the row's response
-  tokens (tool-observation gaps closed), and rows without response tokens belong to no group.
+Invariants (float64 inside, float32 out, 0 outside the response mask):
+- Returns G_t skip masked tokens (prompt, padding, tool observation pass the running return on),
+  so G_t on response tokens equals verl's on the response slice.
+- reinforce_plus_plus: G_t = r_t + gamma * G_next; advantages = G whitened over the batch's
+  response tokens; returns = G.
+- remax: G_t = sum of r from t on; advantages = G_t - b_i (``reward_baselines``: the greedy
+  response's reward); returns = G.
+- optimal_token_baseline: w_t = (1 - 2 pi_t + sum_pi_squared_t) * rho_t^2 (pi_t = exp(old
+  log-prob), rho the rollout IS weight or 1), W_t = cumulative w over the row's response;
+  B_j = sum_g(G_j W_j) / (sum_g(W_j) + eps) over the group's rows with a response token at
+  position j (counted from the first response token); advantages = G - B. A group of one: a = G.
+  ``otb_handle_zero_tail``: no baseline for the single longest response past the second-longest.
+- tir_optimal_token_baseline: j is the token's rank among the row's response tokens, and rows
+  without response tokens belong to no group.
 - Group aggregation is one ``index_add_`` over (group, position) keys: no loop over groups.
 """
 

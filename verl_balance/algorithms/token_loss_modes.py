@@ -1,25 +1,21 @@
 """verl's policy-loss modes whose per-token loss depends on that token's inputs only.
 
-Every function here returns (pg, metrics): the per-token policy-gradient loss and per-token
-detached metrics, no reduction (the engine applies ``loss.compute_token_weights``), so each is
-layout-invariant as it stands. x = log_prob - old_log_prob, r = exp(clamp(x, -20, 20)) unless
-said otherwise, A the advantage, [lo, hi] = [clip_ratio_low, clip_ratio_high] (verl's keys):
+Each returns (pg, metrics) per token, unreduced, so it is layout-invariant as it stands.
+x = log_prob - old_log_prob, r = exp(clamp(x, -20, 20)) unless said otherwise, A the advantage,
+[lo, hi] = [clip_ratio_low, clip_ratio_high]:
 
 - vanilla: ``policy_loss.ppo_clip_token_loss`` (PPO-clip with dual clip).
-- dppo_tv (https://arxiv.org/abs/2602.04879): pg = -A * sg(min(r, c)) * log_prob * valid, c =
-  clip_ratio_c (no truncation when null), valid = (p - p_old <= hi) if A > 0 else (p - p_old >= -lo),
-  p = exp(log_prob); clip_ratio_{low,high} are total-variation thresholds here.
-- dppo_kl: the same with valid = (KL_bin(p_old || p) <= hi or p <= p_old) if A > 0 else
+- dppo_tv (arXiv 2602.04879): pg = -A * sg(min(r, c)) * log_prob * valid, c = clip_ratio_c (null: none),
+  valid = (p - p_old <= hi) if A > 0 else (p - p_old >= -lo), p = exp(log_prob).
+- dppo_kl: valid = (KL_bin(p_old || p) <= hi or p <= p_old) if A > 0 else
   (KL_bin <= lo or p >= p_old), KL_bin the Bernoulli KL with verl's 1e-8 guards.
-- sapo (https://arxiv.org/abs/2511.20347): pg = -A * sigmoid(tau (r - 1)) * 4 / tau, tau = tau_pos if
-  A > 0 else tau_neg. verl aggregates it with seq-mean-token-mean whatever loss_agg_mode says.
+- sapo (arXiv 2511.20347): pg = -A * sigmoid(tau (r - 1)) * 4 / tau, tau = tau_pos if A > 0 else
+  tau_neg; verl aggregates it with seq-mean-token-mean whatever loss_agg_mode says.
 - gpg: pg = -A * log_prob.
 - dro: pg = -(A * log_prob - beta / 2 * x^2), beta = ``policy_loss.dro_beta`` (> 0, required).
-- cispo (https://arxiv.org/abs/2506.13585): pg = -sg(clip(r, 1 - lo, 1 + hi)) * A * log_prob.
+- cispo (arXiv 2506.13585): pg = -sg(clip(r, 1 - lo, 1 + hi)) * A * log_prob.
 
-Metrics per token (the engine turns them into loss-mask token means, verl's masked_mean):
-``ppo_kl`` = -x (clamped where r is), ``pg_clipfrac``, ``pg_clipfrac_lower`` as verl defines them
-per mode (0 where verl reports 0); gpg reports none, as verl.
+Metrics: ``ppo_kl`` = -x (clamped as r), ``pg_clipfrac``, ``pg_clipfrac_lower`` per mode as verl (gpg: none).
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """PPO's clipped value loss (verl's ``core_algos.compute_value_loss``) under the loss contract.
 
-A ``ValueLossFn`` is the value-model counterpart of ``loss.LossFn``: ``TrainEngine`` (model_type
-"value_model") calls it per micro-batch with ``values`` (the head's prediction at each
-target-aligned packed position of this rank's SP slice, see models/value.py) and ``inputs`` (the
-local slices of every per-token wire tensor, aligned the same way). It returns the per-token loss
-and per-token metrics; the engine applies the contract weights of loss.py (loss_agg_mode over the
-global mini-batch), so the logged loss is verl's ``vf_loss`` over the whole mini-batch at any layout.
+A ``ValueLossFn`` is the value-model ``loss.LossFn``: per-token loss and metrics from ``values``
+(the head's target-aligned predictions on this SP slice) and the local wire ``inputs``; under the
+contract weights the logged loss is verl's ``vf_loss`` over the mini-batch at any layout.
 
-Per token, with v = values, v_old = old values (wire key ``values``), R = ``returns``, c = cliprange_value:
+Per token, with v_old = wire ``values``, R = ``returns``, c = cliprange_value:
     v_clip = v_old + clamp(v - v_old, -c, c)
     loss   = 0.5 * max((v - R)^2, (v_clip - R)^2)
-Metrics (loss-mask token means, as verl's masked_mean): ``vf_clipfrac`` = 1[(v_clip - R)^2 >
-(v - R)^2], ``vpred_mean`` = v.
+Metrics: ``vf_clipfrac`` = 1[(v_clip - R)^2 > (v - R)^2], ``vpred_mean`` = v.
 """
 
 from __future__ import annotations
@@ -47,8 +43,7 @@ def clipped_value_token_loss(
 
 
 class ValueLoss:
-    """verl's clipped value loss as a ``ValueLossFn`` (wire keys: ``values`` = the old values the
-    rollout's critic pass computed, ``returns``)."""
+    """verl's clipped value loss as a ``ValueLossFn`` (wire keys ``values``, ``returns``)."""
 
     def __init__(self, *, cliprange_value: float):
         if not cliprange_value > 0:

@@ -1,8 +1,7 @@
 """Pure (numpy-only) workload balancing: which DP rank and micro-batch each sample goes to.
 
 ``plan_balance`` is the entry point; ``balanced_partition`` is the bare DP partition (a drop-in
-for verl's ``get_seqlen_balanced_partitions``); workloads model per-sequence cost.
-"""
+for verl's ``get_seqlen_balanced_partitions``); workloads model per-sequence cost."""
 
 from verl_balance.balance.errors import (
     BalanceConfigError,

@@ -1,5 +1,4 @@
-"""User-facing errors of the balancer. Every one is a `ValueError` whose message names the
-offending argument or sample and says what would be valid."""
+"""User-facing errors of the balancer: each a `ValueError` naming the argument or sample and what is valid."""
 
 from __future__ import annotations
 

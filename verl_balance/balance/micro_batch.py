@@ -1,49 +1,22 @@
 """Joint DP x micro-batch layouts over *units* (a sample, or a group kept together).
 
 A layout is a cell grid ``cells[slot, part, position]`` of unit ids (-1 = empty); after
-``assign_cells_to_ranks`` a slot is one micro-batch index and a part is one DP rank.
-
-With FSDP every micro-batch ends in collectives, so each step costs
-``sum_j max_d cost(d, j)`` (the synchronised cost), not ``max_d sum_j cost(d, j)``. Both are
->= lower bound = max(total / dp, largest unit). The balanced layout attacks the sum of maxima
-directly: units are sorted by cost and cut into rows of ``dp`` (near-equal units); whole rows go
-to micro-batch slots, and inside a slot the rows are dealt across the DP ranks and refined by
-swaps (``partition.refine_cells``) until the ranks' cells in that slot are equal to a relative
-tolerance. Then sum_j max_d = sum_j mean_d + (small excess per slot) = total / dp + excess;
-``partition.polish_sync_cost`` then trims that excess with swaps across slots (a slot's heaviest
-cell trades with any cell that has room below its own slot's maximum).
-
-Token cap rule: **fewest micro-batches first, then balance within that count.** With FSDP each
-micro-batch costs a collective round (all-gather + reduce-scatter), so one more micro-batch is
-never traded for a better sync ratio. The row layout above puts one unit of every row of a slot
-in every cell of that slot, so a unit near the cap drags its whole row into a nearly empty slot;
-with heavy-tailed lengths it can need far more slots than a packing (14 vs 8 at dp 8, cap 16k).
-``balanced_token_cap_layout`` therefore tries the row layout at the bound
-B = ceil(total_tokens / (dp * C)) only; if that does not fit, it builds the two-stage layout
-(``pack_ranks_under_cap``: cost-balanced DP split, then each rank packed into the shared count K,
-at most first-fit-decreasing's count; while K > B, a token-balanced DP split and then the
-unrefined longest-first split ``partition.greedy_count_split`` are candidates too, kept only
-with fewer slots), balances cost inside each rank under the cap toward the common slot profile,
-and polishes the sum of slot maxima; the row layout is then tried again between B + 1 and K and wins only
-with fewer slots, or with the same count and a lower synchronised cost.
-
-When groups only have to share a rank (``balanced_per_rank_micro_batches``), groups are first
-split across ranks (``balanced_partition``) and each rank's samples are then packed into the
-shared number of micro-batches, balanced within the rank and aligned across ranks by size.
+``assign_cells_to_ranks`` a slot is one micro-batch index and a part is one DP rank. With FSDP
+every micro-batch ends in collectives, so a step costs the synchronised cost
+``sum_j max_d cost(d, j)``, not ``max_d sum_j cost(d, j)``. Token cap rule: **fewest
+micro-batches first, then balance within that count** (each micro-batch costs a collective round).
 
 Invariants:
 - fixed micro_batch_size (in units): every rank has ceil(max_count / mbs) slots; slot j < last
   holds exactly ``mbs`` units on every rank, the last slot the remainder; rank unit counts
-  differ by at most one (only the last slot holds the partial row);
-- token cap C = max_token_len_per_gpu * sp (a micro-batch of T tokens is padded to ceil(T/sp)*sp
-  and each SP rank holds ceil(T/sp), so ceil(T/sp) <= cap <=> T <= C): no cell exceeds C; the
-  slot count is at least the bound B and at most the count of first-fit-decreasing on every
-  rank of the cost-balanced DP split (which always fits, as every unit <= C), and of the
-  longest-first split ``greedy_count_split``; the polish never empties a micro-batch;
-- token cap with a fixed cost c0 per micro-batch (a calibrated workload): the slot count is the
-  fewest found or up to ``max_extra_slots`` more, whichever has the lowest paid cost
-  K * c0 + sum_j max_d cost (``trade_slots_for_balance``), so the paid cost is never above the
-  fewest-first layout's; c0 = 0 keeps the fewest-first rule above;
+  differ by at most one;
+- token cap C = max_token_len_per_gpu * sp (ceil(T/sp) <= cap <=> T <= C): no cell exceeds C; the
+  slot count is at least B = ceil(total_tokens / (dp * C)) and at most first-fit-decreasing's count
+  on every rank of the cost-balanced DP split and of ``greedy_count_split``; the polish never
+  empties a micro-batch;
+- token cap with a fixed cost c0 per micro-batch: the slot count is the fewest found or up to
+  ``max_extra_slots`` more, whichever has the lowest paid cost K * c0 + sum_j max_d cost
+  (``trade_slots_for_balance``), never above the fewest-first layout's; c0 = 0 keeps the fewest;
 - the naive layout (balance=False) is contiguous in input order: rank d holds units
   array_split(range(U), dp)[d]; its micro-batches are contiguous chunks of mbs units or a
   greedy sequential fill up to C; ranks with fewer micro-batches get empty ones at the end;
@@ -114,11 +87,7 @@ def balanced_token_cap_layout(
     micro_batch_cost: float = 0.0,
     max_extra_slots: int = 4,
 ) -> np.ndarray:
-    """Balanced ``layout[rank, slot, position]`` with no cell over ``token_cap`` tokens: fewest slots
-    found first, then the lowest synchronised cost at that count (see module docstring). With a
-    fixed cost per micro-batch (``micro_batch_cost`` > 0, a calibrated workload) more slots are
-    then tried, and kept only when they lower ``slots * micro_batch_cost + sum_j max_d cost``
-    (``trade_slots_for_balance``)."""
+    """Balanced ``layout[rank, slot, position]`` under ``token_cap``: fewest slots found, then lowest sync cost."""
     fewest = _fewest_slots_layout(
         costs, tokens, dp_size, token_cap, equal_size, rel_tol, max_passes, polish_passes, joint_tries
     )
@@ -140,8 +109,7 @@ def balanced_token_cap_layout(
 
 
 def paid_sync_cost(layout: np.ndarray, costs: np.ndarray, micro_batch_cost: float) -> float:
-    """What a step pays for ``layout[rank, slot, position]``: every slot costs ``micro_batch_cost``
-    on every rank plus the slowest rank's cost in that slot."""
+    """Every slot's ``micro_batch_cost`` plus the slowest rank's cost in that slot, summed over slots."""
     loads = np.append(costs, 0.0)[layout].sum(axis=-1)
     return float(layout.shape[1] * micro_batch_cost + loads.max(axis=0).sum())
 
@@ -160,10 +128,8 @@ def trade_slots_for_balance(
     max_passes: int,
     polish_passes: int,
 ) -> np.ndarray:
-    """``layout`` (the fewest slots found), or a joint layout with up to ``max_extra_slots`` more
-    slots when its paid cost (``paid_sync_cost``) is lower. An extra slot can only save the
-    excess of the synchronised cost over total / dp, so none is tried once slots * fixed cost
-    + total / dp reaches the best paid cost: when the fixed cost dominates, the fewest slots stay."""
+    """``layout``, or one with up to ``max_extra_slots`` more slots when its ``paid_sync_cost`` is lower
+    (the search stops once slots * fixed cost + total / dp reaches the best paid cost)."""
     best, best_paid = layout, paid_sync_cost(layout, costs, micro_batch_cost)
     floor = float(costs.sum()) / dp_size
     for num_slots in range(layout.shape[1] + 1, layout.shape[1] + max_extra_slots + 1):
@@ -184,9 +150,7 @@ def trade_slots_for_balance(
 def _fewest_slots_layout(
     costs, tokens, dp_size, token_cap, equal_size, rel_tol, max_passes, polish_passes, joint_tries
 ) -> np.ndarray:
-    """The fewest-slots-first layout (module docstring, token cap rule): the joint layout at the
-    bound when it fits, else the two-stage layout (ranks first, then packing), polished, unless a
-    joint layout with at most as many slots balances better."""
+    """The joint layout at the bound if it fits, else the polished two-stage one (or a joint one no longer)."""
     lower = max(1, -(-int(tokens.sum()) // (dp_size * token_cap)))
     cells = _joint_cells(costs, tokens, dp_size, token_cap, lower, equal_size, rel_tol, max_passes, polish_passes)
     if cells is not None:
@@ -220,9 +184,7 @@ def _fewest_slots_layout(
 
 
 def _two_stage_layout(costs, tokens, dp_size, token_cap, equal_size, rel_tol, max_passes, lower) -> np.ndarray:
-    """Ranks first (a cost-balanced partition), then each rank packed under the cap; when that
-    needs more than ``lower`` slots, the other rank splits (``_count_first_splits``) are tried in
-    turn and one is kept only if it needs fewer."""
+    """Ranks first, then each rank packed under the cap; ``_count_first_splits`` tried while over ``lower``."""
     refine = rel_tol < np.inf
     rank_items = (
         [np.arange(len(costs), dtype=np.int64)]
@@ -241,16 +203,10 @@ def _two_stage_layout(costs, tokens, dp_size, token_cap, equal_size, rel_tol, ma
 
 
 def _count_first_splits(costs, tokens, dp_size, equal_size, refine, rel_tol):
-    """Rank splits that trade cost balance for fewer micro-batches, tried lazily in this order.
-
-    A cost-balanced split can leave one rank with more tokens than a packing into ``lower``
-    micro-batches allows: a token-balanced split (when costs are not tokens) evens the tokens;
-    a refined split can still pair a rank's large samples badly (dp 2, cap 1024: seven samples at
-    the cap split 4 + 3 with the rest refined to equal totals leave one rank 7 micro-batches where
-    6 suffice), so last comes the unrefined longest-first split (``greedy_count_split``): its
-    per-rank first-fit-decreasing count is verl's two-stage count (balance_batch's greedy, then
-    rearrange_micro_batches) whenever the count room is the same (equal_size=False, or dp
-    dividing the units), so K is never above that."""
+    """Rank splits that trade cost balance for fewer micro-batches, lazily: token-balanced (when costs
+    are not tokens), then the unrefined longest-first ``greedy_count_split``. The latter's per-rank
+    first-fit-decreasing count equals verl's two-stage count (balance_batch, then
+    rearrange_micro_batches) at the same count room, so K is never above verl's."""
     if dp_size == 1:
         return
     if not np.array_equal(costs, tokens):
@@ -261,11 +217,7 @@ def _count_first_splits(costs, tokens, dp_size, equal_size, refine, rel_tol):
 
 
 def _joint_cells(costs, tokens, dp_size, token_cap, num_slots, equal_size, rel_tol, max_passes, polish_passes):
-    """The joint (row-based) layout with exactly ``num_slots`` slots, or None if it breaks the cap.
-
-    Every cell of a slot takes one unit of each of the slot's rows, so a unit near the cap forces its
-    whole row into a nearly empty slot: heavy-tailed lengths can make this layout need many more
-    slots than a packing does, which is why the caller falls back to the two-stage layout."""
+    """The row-based layout with exactly ``num_slots`` slots, or None if a cell breaks the cap."""
     rows = sort_into_rows(costs, dp_size)
     padded_tokens = np.append(tokens, 0)
     row_tokens = padded_tokens[rows].sum(axis=1).astype(np.float64)
@@ -321,13 +273,10 @@ def pack_ranks_under_cap(
     rel_tol: float,
     max_passes: int,
 ) -> np.ndarray:
-    """Pack each rank's items into one shared number K of micro-batches of at most ``token_cap``
-    tokens, K as small as found, then balance cost among each rank's micro-batches under the cap.
+    """``layout[rank, micro, position]``: each rank's items in one shared, smallest found count K of
+    micro-batches under ``token_cap``, cost-balanced, each rank's micro-batches heaviest first.
 
-    K is at most the first-fit-decreasing count (which always fits) and at least the bound
-    max_d ceil(tokens_d / cap); the two counts below the FFD count are tried first (``_pack_at``).
-    Returns ``layout[rank, micro, position]``,
-    each rank's micro-batches sorted by cost, heaviest first (index j pairs like-sized ones)."""
+    max_d ceil(tokens_d / cap) <= K <= the first-fit-decreasing count (which always fits)."""
     tokens = np.asarray(tokens, dtype=np.int64)
     by_tokens = _rank_matrix(rank_items, tokens)
     by_cost = _rank_matrix(rank_items, costs)
@@ -358,12 +307,7 @@ def pack_ranks_under_cap(
 
 
 def _match_slot_profile(layout, costs, tokens, token_cap, rel_tol, max_passes):
-    """Re-balance each rank's micro-batches toward the common slot profile.
-
-    The synchronised cost is sum_j max_d; when one rank cannot make its micro-batches equal (a
-    sample near the cap is a heavy micro-batch on its own), the other ranks should match that
-    heavy slot rather than stay flat. Target for rank d: the slot maxima scaled to its total;
-    refinement equalises load - target. Returns the layout re-sorted heaviest first."""
+    """Re-balance each rank's micro-batches toward the slot maxima scaled to its total; heaviest first."""
     loads = np.append(costs, 0.0)[layout].sum(axis=-1)
     profile = loads.max(axis=0)
     if profile.sum() <= 0:
@@ -389,9 +333,7 @@ def _match_slot_profile(layout, costs, tokens, token_cap, rel_tol, max_passes):
 
 
 def _pack_at(num_bins, by_cost, by_tokens, ffd_bin, ffd_count, costs, tokens, token_cap, max_passes):
-    """Every rank's items in ``num_bins`` bins within the cap as ``grid[rank, bin, position]``, or
-    None. Per rank, the first that fits of: capacity-constrained LPT on cost (the best start for
-    balancing), first fit decreasing, worst fit decreasing on tokens refined by token swaps/moves."""
+    """``grid[rank, bin, position]`` within the cap, or None (LPT on cost, then FFD, then WFD on tokens)."""
     dp_size = by_cost.shape[0]
     lpt_bin = _greedy_pack(by_cost, tokens, costs, token_cap, num_bins, rule="lightest")
     lpt_ok = ((lpt_bin >= 0) | (by_cost < 0)).all(axis=1)
@@ -426,11 +368,7 @@ def _rank_matrix(rank_items: list[np.ndarray], key: np.ndarray) -> np.ndarray:
 
 
 def _first_fit(sizes: list[int], capacity: int) -> list[int]:
-    """First fit of ``sizes`` (in the given order) into bins of ``capacity``: the bin of each.
-
-    A max-segment-tree over the bins' free room finds the first bin with room in O(log bins).
-    First fit never opens more than 2 * sum / capacity + 1 bins (any two bins together exceed
-    the capacity), which sizes the tree."""
+    """The bin of each of ``sizes`` under first fit in the given order (max-segment-tree over free room)."""
     num_bins = max(1, min(len(sizes), 2 * (-(-sum(sizes) // capacity)) + 1))
     size = 1
     while size < num_bins:
@@ -461,11 +399,7 @@ def _first_fit(sizes: list[int], capacity: int) -> list[int]:
 def _greedy_pack(
     items: np.ndarray, tokens: np.ndarray, costs: np.ndarray, token_cap: int, num_bins: int, *, rule: str
 ) -> np.ndarray:
-    """Place ``items[rank, t]`` in order into ``num_bins`` bins per rank with token room:
-    rule "lightest" = the fitting bin of least cost, "emptiest" = the bin with the most room, even
-    if it overflows (worst fit).
-    All ranks advance together, one item each per round. Returns the bin per entry (-1: padding,
-    or no bin had room)."""
+    """The bin per entry (-1: none), ranks in step: "lightest" fitting bin, or "emptiest" even overflowing."""
     dp_size, rounds = items.shape
     room = np.full((dp_size, num_bins), float(token_cap))
     load = np.zeros((dp_size, num_bins))
@@ -489,8 +423,7 @@ def _greedy_pack(
 
 
 def _grid_from_bins(items: np.ndarray, bins: np.ndarray, num_bins: int) -> np.ndarray:
-    """``grid[rank, bin, position]`` of item ids from a per-entry bin assignment, with spare
-    positions (a quarter more, at least two) so refinement can move items between bins."""
+    """``grid[rank, bin, position]`` from a per-entry bin, with spare positions for refinement moves."""
     dp_size = items.shape[0]
     placed = items >= 0
     rank_of = np.broadcast_to(np.arange(dp_size)[:, None], items.shape)[placed]
@@ -529,11 +462,7 @@ def _pack_rows(row_tokens: np.ndarray, num_slots: int, slot_cap: int, rel_tol: f
 
 
 def assign_cells_to_ranks(cells: np.ndarray, costs: np.ndarray) -> np.ndarray:
-    """Permute parts within each slot so that DP rank totals are balanced too.
-
-    Slot by slot, the slot's heaviest cell goes to the rank with the lowest running total.
-    Returns ``layout[rank, slot, position]``. Per-slot cell costs (hence the synchronised cost)
-    are unchanged."""
+    """``layout[rank, slot, position]``: each slot's heaviest cell to the rank of lowest running total."""
     num_slots, dp_size, _ = cells.shape
     if dp_size == 1:
         return cells.transpose(1, 0, 2).copy()
@@ -551,8 +480,7 @@ def assign_cells_to_ranks(cells: np.ndarray, costs: np.ndarray) -> np.ndarray:
 def naive_layout(
     *, rank_items: list[np.ndarray], tokens: np.ndarray, micro_batch_size: int | None, token_cap: int | None
 ) -> list[list[np.ndarray]]:
-    """Contiguous baseline: rank d keeps ``rank_items[d]`` in order; its micro-batches are contiguous
-    chunks of ``micro_batch_size`` items or a greedy sequential fill up to ``token_cap`` tokens."""
+    """Contiguous baseline: rank d's items in order, in chunks of ``micro_batch_size`` or filled to the cap."""
     per_rank: list[list[np.ndarray]] = []
     for chunk in rank_items:
         if micro_batch_size is not None:
@@ -580,15 +508,11 @@ def balanced_per_rank_micro_batches(
     rel_tol: float,
     max_passes: int,
 ) -> list[list[np.ndarray]]:
-    """Micro-batches for a fixed DP assignment (groups kept on one rank, not in one micro-batch).
+    """[rank][micro] item ids for a fixed DP assignment (groups share a rank, not a micro-batch).
 
-    Each rank is one slot of a cell grid whose parts are its micro-batches: the rank's items are
-    dealt largest-to-lightest and refined, so its micro-batches are near-equal in cost; then each
-    rank's micro-batches are sorted by cost (descending) so that index j pairs like-sized
-    micro-batches across ranks. With ``micro_batch_size`` the counts are exact (mbs, ..., rest,
-    the rest last); with ``token_cap`` see ``pack_ranks_under_cap`` (shared count, fewest found
-    first). Returns [rank][micro] arrays of item ids.
-    """
+    Each rank's items are dealt and refined into near-equal micro-batches, sorted heaviest first so
+    index j pairs like-sized ones across ranks. ``micro_batch_size``: exact counts (mbs, ..., rest);
+    ``token_cap``: ``pack_ranks_under_cap``."""
     dp_size = len(rank_items)
     if micro_batch_size is not None:
         num_micro = max(1, max(-(-len(items) // micro_batch_size) for items in rank_items))

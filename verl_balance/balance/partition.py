@@ -1,24 +1,15 @@
 """Balanced multi-way partition of weighted items, vectorised over many independent problems.
 
-The core data structure is a *cell grid* ``cells[s, p, w]``: slot ``s`` (an independent problem,
-e.g. one micro-batch slot), part ``p`` (e.g. one DP rank), position ``w``; entries are item ids
-or -1 (empty). Building and refining the grid never creates per-item Python objects.
-
-Construction (``fill_cells``): items are sorted by cost (descending, stable) and cut into rows of
-``num_parts`` consecutive items; each row is handed to one slot; inside a slot rows are dealt in
-descending order, the row's largest item to the currently lightest part ("largest to lightest",
-the equal-count form of LPT). Refinement (``refine_cells``): in each pass every slot pairs its
-heaviest part with its lightest, its second heaviest with its second lightest, ..., and for every
-pair swaps the two items whose cost difference is closest to half the pair's gap (a batched
-nearest-neighbour search over all pairs at once); with ``allow_moves`` an empty position counts
-as an item of cost 0, so a swap can be a move.
+The data structure is a *cell grid* ``cells[s, p, w]``: slot ``s`` (an independent problem),
+part ``p`` (e.g. one DP rank), position ``w``; entries are item ids or -1 (empty). ``fill_cells``
+deals cost-sorted rows (equal-count LPT); ``refine_cells`` swaps items between each slot's i-th
+heaviest and i-th lightest part.
 
 Invariants:
 - every item id appears exactly once in the grid; refinement only permutes grid entries within
   a slot, so slot membership never changes;
-- with equal counts (no moves) each row gives one item to distinct parts, so part counts inside a
-  slot differ by at most one, and only a slot holding the partial last row has unequal counts;
-  refinement swaps keep every part's count;
+- with equal counts (no moves) part counts inside a slot differ by at most one, and only a slot
+  holding the partial last row has unequal counts; refinement swaps keep every part's count;
 - a swap is applied only if it strictly lowers the larger of the pair's two loads, so a slot's
   maximum load never increases and the sum of squared loads strictly decreases (termination);
 - deterministic: stable sorts only, no randomness.
@@ -34,10 +25,8 @@ import numpy as np
 def descending_order(costs: np.ndarray) -> np.ndarray:
     """Item ids by descending cost, ties by ascending id.
 
-    Costs are quantised to 31 bits and packed with the id into one int64 key, so the sort is a
-    plain (SIMD) value sort of unique keys: platform-independent and ~10x faster than a stable
-    argsort of floats. The quantisation (2^-31 of the largest cost) only reorders near-ties in
-    the dealing heuristic; all reported costs use the exact values."""
+    One int64 key per item (cost quantised to 31 bits, then the id): quantisation reorders only
+    near-ties of the dealing heuristic; reported costs stay exact."""
     n = len(costs)
     assert n < 2**32
     top = float(costs.max(initial=0.0))
@@ -48,8 +37,7 @@ def descending_order(costs: np.ndarray) -> np.ndarray:
 
 
 def sort_into_rows(costs: np.ndarray, num_parts: int) -> np.ndarray:
-    """Item ids sorted by descending cost (stable), cut into rows of ``num_parts``; the last row
-    is padded with -1. Shape (ceil(n / num_parts), num_parts)."""
+    """Item ids by descending cost in rows of ``num_parts``, the last padded with -1: (ceil(n / parts), parts)."""
     n = len(costs)
     order = descending_order(costs)
     num_rows = -(-n // num_parts)
@@ -61,10 +49,7 @@ def sort_into_rows(costs: np.ndarray, num_parts: int) -> np.ndarray:
 def fill_cells(
     *, rows: np.ndarray, row_slot: np.ndarray, num_slots: int, costs: np.ndarray, extra_width: int = 0
 ) -> np.ndarray:
-    """Deal each slot's rows (descending cost) to its parts, largest item to the lightest part.
-
-    Returns ``cells[num_slots, num_parts, width]`` with width = most rows in a slot + extra_width.
-    """
+    """``cells[slots, parts, most rows + extra_width]``: each slot's rows dealt largest to the lightest part."""
     num_rows, num_parts = rows.shape
     by_slot = np.argsort(row_slot, kind="stable")
     slot_sorted = row_slot[by_slot]
@@ -108,14 +93,11 @@ def refine_cells(
     token_cap: float | None = None,
     offsets: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Pairwise-swap refinement of ``cells`` in place (see module docstring); returns ``cells``.
+    """Pairwise-swap refinement of ``cells`` in place; returns ``cells``.
 
     Stops when every slot's heaviest part is within ``rel_tol`` of its slot mean (or at most
-    ``stop_at``, when given), when no pairing improves any slot, or after ``max_passes`` passes.
-    With ``tokens`` and ``token_cap`` a swap is applied only if both cells end with at most
-    ``token_cap`` tokens, so a grid that fits the cap keeps fitting it. ``offsets[slot, part]``
-    is added to every load (a target profile: equal loads + offsets means loads = -offsets + c).
-    """
+    ``stop_at``), when no pairing improves, or after ``max_passes``. With ``token_cap`` a grid that
+    fits the cap keeps fitting it. ``offsets[slot, part]`` is added to every load (a target profile)."""
     num_slots, num_parts, _ = cells.shape
     if num_parts < 2 or cells.size == 0:
         return cells
@@ -145,8 +127,7 @@ def refine_cells(
 
 
 def _pairs_over_threshold(loads, slot_ids, half, shift, *, rel_tol, stop_at):
-    """(slot, heavy part, light part) of the pairs whose heavy part is above the slot's threshold:
-    the i-th heaviest part of a slot with its (i + shift)-th lightest; None when no part is over."""
+    """(slot, heavy, light) pairs, i-th heaviest with (i + shift)-th lightest, over the threshold; or None."""
     num_parts = loads.shape[1]
     threshold = loads.sum(axis=1) / num_parts * (1.0 + rel_tol)  # the mean; np.mean's overhead is 5x
     if stop_at is not None:
@@ -162,8 +143,7 @@ def _pairs_over_threshold(loads, slot_ids, half, shift, *, rel_tol, stop_at):
 
 
 class _SwapGrid:
-    """The cell grid with its item costs, loads (and token counts under a cap), kept in step by
-    ``swap``: refine_cells' working state. ``cells`` is the caller's array, changed in place."""
+    """refine_cells' working state: the caller's ``cells`` (in place) with costs, loads and tokens in step."""
 
     def __init__(self, cells, values, loads, tok_values, tok_loads, token_cap) -> None:
         self.cells, self.values, self.valid, self.loads = cells, values, cells >= 0, loads
@@ -179,8 +159,7 @@ class _SwapGrid:
         return cls(cells, values, loads, tok_values, tok_values.sum(axis=-1), token_cap)
 
     def best_swaps(self, pair_slot, heavy, light, gap, *, allow_moves):
-        """Per pair: (score, position in the heavy cell, position in the light cell) of the swap
-        whose cost difference is closest to gap / 2 (inf score: none allowed)."""
+        """Per pair: (score, heavy position, light position) of the swap closest to gap / 2 (inf: none)."""
         a = self.values[pair_slot, heavy]  # (pairs, width)
         a_valid = self.valid[pair_slot, heavy]
         b_usable = self.valid[pair_slot, light] | allow_moves
@@ -220,8 +199,7 @@ class _SwapGrid:
 
 
 def _best_swaps_capped(a, a_valid, b, b_usable, gap, ta, tb, room_heavy, room_light, chunk_elems=1_000_000):
-    """``_best_swaps_dense`` restricted to swaps that keep both cells within their token room:
-    tb_j - ta_i <= room_heavy and ta_i - tb_j <= room_light. Dense, in chunks of pairs."""
+    """``_best_swaps_dense`` restricted to swaps keeping both cells within their token room."""
     num_pairs, width = a.shape
     best_score = np.full(num_pairs, np.inf)
     best_a = np.zeros(num_pairs, dtype=np.int64)
@@ -237,10 +215,7 @@ def _best_swaps_capped(a, a_valid, b, b_usable, gap, ta, tb, room_heavy, room_li
 
 
 def _best_swaps_dense(a, a_valid, b, b_usable, gap, allowed=None):
-    """For each pair (row): the (i, j) with 0 < a_i - b_j < gap closest to gap / 2, all pairs at once
-    (only among ``allowed[pair, i, j]`` when given).
-
-    Returns (score = |a_i - b_j - gap / 2| or inf, i, j)."""
+    """Per pair: (score = |a_i - b_j - gap / 2| or inf, i, j) over 0 < a_i - b_j < gap (and ``allowed``)."""
     num_pairs, width = a.shape
     delta = a[:, :, None] - b[:, None, :]
     half_gap = (gap / 2.0)[:, None, None]
@@ -253,8 +228,7 @@ def _best_swaps_dense(a, a_valid, b, b_usable, gap, allowed=None):
 
 
 def _best_swaps_sorted(a, a_valid, b, b_usable, gap):
-    """Same result as ``_best_swaps_dense`` in O(width log width) per pair: for every a_i, the two
-    b_j nearest to a_i - gap / 2 by one batched searchsorted over all pairs' sorted b rows."""
+    """``_best_swaps_dense``'s result in O(width log width) per pair, by one batched searchsorted."""
     num_pairs, width = a.shape
     big = float(max(np.abs(a).max(initial=0.0), np.abs(b).max(initial=0.0), 1.0)) * 4.0 + 1.0
     keys = np.where(b_usable, b, big)  # unusable entries sort last and are never within the gap
@@ -285,9 +259,7 @@ def _best_swaps_sorted(a, a_valid, b, b_usable, gap):
 
 
 def assign_rows_lpt(row_weights: np.ndarray, num_slots: int) -> np.ndarray:
-    """Free-count LPT: rows (in the given, descending order) each go to the lightest slot.
-
-    Returns the slot of every row. Deterministic: ties go to the lowest slot index."""
+    """The slot of every row (descending order), each to the lightest slot; ties to the lowest index."""
     heap = [(0.0, s) for s in range(num_slots)]
     slot_of = np.empty(len(row_weights), dtype=np.int64)
     for r, w in enumerate(row_weights.tolist()):
@@ -298,8 +270,7 @@ def assign_rows_lpt(row_weights: np.ndarray, num_slots: int) -> np.ndarray:
 
 
 def assign_rows_capacity(row_weights: np.ndarray, capacities: np.ndarray) -> np.ndarray:
-    """Exact-count assignment: rows (descending) dealt round by round to the slots that still have
-    room, the largest row of a round to the lightest slot. ``capacities.sum() == len(rows)``."""
+    """The slot of every row, dealt round by round to slots with room (``capacities.sum() == len(rows)``)."""
     assert int(capacities.sum()) == len(row_weights)
     remaining = capacities.astype(np.int64).copy()
     loads = np.zeros(len(capacities))
@@ -319,11 +290,7 @@ def assign_rows_capacity(row_weights: np.ndarray, capacities: np.ndarray) -> np.
 def balanced_partition(
     *, costs, num_parts: int, equal_size: bool = True, refine: bool = True, rel_tol: float = 1e-5
 ) -> list[np.ndarray]:
-    """Partition item ids 0..n-1 into ``num_parts`` parts of nearly equal total cost.
-
-    equal_size=True: part sizes differ by at most one (verl-compatible). equal_size=False: sizes
-    are free (refinement may move items). Returns one sorted int64 array per part.
-    """
+    """One sorted int64 array per part of ids 0..n-1, near-equal in cost; equal_size: sizes differ by <= 1."""
     costs = np.asarray(costs, dtype=np.float64)
     rows = sort_into_rows(costs, num_parts)
     extra = 0 if equal_size else max(1, rows.shape[0] // 4)
@@ -335,10 +302,8 @@ def balanced_partition(
 
 
 def greedy_count_split(sizes, num_parts: int, *, equal_size: bool = True) -> list[np.ndarray]:
-    """Largest first, each item to the part with the least total that has count room (ties: the
-    lower part): at most ceil(n / num_parts) items per part, and with ``equal_size`` part counts
-    differ by at most one. Unrefined: it leaves the large items spread as evenly as the counts
-    allow, which packs under a cap where a refined partition may not. One sorted array per part."""
+    """Largest first, each item to the least-loaded part with count room (ties: lower part), unrefined, so
+    large items stay spread for packing under a cap; <= ceil(n / num_parts) per part (equal_size: +-1)."""
     sizes = np.asarray(sizes).tolist()
     most = -(-len(sizes) // num_parts)
     # Parts that may reach `most` items; with equal_size the others stop one short.
@@ -365,18 +330,11 @@ def polish_sync_cost(
     partners: int = 16,
     moves_within_part: bool = False,
 ) -> np.ndarray:
-    """Lower ``sum_s max_p load(s, p)`` by swaps between any two cells, across slots too.
+    """Lower ``sum_s max_p load(s, p)`` in place by swaps between any two cells, across slots too.
 
-    Each pass, every slot's heaviest cell looks for one swap with one of the ``partners`` cells
-    that have the most *slack* (room below their own slot's maximum; for a cell of the same
-    slot, room below the slot's second maximum), so the swap lowers this slot's maximum by
-    min(delta, excess over the second maximum) without raising any other slot's maximum. Swaps
-    keep every cell's count; with ``token_cap`` no cell may exceed it. With ``moves_within_part``
-    an item may also move to an empty position of another slot's cell of the same part (a DP
-    rank), which keeps every part's count, but never out of a cell holding only that item (a
-    move never empties a cell). Candidates are applied best first, at most one per
-    slot touched per pass. Works in place; returns ``cells``.
-    """
+    Each slot's heaviest cell swaps with one of the ``partners`` cells with the most room below their
+    own slot's maximum, keeping counts and ``token_cap``; ``moves_within_part`` also moves an item to
+    an empty position of the same part, never emptying a cell."""
     num_slots, num_parts, _ = cells.shape
     if num_slots < 2 or num_parts < 2:
         return cells
@@ -398,9 +356,7 @@ def polish_sync_cost(
 
 
 def _slack_partners(loads: np.ndarray, partners: int):
-    """For each slot's heaviest cell: the ``partners`` cells (flat ids slot * parts + part) with the
-    most room, their room, and the slot's excess over its second maximum; returns
-    (heavy part per slot, partner ids (S, K), partner room (S, K), excess (S,))."""
+    """(heavy part per slot, partner ids (S, K), partner room (S, K), excess over the second maximum (S,))."""
     num_slots, num_parts = loads.shape
     slot_range = np.arange(num_slots)
     by_load = np.sort(loads, axis=1)
@@ -416,8 +372,7 @@ def _slack_partners(loads: np.ndarray, partners: int):
 
 
 def _usable_swaps(values, heavy, partner, partner_room, moves_within_part):
-    """(usable (S, K, W, W), delta): swapping heavy position i with partner position j moves
-    delta = a_i - b_j > 0 of cost, at most the partner's room."""
+    """(usable (S, K, W, W), delta = a_i - b_j): positive moves of cost within the partner's room."""
     num_slots, num_parts, width = values.shape
     a = values[np.arange(num_slots), heavy]  # (S, W)
     b = values.reshape(-1, width)[partner]  # (S, K, W)
@@ -442,8 +397,7 @@ def _swaps_within_cap(tok, heavy, partner, token_cap):
 
 
 def _apply_best_swaps(cells, score, heavy, partner) -> bool:
-    """Apply each slot's best positive swap, best first, at most one per slot touched; in place.
-    Returns whether any was applied."""
+    """Apply each slot's best positive swap, best first, at most one per slot touched; True if any."""
     num_slots, num_parts, width = cells.shape
     partners = partner.shape[1]
     flat = score.argmax(axis=1)

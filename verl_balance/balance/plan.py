@@ -8,7 +8,7 @@ Invariants (each asserted by tests/balance):
   only when unavoidable: its rank has fewer units (samples, or atomic groups) than another rank,
   or there are fewer rows ceil(units / dp) than micro-batches;
 - equal_size=True: per-rank sample counts differ by at most one (with group_ids, group counts
-  differ by at most one, so sample counts by at most the group size when all groups have one size);
+  differ by at most one);
 - micro_batch_size: every micro-batch holds exactly micro_batch_size samples, except the last of
   each rank; max_token_len_per_gpu: every micro-batch of T tokens satisfies
   ceil(T / sp) <= max_token_len_per_gpu (the per-SP-rank size after Ulysses padding);
@@ -16,35 +16,16 @@ Invariants (each asserted by tests/balance):
   group_scope="micro_batch";
 - samples inside a micro-batch are in ascending input order; the same input gives the same plan;
 - at the same micro-batch count, a balanced plan is never worse than the naive contiguous one on
-  (sync_cost, max rank cost), compared in that order (``plan_objective``): it keeps the naive plan
-  when that is strictly better and has no more empty micro-batches.
+  (sync_cost, max rank cost), in that order (``plan_objective``).
 
-With a token cap the micro-batch count comes first: the plan uses the fewest micro-batches it
-finds (at most first-fit-decreasing's count per rank, usually the bound
-ceil(tokens / (dp * cap * sp))), and only then balances cost within that count, because with FSDP
-every micro-batch costs a collective round (see micro_batch.py).
-
-Micro-batch count with a calibrated workload (one with a fixed cost per micro-batch c0 =
-``micro_batch_cost`` > 0, ``workload.CalibratedWorkload``): the plan minimises the cost that is
-paid, ``K * c0 + sum_j max_d cost(d, j)`` over K micro-batches per rank. With a token cap it
-starts from the fewest micro-batches found (as above) and takes up to 4 more only when the paid
-cost drops (``micro_batch.trade_slots_for_balance``; never over the cap, so never over the memory
-the cap stands for): when c0 dominates the imbalance it saves, it keeps the fewest. With a fixed
-micro_batch_size the count stays the user's: ceil(samples per rank / micro_batch_size) is
-already the fewest micro-batches of at most micro_batch_size samples, and every micro-batch
-holds exactly micro_batch_size (a user's size is a memory promise, never exceeded). With
-group_scope="rank" the count is the fewest found (c0 does not change it).
-Further invariants with a fixed cost c0 (c0 = 0 for the token and FLOPs workloads):
+Micro-batch count: under a token cap the fewest found, then cost balanced within it (micro_batch.py).
+A calibrated workload's fixed cost c0 = ``micro_batch_cost`` per micro-batch can buy up to 4 more
+under a cap; a fixed micro_batch_size and group_scope="rank" keep their count. With c0 (0 for
+token and FLOPs workloads):
 - ``cell_costs`` includes c0 in every cell (an empty micro-batch still runs forward and FSDP's
   collectives), so ``sync_cost`` = K * c0 + sum_j max_d (sequence costs of cell (d, j));
 - ``lower_bound`` = max(total / dp, largest unit) + micro_batch_bound * c0 <= sync_cost of any
   plan; with a token cap, the balanced plan's sync_cost is at most that of the fewest-first plan.
-
-Structure: ``plan_balance`` validates its arguments (``_plan_inputs``: overlong policy, units,
-costs) and hands them to one of two planners, each returning a frozen ``BalancePlan`` built
-complete with its figures: ``_plan_packed_units`` (samples, or groups with
-group_scope="micro_batch", dealt jointly to (rank, micro-batch) cells) and
-``_plan_rank_scoped_groups`` (group_scope="rank": groups pick ranks, then each rank is packed).
 """
 
 from __future__ import annotations
@@ -86,14 +67,11 @@ class BalanceConfig:
 
 
 class BalanceStats(TypedDict):
-    """Predicted figures of one plan (plain numbers, for logging); costs are in workload units.
+    """Predicted figures of one plan, in workload units.
 
-    The lower bound is max(total cost / dp, largest sample or group cost), plus micro_batch_bound
-    times the workload's fixed cost per micro-batch (0 unless calibrated): no plan can do better.
-    ``sync_cost`` is what FSDP pays: the sum over micro-batch index j of the slowest rank's cost(j)
-    (each cell's cost includes the fixed cost per micro-batch). ``total_cost`` is the sum of the
-    samples' costs (no fixed cost).
-    """
+    ``lower_bound`` = max(total / dp, largest unit) + micro_batch_bound * fixed cost per micro-batch;
+    ``sync_cost`` = sum over j of the slowest rank's cost(j), fixed cost included; ``total_cost``
+    excludes it."""
 
     num_samples: int
     num_kept: int
@@ -125,12 +103,8 @@ class BalanceStats(TypedDict):
 
 @dataclass(frozen=True)
 class BalancePlan:
-    """For each DP rank its micro-batches, each an int64 array of sample indices into the input.
-
-    Built complete in one go by a planner (``plan_balance``); frozen. ``stats`` is a
-    :class:`BalanceStats`: the plan's predicted figures and the same figures of the naive
-    contiguous plan (``naive_*``), for logging and benchmarks.
-    """
+    """Per DP rank its micro-batches, each an int64 array of input sample indices (frozen); ``stats``
+    holds the plan's figures and the naive contiguous plan's (``naive_*``)."""
 
     micro_batches: list[list[np.ndarray]]
     stats: BalanceStats = field(default_factory=dict)  # type: ignore[assignment]
@@ -141,7 +115,6 @@ class BalancePlan:
 
     @property
     def dp_size(self) -> int:
-        """Number of DP ranks."""
         return len(self.micro_batches)
 
     @property
@@ -222,16 +195,12 @@ def plan_balance(
     group_scope: str = "micro_batch",
     config: BalanceConfig | None = None,
 ) -> BalancePlan:
-    """Plan DP ranks x micro-batches for one global batch (see module docstring for guarantees).
+    """Plan DP ranks x micro-batches for one global batch (invariants: module docstring).
 
-    seq_lens: per-sample token counts (what a micro-batch packs). workload: None/"tokens" or a
-    ``FlopsWorkload`` (any object with ``cost(lengths)``). group_ids: samples sharing an id stay on
-    one rank, and in one micro-batch when group_scope="micro_batch" (verl's force_group_size; a group
-    is then atomic under the token cap) or only on one rank when group_scope="rank" (verl's
-    uid-grouped balance_batch; equal_size then counts groups per rank).
-    overlong: "error" | "skip" | "truncate" for samples longer than the token cap (cap mode only).
-    balance=False gives the naive contiguous plan (its figures are always in ``stats`` as naive_*).
-    """
+    seq_lens: per-sample token counts; workload: None/"tokens" or an object with ``cost(lengths)``;
+    group_ids: samples sharing an id stay on one rank, and in one micro-batch with
+    group_scope="micro_batch" (verl's force_group_size); with "rank" equal_size counts groups;
+    overlong: "error" | "skip" | "truncate" over the token cap; balance=False: the naive plan."""
     _check_config(dp_size, sp_size, micro_batch_size, max_token_len_per_gpu, overlong)
     if group_scope not in GROUP_SCOPES:
         raise BalanceConfigError(f"group_scope={group_scope!r} is invalid; valid: {GROUP_SCOPES}")
@@ -312,8 +281,7 @@ def _plan_inputs(
 
 
 def _rank_units(group_ids, kept: np.ndarray, num_samples: int, *, dp_size: int, equal_size: bool) -> np.ndarray:
-    """Rank-level unit per sample: its group (kept samples only, renumbered by first appearance)
-    or the sample itself; -1 for skipped samples. Raises if equal_size cannot give every rank one."""
+    """Rank-level unit per sample (group by first appearance, or itself; -1 skipped); checks equal_size."""
     rank_unit_of_sample = np.full(num_samples, -1, dtype=np.int64)
     rank_unit_of_sample[kept] = (
         _unit_ids(np.asarray(group_ids)[kept], len(kept)) if group_ids is not None else np.arange(len(kept))
@@ -329,8 +297,7 @@ def _rank_units(group_ids, kept: np.ndarray, num_samples: int, *, dp_size: int, 
 
 
 def _plan_packed_units(inputs: _PlanInputs) -> BalancePlan:
-    """Planner for samples or atomic groups (group_scope="micro_batch"): units are dealt to cells
-    (rank, micro-batch) jointly, with a fixed number of units per cell or under the token cap."""
+    """Planner for samples or atomic groups: units dealt jointly to (rank, micro-batch) cells."""
     unit_of_sample, kept = inputs.unit_of_sample, inputs.kept
     num_units = int(unit_of_sample.max()) + 1
     unit_cost = np.bincount(unit_of_sample[kept], weights=inputs.sample_costs[kept], minlength=num_units)
@@ -379,8 +346,7 @@ def _balanced_unit_layout(inputs: _PlanInputs, *, unit_cost, unit_tokens, unit_m
 
 
 def _plan_rank_scoped_groups(inputs: _PlanInputs) -> BalancePlan:
-    """Planner for group_scope="rank": groups pick ranks (balanced partition of group costs), then
-    each rank's samples are packed freely into its micro-batches."""
+    """Planner for group_scope="rank": groups pick ranks, then each rank's samples are packed."""
     naive_rank_items = _expand_units(
         [np.array_split(np.arange(len(inputs.rank_unit_cost)), inputs.dp_size)], inputs.rank_unit_of_sample
     )[0]
@@ -573,9 +539,7 @@ def _cell_sums(unit_micro_batches, unit_values: np.ndarray) -> np.ndarray:
 
 
 def _naive_is_better(cell_costs, naive_costs, micro_batches, naive) -> bool:
-    """True when the contiguous plan, with as many micro-batches and no more empty ones, has a lower
-    (sync cost, max rank cost): the heuristics can lose to it by a hair on an already even batch,
-    and a balanced plan must never be worse than no balancing at the same micro-batch count."""
+    """True when the contiguous plan, no emptier at the same count, has a lower (sync, max rank) cost."""
     if naive_costs.shape != cell_costs.shape:
         return False
     empty = sum(len(cell) == 0 for rank in micro_batches for cell in rank)

@@ -2,22 +2,16 @@
 
 Invariants:
 - ``cost(lengths)`` returns a float64 array of the same shape, non-negative and non-decreasing
-  in length; the cost of a packed micro-batch is the sum of its sequences' costs (attention is
-  causal within each sequence only, so packing adds no cross-sequence term).
+  in length; a packed micro-batch costs the sum of its sequences' costs (causal attention within
+  each sequence only).
 - ``TokenWorkload`` is exactly the length. ``FlopsWorkload`` is forward FLOPs of a Llama-style
-  decoder: linear layers (projections, SwiGLU MLP, LM head) linear in length, causal attention
-  (QK^T and AV over the lower triangle) quadratic in length. The backward pass is a constant
-  multiple of the forward, so it does not change any balancing decision and is not modelled.
-- Mixture-of-experts layers count the parameters a token is ACTIVE in: the router (hidden x
-  experts), ``num_experts_per_tok`` routed experts of ``moe_intermediate_size`` and the shared
-  experts (``shared_expert_intermediate_size`` in all); dense layers of an MoE model (Qwen's
-  ``mlp_only_layers``/``decoder_sparse_step``, DeepSeek's ``first_k_dense_replace``) keep the
-  dense MLP of ``intermediate_size``.
-- ``CalibratedWorkload`` is measured seconds (forward + backward) fitted on the hardware
-  (``python -m verl_balance.calibrate``): per sequence ``sequence + token * L + pair * L (L+1)/2``,
-  plus ``micro_batch_cost``, a fixed cost per micro-batch slot that is not a sequence's cost (so
-  the sum rule above holds for ``cost``; the planner adds the fixed cost per slot). Workloads
-  without ``micro_batch_cost`` have none (``micro_batch_overhead`` returns 0).
+  decoder: linear layers linear in length, causal attention quadratic; the backward is a constant
+  multiple of the forward and changes no balancing decision. MoE layers count the router, the
+  ``num_experts_per_tok`` routed and the shared experts; dense layers of an MoE model keep the
+  dense MLP.
+- ``CalibratedWorkload`` is fitted seconds; its fixed cost per micro-batch is not part of
+  ``cost`` (so the sum rule holds) and is added by the planner. Other workloads have none
+  (``micro_batch_overhead`` returns 0).
 """
 
 from __future__ import annotations
@@ -128,11 +122,7 @@ class FlopsWorkload:
 
     @classmethod
     def from_model_config(cls, cfg) -> FlopsWorkload:
-        """Build from a model config (an object or a dict): ``models.ModelConfig``,
-        ``models.hf.HFModelConfig`` or a transformers config (``num_hidden_layers``,
-        ``num_attention_heads``, ``num_key_value_heads``, explicit ``head_dim`` when it is not
-        hidden_size / num_heads; MoE keys as read by ``moe_dimensions``). A multimodal config's
-        ``text_config`` is used when it has one."""
+        """From a model config object or dict (ours, HF's, or a multimodal config's ``text_config``)."""
         get = _getter(cfg)
         text_config = get("text_config")
         if text_config is not None:
@@ -177,9 +167,7 @@ def _first(get, *keys):
 
 
 def mla_query_head_dim(cfg) -> int | None:
-    """DeepSeek's multi-head latent attention: the query/key head is ``qk_nope_head_dim +
-    qk_rope_head_dim`` (HF's ``head_dim`` there is the rotary part only); None for other models.
-    Its low-rank projections and smaller value head are not modelled (the cost is approximate)."""
+    """DeepSeek MLA's query/key head ``qk_nope_head_dim + qk_rope_head_dim``, else None."""
     get = _getter(cfg)
     if get("qk_nope_head_dim") is None or get("qk_rope_head_dim") is None:
         return None
@@ -187,14 +175,7 @@ def mla_query_head_dim(cfg) -> int | None:
 
 
 def moe_dimensions(cfg) -> dict:
-    """The MoE fields of ``FlopsWorkload`` from a config (object or dict); {} for a dense model.
-
-    Reads our names (``num_experts``, ``num_moe_layers``, ...) or the Hugging Face ones:
-    Mixtral ``num_local_experts`` (experts of ``intermediate_size``), Qwen2/3-MoE ``num_experts``,
-    ``moe_intermediate_size``, ``shared_expert_intermediate_size``, ``mlp_only_layers``,
-    ``decoder_sparse_step``; DeepSeek ``n_routed_experts``, ``n_shared_experts``,
-    ``first_k_dense_replace``, ``moe_layer_freq``.
-    """
+    """The MoE fields of ``FlopsWorkload`` from a config (ours or HF's spellings); {} for a dense model."""
     get = _getter(cfg)
     experts = _first(get, "num_experts", "num_local_experts", "n_routed_experts")
     if not experts:
@@ -247,22 +228,19 @@ def resolve_workload(workload) -> Workload:
 
 # Keys of a calibration file (``python -m verl_balance.calibrate``) that the workload reads.
 CALIBRATION_COEFFICIENTS = ("micro_batch", "sequence", "token", "pair")
+COEFFICIENT_RANGE_S = (1e-30, 1e6)
+"""Seconds a non-zero coefficient may hold: 1e-30 (far below any clock) to 11 days per micro-batch, sequence,
+token or attention pair. Outside it no value is a measurement, and the planner's sums of costs
+over a batch would overflow (1e308) or lose every digit (1e-308)."""
 
 
 @dataclass(frozen=True)
 class CalibratedWorkload:
-    """Measured cost in seconds of forward + backward on one rank, fitted by
-    ``python -m verl_balance.calibrate`` (non-negative least squares over a grid of micro-batches):
+    """Measured seconds of forward + backward on one rank, fitted by ``python -m verl_balance.calibrate``:
+    cost(micro-batch) = micro_batch + sum over sequences of (sequence + token * L + pair * L (L + 1) / 2).
 
-        cost(micro-batch) = micro_batch + sum over its sequences of
-                            (sequence + token * L + pair * L (L + 1) / 2)
-
-    ``cost(lengths)`` is the per-sequence part (so a packed micro-batch still costs the sum of its
-    sequences); ``micro_batch_cost`` is the fixed cost every micro-batch slot pays on every rank
-    (an empty, padding-only micro-batch still runs the forward and FSDP's collectives). The
-    planner adds ``micro_batch_cost`` per micro-batch when it chooses how many to use (plan.py).
-    ``fingerprint`` records what was measured (hardware, model, dtype, attention kernel).
-    """
+    ``cost(lengths)`` is the per-sequence part; ``micro_batch_cost`` is paid by every micro-batch on
+    every rank, empty ones included. ``fingerprint`` records hardware, model, dtype, kernel."""
 
     micro_batch: float
     sequence: float
@@ -279,6 +257,12 @@ class CalibratedWorkload:
                 raise BalanceConfigError(
                     f"calibrated workload coefficient {key}={value!r}{_from(self.source)} is invalid; "
                     "valid: a finite number >= 0 (seconds)"
+                )
+            low, high = COEFFICIENT_RANGE_S
+            if value and not low <= value <= high:
+                raise BalanceConfigError(
+                    f"calibrated workload coefficient {key}={value!r}{_from(self.source)} is out of range; "
+                    f"valid: 0 or {low:g} to {high:g} seconds (recalibrate: python -m verl_balance.calibrate)"
                 )
         if self.token <= 0 and self.pair <= 0 and self.sequence <= 0:
             raise BalanceConfigError(
@@ -319,8 +303,7 @@ class CalibratedWorkload:
 
     @classmethod
     def from_dict(cls, data: dict, *, source: str = "") -> CalibratedWorkload:
-        """From a calibration file's content: ``{"coefficients": {micro_batch, sequence, token,
-        pair}, "fingerprint": {...}, ...}`` (a missing ``sequence`` means 0)."""
+        """From a calibration file's ``{"coefficients": {...}, "fingerprint": {...}}`` (missing ``sequence``: 0)."""
         coefficients = data.get("coefficients") if isinstance(data, dict) else None
         if not isinstance(coefficients, dict):
             raise BalanceConfigError(

@@ -98,6 +98,8 @@ class RLPromptDataset(torch.utils.data.Dataset):
         self._row = array("q")
         self._fingerprint: str | None = None
         self.skipped: list[MalformedRowError] = []
+        self.data_source_rows: dict[str, tuple[str, int]] = {}
+        """Each data_source of the kept prompts -> (file, row) of its first prompt."""
         self.num_filtered = 0
         self.num_truncated = 0
         with gc_paused():
@@ -195,6 +197,7 @@ class RLPromptDataset(torch.utils.data.Dataset):
             self._record_offsets.append(len(self._records))
             self._file_index.append(file_index)
             self._row.append(row_index)
+            self.data_source_rows.setdefault(data_source, (path, row_index))
 
     def __len__(self) -> int:
         return len(self._offsets) - 1

@@ -1,11 +1,11 @@
 """ParallelLayout: the (dp, sp) device mesh one training rank lives in.
 
 Invariants:
-- W = dp * sp ranks; global rank = dp_rank * sp + sp_rank (the "sp" axis is innermost, so the
-  ranks of one SP group are adjacent and, on GPUs, usually on the same host).
+- W = dp * sp ranks; global rank = dp_rank * sp + sp_rank ("sp" innermost: an SP group's ranks
+  are adjacent, usually on one host).
 - The ranks of one SP group hold the same micro-batches; the ranks of one DP group hold disjoint
   samples. FSDP2 shards parameters over the flattened ("dp", "sp") mesh of all W ranks.
-- Backend and device follow availability: NCCL + CUDA when CUDA is available, gloo + CPU otherwise.
+- NCCL + CUDA when CUDA is available, gloo + CPU otherwise.
 """
 
 from __future__ import annotations
@@ -29,11 +29,7 @@ def default_device_type() -> str:
 
 
 def init_distributed(*, backend: str | None = None, timeout_s: float = 600.0) -> None:
-    """Initialize the default process group from torchrun-style env vars (idempotent).
-
-    Picks NCCL when CUDA is available, gloo otherwise, and binds this process to
-    cuda:LOCAL_RANK on GPUs.
-    """
+    """Initialize the default process group from torchrun env vars (idempotent; GPUs: cuda:LOCAL_RANK)."""
     if dist.is_initialized():
         return
     if backend is None:
@@ -45,11 +41,7 @@ def init_distributed(*, backend: str | None = None, timeout_s: float = 600.0) ->
 
 @dataclass
 class ParallelLayout:
-    """Data-parallel x Ulysses-sequence-parallel layout of the default process group.
-
-    The mesh is built lazily on first use, so a layout can be described (and validated against
-    a model) before torch.distributed is initialized.
-    """
+    """(dp, sp) layout of the default process group; the mesh is built lazily, on first use."""
 
     dp: int = 1
     sp: int = 1
@@ -66,7 +58,6 @@ class ParallelLayout:
 
     @property
     def world_size(self) -> int:
-        """W = dp * sp."""
         return self.dp * self.sp
 
     @property
@@ -121,7 +112,6 @@ class ParallelLayout:
 
     @property
     def device(self) -> torch.device:
-        """This rank's compute device."""
         if self.device_type == "cuda":
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device(self.device_type)

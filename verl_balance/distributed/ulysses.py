@@ -2,17 +2,15 @@
 
 Invariants:
 - A packed micro-batch of T tokens is padded to T_pad = ceil(T / sp) * sp and SP rank r holds
-  the contiguous token slice [r * T_pad / sp, (r + 1) * T_pad / sp). Every per-token tensor
-  (input ids, position ids, targets, loss mask, weights) is sliced the same way, so position ids
-  travel with their tokens; sequence boundaries (cu_seqlens) refer to the padded, unsliced
-  sequence and are identical on every SP rank.
+  the contiguous token slice [r * T_pad / sp, (r + 1) * T_pad / sp). Every per-token tensor is
+  sliced the same way, so position ids travel with their tokens; cu_seqlens refer to the padded,
+  unsliced stream and are identical on every SP rank.
 - all_to_all_seq_to_head turns [T_pad / sp, heads, d] (sequence-sharded) into
-  [T_pad, heads / sp, d] (head-sharded): attention then sees whole sequences for a subset of
-  heads and stays exact across shard edges. all_to_all_head_to_seq is its inverse. The backward
-  of each is the other one. all_to_all_seq_to_head_together moves q, k and v in one collective:
-  their blocks for rank j travel side by side in row j of one send buffer.
-- gather_and_unpad assumes the gathered tensor feeds a computation that is replicated on every
-  SP rank, so its backward hands each rank the gradient of its own slice (no sum).
+  [T_pad, heads / sp, d] (head-sharded), so attention sees whole sequences for a subset of heads;
+  all_to_all_head_to_seq is its inverse, and each one's backward is the other.
+  all_to_all_seq_to_head_together moves q, k and v in one collective.
+- gather_and_unpad assumes the gathered tensor feeds a computation replicated on every SP rank,
+  so its backward hands each rank the gradient of its own slice (no sum).
 """
 
 from __future__ import annotations
@@ -25,9 +23,7 @@ from torch import Tensor
 def _all_to_all(
     xs: tuple[Tensor, ...], *, group: dist.ProcessGroup, scatter_dim: int, gather_dim: int
 ) -> tuple[Tensor, ...]:
-    """One all-to-all for every tensor of ``xs``: rank j receives block j of each along scatter_dim
-    and joins the blocks it receives along gather_dim. The tensors may differ in shape (q with Hq
-    heads, k and v with Hkv) but each rank holds the same shapes."""
+    """One all-to-all for all of ``xs``: block j of each to rank j, received blocks joined along gather_dim."""
     world = dist.get_world_size(group)
     if world == 1:
         return xs
@@ -64,8 +60,7 @@ def all_to_all_seq_to_head(x: Tensor, *, group: dist.ProcessGroup, seq_dim: int 
 def all_to_all_seq_to_head_together(
     *xs: Tensor, group: dist.ProcessGroup, seq_dim: int = 0, head_dim: int = 1
 ) -> tuple[Tensor, ...]:
-    """``all_to_all_seq_to_head`` of each tensor (q, k, v) in one collective instead of one each
-    (and one in the backward): the same result, a third of the all-to-alls."""
+    """``all_to_all_seq_to_head`` of q, k, v in one collective (and one in the backward)."""
     return _SeqAllToAll.apply(group, head_dim, seq_dim, *xs)
 
 
@@ -75,10 +70,7 @@ def all_to_all_head_to_seq(x: Tensor, *, group: dist.ProcessGroup, seq_dim: int 
 
 
 def padded_length(length: int, *, multiple: int) -> int:
-    """Smallest multiple of `multiple` that is >= length, and at least `multiple`.
-
-    An empty micro-batch still gets `multiple` dummy tokens so every SP rank runs a forward.
-    """
+    """Smallest multiple of `multiple` >= length, at least `multiple` (every SP rank runs a forward)."""
     return max(multiple, -(-length // multiple) * multiple)
 
 

@@ -6,7 +6,7 @@ Invariants:
   rank (W = 1) runs the plain module: G = 1 and there is nothing to shard.
 - Every SP rank of a DP group receives the same micro-batches; every rank of the mesh receives
   the same number of micro-batches (checked: a mismatch would otherwise hang a collective).
-- train_step and eval_loss run the same code (_run); eval skips backward and the optimizer.
+- train_batch and eval_loss run the same code (_run); eval skips backward and the optimizer.
   _run is composed of the public micro-batch methods (check_micro_batches, pack_micro_batches,
   prepare_backward, forward_log_probs, reshard, zero_grad, optimizer_step, advance_schedule), so an
   external loop (verl's engine backend) that calls them in the same order takes the same step.
@@ -202,7 +202,7 @@ class TrainEngine:
         return self.layout.world_size
 
     # ------------------------------------------------------------------ micro-batch loop (public)
-    # The steps of train_step, public for a loop that drives micro-batches itself (verl's engine
+    # The steps of train_batch, public for a loop that drives micro-batches itself (verl's engine
     # backend in integrations/verl/engine.py); _run is built from the same calls. One train step:
     #   check_micro_batches -> zero_grad -> per micro-batch k of n: prepare_backward(is_last=k == n-1),
     #   forward_log_probs, the caller's loss, (G * local objective).backward() -> optimizer_step ->
@@ -648,7 +648,7 @@ class TrainEngine:
         totals = totals.tolist()
         return totals[0], dict(zip(names, totals[1:-2])), totals[-2], totals[-1]
 
-    def train_step(
+    def train_batch(
         self, micro_batches: Sequence[Mapping[str, Tensor]], *, loss_fn: LossFn | None = None, temperature: float = 1.0
     ) -> dict:
         """One optimizer step over this DP rank's micro-batches.

@@ -1,5 +1,4 @@
-"""Causal LMs over packed batches: the built-in Llama-style decoder, Hugging Face models behind the
-same interface, and the one config loader that picks between them."""
+"""Causal LMs over packed batches: the built-in decoder, Hugging Face models, and their config loader."""
 
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ MODEL_RUNTIME_KEYS = ("enable_gradient_checkpointing",)
 
 
 def build_model(model_config, *, sp_size: int = 1, attn_impl: str = "auto") -> PackedCausalLM:
-    """The model for `model_config`: the built-in decoder for a ``ModelConfig`` (weights drawn from
-    torch's current RNG), or ``HFCausalLM`` for an ``HFModelConfig``."""
+    """The built-in decoder (torch's current RNG) for a ``ModelConfig``, ``HFCausalLM`` for an ``HFModelConfig``."""
     if isinstance(model_config, ModelConfig):
         return LlamaForCausalLM(model_config, sp_size=sp_size, attn_impl=attn_impl)
     from verl_balance.models.hf import HFCausalLM, HFModelConfig
@@ -42,11 +40,9 @@ def build_model(model_config, *, sp_size: int = 1, attn_impl: str = "auto") -> P
 def load_model_config(*, name: str | None, path: str | None, overrides: dict[str, Any] | None = None, vocab_size: int):
     """``HFModelConfig`` for a local HF directory (``path``), else the built-in preset ``name``.
 
-    ``overrides`` (None values ignored): for a preset, any of MODEL_DIMENSION_KEYS and
-    MODEL_RUNTIME_KEYS; for an HF directory, ``init``/``enable_gradient_checkpointing``, and dimension
-    keys only if they equal the directory's. ``vocab_size`` is the tokenizer's: the model's
-    vocabulary must hold it (a preset takes it as its default).
-    """
+    ``overrides`` (None ignored): for a preset, MODEL_DIMENSION_KEYS and MODEL_RUNTIME_KEYS; for a
+    directory, ``init``/``enable_gradient_checkpointing``, and dimension keys only if they equal the
+    directory's. ``vocab_size`` is the tokenizer's, which the model's vocabulary must hold."""
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     if path is None:
         if name is None:

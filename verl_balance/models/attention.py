@@ -1,22 +1,18 @@
 """Exact causal attention over packed variable-length sequences, with Ulysses SP inside it.
 
-One function, ``packed_attention``, serves the built-in decoder and every Hugging Face model
-(registered with transformers as ``HF_ATTN_IMPLEMENTATION`` by ``register_hf_attention``).
+``packed_attention`` serves the built-in decoder and every Hugging Face model (registered with
+transformers as ``HF_ATTN_IMPLEMENTATION`` by ``register_hf_attention``).
 
 Invariants:
 - Token t of sequence i attends to tokens s of sequence i with t - window < s <= t only
-  (window = ``sliding_window``, unlimited when None); sequence boundaries come from cu_seqlens,
-  never from a mask or position ids. Every token attends at least to itself, so padding, packed
-  as its own segment, never produces an all-masked row (no NaN).
-- Scores are multiplied by ``scaling`` (default head_dim ** -0.5; HF models pass their own), then
-  soft-capped when ``softcap`` is set (``c * tanh(s / c)``, Gemma 2's attn_logit_softcapping),
-  before the mask and the softmax, in that order, as HF's eager attention does.
-- The HF entry point refuses any attention argument it does not honour (a non-causal module, an
-  unknown non-None keyword such as attention sinks), so a family feature is never dropped silently.
-- With an SP group of size sp > 1, q/k/v arrive sequence-sharded ([T/sp, H, d], this rank's
-  slice of the padded stream) and are exchanged by all-to-all so that attention sees whole
-  sequences for H/sp heads, then exchanged back. KV heads fewer than sp are repeated first so
-  each rank gets the KV head its contiguous block of query heads is grouped with.
+  (window = ``sliding_window``, unlimited when None); boundaries come from cu_seqlens only. Every
+  token attends at least to itself, so padding never gives an all-masked row (no NaN).
+- Scores: times ``scaling`` (default head_dim ** -0.5), soft-capped (``c * tanh(s / c)``) when
+  ``softcap`` is set, then mask and softmax: HF eager's order.
+- The HF entry point refuses any attention argument it does not honour.
+- With sp > 1, q/k/v arrive sequence-sharded ([T/sp, H, d]) and an all-to-all gives each rank
+  whole sequences for H/sp heads, then back. KV heads fewer than sp are repeated first so each
+  rank gets the KV head its block of query heads is grouped with.
 """
 
 from __future__ import annotations
@@ -42,10 +38,7 @@ def _flash_attn_varlen():
 
 
 def resolve_attn_impl(impl: str, *, device: torch.device) -> str:
-    """Concrete implementation for "auto": flash-attn varlen on CUDA if installed, else a
-    per-sequence SDPA loop (fused causal kernels; cost and memory grow with sum(L_i^2), where the
-    block-diagonal mask of "sdpa_masked" grows with T^2: 2.5x slower on a heavy-tailed CPU batch,
-    benchmarks/hf_bench.py)."""
+    """ "auto": flash-attn varlen on CUDA if installed, else the per-sequence SDPA loop."""
     if impl not in ATTN_IMPLS:
         raise ModelConfigError(f"attn_impl={impl!r}; valid: {ATTN_IMPLS}")
     if impl != "auto":
@@ -56,10 +49,7 @@ def resolve_attn_impl(impl: str, *, device: torch.device) -> str:
 
 
 def check_sequence_parallel_heads(*, num_heads: int, num_kv_heads: int, sp_size: int) -> None:
-    """Raise ModelConfigError unless Ulysses with sp_size can split these heads.
-
-    Query heads must divide by sp; KV heads must divide by sp or divide sp (then repeated).
-    """
+    """Raise ModelConfigError unless query heads divide by sp and KV heads divide sp or by it."""
     if sp_size < 1:
         raise ModelConfigError(f"ulysses_sequence_parallel_size={sp_size} must be >= 1")
     if num_heads % sp_size:
@@ -90,8 +80,7 @@ def packed_visibility_mask(cu_seqlens: Tensor, total: int, *, sliding_window: in
 def _softcapped_attention(
     q4: Tensor, k4: Tensor, v4: Tensor, *, mask: Tensor, scaling: float, softcap: float
 ) -> Tensor:
-    """[1, H, T, d] attention with soft-capped scores (no fused kernel has the cap): HF eager's
-    order, scale -> cap -> mask -> fp32 softmax."""
+    """[1, H, T, d] attention in HF eager's order: scale -> cap -> mask -> fp32 softmax."""
     scores = torch.matmul(q4, k4.transpose(-1, -2)) * scaling
     scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
@@ -169,10 +158,8 @@ def varlen_causal_attention(
 ) -> Tensor:
     """Causal attention within each packed sequence on one rank (no SP exchange).
 
-    q: [T, Hq, d]; k, v: [T, Hkv, d] with Hq % Hkv == 0 (GQA: kv head j serves query heads
-    j*Hq/Hkv .. (j+1)*Hq/Hkv - 1); cu_seqlens: int [n+1] covering all T tokens. v may have a
-    smaller head size d_v than q/k (DeepSeek MLA). Returns [T, Hq, d_v].
-    """
+    q: [T, Hq, d]; k, v: [T, Hkv, d], Hq % Hkv == 0 (kv head j serves query heads j*Hq/Hkv ..
+    (j+1)*Hq/Hkv - 1); cu_seqlens: int [n+1] over all T. v may have a smaller d_v. Returns [T, Hq, d_v]."""
     total, num_q_heads, head_dim = q.shape
     assert int(cu_seqlens[-1]) == total, "cu_seqlens must cover every packed token"
     scaling = head_dim**-0.5 if scaling is None else float(scaling)
@@ -231,9 +218,8 @@ def packed_attention(
 ) -> Tensor:
     """Exact packed causal attention for this rank's slice, Ulysses all-to-all included.
 
-    q: [T_local, Hq, d], k/v: [T_local, Hkv, d] (T_local = T_pad / sp, this rank's slice);
-    cu_seqlens spans the full padded stream. Returns [T_local, Hq, d].
-    """
+    q: [T_local, Hq, d], k/v: [T_local, Hkv, d] (T_local = T_pad / sp); cu_seqlens spans the full
+    padded stream. Returns [T_local, Hq, d]."""
     sp = 1 if sp_group is None else dist.get_world_size(sp_group)
     if sp > 1:
         num_kv_heads = k.shape[1]
@@ -318,11 +304,8 @@ def hf_packed_attention_forward(
 ) -> tuple[Tensor, None]:
     """transformers AttentionInterface entry: [1, H, T, d] in, ([1, T, H, d], None) out.
 
-    The boundaries come from ``cu_seq_lens_q`` (passed by ``HFCausalLM.forward``); a call without
-    them (e.g. HF's own ``generate``) is an error rather than silently attending across sequences.
-    ``sliding_window`` and ``softcap`` are per call (per layer: Gemma alternates windowed and
-    global layers).
-    """
+    Boundaries come from ``cu_seq_lens_q``; a call without them (e.g. HF's ``generate``) is an error.
+    ``sliding_window`` and ``softcap`` are per call (per layer)."""
     if cu_seq_lens_q is None or max_length_q is None:
         raise ModelConfigError(
             f"attn_implementation={HF_ATTN_IMPLEMENTATION!r} needs cu_seq_lens_q and max_length_q "
@@ -346,11 +329,7 @@ def hf_packed_attention_forward(
 
 
 def register_hf_attention() -> str:
-    """Register ``hf_packed_attention_forward`` with transformers (idempotent); returns its name.
-
-    No attention-mask function is registered for it, so HF models build no mask (None) and
-    never run their packed-sequence detection; the boundaries are cu_seqlens only.
-    """
+    """Register ``hf_packed_attention_forward`` (idempotent, no mask function); returns its name."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(HF_ATTN_IMPLEMENTATION, hf_packed_attention_forward)

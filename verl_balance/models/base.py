@@ -1,9 +1,6 @@
-"""The small interface the engine needs from a causal LM (built-in decoder or an HF adapter).
-
-A model consumes one packed, padding-free token stream per micro-batch (this rank's SP slice of
-it) and returns logits for the same tokens. It owns its Ulysses exchange, so the engine never
-needs to know where attention happens.
-"""
+"""The small interface the engine needs from a causal LM (built-in decoder or an HF adapter): one
+packed, padding-free stream per micro-batch (this rank's SP slice) in, logits for the same tokens
+out; the model owns its Ulysses exchange."""
 
 from __future__ import annotations
 
@@ -40,12 +37,11 @@ class PackedCausalLM(Protocol):
         with_sum_pi_squared: bool = False,
         logits_chunk_size: int | None = None,
     ) -> Tensor | tuple[Tensor, Tensor | None]:
-        """Logits [T_local, V]; cu_seqlens spans the full padded stream (all SP slices). With
-        ``targets`` [T_local]: ``head_token_log_probs`` of the final hidden states instead, i.e.
-        (log p(target) [T_local], entropy [T_local] or None) at ``temperature``, chunked over tokens
-        when ``logits_chunk_size`` >= 1; with ``with_sum_pi_squared`` (no grad) ``head_token_stats``'
-        (log p(target), entropy, sum_v p(v)^2) instead. The head runs inside forward so that FSDP2's
-        root hooks unshard the output weight for it (and again for its backward)."""
+        """Logits [T_local, V]; cu_seqlens spans the full padded stream (all SP slices).
+
+        With ``targets`` [T_local]: ``head_token_log_probs`` (log p(target), entropy or None) at
+        ``temperature`` instead (chunked when ``logits_chunk_size`` >= 1); with ``with_sum_pi_squared``
+        ``head_token_stats``. The head runs inside forward so FSDP2's root hooks unshard its weight."""
         ...
 
     def forward_hidden(self, *, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:

@@ -37,7 +37,6 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        """hidden_size // num_heads."""
         return self.hidden_size // self.num_heads
 
     def to_dict(self) -> dict:

@@ -1,27 +1,19 @@
 """Hugging Face causal LMs (see SUPPORTED_MODEL_TYPES) behind ``PackedCausalLM``.
 
 ``HFModelConfig`` describes a local HF directory (nothing is downloaded); ``HFCausalLM`` runs the
-HF model itself on one packed, padding-free row with the packed attention of
-``models/attention.py`` registered as its attention implementation.
+HF model on one packed, padding-free row with ``attention.py``'s packed attention.
 
 Invariants:
-- Parameter names are exactly HF's (``model.layers.0.self_attn.q_proj.weight``, ``lm_head.weight``):
-  the adapter's children are the HF model's own ``model`` and ``lm_head``; the HF top-level module
-  is held outside the module tree (``hf_model``), so ``state_dict()`` loads into
+- Parameter names are exactly HF's: the adapter's children are the HF model's ``model`` and
+  ``lm_head`` (the top-level module is held outside the tree), so ``state_dict()`` loads into
   ``AutoModelForCausalLM`` unchanged and vice versa.
-- Tied embeddings stay one Parameter (``lm_head.weight is model.embed_tokens.weight``); both live
-  in the FSDP2 root unit, so sharding keeps them tied.
-- Sequence boundaries come from cu_seqlens only: the model is called with ``attention_mask=None``
-  and ``use_cache=False`` and the registered implementation has no mask function, so neither HF's
-  ``use_cache=True`` default nor a 2-D all-ones mask can disable packed masking.
-- Every HF model is built from a fresh copy of its config: ``from_config`` writes the attention
-  implementation into the config object it is given, so sharing one would silently switch the
-  attention of an earlier model.
-- ``forward`` returns exactly HF's logits: the family's post-projection transform (Granite's
-  ``logits_scaling``, Gemma's ``final_logit_softcapping``) is applied by ``self.logit_transform``.
-- A family feature packed attention cannot honour is refused at start-up, naming the model type
-  and the config key (``check_family_features``); what only shows at call time (an attention
-  argument, a sequence beyond a length-dependent RoPE's limit) is refused then. Nothing is dropped.
+- Tied embeddings stay one Parameter, in the FSDP2 root unit, so sharding keeps them tied.
+- Boundaries come from cu_seqlens only: ``attention_mask=None``, ``use_cache=False`` and no mask
+  function, so nothing can disable packed masking.
+- ``forward`` returns exactly HF's logits (``self.logit_transform``).
+- A family feature packed attention cannot honour is refused at start-up naming the model type and
+  key (``check_family_features``), or at call time (an attention argument, a sequence beyond a
+  length-dependent RoPE's limit). Nothing is dropped.
 """
 
 from __future__ import annotations
@@ -89,8 +81,7 @@ def _effective_sliding_window(hf_config) -> int | None:
 
 
 def check_family_features(hf_config, *, path: str) -> None:
-    """Raise ModelConfigError naming the model type and key of a feature packed training cannot
-    reproduce exactly (see docs/models.md, "Families")."""
+    """Raise ModelConfigError naming the model type and key of a feature packing cannot reproduce exactly."""
     model_type = hf_config.model_type
 
     def refuse(key: str, why: str) -> None:
@@ -110,8 +101,7 @@ def check_family_features(hf_config, *, path: str) -> None:
 
 
 def rope_length_limit(hf_config) -> int | None:
-    """Longest sequence a length-dependent RoPE (LENGTH_DEPENDENT_ROPE_TYPES) is exact for when
-    packed (its original_max_position_embeddings); None when every layer's RoPE is fixed."""
+    """Longest packed sequence a length-dependent RoPE is exact for; None when every RoPE is fixed."""
     params = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
     per_layer = params.values() if all(isinstance(v, dict) for v in params.values()) and params else [params]
     limits = [
@@ -149,11 +139,9 @@ def load_hf_config(path: str):
 class HFModelConfig:
     """Dimensions of a local Hugging Face causal LM plus how to build it.
 
-    ``init``: "pretrained" loads the directory's weights, "random" draws new ones from torch's RNG
-    (``from_config``). ``enable_gradient_checkpointing``: activation checkpointing per decoder layer
-    (verl's ``model.enable_gradient_checkpointing``). The MoE fields (0 / None for a dense model)
-    are what the FLOPs workload needs to count active parameters (``balance.workload.moe_dimensions``).
-    """
+    ``init``: "pretrained" loads the directory's weights, "random" draws from torch's RNG.
+    ``enable_gradient_checkpointing``: per decoder layer. The MoE fields (0 / None when dense) feed
+    ``balance.workload.moe_dimensions``."""
 
     path: str
     model_type: str
@@ -219,8 +207,7 @@ class HFModelConfig:
 
 
 def build_hf_model(config: HFModelConfig, *, attn_implementation: str = "sdpa"):
-    """A plain ``AutoModelForCausalLM`` (fp32) for ``config``: the directory's weights for
-    init="pretrained", else random from torch's RNG; built from its own copy of the HF config."""
+    """A plain fp32 ``AutoModelForCausalLM`` (pretrained or random), built from its own config copy."""
     from transformers import AutoModelForCausalLM
 
     if attn_implementation == HF_ATTN_IMPLEMENTATION:
@@ -239,8 +226,7 @@ def build_hf_model(config: HFModelConfig, *, attn_implementation: str = "sdpa"):
 
 
 def exact_hf_attention(requested: str, hf_config) -> str:
-    """HF's "sdpa" drops ``softcap`` (Gemma 2's attn_logit_softcapping) without a word; "eager"
-    applies it, so a soft-capped model asked for "sdpa" gets "eager"."""
+    """ "eager" for a soft-capped model asked for "sdpa" (HF's sdpa silently drops ``softcap``)."""
     if requested == "sdpa" and getattr(hf_config, "attn_logit_softcapping", None):
         return "eager"
     return requested
@@ -323,9 +309,7 @@ class HFCausalLM(nn.Module):
         with_sum_pi_squared: bool = False,
         logits_chunk_size: int | None = None,
     ) -> Tensor | tuple[Tensor, Tensor | None]:
-        """Logits [T_local, V] (the family's LogitTransform applied) for this rank's slice of the
-        packed stream; with ``targets``, the output head's (log p(target) [T_local], entropy
-        [T_local] or None) instead (see models/output_head.py; chunked when ``logits_chunk_size`` >= 1)."""
+        """Logits [T_local, V] of this rank's slice; with ``targets``, (log p(target), entropy or None)."""
         hidden = self.forward_hidden(
             input_ids=input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen
         )

@@ -1,7 +1,5 @@
-"""The built-in decoder (``models/llama.py``) as transformers' ``LlamaForCausalLM``: the same math
-(fp32 RMSNorm, rotate_half RoPE, GQA, SwiGLU, no biases), so HF's Llama gives the same logits from
-the same weights under its own parameter names. Used by the streamed export of a sharded engine
-(``engine/hf_export.py``) and by ``python -m verl_balance.export``."""
+"""The built-in decoder as transformers' ``LlamaForCausalLM`` (the same math under HF's names), for
+the streamed export of a sharded engine and ``python -m verl_balance.export``."""
 
 from __future__ import annotations
 
@@ -27,8 +25,7 @@ _BUILTIN_LAYER_NAMES = {
 
 
 def builtin_to_hf_llama(state_dict: Mapping[str, torch.Tensor], *, model_config: ModelConfig):
-    """(transformers LlamaConfig, HF-named state dict) of a built-in model: same math (fp32 RMSNorm,
-    rotate_half RoPE, GQA, SwiGLU, no biases), so HF's Llama gives the same logits."""
+    """(transformers LlamaConfig, HF-named state dict) of a built-in model; HF's Llama gives the same logits."""
     from transformers import LlamaConfig
 
     c = model_config

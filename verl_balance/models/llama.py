@@ -1,14 +1,12 @@
 """Built-in Llama-style decoder over packed, padding-free batches, with Ulysses SP around attention.
 
 Invariants:
-- Parameter names and semantics are a contract (docs/models.md): embed_tokens, layers.{i}.input_norm,
+- Parameter names are a contract (docs/models.md): embed_tokens, layers.{i}.input_norm,
   layers.{i}.attn.{q,k,v,o}_proj, layers.{i}.post_attn_norm, layers.{i}.mlp.{gate,up,down}_proj,
   norm, lm_head (absent when tie_word_embeddings). HF-Llama math: rotate_half RoPE, fp32 RMSNorm,
   SwiGLU, GQA by repeating kv heads.
-- Input is one packed token stream: input_ids / position_ids [T_local] (this rank's SP slice) and
-  cu_seqlens over the full padded stream (same on every SP rank). With sp > 1 the q/k/v of the
-  local slice are exchanged by all-to-all so that attention sees whole sequences for a subset of
-  heads; everything else is token-local. Output logits are [T_local, V] for the local slice.
+- Input: input_ids / position_ids [T_local] (this rank's SP slice), cu_seqlens over the full
+  padded stream; only attention exchanges (all-to-all), everything else is token-local.
 """
 
 from __future__ import annotations
@@ -25,11 +23,7 @@ from verl_balance.models.output_head import LogitTransform, Temperature, head_to
 
 
 def check_sequence_parallel(config: ModelConfig, sp_size: int) -> None:
-    """Raise ModelConfigError unless Ulysses with sp_size can split the heads of `config`.
-
-    Query heads must divide by sp; kv heads must divide by sp or be repeatable to sp
-    (sp % num_kv_heads == 0).
-    """
+    """Raise ModelConfigError unless Ulysses with sp_size can split the heads of `config`."""
     check_sequence_parallel_heads(num_heads=config.num_heads, num_kv_heads=config.num_kv_heads, sp_size=sp_size)
 
 
@@ -126,10 +120,9 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: x + attn(input_norm(x)), then + mlp(post_attn_norm(x)).
 
-    With ``gradient_checkpointing`` (training with grad enabled) the block keeps only its input and
-    recomputes its activations in the backward. The checkpoint runs inside ``forward``, so FSDP2's
-    hooks on this unit stay outside it (as torch's checkpoint_wrapper applied before fully_shard):
-    the recompute finds the parameters already unsharded by the pre-backward hook."""
+    ``gradient_checkpointing`` recomputes the block in the backward. The checkpoint runs inside
+    ``forward``, so FSDP2's hooks on this unit stay outside it and the recompute finds the
+    parameters already unsharded by the pre-backward hook."""
 
     def __init__(self, config: ModelConfig, *, sp_size: int, attn_impl: str):
         super().__init__()
@@ -214,9 +207,7 @@ class LlamaForCausalLM(nn.Module):
         with_sum_pi_squared: bool = False,
         logits_chunk_size: int | None = None,
     ) -> Tensor | tuple[Tensor, Tensor | None]:
-        """Logits [T_local, V] for this rank's slice of the packed stream; with ``targets``, the
-        output head's (log p(target) [T_local], entropy [T_local] or None) instead (see
-        models/output_head.py; chunked when ``logits_chunk_size`` >= 1)."""
+        """Logits [T_local, V] of this rank's slice; with ``targets``, (log p(target), entropy or None)."""
         hidden = self.forward_hidden(
             input_ids=input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen
         )

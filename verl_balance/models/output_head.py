@@ -1,9 +1,7 @@
-"""How a model family turns the output projection into logits.
-
-Most families use ``logits = hidden @ W_out^T``. Some add a fixed transform after the projection:
-Granite divides by ``logits_scaling``; Gemma 2/3 soft-cap with ``final_logit_softcapping``
-(``c * tanh(logits / c)``). Every path that produces logits (the model's own ``forward``, a
-chunked output head, a rollout) applies the same ``LogitTransform``, so they agree exactly.
+"""How a model family turns the output projection into logits: ``hidden @ W_out^T``, then a fixed
+``LogitTransform`` (Granite divides by ``logits_scaling``; Gemma 2/3 soft-cap with
+``final_logit_softcapping``). Every path producing logits (forward, chunked head, rollout)
+applies the same transform, so they agree exactly.
 """
 
 from __future__ import annotations
@@ -41,8 +39,7 @@ class LogitTransform:
 
     @classmethod
     def from_hf_config(cls, hf_config) -> LogitTransform:
-        """Read the families' keys: ``logits_scaling`` (Granite divides by it) and
-        ``final_logit_softcapping`` (Gemma 2/3); absent keys mean identity."""
+        """Read ``logits_scaling`` and ``final_logit_softcapping``; absent keys mean identity."""
         logits_scaling = getattr(hf_config, "logits_scaling", None)
         softcap = getattr(hf_config, "final_logit_softcapping", None)
         return cls(
@@ -78,12 +75,10 @@ def _divide_by_temperature(logits: Tensor, temperature: Temperature) -> Tensor:
 def token_log_probs(
     logits: Tensor, targets: Tensor, *, with_entropy: bool = False, temperature: Temperature = 1.0
 ) -> tuple[Tensor, Tensor | None]:
-    """log p(target_t) per position (fp32; float64 stays float64) and optionally the entropy of
-    each distribution.
+    """log p(target_t) per position (fp32; float64 stays float64) and optionally the entropy.
 
-    ``temperature`` divides the logits first (a float, or a per-token [T] tensor), so the log-probs
-    are those of the policy the rollout sampled from (verl's convention for the PPO ratio).
-    """
+    ``temperature`` (a float or a per-token [T] tensor) divides the logits first: the log-probs of
+    the policy the rollout sampled from (verl's convention for the PPO ratio)."""
     check_temperature(temperature)
     logp = torch.log_softmax(_divide_by_temperature(_upcast(logits), temperature), dim=-1)
     picked = logp.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
@@ -92,8 +87,7 @@ def token_log_probs(
 
 
 def _chunk_logits_from_projection(projected: Tensor, transform: LogitTransform, temperature: Temperature) -> Tensor:
-    """fp32 logits / temperature of one chunk, computed exactly as the unchunked path does (the
-    family transform in the parameter dtype, then fp32, then the temperature)."""
+    """fp32 logits / temperature of one chunk, exactly as the unchunked path (transform, fp32, temperature)."""
     return _divide_by_temperature(_upcast(transform.apply(projected)), temperature)
 
 
@@ -104,11 +98,9 @@ def _slice_temperature(temperature: Temperature, start: int, end: int) -> Temper
 class _ChunkedTokenLogProbs(torch.autograd.Function):
     """(hidden [T, H], weight [V, H]) -> (log p(target) [T], entropy [T]) in token chunks.
 
-    Forward keeps hidden, weight, targets and the per-token outputs, plus (when a backward will
-    follow, ``keep_last``) the last chunk's log-softmax; backward reuses that chunk and recomputes
-    every other chunk's logits and softmax, accumulating the gradients of hidden and weight, so at
-    most one chunk's [chunk, V] logits (and a few same-sized temporaries) are alive at a time. A
-    micro-batch of at most ``chunk_size`` tokens is one chunk: its head runs once, as unchunked."""
+    Backward recomputes every chunk's logits but the last (kept with ``keep_last``) and accumulates
+    the gradients of hidden and weight, so at most one chunk's [chunk, V] logits (and a few
+    same-sized temporaries) are alive. At most ``chunk_size`` tokens is one chunk, as unchunked."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, transform, chunk_size, with_entropy, keep_last):
@@ -172,8 +164,7 @@ class _ChunkedTokenLogProbs(torch.autograd.Function):
 def _chunk_log_softmax(
     hidden: Tensor, weight: Tensor, transform: LogitTransform, temperature: Temperature, *, want_capped: bool
 ) -> tuple[Tensor, Tensor | None]:
-    """log_softmax of one chunk's logits (exactly as the unchunked path) and, when ``want_capped``
-    and the transform soft-caps, the fp32 ``tanh`` the soft-cap's derivative needs."""
+    """log_softmax of one chunk's logits and, with ``want_capped`` under a soft-cap, the fp32 ``tanh``."""
     projected = torch.nn.functional.linear(hidden, weight)
     capped = None
     if want_capped and transform.softcap is not None:
@@ -219,14 +210,11 @@ def _logit_grad_from_log_softmax(
     entropy: Tensor | None,
     inplace: bool,
 ) -> Tensor:
-    """d(outputs)/d(projected logits z) of one chunk from its log-softmax ``logp`` (and the fp32
-    ``tanh`` of a soft-capping transform).
+    """d(outputs)/d(projected logits z) of one chunk from its log-softmax ``logp`` (and soft-cap ``tanh``).
 
-    With l = softcap(scale * z) / temperature and logp = log_softmax(l):
-    d logp[target]/dl = onehot - p and d entropy/dl = -p * (logp + entropy); then the chain rule
-    through the temperature, tanh' = 1 - tanh^2 and the scale. With ``inplace`` it works on the
-    chunk's buffers (``logp`` and ``capped`` are consumed), so about three [chunk, V] tensors are
-    alive at once; without, it leaves them unchanged (same arithmetic, same values)."""
+    With l = softcap(scale * z) / temperature: d logp[target]/dl = onehot - p and
+    d entropy/dl = -p * (logp + entropy), then the chain rule through temperature, tanh' = 1 - tanh^2
+    and scale. ``inplace`` consumes ``logp`` and ``capped`` (about three [chunk, V] tensors alive)."""
     p = logp.exp()
     if grad_entropy is not None:
         shifted = logp.add_(entropy[:, None]) if inplace else logp + entropy[:, None]
@@ -255,11 +243,8 @@ def chunked_token_log_probs(
     with_entropy: bool = False,
     chunk_size: int,
 ) -> tuple[Tensor, Tensor | None]:
-    """``token_log_probs(transform(hidden @ weight^T), targets, ...)`` without materializing the
-    [T, V] logits: peak memory of the head is about chunk_size x V (fp32) in forward and backward.
-
-    Exact: the forward computes each chunk exactly as the unchunked path; gradients with respect to
-    hidden and weight are the analytic ones (equal to autograd's up to float rounding)."""
+    """``token_log_probs(transform(hidden @ weight^T), targets, ...)`` without the [T, V] logits (peak about
+    chunk_size x V fp32); exact forward, analytic gradients (autograd's up to rounding)."""
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"logits_chunk_size={chunk_size!r} must be an int >= 1 (or 0 for the unchunked path)")
     check_temperature(temperature)
@@ -281,10 +266,7 @@ def head_token_stats(
     temperature: Temperature = 1.0,
     chunk_size: int | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """(log p(target), entropy, sum_v p(v)^2) per token [T], fp32, no gradient: the log-prob pass of
-    the optimal-token baselines (verl's ``calculate_sum_pi_squared``, at ``temperature`` as verl's).
-    Each chunk of ``chunk_size`` tokens (all of them when 0 / None) is computed exactly as
-    ``head_token_log_probs`` computes it, so the log-probs and entropy equal that path's."""
+    """(log p(target), entropy, sum_v p(v)^2) per token, fp32, no grad; equal to ``head_token_log_probs``'."""
     check_temperature(temperature)
     n = hidden.shape[0]
     step = chunk_size or max(n, 1)
@@ -312,8 +294,7 @@ def head_token_log_probs(
     with_entropy: bool = False,
     chunk_size: int | None,
 ) -> tuple[Tensor, Tensor | None]:
-    """The output head on final hidden states: chunked when ``chunk_size`` >= 1, else (0 / None)
-    the reference path that materializes ``transform(hidden @ weight^T)`` in full."""
+    """The output head on final hidden states: chunked when ``chunk_size`` >= 1, else the full reference path."""
     if not chunk_size:
         logits = transform.apply(torch.nn.functional.linear(hidden, weight))
         return token_log_probs(logits, targets, with_entropy=with_entropy, temperature=temperature)

@@ -1,16 +1,12 @@
-"""Start-up checks of a model directory, run by the trainers before Ray starts.
-
-A broken directory otherwise fails late and far from its cause: a missing vocabulary file loads as
-an empty tokenizer (every sample "0 tokens", then a micro-batch error), a truncated
-``model.safetensors`` fails in a worker a minute after Ray starts naming no file, and a tokenizer
-without a chat template silently trains on a built-in one. Each check here raises
+"""Start-up checks of a model directory, run by the trainers before Ray starts; each raises
 ``PreflightError`` naming the file (or key) and what would be valid.
 
 - ``check_tokenizer``: the directory holds a vocabulary file, it loads, and it encodes text.
 - ``check_chat_template``: a chat template is present when the data renders chats, unless
   ``custom_chat_template=builtin`` opts in to the built-in one.
-- ``check_weight_files``: every ``*.safetensors`` header parses and the file is as long as its
-  header declares (the weights themselves are not read); shards named by the index exist.
+- ``check_weight_files``: the weights the engine reads exist (``model.safetensors``, or the index
+  and every shard it names); every ``*.safetensors`` header parses and the file is as long as its
+  header declares (weights not read).
 """
 
 from __future__ import annotations
@@ -30,6 +26,7 @@ BUILTIN_CHAT_TEMPLATE = "builtin"
 # Any one of these makes a Hugging Face tokenizer directory loadable (fast, sentencepiece, BPE, wordpiece).
 VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
 _PROBE_TEXT = "hello world 123"
 
@@ -115,11 +112,7 @@ def _check_json_file(path: str, *, key: str) -> None:
 def check_chat_template(
     tokenizer: Tokenizer, *, tokenizer_path: str, chat_key: str | None, custom_chat_template: str | None, key: str
 ) -> None:
-    """A chat template must be present when ``chat_key`` data is rendered as chats.
-
-    A Hugging Face tokenizer without one would fall back to the built-in minimal template, which
-    changes every sample's tokens (and the loss): allowed only with ``custom_chat_template=builtin``.
-    """
+    """A chat template must be present for chat data unless ``custom_chat_template=builtin``."""
     hf = getattr(tokenizer, "hf_tokenizer", None)
     has_template = hf is None or bool(getattr(hf, "chat_template", None))  # the byte tokenizer has its own
     if custom_chat_template not in (None, BUILTIN_CHAT_TEMPLATE):
@@ -163,10 +156,12 @@ def check_weight_files(model_dir: str, *, key: str) -> None:
                 f"{key}={model_dir!r}: {index_file} names shard(s) that are missing: "
                 f"{[os.path.join(model_dir, s) for s in missing]}"
             )
-    has_bin = any(name.startswith("pytorch_model") and name.endswith(".bin") for name in os.listdir(model_dir))
-    if not files and not has_bin:
+    if not os.path.isfile(index_file) and SAFETENSORS_SINGLE not in files:
+        has_bin = any(name.startswith("pytorch_model") and name.endswith(".bin") for name in os.listdir(model_dir))
+        found = f"only {files}" if files else ("only pytorch_model*.bin" if has_bin else "no weights (no safetensors)")
         raise PreflightError(
-            f"{key}={model_dir!r} has no weights (no *.safetensors, no pytorch_model*.bin); set "
+            f"{key}={model_dir!r} has {found}: the engine reads {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX} with "
+            "its shards (write them with save_pretrained(dir, safe_serialization=True)), or set "
             f"{key.rsplit('.', 1)[0]}.init=random to train that architecture from random weights"
         )
     for name in files:
@@ -174,11 +169,7 @@ def check_weight_files(model_dir: str, *, key: str) -> None:
 
 
 def check_safetensors_file(path: str) -> None:
-    """The header of a safetensors file parses and the file holds every byte it declares.
-
-    Layout: an 8-byte little-endian header length N, N bytes of JSON mapping each tensor to its
-    ``data_offsets`` [begin, end) in the data that follows; the data ends at the largest ``end``.
-    """
+    """A safetensors file's header parses and the file holds every byte its ``data_offsets`` declare."""
     size = os.path.getsize(path)
     if size < 8:
         raise PreflightError(f"{path}: {size} bytes, too short for a safetensors file (truncated or empty)")

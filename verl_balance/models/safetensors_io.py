@@ -1,14 +1,11 @@
 """Hugging Face safetensors directories, read and written one tensor slice at a time.
 
-Reading: ``safetensors_key_files`` maps tensor names to files; ``engine/materialize.py`` reads each
-rank's own rows with ``safe_open(...).get_slice``.
-
-Writing (``ShardedSafetensorsWriter``): tensors arrive one at a time (e.g. gathered one parameter
-at a time from an FSDP2 model); they are buffered until the current file reaches
-``max_shard_bytes`` and then written, so the writer holds at most one file's tensors
-(+ the one being added). Several files get HF's ``model-0000k-of-0000n.safetensors`` names and a
-``model.safetensors.index.json``; one file is ``model.safetensors``. The file plan is fixed from
-the (name, shape, dtype) list before any tensor arrives, so names never change mid-write.
+Reading: ``safetensors_key_files`` maps tensor names to files; each rank reads its own rows with
+``safe_open(...).get_slice``. Writing (``ShardedSafetensorsWriter``): tensors arrive one at a time
+and are buffered until the file reaches ``max_shard_bytes``, so at most one file's tensors (+ the
+one added) are held. Several files get HF's ``model-0000k-of-0000n.safetensors`` names and an
+index; one file is ``model.safetensors``. The file plan is fixed from (name, shape, dtype) before
+any tensor arrives.
 """
 
 from __future__ import annotations
@@ -51,8 +48,7 @@ def safetensors_key_files(path: str) -> dict[str, str]:
 
 
 def checkpoint_key(name: str, files: dict[str, str]) -> str | None:
-    """The checkpoint's key for parameter ``name`` (HF's base-model prefix may be absent; Mixtral's
-    on-disk ``block_sparse_moe`` is transformers' ``mlp``)."""
+    """The checkpoint's key for ``name`` (base-model prefix may be absent; Mixtral's ``block_sparse_moe``)."""
     for candidate in _name_variants(name):
         if candidate in files:
             return candidate
@@ -77,9 +73,8 @@ _FUSED_EXPERT_SOURCES = {
 
 
 def expert_sources(name: str, files: dict[str, str]) -> list[list[str]] | None:
-    """For a fused MoE expert parameter ``name``: per expert, the checkpoint keys whose tensors
-    concatenated along dim 0 give that expert's slice; None when ``name`` is no such parameter or
-    the checkpoint lacks the per-expert tensors."""
+    """Per expert, the checkpoint keys that concatenated on dim 0 give fused MoE parameter ``name``'s slice;
+    None when ``name`` is not fused or the checkpoint lacks per-expert tensors."""
     for suffix, namings in _FUSED_EXPERT_SOURCES.items():
         if not name.endswith(suffix):
             continue
@@ -158,8 +153,7 @@ class ShardedSafetensorsWriter:
             self._group, self._pending = self._group + 1, {}
 
     def close(self) -> list[str]:
-        """Check that every planned tensor was written; write the index (several files). Returns
-        the file names."""
+        """Check every planned tensor was written and write the index; returns the file names."""
         if self._group != len(self.groups):
             raise ValueError(f"only {self._group} of {len(self.groups)} safetensors files were complete")
         if len(self.groups) > 1:
@@ -208,10 +202,9 @@ def save_hf_directory(
     tokenizer_path: str | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> str:
-    """A save_pretrained-style directory: ``hf_config`` as config.json (with the tensors' dtype),
-    the tensors as bounded safetensors files, generation_config.json (``tokenizer_path``'s when it
-    has one, else derived from ``hf_config`` as save_pretrained does), and the tokenizer of
-    ``tokenizer_path`` if it has one."""
+    """A save_pretrained-style directory: config.json, bounded safetensors files, generation_config.json
+    (``tokenizer_path``'s, else derived from ``hf_config``), the tokenizer if any; files readable as
+    save_pretrained's (``share_files``)."""
     from transformers import GenerationConfig
 
     os.makedirs(out, exist_ok=True)

@@ -1,24 +1,16 @@
 """A value model: a decoder backbone plus a scalar head per token (verl's critic).
 
-``ValueModel`` wraps a ``PackedCausalLM`` (the built-in ``LlamaForCausalLM`` or ``HFCausalLM``) and
-runs its ``forward_hidden``; the head is ``score = Linear(H, 1)`` (with a bias) on the final normed
-hidden states, the layout of HF's ``*ForTokenClassification`` with ``num_labels=1`` (what verl's
-critic loads with ``AutoModelForTokenClassification``).
+``ValueModel`` runs a ``PackedCausalLM``'s ``forward_hidden`` and ``score = Linear(H, 1)`` (with a
+bias) on the final normed hidden states: HF's ``*ForTokenClassification`` with ``num_labels=1``.
 
 Invariants:
-- No LM output projection: the backbone's ``lm_head`` is dropped before the model is sharded or
-  materialized (built on meta, it is never allocated; a tied embedding stays, as the input
-  embedding). At 72B that is ~1.2B parameters neither stored, sharded nor given optimizer state.
-- Parameter names are the backbone's own (``model.layers.0...`` for HF, ``layers.0...`` built-in)
-  plus ``score.weight`` / ``score.bias``: exactly the keys of an HF ``*ForTokenClassification``
-  checkpoint, so ``fill_pretrained`` reads its ``score`` when the directory has one. Otherwise
-  (a ``*ForCausalLM`` directory, or random init) the head is engine/materialize.py's
-  ``value_head_init`` from
-  (seed, parameter name): the same head at every layout and for both backbone kinds.
-- ``forward`` returns head(hidden[p]) at packed position p: with the engine's target alignment
-  (engine/packing.py) unpacking puts it at wire position t = p + 1, i.e. values[i, t] is the head
-  applied to the hidden state of token t - 1, the alignment of log_probs[i, t] (and of verl's
-  ``values = logits[:, -R - 1:-1]``).
+- No ``lm_head``: it is dropped before sharding or materializing (a tied embedding stays).
+- Parameter names are the backbone's plus ``score.weight`` / ``score.bias``, the keys of an HF
+  token-classification checkpoint, so ``fill_pretrained`` reads its ``score``; otherwise the head is
+  materialize's ``value_head_init`` from (seed, name): the same head at every layout.
+- ``forward`` returns head(hidden[p]) at packed position p, which unpacking puts at wire position
+  t = p + 1: values[i, t] is the head on token t - 1's hidden state, aligned like log_probs[i, t]
+  (and verl's ``values = logits[:, -R - 1:-1]``).
 """
 
 from __future__ import annotations
@@ -84,8 +76,7 @@ class ValueModel(nn.Module):
         )
 
     def forward(self, *, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:
-        """Values [T_local] (fp32) of this rank's slice: the head on each position's hidden state.
-        The head runs inside forward so FSDP2's root hooks unshard ``score`` for it."""
+        """Values [T_local] (fp32) of this rank's slice (head inside forward for FSDP2's root hooks)."""
         hidden = self.forward_hidden(
             input_ids=input_ids, position_ids=position_ids, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen
         )
@@ -95,16 +86,14 @@ class ValueModel(nn.Module):
 
 
 def build_value_model(model_config, *, sp_size: int = 1, attn_impl: str = "auto") -> ValueModel:
-    """``ValueModel`` over ``build_model(model_config)`` (the head's values are construction's
-    draws; the engine fills it with materialize's ``value_head_init`` or the checkpoint's ``score``)."""
+    """``ValueModel`` over ``build_model(model_config)``; the engine fills the head afterwards."""
     from verl_balance.models import build_model
 
     return ValueModel(build_model(model_config, sp_size=sp_size, attn_impl=attn_impl))
 
 
 def checkpoint_has_value_head(path: str) -> bool:
-    """Whether the HF directory is a ``*ForTokenClassification`` checkpoint with one label (its
-    ``score`` is then loaded). A token-classification directory with num_labels != 1 is an error."""
+    """Whether the HF directory is a one-label ``*ForTokenClassification`` checkpoint (num_labels != 1: error)."""
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)
     architectures = config.get("architectures") or []

@@ -7,7 +7,7 @@ builds its datasets, calls ``setup_loader`` and then ``start_workers`` with its 
 it implements ``train_step(item)`` and ``evaluate()``; ``summarize`` and ``plot_panels`` shape the
 end-of-run summary. Checkpoints hold the workers' sharded engine state plus the driver's step and
 data position, so a resumed run continues the curve exactly; each carries the run's identity and
-lineage (``checkpoint.py``), and a dead worker can be replaced up to ``trainer.max_restarts`` times
+lineage (``trainer/checkpoint/``), and a dead worker can be replaced up to ``trainer.max_restarts`` times
 (docs/fault_tolerance.md).
 """
 
@@ -43,7 +43,6 @@ from verl_balance.workers.group import ActorGroup
 
 logger = logging.getLogger(__name__)
 
-# Step metrics whose non-finite value makes a step non-finite (SFT logs train/*, GRPO actor/*).
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 """Signals that stop a run gracefully: the step in flight finishes, a checkpoint is saved, and the
 entry points exit with 128 + the signal's number (``exit_code``)."""
@@ -64,6 +63,7 @@ NONFINITE_WATCH_KEYS = (
     "critic/vf_loss",
     "critic/grad_norm",
 )
+"""Step metrics whose non-finite value makes a step non-finite (SFT logs train/*, GRPO actor/* and critic/*)."""
 
 
 def tracking_backends(loggers) -> list[str]:
@@ -226,7 +226,8 @@ class DriverBase:
 
     # ------------------------------------------------------------------ subclass hooks
     def train_step(self, item) -> dict:
-        """One optimizer step (SFT) or one rollout + update round (GRPO) on one loader item."""
+        """One driver iteration on one loader item (SFT: one optimizer step; GRPO: rollout, passes and
+        ``ppo_epochs`` x mini-batches of optimizer steps); returns the step's metrics."""
         raise NotImplementedError
 
     def evaluate(self) -> dict:

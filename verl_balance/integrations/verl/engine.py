@@ -314,7 +314,7 @@ class VerlBalanceEngine(BaseEngine):
 
     Drives ``TrainEngine``'s public micro-batch API only (``pack_micro_batches``, ``forward_log_probs``,
     ``prepare_backward``, ``reshard``, ``zero_grad``, ``optimizer_step``, ``advance_schedule``), the
-    calls ``TrainEngine.train_step`` is made of; ``save_checkpoint`` keeps the newest
+    calls ``TrainEngine.train_batch`` is made of; ``save_checkpoint`` keeps the newest
     ``max_ckpt_to_keep`` checkpoints as verl's FSDP checkpoint manager does."""
 
     def __init__(

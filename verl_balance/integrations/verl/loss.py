@@ -59,7 +59,7 @@ def agg_loss(
 
     Returns ``grad_scale * sum(w * loss_mat)`` with the contract weights w of ``verl_balance.loss``
     (token-mean m/N, seq-mean-token-mean m/(n_i S), seq-mean-token-sum m/S,
-    seq-mean-token-sum-norm m/(S C)), N and S from ``loss_counts`` over the whole mini-batch.
+    seq-mean-token-sum-norm m/(S C), token-sum m), N and S from ``loss_counts`` over the whole mini-batch.
     ``grad_scale`` is G, the number of ranks the gradient reduction averages over for disjoint
     data (verl's FSDP: its ``dp_size``); back-propagate the result. The logged loss is the SUM of
     the unscaled values over all micro-batches and DP ranks, identical for every layout.
@@ -77,7 +77,9 @@ def agg_loss(
         loss_scale_factor=loss_scale_factor,
         dp_group=None,
     )
-    if loss_agg_mode == "token-mean":
+    if loss_agg_mode == "token-sum":
+        to_global = 1.0  # no normaliser: the sum over the micro-batch is its share of the mini-batch's sum
+    elif loss_agg_mode == "token-mean":
         to_global = local.num_tokens / max(counts.num_tokens, 1)
     else:
         to_global = local.num_sequences / max(counts.num_sequences, 1)

@@ -47,8 +47,6 @@ SUPPLIED_INPUTS = (
 (gae), the greedy baseline rollout's reward (remax), the reward function's extra fields (gdpo), and the
 old log-prob pass's log-probs and sum over the vocabulary of pi^2 (the optimal-token baselines: the
 pass then runs before the advantages)."""
-UNSUPPLIED_REASONS: dict[str, str] = {}
-"""Why an estimator input is not supplied (none today; the start-up error names any future one)."""
 ENGINE_LOSS_MODES = (
     "vanilla",
     "sapo",
@@ -155,9 +153,9 @@ class AlgorithmSection:
                 raise ConfigError(f"{key}={getattr(self, key)} must be in [0, 1]")
         missing = [n for n in required_inputs(self.adv_estimator, self.advantage_params()) if n not in SUPPLIED_INPUTS]
         if missing:
-            why = "; ".join(UNSUPPLIED_REASONS.get(n, n) for n in missing)
             raise ConfigError(
-                f"adv_estimator={self.adv_estimator!r} needs {missing}: {why}; choose another estimator "
+                f"adv_estimator={self.adv_estimator!r} needs {missing}, which the GRPO trainer does not supply; "
+                "choose another estimator "
                 f"(valid here: {sorted(supported_estimators())})"
             )
         if self.gdpo_reward_weights is not None and len(self.gdpo_reward_weights) != len(self.gdpo_reward_keys or ()):

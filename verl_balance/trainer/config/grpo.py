@@ -212,12 +212,11 @@ class ActorSection(FSDPKeys, ActorKeys, ActorAlgorithmKeys, PolicyLossConfig):
         if self.ulysses_sequence_parallel_size is not None:
             check_positive("ulysses_sequence_parallel_size", self.ulysses_sequence_parallel_size)
 
-    def old_log_prob_from_update(self, *, train_batch_size: int) -> bool:
-        """Whether a step takes its old log-probs from the update forward instead of a separate
-        pass: only with recompute_old_log_prob=auto and an on-policy update, i.e. the step's one
-        optimizer step runs on rows sampled with the same weights (one epoch, one mini-batch).
-        An off-policy correction that needs the old log-probs before the update (e.g. rollout
-        importance sampling) must make this False."""
+    def single_on_policy_update(self, *, train_batch_size: int) -> bool:
+        """Whether the actor allows a step's old log-probs from the update forward instead of a
+        separate pass: only with recompute_old_log_prob=auto and an on-policy update, i.e. the step's
+        one optimizer step runs on rows sampled with the same weights (one epoch, one mini-batch).
+        ``GRPOConfig.old_log_prob_from_update`` adds the algorithm's conditions."""
         one_update = self.ppo_epochs == 1 and self.ppo_mini_batch_size == train_batch_size
         return self.recompute_old_log_prob == "auto" and one_update
 
@@ -241,6 +240,8 @@ class ValSamplingConfig:
         check_positive("n", self.n)
         if not self.temperature >= 0:
             raise ConfigError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p={self.top_p} must be in (0, 1]")
 
 
 @dataclass
@@ -273,9 +274,10 @@ class RolloutSection:
     val_kwargs: ValSamplingConfig = field(default_factory=ValSamplingConfig, metadata=APPLY_ON_RESUME)
     """Sampling of validation rollouts."""
     nnodes: int = field(default=0, metadata=LAYOUT_ON_RESUME)
-    """verl's key: nodes of the separate rollout pool (trainer.v1.trainer_mode=separate_async only; 0 = none)."""
+    """verl's key: nodes of the separate rollout pool (trainer.v1.trainer_mode=separate_async only; 0 = one
+    node there, named at start-up: trainer/config/async_mode.py)."""
     n_gpus_per_node: Optional[int] = field(default=None, metadata=LAYOUT_ON_RESUME)
-    """verl's key: rollout workers per node of that pool (null = trainer.n_gpus_per_node, verl's default)."""
+    """verl's key: rollout workers per node of that pool (null or 0 = trainer.n_gpus_per_node, verl's default)."""
 
     def __post_init__(self) -> None:
         check_choice("name", self.name, ROLLOUT_BACKENDS)
@@ -596,13 +598,14 @@ class GRPOConfig(RecipeConfig):
 
     @property
     def old_log_prob_from_update(self) -> bool:
-        """Whether each step takes its old log-probs from the update forward (see ActorSection); never
-        when the driver reads them before the advantages (KL in the reward, rollout correction) or
-        when they are the rollout's (rollout_correction.bypass_mode)."""
+        """Whether each step takes its old log-probs from the update forward (the actor allows it:
+        ``ActorSection.single_on_policy_update``); never when the driver reads them before the
+        advantages (KL in the reward, rollout correction) or when they are the rollout's
+        (rollout_correction.bypass_mode)."""
         algorithm = self.algorithm
         if algorithm.needs_old_log_probs_before_advantages or algorithm.rollout_correction.bypass_mode:
             return False
-        return self.actor_rollout_ref.actor.old_log_prob_from_update(train_batch_size=self.data.train_batch_size)
+        return self.actor_rollout_ref.actor.single_on_policy_update(train_batch_size=self.data.train_batch_size)
 
     def loss_mode_config(self) -> LossModeConfig:
         """The actor's policy-loss mode as the workers take it: ``actor.policy_loss.*``, or with
@@ -744,7 +747,7 @@ class GRPOConfig(RecipeConfig):
     def _check_rollout_pool(self) -> None:
         """verl's default: actor_rollout_ref.rollout.n_gpus_per_node = trainer.n_gpus_per_node."""
         rollout = self.actor_rollout_ref.rollout
-        if rollout.n_gpus_per_node is None:
+        if not rollout.n_gpus_per_node:  # unset or verl's 0
             rollout.n_gpus_per_node = self.trainer.n_gpus_per_node
         check_positive("actor_rollout_ref.rollout.n_gpus_per_node", rollout.n_gpus_per_node)
 

@@ -147,6 +147,10 @@ class ModelSection(ModelKeys):
             )
         if self.path is not None:
             check_hf_model_dir("path", self.path)
+        for key in MODEL_DIMENSION_KEYS:  # a dimension override, when set, is a positive count
+            value = getattr(self, key)
+            if value is not None and not isinstance(value, bool):
+                check_positive(key, value)
 
     @property
     def tokenizer_path(self) -> str:
@@ -344,6 +348,12 @@ class TrainerSection:
         check_choice("resume_mode", self.resume_mode, RESUME_MODES)
         if self.resume_mode == "resume_path" and not self.resume_from_path:
             raise ConfigError("resume_mode=resume_path needs resume_from_path")
+        if self.resume_mode == "resume_path" and not os.path.isdir(self.resume_from_path):
+            what = "is not a directory" if os.path.exists(self.resume_from_path) else "does not exist"
+            raise ConfigError(
+                f"resume_from_path={self.resume_from_path!r} {what} (resume_mode=resume_path); point it at a "
+                "complete global_step_N directory, or set resume_mode=auto"
+            )
         for name in self.logger:
             check_choice("logger", name, LOGGERS)
         if self.save_freq == 0:

@@ -350,17 +350,19 @@ def target_of(key: str, entry: VerlKey) -> str:
 
 def translate(args: Sequence[str], *, recipe: str) -> tuple[list[str], list[str]]:
     """(the command line with verl's keys written as ours and no-effect keys removed, the
-    no-effect keys); ConfigError on a refused value or two spellings set to different values."""
+    no-effect keys). A key given twice in one spelling takes its last value (Hydra's and verl's
+    rule: an override appended to a script wins), kept at its first position; ConfigError on a
+    refused value or on two spellings of one key (ours and verl's) whose last values differ."""
     out: list[str] = []
-    seen: dict[str, tuple[str, str]] = {}
+    position: dict[str, int] = {}  # our key -> its index in out
+    spellings: dict[str, dict[str, tuple[str, str]]] = {}  # our key -> spelling -> (last arg given, value)
     no_effect: list[str] = []
     for given in args:
         if "=" not in given or given.startswith("-"):
             out.append(given)
             continue
-        key, value = _split(given)
-        entry = lookup(key, recipe=recipe)
-        arg = given
+        spelled, value = _split(given)
+        key, entry, arg = spelled, lookup(spelled, recipe=recipe), given
         if entry is not None:
             _check_value(key, value, entry)
             if entry.status == "no_effect":
@@ -369,12 +371,17 @@ def translate(args: Sequence[str], *, recipe: str) -> tuple[list[str], list[str]
             key, arg = target_of(key, entry), f"{'++' if entry.free_dict else ''}{target_of(key, entry)}={value}"
         elif key == "trainer.logger" and not value.lstrip().startswith("["):
             arg = f"trainer.logger=[{value}]"  # verl takes one logger name too; ours is a list
-        if key in seen:
-            if _norm(seen[key][1]) != _norm(value):
-                raise ConfigError(f"{seen[key][0]} and {given} set {key} to different values; set one of them")
-            continue
-        seen[key] = (given, value)
-        out.append(arg)
+        spellings.setdefault(key, {})[spelled] = (given, value)
+        if key in position:
+            out[position[key]] = arg
+        else:
+            position[key] = len(out)
+            out.append(arg)
+    for key, by_spelling in spellings.items():
+        (first, first_value), *others = by_spelling.values()
+        for other, value in others:
+            if _norm(first_value) != _norm(value):
+                raise ConfigError(f"{first} and {other} set {key} to different values; set one of them")
     return out, no_effect
 
 
