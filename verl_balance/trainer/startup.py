@@ -58,8 +58,6 @@ def check_warm_start(path: str, *, key: str, model_config, engine_config, sp_siz
     builds; a LoRA checkpoint (adapters only) needs ``engine_config.lora_rank``. What the metadata
     cannot show (the LoRA adapters' base, the files' checksums) is checked when the workers load it.
     Raises WarmStartError naming the key and the first mismatches."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
     from verl_balance.engine.lora import read_base_fingerprint
     from verl_balance.engine.materialize import build_meta_model
     from verl_balance.utils import safe_load
@@ -78,7 +76,8 @@ def check_warm_start(path: str, *, key: str, model_config, engine_config, sp_siz
     if adapters_only or engine_config.lora_rank:
         return  # adapters are matched against their base by the workers
     model = build_meta_model(model_config, sp_size=sp_size, attn_impl=engine_config.attn_impl)
-    problems = safe_load.state_mismatch(safe_load.read_dcp_metadata(path), get_model_state_dict(model))
+    # a plain (unsharded) module's state_dict has the FQNs the engine saves through get_model_state_dict
+    problems = safe_load.state_mismatch(safe_load.read_dcp_metadata(path), model.state_dict())
     if problems:
         raise WarmStartError(
             f"{key}={path!r} does not fit a model of {model_config}: {'; '.join(problems)}. Warm-start from a "

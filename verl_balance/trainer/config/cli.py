@@ -35,7 +35,6 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
     from verl_balance.algorithms.policy_loss import PolicyLossConfigError
     from verl_balance.algorithms.value_loss import ValueLossConfigError
     from verl_balance.balance.errors import BalanceInputError
-    from verl_balance.calibrate import CalibrationError
     from verl_balance.data.io import DataError
     from verl_balance.data.synthetic import SyntheticConfigError
     from verl_balance.data.tokenizer import TokenizerError
@@ -68,7 +67,6 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
         ResumeConfigError,
         TrackingError,
         BalanceInputError,
-        CalibrationError,
         AdvantageInputError,
         KLEstimatorError,
         PolicyLossConfigError,
