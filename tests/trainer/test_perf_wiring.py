@@ -229,7 +229,7 @@ def test_profile_step_writes_one_trace_per_rank_and_perf_metrics_are_logged(fsdp
         assert r["perf/tokens_per_s_per_device"] > 0
         assert "train/perf/tokens_per_s_per_device" not in r
         # The engine's own token count is the driver's (non-padding tokens of the mini-batch).
-        assert r["train/perf/tokens"] == r["perf/tokens"]
+        assert r["train/perf/tokens"] == r["train/global_tokens"]
 
 
 @pytest.mark.slow

@@ -30,6 +30,7 @@ from verl_balance.models.hf import HFModelConfig
 from verl_balance.single_controller import WorkerDiedError
 from verl_balance.trainer import checkpoint, cluster
 from verl_balance.trainer.checkpoint.run_lock import RunLock, acquire_run_lock
+from verl_balance.trainer.cluster import describe_parameters  # noqa: F401 (the driver's name for it)
 from verl_balance.trainer.config.checks import ConfigError
 from verl_balance.trainer.config.recipe import RecipeConfig
 from verl_balance.trainer.config.sections import ModelSection, TrainerSection, record_workload
@@ -72,25 +73,6 @@ def tracking_backends(loggers) -> list[str]:
     """``trainer.logger`` as ``Tracking`` backends: verl's ``file`` is our jsonl; the console is the
     driver's progress display."""
     return list(dict.fromkeys({"file": "jsonl"}.get(name, name) for name in loggers if name != "console"))
-
-
-def describe_parameters(init_info) -> str:
-    """``1.23M parameters`` (``LoRA: 12.3k trainable of 1.23M (1.00%)``) from rank 0's ``init_model``
-    answer; "" when it has no counts."""
-    info = init_info[0] if isinstance(init_info, list) and init_info else init_info
-    if not isinstance(info, dict) or "parameters" not in info:
-        return ""
-    total, trainable = info["parameters"], info.get("trainable_parameters", info["parameters"])
-    if trainable == total:
-        return f"{_count(total)} parameters"
-    return f"LoRA: {_count(trainable)} trainable of {_count(total)} parameters ({100.0 * trainable / total:.2f}%)"
-
-
-def _count(n: int) -> str:
-    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
-        if n >= scale:
-            return f"{n / scale:.3g}{suffix}"
-    return str(n)
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -231,11 +213,10 @@ class DriverBase:
         logger.info(
             "%d %s workers: dp=%d x sp=%d; %s", self.world, "GPU" if use_gpu else "CPU", self.dp, self.sp, description
         )
-        with TimedPhase("model load") as phase:
-            self.actor = cluster.build_actor_group(
-                worker_config=worker_config, trainer_cfg=t, use_gpu=use_gpu, worker_cls=worker_cls or self.worker_cls
-            )
-            phase.detail = describe_parameters(getattr(self.actor, "init_info", None))
+        # logs the "worker spawn" and "model load" phases
+        self.actor = cluster.build_actor_group(
+            worker_config=worker_config, trainer_cfg=t, use_gpu=use_gpu, worker_cls=worker_cls or self.worker_cls
+        )
 
     @classmethod
     def train(cls, cfg: DictConfig) -> dict:
@@ -376,6 +357,8 @@ class DriverBase:
         summary = {
             "resumed_from_step": resumed_from,
             "steps": self.global_step,
+            "total_steps": self.total_steps,
+            "val_step": record.get("last_val_step"),
             "wall_s": time.perf_counter() - run_start,
             "startup_s": run_start - getattr(self, "_setup_start", run_start),
             "metrics": tracker.metrics_path,
@@ -423,6 +406,7 @@ class DriverBase:
                 is_last = self.global_step >= self.total_steps
                 if t.validate_due(self.global_step, is_last=is_last):
                     record["last_val"] = self.evaluate()
+                    record["last_val_step"] = self.global_step
                     metrics.update(record["last_val"])
                 tracker.log(metrics, step=self.global_step)
                 if self.progress is not None:

@@ -4,7 +4,9 @@ While a ``RunLog`` is active, ``sys.stdout`` and ``sys.stderr`` are tees (consol
 logging handler that wrote to the console streams writes through them, so the log holds the
 driver's records, prints, warnings, the step lines, the summary, and the workers' lines that Ray
 forwards to the driver (prefixed by the worker's rank, ``Worker.__repr__``), each exactly once.
-Terminal-only output (the tqdm bar) goes to ``console_stream`` and never reaches the log.
+Terminal-only output (the tqdm bar) goes to ``console_stream`` and never reaches the log. While a
+bar is shown (``show_bar``), a tee on a terminal writes whole lines only, each with the bar cleared
+before and redrawn after, so log records and worker lines never split the bar.
 
 ``capture()`` (the CLI entry points) starts buffering before the run directory is known;
 ``attach(path)`` (the driver, once it holds the run directory) opens the file and writes the buffer
@@ -29,9 +31,11 @@ from typing import TextIO
 from verl_balance.utils.atomic_io import open_nofollow
 from verl_balance.utils.disk import disk_full_text, is_disk_full
 
-__all__ = ["RunLog", "attach", "capture", "console_stream", "write_log_only"]
+__all__ = ["RunLog", "attach", "capture", "console_stream", "show_bar", "write_log_only"]
 
 _active: RunLog | None = None
+_bar = None
+"""The terminal's progress bar (a tqdm) while one is shown; None otherwise."""
 _ANSI_COLOR = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -40,13 +44,35 @@ class _Tee(io.TextIOBase):
 
     def __init__(self, console: TextIO, log: RunLog) -> None:
         self.console, self._log = console, log
+        self._pending = ""
+        """Text after the last newline, held back while a bar is shown on a terminal."""
 
     def write(self, text: str) -> int:
-        written = self.console.write(text)
         self._log.write(text)
-        return written if written is not None else len(text)
+        if _bar is None and not self._pending or not self.console.isatty():
+            written = self.console.write(text)
+            return written if written is not None else len(text)
+        self._pending += text
+        if "\n" in self._pending:
+            lines, _, self._pending = self._pending.rpartition("\n")
+            self._write_around_bar(lines + "\n")
+        return len(text)
+
+    def _write_around_bar(self, text: str) -> None:
+        bar = _bar
+        if bar is None:
+            self.console.write(text)
+            return
+        with bar.get_lock():
+            bar.clear(nolock=True)
+            self.console.write(text)
+            self.console.flush()
+            bar.refresh(nolock=True)
 
     def flush(self) -> None:
+        if self._pending:
+            text, self._pending = self._pending, ""
+            self._write_around_bar(text)
         self.console.flush()
         self._log.flush()
 
@@ -179,6 +205,12 @@ def attach(path: str) -> RunLog:
 def console_stream(stream: TextIO) -> TextIO:
     """The console behind ``stream`` (a tee's console side): output that must not reach the log."""
     return stream.console if isinstance(stream, _Tee) else stream
+
+
+def show_bar(bar) -> None:
+    """``bar`` (a tqdm on the console) is shown from now on; None: no bar any more."""
+    global _bar
+    _bar = bar
 
 
 def write_log_only(text: str) -> None:

@@ -13,12 +13,12 @@ TensorBoard, W&B and MLflow (a local file store) are optional: asked for but not
 installed gives a warning naming the package, never a crash; W&B runs offline unless WANDB_MODE
 is set.
 
-Metric names the plots and recipes look for (the trainers should use these):
-``train/loss``, ``val/loss``, ``train/grad_norm``, ``train/lr``, ``perf/tokens_per_s``,
+Metric names the plots and recipes look for (the trainers use these; docs/metrics.md maps them to
+verl's): ``train/loss``, ``val/loss``, ``train/grad_norm``, ``train/lr``, ``perf/tokens_per_s``,
 ``train/valid_tokens``, ``balance/imbalance_predicted``, ``balance/imbalance_predicted_naive``,
-``balance/imbalance_measured``, ``balance/num_micro_batches``, ``reward/mean``, ``reward/std``,
+``balance/imbalance_measured``, ``balance/num_micro_batches``, ``critic/score/mean``, ``reward/std``,
 ``reward/accuracy``, ``val/acc`` (when the reward returns ``acc``), ``val/reward_mean``,
-``response_length/mean``, ``timing_s/<phase>``.
+``val-core/<data_source>/<acc|reward>/mean@N``, ``response_length/mean``, ``timing_s/<phase>``.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ DEFAULT_CONSOLE_PATTERNS = (
     "lr",
     "tokens_per_s",
     "imbalance",
-    "reward/mean",
+    "score/mean",
     "accuracy",
     "response_length/mean",
 )

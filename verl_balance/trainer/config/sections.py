@@ -9,6 +9,7 @@ keys of a ``ConfigError`` out in full. Key names follow verl's wherever the conc
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 import os
 import re
@@ -140,6 +141,12 @@ class ModelSection(ModelKeys):
             raise ConfigError(
                 f"lora_rank={self.lora_rank} needs a Hugging Face model (path); the built-in preset has no "
                 "LoRA support: set lora_rank=0 or path"
+            )
+        if (self.lora_rank or self.lora_adapter_path is not None) and importlib.util.find_spec("peft") is None:
+            key = f"lora_rank={self.lora_rank}" if self.lora_rank else "lora_adapter_path"
+            raise ConfigError(
+                f"{key}: LoRA needs peft, which is not installed: pip install 'peft>=0.13' (a dependency of "
+                "verl-balance: reinstall it with pip install -e .), or set lora_rank=0"
             )
         if self.path is not None:
             check_hf_model_dir("path", self.path)

@@ -139,6 +139,22 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     ),
     _honoured("model.use_remove_padding", "use_remove_padding", "sft_trainer's spelling", recipes=("sft",)),
     _honoured("model.partial_pretrain", "model.path", "sft_trainer's spelling", recipes=("sft",)),
+    _honoured(
+        "data.multiturn.messages_key", "data.messages_key", "verl's legacy fsdp_sft_trainer spelling", recipes=("sft",)
+    ),
+    *_none(
+        ["data.multiturn.enable"],
+        "verl's legacy switch to chat data: here each file is read as chats from data.messages_key (unset: its "
+        "'messages' column when it has one), else from data.prompt_key/data.response_key",
+        values=("true", "false"),
+        recipes=("sft",),
+    ),
+    *_none(
+        ["data.multiturn.tools_key", "data.multiturn.enable_thinking_key"],
+        "verl's multi-turn dataset passes a row's tool schemas and enable_thinking to the chat template; "
+        "here chats are rendered from their messages only",
+        recipes=("sft",),
+    ),
     _honoured("optim.lr_warmup_steps_ratio", "optim.warmup_steps_ratio", "verl's spelling", recipes=("sft",)),
     _honoured(
         "optim.lr_decay_style", "optim.lr_scheduler", "verl's spelling", values=("constant", "cosine"), recipes=("sft",)
