@@ -3,7 +3,9 @@
 Invariants (docs/design.md, "Wire format"): one row per response, in RolloutOutput order;
 ``input_ids[k] = prompt + response`` right-padded to L = the longest prompt + response;
 ``attention_mask`` is 1 on those real tokens (contiguous from position 0); ``loss_mask[k, t] = 1``
-exactly on the response tokens (token t is a target: its log-prob p(tok_t | tok_<t) counts);
+exactly on the response tokens the rollout's ``response_mask`` marks (token t is a target: its log-prob
+p(tok_t | tok_<t) counts): every response token of a single-turn rollout, only the model's own tokens of
+a multi-turn one (tool answers are context, not targets);
 ``position_ids`` restart at 0 for each sequence (0 on padding); ``rollout_log_probs`` is
 token-aligned like ``loss_mask`` (0 elsewhere).
 """
@@ -49,11 +51,13 @@ def build_rollout_tensors(
     width = int(total.max()) if len(total) else 0
 
     input_ids = torch.full((len(prompt_rows), width), pad_token_id, dtype=torch.int64)
+    loss_mask = torch.zeros((len(prompt_rows), width), dtype=torch.int64)
+    response_mask = output.response_mask.detach().cpu().to(torch.int64)
     for row, (prompt, response) in enumerate(zip(prompt_rows, responses)):
         input_ids[row, : len(prompt) + len(response)] = torch.tensor(prompt + response, dtype=torch.int64)
+        loss_mask[row, len(prompt) : len(prompt) + len(response)] = response_mask[row, : len(response)]
     slot = torch.arange(width)[None, :]
     attention_mask = (slot < total[:, None]).long()
-    loss_mask = ((slot >= prompt_lengths[:, None]) & (slot < total[:, None])).long()
     tensors = {
         INPUT_IDS_KEY: input_ids,
         ATTENTION_MASK_KEY: attention_mask,
