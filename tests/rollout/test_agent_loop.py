@@ -130,7 +130,7 @@ def test_three_turns_give_the_chat_templates_tokens_and_a_mask_only_on_model_tok
     assert mask[: len(model_tokens[0])] == [1] * len(model_tokens[0]) and mask[len(model_tokens[0])] == 0
     assert (out.log_probs[0] != 0).tolist()[: len(mask)] == [bool(m) for m in mask]  # log-probs on model tokens only
     assert result.tool_calls.tolist() == [2] and result.tool_errors.tolist() == [0]
-    assert result.num_turns.tolist() == [6] and result.tokenization_mismatches == 0
+    assert result.num_turns.tolist() == [6] and result.tokenization_mismatch.tolist() == [0]
     assert engine.calls == [1, 1, 1]
 
 
@@ -241,7 +241,7 @@ def test_function_tool_schema_comes_from_the_signature_and_docstring():
 
 
 def test_a_bad_multi_turn_value_names_the_key():
-    with pytest.raises(RolloutInputError, match="multi_turn.format='json'"):
+    with pytest.raises(RolloutInputError, match="format='json' is not valid"):
         MultiTurnConfig(format="json")
     with pytest.raises(RolloutInputError, match="tool_response_truncate_side"):
         MultiTurnConfig(tool_response_truncate_side="top")

@@ -89,8 +89,9 @@ def _corpus() -> list[str]:
     return lines
 
 
-def build_tokenizer(*, vocab_size: int = 384):
-    """A PreTrainedTokenizerFast (byte-level BPE trained on ``_corpus``) with a ChatML template."""
+def build_tokenizer(*, vocab_size: int = 384, chat_template: str = CHAT_TEMPLATE):
+    """A PreTrainedTokenizerFast (byte-level BPE trained on ``_corpus``) with a ChatML template
+    (``TOOL_CHAT_TEMPLATE``: the same, plus tools in the hermes format)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -110,7 +111,7 @@ def build_tokenizer(*, vocab_size: int = 384):
         pad_token="<|endoftext|>",
         additional_special_tokens=["<|im_start|>"],
     )
-    tok.chat_template = CHAT_TEMPLATE
+    tok.chat_template = chat_template
     return tok
 
 
@@ -253,6 +254,7 @@ def write_tiny_model(
     tie_word_embeddings: bool | None = None,
     sliding_window: int | None = None,
     initializer_range: float = 0.2,
+    chat_template: str = CHAT_TEMPLATE,
 ) -> str:
     """Write config.json, model.safetensors and the tokenizer files of a tiny random model to ``out``.
 
@@ -260,7 +262,7 @@ def write_tiny_model(
     ties; 0.02 (HF's usual) keeps gradients well scaled for optimizer-step comparisons."""
     from transformers import AutoModelForCausalLM
 
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(chat_template=chat_template)
     vocab_size = -(-len(tokenizer) // 64) * 64  # padded like real checkpoints (model vocab >= tokenizer's)
     config = build_config(
         family,
@@ -282,7 +284,7 @@ def write_tiny_model(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """CLI: ``--family FAMILY --out DIR [--seed N] [--num-kv-heads K] [--tie|--no-tie]``."""
+    """CLI: ``--family FAMILY --out DIR [--seed N] [--num-kv-heads K] [--tie|--no-tie] [--tool-chat-template]``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", required=True, choices=SUPPORTED_FAMILIES)
     parser.add_argument("--out", required=True)
@@ -292,6 +294,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--initializer-range", type=float, default=0.2)
     parser.add_argument("--tie", dest="tie", action="store_true", default=None)
     parser.add_argument("--no-tie", dest="tie", action="store_false")
+    parser.add_argument("--tool-chat-template", action="store_true", help="ChatML with hermes tool calls")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     write_tiny_model(
@@ -302,6 +305,7 @@ def main(argv: list[str] | None = None) -> None:
         tie_word_embeddings=args.tie,
         sliding_window=args.sliding_window,
         initializer_range=args.initializer_range,
+        chat_template=TOOL_CHAT_TEMPLATE if args.tool_chat_template else CHAT_TEMPLATE,
     )
     print(args.out)
 

@@ -24,10 +24,12 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 import torch
@@ -38,6 +40,15 @@ from verl_balance.tools.runner import TRUNCATE_SIDES, run_tool_calls
 
 logger = logging.getLogger(__name__)
 SANITY_CHECK_MODES = ("strict", "ignore_strippable", "disable")
+# verl's agent_name values of a sample (its dataset column): the tool loop, or one plain turn.
+TOOL_AGENT, SINGLE_TURN_AGENT = "tool_agent", "single_turn_agent"
+AGENT_NAME_KEY = "agent_name"
+AGENT_NAMES = (TOOL_AGENT, SINGLE_TURN_AGENT)
+
+
+def check_agent_name(name: str | None) -> None:
+    if name is not None and name not in AGENT_NAMES:
+        raise RolloutInputError(f"agent_name={name!r} is not valid; expected one of {list(AGENT_NAMES)} (or null)")
 
 
 @dataclass
@@ -45,16 +56,28 @@ class MultiTurnConfig:
     """verl's ``actor_rollout_ref.rollout.multi_turn`` keys (names and defaults), plus ``tool_timeout_s``."""
 
     enable: bool = False
-    max_assistant_turns: int | None = None
-    max_user_turns: int | None = None
+    """Roll out conversations with tool calls (verl's tool agent loop) instead of one response."""
+    max_assistant_turns: Optional[int] = None
+    """Most assistant turns of a conversation (null: until the response budget ends it)."""
+    max_user_turns: Optional[int] = None
+    """Most tool-answer turns of a conversation (null: no limit)."""
     max_parallel_calls: int = 1
+    """Tool calls of one assistant turn that run (concurrently); later calls of the turn are dropped."""
     max_tool_response_length: int = 256
+    """Characters of a tool's answer kept (errors are never cut)."""
     tool_response_truncate_side: str = "middle"
-    tool_config_path: str | None = None
-    function_tool_path: str | None = None
+    """Where a long answer is cut: left, middle or right."""
+    tool_config_path: Optional[str] = None
+    """A YAML of tool classes (verl's format: tools: [{class_name, config, tool_schema}])."""
+    function_tool_path: Optional[str] = None
+    """A Python file of @function_tool functions (ours or verl's decorator)."""
     format: str = "hermes"
+    """Tool-call format of the chat template (hermes: <tool_call>{json}</tool_call>)."""
     tokenization_sanity_check_mode: str = "strict"
+    """strict / ignore_strippable: count rows whose turn-by-turn tokens differ from the whole chat's
+    template (multi_turn/tokenization_mismatch); disable: skip the check."""
     tool_timeout_s: float = 30.0
+    """Seconds one tool call may take before it is answered with a timeout error (ours; verl has none)."""
 
     def __post_init__(self):
         checks = {
@@ -67,18 +90,16 @@ class MultiTurnConfig:
         }
         for key, (ok, valid) in checks.items():
             if not ok:
-                raise RolloutInputError(
-                    f"multi_turn.{key}={getattr(self, key)!r} is not valid; expected one of {valid}"
-                )
+                raise RolloutInputError(f"{key}={getattr(self, key)!r} is not valid; expected one of {valid}")
         for key in ("max_assistant_turns", "max_user_turns"):
             value = getattr(self, key)
             if value is not None and not (isinstance(value, int) and value >= 1):
-                raise RolloutInputError(f"multi_turn.{key}={value!r} must be null or an int >= 1")
+                raise RolloutInputError(f"{key}={value!r} must be null or an int >= 1")
         for key in ("max_parallel_calls", "max_tool_response_length"):
             if not (isinstance(getattr(self, key), int) and getattr(self, key) >= 1):
-                raise RolloutInputError(f"multi_turn.{key}={getattr(self, key)!r} must be an int >= 1")
+                raise RolloutInputError(f"{key}={getattr(self, key)!r} must be an int >= 1")
         if not self.tool_timeout_s > 0:
-            raise RolloutInputError(f"multi_turn.tool_timeout_s={self.tool_timeout_s!r} must be > 0")
+            raise RolloutInputError(f"tool_timeout_s={self.tool_timeout_s!r} must be > 0")
 
 
 def row_seed(seed: int, turn: int) -> int:
@@ -104,6 +125,7 @@ class Conversation:
     tool_seconds: float = 0.0
     tool_rewards: list[float] = field(default_factory=list)
     pending: list = field(default_factory=list)  # the tool calls of the last assistant turn
+    single_turn: bool = False  # verl's agent_name=single_turn_agent: one assistant turn, no tools
     finish_reason: str = "stop"
     done: bool = False
 
@@ -118,18 +140,36 @@ class AgentLoopResult:
     tool_calls: np.ndarray
     tool_errors: np.ndarray
     tool_seconds: np.ndarray
-    tokenization_mismatches: int
+    tokenization_mismatch: np.ndarray  # (N,) 1 where turn-by-turn tokens differ from the whole chat's
 
-    def metrics(self) -> dict[str, float]:
+    def turn_stats(self) -> dict[str, np.ndarray]:
         return {
-            "multi_turn/num_turns/mean": float(self.num_turns.mean()),
-            "multi_turn/num_turns/max": float(self.num_turns.max()),
-            "multi_turn/tool_calls/mean": float(self.tool_calls.mean()),
-            "multi_turn/tool_call_rate": float((self.tool_calls > 0).mean()),
-            "multi_turn/tool_errors": float(self.tool_errors.sum()),
-            "multi_turn/tool_time_s": float(self.tool_seconds.sum()),
-            "multi_turn/tokenization_mismatch": float(self.tokenization_mismatches),
+            "num_turns": self.num_turns,
+            "tool_calls": self.tool_calls,
+            "tool_errors": self.tool_errors,
+            "tool_seconds": self.tool_seconds,
+            "tokenization_mismatch": self.tokenization_mismatch,
         }
+
+    def rollout_output(self) -> RolloutOutput:
+        """The output with each row's prompt and turn counts attached (what a worker returns)."""
+        return dataclasses.replace(self.output, prompts=self.prompts, turn_stats=self.turn_stats())
+
+
+def multi_turn_metrics(columns: Mapping) -> dict[str, float]:
+    """The step's multi-turn figures from a batch's per-row turn columns ({} for a single-turn batch)."""
+    if "num_turns" not in columns:
+        return {}
+    turns, calls = np.asarray(columns["num_turns"], dtype=float), np.asarray(columns["tool_calls"], dtype=float)
+    return {
+        "multi_turn/num_turns/mean": float(turns.mean()),
+        "multi_turn/num_turns/max": float(turns.max()),
+        "multi_turn/tool_calls/mean": float(calls.mean()),
+        "multi_turn/tool_call_rate": float((calls > 0).mean()),
+        "multi_turn/tool_errors": float(np.sum(columns["tool_errors"])),
+        "multi_turn/tool_time_s": float(np.sum(columns["tool_seconds"])),
+        "multi_turn/tokenization_mismatch": float(np.sum(columns["tokenization_mismatch"])),
+    }
 
 
 class ChatRenderer:
@@ -142,9 +182,10 @@ class ChatRenderer:
         self.tool_schemas = [dict(s) for s in tool_schemas]
         self.eos_text = hf_tokenizer.decode([eos_token_id], skip_special_tokens=False)
 
-    def render(self, messages: Sequence[Mapping], *, add_generation_prompt: bool) -> str:
+    def render(self, messages: Sequence[Mapping], *, add_generation_prompt: bool, with_tools: bool = True) -> str:
+        tools = self.tool_schemas if with_tools and self.tool_schemas else None
         return self._tok.apply_chat_template(
-            list(messages), tools=self.tool_schemas or None, add_generation_prompt=add_generation_prompt, tokenize=False
+            list(messages), tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
         )
 
     def encode(self, text: str) -> list[int]:
@@ -153,8 +194,8 @@ class ChatRenderer:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def prompt_ids(self, messages: Sequence[Mapping]) -> list[int]:
-        return self.encode(self.render(messages, add_generation_prompt=True))
+    def prompt_ids(self, messages: Sequence[Mapping], *, with_tools: bool = True) -> list[int]:
+        return self.encode(self.render(messages, add_generation_prompt=True, with_tools=with_tools))
 
     def observation_ids(self, history: Sequence[Mapping], answers: Sequence[Mapping]) -> list[int]:
         """Tokens the template puts after the last assistant turn's end-of-turn token, through the tool
@@ -188,17 +229,24 @@ class ToolAgentLoop:
         stop_token_ids: Sequence[int] = (),
         seeds: Sequence[int] | None = None,
         seed: int = 0,
+        agent_names: Sequence[str | None] | None = None,
     ) -> AgentLoopResult:
-        """``n`` multi-turn responses per conversation (a list of {"role", "content"} messages)."""
+        """``n`` multi-turn responses per conversation (a list of {"role", "content"} messages);
+        ``agent_names[i]``: verl's ``agent_name`` of the sample (``single_turn_agent``: one turn)."""
         tools_kwargs = tools_kwargs or [{}] * len(conversations)
+        agent_names = agent_names or [None] * len(conversations)
         rows = []
         for i, messages in enumerate(conversations):
-            prompt_ids = self.renderer.prompt_ids(messages)
+            check_agent_name(agent_names[i])
+            single = agent_names[i] == SINGLE_TURN_AGENT
+            prompt_ids = self.renderer.prompt_ids(messages, with_tools=not single)
             base = seeds[i] if seeds is not None else row_seed(seed, i)
             for k in range(n):
-                rows.append(
-                    Conversation([dict(m) for m in messages], tools_kwargs[i] or {}, row_seed(base, -k - 1), prompt_ids)
+                row = Conversation(
+                    [dict(m) for m in messages], tools_kwargs[i] or {}, row_seed(base, -k - 1), prompt_ids
                 )
+                row.single_turn = single
+                rows.append(row)
         sampling = dict(temperature=temperature, top_p=top_p, stop_token_ids=tuple(stop_token_ids))
         while active := [row for row in rows if not row.done]:
             self._assistant_turn(active, budget=max_response_length, sampling=sampling)
@@ -241,6 +289,8 @@ class ToolAgentLoop:
             ]
         row.messages.append(message)
         row.pending = calls[: self.config.max_parallel_calls]
+        if row.single_turn:
+            calls = []
         limits = self.config.max_assistant_turns, self.config.max_user_turns
         if truncated or reason == "length":
             row.done, row.finish_reason = True, "length"
@@ -301,7 +351,7 @@ class ToolAgentLoop:
             tool_calls=np.array([row.tool_calls for row in rows]),
             tool_errors=np.array([row.tool_errors for row in rows]),
             tool_seconds=np.array([row.tool_seconds for row in rows]),
-            tokenization_mismatches=sum(not self._tokenization_consistent(row) for row in rows),
+            tokenization_mismatch=np.array([int(not self._tokenization_consistent(row)) for row in rows]),
         )
 
     def engine_pad_token_id(self) -> int:
@@ -313,7 +363,33 @@ class ToolAgentLoop:
         if mode == "disable":
             return True
         ours = self.renderer.decode(row.prompt_ids + row.response_ids, skip_special_tokens=False)
-        full = self.renderer.render(row.messages, add_generation_prompt=False)
+        full = self.renderer.render(row.messages, add_generation_prompt=False, with_tools=not row.single_turn)
         if mode == "ignore_strippable":
             ours, full = "".join(ours.split()), "".join(full.split())
         return full.startswith(ours) or ours.startswith(full)
+
+
+def build_agent_loop(
+    *,
+    engine: RolloutEngine,
+    config: MultiTurnConfig,
+    tokenizer_path: str | None,
+    chat_template: str | None,
+    eos_token_id: int,
+) -> ToolAgentLoop:
+    """The loop of a rollout worker: its engine, the run's tools (loaded in this process) and the
+    tokenizer of ``tokenizer_path`` with the driver's chat template."""
+    from transformers import AutoTokenizer
+
+    from verl_balance.tools import load_tools
+    from verl_balance.tools.base import check_schema
+
+    if tokenizer_path is None:
+        raise RolloutInputError("multi_turn needs a Hugging Face model directory (model.path) with a tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    tools = load_tools(tool_config_path=config.tool_config_path, function_tool_path=config.function_tool_path)
+    schemas = [check_schema(tool.tool_schema, where=name) for name, tool in tools.items()]
+    renderer = ChatRenderer(tokenizer, tool_schemas=schemas, eos_token_id=eos_token_id)
+    return ToolAgentLoop(engine=engine, renderer=renderer, tools=tools, config=config)

@@ -43,7 +43,10 @@ def build_rollout_tensors(
         raise RolloutInputError(
             f"output answers prompt {int(output.prompt_index.max())} but only {len(prompts)} prompts were given"
         )
-    prompt_rows = [list(prompts[i]) for i in output.prompt_index.tolist()]
+    if output.prompts is not None:  # a multi-turn rollout formed its own prompts
+        prompt_rows = [list(p) for p in output.prompts]
+    else:
+        prompt_rows = [list(prompts[i]) for i in output.prompt_index.tolist()]
     responses = output.response_token_lists()
     prompt_lengths = torch.tensor([len(p) for p in prompt_rows], dtype=torch.int64)
     response_lengths = output.response_lengths.cpu().to(torch.int64)
@@ -93,10 +96,12 @@ def build_rollout_batch(
     meta: Mapping[str, Any] | None = None,
 ) -> Batch:
     """A Batch with one row per response: the tensors of ``build_rollout_tensors`` plus non-tensor
-    columns ``prompt_index``, ``finish_reason`` and every per-prompt column of ``prompt_columns``
+    columns ``prompt_index``, ``finish_reason``, a multi-turn rollout's ``turn_stats`` and every
+    per-prompt column of ``prompt_columns``
     (e.g. ``uid``, ``data_source``, ``ground_truth``) repeated for that prompt's responses."""
     tensors = build_rollout_tensors(prompts=prompts, output=output, pad_token_id=pad_token_id)
     non_tensors = {PROMPT_INDEX_KEY: output.prompt_index.copy(), FINISH_REASON_KEY: output.finish_reasons.copy()}
+    non_tensors.update({name: np.asarray(values).copy() for name, values in (output.turn_stats or {}).items()})
     for name, values in (prompt_columns or {}).items():
         if len(values) != len(prompts):
             raise RolloutInputError(f"prompt column {name!r} has {len(values)} entries for {len(prompts)} prompts")

@@ -44,6 +44,7 @@ from verl_balance.engine.config import (
 )
 from verl_balance.loss import WEIGHT_MODES, check_agg_mode
 from verl_balance.rewards.overlong import REWARD_MANAGERS, OverlongBufferConfig
+from verl_balance.rollout.agent_loop import MultiTurnConfig
 from verl_balance.rollout.base import RolloutInputError
 from verl_balance.rollout.factory import ROLLOUT_BACKENDS, resolve_backend
 from verl_balance.trainer.checkpoint import COMPLETE_FILE, TRAINER_STATE_FILE
@@ -277,6 +278,8 @@ class RolloutSection:
     node there, named at start-up: trainer/config/async_mode.py)."""
     n_gpus_per_node: Optional[int] = field(default=None, metadata=LAYOUT_ON_RESUME)
     """verl's key: rollout workers per node of that pool (null or 0 = trainer.n_gpus_per_node, verl's default)."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """verl's multi-turn tool rollouts (rollout/agent_loop.py): the tool agent loop, its limits and tools."""
 
     def __post_init__(self) -> None:
         check_choice("name", self.name, ROLLOUT_BACKENDS)
@@ -641,6 +644,7 @@ class GRPOConfig(RecipeConfig):
         self._check_batch_sizes()
         self._check_token_caps()
         self._check_rollout_pool()
+        self._check_multi_turn()
         check_async(self)
         self.rollout_backend  # noqa: B018 -- a backend that cannot run this model fails here
 
@@ -747,6 +751,25 @@ class GRPOConfig(RecipeConfig):
         if not rollout.n_gpus_per_node:  # unset or verl's 0
             rollout.n_gpus_per_node = self.trainer.n_gpus_per_node
         check_positive("actor_rollout_ref.rollout.n_gpus_per_node", rollout.n_gpus_per_node)
+
+    def _check_multi_turn(self) -> None:
+        """Tool rollouts need an HF model's chat template, the synchronous trainer and loadable tools."""
+        multi_turn, key = self.actor_rollout_ref.rollout.multi_turn, "actor_rollout_ref.rollout.multi_turn"
+        if not multi_turn.enable:
+            return
+        if self.actor_rollout_ref.model.path is None:
+            raise ConfigError(f"{key}.enable=true needs actor_rollout_ref.model.path (a chat model with a template)")
+        if self.trainer.v1.trainer_mode != "sync":
+            raise ConfigError(
+                f"{key}.enable=true runs with trainer.v1.trainer_mode=sync only (got "
+                f"{self.trainer.v1.trainer_mode!r}); the async modes' rollout workers have no tool loop yet"
+            )
+        from verl_balance.tools import ToolError, load_tools
+
+        try:
+            load_tools(tool_config_path=multi_turn.tool_config_path, function_tool_path=multi_turn.function_tool_path)
+        except ToolError as err:
+            raise ConfigError(f"{key}: {err}") from err
 
     def _check_token_caps(self) -> None:
         actor, rollout, sp = self.actor_rollout_ref.actor, self.actor_rollout_ref.rollout, self.sp_size

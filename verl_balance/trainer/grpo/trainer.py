@@ -57,6 +57,7 @@ from verl_balance.rewards.children import RewardChildren
 from verl_balance.rewards.overlong import shape_scores
 from verl_balance.rewards.score import check_reward_rules
 from verl_balance.rewards.watchdog import score_batch_watched
+from verl_balance.rollout.agent_loop import multi_turn_metrics
 from verl_balance.trainer import checkpoint, cluster
 from verl_balance.trainer.checkpoint.layout import read_json
 from verl_balance.trainer.config.checks import ConfigError
@@ -264,6 +265,8 @@ class GRPOTrainer(DriverBase):
             rollout_max_batch_size=self.rollout_cfg.max_num_seqs,
             rollout_backend=config.rollout_backend,
             use_reference_policy=config.use_reference_policy,
+            multi_turn=self.rollout_cfg.multi_turn,
+            chat_template=getattr(getattr(self.tokenizer, "hf_tokenizer", None), "chat_template", None),
             **self.export_options(),
         )
 
@@ -361,7 +364,7 @@ class GRPOTrainer(DriverBase):
     # ------------------------------------------------------------------ phases
     def generate(self, prompts: tuple[dict, dict], *, n: int, temperature: float, top_p: float, seed: int) -> Batch:
         """Rollout batch (one row per response, prompt-major) with uid/data_source/ground_truth columns."""
-        rows = prompt_batch(prompts)
+        rows = prompt_batch(prompts, multi_turn=self.rollout_cfg.multi_turn.enable)
         bounds = np.linspace(0, len(rows), self.world + 1).round().astype(int)
         chunks = [rows.index_select(np.arange(lo, hi)) for lo, hi in zip(bounds[:-1], bounds[1:])]
         sampling = {
@@ -481,6 +484,7 @@ class GRPOTrainer(DriverBase):
             )
         # Old, reference and new log-probs are all taken at the sampling temperature.
         batch.meta[TEMPERATURE_KEY] = float(r.temperature)
+        metrics.update(multi_turn_metrics(batch.non_tensors))
         if self.config.algorithm.rollout_correction.bypass_mode:
             batch[OLD_LOG_PROBS_KEY] = batch[ROLLOUT_LOG_PROBS_KEY].clone()  # verl's apply_bypass_mode
         return batch
