@@ -18,7 +18,7 @@ def tool_model(tmp_path_factory) -> str:
     from verl_balance.models.tiny_hf import main as tiny_hf_main
 
     out = str(tmp_path_factory.mktemp("tool_qwen2") / "model")
-    tiny_hf_main(["--family", "qwen2", "--out", out, "--tool-chat-template"])
+    tiny_hf_main(["--family", "qwen2", "--out", out, "--tool-chat-template", "--max-position-embeddings", "2048"])
     return out
 
 
@@ -97,9 +97,11 @@ def test_verls_tool_data_layout_loads_with_agent_name_and_tools_kwargs(tool_mode
 
 @pytest.mark.slow
 def test_main_grpo_runs_the_tool_agent_loop_at_dp2(ray_cluster, tool_model, tool_data, tmp_path):
+    from verl_balance.trainer.config.grpo import register_grpo_schema
     from verl_balance.trainer.grpo.trainer import GRPOTrainer
     from verl_balance.utils.tracking import read_metrics
 
+    register_grpo_schema()
     trainer = GRPOTrainer(compose_config("grpo", grpo_overrides(tool_model, tool_data, tmp_path)))
     try:
         summary = trainer.fit()

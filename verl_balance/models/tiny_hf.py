@@ -255,6 +255,7 @@ def write_tiny_model(
     sliding_window: int | None = None,
     initializer_range: float = 0.2,
     chat_template: str = CHAT_TEMPLATE,
+    max_position_embeddings: int = 512,
 ) -> str:
     """Write config.json, model.safetensors and the tokenizer files of a tiny random model to ``out``.
 
@@ -270,6 +271,7 @@ def write_tiny_model(
         num_kv_heads=num_kv_heads,
         tie_word_embeddings=tie_word_embeddings,
         sliding_window=sliding_window,
+        max_position_embeddings=max_position_embeddings,
     )
     config.initializer_range = initializer_range
     config.pad_token_id = tokenizer.pad_token_id
@@ -295,6 +297,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tie", dest="tie", action="store_true", default=None)
     parser.add_argument("--no-tie", dest="tie", action="store_false")
     parser.add_argument("--tool-chat-template", action="store_true", help="ChatML with hermes tool calls")
+    parser.add_argument("--max-position-embeddings", type=int, default=512)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     write_tiny_model(
@@ -306,6 +309,7 @@ def main(argv: list[str] | None = None) -> None:
         sliding_window=args.sliding_window,
         initializer_range=args.initializer_range,
         chat_template=TOOL_CHAT_TEMPLATE if args.tool_chat_template else CHAT_TEMPLATE,
+        max_position_embeddings=args.max_position_embeddings,
     )
     print(args.out)
 
