@@ -18,6 +18,7 @@ import os
 
 import numpy as np
 
+from verl_balance.batch_keys import INDEX_KEY
 from verl_balance.rewards.gsm8k import GSM8K_DATA_SOURCE
 from verl_balance.tools.gsm8k import SCHEMA
 
@@ -48,7 +49,7 @@ def make_rows(*, count: int, split: str, seed: int) -> list[dict]:
                 "reward_model": {"style": "rule", "ground_truth": answer},
                 "extra_info": {
                     "split": split,
-                    "index": index,
+                    INDEX_KEY: index,
                     "question": question,
                     "need_tools_kwargs": True,
                     "tools_kwargs": {"calc_gsm8k_reward": {"create_kwargs": {"ground_truth": answer}}},
