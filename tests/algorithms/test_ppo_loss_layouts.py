@@ -377,8 +377,10 @@ def test_ppo_loss_is_layout_invariant(batch, reference, dp, sp):
 
 def _assert_matches(result, ref, *, where: str) -> None:
     evaluated, trained, params = result
-    assert evaluated["loss"] == pytest.approx(ref["loss"], rel=1e-5), where
-    assert trained["loss"] == pytest.approx(ref["loss"], rel=1e-5), where
+    # abs: fp32 noise of O(1) per-sequence terms whose signed advantages cancel (the control's loss is
+    # 7.6e-4 from terms near 1; layouts differ by 2-3e-8, the local-sums fault by 9e-4)
+    assert evaluated["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-7), where
+    assert trained["loss"] == pytest.approx(ref["loss"], rel=1e-5, abs=1e-7), where
     assert trained["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5), where
     for name, value in ref["metrics"].items():
         assert trained[name] == pytest.approx(value, rel=1e-5, abs=1e-7), (where, name)
