@@ -322,6 +322,7 @@ NEGATIVE_CONTROLS: dict[str, tuple[tuple[int, int], ParityCase]] = {
     "eval_local_denominator": ((1, 2), ParityCase("fixed", True, "token-mean", "eval_local_denominator")),
     "roll_after_slice": ((1, 2), ParityCase("fixed", True, "token-mean", "roll_after_slice")),
     "micro_batch_mean": ((1, 1), ParityCase("fixed", False, "token-mean", "micro_batch_mean")),
+    "tool_tokens_counted": ((2, 2), ParityCase("dynamic", True, "seq-mean-token-mean", "tool_tokens_counted")),
 }
 
 
@@ -329,7 +330,9 @@ def make_global_batch(settings: ParitySettings) -> dict[str, torch.Tensor]:
     """Seeded right-padded global batch: input_ids, attention_mask, loss_mask (B, max_len).
 
     Lengths vary widely; each sample's loss mask covers a response suffix; sample 1 has no loss
-    tokens at all (it must not count as a sequence in the seq-mean modes).
+    tokens at all (it must not count as a sequence in the seq-mean modes). Every even sample whose
+    response has 6+ tokens is multi-turn shaped: a span of 1-3 tokens strictly inside its response
+    (a tool's answer) has loss mask 0, so the masks of the matrix are not all suffixes.
     """
     gen = torch.Generator().manual_seed(settings.seed)
     b, width = settings.num_samples, settings.max_len
@@ -341,6 +344,13 @@ def make_global_batch(settings: ParitySettings) -> dict[str, torch.Tensor]:
     loss_mask = ((pos >= prompt[:, None]) & (pos < lengths[:, None])).float()
     loss_mask[1] = 0
     input_ids = torch.randint(0, settings.model.vocab_size, (b, width), generator=gen)
+    holes = torch.Generator().manual_seed(settings.seed + 1)
+    for i in range(0, b, 2):
+        start, end = int(prompt[i]), int(lengths[i])
+        if end - start >= 6:
+            size = int(torch.randint(1, 4, (1,), generator=holes))
+            at = int(torch.randint(start + 1, end - size, (1,), generator=holes))
+            loss_mask[i, at : at + size] = 0
     return {INPUT_IDS_KEY: input_ids * attention_mask, ATTENTION_MASK_KEY: attention_mask, LOSS_MASK_KEY: loss_mask}
 
 

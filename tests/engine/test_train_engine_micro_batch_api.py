@@ -128,7 +128,9 @@ def test_hand_driven_public_api_step_equals_train_step_loss_grad_norm_and_params
         assert hand["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-6)
         assert hand["step_skipped"] is False
         assert (hand["lr_after"], hand["global_step"]) == (ref["lr_after"], ref["global_step"])
-        assert _max_param_delta(hand["params"], ref["params"]) < 1e-6
+        # Adam's first step divides each gradient element by its own magnitude, so fp32 noise in the
+        # smallest gradients reaches the weights at ~1e-6; the controls below move them by > 1e-4.
+        assert _max_param_delta(hand["params"], ref["params"]) < 1e-5
         # The step moved the weights: equal parameters are not the trivial "nothing happened".
         assert _max_param_delta(r["initial"], ref["params"]) > 1e-4
 

@@ -26,7 +26,6 @@ from verl_balance.batch_keys import (
 from verl_balance.protocol import Batch
 from verl_balance.trainer.config.checks import ConfigError
 from verl_balance.trainer.config.grpo import register_grpo_schema, validate_grpo
-from verl_balance.trainer.config.verl_keys import translate
 from verl_balance.trainer.grpo.old_log_probs import OldLogProbs
 from verl_balance.trainer.grpo.trainer import GRPOTrainer
 from verl_balance.trainer.plan_dispatch import merge_by_plan
@@ -36,8 +35,7 @@ AR = "actor_rollout_ref"
 
 
 def _config(tmp_path, *overrides):
-    args, _ = translate([*overrides, f"trainer.default_local_dir={tmp_path}"], recipe="grpo")
-    return validate_grpo(compose_config("grpo", args))
+    return validate_grpo(compose_config("grpo", [*overrides, f"trainer.default_local_dir={tmp_path}"]))
 
 
 def test_each_pass_takes_its_own_keys_then_the_old_pass_then_the_actor(tmp_path):

@@ -208,7 +208,7 @@ def test_ppo_resume_after_ctrl_c_continues_actor_and_critic_exactly(ppo_runs):
     straight, first, resumed = ppo_runs["straight"], ppo_runs["first"], ppo_runs["resumed"]
     assert [r["step"] for r in first] == [1, 2], "Ctrl-C must stop after the current step"
     assert [r["step"] for r in resumed] == [1, 2, 3]
-    for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", *CRITIC_KEYS):
+    for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", *CRITIC_KEYS):
         np.testing.assert_allclose(resumed[2][key], straight[2][key], rtol=1e-6, err_msg=key)
     # Negative control: step 3 is not step 2 again (the state moved and the resume continued it).
     assert straight[2]["critic/vf_loss"] != pytest.approx(straight[1]["critic/vf_loss"], rel=1e-6)

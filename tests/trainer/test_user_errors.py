@@ -21,7 +21,6 @@ from verl_balance.trainer.config import ConfigError, validate_sft
 from verl_balance.trainer.config.cli import check_overrides, user_error_in, user_errors
 from verl_balance.trainer.config.grpo import GRPOConfig
 from verl_balance.trainer.config.sft import SFTConfig
-from verl_balance.trainer.config.verl_keys import translate
 from verl_balance.workers.actor_rollout import WarmStartError
 
 
@@ -106,24 +105,31 @@ def _recipe_args(script: str) -> list[str]:
 
 
 def test_an_override_appended_to_the_sft_demo_recipe_wins(tmp_path):
-    args, _ = translate([*_recipe_args("recipes/sft_cpu_demo.sh"), "trainer.total_epochs=2"], recipe="sft")
-    assert "trainer.total_epochs=1" in _recipe_args("recipes/sft_cpu_demo.sh"), "the recipe sets 1 itself"
-    cfg = validate_sft(compose_config("sft", args + [f"trainer.default_local_dir={tmp_path}"]))
+    args = _recipe_args("recipes/sft_cpu_demo.sh")
+    assert "trainer.total_epochs=1" in args, "the recipe sets 1 itself"
+    cfg = validate_sft(
+        compose_config("sft", [*args, "trainer.total_epochs=2", f"trainer.default_local_dir={tmp_path}"])
+    )
     assert cfg.trainer.total_epochs == 2
-    assert sum(a.startswith("trainer.total_epochs=") for a in args) == 1
 
 
-def test_a_verl_key_given_twice_takes_its_last_value():
-    args, _ = translate(
-        ["actor_rollout_ref.rollout.response_length=16", "x=1", "trainer.logger=console"], recipe="grpo"
+def _grpo(args: list[str], tmp_path):
+    from verl_balance.trainer.config.grpo import register_grpo_schema, validate_grpo
+
+    register_grpo_schema()
+    return validate_grpo(compose_config("grpo", [*args, f"trainer.default_local_dir={tmp_path}"]))
+
+
+def test_a_verl_key_given_twice_takes_its_last_value(tmp_path):
+    once = _grpo(["data.max_response_length=16", "trainer.logger=console"], tmp_path)
+    twice = _grpo(
+        ["data.max_response_length=16", "trainer.logger=console", "trainer.logger=[console,jsonl]"]
+        + ["data.max_response_length=32"],
+        tmp_path,
     )
-    again, _ = translate(
-        ["actor_rollout_ref.rollout.response_length=16", "trainer.logger=console", "trainer.logger=[console,jsonl]"]
-        + ["actor_rollout_ref.rollout.response_length=32"],
-        recipe="grpo",
-    )
-    assert again == ["actor_rollout_ref.rollout.response_length=32", "trainer.logger=[console,jsonl]"]
-    assert args == ["actor_rollout_ref.rollout.response_length=16", "x=1", "trainer.logger=[console]"]
+    assert once.actor_rollout_ref.rollout.response_length == 16 and list(once.trainer.logger) == ["console"]
+    assert twice.actor_rollout_ref.rollout.response_length == 32
+    assert list(twice.trainer.logger) == ["console", "jsonl"]
 
 
 @pytest.mark.parametrize(
@@ -134,9 +140,9 @@ def test_a_verl_key_given_twice_takes_its_last_value():
         ["data.max_response_length=32", "actor_rollout_ref.rollout.response_length=32", "data.max_response_length=48"],
     ],
 )
-def test_two_spellings_of_one_key_with_different_last_values_stay_an_error_naming_both(args):
-    with pytest.raises(ConfigError, match=r"data\.max_response_length=48 and .*response_length=32 set "):
-        translate(args, recipe="grpo")
+def test_two_spellings_of_one_key_with_different_last_values_stay_an_error_naming_both(args, tmp_path):
+    with pytest.raises(ConfigError, match=r"response_length=32 and data\.max_response_length=48 disagree"):
+        _grpo(args, tmp_path)
 
 
 # ---------------------------------------------------------------------- type errors: one line

@@ -8,8 +8,8 @@ import pytest
 from tests.trainer import recipe_snapshot
 from tests.trainer.conftest import compose_config
 from verl_balance.trainer.config import ConfigError
-from verl_balance.trainer.config.grpo import register_grpo_schema, validate_grpo
-from verl_balance.trainer.config.verl_keys import startup_line, translate
+from verl_balance.trainer.config.grpo import GRPOConfig, register_grpo_schema, validate_grpo
+from verl_balance.trainer.config.verl_keys import startup_line
 
 AR = "actor_rollout_ref.rollout"
 VLLM_KEYS = [f"{AR}.gpu_memory_utilization=0.3", f"{AR}.enforce_eager=False", f"{AR}.top_k=5", f"{AR}.dtype=bfloat16"]
@@ -20,14 +20,24 @@ def snapshot_root(tmp_path_factory):
     return tmp_path_factory.mktemp("vllm_keys")
 
 
-def _config(snapshot_root, args):
+def _composed(snapshot_root, args):
     register_grpo_schema()
     hf = recipe_snapshot.make_fixtures(snapshot_root)["<hf>"]
-    return validate_grpo(compose_config("grpo", [f"actor_rollout_ref.model.path={hf}", *args]))
+    return compose_config("grpo", [f"actor_rollout_ref.model.path={hf}", *args])
+
+
+def _config(snapshot_root, args):
+    return validate_grpo(_composed(snapshot_root, args))
+
+
+def translate(snapshot_root, args):
+    """(the translated config, the no-effect keys) of the command line ``args``."""
+    return GRPOConfig.translate(_composed(snapshot_root, args))
 
 
 def test_with_name_vllm_the_keys_reach_the_engine_config(snapshot_root):
-    args, no_effect = translate([f"{AR}.name=vllm", *VLLM_KEYS, f"{AR}.tensor_model_parallel_size=2"], recipe="grpo")
+    args = [f"{AR}.name=vllm", *VLLM_KEYS, f"{AR}.tensor_model_parallel_size=2"]
+    _, no_effect = translate(snapshot_root, args)
     assert no_effect == [f"{AR}.tensor_model_parallel_size"]  # one engine per worker: named, not read
     config = _config(snapshot_root, args)
     assert config.rollout_backend == "vllm"
@@ -38,14 +48,18 @@ def test_with_name_vllm_the_keys_reach_the_engine_config(snapshot_root):
 
 def test_with_another_backend_the_keys_are_named_without_effect(snapshot_root):
     engine_keys = [k for k in VLLM_KEYS if ".top_k=" not in k]
-    args, no_effect = translate([f"{AR}.name=hf", *engine_keys], recipe="grpo")
+    args = [f"{AR}.name=hf", *engine_keys]
+    cfg, no_effect = translate(snapshot_root, args)
     assert sorted(no_effect) == sorted(k.partition("=")[0] for k in engine_keys)
     assert "read with rollout.name=vllm only" in startup_line(no_effect, recipe="grpo")
+    assert cfg.actor_rollout_ref.rollout.dtype == "float32"  # not read: put back to the schema's default
     config = _config(snapshot_root, args)
-    assert config.actor_rollout_ref.rollout.dtype == "float32"  # not read: the schema's default
+    assert config.actor_rollout_ref.rollout.dtype == "float32"
+    # a key at its default is not named
+    assert translate(snapshot_root, [f"{AR}.name=hf", f"{AR}.gpu_memory_utilization=0.5"])[1] == []
     # top-k changes the samples, so a backend without it refuses it instead of ignoring it
     with pytest.raises(ConfigError, match=rf"{AR}.top_k=5: this project accepts only \['-1', '0'\]"):
-        translate([f"{AR}.name=hf", f"{AR}.top_k=5"], recipe="grpo")
+        translate(snapshot_root, [f"{AR}.name=hf", f"{AR}.top_k=5"])
 
 
 @pytest.mark.parametrize(
@@ -57,9 +71,8 @@ def test_with_another_backend_the_keys_are_named_without_effect(snapshot_root):
     ],
 )
 def test_a_bad_vllm_value_is_one_line_naming_the_key_before_ray(snapshot_root, arg, message):
-    args, _ = translate([f"{AR}.name=vllm", f"{AR}.temperature=0.7", arg], recipe="grpo")
     with pytest.raises(ConfigError, match=message) as err:
-        _config(snapshot_root, args)
+        _config(snapshot_root, [f"{AR}.name=vllm", f"{AR}.temperature=0.7", arg])
     assert "\n" not in str(err.value)
 
 
@@ -70,7 +83,7 @@ def test_sglang_is_refused_naming_the_backends(snapshot_root):
 
 
 def test_engine_startup_is_one_timed_phrase_from_the_workers_answers():
-    from verl_balance.trainer.driver import describe_rollout_startup
+    from verl_balance.trainer.cluster import describe_rollout_startup
 
     infos = [{"rank": 0, "rollout_startup_s": 21.04}, {"rank": 1, "rollout_startup_s": 30.96}]
     assert describe_rollout_startup(infos) == "; 2 vLLM engines started (slowest 31.0 s)"

@@ -94,6 +94,12 @@ def score_batch(
         extra_info = None if extra_infos is None else extra_infos[i]
         try:
             result = reward_fn(data_sources[i], solutions[i], ground_truths[i], extra_info)
+        except SystemExit as err:  # sys.exit() in a reward must not end the run as a success (rc 0)
+            raise RewardError(
+                f"the reward function raised SystemExit({err.code!r}) (sys.exit / exit) on sample {i} (data_source "
+                f"{data_sources[i]!r}): a reward function must return a score, it cannot end the run. Return a "
+                "score (e.g. 0.0) or raise an exception instead"
+            ) from err
         except Exception as err:  # keep its type; the note names the row the traceback alone does not
             err.add_note(
                 f"raised by the reward function on sample {i} (data_source {data_sources[i]!r}, ground truth "

@@ -2,21 +2,15 @@
 
 ``trainer.v1.trainer_mode`` picks how ``main_grpo`` runs a step:
 
-- ``sync`` (default): today's ``GRPOTrainer``, generation then scoring then update, nothing else
-  changes (the async keys are not read);
-- ``separate_async``: ``trainer.grpo.async_trainer.AsyncGRPOTrainer``, a rollout worker group of
-  ``actor_rollout_ref.rollout.nnodes x n_gpus_per_node`` workers on its own resource pool,
-  generating batch k+1 while the actor group trains on batch k (one-step off-policy with
-  ``num_warmup_batches=1``);
-- ``colocate_async``: the same trainer without a rollout group: batch k+1 generates on the actor
-  workers' colocated rollout, submitted before step k's updates (so with the weights of step k),
-  ``colocate_async.num_warmup_batches`` ahead.
+- ``sync`` (default): ``GRPOTrainer``, generation then scoring then update (the async keys are not read);
+- ``separate_async``: ``AsyncGRPOTrainer`` with a rollout worker group of
+  ``actor_rollout_ref.rollout.nnodes x n_gpus_per_node`` workers on its own resource pool, generating
+  batch k+1 while the actor trains on batch k;
+- ``colocate_async``: the same trainer generating on the actor workers' colocated rollout, batch k+1
+  submitted before step k's updates, ``colocate_async.num_warmup_batches`` ahead.
 
-verl (``verl/trainer/config/ppo_trainer.yaml``, ``trainer/ppo/v1/``) requires
-``data.train_batch_size = parameter_sync_step x ppo_mini_batch_size`` in ``separate_async``: the
-rollout receives new weights after the step's ``parameter_sync_step`` optimizer steps. Here a step
-trains the whole batch (its ``ppo_epochs x`` mini-batches) and then syncs once, so the same
-check holds and the step boundary is the sync point.
+As in verl, ``separate_async`` requires ``data.train_batch_size = parameter_sync_step x
+ppo_mini_batch_size``: a step trains the whole batch, then syncs the weights once.
 
 From the README's one line (``trainer.v1.trainer_mode=separate_async`` and nothing else) the two
 values verl leaves to the user are derived, each named once in a start-up line:

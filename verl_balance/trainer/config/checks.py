@@ -1,7 +1,7 @@
 """Validation helpers of the recipe configs: ``ConfigError`` and the checks that name the user's key.
 
 Each check raises ``ConfigError`` naming the key (as the caller spells it: a section's own field
-name inside ``__post_init__``, which the instantiation pass writes out in full, or a full dotted
+name inside ``__post_init__``, which ``typed.to_typed`` writes out in full, or a full dotted
 key in the cross-section checks) and what would be valid.
 """
 

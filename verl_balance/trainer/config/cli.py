@@ -242,29 +242,31 @@ def _has_config_flags(args: Sequence[str]) -> bool:
     return any(a.split("=")[0] in flags for a in args)
 
 
-def _verl_keys(recipe: str) -> str | None:
-    """verl's keys on the command line written as ours, no-effect keys removed (``sys.argv``
-    rewritten; trainer.config.verl_keys); returns the start-up line naming the no-effect keys."""
-    from verl_balance.trainer.config.verl_keys import startup_line, translate
+def _verl_command_line(recipe: str) -> str | None:
+    """``sys.argv`` with verl's keys written for Hydra to add (``verl_keys.command_line``; the composed
+    config translates them); returns the start-up line naming verl's config-group choices it removed."""
+    from verl_balance.trainer.config.verl_keys import command_line, startup_line
 
     try:
-        args, no_effect = translate(sys.argv[1:], recipe=recipe)
+        args, groups = command_line(sys.argv[1:], recipe=recipe)
     except ConfigError as err:
         _fail(str(err))
     sys.argv[1:] = args
-    return startup_line(no_effect, recipe=recipe)
+    return startup_line(groups, recipe=recipe)
 
 
 def run_recipe(hydra_main: Callable[[], None], *, schema: type, recipe: str) -> None:
-    """Translate verl's keys (``recipe``: 'grpo' or 'sft'), check the command line's overrides
-    against ``schema``, then run the Hydra entry point with the console teed into the run log
-    (``utils.run_log``)."""
+    """Let Hydra take verl's keys (``recipe``: 'grpo' or 'sft'), check the command line's other
+    overrides against ``schema``, then run the Hydra entry point with the console teed into the run
+    log (``utils.run_log``)."""
+    from verl_balance.trainer.config.verl_keys import lookup
     from verl_balance.utils import run_log
 
-    line = _verl_keys(recipe)
+    line = _verl_command_line(recipe)
     args = sys.argv[1:]
     if not _has_config_flags(args) and os.environ.get("HYDRA_FULL_ERROR") != "1":
-        check_overrides(args, schema=schema)
+        ours = [a for a in args if lookup(a.partition("=")[0].lstrip("+"), recipe=recipe) is None]
+        check_overrides(ours, schema=schema)
     with run_log.capture():
         if line:
             print(line, flush=True)

@@ -8,9 +8,8 @@ per worker (per SP rank, after Ulysses padding).
 
 Sections nest their component's config: ``data`` extends the dataset's ``RLDataConfig``,
 ``actor_rollout_ref.actor`` extends ``PolicyLossConfig`` and nests the engine's ``OptimConfig``.
-The Ulysses degree may be given as verl's ``actor_rollout_ref.actor.ulysses_sequence_parallel_size``
-or as the top-level ``ulysses_sequence_parallel_size`` of the SFT recipe (an alias the instantiation
-pass writes into verl's key); setting both to different values is an error. The balancer switch is
+The Ulysses degree is verl's ``actor_rollout_ref.actor.ulysses_sequence_parallel_size`` (the SFT
+recipe's top-level spelling is a row of ``verl_keys``). The balancer switch is
 verl's ``trainer.balance_batch``; the ``balance`` section holds only its cost model. The rollout
 backend is ``actor_rollout_ref.rollout.name`` (``rollout.factory.ROLLOUT_BACKENDS``).
 
@@ -45,6 +44,7 @@ from verl_balance.engine.config import (
 )
 from verl_balance.loss import WEIGHT_MODES, check_agg_mode
 from verl_balance.rewards.overlong import REWARD_MANAGERS, OverlongBufferConfig
+from verl_balance.rollout.agent_loop import MultiTurnConfig
 from verl_balance.rollout.base import RolloutInputError
 from verl_balance.rollout.factory import ROLLOUT_BACKENDS, resolve_backend
 from verl_balance.trainer.checkpoint import COMPLETE_FILE, TRAINER_STATE_FILE
@@ -278,6 +278,8 @@ class RolloutSection:
     node there, named at start-up: trainer/config/async_mode.py)."""
     n_gpus_per_node: Optional[int] = field(default=None, metadata=LAYOUT_ON_RESUME)
     """verl's key: rollout workers per node of that pool (null or 0 = trainer.n_gpus_per_node, verl's default)."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """verl's multi-turn tool rollouts (rollout/agent_loop.py): the tool agent loop, its limits and tools."""
     # -- vLLM's keys (name=vllm only; with another backend verl_keys.py names them as without effect)
     top_k: int = field(default=-1, metadata=APPLY_ON_RESUME)
     """vLLM: top-k of training rollouts (-1 or 0: off)."""
@@ -581,7 +583,7 @@ class GRPOConfig(RecipeConfig):
     """Engine fields the critic takes from the actor's keys (no LoRA, no LM head; its FSDP2 switches are
     its own critic.fsdp, as in verl)."""
     BALANCE_KEY: ClassVar[str] = "trainer.balance_batch"
-    ALIASES: ClassVar[dict[str, str]] = {"ulysses_sequence_parallel_size": SP_KEY}
+    RECIPE: ClassVar[str] = "grpo"
 
     data: GRPODataSection = field(default_factory=GRPODataSection)
     """Files, columns, prompt-length policy and batch sizes."""
@@ -593,8 +595,6 @@ class GRPOConfig(RecipeConfig):
     """The value model of PPO (algorithm.adv_estimator=gae only)."""
     custom_reward_function: CustomRewardSection = field(default_factory=CustomRewardSection)
     """Reward function."""
-    ulysses_sequence_parallel_size: Optional[int] = field(default=None, metadata=LAYOUT_ON_RESUME)
-    """SFT-recipe spelling of actor_rollout_ref.actor.ulysses_sequence_parallel_size (either works)."""
     balance: GRPOBalanceSection = field(default_factory=GRPOBalanceSection)
     """Workload model of the balancer (its switch is trainer.balance_batch; overlong must be error)."""
     ray_kwargs: RayKwargsSection = field(default_factory=RayKwargsSection)
@@ -682,6 +682,7 @@ class GRPOConfig(RecipeConfig):
         self._check_batch_sizes()
         self._check_token_caps()
         self._check_rollout_pool()
+        self._check_multi_turn()
         check_async(self)
         self.rollout_backend  # noqa: B018 -- a backend that cannot run this model fails here
 
@@ -789,6 +790,25 @@ class GRPOConfig(RecipeConfig):
             rollout.n_gpus_per_node = self.trainer.n_gpus_per_node
         check_positive("actor_rollout_ref.rollout.n_gpus_per_node", rollout.n_gpus_per_node)
 
+    def _check_multi_turn(self) -> None:
+        """Tool rollouts need an HF model's chat template, the synchronous trainer and loadable tools."""
+        multi_turn, key = self.actor_rollout_ref.rollout.multi_turn, "actor_rollout_ref.rollout.multi_turn"
+        if not multi_turn.enable:
+            return
+        if self.actor_rollout_ref.model.path is None:
+            raise ConfigError(f"{key}.enable=true needs actor_rollout_ref.model.path (a chat model with a template)")
+        if self.trainer.v1.trainer_mode != "sync":
+            raise ConfigError(
+                f"{key}.enable=true runs with trainer.v1.trainer_mode=sync only (got "
+                f"{self.trainer.v1.trainer_mode!r}); the async modes' rollout workers have no tool loop yet"
+            )
+        from verl_balance.tools import ToolError, load_tools
+
+        try:
+            load_tools(tool_config_path=multi_turn.tool_config_path, function_tool_path=multi_turn.function_tool_path)
+        except ToolError as err:
+            raise ConfigError(f"{key}: {err}") from err
+
     def _check_token_caps(self) -> None:
         actor, rollout, sp = self.actor_rollout_ref.actor, self.actor_rollout_ref.rollout, self.sp_size
         max_len = self.data.max_prompt_length + rollout.response_length
@@ -823,7 +843,7 @@ def validate_grpo(cfg: DictConfig) -> GRPOConfig:
 def register_grpo_schema() -> None:
     """Register "grpo_schema" (and the SFT schema) in Hydra's ConfigStore."""
     register_sft_schema()
-    ConfigStore.instance().store(name="grpo_schema", node=GRPOConfig)
+    ConfigStore.instance().store(name="grpo_schema", node=GRPOConfig.schema_node())
 
 
 __all__ = ["GRPOConfig", "register_grpo_schema", "validate_grpo"]

@@ -55,7 +55,6 @@ from verl_balance.single_controller.worker_group import GroupFuture, RayClassWit
 from verl_balance.trainer import checkpoint, cluster
 from verl_balance.trainer.config.async_mode import MODE_KEY
 from verl_balance.trainer.config.sections import TrainerSection
-from verl_balance.trainer.driver import describe_rollout_startup
 from verl_balance.trainer.grpo.async_checkpoint import (
     EXPECTED_RESPONSE_STATE_KEY,
     IN_FLIGHT_STATE_KEY,
@@ -69,6 +68,16 @@ from verl_balance.trainer.grpo.old_log_probs import OldLogProbs
 from verl_balance.trainer.grpo.rollout_batch import merge_rollout_outputs, prompt_batch, rollout_batch
 from verl_balance.trainer.grpo.step_metrics import timed as _timed
 from verl_balance.trainer.grpo.trainer import GRPOTrainer
+from verl_balance.trainer.metrics import (
+    EPOCH_KEY,
+    TIMING_ADV,
+    TIMING_GEN,
+    TIMING_REWARD,
+    TIMING_STEP,
+    TIMING_UPDATE_ACTOR,
+    throughput_metrics,
+    timing_key,
+)
 from verl_balance.workers.actor_rollout import sampling_seed
 from verl_balance.workers.rollout_group import RolloutGroup
 from verl_balance.workers.rollout_worker import RolloutWorker, RolloutWorkerConfig
@@ -268,7 +277,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             "%d rollout workers on their own pool (%s)%s",
             group.world_size,
             MODE_KEY + "=separate_async",
-            describe_rollout_startup(init_info),
+            cluster.describe_rollout_startup(init_info),
         )
         self._rollout_version = None
         self._rollout_has_base = False
@@ -438,13 +447,13 @@ class AsyncGRPOTrainer(GRPOTrainer):
         metrics: dict = {}
         step = self.global_step
         old_log_probs = self.old_log_probs()
-        with _timed(metrics, "step"):
+        with _timed(metrics, TIMING_STEP):
             if self.separate and self._rollout_version is None:  # a fresh rollout group, or a resumed actor
                 add_metrics(metrics, self.sync_weights(version=step))
             flight = self._in_flight.pop(step, None) or self._submit(prompts, step=step)
             self._submit_ahead(step)
             self.phase("rollout")
-            with _timed(metrics, "gen"):
+            with _timed(metrics, TIMING_GEN):
                 batch = self._collect(flight, metrics)
             batch = self._apply_sampler(batch, metrics)
             if len(batch):
@@ -452,13 +461,12 @@ class AsyncGRPOTrainer(GRPOTrainer):
             if self.separate:
                 add_metrics(metrics, self.sync_weights(version=step + 1))
         if len(batch):
-            metrics.update(self._rollout_metrics(batch, *self._last_scores, prefix=""))
+            metrics.update(self._rollout_metrics(batch, *self._last_scores))
             tokens = int(batch[ATTENTION_MASK_KEY].sum())
-            metrics.update({"perf/tokens": tokens, "perf/tokens_per_s": tokens / metrics["timing_s/step"]})
+            step_seconds = metrics[timing_key(TIMING_STEP)]
+            metrics.update(throughput_metrics(tokens=tokens, step_seconds=step_seconds, num_devices=self.world))
             self._expected_response = float(batch[RESPONSE_LENGTHS_KEY].double().mean())
-        metrics.update(
-            {"train/epoch": float(self.loader.epoch), "train/old_log_prob_pass": float(old_log_probs.recompute)}
-        )
+        metrics.update({EPOCH_KEY: float(self.loader.epoch), "train/old_log_prob_pass": float(old_log_probs.recompute)})
         return metrics
 
     def _apply_sampler(self, batch: Batch, metrics: dict) -> Batch:
@@ -484,7 +492,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         the decoupled rollout correction against the actor's, IS-weighted."""
         batch.meta[TEMPERATURE_KEY] = float(self.rollout_cfg.temperature)
         pending = self._submit_log_prob_passes(batch, metrics, old_log_probs=old_log_probs)
-        with _timed(metrics, "reward"):
+        with _timed(metrics, TIMING_REWARD):
             scores, extras = self.score(batch)
         self._last_scores = (scores, extras)
         self._dump_rollout(batch, scores, extras)
@@ -494,10 +502,10 @@ class AsyncGRPOTrainer(GRPOTrainer):
             metrics.update(is_weight_metrics(batch))
         if not self.config.algorithm.corrects_rollout:
             batch[OLD_LOG_PROBS_KEY] = batch[ROLLOUT_LOG_PROBS_KEY].clone()  # bypass: the behaviour policy's
-        with _timed(metrics, "adv"):  # decoupled: correct_rollout's weights and rejection, as in sync mode
+        with _timed(metrics, TIMING_ADV):  # decoupled: correct_rollout's weights and rejection, as in sync mode
             metrics.update(self._attach_advantages(batch, scores, extras))
         self.phase("actor update")
-        with _timed(metrics, "update"):
+        with _timed(metrics, TIMING_UPDATE_ACTOR):
             trained = batch.select(batch_keys=[k for k in batch.tensor_keys if k != POLICY_VERSION_KEY])
             metrics.update(self.train_actor(trained, on_policy=old_log_probs.from_update))
 

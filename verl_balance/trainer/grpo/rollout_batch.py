@@ -22,20 +22,23 @@ from verl_balance.batch_keys import (
 )
 from verl_balance.protocol import Batch
 from verl_balance.rollout import RolloutOutput, build_rollout_batch
+from verl_balance.rollout.agent_loop import AGENT_NAME_KEY
 
 PROMPT_COLUMNS = ("data_source", "ground_truth", "extra_info")
 """Per-prompt columns the reward reads, carried from the loader item onto every response row."""
 
 
-def prompt_batch(prompts: tuple[dict, dict]) -> Batch:
-    """One row per prompt: its token ids, length and dataset index (the seed of its samples)."""
+def prompt_batch(prompts: tuple[dict, dict], *, multi_turn: bool = False) -> Batch:
+    """One row per prompt: its token ids, length and dataset index (the seed of its samples); with
+    ``multi_turn`` also the chat, ``extra_info`` (its ``tools_kwargs``) and verl's ``agent_name``,
+    which a worker's tool loop reads."""
     tensors, non_tensors = prompts
+    columns = {PROMPT_IDS_KEY: non_tensors[PROMPT_IDS_KEY]}
+    if multi_turn:
+        columns.update({key: non_tensors[key] for key in ("raw_prompt", "extra_info", AGENT_NAME_KEY)})
     return Batch.from_dict(
         tensors={PROMPT_LENGTHS_KEY: tensors[ATTENTION_MASK_KEY].sum(1)},
-        non_tensors={
-            PROMPT_IDS_KEY: non_tensors[PROMPT_IDS_KEY],
-            SAMPLE_INDEX_KEY: np.asarray(non_tensors[INDEX_KEY], dtype=np.int64),
-        },
+        non_tensors={**columns, SAMPLE_INDEX_KEY: np.asarray(non_tensors[INDEX_KEY], dtype=np.int64)},
     )
 
 
@@ -59,6 +62,7 @@ def merge_rollout_outputs(
         return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
 
     has_log_probs = all(o.log_probs is not None for o, _ in parts)
+    multi_turn = all(o.prompts is not None for o, _ in parts)
     return RolloutOutput(
         prompt_index=np.concatenate([o.prompt_index + off for o, off in parts]),
         responses=torch.cat([pad(o.responses, pad_token_id) for o, _ in parts]),
@@ -66,6 +70,10 @@ def merge_rollout_outputs(
         response_lengths=torch.cat([o.response_lengths for o, _ in parts]),
         finish_reasons=np.concatenate([o.finish_reasons for o, _ in parts]),
         log_probs=torch.cat([pad(o.log_probs, 0.0) for o, _ in parts]) if has_log_probs else None,
+        prompts=[p for o, _ in parts for p in o.prompts] if multi_turn else None,
+        turn_stats={k: np.concatenate([o.turn_stats[k] for o, _ in parts]) for k in parts[0][0].turn_stats}
+        if multi_turn
+        else None,
     )
 
 

@@ -47,14 +47,17 @@ from verl_balance.batch_keys import (
     ROLLOUT_LOG_PROBS_KEY,
     SUM_PI_SQUARED_KEY,
     TEMPERATURE_KEY,
+    UID_KEY,
     VALUES_KEY,
 )
 from verl_balance.data.rl_dataset import RLPromptDataset
 from verl_balance.protocol import Batch
 from verl_balance.rewards import load_reward_fn
+from verl_balance.rewards.children import RewardChildren
 from verl_balance.rewards.overlong import shape_scores
 from verl_balance.rewards.score import check_reward_rules
 from verl_balance.rewards.watchdog import score_batch_watched
+from verl_balance.rollout.agent_loop import multi_turn_metrics
 from verl_balance.trainer import checkpoint, cluster
 from verl_balance.trainer.checkpoint.layout import read_json
 from verl_balance.trainer.config.checks import ConfigError
@@ -81,11 +84,30 @@ from verl_balance.trainer.grpo.rollout_batch import merge_rollout_outputs, mini_
 from verl_balance.trainer.grpo.step_metrics import mean_metrics
 from verl_balance.trainer.grpo.step_metrics import timed as _timed
 from verl_balance.trainer.metrics import (
+    EPOCH_KEY,
     PEAK_MEMORY_KEY,
+    ROLLOUT_PROBS_DIFF_PREFIX,
+    SCORE_MEAN_KEY,
+    TIMING_ADV,
+    TIMING_GEN,
+    TIMING_GEN_MAX,
+    TIMING_OLD_LOG_PROB,
+    TIMING_REF,
+    TIMING_REWARD,
+    TIMING_STEP,
+    TIMING_UPDATE_ACTOR,
+    TIMING_VALIDATE,
+    VAL_ACC_KEY,
+    VAL_REWARD_KEY,
+    advantage_data_metrics,
     busy_seconds,
     measured_balance_metrics,
     plan_metrics,
     reduce_rank_metrics,
+    rollout_data_metrics,
+    throughput_metrics,
+    timing_key,
+    validation_metrics,
 )
 from verl_balance.trainer.plan_dispatch import merge_by_plan, plan_batch, split_by_plan
 from verl_balance.trainer.startup import check_critic_weights, check_model_files, check_warm_start
@@ -99,15 +121,15 @@ logger = logging.getLogger(__name__)
 KL_COEF_STATE = "kl_ctrl_in_reward_value"
 """Trainer-state key of the in-reward KL coefficient (algorithm.use_kl_in_reward)."""
 PLOT_PANELS = (
-    ("train reward (sampled rollouts)", r"^reward/(mean|accuracy)$"),
+    ("train score (sampled rollouts)", r"^(critic/score/mean|reward/accuracy)$"),
     ("held-out accuracy or mean reward (val_kwargs sampling, greedy by default)", r"^val/(acc|reward_mean)$"),
     ("policy loss", r"^actor/(loss|pg_loss)$"),
-    ("KL to reference, entropy, clip fraction", r"^actor/(kl|ppo_kl|entropy|pg_clipfrac)$"),
+    ("KL to reference, entropy, clip fraction", r"^actor/(kl_loss|ppo_kl|entropy|pg_clipfrac)$"),
     ("imbalance (1.0 = perfectly balanced)", r"^balance/imbalance"),
     ("response length", r"^(val/)?response_length/mean$"),
 )
 PPO_PLOT_PANELS = (
-    ("train reward (sampled rollouts)", r"^reward/(mean|accuracy)$"),
+    ("train score (sampled rollouts)", r"^(critic/score/mean|reward/accuracy)$"),
     ("held-out accuracy or mean reward (val_kwargs sampling, greedy by default)", r"^val/(acc|reward_mean)$"),
     ("critic value loss", r"^critic/vf_loss$"),
     ("critic explained variance", r"^critic/vf_explained_var$"),
@@ -126,7 +148,10 @@ def rollout_probs_diff(batch: Batch) -> dict:
     diff = (batch[ROLLOUT_LOG_PROBS_KEY].exp() - batch[OLD_LOG_PROBS_KEY].exp()).abs()[mask]
     if diff.numel() == 0:
         return {}
-    return {"rollout/probs_diff_mean": float(diff.mean()), "rollout/probs_diff_max": float(diff.max())}
+    return {
+        ROLLOUT_PROBS_DIFF_PREFIX + "mean": float(diff.mean()),
+        ROLLOUT_PROBS_DIFF_PREFIX + "max": float(diff.max()),
+    }
 
 
 def update_metrics(per_rank: list[dict]) -> dict:
@@ -136,22 +161,10 @@ def update_metrics(per_rank: list[dict]) -> dict:
     reduced = reduce_rank_metrics(per_rank, prefix="actor/")
     for name in ("mean", "max"):
         if f"actor/rollout_probs_diff_{name}" in reduced:
-            reduced[f"rollout/probs_diff_{name}"] = reduced.pop(f"actor/rollout_probs_diff_{name}")
+            reduced[ROLLOUT_PROBS_DIFF_PREFIX + name] = reduced.pop(f"actor/rollout_probs_diff_{name}")
     for key in [k for k in reduced if k.startswith("actor/rollout_corr/")]:  # bypass_mode's, verl's names
         reduced[key.removeprefix("actor/")] = reduced.pop(key)
-    return {k: v for k, v in reduced.items() if k.startswith(("actor/", "perf/", "rollout/", "rollout_corr/"))}
-
-
-def held_out_metrics(scores: np.ndarray, extras: dict, *, sources: np.ndarray) -> dict:
-    """verl's convention: ``val/acc`` only when the reward returns ``acc``; ``val/reward_mean`` (the
-    mean score) always; both per data source too."""
-    columns = {"reward_mean": scores, **({"acc": extras["acc"]} if "acc" in extras else {})}
-    out = {}
-    for name, values in columns.items():
-        out[f"val/{name}"] = float(np.nanmean(values))
-        for source in sorted(set(sources.tolist())):
-            out[f"val/{name}/{source}"] = float(np.nanmean(values[sources == source]))
-    return out
+    return {k: v for k, v in reduced.items() if k.startswith(("actor/", "perf/", "training/", "rollout_corr/"))}
 
 
 # ---------------------------------------------------------------------- trainer
@@ -184,6 +197,7 @@ class GRPOTrainer(DriverBase):
         self.reward_fn = load_reward_fn(reward.path, reward.name, reward_kwargs=dict(reward.reward_kwargs))
         if reward.path is None:  # the built-in rules: every data_source of the data needs one, known before Ray
             check_reward_rules({**getattr(self.val_set, "data_source_rows", {}), **self.train_set.data_source_rows})
+        self.reward_children = RewardChildren()  # what reward calls leave running ends with the run
         self.update_cap = a.ppo_max_token_len_per_gpu if a.use_dynamic_bsz else None
         self.log_prob_plans = {"old_log_prob": arr.log_prob_plan("old"), "ref": arr.log_prob_plan("ref")}
         self.updates_per_step = config.updates_per_step
@@ -258,6 +272,8 @@ class GRPOTrainer(DriverBase):
             rollout_backend=config.rollout_backend,
             vllm=self._vllm_config(),
             use_reference_policy=config.use_reference_policy,
+            multi_turn=self.rollout_cfg.multi_turn,
+            chat_template=getattr(getattr(self.tokenizer, "hf_tokenizer", None), "chat_template", None),
             **self.export_options(),
         )
 
@@ -320,6 +336,8 @@ class GRPOTrainer(DriverBase):
     def close(self) -> None:
         """Stop the critic's workers too (the actor's and the run directory: ``DriverBase.close``)."""
         try:
+            if getattr(self, "reward_children", None) is not None:
+                self.reward_children.reap()
             self.critic.release()
         finally:
             super().close()
@@ -353,7 +371,7 @@ class GRPOTrainer(DriverBase):
     # ------------------------------------------------------------------ phases
     def generate(self, prompts: tuple[dict, dict], *, n: int, temperature: float, top_p: float, seed: int) -> Batch:
         """Rollout batch (one row per response, prompt-major) with uid/data_source/ground_truth columns."""
-        rows = prompt_batch(prompts)
+        rows = prompt_batch(prompts, multi_turn=self.rollout_cfg.multi_turn.enable)
         bounds = np.linspace(0, len(rows), self.world + 1).round().astype(int)
         chunks = [rows.index_select(np.arange(lo, hi)) for lo, hi in zip(bounds[:-1], bounds[1:])]
         sampling = {
@@ -384,6 +402,7 @@ class GRPOTrainer(DriverBase):
             timeout_s=reward.timeout_s,
             heartbeat_s=self.config.trainer.heartbeat_interval_s,
             name=f"{reward.name or 'compute_score'} of {reward.path}" if reward.path else None,
+            children=self.reward_children,
         )
         if reward.reward_manager != "dapo":
             return scores, extras
@@ -422,7 +441,7 @@ class GRPOTrainer(DriverBase):
         """One driver iteration (one GRPO step) on one batch of prompts; returns the step's metrics."""
         metrics: dict = {}
         old_log_probs = self.old_log_probs()
-        with _timed(metrics, "step"):
+        with _timed(metrics, TIMING_STEP):
             if self.config.algorithm.filter_groups.enable:
                 batch, scores, extras = self._dynamic_sampling(prompts, metrics)
                 pending = self._submit_passes(batch, metrics, old_log_probs=old_log_probs)
@@ -430,27 +449,28 @@ class GRPOTrainer(DriverBase):
                 batch = self._generate_step(prompts, metrics, seed=self.global_step)
                 # The log-prob (and values) passes run on the workers while the driver scores the responses.
                 pending = self._submit_passes(batch, metrics, old_log_probs=old_log_probs)
-                with _timed(metrics, "reward"):
+                with _timed(metrics, TIMING_REWARD):
                     scores, extras = self.score(batch)
             self._dump_rollout(batch, scores, extras)
             baselines = self._greedy_baselines(prompts, batch, metrics)
             self.phase("log-prob passes")
             self._collect_log_prob_passes(batch, pending, metrics)
-            with _timed(metrics, "adv"):
+            with _timed(metrics, TIMING_ADV):
                 metrics.update(self._attach_advantages(batch, scores, extras, baselines=baselines))
             self.critic.train(batch, metrics=metrics, phase=self.phase)
             # verl's trainer.critic_warmup: the actor waits for the critic (0 without one).
             if self.global_step >= self.config.trainer.critic_warmup:
                 self.phase("actor update")
-                with _timed(metrics, "update"):
+                with _timed(metrics, TIMING_UPDATE_ACTOR):
                     metrics.update(self.train_actor(batch, on_policy=old_log_probs.from_update))
-        metrics.update(self._rollout_metrics(batch, scores, extras, prefix=""))
+        metrics.update(self._rollout_metrics(batch, scores, extras))
         tokens = int(batch[ATTENTION_MASK_KEY].sum())
         metrics.update(
+            throughput_metrics(tokens=tokens, step_seconds=metrics[timing_key(TIMING_STEP)], num_devices=self.world)
+        )
+        metrics.update(
             {
-                "perf/tokens": tokens,
-                "perf/tokens_per_s": tokens / metrics["timing_s/step"],
-                "train/epoch": float(self.loader.epoch),
+                EPOCH_KEY: float(self.loader.epoch),
                 "train/old_log_prob_pass": float(old_log_probs.recompute),
             }
         )
@@ -461,7 +481,7 @@ class GRPOTrainer(DriverBase):
         with rollout_correction.bypass_mode its old log-probs are the rollout's own."""
         r = self.rollout_cfg
         self.phase("rollout")
-        with _timed(metrics, "gen"):
+        with _timed(metrics, TIMING_GEN):
             batch = self.generate(
                 prompts,
                 n=r.n,
@@ -471,6 +491,7 @@ class GRPOTrainer(DriverBase):
             )
         # Old, reference and new log-probs are all taken at the sampling temperature.
         batch.meta[TEMPERATURE_KEY] = float(r.temperature)
+        metrics.update(multi_turn_metrics(batch.non_tensors))
         if self.config.algorithm.rollout_correction.bypass_mode:
             batch[OLD_LOG_PROBS_KEY] = batch[ROLLOUT_LOG_PROBS_KEY].clone()  # verl's apply_bypass_mode
         return batch
@@ -487,7 +508,7 @@ class GRPOTrainer(DriverBase):
         )
         while True:
             batch = self._generate_step(prompts, metrics, seed=self.global_step)
-            with _timed(metrics, "reward"):
+            with _timed(metrics, TIMING_REWARD):
                 scores, extras = self.score(batch)
             if kept.add(batch, scores=scores, extras=extras):
                 break
@@ -533,10 +554,10 @@ class GRPOTrainer(DriverBase):
         if self.config.algorithm.adv_estimator != "remax":
             return None
         self.phase("greedy baseline")
-        with _timed(metrics, "gen_max"):
+        with _timed(metrics, TIMING_GEN_MAX):
             greedy = self.generate(prompts, n=1, temperature=0.0, top_p=1.0, seed=self.config.trainer.seed)
             greedy_scores, _ = self.score(greedy)
-        metrics["reward/greedy_baseline_mean"] = float(np.mean(greedy_scores))
+        metrics["reward/greedy_baseline_mean"] = float(np.mean(greedy_scores))  # ours: verl logs none
         return prompt_baselines(
             baseline_prompt_index=greedy[PROMPT_INDEX_KEY],
             baseline_scores=greedy_scores,
@@ -556,6 +577,7 @@ class GRPOTrainer(DriverBase):
             batch, scores=scores, extras=extras, algorithm=algorithm, reward_baselines=baselines, rewards=rewards
         )
         batch[ADVANTAGES_KEY] = out.advantages
+        metrics.update(advantage_data_metrics(rewards=rewards, advantages=out.advantages, mask=batch[LOSS_MASK_KEY]))
         self.critic.attach_returns(batch, out.returns)
         return metrics
 
@@ -566,7 +588,7 @@ class GRPOTrainer(DriverBase):
         computation did not hide."""
         if "old_log_prob" in pending:
             plan, future = pending["old_log_prob"]
-            with _timed(metrics, "old_log_prob"):
+            with _timed(metrics, TIMING_OLD_LOG_PROB):
                 merged = merge_by_plan(future.get(), plan)
                 batch[OLD_LOG_PROBS_KEY] = merged[LOG_PROBS_KEY]
                 if SUM_PI_SQUARED_KEY in merged:
@@ -574,7 +596,7 @@ class GRPOTrainer(DriverBase):
             metrics.update(rollout_probs_diff(batch))
         if "ref" in pending:
             plan, future = pending["ref"]
-            with _timed(metrics, "ref"):
+            with _timed(metrics, TIMING_REF):
                 batch[REF_LOG_PROB_KEY] = merge_by_plan(future.get(), plan)[REF_LOG_PROB_KEY]
         if VALUES_KEY in pending:
             plan, future = pending[VALUES_KEY]
@@ -613,21 +635,15 @@ class GRPOTrainer(DriverBase):
         out.update(measured_balance_metrics(busy))
         return out
 
-    def _rollout_metrics(self, batch: Batch, scores: np.ndarray, extras: dict, *, prefix: str) -> dict:
-        lengths = batch[RESPONSE_LENGTHS_KEY].double()
-        accuracy = extras["acc"] if "acc" in extras else scores
-        out = {
-            f"{prefix}reward/mean": float(scores.mean()),
-            f"{prefix}reward/std": float(scores.std()),
-            f"{prefix}reward/accuracy": float(np.nanmean(accuracy)),
-            f"{prefix}response_length/mean": float(lengths.mean()),
-            f"{prefix}response_length/max": float(lengths.max()),
-            f"{prefix}response_length/clip_ratio": float(np.mean(batch[FINISH_REASON_KEY] == "length")),
-        }
-        for key, values in extras.items():
-            if key != "acc" and np.isfinite(values).any():
-                out[f"{prefix}reward/{key}"] = float(np.nanmean(values))
-        return out
+    def _rollout_metrics(self, batch: Batch, scores: np.ndarray, extras: dict) -> dict:
+        return rollout_data_metrics(
+            scores=scores,
+            extras=extras,
+            response_lengths=batch[RESPONSE_LENGTHS_KEY].numpy(),
+            finish_reasons=batch[FINISH_REASON_KEY],
+            prompt_lengths=batch[PROMPT_LENGTHS_KEY].numpy(),
+            max_prompt_length=self.config.data.max_prompt_length,
+        )
 
     def evaluate(self) -> dict:
         """Held-out accuracy with ``rollout.val_kwargs`` sampling (greedy by default), overall and per source."""
@@ -640,10 +656,14 @@ class GRPOTrainer(DriverBase):
         start = time.perf_counter()
         batch = self.generate(prompts, n=v.n, temperature=v.temperature, top_p=v.top_p, seed=self.config.trainer.seed)
         scores, extras = self.score(batch)
-        metrics = self._rollout_metrics(batch, scores, extras, prefix="val/")
-        del metrics["val/reward/accuracy"]
-        metrics.update(held_out_metrics(scores, extras, sources=np.asarray(batch["data_source"])))
-        metrics["timing_s/val"] = time.perf_counter() - start
+        metrics = validation_metrics(
+            scores=scores,
+            extras=extras,
+            sources=np.asarray(batch["data_source"]),
+            uids=np.asarray(batch[UID_KEY]),
+            response_lengths=batch[RESPONSE_LENGTHS_KEY].numpy(),
+        )
+        metrics[timing_key(TIMING_VALIDATE)] = time.perf_counter() - start
         self._log_generations(batch, scores, count=self.config.trainer.log_val_generations)
         if self.config.trainer.validation_data_dir:
             dump_generations(
@@ -694,11 +714,11 @@ class GRPOTrainer(DriverBase):
 
     def summarize(self, *, first: dict, last: dict, first_val: dict, last_val: dict) -> dict:
         """First/final train reward and held-out accuracy before/after training."""
-        val_key = "val/acc" if "val/acc" in {**first_val, **last_val} else "val/reward_mean"
+        val_key = VAL_ACC_KEY if VAL_ACC_KEY in {**first_val, **last_val} else VAL_REWARD_KEY
         return {
             "algorithm": self.critic.algorithm,
-            "first_reward": first.get("reward/mean"),
-            "final_reward": last.get("reward/mean"),
+            "first_reward": first.get(SCORE_MEAN_KEY),
+            "final_reward": last.get(SCORE_MEAN_KEY),
             "val_key": val_key,
             "initial_val": first_val.get(val_key),
             "final_val": last_val.get(val_key),
@@ -712,13 +732,14 @@ class GRPOTrainer(DriverBase):
         reward returns ``acc``, else ``val/reward_mean``, named as such)."""
         lines = []
         if summary.get("first_reward") is not None:
-            lines.append(f"train reward: first {summary['first_reward']:.4f} -> final {summary['final_reward']:.4f}")
+            first_score, final_score = summary["first_reward"], summary["final_reward"]
+            lines.append(f"train score ({SCORE_MEAN_KEY}): first {first_score:.4f} -> final {final_score:.4f}")
         first, last = summary.get("initial_val"), summary.get("final_val")
         if first is not None or last is not None:
             fmt = lambda x: "n/a" if x is None else f"{x:.4f}"  # noqa: E731
             what = (
                 "held-out accuracy (val/acc)"
-                if summary["val_key"] == "val/acc"
+                if summary["val_key"] == VAL_ACC_KEY
                 else "held-out mean reward (val/reward_mean)"
             )
             lines.append(f"{what}: before {fmt(first)} -> after {fmt(last)}")
@@ -734,7 +755,6 @@ __all__ = [
     "GRPOTrainer",
     "OldLogProbs",
     "format_summary",
-    "held_out_metrics",
     "merge_rollout_outputs",
     "value_metrics",
 ]
