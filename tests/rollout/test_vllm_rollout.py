@@ -131,3 +131,86 @@ def test_per_prompt_seeds_make_a_response_independent_of_the_rest_of_the_call(ro
     other = rollout.generate(PROMPTS, seeds=[s + 1 for s in seeds], **kw).response_token_lists()
     assert other != batched
     assert any(batched[2 * i] != batched[2 * i + 1] for i in range(len(PROMPTS)))
+
+
+def _memorized(model, ids: list[int], start: int) -> torch.nn.Module:
+    """A copy of ``model`` trained until its greedy argmax reproduces ``ids[start:]`` after ``ids[:start]``
+    (a stand-in for a policy that has learnt to call the tool)."""
+    import copy
+
+    model = copy.deepcopy(model).train()
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    inputs, targets = torch.tensor([ids[:-1]]), torch.tensor(ids[start:])
+    for _ in range(400):
+        logits = model(input_ids=inputs).logits[0, start - 1 :]
+        loss = torch.nn.functional.cross_entropy(logits, targets)
+        if loss.item() < 0.02 and bool((logits.argmax(-1) == targets).all()):
+            return model.eval()
+        optim.zero_grad()
+        loss.backward()
+        optim.step()
+    raise AssertionError(f"the conversation was not memorised (loss {loss.item():.3f})")
+
+
+def test_a_tool_call_round_trip_on_vllm_masks_the_tool_answer(rollout, hf_model, model_dir):
+    """verl's tool agent loop (rollout/agent_loop.py) on the vLLM engine: turn 1 calls ``add``, the loop
+    runs it and appends its answer through the chat template, turn 2 answers. The reference is the tool
+    chat template applied to the whole conversation at once; the log-probs are HF's on the same weights."""
+    from transformers import AutoTokenizer
+
+    from verl_balance.models.tiny_hf import TOOL_CHAT_TEMPLATE
+    from verl_balance.rollout.agent_loop import ChatRenderer, MultiTurnConfig, ToolAgentLoop
+    from verl_balance.tools.base import FunctionTool
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.chat_template = TOOL_CHAT_TEMPLATE
+    calls = []
+
+    def add(a: int, b: int) -> int:
+        calls.append((a, b))
+        return a + b
+
+    user = [{"role": "user", "content": "2+3?"}]
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}
+    conversation = [
+        *user,
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "5"},
+        {"role": "assistant", "content": "5"},
+    ]
+    prompt = tok.apply_chat_template(user, add_generation_prompt=True, tokenize=False)
+    whole = tok.apply_chat_template(conversation, tokenize=False)
+    assert whole.startswith(prompt) and whole.endswith("<|im_end|>\n")
+    whole = whole[: -len("\n")]  # the loop stops at the end-of-turn token
+    first_turn_end = whole.index("<|im_end|>", len(prompt)) + len("<|im_end|>")
+    observation_end = whole.rindex("<|im_start|>assistant\n") + len("<|im_start|>assistant\n")
+    pieces = [whole[len(prompt) : first_turn_end], whole[first_turn_end:observation_end], whole[observation_end:]]
+    ids = [tok.encode(p, add_special_tokens=False) for p in (prompt, *pieces)]
+    assert sum(ids, []) == tok.encode(whole, add_special_tokens=False)  # the pieces tokenize alone alike
+    trained = _memorized(hf_model, sum(ids, []), len(ids[0]))
+
+    # the renderer shows no tool schemas (they would not fit the tiny model's 512 positions); the loop runs add
+    renderer = ChatRenderer(tok, tool_schemas=[], eos_token_id=tok.eos_token_id)
+    loop = ToolAgentLoop(
+        engine=rollout, renderer=renderer, tools={"add": FunctionTool(name="add", fn=add)}, config=MultiTurnConfig()
+    )
+    run = dict(temperature=0.0, max_response_length=200, stop_token_ids=[tok.eos_token_id], seeds=[0])
+    try:
+        rollout.load_weights(stream_full_tensors(trained.state_dict(), bucket_bytes=40_000))
+        result = loop.generate([user], **run)
+    finally:
+        rollout.load_weights(stream_full_tensors(hf_model.state_dict(), bucket_bytes=40_000))
+    out = result.output
+    assert calls == [(2, 3)] and result.tool_calls.tolist() == [1] and result.tool_errors.tolist() == [0]
+    assert result.num_turns.tolist() == [4] and result.tokenization_mismatch.tolist() == [0]
+    assert out.response_token_lists() == [ids[1] + ids[2] + ids[3]]
+    expected_mask = [1] * len(ids[1]) + [0] * len(ids[2]) + [1] * len(ids[3])
+    assert out.response_mask[0].tolist() == expected_mask
+    model_tokens = torch.tensor(expected_mask, dtype=torch.bool)
+    recomputed = _hf_log_probs(trained, ids[0], ids[1] + ids[2] + ids[3])
+    torch.testing.assert_close(out.log_probs[0][model_tokens], recomputed[model_tokens], atol=LOG_PROB_ATOL, rtol=0)
+    assert (out.log_probs[0][~model_tokens] == 0).all()
+    # negative control: the untrained weights make no call, so the response has no hole
+    plain = loop.generate([user], **run)
+    assert calls == [(2, 3)] and plain.tool_calls.tolist() == [0]
+    assert plain.output.response_mask[0].sum() == plain.output.response_lengths[0]

@@ -88,3 +88,14 @@ def test_engine_startup_is_one_timed_phrase_from_the_workers_answers():
     infos = [{"rank": 0, "rollout_startup_s": 21.04}, {"rank": 1, "rollout_startup_s": 30.96}]
     assert describe_rollout_startup(infos) == "; 2 vLLM engines started (slowest 31.0 s)"
     assert describe_rollout_startup([{"rank": 0, "rollout_startup_s": None}]) == ""  # HF / built-in rollouts
+
+
+def test_multi_turn_tools_are_accepted_with_the_vllm_rollout(snapshot_root):
+    """The tool agent loop runs on any RolloutEngine (its vLLM round trip: tests/rollout/test_vllm_rollout.py)."""
+    config = _config(snapshot_root, [f"{AR}.name=vllm", f"{AR}.multi_turn.enable=true"])
+    assert config.rollout_backend == "vllm" and config.actor_rollout_ref.rollout.multi_turn.enable
+    # negative control: the loop's own requirements still hold (sync mode only)
+    with pytest.raises(ConfigError, match="multi_turn.enable=true runs with trainer.v1.trainer_mode=sync only"):
+        _config(
+            snapshot_root, [f"{AR}.name=vllm", f"{AR}.multi_turn.enable=true", "trainer.v1.trainer_mode=separate_async"]
+        )

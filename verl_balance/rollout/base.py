@@ -1,6 +1,6 @@
 """The rollout interface: sample n responses per prompt from the current policy weights.
 
-Invariants (every backend: the built-in ``KVCacheRollout``, ``HFRollout``, or a future vLLM/SGLang one):
+Invariants (every backend: the built-in ``KVCacheRollout``, ``HFRollout``, ``VLLMRollout``):
 - Output rows are prompt-major and interleaved: row k answers prompt ``k // n``
   (``prompt_index[k]``), the same order as verl's ``repeat(n, interleave=True)``.
 - ``responses`` is right-padded with ``pad_token_id``; ``response_mask[k, j] = 1`` exactly for the
