@@ -10,7 +10,10 @@ and ``HFRollout`` with the same weights; ``KVCacheRollout`` runs the built-in de
 dimensions (Llama-style: no q/k/v biases), random weights. Every backend decodes the same random
 prompts greedily for exactly ``new`` tokens (no stop token), after one short warm-up call;
 ``agree`` is the fraction of vLLM's tokens equal to HF's (same weights: fp32 rounding can flip a
-near-tie and the rest of that row). The vLLM row's start-up (engine construction) is printed apart.
+near-tie and the rest of that row). The vLLM row's start-up (engine construction) is printed apart,
+and so is one weight sync: the HF model's full state streamed into the engine in place
+(``workers/buckets.stream_full_tensors``, 256 MiB buckets, ``VLLMRollout.load_weights``), the path
+of every training step, with its bytes and rate.
 """
 
 from __future__ import annotations
@@ -53,6 +56,19 @@ def timed_generate(rollout, prompts, new: int) -> tuple[list[list[int]], float]:
     return out.response_token_lists(), time.perf_counter() - start
 
 
+def timed_sync(rollout, path: str) -> tuple[int, float]:
+    """(bytes, seconds) of one in-place sync of the directory's weights into the vLLM engine."""
+    from transformers import AutoModelForCausalLM
+
+    from verl_balance.workers.buckets import stream_full_tensors, tensor_bytes
+
+    state = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    unique = {t.data_ptr(): t for t in state.values()}  # tied embeddings counted once
+    start = time.perf_counter()
+    rollout.load_weights(stream_full_tensors(state))
+    return sum(tensor_bytes(t) for t in unique.values()), time.perf_counter() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small shape (smoke run)")
@@ -74,6 +90,7 @@ def main() -> None:
         )
         startup = time.perf_counter() - start
         vllm_tokens, vllm_s = timed_generate(vllm, prompts, new)
+        sync_bytes, sync_s = timed_sync(vllm, config.path)
         del vllm
         hf_tokens, hf_s = timed_generate(HFRollout(model_config=config), prompts, new)
     builtin = ModelConfig(
@@ -96,6 +113,8 @@ def main() -> None:
     for name, seconds in (("vllm", vllm_s), ("hf", hf_s), ("kv_cache", kv_s)):
         print(f"{name:>9} | {tokens / seconds:>8.0f} | {seconds:>8.2f}")
     print(f"vLLM engine start-up {startup:.1f} s; vLLM tokens equal to HF's: {agree:.3f}")
+    rate = sync_bytes / sync_s / 1e9
+    print(f"weight sync into vLLM: {sync_bytes / 1e9:.2f} GB (fp32) in {sync_s:.2f} s, {rate:.2f} GB/s")
 
 
 if __name__ == "__main__":

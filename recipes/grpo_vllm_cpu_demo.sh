@@ -50,9 +50,9 @@ from verl_balance.utils.plotting import plot_runs
 
 out = sys.argv[1]
 panels = (
-    ("train reward", r"^reward/mean$"),
+    ("train reward", r"^critic/score/mean$"),
     ("held-out accuracy", r"^val/acc$"),
-    ("rollout vs trainer prob. gap (max)", r"^rollout/probs_diff_max$"),
+    ("rollout vs trainer prob. gap (max)", r"^training/rollout_probs_diff_max$"),
     ("step time (s)", r"^timing_s/step$"),
 )
 print(plot_runs(

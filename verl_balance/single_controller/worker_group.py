@@ -645,8 +645,9 @@ class RayWorkerGroup:
     def _died_error(self, method: str, rank: int, error: Exception) -> WorkerDiedError:
         actor_id = self._workers[rank]._actor_id.hex()
         reason = " ".join(str(error).split())[:600]
+        pid = f", pid {self._places[rank][1]}" if rank < len(self._places) else ""
         return WorkerDiedError(
-            f"worker rank {rank} (actor {actor_id}, name {self._worker_names[rank]}) died during "
+            f"worker rank {rank} (actor {actor_id}, name {self._worker_names[rank]}{pid}) died during "
             f"{self._describe_method(method)}; the group is unusable, call shutdown(). Ray says: {reason}"
             f"{self._last_words(rank)}",
             rank=rank,
