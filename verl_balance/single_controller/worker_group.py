@@ -286,8 +286,9 @@ def _rendezvous_env(pool: RayResourcePool, *, rank: int, local_rank: int, addres
         "LOCAL_WORLD_SIZE": str(pool.n_gpus_per_node),
         "MASTER_ADDR": str(address[0]),
         "MASTER_PORT": str(address[1]),
-        NUM_THREADS_ENV: str(pool.threads_per_worker),
-        "OMP_NUM_THREADS": str(pool.threads_per_worker),
+        NUM_THREADS_ENV: pool.threads_per_worker,
+        # read by libgomp at start-up; the Worker then sizes torch's pool to NUM_THREADS_ENV
+        "OMP_NUM_THREADS": pool.threads_per_worker if pool.threads_per_worker.isdigit() else "1",
     }
 
 
