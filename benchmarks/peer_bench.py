@@ -13,6 +13,8 @@ the order alternating between repeats, so load drifts hit both sides):
 - ``grpo-trl``: TRL's ``GRPOTrainer`` against ``python -m verl_balance.main_grpo``, one worker:
   16 prompts x 4 responses, 32 response tokens, the synthetic task and its rule reward, one
   optimizer update per step, no KL term.
+- ``grpo-trl-long``: ``grpo-trl`` with ``--grpo-long-response`` (256) response tokens, where generation
+  takes most of the step as in real RL.
 - ``grpo-verl-script``: verl's own gsm8k GRPO launch script (``examples/grpo_trainer/run_qwen3_8b_fsdp.sh``,
   its overrides from tests/data/verl_example_overrides/), scaled down, run by verl 0.9.1's
   ``python -m verl.trainer.main_ppo`` (``actor.strategy=fsdp2``, the ``verl_balance_cpu`` rollout of
@@ -58,7 +60,7 @@ import time
 from dataclasses import dataclass, field
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SECTIONS = ("sft-verl", "sft-trl", "grpo-trl", "grpo-verl-script")
+SECTIONS = ("sft-verl", "sft-trl", "grpo-trl", "grpo-trl-long", "grpo-verl-script")
 # (hidden, layers, heads, kv heads, intermediate)
 MODELS = {"tiny": (64, 2, 4, 2, 128), "small": (256, 4, 4, 2, 512)}
 CPU_SHIM = "verl_balance.integrations.verl.cpu_shims.platform,verl_balance.integrations.verl.autopatch"
@@ -671,7 +673,7 @@ def build_pairs(args, model: str, data: dict[str, str]):
             # importable; trl >= 1.x no longer has it, so fsdp2 cannot start in this environment.
             skipped.append(f"{section}: trl is importable here and breaks verl 0.9.1's fsdp2; use --trl-path")
             continue
-        if section in ("sft-trl", "grpo-trl") and not _have("trl", args.trl_path):
+        if section in ("sft-trl", "grpo-trl", "grpo-trl-long") and not _have("trl", args.trl_path):
             skipped.append(f"{section}: trl is not importable (pip install --target DIR trl; --trl-path DIR)")
             continue
         if section == "sft-verl":
@@ -690,9 +692,14 @@ def build_pairs(args, model: str, data: dict[str, str]):
                 ("trl", functools.partial(trl_case, "trl-sft", args, model, data["sft"])),
             ]
         else:
+            grpo = (
+                args
+                if section == "grpo-trl"
+                else argparse.Namespace(**{**vars(args), "grpo_response": args.grpo_long_response})
+            )
             makers = [
-                ("ours", functools.partial(ours_grpo_case, args, model, data["rl"])),
-                ("trl", functools.partial(trl_case, "trl-grpo", args, model, data["rl"])),
+                ("ours", functools.partial(ours_grpo_case, grpo, model, data["rl"])),
+                ("trl", functools.partial(trl_case, "trl-grpo", grpo, model, data["rl"])),
             ]
         pairs.append((section, makers))
     return pairs, skipped
@@ -718,6 +725,8 @@ def run_all(args) -> None:
             names = []
             for tag, make in makers if rep % 2 == 0 else makers[::-1]:
                 case = make(os.path.join(root, f"{section}_{tag}_{rep}"))  # a fresh directory per run
+                if section == "grpo-trl-long":  # the same runners as grpo-trl: a row name of its own
+                    case.name = f"{case.name}, {args.grpo_long_response} tok"
                 names.append(case.name)
                 log_path = os.path.join(root, f"{section}_{tag}_{rep}.log")
                 print(f"[{time.perf_counter() - t0:6.0f}s] {section} repeat {rep + 1}: {case.name}", flush=True)
@@ -751,6 +760,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grpo-prompts", type=int, default=16, help="GRPO prompts per step")
     p.add_argument("--grpo-n", type=int, default=4, help="GRPO responses per prompt")
     p.add_argument("--grpo-response", type=int, default=32, help="GRPO response tokens")
+    p.add_argument("--grpo-long-response", type=int, default=256, help="GRPO response tokens of grpo-trl-long")
     p.add_argument(
         "--trl-path",
         default=os.environ.get("PEER_TRL_PATH"),

@@ -9,7 +9,7 @@ import torch
 
 from verl_balance.single_controller import RayResourcePool, Worker
 from verl_balance.single_controller.worker import NUM_THREADS_ENV, resolve_num_threads
-from verl_balance.single_controller.worker_group import _rendezvous_env
+from verl_balance.single_controller.worker_group import _rendezvous_env, cpu_thread_env
 
 
 @pytest.mark.parametrize(
@@ -70,3 +70,11 @@ def test_worker_sizes_torch_pool(monkeypatch, value):
         assert os.environ["OMP_NUM_THREADS"] == str(resolve_num_threads(value))
     finally:
         torch.set_num_threads(before)
+
+
+def test_cpu_workers_wait_passively_unless_the_driver_says_otherwise(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    assert cpu_thread_env(_pool(use_gpu=False)) == {"OMP_WAIT_POLICY": "PASSIVE"}
+    assert cpu_thread_env(_pool(use_gpu=True)) == {}  # GPU workers: OpenMP's default
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+    assert cpu_thread_env(_pool(use_gpu=False)) == {}  # the driver's choice reaches the workers as is

@@ -277,6 +277,21 @@ def _checked_worker_env(
     return worker_env
 
 
+OMP_WAIT_POLICY = "PASSIVE"
+"""OpenMP wait policy of CPU workers. libgomp's default spins at every parallel region's barrier; when
+the cores are shared (other workers, other jobs) a spinning thread waits for one that is descheduled:
+on the 2-core CI host at load ~10-40 two active threads cost 8-10x the CPU of one for generation,
+passive ones no more than one (docs/performance.md, "Threads")."""
+
+
+def cpu_thread_env(pool: RayResourcePool) -> dict[str, str]:
+    """Defaults for CPU workers' threads, under the caller's ``worker_env``: a passive OpenMP wait
+    unless the driver's environment names a policy (Ray's workers inherit it); nothing for GPU pools."""
+    if pool.use_gpu or "OMP_WAIT_POLICY" in os.environ:
+        return {}
+    return {"OMP_WAIT_POLICY": OMP_WAIT_POLICY}
+
+
 def _rendezvous_env(pool: RayResourcePool, *, rank: int, local_rank: int, address: tuple[str, int]) -> dict[str, str]:
     """The torchrun-style variables of one worker (``worker.Worker`` reads them)."""
     return {
@@ -401,6 +416,7 @@ class RayWorkerGroup:
             for local_rank in range(pool.n_gpus_per_node):
                 rank = len(self._workers)
                 env = {
+                    **cpu_thread_env(pool),
                     **worker_env,
                     **_rendezvous_env(pool, rank=rank, local_rank=local_rank, address=(master_addr, master_port)),
                 }
