@@ -18,7 +18,7 @@ demo's tiny model, 2 CPU cores):
 Runs are interleaved (sync, async, async, sync, ...); the first step of each run is dropped; each
 figure is the median over the remaining steps. The async bound is max(generation, training) per
 step: generation = the rollout worker's busy seconds (``timing_s/rollout_busy_max``), training =
-reward + advantages + update (``timing_s/reward + adv + update``); ``step / bound`` is 1.0 for a
+reward + advantages + update (``timing_s/reward + adv + update_actor``); ``step / bound`` is 1.0 for a
 perfect overlap.
 
 Weight sync at the 0.5B shape (``--sync-only`` or after the runs): a random state dict of
@@ -111,13 +111,13 @@ def _median(records: list[dict], key: str) -> float | None:
 def table(records: dict[str, list[dict]]) -> str:
     """Median step time and tokens/s per mode, the sync/mode ratios and the async overlap bound."""
     lines = [f"{'median':<28}" + "".join(f"{m:>16}" for m in MODES)]
-    for key in ("timing_s/step", "perf/tokens_per_s", "timing_s/gen", "timing_s/update", "timing_s/weight_sync"):
+    for key in ("timing_s/step", "perf/tokens_per_s", "timing_s/gen", "timing_s/update_actor", "timing_s/weight_sync"):
         lines.append(f"{key:<28}" + "".join(_cell(_median(records[m], key)) for m in MODES))
     step = {m: _median(records[m], "timing_s/step") for m in MODES}
     lines.append(f"{'sync step / mode step':<28}" + "".join(f"{step['sync'] / step[m]:>16.2f}" for m in MODES))
     ratios = []
     for r in records["separate_async"]:
-        train = sum(r.get(f"timing_s/{k}", 0.0) for k in ("reward", "adv", "update"))
+        train = sum(r.get(f"timing_s/{k}", 0.0) for k in ("reward", "adv", "update_actor"))
         ratios.append(r["timing_s/step"] / max(r["timing_s/rollout_busy_max"], train))
     lines.append(f"async step / max(generation, training): median {np.median(ratios):.2f} (1.0 = perfect overlap)")
     lines.append(f"steps timed: { {m: len(records[m]) for m in MODES} }")

@@ -15,6 +15,10 @@ Cases (lengths lognormal, sigma 1, fixed seeds):
                  over 24576 L + L^2) + rearrange_micro_batches per rank with the micro-batch count
                  agreed across ranks (what the DP all-reduce MAX does); its time is the sum over ranks.
                  Reported under two cost metrics: tokens, and verl's own workload 24576 L + L^2.
+  joint multi-turn  the same on 1024 tool conversations: prompt 400..1200 (system + tool schemas) +
+                 1..10 turns (geometric, p 0.35) of model tokens (median 150) and a tool answer
+                 (median 200, at most 1024): a few long conversations carry most of the work.
+  --only joint   runs the two joint cases alone.
 Times are the best of several runs (one run for verl's slow cases).
 """
 
@@ -48,6 +52,19 @@ def grpo_lengths(n, seed):
     prompt = rng.integers(64, 513, n)
     response = np.clip(np.round(rng.lognormal(np.log(700), 1.0, n)), 16, 8192).astype(np.int64)
     return prompt + response
+
+
+def multi_turn_lengths(n, seed):
+    """Tool conversations: the prompt plus every turn's model tokens and tool answer."""
+    rng = np.random.default_rng(seed)
+    prompt = rng.integers(400, 1201, n)
+    turns = np.minimum(rng.geometric(0.35, n), 10)
+    total = prompt.astype(np.int64)
+    for i, k in enumerate(turns):
+        model = np.clip(np.round(rng.lognormal(np.log(150), 0.8, k)), 4, 2048)
+        tool = np.clip(np.round(rng.lognormal(np.log(200), 1.0, k - 1)), 1, 1024)
+        total[i] += int(model.sum() + tool.sum())
+    return total
 
 
 def best_time(fn, repeats):
@@ -120,12 +137,22 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
     parser.add_argument("--skip-verl-micro", action="store_true", help="skip verl rearrange_micro_batches (4096 case)")
+    parser.add_argument("--only", choices=["joint"], help="only the joint DP x micro-batch cases")
     args = parser.parse_args()
     sb = try_import_verl()
     rows = []  # (case, method, metric, value, target, seconds)
+    if args.only != "joint":
+        partition_and_micro_batching_rows(rows, sb, quick=args.quick, skip_verl_micro=args.skip_verl_micro)
+    for name, lengths_fn in (("grpo", grpo_lengths), ("multi-turn", multi_turn_lengths)):
+        joint_rows(rows, sb, name=name, lengths=lengths_fn(1024, 0))
+    print_table(rows)
+    print(f"load average (1, 5, 15 min) after the run: {os.getloadavg()}; cores: {os.cpu_count()}")
+
+
+def partition_and_micro_batching_rows(rows, sb, *, quick, skip_verl_micro):
 
     # 1) equal-count DP partition
-    n, dp = (16384, 64) if args.quick else (262144, 1024)
+    n, dp = (16384, 64) if quick else (262144, 1024)
     lengths = lognormal(n, 1000, 0, 16, 32768)
     costs = lengths.astype(np.float64)
     case = f"dp_partition n={n} dp={dp}"
@@ -138,7 +165,7 @@ def main():
         rows.append((case, "verl", "imbalance", imbalance(parts, costs, dp), "", t))
 
     # 2) dynamic micro-batching under a token cap, one rank
-    n, cap = (1024, 16384) if args.quick else (4096, 16384)
+    n, cap = (1024, 16384) if quick else (4096, 16384)
     lengths = lognormal(n, 1000, 0, 16, 16384)
     bound = math.ceil(lengths.sum() / cap)
     case = f"micro_batching n={n} cap={cap}"
@@ -147,14 +174,15 @@ def main():
     rows.append((case, "ours", "micro-batches", plan.num_micro_batches, f"<={bound + 1} (bound {bound}), <=0.05s", t))
     plan, t = best_time(lambda: plan_balance(seq_lens=lengths, dp_size=1, max_token_len_per_gpu=cap, balance=False), 5)
     rows.append((case, "naive", "micro-batches", plan.num_micro_batches, "", t))
-    if sb is not None and not args.skip_verl_micro:
+    if sb is not None and not skip_verl_micro:
         batch = verl_batch(lengths)
         (_, idx), t = best_time(lambda: sb.rearrange_micro_batches(batch, max_token_len=cap), 1)
         rows.append((case, "verl", "micro-batches", len(idx), "", t))
 
-    # 3) joint DP x micro-batch plan, synchronised cost
-    n, dp, cap = 1024, 8, 16384
-    lengths = grpo_lengths(n, 0)
+
+def joint_rows(rows, sb, *, name, lengths):
+    """3) joint DP x micro-batch plan, synchronised cost, for one length profile."""
+    n, dp, cap = len(lengths), 8, 16384
     verl_cells, verl_t = (None, None)
     if sb is not None:
         cache = {}
@@ -167,7 +195,7 @@ def main():
         verl_two_stage(sb, lengths, dp, cap, batch_cache)  # warm the cache
         verl_cells, verl_t = best_time(lambda: verl_two_stage(sb, lengths, dp, cap, batch_cache), 3)
     for metric_name, workload in (("tokens", None), ("verl-workload", VerlWorkload())):
-        case = f"joint n={n} dp={dp} cap={cap} cost={metric_name}"
+        case = f"joint {name} n={n} dp={dp} cap={cap} cost={metric_name}"
         metric_costs = lengths.astype(np.float64) if workload is None else workload.cost(lengths)
         kw = dict(seq_lens=lengths, dp_size=dp, max_token_len_per_gpu=cap, workload=workload)
         plan, t = best_time(lambda: plan_balance(**kw), 20)
@@ -177,9 +205,6 @@ def main():
         rows.append((case, "naive", "sync/bound", sync_ratio(plan.micro_batches, metric_costs, dp), "", t))
         if verl_cells is not None:
             rows.append((case, "verl", "sync/bound", sync_ratio(verl_cells, metric_costs, dp), "", verl_t))
-
-    print_table(rows)
-    print(f"load average (1, 5, 15 min) after the run: {os.getloadavg()}; cores: {os.cpu_count()}")
 
 
 def print_table(rows):

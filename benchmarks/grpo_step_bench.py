@@ -34,7 +34,7 @@ import tempfile
 import numpy as np
 
 DIMS = ("hidden_size=64", "intermediate_size=192", "num_layers=2")
-KEYS = ("step", "gen", "reward", "old_log_prob", "ref", "adv", "update")
+KEYS = ("step", "gen", "reward", "old_log_prob", "ref", "adv", "update_actor")
 MODES = ("always", "auto")
 
 

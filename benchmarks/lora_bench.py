@@ -83,7 +83,7 @@ def _measure(rank, *, path, lora_rank, steps, seq_len, batch, checkpoint_dir) ->
     times = []
     for i in range(steps + 1):
         start = time.perf_counter()
-        engine.train_step([mb])
+        engine.train_batch([mb])
         if i:
             times.append(time.perf_counter() - start)
     state_bytes = sum(

@@ -107,7 +107,7 @@ def _ours(rank, *, model_dir: str, dp: int, old: bool, step: bool = True):
     start = _peak_gb()
     if not step:
         return base, start, float("nan")
-    engine.train_step([_micro_batch()])
+    engine.train_batch([_micro_batch()])
     return base, start, _peak_gb()
 
 

@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/memory_model_check.py            # all cases (~1-2 minutes)
     PYTHONPATH=. python benchmarks/memory_model_check.py --tokens 2048 --cases small-dp1-fp32
 
-Each case runs TrainEngine.train_step on 1 or 2 gloo ranks (run_on_ranks) on a small model: the
+Each case runs TrainEngine.train_batch on 1 or 2 gloo ranks (run_on_ranks) on a small model: the
 built-in preset "small" (no activation checkpointing) or a random Hugging Face Llama of the same
 dimensions written here (activation checkpointing on/off). Step 1 warms up (AdamW allocates its
 state); step 2 is measured. Printed per case, rank 0, predicted vs measured and their ratio:
@@ -100,10 +100,10 @@ def measure_rank(rank: int, *, model: str, dp: int, param_dtype: str, ac: bool, 
 
     engine.optimizer_step = capture_then_step
     batch = [_micro_batch(tokens=tokens, seq_len=seq_len, vocab=SMALL["vocab_size"], seed=rank)]
-    engine.train_step(batch)  # warm-up: AdamW state, allocator pools
+    engine.train_batch(batch)  # warm-up: AdamW state, allocator pools
     probe = PeakRSS()
     with probe.measure():
-        engine.train_step(batch)
+        engine.train_batch(batch)
     state = local_state_bytes(engine.model, engine.optimizer)
     growth = probe.hwm_growth if probe.hwm_growth is not None else probe.sampled_growth
     return {**state, "grads": captured["grads"], "step_peak": growth, "sampled_peak": probe.sampled_growth}

@@ -383,7 +383,7 @@ def _jsonl_metrics(run_dir: str) -> list[dict]:
     for path in glob.glob(os.path.join(run_dir, "**", "metrics.jsonl"), recursive=True):
         with open(path) as f:
             rows += [json.loads(line) for line in f if line.strip()]
-    return sorted((r for r in rows if "perf/tokens" in r), key=lambda r: r["step"])
+    return sorted((r for r in rows if "train/global_tokens" in r), key=lambda r: r["step"])
 
 
 def run_case(case: Case, *, warmup: int, timeout: float, log_path: str) -> RunResult:
@@ -427,7 +427,7 @@ def run_case(case: Case, *, warmup: int, timeout: float, log_path: str) -> RunRe
                 result.extra.setdefault(key, []).append(float(value))
     else:
         rows = _jsonl_metrics(case.tokens_from[6:])[1:][warmup:]
-        result.tokens = [float(r["perf/tokens"]) for r in rows]
+        result.tokens = [float(r["train/global_tokens"]) for r in rows]
         for row in rows:
             for key, value in row.items():
                 if key.startswith("timing_s/"):

@@ -577,7 +577,7 @@ def run_overhead_bench(args, memory_rows: list) -> list[tuple]:
             if step >= args.warmup:
                 plain.append((plain_wall, plain_cpu, plain_fb, plain_fb_cpu))
                 ours.append((metrics["timing_s/step"], metrics["train/bench_cpu_time"] + driver_cpu))
-                tokens.append(metrics["perf/tokens"])
+                tokens.append(metrics["train/global_tokens"])
                 parts.append(
                     (
                         metrics["timing_s/step"] - metrics["train/bench_update_wall"],

@@ -60,7 +60,7 @@ from verl_balance.utils.plotting import plot_runs
 
 out = sys.argv[1]
 panels = (
-    ("train reward", r"^reward/mean$"),
+    ("train score", r"^critic/score/mean$"),
     ("held-out accuracy", r"^val/acc$"),
     ("step time (s)", r"^timing_s/step$"),
     ("staleness (policy versions)", r"^off_policy/staleness_mean$"),

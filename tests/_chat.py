@@ -6,7 +6,8 @@ from __future__ import annotations
 def write_chat_parquet(path, *, rows: int) -> None:
     """``rows`` random two-turn chats (verl's ``messages`` column) from a small vocabulary, seed 0."""
     import numpy as np
-    import pandas as pd
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
     rng = np.random.default_rng(0)
     words = "the cat sat on a mat and then ran to see the big red dog near our house".split()
@@ -19,4 +20,4 @@ def write_chat_parquet(path, *, rows: int) -> None:
         }
         for _ in range(rows)
     ]
-    pd.DataFrame(chats).to_parquet(path)
+    pq.write_table(pa.Table.from_pylist(chats), path)

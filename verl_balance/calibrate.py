@@ -1,8 +1,9 @@
 """Calibrate the balancer's cost model on this hardware: ``python -m verl_balance.calibrate``.
 
-Times the engine's forward + backward per micro-batch (engine/timing.py's busy time: process CPU
-seconds on CPU, CUDA event time on GPUs) over a grid of micro-batches of ``b`` sequences of length
-``L`` (warm-up, median of repeats) and fits by non-negative least squares on relative error:
+Times the engine's forward + backward per micro-batch (``TrainEngine.train_batch``'s busy time,
+engine/timing.py: process CPU seconds on CPU, CUDA event time on GPUs) over a grid of micro-batches
+of ``b`` sequences of length ``L`` (warm-up, median of repeats) and fits by non-negative least squares
+on relative error:
 
     seconds(micro-batch) = micro_batch + sequence * b + token * b L + pair * b L (L + 1) / 2
 
@@ -150,11 +151,11 @@ def _measure_rank(rank: int, *, model_config, engine_config, world: int, grid, w
     engine = TrainEngine(model_config=model_config, engine_config=engine_config, layout=layout)
     generator = torch.Generator().manual_seed(seed + rank)
     order = np.random.default_rng(seed).permutation(len(grid))  # same shuffled order on every rank
-    engine.train_step([_micro_batch(grid[0], vocab_size=model_config.vocab_size, generator=generator)] * 2)
+    engine.train_batch([_micro_batch(grid[0], vocab_size=model_config.vocab_size, generator=generator)] * 2)
     out = {}
     for i in order:
         mbs = [_micro_batch(grid[i], vocab_size=model_config.vocab_size, generator=generator)] * (warmup + repeats)
-        out[int(i)] = list(engine.train_step(mbs)["micro_batch_busy_seconds"][warmup:])
+        out[int(i)] = list(engine.train_batch(mbs)["micro_batch_busy_seconds"][warmup:])
     return out
 
 

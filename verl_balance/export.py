@@ -34,7 +34,7 @@ from verl_balance.models.config import ModelConfig, ModelConfigError
 from verl_balance.models.hf import HFModelConfig, build_hf_model
 from verl_balance.models.hf_llama import builtin_to_hf_llama, save_builtin_as_hf_llama  # noqa: F401 (re-exported)
 from verl_balance.models.llama import LlamaForCausalLM
-from verl_balance.models.safetensors_io import DEFAULT_MAX_SHARD_BYTES, TensorSpec, save_hf_directory
+from verl_balance.models.safetensors_io import DEFAULT_MAX_SHARD_BYTES, TensorSpec, save_hf_directory, share_files
 from verl_balance.utils import checksums, safe_load
 from verl_balance.utils.atomic_io import fsync_dir
 
@@ -291,6 +291,7 @@ def export_checkpoint(
     staging = os.path.join(os.path.dirname(target), f".{os.path.basename(target)}.staging-{uuid.uuid4().hex[:8]}")
     try:
         _write_export(checkpoint, staging, model_path=model_path, builtin_config=builtin_config, merge_lora=merge_lora)
+        share_files(staging)  # the peft adapter directory's too
         _replace_with(staging, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone already after a successful rename

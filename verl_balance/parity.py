@@ -3,7 +3,7 @@
 One set of processes is spawned for all layouts; each layout gets its own gloo process group
 (CPU, fp32), inside which every case of the matrix {fixed micro-batch size, dynamic token cap}
 x {balance on, off} x {loss_agg_mode} builds a TrainEngine from the same seed, forms this DP rank's micro-batches with
-verl_balance.balance.plan_balance, and runs eval_loss then train_step on the same global batch.
+verl_balance.balance.plan_balance, and runs eval_loss then train_batch on the same global batch.
 The reference is computed in one process WITHOUT any distributed, packing, or loss-contract
 code: a plain forward of the model per sequence, the aggregation formula written out directly,
 torch.optim.AdamW. A case passes when the eval loss and train loss match the reference to
@@ -322,6 +322,7 @@ NEGATIVE_CONTROLS: dict[str, tuple[tuple[int, int], ParityCase]] = {
     "eval_local_denominator": ((1, 2), ParityCase("fixed", True, "token-mean", "eval_local_denominator")),
     "roll_after_slice": ((1, 2), ParityCase("fixed", True, "token-mean", "roll_after_slice")),
     "micro_batch_mean": ((1, 1), ParityCase("fixed", False, "token-mean", "micro_batch_mean")),
+    "tool_tokens_counted": ((2, 2), ParityCase("dynamic", True, "seq-mean-token-mean", "tool_tokens_counted")),
 }
 
 
@@ -329,7 +330,9 @@ def make_global_batch(settings: ParitySettings) -> dict[str, torch.Tensor]:
     """Seeded right-padded global batch: input_ids, attention_mask, loss_mask (B, max_len).
 
     Lengths vary widely; each sample's loss mask covers a response suffix; sample 1 has no loss
-    tokens at all (it must not count as a sequence in the seq-mean modes).
+    tokens at all (it must not count as a sequence in the seq-mean modes). Every even sample whose
+    response has 6+ tokens is multi-turn shaped: a span of 1-3 tokens strictly inside its response
+    (a tool's answer) has loss mask 0, so the masks of the matrix are not all suffixes.
     """
     gen = torch.Generator().manual_seed(settings.seed)
     b, width = settings.num_samples, settings.max_len
@@ -341,6 +344,13 @@ def make_global_batch(settings: ParitySettings) -> dict[str, torch.Tensor]:
     loss_mask = ((pos >= prompt[:, None]) & (pos < lengths[:, None])).float()
     loss_mask[1] = 0
     input_ids = torch.randint(0, settings.model.vocab_size, (b, width), generator=gen)
+    holes = torch.Generator().manual_seed(settings.seed + 1)
+    for i in range(0, b, 2):
+        start, end = int(prompt[i]), int(lengths[i])
+        if end - start >= 6:
+            size = int(torch.randint(1, 4, (1,), generator=holes))
+            at = int(torch.randint(start + 1, end - size, (1,), generator=holes))
+            loss_mask[i, at : at + size] = 0
     return {INPUT_IDS_KEY: input_ids * attention_mask, ATTENTION_MASK_KEY: attention_mask, LOSS_MASK_KEY: loss_mask}
 
 
@@ -569,7 +579,7 @@ def _run_cases(
         )
         engine = FaultyTrainEngine(bug=case.bug, **kwargs) if case.bug else TrainEngine(**kwargs)
         evaluated = engine.eval_loss(micro_batches, loss_fn=loss_fn)
-        trained = engine.train_step(micro_batches, loss_fn=loss_fn)
+        trained = engine.train_batch(micro_batches, loss_fn=loss_fn)
         delta = max_param_delta(engine, references[reference_key(case)]["params"])
         results.append((case, evaluated["loss"], trained["loss"], trained["grad_norm"], delta))
     return results

@@ -330,6 +330,6 @@ def test_kl_and_entropy_terms_are_added_per_token_for_every_mode():
     gpg, _ = policy_token_loss(mode=LossModeConfig("gpg"), **kwargs)
     kl = kl_penalty(log_probs=lp, ref_log_probs=ref, kl_type="low_var_kl")
     torch.testing.assert_close(gpg, -adv * lp + 0.3 * kl - 0.05 * entropy)
-    assert set(metrics) >= {"pg_loss", "kl", "entropy", "ppo_kl", "pg_clipfrac"}
+    assert set(metrics) >= {"pg_loss", "kl_loss", "entropy", "ppo_kl", "pg_clipfrac"}
     with pytest.raises(PolicyLossConfigError, match="use_kl_loss=True needs ref_log_probs"):
         policy_token_loss(mode=LossModeConfig("gpg"), **{**kwargs, "ref_log_probs": None})

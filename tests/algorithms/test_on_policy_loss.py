@@ -54,7 +54,7 @@ def test_on_policy_loss_value_metrics_and_gradient_equal_a_bitwise_equal_old_pas
     )
     assert torch.equal(loss, ref_loss)
     assert torch.equal(grad, ref_grad)
-    for name in ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "kl", "entropy"):
+    for name in ("pg_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl", "kl_loss", "entropy"):
         assert torch.equal(metrics[name], ref_metrics[name]), name
     assert not metrics["pg_clipfrac"].any() and not metrics["pg_clipfrac_lower"].any()
     assert not metrics["ppo_kl"].any()

@@ -95,7 +95,7 @@ def test_matches_direct_scalar_computation_with_kl_and_entropy():
         dtype=torch.float64,
     )
     torch.testing.assert_close(loss, expected)
-    torch.testing.assert_close(metrics["kl"], kl_penalty(log_probs=log_p, ref_log_probs=ref, kl_type="k3"))
+    torch.testing.assert_close(metrics["kl_loss"], kl_penalty(log_probs=log_p, ref_log_probs=ref, kl_type="k3"))
     torch.testing.assert_close(metrics["entropy"], entropy)
     assert 0 < metrics["pg_clipfrac"].mean() < 1  # the random case exercises both branches
 

@@ -42,7 +42,8 @@ def gsm8k_rows(count: int, *, split: str = "train", seed: int = 0) -> list[dict]
 
 def write_gsm8k_parquet(path: str, *, count: int, split: str = "train", seed: int = 0) -> str:
     """Write ``gsm8k_rows(count)`` to the parquet file ``path``; returns ``path``."""
-    import pandas as pd
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
-    pd.DataFrame(gsm8k_rows(count, split=split, seed=seed)).to_parquet(path)
+    pq.write_table(pa.Table.from_pylist(gsm8k_rows(count, split=split, seed=seed)), path)
     return path

@@ -15,6 +15,7 @@ from tests.trainer.conftest import compose_config
 from verl_balance.data.tokenizer import ByteTokenizer
 from verl_balance.protocol import Batch
 from verl_balance.rewards import load_reward_fn, score_batch
+from verl_balance.rewards.children import RewardChildren
 from verl_balance.rewards.watchdog import RewardTimeoutError, score_batch_watched
 
 SAMPLES = dict(
@@ -82,7 +83,10 @@ def test_grpo_trainer_scores_with_the_configured_reward_timeout(tmp_path):
     config = validate_grpo(cfg)
     reward = config.custom_reward_function
     trainer = SimpleNamespace(
-        config=config, tokenizer=ByteTokenizer(), reward_fn=load_reward_fn(reward.path, reward.name)
+        config=config,
+        tokenizer=ByteTokenizer(),
+        reward_fn=load_reward_fn(reward.path, reward.name),
+        reward_children=RewardChildren(),
     )
     batch = Batch.from_dict(
         tensors={

@@ -97,11 +97,11 @@ def main() -> None:
                 layout=layout,
                 engine_config=EngineConfig(optim=OptimConfig(lr=1e-4), param_dtype=dtype, fsdp=fsdp),
             )
-            engine.train_step(mbs)  # warm-up (allocations, kernels)
+            engine.train_batch(mbs)  # warm-up (allocations, kernels)
             if cuda:
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            steps = [engine.train_step(mbs) for _ in range(args.steps)]
+            steps = [engine.train_batch(mbs) for _ in range(args.steps)]
             if cuda:
                 torch.cuda.synchronize()
             rate = tokens * args.steps / (time.perf_counter() - start)

@@ -1,4 +1,4 @@
-"""The chunked output head inside TrainEngine at dp=2 x sp=2 (FSDP2 + Ulysses): train_step (PPO loss
+"""The chunked output head inside TrainEngine at dp=2 x sp=2 (FSDP2 + Ulysses): train_batch (PPO loss
 with entropy and KL terms, sampling temperature 0.7) and compute_log_prob give the same losses,
 gradient norm, updated parameters, log-probs and entropies as the unchunked head."""
 
@@ -41,7 +41,7 @@ def _run(rank: int) -> dict:
         engine = TrainEngine(model_config=SETTINGS.model, engine_config=config, layout=layout)
         micro_batches = _ppo_micro_batches(layout.dp_rank)
         log_probs = engine.compute_log_prob(micro_batches, with_entropy=True, temperature=TEMPERATURE)
-        metrics = engine.train_step(micro_batches, loss_fn=loss_fn, temperature=TEMPERATURE)
+        metrics = engine.train_batch(micro_batches, loss_fn=loss_fn, temperature=TEMPERATURE)
         out[chunk] = {
             "log_probs": [m["log_probs"] for m in log_probs],
             "entropy": [m["entropy"] for m in log_probs],

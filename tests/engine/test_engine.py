@@ -50,7 +50,7 @@ class _Records(logging.Handler):
 
 
 def _count_fsdp_collectives(engine, mbs):
-    """(all-gathers, reduce-scatters, FSDP parameter groups) of one train_step on this rank."""
+    """(all-gathers, reduce-scatters, FSDP parameter groups) of one train_batch on this rank."""
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
@@ -67,7 +67,7 @@ def _count_fsdp_collectives(engine, mbs):
     for name in counts:
         setattr(dist, name, counting(name))
     try:
-        engine.train_step(mbs)
+        engine.train_batch(mbs)
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
@@ -87,14 +87,14 @@ def _engine_scenarios(rank, *, ckpt_dir, profile_dir):
     engine = TrainEngine(model_config=SETTINGS.model, engine_config=config, layout=layout)
     out["log_probs"] = engine.compute_log_prob(mbs, with_entropy=True)
     out["eval"] = engine.eval_loss(mbs, loss_fn=ProbeLoss())
-    out["train"] = engine.train_step(mbs)
+    out["train"] = engine.train_batch(mbs)
     out["params"] = engine.full_state_dict()
 
     # Zero loss tokens in the whole mini-batch: warning, no step, no NaN.
     silent = [{**mb, "loss_mask": torch.zeros_like(mb["loss_mask"])} for mb in mbs]
     records = _Records()
     logging.getLogger("verl_balance.engine.train_engine").addHandler(records)
-    out["zero"] = engine.train_step(silent)
+    out["zero"] = engine.train_batch(silent)
     logging.getLogger("verl_balance.engine.train_engine").removeHandler(records)
     out["zero_warned"] = any("zero valid" in m for m in records.messages)
     out["zero_params_unchanged"] = all(torch.equal(engine.full_state_dict()[k], v) for k, v in out["params"].items())
@@ -105,7 +105,7 @@ def _engine_scenarios(rank, *, ckpt_dir, profile_dir):
         config, profile_steps=[], total_steps=4, optim=dataclasses.replace(config.optim, warmup_steps_ratio=1.0)
     )
     warm_engine = TrainEngine(model_config=SETTINGS.model, engine_config=warm, layout=layout)
-    out["warmup_lrs"] = [warm_engine.train_step(x)["lr"] for x in (mbs, silent, mbs)]
+    out["warmup_lrs"] = [warm_engine.train_batch(x)["lr"] for x in (mbs, silent, mbs)]
 
     # Every FSDP2 gradient-accumulation control on, with an empty micro-batch on DP rank 1.
     deferred = dataclasses.replace(
@@ -115,7 +115,7 @@ def _engine_scenarios(rank, *, ckpt_dir, profile_dir):
     )
     deferred_engine = TrainEngine(model_config=SETTINGS.model, engine_config=deferred, layout=layout)
     out["deferred_eval"] = deferred_engine.eval_loss(mbs)
-    out["deferred_train"] = deferred_engine.train_step(mbs)
+    out["deferred_train"] = deferred_engine.train_batch(mbs)
     out["deferred_params"] = deferred_engine.full_state_dict()
     plain_engine = TrainEngine(
         model_config=SETTINGS.model, layout=layout, engine_config=dataclasses.replace(config, profile_steps=[])
@@ -128,7 +128,7 @@ def _engine_scenarios(rank, *, ckpt_dir, profile_dir):
     # Checkpoint round trip: save, move on, load -> same params, extra and schedule.
     engine.save_checkpoint(ckpt_dir, step=7, extra={"data_cursor": 17})
     saved_step = engine.global_step
-    engine.train_step(mbs)
+    engine.train_batch(mbs)
     moved = any(not torch.equal(engine.full_state_dict()[k], v) for k, v in out["params"].items())
     extra = engine.load_checkpoint(ckpt_dir)
     restored = all(torch.equal(engine.full_state_dict()[k], v) for k, v in out["params"].items())
@@ -138,8 +138,8 @@ def _engine_scenarios(rank, *, ckpt_dir, profile_dir):
     fresh.load_checkpoint(ckpt_dir)
     fresh_ok = all(torch.equal(fresh.full_state_dict()[k], v) for k, v in out["params"].items())
     # Same optimizer state => the next step is identical on both engines.
-    engine.train_step(mbs)
-    fresh.train_step(mbs)
+    engine.train_batch(mbs)
+    fresh.train_batch(mbs)
     next_same = all(
         torch.equal(a, b) for a, b in zip(engine.full_state_dict().values(), fresh.full_state_dict().values())
     )

@@ -42,7 +42,7 @@ def _train_and_save(rank, *, path, root):
     batch = _batch(config.vocab_size)
     half = {k: v[2 * rank : 2 * rank + 2] for k, v in batch.items()}
     for _ in range(3):
-        engine.train_step([half])
+        engine.train_batch([half])
     [out] = engine.compute_log_prob([batch])
     engine.save_checkpoint(os.path.join(root, "ckpt"), step=3)
     engine.save_hf_model(os.path.join(root, "engine_merged"))

@@ -40,7 +40,7 @@ def _step(rank: int, *, dp: int) -> dict:
     micro_batches = [{k: v[idx] for k, v in batch.items()} for idx in rows.split(2)]
     calls: list = []
     _counting_collectives(calls)
-    metrics = engine.train_step(micro_batches)
+    metrics = engine.train_batch(micro_batches)
     try:
         engine.eval_loss([])
         empty_error = None

@@ -1,5 +1,5 @@
 """TrainEngine's public micro-batch API, driven by hand as an external loop (verl's engine backend)
-does, takes the same step as ``train_step`` / ``eval_loss`` on the same micro-batches.
+does, takes the same step as ``train_batch`` / ``eval_loss`` on the same micro-batches.
 
 The hand loop's loss is written out here (token-mean: loss-mask tokens over the global count taken
 from the wire tensors, log-softmax + gather), independent of ``loss.compute_token_weights``. Negative
@@ -93,7 +93,7 @@ def _scenarios(rank: int) -> dict:
     reference = engine()
     out = {"gradient_divide_factor": reference.gradient_divide_factor, "initial": _params(reference)}
     out["ref_eval"] = reference.eval_loss(mbs)["loss"]
-    ref = reference.train_step(mbs)
+    ref = reference.train_batch(mbs)
     out["ref"] = {
         "loss": ref["loss"],
         "grad_norm": ref["grad_norm"],
@@ -128,7 +128,9 @@ def test_hand_driven_public_api_step_equals_train_step_loss_grad_norm_and_params
         assert hand["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-6)
         assert hand["step_skipped"] is False
         assert (hand["lr_after"], hand["global_step"]) == (ref["lr_after"], ref["global_step"])
-        assert _max_param_delta(hand["params"], ref["params"]) < 1e-6
+        # Adam's first step divides each gradient element by its own magnitude, so fp32 noise in the
+        # smallest gradients reaches the weights at ~1e-6; the controls below move them by > 1e-4.
+        assert _max_param_delta(hand["params"], ref["params"]) < 1e-5
         # The step moved the weights: equal parameters are not the trivial "nothing happened".
         assert _max_param_delta(r["initial"], ref["params"]) > 1e-4
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests._verl import VERL_SKIP_REASON
 from verl_balance.algorithms.value_loss import ValueLoss, ValueLossConfigError
 from verl_balance.distributed import ParallelLayout
 from verl_balance.distributed.launcher import gloo_group, new_rendezvous
@@ -48,7 +49,7 @@ def _split(batch: dict[str, torch.Tensor], sizes: list[int]) -> list[dict[str, t
 # ---------------------------------------------------------------------------- the loss vs verl
 @pytest.mark.parametrize("agg_mode", AGG_MODES)
 def test_value_loss_under_the_contract_equals_verl_compute_value_loss(agg_mode):
-    from verl.trainer.ppo.core_algos import compute_value_loss
+    compute_value_loss = pytest.importorskip("verl.trainer.ppo.core_algos", reason=VERL_SKIP_REASON).compute_value_loss
 
     gen = torch.Generator().manual_seed(3)
     b, length, clip, scale = 5, 9, 0.2, 8.0
@@ -142,7 +143,7 @@ def test_value_steps_lower_the_value_loss_on_a_fixed_batch(single_rank):
     engine = _value_engine(single_rank)
     micro_batches = _split(make_value_batch(SETTINGS), [3, 3])
     loss_fn = ValueLoss(cliprange_value=10.0)
-    losses = [engine.train_step(micro_batches, loss_fn=loss_fn) for _ in range(3)]
+    losses = [engine.train_batch(micro_batches, loss_fn=loss_fn) for _ in range(3)]
     assert losses[-1]["loss"] < losses[0]["loss"]
     assert {"vf_clipfrac", "vpred_mean", "grad_norm"} <= set(losses[0])
 
@@ -153,7 +154,7 @@ def test_value_engine_refuses_language_model_calls_and_a_missing_loss(single_ran
     with pytest.raises(EngineConfigError, match="compute_log_prob needs model_type='language_model'"):
         engine.compute_log_prob(micro_batches)
     with pytest.raises(EngineConfigError, match="needs a value loss_fn"):
-        engine.train_step(micro_batches)
+        engine.train_batch(micro_batches)
     with pytest.raises(EngineConfigError, match="model_type="):
         EngineConfig(model_type="reward_model")
     with pytest.raises(EngineConfigError, match="lora_rank"):

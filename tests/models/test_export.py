@@ -36,7 +36,7 @@ def _train_and_save(rank, *, path: str, ckpt: str):
     )
     before = engine.full_state_dict()
     for _ in range(2):
-        engine.train_step(_micro_batches(config.vocab_size, rank))
+        engine.train_batch(_micro_batches(config.vocab_size, rank))
     engine.save_checkpoint(ckpt, step=2)
     return before, engine.full_state_dict()
 
@@ -80,6 +80,11 @@ def test_gathered_tied_weights_are_written_once(tiny_model_dirs, tmp_path):
     out = save_hf_pretrained(state, model_config=config, out=str(tmp_path / "hf"))
     with safe_open(os.path.join(out, "model.safetensors"), "pt") as f:
         assert "lm_head.weight" not in set(f.keys())
+    # save_hf_directory (also trainer.save_hf_model's global_step_N/hf): files 0666 less the umask, not 0600
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(os.path.join(out, "model.safetensors")).st_mode & 0o777 == 0o666 & ~umask
+    assert os.path.isfile(os.path.join(out, "generation_config.json"))
 
 
 def test_export_errors_name_what_is_missing(tiny_model_dirs, tmp_path):
@@ -122,7 +127,7 @@ def test_builtin_checkpoint_cli_export_reads_dcp(tmp_path):
     import warnings
 
     import torch.distributed.checkpoint as dcp
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     from verl_balance.models import LlamaForCausalLM, ModelConfig
 
@@ -139,3 +144,10 @@ def test_builtin_checkpoint_cli_export_reads_dcp(tmp_path):
     )
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), local_files_only=True)
     torch.testing.assert_close(hf.model.layers[1].self_attn.k_proj.weight, model.layers[1].attn.k_proj.weight)
+    # Readable by a serving process of another user, as save_pretrained's files are (safetensors writes 0600).
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in ("model.safetensors", "config.json", "generation_config.json"):
+        assert os.stat(tmp_path / "hf" / name).st_mode & 0o777 == 0o666 & ~umask, name
+    generation = GenerationConfig.from_pretrained(str(tmp_path / "hf"), local_files_only=True)
+    assert generation.to_dict() == GenerationConfig.from_model_config(hf.config).to_dict()

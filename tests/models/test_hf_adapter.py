@@ -110,13 +110,19 @@ def test_attention_soft_cap_is_honoured_not_ignored(tiny_model_dirs, monkeypatch
 
 
 def test_hf_sdpa_drops_the_soft_cap_so_the_reference_is_eager(tiny_model_dirs):
-    """The trap: HF's "sdpa" ignores ``softcap``; build_hf_model gives such a model "eager"."""
+    """The trap: HF's "sdpa" ignores ``softcap``; build_hf_model gives such a model "eager". Newer
+    transformers (5.2x) close the trap themselves by refusing sdpa for Gemma 2: either way, no run
+    gets HF's sdpa logits for a soft-capped model."""
     from transformers import AutoModelForCausalLM
 
     cfg = HFModelConfig.from_pretrained(tiny_model_dirs["gemma2"])
     exact = build_hf_model(cfg, attn_implementation="sdpa")
     assert exact.config._attn_implementation == "eager"
-    raw_sdpa = AutoModelForCausalLM.from_pretrained(cfg.path, attn_implementation="sdpa", dtype=torch.float32)
+    try:
+        raw_sdpa = AutoModelForCausalLM.from_pretrained(cfg.path, attn_implementation="sdpa", dtype=torch.float32)
+    except ValueError as err:
+        assert "scaled_dot_product_attention" in str(err), err  # the refusal, not another failure
+        return
     ids = _packed_inputs(cfg.vocab_size)[0][2][None]
     with torch.no_grad():
         assert not torch.allclose(raw_sdpa(input_ids=ids).logits, exact(input_ids=ids).logits, rtol=RTOL, atol=ATOL)

@@ -17,14 +17,17 @@ CONFIG_DIR = REPO_ROOT / "verl_balance" / "config"
 
 
 def compose_config(name: str, overrides: list[str]):
-    """The recipe config exactly as the command line would build it (Hydra compose API)."""
+    """The recipe config exactly as the command line would build it (Hydra compose API, after the
+    command line's own step: verl's keys written for Hydra to add, ``verl_keys.command_line``)."""
     from hydra import compose, initialize_config_dir
 
     from verl_balance.trainer.config import register_schemas
+    from verl_balance.trainer.config.verl_keys import command_line
 
     register_schemas()
+    args, _ = command_line(overrides, recipe=name)
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return compose(config_name=name, overrides=overrides)
+        return compose(config_name=name, overrides=args)
 
 
 def run_trainer(trainer, *, stop_after: int | None = None) -> list[dict]:

@@ -354,21 +354,19 @@ def test_kl_in_reward_runs_the_reference_and_the_old_log_prob_pass_and_correctio
 
 
 def test_verls_dapo_reward_manager_keys_reach_the_reward_section():
-    from verl_balance.trainer.config.verl_keys import translate
+    from verl_balance.trainer.config.grpo import GRPOConfig
 
     for prefix in ("reward.reward_kwargs", "+reward_model.reward_kwargs"):
         manager = "reward.reward_manager.name" if prefix.startswith("reward.") else "reward_model.reward_manager"
-        args, no_effect = translate(
-            [
-                f"{manager}=dapo",
-                f"{prefix}.overlong_buffer_cfg.enable=true",
-                f"{prefix}.overlong_buffer_cfg.len=3",
-                f"{prefix}.overlong_buffer_cfg.penalty_factor=0.5",
-                f"{prefix}.overlong_buffer_cfg.log=true",
-                f"{prefix}.max_resp_len=6",
-            ],
-            recipe="grpo",
-        )
+        args = [
+            f"{manager}=dapo",
+            f"{prefix}.overlong_buffer_cfg.enable=true",
+            f"{prefix}.overlong_buffer_cfg.len=3",
+            f"{prefix}.overlong_buffer_cfg.penalty_factor=0.5",
+            f"{prefix}.overlong_buffer_cfg.log=true",
+            f"{prefix}.max_resp_len=6",
+        ]
+        _, no_effect = GRPOConfig.translate(compose_config("grpo", args))
         assert not no_effect
         reward = validate_grpo(compose_config("grpo", args)).custom_reward_function
         assert reward.reward_manager == "dapo" and reward.max_resp_len == 6
@@ -428,3 +426,30 @@ def test_rollout_rejection_leaves_the_rewards_where_they_were_and_the_estimator_
     )
     torch.testing.assert_close(got.advantages, want.advantages, rtol=1e-6, atol=1e-7)
     assert (got.advantages[kept == 0] == 0).all()
+
+
+def test_the_estimators_get_every_algorithm_key_they_read_from_one_declaration():
+    from verl_balance.algorithms.estimator_inputs import AdvantageKeys, AdvantageParams
+
+    # one declaration: the section and the estimators' params both extend AdvantageKeys
+    assert issubclass(AlgorithmSection, AdvantageKeys) and issubclass(AdvantageParams, AdvantageKeys)
+    overrides = {
+        "gamma": 0.9,
+        "lam": 0.8,
+        "norm_adv_by_std_in_grpo": False,
+        "gdpo_reward_keys": ["fmt", "acc"],
+        "gdpo_reward_weights": [0.25, 0.75],
+    }
+    assert set(overrides) == {f.name for f in dataclasses.fields(AdvantageKeys)}
+    args = [
+        "algorithm.adv_estimator=gdpo",
+        "algorithm.gdpo_reward_keys=[fmt,acc]",
+        "algorithm.gdpo_reward_weights=[0.25,0.75]",
+    ]
+    args += ["algorithm.gamma=0.9", "algorithm.lam=0.8", "algorithm.norm_adv_by_std_in_grpo=false"]
+    params = validate_grpo(compose_config("grpo", args)).algorithm.advantage_params()
+    # reference: the same params built by hand, the estimators' own constants at their defaults
+    assert params == AdvantageParams(**overrides)
+    assert (params.epsilon, params.otb_epsilon) == (1e-6, 1e-8)
+    # negative control: the recipe's defaults give other params
+    assert validate_grpo(compose_config("grpo", [])).algorithm.advantage_params() != params

@@ -487,13 +487,13 @@ def corrected_run(ray_cluster, async_root):
     ]
     trainer, record = _recording_trainer(overrides)
     record["updates"] = []
-    update_actor = trainer.update_actor
+    train_actor = trainer.train_actor
 
-    def recording_update(batch):
+    def recording_update(batch, **kwargs):
         record["updates"].append({k: batch[k].clone() for k in batch.tensor_keys})
-        return update_actor(batch)
+        return train_actor(batch, **kwargs)
 
-    trainer.update_actor = recording_update
+    trainer.train_actor = recording_update
     try:
         summary = trainer.fit()
     finally:

@@ -71,7 +71,7 @@ def test_rollout_pool_size_defaults_to_the_trainer_gpus_per_node_as_in_verl():
         (COLOCATE + ["trainer.v1.colocate_async.num_warmup_batches=9"], "trainer.v1.colocate_async.num_warmup_batches"),
         (COLOCATE + ["algorithm.adv_estimator=remax"], "algorithm.adv_estimator"),
         (COLOCATE + ["trainer.v1.colocate_async.num_warmup_batches=0"], "num_warmup_batches"),
-        (["trainer.v1.trainer_mode=separate_async"], "actor_rollout_ref.rollout.nnodes"),
+        (["trainer.v1.trainer_mode=separate_async", "actor_rollout_ref.rollout.nnodes=-1"], "rollout.nnodes"),
         (ASYNC + ["trainer.v1.separate_async.parameter_sync_step=3"], "parameter_sync_step"),
         (ASYNC + ["trainer.v1.separate_async.num_warmup_batches=9"], "max_off_policy_threshold"),
         (ASYNC + ["trainer.v1.sampler.max_off_policy_strategy=later"], "trainer.v1.sampler.max_off_policy_strategy"),

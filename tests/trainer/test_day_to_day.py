@@ -69,6 +69,46 @@ def test_resumed_run_counts_rate_from_its_own_first_step(monkeypatch):
 
 
 # ---------------------------------------------------------------------- run log
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+    def screen(self) -> list[str]:
+        """The lines a terminal shows for what was written: ``\\r`` returns to column 0 and overwrites."""
+        lines, line, col = [], [], 0
+        for ch in self.getvalue():
+            if ch == "\n":
+                lines.append("".join(line).rstrip())
+                line, col = [], 0
+            elif ch == "\r":
+                col = 0
+            else:
+                line[col : col + 1] = [ch]
+                col += 1
+        return lines + ["".join(line).rstrip()]
+
+
+@pytest.mark.parametrize("bar_known", [True, False])
+def test_lines_written_while_the_bar_is_shown_go_above_it(tmp_path, monkeypatch, bar_known):
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stdout", terminal)
+    monkeypatch.setattr("verl_balance.utils.progress._terminal_columns", lambda stream: 60)
+    with run_log.capture():
+        run_log.attach(str(tmp_path / "main_x.log"))
+        progress = ProgressDisplay(total_steps=3, keys=(), stream=terminal, is_terminal=True)
+        if not bar_known:
+            run_log.show_bar(None)  # negative control: the tee does not know of the bar
+        progress.update(1, {})
+        print("a log line written mid-run")
+        progress.update(2, {})
+        shown = terminal.screen()
+        progress.close()
+    if bar_known:
+        assert shown[0] == "a log line written mid-run" and shown[-1].startswith("train "), shown
+    else:  # the line continues the bar's
+        assert shown[0].startswith("train ") and shown[0].endswith("/sa log line written mid-run"), shown
+
+
 def test_run_log_tees_prints_log_records_and_buffered_lines(tmp_path, monkeypatch):
     console = _Pipe()
     monkeypatch.setattr(sys, "stdout", console)
@@ -235,6 +275,11 @@ def test_worker_repr_names_the_rank_ray_prefixes_its_lines_with(monkeypatch):
 
 def test_rl_progress_line_shows_the_phases_of_the_step():
     out = _Pipe()
-    progress = ProgressDisplay(total_steps=2, keys=("reward/mean",), stream=out, clock=lambda: 0.0)
-    metrics = {"timing_s/gen": 1.25, "timing_s/old_log_prob": 0.5, "timing_s/update": 2.0, "reward/mean": 0.5}
-    assert progress.line(1, metrics) == "step 1/2 | rollout 1.2 s, log-prob 0.5 s, update 2 s | reward/mean 0.5"
+    progress = ProgressDisplay(total_steps=2, keys=("critic/score/mean",), stream=out, clock=lambda: 0.0)
+    metrics = {
+        "timing_s/gen": 1.25,
+        "timing_s/old_log_prob": 0.5,
+        "timing_s/update_actor": 2.0,
+        "critic/score/mean": 0.5,
+    }
+    assert progress.line(1, metrics) == "step 1/2 | rollout 1.2 s, log-prob 0.5 s, update 2 s | critic/score/mean 0.5"

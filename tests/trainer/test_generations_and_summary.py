@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from tests.trainer.conftest import compose_config
-from verl_balance.trainer.grpo.trainer import format_summary, held_out_metrics
+from verl_balance.trainer.grpo.trainer import format_summary
+from verl_balance.trainer.metrics import validation_metrics
 from verl_balance.trainer.summary import earliest_records
 
 PARTIAL_CREDIT_REWARD = textwrap.dedent('''
@@ -23,10 +24,21 @@ PARTIAL_CREDIT_REWARD = textwrap.dedent('''
 def test_held_out_metrics_name_acc_only_when_the_reward_returns_it():
     scores = np.array([1.0, 0.5, 0.0, 0.5])
     sources = np.array(["a", "a", "b", "b"])
-    partial = held_out_metrics(scores, {}, sources=sources)
-    assert partial == {"val/reward_mean": 0.5, "val/reward_mean/a": 0.75, "val/reward_mean/b": 0.25}
-    with_acc = held_out_metrics(scores, {"acc": np.array([1.0, 0.0, 0.0, 0.0])}, sources=sources)
-    assert with_acc["val/acc"] == 0.25 and with_acc["val/acc/a"] == 0.5 and with_acc["val/reward_mean"] == 0.5
+    common = {"sources": sources, "uids": np.array([0, 1, 2, 3]), "response_lengths": np.array([1, 2, 3, 4])}
+    partial = validation_metrics(scores=scores, extras={}, **common)
+    assert partial == {
+        "val/reward_mean": 0.5,
+        "val-core/a/reward/mean@1": 0.75,
+        "val-core/b/reward/mean@1": 0.25,
+        "val/response_length/mean": 2.5,
+        "val/response_length/max": 4.0,
+        "val/response_length/min": 1.0,
+    }
+    with_acc = validation_metrics(scores=scores, extras={"acc": np.array([1.0, 0.0, 0.0, 0.0])}, **common)
+    assert (
+        with_acc["val/acc"] == 0.25 and with_acc["val-core/a/acc/mean@1"] == 0.5 and with_acc["val/reward_mean"] == 0.5
+    )
+    assert with_acc["val-aux/a/reward/mean@1"] == 0.75 and "val-core/a/reward/mean@1" not in with_acc
 
 
 def test_summary_is_titled_by_algorithm_and_names_the_held_out_metric():
@@ -103,7 +115,7 @@ def test_grpo_writes_generations_in_verls_layout(ray_cluster, tmp_path):
         assert len(rows) == 4 * 2, "one line per response: 4 prompts x n=2"
         assert all(set(r) >= {"input", "output", "gts", "score", "step"} and r["step"] == step for r in rows)
         assert np.mean([r["score"] for r in rows]) == pytest.approx(
-            records[step]["reward/mean"], rel=1e-6
+            records[step]["critic/score/mean"], rel=1e-6
         )  # float32 scores
     val_rows = [json.loads(line) for line in (val_dir / "2.jsonl").read_text().splitlines()]
     assert np.mean([r["score"] for r in val_rows]) == pytest.approx(records[2]["val/reward_mean"], rel=1e-6)
@@ -125,8 +137,13 @@ def test_model_load_line_announces_lora_with_trainable_and_total_parameters():
 def test_a_resumed_sft_summary_starts_from_the_runs_first_step(sft_reference_runs):
     from verl_balance.trainer.sft_trainer import format_summary
 
-    (_, first), (summary, _) = sft_reference_runs["first"], sft_reference_runs["resumed"]
+    (stopped, first), (summary, _) = sft_reference_runs["first"], sft_reference_runs["resumed"]
     assert [r["step"] for r in first] == [1, 2, 3]
+    # The run Ctrl-C stopped says so; the one that finished does not.
+    assert "interrupted (SIGINT) after step 3 of 4: checkpoint saved, the same command resumes" in format_summary(
+        stopped
+    )
+    assert "interrupted" not in format_summary(summary)
     assert summary["resumed_from_step"] == 3 and summary["steps"] == 4
     assert summary["first_loss"] == first[0]["train/loss"], "the run's step 1, not the resumed part's step 4"
     assert "resumed at step 3" in format_summary(summary)

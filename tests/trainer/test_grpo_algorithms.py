@@ -320,34 +320,30 @@ def dapo_steps(ray_cluster, tmp_path_factory):
     """Two main_grpo steps with verl's KL in the reward (adaptive), DAPO's dynamic sampling and overlong
     shaping, the decoupled rollout correction (token IS + rejection), then one bypass-mode step; the
     batch and scores each step hands to the advantage step are recorded."""
-    from verl_balance.trainer.config.verl_keys import translate
     from verl_balance.trainer.grpo.trainer import GRPOTrainer
 
     root = tmp_path_factory.mktemp("grpo_dapo")
     reward = root / "reward.py"
     reward.write_text(REWARD_FILE)
-    verl_args, _ = translate(
-        [
-            "algorithm.use_kl_in_reward=true",
-            "algorithm.kl_penalty=low_var_kl",
-            "algorithm.kl_ctrl.type=adaptive",
-            *(f"algorithm.kl_ctrl.{k}={v}" for k, v in KL_CTRL.items()),
-            "algorithm.filter_groups.enable=true",
-            "algorithm.filter_groups.metric=dapo",
-            "algorithm.filter_groups.max_num_gen_batches=0",
-            "algorithm.rollout_correction.rollout_is=token",
-            "algorithm.rollout_correction.rollout_is_threshold=1.5",
-            "algorithm.rollout_correction.rollout_rs=token_k1",
-            "algorithm.rollout_correction.rollout_rs_threshold=0.99999_1.00001",
-            "reward_model.reward_manager=dapo",
-            "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=true",
-            "+reward_model.reward_kwargs.overlong_buffer_cfg.len=3",
-            "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=0.5",
-            "+reward_model.reward_kwargs.overlong_buffer_cfg.log=true",
-            f"reward.custom_reward_function.path={reward}",
-        ],
-        recipe="grpo",
-    )
+    verl_args = [
+        "algorithm.use_kl_in_reward=true",
+        "algorithm.kl_penalty=low_var_kl",
+        "algorithm.kl_ctrl.type=adaptive",
+        *(f"algorithm.kl_ctrl.{k}={v}" for k, v in KL_CTRL.items()),
+        "algorithm.filter_groups.enable=true",
+        "algorithm.filter_groups.metric=dapo",
+        "algorithm.filter_groups.max_num_gen_batches=0",
+        "algorithm.rollout_correction.rollout_is=token",
+        "algorithm.rollout_correction.rollout_is_threshold=1.5",
+        "algorithm.rollout_correction.rollout_rs=token_k1",
+        "algorithm.rollout_correction.rollout_rs_threshold=0.99999_1.00001",
+        "reward_model.reward_manager=dapo",
+        "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=true",
+        "+reward_model.reward_kwargs.overlong_buffer_cfg.len=3",
+        "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=0.5",
+        "+reward_model.reward_kwargs.overlong_buffer_cfg.log=true",
+        f"reward.custom_reward_function.path={reward}",
+    ]
     cfg = compose_config(
         "grpo",
         [

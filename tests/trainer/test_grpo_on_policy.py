@@ -17,7 +17,7 @@ from tests.trainer.test_grpo_trainer import LETTER_REWARD
 from verl_balance.trainer.config.grpo import register_grpo_schema, validate_grpo
 from verl_balance.utils.tracking import read_metrics
 
-COMPARED = ("actor/loss", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl")
+COMPARED = ("actor/loss", "actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss")
 
 
 def _base(root) -> list[str]:
@@ -84,7 +84,7 @@ def test_old_log_probs_come_from_the_update_only_for_one_epoch_and_one_mini_batc
     cfg = compose_config("grpo", _base(tmp_path) + [f"trainer.default_local_dir={tmp_path}"] + overrides)
     config = validate_grpo(cfg)
     actor = config.actor_rollout_ref.actor
-    assert actor.old_log_prob_from_update(train_batch_size=config.data.train_batch_size) is expected
+    assert actor.single_on_policy_update(train_batch_size=config.data.train_batch_size) is expected
 
 
 @pytest.mark.slow
@@ -107,7 +107,7 @@ def test_skipping_the_old_log_prob_pass_gives_the_full_pass_losses_and_keeps_lay
         assert step["actor/pg_clipfrac"] == 0.0 and step["actor/ppo_kl"] == 0.0
         assert "timing_s/ref" in step  # the reference pass still runs (use_kl_loss)
     for step in auto + full:
-        assert 0 <= step["rollout/probs_diff_mean"] <= step["rollout/probs_diff_max"] < 1e-4
+        assert 0 <= step["training/rollout_probs_diff_mean"] <= step["training/rollout_probs_diff_max"] < 1e-4
 
     for step, (a, f) in enumerate(zip(auto_rollouts, full_rollouts), start=1):
         assert a.shape == f.shape and bool((a == f).all()), f"step {step}: rollouts differ"

@@ -251,10 +251,10 @@ def test_hf_grpo_runs_two_steps_end_to_end(hf_grpo_runs):
     """The full fine-tuning run of the shared HF GRPO runs (tests/trainer/conftest.py: tiny qwen2,
     2 workers, mini-batches of 2 of 4 prompts, KL loss, validation at step 2)."""
     records = hf_grpo_runs["full"]
-    train = [r for r in records if "reward/mean" in r]
+    train = [r for r in records if "critic/score/mean" in r]
     assert [r["step"] for r in train] == [1, 2]
     for r in train:
-        for key in ("actor/pg_loss", "actor/kl", "actor/grad_norm", "response_length/mean"):
+        for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "response_length/mean"):
             assert np.isfinite(r[key]), key
         assert r["response_length/mean"] > 0
         assert r["actor/num_optimizer_steps"] == 2

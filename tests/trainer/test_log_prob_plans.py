@@ -26,7 +26,7 @@ from verl_balance.batch_keys import (
 from verl_balance.protocol import Batch
 from verl_balance.trainer.config.checks import ConfigError
 from verl_balance.trainer.config.grpo import register_grpo_schema, validate_grpo
-from verl_balance.trainer.config.verl_keys import translate
+from verl_balance.trainer.grpo.old_log_probs import OldLogProbs
 from verl_balance.trainer.grpo.trainer import GRPOTrainer
 from verl_balance.trainer.plan_dispatch import merge_by_plan
 
@@ -35,8 +35,7 @@ AR = "actor_rollout_ref"
 
 
 def _config(tmp_path, *overrides):
-    args, _ = translate([*overrides, f"trainer.default_local_dir={tmp_path}"], recipe="grpo")
-    return validate_grpo(compose_config("grpo", args))
+    return validate_grpo(compose_config("grpo", [*overrides, f"trainer.default_local_dir={tmp_path}"]))
 
 
 def test_each_pass_takes_its_own_keys_then_the_old_pass_then_the_actor(tmp_path):
@@ -98,11 +97,15 @@ def _rollout_batch(rows: int = 24, width: int = 40, seed: int = 0) -> Batch:
     )
 
 
+RECOMPUTE = OldLogProbs(recompute=True, from_update=False)
+"""The step decision under test: the old-log-prob pass runs."""
+
+
 def _trainer(cfg) -> GRPOTrainer:
     trainer = GRPOTrainer.__new__(GRPOTrainer)
     arr = cfg.actor_rollout_ref
     trainer.config, trainer.actor_cfg, trainer.dp, trainer.sp = cfg, arr.actor, 2, 1
-    trainer.workload, trainer.old_log_prob_from_update = TokenWorkload(), False
+    trainer.workload = TokenWorkload()
     trainer.log_prob_plans = {"old_log_prob": arr.log_prob_plan("old"), "ref": arr.log_prob_plan("ref")}
     trainer.actor = SimpleNamespace(compute_log_prob=_Pass(LOG_PROBS_KEY), compute_ref_log_prob=_Pass(REF_LOG_PROB_KEY))
     return trainer
@@ -118,7 +121,7 @@ def test_old_and_ref_passes_run_their_own_plans_and_give_the_same_log_probs(tmp_
     )
     trainer, batch = _trainer(cfg), _rollout_batch()
     reference = _per_token(batch[INPUT_IDS_KEY], batch[ATTENTION_MASK_KEY])  # the whole batch at once
-    pending = trainer._submit_log_prob_passes(batch, {})
+    pending = trainer._submit_log_prob_passes(batch, {}, old_log_probs=RECOMPUTE)
     trainer._collect_log_prob_passes(batch, pending, {})
     old_mbs, ref_mbs = trainer.actor.compute_log_prob.micro_batches, trainer.actor.compute_ref_log_prob.micro_batches
     assert {rows for rows, _ in old_mbs} == {1}  # rollout.log_prob_micro_batch_size_per_gpu=1

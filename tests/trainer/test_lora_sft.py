@@ -72,6 +72,28 @@ def test_lora_on_the_builtin_preset_is_refused_naming_the_key(tmp_path):
         validate_sft(compose_config("sft", ["model.lora_rank=4", f"trainer.default_local_dir={tmp_path}"]))
 
 
+def test_lora_without_peft_is_refused_at_start_up_naming_the_package(tmp_path, tiny_qwen2, monkeypatch):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real_find_spec(name, *a)
+    )
+    run = [f"model.path={tiny_qwen2}", f"trainer.default_local_dir={tmp_path}"]
+    with pytest.raises(ConfigError, match=r"model\.lora_rank=8: LoRA needs peft, which is not installed: pip install"):
+        validate_sft(compose_config("sft", [*run, "model.lora_rank=8"]))
+    validate_sft(compose_config("sft", [*run, "model.lora_rank=0"]))  # negative control: full fine-tuning needs no peft
+
+
+def test_peft_is_a_dependency_of_the_package():
+    from pathlib import Path
+
+    import tomllib
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    assert any(dep.startswith("peft") for dep in pyproject["project"]["dependencies"])
+
+
 def test_grpo_lora_keys_reach_the_engine_config(tmp_path, tiny_qwen2):
     from verl_balance.trainer.config.grpo import register_grpo_schema, validate_grpo
 

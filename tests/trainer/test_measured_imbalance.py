@@ -71,7 +71,7 @@ class _FakeActor:
 
 
 def test_grpo_update_measures_imbalance_from_busy_time_summed_over_its_updates(monkeypatch):
-    """GRPOTrainer.update_actor over two mini-batches (one update each): busy sums [4, 2] over
+    """GRPOTrainer.train_actor over two mini-batches (one update each): busy sums [4, 2] over
     the two ranks give 4 / 3, as the SFT definition applied to the step's summed busy time."""
     monkeypatch.setattr(grpo_trainer, "split_by_plan", lambda mini, plan: [mini])
     monkeypatch.setattr(grpo_trainer, "plan_metrics", lambda plan: {})
@@ -80,7 +80,6 @@ def test_grpo_update_measures_imbalance_from_busy_time_summed_over_its_updates(m
         actor_cfg=SimpleNamespace(
             ppo_epochs=1, ppo_mini_batch_size=1, ppo_micro_batch_size_per_gpu=None, use_kl_loss=False
         ),
-        old_log_prob_from_update=False,
         dp=2,
         update_cap=None,
         actor=actor,
@@ -88,7 +87,7 @@ def test_grpo_update_measures_imbalance_from_busy_time_summed_over_its_updates(m
     )
     trainer._mini_batches = lambda batch: GRPOTrainer._mini_batches(trainer, batch)
     batch = Batch.from_dict({PROMPT_INDEX_KEY: torch.tensor([0, 0, 1, 1])})
-    out = GRPOTrainer.update_actor(trainer, batch)
+    out = GRPOTrainer.train_actor(trainer, batch, on_policy=False)
     assert actor.calls == 2
     summed = np.sum(BUSY, axis=0)
     assert out["balance/imbalance_measured"] == pytest.approx(summed.max() / summed.mean()) == pytest.approx(4 / 3)

@@ -208,7 +208,7 @@ def test_ppo_resume_after_ctrl_c_continues_actor_and_critic_exactly(ppo_runs):
     straight, first, resumed = ppo_runs["straight"], ppo_runs["first"], ppo_runs["resumed"]
     assert [r["step"] for r in first] == [1, 2], "Ctrl-C must stop after the current step"
     assert [r["step"] for r in resumed] == [1, 2, 3]
-    for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", *CRITIC_KEYS):
+    for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", *CRITIC_KEYS):
         np.testing.assert_allclose(resumed[2][key], straight[2][key], rtol=1e-6, err_msg=key)
     # Negative control: step 3 is not step 2 again (the state moved and the resume continued it).
     assert straight[2]["critic/vf_loss"] != pytest.approx(straight[1]["critic/vf_loss"], rel=1e-6)
@@ -260,6 +260,7 @@ def test_critic_follows_the_actors_warm_start_unless_it_has_its_own_model(
 
     from verl_balance.engine.lora import BASE_FINGERPRINT_FILE
     from verl_balance.trainer import checkpoint
+    from verl_balance.trainer.grpo.critic_role import CriticRole
     from verl_balance.trainer.grpo.trainer import GRPOTrainer
 
     ckpt = str(tmp_path / "global_step_4")
@@ -270,7 +271,6 @@ def test_critic_follows_the_actors_warm_start_unless_it_has_its_own_model(
     monkeypatch.setattr(checkpoint, "verify_checkpoint", lambda path, hasher, allow_unverified: None)
     monkeypatch.setattr(checkpoint, "group_hasher", lambda group: None)
     trainer = GRPOTrainer.__new__(GRPOTrainer)
-    trainer.actor, trainer.critic = _RecordingGroup(), _RecordingGroup()
     trainer.config = SimpleNamespace(
         actor_rollout_ref=SimpleNamespace(
             model=SimpleNamespace(warm_start_path=ckpt), actor=SimpleNamespace(use_kl_loss=False)
@@ -279,6 +279,8 @@ def test_critic_follows_the_actors_warm_start_unless_it_has_its_own_model(
         trainer=SimpleNamespace(allow_unverified_checkpoint=False),
         use_reference_policy=False,
     )
+    trainer.actor = _RecordingGroup()
+    trainer.critic = CriticRole(config=trainer.config.critic, start=_RecordingGroup, plan=None)
     trainer.prepare_workers()
     assert trainer.actor.loads == [("model", os.path.abspath(ckpt))]
-    assert trainer.critic.loads == [(kind, os.path.abspath(ckpt)) for kind in critic_loads]
+    assert trainer.critic.group.loads == [(kind, os.path.abspath(ckpt)) for kind in critic_loads]

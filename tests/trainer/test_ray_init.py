@@ -46,11 +46,41 @@ def test_ray_init_reaches_the_embedded_clusters_arguments():
         address=None, ray_init={"num_cpus": 3, "runtime_env": {"env_vars": {"X": 1}}}
     )
     assert embedded and kwargs["num_cpus"] == 3  # not embedded_cluster_cpus()
-    env_vars = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "X": "1"}
+    env_vars = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1", **cluster.worker_warning_env()}
+    env_vars["X"] = "1"
     assert kwargs["runtime_env"]["env_vars"] == env_vars
     assert kwargs["_system_config"]["worker_niceness"] == cluster.EMBEDDED_WORKER_NICENESS
     _, plain = cluster.ray_init_arguments(address=None, ray_init=None)  # negative control: the machine's size
     assert plain["num_cpus"] == cluster.embedded_cluster_cpus()
+
+
+def test_workers_hide_future_warnings_unless_the_user_chose_warnings(monkeypatch):
+    monkeypatch.delenv("PYTHONWARNINGS", raising=False)
+    _, kwargs = cluster.ray_init_arguments(address=None, ray_init=None)
+    assert kwargs["runtime_env"]["env_vars"]["PYTHONWARNINGS"] == "ignore::FutureWarning"
+    monkeypatch.setenv("PYTHONWARNINGS", "default")  # negative control: the user's setting reaches the workers
+    _, kwargs = cluster.ray_init_arguments(address=None, ray_init=None)
+    assert "PYTHONWARNINGS" not in kwargs["runtime_env"]["env_vars"]
+
+
+class _Stream:
+    def __init__(self, tty: bool) -> None:
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+def test_worker_prefixes_are_plain_on_a_pipe_and_coloured_on_a_terminal(monkeypatch):
+    monkeypatch.setenv("RAY_COLOR_PREFIX", "")  # recorded, so the value set below is undone after the test
+    monkeypatch.delenv("RAY_COLOR_PREFIX")
+    cluster.plain_worker_prefixes(_Stream(tty=True))
+    assert "RAY_COLOR_PREFIX" not in os.environ  # a terminal keeps Ray's colours
+    cluster.plain_worker_prefixes(_Stream(tty=False))
+    assert os.environ["RAY_COLOR_PREFIX"] == "0"
+    monkeypatch.setenv("RAY_COLOR_PREFIX", "1")
+    cluster.plain_worker_prefixes(_Stream(tty=False))
+    assert os.environ["RAY_COLOR_PREFIX"] == "1"  # the user's choice stands
 
 
 def test_ray_init_address_joins_that_cluster_and_two_addresses_are_refused():

@@ -23,6 +23,18 @@ def test_sft_summary_names_the_loss_first_to_final_the_eval_loss_and_the_files()
     )
 
 
+def test_an_interrupted_summary_says_so_and_labels_the_eval_loss_with_its_step():
+    summary = {**BASE, "first_loss": 5.5, "final_loss": 3.0, "val/loss": 2.8, "val_step": 50, "plot": None}
+    stopped = {**summary, "steps": 73, "total_steps": 100, "stop_signal": "SIGINT"}
+    assert sft_summary(stopped) == (
+        "\n==== SFT summary ====\n"
+        "interrupted (SIGINT) after step 73 of 100: checkpoint saved, the same command resumes\n"
+        "steps: 73 in 123.5 s\ntrain loss: first 5.5000 -> final 3.0000\n"
+        "eval loss (step 50): 2.8000\nmetrics: /run/metrics.jsonl"
+    )
+    assert "interrupted" not in sft_summary({**summary, "stop_signal": None})  # negative control: it finished
+
+
 def test_grpo_summary_names_the_reward_and_held_out_metric_before_and_after():
     summary = {
         **BASE,
@@ -34,13 +46,14 @@ def test_grpo_summary_names_the_reward_and_held_out_metric_before_and_after():
         "plot": "/run/curves.png",
     }
     assert grpo_summary(summary) == (
-        "\n==== GRPO summary ====\nsteps: 64 in 123.5 s\ntrain reward: first 0.1000 -> final 0.9000\n"
+        "\n==== GRPO summary ====\nsteps: 64 in 123.5 s\n"
+        "train score (critic/score/mean): first 0.1000 -> final 0.9000\n"
         "held-out accuracy (val/acc): before n/a -> after 0.7500\nmetrics: /run/metrics.jsonl\nplot: /run/curves.png"
     )
     # a reward without ``acc``: the held-out line names the mean reward; a critic run is titled PPO
     ppo = {**summary, "algorithm": "PPO", "val_key": "val/reward_mean", "initial_val": 0.25, "plot": None}
     assert grpo_summary(ppo) == (
-        "\n==== PPO summary ====\nsteps: 64 in 123.5 s\ntrain reward: first 0.1000 -> final 0.9000\n"
+        "\n==== PPO summary ====\nsteps: 64 in 123.5 s\ntrain score (critic/score/mean): first 0.1000 -> final 0.9000\n"
         "held-out mean reward (val/reward_mean): before 0.2500 -> after 0.7500\nmetrics: /run/metrics.jsonl"
     )
     empty = {**BASE, "first_reward": None, "val_key": "val/reward_mean", "initial_val": None, "final_val": None}

@@ -98,6 +98,29 @@ def assert_finite(record: dict, keys: list[str]) -> None:
         assert key in record and math.isfinite(record[key]), (key, record.get(key))
 
 
+# What verl 0.9.1's RayPPOTrainer logs each step (trainer/ppo/metric_utils.py compute_data_metrics,
+# compute_timing_metrics, compute_throughout_metrics; the actor's losses), written out here as the
+# reference a verl user's dashboard reads: every one must be in a main_grpo step record.
+VERL_STEP_METRICS = (
+    *(f"critic/{group}/{stat}" for group in ("score", "rewards", "advantages") for stat in ("mean", "max", "min")),
+    *(f"{group}/{stat}" for group in ("response_length", "prompt_length") for stat in ("mean", "max", "min")),
+    "response_length/clip_ratio",
+    "prompt_length/clip_ratio",
+    # timing_s/old_log_prob only where the pass runs (these on-policy updates skip it: README, GRPO)
+    *(f"timing_s/{phase}" for phase in ("gen", "reward", "adv", "update_actor", "step")),
+    "perf/total_num_tokens",
+    "perf/time_per_step",
+    "perf/throughput",
+    "actor/pg_loss",
+    "actor/pg_clipfrac",
+    "actor/ppo_kl",
+    "actor/grad_norm",
+    "actor/lr",
+    "training/epoch",
+)
+VERL_PPO_METRICS = ("critic/values/mean", "critic/returns/mean", "critic/vf_explained_var", "timing_s/values")
+
+
 def no_effect_keys(stdout: str) -> str:
     lines = [line for line in stdout.splitlines() if line.startswith(NO_EFFECT_PREFIX)]
     assert len(lines) == 1, stdout[-2000:]
@@ -119,9 +142,13 @@ def test_verl_gsm8k_grpo_script_runs_two_steps_through_main_grpo(
     steps = train_steps(records)
     assert [r["step"] for r in steps] == [1, 2]
     for record in steps:
-        assert_finite(record, ["actor/pg_loss", "actor/kl", "actor/grad_norm", "reward/mean"])
+        assert_finite(record, ["actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "critic/score/mean"])
+        assert_finite(record, [*VERL_STEP_METRICS, "actor/entropy", "timing_s/ref"])  # verl's use_kl_loss=True
         assert record["actor/num_sequences"] == 2 * 5  # data.train_batch_size=2 x verl's rollout.n=5
-    assert "val/reward_mean/openai/gsm8k" in records[-1]  # scored by the gsm8k rule
+        assert "reward/mean" not in record and "actor/kl" not in record  # our former names are gone
+    # verl's validation names: val-core/<data_source>/acc/mean@<val_kwargs.n> (the gsm8k rule returns acc),
+    # the score beside it under val-aux.
+    assert_finite(records[-1], ["val-core/openai/gsm8k/acc/mean@1", "val-aux/openai/gsm8k/reward/mean@1"])
     line = no_effect_keys(stdout)
     for key in (
         "actor_rollout_ref.rollout.tensor_model_parallel_size",
@@ -146,7 +173,8 @@ def test_verl_gsm8k_ppo_script_trains_its_critic_two_steps_through_main_grpo(
     steps = train_steps(records)
     assert [r["step"] for r in steps] == [1, 2]
     for record in steps:
-        assert_finite(record, ["actor/pg_loss", "reward/mean", "critic/vf_loss", "critic/grad_norm"])
+        assert_finite(record, ["actor/pg_loss", "critic/score/mean", "critic/vf_loss", "critic/grad_norm"])
+        assert_finite(record, [*VERL_STEP_METRICS, *VERL_PPO_METRICS, "timing_s/update_critic"])
         assert record["critic/num_optimizer_steps"] >= 1  # trainer.critic_warmup=0: trained every step
         assert record["critic/grad_norm"] > 0
         assert record["actor/num_sequences"] == 2  # verl's rollout.n=1

@@ -7,15 +7,15 @@ positions from the first response token), so values on response tokens equal ver
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from verl_balance.algorithms.advantages import AdvantageOutput
 
-__all__ = ["AdvantageInputs", "AdvantageOutput", "AdvantageParams"]
+__all__ = ["AdvantageInputs", "AdvantageKeys", "AdvantageOutput", "AdvantageParams"]
 
 
 @dataclass(frozen=True)
@@ -46,22 +46,30 @@ class AdvantageInputs:
         return frozenset(f.name for f in fields(self) if getattr(self, f.name) is not None)
 
 
-@dataclass(frozen=True)
-class AdvantageParams:
-    """verl's ``algorithm.*`` keys the estimators read (verl's defaults)."""
+@dataclass
+class AdvantageKeys:
+    """verl's ``algorithm.*`` keys the estimators read, with verl's defaults: declared once, extended by
+    the GRPO recipe's ``algorithm`` section and by ``AdvantageParams``."""
 
     gamma: float = 1.0
-    """Discount (gae, reinforce_plus_plus)."""
+    """Discount factor (gae, reinforce_plus_plus), in [0, 1]."""
     lam: float = 1.0
-    """GAE's lambda."""
+    """GAE lambda (adv_estimator=gae), in [0, 1]: 1 = Monte-Carlo returns, 0 = one-step TD."""
     norm_adv_by_std_in_grpo: bool = True
-    """Divide by the group std (grpo, grpo_vectorized, grpo_passk, gdpo); false = Dr.GRPO."""
+    """Divide the group-relative advantages by the group's std (grpo, grpo_vectorized, grpo_passk, gdpo);
+    false = Dr.GRPO."""
+    gdpo_reward_keys: Optional[list] = None
+    """gdpo: the reward function's extra fields to normalise separately (null = the summed reward alone)."""
+    gdpo_reward_weights: Optional[list] = None
+    """gdpo: one weight per gdpo_reward_keys entry (null = all 1)."""
+
+
+@dataclass
+class AdvantageParams(AdvantageKeys):
+    """What the estimators read: ``AdvantageKeys`` plus the constants no verl config key sets."""
+
     epsilon: float = 1e-6
     """Added to the group std (verl's estimator default)."""
-    gdpo_reward_keys: Sequence[str] | None = None
-    """gdpo: the reward components to normalise separately (null = the summed reward alone)."""
-    gdpo_reward_weights: Sequence[float] | None = None
-    """gdpo: one weight per component (null = all 1)."""
     otb_handle_zero_tail: bool = True
     """Optimal-token baselines: none past the second-longest response of a group (verl's ``handle_zero_tail``)."""
     otb_epsilon: float = 1e-8

@@ -11,7 +11,8 @@ Invariants:
   with w the rollout correction's IS weight (``rollout_is_weights``, else 1), so one set of weights
   aggregates to verl's pg_loss + kl_coef * kl_loss - entropy_coeff * entropy_loss.
 - Metrics (detached, per token): pg_loss, pg_clipfrac (the clipped branch is strictly larger),
-  pg_clipfrac_lower (dual clip active), ppo_kl (= old_log_prob - log_prob), kl, entropy.
+  pg_clipfrac_lower (dual clip active), ppo_kl (= old_log_prob - log_prob), kl_loss (verl's
+  name; when use_kl_loss), entropy.
 - ``PPOLoss(on_policy=True)`` (the step's only optimizer step): old_log_prob is the forward's own
   ``log_prob.detach()``, so ratio == 1 exactly, the clip fractions and ppo_kl are 0, and loss and
   gradient equal those of a separate old-log-prob pass bit for bit (docs/verl.md section 8).
@@ -106,11 +107,11 @@ def add_regularizers(
     ref_log_probs: torch.Tensor | None,
     entropy: torch.Tensor | None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """pg + kl_loss_coef * kl - entropy_coeff * entropy per token, adding the ``kl`` and ``entropy`` metrics."""
+    """pg + kl_loss_coef * kl - entropy_coeff * entropy per token, adding the ``kl_loss`` and ``entropy`` metrics."""
     loss = pg
     if config.use_kl_loss:
         kl = kl_penalty(log_probs=log_probs, ref_log_probs=ref_log_probs, kl_type=config.kl_loss_type)
-        metrics["kl"] = kl.detach()
+        metrics["kl_loss"] = kl.detach()
         loss = loss + config.kl_loss_coef * kl
     if entropy is not None:
         metrics["entropy"] = entropy.detach()

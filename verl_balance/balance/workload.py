@@ -228,6 +228,10 @@ def resolve_workload(workload) -> Workload:
 
 # Keys of a calibration file (``python -m verl_balance.calibrate``) that the workload reads.
 CALIBRATION_COEFFICIENTS = ("micro_batch", "sequence", "token", "pair")
+COEFFICIENT_RANGE_S = (1e-30, 1e6)
+"""Seconds a non-zero coefficient may hold: 1e-30 (far below any clock) to 11 days per micro-batch, sequence,
+token or attention pair. Outside it no value is a measurement, and the planner's sums of costs
+over a batch would overflow (1e308) or lose every digit (1e-308)."""
 
 
 @dataclass(frozen=True)
@@ -253,6 +257,12 @@ class CalibratedWorkload:
                 raise BalanceConfigError(
                     f"calibrated workload coefficient {key}={value!r}{_from(self.source)} is invalid; "
                     "valid: a finite number >= 0 (seconds)"
+                )
+            low, high = COEFFICIENT_RANGE_S
+            if value and not low <= value <= high:
+                raise BalanceConfigError(
+                    f"calibrated workload coefficient {key}={value!r}{_from(self.source)} is out of range; "
+                    f"valid: 0 or {low:g} to {high:g} seconds (recalibrate: python -m verl_balance.calibrate)"
                 )
         if self.token <= 0 and self.pair <= 0 and self.sequence <= 0:
             raise BalanceConfigError(

@@ -43,6 +43,9 @@ from .io import (
 )
 from .tokenizer import Tokenizer, validate_messages
 
+# verl's per-sample agent loop column (its multi-turn datasets); optional, absent in single-turn data.
+AGENT_NAME_COLUMN = "agent_name"
+
 logger = logging.getLogger(__name__)
 
 
@@ -81,6 +84,7 @@ class RLPrompt:
     reward_model: dict[str, Any]
     extra_info: dict[str, Any]
     index: int
+    agent_name: str | None = None  # verl's agent_name column: tool_agent / single_turn_agent (multi-turn)
 
 
 class RLPromptDataset(torch.utils.data.Dataset):
@@ -98,6 +102,8 @@ class RLPromptDataset(torch.utils.data.Dataset):
         self._row = array("q")
         self._fingerprint: str | None = None
         self.skipped: list[MalformedRowError] = []
+        self.data_source_rows: dict[str, tuple[str, int]] = {}
+        """Each data_source of the kept prompts -> (file, row) of its first prompt."""
         self.num_filtered = 0
         self.num_truncated = 0
         with gc_paused():
@@ -152,7 +158,8 @@ class RLPromptDataset(torch.utils.data.Dataset):
     def _read_file(self, path: str, file_index: int) -> None:
         config = self.config
         columns = [config.prompt_key, config.data_source_key, config.reward_model_key]
-        for row_index, row in iter_rows(path, columns=columns, optional_columns=[config.extra_info_key]):
+        optional = [config.extra_info_key, AGENT_NAME_COLUMN]
+        for row_index, row in iter_rows(path, columns=columns, optional_columns=optional):
             if row_index % 1024 == 1023:
                 collect_young_garbage()
             try:
@@ -189,12 +196,14 @@ class RLPromptDataset(torch.utils.data.Dataset):
                 ) from None
             self._prompt_ids += ids
             self._offsets.append(len(self._prompt_ids))
-            self._records += pickle.dumps(
-                (messages, data_source, reward_model, extra_info), protocol=pickle.HIGHEST_PROTOCOL
-            )
+            record = (messages, data_source, reward_model, extra_info)
+            if isinstance(row, dict) and row.get(AGENT_NAME_COLUMN) is not None:
+                record += (str(row[AGENT_NAME_COLUMN]),)  # verl's per-sample agent loop
+            self._records += pickle.dumps(record, protocol=pickle.HIGHEST_PROTOCOL)
             self._record_offsets.append(len(self._records))
             self._file_index.append(file_index)
             self._row.append(row_index)
+            self.data_source_rows.setdefault(data_source, (path, row_index))
 
     def __len__(self) -> int:
         return len(self._offsets) - 1
@@ -206,7 +215,7 @@ class RLPromptDataset(torch.utils.data.Dataset):
         if not 0 <= index < len(self):
             raise IndexError(f"prompt index {index} is out of range for {len(self)} prompts")
         record = memoryview(self._records)[self._record_offsets[index] : self._record_offsets[index + 1]]
-        messages, data_source, reward_model, extra_info = pickle.loads(record)
+        messages, data_source, reward_model, extra_info, *agent_name = pickle.loads(record)
         start, end = self._offsets[index], self._offsets[index + 1]
         return RLPrompt(
             prompt_ids=np.asarray(self._prompt_ids[start:end], dtype=np.int64),
@@ -216,6 +225,7 @@ class RLPromptDataset(torch.utils.data.Dataset):
             reward_model=reward_model,
             extra_info=extra_info,
             index=index,
+            agent_name=agent_name[0] if agent_name else None,
         )
 
     @property
@@ -262,7 +272,7 @@ def collate_rl(
 
     tensors: right-padded (B, Lp) int64 ``input_ids``, ``attention_mask``, ``position_ids``.
     non_tensors (object arrays, verl's names): ``raw_prompt_ids`` (list[int]), ``raw_prompt``,
-    ``data_source``, ``ground_truth``, ``reward_model``, ``extra_info``, ``index``.
+    ``data_source``, ``ground_truth``, ``reward_model``, ``extra_info``, ``index``, ``agent_name``.
     """
     if not samples:
         raise DataError("cannot collate an empty list of prompts")
@@ -284,5 +294,6 @@ def collate_rl(
         "reward_model": _object_array([s.reward_model for s in samples]),
         "extra_info": _object_array([s.extra_info for s in samples]),
         INDEX_KEY: _object_array([s.index for s in samples]),
+        AGENT_NAME_COLUMN: _object_array([s.agent_name for s in samples]),
     }
     return tensors, non_tensors

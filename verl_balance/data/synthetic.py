@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from verl_balance.utils.atomic_io import atomic_write_bytes
+
 TASKS = ("add", "reverse", "sort", "copy")
 DATA_SOURCE_PREFIX = "synthetic/"
 
@@ -174,7 +176,9 @@ def write_parquet(columns: dict[str, list], path: str) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.table(columns), path)
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.table(columns), sink)
+    atomic_write_bytes(path, sink.getvalue().to_pybytes())  # a link at ``path`` is replaced, not written through
 
 
 def write_dataset(

@@ -223,7 +223,7 @@ class EngineConfig(KernelKeys, ModelKeys, HeadKeys, ActorKeys):
     seed: int = 0
     """Seed of the initial weights and new LoRA adapters (the recipes pass trainer.seed)."""
     profile_steps: list[int] = field(default_factory=list)
-    """1-based train steps (this engine's train_step calls) to trace with torch.profiler on every
+    """1-based train steps (this engine's train_batch calls) to trace with torch.profiler on every
     rank; empty = never. Traces go to profile_dir (see engine/profiling.py)."""
     profile_dir: str = "profile"
     """Directory of the traces: <profile_dir>/step_<N>/rank_<R>.trace.json (Chrome/Perfetto)."""

@@ -1,7 +1,7 @@
 """torch.profiler traces of chosen train steps on every rank.
 
 Set ``EngineConfig.profile_steps`` (1-based train steps) and ``profile_dir``; the engine wraps
-those train_step calls in ``step_profiler`` and writes
+those train_batch calls in ``step_profiler`` and writes
 ``<profile_dir>/step_<N>/rank_<R>.trace.json`` on every rank: open it in Perfetto
 (ui.perfetto.dev) or chrome://tracing. CPU activity is always recorded, CUDA kernels as well on
 GPUs; shapes are recorded, Python stacks are not (they make traces large and slow to write).

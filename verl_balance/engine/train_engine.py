@@ -6,7 +6,7 @@ Invariants:
   rank (W = 1) runs the plain module: G = 1 and there is nothing to shard.
 - Every SP rank of a DP group receives the same micro-batches; every rank of the mesh receives
   the same number of micro-batches (checked: a mismatch would otherwise hang a collective).
-- train_step and eval_loss run the same code (_run); eval skips backward and the optimizer.
+- train_batch and eval_loss run the same code (_run); eval skips backward and the optimizer.
   _run is composed of the public micro-batch methods (check_micro_batches, pack_micro_batches,
   prepare_backward, forward_log_probs, reshard, zero_grad, optimizer_step, advance_schedule), so an
   external loop (verl's engine backend) that calls them in the same order takes the same step.
@@ -84,6 +84,7 @@ from verl_balance.models.output_head import Temperature, token_log_probs
 from verl_balance.models.value import ValueModel
 from verl_balance.utils import safe_load
 from verl_balance.utils.atomic_io import atomic_write_json
+from verl_balance.utils.confined import check_confined
 
 __all__ = ["TrainEngine", "token_log_probs"]
 
@@ -202,7 +203,7 @@ class TrainEngine:
         return self.layout.world_size
 
     # ------------------------------------------------------------------ micro-batch loop (public)
-    # The steps of train_step, public for a loop that drives micro-batches itself (verl's engine
+    # The steps of train_batch, public for a loop that drives micro-batches itself (verl's engine
     # backend in integrations/verl/engine.py); _run is built from the same calls. One train step:
     #   check_micro_batches -> zero_grad -> per micro-batch k of n: prepare_backward(is_last=k == n-1),
     #   forward_log_probs, the caller's loss, (G * local objective).backward() -> optimizer_step ->
@@ -648,7 +649,7 @@ class TrainEngine:
         totals = totals.tolist()
         return totals[0], dict(zip(names, totals[1:-2])), totals[-2], totals[-1]
 
-    def train_step(
+    def train_batch(
         self, micro_batches: Sequence[Mapping[str, Tensor]], *, loss_fn: LossFn | None = None, temperature: float = 1.0
     ) -> dict:
         """One optimizer step over this DP rank's micro-batches.
@@ -806,10 +807,12 @@ class TrainEngine:
         The optimizer and schedule then follow this engine's ``optim`` config (it may differ from
         the saved run's: a resume with a new learning rate uses it from the next step on).
         A LoRA checkpoint is refused (BaseMismatchError, on every rank) unless this engine's frozen
-        base is the one its adapters were trained on. Nothing but checkpoint data is unpickled
+        base is the one its adapters were trained on, and one of another architecture (keys or shapes,
+        ``check_checkpoint_fits``) is refused. Nothing but checkpoint data is unpickled
         (utils/safe_load.py: a planted pickle raises UnsafeCheckpointError naming the file)."""
         check_checkpoint_base(self, path)
         state = checkpoint_state(self.model, self.optimizer)
+        check_checkpoint_fits(path, state["model"])
         safe_load.dcp_load(state, path)  # never unpickles anything but checkpoint data
         set_state_dict(
             self.model,
@@ -818,6 +821,7 @@ class TrainEngine:
             optim_state_dict=state["optim"],
             options=StateDictOptions(strict=not is_lora_model(self.model)),
         )
+        check_confined(path, [_ENGINE_STATE_FILE])  # a regular file of the checkpoint, not a link
         meta = safe_load.load_torch_file(os.path.join(path, _ENGINE_STATE_FILE))
         self.scheduler.load_state_dict(meta["scheduler"])
         apply_optim_config(self.optimizer, self.scheduler, config=self.config)  # a resume's new optim.* keys
@@ -856,6 +860,19 @@ def engine_base_fingerprint(engine: TrainEngine) -> dict:
     return cached
 
 
+def check_checkpoint_fits(path: str, model_state: dict) -> None:
+    """Refuse (``EngineConfigError`` on every rank: each reads the same ``.metadata``) a checkpoint
+    whose model keys or shapes differ from ``model_state``: DCP would load the common keys and drop
+    the rest silently (a 4-layer checkpoint into a 2-layer model)."""
+    problems = safe_load.state_mismatch(safe_load.read_dcp_metadata(path), model_state)
+    if problems:
+        raise EngineConfigError(
+            f"checkpoint {path!r} does not fit this model: {'; '.join(problems)}. A resume loads a checkpoint "
+            "of the same architecture (model.* as when it was saved); start from another one, or change the "
+            "model back"
+        )
+
+
 def check_checkpoint_base(engine: TrainEngine, path: str) -> None:
     """Refuse (on every rank, so no rank is left in a collective) a LoRA checkpoint whose recorded
     base is not this engine's. Rank 0 hashes the base files; the verdict is broadcast. A LoRA engine
@@ -864,14 +881,17 @@ def check_checkpoint_base(engine: TrainEngine, path: str) -> None:
     group = engine.layout.world_group
     message = None
     if dist.get_rank(group) == 0 and is_lora_model(engine.model):
-        saved = read_base_fingerprint(path)
-        if saved is None:
-            message = (
-                f"checkpoint {path!r} has no {BASE_FINGERPRINT_FILE}: it is not a LoRA checkpoint of this "
-                "version (its frozen base cannot be checked); resume it with the version that wrote it"
-            )
-        else:
-            message = base_mismatch_message(path, saved, engine_base_fingerprint(engine))
+        try:
+            saved = read_base_fingerprint(path)
+            if saved is None:
+                message = (
+                    f"checkpoint {path!r} has no {BASE_FINGERPRINT_FILE}: it is not a LoRA checkpoint of this "
+                    "version (its frozen base cannot be checked); resume it with the version that wrote it"
+                )
+            else:
+                message = base_mismatch_message(path, saved, engine_base_fingerprint(engine))
+        except (OSError, ValueError, TypeError, AttributeError, KeyError) as err:  # a malformed record: say so
+            message = f"checkpoint {path!r}: its {BASE_FINGERPRINT_FILE} cannot be used ({err!r}); it is refused"
     box = [message]
     if dist.get_world_size(group) > 1:
         dist.broadcast_object_list(box, group=group, group_src=0)

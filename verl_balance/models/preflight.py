@@ -4,8 +4,9 @@
 - ``check_tokenizer``: the directory holds a vocabulary file, it loads, and it encodes text.
 - ``check_chat_template``: a chat template is present when the data renders chats, unless
   ``custom_chat_template=builtin`` opts in to the built-in one.
-- ``check_weight_files``: every ``*.safetensors`` header parses and the file is as long as its
-  header declares (weights not read); shards named by the index exist.
+- ``check_weight_files``: the weights the engine reads exist (``model.safetensors``, or the index
+  and every shard it names); every ``*.safetensors`` header parses and the file is as long as its
+  header declares (weights not read).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ BUILTIN_CHAT_TEMPLATE = "builtin"
 # Any one of these makes a Hugging Face tokenizer directory loadable (fast, sentencepiece, BPE, wordpiece).
 VOCABULARY_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+SAFETENSORS_SINGLE = "model.safetensors"
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the safetensors library's own limit
 _PROBE_TEXT = "hello world 123"
 
@@ -154,10 +156,12 @@ def check_weight_files(model_dir: str, *, key: str) -> None:
                 f"{key}={model_dir!r}: {index_file} names shard(s) that are missing: "
                 f"{[os.path.join(model_dir, s) for s in missing]}"
             )
-    has_bin = any(name.startswith("pytorch_model") and name.endswith(".bin") for name in os.listdir(model_dir))
-    if not files and not has_bin:
+    if not os.path.isfile(index_file) and SAFETENSORS_SINGLE not in files:
+        has_bin = any(name.startswith("pytorch_model") and name.endswith(".bin") for name in os.listdir(model_dir))
+        found = f"only {files}" if files else ("only pytorch_model*.bin" if has_bin else "no weights (no safetensors)")
         raise PreflightError(
-            f"{key}={model_dir!r} has no weights (no *.safetensors, no pytorch_model*.bin); set "
+            f"{key}={model_dir!r} has {found}: the engine reads {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX} with "
+            "its shards (write them with save_pretrained(dir, safe_serialization=True)), or set "
             f"{key.rsplit('.', 1)[0]}.init=random to train that architecture from random weights"
         )
     for name in files:

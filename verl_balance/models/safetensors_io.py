@@ -180,6 +180,19 @@ def write_tensors(
     return writer.close()
 
 
+def share_files(directory: str) -> None:
+    """Give the regular files under ``directory`` the mode a plain ``open`` gives (0666 less the umask,
+    0644 under the usual 022), as save_pretrained's are: safetensors writes its files 0600, unreadable
+    to a serving process of another user."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for root, _, files in os.walk(directory):
+        for name in files:
+            path = os.path.join(root, name)
+            if os.path.isfile(path) and not os.path.islink(path):
+                os.chmod(path, 0o666 & ~umask)
+
+
 def save_hf_directory(
     out: str,
     *,
@@ -189,17 +202,27 @@ def save_hf_directory(
     tokenizer_path: str | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> str:
-    """A save_pretrained-style directory: config.json, bounded safetensors files, and the tokenizer if any."""
+    """A save_pretrained-style directory: config.json, bounded safetensors files, generation_config.json
+    (``tokenizer_path``'s, else derived from ``hf_config``), the tokenizer if any; files readable as
+    save_pretrained's (``share_files``)."""
+    from transformers import GenerationConfig
+
     os.makedirs(out, exist_ok=True)
     write_tensors(out, specs, tensors, max_shard_bytes=max_shard_bytes)
     dtypes = {s.dtype for s in specs}
     if len(dtypes) == 1:
         hf_config.dtype = dtypes.pop()
     hf_config.save_pretrained(out)
+    if tokenizer_path and os.path.exists(os.path.join(tokenizer_path, "generation_config.json")):
+        generation = GenerationConfig.from_pretrained(tokenizer_path, local_files_only=True)
+    else:
+        generation = GenerationConfig.from_model_config(hf_config)
+    generation.save_pretrained(out)
     if tokenizer_path and os.path.exists(os.path.join(tokenizer_path, "tokenizer_config.json")):
         from transformers import AutoTokenizer
 
         AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True).save_pretrained(out)
     else:
         logger.warning("no tokenizer found at %r; %s has weights and config only", tokenizer_path, out)
+    share_files(out)
     return out

@@ -24,6 +24,34 @@ CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# The same ChatML for conversations without tools; with tools (``apply_chat_template(..., tools=...)``) the
+# hermes format of Qwen2.5's template: the tools' schemas in the system turn, the assistant's calls as
+# ``<tool_call>{"name", "arguments"}</tool_call>``, consecutive tool answers in one user turn as
+# ``<tool_response>...</tool_response>``.
+TOOL_CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}\n\n{% endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}{{ '\\n' }}</tools>\n\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' and tools %}"
+    "{% elif message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n{{ message['content'] }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}"
+    "{% for call in message.get('tool_calls') or [] %}<tool_call>\n"
+    '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}\n</tool_call>'
+    "{% endfor %}<|im_end|>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 logger = logging.getLogger(__name__)
@@ -61,8 +89,9 @@ def _corpus() -> list[str]:
     return lines
 
 
-def build_tokenizer(*, vocab_size: int = 384):
-    """A PreTrainedTokenizerFast (byte-level BPE trained on ``_corpus``) with a ChatML template."""
+def build_tokenizer(*, vocab_size: int = 384, chat_template: str = CHAT_TEMPLATE):
+    """A PreTrainedTokenizerFast (byte-level BPE trained on ``_corpus``) with a ChatML template
+    (``TOOL_CHAT_TEMPLATE``: the same, plus tools in the hermes format)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -82,7 +111,7 @@ def build_tokenizer(*, vocab_size: int = 384):
         pad_token="<|endoftext|>",
         additional_special_tokens=["<|im_start|>"],
     )
-    tok.chat_template = CHAT_TEMPLATE
+    tok.chat_template = chat_template
     return tok
 
 
@@ -225,6 +254,8 @@ def write_tiny_model(
     tie_word_embeddings: bool | None = None,
     sliding_window: int | None = None,
     initializer_range: float = 0.2,
+    chat_template: str = CHAT_TEMPLATE,
+    max_position_embeddings: int = 512,
 ) -> str:
     """Write config.json, model.safetensors and the tokenizer files of a tiny random model to ``out``.
 
@@ -232,7 +263,7 @@ def write_tiny_model(
     ties; 0.02 (HF's usual) keeps gradients well scaled for optimizer-step comparisons."""
     from transformers import AutoModelForCausalLM
 
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(chat_template=chat_template)
     vocab_size = -(-len(tokenizer) // 64) * 64  # padded like real checkpoints (model vocab >= tokenizer's)
     config = build_config(
         family,
@@ -240,6 +271,7 @@ def write_tiny_model(
         num_kv_heads=num_kv_heads,
         tie_word_embeddings=tie_word_embeddings,
         sliding_window=sliding_window,
+        max_position_embeddings=max_position_embeddings,
     )
     config.initializer_range = initializer_range
     config.pad_token_id = tokenizer.pad_token_id
@@ -254,7 +286,7 @@ def write_tiny_model(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """CLI: ``--family FAMILY --out DIR [--seed N] [--num-kv-heads K] [--tie|--no-tie]``."""
+    """CLI: ``--family FAMILY --out DIR [--seed N] [--num-kv-heads K] [--tie|--no-tie] [--tool-chat-template]``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", required=True, choices=SUPPORTED_FAMILIES)
     parser.add_argument("--out", required=True)
@@ -264,6 +296,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--initializer-range", type=float, default=0.2)
     parser.add_argument("--tie", dest="tie", action="store_true", default=None)
     parser.add_argument("--no-tie", dest="tie", action="store_false")
+    parser.add_argument("--tool-chat-template", action="store_true", help="ChatML with hermes tool calls")
+    parser.add_argument("--max-position-embeddings", type=int, default=512)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     write_tiny_model(
@@ -274,6 +308,8 @@ def main(argv: list[str] | None = None) -> None:
         tie_word_embeddings=args.tie,
         sliding_window=args.sliding_window,
         initializer_range=args.initializer_range,
+        chat_template=TOOL_CHAT_TEMPLATE if args.tool_chat_template else CHAT_TEMPLATE,
+        max_position_embeddings=args.max_position_embeddings,
     )
     print(args.out)
 

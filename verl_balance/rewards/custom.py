@@ -36,7 +36,7 @@ def load_reward_fn(
     sys.modules[module_name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as err:
+    except (Exception, SystemExit) as err:  # sys.exit() at import must not end the run as a success
         raise RewardError(f"custom_reward_function.path={path!r} failed to import: {err!r}") from err
     finally:
         del sys.modules[module_name]

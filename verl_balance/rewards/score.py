@@ -47,6 +47,19 @@ def known_data_sources() -> list[str]:
     return sorted(_SCORERS)
 
 
+def check_reward_rules(data_source_rows: Mapping[str, tuple[str, int]]) -> None:
+    """RewardError naming the first data_source (and the file and row of its first prompt) that the
+    built-in ``compute_score`` has no rule for: read from the data before any response is generated."""
+    unknown = sorted(set(data_source_rows) - set(_SCORERS))
+    if unknown:
+        path, row = data_source_rows[unknown[0]]
+        more = f" (and {len(unknown) - 1} more: {unknown[1:4]})" if len(unknown) > 1 else ""
+        raise RewardError(
+            f"no reward rule for data_source {unknown[0]!r} ({path}, row {row}){more}; known: "
+            f"{known_data_sources()}. Set custom_reward_function.path=<file.py> (and .name) to score it"
+        )
+
+
 def compute_score(
     data_source: str, solution_str: str, ground_truth: Any, extra_info: Mapping[str, Any] | None = None, **kwargs: Any
 ) -> float | dict[str, Any]:
@@ -81,6 +94,12 @@ def score_batch(
         extra_info = None if extra_infos is None else extra_infos[i]
         try:
             result = reward_fn(data_sources[i], solutions[i], ground_truths[i], extra_info)
+        except SystemExit as err:  # sys.exit() in a reward must not end the run as a success (rc 0)
+            raise RewardError(
+                f"the reward function raised SystemExit({err.code!r}) (sys.exit / exit) on sample {i} (data_source "
+                f"{data_sources[i]!r}): a reward function must return a score, it cannot end the run. Return a "
+                "score (e.g. 0.0) or raise an exception instead"
+            ) from err
         except Exception as err:  # keep its type; the note names the row the traceback alone does not
             err.add_note(
                 f"raised by the reward function on sample {i} (data_source {data_sources[i]!r}, ground truth "

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from .children import RewardChildren
 from .score import RewardError, RewardFn, score_batch
 
 logger = logging.getLogger(__name__)
@@ -72,9 +73,24 @@ def score_batch_watched(
     heartbeat_s: float | None,
     name: str | None = None,
     timeout_key: str = "custom_reward_function.timeout_s",
+    children: RewardChildren | None = None,
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """``score_batch`` of the same arguments; RewardTimeoutError naming ``name`` (default: the
-    function's module and name), the sample and its data source when one call exceeds ``timeout_s``."""
+    function's module and name), the sample and its data source when one call exceeds ``timeout_s``.
+    ``children`` records the processes the calls leave running (``RewardChildren.reap`` ends them)."""
+    if children is not None:
+        with children.watch():
+            return score_batch_watched(
+                reward_fn=reward_fn,
+                data_sources=data_sources,
+                solutions=solutions,
+                ground_truths=ground_truths,
+                extra_infos=extra_infos,
+                timeout_s=timeout_s,
+                heartbeat_s=heartbeat_s,
+                name=name,
+                timeout_key=timeout_key,
+            )
     name = name or describe_reward_fn(reward_fn)
     clock = _CallClock(reward_fn)
     result: dict[str, Any] = {}

@@ -4,7 +4,8 @@ Invariants (every backend: the built-in ``KVCacheRollout``, ``HFRollout``, or a 
 - Output rows are prompt-major and interleaved: row k answers prompt ``k // n``
   (``prompt_index[k]``), the same order as verl's ``repeat(n, interleave=True)``.
 - ``responses`` is right-padded with ``pad_token_id``; ``response_mask[k, j] = 1`` exactly for the
-  ``response_lengths[k]`` generated tokens. A response ends with the first stop token (which is
+  ``response_lengths[k]`` generated tokens (a multi-turn rollout's response also holds tool answers,
+  masked 0 between the model's turns: rollout/agent_loop.py). A response ends with the first stop token (which is
   included and masked 1) or after ``max_response_length`` tokens.
 - ``log_probs[k, j]`` (when returned) is log softmax(logits / temperature) of the sampled token
   (temperature 1 for greedy), before top-p filtering: the policy's own log-prob, comparable to
@@ -68,6 +69,10 @@ class RolloutOutput:
     response_lengths: torch.Tensor  # (N,) int64
     finish_reasons: np.ndarray  # (N,) object: "stop" | "length"
     log_probs: torch.Tensor | None = None  # (N, R) float32, 0 on padding
+    # Multi-turn rollouts (rollout/agent_loop.py) form each row's prompt themselves (the chat with the
+    # tools' schemas): the prompt ids per row, and per-row turn counts (name -> (N,) array).
+    prompts: list[list[int]] | None = None
+    turn_stats: dict[str, np.ndarray] | None = None
 
     def __len__(self) -> int:
         return len(self.prompt_index)

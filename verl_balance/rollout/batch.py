@@ -3,7 +3,9 @@
 Invariants (docs/design.md, "Wire format"): one row per response, in RolloutOutput order;
 ``input_ids[k] = prompt + response`` right-padded to L = the longest prompt + response;
 ``attention_mask`` is 1 on those real tokens (contiguous from position 0); ``loss_mask[k, t] = 1``
-exactly on the response tokens (token t is a target: its log-prob p(tok_t | tok_<t) counts);
+exactly on the response tokens the rollout's ``response_mask`` marks (token t is a target: its log-prob
+p(tok_t | tok_<t) counts): every response token of a single-turn rollout, only the model's own tokens of
+a multi-turn one (tool answers are context, not targets);
 ``position_ids`` restart at 0 for each sequence (0 on padding); ``rollout_log_probs`` is
 token-aligned like ``loss_mask`` (0 elsewhere).
 """
@@ -41,7 +43,10 @@ def build_rollout_tensors(
         raise RolloutInputError(
             f"output answers prompt {int(output.prompt_index.max())} but only {len(prompts)} prompts were given"
         )
-    prompt_rows = [list(prompts[i]) for i in output.prompt_index.tolist()]
+    if output.prompts is not None:  # a multi-turn rollout formed its own prompts
+        prompt_rows = [list(p) for p in output.prompts]
+    else:
+        prompt_rows = [list(prompts[i]) for i in output.prompt_index.tolist()]
     responses = output.response_token_lists()
     prompt_lengths = torch.tensor([len(p) for p in prompt_rows], dtype=torch.int64)
     response_lengths = output.response_lengths.cpu().to(torch.int64)
@@ -49,11 +54,13 @@ def build_rollout_tensors(
     width = int(total.max()) if len(total) else 0
 
     input_ids = torch.full((len(prompt_rows), width), pad_token_id, dtype=torch.int64)
+    loss_mask = torch.zeros((len(prompt_rows), width), dtype=torch.int64)
+    response_mask = output.response_mask.detach().cpu().to(torch.int64)
     for row, (prompt, response) in enumerate(zip(prompt_rows, responses)):
         input_ids[row, : len(prompt) + len(response)] = torch.tensor(prompt + response, dtype=torch.int64)
+        loss_mask[row, len(prompt) : len(prompt) + len(response)] = response_mask[row, : len(response)]
     slot = torch.arange(width)[None, :]
     attention_mask = (slot < total[:, None]).long()
-    loss_mask = ((slot >= prompt_lengths[:, None]) & (slot < total[:, None])).long()
     tensors = {
         INPUT_IDS_KEY: input_ids,
         ATTENTION_MASK_KEY: attention_mask,
@@ -89,10 +96,12 @@ def build_rollout_batch(
     meta: Mapping[str, Any] | None = None,
 ) -> Batch:
     """A Batch with one row per response: the tensors of ``build_rollout_tensors`` plus non-tensor
-    columns ``prompt_index``, ``finish_reason`` and every per-prompt column of ``prompt_columns``
+    columns ``prompt_index``, ``finish_reason``, a multi-turn rollout's ``turn_stats`` and every
+    per-prompt column of ``prompt_columns``
     (e.g. ``uid``, ``data_source``, ``ground_truth``) repeated for that prompt's responses."""
     tensors = build_rollout_tensors(prompts=prompts, output=output, pad_token_id=pad_token_id)
     non_tensors = {PROMPT_INDEX_KEY: output.prompt_index.copy(), FINISH_REASON_KEY: output.finish_reasons.copy()}
+    non_tensors.update({name: np.asarray(values).copy() for name, values in (output.turn_stats or {}).items()})
     for name, values in (prompt_columns or {}).items():
         if len(values) != len(prompts):
             raise RolloutInputError(f"prompt column {name!r} has {len(values)} entries for {len(prompts)} prompts")

@@ -42,6 +42,8 @@ KNOWN_BUGS = {
     "eval_local_denominator": "(c) eval numerator all-reduced but the denominator counted on the local shard only",
     "roll_after_slice": "(d) targets shifted per SP shard after slicing: one token lost per shard",
     "micro_batch_mean": "(e) mean of per-micro-batch means instead of the global token mean",
+    "tool_tokens_counted": "(f) multi-turn: the tool-answer tokens inside a response counted in the "
+    "token and sequence denominators (every token from a sequence's first to its last loss token)",
 }
 
 
@@ -75,6 +77,8 @@ def faulty_token_weights(
     check_loss_scale_factor(agg_mode, loss_scale_factor)
     device = loss_masks[0].device if loss_masks else torch.device("cpu")
     seq_counts = [sequence_token_counts(m, cu) for m, cu in zip(loss_masks, cu_seqlens)]
+    if bug == "tool_tokens_counted":
+        seq_counts = [sequence_token_counts(_holes_filled(m, cu), cu) for m, cu in zip(loss_masks, cu_seqlens)]
     local = torch.tensor(
         [[int(c.sum()), int((c > 0).sum())] for c in seq_counts], dtype=torch.int64, device=device
     ).reshape(-1, 2)
@@ -112,6 +116,17 @@ def faulty_token_weights(
         )
     n_tok, n_seq = true_totals.tolist()
     return TokenWeights(weights=weights, num_tokens=int(n_tok), num_sequences=int(n_seq))
+
+
+def _holes_filled(loss_mask: Tensor, cu_seqlens: Tensor) -> Tensor:
+    """The loss mask with every sequence's span from its first to its last loss token set to 1."""
+    filled = loss_mask.clone()
+    bounds = cu_seqlens.cpu().tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        on = torch.nonzero(loss_mask[start:end] > 0).flatten()
+        if len(on):
+            filled[start + int(on[0]) : start + int(on[-1]) + 1] = 1
+    return filled
 
 
 def pack_rolled_after_slice(

@@ -7,7 +7,7 @@ builds its datasets, calls ``setup_loader`` and then ``start_workers`` with its 
 it implements ``train_step(item)`` and ``evaluate()``; ``summarize`` and ``plot_panels`` shape the
 end-of-run summary. Checkpoints hold the workers' sharded engine state plus the driver's step and
 data position, so a resumed run continues the curve exactly; each carries the run's identity and
-lineage (``checkpoint.py``), and a dead worker can be replaced up to ``trainer.max_restarts`` times
+lineage (``trainer/checkpoint/``), and a dead worker can be replaced up to ``trainer.max_restarts`` times
 (docs/fault_tolerance.md).
 """
 
@@ -18,9 +18,10 @@ import logging
 import math
 import os
 import signal
+import sys
 import time
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from verl_balance.data.loader import StatefulDataLoader
 from verl_balance.data.tokenizer import Tokenizer, TokenizerError, build_tokenizer
@@ -29,23 +30,25 @@ from verl_balance.models.hf import HFModelConfig
 from verl_balance.single_controller import WorkerDiedError
 from verl_balance.trainer import checkpoint, cluster
 from verl_balance.trainer.checkpoint.run_lock import RunLock, acquire_run_lock
+from verl_balance.trainer.cluster import describe_parameters  # noqa: F401 (the driver's name for it)
 from verl_balance.trainer.config.checks import ConfigError
 from verl_balance.trainer.config.recipe import RecipeConfig
 from verl_balance.trainer.config.sections import ModelSection, TrainerSection, record_workload
+from verl_balance.trainer.signals import STOP_SIGNALS, RunInterrupted, interrupt_handlers
 from verl_balance.trainer.startup import check_layout_and_device
 from verl_balance.trainer.summary import earliest_records, summary_header
 from verl_balance.utils import run_log
+from verl_balance.utils.disk import disk_full_text, is_disk_full
 from verl_balance.utils.progress import DEFAULT_SFT_KEYS, ProgressDisplay, TimedPhase
-from verl_balance.utils.tracking import Tracking, plain_config
+from verl_balance.utils.tracking import Tracking, TrackingError, plain_config
 from verl_balance.workers.actor import ActorWorker, ActorWorkerConfig
 from verl_balance.workers.group import ActorGroup
 
 logger = logging.getLogger(__name__)
 
-# Step metrics whose non-finite value makes a step non-finite (SFT logs train/*, GRPO actor/*).
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-"""Signals that stop a run gracefully: the step in flight finishes, a checkpoint is saved, and the
-entry points exit with 128 + the signal's number (``exit_code``)."""
+
+class RunDiskFullError(ConfigError):
+    """The disk (or quota) of the run directory filled up while the run wrote its files."""
 
 
 def exit_code(summary: dict) -> int:
@@ -63,31 +66,13 @@ NONFINITE_WATCH_KEYS = (
     "critic/vf_loss",
     "critic/grad_norm",
 )
+"""Step metrics whose non-finite value makes a step non-finite (SFT logs train/*, GRPO actor/* and critic/*)."""
 
 
 def tracking_backends(loggers) -> list[str]:
     """``trainer.logger`` as ``Tracking`` backends: verl's ``file`` is our jsonl; the console is the
     driver's progress display."""
     return list(dict.fromkeys({"file": "jsonl"}.get(name, name) for name in loggers if name != "console"))
-
-
-def describe_parameters(init_info) -> str:
-    """``1.23M parameters`` (``LoRA: 12.3k trainable of 1.23M (1.00%)``) from rank 0's ``init_model``
-    answer; "" when it has no counts."""
-    info = init_info[0] if isinstance(init_info, list) and init_info else init_info
-    if not isinstance(info, dict) or "parameters" not in info:
-        return ""
-    total, trainable = info["parameters"], info.get("trainable_parameters", info["parameters"])
-    if trainable == total:
-        return f"{_count(total)} parameters"
-    return f"LoRA: {_count(trainable)} trainable of {_count(total)} parameters ({100.0 * trainable / total:.2f}%)"
-
-
-def _count(n: int) -> str:
-    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
-        if n >= scale:
-            return f"{n / scale:.3g}{suffix}"
-    return str(n)
 
 
 class NonFiniteTrainingError(RuntimeError):
@@ -228,24 +213,37 @@ class DriverBase:
         logger.info(
             "%d %s workers: dp=%d x sp=%d; %s", self.world, "GPU" if use_gpu else "CPU", self.dp, self.sp, description
         )
-        with TimedPhase("model load") as phase:
-            self.actor = cluster.build_actor_group(
-                worker_config=worker_config, trainer_cfg=t, use_gpu=use_gpu, worker_cls=worker_cls or self.worker_cls
-            )
-            phase.detail = describe_parameters(getattr(self.actor, "init_info", None))
+        # logs the "worker spawn" and "model load" phases
+        self.actor = cluster.build_actor_group(
+            worker_config=worker_config, trainer_cfg=t, use_gpu=use_gpu, worker_cls=worker_cls or self.worker_cls
+        )
 
     @classmethod
     def train(cls, cfg: DictConfig) -> dict:
-        """Build the trainer from ``cfg``, fit, and release its workers (also on error); the summary."""
-        trainer = cls(cfg)
+        """Build the trainer from ``cfg``, fit, and release its workers (also on error); the summary.
+        SIGINT / SIGTERM outside the steps (start-up, resume, shut-down) end the process with one
+        line and exit code 130 / 143 (``trainer/signals.py``); a full disk anywhere is a
+        ``RunDiskFullError`` naming ``trainer.default_local_dir`` and its free space."""
         try:
-            return trainer.fit()
-        finally:
-            trainer.close()
+            with interrupt_handlers():
+                trainer = cls(cfg)
+                try:
+                    return trainer.fit()
+                finally:
+                    trainer.close()
+        except Exception as err:
+            if isinstance(err, (ConfigError, TrackingError)) or not is_disk_full(err):
+                raise  # a checkpoint's or the metrics' own disk-full error already names its directory
+            directory = OmegaConf.select(cfg, "trainer.default_local_dir", default=None) or "."
+            raise RunDiskFullError(f"{disk_full_text('write the run files', directory)} ({err})") from err
+        except RunInterrupted as stop:
+            print(f"error: {stop}", file=sys.stderr, flush=True)
+            raise SystemExit(stop.exit_code) from None
 
     # ------------------------------------------------------------------ subclass hooks
     def train_step(self, item) -> dict:
-        """One optimizer step (SFT) or one rollout + update round (GRPO) on one loader item."""
+        """One driver iteration on one loader item (SFT: one optimizer step; GRPO: rollout, passes and
+        ``ppo_epochs`` x mini-batches of optimizer steps); returns the step's metrics."""
         raise NotImplementedError
 
     def evaluate(self) -> dict:
@@ -346,11 +344,21 @@ class DriverBase:
             tracker.close()
             if self.progress is not None:
                 self.progress.close()
+        if self._stop_signal is not None and self.global_step >= self.total_steps:
+            logger.warning(
+                "%s arrived during the last step: the run finished its %d steps and saved them, so it exits with 0 "
+                "(docs/fault_tolerance.md, 'Exit codes')",
+                self._stop_signal,
+                self.total_steps,
+            )
+            self._stop_signal = None
         if resumed_from:  # the first values are the run's, not this process's
             record["first"], record["first_val"] = earliest_records(tracker.metrics_path)
         summary = {
             "resumed_from_step": resumed_from,
             "steps": self.global_step,
+            "total_steps": self.total_steps,
+            "val_step": record.get("last_val_step"),
             "wall_s": time.perf_counter() - run_start,
             "startup_s": run_start - getattr(self, "_setup_start", run_start),
             "metrics": tracker.metrics_path,
@@ -398,6 +406,7 @@ class DriverBase:
                 is_last = self.global_step >= self.total_steps
                 if t.validate_due(self.global_step, is_last=is_last):
                     record["last_val"] = self.evaluate()
+                    record["last_val_step"] = self.global_step
                     metrics.update(record["last_val"])
                 tracker.log(metrics, step=self.global_step)
                 if self.progress is not None:

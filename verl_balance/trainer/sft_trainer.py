@@ -18,7 +18,7 @@ from verl_balance.protocol import Batch
 from verl_balance.trainer.config.sections import check_profile_steps, resolve_data_files
 from verl_balance.trainer.config.sft import validate_sft
 from verl_balance.trainer.driver import DriverBase
-from verl_balance.trainer.metrics import plan_metrics, reduce_rank_metrics
+from verl_balance.trainer.metrics import SFT_TOKENS_KEY, TOKENS_PER_S_KEY, plan_metrics, reduce_rank_metrics
 from verl_balance.trainer.plan_dispatch import plan_batch, split_by_plan
 from verl_balance.trainer.startup import check_model_files
 from verl_balance.workers.actor import ActorWorkerConfig
@@ -130,8 +130,8 @@ class SFTTrainer(DriverBase):
         metrics.update(
             {
                 "timing_s/step": elapsed,
-                "perf/tokens_per_s": tokens / elapsed,
-                "perf/tokens": tokens,
+                TOKENS_PER_S_KEY: tokens / elapsed,
+                SFT_TOKENS_KEY: tokens,
                 "train/epoch": float(self.loader.epoch),
             }
         )
@@ -162,7 +162,8 @@ class SFTTrainer(DriverBase):
         if summary.get("first_loss") is not None:
             lines.append(f"train loss: first {summary['first_loss']:.4f} -> final {summary['final_loss']:.4f}")
         if "val/loss" in summary:
-            lines.append(f"eval loss: {summary['val/loss']:.4f}")
+            at = f" (step {summary['val_step']})" if summary.get("val_step") is not None else ""
+            lines.append(f"eval loss{at}: {summary['val/loss']:.4f}")
         return lines
 
 

@@ -4,6 +4,8 @@ preset) and ``trainer.device=cuda`` on a machine without a GPU, each a ConfigErr
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from verl_balance.data.tokenizer import Tokenizer
@@ -47,3 +49,51 @@ def check_layout_and_device(*, model_config, model_key: str, sp_key: str, sp_siz
             "trainer.device=cuda but this machine has no GPU torch can use, and the embedded Ray cluster runs "
             "here; use trainer.device=cpu (or auto), or trainer.ray_address of a cluster with GPUs"
         )
+
+
+def check_warm_start(path: str, *, key: str, model_config, engine_config, sp_size: int) -> None:
+    """Before Ray: the checkpoint at ``path`` (``key``'s value; the config checked it is one of the
+    trainers' ``global_step_N`` directories) holds DCP metadata, and its saved model's names
+    and shapes, read from its DCP metadata (no tensor is read), fit the model ``model_config``
+    builds; a LoRA checkpoint (adapters only) needs ``engine_config.lora_rank``. What the metadata
+    cannot show (the LoRA adapters' base, the files' checksums) is checked when the workers load it.
+    Raises WarmStartError naming the key and the first mismatches."""
+    from verl_balance.engine.lora import read_base_fingerprint
+    from verl_balance.engine.materialize import build_meta_model
+    from verl_balance.utils import safe_load
+    from verl_balance.workers.actor_rollout import WarmStartError
+
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise WarmStartError(
+            f"{key}={path!r} is not an engine checkpoint (no .metadata); point it at a global_step_N directory"
+        )
+    adapters_only = read_base_fingerprint(path) is not None
+    if adapters_only and not engine_config.lora_rank:
+        raise WarmStartError(
+            f"{key}={path!r} is a LoRA checkpoint (adapters only); set actor_rollout_ref.model.lora_rank to "
+            "warm-start from it"
+        )
+    if adapters_only or engine_config.lora_rank:
+        return  # adapters are matched against their base by the workers
+    model = build_meta_model(model_config, sp_size=sp_size, attn_impl=engine_config.attn_impl)
+    # a plain (unsharded) module's state_dict has the FQNs the engine saves through get_model_state_dict
+    problems = safe_load.state_mismatch(safe_load.read_dcp_metadata(path), model.state_dict())
+    if problems:
+        raise WarmStartError(
+            f"{key}={path!r} does not fit a model of {model_config}: {'; '.join(problems)}. Warm-start from a "
+            "checkpoint of the same architecture"
+        )
+
+
+def check_critic_weights(config) -> None:
+    """Before Ray: ``critic.model.path``'s weight files (a GRPO recipe with a critic of its own
+    directory), as ``check_model_files`` checks the actor's."""
+    from verl_balance.models.preflight import check_weight_files
+
+    path = config.critic.model.path if config.use_critic else None
+    if path is None or config.actor_rollout_ref.model.init != "pretrained":
+        return
+    try:
+        check_weight_files(os.path.expanduser(path), key="critic.model.path")
+    except PreflightError as err:
+        raise ConfigError(str(err)) from err

@@ -22,8 +22,15 @@ def earliest_records(metrics_path: str) -> tuple[dict, dict]:
 
 
 def summary_header(title: str, summary: dict) -> list[str]:
-    """``==== <title> summary ====`` and the step count with training and start-up seconds."""
+    """``==== <title> summary ====``, a line saying so when a signal stopped the run before its last
+    step, and the step count with training and start-up seconds."""
     lines = ["", f"==== {title} summary ===="]
+    if summary.get("stop_signal"):
+        total = f" of {summary['total_steps']}" if summary.get("total_steps") else ""
+        lines.append(
+            f"interrupted ({summary['stop_signal']}) after step {summary['steps']}{total}: checkpoint saved, "
+            "the same command resumes"
+        )
     steps = f"steps: {summary['steps']} in {summary['wall_s']:.1f} s"
     if summary.get("startup_s") is not None:
         steps += f" (plus {summary['startup_s']:.1f} s start-up: cluster, model load, data)"

@@ -1,6 +1,9 @@
 """Crash-safe small-file writes (a reader sees the old content or the new one, never a torn file),
-and opening the run directory's files without following a symbolic link planted there (a link
-could point anywhere the run's user may write: ``UnsafePathError`` names the path instead)."""
+and the run directory's one no-follow writer: its files and directories are opened, created or
+replaced without following a symbolic link planted there (a link could point anywhere the run's
+user may write: ``UnsafePathError`` names the path instead), and a file the run appends to,
+rewrites or reads back is refused when it has another hard link (``st_nlink > 1``: the same file
+as one outside the run directory), before a byte of it is truncated or written."""
 
 from __future__ import annotations
 
@@ -8,18 +11,21 @@ import errno
 import json
 import logging
 import os
+import stat
 import uuid
 
 _NOFOLLOW_FLAGS = {
     "a": os.O_WRONLY | os.O_APPEND | os.O_CREAT,
-    "w": os.O_WRONLY | os.O_TRUNC | os.O_CREAT,
+    "w": os.O_WRONLY | os.O_CREAT,  # truncated only after the hard-link check
     "x": os.O_WRONLY | os.O_CREAT | os.O_EXCL,
     "r+": os.O_RDWR | os.O_CREAT,
+    "r": os.O_RDONLY,
 }
 
 
 class UnsafePathError(ValueError):
-    """A file or directory of the run directory is a symbolic link: it is never written through."""
+    """A file or directory of the run directory is a symbolic link (or a hard-linked file): it is
+    never written through."""
 
 
 def _link_error(path: str) -> UnsafePathError:
@@ -39,22 +45,54 @@ def refuse_symlink(path: str) -> None:
         raise _link_error(path)
 
 
+def _hard_link_error(path: str, links: int) -> UnsafePathError:
+    return UnsafePathError(
+        f"{path} has {links} hard links: it is the same file as another name outside the run's control, so the "
+        "run never writes or reads it (the other file would change too). Remove it (or replace it with a copy), "
+        "or point trainer.default_local_dir at another directory"
+    )
+
+
 def open_nofollow_fd(path: str, mode: str = "a", perms: int = 0o644) -> int:
-    """``os.open`` of ``path`` with ``O_NOFOLLOW`` (``mode``: a, w, x or r+); a symbolic link at
-    ``path`` raises ``UnsafePathError`` naming it, and its target is left untouched."""
+    """``os.open`` of ``path`` with ``O_NOFOLLOW`` (``mode``: a, w, x, r+ or r); a symbolic link at
+    ``path`` raises ``UnsafePathError`` naming it, and its target is left untouched. A regular file
+    with more than one hard link is refused too (``w`` truncates only after that check)."""
     try:
-        return os.open(path, _NOFOLLOW_FLAGS[mode] | os.O_NOFOLLOW | os.O_CLOEXEC, perms)
+        fd = os.open(path, _NOFOLLOW_FLAGS[mode] | os.O_NOFOLLOW | os.O_CLOEXEC, perms)
     except OSError as err:
         if err.errno == errno.ELOOP or (err.errno == errno.EEXIST and os.path.islink(path)):
             raise _link_error(path) from err
         raise
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+            raise _hard_link_error(path, st.st_nlink)
+        if mode == "w":
+            os.ftruncate(fd, 0)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
-def open_nofollow(path: str, mode: str = "a", *, encoding: str = "utf-8"):
-    """A text file object of ``open_nofollow_fd(path, mode)``."""
-    return os.fdopen(
-        open_nofollow_fd(path, mode), "r+" if mode == "r+" else "w" if mode == "x" else mode, encoding=encoding
-    )
+def make_dir_nofollow(path: str) -> str:
+    """Create the directory ``path`` (and its parents) unless it exists; ``UnsafePathError`` naming
+    it when ``path`` is a symbolic link (its target is never written into). Returns ``path``."""
+    refuse_symlink(path)
+    os.makedirs(path, exist_ok=True)
+    refuse_symlink(path)  # created by someone else between the two calls
+    return path
+
+
+def open_nofollow(path: str, mode: str = "a", *, encoding: str | None = "utf-8", errors: str | None = None):
+    """A file object of ``open_nofollow_fd(path, mode)`` (text; binary with ``encoding=None`` and a
+    ``b`` in ``mode``, e.g. ``rb``)."""
+    binary = mode.endswith("b")
+    base = mode[:-1] if binary else mode
+    py_mode = ("r+" if base == "r+" else "w" if base == "x" else base) + ("b" if binary else "")
+    if binary:
+        return os.fdopen(open_nofollow_fd(path, base), py_mode)
+    return os.fdopen(open_nofollow_fd(path, base), py_mode, encoding=encoding, errors=errors)
 
 
 class NoFollowFileHandler(logging.FileHandler):
@@ -82,20 +120,27 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def atomic_write_text(path: str, text: str) -> None:
-    """Write ``text`` to a temporary file beside ``path``, fsync it, rename it over ``path``."""
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    """Write ``data`` to a fresh temporary file beside ``path``, fsync it, rename it over ``path``
+    (a link at ``path`` is replaced, never written through)."""
     tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     try:
-        with open_nofollow(tmp, "x") as f:  # a fresh file: never one planted at this name
-            f.write(text)
+        fd = open_nofollow_fd(tmp, "x")  # a fresh file: never one planted at this name
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
+        if os.path.lexists(tmp):
             os.remove(tmp)
         raise
     fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    """``atomic_write_bytes`` of ``text`` encoded as UTF-8."""
+    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def atomic_write_json(path: str, obj, *, indent: int | None = 1) -> None:

@@ -116,9 +116,55 @@ def size_problems(root: str, manifest: dict[str, dict]) -> list[str]:
     return problems
 
 
+def manifest_shape_problems(manifest: object) -> list[str]:
+    """Why ``manifest`` (the record's ``files``) is not a manifest: not a non-empty mapping of names
+    to ``{"size": int, "xxh3_128": str}``; [] when it is one."""
+    if not isinstance(manifest, dict):
+        return [f"its manifest ({MANIFEST_KEY!r}) is a {type(manifest).__name__}, not a mapping of file names"]
+    if not manifest:
+        return [f"its manifest ({MANIFEST_KEY!r}) is empty: it vouches for no file"]
+    bad = [
+        name
+        for name, entry in manifest.items()
+        if not isinstance(entry, dict)
+        or type(entry.get("size")) is not int
+        or entry["size"] < 0
+        or not isinstance(entry.get(HASH_NAME), str)
+    ]
+    return [f"its manifest entry for {name!r} is not {{'size': int, '{HASH_NAME}': str}}" for name in bad[:5]]
+
+
+def _confinement_problems(root: str, manifest: dict[str, dict]) -> list[str]:
+    """Names of ``manifest`` that are not regular files inside ``root``, and files a DCP
+    ``.metadata`` of the checkpoint reads that the manifest does not list."""
+    from verl_balance.utils.confined import CheckpointPathError, check_confined
+    from verl_balance.utils.safe_load import UnsafeCheckpointError, read_dcp_metadata, storage_paths
+
+    try:
+        check_confined(root, manifest)
+        for name in manifest:
+            if os.path.basename(name) != ".metadata":
+                continue
+            prefix = os.path.dirname(name)
+            dcp_dir = os.path.join(root, prefix)
+            try:
+                names = [str(p) for p in storage_paths(read_dcp_metadata(dcp_dir))]  # confines them too
+            except UnsafeCheckpointError:
+                continue  # a planted pickle: every loader refuses it by name when it reads the metadata
+            unlisted = [p for p in names if (f"{prefix}/{p}" if prefix else p) not in manifest]
+            if unlisted:
+                return [f"{os.path.join(root, name)} reads {unlisted[:3]}, which the manifest does not list"]
+    except CheckpointPathError as err:
+        return [str(err)]
+    return []
+
+
 def verify_manifest(root: str, manifest: dict[str, dict], *, hasher: Hasher = local_hasher) -> None:
-    """Raise ``ChecksumMismatchError`` naming every missing, resized or altered file of ``manifest``."""
-    problems = size_problems(root, manifest)
+    """Raise ``ChecksumMismatchError`` naming every missing, resized or altered file of ``manifest``,
+    or why it is no manifest (empty, malformed), a name that is not a regular file inside ``root``
+    (``utils/confined.py``) or a file a DCP ``.metadata`` reads that the manifest does not list."""
+    problems = manifest_shape_problems(manifest) or _confinement_problems(root, manifest)
+    problems = problems or size_problems(root, manifest)
     if problems:  # no need to read gigabytes to know the checkpoint is unusable
         raise ChecksumMismatchError(root, problems)
     digests = hasher(root, {name: entry["size"] for name, entry in manifest.items()})
@@ -138,11 +184,12 @@ def verify_manifest(root: str, manifest: dict[str, dict], *, hasher: Hasher = lo
 def dcp_truncated_files(root: str) -> list[str]:
     """DCP shard files under ``root`` shorter than the byte ranges its ``.metadata`` records for them
     (missing ones included); [] when ``root`` has no readable ``.metadata``."""
+    from verl_balance.utils.confined import CheckpointPathError
     from verl_balance.utils.safe_load import UnsafeCheckpointError, read_dcp_metadata
 
     try:
-        metadata = read_dcp_metadata(root)  # never unpickles anything but DCP metadata
-    except UnsafeCheckpointError:
+        metadata = read_dcp_metadata(root)  # never unpickles anything but DCP metadata; confines its paths
+    except (UnsafeCheckpointError, CheckpointPathError):
         raise
     except Exception:
         return []

@@ -11,10 +11,12 @@ recipe) stay visible as nested stripes instead of hiding each other.
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import re
 from collections.abc import Sequence
 
+from .atomic_io import atomic_write_bytes
 from .tracking import METRICS_FILE, read_metrics
 
 DEFAULT_PANELS: tuple[tuple[str, str], ...] = (
@@ -123,8 +125,10 @@ def plot_runs(
         fig.suptitle(title)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    fig.savefig(out, dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
     plt.close(fig)
+    atomic_write_bytes(out, png.getvalue())  # a link at ``out`` is replaced, never written through
     return out
 
 

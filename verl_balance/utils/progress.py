@@ -35,15 +35,16 @@ logger = logging.getLogger(__name__)
 DEFAULT_SFT_KEYS = ("train/loss", "val/loss", "train/grad_norm", "train/lr")
 """Console keys of the SFT recipe when ``trainer.console_metrics`` is null."""
 DEFAULT_RL_KEYS = (
-    "reward/mean",
+    "critic/score/mean",
     "val/acc",
     "val/reward_mean",
     "actor/pg_loss",
     "critic/vf_loss",
-    "actor/kl",
+    "actor/kl_loss",
     "response_length/mean",
 )
-"""Console keys of the GRPO/PPO recipe when ``trainer.console_metrics`` is null."""
+"""Console keys of the GRPO/PPO recipe when ``trainer.console_metrics`` is null (verl's names where
+verl logs the figure, docs/metrics.md)."""
 TOKENS_PER_S_KEY = "perf/tokens_per_s"
 PHASE_TIMINGS = (
     ("rollout", "timing_s/gen"),
@@ -52,7 +53,7 @@ PHASE_TIMINGS = (
     ("ref", "timing_s/ref"),
     ("values", "timing_s/values"),
     ("critic update", "timing_s/update_critic"),
-    ("update", "timing_s/update"),
+    ("update", "timing_s/update_actor"),
 )
 """(phase, metric) of a GRPO/PPO step's phases: the plain line shows the seconds of those present."""
 
@@ -116,6 +117,7 @@ class ProgressDisplay:
                 desc="train",
                 bar_format="{desc} {n_fmt}/{total_fmt} |{bar}| {elapsed}<{remaining}, {rate_fmt}{postfix}",
             )
+            run_log.show_bar(self._bar)  # lines written meanwhile go above the bar, never through it
 
     def seconds_per_step(self) -> float | None:
         """Mean wall seconds per step of this process (None before its first step)."""
@@ -166,6 +168,7 @@ class ProgressDisplay:
     def close(self) -> None:
         """Close the bar (idempotent)."""
         if self._bar is not None:
+            run_log.show_bar(None)
             self._bar.close()
             self._bar = None
 

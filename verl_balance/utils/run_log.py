@@ -4,11 +4,17 @@ While a ``RunLog`` is active, ``sys.stdout`` and ``sys.stderr`` are tees (consol
 logging handler that wrote to the console streams writes through them, so the log holds the
 driver's records, prints, warnings, the step lines, the summary, and the workers' lines that Ray
 forwards to the driver (prefixed by the worker's rank, ``Worker.__repr__``), each exactly once.
-Terminal-only output (the tqdm bar) goes to ``console_stream`` and never reaches the log.
+Terminal-only output (the tqdm bar) goes to ``console_stream`` and never reaches the log. While a
+bar is shown (``show_bar``), a tee on a terminal writes whole lines only, each with the bar cleared
+before and redrawn after, so log records and worker lines never split the bar.
 
 ``capture()`` (the CLI entry points) starts buffering before the run directory is known;
 ``attach(path)`` (the driver, once it holds the run directory) opens the file and writes the buffer
 into it. A driver used without ``capture`` (tests, scripts) owns its log and ``close``s it.
+
+A write to the file that fails (a full disk) stops the file, never the console: one line on the
+console names the file, the error and the free space, and the run's own error (e.g. the checkpoint
+that did not fit) still reaches the terminal, so the process ends with its own exit code.
 """
 
 from __future__ import annotations
@@ -23,10 +29,13 @@ from collections.abc import Iterator
 from typing import TextIO
 
 from verl_balance.utils.atomic_io import open_nofollow
+from verl_balance.utils.disk import disk_full_text, is_disk_full
 
-__all__ = ["RunLog", "attach", "capture", "console_stream", "write_log_only"]
+__all__ = ["RunLog", "attach", "capture", "console_stream", "show_bar", "write_log_only"]
 
 _active: RunLog | None = None
+_bar = None
+"""The terminal's progress bar (a tqdm) while one is shown; None otherwise."""
 _ANSI_COLOR = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -35,13 +44,35 @@ class _Tee(io.TextIOBase):
 
     def __init__(self, console: TextIO, log: RunLog) -> None:
         self.console, self._log = console, log
+        self._pending = ""
+        """Text after the last newline, held back while a bar is shown on a terminal."""
 
     def write(self, text: str) -> int:
-        written = self.console.write(text)
         self._log.write(text)
-        return written if written is not None else len(text)
+        if _bar is None and not self._pending or not self.console.isatty():
+            written = self.console.write(text)
+            return written if written is not None else len(text)
+        self._pending += text
+        if "\n" in self._pending:
+            lines, _, self._pending = self._pending.rpartition("\n")
+            self._write_around_bar(lines + "\n")
+        return len(text)
+
+    def _write_around_bar(self, text: str) -> None:
+        bar = _bar
+        if bar is None:
+            self.console.write(text)
+            return
+        with bar.get_lock():
+            bar.clear(nolock=True)
+            self.console.write(text)
+            self.console.flush()
+            bar.refresh(nolock=True)
 
     def flush(self) -> None:
+        if self._pending:
+            text, self._pending = self._pending, ""
+            self._write_around_bar(text)
         self.console.flush()
         self._log.flush()
 
@@ -94,17 +125,36 @@ class RunLog:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         buffered = self._sink.getvalue()
         self._sink = open_nofollow(path, "a")  # a link planted at the log's name is refused, naming it
-        self._sink.write(buffered)
-        self._sink.flush()
         self.path = path
+        try:
+            self._sink.write(buffered)
+            self._sink.flush()
+        except OSError as err:
+            self._stop_file(err)
 
     def write(self, text: str) -> None:
         if not self._sink.closed:
-            self._sink.write(_ANSI_COLOR.sub("", text))  # Ray colours the workers' prefixes
+            try:
+                self._sink.write(_ANSI_COLOR.sub("", text))  # Ray colours the workers' prefixes
+            except OSError as err:
+                self._stop_file(err)
 
     def flush(self) -> None:
         if not self._sink.closed:
-            self._sink.flush()
+            try:
+                self._sink.flush()
+            except OSError as err:
+                self._stop_file(err)
+
+    def _stop_file(self, err: OSError) -> None:
+        """The file can no longer be written: close it (dropping what it buffered) and say so once
+        on the console; the console goes on."""
+        sink, self._sink = self._sink, io.StringIO()
+        self._sink.close()
+        with contextlib.suppress(OSError):
+            sink.close()
+        why = disk_full_text("write the run log", os.path.dirname(self.path or ".")) if is_disk_full(err) else err
+        print(f"warning: the run log {self.path} stopped: {why}", file=self._saved[1], flush=True)
 
     def close(self) -> None:
         """Restore the console streams and handlers and close the file (idempotent)."""
@@ -155,6 +205,12 @@ def attach(path: str) -> RunLog:
 def console_stream(stream: TextIO) -> TextIO:
     """The console behind ``stream`` (a tee's console side): output that must not reach the log."""
     return stream.console if isinstance(stream, _Tee) else stream
+
+
+def show_bar(bar) -> None:
+    """``bar`` (a tqdm on the console) is shown from now on; None: no bar any more."""
+    global _bar
+    _bar = bar
 
 
 def write_log_only(text: str) -> None:

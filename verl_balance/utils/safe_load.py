@@ -10,6 +10,11 @@ engine's ``engine_state.pt``. Every loader of this package reads them through th
 - shard values through ``SafeLoadPlanner`` (``torch.load(weights_only=True)``);
 - ``engine_state.pt`` through ``load_torch_file`` (``torch.load(weights_only=True)``).
 
+``SafeFileSystemReader`` also confines the files the metadata names (``_StorageInfo.relative_path``)
+to the checkpoint directory (``utils/confined.py``): a planted ``../other/__0_0.distcp``, an
+absolute path, a linked or hard-linked shard is refused with ``CheckpointPathError`` before a byte
+of it is read.
+
 Anything else in a pickle is refused with ``UnsafeCheckpointError`` naming the file, before it can
 run. The tensors themselves were already read with ``weights_only=True`` by torch.
 """
@@ -26,6 +31,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+from verl_balance.utils.confined import check_confined
 
 METADATA_FILE = ".metadata"
 
@@ -84,12 +91,28 @@ def read_dcp_metadata(path: str):
     return SafeFileSystemReader(path).read_metadata()
 
 
+def storage_paths(metadata) -> list:
+    """The file names (relative to the checkpoint directory) the DCP ``metadata`` reads from."""
+    data = metadata.storage_data
+    if data is None:
+        return []
+    if not isinstance(data, dict):
+        raise UnsafeCheckpointError(f"the DCP metadata's storage_data is a {type(data).__name__}, not a dict")
+    return sorted({getattr(info, "relative_path", None) for info in data.values()}, key=str)
+
+
 class SafeFileSystemReader(dcp.FileSystemReader):
-    """torch's ``FileSystemReader`` whose ``.metadata`` is read by the restricted unpickler."""
+    """torch's ``FileSystemReader`` whose ``.metadata`` is read by the restricted unpickler and
+    whose storage paths must be regular files inside the checkpoint directory."""
+
+    def set_up_storage_reader(self, metadata, is_coordinator: bool, *args, **kwargs) -> None:
+        check_confined(os.fspath(self.path), storage_paths(metadata))  # the metadata torch actually reads by
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
 
     def read_metadata(self, *args, **kwargs):
         rank = kwargs.get("rank")
         path = os.fspath(self._get_metadata_path(rank))
+        check_confined(os.fspath(self.path), [os.path.relpath(path, os.fspath(self.path))])  # not a link
         with open(path, "rb") as f:
             try:
                 metadata = _MetadataUnpickler(f, path=path).load()
@@ -104,6 +127,7 @@ class SafeFileSystemReader(dcp.FileSystemReader):
 
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
+        check_confined(os.fspath(self.path), storage_paths(metadata))
         return metadata
 
 

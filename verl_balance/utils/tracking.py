@@ -13,16 +13,17 @@ TensorBoard, W&B and MLflow (a local file store) are optional: asked for but not
 installed gives a warning naming the package, never a crash; W&B runs offline unless WANDB_MODE
 is set.
 
-Metric names the plots and recipes look for (the trainers should use these):
-``train/loss``, ``val/loss``, ``train/grad_norm``, ``train/lr``, ``perf/tokens_per_s``,
+Metric names the plots and recipes look for (the trainers use these; docs/metrics.md maps them to
+verl's): ``train/loss``, ``val/loss``, ``train/grad_norm``, ``train/lr``, ``perf/tokens_per_s``,
 ``train/valid_tokens``, ``balance/imbalance_predicted``, ``balance/imbalance_predicted_naive``,
-``balance/imbalance_measured``, ``balance/num_micro_batches``, ``reward/mean``, ``reward/std``,
+``balance/imbalance_measured``, ``balance/num_micro_batches``, ``critic/score/mean``, ``reward/std``,
 ``reward/accuracy``, ``val/acc`` (when the reward returns ``acc``), ``val/reward_mean``,
-``response_length/mean``, ``timing_s/<phase>``.
+``val-core/<data_source>/<acc|reward>/mean@N``, ``response_length/mean``, ``timing_s/<phase>``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import logging
@@ -34,7 +35,8 @@ from collections.abc import Iterable, Mapping
 from numbers import Integral, Real
 from typing import Any
 
-from verl_balance.utils.atomic_io import atomic_write_json, atomic_write_text, open_nofollow
+from verl_balance.utils.atomic_io import atomic_write_json, atomic_write_text, make_dir_nofollow, open_nofollow
+from verl_balance.utils.disk import disk_full_text, is_disk_full
 
 logger = logging.getLogger(__name__)
 BACKENDS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")
@@ -44,7 +46,7 @@ DEFAULT_CONSOLE_PATTERNS = (
     "lr",
     "tokens_per_s",
     "imbalance",
-    "reward/mean",
+    "score/mean",
     "accuracy",
     "response_length/mean",
 )
@@ -168,7 +170,7 @@ class Tracking:
             return None
         from torch.utils.tensorboard import SummaryWriter
 
-        return SummaryWriter(log_dir=os.path.join(self.log_dir, "tensorboard"))
+        return SummaryWriter(log_dir=make_dir_nofollow(os.path.join(self.log_dir, "tensorboard")))
 
     def _open_wandb(self, config_dict: Any) -> Any:
         """A W&B run (offline unless WANDB_MODE is set); None (a warning) without wandb."""
@@ -210,8 +212,15 @@ class Tracking:
         """Record one step's metrics on every backend."""
         values = {key: to_scalar(key, value) for key, value in metrics.items()}
         record = {"step": int(step), "time": time.time(), **values}
-        self._jsonl.write(json.dumps(strict_json_record(record), allow_nan=False) + "\n")
-        self._jsonl.flush()
+        try:
+            self._jsonl.write(json.dumps(strict_json_record(record), allow_nan=False) + "\n")
+            self._jsonl.flush()
+        except OSError as err:
+            with contextlib.suppress(OSError):  # its buffer cannot be flushed either: drop it
+                self._jsonl.close()
+            if not is_disk_full(err):
+                raise
+            raise TrackingError(disk_full_text(f"append step {step} to {METRICS_FILE}", self.log_dir)) from err
         numeric = {k: v for k, v in values.items() if not isinstance(v, str)}
         if self._tensorboard is not None:
             for key, value in numeric.items():
@@ -278,10 +287,11 @@ def _format(value: float | int) -> str:
 
 
 def drop_torn_last_line(path: str) -> bool:
-    """Cut a last line without its newline (a write torn by a crash); True if one was dropped."""
-    if not os.path.exists(path):
+    """Cut a last line without its newline (a write torn by a crash); True if one was dropped.
+    ``path`` (the run's own metrics file) is read without following a link (``UnsafePathError``)."""
+    if not os.path.lexists(path):
         return False
-    with open(path, "rb") as f:
+    with open_nofollow(path, "rb", encoding=None) as f:
         data = f.read()
     if not data or data.endswith(b"\n"):
         return False
@@ -296,10 +306,15 @@ def drop_torn_last_line(path: str) -> bool:
     return True
 
 
-def _parse_lines(path: str) -> list[tuple[str, dict]]:
-    """(line, record) of every non-empty line; a torn last line is dropped with a warning."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        lines = f.read().split("\n")
+def _parse_lines(path: str, *, nofollow: bool = False) -> list[tuple[str, dict]]:
+    """(line, record) of every non-empty line; a torn last line is dropped with a warning. With
+    ``nofollow`` (the run's own file) a link or a hard-linked file is an ``UnsafePathError``."""
+    if nofollow:
+        with open_nofollow(path, "r", errors="replace") as f:
+            lines = f.read().split("\n")
+    else:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = f.read().split("\n")
     out = []
     last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
     for index, line in enumerate(lines):
@@ -320,7 +335,7 @@ def _parse_lines(path: str) -> list[tuple[str, dict]]:
 
 def rewrite_metrics_up_to(path: str, step: int) -> None:
     """Keep the records of steps <= ``step`` (and drop a torn last line), atomically."""
-    kept = [line for line, record in _parse_lines(path) if int(record["step"]) <= step]
+    kept = [line for line, record in _parse_lines(path, nofollow=True) if int(record["step"]) <= step]
     atomic_write_text(path, "".join(line + "\n" for line in kept))
 
 

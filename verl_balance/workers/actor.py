@@ -135,7 +135,7 @@ class ActorWorker(Worker):
         """
         start = time.perf_counter()
         loss_fn = self._loss_fn(on_policy=bool(batch.meta.get(ON_POLICY_KEY, False)))
-        metrics = self.engine.train_step(
+        metrics = self.engine.train_batch(
             self._micro_batches(batch), loss_fn=loss_fn, temperature=batch_temperature(batch)
         )
         if getattr(loss_fn, "on_policy", False) and ROLLOUT_LOG_PROBS_KEY in batch.tensors.keys():

@@ -27,7 +27,8 @@ Invariants:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -50,6 +51,7 @@ from verl_balance.engine.lora import (
 from verl_balance.engine.train_engine import TrainEngine
 from verl_balance.protocol import Batch
 from verl_balance.rollout import RolloutEngine, RolloutOutput, build_rollout
+from verl_balance.rollout.agent_loop import AGENT_NAME_KEY, MultiTurnConfig, ToolAgentLoop, build_agent_loop
 from verl_balance.single_controller import Dispatch, make_mesh_dispatch, register
 from verl_balance.utils import safe_load
 from verl_balance.workers.actor import ACTOR_MESH, ActorWorker, ActorWorkerConfig, batch_temperature, cat_padded
@@ -81,6 +83,10 @@ class ActorRolloutWorkerConfig(ActorWorkerConfig):
     """The rollout engine (``rollout.factory.ROLLOUT_BACKENDS``; GRPO's actor_rollout_ref.rollout.name)."""
     use_reference_policy: bool = False
     """Build the frozen reference engine (needed for the KL loss)."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """verl's actor_rollout_ref.rollout.multi_turn: tool conversations (rollout/agent_loop.py)."""
+    chat_template: str | None = None
+    """The driver tokenizer's chat template, which a multi-turn rollout renders every turn with."""
 
 
 class ActorRolloutWorker(ActorWorker):
@@ -92,6 +98,7 @@ class ActorRolloutWorker(ActorWorker):
         self.ref_engine: TrainEngine | None = None
         self._rollout_weights_step: int | None = None
         self._rollout_state: dict[str, torch.Tensor] | None = None  # LoRA: the merged tensors the rollout holds
+        self._agent_loop: ToolAgentLoop | None = None  # multi-turn: built on the first rollout
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self) -> dict:
@@ -228,9 +235,34 @@ class ActorRolloutWorker(ActorWorker):
             return None
         prompt_ids = [list(p) for p in prompts.non_tensors[PROMPT_IDS_KEY]]
         seeds = [sampling_seed(seed, int(index)) for index in prompts.non_tensors[SAMPLE_INDEX_KEY]]
+        if self.config.multi_turn.enable:
+            return _to_cpu(self._multi_turn(prompts, sampling, seeds))
         return _to_cpu(
             self.rollout.generate(prompt_ids, stop_token_ids=self.config.stop_token_ids, seeds=seeds, **sampling)
         )
+
+    def _multi_turn(self, prompts: Batch, sampling: dict, seeds: list[int]) -> RolloutOutput:
+        """Tool conversations of this worker's prompts (their chats, ``extra_info.tools_kwargs`` and
+        verl's ``agent_name``), generated turn by turn by this worker's rollout engine."""
+        if self._agent_loop is None:
+            self._agent_loop = build_agent_loop(
+                engine=self.rollout,
+                config=self.config.multi_turn,
+                tokenizer_path=self.config.hf_tokenizer_path,
+                chat_template=self.config.chat_template,
+                eos_token_id=self.config.stop_token_ids[0],
+            )
+        columns = prompts.non_tensors
+        extra_infos = [info or {} for info in columns["extra_info"]]
+        result = self._agent_loop.generate(
+            [list(chat) for chat in columns["raw_prompt"]],
+            tools_kwargs=[info.get("tools_kwargs") or {} for info in extra_infos],
+            agent_names=list(columns[AGENT_NAME_KEY]) if AGENT_NAME_KEY in columns else None,
+            stop_token_ids=self.config.stop_token_ids,
+            seeds=seeds,
+            **sampling,
+        )
+        return result.rollout_output()
 
     @register(dispatch_mode=make_mesh_dispatch(ACTOR_MESH))
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
@@ -251,12 +283,11 @@ def _full_tensor(value: torch.Tensor) -> torch.Tensor:
 
 
 def _to_cpu(output: RolloutOutput) -> RolloutOutput:
-    return RolloutOutput(
-        prompt_index=output.prompt_index,
+    return dataclasses.replace(
+        output,
         responses=output.responses.cpu(),
         response_mask=output.response_mask.cpu(),
         response_lengths=output.response_lengths.cpu(),
-        finish_reasons=output.finish_reasons,
         log_probs=None if output.log_probs is None else output.log_probs.cpu(),
     )
 

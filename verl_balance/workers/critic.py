@@ -117,7 +117,7 @@ class CriticWorker(ActorWorker):
         if missing:
             raise ValueError(f"update_critic: the batch lacks columns {missing}; it has {sorted(batch.tensors.keys())}")
         start = time.perf_counter()
-        metrics = self.engine.train_step(self._micro_batches(batch), loss_fn=self._loss_fn())
+        metrics = self.engine.train_batch(self._micro_batches(batch), loss_fn=self._loss_fn())
         metrics["vf_loss"] = metrics.pop("loss")
         metrics["step_seconds"] = time.perf_counter() - start
         metrics["dp_rank"] = self.layout.dp_rank

@@ -51,6 +51,7 @@ from verl_balance.batch_keys import (
     VALUES_KEY,
 )
 from verl_balance.integrations.verl.backend.sealed_checkpoint import seal, unseal, verify_sealed
+from verl_balance.integrations.verl.backend.trainer_files import verify_trainer_files
 from verl_balance.integrations.verl.errors import require_verl
 
 require_verl()
@@ -314,7 +315,7 @@ class VerlBalanceEngine(BaseEngine):
 
     Drives ``TrainEngine``'s public micro-batch API only (``pack_micro_batches``, ``forward_log_probs``,
     ``prepare_backward``, ``reshard``, ``zero_grad``, ``optimizer_step``, ``advance_schedule``), the
-    calls ``TrainEngine.train_step`` is made of; ``save_checkpoint`` keeps the newest
+    calls ``TrainEngine.train_batch`` is made of; ``save_checkpoint`` keeps the newest
     ``max_ckpt_to_keep`` checkpoints as verl's FSDP checkpoint manager does."""
 
     def __init__(
@@ -710,12 +711,15 @@ class VerlBalanceEngine(BaseEngine):
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=False, **kwargs):
         """Restore ``save_checkpoint(local_path)`` (collective): its completeness record and checksums
-        are verified first (sealed_checkpoint.py); nothing but checkpoint data is unpickled."""
+        are verified first (sealed_checkpoint.py); nothing but checkpoint data is unpickled. The
+        data-loader state files verl's trainer unpickles after this load are checked too
+        (trainer_files.py)."""
         if hdfs_path is not None:
             raise NotImplementedError(f"verl_balance engine: hdfs_path={hdfs_path!r} is not supported")
         if del_local_after_load:
             raise NotImplementedError("verl_balance engine: del_local_after_load=True is not supported")
         verify_sealed(local_path, group=self.layout.world_group)
+        verify_trainer_files(local_path, group=self.layout.world_group)
         return self.engine.load_checkpoint(local_path)
 
 

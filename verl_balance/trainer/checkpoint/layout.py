@@ -14,7 +14,7 @@ import time
 from verl_balance.trainer.checkpoint.resume_policy import ResumeConfigError
 from verl_balance.trainer.config import ConfigError
 from verl_balance.utils import checksums
-from verl_balance.utils.atomic_io import fsync_dir, refuse_symlink
+from verl_balance.utils.atomic_io import fsync_dir, open_nofollow, refuse_symlink
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +57,10 @@ class ResumeKeyChangedError(CheckpointError, ResumeConfigError):
 
 
 def read_json(path: str) -> dict | None:
-    """The JSON object in ``path``; None when missing, empty or torn."""
+    """The JSON object in ``path``; None when missing, empty, torn, or a link (or hard-linked file):
+    a checkpoint's record or state is never read through a link planted in its place."""
     try:
-        with open(path, encoding="utf-8") as f:
+        with open_nofollow(path, "r") as f:
             value = json.load(f)
     except (OSError, ValueError):
         return None

@@ -33,7 +33,7 @@ from verl_balance.trainer.checkpoint.manifest import newest_verified_checkpoint,
 from verl_balance.trainer.checkpoint.resume_policy import APPLY, REFUSE, changed_keys, policy_of, resume_policies
 from verl_balance.trainer.config import RESUME_MODES, ConfigError, SFTConfig
 from verl_balance.utils import checksums
-from verl_balance.utils.atomic_io import atomic_write_json
+from verl_balance.utils.atomic_io import UnsafePathError, atomic_write_json, open_nofollow
 from verl_balance.utils.tracking import METRICS_FILE, rewrite_metrics_up_to
 
 logger = logging.getLogger(__name__)
@@ -91,15 +91,17 @@ def read_lineage(root: str) -> dict | None:
     """The directory's ``run_lineage.json``; None when absent. LineageFileError naming the file and
     what is wrong when it is present but unreadable, not a JSON object, or lacks its keys."""
     path = os.path.join(root, LINEAGE_FILE)
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         return None
     fix = (
         "restore it, or set trainer.resume_mode=disable (the directory's checkpoints and this file are "
         "moved to superseded/) or trainer.resume_mode=resume_path with trainer.resume_from_path=<a checkpoint>"
     )
     try:
-        with open(path, encoding="utf-8") as f:
+        with open_nofollow(path, "r") as f:  # a planted link or hard link: UnsafePathError naming it
             value = json.load(f)
+    except UnsafePathError as err:
+        raise LineageFileError(f"{err}; {fix}") from err
     except (OSError, ValueError) as err:
         raise LineageFileError(f"{path} cannot be read as JSON ({err}); {fix}") from err
     if not isinstance(value, dict):
@@ -113,10 +115,11 @@ def read_lineage(root: str) -> dict | None:
 def check_resume_config(lineage: dict, config: dict, *, policies: Mapping[str, str]) -> None:
     """Refuse a resume that changes a key with policy refuse (ResumeKeyChangedError naming each such
     key, its old and new value); log the applied changes (they take effect from the next step).
-    Keys absent from the recorded config (added by a newer version) are not compared."""
+    Keys absent from either side are not compared: one added by a newer version after the lineage
+    started, or one a newer version folded into another spelling (``model.partial_pretrain`` is now
+    ``model.path``'s verl alias, compared as ``model.path``)."""
     old, new = flatten_config(lineage.get("config") or {}), flatten_config(config)
-    # A key absent from the record was added by a newer version after the lineage started: not compared.
-    changed = [k for k in changed_keys(old, new) if k in old]
+    changed = [k for k in changed_keys(old, new) if k in old and k in new]
     refused = [k for k in changed if policy_of(k, policies) == REFUSE]
     if refused:
         shown = "; ".join(f"{k}: {old.get(k, '<absent>')!r} -> {new.get(k, '<absent>')!r}" for k in refused)
@@ -313,5 +316,5 @@ def _record_start(root: str, *, identity: RunIdentity, config: dict) -> None:
         os.path.join(root, LINEAGE_FILE), {**identity.to_dict(), "config": config, "started": time.time()}
     )
     metrics_path = os.path.join(root, METRICS_FILE)
-    if os.path.exists(metrics_path):
+    if os.path.lexists(metrics_path):  # a planted link is refused by the rewrite, naming it
         rewrite_metrics_up_to(metrics_path, identity.start_step)

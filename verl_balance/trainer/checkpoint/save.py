@@ -8,6 +8,7 @@ import logging
 import os
 import shutil
 import time
+import traceback
 
 from verl_balance.trainer.checkpoint.layout import (
     LATEST_FILE,
@@ -23,6 +24,7 @@ from verl_balance.trainer.checkpoint.layout import (
 from verl_balance.trainer.checkpoint.lineage import RunIdentity
 from verl_balance.trainer.checkpoint.manifest import group_hasher, write_complete_record
 from verl_balance.utils.atomic_io import atomic_write_json, atomic_write_text, fsync_dir, refuse_symlink
+from verl_balance.utils.disk import format_bytes, free_space, is_disk_full
 
 logger = logging.getLogger(__name__)
 
@@ -39,17 +41,13 @@ def directory_size(path: str) -> int:
     return total
 
 
-def _is_disk_full(err: BaseException) -> bool:
+def _release_frames(err: BaseException) -> None:
+    """Clear the local variables of the finished frames of ``err`` and its causes/contexts."""
     seen = set()
     while err is not None and id(err) not in seen:
         seen.add(id(err))
-        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
-            return True
-        text = str(err)
-        if "No space left" in text or "Disk quota exceeded" in text or "PytorchStreamWriter failed" in text:
-            return True
+        traceback.clear_frames(err.__traceback__)
         err = err.__cause__ or err.__context__
-    return False
 
 
 def _is_permission_denied(err: BaseException) -> bool:
@@ -66,21 +64,12 @@ def _is_permission_denied(err: BaseException) -> bool:
     return False
 
 
-def _format_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
 def _disk_full_error(root: str, step: int, *, needed: int | None) -> CheckpointDiskFullError:
-    free = shutil.disk_usage(root).free
-    need = f"; the previous checkpoint took {_format_bytes(needed)}" if needed else ""
+    need = f"; the previous checkpoint took {format_bytes(needed)}" if needed else ""
     return CheckpointDiskFullError(
         f"no space to save checkpoint step {step} in trainer.default_local_dir={os.path.abspath(root)!r}: "
-        f"{_format_bytes(free)} free{need}. Free space there, lower trainer.max_ckpt_to_keep, or point "
-        "trainer.default_local_dir at a larger disk"
+        f"{free_space(root)}{need}. The partial checkpoint was removed and the previous ones are intact. Free "
+        "space there, lower trainer.max_ckpt_to_keep, or point trainer.default_local_dir at a larger disk"
     )
 
 
@@ -118,7 +107,8 @@ def save_trainer_checkpoint(
             staging, {**identity.to_dict(), "step": step, "time": time.time()}, hasher=group_hasher(group)
         )
     except Exception as err:
-        if _is_disk_full(err):
+        if is_disk_full(err):  # no partial checkpoint is left filling the disk
+            _release_frames(err)  # a writer held by the failed frames closes its file now (its space is freed)
             shutil.rmtree(staging, ignore_errors=True)
             raise _disk_full_error(root, step, needed=needed) from err
         if _is_permission_denied(err):
@@ -138,7 +128,12 @@ def save_trainer_checkpoint(
     else:
         os.rename(staging, final)
     fsync_dir(root)
-    atomic_write_text(os.path.join(root, LATEST_FILE), str(step))
+    try:
+        atomic_write_text(os.path.join(root, LATEST_FILE), str(step))
+    except OSError as err:  # verl's informational marker; the checkpoint itself is complete
+        if not is_disk_full(err):
+            raise
+        logger.warning("checkpoint: %s saved, but %s could not be written: %s", final, LATEST_FILE, err)
     if max_to_keep:
         prune_checkpoints(root, lineage_id=identity.lineage_id, keep=max_to_keep, protect=protect)
     return final

@@ -3,16 +3,18 @@
 
 - ``checks``: ``ConfigError`` and the checks that name the user's key;
 - ``sections``: the sections both recipes share (model, balancer, trainer loop, synthetic task);
-- ``typed``: the merged Hydra config as typed objects, in one pass (aliases, unknown keys);
+- ``typed``: the merged config as typed objects, in one pass (unknown keys refused);
 - ``recipe``: ``RecipeConfig``, the base that hands out the engine's config;
 - ``sft`` / ``grpo``: each recipe's schema (GRPO: import ``trainer.config.grpo``), with
   ``algorithm`` (verl's ``algorithm.*`` / ``policy_loss.*``) and ``async_mode`` (``trainer.v1.*``);
-- ``verl_keys``: verl's launch-script keys beyond the schemas (honoured spellings, no-effect keys);
+- ``verl_keys``: verl's spellings beyond the schemas, one table applied to the merged config
+  (honoured spellings, no-effect keys, refused values);
 - ``cli``: the command line (override checks, one-line user errors); ``ray_init``: ``ray_kwargs``.
 
-The YAML files in ``config/`` fill the schemas with the recipe's values; Hydra rejects unknown keys
-at startup because the merged config is typed by them. Key names follow verl's wherever the
-concept is the same, so a verl user's overrides carry over.
+The YAML files in ``config/`` fill the schemas with the recipe's values. The merged config is typed
+by the schema (values checked as Hydra composes) and open to undeclared keys until
+``RecipeConfig.from_hydra`` translates verl's and refuses the rest. Key names follow verl's wherever
+the concept is the same, so a verl user's overrides carry over.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from verl_balance.trainer.config.sft import (
     register_sft_schema,
     validate_sft,
 )
-from verl_balance.trainer.config.typed import check_known_keys, resolve_aliases, to_typed
+from verl_balance.trainer.config.typed import check_known_keys, open_sections, to_typed
 
 register_schemas = register_sft_schema
 """Register the SFT schema in Hydra's ConfigStore (``grpo.register_grpo_schema`` adds GRPO's)."""
@@ -84,10 +86,10 @@ __all__ = [
     "check_writable_dir",
     "engine_profile_steps",
     "narrow",
+    "open_sections",
     "qualify",
     "record_workload",
     "register_schemas",
-    "resolve_aliases",
     "to_typed",
     "validate_sft",
 ]

@@ -1,33 +1,23 @@
-"""verl's RL-algorithm keys of the GRPO recipe: ``algorithm.*`` and ``actor_rollout_ref.actor.policy_loss.*``.
-
-Names, defaults and meanings are verl 0.9.1's (``trainer/config/*.yaml``, ``trainer/ppo/core_algos.py``),
-so a verl launch script's algorithm overrides carry over. ``config.grpo`` nests ``AlgorithmSection``
-as ``algorithm`` and ``ActorAlgorithmKeys`` into ``actor_rollout_ref.actor``.
+"""verl's RL-algorithm keys of the GRPO recipe: ``algorithm.*`` and ``actor_rollout_ref.actor.policy_loss.*``,
+with verl's names, defaults and meanings (``config.grpo`` nests them).
 
 Invariants:
-- ``algorithm.adv_estimator`` is any name of ``algorithms.ADV_ESTIMATOR_REGISTRY`` that this trainer can
-  feed (``SUPPLIED_INPUTS``); an estimator needing an input the trainer does not derive fails at
-  start-up naming the key and the missing input (never a silent fallback).
-- ``actor_rollout_ref.actor.policy_loss.loss_mode`` is any name of ``algorithms.LOSS_MODE_REGISTRY``
-  whose reductions the engine supplies (``ENGINE_LOSS_MODES``); the others fail naming the key.
-  clip_cov / kl_cov select tokens by the covariance over the whole mini-batch (all micro-batches and
-  ranks), where verl uses each micro-batch's: equal with one micro-batch per mini-batch on one rank.
-- KL in the reward (``use_kl_in_reward``, ``kl_penalty``, ``kl_ctrl``), DAPO's dynamic sampling
-  (``filter_groups``) and the rollout correction (``rollout_correction``: IS weights and rejection on
-  the driver's batch, verl's decoupled mode; with ``bypass_mode=true`` the rollout's log-probs are the
-  old ones and the policy loss is ``loss_mode=bypass_mode`` with these keys, as verl's apply_bypass_mode
-  sets them: ppo_clip or reinforce, IS weights and rejection from the current log-probs inside the loss)
-  run in main_grpo's synchronous trainer (the async modes take the decoupled correction when the old
-  log-probs are recomputed, and refuse dynamic sampling); a value it cannot run (pf_ppo) is refused
-  naming the key.
+- ``algorithm.adv_estimator`` is a name of ``ADV_ESTIMATOR_REGISTRY`` whose every input the trainer
+  supplies (``SUPPLIED_INPUTS``); any other fails at start-up naming the key and the missing input.
+- ``policy_loss.loss_mode`` is one the engine runs layout-invariantly (``ENGINE_LOSS_MODES``); clip_cov /
+  kl_cov select over the whole mini-batch, where verl selects per micro-batch.
+- DAPO's dynamic sampling (``filter_groups``) runs in the synchronous trainer only (``GRPOConfig`` refuses
+  it with an async trainer mode).
+- A feature not run here (``use_pf_ppo``) is refused naming the key, never ignored.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any, Optional
+from typing import Any
 
 from verl_balance.algorithms import ADV_ESTIMATOR_REGISTRY, LOSS_MODE_REGISTRY, AdvantageParams, LossModeConfig
+from verl_balance.algorithms.estimator_inputs import AdvantageKeys
 from verl_balance.algorithms.estimators import required_inputs
 from verl_balance.algorithms.kl_in_reward import KL_CTRL_TYPES, KLController, build_kl_controller, in_reward_kl_type
 from verl_balance.algorithms.loss_modes import SEQ_MEAN_TOKEN_MEAN, LossModeKeys
@@ -47,8 +37,6 @@ SUPPLIED_INPUTS = (
 (gae), the greedy baseline rollout's reward (remax), the reward function's extra fields (gdpo), and the
 old log-prob pass's log-probs and sum over the vocabulary of pi^2 (the optimal-token baselines: the
 pass then runs before the advantages)."""
-UNSUPPLIED_REASONS: dict[str, str] = {}
-"""Why an estimator input is not supplied (none today; the start-up error names any future one)."""
 ENGINE_LOSS_MODES = (
     "vanilla",
     "sapo",
@@ -115,21 +103,12 @@ class FilterGroupsSection:
 
 
 @dataclass
-class AlgorithmSection:
-    """verl's ``algorithm``: the advantage estimator and its settings."""
+class AlgorithmSection(AdvantageKeys):
+    """verl's ``algorithm``: the advantage estimator, its settings (``AdvantageKeys``) and the steps
+    around it."""
 
     adv_estimator: str = "grpo"
     """One of algorithms.ADV_ESTIMATOR_REGISTRY (verl's 14 estimators and drgrpo)."""
-    norm_adv_by_std_in_grpo: bool = True
-    """Divide the group-relative advantages by the group's standard deviation (grpo, grpo_passk, gdpo)."""
-    gamma: float = 1.0
-    """Discount factor (gae, reinforce_plus_plus), in [0, 1]."""
-    lam: float = 1.0
-    """GAE lambda (adv_estimator=gae), in [0, 1]: 1 = Monte-Carlo returns, 0 = one-step TD."""
-    gdpo_reward_keys: Optional[list] = None
-    """gdpo: the reward function's extra fields to normalise separately (null = the score alone)."""
-    gdpo_reward_weights: Optional[list] = None
-    """gdpo: one weight per gdpo_reward_keys entry (null = all 1)."""
     use_kl_in_reward: bool = False
     """Subtract kl_ctrl's beta x KL(old policy || reference) per token from the rewards before the
     advantages (verl's apply_kl_penalty; runs the reference policy)."""
@@ -155,9 +134,9 @@ class AlgorithmSection:
                 raise ConfigError(f"{key}={getattr(self, key)} must be in [0, 1]")
         missing = [n for n in required_inputs(self.adv_estimator, self.advantage_params()) if n not in SUPPLIED_INPUTS]
         if missing:
-            why = "; ".join(UNSUPPLIED_REASONS.get(n, n) for n in missing)
             raise ConfigError(
-                f"adv_estimator={self.adv_estimator!r} needs {missing}: {why}; choose another estimator "
+                f"adv_estimator={self.adv_estimator!r} needs {missing}, which the GRPO trainer does not supply; "
+                "choose another estimator "
                 f"(valid here: {sorted(supported_estimators())})"
             )
         if self.gdpo_reward_weights is not None and len(self.gdpo_reward_weights) != len(self.gdpo_reward_keys or ()):
@@ -204,14 +183,8 @@ class AlgorithmSection:
         return self.use_kl_in_reward or self.corrects_rollout or self.needs_sum_pi_squared
 
     def advantage_params(self) -> AdvantageParams:
-        """The estimators' settings."""
-        return AdvantageParams(
-            gamma=self.gamma,
-            lam=self.lam,
-            norm_adv_by_std_in_grpo=self.norm_adv_by_std_in_grpo,
-            gdpo_reward_keys=tuple(self.gdpo_reward_keys) if self.gdpo_reward_keys else None,
-            gdpo_reward_weights=tuple(self.gdpo_reward_weights) if self.gdpo_reward_weights else None,
-        )
+        """The estimators' settings: this section's ``AdvantageKeys``."""
+        return AdvantageParams(**{f.name: getattr(self, f.name) for f in fields(AdvantageKeys)})
 
     @property
     def compares_group(self) -> bool:

@@ -2,26 +2,28 @@
 
 ``trainer.v1.trainer_mode`` picks how ``main_grpo`` runs a step:
 
-- ``sync`` (default): today's ``GRPOTrainer``, generation then scoring then update, nothing else
-  changes (the async keys are not read);
-- ``separate_async``: ``trainer.grpo.async_trainer.AsyncGRPOTrainer``, a rollout worker group of
-  ``actor_rollout_ref.rollout.nnodes x n_gpus_per_node`` workers on its own resource pool,
-  generating batch k+1 while the actor group trains on batch k (one-step off-policy with
-  ``num_warmup_batches=1``);
-- ``colocate_async``: the same trainer without a rollout group: batch k+1 generates on the actor
-  workers' colocated rollout, submitted before step k's updates (so with the weights of step k),
-  ``colocate_async.num_warmup_batches`` ahead.
+- ``sync`` (default): ``GRPOTrainer``, generation then scoring then update (the async keys are not read);
+- ``separate_async``: ``AsyncGRPOTrainer`` with a rollout worker group of
+  ``actor_rollout_ref.rollout.nnodes x n_gpus_per_node`` workers on its own resource pool, generating
+  batch k+1 while the actor trains on batch k;
+- ``colocate_async``: the same trainer generating on the actor workers' colocated rollout, batch k+1
+  submitted before step k's updates, ``colocate_async.num_warmup_batches`` ahead.
 
-verl (``verl/trainer/config/ppo_trainer.yaml``, ``trainer/ppo/v1/``) requires
-``data.train_batch_size = parameter_sync_step x ppo_mini_batch_size`` in ``separate_async``: the
-rollout receives new weights after the step's ``parameter_sync_step`` optimizer steps. Here a step
-trains the whole batch (its ``ppo_epochs x`` mini-batches) and then syncs once, so the same
-check holds and the step boundary is the sync point.
+As in verl, ``separate_async`` requires ``data.train_batch_size = parameter_sync_step x
+ppo_mini_batch_size``: a step trains the whole batch, then syncs the weights once.
+
+From the README's one line (``trainer.v1.trainer_mode=separate_async`` and nothing else) the two
+values verl leaves to the user are derived, each named once in a start-up line:
+``parameter_sync_step`` (unset) = data.train_batch_size / actor.ppo_mini_batch_size, and the
+rollout pool (``actor_rollout_ref.rollout.nnodes`` 0) = ``DEFAULT_ROLLOUT_NNODES`` node of
+``rollout.n_gpus_per_node`` workers (unset or 0: trainer.n_gpus_per_node, verl's default).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
+from typing import Optional
 
 from verl_balance.engine.config import APPLY_ON_RESUME
 from verl_balance.trainer.config.checks import ConfigError, check_choice, check_positive
@@ -29,6 +31,10 @@ from verl_balance.trainer.config.checks import ConfigError, check_choice, check_
 TRAINER_MODES = ("sync", "colocate_async", "separate_async")
 OFF_POLICY_STRATEGIES = ("drop", "wait")
 MODE_KEY = "trainer.v1.trainer_mode"
+DEFAULT_ROLLOUT_NNODES = 1
+"""separate_async's rollout pool nodes when actor_rollout_ref.rollout.nnodes is 0 (verl's default)."""
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -49,13 +55,15 @@ class SeparateAsyncSection:
     num_warmup_batches: int = 1
     """Batches in flight ahead of training: batch k is generated with the weights of step
     max(k - num_warmup_batches, 0) (1 = one-step off-policy)."""
-    parameter_sync_step: int = 4
+    parameter_sync_step: Optional[int] = None
     """Optimizer steps between two weight syncs actor -> rollout; verl requires
-    data.train_batch_size = parameter_sync_step x actor.ppo_mini_batch_size."""
+    data.train_batch_size = parameter_sync_step x actor.ppo_mini_batch_size. null = that quotient,
+    derived and named in a start-up line."""
 
     def __post_init__(self) -> None:
         check_positive("num_warmup_batches", self.num_warmup_batches)
-        check_positive("parameter_sync_step", self.parameter_sync_step)
+        if self.parameter_sync_step is not None:
+            check_positive("parameter_sync_step", self.parameter_sync_step)
 
 
 @dataclass
@@ -108,10 +116,43 @@ def check_async(config) -> None:
         return
     section = v1.colocate_async if mode == "colocate_async" else v1.separate_async
     if mode == "separate_async":
+        _default_rollout_pool(config)
         _check_rollout_pool(config.actor_rollout_ref.rollout)
+        if v1.separate_async.parameter_sync_step is None:
+            _derive_sync_step(config)
         _check_sync_step(config, v1.separate_async.parameter_sync_step)
     _check_staleness(v1.sampler, section.num_warmup_batches, key=f"trainer.v1.{mode}.num_warmup_batches")
     _check_async_algorithm(config, mode)
+
+
+def _default_rollout_pool(config) -> None:
+    """rollout.nnodes 0 (verl's default: no pool) -> DEFAULT_ROLLOUT_NNODES, named once."""
+    rollout = config.actor_rollout_ref.rollout
+    if rollout.nnodes == 0:
+        rollout.nnodes = DEFAULT_ROLLOUT_NNODES
+        logger.info(
+            "%s=separate_async: actor_rollout_ref.rollout.nnodes not set, using %d node x n_gpus_per_node=%d "
+            "rollout workers (set actor_rollout_ref.rollout.nnodes / n_gpus_per_node to size the pool)",
+            MODE_KEY,
+            rollout.nnodes,
+            rollout.n_gpus_per_node,
+        )
+
+
+def _derive_sync_step(config) -> None:
+    """parameter_sync_step unset -> data.train_batch_size / actor.ppo_mini_batch_size (which the
+    batch-size checks made a whole number), named once."""
+    actor, batch = config.actor_rollout_ref.actor, config.data.train_batch_size
+    section = config.trainer.v1.separate_async
+    section.parameter_sync_step = max(batch // actor.ppo_mini_batch_size, 1)
+    logger.info(
+        "%s=separate_async: trainer.v1.separate_async.parameter_sync_step not set, using %d = data.train_batch_size"
+        " %d / actor_rollout_ref.actor.ppo_mini_batch_size %d (the rollout gets new weights once per step)",
+        MODE_KEY,
+        section.parameter_sync_step,
+        batch,
+        actor.ppo_mini_batch_size,
+    )
 
 
 def _check_rollout_pool(rollout) -> None:

@@ -1,7 +1,7 @@
 """Validation helpers of the recipe configs: ``ConfigError`` and the checks that name the user's key.
 
 Each check raises ``ConfigError`` naming the key (as the caller spells it: a section's own field
-name inside ``__post_init__``, which the instantiation pass writes out in full, or a full dotted
+name inside ``__post_init__``, which ``typed.to_typed`` writes out in full, or a full dotted
 key in the cross-section checks) and what would be valid.
 """
 
@@ -17,6 +17,7 @@ import re
 from verl_balance.models.hf import REFUSED_MODEL_TYPES, SUPPORTED_MODEL_TYPES
 
 __all__ = [
+    "MAX_CONFIG_MAGNITUDE",
     "ConfigError",
     "check_adapter_dir",
     "check_choice",
@@ -125,21 +126,34 @@ def check_layout(*, sp_size: int, world_size: int, sp_key: str) -> int:
     return world_size // sp_size
 
 
-def check_finite_values(value, key: str = "") -> None:
+MAX_CONFIG_MAGNITUDE = 1e9
+"""The largest magnitude a declared float key may hold: beyond it no setting here is meaningful (a
+timeout of 31 years; a learning rate, coefficient or temperature far past any that trains), and
+values near 1e308 overflow on first use (a timeout's clock, a loss term, an update)."""
+
+
+def check_finite_values(value, key: str = "", *, declared: bool = True) -> None:
     """Raise ConfigError naming the first key (dotted, list index as ``[i]``) under ``value`` (a
     dataclass, dict, list or number) that holds inf or nan: no setting is meaningful at infinity,
-    and e.g. optim.lr=inf would train on NaN."""
+    and e.g. optim.lr=inf would train on NaN. A declared float key (a dataclass field, or an item
+    of a list field) must also lie within +-MAX_CONFIG_MAGNITUDE; a free dict's values (e.g.
+    ray_init's byte counts) are the user's own and only need to be finite."""
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"{key}={value} is not a finite number; give a finite value")
+    if isinstance(value, float) and declared and abs(value) > MAX_CONFIG_MAGNITUDE:
+        raise ConfigError(
+            f"{key}={value!r} is out of range: no setting here is meaningful beyond +-{MAX_CONFIG_MAGNITUDE:g}; "
+            "give a smaller value"
+        )
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         for f in dataclasses.fields(value):
             check_finite_values(getattr(value, f.name), f"{key}.{f.name}" if key else f.name)
     elif isinstance(value, dict):
         for name, item in value.items():
-            check_finite_values(item, f"{key}.{name}" if key else str(name))
+            check_finite_values(item, f"{key}.{name}" if key else str(name), declared=False)
     elif isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
-            check_finite_values(item, f"{key}[{i}]")
+            check_finite_values(item, f"{key}[{i}]", declared=declared)
 
 
 def qualify(message: str, prefixes: dict[str, str]) -> str:

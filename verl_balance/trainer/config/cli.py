@@ -4,13 +4,17 @@
 before Hydra composes the config, so a typo (``trainer.total_epoch=2``, with or without Hydra's
 ``+``) or a misplaced ``+`` on an existing key prints one line naming the key, a "did you mean"
 and the section's valid keys. ``user_errors()`` wraps the task: a user error (a bad value, a data
-file, a model directory, a checkpoint) prints ``error: <message>`` on stderr and exits with code 2;
-a bug keeps its traceback. ``HYDRA_FULL_ERROR=1`` shows the traceback of a user error too.
+file, a model directory, a checkpoint) prints ``error: <message>`` on stderr and exits with code 2,
+whichever process raised it: a worker's error reaches the driver as Ray's ``RayTaskError`` (and
+the worker group's errors raised ``from`` it), which ``user_error_in`` unwraps to the user error
+inside. A bug keeps its traceback. ``HYDRA_FULL_ERROR=1`` shows the traceback of a user error too.
+An override whose value does not fit its key's type is one line too (``check_overrides``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -19,25 +23,35 @@ from omegaconf import DictConfig, OmegaConf
 
 from verl_balance.trainer.config.checks import ConfigError, did_you_mean
 
-__all__ = ["USER_ERRORS", "check_overrides", "run_recipe", "user_errors"]
+__all__ = ["USER_ERRORS", "check_overrides", "run_recipe", "user_error_in", "user_errors"]
 
 USAGE_EXIT_CODE = 2
 
 
 def _user_error_types() -> tuple[type[BaseException], ...]:
     """The exception classes that are the user's to fix (each message names the key, file or row)."""
+    from verl_balance.algorithms.group_stats import AdvantageInputError
+    from verl_balance.algorithms.kl import KLEstimatorError
+    from verl_balance.algorithms.policy_loss import PolicyLossConfigError
+    from verl_balance.algorithms.value_loss import ValueLossConfigError
     from verl_balance.balance.errors import BalanceInputError
     from verl_balance.data.io import DataError
     from verl_balance.data.synthetic import SyntheticConfigError
     from verl_balance.data.tokenizer import TokenizerError
     from verl_balance.engine.config import EngineConfigError
     from verl_balance.engine.lora import BaseMismatchError
+    from verl_balance.loss import LossConfigError
     from verl_balance.models.config import ModelConfigError
     from verl_balance.models.preflight import PreflightError
     from verl_balance.rewards.score import RewardError
     from verl_balance.single_controller.resource_pool import UnplaceableResourcePoolError
     from verl_balance.trainer.checkpoint.resume_policy import ResumeConfigError
+    from verl_balance.utils.atomic_io import UnsafePathError
+    from verl_balance.utils.checksums import ChecksumMismatchError
+    from verl_balance.utils.safe_load import UnsafeCheckpointError
     from verl_balance.utils.tracking import TrackingError
+    from verl_balance.workers.actor_rollout import WarmStartError
+    from verl_balance.workers.critic import CriticWarmStartError
 
     return (
         ConfigError,
@@ -53,6 +67,16 @@ def _user_error_types() -> tuple[type[BaseException], ...]:
         ResumeConfigError,
         TrackingError,
         BalanceInputError,
+        AdvantageInputError,
+        KLEstimatorError,
+        PolicyLossConfigError,
+        ValueLossConfigError,
+        LossConfigError,
+        WarmStartError,
+        CriticWarmStartError,
+        UnsafePathError,
+        ChecksumMismatchError,
+        UnsafeCheckpointError,
     )
 
 
@@ -64,16 +88,38 @@ def _fail(message: str) -> None:
     raise SystemExit(USAGE_EXIT_CODE)
 
 
+def user_error_in(err: BaseException) -> BaseException | None:
+    """The user error (``USER_ERRORS``) ``err`` is or wraps, else None. The chain is followed
+    through a Ray ``RayTaskError``'s ``cause`` (the worker's own exception: the wrapper's ``str`` is
+    the worker's traceback, even when Ray made it an instance of the cause's class) and through
+    ``__cause__`` / ``__context__`` (e.g. the worker group's errors raised from Ray's). The
+    outermost user error wins: a re-raise that adds the key to the message is kept."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        cause = getattr(current, "cause", None)
+        if isinstance(cause, BaseException):  # Ray's RayTaskError (or its dual subclass)
+            current = cause
+            continue
+        if isinstance(current, USER_ERRORS):
+            return current
+        current = current.__cause__ or (None if current.__suppress_context__ else current.__context__)
+    return None
+
+
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
-    """A user error (``USER_ERRORS``) -> ``error: <message>`` on stderr and exit code 2 (its
-    traceback with HYDRA_FULL_ERROR=1); anything else propagates with its traceback."""
+    """A user error (``USER_ERRORS``), raised here or in a worker (``user_error_in``) -> ``error:
+    <message>`` on stderr and exit code 2 (its traceback with HYDRA_FULL_ERROR=1); anything else
+    propagates with its traceback."""
     try:
         yield
-    except USER_ERRORS as err:
-        if os.environ.get("HYDRA_FULL_ERROR") == "1":
+    except Exception as err:
+        found = user_error_in(err)
+        if found is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
             raise
-        _fail(str(err))
+        _fail(str(found))
 
 
 def _leaf_keys(node: DictConfig, prefix: str = "") -> list[str]:
@@ -119,8 +165,7 @@ def check_overrides(args: Sequence[str], *, schema: type) -> None:
         overrides = OverridesParser.create().parse_overrides(lines)
     except HydraException:
         return  # a syntax error: Hydra's own message says where
-    root = OmegaConf.structured(schema)
-    all_keys = _leaf_keys(root)
+    root = _structured(schema)
     for override in overrides:
         key = override.key_or_group
         if override.is_hydra_override() or "/" in key or override.type == OverrideType.DEL:
@@ -129,8 +174,10 @@ def check_overrides(args: Sequence[str], *, schema: type) -> None:
         plain = override.input_line.lstrip("+")
         if exists and override.type == OverrideType.ADD:
             _fail(f"{key} is a key of the recipe already; '+' appends a new key: write {plain}")
+        if exists and section is None and not override.is_sweep_override():
+            _check_type(root, key, override)
         if not exists:
-            hint = did_you_mean(key, all_keys)
+            hint = did_you_mean(key, _leaf_keys(root))
             where = key.rpartition(".")[0]
             valid = sorted(str(k) for k in section.keys()) if section is not None else []
             _fail(
@@ -139,34 +186,87 @@ def check_overrides(args: Sequence[str], *, schema: type) -> None:
             )
 
 
+_EXPECTED = {
+    "IntegerNode": "an integer",
+    "FloatNode": "a number",
+    "BooleanNode": "true or false",
+    "StringNode": "a string",
+    "ListConfig": "a list, e.g. [a,b]",
+    "DictConfig": "a mapping, e.g. {a: 1}",
+}
+
+
+_KINDS = {str: "the string", int: "the integer", float: "the number", bool: "the boolean", list: "the list"}
+_KINDS[dict] = "the mapping"
+
+
+def _schema_node(root: DictConfig, key: str):
+    """The node of ``key`` when every section on its path is typed, else None."""
+    node = root
+    for part in key.split("."):
+        if not isinstance(node, DictConfig) or node._is_none() or not _is_schema(node) or part not in node:
+            return None
+        node = node._get_node(part)
+    return node
+
+
+def _check_type(root: DictConfig, key: str, override) -> None:
+    """Exit 2 (one line: key, expected type, value) when ``override``'s value does not fit the type
+    the schema declares for ``key``, e.g. ``data.train_batch_size=sixteen``."""
+    from omegaconf import ValueNode
+    from omegaconf.errors import OmegaConfBaseException
+
+    node = _schema_node(root, key)
+    value = override.value()
+    if node is None or (isinstance(value, str) and "${" in value):
+        return  # a free dict's key, or an interpolation resolved later
+    try:
+        if isinstance(node, ValueNode):
+            node.validate_and_convert(value)
+        else:  # a list or a section: merged into a copy, as Hydra merges it
+            OmegaConf.update(root.copy(), key, value, merge=True)
+    except OmegaConfBaseException:
+        expected = _EXPECTED.get(type(node).__name__, "a value of its declared type")
+        got = "null" if value is None else f"{_KINDS.get(type(value), type(value).__name__)} {value!r}"
+        _fail(f"{key}={override.get_value_element_as_str()} is not valid: expected {expected}, got {got}")
+
+
+@functools.lru_cache(maxsize=4)
+def _structured(schema: type) -> DictConfig:
+    """The schema's config, built once per schema (read-only here: a type check updates a copy)."""
+    return OmegaConf.structured(schema)
+
+
 def _has_config_flags(args: Sequence[str]) -> bool:
     flags = ("--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd")
     return any(a.split("=")[0] in flags for a in args)
 
 
-def _verl_keys(recipe: str) -> str | None:
-    """verl's keys on the command line written as ours, no-effect keys removed (``sys.argv``
-    rewritten; trainer.config.verl_keys); returns the start-up line naming the no-effect keys."""
-    from verl_balance.trainer.config.verl_keys import startup_line, translate
+def _verl_command_line(recipe: str) -> str | None:
+    """``sys.argv`` with verl's keys written for Hydra to add (``verl_keys.command_line``; the composed
+    config translates them); returns the start-up line naming verl's config-group choices it removed."""
+    from verl_balance.trainer.config.verl_keys import command_line, startup_line
 
     try:
-        args, no_effect = translate(sys.argv[1:], recipe=recipe)
+        args, groups = command_line(sys.argv[1:], recipe=recipe)
     except ConfigError as err:
         _fail(str(err))
     sys.argv[1:] = args
-    return startup_line(no_effect, recipe=recipe)
+    return startup_line(groups, recipe=recipe)
 
 
 def run_recipe(hydra_main: Callable[[], None], *, schema: type, recipe: str) -> None:
-    """Translate verl's keys (``recipe``: 'grpo' or 'sft'), check the command line's overrides
-    against ``schema``, then run the Hydra entry point with the console teed into the run log
-    (``utils.run_log``)."""
+    """Let Hydra take verl's keys (``recipe``: 'grpo' or 'sft'), check the command line's other
+    overrides against ``schema``, then run the Hydra entry point with the console teed into the run
+    log (``utils.run_log``)."""
+    from verl_balance.trainer.config.verl_keys import lookup
     from verl_balance.utils import run_log
 
-    line = _verl_keys(recipe)
+    line = _verl_command_line(recipe)
     args = sys.argv[1:]
     if not _has_config_flags(args) and os.environ.get("HYDRA_FULL_ERROR") != "1":
-        check_overrides(args, schema=schema)
+        ours = [a for a in args if lookup(a.partition("=")[0].lstrip("+"), recipe=recipe) is None]
+        check_overrides(ours, schema=schema)
     with run_log.capture():
         if line:
             print(line, flush=True)

@@ -8,9 +8,8 @@ per worker (per SP rank, after Ulysses padding).
 
 Sections nest their component's config: ``data`` extends the dataset's ``RLDataConfig``,
 ``actor_rollout_ref.actor`` extends ``PolicyLossConfig`` and nests the engine's ``OptimConfig``.
-The Ulysses degree may be given as verl's ``actor_rollout_ref.actor.ulysses_sequence_parallel_size``
-or as the top-level ``ulysses_sequence_parallel_size`` of the SFT recipe (an alias the instantiation
-pass writes into verl's key); setting both to different values is an error. The balancer switch is
+The Ulysses degree is verl's ``actor_rollout_ref.actor.ulysses_sequence_parallel_size`` (the SFT
+recipe's top-level spelling is a row of ``verl_keys``). The balancer switch is
 verl's ``trainer.balance_batch``; the ``balance`` section holds only its cost model. The rollout
 backend is ``actor_rollout_ref.rollout.name`` (``rollout.factory.ROLLOUT_BACKENDS``).
 
@@ -45,6 +44,7 @@ from verl_balance.engine.config import (
 )
 from verl_balance.loss import WEIGHT_MODES, check_agg_mode
 from verl_balance.rewards.overlong import REWARD_MANAGERS, OverlongBufferConfig
+from verl_balance.rollout.agent_loop import MultiTurnConfig
 from verl_balance.rollout.base import RolloutInputError
 from verl_balance.rollout.factory import ROLLOUT_BACKENDS, resolve_backend
 from verl_balance.trainer.checkpoint import COMPLETE_FILE, TRAINER_STATE_FILE
@@ -212,12 +212,11 @@ class ActorSection(FSDPKeys, ActorKeys, ActorAlgorithmKeys, PolicyLossConfig):
         if self.ulysses_sequence_parallel_size is not None:
             check_positive("ulysses_sequence_parallel_size", self.ulysses_sequence_parallel_size)
 
-    def old_log_prob_from_update(self, *, train_batch_size: int) -> bool:
-        """Whether a step takes its old log-probs from the update forward instead of a separate
-        pass: only with recompute_old_log_prob=auto and an on-policy update, i.e. the step's one
-        optimizer step runs on rows sampled with the same weights (one epoch, one mini-batch).
-        An off-policy correction that needs the old log-probs before the update (e.g. rollout
-        importance sampling) must make this False."""
+    def single_on_policy_update(self, *, train_batch_size: int) -> bool:
+        """Whether the actor allows a step's old log-probs from the update forward instead of a
+        separate pass: only with recompute_old_log_prob=auto and an on-policy update, i.e. the step's
+        one optimizer step runs on rows sampled with the same weights (one epoch, one mini-batch).
+        ``GRPOConfig.old_log_prob_from_update`` adds the algorithm's conditions."""
         one_update = self.ppo_epochs == 1 and self.ppo_mini_batch_size == train_batch_size
         return self.recompute_old_log_prob == "auto" and one_update
 
@@ -241,6 +240,8 @@ class ValSamplingConfig:
         check_positive("n", self.n)
         if not self.temperature >= 0:
             raise ConfigError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p={self.top_p} must be in (0, 1]")
 
 
 @dataclass
@@ -273,9 +274,12 @@ class RolloutSection:
     val_kwargs: ValSamplingConfig = field(default_factory=ValSamplingConfig, metadata=APPLY_ON_RESUME)
     """Sampling of validation rollouts."""
     nnodes: int = field(default=0, metadata=LAYOUT_ON_RESUME)
-    """verl's key: nodes of the separate rollout pool (trainer.v1.trainer_mode=separate_async only; 0 = none)."""
+    """verl's key: nodes of the separate rollout pool (trainer.v1.trainer_mode=separate_async only; 0 = one
+    node there, named at start-up: trainer/config/async_mode.py)."""
     n_gpus_per_node: Optional[int] = field(default=None, metadata=LAYOUT_ON_RESUME)
-    """verl's key: rollout workers per node of that pool (null = trainer.n_gpus_per_node, verl's default)."""
+    """verl's key: rollout workers per node of that pool (null or 0 = trainer.n_gpus_per_node, verl's default)."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """verl's multi-turn tool rollouts (rollout/agent_loop.py): the tool agent loop, its limits and tools."""
 
     def __post_init__(self) -> None:
         check_choice("name", self.name, ROLLOUT_BACKENDS)
@@ -541,7 +545,7 @@ class GRPOConfig(RecipeConfig):
     """Engine fields the critic takes from the actor's keys (no LoRA, no LM head; its FSDP2 switches are
     its own critic.fsdp, as in verl)."""
     BALANCE_KEY: ClassVar[str] = "trainer.balance_batch"
-    ALIASES: ClassVar[dict[str, str]] = {"ulysses_sequence_parallel_size": SP_KEY}
+    RECIPE: ClassVar[str] = "grpo"
 
     data: GRPODataSection = field(default_factory=GRPODataSection)
     """Files, columns, prompt-length policy and batch sizes."""
@@ -553,8 +557,6 @@ class GRPOConfig(RecipeConfig):
     """The value model of PPO (algorithm.adv_estimator=gae only)."""
     custom_reward_function: CustomRewardSection = field(default_factory=CustomRewardSection)
     """Reward function."""
-    ulysses_sequence_parallel_size: Optional[int] = field(default=None, metadata=LAYOUT_ON_RESUME)
-    """SFT-recipe spelling of actor_rollout_ref.actor.ulysses_sequence_parallel_size (either works)."""
     balance: GRPOBalanceSection = field(default_factory=GRPOBalanceSection)
     """Workload model of the balancer (its switch is trainer.balance_batch; overlong must be error)."""
     ray_kwargs: RayKwargsSection = field(default_factory=RayKwargsSection)
@@ -596,13 +598,14 @@ class GRPOConfig(RecipeConfig):
 
     @property
     def old_log_prob_from_update(self) -> bool:
-        """Whether each step takes its old log-probs from the update forward (see ActorSection); never
-        when the driver reads them before the advantages (KL in the reward, rollout correction) or
-        when they are the rollout's (rollout_correction.bypass_mode)."""
+        """Whether each step takes its old log-probs from the update forward (the actor allows it:
+        ``ActorSection.single_on_policy_update``); never when the driver reads them before the
+        advantages (KL in the reward, rollout correction) or when they are the rollout's
+        (rollout_correction.bypass_mode)."""
         algorithm = self.algorithm
         if algorithm.needs_old_log_probs_before_advantages or algorithm.rollout_correction.bypass_mode:
             return False
-        return self.actor_rollout_ref.actor.old_log_prob_from_update(train_batch_size=self.data.train_batch_size)
+        return self.actor_rollout_ref.actor.single_on_policy_update(train_batch_size=self.data.train_batch_size)
 
     def loss_mode_config(self) -> LossModeConfig:
         """The actor's policy-loss mode as the workers take it: ``actor.policy_loss.*``, or with
@@ -641,6 +644,7 @@ class GRPOConfig(RecipeConfig):
         self._check_batch_sizes()
         self._check_token_caps()
         self._check_rollout_pool()
+        self._check_multi_turn()
         check_async(self)
         self.rollout_backend  # noqa: B018 -- a backend that cannot run this model fails here
 
@@ -744,9 +748,28 @@ class GRPOConfig(RecipeConfig):
     def _check_rollout_pool(self) -> None:
         """verl's default: actor_rollout_ref.rollout.n_gpus_per_node = trainer.n_gpus_per_node."""
         rollout = self.actor_rollout_ref.rollout
-        if rollout.n_gpus_per_node is None:
+        if not rollout.n_gpus_per_node:  # unset or verl's 0
             rollout.n_gpus_per_node = self.trainer.n_gpus_per_node
         check_positive("actor_rollout_ref.rollout.n_gpus_per_node", rollout.n_gpus_per_node)
+
+    def _check_multi_turn(self) -> None:
+        """Tool rollouts need an HF model's chat template, the synchronous trainer and loadable tools."""
+        multi_turn, key = self.actor_rollout_ref.rollout.multi_turn, "actor_rollout_ref.rollout.multi_turn"
+        if not multi_turn.enable:
+            return
+        if self.actor_rollout_ref.model.path is None:
+            raise ConfigError(f"{key}.enable=true needs actor_rollout_ref.model.path (a chat model with a template)")
+        if self.trainer.v1.trainer_mode != "sync":
+            raise ConfigError(
+                f"{key}.enable=true runs with trainer.v1.trainer_mode=sync only (got "
+                f"{self.trainer.v1.trainer_mode!r}); the async modes' rollout workers have no tool loop yet"
+            )
+        from verl_balance.tools import ToolError, load_tools
+
+        try:
+            load_tools(tool_config_path=multi_turn.tool_config_path, function_tool_path=multi_turn.function_tool_path)
+        except ToolError as err:
+            raise ConfigError(f"{key}: {err}") from err
 
     def _check_token_caps(self) -> None:
         actor, rollout, sp = self.actor_rollout_ref.actor, self.actor_rollout_ref.rollout, self.sp_size
@@ -782,7 +805,7 @@ def validate_grpo(cfg: DictConfig) -> GRPOConfig:
 def register_grpo_schema() -> None:
     """Register "grpo_schema" (and the SFT schema) in Hydra's ConfigStore."""
     register_sft_schema()
-    ConfigStore.instance().store(name="grpo_schema", node=GRPOConfig)
+    ConfigStore.instance().store(name="grpo_schema", node=GRPOConfig.schema_node())
 
 
 __all__ = ["GRPOConfig", "register_grpo_schema", "validate_grpo"]

@@ -5,10 +5,10 @@ Each recipe declares, in one place, where its components' values live: ``ENGINE_
 sections that inherit the engine's key groups (``engine.config.ENGINE_KEY_GROUPS``), from which
 ``engine_keys()`` derives the map of every recipe-supplied ``EngineConfig`` field to the recipe key
 holding it (so an engine error names the user's key); ``SP_KEY`` and ``BALANCE_KEY`` name the Ulysses
-degree and the balancer switch, and ``ALIASES`` maps verl's alternative spellings to their canonical
-key (resolved by ``to_typed``).
-``from_hydra`` turns the merged Hydra config into the typed recipe and runs the checks that
-combine sections; ``engine_config(total_steps=...)`` is the engine's config for the run.
+degree and the balancer switch; ``RECIPE`` names its rows of the verl-key table (``verl_keys``) and its
+file ``config/<RECIPE>.yaml``. ``from_hydra`` takes the merged config (Hydra's, or a mapping built in
+Python), writes verl's spellings as ours, refuses unknown keys, and returns the typed recipe after the
+checks that combine sections; ``engine_config(total_steps=...)`` is the engine's config for the run.
 """
 
 from __future__ import annotations
@@ -17,16 +17,22 @@ import dataclasses
 import functools
 import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import ClassVar
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from verl_balance.engine.config import ENGINE_FIELD, ENGINE_KEY_GROUPS, EngineConfig
 from verl_balance.trainer.config.checks import ConfigError, check_layout, check_writable_dir
 from verl_balance.trainer.config.sections import TrainerSection, engine_profile_steps
-from verl_balance.trainer.config.typed import check_known_keys, to_typed
+from verl_balance.trainer.config.typed import check_known_keys, open_sections, to_typed
+from verl_balance.trainer.config.verl_keys import startup_line, translate
 
 __all__ = ["RecipeConfig", "engine_keys"]
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "config"
+"""The recipes' YAML files (``<RECIPE>.yaml``)."""
 
 
 @functools.cache
@@ -63,8 +69,8 @@ class RecipeConfig:
     """Dotted key of the Ulysses degree (null = 1)."""
     BALANCE_KEY: ClassVar[str]
     """Dotted key of the one switch of the workload balancer."""
-    ALIASES: ClassVar[dict[str, str]] = {}
-    """verl's alternative spelling -> the canonical key it sets (setting both differently is an error)."""
+    RECIPE: ClassVar[str]
+    """'grpo' or 'sft': the recipe's rows of ``verl_keys.VERL_KEYS`` and its ``config/<RECIPE>.yaml``."""
     trainer: TrainerSection
 
     @classmethod
@@ -132,17 +138,54 @@ class RecipeConfig:
         return re.sub(rf"(?<![\w.'\"])({names})\b", lambda m: keys[m.group(1)], message)
 
     @classmethod
-    def from_hydra(cls, cfg: DictConfig):
-        """The recipe as typed objects; ConfigError naming the key when it is invalid."""
+    def schema_node(cls) -> DictConfig:
+        """The schema as Hydra composes it: every section open to keys it does not declare, so verl's
+        spellings in a YAML file reach ``from_hydra`` (which refuses any key still unknown)."""
+        return open_sections(OmegaConf.structured(cls))
+
+    @classmethod
+    def from_hydra(cls, cfg: DictConfig | Mapping):
+        """The recipe as typed objects from the merged config (or a mapping of overrides of the
+        schema's defaults); ConfigError naming the key when it is invalid. verl's keys are translated
+        (``verl_keys.translate``) and the no-effect ones named in one printed line."""
+        cfg, no_effect = cls.translate(cfg)
         check_known_keys(cfg)
-        config = to_typed(cfg, aliases=cls.ALIASES)
+        config = to_typed(cfg)
         if not isinstance(config, cls):
             raise ConfigError(f"the config is a {type(config).__name__}, not the {cls.__name__} schema")
         check_writable_dir("trainer.default_local_dir", config.trainer.default_local_dir)
         check_layout(sp_size=config.sp_size, world_size=config.trainer.world_size, sp_key=cls.SP_KEY)
         config.check_sections()
         config.engine_config(total_steps=1)  # an engine error fails here, before any worker starts
+        line = startup_line(no_effect, recipe=cls.RECIPE)
+        if line:
+            print(line, flush=True)
         return config
+
+    @classmethod
+    def translate(cls, cfg: DictConfig | Mapping) -> tuple[DictConfig, list[str]]:
+        """(``cfg`` typed by the schema with verl's keys written as ours, the no-effect keys): the
+        recipe's rows of ``verl_keys.translate``, our keys' unset values being the schema's defaults and
+        the recipe file's."""
+        return translate(cls._typed_node(cfg), recipe=cls.RECIPE, defaults=_defaults(cls))
+
+    @classmethod
+    def _typed_node(cls, cfg: DictConfig | Mapping) -> DictConfig:
+        """``cfg`` typed by a schema: Hydra's composed config as is, anything else merged over
+        ``schema_node()``."""
+        if isinstance(cfg, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(cfg)):
+            return cfg
+        try:
+            return OmegaConf.merge(cls.schema_node(), cfg)
+        except OmegaConfBaseException as err:
+            raise ConfigError(f"{err.full_key}: {err.msg}") from None
 
     def check_sections(self) -> None:
         """The recipe's checks that combine several sections (after each section's own)."""
+
+
+@functools.cache
+def _defaults(schema: type) -> tuple[DictConfig, DictConfig]:
+    """The values a key holds when no user set it: the schema's defaults and the recipe file's."""
+    recipe_file = OmegaConf.load(CONFIG_DIR / f"{schema.RECIPE}.yaml")
+    return OmegaConf.structured(schema), recipe_file

@@ -9,12 +9,13 @@ keys of a ``ConfigError`` out in full. Key names follow verl's wherever the conc
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar, Optional
+from typing import Any, ClassVar, Optional
 
 from verl_balance.balance import FlopsWorkload, TokenWorkload
 from verl_balance.balance.errors import BalanceConfigError
@@ -32,7 +33,7 @@ from verl_balance.trainer.config.checks import (
     check_hf_model_dir,
     check_positive,
 )
-from verl_balance.utils.atomic_io import atomic_write_json
+from verl_balance.utils.atomic_io import atomic_write_json, refuse_symlink
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,9 @@ def resolve_data_files(data, *, kind: str, default_local_dir: str) -> tuple:
     synthetic = data.synthetic
     out_dir = synthetic.out_dir or os.path.join(default_local_dir, "data")
     train, val = (os.path.join(out_dir, f"{kind}_{split}.parquet") for split in ("train", "val"))
+    if synthetic.out_dir is None:  # inside the run directory: never through a planted link
+        for path in (out_dir, train, val):
+            refuse_symlink(path)
     if not (os.path.exists(train) and os.path.exists(val)):
         logger.info("data.train_files is null: generating the synthetic task into %s", out_dir)
         write_dataset(
@@ -138,8 +142,18 @@ class ModelSection(ModelKeys):
                 f"lora_rank={self.lora_rank} needs a Hugging Face model (path); the built-in preset has no "
                 "LoRA support: set lora_rank=0 or path"
             )
+        if (self.lora_rank or self.lora_adapter_path is not None) and importlib.util.find_spec("peft") is None:
+            key = f"lora_rank={self.lora_rank}" if self.lora_rank else "lora_adapter_path"
+            raise ConfigError(
+                f"{key}: LoRA needs peft, which is not installed: pip install 'peft>=0.13' (a dependency of "
+                "verl-balance: reinstall it with pip install -e .), or set lora_rank=0"
+            )
         if self.path is not None:
             check_hf_model_dir("path", self.path)
+        for key in MODEL_DIMENSION_KEYS:  # a dimension override, when set, is a positive count
+            value = getattr(self, key)
+            if value is not None and not isinstance(value, bool):
+                check_positive(key, value)
 
     @property
     def tokenizer_path(self) -> str:
@@ -263,9 +277,10 @@ class TrainerSection:
     """Passes over the training set (when total_training_steps is null)."""
     total_training_steps: Optional[int] = field(default=None, metadata=APPLY_ON_RESUME)
     """Steps to train; null = total_epochs x steps per epoch."""
-    logger: list = field(default_factory=lambda: ["console", "jsonl"], metadata=APPLY_ON_RESUME)
-    """Tracking backends: any of LOGGERS (verl's names: ``file`` is the jsonl file, ``mlflow`` a local
-    file store under default_local_dir/mlruns unless MLFLOW_TRACKING_URI is set)."""
+    logger: Any = field(default_factory=lambda: ["console", "jsonl"], metadata=APPLY_ON_RESUME)
+    """Tracking backends: a list of LOGGERS, or one name as verl also takes (verl's names: ``file`` is the
+    jsonl file, ``mlflow`` a local file store under default_local_dir/mlruns unless MLFLOW_TRACKING_URI
+    is set)."""
     console_metrics: Optional[list] = field(default=None, metadata=APPLY_ON_RESUME)
     """Metric keys the console's progress line shows (e.g. [train/loss,val/loss]); null = the recipe's
     few (utils/progress.py). metrics.jsonl and the trackers get every metric."""
@@ -337,6 +352,16 @@ class TrainerSection:
         check_choice("resume_mode", self.resume_mode, RESUME_MODES)
         if self.resume_mode == "resume_path" and not self.resume_from_path:
             raise ConfigError("resume_mode=resume_path needs resume_from_path")
+        if self.resume_mode == "resume_path" and not os.path.isdir(self.resume_from_path):
+            what = "is not a directory" if os.path.exists(self.resume_from_path) else "does not exist"
+            raise ConfigError(
+                f"resume_from_path={self.resume_from_path!r} {what} (resume_mode=resume_path); point it at a "
+                "complete global_step_N directory, or set resume_mode=auto"
+            )
+        if isinstance(self.logger, str):
+            self.logger = [self.logger]
+        if not isinstance(self.logger, (list, tuple)):
+            raise ConfigError(f"logger={self.logger!r}: give a list of {list(LOGGERS)} or one of them")
         for name in self.logger:
             check_choice("logger", name, LOGGERS)
         if self.save_freq == 0:

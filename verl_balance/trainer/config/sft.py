@@ -1,7 +1,8 @@
 """The SFT recipe's schema (``config/sft.yaml``): ``SFTConfig`` and its own sections.
 
-Key names are verl's SFT trainer's (``data.micro_batch_size_per_gpu``, ``model.partial_pretrain``,
-``ulysses_sequence_parallel_size``, ...). The balancer switch is ``balance.enable``.
+Key names are verl's SFT trainer's (``data.micro_batch_size_per_gpu``, ``ulysses_sequence_parallel_size``,
+...; its other spellings, e.g. ``model.partial_pretrain``, are rows of ``verl_keys``). The balancer switch
+is ``balance.enable``.
 """
 
 from __future__ import annotations
@@ -31,12 +32,8 @@ __all__ = ["SFTConfig", "register_sft_schema", "validate_sft"]
 
 @dataclass
 class SFTModelSection(FSDPKeys, ModelSection):
-    """``model`` of the SFT recipe: ModelSection plus verl's spelling of the model directory and the
-    engine's ``fsdp_config`` / ``logits_chunk_size`` (engine.config.FSDPKeys)."""
-
-    partial_pretrain: Optional[str] = None
-    """verl's SFT key for the model directory: the same as ``path`` (set either; the instantiation
-    pass writes it into ``path``)."""
+    """``model`` of the SFT recipe: ModelSection plus the engine's ``fsdp_config`` / ``logits_chunk_size``
+    (engine.config.FSDPKeys)."""
 
 
 @dataclass
@@ -103,7 +100,7 @@ class SFTConfig(RecipeConfig, ActorKeys):
     ENGINE_SECTIONS: ClassVar[tuple[str, ...]] = ("", "model")
     SP_KEY: ClassVar[str] = "ulysses_sequence_parallel_size"
     BALANCE_KEY: ClassVar[str] = "balance.enable"
-    ALIASES: ClassVar[dict[str, str]] = {"model.partial_pretrain": "model.path"}
+    RECIPE: ClassVar[str] = "sft"
 
     data: SFTDataSection = field(default_factory=SFTDataSection)
     """Files, columns, length policy and batching."""
@@ -140,4 +137,4 @@ def validate_sft(cfg: DictConfig) -> SFTConfig:
 
 def register_sft_schema() -> None:
     """Register "sft_schema" in Hydra's ConfigStore (config/sft.yaml names it in its defaults)."""
-    ConfigStore.instance().store(name="sft_schema", node=SFTConfig)
+    ConfigStore.instance().store(name="sft_schema", node=SFTConfig.schema_node())

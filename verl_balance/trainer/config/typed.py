@@ -1,22 +1,20 @@
-"""The merged Hydra config as the recipe's typed objects, in one pass.
+"""The merged config as the recipe's typed objects, in one pass.
 
-``check_known_keys`` rejects keys no section declares (Hydra's ``+key=value`` bypasses the
-schema's own check); ``resolve_aliases`` writes verl's alternative spellings (``partial_pretrain``,
-the top-level Ulysses degree) into their canonical key; ``to_typed`` builds every section once,
-innermost first, so each ``__post_init__`` check runs once and its ``ConfigError`` names the full key.
+``open_sections`` opens a schema node to keys it does not declare (so a YAML file or the command line
+may hold verl's spellings until ``verl_keys.translate`` writes them as ours); ``check_known_keys`` then
+refuses any key still undeclared; ``to_typed`` builds every section once, innermost first, so each
+``__post_init__`` check runs once and its ``ConfigError`` names the full key.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-from collections.abc import Mapping
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from verl_balance.trainer.config.checks import ConfigError, check_finite_values, did_you_mean, qualify
 
-__all__ = ["check_known_keys", "resolve_aliases", "to_typed"]
+__all__ = ["check_known_keys", "open_sections", "to_typed"]
 
 
 def check_known_keys(cfg: DictConfig, path: str = "") -> None:
@@ -39,21 +37,15 @@ def check_known_keys(cfg: DictConfig, path: str = "") -> None:
             check_known_keys(cfg[key], f"{path}{key}.")
 
 
-def resolve_aliases(cfg: DictConfig, aliases: Mapping[str, str]) -> DictConfig:
-    """A copy of ``cfg`` in which each alias key's value (when set) is also the value of its
-    canonical key (``{alias: canonical}``); ConfigError when both are set to different values."""
-    if not aliases:
-        return cfg
-    cfg = copy.deepcopy(cfg)
-    for alias, canonical in aliases.items():
-        value = OmegaConf.select(cfg, alias)
-        if value is None:
-            continue
-        current = OmegaConf.select(cfg, canonical)
-        if current is not None and current != value:
-            raise ConfigError(f"{canonical}={current!r} and {alias}={value!r} disagree; set one of them")
-        OmegaConf.update(cfg, canonical, value, merge=False)
-    return cfg
+def open_sections(node: DictConfig) -> DictConfig:
+    """``node`` with every section open to keys it does not declare (the flag is the section's own, so
+    Hydra's closing of the root leaves them open); returns ``node``."""
+    OmegaConf.set_struct(node, False)
+    for key in node.keys():
+        child = node._get_node(key)
+        if isinstance(child, DictConfig) and not child._is_none() and not child._is_missing():
+            open_sections(child)
+    return node
 
 
 def _section_prefixes(node: DictConfig, path: str) -> dict[str, str]:
@@ -88,9 +80,9 @@ def _instantiate(node: DictConfig, path: str):
         raise ConfigError(message if not path or path in message else f"{message} (in {path})") from err
 
 
-def to_typed(cfg: DictConfig, *, aliases: Mapping[str, str] | None = None):
-    """The merged Hydra config as its schema's objects (aliases resolved, every ``__post_init__``
-    check run once, no number inf or nan)."""
-    config = _instantiate(resolve_aliases(cfg, aliases or {}), "")
+def to_typed(cfg: DictConfig):
+    """The merged config, typed by its schema, as the schema's objects (every ``__post_init__`` check
+    run once, no number inf or nan)."""
+    config = _instantiate(cfg, "")
     check_finite_values(config)
     return config

@@ -1,29 +1,44 @@
-"""verl's launch-script keys that our recipes accept beyond their own schema: one registry.
+"""verl's spellings of the recipes' keys: one table, applied to the merged config.
 
-Each ``VerlKey`` is a key of verl's FSDP example scripts (``examples/*_trainer/*fsdp*.sh``,
-``examples/sft/**/*fsdp*.sh``; test data in ``tests/data/verl_example_overrides/``) that the typed
-schemas do not declare, with its status here:
+Each ``VerlKey`` is a key of verl's launch scripts and configs that the typed schemas do not declare:
 
-- ``honoured``: written into ``target``, our key of the same meaning (setting both to different
-  values is an error naming them);
-- ``no_effect``: accepted and named once in the start-up line with its reason.
+- ``honoured``: its value is written into ``target``, our key of the same meaning;
+- ``no_effect``: accepted, removed, and named once in the start-up line with its reason.
 
 ``values``, when set, are the only values accepted; any other is refused naming the key, the valid
-values and the reason. From the registry derive the acceptance (``translate``, run on the command
-line before Hydra composes the config), the start-up line (``startup_line``) and the docs table
-``docs/verl_keys.md`` (``python -m verl_balance.trainer.config.verl_keys > docs/verl_keys.md``).
+values and the reason. ``translate`` applies the table to the config Hydra composed (command line,
+YAML files) or Python built, so every input behaves alike; ``command_line`` only lets Hydra take the
+table's keys (``++``) and drops verl's config-group choices (``engine=fsdp``). Two spellings of one
+key with different values are refused naming both. The docs table ``docs/verl_keys.md`` is
+``python -m verl_balance.trainer.config.verl_keys > docs/verl_keys.md``.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import fnmatch
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import OmegaConfBaseException
 
 from verl_balance.trainer.config.checks import ConfigError
 
-__all__ = ["VERL_KEYS", "VerlKey", "docs_table", "lookup", "startup_line", "target_of", "translate"]
+__all__ = [
+    "VERL_KEYS",
+    "VerlKey",
+    "command_line",
+    "docs_table",
+    "lookup",
+    "startup_line",
+    "target_of",
+    "translate",
+    "undeclared_leaves",
+]
 
 RECIPES = ("grpo", "sft")
 AR = "actor_rollout_ref"
@@ -35,27 +50,28 @@ class VerlKey:
 
     pattern: str
     status: str
-    """'honoured' (written into target) or 'no_effect' (accepted, logged at start-up)."""
+    """'honoured' (written into target) or 'no_effect' (accepted, named at start-up)."""
     reason: str
     target: str | None = None
+    """Our key; a target ending in ``*`` takes the key's tail (a key under a free dict)."""
     values: tuple[str, ...] | None = None
     """The only values accepted (compared case-insensitively); None = any."""
     recipes: tuple[str, ...] = RECIPES
-    free_dict: bool = False
-    """The target is a key under a free dict of our schema (``ray_kwargs.ray_init``): written with
-    Hydra's ``++`` (add or override), since the dict declares no keys; ``*`` in target is the key's tail."""
+    group: bool = False
+    """A choice of verl's Hydra config group (``engine=fsdp``): a command-line word, not a key."""
 
     def __post_init__(self) -> None:
         assert self.status in ("honoured", "no_effect"), self.status
         assert (self.target is not None) == (self.status == "honoured"), self.pattern
+        assert not (self.group and self.target), self.pattern
 
 
-def _honoured(pattern: str, target: str, reason: str, *, values=None, recipes=RECIPES, free_dict=False) -> VerlKey:
-    return VerlKey(pattern, "honoured", reason, target=target, values=values, recipes=recipes, free_dict=free_dict)
+def _honoured(pattern: str, target: str, reason: str, *, values=None, recipes=RECIPES) -> VerlKey:
+    return VerlKey(pattern, "honoured", reason, target=target, values=values, recipes=recipes)
 
 
-def _none(patterns: Sequence[str], reason: str, *, values=None, recipes=RECIPES) -> list[VerlKey]:
-    return [VerlKey(p, "no_effect", reason, values=values, recipes=recipes) for p in patterns]
+def _none(patterns: Sequence[str], reason: str, *, values=None, recipes=RECIPES, group=False) -> list[VerlKey]:
+    return [VerlKey(p, "no_effect", reason, values=values, recipes=recipes, group=group) for p in patterns]
 
 
 def _reward_manager_keys() -> list[VerlKey]:
@@ -104,6 +120,12 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         recipes=("grpo",),
     ),
     _honoured(
+        "ulysses_sequence_parallel_size",
+        f"{AR}.actor.ulysses_sequence_parallel_size",
+        "the SFT recipe's spelling",
+        recipes=("grpo",),
+    ),
+    _honoured(
         "reward.custom_reward_function.path", "custom_reward_function.path", "verl 0.9.1's spelling", recipes=("grpo",)
     ),
     _honoured(
@@ -116,6 +138,23 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         recipes=("sft",),
     ),
     _honoured("model.use_remove_padding", "use_remove_padding", "sft_trainer's spelling", recipes=("sft",)),
+    _honoured("model.partial_pretrain", "model.path", "sft_trainer's spelling", recipes=("sft",)),
+    _honoured(
+        "data.multiturn.messages_key", "data.messages_key", "verl's legacy fsdp_sft_trainer spelling", recipes=("sft",)
+    ),
+    *_none(
+        ["data.multiturn.enable"],
+        "verl's legacy switch to chat data: here each file is read as chats from data.messages_key (unset: its "
+        "'messages' column when it has one), else from data.prompt_key/data.response_key",
+        values=("true", "false"),
+        recipes=("sft",),
+    ),
+    *_none(
+        ["data.multiturn.tools_key", "data.multiturn.enable_thinking_key"],
+        "verl's multi-turn dataset passes a row's tool schemas and enable_thinking to the chat template; "
+        "here chats are rendered from their messages only",
+        recipes=("sft",),
+    ),
     _honoured("optim.lr_warmup_steps_ratio", "optim.warmup_steps_ratio", "verl's spelling", recipes=("sft",)),
     _honoured(
         "optim.lr_decay_style", "optim.lr_scheduler", "verl's spelling", values=("constant", "cosine"), recipes=("sft",)
@@ -132,7 +171,6 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         "ray_kwargs.ray_init.*",
         "passed to ray.init (trainer/cluster.py start_ray) over our arguments, runtime_env key by key; "
         "null values left out as in verl; a key ray.init does not take is refused",
-        free_dict=True,
     ),
     # -- no effect here: the engine, the device, the rollout
     *_none(
@@ -140,8 +178,9 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         "sft_trainer's config group of the FSDP engine; " + _FSDP,
         values=("fsdp",),
         recipes=("sft",),
+        group=True,
     ),
-    *_none(["model"], "sft_trainer's config group of an HF model", values=("hf_model",), recipes=("sft",)),
+    *_none(["model"], "sft_trainer's config group of an HF model", values=("hf_model",), recipes=("sft",), group=True),
     *_none([f"{AR}.actor.strategy", f"{AR}.ref.strategy", "engine.strategy"], _FSDP, values=("fsdp", "fsdp2")),
     *_none(
         [
@@ -153,7 +192,13 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         recipes=("sft",),
     ),
     *_none(
-        ["engine.use_mbridge", "engine.vanilla_mbridge", "engine.use_megatron_fsdp", f"{AR}.*.megatron.*"],
+        [
+            "engine.use_mbridge",
+            "engine.vanilla_mbridge",
+            "engine.use_megatron_fsdp",
+            "engine.override_transformer_config.*",
+            f"{AR}.*.megatron.*",
+        ],
         "read by verl's Megatron engine only; " + _FSDP,
     ),
     *_none(
@@ -176,6 +221,12 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         recipes=("grpo",),
     ),
     *_none([f"{AR}.ref.fsdp_config.reshard_after_forward"], _ACTOR_LOGPROB, recipes=("grpo",)),
+    *_none(
+        [f"{AR}.*.fsdp_config.mixed_precision.reduce_dtype"],
+        "gradients are reduced in fp32; model.param_dtype sets the compute dtype",
+        values=("fp32", "float32"),
+        recipes=("grpo",),
+    ),
     *_none(
         [f"{AR}.*.entropy_checkpointing", f"{AR}.*.entropy_from_logits_with_chunking", f"{AR}.*.fsdp_config.entropy_*"]
         + [f"{AR}.model.use_fused_kernels"],
@@ -277,6 +328,13 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         values=("null", "none", "rlhfdataset"),
     ),
     *_none(["data.image_key", "data.image_patch_size"], "text-only models: image columns are not read"),
+    *_none(
+        ["data.apply_chat_template_kwargs.reasoning_effort"],
+        "the chat template renders with its own defaults (gpt-oss's reasoning_effort is medium); "
+        "other apply_chat_template_kwargs are refused",
+        values=("medium",),
+        recipes=("grpo",),
+    ),
     *_none(["checkpoint.save_contents"], "checkpoints always hold the model, the optimizer and the trainer state"),
     *_none(
         ["reward.num_workers"],
@@ -312,11 +370,18 @@ def _split(arg: str) -> tuple[str, str]:
     return key.lstrip("+"), value
 
 
-def _norm(value: str) -> str:
-    return value.strip().strip("'\"").lower()
+def _norm(value: Any) -> str:
+    if OmegaConf.is_config(value):
+        value = OmegaConf.to_container(value, resolve=True)
+    return str(value).strip().strip("'\"").lower()
 
 
-def _check_value(key: str, value: str, entry: VerlKey) -> None:
+def _same(a: Any, b: Any) -> bool:
+    numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (a, b))
+    return float(a) == float(b) if numbers else _norm(a) == _norm(b)
+
+
+def _check_value(key: str, value: Any, entry: VerlKey) -> None:
     if entry.values is not None and _norm(value) not in entry.values:
         raise ConfigError(
             f"{key}={value}: this project accepts only {list(entry.values)} here ({entry.reason}); "
@@ -325,40 +390,115 @@ def _check_value(key: str, value: str, entry: VerlKey) -> None:
 
 
 def target_of(key: str, entry: VerlKey) -> str:
-    """Our key for ``key``: the entry's target; under a free dict the target's ``*`` is the key's tail."""
-    if not entry.free_dict:
+    """Our key for ``key``: the entry's target; a target ending in ``*`` takes the key's tail."""
+    if not entry.target.endswith("*"):
         return entry.target
-    head = entry.target.rstrip("*")
-    return head + key[len(entry.pattern.rstrip("*")) :]
+    return entry.target.rstrip("*") + key[len(entry.pattern.rstrip("*")) :]
 
 
-def translate(args: Sequence[str], *, recipe: str) -> tuple[list[str], list[str]]:
-    """(the command line with verl's keys written as ours and no-effect keys removed, the
-    no-effect keys); ConfigError on a refused value or two spellings set to different values."""
+def command_line(args: Sequence[str], *, recipe: str) -> tuple[list[str], list[str]]:
+    """(the command line with each of the table's keys written ``++key=value``, so Hydra adds it to
+    the composed config in any section, and verl's config-group choices removed; those choices).
+    Nothing is translated here: ``translate`` does it on the composed config."""
     out: list[str] = []
-    seen: dict[str, tuple[str, str]] = {}
-    no_effect: list[str] = []
+    groups: list[str] = []
     for given in args:
-        if "=" not in given or given.startswith("-"):
-            out.append(given)
-            continue
         key, value = _split(given)
-        entry = lookup(key, recipe=recipe)
-        arg = given
-        if entry is not None:
+        entry = lookup(key, recipe=recipe) if "=" in given and not given.startswith("-") else None
+        if entry is None:
+            out.append(given)
+        elif entry.group:
             _check_value(key, value, entry)
-            if entry.status == "no_effect":
-                no_effect.append(key)
-                continue
-            key, arg = target_of(key, entry), f"{'++' if entry.free_dict else ''}{target_of(key, entry)}={value}"
-        elif key == "trainer.logger" and not value.lstrip().startswith("["):
-            arg = f"trainer.logger=[{value}]"  # verl takes one logger name too; ours is a list
-        if key in seen:
-            if _norm(seen[key][1]) != _norm(value):
-                raise ConfigError(f"{seen[key][0]} and {given} set {key} to different values; set one of them")
+            groups.append(key)
+        else:
+            out.append(f"++{key}={value}")
+    return out, groups
+
+
+def _is_section(node: Any) -> bool:
+    return isinstance(node, DictConfig) and not node._is_none() and dataclasses.is_dataclass(OmegaConf.get_type(node))
+
+
+def _leaves(parent: DictConfig, key: Any, path: tuple) -> list[tuple[tuple, Any]]:
+    node = parent._get_node(key)
+    if isinstance(node, DictConfig) and not node._is_none() and not node._is_missing() and len(node):
+        return [leaf for k in node.keys() for leaf in _leaves(node, k, (*path, k))]
+    value = parent[key]
+    return [(path, OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value)]
+
+
+def undeclared_leaves(cfg: DictConfig, path: tuple = ()) -> list[tuple[tuple, Any]]:
+    """(key path, value) of every leaf under a key that its typed section does not declare; the
+    schema's free dicts and lists are values, not walked."""
+    declared = {f.name for f in dataclasses.fields(OmegaConf.get_type(cfg))}
+    out: list[tuple[tuple, Any]] = []
+    for key in cfg.keys():
+        if key not in declared:
+            out += _leaves(cfg, key, (*path, key))
+        elif _is_section(cfg._get_node(key)):
+            out += undeclared_leaves(cfg._get_node(key), (*path, key))
+    return out
+
+
+def _disagree(first: str, first_value: Any, second: str, second_value: Any) -> ConfigError:
+    return ConfigError(
+        f"{first}={first_value!r} and {second}={second_value!r} disagree: two spellings of one key set to "
+        "different values; set one of them"
+    )
+
+
+def _write(cfg: DictConfig, key: str, value: Any, target: str, *, written: dict, defaults) -> None:
+    """``value`` of verl's ``key`` into our ``target``; ConfigError when the target holds another value
+    that a user set (``written`` by another spelling, or none of its ``defaults``)."""
+    if target in written:
+        if not _same(written[target][1], value):
+            raise _disagree(*written[target], key, value)
+        return
+    current = OmegaConf.select(cfg, target, default=None)
+    user_set = all(not _same(current, OmegaConf.select(d, target, default=None)) for d in defaults)
+    if current is not None and user_set and not _same(current, value):
+        raise _disagree(target, current, key, value)
+    try:
+        OmegaConf.update(cfg, target, value, merge=True)
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"{key}={value!r} (our {target}): {err.msg}") from None
+    written[target] = (key, value)
+
+
+def _remove(cfg: DictConfig, path: tuple) -> None:
+    """Delete the key at ``path`` and each parent it leaves empty that no typed section declares."""
+    while path:
+        parent = cfg
+        for part in path[:-1]:
+            parent = parent._get_node(part)
+        if _is_section(parent) and path[-1] in {f.name for f in dataclasses.fields(OmegaConf.get_type(parent))}:
+            return
+        with open_dict(parent):
+            del parent[path[-1]]
+        if len(parent) or _is_section(parent):
+            return
+        path = path[:-1]
+
+
+def translate(cfg: DictConfig, *, recipe: str, defaults: Sequence[DictConfig] = ()) -> tuple[DictConfig, list[str]]:
+    """(a copy of the composed ``cfg`` with each honoured verl key's value in our key and the table's
+    keys removed, the no-effect keys). Keys the table does not know are left for the unknown-key check.
+    ConfigError on a value the table refuses, and on two spellings of one key set to different values:
+    our key counts as set when it holds none of its ``defaults`` (the schema's, the recipe file's)."""
+    out = copy.deepcopy(cfg)
+    no_effect: list[str] = []
+    written: dict[str, tuple[str, Any]] = {}
+    for path, value in undeclared_leaves(cfg):
+        key = ".".join(map(str, path))
+        entry = lookup(key, recipe=recipe)
+        if entry is None:
             continue
-        seen[key] = (given, value)
-        out.append(arg)
+        _check_value(key, value, entry)
+        if entry.status == "no_effect":
+            no_effect.append(key)
+        else:
+            _write(out, key, value, target_of(key, entry), written=written, defaults=defaults)
+        _remove(out, path)
     return out, no_effect
 
 
@@ -401,9 +541,11 @@ def docs_table() -> str:
         "",
         "Generated by `python -m verl_balance.trainer.config.verl_keys > docs/verl_keys.md` from",
         "`verl_balance/trainer/config/verl_keys.py`; do not edit. Keys of verl's example scripts that",
-        "our schemas do not declare: `honoured` keys are written into our key of the same meaning;",
-        "`no effect` keys are accepted and named once in the start-up line with the reason. A key",
-        "with listed values refuses any other value, naming the key and these values.",
+        "our schemas do not declare, on the command line, in a YAML file or in a mapping given to",
+        "`from_hydra` alike: `honoured` keys are written into our key of the same meaning (two spellings",
+        "with different values are refused naming both); `no effect` keys are accepted and named once in",
+        "the start-up line with the reason. A key with listed values refuses any other value, naming the",
+        "key and these values.",
         "",
         "| verl key | recipes | status | values | our key / reason |",
         "| --- | --- | --- | --- | --- |",

@@ -1,58 +1,26 @@
 """``trainer.v1.trainer_mode=separate_async`` (and ``colocate_async``): GRPO one step off-policy.
 
-``AsyncGRPOTrainer`` is ``GRPOTrainer`` whose training rollouts come from a rollout worker group on
-its own resource pool (``actor_rollout_ref.rollout.nnodes x n_gpus_per_node`` RolloutWorkers,
-``workers/rollout_worker.py``), each holding a copy of the policy. Step k:
+``AsyncGRPOTrainer`` is ``GRPOTrainer`` whose training batch k was generated ahead, with the policy
+version recorded on every row (``policy_version``): by a rollout worker group on its own resource
+pool (separate_async; the actor's weights are synced to it in buckets after each step,
+``workers/weight_sync.py``), or by the actor group's colocated rollout queued before step k-1's
+updates (colocate_async; no sync). A worker runs its calls in order, so a batch generates with the
+weights of the last sync submitted before it, and both modes draw the same samples.
 
-1. submit the generation of the batches up to k + ``lookahead`` that are not in flight yet (their
-   prompts are the loader's next items, read without moving it: ``peek_loader_item``); a rollout
-   worker runs its calls in order, so a batch generates with the weights of the last sync submitted
-   before it: its policy version, recorded on every row (``policy_version``);
-2. wait for batch k (``timing_s/gen`` is the part of its generation that step k-1's training did not
-   hide) and apply the sampler: staleness = k - version; with ``max_off_policy_strategy=drop`` the
-   rows staler than ``max_off_policy_threshold`` are not trained on (``wait`` caps the lookahead
-   instead, ``V1Section.lookahead``);
-3. score, reference log-probs, advantages and the PPO updates as in ``GRPOTrainer`` (the training
-   plan balances the batch over the actor's DP ranks as in sync mode). The update's old log-probs
-   are the rollout's recorded ones (verl's ``rollout_correction.bypass_mode`` with the ppo_clip
-   loss: the PPO ratio pi_theta / pi_rollout is the importance weight, clipped). With
-   ``actor.recompute_old_log_prob=always`` the actor's log-probs of the batch are computed first
-   and the token- and sequence-level importance weights exp(log pi_actor - log pi_rollout) are
-   logged (``off_policy/is_weight_*``, ``rollout_correction.is_weights``). With verl's decoupled
-   correction (``algorithm.rollout_correction.rollout_is`` / ``rollout_rs``, which needs
-   ``recompute_old_log_prob=always``) the old log-probs stay the actor's and, as in sync mode,
-   ``advantage_step.correct_rollout`` sets the truncated IS weights and rejects tokens from the
-   loss mask before the advantages (``rollout_corr/*`` metrics); the PPO ratio is then
-   pi_theta / pi_old, times the IS weight;
-4. sync the new weights actor -> rollout group in buckets (``workers/weight_sync.py``): version k+1.
-
-With ``num_warmup_batches=1`` batch k is generated with the weights of step k-1 (step 0's with the
-initial weights) while step k-1 trains: one-step off-policy. Validation generates on the actor
-group's colocated rollout with the current weights, as in sync mode.
-
-Rollout work is spread over the rollout workers by predicted tokens, n x (prompt length +
-expected response length) per prompt (``balance.partition.balanced_partition``, prompt counts
-within one of each other); ``rollout/imbalance_predicted`` and ``rollout/imbalance_measured``
-(max / mean of the workers' busy seconds) report it like the training side's ``balance/*``.
-A sample's tokens depend only on its prompt, its seed (``sampling_seed(seed, sample_index)``) and
-the weights, not on the worker that drew it.
-
-A checkpoint (a save, SIGINT / SIGTERM) waits for the in-flight batches and keeps their rollout
-outputs with the policy version (``trainer/grpo/async_checkpoint.py``), so a resumed run, or one
-restarted after a dead worker (rollout's or actor's; ``trainer.max_restarts``), trains on the same
-samples and continues the uninterrupted curve; every later batch is generated from its seeds.
-
-With LoRA (``actor_rollout_ref.model.lora_rank > 0``) the first sync to a rollout group sends the
-base and the adapters, every later one the adapters only; the rollout workers merge them
-(``weight_sync/bytes`` says what a step sent).
-
-``trainer.v1.trainer_mode=colocate_async`` runs the same schedule on the actor group's colocated
-rollout: step k submits batch k+1's generation to the actor workers before its own log-prob passes
-and updates, so (a worker runs its calls in order) batch k+1 is generated with version k, exactly
-the samples ``separate_async`` draws; there is no weight sync. The workers do one thing at a time,
-so only the driver's work (scoring, advantages, planning) overlaps the generation.
-
-Not built yet: a critic.
+Invariants:
+- staleness = step - version; ``max_off_policy_strategy=drop`` removes rows staler than
+  ``max_off_policy_threshold`` before training, ``wait`` caps the lookahead instead;
+- every update is off-policy (``OldLogProbs.off_policy``): the old log-probs are the rollout's
+  recorded ones (bypass: the PPO ratio against the behaviour policy is the importance weight), unless
+  verl's decoupled ``algorithm.rollout_correction`` (with ``recompute_old_log_prob=always``) keeps the
+  actor's and weights/rejects tokens as in sync mode;
+- a sample's tokens depend only on its prompt, its seed (``sampling_seed(seed, sample_index)``) and
+  the weights, not on the worker that drew it; prompts are spread over rollout workers by predicted
+  tokens (``rollout/imbalance_*``);
+- a checkpoint keeps the in-flight batches' rollout outputs with their versions
+  (``async_checkpoint.py``), so a resumed or restarted run trains on the same samples;
+- with LoRA, every sync after a rollout group's first sends the adapters only.
+No critic (the config refuses gae here).
 """
 
 from __future__ import annotations
@@ -75,16 +43,13 @@ from verl_balance.batch_keys import (
     LOSS_MASK_KEY,
     OLD_LOG_PROBS_KEY,
     POLICY_VERSION_KEY,
-    PROMPT_IDS_KEY,
     PROMPT_LENGTHS_KEY,
     RESPONSE_LENGTHS_KEY,
     ROLLOUT_LOG_PROBS_KEY,
-    SAMPLE_INDEX_KEY,
     TEMPERATURE_KEY,
-    UID_KEY,
 )
 from verl_balance.protocol import Batch
-from verl_balance.rollout import RolloutOutput, build_rollout_batch
+from verl_balance.rollout import RolloutOutput
 from verl_balance.single_controller.resource_pool import RayResourcePool, UnplaceableResourcePoolError
 from verl_balance.single_controller.worker_group import GroupFuture, RayClassWithInitArgs
 from verl_balance.trainer import checkpoint, cluster
@@ -99,7 +64,20 @@ from verl_balance.trainer.grpo.async_checkpoint import (
     load_rollout_output,
     save_rollout_output,
 )
-from verl_balance.trainer.grpo.trainer import GRPOTrainer, _timed, merge_rollout_outputs
+from verl_balance.trainer.grpo.old_log_probs import OldLogProbs
+from verl_balance.trainer.grpo.rollout_batch import merge_rollout_outputs, prompt_batch, rollout_batch
+from verl_balance.trainer.grpo.step_metrics import timed as _timed
+from verl_balance.trainer.grpo.trainer import GRPOTrainer
+from verl_balance.trainer.metrics import (
+    EPOCH_KEY,
+    TIMING_ADV,
+    TIMING_GEN,
+    TIMING_REWARD,
+    TIMING_STEP,
+    TIMING_UPDATE_ACTOR,
+    throughput_metrics,
+    timing_key,
+)
 from verl_balance.workers.actor_rollout import sampling_seed
 from verl_balance.workers.rollout_group import RolloutGroup
 from verl_balance.workers.rollout_worker import RolloutWorker, RolloutWorkerConfig
@@ -237,8 +215,6 @@ class AsyncGRPOTrainer(GRPOTrainer):
     def __init__(self, cfg) -> None:
         super().__init__(cfg)
         self.v1 = self.config.trainer.v1
-        self._recompute_old = self.actor_cfg.recompute_old_log_prob == "always"
-        self.old_log_prob_from_update = False  # every update is off-policy here
         self._in_flight: dict[int, InFlight] = {}
         self._rollout_version: int | None = None
         self._sync_futures: list[GroupFuture] = []
@@ -416,22 +392,14 @@ class AsyncGRPOTrainer(GRPOTrainer):
     # ------------------------------------------------------------------ generation
     def _submit(self, prompts: tuple[dict, dict], *, step: int) -> InFlight:
         """Start generating the batch of ``prompts`` (training batch ``step``) on the rollout group."""
-        tensors, non_tensors = prompts
-        lengths = tensors[ATTENTION_MASK_KEY].sum(1)
+        rows = prompt_batch(prompts)
         r = self.rollout_cfg
-        costs = r.n * (lengths.double().numpy() + self._expected_response)
+        costs = r.n * (rows[PROMPT_LENGTHS_KEY].double().numpy() + self._expected_response)
         workers = self.rollout_group.world_size if self.separate else self.world
         parts, predicted = assign_prompts(costs, num_workers=workers)
-        prompt_batch = Batch.from_dict(
-            tensors={PROMPT_LENGTHS_KEY: lengths},
-            non_tensors={
-                PROMPT_IDS_KEY: non_tensors[PROMPT_IDS_KEY],
-                SAMPLE_INDEX_KEY: np.asarray(non_tensors[INDEX_KEY], dtype=np.int64),
-            },
-        )
         sampling = dict(n=r.n, temperature=r.temperature, top_p=r.top_p, max_response_length=r.response_length)
         seed = sampling_seed(self.config.trainer.seed, step)
-        chunks = [prompt_batch.index_select(p) for p in parts]
+        chunks = [rows.index_select(p) for p in parts]
         if not self.separate:  # the actor's own rollout, queued before this step's updates
             future = ColocatedFuture(self.actor.generate_sequences.submit(chunks, sampling, seed), self.global_step)
             return InFlight(prompts=prompts, parts=parts, future=future, version=self.global_step, predicted=predicted)
@@ -454,16 +422,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         output = merge_assigned_outputs(
             [a["output"] for a in answers], flight.parts, pad_token_id=self.tokenizer.pad_token_id
         )
-        _, non_tensors = flight.prompts
-        columns = {UID_KEY: non_tensors[INDEX_KEY]}
-        for key in ("data_source", "ground_truth", "extra_info"):
-            columns[key] = non_tensors[key]
-        batch = build_rollout_batch(
-            prompts=list(non_tensors[PROMPT_IDS_KEY]),
-            output=output,
-            pad_token_id=self.tokenizer.pad_token_id,
-            prompt_columns=columns,
-        )
+        batch = rollout_batch(flight.prompts, output, pad_token_id=self.tokenizer.pad_token_id)
         batch[POLICY_VERSION_KEY] = torch.full((len(batch),), flight.version, dtype=torch.int64)
         busy = np.array([a["busy_s"] for a in answers])
         metrics.update(flight.predicted)
@@ -473,29 +432,35 @@ class AsyncGRPOTrainer(GRPOTrainer):
         return batch
 
     # ------------------------------------------------------------------ step
+    def old_log_probs(self) -> OldLogProbs:
+        """Every update is off-policy; the actor's pass runs with ``recompute_old_log_prob=always``."""
+        return OldLogProbs.off_policy(self.config)
+
     def train_step(self, prompts: tuple[dict, dict]) -> dict:
-        """One step: batch k (generated ahead) trains while the next batches generate; then sync."""
+        """One driver iteration: batch k (generated ahead) trains while the next batches generate; then sync."""
         metrics: dict = {}
         step = self.global_step
-        with _timed(metrics, "step"):
+        old_log_probs = self.old_log_probs()
+        with _timed(metrics, TIMING_STEP):
             if self.separate and self._rollout_version is None:  # a fresh rollout group, or a resumed actor
                 add_metrics(metrics, self.sync_weights(version=step))
             flight = self._in_flight.pop(step, None) or self._submit(prompts, step=step)
             self._submit_ahead(step)
             self.phase("rollout")
-            with _timed(metrics, "gen"):
+            with _timed(metrics, TIMING_GEN):
                 batch = self._collect(flight, metrics)
             batch = self._apply_sampler(batch, metrics)
             if len(batch):
-                self._train_on(batch, metrics)
+                self._train_on(batch, metrics, old_log_probs=old_log_probs)
             if self.separate:
                 add_metrics(metrics, self.sync_weights(version=step + 1))
         if len(batch):
-            metrics.update(self._rollout_metrics(batch, *self._last_scores, prefix=""))
+            metrics.update(self._rollout_metrics(batch, *self._last_scores))
             tokens = int(batch[ATTENTION_MASK_KEY].sum())
-            metrics.update({"perf/tokens": tokens, "perf/tokens_per_s": tokens / metrics["timing_s/step"]})
+            step_seconds = metrics[timing_key(TIMING_STEP)]
+            metrics.update(throughput_metrics(tokens=tokens, step_seconds=step_seconds, num_devices=self.world))
             self._expected_response = float(batch[RESPONSE_LENGTHS_KEY].double().mean())
-        metrics.update({"train/epoch": float(self.loader.epoch), "train/old_log_prob_pass": float(self._recompute_old)})
+        metrics.update({EPOCH_KEY: float(self.loader.epoch), "train/old_log_prob_pass": float(old_log_probs.recompute)})
         return metrics
 
     def _apply_sampler(self, batch: Batch, metrics: dict) -> Batch:
@@ -515,17 +480,13 @@ class AsyncGRPOTrainer(GRPOTrainer):
         logger.warning("step %d: %d rows staler than the sampler's threshold dropped", self.global_step, stale.sum())
         return batch.index_select(np.flatnonzero(~stale))
 
-    def _train_on(self, batch: Batch, metrics: dict) -> None:
+    def _train_on(self, batch: Batch, metrics: dict, *, old_log_probs: OldLogProbs) -> None:
         """Score, reference (and with recompute_old_log_prob=always the actor's) log-probs,
         advantages and the PPO updates against the rollout's recorded log-probs (bypass), or with
         the decoupled rollout correction against the actor's, IS-weighted."""
         batch.meta[TEMPERATURE_KEY] = float(self.rollout_cfg.temperature)
-        self.old_log_prob_from_update = not self._recompute_old  # skips the old-log-prob pass
-        try:
-            pending = self._submit_log_prob_passes(batch, metrics)
-        finally:
-            self.old_log_prob_from_update = False
-        with _timed(metrics, "reward"):
+        pending = self._submit_log_prob_passes(batch, metrics, old_log_probs=old_log_probs)
+        with _timed(metrics, TIMING_REWARD):
             scores, extras = self.score(batch)
         self._last_scores = (scores, extras)
         self._dump_rollout(batch, scores, extras)
@@ -535,13 +496,12 @@ class AsyncGRPOTrainer(GRPOTrainer):
             metrics.update(is_weight_metrics(batch))
         if not self.config.algorithm.corrects_rollout:
             batch[OLD_LOG_PROBS_KEY] = batch[ROLLOUT_LOG_PROBS_KEY].clone()  # bypass: the behaviour policy's
-        with _timed(metrics, "adv"):  # decoupled: correct_rollout's weights and rejection, as in sync mode
+        with _timed(metrics, TIMING_ADV):  # decoupled: correct_rollout's weights and rejection, as in sync mode
             metrics.update(self._attach_advantages(batch, scores, extras))
         self.phase("actor update")
-        with _timed(metrics, "update"):
-            metrics.update(
-                self.update_actor(batch.select(batch_keys=[k for k in batch.tensor_keys if k != POLICY_VERSION_KEY]))
-            )
+        with _timed(metrics, TIMING_UPDATE_ACTOR):
+            trained = batch.select(batch_keys=[k for k in batch.tensor_keys if k != POLICY_VERSION_KEY])
+            metrics.update(self.train_actor(trained, on_policy=old_log_probs.from_update))
 
 
 def grpo_trainer_class(cfg) -> type[GRPOTrainer]:

@@ -19,7 +19,7 @@ import time
 import torch.distributed as dist
 
 from verl_balance.utils import checksums
-from verl_balance.utils.atomic_io import atomic_write_json
+from verl_balance.utils.atomic_io import atomic_write_json, open_nofollow
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ def _problem(path: str) -> str | None:
     """Why ``path`` may not be loaded (None: verified, or unverified by the explicit opt-in)."""
     record_path = os.path.join(path, checksums.COMPLETE_FILE)
     try:
-        with open(record_path, encoding="utf-8") as f:
+        with open_nofollow(record_path, "r") as f:  # a planted link counts as no record
             record = json.load(f)
     except (OSError, ValueError):
         record = None

@@ -3,10 +3,11 @@
 Targets (module -> attribute): the three ``seqlen_balancing`` functions in verl's module and in
 every verl module that imported them by name, verl's reward loader ``get_custom_reward_fn`` (wrapped
 to read our top-level ``custom_reward_function`` when verl's ``reward.custom_reward_function`` is unset:
-``reward_spelling.py``), the legacy ``RayPPOTrainer._balance_batch`` and
-the default (v1) ``PPOTrainer._balance_batch``. A target module that is not imported yet is
-either imported now (``import_modules=True``) or patched the moment verl imports it (an import
-hook; that is how ``VERL_USE_EXTERNAL_MODULES=verl_balance.integrations.verl.autopatch`` works
+``reward_spelling.py``), the trainers' ``StatefulDataLoader`` (a subclass that resumes a loader state
+saved under another ``data.dataloader_num_workers``: ``loader_state.py``), the legacy
+``RayPPOTrainer._balance_batch`` and the default (v1) ``PPOTrainer._balance_batch``. A target module
+that is not imported yet is either imported now (``import_modules=True``) or patched the moment verl
+imports it (an import hook; that is how ``VERL_USE_EXTERNAL_MODULES=verl_balance.integrations.verl.autopatch`` works
 from inside ``import verl`` without importing verl's trainers early).
 
 Invariants: ``undo()`` puts back exactly the objects it replaced (also those patched later by
@@ -23,6 +24,7 @@ from typing import Any
 
 from verl_balance.balance.workload import resolve_workload
 from verl_balance.integrations.verl.errors import require_verl
+from verl_balance.integrations.verl.patches.loader_state import resumable_loader_class
 from verl_balance.integrations.verl.patches.reward_spelling import reward_loader_with_our_spelling
 from verl_balance.integrations.verl.patches.seqlen import (
     get_reverse_idx,
@@ -36,9 +38,10 @@ __all__ = ["FUNCTION_TARGETS", "TRAINER_TARGETS", "VerlPatch", "patch_verl"]
 
 FUNCTION_TARGETS = {
     "verl.utils.seqlen_balancing": ("get_seqlen_balanced_partitions", "rearrange_micro_batches", "get_reverse_idx"),
-    "verl.trainer.ppo.ray_trainer": ("get_seqlen_balanced_partitions",),
-    "verl.trainer.sft_trainer_ray": ("get_seqlen_balanced_partitions",),
-    "verl.trainer.ppo.v1.trainer_base": ("get_seqlen_balanced_partitions",),
+    "verl.trainer.ppo.ray_trainer": ("get_seqlen_balanced_partitions", "StatefulDataLoader"),
+    "verl.trainer.sft_trainer_ray": ("get_seqlen_balanced_partitions", "StatefulDataLoader"),
+    "verl.trainer.ppo.v1.trainer_base": ("get_seqlen_balanced_partitions", "StatefulDataLoader"),
+    "verl.trainer.sft_trainer": ("StatefulDataLoader",),
     "verl.workers.engine.utils": ("rearrange_micro_batches",),
     "verl.trainer.ppo.reward": ("get_custom_reward_fn",),
 }
@@ -48,7 +51,7 @@ _REPLACEMENTS = {
     "get_reverse_idx": get_reverse_idx,
 }
 # name -> factory of the replacement from verl's original (wrappers rather than drop-ins)
-_WRAPPERS = {"get_custom_reward_fn": reward_loader_with_our_spelling}
+_WRAPPERS = {"get_custom_reward_fn": reward_loader_with_our_spelling, "StatefulDataLoader": resumable_loader_class}
 # module -> (class name, method name, replacement)
 TRAINER_TARGETS = {
     "verl.trainer.ppo.ray_trainer": ("RayPPOTrainer", "_balance_batch", balanced_balance_batch),

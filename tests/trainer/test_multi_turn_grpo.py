@@ -1,0 +1,114 @@
+"""``actor_rollout_ref.rollout.multi_turn`` in ``main_grpo``: verl's keys and data layout, checks before
+Ray, and a GRPO run at dp2 with the tool agent loop on a tiny Qwen-shaped HF directory."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.trainer.conftest import compose_config
+from verl_balance.data.tool_tasks import write_dataset
+from verl_balance.trainer.config import ConfigError
+
+MT = "actor_rollout_ref.rollout.multi_turn"
+
+
+@pytest.fixture(scope="module")
+def tool_model(tmp_path_factory) -> str:
+    from verl_balance.models.tiny_hf import main as tiny_hf_main
+
+    out = str(tmp_path_factory.mktemp("tool_qwen2") / "model")
+    tiny_hf_main(["--family", "qwen2", "--out", out, "--tool-chat-template", "--max-position-embeddings", "2048"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def tool_data(tmp_path_factory) -> dict:
+    return write_dataset(str(tmp_path_factory.mktemp("tool_data")), num_train=8, num_val=2)
+
+
+def grpo_overrides(model_dir: str, data: dict, root, extra: list[str] = ()) -> list[str]:
+    return [
+        "trainer.device=cpu",
+        "trainer.n_gpus_per_node=2",
+        "trainer.logger=[jsonl]",
+        "trainer.plot=false",
+        "trainer.resume_mode=disable",
+        f"trainer.default_local_dir={root / 'run'}",
+        f"actor_rollout_ref.model.path={model_dir}",
+        f"data.train_files={data['train']}",
+        f"data.val_files={data['val']}",
+        "data.max_prompt_length=2048",
+        "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "actor_rollout_ref.rollout.n=2",
+        "actor_rollout_ref.rollout.response_length=24",
+        "trainer.total_training_steps=2",
+        "trainer.test_freq=0",
+        f"{MT}.enable=true",
+        f"{MT}.tool_config_path={data['tool_config']}",
+        f"{MT}.max_assistant_turns=3",
+        *extra,
+    ]
+
+
+def typed(overrides: list[str]):
+    from verl_balance.trainer.config.grpo import register_grpo_schema, validate_grpo
+
+    register_grpo_schema()
+    return validate_grpo(compose_config("grpo", overrides))
+
+
+def test_verl_multi_turn_keys_reach_the_rollout_config(tool_model, tool_data, tmp_path):
+    config = typed(grpo_overrides(tool_model, tool_data, tmp_path, [f"{MT}.max_tool_response_length=64"]))
+    multi_turn = config.actor_rollout_ref.rollout.multi_turn
+    assert multi_turn.enable and multi_turn.max_assistant_turns == 3 and multi_turn.max_tool_response_length == 64
+    assert multi_turn.tool_config_path == tool_data["tool_config"] and multi_turn.format == "hermes"
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (
+            [f"{MT}.tool_config_path=/nonexistent/tools.yaml"],
+            "tool_config_path='/nonexistent/tools.yaml' does not exist",
+        ),
+        ([f"{MT}.format=json"], "multi_turn.format='json' is not valid"),
+        (["trainer.v1.trainer_mode=separate_async"], "trainer_mode=sync only"),
+    ],
+)
+def test_a_bad_multi_turn_setting_is_one_error_before_ray(tool_model, tool_data, tmp_path, extra, match):
+    with pytest.raises(ConfigError, match=match):
+        typed(grpo_overrides(tool_model, tool_data, tmp_path, extra))
+
+
+def test_verls_tool_data_layout_loads_with_agent_name_and_tools_kwargs(tool_model, tool_data):
+    from verl_balance.data.rl_dataset import RLDataConfig, RLPromptDataset
+    from verl_balance.data.tokenizer import build_tokenizer
+
+    dataset = RLPromptDataset(
+        files=[tool_data["train"]], tokenizer=build_tokenizer(tool_model), config=RLDataConfig(max_prompt_length=2048)
+    )
+    sample = dataset[0]
+    assert sample.agent_name == "tool_agent" and sample.raw_prompt[0]["role"] == "system"
+    kwargs = sample.extra_info["tools_kwargs"]["calc_gsm8k_reward"]["create_kwargs"]
+    assert kwargs["ground_truth"] == sample.ground_truth
+
+
+@pytest.mark.slow
+def test_main_grpo_runs_the_tool_agent_loop_at_dp2(ray_cluster, tool_model, tool_data, tmp_path):
+    from verl_balance.trainer.config.grpo import register_grpo_schema
+    from verl_balance.trainer.grpo.trainer import GRPOTrainer
+    from verl_balance.utils.tracking import read_metrics
+
+    register_grpo_schema()
+    trainer = GRPOTrainer(compose_config("grpo", grpo_overrides(tool_model, tool_data, tmp_path)))
+    try:
+        summary = trainer.fit()
+    finally:
+        trainer.close()
+    train = [r for r in read_metrics(summary["metrics"]) if "multi_turn/num_turns/mean" in r]
+    assert [r["step"] for r in train] == [1, 2]
+    for record in train:
+        assert record["multi_turn/num_turns/mean"] >= 1 and np.isfinite(record["actor/pg_loss"])
+        assert 0 < record["response_length/mean"] <= 24

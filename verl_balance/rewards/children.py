@@ -1,0 +1,152 @@
+"""Processes that reward code starts never outlive the run: each reward batch is watched, the
+processes it left behind (the new direct children of this process, their descendants and, when a
+child made a process group of its own, that whole group; never a process started under one that
+existed before, e.g. Ray's raylet starting a worker) are recorded, and ``reap`` ends them at the end
+of the run (SIGTERM, then SIGKILL after a grace period), logging how many.
+
+A process is recognised by its pid *and* its start time (``/proc/<pid>/stat``), so a pid reused by
+an unrelated process is never signalled. Linux only (``/proc``); elsewhere nothing is recorded.
+While a batch runs this process is the child subreaper (``prctl(PR_SET_CHILD_SUBREAPER)``), so a
+descendant orphaned during the batch (a double fork, a new session whose leader exited) becomes a
+direct child and is recorded too. What it cannot see: a process orphaned after the batch ended
+whose own parent it did not record, and anything a reward does after ``os._exit``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+logger = logging.getLogger(__name__)
+
+_PROC = "/proc"
+
+
+def _stat(pid: int) -> tuple[int, int, int] | None:
+    """(ppid, pgid, start time in clock ticks) of ``pid``; None when it is gone (or a zombie)."""
+    try:
+        with open(f"{_PROC}/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[1]), int(fields[2]), int(fields[19])
+
+
+def _all_stats() -> dict[int, tuple[int, int, int]]:
+    """``{pid: (ppid, pgid, start)}`` of every live process this process can see."""
+    out = {}
+    with contextlib.suppress(OSError):
+        for name in os.listdir(_PROC):
+            if name.isdigit() and (stat := _stat(int(name))) is not None:
+                out[int(name)] = stat
+    return out
+
+
+def _descendants(root: int, stats: dict[int, tuple[int, int, int]]) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    out, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out
+
+
+_PR_SET_CHILD_SUBREAPER, _PR_GET_CHILD_SUBREAPER = 36, 37
+
+
+def _set_subreaper(on: bool) -> bool:
+    """Make this process the child subreaper (``prctl``) or stop; returns whether it was one. While
+    it is, a process orphaned by a reward call's child (a shell that exited, a new session whose
+    leader exited) is re-parented to this process instead of init, so ``watch`` still sees it."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        state = ctypes.c_int(0)
+        libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(state), 0, 0, 0)
+        libc.prctl(_PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0)
+        return bool(state.value)
+    except (OSError, AttributeError):
+        return False
+
+
+class RewardChildren:
+    """The processes reward calls of this process left running; ``reap`` ends them (idempotent)."""
+
+    def __init__(self) -> None:
+        self._tracked: dict[int, int] = {}  # pid -> start time
+        self._groups: set[int] = set()  # process groups of their own that reward children made
+        self._own_pgid = os.getpgrp()
+        atexit.register(self.reap)  # also when the run ends by an error that skips the trainer's close
+
+    @contextlib.contextmanager
+    def watch(self) -> Iterator[None]:
+        """Record what the enclosed reward calls leave running."""
+        if not os.path.isdir(_PROC):
+            yield
+            return
+        me = os.getpid()
+        before = {pid for pid, (ppid, _, _) in _all_stats().items() if ppid == me}
+        was_subreaper = _set_subreaper(True)
+        try:
+            yield
+        finally:
+            stats = _all_stats()
+            if not was_subreaper:
+                _set_subreaper(False)
+            new = {pid for pid, (ppid, _, _) in stats.items() if ppid == me and pid not in before}
+            for pid in new | {d for child in new for d in _descendants(child, stats)}:  # never Ray's own
+                _, pgid, start = stats[pid]
+                self._tracked[pid] = start
+                if pgid != self._own_pgid:
+                    self._groups.add(pgid)
+
+    def _alive(self) -> dict[int, int]:
+        """The recorded processes (and members of recorded groups) still running: pid -> start."""
+        stats = _all_stats()
+        alive = {pid: start for pid, start in self._tracked.items() if pid in stats and stats[pid][2] == start}
+        for pid in list(alive):
+            alive.update({d: stats[d][2] for d in _descendants(pid, stats)})
+        alive.update({pid: s[2] for pid, s in stats.items() if s[1] in self._groups and pid != os.getpid()})
+        return alive
+
+    def reap(self, *, grace_s: float = 2.0) -> int:
+        """SIGTERM every recorded process still running, SIGKILL those alive after ``grace_s``;
+        returns how many there were."""
+        alive = self._alive()
+        if not alive:
+            return 0
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            for pid, start in alive.items():
+                if (stat := _stat(pid)) is not None and stat[2] == start:
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, sig)
+            deadline = time.monotonic() + (grace_s if sig == signal.SIGTERM else 5.0)
+            while time.monotonic() < deadline and self._reap_zombies(alive):
+                time.sleep(0.05)
+        logger.warning("reward: ended %d process(es) that reward calls left running: %s", len(alive), sorted(alive))
+        self._tracked.clear()
+        self._groups.clear()
+        return len(alive)
+
+    @staticmethod
+    def _reap_zombies(pids: dict[int, int]) -> bool:
+        """Collect this process's exited children among ``pids``; whether any of them still runs."""
+        running = False
+        for pid, start in pids.items():
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(pid, os.WNOHANG)
+            if (stat := _stat(pid)) is not None and stat[2] == start:
+                running = True
+        return running
