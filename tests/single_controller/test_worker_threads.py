@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from verl_balance.single_controller import RayResourcePool, Worker
+from verl_balance.single_controller.resource_pool import UnplaceableResourcePoolError
 from verl_balance.single_controller.worker import NUM_THREADS_ENV, resolve_num_threads
 from verl_balance.single_controller.worker_group import _rendezvous_env, cpu_thread_env
+from verl_balance.trainer.grpo.async_trainer import AsyncGRPOTrainer
 
 
 @pytest.mark.parametrize(
@@ -78,3 +81,43 @@ def test_cpu_workers_wait_passively_unless_the_driver_says_otherwise(monkeypatch
     assert cpu_thread_env(_pool(use_gpu=True)) == {}  # GPU workers: OpenMP's default
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
     assert cpu_thread_env(_pool(use_gpu=False)) == {}  # the driver's choice reaches the workers as is
+
+
+@pytest.mark.parametrize("cores", [1, 2, 3, 8, 16])
+@pytest.mark.parametrize(("actor", "rollout"), [(1, 1), (2, 1), (1, 2), (2, 2), (4, 4)])
+def test_pools_computing_at_once_never_hold_more_threads_than_cores(cores, actor, rollout):
+    """separate_async's actor and rollout pools on one node: the threads of all workers sum to at most
+    the cores (or one each where there are more workers than cores)."""
+    sharers = actor + rollout
+    pools = [
+        _pool(n=actor, use_gpu=False, cpu_workers_per_node=sharers),
+        _pool(n=rollout, use_gpu=False, cpu_workers_per_node=sharers),
+    ]
+    total = sum(p.n_gpus_per_node * resolve_num_threads(p.threads_per_worker, cores=cores) for p in pools)
+    assert total == sharers * max(1, cores // sharers) <= max(cores, sharers)
+
+
+def test_pools_counted_alone_oversubscribe_the_cores():
+    """Negative control of the above: each pool sized as if alone takes both cores for itself."""
+    pools = [_pool(n=1, use_gpu=False), _pool(n=1, use_gpu=False)]
+    assert sum(resolve_num_threads(p.threads_per_worker, cores=2) for p in pools) == 4
+
+
+def test_two_workers_on_two_cores_get_one_thread_each():
+    pool = _pool(n=2, use_gpu=False)
+    assert [resolve_num_threads(pool.threads_per_worker, cores=2)] * 2 == [1, 1]
+
+
+def test_cpu_workers_per_node_below_the_pool_own_workers_is_refused():
+    with pytest.raises(UnplaceableResourcePoolError, match="cpu_workers_per_node=1 is fewer than this pool's own 2"):
+        _pool(n=2, use_gpu=False, cpu_workers_per_node=1)
+
+
+@pytest.mark.parametrize(("mode", "expected"), [("separate_async", 3), ("colocate_async", None), ("sync", None)])
+def test_async_trainer_counts_the_rollout_pool_beside_the_actor(mode, expected):
+    trainer = SimpleNamespace(
+        config=SimpleNamespace(trainer=SimpleNamespace(v1=SimpleNamespace(trainer_mode=mode))),
+        trainer_config=SimpleNamespace(n_gpus_per_node=2),
+        rollout_cfg=SimpleNamespace(n_gpus_per_node=1),
+    )
+    assert AsyncGRPOTrainer.cpu_workers_per_node(trainer) == expected

@@ -230,14 +230,21 @@ def _count(n: int) -> str:
 
 
 def build_actor_group(
-    *, worker_config: ActorWorkerConfig, trainer_cfg: TrainerSection, use_gpu: bool, worker_cls: type = ActorWorker
+    *,
+    worker_config: ActorWorkerConfig,
+    trainer_cfg: TrainerSection,
+    use_gpu: bool,
+    worker_cls: type = ActorWorker,
+    cpu_workers_per_node: int | None = None,
 ) -> RayWorkerGroup:
     """Place nnodes x n_gpus_per_node workers and build the sharded model on them, logging the two
-    start-up phases: ``worker spawn`` (processes started and imported, placement) and ``model load``."""
+    start-up phases: ``worker spawn`` (processes started and imported, placement) and ``model load``.
+    ``cpu_workers_per_node``: CPU workers of all groups running at once on a node (``RayResourcePool``)."""
     pool = RayResourcePool(
         n_gpus_per_node=trainer_cfg.n_gpus_per_node,
         nnodes=trainer_cfg.nnodes,
         use_gpu=use_gpu,
+        cpu_workers_per_node=cpu_workers_per_node,
         placement_timeout_s=trainer_cfg.placement_timeout_s,
     )
     try:
