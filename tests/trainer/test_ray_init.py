@@ -54,6 +54,19 @@ def test_ray_init_reaches_the_embedded_clusters_arguments():
     assert plain["num_cpus"] == cluster.embedded_cluster_cpus()
 
 
+def test_embedded_cluster_starts_no_idle_workers_and_no_metrics_export_unless_the_user_says():
+    _, kwargs = cluster.ray_init_arguments(address=None, ray_init=None)
+    assert kwargs["_system_config"]["prestart_worker_first_driver"] is False
+    assert kwargs["_system_config"]["enable_metrics_collection"] is False
+    _, user = cluster.ray_init_arguments(
+        address=None, ray_init={"_system_config": {"prestart_worker_first_driver": True}}
+    )  # the user's choice wins, key by key
+    assert user["_system_config"]["prestart_worker_first_driver"] is True
+    assert user["_system_config"]["enable_metrics_collection"] is False
+    _, joined = cluster.ray_init_arguments(address="ray://h:1", ray_init=None)  # an existing cluster: its own
+    assert "_system_config" not in joined
+
+
 def test_workers_hide_future_warnings_unless_the_user_chose_warnings(monkeypatch):
     monkeypatch.delenv("PYTHONWARNINGS", raising=False)
     _, kwargs = cluster.ray_init_arguments(address=None, ray_init=None)

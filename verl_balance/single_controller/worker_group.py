@@ -127,9 +127,22 @@ class RayClassWithInitArgs:
         self.options.update(options)
 
 
-@ray.remote(num_cpus=0)
-def _node_address_and_free_port() -> tuple[str, int]:
+def _address_and_free_port() -> tuple[str, int]:
+    """This process's node address and a free rendezvous port on it."""
     return ray.util.get_node_ip_address().strip("[]"), free_rendezvous_port()
+
+
+_node_address_and_free_port = ray.remote(num_cpus=0)(_address_and_free_port)
+
+
+def _rendezvous_address(pg: Any, *, node_id: str) -> tuple[str, int]:
+    """Rank 0's node address and a free port on it (rank 0 is bundle 0 of ``pg``, on ``node_id``): drawn
+    by the driver itself when it runs on that node (an embedded cluster), else by a task there (which
+    costs a worker process: the embedded cluster starts none ahead, see ``trainer/cluster.py``)."""
+    if node_id == ray.get_runtime_context().get_node_id():
+        return _address_and_free_port()
+    strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0)
+    return ray.get(_node_address_and_free_port.options(scheduling_strategy=strategy).remote())
 
 
 def _worker_place(actor: Any) -> tuple[str, int, str | None]:
@@ -393,13 +406,7 @@ class RayWorkerGroup:
         """One actor per bundle, rank = bundle order, with the rendezvous in its environment."""
         pool = self.resource_pool
         pgs = pool.get_placement_groups()
-        master_addr, master_port = ray.get(
-            _node_address_and_free_port.options(
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pgs[0], placement_group_bundle_index=0
-                )
-            ).remote()
-        )
+        master_addr, master_port = _rendezvous_address(pgs[0], node_id=pool.node_ids()[0])
         if self._extension is not None:
             worker_env = {
                 **worker_env,

@@ -106,6 +106,14 @@ def plain_worker_prefixes(stream) -> None:
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
 
 
+EMBEDDED_START_CONFIG = {"prestart_worker_first_driver": False, "enable_metrics_collection": False}
+"""What the embedded cluster leaves out of its start-up: Ray starts idle worker processes ahead of the
+first driver's tasks, which never host a worker group (each actor gets a new process; rank 0's
+rendezvous port is drawn by the driver, ``worker_group._rendezvous_address``), and every process exports
+metrics that nothing reads without a dashboard. Together 1-2 s of CPU per run on 2 cores
+(benchmarks/startup_bench.py); a user's ``ray_kwargs.ray_init._system_config`` overrides either."""
+
+
 def ray_init_arguments(*, address: str | None, ray_init: Mapping | None) -> tuple[bool, dict]:
     """(whether the cluster is embedded, the arguments of ``ray.init``): ours, with the user's
     ``ray_init`` merged over them (``ray_init.merge_ray_init``)."""
@@ -128,6 +136,7 @@ def ray_init_arguments(*, address: str | None, ray_init: Mapping | None) -> tupl
         _system_config={
             "worker_niceness": EMBEDDED_WORKER_NICENESS,
             "max_direct_call_object_size": INLINE_ARGUMENT_BYTES,
+            **EMBEDDED_START_CONFIG,
         },
     )
     return True, merge_ray_init(defaults, ray_init)
