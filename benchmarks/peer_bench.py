@@ -378,12 +378,16 @@ def _tree_cpu(proc) -> float:
     return total
 
 
+TOKEN_KEYS = ("train/global_tokens", "perf/total_num_tokens")
+"""A step's real tokens in our metrics.jsonl: SFT's key, GRPO's (verl's name)."""
+
+
 def _jsonl_metrics(run_dir: str) -> list[dict]:
     rows = []
     for path in glob.glob(os.path.join(run_dir, "**", "metrics.jsonl"), recursive=True):
         with open(path) as f:
             rows += [json.loads(line) for line in f if line.strip()]
-    return sorted((r for r in rows if "train/global_tokens" in r), key=lambda r: r["step"])
+    return sorted((r for r in rows if any(k in r for k in TOKEN_KEYS)), key=lambda r: r["step"])
 
 
 def run_case(case: Case, *, warmup: int, timeout: float, log_path: str) -> RunResult:
@@ -427,7 +431,7 @@ def run_case(case: Case, *, warmup: int, timeout: float, log_path: str) -> RunRe
                 result.extra.setdefault(key, []).append(float(value))
     else:
         rows = _jsonl_metrics(case.tokens_from[6:])[1:][warmup:]
-        result.tokens = [float(r["train/global_tokens"]) for r in rows]
+        result.tokens = [float(next(r[k] for k in TOKEN_KEYS if k in r)) for r in rows]
         for row in rows:
             for key, value in row.items():
                 if key.startswith("timing_s/"):
