@@ -123,3 +123,12 @@ def test_num_cpus_sizes_a_real_embedded_cluster():
         assert "CPU 3.0" in proc.stdout.splitlines()
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_embedded_node_takes_a_free_agent_port_only_inside_the_start():
+    from ray._private.parameter import RayParams
+
+    with cluster.dynamic_agent_port():
+        assert RayParams().dashboard_agent_listen_port == 0  # the agent binds any free port
+        assert RayParams(dashboard_agent_listen_port=40001).dashboard_agent_listen_port == 40001  # explicit wins
+    assert RayParams().dashboard_agent_listen_port == 52365  # negative control: Ray's fixed default outside

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import ray
 
@@ -73,7 +75,7 @@ def start_ray(*, address: str | None, num_workers: int | None = None, ray_init: 
     # Ray warns on every start that it enabled token authentication (its default): a notice for the
     # embedded cluster's log, not a warning on every run's console.
     logging.getLogger(RAY_AUTH_LOGGER).setLevel(logging.ERROR)
-    with stop_signals_blocked():  # the cluster's processes ignore a process-group SIGTERM / SIGINT
+    with stop_signals_blocked(), dynamic_agent_port():  # the cluster's processes ignore a group SIGTERM / SIGINT
         _init_embedded(**kwargs)
     _stop_without_sigterm_at_shutdown()
     cpus = kwargs["num_cpus"]
@@ -161,6 +163,35 @@ _START_TIMEOUT_TEXTS = ("timed out during startup", "waiting for node to startup
 
 class RayStartError(RuntimeError):
     """The embedded Ray cluster did not start (names what timed out and the ways around it)."""
+
+
+AGENT_PORT_PARAMETER = "dashboard_agent_listen_port"
+"""Ray's node parameter (``RayParams``; ``ray.init`` has no argument for it) of the port its dashboard
+agent serves HTTP on: 52365 by default, for every cluster on the machine. When another Ray instance
+holds it the agent retries 5 times (3.3 s of sleeps) before it gives up the HTTP service, and the
+node registers only after that: every embedded start on a machine with another Ray running paid it."""
+
+
+@contextlib.contextmanager
+def dynamic_agent_port() -> Iterator[None]:
+    """While in it, a Ray node started without an explicit agent port takes a free one (port 0: Ray's
+    agent binds any free port and records the one it got). Another Ray version without the
+    parameter: nothing changes."""
+    params = getattr(getattr(getattr(ray, "_private", None), "parameter", None), "RayParams", None)
+    init = getattr(params, "__init__", None)
+    if init is None or AGENT_PORT_PARAMETER not in inspect.signature(init).parameters:
+        yield
+        return
+
+    def init_with_free_agent_port(self, *args, **kwargs):
+        kwargs.setdefault(AGENT_PORT_PARAMETER, 0)
+        init(self, *args, **kwargs)
+
+    params.__init__ = init_with_free_agent_port
+    try:
+        yield
+    finally:
+        params.__init__ = init
 
 
 def _init_embedded(**kwargs) -> None:
