@@ -13,6 +13,8 @@ the order alternating between repeats, so load drifts hit both sides):
 - ``grpo-trl``: TRL's ``GRPOTrainer`` against ``python -m verl_balance.main_grpo``, one worker:
   16 prompts x 4 responses, 32 response tokens, the synthetic task and its rule reward, one
   optimizer update per step, no KL term.
+- ``grpo-trl-long``: ``grpo-trl`` with ``--grpo-long-response`` (256) response tokens, where generation
+  takes most of the step as in real RL.
 - ``grpo-verl-script``: verl's own gsm8k GRPO launch script (``examples/grpo_trainer/run_qwen3_8b_fsdp.sh``,
   its overrides from tests/data/verl_example_overrides/), scaled down, run by verl 0.9.1's
   ``python -m verl.trainer.main_ppo`` (``actor.strategy=fsdp2``, the ``verl_balance_cpu`` rollout of
@@ -58,7 +60,7 @@ import time
 from dataclasses import dataclass, field
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SECTIONS = ("sft-verl", "sft-trl", "grpo-trl", "grpo-verl-script")
+SECTIONS = ("sft-verl", "sft-trl", "grpo-trl", "grpo-trl-long", "grpo-verl-script")
 # (hidden, layers, heads, kv heads, intermediate)
 MODELS = {"tiny": (64, 2, 4, 2, 128), "small": (256, 4, 4, 2, 512)}
 CPU_SHIM = "verl_balance.integrations.verl.cpu_shims.platform,verl_balance.integrations.verl.autopatch"
@@ -75,6 +77,7 @@ class RunResult:
 
     name: str
     step_s: list[float] = field(default_factory=list)
+    cpu_s: list[float] = field(default_factory=list)
     tokens: list[float] = field(default_factory=list)
     peak_rss: int = 0
     error: str | None = None
@@ -361,18 +364,36 @@ def _tree_rss(proc) -> int:
     return total
 
 
+def _tree_cpu(proc) -> float:
+    """User + system CPU seconds of the process tree's live processes (exited ones are not counted)."""
+    import psutil
+
+    total = 0.0
+    with contextlib.suppress(psutil.Error):
+        root = psutil.Process(proc.pid)
+        for p in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                times = p.cpu_times()
+                total += times.user + times.system
+    return total
+
+
+TOKEN_KEYS = ("train/global_tokens", "perf/total_num_tokens")
+"""A step's real tokens in our metrics.jsonl: SFT's key, GRPO's (verl's name)."""
+
+
 def _jsonl_metrics(run_dir: str) -> list[dict]:
     rows = []
     for path in glob.glob(os.path.join(run_dir, "**", "metrics.jsonl"), recursive=True):
         with open(path) as f:
             rows += [json.loads(line) for line in f if line.strip()]
-    return sorted((r for r in rows if "train/global_tokens" in r), key=lambda r: r["step"])
+    return sorted((r for r in rows if any(k in r for k in TOKEN_KEYS)), key=lambda r: r["step"])
 
 
 def run_case(case: Case, *, warmup: int, timeout: float, log_path: str) -> RunResult:
     """Run ``case`` in its own subprocess; time its step lines; sample its tree's RSS."""
     result = RunResult(case.name)
-    stamps: list[tuple[float, str]] = []
+    stamps: list[tuple[float, str, float]] = []
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
             case.argv, env=case.env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -382,7 +403,7 @@ def run_case(case: Case, *, warmup: int, timeout: float, log_path: str) -> RunRe
             for line in proc.stdout:
                 log.write(line)
                 if case.step_pattern.search(line):
-                    stamps.append((time.perf_counter(), line))
+                    stamps.append((time.perf_counter(), line, _tree_cpu(proc)))
 
         thread = threading.Thread(target=reader, daemon=True)
         thread.start()
@@ -400,13 +421,17 @@ def run_case(case: Case, *, warmup: int, timeout: float, log_path: str) -> RunRe
     if not times and result.error is None:
         result.error = f"fewer than {warmup + 2} step lines (log: {log_path})"
     result.step_s = times
+    result.cpu_s = [b[2] - a[2] for a, b in zip(stamps, stamps[1:])][warmup:]
     if case.tokens_from.startswith("line:"):
         pattern = re.compile(case.tokens_from[5:])
-        found = [pattern.search(line) for _, line in stamps[1:]][warmup:]
+        found = [pattern.search(line) for _, line, _ in stamps[1:]][warmup:]
         result.tokens = [float(m.group(1)) for m in found if m]
+        for _, line, _ in stamps[1:][warmup:]:
+            for key, value in re.findall(r"\b(timing_s/\S+)=([0-9.eE+-]+)", line):
+                result.extra.setdefault(key, []).append(float(value))
     else:
         rows = _jsonl_metrics(case.tokens_from[6:])[1:][warmup:]
-        result.tokens = [float(r["train/global_tokens"]) for r in rows]
+        result.tokens = [float(next(r[k] for k in TOKEN_KEYS if k in r)) for r in rows]
         for row in rows:
             for key, value in row.items():
                 if key.startswith("timing_s/"):
@@ -444,10 +469,28 @@ def _step_printer(counter: dict):
 
     class StepPrinter(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
-            print(f"peer_step {state.global_step} tokens {counter['tokens']}", flush=True)
+            phases = " ".join(f"timing_s/{k}={v:.4f}" for k, v in sorted(counter.get("phases", {}).items()))
+            print(f"peer_step {state.global_step} tokens {counter['tokens']} {phases}", flush=True)
             counter["tokens"] = 0
+            counter["phases"] = {}
 
     return StepPrinter()
+
+
+def _phase_timer(counter: dict, name: str, method):
+    """``method`` wrapped to add its wall and CPU seconds (this process: TRL runs in one) to the step's phases."""
+
+    @functools.wraps(method)
+    def timed(*args, **kwargs):
+        wall, cpu = time.perf_counter(), time.process_time()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            phases = counter.setdefault("phases", {})
+            phases[name] = phases.get(name, 0.0) + time.perf_counter() - wall
+            phases[f"{name}_cpu"] = phases.get(f"{name}_cpu", 0.0) + time.process_time() - cpu
+
+    return timed
 
 
 def child_trl_sft(args) -> None:
@@ -485,6 +528,7 @@ def child_trl_sft(args) -> None:
 def child_trl_grpo(args) -> None:
     """TRL GRPOTrainer: prompts x n completions, one update per generation, the synthetic reward."""
     import datasets
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
@@ -528,6 +572,17 @@ def child_trl_grpo(args) -> None:
         processing_class=tokenizer,
         callbacks=[_step_printer(counter)],
     )
+    # per-phase seconds, our names: gen (HF generate), reward, gen_and_score (TRL's whole rollout side:
+    # generation, reward, advantages, any old log-prob pass), step_compute (training_step: the rollout side
+    # plus the loss forward and backward; the optimizer step follows outside it)
+    for name, attr in (
+        ("gen", "_generate"),
+        ("reward", "_calculate_rewards"),
+        ("gen_and_score", "_generate_and_score_completions"),
+        ("step_compute", "training_step"),
+    ):
+        setattr(trainer, attr, _phase_timer(counter, name, getattr(trainer, attr)))
+    print(f"peer_threads torch {torch.get_num_threads()}", flush=True)
     trainer.train()
 
 
@@ -546,8 +601,10 @@ def summarize(results: list[RunResult]) -> dict:
     """Pool the repeats of one case: median s/step, tokens/s, max peak RSS."""
     ok = [r for r in results if r.error is None]
     steps = [t for r in ok for t in r.step_s]
+    cpus = [t for r in ok for t in r.cpu_s]
     tokens = [t for r in ok for t in r.tokens]
     s = _median(steps)
+    cpu = _median(cpus)
     tok = _median(tokens)
     extra = {}
     for r in ok:
@@ -556,6 +613,8 @@ def summarize(results: list[RunResult]) -> dict:
     return {
         "s_step": s,
         "tok_s": tok / s if (s and tok) else None,
+        "cpu_step": cpu,
+        "tok_cpu_s": tok / cpu if (cpu and tok) else None,
         "rss_gib": max((r.peak_rss for r in ok), default=0) / 2**30 or None,
         "runs": f"{len(ok)}/{len(results)}",
         "errors": [r.error for r in results if r.error],
@@ -569,8 +628,8 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 def print_table(pairs: list[tuple[str, str, list[str]]], stats: dict[str, dict]) -> None:
     width = max([9, *(len(section) for section, _, _ in pairs)])
-    head = f"{'section':<{width}} {'run':<32} {'runs':>4} {'s/step':>8} {'tok/s':>8} {'peak RSS GiB':>12}"
-    head += "   ours/peer: s/step  tok/s  RSS"
+    head = f"{'section':<{width}} {'run':<32} {'runs':>4} {'s/step':>8} {'tok/s':>8} {'cpu-s/step':>10}"
+    head += f" {'tok/cpu-s':>9} {'peak RSS GiB':>12}   ours/peer: s/step  tok/s  tok/cpu-s  RSS"
     print("\n" + head)
     print("-" * len(head))
     for section, ours, peers in pairs:
@@ -581,11 +640,12 @@ def print_table(pairs: list[tuple[str, str, list[str]]], stats: dict[str, dict])
             if name != ours:
                 ratios = (
                     f"   {_ratio(o['s_step'], s['s_step']):>17} {_ratio(o['tok_s'], s['tok_s']):>6}"
-                    f" {_ratio(o['rss_gib'], s['rss_gib']):>4}"
+                    f" {_ratio(o['tok_cpu_s'], s['tok_cpu_s']):>10} {_ratio(o['rss_gib'], s['rss_gib']):>4}"
                 )
             print(
                 f"{section:<{width}} {name:<32} {s['runs']:>4} {_fmt(s['s_step'], '.3f'):>8} "
-                f"{_fmt(s['tok_s'], '.0f'):>8} {_fmt(s['rss_gib'], '.2f'):>12}{ratios}"
+                f"{_fmt(s['tok_s'], '.0f'):>8} {_fmt(s['cpu_step'], '.3f'):>10} {_fmt(s['tok_cpu_s'], '.0f'):>9} "
+                f"{_fmt(s['rss_gib'], '.2f'):>12}{ratios}"
             )
     for name, s in stats.items():
         if s["extra"]:
@@ -617,7 +677,7 @@ def build_pairs(args, model: str, data: dict[str, str]):
             # importable; trl >= 1.x no longer has it, so fsdp2 cannot start in this environment.
             skipped.append(f"{section}: trl is importable here and breaks verl 0.9.1's fsdp2; use --trl-path")
             continue
-        if section in ("sft-trl", "grpo-trl") and not _have("trl", args.trl_path):
+        if section in ("sft-trl", "grpo-trl", "grpo-trl-long") and not _have("trl", args.trl_path):
             skipped.append(f"{section}: trl is not importable (pip install --target DIR trl; --trl-path DIR)")
             continue
         if section == "sft-verl":
@@ -636,9 +696,14 @@ def build_pairs(args, model: str, data: dict[str, str]):
                 ("trl", functools.partial(trl_case, "trl-sft", args, model, data["sft"])),
             ]
         else:
+            grpo = (
+                args
+                if section == "grpo-trl"
+                else argparse.Namespace(**{**vars(args), "grpo_response": args.grpo_long_response})
+            )
             makers = [
-                ("ours", functools.partial(ours_grpo_case, args, model, data["rl"])),
-                ("trl", functools.partial(trl_case, "trl-grpo", args, model, data["rl"])),
+                ("ours", functools.partial(ours_grpo_case, grpo, model, data["rl"])),
+                ("trl", functools.partial(trl_case, "trl-grpo", grpo, model, data["rl"])),
             ]
         pairs.append((section, makers))
     return pairs, skipped
@@ -664,6 +729,8 @@ def run_all(args) -> None:
             names = []
             for tag, make in makers if rep % 2 == 0 else makers[::-1]:
                 case = make(os.path.join(root, f"{section}_{tag}_{rep}"))  # a fresh directory per run
+                if section == "grpo-trl-long":  # the same runners as grpo-trl: a row name of its own
+                    case.name = f"{case.name}, {args.grpo_long_response} tok"
                 names.append(case.name)
                 log_path = os.path.join(root, f"{section}_{tag}_{rep}.log")
                 print(f"[{time.perf_counter() - t0:6.0f}s] {section} repeat {rep + 1}: {case.name}", flush=True)
@@ -697,6 +764,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--grpo-prompts", type=int, default=16, help="GRPO prompts per step")
     p.add_argument("--grpo-n", type=int, default=4, help="GRPO responses per prompt")
     p.add_argument("--grpo-response", type=int, default=32, help="GRPO response tokens")
+    p.add_argument("--grpo-long-response", type=int, default=256, help="GRPO response tokens of grpo-trl-long")
     p.add_argument(
         "--trl-path",
         default=os.environ.get("PEER_TRL_PATH"),

@@ -54,6 +54,19 @@ def test_ray_init_reaches_the_embedded_clusters_arguments():
     assert plain["num_cpus"] == cluster.embedded_cluster_cpus()
 
 
+def test_embedded_cluster_starts_no_idle_workers_and_no_metrics_export_unless_the_user_says():
+    _, kwargs = cluster.ray_init_arguments(address=None, ray_init=None)
+    assert kwargs["_system_config"]["prestart_worker_first_driver"] is False
+    assert kwargs["_system_config"]["enable_metrics_collection"] is False
+    _, user = cluster.ray_init_arguments(
+        address=None, ray_init={"_system_config": {"prestart_worker_first_driver": True}}
+    )  # the user's choice wins, key by key
+    assert user["_system_config"]["prestart_worker_first_driver"] is True
+    assert user["_system_config"]["enable_metrics_collection"] is False
+    _, joined = cluster.ray_init_arguments(address="ray://h:1", ray_init=None)  # an existing cluster: its own
+    assert "_system_config" not in joined
+
+
 def test_workers_hide_future_warnings_unless_the_user_chose_warnings(monkeypatch):
     monkeypatch.delenv("PYTHONWARNINGS", raising=False)
     _, kwargs = cluster.ray_init_arguments(address=None, ray_init=None)
@@ -110,3 +123,12 @@ def test_num_cpus_sizes_a_real_embedded_cluster():
         assert "CPU 3.0" in proc.stdout.splitlines()
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def test_embedded_node_takes_a_free_agent_port_only_inside_the_start():
+    from ray._private.parameter import RayParams
+
+    with cluster.dynamic_agent_port():
+        assert RayParams().dashboard_agent_listen_port == 0  # the agent binds any free port
+        assert RayParams(dashboard_agent_listen_port=40001).dashboard_agent_listen_port == 40001  # explicit wins
+    assert RayParams().dashboard_agent_listen_port == 52365  # negative control: Ray's fixed default outside

@@ -34,6 +34,8 @@ from typing import Any
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 
+from verl_balance.single_controller.worker import CORE_SHARE_PREFIX
+
 __all__ = ["RayResourcePool", "UnplaceableResourcePoolError"]
 
 
@@ -81,7 +83,12 @@ class RayResourcePool:
         accelerator_type: Ray accelerator resource each GPU bundle also asks for (as verl does).
         n_gpus_per_node: workers per node (GPUs per node; CPU workers when ``use_gpu`` is false).
         nnodes: number of nodes (placement groups) when ``n_gpus_per_node`` is given; default 1.
-        cpus_per_worker: CPUs reserved per worker (also its torch thread count).
+        cpus_per_worker: CPUs reserved per worker (also its torch thread count). ``None`` (the
+            default) reserves 1 CPU; a CPU worker (no GPU) then runs an equal share of the cores
+            of its node's process (``threads_per_worker``), a GPU worker 1 thread.
+        cpu_workers_per_node: CPU worker processes sharing one node's cores while this pool's run (its
+            own and those of other pools running at the same time, e.g. a separate rollout pool);
+            default this pool's ``n_gpus_per_node x max_colocate_count``. Only the core share reads it.
         placement_timeout_s: how long to wait for the cluster to place the bundles.
     """
 
@@ -96,13 +103,14 @@ class RayResourcePool:
         *,
         n_gpus_per_node: int | None = None,
         nnodes: int | None = None,
-        cpus_per_worker: float = 1.0,
+        cpus_per_worker: float | None = None,
+        cpu_workers_per_node: int | None = None,
         placement_timeout_s: float = 60.0,
     ) -> None:
         n_gpus_per_node, nnodes = self._resolve_size(process_on_nodes, n_gpus_per_node, nnodes)
         if max_colocate_count < 1:
             raise UnplaceableResourcePoolError(f"max_colocate_count must be >= 1, got {max_colocate_count}")
-        if cpus_per_worker < 0:
+        if cpus_per_worker is not None and cpus_per_worker < 0:
             raise UnplaceableResourcePoolError(f"cpus_per_worker must be >= 0, got {cpus_per_worker}")
         if detached:
             raise UnplaceableResourcePoolError(
@@ -111,7 +119,14 @@ class RayResourcePool:
         self.n_gpus_per_node = n_gpus_per_node
         self.nnodes = nnodes
         self._use_gpu = use_gpu
-        self.cpus_per_worker = float(cpus_per_worker)
+        self._share_cores = cpus_per_worker is None
+        own = self.n_gpus_per_node * int(max_colocate_count)
+        if cpu_workers_per_node is not None and cpu_workers_per_node < own:
+            raise UnplaceableResourcePoolError(
+                f"cpu_workers_per_node={cpu_workers_per_node} is fewer than this pool's own {own} workers per node"
+            )
+        self.cpu_workers_per_node = own if cpu_workers_per_node is None else int(cpu_workers_per_node)
+        self.cpus_per_worker = 1.0 if cpus_per_worker is None else float(cpus_per_worker)
         self.max_colocate_count = int(max_colocate_count)
         self.accelerator_type = accelerator_type
         self.placement_timeout_s = float(placement_timeout_s)
@@ -186,9 +201,15 @@ class RayResourcePool:
         return self._use_gpu
 
     @property
-    def threads_per_worker(self) -> int:
-        """Torch intra-op threads per worker: the reserved CPUs, at least one."""
-        return max(1, math.floor(self.cpus_per_worker))
+    def threads_per_worker(self) -> str:
+        """Torch intra-op threads per worker, as ``worker.NUM_THREADS_ENV`` takes it: the reserved CPUs
+        (at least one) when ``cpus_per_worker`` was given or the workers hold GPUs; else
+        ``cores/<k>``, an equal share of the cores among the k = ``cpu_workers_per_node`` workers of
+        a node (Ray's embedded cluster offers several CPU slots per core, so the reservation says
+        nothing about the cores). Invariant: the threads of the k workers sum to at most the cores."""
+        if self._share_cores and not self.use_gpu:
+            return f"{CORE_SHARE_PREFIX}{self.cpu_workers_per_node}"
+        return str(max(1, math.floor(self.cpus_per_worker)))
 
     def bundle(self) -> dict[str, float]:
         """Resources of one bundle (shared by up to ``max_colocate_count`` workers)."""

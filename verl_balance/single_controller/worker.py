@@ -23,10 +23,25 @@ import torch
 from verl_balance.single_controller.decorator import register
 from verl_balance.single_controller.modes import Dispatch, MeshInfo, MeshLayoutError
 
-__all__ = ["Worker", "NUM_THREADS_ENV"]
+__all__ = ["Worker", "NUM_THREADS_ENV", "CORE_SHARE_PREFIX", "resolve_num_threads"]
 
 NUM_THREADS_ENV = "VERL_BALANCE_NUM_THREADS"
-"""Set by the worker group to the CPUs reserved per worker; the Worker sizes torch's thread pool to it."""
+"""Set by the worker group (``RayResourcePool.threads_per_worker``); the Worker sizes torch's thread
+pool to it: an integer, or ``cores/<k>`` (``resolve_num_threads``)."""
+
+CORE_SHARE_PREFIX = "cores/"
+
+
+def resolve_num_threads(value: str, *, cores: int | None = None) -> int:
+    """Torch threads for a ``NUM_THREADS_ENV`` value: ``"n"`` is n (at least 1); ``"cores/<k>"`` is
+    this process's usable cores (``cores``, default its CPU affinity) // k, at least 1."""
+    if value.startswith(CORE_SHARE_PREFIX):
+        share = int(value.removeprefix(CORE_SHARE_PREFIX))
+        assert share >= 1, f"{NUM_THREADS_ENV}={value}: the worker group sets k >= 1"
+        if cores is None:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, cores // share)
+    return max(1, int(value))
 
 
 class Worker:
@@ -41,8 +56,10 @@ class Worker:
         self._master_port = int(os.environ["MASTER_PORT"]) if "MASTER_PORT" in os.environ else None
         self._mesh_infos: dict[str, MeshInfo] = {}
         if NUM_THREADS_ENV in os.environ:
-            # workers share the node's cores: one intra-op pool per reserved CPU, not per core
-            torch.set_num_threads(max(1, int(os.environ[NUM_THREADS_ENV])))
+            # workers share the node's cores: one intra-op pool per reserved CPU or per core share
+            threads = resolve_num_threads(os.environ[NUM_THREADS_ENV])
+            torch.set_num_threads(threads)
+            os.environ["OMP_NUM_THREADS"] = str(threads)  # for processes this worker starts
         if torch.accelerator.is_available():
             count = torch.accelerator.device_count()
             torch.accelerator.set_device_index(0 if count == 1 else self._local_rank % count)

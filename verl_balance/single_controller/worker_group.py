@@ -127,9 +127,22 @@ class RayClassWithInitArgs:
         self.options.update(options)
 
 
-@ray.remote(num_cpus=0)
-def _node_address_and_free_port() -> tuple[str, int]:
+def _address_and_free_port() -> tuple[str, int]:
+    """This process's node address and a free rendezvous port on it."""
     return ray.util.get_node_ip_address().strip("[]"), free_rendezvous_port()
+
+
+_node_address_and_free_port = ray.remote(num_cpus=0)(_address_and_free_port)
+
+
+def _rendezvous_address(pg: Any, *, node_id: str) -> tuple[str, int]:
+    """Rank 0's node address and a free port on it (rank 0 is bundle 0 of ``pg``, on ``node_id``): drawn
+    by the driver itself when it runs on that node (an embedded cluster), else by a task there (which
+    costs a worker process: the embedded cluster starts none ahead, see ``trainer/cluster.py``)."""
+    if node_id == ray.get_runtime_context().get_node_id():
+        return _address_and_free_port()
+    strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0)
+    return ray.get(_node_address_and_free_port.options(scheduling_strategy=strategy).remote())
 
 
 def _worker_place(actor: Any) -> tuple[str, int, str | None]:
@@ -277,6 +290,21 @@ def _checked_worker_env(
     return worker_env
 
 
+OMP_WAIT_POLICY = "PASSIVE"
+"""OpenMP wait policy of CPU workers. libgomp's default spins at every parallel region's barrier; when
+the cores are shared (other workers, other jobs) a spinning thread waits for one that is descheduled:
+on the 2-core CI host at load ~10-40 two active threads cost 8-10x the CPU of one for generation,
+passive ones no more than one (docs/performance.md, "Threads")."""
+
+
+def cpu_thread_env(pool: RayResourcePool) -> dict[str, str]:
+    """Defaults for CPU workers' threads, under the caller's ``worker_env``: a passive OpenMP wait
+    unless the driver's environment names a policy (Ray's workers inherit it); nothing for GPU pools."""
+    if pool.use_gpu or "OMP_WAIT_POLICY" in os.environ:
+        return {}
+    return {"OMP_WAIT_POLICY": OMP_WAIT_POLICY}
+
+
 def _rendezvous_env(pool: RayResourcePool, *, rank: int, local_rank: int, address: tuple[str, int]) -> dict[str, str]:
     """The torchrun-style variables of one worker (``worker.Worker`` reads them)."""
     return {
@@ -286,8 +314,9 @@ def _rendezvous_env(pool: RayResourcePool, *, rank: int, local_rank: int, addres
         "LOCAL_WORLD_SIZE": str(pool.n_gpus_per_node),
         "MASTER_ADDR": str(address[0]),
         "MASTER_PORT": str(address[1]),
-        NUM_THREADS_ENV: str(pool.threads_per_worker),
-        "OMP_NUM_THREADS": str(pool.threads_per_worker),
+        NUM_THREADS_ENV: pool.threads_per_worker,
+        # read by libgomp at start-up; the Worker then sizes torch's pool to NUM_THREADS_ENV
+        "OMP_NUM_THREADS": pool.threads_per_worker if pool.threads_per_worker.isdigit() else "1",
     }
 
 
@@ -377,13 +406,7 @@ class RayWorkerGroup:
         """One actor per bundle, rank = bundle order, with the rendezvous in its environment."""
         pool = self.resource_pool
         pgs = pool.get_placement_groups()
-        master_addr, master_port = ray.get(
-            _node_address_and_free_port.options(
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pgs[0], placement_group_bundle_index=0
-                )
-            ).remote()
-        )
+        master_addr, master_port = _rendezvous_address(pgs[0], node_id=pool.node_ids()[0])
         if self._extension is not None:
             worker_env = {
                 **worker_env,
@@ -400,6 +423,7 @@ class RayWorkerGroup:
             for local_rank in range(pool.n_gpus_per_node):
                 rank = len(self._workers)
                 env = {
+                    **cpu_thread_env(pool),
                     **worker_env,
                     **_rendezvous_env(pool, rank=rank, local_rank=local_rank, address=(master_addr, master_port)),
                 }

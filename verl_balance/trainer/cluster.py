@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 import ray
 
@@ -73,7 +75,7 @@ def start_ray(*, address: str | None, num_workers: int | None = None, ray_init: 
     # Ray warns on every start that it enabled token authentication (its default): a notice for the
     # embedded cluster's log, not a warning on every run's console.
     logging.getLogger(RAY_AUTH_LOGGER).setLevel(logging.ERROR)
-    with stop_signals_blocked():  # the cluster's processes ignore a process-group SIGTERM / SIGINT
+    with stop_signals_blocked(), dynamic_agent_port():  # the cluster's processes ignore a group SIGTERM / SIGINT
         _init_embedded(**kwargs)
     _stop_without_sigterm_at_shutdown()
     cpus = kwargs["num_cpus"]
@@ -106,6 +108,14 @@ def plain_worker_prefixes(stream) -> None:
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
 
 
+EMBEDDED_START_CONFIG = {"prestart_worker_first_driver": False, "enable_metrics_collection": False}
+"""What the embedded cluster leaves out of its start-up: Ray starts idle worker processes ahead of the
+first driver's tasks, which never host a worker group (each actor gets a new process; rank 0's
+rendezvous port is drawn by the driver, ``worker_group._rendezvous_address``), and every process exports
+metrics that nothing reads without a dashboard. Together 1-2 s of CPU per run on 2 cores
+(benchmarks/startup_bench.py); a user's ``ray_kwargs.ray_init._system_config`` overrides either."""
+
+
 def ray_init_arguments(*, address: str | None, ray_init: Mapping | None) -> tuple[bool, dict]:
     """(whether the cluster is embedded, the arguments of ``ray.init``): ours, with the user's
     ``ray_init`` merged over them (``ray_init.merge_ray_init``)."""
@@ -128,6 +138,7 @@ def ray_init_arguments(*, address: str | None, ray_init: Mapping | None) -> tupl
         _system_config={
             "worker_niceness": EMBEDDED_WORKER_NICENESS,
             "max_direct_call_object_size": INLINE_ARGUMENT_BYTES,
+            **EMBEDDED_START_CONFIG,
         },
     )
     return True, merge_ray_init(defaults, ray_init)
@@ -152,6 +163,35 @@ _START_TIMEOUT_TEXTS = ("timed out during startup", "waiting for node to startup
 
 class RayStartError(RuntimeError):
     """The embedded Ray cluster did not start (names what timed out and the ways around it)."""
+
+
+AGENT_PORT_PARAMETER = "dashboard_agent_listen_port"
+"""Ray's node parameter (``RayParams``; ``ray.init`` has no argument for it) of the port its dashboard
+agent serves HTTP on: 52365 by default, for every cluster on the machine. When another Ray instance
+holds it the agent retries 5 times (3.3 s of sleeps) before it gives up the HTTP service, and the
+node registers only after that: every embedded start on a machine with another Ray running paid it."""
+
+
+@contextlib.contextmanager
+def dynamic_agent_port() -> Iterator[None]:
+    """While in it, a Ray node started without an explicit agent port takes a free one (port 0: Ray's
+    agent binds any free port and records the one it got). Another Ray version without the
+    parameter: nothing changes."""
+    params = getattr(getattr(getattr(ray, "_private", None), "parameter", None), "RayParams", None)
+    init = getattr(params, "__init__", None)
+    if init is None or AGENT_PORT_PARAMETER not in inspect.signature(init).parameters:
+        yield
+        return
+
+    def init_with_free_agent_port(self, *args, **kwargs):
+        kwargs.setdefault(AGENT_PORT_PARAMETER, 0)
+        init(self, *args, **kwargs)
+
+    params.__init__ = init_with_free_agent_port
+    try:
+        yield
+    finally:
+        params.__init__ = init
 
 
 def _init_embedded(**kwargs) -> None:
@@ -240,14 +280,21 @@ def _count(n: int) -> str:
 
 
 def build_actor_group(
-    *, worker_config: ActorWorkerConfig, trainer_cfg: TrainerSection, use_gpu: bool, worker_cls: type = ActorWorker
+    *,
+    worker_config: ActorWorkerConfig,
+    trainer_cfg: TrainerSection,
+    use_gpu: bool,
+    worker_cls: type = ActorWorker,
+    cpu_workers_per_node: int | None = None,
 ) -> RayWorkerGroup:
     """Place nnodes x n_gpus_per_node workers and build the sharded model on them, logging the two
-    start-up phases: ``worker spawn`` (processes started and imported, placement) and ``model load``."""
+    start-up phases: ``worker spawn`` (processes started and imported, placement) and ``model load``.
+    ``cpu_workers_per_node``: CPU workers of all groups running at once on a node (``RayResourcePool``)."""
     pool = RayResourcePool(
         n_gpus_per_node=trainer_cfg.n_gpus_per_node,
         nnodes=trainer_cfg.nnodes,
         use_gpu=use_gpu,
+        cpu_workers_per_node=cpu_workers_per_node,
         placement_timeout_s=trainer_cfg.placement_timeout_s,
     )
     try:

@@ -215,8 +215,17 @@ class DriverBase:
         )
         # logs the "worker spawn" and "model load" phases
         self.actor = cluster.build_actor_group(
-            worker_config=worker_config, trainer_cfg=t, use_gpu=use_gpu, worker_cls=worker_cls or self.worker_cls
+            worker_config=worker_config,
+            trainer_cfg=t,
+            use_gpu=use_gpu,
+            worker_cls=worker_cls or self.worker_cls,
+            cpu_workers_per_node=self.cpu_workers_per_node(),
         )
+
+    def cpu_workers_per_node(self) -> int | None:
+        """CPU workers of all this run's groups that compute at the same time on one node, which
+        share its cores (``RayResourcePool``); ``None``: the actor's group alone."""
+        return None
 
     @classmethod
     def train(cls, cfg: DictConfig) -> dict:
@@ -559,6 +568,7 @@ class DriverBase:
             trainer_cfg=self.trainer_config,
             use_gpu=old.resource_pool.use_gpu,
             worker_cls=init.cls,
+            cpu_workers_per_node=self.cpu_workers_per_node(),
         )
         self.prepare_workers()
         identity = self.run_identity

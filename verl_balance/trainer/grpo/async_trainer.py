@@ -230,6 +230,12 @@ class AsyncGRPOTrainer(GRPOTrainer):
             raise
 
     # ------------------------------------------------------------------ rollout group
+    def cpu_workers_per_node(self) -> int | None:
+        """separate_async: the actor's and the rollout's workers compute at once, and may share a node."""
+        if self.config.trainer.v1.trainer_mode != "separate_async":
+            return None
+        return self.trainer_config.n_gpus_per_node + self.rollout_cfg.n_gpus_per_node
+
     def _rollout_worker_config(self) -> RolloutWorkerConfig:
         return RolloutWorkerConfig(
             model=self.model_config,
@@ -248,6 +254,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             n_gpus_per_node=r.n_gpus_per_node,
             nnodes=r.nnodes,
             use_gpu=self.actor.resource_pool.use_gpu,
+            cpu_workers_per_node=self.cpu_workers_per_node(),
             placement_timeout_s=t.placement_timeout_s,
         )
         try:
