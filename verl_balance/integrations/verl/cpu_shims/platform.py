@@ -29,6 +29,8 @@ from datetime import timedelta
 
 import torch
 
+from verl_balance.integrations.verl.compat import engine_registry, replace_attribute, select_platform
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["install", "install_gloo_backend", "platform_class", "register_fsdp_engines_for_cpu"]
@@ -209,7 +211,7 @@ def install_gloo_backend() -> None:
     for module in [verl_distributed] + [m for n, m in list(sys.modules.items()) if n.startswith("verl.") and m]:
         for name, replacement in replacements.items():
             if getattr(module, name, None) is getattr(verl_distributed, name):
-                setattr(module, name, replacement)
+                replace_attribute(module, name, replacement)
 
 
 def register_fsdp_engines_for_cpu() -> None:
@@ -222,13 +224,13 @@ def register_fsdp_engines_for_cpu() -> None:
         return
 
     def get_engine_cls(cls, model_type: str, backend: str):
-        registry = cls._engines.get(model_type, {}).get(backend, {})
+        registry = engine_registry(cls).get(model_type, {}).get(backend, {})
         if backend in ("fsdp", "fsdp2") and "cpu" not in registry and "cuda" in registry:
             registry["cpu"] = registry["cuda"]
         return original(cls, model_type, backend)
 
     get_engine_cls._verl_balance_cpu = True
-    EngineRegistry.get_engine_cls = classmethod(get_engine_cls)
+    replace_attribute(EngineRegistry, "get_engine_cls", classmethod(get_engine_cls))
 
 
 def install() -> bool:
@@ -239,8 +241,7 @@ def install() -> bool:
 
     platform_cls = platform_class()
     platform_manager.PlatformRegistry.register(platform="cpu")(platform_cls)
-    if not isinstance(platform_manager._current_platform, platform_cls):
-        platform_manager._current_platform = platform_cls()
+    select_platform(platform_cls)
     install_gloo_backend()
     register_fsdp_engines_for_cpu()
     return True

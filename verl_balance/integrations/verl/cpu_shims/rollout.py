@@ -53,9 +53,10 @@ import torch
 from omegaconf import DictConfig
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import HFModelConfig, RolloutConfig
-from verl.workers.rollout import base as rollout_base
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, RolloutReplicaRegistry, TokenOutput
+
+from verl_balance.integrations.verl.compat import register_rollout_class
 
 logger = logging.getLogger(__name__)
 
@@ -527,7 +528,7 @@ class CPUServerAdapter(BaseRollout):
 def register() -> None:
     """Register ``verl_balance_cpu`` in verl's replica and rollout-class registries (idempotent)."""
     RolloutReplicaRegistry.register(ROLLOUT_NAME, lambda: CPURolloutReplica)
-    rollout_base._ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = f"{__name__}.CPUServerAdapter"
+    register_rollout_class(ROLLOUT_NAME, "async", f"{__name__}.CPUServerAdapter")
 
 
 register()
