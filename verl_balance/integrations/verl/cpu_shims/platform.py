@@ -1,21 +1,12 @@
-"""A ``cpu`` platform for verl 0.9.1, so verl's own trainers and workers run on CPU (CI, laptops).
+"""A ``cpu`` platform for verl, so verl's own trainers and workers run on CPU (CI, laptops).
 
-verl 0.9.1 has no CPU platform: it falls back to cuda/nccl, and builds the process-group backend
-``f"cpu:gloo,{device}:{backend}"``, which on CPU is ``"cpu:gloo,cpu:gloo"`` (torch rejects it).
-This module, loaded in every process through verl's own hook::
-
-    VERL_USE_EXTERNAL_MODULES=verl_balance.integrations.verl.cpu_shims.platform[,verl_balance.integrations.verl.autopatch]
-
-does exactly three things, and only where no accelerator is visible (or ``VERL_PLATFORM=cpu``):
-
-1. registers ``PlatformCPU`` under verl's ``PlatformRegistry`` as ``"cpu"`` (device ``cpu``,
-   communication backend ``gloo``; memory/stream calls are no-ops or zeros) and selects it;
-2. makes verl's two process-group initialisers use ``"cpu:gloo"`` (``install_gloo_backend``);
-3. lets verl's FSDP engines be looked up for device ``cpu`` (``register_fsdp_engines_for_cpu``),
-   so a reference run with ``strategy=fsdp2`` exists on CPU.
-
-It changes nothing on a host with CUDA unless ``VERL_PLATFORM=cpu`` is set. It is a test/CI aid,
-not a performance path.
+verl 0.9.1 has no CPU platform (it falls back to cuda/nccl, and its process-group backend
+``"cpu:gloo,cpu:gloo"`` is rejected by torch). Loaded through
+``VERL_USE_EXTERNAL_MODULES=verl_balance.integrations.verl.cpu_shims.platform``, and only where no
+accelerator is visible (or ``VERL_PLATFORM=cpu``), it registers and selects ``PlatformCPU`` (device
+``cpu``, backend ``gloo``, memory/stream calls no-ops), makes verl's process-group initialisers use
+``"cpu:gloo"`` (``install_gloo_backend``) and lets verl's FSDP engines be found for device ``cpu``
+(``register_fsdp_engines_for_cpu``). A CI aid, not a performance path.
 """
 
 from __future__ import annotations
