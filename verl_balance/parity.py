@@ -1,36 +1,17 @@
-"""Layout-invariance harness: every (dp, sp) layout must reproduce a single-process reference.
+"""Layout-invariance harness: every (dp, sp) layout must reproduce a single-process reference
+(docs/design.md, "Parity").
 
-One set of processes is spawned for all layouts; each layout gets its own gloo process group
-(CPU, fp32), inside which every case of the matrix {fixed micro-batch size, dynamic token cap}
-x {balance on, off} x {loss_agg_mode} builds a TrainEngine from the same seed, forms this DP rank's micro-batches with
-verl_balance.balance.plan_balance, and runs eval_loss then train_batch on the same global batch.
-The reference is computed in one process WITHOUT any distributed, packing, or loss-contract
-code: a plain forward of the model per sequence, the aggregation formula written out directly,
-torch.optim.AdamW. A case passes when the eval loss and train loss match the reference to
-rtol 1e-5, the gradient norm to rtol 1e-5, and every parameter after the step to 1e-5.
+One set of spawned ranks serves all layouts, each in its own gloo group (CPU, fp32). Every case of
+{fixed micro-batch size, token cap} x {balance on, off} x {loss_agg_mode} (plus FSDP2's
+gradient-accumulation controls, ``MODEL_VARIANTS`` and the value-model cells of ``value_cases``)
+builds a TrainEngine from one seed, plans with ``balance.plan_balance`` and runs eval_loss then
+train_batch. The reference uses no distributed, packing or loss-contract code: a plain forward per
+sequence, the aggregation formula written out, torch.optim.AdamW. A case passes when both losses and
+the gradient norm match to rtol 1e-5 and every parameter after the step to 1e-5. The negative
+controls (``testing.faults.KNOWN_BUGS``, ``VALUE_NEGATIVE_CONTROLS``) must fail.
 
-FSDP2 gradient-accumulation controls (FSDPConfig: deferred gradient sync, parameters kept
-unsharded across micro-batches, both) run on every multi-rank layout for both micro-batching
-modes and two aggregation modes: they change when gradients are reduced, never what is reduced.
-
-The engine computes log-probs with the chunked output head (ParitySettings.logits_chunk_size
-tokens per chunk, chosen to not divide the micro-batches); the reference takes them from full
-logits. Model-variant cells (MODEL_VARIANTS) run on every layout: the unchunked head
-(logits_chunk_size=0) and activation checkpointing (model.enable_gradient_checkpointing), the
-latter also with FSDP2 parameters kept unsharded and gradient sync deferred.
-
-Value-model cells (``value_cases``) run verl's clipped value loss (algorithms/value_loss.py) on a
-``ValueModel`` (models/value.py: the same decoder, a scalar head, no LM head) for {fixed, dynamic}
-x every loss_agg_mode on every layout, against a single-process reference written the same way
-(plain per-sequence forward, the clipped loss and the aggregation formulas written out); the
-``VALUE_NEGATIVE_CONTROLS`` (a known-bad normalizer under the value loss) must FAIL.
-
-Negative controls run the known-bad normalizers of verl_balance.testing.faults.KNOWN_BUGS (a
-TrainEngine subclass, FaultyTrainEngine) on a layout where each one matters; they must FAIL.
-
-Run `python -m verl_balance.parity` for the full table (`--help` for options);
-`python -m verl_balance.parity model.path=DIR` (or `--model-path DIR`) runs the same matrix on a
-local Hugging Face model (any of ``models.hf.SUPPORTED_MODEL_TYPES``) instead of the built-in tiny decoder.
+``python -m verl_balance.parity`` prints the table; ``model.path=DIR`` runs it on a local Hugging Face
+model (``models.hf.SUPPORTED_MODEL_TYPES``).
 """
 
 from __future__ import annotations

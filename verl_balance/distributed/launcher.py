@@ -1,24 +1,17 @@
 """Run a function on N processes that form a gloo process group; collect the results.
 
-One launcher for every multi-process job (the parity harness, calibration, benchmarks, tests):
-``run_on_ranks(fn, world=N)`` runs ``fn(rank)`` on N processes, each inside a fresh gloo group (CPU, one
-torch thread), and returns ``[result of rank 0, ..., result of rank N-1]``. Callers that need several
-groups of different sizes in one call (the parity harness) pass ``init_group=False`` and open each group
-with ``gloo_group``.
+``run_on_ranks(fn, world=N)`` runs ``fn(rank)`` on N processes, each in a fresh gloo group (CPU, one
+torch thread), and returns the ranks' results in rank order; ``init_group=False`` lets a caller open
+groups of several sizes itself (``gloo_group``). Used by the parity harness, calibration, benchmarks
+and tests.
 
-Process start-up (an interpreter, torch, then transformers or verl) costs seconds per rank, so the
-processes are forks of multiprocessing's fork server, which imports the third-party modules every rank
-needs once (``process_state.FORK_SERVER_PRELOAD``; never verl or verl_balance, which each rank imports
-itself; every rank draws its own random seeds as a fresh process does), and they are a warm pool: per
-world size, N long-lived processes that receive each call's pickled function (with the caller's
-environment, working directory and ``sys.path``) and send back the pickled result. Each call starts from
-what a fresh process would see where it matters: torch's initial seed, default dtype, grad mode and one
-thread, and module globals that a call rebound (a test's ``module.function = stub``) are restored after
-it. A rank that raises fails the call with its traceback; a rank that dies, or that does not answer
-within ``timeout_s``, fails it naming the rank. After any failure (or an interrupt of the caller) the
-pool of that world size is killed, so no rank is left waiting in a collective, and the next call starts
-a fresh one. ``fresh=True`` runs on new processes that leave afterwards, for a function that must see a
-process nobody used before.
+The processes are a warm pool per world size, forked from multiprocessing's fork server with the
+third-party modules preloaded (``process_state.FORK_SERVER_PRELOAD``; never verl or verl_balance).
+Each call gets the caller's environment, working directory and ``sys.path``, and starts as a fresh
+process would: torch's initial seed, default dtype, grad mode, one thread, rebound module globals
+restored. A rank that raises fails the call with its traceback; one that dies or exceeds
+``timeout_s`` fails it naming the rank, and the pool of that size is then killed (no rank left in a
+collective). ``fresh=True`` runs on new processes that exit afterwards.
 """
 
 from __future__ import annotations

@@ -116,7 +116,7 @@ class FSDPConfig:
 # Each engine key is one field of one of these groups, named as verl names it. EngineConfig inherits
 # them, and so do the recipe sections that hold them (trainer/config/sft.py, trainer/config/grpo.py),
 # so a key has one name, one default and one docstring; the recipes' key maps are derived from
-# the groups (trainer/recipe.engine_keys) and the verl backend reads LoRAKeys / KernelKeys by their names. A
+# the groups (trainer/config/recipe.engine_keys) and the verl backend reads LoRAKeys / KernelKeys by their names. A
 # group holds no checks: EngineConfig.__post_init__ checks the values, naming the user's key.
 ENGINE_FIELD = "engine_field"
 """Field metadata: the EngineConfig field a group field feeds when the names differ (fsdp_config)."""
@@ -204,7 +204,7 @@ class KernelKeys:
 
 
 ENGINE_KEY_GROUPS = (ActorKeys, HeadKeys, FSDPKeys, CriticFSDPKeys, LoRAKeys, ModelKeys, KernelKeys)
-"""Every group; a field declared in one of them is an engine key (trainer/recipe.engine_keys)."""
+"""Every group; a field declared in one of them is an engine key (trainer/config/recipe.engine_keys)."""
 
 
 @dataclass

@@ -1,25 +1,16 @@
-"""Sharded model construction: build on the meta device, shard with FSDP2, materialize only the
-local shard, then fill it (the seed's random weights, or a rank's own slices of the safetensors).
-
-No rank or device ever holds the whole model: parameters are created on ``meta``, ``fully_shard``
-turns them into Shard(0) DTensors over the flattened (dp, sp) mesh, and ``to_empty`` allocates each
-rank's rows only. At most one full tensor (a parameter's random draw on the host) exists at a time.
+"""Sharded model construction: parameters on ``meta``, ``fully_shard`` into Shard(0) DTensors over
+the flattened (dp, sp) mesh, ``to_empty`` for each rank's rows only, then filled; at most one full
+tensor (a parameter's random draw on the host) exists at a time.
 
 Invariants:
-- Layout-invariant weights: every parameter's full value is a function of (seed, model) only; a
-  rank keeps rows [offset, offset + local_rows) of it, so dp/sp change who holds a row, not its value.
-  - Built-in preset: bit-identical to ``torch.manual_seed(seed); build_model(config)`` (the
-    construction draws of nn.Linear / nn.Embedding are replayed in order, then reset_parameters).
-  - HF ``init=random``: each leaf module is initialised by HF's own ``_init_weights`` from a
-    generator seeded by (seed, module name): the same distributions as ``from_config``, but not its
-    stream (that one depends on transformers' construction order).
-  - HF ``init=pretrained``: each rank reads its rows of each tensor from the safetensors files
-    (``safe_open(...).get_slice``), cast to the parameter dtype; nothing else is read.
-- Buffers (e.g. HF's rotary ``inv_freq``, non-persistent) are computed for real at construction
-  (only parameters go to meta) and written back after ``to_empty``, which would leave them garbage.
-- Tied embeddings stay one Parameter: filled once, through its first name.
-- LoRA adapters (engine/lora.py) are filled last (`fill_lora`): A from (seed, parameter name), B = 0,
-  or this rank's rows of lora_adapter_path; base weights keep their HF names (`.base_layer` dropped).
+- every parameter's full value is a function of (seed, model) only; dp/sp change who holds a row:
+  built-in presets are bit-identical to ``torch.manual_seed(seed); build_model(config)``; HF
+  ``init=random`` runs HF's ``_init_weights`` per leaf module from a generator seeded by (seed,
+  module name); ``init=pretrained`` reads each rank's rows of the safetensors (``get_slice``);
+- buffers (rotary ``inv_freq``) are built for real and written back after ``to_empty``;
+- tied embeddings stay one Parameter, filled once through its first name;
+- LoRA adapters are filled last (``fill_lora``): A from (seed, parameter name), B = 0, or this
+  rank's rows of lora_adapter_path.
 """
 
 from __future__ import annotations

@@ -7,26 +7,18 @@ Invariants:
 - Every SP rank of a DP group receives the same micro-batches; every rank of the mesh receives
   the same number of micro-batches (checked: a mismatch would otherwise hang a collective).
 - train_batch and eval_loss run the same code (_run); eval skips backward and the optimizer.
-  _run is composed of the public micro-batch methods (check_micro_batches, pack_micro_batches,
-  prepare_backward, forward_log_probs, reshard, zero_grad, optimizer_step, advance_schedule), so an
-  external loop (verl's engine backend) that calls them in the same order takes the same step.
+  _run is composed of the public micro-batch methods, so an external loop (verl's engine backend)
+  calling them in the same order takes the same step.
   Per micro-batch a rank back-propagates G * sum(w * l) over its token slice (see loss.py), and
   the logged loss is all_reduce_sum over the world of those sums: the exact global objective.
 - Zero valid tokens in the whole mini-batch: no forward, no optimizer step, a warning, loss 0.
-  The learning-rate schedule still advances (as it does for a step skipped for a non-finite
-  loss or gradient norm): the schedule is a function of the train-step counter, not of the number of
-  optimizer updates, so a skipped step never shifts it against the trainer's step.
+  The LR schedule follows the train-step counter, so it advances for every skipped step too.
 - Gradient accumulation follows FSDPConfig: with defer_gradient_sync the reduce-scatter runs
   once, after the last micro-batch's backward; with reshard_after_backward=False the parameters
   stay unsharded until then. Either way each gradient is reduced exactly once with factor G.
 - Value model (config.model_type="value_model", models/value.py): the same loop, contract and
-  weights; the one difference is the seam ``_loss_inputs``: the loss is a ``ValueLossFn`` called
-  as ``loss_fn(values=..., inputs=...)`` with values[p] = the scalar head on the hidden state at
-  packed position p (target-aligned like log_probs[p]: it is the value of the state that predicts
-  token p + 1), instead of a ``LossFn`` called with ``log_probs=`` / ``entropy=``. There is no
-  default loss for a value model (algorithms/value_loss.py's ``ValueLoss`` is verl's).
-  ``compute_values`` returns values[i, t] = head(hidden of token t - 1) (0 at t = 0 and padding),
-  the alignment of ``compute_log_prob``'s log_probs[i, t].
+  weights; only ``_loss_inputs`` differs: a ``ValueLossFn`` gets ``values=`` (target-aligned like
+  log_probs; docs/design.md, "The loss contract") instead of ``log_probs=`` / ``entropy=``.
 - Host/device: packing and counting happen on the CPU; a step waits for the device only for the
   global counts, the logged sums, the gradient norm and the timing events (once each per step).
 """

@@ -1,6 +1,6 @@
 """DAPO's overlong reward shaping (verl's ``dapo`` reward manager, ``reward_kwargs.overlong_buffer_cfg``).
 
-Invariants (verl 0.9.1's ``DAPORewardManager``):
+Invariants (verl's ``DAPORewardManager``):
 - With buffer length b, penalty factor f and max_resp_len M, a response of length l gets
   score + min(-(l - (M - b)) / b * f, 0): nothing up to M - b tokens, then a linear penalty
   reaching -f at M tokens.

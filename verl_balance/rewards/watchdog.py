@@ -10,6 +10,7 @@ workers down and exits.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -78,39 +79,61 @@ def score_batch_watched(
     """``score_batch`` of the same arguments; RewardTimeoutError naming ``name`` (default: the
     function's module and name), the sample and its data source when one call exceeds ``timeout_s``.
     ``children`` records the processes the calls leave running (``RewardChildren.reap`` ends them)."""
-    if children is not None:
-        with children.watch():
-            return score_batch_watched(
-                reward_fn=reward_fn,
-                data_sources=data_sources,
-                solutions=solutions,
-                ground_truths=ground_truths,
-                extra_infos=extra_infos,
-                timeout_s=timeout_s,
-                heartbeat_s=heartbeat_s,
-                name=name,
-                timeout_key=timeout_key,
-            )
-    name = name or describe_reward_fn(reward_fn)
-    clock = _CallClock(reward_fn)
+    with children.watch() if children is not None else contextlib.nullcontext():
+        clock = _CallClock(reward_fn)
+        finished, result = _score_in_thread(
+            clock,
+            data_sources=data_sources,
+            solutions=solutions,
+            ground_truths=ground_truths,
+            extra_infos=extra_infos,
+        )
+        _wait_watched(
+            finished,
+            clock,
+            name=name or describe_reward_fn(reward_fn),
+            data_sources=data_sources,
+            n_samples=len(solutions),
+            timeout_s=timeout_s,
+            heartbeat_s=heartbeat_s,
+            timeout_key=timeout_key,
+        )
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
+def _score_in_thread(clock: _CallClock, **batch) -> tuple[threading.Event, dict[str, Any]]:
+    """Start ``score_batch(reward_fn=clock, **batch)`` in a daemon thread; the event is set when it
+    ends, the dict then holds ``value`` or ``error``."""
     result: dict[str, Any] = {}
     finished = threading.Event()
 
     def run() -> None:
         try:
-            result["value"] = score_batch(
-                reward_fn=clock,
-                data_sources=data_sources,
-                solutions=solutions,
-                ground_truths=ground_truths,
-                extra_infos=extra_infos,
-            )
+            result["value"] = score_batch(reward_fn=clock, **batch)
         except BaseException as err:  # re-raised in the caller's thread
             result["error"] = err
         finally:
             finished.set()
 
     threading.Thread(target=run, name="reward", daemon=True).start()
+    return finished, result
+
+
+def _wait_watched(
+    finished: threading.Event,
+    clock: _CallClock,
+    *,
+    name: str,
+    data_sources: Sequence[str],
+    n_samples: int,
+    timeout_s: float | None,
+    heartbeat_s: float | None,
+    timeout_key: str,
+) -> None:
+    """Wait for ``finished``, logging a heartbeat every ``heartbeat_s``; RewardTimeoutError once one
+    call has run for ``timeout_s``."""
     start = time.monotonic()
     next_beat = start + heartbeat_s if heartbeat_s else None
     while not finished.wait(timeout=_next_wake(clock, timeout_s, next_beat)):
@@ -118,7 +141,7 @@ def score_batch_watched(
         if timeout_s is not None and index is not None and running_s >= timeout_s:
             raise RewardTimeoutError(
                 f"reward function {name} did not return within {timeout_key}={timeout_s:g} s on sample {index} "
-                f"(data_source {data_sources[index]!r}; running {running_s:.1f} s; {done} of {len(solutions)} "
+                f"(data_source {data_sources[index]!r}; running {running_s:.1f} s; {done} of {n_samples} "
                 f"samples scored); make it faster or raise {timeout_key}"
             )
         if next_beat is not None and time.monotonic() >= next_beat:
@@ -129,12 +152,9 @@ def score_batch_watched(
                 index,
                 running_s,
                 done,
-                len(solutions),
+                n_samples,
             )
             next_beat = time.monotonic() + heartbeat_s
-    if "error" in result:
-        raise result["error"]
-    return result["value"]
 
 
 def _next_wake(clock: _CallClock, timeout_s: float | None, next_beat: float | None) -> float:

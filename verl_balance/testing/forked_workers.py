@@ -1,50 +1,28 @@
-"""Ray worker processes forked from a preloaded interpreter: the test suite's process start-ups.
+"""Ray worker processes and subprocess drivers forked from a preloaded interpreter (test suite only).
 
-A Ray worker process starts an interpreter and imports torch, tensordict and transformers before it
-runs a line of the code under test: about 4-5 s of CPU on a 2-core machine, paid by each of the suite's
-~170 worker processes (a third of the suite's CPU). A *preload server* imports those modules once;
-a worker process is then a fork of it.
+A *preload server* imports torch, tensordict and transformers once (``PRELOAD``); each worker is a
+fork of it instead of a fresh interpreter (4-5 s of CPU saved per worker process).
 
-How a worker starts: Ray launches every worker of a job as ``<py_executable> default_worker.py ARGS``
-(the ``py_executable`` runtime-env field, which ``runtime_env_hook`` adds to every job while
-``SOCKET_ENV`` names a running server). ``py_executable`` is this file run as a stdlib-only *client*
-(``python -S``): it sends the server its argv, environment, working directory and standard streams
-(``SCM_RIGHTS``). The server forks a *waiter*, the waiter forks the *worker*: the worker takes those and
-the client's ``oom_score_adj`` over (the kernel's OOM killer picks it as it would pick a fresh worker,
-not the small client) and runs ``default_worker.py`` as ``__main__``, then leaves through the
-interpreter's normal exit (atexit handlers, non-daemon threads), as a fresh interpreter would. It
-registers with the raylet under its own pid. The waiter sends the client the worker's pid and later its
-exit status; the client exits with that status. The worker joins the client's process group, which the
-raylet signals (it starts each worker as a group leader and kills the group), so the raylet's signals
-reach the worker as they would a fresh one. When the client is gone all the same (SIGKILLed alone), the
-waiter SIGKILLs the worker: a stopped or hung worker could not notice by itself. A client in another
-session than the server's (a raylet started under ``setsid``) cannot have its group joined: it then runs
-``default_worker.py`` itself, as a fresh interpreter.
+Workers: while ``SOCKET_ENV`` names a running server, ``runtime_env_hook`` sets every job's
+``py_executable`` to this file run as a stdlib-only client (``python -S``). The client sends the
+server its argv, environment, working directory and standard streams (``SCM_RIGHTS``); the server
+forks a waiter, the waiter forks the worker, which takes them and the client's ``oom_score_adj``
+over, joins the client's process group (so the raylet's group signals reach it) and runs
+``default_worker.py`` as ``__main__`` under its own pid. The client exits with the worker's status;
+a worker whose client was SIGKILLed is SIGKILLed by its waiter. A client in another session than the
+server's runs ``default_worker.py`` itself.
 
-Drivers: a test that starts a driver as a subprocess (``main_ppo``, a recipe's command line, a pieces
-runner) runs ``python_command(["-m", MODULE, ...])`` or ``python_command([SCRIPT, ...])``: the same
-client in driver mode. The driver runs the module as ``python -m`` does (``sys.argv[0]`` the module's
-file, the working directory first on ``sys.path``) in a process group of its own, and the client
-passes the SIGTERM, SIGINT and SIGHUP sent to it on to the driver: a test signalling the pid it
-started reaches the driver as it would a fresh one, and a signal to the client's whole group reaches
-the driver once (through the client), not twice.
+Drivers: ``python_command([...])`` is the same client in driver mode: the module runs as
+``python -m`` would, in its own process group, and the client forwards SIGTERM, SIGINT and SIGHUP.
 
-Invariants (asserted by the server, tests/test_forked_workers.py checks the rest):
-- Only third-party modules are preloaded (``PRELOAD``); neither Ray (its C++ config and auth token
-  are read per process) nor verl nor verl_balance is in the server, so the code under test is
-  imported in the worker, with the worker's environment and ``sys.path`` (its ``PYTHONPATH``).
-- The server has one thread when it forks and has run no torch op (a fork of a multi-threaded
-  process may inherit held locks); it runs with ``OMP_NUM_THREADS`` as the workers do (libgomp reads
-  it when torch loads).
-- The server exits when the process that started it does.
+Invariants (asserted by the server; tests/test_forked_workers.py checks the rest):
+- only third-party modules are preloaded: Ray, verl and verl_balance are imported in the worker,
+  with its environment and ``sys.path``;
+- the server has one thread and has run no torch op when it forks, with the workers' ``OMP_NUM_THREADS``;
+- the server exits when the process that started it does.
 
-What still differs from a fresh interpreter: the preloaded modules were imported with the server's
-environment (the suite's, before any test ran), and every fork shares the server's string-hash seed
-(``PYTHONHASHSEED``), so an iteration order over a set of strings agrees across forked workers where
-fresh ones might disagree. The random generators are drawn anew in each worker (torch's, numpy's and
-Python's), as a fresh interpreter draws its own.
-
-Test infrastructure only: the package never starts workers or drivers this way.
+Differences from a fresh interpreter: the preloaded modules saw the server's environment, and every
+fork shares the server's ``PYTHONHASHSEED``; the random generators are reseeded per worker.
 """
 
 from __future__ import annotations

@@ -1,32 +1,20 @@
-"""Warm worker processes: successive worker groups of one driver reuse idle worker processes.
+"""Warm worker processes (test suite only): successive worker groups of one driver reuse idle worker
+processes instead of paying an interpreter, torch and the worker's imports (about 3 s of CPU) each.
 
-A Ray actor's process leaves with the actor, so every new group pays an interpreter, torch, FSDP
-and the worker's imports again: about 3 s of CPU per worker, more than a short job's steps (a test
-suite builds hundreds of groups). With hosting on (``enable_worker_hosts(classes=...)``; the test
-suite turns it on for the trainer's worker classes, installing it as the process's
-``single_controller.worker_factory.WorkerFactory``), a group's worker of one of those classes is an
-object inside a *host*: a Ray actor that outlives the group and, once the group has shut down
-cleanly, serves the next group's worker of the same class, actor options and environment.
+With ``enable_worker_hosts(classes=...)`` (installed as the process's
+``single_controller.worker_factory.WorkerFactory``) a worker of one of those classes is an object
+inside a *host* (``testing/worker_host.py``'s ``WorkerHost``): a Ray actor that outlives the group
+and serves the next group's worker of the same class, actor options and environment.
 
-The host process itself is ``testing/worker_host.py``'s ``WorkerHost`` (this module, driver side, gets
-the class from ``enable_worker_hosts(host=...)``). A hosted
-worker starts from what a fresh actor would see where it matters:
-- its environment: the host's start-up environment plus this rank's variables (the rendezvous);
-  nothing the previous worker set;
-- no process group (the previous worker's is destroyed) and no DTensor cache of its meshes, torch's
-  initial seed, float32 default dtype, grad mode on, the host's thread count, and module globals a
-  worker rebound restored (``utils/process_state.py``, shared with the gloo-rank pool of
-  ``distributed/launcher.py``); a host that cannot be reset so is killed, not reused.
-What differs from an actor per worker: the pid is the host's (rank i of a new group may run in the
-process rank j of an earlier group had), and an error in the worker's constructor is the error of
-the group's start-up call (a ``RayTaskError``) rather than a dead actor.
+A hosted worker starts as a fresh actor would where it matters: the host's start-up environment plus
+this rank's variables, no process group or DTensor mesh cache, torch's initial seed and defaults, and
+rebound module globals restored (``utils/process_state.py``); a host that cannot be reset is killed.
+Differences: the pid is the host's, and an error in the worker's constructor is the error of the
+group's start-up call rather than a dead actor.
 
-A group that saw any failure (a rank raised, died or did not answer; the driver was interrupted)
-kills its hosts, since a rank may still be blocked in a collective; so does a release that does not
-answer within ``RELEASE_TIMEOUT_S``. Hosting applies to CPU groups without a controller extension:
-a host runs outside the group's placement group (``num_cpus=0``; removing a placement group kills
-the actors inside it), so it would not own a GPU. The group still reserves its placement group, so
-an unplaceable request fails as before.
+A group that saw any failure, or whose release does not answer within ``RELEASE_TIMEOUT_S``, kills its
+hosts (a rank may still be blocked in a collective). Only CPU groups without a controller extension
+are hosted: a host runs outside the group's placement group (``num_cpus=0``), which is still reserved.
 """
 
 from __future__ import annotations

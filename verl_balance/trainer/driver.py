@@ -326,27 +326,8 @@ class DriverBase:
         previous = {signum: signal.signal(signum, self._request_stop) for signum in STOP_SIGNALS}
         record = {"first": {}, "last": {}, "last_val": {}, "first_val": {}}
         run_start = time.perf_counter()
-        restarts, max_restarts, must_restart = 0, self.trainer_config.max_restarts, False
         try:
-            while True:
-                try:
-                    if must_restart:  # inside the try: a worker dying during the restart counts too
-                        self.restart_workers()
-                        tracker.truncate_after(self.global_step)
-                        must_restart = False
-                    self._train_loop(tracker, record)
-                    break
-                except WorkerDiedError as err:
-                    if restarts >= max_restarts:
-                        raise
-                    restarts += 1
-                    must_restart = True
-                    logger.warning(
-                        "a worker died (%s); restart %d of trainer.max_restarts=%d from the last complete checkpoint",
-                        err,
-                        restarts,
-                        max_restarts,
-                    )
+            restarts = self._train_with_restarts(tracker, record)
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
@@ -380,6 +361,30 @@ class DriverBase:
         if t.plot:
             summary["plot"] = self._plot(tracker.metrics_path)
         return summary
+
+    def _train_with_restarts(self, tracker: Tracking, record: dict) -> int:
+        """``_train_loop``, rebuilding the workers after a ``WorkerDiedError`` up to
+        ``trainer.max_restarts`` times; returns the number of restarts."""
+        restarts, max_restarts, must_restart = 0, self.trainer_config.max_restarts, False
+        while True:
+            try:
+                if must_restart:  # inside the try: a worker dying during the restart counts too
+                    self.restart_workers()
+                    tracker.truncate_after(self.global_step)
+                    must_restart = False
+                self._train_loop(tracker, record)
+                return restarts
+            except WorkerDiedError as err:
+                if restarts >= max_restarts:
+                    raise
+                restarts += 1
+                must_restart = True
+                logger.warning(
+                    "a worker died (%s); restart %d of trainer.max_restarts=%d from the last complete checkpoint",
+                    err,
+                    restarts,
+                    max_restarts,
+                )
 
     def _open_progress(self, t) -> None:
         """The console's progress display (``trainer.logger`` has ``console``)."""

@@ -1,20 +1,14 @@
 """The console's progress display: steps done/total, s/step, tokens/s, ETA and the key metrics.
 
-On a terminal a tqdm bar (on the console's own stream, never in the run log) shows the step, the
-rate, the ETA, the current phase of a GRPO/PPO step (``rollout``, ``log_prob``, ``update``, ...)
-and the key metrics; each step also writes one plain line to the run log. When stdout is not a
-terminal (a pipe, a file, a scheduler's log) the same plain line is printed every step, or at most
-every ``interval_s`` seconds (and at the last step), with no carriage returns:
+On a terminal: a tqdm bar on the console's own stream (never in the run log) with the step, rate,
+ETA, the GRPO/PPO step's current phase and the key metrics, plus one plain line per step in the run
+log. Otherwise the plain line is printed every step, or at most every ``interval_s`` (and at the
+last step), without carriage returns::
 
     step 5/16 | 1.21 s/step | 2.3k tok/s | ETA 0:00:13 | train/loss 2.314 | val/loss 2.402
 
-(a GRPO/PPO line adds the seconds of the step's phases: ``rollout 0.8 s, reward 0.01 s, log-prob
-0.2 s, update 0.9 s``).
-
-``TimedPhase`` logs one line per long start-up phase (cluster, model load, dataset build,
-checkpoint verify/save) with its duration. The full metrics stay in ``metrics.jsonl`` and the
-trackers; the console shows the keys of ``trainer.console_metrics`` (null: the recipe's
-``DEFAULT_SFT_KEYS`` / ``DEFAULT_RL_KEYS``).
+``TimedPhase`` logs one line with the duration of each long start-up phase. The keys shown are
+``trainer.console_metrics`` (null: ``DEFAULT_SFT_KEYS`` / ``DEFAULT_RL_KEYS``).
 """
 
 from __future__ import annotations

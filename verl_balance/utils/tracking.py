@@ -1,24 +1,13 @@
-"""Experiment tracking on the driver: console, a jsonl file (always), TensorBoard and W&B.
+"""Experiment tracking on the driver: console, a jsonl file (always), TensorBoard, W&B and MLflow.
 
-``<log_dir>/metrics.jsonl`` gets one JSON object per ``log`` call: ``{"step", "time", **metrics}``,
-appended and flushed, so a resumed run continues the same file (``read_metrics`` merges the
-records of one step, later values winning, so a step re-logged after a resume reads as the new
-values). Lines are strict JSON: a non-finite value is written as null and named under
-``"nonfinite"`` (``strict_json_record``); ``read_metrics`` gives the float back. A line torn by a
-crash mid-write can only be the last one: it is dropped with a warning
-(on read, and before a new ``Tracking`` appends), never glued to the next record. The trainer
-truncates the file to the step it resumes from (``rewrite_metrics_up_to``, atomic), so one file
-holds one run's curve. ``<log_dir>/run.json`` holds the project, experiment and config (atomic).
-TensorBoard, W&B and MLflow (a local file store) are optional: asked for but not
-installed gives a warning naming the package, never a crash; W&B runs offline unless WANDB_MODE
-is set.
-
-Metric names the plots and recipes look for (the trainers use these; docs/metrics.md maps them to
-verl's): ``train/loss``, ``val/loss``, ``train/grad_norm``, ``train/lr``, ``perf/tokens_per_s``,
-``train/valid_tokens``, ``balance/imbalance_predicted``, ``balance/imbalance_predicted_naive``,
-``balance/imbalance_measured``, ``balance/num_micro_batches``, ``critic/score/mean``, ``reward/std``,
-``reward/accuracy``, ``val/acc`` (when the reward returns ``acc``), ``val/reward_mean``,
-``val-core/<data_source>/<acc|reward>/mean@N``, ``response_length/mean``, ``timing_s/<phase>``.
+``<log_dir>/metrics.jsonl`` gets one strict-JSON object per ``log`` call, ``{"step", "time",
+**metrics}``, appended and flushed; a non-finite value is written as null and named under
+``"nonfinite"`` (``strict_json_record``). ``read_metrics`` merges the records of one step (later
+values win) and drops a torn last line with a warning; a resumed run first cuts the file back to its
+step (``rewrite_metrics_up_to``, atomic), so one file holds one run's curve. ``<log_dir>/run.json``
+holds the project, experiment and config. An optional backend that is asked for but not installed
+gives a warning naming the package; W&B runs offline unless WANDB_MODE is set. Metric names:
+docs/metrics.md and ``utils/plotting.DEFAULT_PANELS``.
 """
 
 from __future__ import annotations

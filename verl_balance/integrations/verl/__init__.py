@@ -1,26 +1,14 @@
 """verl-facing adapters (optional ``verl`` extra); this facade keeps the public names in one place.
 
-Sub-packages by concern (imports point one way: ``errors`` <- ``patches`` <- ``controller``; the
-entry points ``engine`` and ``autopatch`` sit on top):
+Sub-packages by concern (docs/verl.md, "Layout of the package"): ``engine`` + ``backend/`` (the
+``verl_balance`` training-engine backend), ``patches/`` (our balancer inside verl's modules,
+``patch_verl``), ``controller/`` (verl's workers and modes on our single controller), ``cpu_shims/``
+(verl's own trainers without a GPU), ``compat`` (the one version-checked gate to verl's private
+names), ``convert`` and ``loss``.
 
-- ``engine``: ``verl_balance`` as a verl training-engine backend (``strategy=verl_balance``), with its
-  checkpoint record, HF export files and per-tensor shards in ``backend/``;
-- ``patches/``: our balancer inside verl's modules: drop-ins for ``verl.utils.seqlen_balancing``
-  (``seqlen``), ``balance_batch`` and the trainers' ``_balance_batch`` (``trainer_balance``),
-  ``patch_verl()`` (``patch``; ``autopatch`` applies it on import, for ``VERL_USE_EXTERNAL_MODULES``),
-  workload models (``workload``) and the reward-key spelling;
-- ``controller/``: verl's modes, ``register`` marks, ``Worker`` classes and row containers on our
-  single controller (``extension``), ``RayWorkerGroup`` with verl's constructor (``worker_group``),
-  ``VerlActorWorker`` (``worker``);
-- ``cpu_shims/``: a CPU platform and a CPU rollout server so verl's own trainers run without a GPU
-  (CI, laptops; loaded through ``VERL_USE_EXTERNAL_MODULES``);
-- ``convert``: ``DataProto``/TensorDict <-> ``Batch``; ``loss``: ``loss_counts`` + ``agg_loss``.
-
-Importing this package never imports verl; functions that need verl import it when called and
-raise ``VerlNotInstalledError`` (an ImportError naming the ``verl`` extra) when it is missing.
-Importing it installs the ``controller`` registrations, so every process that loads any part of
-the integration (the engine backend verl's trainers select, ``autopatch``) dispatches verl's
-objects on our worker groups.
+Importing this package never imports verl (``VerlNotInstalledError``, naming the extra, when a
+function needs it and it is missing) and installs the ``controller`` registrations, so every process
+that loads any part of the integration dispatches verl's objects on our worker groups.
 """
 
 from __future__ import annotations

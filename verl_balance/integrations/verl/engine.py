@@ -52,6 +52,7 @@ from verl_balance.batch_keys import (
 )
 from verl_balance.integrations.verl.backend.sealed_checkpoint import seal, unseal, verify_sealed
 from verl_balance.integrations.verl.backend.trainer_files import verify_trainer_files
+from verl_balance.integrations.verl.compat import hf_entry_identity
 from verl_balance.integrations.verl.errors import require_verl
 
 require_verl()
@@ -655,7 +656,9 @@ class VerlBalanceEngine(BaseEngine):
         ``prime_delta_snapshots``), in HF coordinates, built by verl's own ``hf_delta_export`` over
         ``get_per_tensor_param_shard`` (our weight names are the HF names)."""
         try:
-            from verl.workers.engine.utils import _hf_entry_identity, hf_delta_export
+            from verl.workers.engine.utils import hf_delta_export
+
+            entry_identity = hf_entry_identity()
         except ImportError as err:
             raise NotImplementedError(
                 "get_per_tensor_param_delta_shard needs verl's delta weight sync (verl >= 0.9.1, "
@@ -663,7 +666,7 @@ class VerlBalanceEngine(BaseEngine):
             ) from err
         self._delta_shard_snap = getattr(self, "_delta_shard_snap", {})
         gen, _ = self.get_per_tensor_param_shard()
-        return hf_delta_export(gen, self._delta_shard_snap, _hf_entry_identity), None
+        return hf_delta_export(gen, self._delta_shard_snap, entry_identity), None
 
     def disable_adapter(self):
         """Context: forward passes use the base model alone (verl's reference policy with LoRA,

@@ -1,9 +1,7 @@
 """Checkpoint bookkeeping on the driver: ``global_step_N`` directories, run lineage, retention and
 the driver's own state beside the workers' sharded engine state.
 
-One module per job: ``layout.py`` (file names, errors, scanning a directory), ``lineage.py``
-(which run owns the directory and what a run starts from), ``save.py`` (save, load, retention)
-and ``manifest.py`` (the checksum manifest and its verification). Import the names from here.
+Import the names from here (``layout``, ``lineage``, ``save``, ``manifest``).
 
 Layout of ``trainer.default_local_dir``::
 

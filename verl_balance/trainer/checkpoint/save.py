@@ -9,6 +9,7 @@ import os
 import shutil
 import time
 import traceback
+from typing import NoReturn
 
 from verl_balance.trainer.checkpoint.layout import (
     LATEST_FILE,
@@ -107,26 +108,8 @@ def save_trainer_checkpoint(
             staging, {**identity.to_dict(), "step": step, "time": time.time()}, hasher=group_hasher(group)
         )
     except Exception as err:
-        if is_disk_full(err):  # no partial checkpoint is left filling the disk
-            _release_frames(err)  # a writer held by the failed frames closes its file now (its space is freed)
-            shutil.rmtree(staging, ignore_errors=True)
-            raise _disk_full_error(root, step, needed=needed) from err
-        if _is_permission_denied(err):
-            raise CheckpointError(
-                f"cannot save checkpoint step {step}: trainer.default_local_dir={os.path.abspath(root)!r} is not "
-                "writable (permission denied while writing the checkpoint into it); the previous checkpoints are "
-                "intact. Make the directory writable (or point trainer.default_local_dir elsewhere) and resume"
-            ) from err
-        raise
-    if os.path.exists(final):
-        # Replacing a checkpoint of the same step: the old one stays complete until the new is in place.
-        retiring = os.path.join(root, RETIRING_PREFIX + os.path.basename(final))
-        shutil.rmtree(retiring, ignore_errors=True)
-        os.rename(final, retiring)
-        os.rename(staging, final)
-        shutil.rmtree(retiring)
-    else:
-        os.rename(staging, final)
+        _raise_save_error(err, root=root, staging=staging, step=step, needed=needed)
+    _move_into_place(staging, final, root=root)
     fsync_dir(root)
     try:
         atomic_write_text(os.path.join(root, LATEST_FILE), str(step))
@@ -137,6 +120,35 @@ def save_trainer_checkpoint(
     if max_to_keep:
         prune_checkpoints(root, lineage_id=identity.lineage_id, keep=max_to_keep, protect=protect)
     return final
+
+
+def _raise_save_error(err: Exception, *, root: str, staging: str, step: int, needed: int | None) -> NoReturn:
+    """Re-raise a failed save: a full disk (staging removed) or a read-only directory as one
+    ``CheckpointError`` naming the fix, anything else as it is."""
+    if is_disk_full(err):  # no partial checkpoint is left filling the disk
+        _release_frames(err)  # a writer held by the failed frames closes its file now (its space is freed)
+        shutil.rmtree(staging, ignore_errors=True)
+        raise _disk_full_error(root, step, needed=needed) from err
+    if _is_permission_denied(err):
+        raise CheckpointError(
+            f"cannot save checkpoint step {step}: trainer.default_local_dir={os.path.abspath(root)!r} is not "
+            "writable (permission denied while writing the checkpoint into it); the previous checkpoints are "
+            "intact. Make the directory writable (or point trainer.default_local_dir elsewhere) and resume"
+        ) from err
+    raise err
+
+
+def _move_into_place(staging: str, final: str, *, root: str) -> None:
+    """Rename ``staging`` to ``final``; an existing ``final`` (same step) stays complete until the
+    new one is in place."""
+    if os.path.exists(final):
+        retiring = os.path.join(root, RETIRING_PREFIX + os.path.basename(final))
+        shutil.rmtree(retiring, ignore_errors=True)
+        os.rename(final, retiring)
+        os.rename(staging, final)
+        shutil.rmtree(retiring)
+    else:
+        os.rename(staging, final)
 
 
 def prune_checkpoints(root: str, *, lineage_id: str, keep: int, protect: str | None = None) -> list[str]:

@@ -1,20 +1,9 @@
 """Typed configs of the Hydra recipes: the names users import (``SFTConfig``, ``ConfigError``,
-``validate_sft``, ``register_schemas``...), defined by role in:
-
-- ``checks``: ``ConfigError`` and the checks that name the user's key;
-- ``sections``: the sections both recipes share (model, balancer, trainer loop, synthetic task);
-- ``typed``: the merged config as typed objects, in one pass (unknown keys refused);
-- ``recipe``: ``RecipeConfig``, the base that hands out the engine's config;
-- ``sft`` / ``grpo``: each recipe's schema (GRPO: import ``trainer.config.grpo``), with
-  ``algorithm`` (verl's ``algorithm.*`` / ``policy_loss.*``) and ``async_mode`` (``trainer.v1.*``);
-- ``verl_keys``: verl's spellings beyond the schemas, one table applied to the merged config
-  (honoured spellings, no-effect keys, refused values);
-- ``cli``: the command line (override checks, one-line user errors); ``ray_init``: ``ray_kwargs``.
+``validate_sft``, ``register_schemas``...); the modules by role are listed in docs/design.md ("Layers").
 
 The YAML files in ``config/`` fill the schemas with the recipe's values. The merged config is typed
-by the schema (values checked as Hydra composes) and open to undeclared keys until
-``RecipeConfig.from_hydra`` translates verl's and refuses the rest. Key names follow verl's wherever
-the concept is the same, so a verl user's overrides carry over.
+by the schema and open to undeclared keys until ``RecipeConfig.from_hydra`` translates verl's
+spellings (``verl_keys``) and refuses the rest. Key names follow verl's wherever the concept is the same.
 """
 
 from __future__ import annotations

@@ -1,22 +1,15 @@
 """verl's ``trainer.v1`` keys (the trainer mode and the off-policy sampler) and their checks.
 
-``trainer.v1.trainer_mode`` picks how ``main_grpo`` runs a step:
+``trainer.v1.trainer_mode``: ``sync`` (default, ``GRPOTrainer``; the async keys are not read);
+``separate_async`` (``AsyncGRPOTrainer`` with a rollout worker group of
+``actor_rollout_ref.rollout.nnodes x n_gpus_per_node`` workers on its own pool, generating batch k+1
+while the actor trains on batch k); ``colocate_async`` (the same trainer generating on the actor
+workers' colocated rollout, ``colocate_async.num_warmup_batches`` ahead).
 
-- ``sync`` (default): ``GRPOTrainer``, generation then scoring then update (the async keys are not read);
-- ``separate_async``: ``AsyncGRPOTrainer`` with a rollout worker group of
-  ``actor_rollout_ref.rollout.nnodes x n_gpus_per_node`` workers on its own resource pool, generating
-  batch k+1 while the actor trains on batch k;
-- ``colocate_async``: the same trainer generating on the actor workers' colocated rollout, batch k+1
-  submitted before step k's updates, ``colocate_async.num_warmup_batches`` ahead.
-
-As in verl, ``separate_async`` requires ``data.train_batch_size = parameter_sync_step x
-ppo_mini_batch_size``: a step trains the whole batch, then syncs the weights once.
-
-From the README's one line (``trainer.v1.trainer_mode=separate_async`` and nothing else) the two
-values verl leaves to the user are derived, each named once in a start-up line:
-``parameter_sync_step`` (unset) = data.train_batch_size / actor.ppo_mini_batch_size, and the
-rollout pool (``actor_rollout_ref.rollout.nnodes`` 0) = ``DEFAULT_ROLLOUT_NNODES`` node of
-``rollout.n_gpus_per_node`` workers (unset or 0: trainer.n_gpus_per_node, verl's default).
+As in verl, ``separate_async`` needs ``data.train_batch_size = parameter_sync_step x
+ppo_mini_batch_size``. Left unset, ``parameter_sync_step`` = train_batch_size / ppo_mini_batch_size
+and the rollout pool = ``DEFAULT_ROLLOUT_NNODES`` node of ``rollout.n_gpus_per_node`` workers
+(0: trainer.n_gpus_per_node), each named in a start-up line.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Generations on disk, as verl writes them: ``trainer.rollout_data_dir`` / ``trainer.validation_data_dir``
-get ``<step>.jsonl`` per step, one line per response (verl 0.9.1's ``RayPPOTrainer._dump_generations``):
+get ``<step>.jsonl`` per step, one line per response (verl's ``RayPPOTrainer._dump_generations``):
 ``{"input", "output", "gts", "score", "step", **reward extras}``; the prompt and response are decoded
 without special tokens, ``gts`` is the row's ground truth."""
 

@@ -1,22 +1,14 @@
 """GRPO driver: prompts -> rollout -> reward -> balanced old/ref log-probs -> advantages -> PPO updates.
 
-``train_step(prompts)`` is one driver iteration on ``data.train_batch_size`` prompts: generate
-``rollout.n`` responses per prompt (``rollout_batch``), start the old/reference log-prob passes (and
-the critic's values pass) through DP plans, score the responses meanwhile, collect the passes,
-compute ``algorithm.adv_estimator``'s advantages (``advantage_step``), then train the critic
-(``critic_role``) and the actor: ``ppo_epochs`` x mini-batches of ``ppo_mini_batch_size`` prompts,
-each mini-batch its own plan and one optimizer step (``train_actor``). Where the old log-probs come
-from is decided once per step (``old_log_probs.OldLogProbs``). DAPO (``algorithm.filter_groups``)
-scores before the passes, generating until enough prompts' responses differ (``dynamic_sampling``);
-remax adds one greedy response per prompt as its baseline; with a critic the actor's update waits
-``trainer.critic_warmup`` steps.
+``train_step(prompts)`` is one driver iteration on ``data.train_batch_size`` prompts, walked stop by
+stop in docs/design.md ("Walk of one GRPO step"); the actor trains ``ppo_epochs`` x mini-batches of
+``ppo_mini_batch_size`` prompts, one plan and one optimizer step each (``train_actor``).
 
 Invariants: rows keep the rollout's prompt-major order on the driver; every per-row tensor that
 comes back from workers goes through ``merge_by_plan`` before it is attached. A response is never
 dropped or cut after it was scored (GRPO accepts ``balance.overlong=error`` only), so every plan
 places every row and a prompt's responses share a DP rank. Each logged actor metric is the mean over
-the step's optimizer steps of the engine's exact global values (loss-mask-weighted token means over
-each mini-batch).
+the step's optimizer steps of the engine's exact global values.
 """
 
 from __future__ import annotations

@@ -42,6 +42,7 @@ from typing import Any
 
 from tensordict import TensorDict
 
+from verl_balance.integrations.verl.compat import verl_registration
 from verl_balance.single_controller.extensions import (
     ControllerExtension,
     RowContainer,
@@ -59,7 +60,6 @@ from verl_balance.single_controller.modes import (
 )
 
 __all__ = [
-    "VERL_MAGIC_ATTR",
     "VerlControllerExtension",
     "drop_padding",
     "install",
@@ -68,9 +68,6 @@ __all__ = [
     "translate_verl_modes",
     "verl_registration_modes",
 ]
-
-VERL_MAGIC_ATTR = "attrs_3141562937"
-"""The attribute verl's ``register`` sets on a worker method (a dict of dispatch/execute/blocking)."""
 
 _VERL_DECORATOR = "verl.single_controller.base.decorator"
 _VERL_WORKER = "verl.single_controller.base.worker"
@@ -161,7 +158,7 @@ def translate_verl_modes(dispatch_mode: Any, execute_mode: Any, *, method: str) 
 
 def verl_registration_modes(func: Any, *, method: str) -> tuple[Any, Any, bool] | None:
     """(dispatch, execute, blocking) in our terms for a method marked by verl's ``register``, else None."""
-    attrs = getattr(func, VERL_MAGIC_ATTR, None)
+    attrs = verl_registration(func)
     if not isinstance(attrs, dict) or "dispatch_mode" not in attrs:
         return None
     modes = translate_verl_modes(attrs["dispatch_mode"], attrs.get("execute_mode"), method=method)

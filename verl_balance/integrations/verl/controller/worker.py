@@ -40,6 +40,7 @@ from verl_balance.batch_keys import (
     VERL_ENTROPY_KEY,
 )
 from verl_balance.integrations.verl.backend.sealed_checkpoint import seal, unseal, verify_sealed
+from verl_balance.integrations.verl.compat import register_dispatch_collect_info
 from verl_balance.integrations.verl.convert import batch_from_dataproto, batch_to_dataproto
 from verl_balance.integrations.verl.errors import require_verl
 from verl_balance.integrations.verl.patches.seqlen import rearrange_micro_batches
@@ -91,7 +92,7 @@ class VerlActorWorker(Worker):
         """Build the sharded engine and register the "actor" mesh for verl's dispatch."""
         info = self.actor.init_model()
         layout = self.actor.layout
-        self._register_dispatch_collect_info(ACTOR_MESH, dp_rank=layout.dp_rank, is_collect=layout.sp_rank == 0)
+        register_dispatch_collect_info(self, ACTOR_MESH, dp_rank=layout.dp_rank, is_collect=layout.sp_rank == 0)
         return info
 
     # ------------------------------------------------------------------ data

@@ -1,7 +1,7 @@
 """verl's ``RayWorkerGroup`` constructor and method names on our worker group.
 
 ``RayWorkerGroup(resource_pool, ray_cls_with_init, bin_pack, name_prefix, detached, worker_names,
-worker_handles, ray_wait_register_center_timeout, *, device_name=...)`` takes verl 0.9.1's
+worker_handles, ray_wait_register_center_timeout, *, device_name=...)`` takes verl's
 constructor (positional or keyword, as verl's trainers call it) and builds our
 ``single_controller.RayWorkerGroup``: ``ray_wait_register_center_timeout`` is our
 ``ready_timeout_s``, verl's ``RayClassWithInitArgs`` is taken over with its class, arguments and
@@ -12,7 +12,7 @@ refs); ours returns the results.
 
 A worker class subclassing verl's ``Worker`` gets the environment verl's group sets and its
 methods marked by verl's ``register`` bound with the translated modes: that is the verl
-``ControllerExtension`` (``controller.py``), installed by importing this package, so our plain
+``ControllerExtension`` (``controller/extension.py``), installed by importing this package, so our plain
 ``single_controller.RayWorkerGroup`` drives verl workers too.
 """
 
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from verl_balance.integrations.verl.compat import class_options
 from verl_balance.integrations.verl.controller.extension import install
 from verl_balance.single_controller import worker_group as core
 from verl_balance.single_controller.modes import Dispatch
@@ -37,7 +38,7 @@ def class_with_init_args(value: Any) -> RayClassWithInitArgs:
         return value
     if all(hasattr(value, a) for a in ("cls", "args", "kwargs")):
         ours = RayClassWithInitArgs(value.cls, *value.args, **value.kwargs)
-        ours.update_options(dict(getattr(value, "_options", {}) or {}))
+        ours.update_options(class_options(value))
         return ours
     raise WorkerGroupError(f"ray_cls_with_init must be a RayClassWithInitArgs, got {type(value).__name__}")
 

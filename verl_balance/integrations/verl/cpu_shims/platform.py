@@ -1,21 +1,12 @@
-"""A ``cpu`` platform for verl 0.9.1, so verl's own trainers and workers run on CPU (CI, laptops).
+"""A ``cpu`` platform for verl, so verl's own trainers and workers run on CPU (CI, laptops).
 
-verl 0.9.1 has no CPU platform: it falls back to cuda/nccl, and builds the process-group backend
-``f"cpu:gloo,{device}:{backend}"``, which on CPU is ``"cpu:gloo,cpu:gloo"`` (torch rejects it).
-This module, loaded in every process through verl's own hook::
-
-    VERL_USE_EXTERNAL_MODULES=verl_balance.integrations.verl.cpu_shims.platform[,verl_balance.integrations.verl.autopatch]
-
-does exactly three things, and only where no accelerator is visible (or ``VERL_PLATFORM=cpu``):
-
-1. registers ``PlatformCPU`` under verl's ``PlatformRegistry`` as ``"cpu"`` (device ``cpu``,
-   communication backend ``gloo``; memory/stream calls are no-ops or zeros) and selects it;
-2. makes verl's two process-group initialisers use ``"cpu:gloo"`` (``install_gloo_backend``);
-3. lets verl's FSDP engines be looked up for device ``cpu`` (``register_fsdp_engines_for_cpu``),
-   so a reference run with ``strategy=fsdp2`` exists on CPU.
-
-It changes nothing on a host with CUDA unless ``VERL_PLATFORM=cpu`` is set. It is a test/CI aid,
-not a performance path.
+verl 0.9.1 has no CPU platform (it falls back to cuda/nccl, and its process-group backend
+``"cpu:gloo,cpu:gloo"`` is rejected by torch). Loaded through
+``VERL_USE_EXTERNAL_MODULES=verl_balance.integrations.verl.cpu_shims.platform``, and only where no
+accelerator is visible (or ``VERL_PLATFORM=cpu``), it registers and selects ``PlatformCPU`` (device
+``cpu``, backend ``gloo``, memory/stream calls no-ops), makes verl's process-group initialisers use
+``"cpu:gloo"`` (``install_gloo_backend``) and lets verl's FSDP engines be found for device ``cpu``
+(``register_fsdp_engines_for_cpu``). A CI aid, not a performance path.
 """
 
 from __future__ import annotations
@@ -28,6 +19,8 @@ import types
 from datetime import timedelta
 
 import torch
+
+from verl_balance.integrations.verl.compat import engine_registry, replace_attribute, select_platform
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +202,7 @@ def install_gloo_backend() -> None:
     for module in [verl_distributed] + [m for n, m in list(sys.modules.items()) if n.startswith("verl.") and m]:
         for name, replacement in replacements.items():
             if getattr(module, name, None) is getattr(verl_distributed, name):
-                setattr(module, name, replacement)
+                replace_attribute(module, name, replacement)
 
 
 def register_fsdp_engines_for_cpu() -> None:
@@ -222,13 +215,13 @@ def register_fsdp_engines_for_cpu() -> None:
         return
 
     def get_engine_cls(cls, model_type: str, backend: str):
-        registry = cls._engines.get(model_type, {}).get(backend, {})
+        registry = engine_registry(cls).get(model_type, {}).get(backend, {})
         if backend in ("fsdp", "fsdp2") and "cpu" not in registry and "cuda" in registry:
             registry["cpu"] = registry["cuda"]
         return original(cls, model_type, backend)
 
     get_engine_cls._verl_balance_cpu = True
-    EngineRegistry.get_engine_cls = classmethod(get_engine_cls)
+    replace_attribute(EngineRegistry, "get_engine_cls", classmethod(get_engine_cls))
 
 
 def install() -> bool:
@@ -239,8 +232,7 @@ def install() -> bool:
 
     platform_cls = platform_class()
     platform_manager.PlatformRegistry.register(platform="cpu")(platform_cls)
-    if not isinstance(platform_manager._current_platform, platform_cls):
-        platform_manager._current_platform = platform_cls()
+    select_platform(platform_cls)
     install_gloo_backend()
     register_fsdp_engines_for_cpu()
     return True

@@ -1,41 +1,24 @@
-"""A CPU rollout server for verl 0.9.1, so ``python -m verl.trainer.main_ppo`` runs end to end on CPU.
+"""A CPU rollout server, so ``python -m verl.trainer.main_ppo`` runs end to end on CPU (verl
+generates only through vLLM/SGLang/TensorRT-LLM servers, none of which runs without an accelerator).
 
-verl 0.9.1 generates only through rollout *servers* (vLLM, SGLang, TensorRT-LLM), none of which
-runs without an accelerator. This module, loaded in every process through verl's own hook::
+Loaded through ``VERL_USE_EXTERNAL_MODULES=...cpu_shims.platform,...cpu_shims.rollout``, it registers
+the rollout ``verl_balance_cpu`` (``actor_rollout_ref.rollout.name=verl_balance_cpu``):
 
-    VERL_USE_EXTERNAL_MODULES=verl_balance.integrations.verl.cpu_shims.platform,verl_balance.integrations.verl.cpu_shims.rollout
+- ``CPURolloutReplica`` in ``RolloutReplicaRegistry``: one replica per TP x DP x PP trainer workers,
+  each launching one named ``CPURolloutServer`` actor (a Hugging Face model on CPU) that answers the
+  agent loop's token-in/token-out ``generate`` calls;
+- ``CPUServerAdapter``, the ``BaseRollout`` of each trainer worker: in verl's hybrid weight sync every
+  worker iterates ``engine.get_per_tensor_param()`` (a collective) and the replica's first worker
+  sends the full tensors to its server, so the policy that generates is the one being trained.
 
-registers a rollout named ``verl_balance_cpu`` (``actor_rollout_ref.rollout.name=verl_balance_cpu``)
-in verl's two registries:
+Sampling: a KV-cached loop, one request at a time, fp32 logits; greedy at ``temperature == 0``, else
+temperature / top-k / top-p from a generator seeded by ``(rollout.seed, weight version,
+request_id)`` (``request_seed``), so with ``rollout.full_determinism=True`` the samples do not depend
+on request order. Log-probs are those of the distribution sampled from (vLLM's ``processed_logprobs``).
 
-- ``RolloutReplicaRegistry`` -> ``CPURolloutReplica``: the trainer's ``LLMServerManager`` builds one
-  replica per ``tensor_model_parallel_size * data_parallel_size * pipeline_model_parallel_size``
-  trainer workers; each replica launches one ``CPURolloutServer`` Ray actor (named, on the node of
-  the replica's first worker) that holds a Hugging Face ``AutoModelForCausalLM`` on CPU and answers
-  verl's token-in/token-out ``generate`` calls from the agent loop;
-- ``_ROLLOUT_REGISTRY[("verl_balance_cpu", "async")]`` -> ``CPUServerAdapter``: the ``BaseRollout``
-  that ``ActorRolloutRefWorker`` builds in each trainer worker. In verl's hybrid (``naive``
-  checkpoint engine) weight sync, ``update_weights`` hands it ``engine.get_per_tensor_param()``;
-  every worker iterates the generator (unsharding a DTensor is a collective) and the replica's
-  first worker sends the full tensors to its server, which copies them into its model. So the
-  policy that generates is the policy being trained.
-
-Sampling is a plain KV-cached loop (batch of one request, fp32 logits): greedy when
-``temperature == 0``, else temperature / top-k / top-p sampling from a ``torch.Generator`` seeded
-per request from ``(rollout.seed, weight version, request_id)``. With
-``rollout.full_determinism=True`` verl's agent loop sends ``request_id = "det-<sample index>"``, so a
-run's samples do not depend on request order or routing. Log-probabilities are those of the
-distribution sampled from (after temperature / top-k / top-p, as vLLM's ``processed_logprobs``).
-
-LoRA (``actor_rollout_ref.model.lora_rank > 0``), as verl's ``update_weights`` sends it: with
-``model.lora.merge=True`` the merged weights replace the model's; otherwise the first sync (after
-a ``dummy`` init) replaces the model's weights with the base weights (peft's ``.base_layer`` names),
-and every sync then sends the adapters alone, which the server merges into its own copy of the base
-weights (W + lora_alpha / r * B @ A, as peft's merge; plain LoRA only).
-
-The server always computes on CPU (the trainer's tensors are copied to CPU), so the path is the
-same on a CUDA host. It is a test/CI aid for tiny models, not a performance path: one request at
-a time, no batching, weights sent as one Ray object.
+LoRA: with ``model.lora.merge=True`` the merged weights replace the model's; otherwise the first sync
+sets the base weights and every later one sends the adapters, merged by the server into its copy of
+the base (W + alpha / r * B @ A; plain LoRA only). A CI aid for tiny models, not a performance path.
 """
 
 from __future__ import annotations
@@ -53,9 +36,10 @@ import torch
 from omegaconf import DictConfig
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import HFModelConfig, RolloutConfig
-from verl.workers.rollout import base as rollout_base
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica, RolloutReplicaRegistry, TokenOutput
+
+from verl_balance.integrations.verl.compat import register_rollout_class
 
 logger = logging.getLogger(__name__)
 
@@ -527,7 +511,7 @@ class CPUServerAdapter(BaseRollout):
 def register() -> None:
     """Register ``verl_balance_cpu`` in verl's replica and rollout-class registries (idempotent)."""
     RolloutReplicaRegistry.register(ROLLOUT_NAME, lambda: CPURolloutReplica)
-    rollout_base._ROLLOUT_REGISTRY[(ROLLOUT_NAME, "async")] = f"{__name__}.CPUServerAdapter"
+    register_rollout_class(ROLLOUT_NAME, "async", f"{__name__}.CPUServerAdapter")
 
 
 register()

@@ -23,7 +23,7 @@ import sys
 from typing import Any
 
 from verl_balance.balance.workload import resolve_workload
-from verl_balance.integrations.verl.errors import require_verl
+from verl_balance.integrations.verl.compat import check_verl_version, replace_attribute
 from verl_balance.integrations.verl.patches.loader_state import resumable_loader_class
 from verl_balance.integrations.verl.patches.reward_spelling import reward_loader_with_our_spelling
 from verl_balance.integrations.verl.patches.seqlen import (
@@ -78,8 +78,7 @@ class VerlPatch:
         self.active = False
 
     def _set(self, owner, name: str, value) -> None:
-        self._saved.append((owner, name, owner.__dict__[name]))
-        setattr(owner, name, value)
+        self._saved.append((owner, name, replace_attribute(owner, name, value)))
         label = f"{owner.__module__}.{owner.__name__}" if isinstance(owner, type) else owner.__name__
         self.patched.append(f"{label}.{name}")
 
@@ -103,7 +102,7 @@ class VerlPatch:
         if self._hook is not None and self._hook in sys.meta_path:
             sys.meta_path.remove(self._hook)
         for owner, name, original in reversed(self._saved):
-            setattr(owner, name, original)
+            replace_attribute(owner, name, original)
         self._saved.clear()
         PATCH_STATE.workload = self._previous_workload
         if self in PATCH_STATE.stack:
@@ -170,7 +169,7 @@ def patch_verl(*, workload=None, balance_trainer: bool = True, import_modules: b
     To reach every process (driver and Ray workers) set
     ``VERL_USE_EXTERNAL_MODULES=verl_balance.integrations.verl.autopatch`` in the environment.
     """
-    require_verl()
+    check_verl_version()
     if workload is not None:
         resolve_workload(workload)  # validate early
     handle = VerlPatch(workload, balance_trainer=balance_trainer)

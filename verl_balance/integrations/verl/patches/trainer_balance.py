@@ -23,6 +23,7 @@ import torch
 
 from verl_balance.balance import TooFewSamplesError, plan_balance
 from verl_balance.batch_keys import ATTENTION_MASK_KEY, PLANNED_MICRO_BATCH_SIZES_KEY, UID_KEY
+from verl_balance.integrations.verl.compat import required_batch_multiple, trainer_dp_size, worker_group_dp_size
 from verl_balance.integrations.verl.patches.state import current_workload
 
 __all__ = ["PLANNED_SIZES_KEY", "balance_batch", "balanced_balance_batch", "balanced_balance_batch_v1", "plan_dp_order"]
@@ -142,7 +143,7 @@ def _verl_seqlen_metrics(seqlens_before, seqlens_after, dp_size: int, prefix: st
 def balanced_balance_batch(self, batch, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
     """Replacement for legacy ``RayPPOTrainer._balance_batch`` (same signature) using ``balance_batch``."""
     actor_cfg = self.config.actor_rollout_ref.actor
-    dp_size = self._get_dp_size(self.actor_rollout_wg, "actor")
+    dp_size = trainer_dp_size(self, self.actor_rollout_wg, "actor")
     seqlens_before = batch.batch[ATTENTION_MASK_KEY].reshape(len(batch), -1).sum(-1).tolist()
     group_key = UID_KEY if getattr(self, "use_prefix_grouper", False) and UID_KEY in batch.non_tensor_batch else None
     mini = None
@@ -164,12 +165,9 @@ def balanced_balance_batch_v1(self, batch, metrics, logging_prefix="global_seqle
     Like verl's: reads the actor DP size from the worker group's dispatch info, upsamples the
     batch to the required multiple with verl's own padding, then reorders by our DP partition."""
     trainer_base = sys.modules["verl.trainer.ppo.v1.trainer_base"]
-    worker_group = self.actor_rollout_wg
-    if "actor" not in worker_group._dispatch_info:
-        worker_group._dispatch_info["actor"] = worker_group._query_dispatch_info("actor")
-    dp_size = max(worker_group._dispatch_info["actor"]) + 1
+    dp_size = worker_group_dp_size(self.actor_rollout_wg, "actor")
     batch = trainer_base.upsample_batch_to_divisible_size(
-        batch, self._get_required_batch_multiple(dp_size), self.tokenizer.eos_token_id
+        batch, required_batch_multiple(self, dp_size), self.tokenizer.eos_token_id
     )
     seqlens_before = [int(tag["seq_len"]) for tag in batch.tags]
     order, _, stats = plan_dp_order(
