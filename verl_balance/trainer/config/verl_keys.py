@@ -149,10 +149,12 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         values=("true", "false"),
         recipes=("sft",),
     ),
+    _honoured(
+        "data.multiturn.tools_key", "data.tools_key", "verl's legacy fsdp_sft_trainer spelling", recipes=("sft",)
+    ),
     *_none(
-        ["data.multiturn.tools_key", "data.multiturn.enable_thinking_key"],
-        "verl's multi-turn dataset passes a row's tool schemas and enable_thinking to the chat template; "
-        "here chats are rendered from their messages only",
+        ["data.multiturn.enable_thinking_key"],
+        "verl's multi-turn dataset passes a row's enable_thinking to the chat template; here the template's default",
         recipes=("sft",),
     ),
     _honoured("optim.lr_warmup_steps_ratio", "optim.warmup_steps_ratio", "verl's spelling", recipes=("sft",)),
