@@ -66,9 +66,29 @@ def test_verl_multi_turn_keys_reach_the_rollout_config(tool_model, tool_data, tm
     assert multi_turn.tool_config_path == tool_data["tool_config"] and multi_turn.format == "hermes"
 
 
+def test_verls_other_multi_turn_keys_are_named_with_their_meaning(tool_model, tool_data, tmp_path):
+    from verl_balance.trainer.config.grpo import GRPOConfig
+    from verl_balance.trainer.config.verl_keys import startup_line
+
+    verl_defaults = [
+        f"{MT}.use_inference_chat_template=false",
+        f"{MT}.num_repeat_rollouts=null",
+        f"{MT}.interaction_config_path=null",
+    ]
+    args = grpo_overrides(tool_model, tool_data, tmp_path, verl_defaults)
+    _, no_effect = GRPOConfig.translate(compose_config("grpo", args))
+    assert sorted(no_effect) == sorted(arg.split("=")[0] for arg in verl_defaults)
+    line = startup_line(no_effect, recipe="grpo")
+    assert f"{MT}.use_inference_chat_template (each turn continues the recorded token ids" in line
+    assert f"{MT}.interaction_config_path (older verl's interaction agents" in line
+    assert typed(args).actor_rollout_ref.rollout.multi_turn.enable
+
+
 @pytest.mark.parametrize(
     "extra, match",
     [
+        ([f"{MT}.use_inference_chat_template=true"], "use_inference_chat_template=True: this project accepts only"),
+        ([f"{MT}.interaction_config_path=/a/interaction.yaml"], "interaction_config_path=/a/interaction.yaml"),
         (
             [f"{MT}.tool_config_path=/nonexistent/tools.yaml"],
             "tool_config_path='/nonexistent/tools.yaml' does not exist",

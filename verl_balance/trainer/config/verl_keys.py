@@ -176,6 +176,23 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     ),
     # -- no effect here: the engine, the device, the rollout
     *_none(
+        [f"{AR}.rollout.multi_turn.use_inference_chat_template"],
+        "each turn continues the recorded token ids (verl's false); re-rendering the chat is not done here",
+        values=_FALSE,
+        recipes=("grpo",),
+    ),
+    *_none(
+        [f"{AR}.rollout.multi_turn.num_repeat_rollouts"],
+        "verl 0.9.1 reads it nowhere; rollout.n sets the responses per prompt",
+        recipes=("grpo",),
+    ),
+    *_none(
+        [f"{AR}.rollout.multi_turn.interaction_config_path"],
+        "older verl's interaction agents (a simulated user's turns) are not run; only tool turns",
+        values=("null", "none"),
+        recipes=("grpo",),
+    ),
+    *_none(
         ["engine", "optim"],
         "sft_trainer's config group of the FSDP engine; " + _FSDP,
         values=("fsdp",),
