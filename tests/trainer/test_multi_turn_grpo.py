@@ -132,3 +132,37 @@ def test_main_grpo_runs_the_tool_agent_loop_at_dp2(ray_cluster, tool_model, tool
     for record in train:
         assert record["multi_turn/num_turns/mean"] >= 1 and np.isfinite(record["actor/pg_loss"])
         assert 0 < record["response_length/mean"] <= 24
+
+
+def _demo_stage(script: str, entry: str, subs: dict[str, str]) -> list[str]:
+    """The overrides ``recipes/grpo_tool_cpu_demo.sh`` passes to ``python -m verl_balance.<entry>``."""
+    import shlex
+
+    from tests.trainer.conftest import REPO_ROOT
+
+    text = (REPO_ROOT / script).read_text().replace("\\\n", " ")
+    line = next(line for line in text.splitlines() if f"python -m verl_balance.{entry} " in line)
+    for name, value in subs.items():
+        line = line.replace(name, value)
+    args = shlex.split(line.split('"$@"')[0])
+    return args[args.index("-m") + 2 :]
+
+
+def test_the_tool_demo_recipes_stages_build_valid_configs_on_the_files_its_data_step_writes(tool_model, tmp_path):
+    from verl_balance.trainer.checkpoint import TRAINER_STATE_FILE
+    from verl_balance.trainer.config.sft import validate_sft
+
+    out = tmp_path / "demo"
+    paths = write_dataset(str(out / "data"), num_train=4, num_val=2, tool="calculator", direct_fraction=0.5)
+    checkpoint = out / "sft" / "global_step_1000"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / TRAINER_STATE_FILE).write_text("{}")
+    subs = {"$OUT/model": tool_model, "$OUT": str(out), "$SFT_STEPS": "1000", "$GRPO_STEPS": "40"}
+    script = "recipes/grpo_tool_cpu_demo.sh"
+    sft = validate_sft(compose_config("sft", _demo_stage(script, "main_sft", subs)))
+    assert sft.data.train_files == paths["sft_train"] and sft.model.path == tool_model
+    grpo = typed(_demo_stage(script, "main_grpo", subs))
+    multi_turn = grpo.actor_rollout_ref.rollout.multi_turn
+    assert multi_turn.enable and multi_turn.tool_config_path == paths["tool_config"]
+    assert grpo.data.train_files == paths["train"]
+    assert grpo.actor_rollout_ref.model.warm_start_path == str(checkpoint)
