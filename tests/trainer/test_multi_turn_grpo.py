@@ -66,9 +66,29 @@ def test_verl_multi_turn_keys_reach_the_rollout_config(tool_model, tool_data, tm
     assert multi_turn.tool_config_path == tool_data["tool_config"] and multi_turn.format == "hermes"
 
 
+def test_verls_other_multi_turn_keys_are_named_with_their_meaning(tool_model, tool_data, tmp_path):
+    from verl_balance.trainer.config.grpo import GRPOConfig
+    from verl_balance.trainer.config.verl_keys import startup_line
+
+    verl_defaults = [
+        f"{MT}.use_inference_chat_template=false",
+        f"{MT}.num_repeat_rollouts=null",
+        f"{MT}.interaction_config_path=null",
+    ]
+    args = grpo_overrides(tool_model, tool_data, tmp_path, verl_defaults)
+    _, no_effect = GRPOConfig.translate(compose_config("grpo", args))
+    assert sorted(no_effect) == sorted(arg.split("=")[0] for arg in verl_defaults)
+    line = startup_line(no_effect, recipe="grpo")
+    assert f"{MT}.use_inference_chat_template (each turn continues the recorded token ids" in line
+    assert f"{MT}.interaction_config_path (older verl's interaction agents" in line
+    assert typed(args).actor_rollout_ref.rollout.multi_turn.enable
+
+
 @pytest.mark.parametrize(
     "extra, match",
     [
+        ([f"{MT}.use_inference_chat_template=true"], "use_inference_chat_template=True: this project accepts only"),
+        ([f"{MT}.interaction_config_path=/a/interaction.yaml"], "interaction_config_path=/a/interaction.yaml"),
         (
             [f"{MT}.tool_config_path=/nonexistent/tools.yaml"],
             "tool_config_path='/nonexistent/tools.yaml' does not exist",
@@ -112,3 +132,37 @@ def test_main_grpo_runs_the_tool_agent_loop_at_dp2(ray_cluster, tool_model, tool
     for record in train:
         assert record["multi_turn/num_turns/mean"] >= 1 and np.isfinite(record["actor/pg_loss"])
         assert 0 < record["response_length/mean"] <= 24
+
+
+def _demo_stage(script: str, entry: str, subs: dict[str, str]) -> list[str]:
+    """The overrides ``recipes/grpo_tool_cpu_demo.sh`` passes to ``python -m verl_balance.<entry>``."""
+    import shlex
+
+    from tests.trainer.conftest import REPO_ROOT
+
+    text = (REPO_ROOT / script).read_text().replace("\\\n", " ")
+    line = next(line for line in text.splitlines() if f"python -m verl_balance.{entry} " in line)
+    for name, value in subs.items():
+        line = line.replace(name, value)
+    args = shlex.split(line.split('"$@"')[0])
+    return args[args.index("-m") + 2 :]
+
+
+def test_the_tool_demo_recipes_stages_build_valid_configs_on_the_files_its_data_step_writes(tool_model, tmp_path):
+    from verl_balance.trainer.checkpoint import TRAINER_STATE_FILE
+    from verl_balance.trainer.config.sft import validate_sft
+
+    out = tmp_path / "demo"
+    paths = write_dataset(str(out / "data"), num_train=4, num_val=2, tool="calculator", direct_fraction=0.5)
+    checkpoint = out / "sft" / "global_step_1000"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / TRAINER_STATE_FILE).write_text("{}")
+    subs = {"$OUT/model": tool_model, "$OUT": str(out), "$SFT_STEPS": "1000", "$GRPO_STEPS": "40"}
+    script = "recipes/grpo_tool_cpu_demo.sh"
+    sft = validate_sft(compose_config("sft", _demo_stage(script, "main_sft", subs)))
+    assert sft.data.train_files == paths["sft_train"] and sft.model.path == tool_model
+    grpo = typed(_demo_stage(script, "main_grpo", subs))
+    multi_turn = grpo.actor_rollout_ref.rollout.multi_turn
+    assert multi_turn.enable and multi_turn.tool_config_path == paths["tool_config"]
+    assert grpo.data.train_files == paths["train"]
+    assert grpo.actor_rollout_ref.model.warm_start_path == str(checkpoint)

@@ -215,12 +215,12 @@ def test_verls_legacy_multiturn_sft_keys_are_honoured_or_named_with_their_meanin
 
     legacy = ["data.multiturn.enable=true", "data.multiturn.messages_key=conversation", "data.multiturn.tools_key=t"]
     run = f"trainer.default_local_dir={tmp_path}"
-    assert SFTConfig.from_hydra(compose_config("sft", [*legacy, run])).data.messages_key == "conversation"
+    data = SFTConfig.from_hydra(compose_config("sft", [*legacy, run])).data
+    assert (data.messages_key, data.tools_key) == ("conversation", "t")
     _, no_effect = _translated("sft", [*legacy, run])
-    assert sorted(no_effect) == ["data.multiturn.enable", "data.multiturn.tools_key"]
+    assert sorted(no_effect) == ["data.multiturn.enable"]
     line = startup_line(no_effect, recipe="sft")
     assert "data.multiturn.enable (verl's legacy switch to chat data: here each file is read as chats" in line
-    assert "data.multiturn.tools_key (verl's multi-turn dataset passes a row's tool schemas" in line
     with pytest.raises(ConfigError, match="data.multiturn.enable"):  # negative control: not a boolean
         _translated("sft", ["data.multiturn.enable=sometimes", run])
     assert lookup("data.multiturn.enable", recipe="grpo") is None  # an SFT key only

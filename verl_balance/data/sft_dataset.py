@@ -46,13 +46,15 @@ from .io import (
     iter_rows,
     num_rows_hint,
 )
-from .tokenizer import Tokenizer, TokenizerError, validate_messages
+from .tokenizer import Tokenizer, TokenizerError, validate_messages, validate_tools
 
 logger = logging.getLogger(__name__)
 
 ROWS_PER_CHUNK = 1024
 PROGRESS_MIN_ROWS = 50_000  # a tqdm bar for files at least this long (or this many bytes x 1000 of jsonl)
 Span = tuple[int, int]
+Chat = tuple[list[dict[str, Any]], list[dict[str, Any]] | None]
+"""A validated chat: its messages and its tool schemas (None: no tools)."""
 
 
 @dataclass
@@ -72,7 +74,11 @@ class SFTDataConfig:
     messages_key: str | None = None
     """Column of a chat (a list of {"role", "content"}); every assistant turn is a target. Null: verl's
     default ``messages`` in a file that has that column, else prompt_key/response_key. A set key must be
-    a column of every file."""
+    a column of every file. verl's multi-turn tool format is read too: assistant messages with
+    ``tool_calls`` (targets, calls included) and ``tool`` messages (context, never targets)."""
+    tools_key: str = "tools"
+    """verl's key: the column of a chat row's tool schemas (a list of OpenAI function schemas, or null),
+    passed to the chat template as ``tools=``; read when the file has it."""
     max_length: int = 1024
     """Most tokens a sample may have after the chat template; longer ones follow ``truncation``."""
     truncation: str = "error"
@@ -123,14 +129,17 @@ def chat_column(config: SFTDataConfig, *, path: str) -> str | None:
     )
 
 
-def tokenize_chat(tokenizer: Tokenizer, messages: Sequence[Mapping[str, str]]) -> tuple[list[int], list[int]]:
-    """Token ids of a chat and its loss mask (1 on every assistant turn's tokens).
+def tokenize_chat(
+    tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]], *, tools: Sequence[Mapping] | None = None
+) -> tuple[list[int], list[int]]:
+    """Token ids of a chat and its loss mask (1 on every assistant turn's tokens, tool calls included).
 
     Each assistant turn k spans the tokens between the generation-prompted rendering of
-    messages[:k] and the rendering of messages[:k+1]; both must be prefixes of the full rendering.
+    messages[:k] and the rendering of messages[:k+1] (both with ``tools``); both must be prefixes of
+    the full rendering. Tool messages lie outside every span, so their tokens are never targets.
     """
-    messages = validate_messages(messages)
-    (result,) = _tokenize_chats(tokenizer, [messages])
+    chat = (validate_messages(messages), validate_tools(tools))
+    (result,) = _tokenize_chats(tokenizer, [chat])
     if isinstance(result, Exception):
         raise result
     input_ids, spans = result
@@ -144,81 +153,80 @@ def _mask_list(length: int, spans: Sequence[Span]) -> list[int]:
     return mask
 
 
-def _render_many(tokenizer: Tokenizer, requests: Sequence[tuple[list[dict[str, str]], bool]]) -> list[Any]:
-    """``apply_chat_template`` of every (messages, add_generation_prompt); a failed one yields its exception.
+def _render_many(tokenizer: Tokenizer, requests: Sequence[tuple[Chat, bool]]) -> list[Any]:
+    """``apply_chat_template`` of every ((messages, tools), add_generation_prompt); a failed one yields
+    its exception. ``tools=`` is passed only for a chat that has tools.
 
     Uses the tokenizer's ``apply_chat_template_batch(conversations, *, add_generation_prompt)`` when it
-    has one (e.g. a fast Hugging Face tokenizer encoding a batch in Rust), one call per flag; a batch
-    that fails is redone one by one so the error lands on its own conversation.
+    has one (e.g. a fast Hugging Face tokenizer encoding a batch in Rust), one call per flag, for the
+    chats without tools; a batch that fails is redone one by one so the error lands on its own chat.
     """
     rendered: list[Any] = [None] * len(requests)
     render_batch = getattr(tokenizer, "apply_chat_template_batch", None)
     if render_batch is not None:
         for flag in (False, True):
-            where = [i for i, (_, generation) in enumerate(requests) if generation is flag]
+            where = [i for i, ((_, tools), generation) in enumerate(requests) if generation is flag and not tools]
             if not where:
                 continue
             try:
-                ids_list = render_batch([requests[i][0] for i in where], add_generation_prompt=flag)
+                ids_list = render_batch([requests[i][0][0] for i in where], add_generation_prompt=flag)
             except ValueError:
                 continue
             for i, ids in zip(where, ids_list):
                 rendered[i] = list(ids)
-    for i, (messages, generation) in enumerate(requests):
+    for i, ((messages, tools), generation) in enumerate(requests):
         if rendered[i] is None:
+            extra = {"tools": tools} if tools else {}
             try:
-                rendered[i] = tokenizer.apply_chat_template(messages, add_generation_prompt=generation)
+                rendered[i] = tokenizer.apply_chat_template(messages, add_generation_prompt=generation, **extra)
             except ValueError as err:  # UnicodeError, TokenizerError
                 rendered[i] = err
     return rendered
 
 
-def _tokenize_chats(tokenizer: Tokenizer, chats: Sequence[list[dict[str, str]]]) -> list[Any]:
+def _tokenize_chats(tokenizer: Tokenizer, chats: Sequence[Chat]) -> list[Any]:
     """(input_ids, target spans) of every validated chat, or the exception that chat raised.
 
     The last message's rendering is the full rendering itself, so it is not rendered twice.
     """
-    requests: list[tuple[list[dict[str, str]], bool]] = []
+    requests: list[tuple[Chat, bool]] = []
     layout = []  # per chat: (index of the full rendering, [(assistant turn, before index, through index)])
-    for messages in chats:
+    for messages, tools in chats:
         full = len(requests)
-        requests.append((messages, False))
+        requests.append(((messages, tools), False))
         turns = []
         for k, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
             before = len(requests)
-            requests.append((messages[:k], True))
+            requests.append(((messages[:k], tools), True))
             through = full
             if k != len(messages) - 1:
                 through = len(requests)
-                requests.append((messages[: k + 1], False))
+                requests.append(((messages[: k + 1], tools), False))
             turns.append((k, before, through))
         layout.append((full, turns))
     rendered = _render_many(tokenizer, requests)
-    results: list[Any] = []
-    for full, turns in layout:
-        input_ids = rendered[full]
-        if isinstance(input_ids, Exception):
-            results.append(input_ids)
-            continue
-        spans: list[Span] = []
-        for k, before_index, through_index in turns:
-            before, through = rendered[before_index], rendered[through_index]
-            if isinstance(before, Exception):
-                spans = before
-                break
-            if isinstance(through, Exception):
-                spans = through
-                break
-            if input_ids[: len(before)] != before or not (through is input_ids or input_ids[: len(through)] == through):
-                spans = TokenizerError(
-                    f"the chat template is not prefix-stable at assistant message {k}; cannot locate its target tokens"
-                )
-                break
-            spans.append((len(before), len(through)))
-        results.append(spans if isinstance(spans, Exception) else (input_ids, spans))
-    return results
+    return [_spans_of(rendered, full, turns) for full, turns in layout]
+
+
+def _spans_of(rendered: list[Any], full: int, turns: list[tuple[int, int, int]]) -> Any:
+    """(input_ids, target spans) of one chat from its renderings, or the exception it raised."""
+    input_ids = rendered[full]
+    if isinstance(input_ids, Exception):
+        return input_ids
+    spans: list[Span] = []
+    for k, before_index, through_index in turns:
+        before, through = rendered[before_index], rendered[through_index]
+        for part in (before, through):
+            if isinstance(part, Exception):
+                return part
+        if input_ids[: len(before)] != before or not (through is input_ids or input_ids[: len(through)] == through):
+            return TokenizerError(
+                f"the chat template is not prefix-stable at assistant message {k}; cannot locate its target tokens"
+            )
+        spans.append((len(before), len(through)))
+    return input_ids, spans
 
 
 def truncate(
@@ -378,8 +386,9 @@ class SFTDataset(torch.utils.data.Dataset):
         chat = self.chat_columns[file_index]
         return [chat] if chat is not None else [self.config.prompt_key, self.config.response_key]
 
-    def _messages_of(self, row: dict[str, Any] | str, *, file_index: int) -> list[dict[str, str]]:
-        """The chat of one row of file ``file_index``, or raise ValueError with the reason it is malformed."""
+    def _messages_of(self, row: dict[str, Any] | str, *, file_index: int) -> Chat:
+        """The chat (messages, tools) of one row of file ``file_index``, or raise ValueError with the reason
+        it is malformed."""
         if isinstance(row, str):
             raise ValueError(row)
         chat = self.chat_columns[file_index]
@@ -388,19 +397,24 @@ class SFTDataset(torch.utils.data.Dataset):
                 raise ValueError(f"missing or null key {key!r}")
         if chat is not None:
             messages = validate_messages(row[chat])
-            assistant_turns = [m["content"] for m in messages if m["role"] == "assistant"]
+            assistant_turns = [m for m in messages if m["role"] == "assistant"]
             if not assistant_turns:
                 raise ValueError(f"{chat!r} has no assistant message to train on")
-            if any(not content for content in assistant_turns):
+            if any(not m["content"] and not m.get("tool_calls") for m in assistant_turns):
                 raise ValueError(f"{chat!r} has an empty assistant message")
-            return messages
+            tools_key = self.config.tools_key
+            try:
+                tools = validate_tools(row.get(tools_key))
+            except TokenizerError as err:
+                raise ValueError(f"column {tools_key!r} (data.tools_key): {err}") from None
+            return messages, tools
         prompt, response = row[self.config.prompt_key], row[self.config.response_key]
         for key, value in ((self.config.prompt_key, prompt), (self.config.response_key, response)):
             if not isinstance(value, str):
                 raise ValueError(f"key {key!r} must be a string, got {type(value).__name__}")
         if not response:
             raise ValueError(f"key {self.config.response_key!r} is an empty string")
-        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}], None
 
     def _malformed(self, path: str, row_index: int, reason: str) -> None:
         error = MalformedRowError(path, row_index, reason, hint="fix the row or set on_malformed=skip")
@@ -417,7 +431,8 @@ class SFTDataset(torch.utils.data.Dataset):
         with tqdm(
             total=total, desc=f"tokenizing {os.path.basename(path)}", unit="row", disable=not large, mininterval=2.0
         ) as progress:
-            for row_index, row in iter_rows(path, columns=self.columns_of(file_index)):
+            optional = (self.config.tools_key,) if self.chat_columns[file_index] is not None else ()
+            for row_index, row in iter_rows(path, columns=self.columns_of(file_index), optional_columns=optional):
                 chunk.append((row_index, row))
                 if len(chunk) == ROWS_PER_CHUNK:
                     self._add_chunk(path, file_index, chunk, store)

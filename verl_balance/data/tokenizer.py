@@ -15,7 +15,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
-Message = Mapping[str, str]
+Message = Mapping[str, Any]
 
 
 class TokenizerError(ValueError):
@@ -49,29 +49,102 @@ class Tokenizer(Protocol):
         """Text of token ids; special tokens are dropped unless skip_special_tokens=False."""
 
     def apply_chat_template(self, messages: Sequence[Message], *, add_generation_prompt: bool = False) -> list[int]:
-        """Token ids of a conversation; with add_generation_prompt, ends with the assistant opener."""
+        """Token ids of a conversation; with add_generation_prompt, ends with the assistant opener.
+
+        A tokenizer that renders tools also takes ``tools=`` (a list of function schemas), and
+        assistant messages with ``tool_calls``; callers pass ``tools`` only when a chat has them."""
 
 
-def validate_messages(messages: Any) -> list[dict[str, str]]:
-    """Check a chat (list of {"role", "content"} with string values) and return it as plain dicts."""
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def validate_messages(messages: Any) -> list[dict[str, Any]]:
+    """Check a chat and return it as plain dicts: {"role", "content"} (strings), plus on an assistant
+    message verl's multi-turn SFT ``tool_calls`` (a list of {"function": {"name", "arguments"}}).
+
+    A ``tool`` message answers a call: it must follow an assistant message with ``tool_calls`` or
+    another ``tool`` message. An assistant message with tool calls may have null content (read as "").
+    A null ``tool_calls`` (a parquet struct column's filler) is read as absent.
+    """
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise TokenizerError(
             f"messages must be a list of {{'role': str, 'content': str}} dicts, got {type(messages).__name__}"
         )
-    checked = []
+    checked: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise TokenizerError(f"message {i} must be a dict with 'role' and 'content', got {type(message).__name__}")
         role, content = message.get("role"), message.get("content")
+        calls = _tool_calls(message.get("tool_calls"), index=i, role=role)
+        if content is None and calls:
+            content = ""
         if not isinstance(role, str) or not isinstance(content, str):
             raise TokenizerError(
                 f"message {i} needs string 'role' and 'content', got role={role!r}, content type "
                 f"{type(content).__name__}"
             )
-        if role not in ("system", "user", "assistant", "tool"):
-            raise TokenizerError(f"message {i} has role {role!r}; valid roles: system, user, assistant, tool")
-        checked.append({"role": role, "content": content})
+        if role not in ROLES:
+            raise TokenizerError(f"message {i} has role {role!r}; valid roles: {', '.join(ROLES)}")
+        if role == "tool" and not (checked and (checked[-1].get("tool_calls") or checked[-1]["role"] == "tool")):
+            raise TokenizerError(
+                f"message {i} is a 'tool' message without a preceding call; a tool message must follow an "
+                "assistant message with 'tool_calls' (or another tool message)"
+            )
+        checked.append({"role": role, "content": content, **({"tool_calls": calls} if calls else {})})
+        for key in ("name", "tool_call_id"):  # read by some templates (e.g. Llama 3.1, Mistral)
+            if isinstance(message.get(key), str):
+                checked[-1][key] = message[key]
     return checked
+
+
+def _tool_calls(calls: Any, *, index: int, role: Any) -> list[dict[str, Any]]:
+    """verl's (OpenAI's) ``tool_calls`` of message ``index`` as plain dicts; [] for a null value."""
+    if calls is None:
+        return []
+    where = f"message {index}: 'tool_calls'"
+    if role != "assistant":
+        raise TokenizerError(f"{where} on a {role!r} message; only assistant messages make tool calls")
+    if isinstance(calls, (str, bytes, Mapping)) or not isinstance(calls, Sequence):
+        raise TokenizerError(
+            f"{where} must be a list of {{'type': 'function', 'function': {{'name': str, 'arguments': dict}}}}, "
+            f"got {type(calls).__name__}"
+        )
+    checked = []
+    for k, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, Mapping) else None
+        name = function.get("name") if isinstance(function, Mapping) else None
+        arguments = function.get("arguments") if isinstance(function, Mapping) else None
+        if not isinstance(name, str) or not name or not isinstance(arguments, (Mapping, str)):
+            raise TokenizerError(
+                f"{where}[{k}] must be {{'type': 'function', 'function': {{'name': str, 'arguments': dict or "
+                f"JSON string}}}}, got {call!r}"
+            )
+        arguments = dict(arguments) if isinstance(arguments, Mapping) else arguments
+        entry = {"type": call.get("type") or "function", "function": {"name": name, "arguments": arguments}}
+        if isinstance(call.get("id"), str):
+            entry["id"] = call["id"]
+        checked.append(entry)
+    return checked
+
+
+def validate_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """A row's tool schemas (verl's ``tools`` column: a list of OpenAI function schemas, or null)."""
+    if tools is None:
+        return None
+    if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
+        raise TokenizerError(f"'tools' must be a list of function schemas (dicts) or null, got {type(tools).__name__}")
+    for k, tool in enumerate(tools):
+        if not isinstance(tool, Mapping):
+            raise TokenizerError(f"'tools'[{k}] must be a function schema (a dict), got {type(tool).__name__}")
+    return [dict(tool) for tool in tools] or None
+
+
+def _refuse_tools(messages: Sequence[Mapping[str, Any]], tools: Any, *, what: str) -> None:
+    if tools or any(m.get("tool_calls") for m in messages):
+        raise TokenizerError(
+            f"{what} cannot render tool schemas or tool calls; use a Hugging Face tokenizer whose chat template "
+            "takes tools (e.g. python -m verl_balance.models.tiny_hf --tool-chat-template)"
+        )
 
 
 class ByteTokenizer:
@@ -134,11 +207,15 @@ class ByteTokenizer:
         out.append(pending.decode("utf-8", errors="replace"))
         return "".join(out)
 
-    def apply_chat_template(self, messages: Sequence[Message], *, add_generation_prompt: bool = False) -> list[int]:
-        """Token ids of a conversation in the format of the class docstring."""
+    def apply_chat_template(
+        self, messages: Sequence[Message], *, add_generation_prompt: bool = False, tools: Any = None
+    ) -> list[int]:
+        """Token ids of a conversation in the format of the class docstring (no tools, no tool calls)."""
+        messages = validate_messages(messages)
+        _refuse_tools(messages, tools, what="the byte tokenizer")
         ids = [self.BOS]
         previous_role = None
-        for message in validate_messages(messages):
+        for message in messages:
             if message["role"] == "assistant":
                 ids += [self.SEP, *self.encode(message["content"]), self.EOS]
             else:
@@ -209,10 +286,13 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[Message], *, add_generation_prompt: bool = False) -> list[int]:
-        messages = validate_messages(messages)
+    def apply_chat_template(
+        self, messages: Sequence[Message], *, add_generation_prompt: bool = False, tools: Any = None
+    ) -> list[int]:
+        messages, tools = validate_messages(messages), validate_tools(tools)
         if getattr(self._tok, "chat_template", None):
-            return self._encode_with_template(messages, add_generation_prompt=add_generation_prompt)
+            return self._encode_with_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        _refuse_tools(messages, tools, what=f"the tokenizer at {self._path!r} has no chat template and")
         ids = [] if self.bos_token_id is None else [self.bos_token_id]
         previous_role = None
         for message in messages:
@@ -227,20 +307,25 @@ class HFTokenizer:
             ids += self.encode("\n")
         return ids
 
-    def _render(self, messages: list[dict[str, str]], *, add_generation_prompt: bool) -> str:
-        return self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+    def _render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool, tools: Any = None) -> str:
+        extra = {"tools": tools} if tools else {}
+        return self._tok.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
+        )
 
-    def _encode_with_template(self, messages: list[dict[str, str]], *, add_generation_prompt: bool) -> list[int]:
+    def _encode_with_template(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool, tools: Any = None
+    ) -> list[int]:
         # Encode the rendered text piecewise, cut at every assistant turn's start and end, so that
         # BPE merges never cross a turn boundary and the prefix invariant holds token by token.
-        text = self._render(messages, add_generation_prompt=add_generation_prompt)
+        text = self._render(messages, add_generation_prompt=add_generation_prompt, tools=tools)
         cuts = []
         for k, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
             for prefix in (
-                self._render(messages[:k], add_generation_prompt=True) if k else "",
-                self._render(messages[: k + 1], add_generation_prompt=False),
+                self._render(messages[:k], add_generation_prompt=True, tools=tools) if k else "",
+                self._render(messages[: k + 1], add_generation_prompt=False, tools=tools),
             ):
                 if not text.startswith(prefix):
                     raise TokenizerError(

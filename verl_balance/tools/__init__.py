@@ -8,7 +8,8 @@ classes, ``function_tool_path`` files of ``@function_tool`` functions, hermes to
 - ``registry``: every tool of a run, from both paths, names unique;
 - ``hermes``: tool calls parsed out of generated text (``<tool_call>{json}</tool_call>``);
 - ``runner``: calls run concurrently with a timeout, errors returned to the model as text;
-- ``gsm8k``: verl's example tool, a gsm8k answer checker.
+- ``gsm8k``: verl's example tool, a gsm8k answer checker;
+- ``calculator``: integer arithmetic, the tool of the tool-use demo (``recipes/grpo_tool_cpu_demo.sh``).
 """
 
 from verl_balance.tools.base import BaseTool, FunctionTool, ToolError, ToolResponse

@@ -164,10 +164,12 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         values=("true", "false"),
         recipes=("sft",),
     ),
+    _honoured(
+        "data.multiturn.tools_key", "data.tools_key", "verl's legacy fsdp_sft_trainer spelling", recipes=("sft",)
+    ),
     *_none(
-        ["data.multiturn.tools_key", "data.multiturn.enable_thinking_key"],
-        "verl's multi-turn dataset passes a row's tool schemas and enable_thinking to the chat template; "
-        "here chats are rendered from their messages only",
+        ["data.multiturn.enable_thinking_key"],
+        "verl's multi-turn dataset passes a row's enable_thinking to the chat template; here the template's default",
         recipes=("sft",),
     ),
     _honoured("optim.lr_warmup_steps_ratio", "optim.warmup_steps_ratio", "verl's spelling", recipes=("sft",)),
@@ -188,6 +190,23 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         "null values left out as in verl; a key ray.init does not take is refused",
     ),
     # -- no effect here: the engine, the device, the rollout
+    *_none(
+        [f"{AR}.rollout.multi_turn.use_inference_chat_template"],
+        "each turn continues the recorded token ids (verl's false); re-rendering the chat is not done here",
+        values=_FALSE,
+        recipes=("grpo",),
+    ),
+    *_none(
+        [f"{AR}.rollout.multi_turn.num_repeat_rollouts"],
+        "verl 0.9.1 reads it nowhere; rollout.n sets the responses per prompt",
+        recipes=("grpo",),
+    ),
+    *_none(
+        [f"{AR}.rollout.multi_turn.interaction_config_path"],
+        "older verl's interaction agents (a simulated user's turns) are not run; only tool turns",
+        values=("null", "none"),
+        recipes=("grpo",),
+    ),
     *_none(
         ["engine", "optim"],
         "sft_trainer's config group of the FSDP engine; " + _FSDP,
