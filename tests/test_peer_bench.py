@@ -45,8 +45,8 @@ def test_summary_pools_repeats_and_table_ratios_are_ours_over_peer(peer_bench, c
     peer_bench.print_table([("sec", "ours", ["peer"])], stats)
     out = capsys.readouterr().out
     peer_row = next(line for line in out.splitlines() if line.startswith("sec") and " peer " in line)
-    # s/step 2/4, tok/s 50/50, RSS 1 GiB / 2 GiB
-    assert peer_row.split()[-3:] == ["0.50", "1.00", "0.50"]
+    # s/step 2/4, tok/s 50/50, tok/cpu-s n/a (no CPU time recorded), RSS 1 GiB / 2 GiB
+    assert peer_row.split()[-4:] == ["0.50", "1.00", "n/a", "0.50"]
     assert "peer: FAILED exit 1" in out
 
 

@@ -19,7 +19,15 @@ class _HydraDataSection(SFTDataConfig):
 
 def test_field_names_are_the_agreed_interface():
     names = [f.name for f in fields(SFTDataConfig)]
-    assert names == ["prompt_key", "response_key", "messages_key", "max_length", "truncation", "on_malformed"]
+    assert names == [
+        "prompt_key",
+        "response_key",
+        "messages_key",
+        "tools_key",
+        "max_length",
+        "truncation",
+        "on_malformed",
+    ]
 
 
 def test_inherited_section_merges_overrides_and_validates_on_to_object():

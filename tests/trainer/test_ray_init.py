@@ -125,6 +125,7 @@ def test_num_cpus_sizes_a_real_embedded_cluster():
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_embedded_node_takes_a_free_agent_port_only_inside_the_start():
     from ray._private.parameter import RayParams
 

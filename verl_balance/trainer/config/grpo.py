@@ -307,12 +307,13 @@ class RolloutSection:
     def vllm_config(self, *, seed: int):
         """The ``VLLMRolloutConfig`` of these keys (``seed``: trainer.seed, unless rollout.seed is set);
         RolloutInputError (a ValueError, qualified with the section's keys at load) for a bad value."""
+        from verl_balance.batch_keys import TEMPERATURE_KEY
         from verl_balance.rollout.vllm_rollout import VLLMRolloutConfig
 
         keys = (
             "dtype", "load_format", "gpu_memory_utilization", "max_num_seqs",
             "max_num_batched_tokens", "max_model_len", "enforce_eager", "enable_chunked_prefill",
-            "enable_prefix_caching", "free_cache_engine", "temperature", "top_p", "top_k",
+            "enable_prefix_caching", "free_cache_engine", TEMPERATURE_KEY, "top_p", "top_k",
         )  # fmt: skip
         engine_seed = self.seed if self.seed is not None else seed
         return VLLMRolloutConfig(**{k: getattr(self, k) for k in keys}, seed=engine_seed)
