@@ -76,6 +76,32 @@ def test_a_bad_vllm_value_is_one_line_naming_the_key_before_ray(snapshot_root, a
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("arg", "message"),
+    [
+        (f"{AR}.gpu_memory_utilization=1.5", f"{AR}.gpu_memory_utilization=1.5 must be in"),
+        (f"{AR}.gpu_memory_utilization=1e308", f"{AR}.gpu_memory_utilization=1e\\+308 must be in"),
+        (f"{AR}.load_format=gguf", f"{AR}.load_format='gguf' is not valid"),
+        (f"{AR}.max_model_len=0", f"{AR}.max_model_len=0 must be an int >= 1"),
+    ],
+)
+def test_a_bad_vllm_value_is_refused_with_another_backend_too(snapshot_root, arg, message):
+    """A key the run does not read is still checked as the vLLM run would check it, not reset silently."""
+    with pytest.raises(ConfigError, match=message) as err:
+        translate(snapshot_root, [f"{AR}.name=hf", arg])
+    assert "\n" not in str(err.value)
+    # control: the same key at a valid value is accepted and named without effect
+    key = arg.partition("=")[0]
+    assert translate(snapshot_root, [f"{AR}.name=hf", f"{key}={VALID[key]}"])[1] == [key]
+
+
+VALID = {
+    f"{AR}.gpu_memory_utilization": "0.9",
+    f"{AR}.load_format": "safetensors",
+    f"{AR}.max_model_len": "4096",
+}
+
+
 def test_sglang_is_refused_naming_the_backends(snapshot_root):
     valid = r"'sglang' is not valid; expected one of \['auto', 'kv_cache', 'hf', 'vllm'\]"
     with pytest.raises(ConfigError, match=valid):

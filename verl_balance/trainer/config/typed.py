@@ -59,7 +59,7 @@ def _is_section(node) -> bool:
     return isinstance(node, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(node))
 
 
-def _instantiate(node: DictConfig, path: str):
+def instantiate_section(node: DictConfig, path: str):
     """The section object of ``node``: its subsections built first (each exactly once) and passed
     in; a ValueError from its ``__post_init__`` re-raised as ConfigError with the keys in full."""
     values = {}
@@ -68,7 +68,7 @@ def _instantiate(node: DictConfig, path: str):
         if isinstance(child, (DictConfig, ListConfig)) and child._is_none():
             values[key] = None
         elif _is_section(child):
-            values[key] = _instantiate(child, f"{path}.{key}" if path else str(key))
+            values[key] = instantiate_section(child, f"{path}.{key}" if path else str(key))
         elif isinstance(child, (DictConfig, ListConfig)):
             values[key] = OmegaConf.to_object(child)
         else:
@@ -83,6 +83,6 @@ def _instantiate(node: DictConfig, path: str):
 def to_typed(cfg: DictConfig):
     """The merged config, typed by its schema, as the schema's objects (every ``__post_init__`` check
     run once, no number inf or nan)."""
-    config = _instantiate(cfg, "")
+    config = instantiate_section(cfg, "")
     check_finite_values(config)
     return config

@@ -29,6 +29,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from verl_balance.trainer.config.checks import ConfigError
+from verl_balance.trainer.config.typed import instantiate_section
 
 __all__ = [
     "VERL_KEYS",
@@ -64,7 +65,8 @@ class VerlKey:
     schema_when: tuple[str, str] | None = None
     """(key, value): a key our schema declares that only a run with that key at that value reads (vLLM's
     keys with ``actor_rollout_ref.rollout.name=vllm``); in any other run a value that is not a default is
-    named without effect (and checked against ``values``) and put back to the schema's default."""
+    named without effect (checked against ``values`` and by the section's checks as that run would make
+    them) and put back to the schema's default."""
 
     def __post_init__(self) -> None:
         assert self.status in ("honoured", "no_effect"), self.status
@@ -551,7 +553,7 @@ def translate(cfg: DictConfig, *, recipe: str, defaults: Sequence[DictConfig] = 
 
 def _unread_schema_keys(cfg: DictConfig, *, recipe: str, defaults: Sequence[DictConfig]) -> list[str]:
     """The ``schema_when`` keys that ``cfg``'s run does not read and a user set (a value none of
-    ``defaults`` holds), each checked against its entry's values and put back to the first default."""
+    ``defaults`` holds), each checked (``_check_value``, ``_check_as_read``) and put back to the first default."""
     unread: list[str] = []
     schema = OmegaConf.get_type(cfg)
     if not defaults and dataclasses.is_dataclass(schema):
@@ -568,9 +570,24 @@ def _unread_schema_keys(cfg: DictConfig, *, recipe: str, defaults: Sequence[Dict
         if any(_same(value, OmegaConf.select(d, entry.pattern, default=None)) for d in defaults):
             continue
         _check_value(entry.pattern, value, entry)
+        _check_as_read(entry, value, schema=schema)
         unread.append(entry.pattern)
         OmegaConf.update(cfg, entry.pattern, OmegaConf.select(defaults[0], entry.pattern), merge=True)
     return unread
+
+
+def _check_as_read(entry: VerlKey, value: Any, *, schema: type) -> None:
+    """ConfigError when ``value`` fails the check of the run that reads ``entry``'s key: the key's
+    section at the schema's defaults, with the ``schema_when`` key at its value and this key at ``value``."""
+    section, _, leaf = entry.pattern.rpartition(".")
+    when_section, _, when_leaf = entry.schema_when[0].rpartition(".")
+    assert when_section == section, (entry.pattern, entry.schema_when)
+    if not dataclasses.is_dataclass(schema):
+        return
+    probe = copy.deepcopy(OmegaConf.select(OmegaConf.structured(schema), section))
+    OmegaConf.update(probe, when_leaf, entry.schema_when[1])
+    OmegaConf.update(probe, leaf, value)
+    instantiate_section(probe, section)
 
 
 def startup_line(no_effect: Sequence[str], *, recipe: str) -> str | None:
