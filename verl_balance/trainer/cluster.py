@@ -28,8 +28,7 @@ logger = logging.getLogger(__name__)
 RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 
 CPU_WORKERS_PER_CORE = 4
-"""CPU slots an embedded cluster offers per core: CPU workers mostly wait on each other's
-collectives, so a 2-core laptop runs a dp=2 x sp=2 demo; a request beyond this fails at once."""
+"""CPU slots an embedded cluster offers per core (CPU workers mostly wait on collectives)."""
 
 
 def embedded_cluster_cpus() -> int:
@@ -39,31 +38,20 @@ def embedded_cluster_cpus() -> int:
 
 
 EMBEDDED_WORKER_NICENESS = 0
-"""Niceness of the embedded cluster's worker processes. Ray's default (15) lets every other process
-on the node (the driver, a data loader, other jobs) pre-empt the training ranks; on shared CPU
-cores that slowed the dp=1 step by 10-20% of wall time against a plain loop at niceness 0
-(benchmarks/sft_bench.py overhead). An external cluster (``address``) keeps its own setting."""
+"""Niceness of the embedded cluster's workers (Ray's default 15 lets other processes pre-empt the ranks)."""
 
 
 INLINE_ARGUMENT_BYTES = 1 << 20
-"""The embedded cluster's ``max_direct_call_object_size`` (Ray's default is 100 KiB): a call's
-argument or result up to this size travels inside the call instead of through the object store.
-A dp=1 step's batch (~240 KB at 32 x 475 tokens) then skips the store: 9 ms per call instead of
-12-17 ms on 2 CPU cores (benchmarks/sft_bench.py overhead)."""
+"""The embedded cluster's ``max_direct_call_object_size``: arguments up to it travel inline, not via the store."""
 
 
 def start_ray(*, address: str | None, num_workers: int | None = None, ray_init: Mapping | None = None) -> None:
     """Connect to a cluster (``address``) or start an embedded one sized to this machine.
 
-    The embedded cluster has ``embedded_cluster_cpus()`` CPU slots (and the GPUs Ray detects),
-    whatever is asked: a worker group that cannot fit then fails at once with the same
-    ``UnplaceableResourcePoolError`` an external cluster gives. ``num_workers`` only serves a
-    warning when CPU workers fit but outnumber the cores. Its workers run at
-    ``EMBEDDED_WORKER_NICENESS`` and pass arguments up to ``INLINE_ARGUMENT_BYTES`` inline.
-    ``ray_init`` (verl's ``ray_kwargs.ray_init``) goes to ``ray.init`` over these choices
-    (``ray_init.merge_ray_init``): its ``num_cpus`` sizes the embedded cluster, its ``address`` is
-    ``address``'s other spelling.
-    """
+    The embedded cluster has ``embedded_cluster_cpus()`` CPU slots (and the GPUs Ray detects), so a
+    worker group that cannot fit fails at once with ``UnplaceableResourcePoolError``. ``num_workers``
+    only serves an oversubscription warning. ``ray_init`` (verl's ``ray_kwargs.ray_init``) is merged
+    over these choices (``ray_init.merge_ray_init``)."""
     if ray.is_initialized():
         return
     plain_worker_prefixes(sys.stdout)
@@ -90,35 +78,26 @@ def start_ray(*, address: str | None, num_workers: int | None = None, ray_init: 
 
 
 WORKER_WARNINGS = "ignore::FutureWarning"
-"""The workers' ``PYTHONWARNINGS`` unless the user set one: the libraries' FutureWarnings (deprecations
-announced to their callers, i.e. to this package) would reach every run's console once per worker."""
+"""The workers' ``PYTHONWARNINGS`` unless the user set one (libraries' FutureWarnings, once per worker, are noise)."""
 
 
 def worker_warning_env() -> dict[str, str]:
-    """{"PYTHONWARNINGS": WORKER_WARNINGS}, or {} when the driver's environment sets PYTHONWARNINGS
-    (the workers inherit the user's choice)."""
+    """{"PYTHONWARNINGS": WORKER_WARNINGS}, or {} when the user set PYTHONWARNINGS."""
     return {} if os.environ.get("PYTHONWARNINGS") else {"PYTHONWARNINGS": WORKER_WARNINGS}
 
 
 def plain_worker_prefixes(stream) -> None:
-    """Ray prints each forwarded worker line behind a colour-coded ``(Worker pid=...)`` prefix: on a
-    ``stream`` that is not a terminal (a pipe, a file) the colour codes are noise, so Ray is told to
-    leave them out (its ``RAY_COLOR_PREFIX=0``, read by the driver as it prints) unless the user chose."""
+    """On a ``stream`` that is not a terminal, drop Ray's colour codes from worker prefixes unless the user chose."""
     if not stream.isatty():
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")
 
 
 EMBEDDED_START_CONFIG = {"prestart_worker_first_driver": False, "enable_metrics_collection": False}
-"""What the embedded cluster leaves out of its start-up: Ray starts idle worker processes ahead of the
-first driver's tasks, which never host a worker group (each actor gets a new process; rank 0's
-rendezvous port is drawn by the driver, ``worker_group._rendezvous_address``), and every process exports
-metrics that nothing reads without a dashboard. Together 1-2 s of CPU per run on 2 cores
-(benchmarks/startup_bench.py); a user's ``ray_kwargs.ray_init._system_config`` overrides either."""
+"""Start-up work the embedded cluster skips (prestarted idle workers, metrics export); ``_system_config`` overrides."""
 
 
 def ray_init_arguments(*, address: str | None, ray_init: Mapping | None) -> tuple[bool, dict]:
-    """(whether the cluster is embedded, the arguments of ``ray.init``): ours, with the user's
-    ``ray_init`` merged over them (``ray_init.merge_ray_init``)."""
+    """(whether the cluster is embedded, ``ray.init``'s arguments with the user's ``ray_init`` merged over ours)."""
     # RAY_ADDRESS joins that cluster, as Ray's own ray.init() would (never with num_cpus: Ray refuses it);
     # RAY_ADDRESS=local asks for a new embedded cluster, which is what no address gives.
     env_address = os.environ.get("RAY_ADDRESS") if os.environ.get("RAY_ADDRESS") != "local" else None
@@ -155,8 +134,7 @@ def _address(address: str | None, ray_init_address: str | None) -> str | None:
 
 
 EMBEDDED_START_ATTEMPTS = 3
-"""How often ``start_ray`` starts the embedded cluster when its start-up times out: Ray waits a fixed
-30 s for its node (the raylet) to register with the GCS, which a loaded machine can exceed."""
+"""Tries of the embedded cluster's start when Ray's fixed 30 s node-registration wait times out."""
 
 _START_TIMEOUT_TEXTS = ("timed out during startup", "waiting for node to startup", "Timed out")
 
@@ -166,17 +144,12 @@ class RayStartError(RuntimeError):
 
 
 AGENT_PORT_PARAMETER = "dashboard_agent_listen_port"
-"""Ray's node parameter (``RayParams``; ``ray.init`` has no argument for it) of the port its dashboard
-agent serves HTTP on: 52365 by default, for every cluster on the machine. When another Ray instance
-holds it the agent retries 5 times (3.3 s of sleeps) before it gives up the HTTP service, and the
-node registers only after that: every embedded start on a machine with another Ray running paid it."""
+"""Ray's node parameter for the dashboard agent's port (52365 by default, which a second Ray instance stalls on)."""
 
 
 @contextlib.contextmanager
 def dynamic_agent_port() -> Iterator[None]:
-    """While in it, a Ray node started without an explicit agent port takes a free one (port 0: Ray's
-    agent binds any free port and records the one it got). Another Ray version without the
-    parameter: nothing changes."""
+    """While in it, a Ray node started without an explicit agent port takes a free one (if Ray has the parameter)."""
     params = getattr(getattr(getattr(ray, "_private", None), "parameter", None), "RayParams", None)
     init = getattr(params, "__init__", None)
     if init is None or AGENT_PORT_PARAMETER not in inspect.signature(init).parameters:
@@ -195,8 +168,7 @@ def dynamic_agent_port() -> Iterator[None]:
 
 
 def _init_embedded(**kwargs) -> None:
-    """``ray.init(**kwargs)``, retried up to ``EMBEDDED_START_ATTEMPTS`` times when Ray's node
-    start-up times out (a warning per retry); then ``RayStartError`` naming what timed out."""
+    """``ray.init(**kwargs)``, retried on a start-up timeout; then ``RayStartError`` naming what timed out."""
     for attempt in range(1, EMBEDDED_START_ATTEMPTS + 1):
         try:
             ray.init(**kwargs)
@@ -221,9 +193,7 @@ def _init_embedded(**kwargs) -> None:
 
 
 def _stop_without_sigterm_at_shutdown() -> None:
-    """The embedded cluster's processes block SIGTERM (``signals.stop_signals_blocked``), so the
-    SIGTERM with which ``ray.shutdown`` asks each to stop would only cost its 1 s wait before the
-    SIGKILL it sends anyway (4 s per run measured): its node stops them with SIGKILL at once."""
+    """Stop the embedded cluster's processes with SIGKILL at once (they block SIGTERM)."""
     node = getattr(getattr(ray, "_private", None) and ray._private.worker, "_global_node", None)
     kill_all = getattr(node, "kill_all_processes", None)
     if kill_all is None:
@@ -251,8 +221,7 @@ class ClusterTooSmallError(ConfigError, UnplaceableResourcePoolError):
 
 
 def describe_parameters(init_info) -> str:
-    """``1.23M parameters`` (``LoRA: 12.3k trainable of 1.23M (1.00%)``) from rank 0's ``init_model``
-    answer; "" when it has no counts."""
+    """``1.23M parameters`` (with LoRA's trainable share) from rank 0's ``init_model`` answer; "" without counts."""
     info = init_info[0] if isinstance(init_info, list) and init_info else init_info
     if not isinstance(info, dict) or "parameters" not in info:
         return ""
@@ -263,8 +232,7 @@ def describe_parameters(init_info) -> str:
 
 
 def describe_rollout_startup(init_info) -> str:
-    """``; 2 vLLM engines started (slowest 31.2 s)`` from the workers' ``init_model`` answers
-    (``rollout_startup_s``); "" when no worker started an engine that reports it."""
+    """``; 2 vLLM engines started (slowest 31.2 s)`` from the workers' ``init_model`` answers; "" when none."""
     infos = init_info if isinstance(init_info, list) else [init_info]
     seconds = [i["rollout_startup_s"] for i in infos if isinstance(i, dict) and i.get("rollout_startup_s") is not None]
     if not seconds:
@@ -287,9 +255,8 @@ def build_actor_group(
     worker_cls: type = ActorWorker,
     cpu_workers_per_node: int | None = None,
 ) -> RayWorkerGroup:
-    """Place nnodes x n_gpus_per_node workers and build the sharded model on them, logging the two
-    start-up phases: ``worker spawn`` (processes started and imported, placement) and ``model load``.
-    ``cpu_workers_per_node``: CPU workers of all groups running at once on a node (``RayResourcePool``)."""
+    """Place nnodes x n_gpus_per_node workers and build the sharded model on them, logging ``worker spawn`` and
+    ``model load``; ``cpu_workers_per_node``: CPU workers of all groups running at once on a node."""
     pool = RayResourcePool(
         n_gpus_per_node=trainer_cfg.n_gpus_per_node,
         nnodes=trainer_cfg.nnodes,
@@ -329,10 +296,7 @@ def build_actor_group(
 
 
 def release_group(group: RayWorkerGroup, *, broken: str | None = None) -> None:
-    """Stop ``group``'s worker processes and free its placement (the Ray cluster stays up).
-
-    ``broken`` names a group being replaced after a failure ("the old critic group"): then each
-    step is best effort, and a failure is logged naming it instead of raised."""
+    """Stop ``group``'s workers and free its placement (Ray stays up); ``broken`` (its name): best effort, logged."""
     for release in (group.shutdown, group.resource_pool.remove):
         if broken is None:
             release()

@@ -2,13 +2,9 @@
 and the trainer loop every driver shares — steps, validation, tracking, checkpoint, resume and
 graceful stop.
 
-A subclass calls ``setup_run`` (layout, run directory, tokenizer, model config, workload model),
-builds its datasets, calls ``setup_loader`` and then ``start_workers`` with its worker config;
-it implements ``train_step(item)`` and ``evaluate()``; ``summarize`` and ``plot_panels`` shape the
-end-of-run summary. Checkpoints hold the workers' sharded engine state plus the driver's step and
-data position, so a resumed run continues the curve exactly; each carries the run's identity and
-lineage (``trainer/checkpoint/``), and a dead worker can be replaced up to ``trainer.max_restarts`` times
-(docs/fault_tolerance.md).
+A subclass calls ``setup_run``, ``setup_loader`` and ``start_workers``, and implements
+``train_step(item)`` and ``evaluate()``. Checkpoints hold the workers' engine state plus the driver's
+step and data position, so a resumed run continues the curve exactly (docs/fault_tolerance.md).
 """
 
 from __future__ import annotations
@@ -52,8 +48,7 @@ class RunDiskFullError(ConfigError):
 
 
 def exit_code(summary: dict) -> int:
-    """The entry points' exit status: 0 when the run finished, 128 + the signal's number when a
-    signal stopped it after its save (130 for SIGINT / Ctrl-C, 143 for SIGTERM)."""
+    """The entry points' exit status: 0 when finished, 128 + the signal's number after a signal's save (130, 143)."""
     name = summary.get("stop_signal")
     return 0 if name is None else 128 + signal.Signals[name].value
 
@@ -70,8 +65,7 @@ NONFINITE_WATCH_KEYS = (
 
 
 def tracking_backends(loggers) -> list[str]:
-    """``trainer.logger`` as ``Tracking`` backends: verl's ``file`` is our jsonl; the console is the
-    driver's progress display."""
+    """``trainer.logger`` as ``Tracking`` backends (verl's ``file`` is our jsonl)."""
     return list(dict.fromkeys({"file": "jsonl"}.get(name, name) for name in loggers if name != "console"))
 
 
@@ -115,8 +109,7 @@ class DriverBase:
     """The recipe's console metrics when ``trainer.console_metrics`` is null."""
 
     def __init_subclass__(cls, **kwargs) -> None:
-        """A trainer whose ``__init__`` fails (after ``setup_run`` took the run directory) releases
-        the directory at once, not when the half-built object is collected."""
+        """A trainer whose ``__init__`` fails releases the run directory at once, not at garbage collection."""
         super().__init_subclass__(**kwargs)
         init = cls.__dict__.get("__init__")
         if init is None:
@@ -136,8 +129,7 @@ class DriverBase:
 
     # ------------------------------------------------------------------ set-up
     def setup_run(self, cfg: DictConfig, *, config: RecipeConfig, model: ModelSection) -> None:
-        """Layout (world, dp, sp), run directory, tokenizer, model config and workload model of the
-        typed recipe ``config`` (``cfg``: the Hydra config it was built from)."""
+        """Layout, run directory, tokenizer, model config and workload model of the typed recipe ``config``."""
         self.cfg = cfg
         self.config = config
         self.trainer_config = trainer = config.trainer
@@ -178,8 +170,7 @@ class DriverBase:
         self._datasets_start = time.perf_counter()
 
     def setup_loader(self, train_set, *, batch_size: int, shuffle: bool) -> None:
-        """The resumable loader over ``train_set`` and the run length in steps (and the start-up
-        line of the dataset build, timed from the end of ``setup_run``)."""
+        """The resumable loader over ``train_set`` and the run length in steps."""
         t = self.trainer_config
         logger.info(
             "dataset build (%d train rows): %.1f s",
@@ -223,16 +214,13 @@ class DriverBase:
         )
 
     def cpu_workers_per_node(self) -> int | None:
-        """CPU workers of all this run's groups that compute at the same time on one node, which
-        share its cores (``RayResourcePool``); ``None``: the actor's group alone."""
+        """CPU workers of this run's groups computing at once on one node; ``None``: the actor's group alone."""
         return None
 
     @classmethod
     def train(cls, cfg: DictConfig) -> dict:
-        """Build the trainer from ``cfg``, fit, and release its workers (also on error); the summary.
-        SIGINT / SIGTERM outside the steps (start-up, resume, shut-down) end the process with one
-        line and exit code 130 / 143 (``trainer/signals.py``); a full disk anywhere is a
-        ``RunDiskFullError`` naming ``trainer.default_local_dir`` and its free space."""
+        """Build the trainer from ``cfg``, fit, and release its workers (also on error); the summary. A full
+        disk is a ``RunDiskFullError`` naming ``trainer.default_local_dir``."""
         try:
             with interrupt_handlers():
                 trainer = cls(cfg)
@@ -251,8 +239,7 @@ class DriverBase:
 
     # ------------------------------------------------------------------ subclass hooks
     def train_step(self, item) -> dict:
-        """One driver iteration on one loader item (SFT: one optimizer step; GRPO: rollout, passes and
-        ``ppo_epochs`` x mini-batches of optimizer steps); returns the step's metrics."""
+        """One driver iteration on one loader item; returns the step's metrics."""
         raise NotImplementedError
 
     def evaluate(self) -> dict:
@@ -277,8 +264,7 @@ class DriverBase:
 
     @classmethod
     def format_summary(cls, summary: dict) -> str:
-        """The end-of-run lines a user reads: steps and time, the recipe's ``summary_lines``, and
-        where the metrics and the plot are."""
+        """The end-of-run lines: steps and time, the recipe's ``summary_lines``, where the metrics and plot are."""
         lines = summary_header(summary.get("algorithm") or cls.summary_title, summary)
         lines += cls.summary_lines(summary)
         lines.append(f"metrics: {summary['metrics']}")
@@ -288,12 +274,8 @@ class DriverBase:
 
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict:
-        """Train until total steps (or a stop request); returns a summary dict.
-
-        A worker that dies (``WorkerDiedError``) ends the run unless ``trainer.max_restarts`` allows
-        a restart: the worker group is rebuilt and training continues from the lineage's newest
-        complete checkpoint, the metrics file cut back to that step.
-        """
+        """Train until total steps (or a stop request); returns a summary dict. A dead worker ends the run
+        unless ``trainer.max_restarts`` allows a restart from the lineage's newest complete checkpoint."""
         self._initial_loader_state = self.loader.state_dict()
         return self._fit(self.trainer_config)
 
@@ -363,8 +345,7 @@ class DriverBase:
         return summary
 
     def _train_with_restarts(self, tracker: Tracking, record: dict) -> int:
-        """``_train_loop``, rebuilding the workers after a ``WorkerDiedError`` up to
-        ``trainer.max_restarts`` times; returns the number of restarts."""
+        """``_train_loop``, rebuilding the workers after a ``WorkerDiedError`` up to ``trainer.max_restarts`` times."""
         restarts, max_restarts, must_restart = 0, self.trainer_config.max_restarts, False
         while True:
             try:
@@ -436,8 +417,7 @@ class DriverBase:
 
     # ------------------------------------------------------------------ state
     def _count_nonfinite(self, metrics: dict) -> None:
-        """Track non-finite steps (the engine skipped their optimizer update): the streak, and the
-        run's total as ``train/nonfinite_steps``."""
+        """Track non-finite steps: the streak, and the run's total as ``train/nonfinite_steps``."""
         bad = {k: metrics[k] for k in NONFINITE_WATCH_KEYS if k in metrics and not math.isfinite(metrics[k])}
         if bad:
             self._nonfinite_streak += 1
@@ -470,8 +450,7 @@ class DriverBase:
         )
 
     def close(self) -> None:
-        """Stop the worker processes, free their placement (the Ray cluster stays up) and release
-        the run directory."""
+        """Stop the workers, free their placement (Ray stays up) and release the run directory."""
         try:
             cluster.release_group(self.actor)
         finally:
@@ -486,8 +465,7 @@ class DriverBase:
 
     @property
     def checkpoint_group(self):
-        """What a checkpoint saves and restores: the worker group (a trainer with more groups
-        returns an object with the same save_checkpoint / load_checkpoint / hash_checkpoint_files)."""
+        """What a checkpoint saves and restores: the worker group, or an object with the same checkpoint methods."""
         return self.actor
 
     def _trainer_state(self) -> dict:
@@ -502,10 +480,8 @@ class DriverBase:
         }
 
     def save(self) -> str | None:
-        """Checkpoint workers and driver state as ``global_step_N`` (atomically); returns its path.
-        Skipped (None, a warning) after a non-finite step; retention (trainer.max_ckpt_to_keep) never
-        deletes the last checkpoint known to be finite (a finite step ran from it), since a finite
-        step's update can still leave non-finite weights that only the next step reveals."""
+        """Checkpoint as ``global_step_N`` (atomically); returns its path, or None after a non-finite step.
+        Retention never deletes the last checkpoint known to be finite."""
         if self._nonfinite_streak:
             logger.warning(
                 "checkpoint: step %d is not saved, it is non-finite (%d in a row)",
@@ -528,9 +504,7 @@ class DriverBase:
         return path
 
     def maybe_resume(self) -> None:
-        """Honour trainer.resume_mode (auto: this directory's lineage only; disable; resume_path).
-
-        See ``checkpoint.start_run`` for what each mode does with checkpoints of other runs."""
+        """Honour trainer.resume_mode (``checkpoint.start_run``)."""
         t = self.trainer_config
         self.run_identity, path = checkpoint.start_run(
             self.out_dir,
@@ -559,12 +533,10 @@ class DriverBase:
 
     # ------------------------------------------------------------------ restarts
     def prepare_workers(self) -> None:
-        """Set-up a freshly built worker group needs before a checkpoint is loaded (e.g. a warm start
-        or the reference policy); called after a restart. Nothing by default."""
+        """Set-up a fresh worker group needs before a checkpoint is loaded (also after a restart); none by default."""
 
     def restart_workers(self) -> None:
-        """Replace a broken worker group with a new one (same class, config and placement request),
-        then continue from this lineage's newest complete checkpoint (or where the lineage began)."""
+        """Replace a broken worker group and continue from this lineage's newest complete checkpoint."""
         old = self.actor
         cluster.release_group(old, broken="the old worker group")
         init = old.ray_cls_with_init
@@ -599,8 +571,7 @@ class DriverBase:
         )
 
     def _request_stop(self, signum, frame) -> None:
-        """SIGINT / SIGTERM handler: the first stops after this step (and saves), the second aborts.
-        SLURM and Kubernetes stop a job with SIGTERM and a grace period: it gets the same save."""
+        """SIGINT / SIGTERM handler: the first stops after this step (and saves), the second aborts."""
         if self._stop_requested:
             raise KeyboardInterrupt
         self._stop_requested = True

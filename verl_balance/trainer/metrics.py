@@ -14,12 +14,9 @@ ENGINE_PERF_KEYS = ("perf/mfu", "perf/tokens_per_s_per_device", PEAK_MEMORY_KEY)
 def reduce_rank_metrics(per_rank: list[dict], *, prefix: str) -> dict:
     """Driver-side view of one engine call: global figures and measured per-rank timing.
 
-    Engine metrics such as loss and grad_norm are already global (all-reduced over the mesh),
-    so DP rank 0's value is taken, under ``prefix``; compute time differs per rank and gives
-    the measured imbalance (``measured_balance_metrics``). The engine's ENGINE_PERF_KEYS keep
-    their names: MFU and tokens/s per device are the same on every rank, the peak memory is the
-    maximum over ranks.
-    """
+    Engine metrics (loss, grad_norm) are already global, so DP rank 0's is taken, under ``prefix``;
+    per-rank compute time gives the measured imbalance. ENGINE_PERF_KEYS keep their names (peak memory:
+    the maximum over ranks)."""
     out = {}
     for key, value in per_rank[0].items():
         if key in ENGINE_PERF_KEYS:
@@ -34,15 +31,13 @@ def reduce_rank_metrics(per_rank: list[dict], *, prefix: str) -> dict:
 
 
 def busy_seconds(per_rank: list[dict]) -> np.ndarray:
-    """Each rank's busy seconds of one engine call: its own compute, without the time it waited in
-    collectives for slower ranks (engine/timing.py); a rank that only waited counts 0."""
+    """Each rank's busy seconds of one engine call: its compute, not its waits in collectives."""
     return np.array([m.get("busy_seconds", 0.0) for m in per_rank], dtype=np.float64)
 
 
 def measured_balance_metrics(busy: np.ndarray) -> dict:
-    """``balance/imbalance_measured`` (max / mean over ranks of the per-rank busy seconds) and
-    ``timing_s/busy_max|mean``; nothing when no rank was busy. The one definition of the measured
-    imbalance: SFT passes one engine call's ``busy_seconds``, GRPO their sum over a step's updates."""
+    """``balance/imbalance_measured`` (max / mean of per-rank busy seconds) and ``timing_s/busy_max|mean``;
+    nothing when no rank was busy."""
     if not busy.size or busy.mean() <= 0:
         return {}
     return {
@@ -131,11 +126,8 @@ def rollout_data_metrics(
     prompt_lengths: np.ndarray,
     max_prompt_length: int,
 ) -> dict:
-    """verl's data metrics of one rollout batch (one row per response): ``critic/score/*``,
-    ``response_length/*`` (clip_ratio: the share of responses stopped by the length limit),
-    ``prompt_length/*`` (clip_ratio: the share at ``max_prompt_length``); ours where verl has none:
-    ``reward/std``, ``reward/accuracy`` (mean ``acc``, else the mean score) and ``reward/<extra>``
-    for each other finite extra the reward returned."""
+    """verl's data metrics of one rollout batch (``critic/score/*``, ``response_length/*``,
+    ``prompt_length/*``) plus ours: ``reward/std``, ``reward/accuracy`` and ``reward/<extra>``."""
     scores = np.asarray(scores, dtype=np.float64)
     prompt_lengths = np.asarray(prompt_lengths, dtype=np.float64)
     out = {
@@ -154,8 +146,7 @@ def rollout_data_metrics(
 
 
 def advantage_data_metrics(*, rewards: np.ndarray, advantages: np.ndarray, mask: np.ndarray) -> dict:
-    """verl's ``critic/rewards/*`` (per sequence: the sum of its token-level rewards) and
-    ``critic/advantages/*`` (over the loss-mask tokens) of one batch; (B, L) arrays."""
+    """verl's ``critic/rewards/*`` (per sequence) and ``critic/advantages/*`` (per loss-mask token); (B, L) arrays."""
     mask = np.asarray(mask).astype(bool)
     return {
         **_stats(REWARDS_PREFIX, np.asarray(rewards, dtype=np.float64).sum(-1)),
@@ -164,8 +155,7 @@ def advantage_data_metrics(*, rewards: np.ndarray, advantages: np.ndarray, mask:
 
 
 def throughput_metrics(*, tokens: int, step_seconds: float, num_devices: int) -> dict:
-    """verl's ``perf/total_num_tokens``, ``perf/time_per_step``, ``perf/throughput`` (per device), and
-    our ``perf/tokens_per_s`` (all devices)."""
+    """verl's ``perf/total_num_tokens``, ``time_per_step``, ``throughput`` (per device); our ``perf/tokens_per_s``."""
     return {
         TOTAL_TOKENS_KEY: float(tokens),
         TIME_PER_STEP_KEY: float(step_seconds),
@@ -178,13 +168,9 @@ def validation_metrics(
     *, scores: np.ndarray, extras: dict, sources: np.ndarray, uids: np.ndarray, response_lengths: np.ndarray
 ) -> dict:
     """Held-out metrics named as verl's ``_val_metrics_update`` names them, per data source:
-    ``val-core/<source>/<core>/mean@N`` with core = ``acc`` when the reward returns it, else
-    ``reward`` (the score); every other variable (``reward`` beside ``acc``, the reward's extras)
-    under ``val-aux/<source>/<var>/mean@N``; with N > 1 also ``.../std@N`` (val-aux). N is the
-    responses per prompt, mean@N the mean over prompts of each prompt's mean (verl's
-    ``process_validation_metrics``). verl's bootstrapped best@k/worst@k/maj@k are not computed.
-    Ours, over all sources: ``val/reward_mean`` always, ``val/acc`` when the reward returns ``acc``,
-    ``val/response_length/{mean,max,min}``."""
+    ``val-core/<source>/<acc or reward>/mean@N``, other variables under ``val-aux/<source>/<var>/mean@N``
+    (and ``std@N`` with N > 1); N = responses per prompt. Ours, over all sources: ``val/reward_mean``,
+    ``val/acc`` (when returned), ``val/response_length/{mean,max,min}``."""
     variables = {"reward": np.asarray(scores, dtype=np.float64)}
     variables.update({k: np.asarray(v, dtype=np.float64) for k, v in extras.items() if np.isfinite(v).any()})
     core = "acc" if "acc" in variables else "reward"

@@ -1,13 +1,8 @@
 """Applying a ``BalancePlan`` to a global batch: plan it, cut it into per-DP-rank chunks, and put
 the workers' per-row outputs back in the batch's row order.
 
-The balancer (``balance/``, numpy only) decides where every sample goes and which samples an
-``overlong="truncate"`` cap cuts; this module is the one place that applies those decisions to a
-``Batch``. ``merge_by_plan(split_by_plan(b, plan), plan)`` equals ``b`` (minus the samples the plan
-skipped, and with the truncated samples cut), whatever the plan's permutation.
-
-The driver never calls torch.distributed: it plans here and talks to workers through the worker
-group, which sends chunk r to every SP rank of DP rank r.
+``merge_by_plan(split_by_plan(b, plan), plan)`` equals ``b`` (minus skipped samples, truncated ones
+cut), whatever the plan's permutation. The worker group sends chunk r to every SP rank of DP rank r.
 """
 
 from __future__ import annotations
@@ -39,10 +34,8 @@ def plan_batch(
     """BalancePlan of one global batch from its ``attention_mask`` lengths.
 
     ``token_cap`` (tokens per SP rank) takes precedence over ``micro_batch_size``; ``balance=False``
-    gives the contiguous split. ``group_ids``: rows sharing an id stay on one DP rank, and also in
-    one micro-batch when ``group_scope="micro_batch"``; ``group_scope="rank"`` (GRPO's prompt
-    groups) lets a group span micro-batches, so a group may exceed one micro-batch or token cap.
-    """
+    gives the contiguous split. Rows sharing a ``group_ids`` id stay on one DP rank, and in one
+    micro-batch when ``group_scope="micro_batch"``."""
     return plan_balance(
         seq_lens=batch[ATTENTION_MASK_KEY].sum(dim=1).cpu().numpy(),
         dp_size=dp_size,
@@ -58,8 +51,7 @@ def plan_batch(
 
 
 def apply_truncation(batch: Batch, plan: BalancePlan) -> Batch:
-    """``batch`` with each sample the plan truncated (``overlong="truncate"``) cut to its planned
-    length: positions past it get attention mask 0 and every (B, L) tensor is zeroed there."""
+    """``batch`` with each truncated sample cut to its planned length (mask and every (B, L) tensor zeroed past it)."""
     if not plan.truncated:
         return batch
     mask = batch[ATTENTION_MASK_KEY].clone()
@@ -79,12 +71,8 @@ def _rank_indices(plan: BalancePlan) -> list[np.ndarray]:
 
 
 def split_by_plan(batch: Batch, plan: BalancePlan) -> list[Batch]:
-    """One Batch per DP rank holding that rank's rows in the plan's micro-batch order.
-
-    Samples the plan truncated are cut first; samples it skipped appear in no chunk. Each chunk's
-    meta gets ``MICRO_BATCH_SIZES_KEY`` (list of ints) so the worker recovers its micro-batches
-    with ``chunk.split(chunk.meta[MICRO_BATCH_SIZES_KEY])``.
-    """
+    """One Batch per DP rank holding that rank's rows in the plan's micro-batch order (truncated samples
+    cut, skipped ones absent); each chunk's meta ``MICRO_BATCH_SIZES_KEY`` gives its micro-batch sizes."""
     rank_indices = _rank_indices(plan)
     used = np.concatenate(rank_indices) if rank_indices else np.zeros(0, dtype=np.int64)
     if used.size and (used.min() < 0 or used.max() >= len(batch)):
@@ -103,11 +91,8 @@ def split_by_plan(batch: Batch, plan: BalancePlan) -> list[Batch]:
 
 
 def merge_by_plan(outputs: Batch | Sequence[Batch], plan: BalancePlan) -> Batch:
-    """Undo ``split_by_plan``: rows back in input order (ascending sample index over kept samples).
-
-    ``outputs`` is either the per-DP-rank list (rank r must have exactly the plan's rows for r, in
-    plan order) or one Batch already concatenated in DP-rank order, as a DP dispatch collects it.
-    """
+    """Undo ``split_by_plan``: rows back in input order. ``outputs``: the per-DP-rank list (plan order) or
+    one Batch concatenated in DP-rank order."""
     rank_sizes = [len(ix) for ix in _rank_indices(plan)]
     if isinstance(outputs, Batch):
         if len(outputs) != sum(rank_sizes):
@@ -127,6 +112,5 @@ def merge_by_plan(outputs: Batch | Sequence[Batch], plan: BalancePlan) -> Batch:
 
 
 def run_by_plan(batch: Batch, plan: BalancePlan, call: Callable[[list[Batch]], Batch]) -> Batch:
-    """``call(split_by_plan(batch, plan))`` (a worker-group method returning per-row outputs) with
-    its rows put back in ``batch`` order."""
+    """``call(split_by_plan(batch, plan))`` with its per-row outputs put back in ``batch`` order."""
     return merge_by_plan(call(split_by_plan(batch, plan)), plan)

@@ -1,8 +1,7 @@
 """SFT driver: dataloader -> BalancePlan per step -> actor worker group -> metrics/checkpoints.
 
-One optimizer step per global mini-batch of ``data.train_batch_size`` samples. The plan places
-every sample on a DP rank and a micro-batch; the engine normalises the loss over the whole
-mini-batch (loss contract), so the logged loss does not depend on the layout or the plan.
+One optimizer step per global mini-batch of ``data.train_batch_size`` samples; the loss contract
+makes the logged loss independent of the layout and the plan.
 """
 
 from __future__ import annotations
@@ -27,10 +26,7 @@ logger = logging.getLogger(__name__)
 
 
 def _chat_key(data) -> str | None:
-    """The key the chat-template check names when some sample of the run is read as a chat
-    (``data.messages_key``, or its default), else None. The columns of every data file are checked
-    here, before Ray starts (``chat_column``); files read as prompt/response are named in one
-    start-up line."""
+    """The key the chat-template check names when some sample is read as a chat, else None (checked before Ray)."""
     config = data.dataset_config()
     paths = list(dict.fromkeys(_listed_files(data.train_files) + _listed_files(data.val_files)))
     prompt_response = [path for path in paths if chat_column(config, path=path) is None]
@@ -53,8 +49,7 @@ def _chat_key(data) -> str | None:
 
 
 def _listed_files(files) -> list[str]:
-    """The readable data files among ``files`` (a path, a list, or null); a missing or unsupported
-    one is left to the dataset, which names it once the run directory is taken."""
+    """The readable data files among ``files``; missing or unsupported ones are left to the dataset to name."""
     listed = [] if files is None else [files] if isinstance(files, (str, os.PathLike)) else list(files)
     paths = []
     for file in listed:

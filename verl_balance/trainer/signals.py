@@ -1,16 +1,11 @@
 """SIGINT / SIGTERM in every phase of a run, with the documented exit codes (docs/fault_tolerance.md,
 'Exit codes').
 
-- During the steps the driver's own handler (``DriverBase._request_stop``) finishes the step,
-  saves and exits with 128 + the signal (130 / 143).
-- Outside them (start-up, model load, resume, shut-down) ``interrupt_handlers`` turns the signal
-  into ``RunInterrupted``, which unwinds like an error (the run directory and workers are released)
-  and ends the process with one line and the same code (130 / 143): never Ray's ``sys.exit(15)``
-  nor a ``KeyboardInterrupt`` traceback.
-- ``stop_signals_blocked`` blocks both signals in this thread while the embedded Ray cluster
-  starts: its daemons and, through them, the workers inherit the blocked mask, so a SIGTERM to the
-  whole process group (SLURM, Kubernetes, Ctrl-C in a terminal) reaches only the driver, which
-  still has its workers to save with.
+- During the steps ``DriverBase._request_stop`` finishes the step, saves and exits with 128 + signal.
+- Outside them ``interrupt_handlers`` raises ``RunInterrupted``, which releases the run directory and
+  workers and exits with one line and the same code (never Ray's ``sys.exit(15)`` nor a traceback).
+- ``stop_signals_blocked`` blocks both signals while the embedded Ray cluster starts, so its workers
+  inherit the mask and a process-group SIGTERM reaches only the driver.
 """
 
 from __future__ import annotations
@@ -26,8 +21,7 @@ entry points exit with 128 + the signal's number (``driver.exit_code``)."""
 
 
 class RunInterrupted(BaseException):
-    """SIGINT or SIGTERM outside the training steps: the run stops (a ``BaseException``, like
-    ``KeyboardInterrupt``, so no ``except Exception`` swallows it)."""
+    """SIGINT or SIGTERM outside the training steps (a ``BaseException``, so ``except Exception`` won't swallow it)."""
 
     def __init__(self, signum: int) -> None:
         self.signum = signum
@@ -49,8 +43,7 @@ def _in_main_thread() -> bool:
 
 @contextlib.contextmanager
 def interrupt_handlers() -> Iterator[None]:
-    """While active (main thread only), SIGINT / SIGTERM raise ``RunInterrupted``; the previous
-    handlers come back on exit. Handlers installed inside (the training loop's) take precedence."""
+    """While active (main thread only), SIGINT / SIGTERM raise ``RunInterrupted``; handlers installed inside win."""
     if not _in_main_thread():
         yield
         return
@@ -64,11 +57,8 @@ def interrupt_handlers() -> Iterator[None]:
 
 @contextlib.contextmanager
 def stop_signals_blocked() -> Iterator[None]:
-    """Block SIGINT / SIGTERM in this thread (so in the processes it starts meanwhile), keep the
-    handlers as they were (Ray's ``ray.init`` installs a ``sys.exit(15)`` one), then unblock: a
-    signal that arrived meanwhile is delivered to those handlers. Another thread of this process
-    may still take a process-directed signal meanwhile; Ray's handler then raises ``SystemExit(15)``,
-    which becomes ``RunInterrupted(SIGTERM)``."""
+    """Block SIGINT / SIGTERM in this thread (and the processes it starts meanwhile), keep the handlers,
+    then unblock: a signal that arrived meanwhile is delivered then."""
     if not _in_main_thread():
         yield
         return

@@ -1,6 +1,6 @@
 """Start-up checks the trainers run before Ray starts: the model and tokenizer directories
-(``models.preflight``), the Ulysses degree against the model's heads (from config.json or the
-preset) and ``trainer.device=cuda`` on a machine without a GPU, each a ConfigError naming the key."""
+(``models.preflight``), the Ulysses degree against the model's heads and ``trainer.device=cuda``
+without a GPU, each a ConfigError naming the key."""
 
 from __future__ import annotations
 
@@ -52,11 +52,8 @@ def check_layout_and_device(*, model_config, model_key: str, sp_key: str, sp_siz
 
 
 def check_warm_start(path: str, *, key: str, model_config, engine_config, sp_size: int) -> None:
-    """Before Ray: the checkpoint at ``path`` (``key``'s value; the config checked it is one of the
-    trainers' ``global_step_N`` directories) holds DCP metadata, and its saved model's names
-    and shapes, read from its DCP metadata (no tensor is read), fit the model ``model_config``
-    builds; a LoRA checkpoint (adapters only) needs ``engine_config.lora_rank``. What the metadata
-    cannot show (the LoRA adapters' base, the files' checksums) is checked when the workers load it.
+    """Before Ray: the checkpoint at ``path`` (``key``'s value) has DCP metadata whose model names and
+    shapes fit the model ``model_config`` builds (a LoRA checkpoint needs ``engine_config.lora_rank``).
     Raises WarmStartError naming the key and the first mismatches."""
     from verl_balance.engine.lora import read_base_fingerprint
     from verl_balance.engine.materialize import build_meta_model
@@ -86,8 +83,7 @@ def check_warm_start(path: str, *, key: str, model_config, engine_config, sp_siz
 
 
 def check_critic_weights(config) -> None:
-    """Before Ray: ``critic.model.path``'s weight files (a GRPO recipe with a critic of its own
-    directory), as ``check_model_files`` checks the actor's."""
+    """Before Ray: ``critic.model.path``'s weight files, checked as ``check_model_files`` checks the actor's."""
     from verl_balance.models.preflight import check_weight_files
 
     path = config.critic.model.path if config.use_critic else None

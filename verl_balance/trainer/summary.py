@@ -11,8 +11,7 @@ __all__ = ["earliest_records", "summary_header"]
 
 
 def earliest_records(metrics_path: str) -> tuple[dict, dict]:
-    """(the first training step's record, the first record with validation metrics) of a run's
-    ``metrics.jsonl``; {} where there is none."""
+    """(the first training record, the first validation record) of a run's ``metrics.jsonl``; {} where none."""
     if not os.path.exists(metrics_path):
         return {}, {}
     records = read_metrics(metrics_path)
@@ -22,8 +21,7 @@ def earliest_records(metrics_path: str) -> tuple[dict, dict]:
 
 
 def summary_header(title: str, summary: dict) -> list[str]:
-    """``==== <title> summary ====``, a line saying so when a signal stopped the run before its last
-    step, and the step count with training and start-up seconds."""
+    """``==== <title> summary ====``, a line if a signal stopped the run early, and the step count with timings."""
     lines = ["", f"==== {title} summary ===="]
     if summary.get("stop_signal"):
         total = f" of {summary['total_steps']}" if summary.get("total_steps") else ""

@@ -1,23 +1,19 @@
 """Checkpoint bookkeeping on the driver: ``global_step_N`` directories, run lineage, retention and
 the driver's own state beside the workers' sharded engine state.
 
-Import the names from here (``layout``, ``lineage``, ``save``, ``manifest``).
-
 Layout of ``trainer.default_local_dir``::
 
     .run.lock                         the live run's OS lock and its owner (run_lock.py)
-    run_lineage.json                  which lineage owns the directory now (written at run start)
+    run_lineage.json                  which lineage owns the directory now
     latest_checkpointed_iteration.txt verl's marker (informational: resume never trusts it)
-    global_step_N/                    complete checkpoints: engine shards, trainer_state.json and,
-                                      written last, checkpoint_complete.json (identity + lineage)
+    global_step_N/                    complete checkpoints; checkpoint_complete.json written last
     .staging_global_step_N/           a save in progress (renamed to global_step_N when complete)
     superseded/<time>_<lineage>/      another lineage's checkpoints and metrics, moved aside
     metrics.jsonl                     this lineage's metrics, truncated to the resumed step
 
-Guarantees: a checkpoint is visible under ``global_step_N`` only once complete (written to a
-staging directory, then renamed); a complete checkpoint is never removed before a newer one is
-complete; small state files are written to a temporary file, fsynced and renamed; ``auto`` resume
-picks the newest complete checkpoint *of the directory's lineage* and never one of another run.
+Guarantees: ``global_step_N`` appears only once complete; a complete checkpoint is never removed
+before a newer one is complete; small state files are written atomically; ``auto`` resume picks the
+newest complete checkpoint of the directory's lineage, never one of another run.
 """
 
 from verl_balance.trainer.checkpoint.layout import (

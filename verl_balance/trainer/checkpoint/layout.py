@@ -41,8 +41,7 @@ class CheckpointCorruptError(CheckpointError):
 
 
 class CheckpointUnverifiedError(CheckpointError):
-    """A checkpoint without a verified completeness record (no ``checkpoint_complete.json``, or one
-    without file checksums): refused unless ``trainer.allow_unverified_checkpoint=true``."""
+    """A checkpoint without a verified manifest: refused unless ``trainer.allow_unverified_checkpoint=true``."""
 
 
 ALLOW_UNVERIFIED_KEY = "trainer.allow_unverified_checkpoint"
@@ -57,8 +56,7 @@ class ResumeKeyChangedError(CheckpointError, ResumeConfigError):
 
 
 def read_json(path: str) -> dict | None:
-    """The JSON object in ``path``; None when missing, empty, torn, or a link (or hard-linked file):
-    a checkpoint's record or state is never read through a link planted in its place."""
+    """The JSON object in ``path``; None when missing, empty, torn, or a (hard or symbolic) link."""
     try:
         with open_nofollow(path, "r") as f:
             value = json.load(f)
@@ -93,8 +91,7 @@ def is_complete(path: str) -> bool:
 
 
 def _recover_interrupted_renames(root: str) -> None:
-    """Finish a save stopped between its renames: a complete staging (or retiring) directory
-    whose ``global_step_N`` is missing is moved into place; a half-deleted pruned one is removed."""
+    """Finish a save stopped between its renames (complete staging moved into place, half-pruned removed)."""
     for name in os.listdir(root):
         if name.startswith(RETIRING_PREFIX + "pruned_"):  # a deletion stopped half-way: finish it
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
@@ -132,10 +129,7 @@ def scan_checkpoints(root: str) -> tuple[list[CheckpointInfo], list[str]]:
 
 
 def latest_checkpoint(root: str, *, lineage_id: str | None = None) -> str | None:
-    """The newest complete checkpoint under ``root`` (of ``lineage_id`` when given).
-
-    Incomplete directories (a save that was stopped) are skipped with a warning, so an older
-    complete checkpoint is used rather than none."""
+    """The newest complete checkpoint under ``root`` (of ``lineage_id`` if given); incomplete ones skipped, warned."""
     complete, incomplete = scan_checkpoints(root)
     if lineage_id is not None:
         complete = [c for c in complete if c.lineage_id == lineage_id]

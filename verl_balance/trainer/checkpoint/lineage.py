@@ -41,12 +41,7 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class RunIdentity:
-    """Who wrote a checkpoint: this process's run, the lineage it continues and where it started.
-
-    A lineage is a chain of runs that resumed one another (``auto``); ``disable`` and
-    ``resume_path`` start a new one. ``branch_checkpoint`` is the checkpoint the lineage started
-    from (``resume_path``), so a lineage killed before its first save restarts from there.
-    """
+    """Who wrote a checkpoint: this run, its lineage and the checkpoint the lineage branched from."""
 
     run_id: str
     lineage_id: str
@@ -72,8 +67,7 @@ def flatten_config(config: dict, prefix: str = "") -> dict:
 
 
 def trajectory_config(config: dict, *, policies: Mapping[str, str] | None = None) -> dict:
-    """The flattened config restricted to the keys a resume may not change (``on_resume`` policy
-    refuse; ``policies`` from ``resume_policy.resume_policies``, default the SFT recipe's)."""
+    """The flattened config restricted to the keys with ``on_resume`` policy refuse."""
     policies = policies if policies is not None else resume_policies(SFTConfig)
     return {k: v for k, v in flatten_config(config).items() if policy_of(k, policies) == REFUSE}
 
@@ -88,8 +82,7 @@ _LINEAGE_KEYS = ("lineage_id", "run_id", "start_step")
 
 
 def read_lineage(root: str) -> dict | None:
-    """The directory's ``run_lineage.json``; None when absent. LineageFileError naming the file and
-    what is wrong when it is present but unreadable, not a JSON object, or lacks its keys."""
+    """The directory's ``run_lineage.json`` (None when absent); LineageFileError when present but broken."""
     path = os.path.join(root, LINEAGE_FILE)
     if not os.path.lexists(path):
         return None
@@ -113,11 +106,8 @@ def read_lineage(root: str) -> dict | None:
 
 
 def check_resume_config(lineage: dict, config: dict, *, policies: Mapping[str, str]) -> None:
-    """Refuse a resume that changes a key with policy refuse (ResumeKeyChangedError naming each such
-    key, its old and new value); log the applied changes (they take effect from the next step).
-    Keys absent from either side are not compared: one added by a newer version after the lineage
-    started, or one a newer version folded into another spelling (``model.partial_pretrain`` is now
-    ``model.path``'s verl alias, compared as ``model.path``)."""
+    """Refuse a resume that changes a refuse-policy key (ResumeKeyChangedError naming each, old and new
+    value); log applied changes. Keys absent from either side are not compared."""
     old, new = flatten_config(lineage.get("config") or {}), flatten_config(config)
     changed = [k for k in changed_keys(old, new) if k in old and k in new]
     refused = [k for k in changed if policy_of(k, policies) == REFUSE]
@@ -140,8 +130,7 @@ def check_resume_config(lineage: dict, config: dict, *, policies: Mapping[str, s
 
 @dataclasses.dataclass(frozen=True)
 class _RunStart:
-    """What each resume mode reads: the directory and its scan, this run's id, the lineage record
-    (None when absent, or broken outside ``auto``) and how to check a config change."""
+    """What each resume mode reads: the directory scan, this run's id, the lineage record, the config check."""
 
     root: str
     run_id: str
@@ -160,9 +149,8 @@ _Start = tuple[str | None, str, str | None]
 
 
 def _start_auto(run: _RunStart) -> _Start:
-    """``auto``: continue the recorded lineage from its newest verified checkpoint (or, with none
-    yet, from the checkpoint it branched from); checkpoints of other runs are never picked. Without
-    a lineage record, a new lineage, refused when the directory holds checkpoints (of an unknown run)."""
+    """``auto``: continue the recorded lineage from its newest verified checkpoint (or its branch point);
+    without a record, a new lineage, refused when the directory holds checkpoints of an unknown run."""
     if run.lineage is None:
         return _start_without_lineage(run)
     lineage_id = run.lineage["lineage_id"]
@@ -184,8 +172,7 @@ def _start_auto(run: _RunStart) -> _Start:
 
 
 def _start_without_lineage(run: _RunStart) -> _Start:
-    """``auto`` in a directory without ``run_lineage.json``: an error when it holds checkpoints
-    (say ``resume_path`` or ``disable``); an unknown run's metrics are moved aside."""
+    """``auto`` without ``run_lineage.json``: an error when the directory holds checkpoints."""
     foreign = [c.path for c in run.complete] + [p for p in run.incomplete if STEP_DIR.match(os.path.basename(p))]
     if foreign:
         raise CheckpointError(
@@ -201,8 +188,7 @@ def _start_without_lineage(run: _RunStart) -> _Start:
 
 
 def _start_disabled(run: _RunStart) -> _Start:
-    """``disable``: a new lineage from step 0; the directory's checkpoints, lineage record and
-    metrics are moved to ``superseded/`` (nothing is deleted)."""
+    """``disable``: a new lineage from step 0; the directory's old contents move to ``superseded/``."""
     names = [os.path.basename(c.path) for c in run.complete] + [os.path.basename(p) for p in run.incomplete]
     names += [LINEAGE_FILE, METRICS_FILE, LATEST_FILE]
     moved = move_aside(run.root, names, label=(run.lineage or {}).get("lineage_id", "unknown"))
@@ -216,9 +202,7 @@ def _start_disabled(run: _RunStart) -> _Start:
 
 
 def _start_from_path(run: _RunStart) -> _Start:
-    """``resume_path``: a new lineage branching from the verified ``resume_from_path`` (corrupt: an
-    error naming the file); this directory's checkpoints past its step (another branch's future)
-    are moved to ``superseded/``."""
+    """``resume_path``: a new lineage from the verified ``resume_from_path``; later ones move to ``superseded/``."""
     if not run.resume_from_path:
         raise ConfigError("trainer.resume_mode=resume_path needs trainer.resume_from_path")
     load_path = os.path.abspath(run.resume_from_path)
@@ -261,20 +245,11 @@ def start_run(
 ) -> tuple[RunIdentity, str | None]:
     """Decide this run's lineage and the checkpoint to load (None: start from the beginning).
 
-    ``resume_mode`` picks ``_start_auto`` (continue this directory's lineage), ``_start_disabled``
-    (a new lineage from step 0, the old one moved to ``superseded/``, nothing deleted) or
-    ``_start_from_path`` (a new lineage branching from ``resume_from_path``). The checkpoint to
-    load is verified against its checksums first (``verify_checkpoint``, hashing with ``hasher``);
-    one without a manifest is refused unless ``allow_unverified``.
-
-    ``auto`` compares ``config`` with the lineage's recorded config by the ``on_resume`` policies
-    of ``schema`` (the recipe's dataclass, default SFTConfig; see resume_policy.py): a changed
-    refused key is an error, applied keys are logged. A ``run_lineage.json`` that is present but
-    broken is an error in ``auto`` (LineageFileError) and moved aside by ``disable``.
-
-    Writes the new ``run_lineage.json`` (atomically) and makes ``metrics.jsonl`` hold only this
-    lineage's records up to the start step.
-    """
+    ``auto`` continues the directory's lineage, refusing changed keys by ``schema``'s ``on_resume``
+    policies (resume_policy.py); ``disable`` starts a new lineage, moving the old one to ``superseded/``;
+    ``resume_path`` branches from ``resume_from_path``. The checkpoint is verified against its manifest
+    first (unverified only with ``allow_unverified``). A broken ``run_lineage.json`` is LineageFileError
+    in ``auto``. Writes ``run_lineage.json`` atomically and cuts ``metrics.jsonl`` to the start step."""
     if resume_mode not in RESUME_MODES:
         raise ConfigError(f"trainer.resume_mode={resume_mode!r} is not valid; expected one of {list(RESUME_MODES)}")
     os.makedirs(root, exist_ok=True)

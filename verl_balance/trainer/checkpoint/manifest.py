@@ -23,8 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 def group_hasher(group) -> checksums.Hasher:
-    """A ``Hasher`` that splits the hashing over the worker group's ranks (``hash_checkpoint_files``),
-    or hashes in this process for a group without that method."""
+    """A ``Hasher`` split over the worker group's ranks, or in-process for a group without that method."""
     method = getattr(group, "hash_checkpoint_files", None)
     if method is None:
         return checksums.local_hasher
@@ -39,8 +38,7 @@ def group_hasher(group) -> checksums.Hasher:
 
 
 def write_complete_record(path: str, record: dict, *, hasher: checksums.Hasher = checksums.local_hasher) -> None:
-    """Write ``path/checkpoint_complete.json`` (last: it marks the checkpoint complete) holding
-    ``record`` plus the size and xxh3_128 checksum of every other file under ``path``."""
+    """Write ``path/checkpoint_complete.json`` last: ``record`` plus every other file's size and xxh3_128."""
     manifest = checksums.build_manifest(path, hasher=hasher)
     atomic_write_json(
         os.path.join(path, COMPLETE_FILE),
@@ -51,14 +49,10 @@ def write_complete_record(path: str, record: dict, *, hasher: checksums.Hasher =
 def verify_checkpoint(
     path: str, *, hasher: checksums.Hasher = checksums.local_hasher, allow_unverified: bool = False
 ) -> None:
-    """Check the files of the complete checkpoint ``path`` against its manifest before anything
-    loads them; raises ``CheckpointCorruptError`` naming each missing, truncated or altered file.
-
-    A checkpoint without a manifest (no ``checkpoint_complete.json``: a save stopped while hashing,
-    or a copy; or a record without checksums, written by an older version) is refused with
-    ``CheckpointUnverifiedError``; with ``allow_unverified`` (``trainer.allow_unverified_checkpoint``)
-    it is loaded *unverified* (a warning): only its DCP shards' lengths are checked against their
-    ``.metadata``."""
+    """Check the complete checkpoint ``path`` against its manifest before anything loads it; raises
+    ``CheckpointCorruptError`` naming each missing, truncated or altered file, and
+    ``CheckpointUnverifiedError`` for one without a manifest unless ``allow_unverified`` (then only the
+    DCP shards' lengths are checked, with a warning)."""
     record = read_json(os.path.join(path, COMPLETE_FILE))
     manifest = (record or {}).get(checksums.MANIFEST_KEY)
     if manifest is None:
@@ -71,8 +65,7 @@ def verify_checkpoint(
 
 
 def _check_unverified(path: str, *, record: dict | None, allow_unverified: bool) -> None:
-    """Refuse the manifest-less checkpoint ``path`` (unless ``allow_unverified``: then check what can
-    be checked without checksums and warn)."""
+    """Refuse the manifest-less checkpoint ``path`` unless ``allow_unverified`` (then check lengths and warn)."""
     what = (
         f"no readable {COMPLETE_FILE} (a save was stopped before it was sealed, or the directory was not "
         "written by the trainer)"
@@ -93,10 +86,8 @@ def _check_unverified(path: str, *, record: dict | None, allow_unverified: bool)
 def newest_verified_checkpoint(
     root: str, *, lineage_id: str, hasher: checksums.Hasher = checksums.local_hasher, allow_unverified: bool = False
 ) -> str | None:
-    """The newest complete checkpoint of ``lineage_id`` under ``root`` whose files verify.
-
-    A corrupt one is moved to ``superseded/<time>_corrupt_global_step_N`` (never deleted) with a
-    warning naming the bad files, and the next older one of the lineage is tried."""
+    """The newest complete checkpoint of ``lineage_id`` under ``root`` whose files verify; a corrupt one is
+    moved to ``superseded/<time>_corrupt_global_step_N`` (never deleted) and the next older one tried."""
     newest = latest_checkpoint(root, lineage_id=lineage_id)  # warns about incomplete directories
     if newest is None:
         return None

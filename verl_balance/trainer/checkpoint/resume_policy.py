@@ -1,20 +1,13 @@
 """What a resumed run may change: each config key's ``on_resume`` policy, read from the field
-metadata of the recipe's dataclass schema (the single source; docs/fault_tolerance.md's table is
-generated from it and checked by a test).
+metadata of the recipe's dataclass schema (docs/fault_tolerance.md's table is generated from it).
 
-Policies:
+- ``apply``: steers the run but not the meaning of the saved state (learning rate, run length,
+  cadences); a new value is used from the next step on.
+- ``layout``: parallel layout and micro-batching; the loss contract makes the curve independent of them.
+- ``refuse`` (every key without metadata, and keys the schema does not declare): a new value fails
+  naming the key, the old and the new value.
 
-- ``apply``: the key steers the run but not the meaning of the saved state (learning rate and
-  schedule, run length, checkpoint and logging cadence, ...). A resume with a new value uses it
-  from the next step on (the engine rebuilds the learning rate from the new ``optim`` section).
-- ``layout``: parallel layout and micro-batching; the loss contract makes the curve independent
-  of them, so they may change freely.
-- ``refuse`` (every key without metadata): the model, the data, seeds, the loss... A resume with a
-  new value fails naming the key, the old and the new value.
-
-A field declares its policy with ``field(default=..., metadata=APPLY_ON_RESUME)`` (or
-``LAYOUT_ON_RESUME``); a policy on a section field covers every key under it. Keys the schema does
-not declare (the inside of a free-form dict, a key of an older version) are refused.
+A policy on a section field covers every key under it.
 """
 
 from __future__ import annotations
@@ -46,8 +39,7 @@ class ResumeConfigError(ValueError):
 
 
 def resume_policies(schema: type, prefix: str = "") -> dict[str, str]:
-    """``{dotted key: policy}`` of every field of ``schema`` (a dataclass) and its nested sections;
-    a section with its own policy is one entry covering its subtree."""
+    """``{dotted key: policy}`` of every field of ``schema``; a section with its own policy is one entry."""
     out: dict[str, str] = {}
     for f in dataclasses.fields(schema):
         key = prefix + f.name
@@ -92,8 +84,7 @@ def changed_keys(old: Mapping, new: Mapping) -> list[str]:
 
 
 def policy_table(schemas: Mapping[str, type]) -> str:
-    """The markdown table of docs/fault_tolerance.md: every key that may change on resume, per
-    recipe (``{"sft": SFTConfig, ...}``); every other key is refused."""
+    """The markdown table of docs/fault_tolerance.md: per recipe, every key that may change on resume."""
     rows: dict[str, dict[str, str]] = {}
     for recipe, schema in schemas.items():
         for key, policy in resume_policies(schema).items():

@@ -1,11 +1,9 @@
 """One live run per ``trainer.default_local_dir``: an OS file lock held for the run's life.
 
-The lock is ``flock`` on ``<dir>/.run.lock``: the kernel releases it when the holding process
-exits or dies (SIGKILL included), so a lock file left behind by a dead run never blocks the next
-one. The holder writes its host, pid and start time into the file, for the message a second run
-gets. Taken before anything in the directory is read or written (lineage, checkpoints, metrics,
-generated data) and released when the trainer closes. A symbolic link planted at ``.run.lock`` is
-refused (``O_NOFOLLOW``), so the owner record never overwrites the file it points to.
+``flock`` on ``<dir>/.run.lock``: the kernel releases it when the holder exits or dies, so a stale
+file never blocks the next run. The file records the holder's host, pid and start time for the
+second run's message. Taken before anything in the directory is read or written; a symlink at
+``.run.lock`` is refused (``O_NOFOLLOW``).
 """
 
 from __future__ import annotations
@@ -61,8 +59,7 @@ def _owner_text(fd: int) -> str:
 
 
 def acquire_run_lock(root: str, *, key: str = "trainer.default_local_dir") -> RunLock:
-    """Lock ``root`` (created if missing) for this process; RunDirectoryBusyError naming ``key``,
-    the directory and the owner when another live run holds it. Never waits."""
+    """Lock ``root`` for this process without waiting; RunDirectoryBusyError naming ``key`` and the owner if held."""
     os.makedirs(root, exist_ok=True)
     path = os.path.join(root, LOCK_FILE)
     fd = open_nofollow_fd(path, "r+")  # a planted link is refused (UnsafePathError naming it); not inherited

@@ -86,11 +86,9 @@ def save_trainer_checkpoint(
 ) -> str:
     """Checkpoint workers and driver state as ``root/global_step_{step}``; returns its path.
 
-    Workers write their shards into a staging directory; the driver adds ``trainer_state.json``
-    and, last, ``checkpoint_complete.json``, then renames the directory into place. A stop at any
-    point leaves the previous complete checkpoints untouched. Afterwards checkpoints of this
-    lineage beyond the newest ``max_to_keep`` are deleted, except ``protect``.
-    """
+    Written in a staging directory (``checkpoint_complete.json`` last) and renamed into place, so a stop
+    at any point leaves the previous complete checkpoints untouched. Then deletes this lineage's
+    checkpoints beyond the newest ``max_to_keep``, except ``protect``."""
     final = checkpoint_dir(root, step)
     staging = os.path.join(root, STAGING_PREFIX + os.path.basename(final))
     complete, _ = scan_checkpoints(root)
@@ -123,8 +121,7 @@ def save_trainer_checkpoint(
 
 
 def _raise_save_error(err: Exception, *, root: str, staging: str, step: int, needed: int | None) -> NoReturn:
-    """Re-raise a failed save: a full disk (staging removed) or a read-only directory as one
-    ``CheckpointError`` naming the fix, anything else as it is."""
+    """Re-raise a failed save: a full disk or read-only directory as one ``CheckpointError`` naming the fix."""
     if is_disk_full(err):  # no partial checkpoint is left filling the disk
         _release_frames(err)  # a writer held by the failed frames closes its file now (its space is freed)
         shutil.rmtree(staging, ignore_errors=True)
@@ -139,8 +136,7 @@ def _raise_save_error(err: Exception, *, root: str, staging: str, step: int, nee
 
 
 def _move_into_place(staging: str, final: str, *, root: str) -> None:
-    """Rename ``staging`` to ``final``; an existing ``final`` (same step) stays complete until the
-    new one is in place."""
+    """Rename ``staging`` to ``final``; an existing ``final`` stays complete until the new one is in place."""
     if os.path.exists(final):
         retiring = os.path.join(root, RETIRING_PREFIX + os.path.basename(final))
         shutil.rmtree(retiring, ignore_errors=True)
@@ -152,10 +148,8 @@ def _move_into_place(staging: str, final: str, *, root: str) -> None:
 
 
 def prune_checkpoints(root: str, *, lineage_id: str, keep: int, protect: str | None = None) -> list[str]:
-    """Delete this lineage's complete checkpoints except the newest ``keep`` and ``protect`` (the
-    trainer's last checkpoint known to be finite); returns the deleted paths.
-
-    Other lineages' checkpoints (and incomplete directories) are never touched."""
+    """Delete this lineage's complete checkpoints except the newest ``keep`` and ``protect``; returns the
+    deleted paths. Other lineages and incomplete directories are never touched."""
     assert keep >= 1, keep
     own = [c for c in scan_checkpoints(root)[0] if c.lineage_id == lineage_id]
     protected = os.path.abspath(protect) if protect else None

@@ -1,9 +1,8 @@
 """Typed configs of the Hydra recipes: the names users import (``SFTConfig``, ``ConfigError``,
-``validate_sft``, ``register_schemas``...); the modules by role are listed in docs/design.md ("Layers").
+``validate_sft``, ``register_schemas``...).
 
-The YAML files in ``config/`` fill the schemas with the recipe's values. The merged config is typed
-by the schema and open to undeclared keys until ``RecipeConfig.from_hydra`` translates verl's
-spellings (``verl_keys``) and refuses the rest. Key names follow verl's wherever the concept is the same.
+The merged config is open to undeclared keys until ``RecipeConfig.from_hydra`` translates verl's
+spellings (``verl_keys``) and refuses the rest.
 """
 
 from __future__ import annotations

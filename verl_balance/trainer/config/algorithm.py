@@ -1,13 +1,11 @@
 """verl's RL-algorithm keys of the GRPO recipe: ``algorithm.*`` and ``actor_rollout_ref.actor.policy_loss.*``,
-with verl's names, defaults and meanings (``config.grpo`` nests them).
+with verl's names, defaults and meanings.
 
 Invariants:
 - ``algorithm.adv_estimator`` is a name of ``ADV_ESTIMATOR_REGISTRY`` whose every input the trainer
   supplies (``SUPPLIED_INPUTS``); any other fails at start-up naming the key and the missing input.
-- ``policy_loss.loss_mode`` is one the engine runs layout-invariantly (``ENGINE_LOSS_MODES``); clip_cov /
-  kl_cov select over the whole mini-batch, where verl selects per micro-batch.
-- DAPO's dynamic sampling (``filter_groups``) runs in the synchronous trainer only (``GRPOConfig`` refuses
-  it with an async trainer mode).
+- ``policy_loss.loss_mode`` is one of ``ENGINE_LOSS_MODES``; clip_cov / kl_cov select over the whole
+  mini-batch, where verl selects per micro-batch.
 - A feature not run here (``use_pf_ppo``) is refused naming the key, never ignored.
 """
 
@@ -33,10 +31,9 @@ SUPPLIED_INPUTS = (
     OLD_LOG_PROBS_KEY,
     SUM_PI_SQUARED_KEY,
 )
-"""``AdvantageInputs`` fields the GRPO trainer supplies: the prompt uid of each row, the critic's values
-(gae), the greedy baseline rollout's reward (remax), the reward function's extra fields (gdpo), and the
-old log-prob pass's log-probs and sum over the vocabulary of pi^2 (the optimal-token baselines: the
-pass then runs before the advantages)."""
+"""``AdvantageInputs`` fields the GRPO trainer supplies (uid, critic values, greedy baseline reward, reward
+extras, old log-probs and sum of pi^2).
+"""
 ENGINE_LOSS_MODES = (
     "vanilla",
     "sapo",
@@ -51,11 +48,9 @@ ENGINE_LOSS_MODES = (
     "kl_cov",
     "bypass_mode",
 )
-"""Loss modes the engine runs layout-invariantly: per-token ones, gspo / geo_mean whose per-sequence
-means are reduced over the SP group (``TrainEngine.sequence_sum``, ``loss_modes.ModeLoss``),
-clip_cov / kl_cov whose covariance selection is over the whole mini-batch (``algorithms/batch_selection.py``;
-verl selects per micro-batch), and bypass_mode (sequence IS weights and rejection from SP-group sums,
-``rollout_is_batch_normalize`` over the whole mini-batch)."""
+"""Loss modes the engine runs layout-invariantly (per-sequence means reduced over the SP group,
+covariance selection and bypass_mode normalisation over the whole mini-batch).
+"""
 NOT_YET = "main_grpo does not run it"
 
 
@@ -94,8 +89,7 @@ class FilterGroupsSection:
     metric: str = "reward"
     """The per-response metric a group must vary in."""
     max_num_gen_batches: int = 0
-    """Most generation batches per step (0 = no limit). verl's ``max_inflight_gen_batches`` is accepted
-    with no effect (trainer/config/verl_keys.py): batches are generated one at a time."""
+    """Most generation batches per step (0 = no limit); batches are generated one at a time."""
 
     def __post_init__(self) -> None:
         if self.enable and not str(self.metric).strip():
@@ -110,8 +104,7 @@ class AlgorithmSection(AdvantageKeys):
     adv_estimator: str = "grpo"
     """One of algorithms.ADV_ESTIMATOR_REGISTRY (verl's 14 estimators and drgrpo)."""
     use_kl_in_reward: bool = False
-    """Subtract kl_ctrl's beta x KL(old policy || reference) per token from the rewards before the
-    advantages (verl's apply_kl_penalty; runs the reference policy)."""
+    """Subtract beta x KL(old || ref) per token from the rewards before the advantages (verl's apply_kl_penalty)."""
     kl_penalty: str = "kl"
     """KL estimator of the in-reward penalty: kl/k1, abs, mse/k2, low_var_kl/k3 (a '+' suffix is accepted)."""
     kl_ctrl: KLCtrlSection = field(default_factory=KLCtrlSection)
@@ -119,9 +112,8 @@ class AlgorithmSection(AdvantageKeys):
     filter_groups: FilterGroupsSection = field(default_factory=FilterGroupsSection)
     """DAPO's dynamic sampling: groups whose metric is constant are dropped and more batches generated."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
-    """verl's rollout correction: IS weights and rejection from the rollout's own log-probs (decoupled
-    mode), or bypass_mode (the rollout's log-probs are the old ones; the policy loss is loss_mode=bypass_mode
-    with these keys)."""
+    """verl's rollout correction: IS weights and rejection from the rollout's log-probs (decoupled), or
+    bypass_mode (the rollout's log-probs are the old ones)."""
     use_pf_ppo: bool = False
     """verl's prioritized-filtering PPO (refused when true: main_grpo does not run it)."""
     pf_ppo: dict = field(default_factory=lambda: {"reweight_method": "pow", "weight_pow": 2.0})
@@ -172,14 +164,12 @@ class AlgorithmSection(AdvantageKeys):
 
     @property
     def needs_sum_pi_squared(self) -> bool:
-        """The optimal-token baselines read the old log-prob pass's sum over the vocabulary of pi^2
-        (verl's actor.calculate_sum_pi_squared, set here by the estimator)."""
+        """The optimal-token baselines read the old log-prob pass's sum over the vocabulary of pi^2."""
         return SUM_PI_SQUARED_KEY in required_inputs(self.adv_estimator, self.advantage_params())
 
     @property
     def needs_old_log_probs_before_advantages(self) -> bool:
-        """KL in the reward, the decoupled rollout correction and the optimal-token baselines read the
-        old log-probs on the driver."""
+        """KL in the reward, the decoupled rollout correction and optimal-token baselines read old log-probs early."""
         return self.use_kl_in_reward or self.corrects_rollout or self.needs_sum_pi_squared
 
     def advantage_params(self) -> AdvantageParams:
@@ -203,11 +193,8 @@ def supported_estimators() -> list[str]:
 
 @dataclass
 class PolicyLossSection(LossModeKeys):
-    """verl's ``actor_rollout_ref.actor.policy_loss`` (verl's names and defaults); ``loss_mode`` must be
-    one of ENGINE_LOSS_MODES. ``loss_mode=bypass_mode`` reads ``policy_loss.rollout_correction.*`` and, as
-    in verl, takes the old log-probs the trainer has (the recomputed ones); with
-    ``algorithm.rollout_correction.bypass_mode=true`` they are the rollout's and the algorithm's keys
-    replace these (``GRPOConfig.loss_mode_config``)."""
+    """verl's ``actor_rollout_ref.actor.policy_loss`` (verl's names and defaults); ``loss_mode`` must be one of
+    ENGINE_LOSS_MODES. ``algorithm.rollout_correction.bypass_mode=true`` replaces these keys with the algorithm's."""
 
     def __post_init__(self) -> None:
         check_choice("loss_mode", self.loss_mode, tuple(LOSS_MODE_REGISTRY))
@@ -230,9 +217,8 @@ class ActorAlgorithmKeys:
     """sapo: gate temperature for non-positive advantages."""
 
     def loss_mode_config(self, *, bypass: RolloutCorrectionConfig | None = None) -> LossModeConfig:
-        """The loss mode's own config, as the workers take it (errors name the policy_loss key). ``bypass``:
-        ``algorithm.rollout_correction`` with bypass_mode=true, which (verl's apply_bypass_mode) makes the
-        mode bypass_mode and its ``rollout_correction`` these keys."""
+        """The loss mode's config as the workers take it (errors name the policy_loss key); ``bypass``: the
+        algorithm's rollout correction, which makes the mode bypass_mode (verl's apply_bypass_mode)."""
         p = self.policy_loss
         values: dict[str, Any] = {f.name: getattr(p, f.name) for f in fields(LossModeKeys)}
         if bypass is not None:

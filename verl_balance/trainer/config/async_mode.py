@@ -1,15 +1,12 @@
 """verl's ``trainer.v1`` keys (the trainer mode and the off-policy sampler) and their checks.
 
-``trainer.v1.trainer_mode``: ``sync`` (default, ``GRPOTrainer``; the async keys are not read);
-``separate_async`` (``AsyncGRPOTrainer`` with a rollout worker group of
-``actor_rollout_ref.rollout.nnodes x n_gpus_per_node`` workers on its own pool, generating batch k+1
-while the actor trains on batch k); ``colocate_async`` (the same trainer generating on the actor
-workers' colocated rollout, ``colocate_async.num_warmup_batches`` ahead).
+``trainer.v1.trainer_mode``: ``sync`` (default, ``GRPOTrainer``); ``separate_async``
+(``AsyncGRPOTrainer`` with its own rollout pool of ``rollout.nnodes x n_gpus_per_node`` workers,
+generating batch k+1 while the actor trains on batch k); ``colocate_async`` (generating on the actor
+workers' rollout, ``colocate_async.num_warmup_batches`` ahead).
 
-As in verl, ``separate_async`` needs ``data.train_batch_size = parameter_sync_step x
-ppo_mini_batch_size``. Left unset, ``parameter_sync_step`` = train_batch_size / ppo_mini_batch_size
-and the rollout pool = ``DEFAULT_ROLLOUT_NNODES`` node of ``rollout.n_gpus_per_node`` workers
-(0: trainer.n_gpus_per_node), each named in a start-up line.
+``separate_async`` needs ``data.train_batch_size = parameter_sync_step x ppo_mini_batch_size``
+(verl's rule); unset values are derived and named in a start-up line.
 """
 
 from __future__ import annotations
@@ -46,12 +43,10 @@ class SeparateAsyncSection:
     """verl's ``trainer.v1.separate_async``."""
 
     num_warmup_batches: int = 1
-    """Batches in flight ahead of training: batch k is generated with the weights of step
-    max(k - num_warmup_batches, 0) (1 = one-step off-policy)."""
+    """Batches in flight ahead of training: batch k uses the weights of step max(k - num_warmup_batches, 0)."""
     parameter_sync_step: Optional[int] = None
-    """Optimizer steps between two weight syncs actor -> rollout; verl requires
-    data.train_batch_size = parameter_sync_step x actor.ppo_mini_batch_size. null = that quotient,
-    derived and named in a start-up line."""
+    """Optimizer steps between two weight syncs actor -> rollout; data.train_batch_size must equal
+    parameter_sync_step x actor.ppo_mini_batch_size. null = that quotient."""
 
     def __post_init__(self) -> None:
         check_positive("num_warmup_batches", self.num_warmup_batches)
@@ -66,8 +61,7 @@ class SamplerSection:
     max_off_policy_threshold: int = 8
     """Most policy versions between the weights that generated a sample and the weights it trains."""
     max_off_policy_strategy: str = "drop"
-    """drop: prompt groups older than the threshold are not trained on (logged as dropped);
-    wait: generation waits so that no batch gets older than the threshold."""
+    """drop: groups older than the threshold are not trained on; wait: generation waits so none gets older."""
 
     def __post_init__(self) -> None:
         check_positive("max_off_policy_threshold", self.max_off_policy_threshold)
@@ -92,8 +86,7 @@ class V1Section:
 
     @property
     def lookahead(self) -> int:
-        """Batches generated ahead of the one being trained: ``num_warmup_batches``, and under
-        ``wait`` never more than ``max_off_policy_threshold`` (so nothing gets older than it)."""
+        """Batches generated ahead: ``num_warmup_batches``, capped at ``max_off_policy_threshold`` under ``wait``."""
         mode = self.colocate_async if self.trainer_mode == "colocate_async" else self.separate_async
         ahead = mode.num_warmup_batches
         if self.sampler.max_off_policy_strategy == "wait":
@@ -133,8 +126,7 @@ def _default_rollout_pool(config) -> None:
 
 
 def _derive_sync_step(config) -> None:
-    """parameter_sync_step unset -> data.train_batch_size / actor.ppo_mini_batch_size (which the
-    batch-size checks made a whole number), named once."""
+    """parameter_sync_step unset -> data.train_batch_size / actor.ppo_mini_batch_size, named once."""
     actor, batch = config.actor_rollout_ref.actor, config.data.train_batch_size
     section = config.trainer.v1.separate_async
     section.parameter_sync_step = max(batch // actor.ppo_mini_batch_size, 1)

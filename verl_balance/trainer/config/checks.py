@@ -1,8 +1,7 @@
 """Validation helpers of the recipe configs: ``ConfigError`` and the checks that name the user's key.
 
-Each check raises ``ConfigError`` naming the key (as the caller spells it: a section's own field
-name inside ``__post_init__``, which ``typed.to_typed`` writes out in full, or a full dotted
-key in the cross-section checks) and what would be valid.
+Each check raises ``ConfigError`` naming the key (a section's own field name inside
+``__post_init__``, written out in full by ``typed.to_typed``) and what would be valid.
 """
 
 from __future__ import annotations
@@ -37,9 +36,7 @@ class ConfigError(ValueError):
 
 
 def did_you_mean(name, choices) -> str:
-    """`` (did you mean 'x'?)`` for the near misses of ``name`` among ``choices``: a key of another
-    section with the same last part, a near last part in the same section, a near full key; ""
-    when none is near."""
+    """`` (did you mean 'x'?)`` for the near misses of ``name`` among ``choices``; "" when none is near."""
     choices, name = [str(c) for c in choices], str(name)
     section, _, leaf = name.rpartition(".")
     near = []
@@ -127,17 +124,12 @@ def check_layout(*, sp_size: int, world_size: int, sp_key: str) -> int:
 
 
 MAX_CONFIG_MAGNITUDE = 1e9
-"""The largest magnitude a declared float key may hold: beyond it no setting here is meaningful (a
-timeout of 31 years; a learning rate, coefficient or temperature far past any that trains), and
-values near 1e308 overflow on first use (a timeout's clock, a loss term, an update)."""
+"""The largest magnitude a declared float key may hold (values near 1e308 overflow on first use)."""
 
 
 def check_finite_values(value, key: str = "", *, declared: bool = True) -> None:
-    """Raise ConfigError naming the first key (dotted, list index as ``[i]``) under ``value`` (a
-    dataclass, dict, list or number) that holds inf or nan: no setting is meaningful at infinity,
-    and e.g. optim.lr=inf would train on NaN. A declared float key (a dataclass field, or an item
-    of a list field) must also lie within +-MAX_CONFIG_MAGNITUDE; a free dict's values (e.g.
-    ray_init's byte counts) are the user's own and only need to be finite."""
+    """Raise ConfigError naming the first key (dotted, list index ``[i]``) under ``value`` that holds inf or nan,
+    or a declared float beyond +-MAX_CONFIG_MAGNITUDE (free dicts' values need only be finite)."""
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"{key}={value} is not a finite number; give a finite value")
     if isinstance(value, float) and declared and abs(value) > MAX_CONFIG_MAGNITUDE:

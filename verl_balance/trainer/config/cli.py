@@ -1,14 +1,10 @@
 """The recipes' command line: short user errors, exit code 2, the whole console in the run log.
 
-``run_recipe(task, schema=...)`` checks every ``key=value`` override against the recipe's schema
-before Hydra composes the config, so a typo (``trainer.total_epoch=2``, with or without Hydra's
-``+``) or a misplaced ``+`` on an existing key prints one line naming the key, a "did you mean"
-and the section's valid keys. ``user_errors()`` wraps the task: a user error (a bad value, a data
-file, a model directory, a checkpoint) prints ``error: <message>`` on stderr and exits with code 2,
-whichever process raised it: a worker's error reaches the driver as Ray's ``RayTaskError`` (and
-the worker group's errors raised ``from`` it), which ``user_error_in`` unwraps to the user error
-inside. A bug keeps its traceback. ``HYDRA_FULL_ERROR=1`` shows the traceback of a user error too.
-An override whose value does not fit its key's type is one line too (``check_overrides``).
+``run_recipe(task, schema=...)`` checks every ``key=value`` override against the schema before Hydra
+composes the config, so a typo prints one line with a "did you mean" and the section's valid keys.
+``user_errors()`` turns a user error raised in any process (a worker's arrives as ``RayTaskError``,
+unwrapped by ``user_error_in``) into ``error: <message>`` on stderr and exit code 2; a bug keeps its
+traceback. ``HYDRA_FULL_ERROR=1`` shows the traceback of a user error too.
 """
 
 from __future__ import annotations
@@ -89,11 +85,8 @@ def _fail(message: str) -> None:
 
 
 def user_error_in(err: BaseException) -> BaseException | None:
-    """The user error (``USER_ERRORS``) ``err`` is or wraps, else None. The chain is followed
-    through a Ray ``RayTaskError``'s ``cause`` (the worker's own exception: the wrapper's ``str`` is
-    the worker's traceback, even when Ray made it an instance of the cause's class) and through
-    ``__cause__`` / ``__context__`` (e.g. the worker group's errors raised from Ray's). The
-    outermost user error wins: a re-raise that adds the key to the message is kept."""
+    """The user error (``USER_ERRORS``) ``err`` is or wraps, else None, following Ray's ``RayTaskError`` cause
+    and ``__cause__`` / ``__context__``; the outermost user error wins."""
     seen: set[int] = set()
     current: BaseException | None = err
     while current is not None and id(current) not in seen:
@@ -110,9 +103,8 @@ def user_error_in(err: BaseException) -> BaseException | None:
 
 @contextlib.contextmanager
 def user_errors() -> Iterator[None]:
-    """A user error (``USER_ERRORS``), raised here or in a worker (``user_error_in``) -> ``error:
-    <message>`` on stderr and exit code 2 (its traceback with HYDRA_FULL_ERROR=1); anything else
-    propagates with its traceback."""
+    """A user error (``USER_ERRORS``), raised here or in a worker -> ``error: <message>`` on stderr and exit
+    code 2 (traceback with HYDRA_FULL_ERROR=1); anything else propagates."""
     try:
         yield
     except Exception as err:
@@ -135,8 +127,7 @@ def _leaf_keys(node: DictConfig, prefix: str = "") -> list[str]:
 
 
 def _lookup(root: DictConfig, key: str) -> tuple[bool, DictConfig | None]:
-    """(whether ``key`` exists, the deepest typed section on its path); keys under a free dict
-    field (e.g. ``reward_kwargs``) always exist."""
+    """(whether ``key`` exists, the deepest typed section on its path); keys under a free dict always exist."""
     node = root
     for part in key.split("."):
         if not isinstance(node, DictConfig) or node._is_none() or not _is_schema(node):
@@ -154,8 +145,7 @@ def _is_schema(node: DictConfig) -> bool:
 
 
 def check_overrides(args: Sequence[str], *, schema: type) -> None:
-    """Exit 2 (one message, a "did you mean") on a ``key=value`` override of a key ``schema`` does
-    not declare, or on ``+key=value`` for a key it declares (Hydra's ``+`` appends a new key)."""
+    """Exit 2 on an override of an undeclared key (with "did you mean") or ``+key=value`` for a declared one."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import OverrideType
     from hydra.errors import HydraException
@@ -211,8 +201,7 @@ def _schema_node(root: DictConfig, key: str):
 
 
 def _check_type(root: DictConfig, key: str, override) -> None:
-    """Exit 2 (one line: key, expected type, value) when ``override``'s value does not fit the type
-    the schema declares for ``key``, e.g. ``data.train_batch_size=sixteen``."""
+    """Exit 2 (key, expected type, value) when ``override``'s value does not fit ``key``'s declared type."""
     from omegaconf import ValueNode
     from omegaconf.errors import OmegaConfBaseException
 
@@ -243,8 +232,7 @@ def _has_config_flags(args: Sequence[str]) -> bool:
 
 
 def _verl_command_line(recipe: str) -> str | None:
-    """``sys.argv`` with verl's keys written for Hydra to add (``verl_keys.command_line``; the composed
-    config translates them); returns the start-up line naming verl's config-group choices it removed."""
+    """``sys.argv`` with verl's keys written for Hydra to add; returns the line naming removed config-group choices."""
     from verl_balance.trainer.config.verl_keys import command_line, startup_line
 
     try:
@@ -256,9 +244,8 @@ def _verl_command_line(recipe: str) -> str | None:
 
 
 def run_recipe(hydra_main: Callable[[], None], *, schema: type, recipe: str) -> None:
-    """Let Hydra take verl's keys (``recipe``: 'grpo' or 'sft'), check the command line's other
-    overrides against ``schema``, then run the Hydra entry point with the console teed into the run
-    log (``utils.run_log``)."""
+    """Let Hydra take verl's keys (``recipe``: 'grpo' or 'sft'), check the other overrides against
+    ``schema``, then run the Hydra entry point with the console teed into the run log."""
     from verl_balance.trainer.config.verl_keys import lookup
     from verl_balance.utils import run_log
 

@@ -1,23 +1,13 @@
 """Typed schema of the GRPO recipe (``config/grpo.yaml``) and its cross-section checks.
 
-Key names are verl's (``actor_rollout_ref.actor.ppo_mini_batch_size``, ``algorithm.adv_estimator``,
-``trainer.balance_batch``, ...) so a verl user's overrides carry over. Sizes follow verl's units:
-``data.train_batch_size`` and ``actor_rollout_ref.actor.ppo_mini_batch_size`` count prompts (each
-carries ``rollout.n`` responses); ``*_micro_batch_size_per_gpu`` counts responses; token caps are
-per worker (per SP rank, after Ulysses padding).
+Key names are verl's, so a verl user's overrides carry over. Units are verl's:
+``data.train_batch_size`` and ``ppo_mini_batch_size`` count prompts (each carries ``rollout.n``
+responses); ``*_micro_batch_size_per_gpu`` counts responses; token caps are per worker (per SP rank,
+after Ulysses padding). The balancer switch is ``trainer.balance_batch``; ``balance`` holds its cost model.
 
-Sections nest their component's config: ``data`` extends the dataset's ``RLDataConfig``,
-``actor_rollout_ref.actor`` extends ``PolicyLossConfig`` and nests the engine's ``OptimConfig``.
-The Ulysses degree is verl's ``actor_rollout_ref.actor.ulysses_sequence_parallel_size`` (the SFT
-recipe's top-level spelling is a row of ``verl_keys``). The balancer switch is
-verl's ``trainer.balance_batch``; the ``balance`` section holds only its cost model. The rollout
-backend is ``actor_rollout_ref.rollout.name`` (``rollout.factory.ROLLOUT_BACKENDS``).
-
-PPO with a critic is ``algorithm.adv_estimator=gae`` (``algorithm.gamma``, ``algorithm.lam``): the
-``critic`` section holds verl's ``critic.*`` keys; the ones left null take the actor's value, as
-verl's ``${oc.select:actor_rollout_ref.actor...}`` interpolations do. Unlike verl, which ignores the
-critic section without gae, setting a critic key with another estimator is an error naming the keys
-(nothing would read them).
+PPO with a critic is ``algorithm.adv_estimator=gae``: the ``critic`` section's null keys take the
+actor's values (verl's ``oc.select`` interpolations); a critic key set with another estimator is an
+error (verl ignores it).
 """
 
 from __future__ import annotations
@@ -137,14 +127,12 @@ def is_engine_checkpoint(path: str) -> bool:
 
 @dataclass
 class ActorModelSection(ModelSection):
-    """verl's ``actor_rollout_ref.model``: an HF directory (``path``) or a built-in preset with
-    dimension overrides, optionally warm-started from an engine checkpoint (``warm_start_path``)."""
+    """verl's ``actor_rollout_ref.model``: an HF directory or a built-in preset, optionally warm-started."""
 
     KEY_PREFIX: ClassVar[str] = "actor_rollout_ref.model."
 
     warm_start_path: Optional[str] = None
-    """A global_step_N directory of an engine checkpoint (e.g. the SFT trainer's) whose model weights
-    the run starts from (optimizer state and step are not restored); its model must match this one."""
+    """A global_step_N engine checkpoint whose model weights (only) the run starts from; its model must match."""
     use_remove_padding: bool = field(default=True, metadata=LAYOUT_ON_RESUME)
     """verl's key; must be true (the engine always runs packed, padding-free sequences)."""
 
@@ -166,10 +154,7 @@ class ActorModelSection(ModelSection):
 
 @dataclass
 class ActorSection(FSDPKeys, ActorKeys, ActorAlgorithmKeys, PolicyLossConfig):
-    """verl's ``actor_rollout_ref.actor``: the policy loss (``PolicyLossConfig``'s keys, the loss mode
-    ``policy_loss.*`` and SAPO's ``tau_*``: trainer.config.algorithm.ActorAlgorithmKeys), PPO
-    mini-batching and the engine's actor keys (aggregation, optimizer, FSDP2 switches, output head:
-    engine.config.ActorKeys and FSDPKeys)."""
+    """verl's ``actor_rollout_ref.actor``: the policy loss, PPO mini-batching and the engine's actor keys."""
 
     ppo_mini_batch_size: int = 8
     """Prompts per optimizer step (all their responses)."""
@@ -182,10 +167,8 @@ class ActorSection(FSDPKeys, ActorKeys, ActorAlgorithmKeys, PolicyLossConfig):
     ppo_epochs: int = 1
     """Passes over each step's rollout batch."""
     recompute_old_log_prob: str = "auto"
-    """auto: when the step's update is on-policy (ppo_epochs 1, ppo_mini_batch_size =
-    data.train_batch_size) the old log-probs are the update forward's own, detached (ratio exactly
-    1), and the separate old-log-prob pass is skipped; always: run that pass every step (verl's
-    behaviour). See docs/verl.md section 8."""
+    """auto: skip the separate old-log-prob pass when the update is on-policy (ppo_epochs 1, ppo_mini_batch_size =
+    data.train_batch_size; ratio exactly 1); always: run it every step (verl's behaviour). docs/verl.md section 8."""
     ulysses_sequence_parallel_size: Optional[int] = field(default=None, metadata=LAYOUT_ON_RESUME)
     """Ulysses degree (verl's spelling; the top-level key of the SFT recipe works too)."""
 
@@ -213,10 +196,7 @@ class ActorSection(FSDPKeys, ActorKeys, ActorAlgorithmKeys, PolicyLossConfig):
             check_positive("ulysses_sequence_parallel_size", self.ulysses_sequence_parallel_size)
 
     def single_on_policy_update(self, *, train_batch_size: int) -> bool:
-        """Whether the actor allows a step's old log-probs from the update forward instead of a
-        separate pass: only with recompute_old_log_prob=auto and an on-policy update, i.e. the step's
-        one optimizer step runs on rows sampled with the same weights (one epoch, one mini-batch).
-        ``GRPOConfig.old_log_prob_from_update`` adds the algorithm's conditions."""
+        """Whether recompute_old_log_prob=auto and the update is on-policy (one epoch, one mini-batch)."""
         one_update = self.ppo_epochs == 1 and self.ppo_mini_batch_size == train_batch_size
         return self.recompute_old_log_prob == "auto" and one_update
 
@@ -246,13 +226,11 @@ class ValSamplingConfig:
 
 @dataclass
 class RolloutSection:
-    """verl's ``actor_rollout_ref.rollout``: the rollout colocated with the actor (it reads the
-    actor's weights)."""
+    """verl's ``actor_rollout_ref.rollout``: the rollout colocated with the actor."""
 
     name: str = field(default="auto", metadata=APPLY_ON_RESUME)
-    """Rollout backend, one of rollout.factory.ROLLOUT_BACKENDS: 'kv_cache' (the built-in model's own
-    KV-cached decoder), 'hf' (the HF model with its DynamicCache) or 'auto' (kv_cache for a built-in
-    preset, hf for model.path)."""
+    """Rollout backend (rollout.factory.ROLLOUT_BACKENDS): 'kv_cache' (built-in model), 'hf' (HF model) or
+    'auto' (kv_cache for a built-in preset, hf for model.path)."""
     n: int = 4
     """Responses per prompt (a group)."""
     temperature: float = 1.0
@@ -262,11 +240,9 @@ class RolloutSection:
     response_length: int = 64
     """Most tokens of one response."""
     log_prob_micro_batch_size_per_gpu: Optional[int] = field(default=None, metadata=LAYOUT_ON_RESUME)
-    """Responses per micro-batch of the old log-prob pass (and of the reference pass, unless ref.* sets
-    its own; null = the actor's ppo_micro_batch_size_per_gpu)."""
+    """Responses per micro-batch of the old (and default reference) log-prob pass; null = the actor's."""
     log_prob_use_dynamic_bsz: Optional[bool] = field(default=None, metadata=LAYOUT_ON_RESUME)
-    """verl's key: pack the old log-prob pass's micro-batches up to log_prob_max_token_len_per_gpu tokens
-    (null = the actor's use_dynamic_bsz, verl's default)."""
+    """verl's key: dynamic micro-batches for the old log-prob pass (null = the actor's use_dynamic_bsz)."""
     log_prob_max_token_len_per_gpu: Optional[int] = field(default=None, metadata=LAYOUT_ON_RESUME)
     """Token cap of the old log-prob pass (null = the actor's ppo_max_token_len_per_gpu)."""
     max_num_seqs: Optional[int] = field(default=None, metadata=LAYOUT_ON_RESUME)
@@ -274,8 +250,7 @@ class RolloutSection:
     val_kwargs: ValSamplingConfig = field(default_factory=ValSamplingConfig, metadata=APPLY_ON_RESUME)
     """Sampling of validation rollouts."""
     nnodes: int = field(default=0, metadata=LAYOUT_ON_RESUME)
-    """verl's key: nodes of the separate rollout pool (trainer.v1.trainer_mode=separate_async only; 0 = one
-    node there, named at start-up: trainer/config/async_mode.py)."""
+    """verl's key: nodes of the separate rollout pool (separate_async only; 0 = one node)."""
     n_gpus_per_node: Optional[int] = field(default=None, metadata=LAYOUT_ON_RESUME)
     """verl's key: rollout workers per node of that pool (null or 0 = trainer.n_gpus_per_node, verl's default)."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
@@ -305,8 +280,7 @@ class RolloutSection:
     """vLLM: the engine's own seed (null = trainer.seed); rollouts use per-prompt seeds from trainer.seed."""
 
     def vllm_config(self, *, seed: int):
-        """The ``VLLMRolloutConfig`` of these keys (``seed``: trainer.seed, unless rollout.seed is set);
-        RolloutInputError (a ValueError, qualified with the section's keys at load) for a bad value."""
+        """The ``VLLMRolloutConfig`` of these keys (``seed``: trainer.seed unless rollout.seed set)."""
         from verl_balance.batch_keys import TEMPERATURE_KEY
         from verl_balance.rollout.vllm_rollout import VLLMRolloutConfig
 
@@ -345,8 +319,7 @@ class RolloutSection:
 
 @dataclass
 class RefSection:
-    """verl's ``actor_rollout_ref.ref``: the micro-batching of the reference log-prob pass (the reference
-    policy runs on the actor's engine). Null keys take the old log-prob pass's (``rollout.log_prob_*``)."""
+    """verl's ``actor_rollout_ref.ref``: micro-batching of the reference pass; null keys take ``rollout.log_prob_*``."""
 
     log_prob_micro_batch_size_per_gpu: Optional[int] = field(default=None, metadata=LAYOUT_ON_RESUME)
     """Responses per micro-batch of the reference pass."""
@@ -389,8 +362,7 @@ class ActorRolloutRefSection:
     """The reference log-prob pass's micro-batching."""
 
     def log_prob_plan(self, name: str) -> LogProbPlan:
-        """The micro-batching of log-prob pass ``name`` ('old' or 'ref'): its own keys, null ones taken
-        from the old pass's (for 'ref'), then the actor's. Per-token log-probs do not depend on it."""
+        """Micro-batching of log-prob pass ``name`` ('old'/'ref'): its keys, else the old pass's, else the actor's."""
         assert name in LOG_PROB_PASSES, name
         keys = {"micro": "ppo_micro_batch_size_per_gpu", "dyn": "use_dynamic_bsz", "cap": "ppo_max_token_len_per_gpu"}
         chosen = {k: (f"{AR}.actor.{key}", getattr(self.actor, key)) for k, key in keys.items()}
@@ -410,18 +382,13 @@ class ActorRolloutRefSection:
 
 @dataclass
 class CriticModelSection:
-    """verl's ``critic.model``: the value model's initial weights (the decoder of the actor's
-    family with a scalar head per token instead of the LM head, models/value.py)."""
+    """verl's ``critic.model``: the value model (the actor's decoder family with a scalar head per token)."""
 
     path: Optional[str] = None
-    """A local Hugging Face directory (a ``*ForCausalLM`` body, or a ``*ForTokenClassification`` with
-    num_labels=1 whose head is loaded too); null = the actor's model (the same HF directory, or the
-    same built-in preset and dimensions) and, with ``actor_rollout_ref.model.warm_start_path``, that
-    checkpoint's decoder weights (verl's critic starts from the actor's weights). It must share the
-    actor's tokenizer."""
+    """A local HF directory (a ``*ForCausalLM`` body, or ``*ForTokenClassification`` with num_labels=1);
+    null = the actor's model (and its warm-start decoder weights). Must share the actor's tokenizer."""
     enable_gradient_checkpointing: Optional[bool] = field(default=None, metadata=LAYOUT_ON_RESUME)
-    """verl's key: activation checkpointing per decoder layer of the value model; null = the actor's
-    (actor_rollout_ref.model.enable_gradient_checkpointing)."""
+    """verl's key: activation checkpointing of the value model; null = the actor's."""
     use_remove_padding: bool = field(default=True, metadata=LAYOUT_ON_RESUME)
     """verl's key; must be true (the engine always runs packed, padding-free sequences)."""
 
@@ -433,10 +400,8 @@ class CriticModelSection:
 
 @dataclass
 class CriticSection(CriticFSDPKeys, ActorKeys):
-    """verl's ``critic``: the value model trained on GAE returns (only with algorithm.adv_estimator=gae).
-    Keys left null take the actor's value (``actor_rollout_ref.actor.<same key>``), as in verl: the
-    INHERITED ones, among them the engine's ActorKeys ``loss_agg_mode`` and ``loss_scale_factor``;
-    ``optim`` and ``fsdp`` (engine.config.CriticFSDPKeys) are the critic's own, as in verl."""
+    """verl's ``critic``: the value model trained on GAE returns (algorithm.adv_estimator=gae only).
+    Null keys take ``actor_rollout_ref.actor.<same key>`` (INHERITED); ``optim`` and ``fsdp`` are its own."""
 
     ppo_mini_batch_size: Optional[int] = None
     """Prompts per critic optimizer step (all their responses); null = the actor's."""
@@ -525,12 +490,10 @@ class CustomRewardSection:
 
 @dataclass
 class GRPOBalanceSection(BalanceSection):
-    """``balance`` of the GRPO recipe: the balancer's cost model only; its switch is verl's
-    ``trainer.balance_batch``."""
+    """``balance`` of the GRPO recipe: the cost model only (the switch is ``trainer.balance_batch``)."""
 
     enable: Optional[bool] = field(default=None, metadata=LAYOUT_ON_RESUME)
-    """Not GRPO's switch: set trainer.balance_batch (verl's key). Declared only so that setting it
-    fails naming that key (and so checkpoints of runs that logged it still resume)."""
+    """Not GRPO's switch (that is trainer.balance_batch); declared so that setting it fails naming that key."""
 
     def __post_init__(self) -> None:
         if self.enable is not None:
@@ -562,9 +525,8 @@ class GRPOTrainerSection(TrainerSection):
     v1: V1Section = field(default_factory=V1Section)
     """verl's ``trainer.v1``: trainer mode (sync | separate_async) and off-policy sampler (config/async_mode.py)."""
     critic_warmup: int = field(default=0, metadata=APPLY_ON_RESUME)
-    """verl's key (adv_estimator=gae): the first critic_warmup steps train the critic only, the actor
-    from step critic_warmup + 1 on. (verl counts steps from 1 and compares critic_warmup >
-    global_steps, so there the actor already updates at step critic_warmup.)"""
+    """verl's key (adv_estimator=gae): the first critic_warmup steps train the critic only (verl's actor
+    starts one step earlier: it counts from 1)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -581,8 +543,7 @@ class GRPOConfig(RecipeConfig):
     CRITIC_ENGINE_SECTIONS: ClassVar[tuple[str, ...]] = ("critic",)
     """The critic engine's own keys (adv_estimator=gae; model_type value_model)."""
     CRITIC_SHARED_KEYS: ClassVar[tuple[str, ...]] = ("param_dtype",)
-    """Engine fields the critic takes from the actor's keys (no LoRA, no LM head; its FSDP2 switches are
-    its own critic.fsdp, as in verl)."""
+    """Engine fields the critic takes from the actor's keys (not LoRA, the LM head or FSDP2 switches)."""
     BALANCE_KEY: ClassVar[str] = "trainer.balance_batch"
     RECIPE: ClassVar[str] = "grpo"
 
@@ -637,18 +598,15 @@ class GRPOConfig(RecipeConfig):
 
     @property
     def old_log_prob_from_update(self) -> bool:
-        """Whether each step takes its old log-probs from the update forward (the actor allows it:
-        ``ActorSection.single_on_policy_update``); never when the driver reads them before the
-        advantages (KL in the reward, rollout correction) or when they are the rollout's
-        (rollout_correction.bypass_mode)."""
+        """Whether each step takes its old log-probs from the update forward: the actor allows it and the
+        driver neither reads them before the advantages nor takes the rollout's (bypass_mode)."""
         algorithm = self.algorithm
         if algorithm.needs_old_log_probs_before_advantages or algorithm.rollout_correction.bypass_mode:
             return False
         return self.actor_rollout_ref.actor.single_on_policy_update(train_batch_size=self.data.train_batch_size)
 
     def loss_mode_config(self) -> LossModeConfig:
-        """The actor's policy-loss mode as the workers take it: ``actor.policy_loss.*``, or with
-        ``algorithm.rollout_correction.bypass_mode=true`` bypass_mode with the algorithm's correction keys."""
+        """The actor's policy-loss mode as the workers take it (bypass_mode with the algorithm's keys when set)."""
         corr = self.algorithm.rollout_correction
         return self.actor_rollout_ref.actor.loss_mode_config(bypass=corr if corr.bypass_mode else None)
 

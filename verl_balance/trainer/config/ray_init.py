@@ -1,9 +1,7 @@
 """verl's ``ray_kwargs.ray_init``: keyword arguments of ``ray.init`` given by the user, checked
 against ``ray.init``'s own signature and merged over the arguments ``cluster.start_ray`` chooses.
 
-verl's rule (``main_ppo``): null values are left out (its schema holds ``num_cpus: null`` and
-``runtime_env.py_executable: null``), and ``runtime_env`` is merged key by key over the defaults
-(the user's values win).
+verl's rule: null values are left out, and ``runtime_env`` is merged key by key (the user's values win).
 """
 
 from __future__ import annotations
@@ -35,8 +33,7 @@ def _ray_init_parameters() -> tuple[set[str], bool]:
 
 
 def check_ray_init(ray_init: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The user's ``ray.init`` arguments without nulls; ConfigError naming every key ``ray.init``
-    does not take (its private ``_*`` arguments pass: Ray checks those itself)."""
+    """The user's ``ray.init`` arguments without nulls; ConfigError naming every key ``ray.init`` does not take."""
     given = _without_nulls(dict(ray_init or {}))
     if not given:
         return given
@@ -51,8 +48,7 @@ def check_ray_init(ray_init: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 def merge_ray_init(defaults: Mapping[str, Any], ray_init: Mapping[str, Any] | None) -> dict[str, Any]:
-    """``defaults`` with the user's checked arguments over them; ``runtime_env`` (its ``env_vars`` too)
-    and ``_system_config`` are merged key by key rather than replaced."""
+    """``defaults`` with the user's arguments over them; ``runtime_env`` and ``_system_config`` merged key by key."""
     user = check_ray_init(ray_init)
     out = {**defaults, **user}
     for key in ("runtime_env", "_system_config"):

@@ -1,14 +1,10 @@
 """``RecipeConfig``: the base of the recipe schemas (``SFTConfig``, ``GRPOConfig``), which hand
 their components finished configs.
 
-Each recipe declares, in one place, where its components' values live: ``ENGINE_SECTIONS`` names the
-sections that inherit the engine's key groups (``engine.config.ENGINE_KEY_GROUPS``), from which
-``engine_keys()`` derives the map of every recipe-supplied ``EngineConfig`` field to the recipe key
-holding it (so an engine error names the user's key); ``SP_KEY`` and ``BALANCE_KEY`` name the Ulysses
-degree and the balancer switch; ``RECIPE`` names its rows of the verl-key table (``verl_keys``) and its
-file ``config/<RECIPE>.yaml``. ``from_hydra`` takes the merged config (Hydra's, or a mapping built in
-Python), writes verl's spellings as ours, refuses unknown keys, and returns the typed recipe after the
-checks that combine sections; ``engine_config(total_steps=...)`` is the engine's config for the run.
+A recipe declares ``ENGINE_SECTIONS`` (sections holding the engine's key groups, from which
+``engine_keys()`` maps each ``EngineConfig`` field to the user's key, so engine errors name it),
+``SP_KEY``, ``BALANCE_KEY`` and ``RECIPE`` (its ``verl_keys`` rows and ``config/<RECIPE>.yaml``).
+``from_hydra`` translates verl's spellings, refuses unknown keys and runs the cross-section checks.
 """
 
 from __future__ import annotations
@@ -37,8 +33,7 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / "config"
 
 @functools.cache
 def engine_keys(schema: type, sections: tuple[str, ...]) -> Mapping[str, str]:
-    """``{EngineConfig field: dotted recipe key}`` of every field that the given sections of ``schema``
-    (dotted paths, "" = the top level) inherit from an engine key group."""
+    """``{EngineConfig field: dotted recipe key}`` for the engine key groups ``schema``'s sections inherit."""
     out: dict[str, str] = {}
     for path in sections:
         section = _section_class(schema, path)
@@ -75,8 +70,7 @@ class RecipeConfig:
 
     @classmethod
     def engine_keys(cls) -> dict[str, str]:
-        """``EngineConfig`` field -> dotted recipe key of its value (also the key an error names),
-        derived from the ENGINE_SECTIONS."""
+        """``EngineConfig`` field -> dotted recipe key of its value (the key an error names)."""
         return dict(engine_keys(cls, cls.ENGINE_SECTIONS))
 
     def value_of(self, key: str):
@@ -111,12 +105,9 @@ class RecipeConfig:
         updates_per_step: int | None = None,
         **fixed,
     ) -> EngineConfig:
-        """The engine's config for a run of ``total_steps`` driver steps. ``trainer.profile_steps``
-        counts driver steps; each runs ``updates_per_step`` engine train steps, all traced.
-
-        ``keys`` (default ``engine_keys()``) and ``updates_per_step`` (default the recipe's) describe
-        another engine of the recipe (e.g. GRPO's critic); ``fixed`` are engine fields no key sets
-        (e.g. ``model_type``)."""
+        """The engine's config for a run of ``total_steps`` driver steps (``trainer.profile_steps`` counts
+        driver steps). ``keys``/``updates_per_step`` describe another engine of the recipe (GRPO's critic);
+        ``fixed`` are engine fields no key sets."""
         t = self.trainer
         keys = self.engine_keys() if keys is None else keys
         updates = self.updates_per_step if updates_per_step is None else updates_per_step
@@ -139,15 +130,13 @@ class RecipeConfig:
 
     @classmethod
     def schema_node(cls) -> DictConfig:
-        """The schema as Hydra composes it: every section open to keys it does not declare, so verl's
-        spellings in a YAML file reach ``from_hydra`` (which refuses any key still unknown)."""
+        """The schema as Hydra composes it, every section open to undeclared keys (``from_hydra`` refuses leftovers)."""
         return open_sections(OmegaConf.structured(cls))
 
     @classmethod
     def from_hydra(cls, cfg: DictConfig | Mapping):
-        """The recipe as typed objects from the merged config (or a mapping of overrides of the
-        schema's defaults); ConfigError naming the key when it is invalid. verl's keys are translated
-        (``verl_keys.translate``) and the no-effect ones named in one printed line."""
+        """The recipe as typed objects from the merged config (or a mapping of overrides); ConfigError naming
+        the key when invalid. verl's keys are translated and the no-effect ones named in one line."""
         cfg, no_effect = cls.translate(cfg)
         check_known_keys(cfg)
         config = to_typed(cfg)
@@ -164,15 +153,12 @@ class RecipeConfig:
 
     @classmethod
     def translate(cls, cfg: DictConfig | Mapping) -> tuple[DictConfig, list[str]]:
-        """(``cfg`` typed by the schema with verl's keys written as ours, the no-effect keys): the
-        recipe's rows of ``verl_keys.translate``, our keys' unset values being the schema's defaults and
-        the recipe file's."""
+        """(``cfg`` with verl's keys written as ours, the no-effect keys)."""
         return translate(cls._typed_node(cfg), recipe=cls.RECIPE, defaults=_defaults(cls))
 
     @classmethod
     def _typed_node(cls, cfg: DictConfig | Mapping) -> DictConfig:
-        """``cfg`` typed by a schema: Hydra's composed config as is, anything else merged over
-        ``schema_node()``."""
+        """``cfg`` typed by a schema: Hydra's composed config as is, anything else merged over ``schema_node()``."""
         if isinstance(cfg, DictConfig) and dataclasses.is_dataclass(OmegaConf.get_type(cfg)):
             return cfg
         try:

@@ -2,8 +2,7 @@
 it): the synthetic task, the model, the workload balancer and the trainer loop (verl's ``trainer``).
 
 Choices are ``str`` fields checked in ``__post_init__`` against module-level tuples (OmegaConf
-cannot hold ``Literal`` annotations); ``typed.to_typed`` runs those checks and writes the
-keys of a ``ConfigError`` out in full. Key names follow verl's wherever the concept is the same.
+cannot hold ``Literal`` annotations).
 """
 
 from __future__ import annotations
@@ -63,10 +62,8 @@ class SyntheticDataConfig:
 
 
 def resolve_data_files(data, *, kind: str, default_local_dir: str) -> tuple:
-    """(train files, validation files) of a recipe's ``data`` section: ``data.train_files`` /
-    ``data.val_files``, or with ``train_files`` null the synthetic task's ``{kind}_train.parquet`` /
-    ``{kind}_val.parquet`` (kind ``sft`` or ``rl``) under ``data.synthetic.out_dir`` (null:
-    ``default_local_dir``/data), generated from ``data.synthetic`` unless both files exist."""
+    """(train files, validation files): ``data.train_files`` / ``data.val_files``, or with ``train_files``
+    null the synthetic task's parquet files under ``data.synthetic.out_dir``, generated unless present."""
     if data.train_files is not None:
         return data.train_files, data.val_files
     synthetic = data.synthetic
@@ -90,9 +87,8 @@ def resolve_data_files(data, *, kind: str, default_local_dir: str) -> tuple:
 
 @dataclass
 class ModelSection(ModelKeys):
-    """The model: a local Hugging Face directory (``path``) or a built-in preset (``name``) whose
-    dimensions any key set here overrides; the engine's keys of ``model`` (``param_dtype``, LoRA)
-    from engine.config.ModelKeys."""
+    """The model: a local HF directory (``path``) or a built-in preset (``name``) whose dimensions keys set
+    here override, plus the engine's ``model`` keys."""
 
     KEY_PREFIX: ClassVar[str] = "model."
 
@@ -127,10 +123,8 @@ class ModelSection(ModelKeys):
     tie_word_embeddings: Optional[bool] = None
     """Override: share the input embedding with the output projection."""
     custom_chat_template: Optional[str] = None
-    """verl's key. null: chats (``data.messages_key``, GRPO prompts) are rendered with the tokenizer's
-    own chat template, and a tokenizer without one is an error at start-up; 'builtin': a tokenizer
-    without one renders chats with the built-in minimal template (a different format than the
-    model's, hence a different loss). Other Jinja templates belong in the tokenizer directory."""
+    """verl's key. null: chats render with the tokenizer's own template (none: an error at start-up);
+    'builtin': a tokenizer without one uses the built-in minimal template (a different loss)."""
 
     def __post_init__(self) -> None:
         check_choice("param_dtype", self.param_dtype, PARAM_DTYPES)
@@ -161,8 +155,7 @@ class ModelSection(ModelKeys):
         return self.tokenizer or self.path or "byte"
 
     def model_config(self, *, vocab_size: int):
-        """``HFModelConfig`` of ``path``, or the preset with the tokenizer's vocabulary and the
-        dimensions set here; ConfigError naming the key when they do not fit together."""
+        """``HFModelConfig`` of ``path``, or the preset with the tokenizer's vocab; ConfigError naming a bad key."""
         overrides = {k: getattr(self, k) for k in MODEL_DIMENSION_KEYS}
         # HF-only keys are passed only when set away from their defaults, so a preset rejects them.
         if self.path is not None or self.init != "pretrained":
@@ -189,10 +182,8 @@ class BalanceSection:
     is the recipe's own key: ``balance.enable`` in SFT, verl's ``trainer.balance_batch`` in GRPO."""
 
     workload: str = field(default="flops", metadata=LAYOUT_ON_RESUME)
-    """Cost model: 'tokens' (linear), 'flops' (linear layers + quadratic causal attention) or
-    'calibrated' (seconds measured on this hardware by ``python -m verl_balance.calibrate``: a fixed
-    cost per micro-batch + per sequence + per token + per attention pair; needs calibration_path
-    or all of calibration_coefficients)."""
+    """Cost model: 'tokens' (linear), 'flops' (linear layers + quadratic causal attention) or 'calibrated'
+    (measured by ``python -m verl_balance.calibrate``; needs calibration_path or calibration_coefficients)."""
     calibration_path: Optional[str] = field(default=None, metadata=LAYOUT_ON_RESUME)
     """JSON written by ``python -m verl_balance.calibrate --out FILE`` (workload=calibrated only);
     copied into the run directory as calibration.json."""
@@ -247,9 +238,8 @@ CALIBRATION_RUN_FILE = "calibration.json"
 
 
 def record_workload(workload, out_dir: str) -> str | None:
-    """Log the balancer's workload at start-up; a calibrated one is also written to
-    ``out_dir/calibration.json`` (coefficients, fingerprint, source), so the run keeps the cost
-    model it was planned with. Returns that file's path, or None for the token / FLOPs models."""
+    """Log the balancer's workload at start-up; a calibrated one is also written to ``out_dir/calibration.json``,
+    whose path is returned (None for the token / FLOPs models)."""
     if not isinstance(workload, CalibratedWorkload):
         logger.info("balancer workload: %s", getattr(workload, "name", type(workload).__name__))
         return None
@@ -278,9 +268,8 @@ class TrainerSection:
     total_training_steps: Optional[int] = field(default=None, metadata=APPLY_ON_RESUME)
     """Steps to train; null = total_epochs x steps per epoch."""
     logger: Any = field(default_factory=lambda: ["console", "jsonl"], metadata=APPLY_ON_RESUME)
-    """Tracking backends: a list of LOGGERS, or one name as verl also takes (verl's names: ``file`` is the
-    jsonl file, ``mlflow`` a local file store under default_local_dir/mlruns unless MLFLOW_TRACKING_URI
-    is set)."""
+    """Tracking backends: a list of LOGGERS, or one name (``file``: the jsonl file; ``mlflow``: a local store
+    under default_local_dir/mlruns unless MLFLOW_TRACKING_URI is set)."""
     console_metrics: Optional[list] = field(default=None, metadata=APPLY_ON_RESUME)
     """Metric keys the console's progress line shows (e.g. [train/loss,val/loss]); null = the recipe's
     few (utils/progress.py). metrics.jsonl and the trackers get every metric."""
@@ -331,16 +320,14 @@ class TrainerSection:
     profile_dir: Optional[str] = field(default=None, metadata=APPLY_ON_RESUME)
     """Directory of the profiler traces; null = ``default_local_dir``/profile."""
     worker_call_timeout_s: Optional[float] = field(default=3600.0, metadata=APPLY_ON_RESUME)
-    """How long the driver waits for the workers to answer one call (a step's update, a rollout, a
-    checkpoint, the model build) before failing with an error naming the ranks that did not answer
-    (a stopped, deadlocked or starved worker); null = wait forever."""
+    """Seconds the driver waits for the workers to answer one call before an error naming the silent
+    ranks; null = wait forever."""
     heartbeat_interval_s: Optional[float] = field(default=60.0, metadata=APPLY_ON_RESUME)
     """While the driver waits on the workers (or on the reward function), a line every this many
     seconds names what it waits for (the ranks that have not answered); null or 0 = no lines."""
     max_consecutive_nonfinite_steps: int = field(default=3, metadata=APPLY_ON_RESUME)
-    """Stop the run (an error naming the step) after this many consecutive steps with a non-finite
-    loss or gradient norm; each such step skips its optimizer update and no checkpoint is saved
-    from it. See docs/fault_tolerance.md."""
+    """Stop the run after this many consecutive steps with a non-finite loss or gradient norm (each skips
+    its update and saves no checkpoint)."""
 
     def __post_init__(self) -> None:
         check_choice("device", self.device, DEVICES)
@@ -411,10 +398,8 @@ class RayKwargsSection:
     """verl's ``ray_kwargs``: arguments of the ``ray.init`` that starts (or joins) the cluster."""
 
     ray_init: dict = field(default_factory=lambda: {"num_cpus": None}, metadata=APPLY_ON_RESUME)
-    """verl's key: keyword arguments of ``ray.init`` (num_cpus, runtime_env, address, namespace, ...),
-    merged over ours (trainer/cluster.py start_ray; runtime_env key by key); null values are left out,
-    as in verl. ``num_cpus`` sizes the embedded cluster; ``address`` is trainer.ray_address's other
-    spelling. A key ray.init does not take is refused, naming it."""
+    """verl's key: keyword arguments of ``ray.init`` merged over ours (null values left out, runtime_env key
+    by key); a key ray.init does not take is refused."""
 
     def __post_init__(self) -> None:
         from verl_balance.trainer.config.ray_init import check_ray_init
@@ -423,8 +408,7 @@ class RayKwargsSection:
 
 
 def _due(freq: int, step: int, *, is_last: bool, at_last_step: bool) -> bool:
-    """verl's rule: every ``freq`` steps and the last one when freq > 0; the last step regardless
-    of freq when ``at_last_step`` (sft_trainer)."""
+    """verl's rule: every ``freq`` steps and the last one when freq > 0; with ``at_last_step``, the last one always."""
     if freq > 0:
         return is_last or step % freq == 0
     return is_last and at_last_step
@@ -432,8 +416,7 @@ def _due(freq: int, step: int, *, is_last: bool, at_last_step: bool) -> bool:
 
 @dataclass
 class SFTTrainerSection(TrainerSection):
-    """``trainer`` of the SFT recipe: verl's sft_trainer saves and validates at the last step
-    whatever save_freq / test_freq say."""
+    """``trainer`` of the SFT recipe: always saves and validates at the last step (verl's sft_trainer)."""
 
     AT_LAST_STEP: ClassVar[bool] = True
 
@@ -444,8 +427,7 @@ def narrow(instance, cls):
 
 
 def engine_profile_steps(driver_steps: Sequence[int], *, updates_per_step: int) -> list[int]:
-    """The engine's 1-based train steps of the given 1-based driver steps: driver step s runs engine
-    steps (s - 1) * updates_per_step + 1 .. s * updates_per_step."""
+    """The engine's 1-based train steps of the given 1-based driver steps (``updates_per_step`` each)."""
     assert updates_per_step >= 1, updates_per_step
     return [
         (int(s) - 1) * updates_per_step + k for s in sorted(set(driver_steps)) for k in range(1, updates_per_step + 1)
@@ -453,8 +435,7 @@ def engine_profile_steps(driver_steps: Sequence[int], *, updates_per_step: int) 
 
 
 def check_profile_steps(*, trainer: TrainerSection, total_steps: int) -> None:
-    """Raise ConfigError naming trainer.profile_steps when a step lies beyond the run's last step
-    (it would silently never be traced)."""
+    """ConfigError naming trainer.profile_steps when a step lies beyond the run's last step."""
     beyond = [s for s in trainer.profile_steps if s > total_steps]
     if beyond:
         raise ConfigError(

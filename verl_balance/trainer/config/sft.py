@@ -1,7 +1,6 @@
 """The SFT recipe's schema (``config/sft.yaml``): ``SFTConfig`` and its own sections.
 
-Key names are verl's SFT trainer's (``data.micro_batch_size_per_gpu``, ``ulysses_sequence_parallel_size``,
-...; its other spellings, e.g. ``model.partial_pretrain``, are rows of ``verl_keys``). The balancer switch
+Key names are verl's SFT trainer's (other spellings are rows of ``verl_keys``); the balancer switch
 is ``balance.enable``.
 """
 
@@ -32,8 +31,7 @@ __all__ = ["SFTConfig", "register_sft_schema", "validate_sft"]
 
 @dataclass
 class SFTModelSection(FSDPKeys, ModelSection):
-    """``model`` of the SFT recipe: ModelSection plus the engine's ``fsdp_config`` / ``logits_chunk_size``
-    (engine.config.FSDPKeys)."""
+    """``model`` of the SFT recipe: ModelSection plus the engine's ``fsdp_config`` / ``logits_chunk_size``."""
 
 
 @dataclass
@@ -51,9 +49,8 @@ class SFTDataSection(SFTDataConfig):
     train_files: Optional[Any] = None
     """Parquet/jsonl file(s) in verl's SFT schema; null = generate the synthetic task."""
     messages_key: Optional[str] = None
-    """Each row's chat column. Null: verl's sft_trainer default ``messages`` in a file that has that column;
-    a file without it is read from prompt_key/response_key (named in a start-up line). A set key must be
-    a column of every file (``data.sft_dataset.chat_column``)."""
+    """Each row's chat column. Null: ``messages`` where a file has it, else prompt_key/response_key. A set
+    key must be a column of every file."""
     val_files: Optional[Any] = field(default=None, metadata=APPLY_ON_RESUME)
     """Validation file(s); null with synthetic data = the generated validation split."""
     train_batch_size: int = 32
@@ -65,9 +62,7 @@ class SFTDataSection(SFTDataConfig):
     max_token_len_per_gpu: int = field(default=2048, metadata=LAYOUT_ON_RESUME)
     """Token cap of a micro-batch per worker (per SP rank, after Ulysses padding)."""
     balance_dp_token: bool = field(default=True, metadata=LAYOUT_ON_RESUME)
-    """verl's switch for DP-global token counts. Always true here: the loss contract takes its
-    token and sequence counts over the whole mini-batch (every DP rank and micro-batch); false is
-    rejected rather than silently ignored."""
+    """verl's switch for DP-global token counts; must be true (the loss contract always uses them)."""
     shuffle: bool = True
     """Reshuffle the training set every epoch (seeded by trainer.seed)."""
     synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)

@@ -1,9 +1,8 @@
 """The merged config as the recipe's typed objects, in one pass.
 
-``open_sections`` opens a schema node to keys it does not declare (so a YAML file or the command line
-may hold verl's spellings until ``verl_keys.translate`` writes them as ours); ``check_known_keys`` then
-refuses any key still undeclared; ``to_typed`` builds every section once, innermost first, so each
-``__post_init__`` check runs once and its ``ConfigError`` names the full key.
+``open_sections`` admits undeclared keys until ``verl_keys.translate`` rewrites verl's spellings;
+``check_known_keys`` then refuses the rest; ``to_typed`` builds each section once, innermost first,
+so its ``ConfigError`` names the full key.
 """
 
 from __future__ import annotations
@@ -18,8 +17,7 @@ __all__ = ["check_known_keys", "open_sections", "to_typed"]
 
 
 def check_known_keys(cfg: DictConfig, path: str = "") -> None:
-    """Raise ConfigError naming any key a typed section does not declare (e.g. Hydra's
-    ``+data.trian_files=x`` append syntax, which bypasses the schema's own check)."""
+    """Raise ConfigError naming any key a typed section does not declare (e.g. via Hydra's ``+`` append)."""
     schema = OmegaConf.get_type(cfg)
     if dataclasses.is_dataclass(schema):
         fields = {f.name for f in dataclasses.fields(schema)}
@@ -38,8 +36,7 @@ def check_known_keys(cfg: DictConfig, path: str = "") -> None:
 
 
 def open_sections(node: DictConfig) -> DictConfig:
-    """``node`` with every section open to keys it does not declare (the flag is the section's own, so
-    Hydra's closing of the root leaves them open); returns ``node``."""
+    """``node`` with every section open to undeclared keys (its own flag, surviving Hydra's closing of the root)."""
     OmegaConf.set_struct(node, False)
     for key in node.keys():
         child = node._get_node(key)
@@ -60,8 +57,7 @@ def _is_section(node) -> bool:
 
 
 def instantiate_section(node: DictConfig, path: str):
-    """The section object of ``node``: its subsections built first (each exactly once) and passed
-    in; a ValueError from its ``__post_init__`` re-raised as ConfigError with the keys in full."""
+    """The section object of ``node``, subsections built first once; a ValueError becomes ConfigError with full keys."""
     values = {}
     for key in node.keys():
         child = node._get_node(key)
@@ -81,8 +77,7 @@ def instantiate_section(node: DictConfig, path: str):
 
 
 def to_typed(cfg: DictConfig):
-    """The merged config, typed by its schema, as the schema's objects (every ``__post_init__`` check
-    run once, no number inf or nan)."""
+    """The merged config as the schema's objects (each ``__post_init__`` check run once, no inf or nan)."""
     config = instantiate_section(cfg, "")
     check_finite_values(config)
     return config

@@ -1,18 +1,12 @@
 """verl's spellings of the recipes' keys: one table, applied to the merged config.
 
-Each ``VerlKey`` is a key of verl's launch scripts and configs that the typed schemas do not declare:
-
+Each ``VerlKey`` is a verl key the typed schemas do not declare:
 - ``honoured``: its value is written into ``target``, our key of the same meaning;
-- ``no_effect``: accepted, removed, and named once in the start-up line with its reason; with
-  ``schema_when``, a key the schema does declare but only one backend reads (vLLM's engine keys): named
-  so, and put back to its default, in a run of another backend.
+- ``no_effect``: accepted, removed and named once in the start-up line with its reason (with
+  ``schema_when``: a declared key only one backend reads, reset to its default for the others).
 
-``values``, when set, are the only values accepted; any other is refused naming the key, the valid
-values and the reason. ``translate`` applies the table to the config Hydra composed (command line,
-YAML files) or Python built, so every input behaves alike; ``command_line`` only lets Hydra take the
-table's keys (``++``) and drops verl's config-group choices (``engine=fsdp``). Two spellings of one
-key with different values are refused naming both. The docs table ``docs/verl_keys.md`` is
-``python -m verl_balance.trainer.config.verl_keys > docs/verl_keys.md``.
+``values``, when set, are the only values accepted. Two spellings of one key with different values
+are refused naming both. ``docs/verl_keys.md`` is ``python -m verl_balance.trainer.config.verl_keys``.
 """
 
 from __future__ import annotations
@@ -63,10 +57,8 @@ class VerlKey:
     group: bool = False
     """A choice of verl's Hydra config group (``engine=fsdp``): a command-line word, not a key."""
     schema_when: tuple[str, str] | None = None
-    """(key, value): a key our schema declares that only a run with that key at that value reads (vLLM's
-    keys with ``actor_rollout_ref.rollout.name=vllm``); in any other run a value that is not a default is
-    named without effect (checked against ``values`` and by the section's checks as that run would make
-    them) and put back to the schema's default."""
+    """(key, value): a declared key only runs with that value read (vLLM's keys); elsewhere a non-default
+    value is named without effect, checked as that run would, and reset to the schema's default."""
 
     def __post_init__(self) -> None:
         assert self.status in ("honoured", "no_effect"), self.status
@@ -89,8 +81,7 @@ def _none(
 
 
 def _reward_manager_keys() -> list[VerlKey]:
-    """verl's reward manager (naive or dapo) and the dapo manager's overlong shaping, in verl 0.9.1's
-    ``reward.*`` spelling and the legacy ``reward_model.*`` one."""
+    """verl's reward manager keys (naive/dapo, overlong shaping), ``reward.*`` and legacy ``reward_model.*``."""
     ours = "custom_reward_function"
     manager = "verl's reward manager: naive, or dapo (the score plus DAPO's overlong penalty)"
     keys = [
@@ -446,9 +437,8 @@ def target_of(key: str, entry: VerlKey) -> str:
 
 
 def command_line(args: Sequence[str], *, recipe: str) -> tuple[list[str], list[str]]:
-    """(the command line with each of the table's keys written ``++key=value``, so Hydra adds it to
-    the composed config in any section, and verl's config-group choices removed; those choices).
-    Nothing is translated here: ``translate`` does it on the composed config."""
+    """(the command line with the table's keys written ``++key=value`` and verl's config-group choices
+    removed; those choices). Nothing is translated here."""
     out: list[str] = []
     groups: list[str] = []
     for given in args:
@@ -477,8 +467,7 @@ def _leaves(parent: DictConfig, key: Any, path: tuple) -> list[tuple[tuple, Any]
 
 
 def undeclared_leaves(cfg: DictConfig, path: tuple = ()) -> list[tuple[tuple, Any]]:
-    """(key path, value) of every leaf under a key that its typed section does not declare; the
-    schema's free dicts and lists are values, not walked."""
+    """(key path, value) of every undeclared leaf; the schema's free dicts and lists are values, not walked."""
     declared = {f.name for f in dataclasses.fields(OmegaConf.get_type(cfg))}
     out: list[tuple[tuple, Any]] = []
     for key in cfg.keys():
@@ -497,8 +486,7 @@ def _disagree(first: str, first_value: Any, second: str, second_value: Any) -> C
 
 
 def _write(cfg: DictConfig, key: str, value: Any, target: str, *, written: dict, defaults) -> None:
-    """``value`` of verl's ``key`` into our ``target``; ConfigError when the target holds another value
-    that a user set (``written`` by another spelling, or none of its ``defaults``)."""
+    """``value`` of verl's ``key`` into our ``target``; ConfigError when the target holds another user-set value."""
     if target in written:
         if not _same(written[target][1], value):
             raise _disagree(*written[target], key, value)
@@ -530,10 +518,8 @@ def _remove(cfg: DictConfig, path: tuple) -> None:
 
 
 def translate(cfg: DictConfig, *, recipe: str, defaults: Sequence[DictConfig] = ()) -> tuple[DictConfig, list[str]]:
-    """(a copy of the composed ``cfg`` with each honoured verl key's value in our key and the table's
-    keys removed, the no-effect keys). Keys the table does not know are left for the unknown-key check.
-    ConfigError on a value the table refuses, and on two spellings of one key set to different values:
-    our key counts as set when it holds none of its ``defaults`` (the schema's, the recipe file's)."""
+    """(a copy of ``cfg`` with honoured verl keys written as ours and the table's keys removed, the
+    no-effect keys). ConfigError on a refused value or two spellings of one key with different values."""
     out = copy.deepcopy(cfg)
     no_effect: list[str] = []
     written: dict[str, tuple[str, Any]] = {}
@@ -552,8 +538,7 @@ def translate(cfg: DictConfig, *, recipe: str, defaults: Sequence[DictConfig] = 
 
 
 def _unread_schema_keys(cfg: DictConfig, *, recipe: str, defaults: Sequence[DictConfig]) -> list[str]:
-    """The ``schema_when`` keys that ``cfg``'s run does not read and a user set (a value none of
-    ``defaults`` holds), each checked (``_check_value``, ``_check_as_read``) and put back to the first default."""
+    """The user-set ``schema_when`` keys ``cfg``'s run does not read, checked and put back to the first default."""
     unread: list[str] = []
     schema = OmegaConf.get_type(cfg)
     if not defaults and dataclasses.is_dataclass(schema):

@@ -3,17 +3,12 @@
 Invariants:
 - The estimator sees verl's inputs on our layout (rows = prompt + response, right-padded):
   ``token_level_rewards`` = each response's score on its last loss-mask token, ``response_mask`` =
-  the loss mask, ``index`` = the prompt of each row (verl's ``uid`` group), ``values`` = the critic's
-  (gae), ``reward_baselines`` = the greedy response's score to the same prompt (remax),
-  ``reward_components`` = the reward function's extra fields (gdpo), ``old_log_probs``,
-  ``sum_pi_squared`` (the old log-prob pass's sum over the vocabulary of pi^2) and the rollout
-  correction's ``rollout_is_weights`` (the optimal-token baselines), when the batch has them.
-- ``token_level_rewards`` = the scores, minus beta x KL(old || ref) per token with
-  ``use_kl_in_reward`` (verl's apply_kl_penalty, before the rollout correction); the decoupled
-  rollout correction then sets ``rollout_is_weights`` and zeroes rejected tokens of the loss mask,
-  so the estimator sees verl's modified response mask (the rewards keep the original positions).
-- Pure driver code (no Ray, no torch.distributed): the same function the trainer calls is the one
-  tests check against the library's estimators on hand-built inputs.
+  the loss mask, ``index`` = the prompt of each row (verl's ``uid``), plus ``values``,
+  ``reward_baselines``, ``reward_components``, ``old_log_probs``, ``sum_pi_squared`` and
+  ``rollout_is_weights`` when the batch has them.
+- With ``use_kl_in_reward`` the rewards are the scores minus beta x KL(old || ref) per token; the
+  rollout correction then zeroes rejected tokens of the loss mask (verl's modified response mask).
+- Pure driver code: no Ray, no torch.distributed.
 """
 
 from __future__ import annotations
@@ -88,9 +83,8 @@ def token_level_rewards(
 
 
 def correct_rollout(batch: Batch, *, algorithm: AlgorithmSection) -> dict[str, float]:
-    """verl's decoupled rollout correction on the batch, in place: ``rollout_is_weights`` (with
-    ``rollout_is``) and rejected tokens removed from the loss mask (with ``rollout_rs``); its metrics.
-    Nothing when the correction is off or in bypass mode."""
+    """verl's decoupled rollout correction, in place (``rollout_is_weights``; rejected tokens out of the
+    loss mask); its metrics. Nothing when off or in bypass mode."""
     if not algorithm.corrects_rollout:
         return {}
     if ROLLOUT_LOG_PROBS_KEY not in batch:
@@ -118,8 +112,7 @@ def advantage_inputs(
     reward_baselines: torch.Tensor | None = None,
     rewards: torch.Tensor | None = None,
 ) -> AdvantageInputs:
-    """The estimator's inputs from the batch's columns, the scores (or ``rewards``, the token-level
-    rewards already built) and (remax) the greedy baselines."""
+    """The estimator's inputs from the batch's columns, the scores (or token-level ``rewards``) and baselines."""
     loss_mask = batch[LOSS_MASK_KEY]
     params = algorithm.advantage_params()
     if rewards is None:

@@ -1,18 +1,10 @@
 """The asynchronous trainer's part of a checkpoint: the policy version and the in-flight batches.
 
-A ``separate_async`` checkpoint of step s holds the actor's weights of policy version s, but the
-batches already submitted (s .. s + lookahead - 1) are generated with older weights (version
-s - 1 one step off) that no longer exist anywhere once step s - 1 updated the actor. So the
-save waits for those generations and writes each batch's rollout output to
-``in_flight_<k>.safetensors`` (tensors only, read without unpickling; its policy version,
-finish reasons and predicted rollout balance as string metadata), inside the checkpoint
-directory, so its manifest covers them. A resumed run (or one restarted after a dead worker)
-trains on exactly those samples, generates every later batch from its seeds with the restored
-weights, and so continues the uninterrupted run's curve.
-
-``trainer_state.json`` records ``policy_version`` (the actor's version: optimizer rounds taken),
-the in-flight list (step, version, file) and the running response-length estimate the rollout
-split predicts with.
+A checkpoint of step s holds policy version s, but the batches already submitted were generated with
+weights that no longer exist, so the save waits for them and writes each one's rollout output to
+``in_flight_<k>.safetensors`` inside the checkpoint (covered by its manifest). A resumed run trains on
+exactly those samples and so continues the uninterrupted run's curve. ``trainer_state.json`` records
+``policy_version``, the in-flight list and the response-length estimate.
 """
 
 from __future__ import annotations
@@ -92,10 +84,8 @@ def load_rollout_output(path: str) -> tuple[RolloutOutput, int, dict]:
 
 
 class AsyncCheckpoint:
-    """What ``trainer.checkpoint`` saves, loads and hashes in ``separate_async``: the actor's shards
-    plus the in-flight batches ``write_in_flight(path)`` writes beside them (one manifest over
-    both, hashed on the actor's ranks). Loading restores the actor; the trainer reads the in-flight
-    files itself once the loader's position is restored."""
+    """What ``trainer.checkpoint`` saves in ``separate_async``: the actor's shards plus the in-flight batches
+    (one manifest over both). Loading restores the actor; the trainer reads the in-flight files itself."""
 
     def __init__(self, actor, write_in_flight) -> None:
         self.actor, self._write_in_flight = actor, write_in_flight

@@ -1,24 +1,16 @@
 """``trainer.v1.trainer_mode=separate_async`` (and ``colocate_async``): GRPO one step off-policy.
 
-``AsyncGRPOTrainer`` is ``GRPOTrainer`` whose training batch k was generated ahead, with the policy
-version recorded on every row (``policy_version``): by a rollout worker group on its own resource
-pool (separate_async; the actor's weights are synced to it in buckets after each step,
-``workers/weight_sync.py``), or by the actor group's colocated rollout queued before step k-1's
-updates (colocate_async; no sync). A worker runs its calls in order, so a batch generates with the
-weights of the last sync submitted before it, and both modes draw the same samples.
+``AsyncGRPOTrainer`` is ``GRPOTrainer`` whose batch k was generated ahead, each row recording its
+``policy_version``: by a rollout group on its own pool (separate_async; weights synced after each
+step) or by the actor group's colocated rollout (colocate_async). Both modes draw the same samples.
 
 Invariants:
 - staleness = step - version; ``max_off_policy_strategy=drop`` removes rows staler than
-  ``max_off_policy_threshold`` before training, ``wait`` caps the lookahead instead;
-- every update is off-policy (``OldLogProbs.off_policy``): the old log-probs are the rollout's
-  recorded ones (bypass: the PPO ratio against the behaviour policy is the importance weight), unless
-  verl's decoupled ``algorithm.rollout_correction`` (with ``recompute_old_log_prob=always``) keeps the
-  actor's and weights/rejects tokens as in sync mode;
-- a sample's tokens depend only on its prompt, its seed (``sampling_seed(seed, sample_index)``) and
-  the weights, not on the worker that drew it; prompts are spread over rollout workers by predicted
-  tokens (``rollout/imbalance_*``);
-- a checkpoint keeps the in-flight batches' rollout outputs with their versions
-  (``async_checkpoint.py``), so a resumed or restarted run trains on the same samples;
+  ``max_off_policy_threshold``, ``wait`` caps the lookahead instead;
+- the old log-probs are the rollout's (bypass), unless ``algorithm.rollout_correction`` with
+  ``recompute_old_log_prob=always`` keeps the actor's;
+- a sample's tokens depend only on its prompt, its seed and the weights, not on the worker;
+- a checkpoint keeps the in-flight batches (``async_checkpoint.py``);
 - with LoRA, every sync after a rollout group's first sends the adapters only.
 No critic (the config refuses gae here).
 """
@@ -88,8 +80,7 @@ logger = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------- pure helpers
 def peek_loader_item(loader, ahead: int):
-    """The item ``for item in loader`` yields ``ahead`` (>= 1) items after the one it yielded last,
-    without moving the loader (its order is a function of its seed, epoch and position)."""
+    """The item the loader yields ``ahead`` (>= 1) items after its last one, without moving the loader."""
     sampler = loader.sampler
     per_epoch = len(sampler)
     linear = sampler.position + ahead - 1
@@ -100,8 +91,7 @@ def peek_loader_item(loader, ahead: int):
 
 
 def assign_prompts(costs: np.ndarray, *, num_workers: int) -> tuple[list[np.ndarray], dict]:
-    """Prompt ids per rollout worker, balanced by ``costs`` (counts within one), and the
-    predicted imbalance (max / mean load) of that split and of the contiguous one."""
+    """Prompt ids per rollout worker balanced by ``costs``, with its and the contiguous split's predicted imbalance."""
     costs = np.asarray(costs, dtype=np.float64)
     parts = balanced_partition(costs=costs, num_parts=num_workers, equal_size=True)
     bounds = np.linspace(0, len(costs), num_workers + 1).round().astype(int)
@@ -130,8 +120,7 @@ def select_output_rows(output: RolloutOutput, rows: np.ndarray) -> RolloutOutput
 
 
 def merge_assigned_outputs(outputs: list, parts: list[np.ndarray], *, pad_token_id: int) -> RolloutOutput:
-    """One prompt-major RolloutOutput from per-worker outputs, worker w having answered the
-    prompts ``parts[w]`` (its local prompt i is global prompt ``parts[w][i]``)."""
+    """One prompt-major RolloutOutput from per-worker outputs (worker w's local prompt i is ``parts[w][i]``)."""
     remapped = [
         None if o is None else replace(o, prompt_index=np.asarray(p)[o.prompt_index]) for o, p in zip(outputs, parts)
     ]
@@ -151,9 +140,7 @@ def stale_rows(versions: np.ndarray, *, current: int, threshold: int) -> np.ndar
 
 
 def is_weight_metrics(batch: Batch) -> dict:
-    """Token- and sequence-level importance weights exp(log pi_actor - log pi_rollout) of the
-    batch (``rollout_correction.is_weights``, no truncation): mean, max, min over loss-mask
-    tokens / non-empty sequences."""
+    """Token- and sequence-level IS weights exp(log pi_actor - log pi_rollout) of the batch: mean, max, min."""
     mask = batch[LOSS_MASK_KEY].double()
     log_ratio = (batch[OLD_LOG_PROBS_KEY].double() - batch[ROLLOUT_LOG_PROBS_KEY].double()) * mask
     out = {}
@@ -173,8 +160,7 @@ def is_weight_metrics(batch: Batch) -> dict:
 
 
 class ColocatedFuture:
-    """colocate_async: the actor group's ``generate_sequences`` answers as the rollout group's
-    ({"output", "version", "busy_s"} per rank; the version is the actor's at submission)."""
+    """colocate_async: the actor group's ``generate_sequences`` answering as the rollout group's."""
 
     def __init__(self, future: GroupFuture, version: int) -> None:
         self._future, self._version = future, version
@@ -337,8 +323,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
             save_rollout_output(file, output, version=flight.version, predicted=flight.predicted)
 
     def _load(self, path: str) -> None:
-        """Resume: the in-flight batches come back from the checkpoint (trained on as they were
-        generated); the restored weights go to the rollout group before the next generation."""
+        """Resume: the in-flight batches come back from the checkpoint; the weights go to the rollout group."""
         super()._load(path)
         state = checkpoint.read_json(os.path.join(path, checkpoint.TRAINER_STATE_FILE)) or {}
         self._in_flight = self._restore_in_flight(path, state)
@@ -379,8 +364,7 @@ class AsyncGRPOTrainer(GRPOTrainer):
         return self._bucket_plans[adapters_only]
 
     def sync_weights(self, *, version: int) -> dict:
-        """Send the actor's weights to every rollout worker in buckets (not waiting for the rollout
-        side, which applies them after the generations submitted before); the sync's metrics.
+        """Send the actor's weights to every rollout worker in buckets without waiting; the sync's metrics.
         With LoRA a rollout group that holds the base gets the adapters only."""
         start = time.perf_counter()
         lora = self._weight_plan(adapters_only=False)["lora_scaling"] is not None
@@ -494,9 +478,8 @@ class AsyncGRPOTrainer(GRPOTrainer):
         return batch.index_select(np.flatnonzero(~stale))
 
     def _train_on(self, batch: Batch, metrics: dict, *, old_log_probs: OldLogProbs) -> None:
-        """Score, reference (and with recompute_old_log_prob=always the actor's) log-probs,
-        advantages and the PPO updates against the rollout's recorded log-probs (bypass), or with
-        the decoupled rollout correction against the actor's, IS-weighted."""
+        """Score, log-probs, advantages and PPO updates against the rollout's log-probs (bypass) or, with the
+        decoupled rollout correction, the actor's."""
         batch.meta[TEMPERATURE_KEY] = float(self.rollout_cfg.temperature)
         pending = self._submit_log_prob_passes(batch, metrics, old_log_probs=old_log_probs)
         with _timed(metrics, TIMING_REWARD):

@@ -1,10 +1,8 @@
 """The critic's part of a GRPO/PPO step, one object for the run: ``CriticRole`` (a value model,
 ``algorithm.adv_estimator=gae``) or ``NoCritic``, whose every method is the step without a critic.
 
-A step asks its role, in order: ``submit_values`` (the values pass, beside the log-prob passes and
-collected with them), ``attach_returns`` (GAE's returns), ``train`` (value-loss optimizer steps,
-before the actor's update). The critic's shards are saved with the actor's in every
-``global_step_N`` (under ``critic/``, one checksum manifest hashed on the actor's ranks).
+Order within a step: ``submit_values``, ``attach_returns``, ``train`` (before the actor's update).
+The critic's shards are saved under ``critic/`` in every ``global_step_N``.
 """
 
 from __future__ import annotations
@@ -30,8 +28,7 @@ CRITIC_CHECKPOINT_DIR = "critic"
 
 
 def value_metrics(batch: Batch) -> dict:
-    """verl's critic data metrics over the response tokens: mean values and returns, and the
-    explained variance 1 - var(returns - values) / (var(returns) + 1e-5) (unbiased variances)."""
+    """verl's critic data metrics: mean values and returns, and the explained variance (unbiased variances)."""
     mask = batch[LOSS_MASK_KEY].bool()
     values, returns = batch[VALUES_KEY][mask].double(), batch[RETURNS_KEY][mask].double()
     if values.numel() < 2:
@@ -44,9 +41,8 @@ def value_metrics(batch: Batch) -> dict:
 
 
 class ActorCriticCheckpoint:
-    """What ``trainer.checkpoint`` saves, loads and hashes when there is a critic: the actor's shards
-    at the root of ``global_step_N``, the critic's under ``critic/``; one manifest covers both
-    (hashed on the actor's ranks)."""
+    """What ``trainer.checkpoint`` saves with a critic: the actor's shards at the root, the critic's under
+    ``critic/``; one manifest covers both."""
 
     def __init__(self, actor: ActorRolloutGroup, critic: CriticGroup) -> None:
         self.actor, self.critic = actor, critic
@@ -101,9 +97,8 @@ NO_CRITIC = NoCritic()
 
 
 class CriticRole:
-    """The critic's worker group (a value model with the actor's world size and Ulysses degree) and
-    the step's critic work; ``start()`` builds a group (at start and after a worker died) and
-    ``plan(batch, micro_batch_size=, token_cap=)`` is the trainer's DP plan (a prompt's rows on one rank)."""
+    """The critic's worker group (the actor's world size and Ulysses degree) and the step's critic work;
+    ``start()`` builds a group, ``plan(...)`` is the trainer's DP plan."""
 
     algorithm = "PPO"
 
@@ -123,9 +118,7 @@ class CriticRole:
         self.group = self._start()
 
     def warm_start(self, path: str) -> None:
-        """verl's critic.model.path defaults to the actor's, so a critic without its own model starts
-        from the actor's warm-start weights: the decoder. A LoRA warm start holds only adapters; the
-        critic then keeps the base both share."""
+        """A critic without its own model starts from the actor's warm-start decoder (LoRA: the shared base)."""
         from verl_balance.engine.lora import read_base_fingerprint
 
         if self.config.model.path is not None:
@@ -137,8 +130,7 @@ class CriticRole:
         logger.info("critic warm start: decoder%s of %s", " and value head" if head else "", path)
 
     def submit_values(self, batch: Batch, *, pending: dict, metrics: dict) -> None:
-        """Start the values pass through its own plan (the critic's micro-batching) without waiting:
-        ``pending[values] = (plan, GroupFuture)``, collected with the log-prob passes."""
+        """Start the values pass on the critic's own plan without waiting: ``pending[values] = (plan, GroupFuture)``."""
         c = self.config
         with timed(metrics, VALUES_KEY):
             plan = self._plan(
@@ -155,16 +147,14 @@ class CriticRole:
             batch[RETURNS_KEY] = returns
 
     def train(self, batch: Batch, *, metrics: dict, phase: Callable[[str], None]) -> None:
-        """verl's critic data metrics, then critic.ppo_epochs x mini-batches value-loss steps, each
-        through its own plan, into ``metrics``."""
+        """verl's critic data metrics, then critic.ppo_epochs x mini-batches value-loss steps, into ``metrics``."""
         metrics.update(value_metrics(batch))
         phase("critic update")
         with timed(metrics, "update_critic"):
             metrics.update(self._value_updates(batch))
 
     def _value_updates(self, batch: Batch) -> dict:
-        """The mean of the critic's global metrics (``critic/vf_loss``, ``vf_clipfrac``, ``vpred_mean``,
-        ``grad_norm``, ``lr``) over its optimizer steps."""
+        """The mean of the critic's global metrics over its optimizer steps."""
         c = self.config
         cap = c.ppo_max_token_len_per_gpu if c.use_dynamic_bsz else None
         records = []

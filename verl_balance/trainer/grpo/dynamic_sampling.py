@@ -2,15 +2,11 @@
 the same for every response, keep generating batches until ``data.train_batch_size`` prompts remain.
 
 Invariants (verl's DAPO trainer):
-- A group (the responses to one prompt) is kept when the population std of its ``metric`` is > 0 or
-  it has one response. ``metric``: ``reward`` / ``score`` / ``seq_reward`` / ``seq_final_reward`` =
-  the response's score (before any KL penalty: main_grpo filters before the log-prob passes, so
-  ``seq_final_reward`` with ``use_kl_in_reward`` is refused at start-up); any other name = that
-  field of the reward function's extras (missing: an error naming the key).
-- Kept groups accumulate over generation batches; when at least ``train_batch_size`` prompts are
-  kept the step trains on the first ``train_batch_size`` of them (prompt-major, renumbered 0..P-1);
-  otherwise another batch is generated, unless ``max_num_gen_batches`` (> 0) batches were already
-  generated: then the step fails as verl's does.
+- A group is kept when the population std of its ``metric`` is > 0 or it has one response.
+  ``reward`` / ``score`` / ``seq_reward`` / ``seq_final_reward`` = the score before any KL penalty;
+  any other name = that field of the reward's extras (missing: an error naming the key).
+- The step trains on the first ``train_batch_size`` kept groups (prompt-major, renumbered 0..P-1);
+  after ``max_num_gen_batches`` (> 0) batches without enough, the step fails as verl's does.
 - Pure driver code: no Ray, no torch.distributed.
 """
 
@@ -78,8 +74,7 @@ class GroupFilter:
     num_prompts: int = 0
 
     def add(self, batch: Batch, *, scores: np.ndarray, extras: Mapping[str, np.ndarray]) -> bool:
-        """Keep the varying groups of one generation batch; True once the train batch is full.
-        DynamicSamplingError when it is not and ``max_num_gen_batches`` batches were generated."""
+        """Keep one batch's varying groups; True once the train batch is full. DynamicSamplingError past the limit."""
         self.num_gen_batches += 1
         prompt_index = np.asarray(batch[PROMPT_INDEX_KEY])
         groups = kept_groups(prompt_index, group_metric(self.metric, scores=scores, extras=extras))

@@ -1,7 +1,6 @@
 """Generations on disk, as verl writes them: ``trainer.rollout_data_dir`` / ``trainer.validation_data_dir``
-get ``<step>.jsonl`` per step, one line per response (verl's ``RayPPOTrainer._dump_generations``):
-``{"input", "output", "gts", "score", "step", **reward extras}``; the prompt and response are decoded
-without special tokens, ``gts`` is the row's ground truth."""
+get ``<step>.jsonl``, one line per response: ``{"input", "output", "gts", "score", "step", **extras}``.
+"""
 
 from __future__ import annotations
 

@@ -8,10 +8,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class OldLogProbs:
-    """A step's old-log-prob decision. ``from_update`` implies no ``recompute``: the one on-policy
-    optimizer step's own forward gives them (``PPOLoss(on_policy=True)``, ratio exactly 1). With
-    neither, they are the rollout's recorded log-probs (``rollout_correction.bypass_mode``, async).
-    docs/verl.md section 8 says why the on-policy shortcut is exact."""
+    """A step's old-log-prob decision. ``from_update`` implies no ``recompute`` (the on-policy forward's
+    own, ratio exactly 1); with neither, they are the rollout's recorded log-probs."""
 
     recompute: bool
     """The actor's old-log-prob pass runs on the batch before the advantages (``train/old_log_prob_pass``)."""
@@ -23,16 +21,14 @@ class OldLogProbs:
 
     @classmethod
     def sync(cls, config) -> OldLogProbs:
-        """The sync trainer's: from the update when ``GRPOConfig.old_log_prob_from_update``, the
-        rollout's with bypass_mode, else the pass."""
+        """The sync trainer's: from the update when allowed, the rollout's with bypass_mode, else the pass."""
         from_update = config.old_log_prob_from_update
         bypass = config.algorithm.rollout_correction.bypass_mode
         return cls(recompute=not from_update and not bypass, from_update=from_update)
 
     @classmethod
     def off_policy(cls, config) -> OldLogProbs:
-        """The async trainer's (every update off-policy): the pass only with ``recompute_old_log_prob=always``
-        and without bypass_mode."""
+        """The async trainer's: the pass only with ``recompute_old_log_prob=always`` and without bypass_mode."""
         recompute = config.actor_rollout_ref.actor.recompute_old_log_prob == "always"
         return cls(recompute=recompute and not config.algorithm.rollout_correction.bypass_mode, from_update=False)
 

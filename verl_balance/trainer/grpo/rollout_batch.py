@@ -1,9 +1,7 @@
 """The driver's rollout batch, built the same way by the sync and the async trainer.
 
-A loader item is ``(tensors, non_tensors)`` for a batch of prompts. ``prompt_batch`` is what the
-rollout workers read of it (prompt token ids, lengths, dataset sample indices); ``rollout_batch``
-is the training batch: one row per response, prompt-major, with the prompt's ``uid`` (its dataset
-index), ``data_source``, ``ground_truth`` and ``extra_info`` repeated on each of its responses.
+``prompt_batch`` is what the rollout workers read of a loader item; ``rollout_batch`` is the training
+batch: one row per response, prompt-major, each carrying its prompt's ``uid`` and non-tensor fields.
 """
 
 from __future__ import annotations
@@ -29,9 +27,8 @@ PROMPT_COLUMNS = ("data_source", "ground_truth", "extra_info")
 
 
 def prompt_batch(prompts: tuple[dict, dict], *, multi_turn: bool = False) -> Batch:
-    """One row per prompt: its token ids, length and dataset index (the seed of its samples); with
-    ``multi_turn`` also the chat, ``extra_info`` (its ``tools_kwargs``) and verl's ``agent_name``,
-    which a worker's tool loop reads."""
+    """One row per prompt: token ids, length and dataset index (its samples' seed); with ``multi_turn``
+    also the chat, ``extra_info`` and ``agent_name``."""
     tensors, non_tensors = prompts
     columns = {PROMPT_IDS_KEY: non_tensors[PROMPT_IDS_KEY]}
     if multi_turn:

@@ -1,14 +1,11 @@
 """GRPO driver: prompts -> rollout -> reward -> balanced old/ref log-probs -> advantages -> PPO updates.
 
-``train_step(prompts)`` is one driver iteration on ``data.train_batch_size`` prompts, walked stop by
-stop in docs/design.md ("Walk of one GRPO step"); the actor trains ``ppo_epochs`` x mini-batches of
-``ppo_mini_batch_size`` prompts, one plan and one optimizer step each (``train_actor``).
+``train_step(prompts)`` is one driver iteration (docs/design.md, "Walk of one GRPO step").
 
-Invariants: rows keep the rollout's prompt-major order on the driver; every per-row tensor that
-comes back from workers goes through ``merge_by_plan`` before it is attached. A response is never
-dropped or cut after it was scored (GRPO accepts ``balance.overlong=error`` only), so every plan
-places every row and a prompt's responses share a DP rank. Each logged actor metric is the mean over
-the step's optimizer steps of the engine's exact global values.
+Invariants: rows keep the rollout's prompt-major order on the driver; every per-row tensor from the
+workers goes through ``merge_by_plan``. A scored response is never dropped or cut, so every plan places
+every row and a prompt's responses share a DP rank. Each logged actor metric is the mean over the
+step's optimizer steps of the engine's exact global values.
 """
 
 from __future__ import annotations
@@ -132,8 +129,7 @@ PPO_PLOT_PANELS = (
 
 # ---------------------------------------------------------------------- driver-side helpers
 def rollout_probs_diff(batch: Batch) -> dict:
-    """How far the rollout's token probabilities are from the actor's recomputed ones (verl's
-    ``training/rollout_probs_diff_*``): large values mean the two forwards disagree."""
+    """Gap between the rollout's and the actor's token probabilities (verl's ``training/rollout_probs_diff_*``)."""
     if ROLLOUT_LOG_PROBS_KEY not in batch:
         return {}
     mask = batch[LOSS_MASK_KEY].bool()
@@ -147,9 +143,7 @@ def rollout_probs_diff(batch: Batch) -> dict:
 
 
 def update_metrics(per_rank: list[dict]) -> dict:
-    """The driver's record of one optimizer step (``ActorGroup.update_actor``): the engine's global actor/perf figures;
-    an on-policy update's rollout-vs-trainer gap under the names ``rollout_probs_diff`` uses; the
-    bypass_mode loss's ``rollout_corr/*`` under verl's names (no ``actor/`` prefix)."""
+    """One optimizer step's metrics: engine figures, on-policy ``rollout_probs_diff`` and bypass ``rollout_corr/*``."""
     reduced = reduce_rank_metrics(per_rank, prefix="actor/")
     for name in ("mean", "max"):
         if f"actor/rollout_probs_diff_{name}" in reduced:
@@ -249,8 +243,7 @@ class GRPOTrainer(DriverBase):
         return self.rollout_cfg.vllm_config(seed=self.config.trainer.seed)
 
     def _worker_config(self) -> ActorRolloutWorkerConfig:
-        """The actor-rollout workers' config: the recipe's engine config for the whole run, the
-        policy loss, the rollout backend and the tokenizer's special tokens."""
+        """The actor-rollout workers' config: engine config, policy loss, rollout backend and special tokens."""
         config = self.config
         return ActorRolloutWorkerConfig(
             model=self.model_config,
@@ -270,8 +263,7 @@ class GRPOTrainer(DriverBase):
         )
 
     def _critic_worker_config(self) -> CriticWorkerConfig:
-        """The critic workers' config: a value model (critic.model.path, or the actor's model) with
-        the recipe's critic engine config for the whole run and the value loss's clip."""
+        """The critic workers' config: a value model with the critic engine config and the value loss's clip."""
         config = self.config
         model = self.model_config
         if config.critic.model.path is not None:
@@ -340,8 +332,7 @@ class GRPOTrainer(DriverBase):
         super().restart_workers()
 
     def prepare_workers(self) -> None:
-        """Warm start from ``actor_rollout_ref.model.warm_start_path`` and the frozen reference policy
-        (KL loss); run on the first worker group and again on one rebuilt after a worker died."""
+        """Warm start and the frozen reference policy; run on every newly built worker group."""
         arr = self.config.actor_rollout_ref
         if arr.model.warm_start_path:
             path = os.path.abspath(arr.model.warm_start_path)
@@ -469,8 +460,7 @@ class GRPOTrainer(DriverBase):
         return metrics
 
     def _generate_step(self, prompts: tuple[dict, dict], metrics: dict, *, seed: int) -> Batch:
-        """The step's rollout batch (``rollout.n`` responses per prompt) at the sampling temperature;
-        with rollout_correction.bypass_mode its old log-probs are the rollout's own."""
+        """The step's rollout batch (``rollout.n`` responses per prompt); with bypass_mode its log-probs are the old."""
         r = self.rollout_cfg
         self.phase("rollout")
         with _timed(metrics, TIMING_GEN):
@@ -489,8 +479,7 @@ class GRPOTrainer(DriverBase):
         return batch
 
     def _dynamic_sampling(self, prompts: tuple[dict, dict], metrics: dict) -> tuple[Batch, np.ndarray, dict]:
-        """DAPO (algorithm.filter_groups, trainer/grpo/dynamic_sampling.py): generate and score batches of
-        prompts until ``data.train_batch_size`` of them have responses that differ in the metric."""
+        """DAPO: generate and score batches until ``data.train_batch_size`` prompts have varying responses."""
         groups = self.config.algorithm.filter_groups
         kept = GroupFilter(
             metric=groups.metric,
@@ -515,10 +504,7 @@ class GRPOTrainer(DriverBase):
         return pending
 
     def _submit_log_prob_passes(self, batch: Batch, metrics: dict, *, old_log_probs: OldLogProbs) -> dict:
-        """Start the old (when ``old_log_probs.recompute``) and reference log-prob passes without
-        waiting; {name: (plan, GroupFuture)}. Each pass is cut by its own
-        micro-batching (``log_prob_plans``: rollout.log_prob_*, ref.log_prob_*); passes with the same
-        one share the plan. Only the columns a log-prob pass reads travel."""
+        """Start the old (if recomputed) and reference log-prob passes, not waiting; {name: (plan, GroupFuture)}."""
         passes = {}
         if old_log_probs.recompute:
             passes["old_log_prob"] = self.actor.compute_log_prob
@@ -559,9 +545,7 @@ class GRPOTrainer(DriverBase):
     def _attach_advantages(
         self, batch: Batch, scores: np.ndarray, extras: dict, *, baselines: torch.Tensor | None = None
     ) -> dict:
-        """``advantages`` of ``algorithm.adv_estimator`` (and with gae the critic's ``returns``) from the
-        token-level rewards (with use_kl_in_reward, minus the KL penalty), after the decoupled rollout
-        correction (``rollout_is_weights``, rejected tokens out of the loss mask); its metrics."""
+        """``advantages`` (and with gae ``returns``) after the decoupled rollout correction; its metrics."""
         algorithm = self.config.algorithm
         rewards, metrics = token_level_rewards(batch, scores=scores, algorithm=algorithm, kl_controller=self.kl_ctrl)
         metrics.update(correct_rollout(batch, algorithm=algorithm))
@@ -574,10 +558,7 @@ class GRPOTrainer(DriverBase):
         return metrics
 
     def _collect_log_prob_passes(self, batch: Batch, pending: dict, metrics: dict) -> None:
-        """Wait for the submitted passes and attach ``old_log_probs`` / ``ref_log_prob`` in row
-        order. ``timing_s/old_log_prob`` and ``timing_s/ref`` count the driver's planning (the
-        first pass), dispatch and wait after scoring, i.e. the part of each pass that the reward
-        computation did not hide."""
+        """Wait for the submitted passes and attach ``old_log_probs`` / ``ref_log_prob`` in row order."""
         if "old_log_prob" in pending:
             plan, future = pending["old_log_prob"]
             with _timed(metrics, TIMING_OLD_LOG_PROB):
@@ -596,8 +577,7 @@ class GRPOTrainer(DriverBase):
                 batch[VALUES_KEY] = merge_by_plan(future.get(), plan)[VALUES_KEY]
 
     def train_actor(self, batch: Batch, *, on_policy: bool) -> dict:
-        """ppo_epochs x mini-batches optimizer steps (``OldLogProbs.from_update``: ``on_policy``, the
-        old log-probs are each update's own forward's); mean actor metrics, plan and measured balance."""
+        """ppo_epochs x mini-batches optimizer steps; mean actor metrics, plan and measured balance."""
         a = self.actor_cfg
         actor_records, plan_records = [], []
         busy = np.zeros(self.dp)
@@ -696,8 +676,7 @@ class GRPOTrainer(DriverBase):
             )
 
     def before_training(self, tracker: Tracking) -> dict:
-        """verl's ``trainer.val_before_train``: held-out accuracy of the initial policy at step 0,
-        whatever ``test_freq`` says (verl's ``fit``)."""
+        """verl's ``trainer.val_before_train``: held-out accuracy of the initial policy at step 0."""
         if not self.config.trainer.val_before_train:
             return {}
         metrics = self.evaluate()
@@ -720,8 +699,7 @@ class GRPOTrainer(DriverBase):
 
     @classmethod
     def summary_lines(cls, summary: dict) -> list[str]:
-        """Train reward first -> final, and the held-out metric before -> after (``val/acc`` when the
-        reward returns ``acc``, else ``val/reward_mean``, named as such)."""
+        """Train reward first -> final; held-out ``val/acc`` (else ``val/reward_mean``) before -> after."""
         lines = []
         if summary.get("first_reward") is not None:
             first_score, final_score = summary["first_reward"], summary["final_reward"]
