@@ -1,9 +1,8 @@
 """Typed configs of one TrainEngine: the optimizer (``OptimConfig``, the recipes' ``optim``
 section as it is), FSDP2 behaviour (``FSDPConfig``) and the engine itself (``EngineConfig``).
 
-Choices are plain ``str`` fields checked in ``__post_init__`` against the module-level tuples:
-OmegaConf structured configs cannot hold ``Literal`` annotations, and the Hydra recipes nest these
-classes directly, so the check runs when the merged config is turned into objects.
+Choices are plain ``str`` fields checked in ``__post_init__`` against the module-level tuples
+(OmegaConf structured configs cannot hold ``Literal``).
 """
 
 from __future__ import annotations
@@ -33,9 +32,7 @@ class EngineConfigError(ValueError):
 @dataclass
 class OptimConfig:
     """AdamW with linear warmup, then a constant or cosine learning rate (verl's SFT key names).
-
-    Every key may change on resume: ``TrainEngine.load_checkpoint`` applies the new values to the
-    restored optimizer and schedule (``engine.optim.apply_optim_config``)."""
+    Every key may change on resume (applied to the restored optimizer and schedule)."""
 
     lr: float = field(default=1e-5, metadata=APPLY_ON_RESUME)
     """Peak learning rate."""
@@ -76,38 +73,28 @@ class OptimConfig:
 
 @dataclass
 class FSDPConfig:
-    """How FSDP2 (``fully_shard``) shards and synchronises across the micro-batches of one step.
-
-    Memory costs are per rank, for a model of P parameters on W ranks (param_dtype b bytes, fp32
-    gradients). The defaults keep memory lowest: every micro-batch all-gathers parameters and
-    reduce-scatters gradients. The gradient contract does not depend on any of these switches:
-    gradients are reduce-scattered exactly once into the sharded gradient (with the same divide
-    factor G), whether per micro-batch or once after the last one; the parity matrix runs them all.
+    """How FSDP2 shards and synchronises across the micro-batches of one step. Memory costs are per
+    rank, for P parameters on W ranks (param_dtype b bytes); the defaults use the least memory.
+    Gradients are reduce-scattered exactly once, with the same factor G, under every setting.
     """
 
     reshard_after_forward: bool = True
-    """Free each unit's all-gathered parameters after its forward. False keeps them until the
-    backward: saves one all-gather per unit per micro-batch and costs up to one unsharded copy of
-    the model (P * b bytes) held from forward to backward."""
+    """Free each unit's all-gathered parameters after its forward. False saves one all-gather per unit
+    per micro-batch and costs up to P * b bytes held from forward to backward."""
     reshard_after_backward: bool = True
-    """Free each unit's all-gathered parameters after its backward. False keeps them unsharded
-    from one micro-batch to the next (resharded after the step's last backward, before the
-    optimizer): together with reshard_after_forward=False a step all-gathers once instead of once
-    per micro-batch. Costs one unsharded copy of the model (P * b bytes) for the whole step."""
+    """Free each unit's all-gathered parameters after its backward. False keeps them unsharded until
+    the step's last backward (with reshard_after_forward=False: one all-gather per step); costs
+    P * b bytes for the whole step."""
     defer_gradient_sync: bool = False
-    """Accumulate unsharded gradients locally and reduce-scatter them once, after the last
-    micro-batch's backward (``set_requires_gradient_sync``), instead of after every micro-batch.
-    Saves (micro-batches - 1) reduce-scatters per step; costs one unsharded fp32 gradient per
-    parameter (4 * P bytes) for the whole step, on top of the sharded 4 * P / W."""
+    """Accumulate unsharded gradients and reduce-scatter once, after the last micro-batch's backward.
+    Saves (micro-batches - 1) reduce-scatters per step; costs 4 * P bytes for the whole step."""
     param_offload: bool = False
-    """verl's key: keep the sharded parameters (and so their gradients and AdamW state) in CPU memory on
-    CUDA workers, FSDP2's ``CPUOffloadPolicy`` (engine/offload.py): each unit's shard is copied to the
-    GPU for its all-gather, and the optimizer steps on the CPU. Device memory drops by the sharded
-    model, gradients and optimizer state ((b + 4 + 8) * P / W bytes) at the cost of host-device copies
-    every micro-batch and a CPU optimizer step. No effect on CPU workers (logged)."""
+    """verl's key: keep the sharded parameters, gradients and AdamW state in CPU memory on CUDA
+    workers (FSDP2's ``CPUOffloadPolicy``; the optimizer steps on the CPU). Saves (b + 4 + 8) * P / W
+    device bytes for host-device copies every micro-batch. No effect on CPU workers (logged)."""
     optimizer_offload: bool = False
-    """verl's key: the optimizer state in CPU memory. FSDP2 offloads parameters, gradients and optimizer
-    state together, so on CUDA this is param_offload's CPUOffloadPolicy too; no effect on CPU workers."""
+    """verl's key: the optimizer state in CPU memory; on CUDA the same policy as param_offload. No
+    effect on CPU workers."""
     offload_policy: bool = False
     """verl's FSDP2 switch for the same CPUOffloadPolicy (either of the three turns it on)."""
 
@@ -127,8 +114,7 @@ class ActorKeys:
     """verl's ``actor`` keys of the engine (also the critic's, and the SFT recipe's top level)."""
 
     loss_agg_mode: str = "token-mean"
-    """Loss aggregation: one of loss.WEIGHT_MODES (the loss contract; seq-mean-token-sum-norm is Dr.GRPO's,
-    token-sum verl's RL sum; the SFT recipe accepts loss.AGG_MODES)."""
+    """Loss aggregation: one of loss.WEIGHT_MODES (the SFT recipe accepts loss.AGG_MODES)."""
     loss_scale_factor: Optional[float] = None
     """The constant C of seq-mean-token-sum-norm (e.g. the response length)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -140,21 +126,17 @@ class HeadKeys:
     """The output head's key."""
 
     logits_chunk_size: int = field(default=DEFAULT_LOGITS_CHUNK_SIZE, metadata=LAYOUT_ON_RESUME)
-    """Tokens per chunk of the output head (models/output_head.py): log-probs, entropy and their
-    gradients are computed chunk by chunk from the final hidden states, recomputing each chunk's logits
-    but the last in the backward, so the head holds about logits_chunk_size x vocab fp32 values instead
-    of micro-batch tokens x vocab (exact: the same values and gradients). 0 = the unchunked path that
-    materializes the micro-batch's full logits (the reference; docs/performance.md)."""
+    """Tokens per chunk of the output head: log-probs, entropy and their gradients are computed chunk
+    by chunk (exact), holding about logits_chunk_size x vocab fp32 values instead of tokens x vocab.
+    0 = unchunked (full logits)."""
 
 
 @dataclass
 class FSDPKeys(HeadKeys):
-    """verl's ``fsdp_config`` (the engine's ``fsdp``) beside the output head's key: where a recipe
-    keeps its engine's FSDP2 switches (SFT ``model``, GRPO ``actor_rollout_ref.actor``)."""
+    """verl's ``fsdp_config`` beside the output head's key."""
 
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig, metadata={**LAYOUT_ON_RESUME, ENGINE_FIELD: "fsdp"})
-    """verl's key: the engine's FSDP2 switches (reshard_after_forward, reshard_after_backward,
-    defer_gradient_sync); the defaults use the least memory. See docs/performance.md."""
+    """verl's key: the engine's FSDP2 switches; the defaults use the least memory."""
 
 
 @dataclass
@@ -162,8 +144,7 @@ class CriticFSDPKeys:
     """verl's critic spelling of the engine's FSDP2 switches (``critic.fsdp``, its own section in verl)."""
 
     fsdp: FSDPConfig = field(default_factory=FSDPConfig, metadata=LAYOUT_ON_RESUME)
-    """verl's key: the critic engine's FSDP2 switches (the same fields as the actor's fsdp_config, and
-    as in verl independent of it)."""
+    """verl's key: the critic engine's FSDP2 switches (independent of the actor's)."""
 
 
 @dataclass
@@ -172,19 +153,16 @@ class LoRAKeys:
 
     lora_rank: int = 0
     """verl's key: LoRA rank; 0 = off (full fine-tuning). > 0 (Hugging Face models only): peft LoRA
-    adapters on the target Linear layers are the only trainable parameters and the only ones with
-    optimizer state (engine/lora.py, docs/models.md)."""
+    adapters are the only trainable parameters and the only ones with optimizer state."""
     lora_alpha: float = 16.0
     """verl's key: LoRA scaling numerator (the adapter's update is lora_alpha / lora_rank * B @ A)."""
     target_modules: Any = "all-linear"
-    """verl's key: 'all-linear' (every Linear of the decoder, not the output head) or a list of module
-    names, e.g. [q_proj, v_proj]."""
+    """verl's key: 'all-linear' (every decoder Linear, not the output head) or a list of module names."""
     exclude_modules: Any = None
     """verl's key: module names (a list, or a regex string) that never get an adapter; null = none."""
     lora_adapter_path: Optional[str] = None
-    """verl's key: a peft adapter directory (adapter_config.json + adapter_model.safetensors) to start
-    from; its rank, alpha and target modules are the adapter's own. null = new adapters drawn from the
-    seed (B = 0: the run starts at the base model)."""
+    """verl's key: a peft adapter directory to start from (its rank, alpha and targets are its own).
+    null = new adapters drawn from the seed (B = 0)."""
 
 
 @dataclass
@@ -209,22 +187,19 @@ ENGINE_KEY_GROUPS = (ActorKeys, HeadKeys, FSDPKeys, CriticFSDPKeys, LoRAKeys, Mo
 
 @dataclass
 class EngineConfig(KernelKeys, ModelKeys, HeadKeys, ActorKeys):
-    """Settings of TrainEngine (names follow verl where the concept is the same): the key groups above
-    plus what the trainer supplies."""
+    """Settings of TrainEngine: the key groups above plus what the trainer supplies."""
 
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     """FSDP2's switches (a recipe's ``fsdp_config``)."""
     model_type: str = "language_model"
-    """What the engine trains (verl's EngineRegistry model_type): 'language_model' (the LM head:
-    log-probs, LossFn gets ``log_probs=``) or 'value_model' (models/value.py: a scalar head per
-    token and no LM head, the critic; its loss gets ``values=``, see train_engine.py)."""
+    """What the engine trains: 'language_model' (LossFn gets ``log_probs=``) or 'value_model' (a
+    scalar head per token, the critic; its loss gets ``values=``)."""
     total_steps: int | None = None
     """Optimizer steps of the run (the schedule's length); None without a schedule that needs it."""
     seed: int = 0
     """Seed of the initial weights and new LoRA adapters (the recipes pass trainer.seed)."""
     profile_steps: list[int] = field(default_factory=list)
-    """1-based train steps (this engine's train_batch calls) to trace with torch.profiler on every
-    rank; empty = never. Traces go to profile_dir (see engine/profiling.py)."""
+    """1-based train steps to trace with torch.profiler on every rank, into profile_dir; empty = never."""
     profile_dir: str = "profile"
     """Directory of the traces: <profile_dir>/step_<N>/rank_<R>.trace.json (Chrome/Perfetto)."""
 

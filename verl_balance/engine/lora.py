@@ -1,19 +1,12 @@
 """LoRA adapters (peft) on an HF engine model, injected on the meta model before FSDP2 sharding.
 
-``apply_lora`` replaces each target ``nn.Linear`` of the HF model by peft's ``lora.Linear`` (the
-same injection ``peft.get_peft_model`` does, as verl uses it, without the PeftModel wrapper so the
-engine's parameter names keep HF's prefix). Names then read
-``model.layers.0.self_attn.q_proj.base_layer.weight`` (frozen base) and
-``...q_proj.lora_A.default.weight`` / ``lora_B`` (the only trainable parameters).
+Each target ``nn.Linear`` becomes peft's ``lora.Linear`` without the PeftModel wrapper, so names keep
+HF's prefix (``...q_proj.base_layer.weight`` frozen, ``...q_proj.lora_A.default.weight`` trainable).
 
 Invariants:
-- Base weights are the model's own: read from the safetensors (or drawn from the seed) under their
-  HF name (``base_name`` strips ``.base_layer``), so a LoRA model with B = 0 computes exactly the
-  base model's logits.
-- Adapter weights are a function of (seed, parameter name) only (kaiming-uniform A as peft draws
-  it, B = 0), or the rows of ``lora_adapter_path``: identical at every layout.
-- The output head (``lm_head``, read directly by the chunked head) and embeddings never get an
-  adapter; a target the decoder has no Linear of is refused, naming the key and the valid names.
+- Base weights are the model's own, so a LoRA model with B = 0 computes exactly the base logits.
+- Adapter weights are a function of (seed, parameter name) only, or ``lora_adapter_path``'s rows.
+- The output head and embeddings never get an adapter; an unknown target is refused.
 """
 
 from __future__ import annotations
@@ -56,8 +49,7 @@ def linear_module_names(model: nn.Module) -> list[str]:
 
 
 def lora_peft_config(config: EngineConfig, model: nn.Module):
-    """The peft LoraConfig of ``config`` (or of ``lora_adapter_path``); EngineConfigError naming the
-    key for a target the decoder does not have."""
+    """The peft LoraConfig of ``config``; EngineConfigError for a target the decoder does not have."""
     from peft import LoraConfig
 
     if config.lora_adapter_path:
@@ -177,8 +169,7 @@ def save_lora_config(lora, directory: str, *, base_model_path: str | None = None
 
 
 def save_adapter_dir(out: str, state: dict[str, torch.Tensor], lora, *, base_model_path: str | None) -> str:
-    """Write a peft adapter directory (adapter_config.json + adapter_model.safetensors) from the
-    full tensors ``state`` (our names); ``PeftModel.from_pretrained(base, out)`` loads it."""
+    """Write a peft adapter directory from the full tensors ``state`` (our names)."""
     from safetensors.torch import save_file
 
     os.makedirs(out, exist_ok=True)
@@ -191,10 +182,8 @@ def save_adapter_dir(out: str, state: dict[str, torch.Tensor], lora, *, base_mod
 # ---------------------------------------------------------------------------- reference policy
 @contextmanager
 def adapters_disabled(model: nn.Module) -> Iterator[None]:
-    """Run ``model`` as its base model: every LoRA layer computes ``base_layer(x)`` only (peft's
-    ``enable_adapters(False)``, what ``PeftModel.disable_adapter`` does). verl's reference policy
-    with LoRA is this: the actor's frozen base, no second model copy. Forward-only use: peft
-    clears the adapters' requires_grad while disabled; it is restored on exit."""
+    """Run ``model`` as its base model (every LoRA layer computes ``base_layer(x)``). Forward-only;
+    requires_grad is restored on exit."""
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
@@ -217,8 +206,7 @@ class BaseMismatchError(ValueError):
 
 
 def base_weight_files(path: str) -> list[str]:
-    """The files of an HF model directory that define its weights: config.json, the safetensors /
-    .bin shards and their index (relative names, sorted)."""
+    """The weight-defining files of an HF model directory (relative names, sorted)."""
     names = []
     for name in sorted(os.listdir(path)):
         if name == "config.json" or name.endswith((".safetensors", ".bin", ".index.json")):
@@ -227,9 +215,8 @@ def base_weight_files(path: str) -> list[str]:
 
 
 def base_fingerprint(model_config, *, seed: int) -> dict:
-    """What a LoRA run's frozen base came from: the model directory and the xxh3_128 checksums of
-    its weight files (``init="pretrained"``), or the seed and the model config (weights drawn from
-    the seed: an HF ``init="random"`` or the built-in model)."""
+    """What a LoRA run's frozen base came from: the model directory and its weight files' checksums,
+    or the seed and the model config."""
     import dataclasses
 
     from verl_balance.utils.checksums import hash_files
@@ -250,8 +237,7 @@ def describe_base(fingerprint: dict) -> str:
 
 
 def fingerprint_problems(saved: dict, current: dict) -> list[str]:
-    """How ``current`` differs from ``saved`` ([] when the same base). Two model directories with the
-    same weight files are the same base (a moved or copied model is fine)."""
+    """How ``current`` differs from ``saved`` ([] when the same base, even if moved)."""
     if saved.get("kind") != current.get("kind"):
         return [f"the base kind differs ({saved.get('kind')} vs {current.get('kind')})"]
     if saved["kind"] != "model_directory":

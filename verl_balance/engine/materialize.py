@@ -3,14 +3,11 @@ the flattened (dp, sp) mesh, ``to_empty`` for each rank's rows only, then filled
 tensor (a parameter's random draw on the host) exists at a time.
 
 Invariants:
-- every parameter's full value is a function of (seed, model) only; dp/sp change who holds a row:
-  built-in presets are bit-identical to ``torch.manual_seed(seed); build_model(config)``; HF
-  ``init=random`` runs HF's ``_init_weights`` per leaf module from a generator seeded by (seed,
-  module name); ``init=pretrained`` reads each rank's rows of the safetensors (``get_slice``);
-- buffers (rotary ``inv_freq``) are built for real and written back after ``to_empty``;
-- tied embeddings stay one Parameter, filled once through its first name;
-- LoRA adapters are filled last (``fill_lora``): A from (seed, parameter name), B = 0, or this
-  rank's rows of lora_adapter_path.
+- every parameter's full value is a function of (seed, model) only; dp/sp change who holds a row;
+  built-in presets are bit-identical to ``torch.manual_seed(seed); build_model(config)``;
+- buffers are built for real and written back after ``to_empty``;
+- tied embeddings stay one Parameter;
+- LoRA adapters: A from (seed, parameter name), B = 0, or this rank's rows of lora_adapter_path.
 """
 
 from __future__ import annotations
@@ -39,8 +36,7 @@ from verl_balance.models.value import VALUE_HEAD_NAMES, checkpoint_has_value_hea
 
 @contextlib.contextmanager
 def parameters_on_meta() -> Iterator[None]:
-    """Every Parameter registered inside the block is moved to the meta device (no storage);
-    buffers stay where they are created, so computed buffers keep their real values."""
+    """Move every Parameter registered inside the block to meta; buffers keep their real values."""
     original = nn.Module.register_parameter
 
     def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
@@ -58,11 +54,7 @@ def parameters_on_meta() -> Iterator[None]:
 
 
 def build_meta_model(model_config, *, sp_size: int, attn_impl: str, value_head: bool = False) -> PackedCausalLM:
-    """The model (with ``value_head``: the ``ValueModel`` over it, no LM head) with every parameter
-    on ``meta`` and its buffers computed on the host.
-
-    An HF ``init=pretrained`` config is built as ``init=random`` (weights come later from
-    ``fill_pretrained``): no file is read here."""
+    """The model (or its ``ValueModel``) with every parameter on ``meta``, buffers on the host; no file is read."""
     from dataclasses import replace
 
     from verl_balance.models.value import build_value_model
@@ -76,8 +68,7 @@ def build_meta_model(model_config, *, sp_size: int, attn_impl: str, value_head: 
 
 
 def local_rows(param: Tensor) -> tuple[int, int]:
-    """(first row, number of rows) of ``param`` held by this rank: all rows for a plain tensor,
-    the local Shard(0) rows of an FSDP2 DTensor."""
+    """(first row, number of rows) of ``param`` held by this rank."""
     if not isinstance(param, DTensor):
         return 0, param.shape[0] if param.dim() else 1
     shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
@@ -91,8 +82,7 @@ def _local(param: Tensor) -> Tensor:
 
 @torch.no_grad()
 def copy_local_rows(param: Tensor, full_or_rows: Tensor, *, rows_only: bool = False) -> None:
-    """Write this rank's rows into ``param``: ``full_or_rows`` is the full tensor, or (with
-    ``rows_only``) already just the local rows. Casts to the parameter dtype."""
+    """Write this rank's rows (of a full tensor, or just the rows with ``rows_only``) into ``param``."""
     start, count = local_rows(param)
     local = _local(param)
     if param.dim() == 0:
@@ -111,13 +101,8 @@ def unique_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 # ---------------------------------------------------------------------------- random weights
 def fill_builtin_random(model: nn.Module, *, seed: int) -> None:
-    """Built-in decoder: the exact weights of ``torch.manual_seed(seed); LlamaForCausalLM(config)``.
-
-    Construction draws (nn.Embedding: normal_, nn.Linear: kaiming_uniform_) run first, in
-    registration order, only to advance the RNG as construction does; then reset_parameters'
-    draws (normal_ for matrices, ones for norms) give the values. One full tensor at a time.
-    A ``ValueModel`` over the built-in decoder gets its backbone's exact weights: the dropped
-    ``lm_head``'s draws are replayed (``dropped_parameters``), its ``score`` is not drawn here."""
+    """Built-in decoder: the exact weights of ``torch.manual_seed(seed); LlamaForCausalLM(config)``,
+    one full tensor at a time (a ``ValueModel``'s backbone too; its ``score`` is not drawn here)."""
     std = model.config.initializer_range
     owners = {
         f"{prefix}.{n}" if prefix else n: m
@@ -166,8 +151,7 @@ def module_seed(seed: int, name: str) -> int:
 
 
 def leaf_twins(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, meta copy) of each module that owns parameters directly, taken before sharding: the
-    copy is materialized on the host one at a time and initialised by the model's own init."""
+    """(name, meta copy) of each module that owns parameters directly, taken before sharding."""
     twins = []
     for name, module in model.named_modules():
         if is_lora_name(name):
@@ -183,8 +167,7 @@ def leaf_twins(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 @torch.no_grad()
 def fill_hf_random(model: nn.Module, twins: list[tuple[str, nn.Module]], *, seed: int) -> None:
-    """HF model: each leaf module's parameters from HF's ``_init_weights`` on a host copy, with the
-    RNG seeded by (seed, module name); a tied parameter is filled by its first owner."""
+    """HF model: each leaf module's parameters from HF's ``_init_weights``, seeded by (seed, module name)."""
     init_weights: Callable[[nn.Module], None] = model.hf_model._init_weights
     params = dict(model.named_parameters(remove_duplicate=False))
     done: set[int] = set()
@@ -211,10 +194,8 @@ def fill_hf_random(model: nn.Module, twins: list[tuple[str, nn.Module]], *, seed
 # ---------------------------------------------------------------------------- pretrained weights
 @torch.no_grad()
 def fill_pretrained(model: nn.Module, path: str, *, skip: tuple[str, ...] = ()) -> None:
-    """Write this rank's rows of every parameter of ``model`` (but those named in ``skip``) from
-    the safetensors of ``path`` (a tied parameter once, under its first name). A fused MoE expert
-    parameter is assembled from the per-expert tensors on disk, reading only this rank's experts
-    (``expert_sources``). Raises ModelConfigError naming a missing tensor or a shape mismatch."""
+    """Write this rank's rows of every parameter (but ``skip``) from the safetensors of ``path``,
+    reading only this rank's MoE experts. ModelConfigError for a missing tensor or shape mismatch."""
     files = safetensors_key_files(path)
     for name, param in unique_parameters(model):
         if is_lora_name(name) or name in skip:
@@ -251,8 +232,7 @@ def _fill_from_key(param: nn.Parameter, *, name: str, key: str, file: str) -> No
 
 
 def _fill_from_experts(param: nn.Parameter, *, name: str, sources: list[list[str]], files: dict[str, str]) -> None:
-    """Rows [start, start + count) of a fused expert parameter [E, ...] are experts start.. : each
-    is its per-expert tensors on disk concatenated along dim 0 (gate then up for gate_up_proj)."""
+    """Fill rows [start, start + count) of a fused expert parameter from the per-expert tensors."""
     from safetensors import safe_open
 
     if len(sources) != param.shape[0]:
@@ -278,8 +258,7 @@ def _fill_from_experts(param: nn.Parameter, *, name: str, sources: list[list[str
 # ---------------------------------------------------------------------------- LoRA adapters
 @torch.no_grad()
 def fill_lora_params(model: nn.Module, *, seed: int) -> None:
-    """This rank's rows of every adapter: A kaiming-uniform (a=sqrt(5), peft's draw) from a generator
-    seeded by (seed, parameter name), B zero; the same full values at every layout."""
+    """This rank's rows of every adapter: A kaiming-uniform seeded by (seed, name), B zero."""
     for name, param in model.named_parameters():
         if not lora_module.is_lora_name(name):
             continue
@@ -330,8 +309,7 @@ def fill_lora(model: nn.Module, config) -> None:
 def shard_model(
     model: nn.Module, *, mesh, param_dtype: torch.dtype, reshard_after_forward: bool, offload_policy=None
 ) -> None:
-    """FSDP2 over ``mesh``: one unit per ``fsdp_units()`` module, then the root. ``offload_policy``:
-    FSDP2's CPUOffloadPolicy (engine/offload.py), or None (FSDP2's default, no offload)."""
+    """FSDP2 over ``mesh``: one unit per ``fsdp_units()`` module, then the root."""
     mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     kwargs = dict(mesh=mesh, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
     if offload_policy is not None:
@@ -342,8 +320,7 @@ def shard_model(
 
 
 def buffers_to(model: nn.Module, device: torch.device) -> None:
-    """Move every buffer (not the parameters) to ``device``: with CPU offload the sharded parameters
-    stay in CPU memory while the buffers (e.g. rotary tables) are used on the GPU."""
+    """Move every buffer (not the parameters) to ``device``."""
     for module in model.modules():
         for name, buf in module._buffers.items():
             if buf is not None:
@@ -362,11 +339,8 @@ def build_sharded_model(
     value_head: bool = False,
     offload: bool = False,
 ) -> PackedCausalLM:
-    """Meta build -> LoRA adapters (``lora``: an EngineConfig with lora_rank > 0, or None) ->
-    ``shard`` (FSDP2; None: the plain module) -> local storage on ``device`` -> weights (see the
-    module docstring). ``value_head``: a ``models.value.ValueModel`` (no LM head), its head
-    from a ``*ForTokenClassification`` checkpoint or ``fill_value_head``. ``offload``: ``shard`` applies
-    FSDP2's CPU offload, so the parameters are materialized on the CPU and only the buffers go to ``device``.
+    """Meta build -> LoRA adapters -> ``shard`` (None: the plain module) -> local storage on
+    ``device`` -> weights. With ``offload`` parameters stay on the CPU, buffers go to ``device``.
     ``model.set_sequence_parallel_group`` is the caller's."""
     from verl_balance.models.hf import HFModelConfig
 
@@ -399,9 +373,8 @@ def build_sharded_model(
 
 
 def value_head_init(name: str, shape: tuple[int, ...], *, seed: int, std: float) -> Tensor:
-    """The full initial value of value-head parameter ``name`` (models/value.py): weight ~
-    Normal(0, std) from a generator seeded by (seed, name), bias 0 (HF's ``_init_weights``
-    distributions); the same at every layout and for both backbone kinds."""
+    """The full initial value of value-head parameter ``name``: weight ~ Normal(0, std) seeded by
+    (seed, name), bias 0; the same at every layout."""
     full = torch.zeros(shape)
     if name.endswith("weight"):
         full.normal_(0.0, std, generator=torch.Generator().manual_seed(module_seed(seed, name)))
@@ -429,8 +402,7 @@ def tied_parameter_names(model: nn.Module) -> dict[str, str]:
 
 
 def retie(model: nn.Module, ties: dict[str, str]) -> None:
-    """Point every alias at its first name's Parameter again: ``to_empty`` from meta replaces a
-    plain Parameter per module, which would silently untie tied embeddings."""
+    """Point every alias at its first name's Parameter again (``to_empty`` unties them)."""
     for alias, name in ties.items():
         owner, _, leaf = alias.rpartition(".")
         module = model.get_submodule(owner) if owner else model

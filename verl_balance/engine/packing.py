@@ -73,10 +73,8 @@ class PackedMicroBatch:
         return per_token[self.local_slice].to(self.tensors[INPUT_IDS_KEY].device)
 
     def unpack(self, values: Tensor) -> Tensor:
-        """Target-aligned packed values [>= total_len] -> wire-aligned (b, L).
-
-        out[i, t] = values at the position predicting token t of sample i; 0 at t = 0 and at
-        padding.
+        """Target-aligned packed values [>= total_len] -> wire-aligned (b, L): out[i, t] predicts
+        token t of sample i; 0 at t = 0 and at padding.
         """
         b, width = self.attention_mask.shape
         out = values.new_zeros((b, width))
@@ -103,11 +101,8 @@ def pack_micro_batch(
     device: torch.device,
     require_loss_mask: bool = True,
 ) -> PackedMicroBatch:
-    """Pack a right-padded micro-batch (the wire format of docs/design.md) for this SP rank.
-
-    Packing runs on the CPU, where the wire tensors arrive (Ray delivers them there), and the
-    packed stream then moves to ``device`` in one non-blocking copy per tensor: nothing here waits
-    for the device. Wire tensors already on an accelerator are copied to the host first (a wait).
+    """Pack a right-padded micro-batch (the wire format of docs/design.md) for this SP rank on the
+    CPU, then copy it to ``device`` without waiting (device-resident wire tensors cost a wait).
     """
     attention_mask, lengths, real = _checked_lengths(micro_batch, require_loss_mask=require_loss_mask)
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int64)
@@ -135,9 +130,8 @@ def pack_micro_batch(
 
 
 def _checked_lengths(micro_batch: Mapping[str, Tensor], *, require_loss_mask: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """(the (b, L) attention mask on the CPU, each sample's length, the (b, L) bool mask of its real
-    tokens); MicroBatchError unless the required keys are there and every sample is a non-empty
-    right-padded prefix."""
+    """(CPU attention mask, sample lengths, real-token mask); MicroBatchError unless the required
+    keys are there and every sample is a non-empty right-padded prefix."""
     for key in (INPUT_IDS_KEY, ATTENTION_MASK_KEY) + ((LOSS_MASK_KEY,) if require_loss_mask else ()):
         if key not in micro_batch:
             raise MicroBatchError(f"micro-batch lacks {key!r}; it has {sorted(micro_batch)}")
@@ -157,11 +151,9 @@ def _checked_lengths(micro_batch: Mapping[str, Tensor], *, require_loss_mask: bo
 
 
 def _target_aligned_stream(micro_batch: Mapping[str, Tensor], real: Tensor, cu: Tensor) -> dict[str, Tensor]:
-    """The unpadded packed stream on the CPU: every per-token (b, L) wire tensor's real tokens
-    concatenated, shifted to the target alignment (input_ids / position_ids stay unshifted), plus
-    ``targets``, restarting ``position_ids`` and a float32 ``loss_mask`` (zeros when absent).
-
-    The real tokens' flat (row-major) positions are found once and gathered from every tensor."""
+    """The unpadded packed stream on the CPU: every per-token wire tensor's real tokens, shifted to
+    the target alignment (input_ids / position_ids unshifted), plus ``targets``, ``position_ids`` and
+    a float32 ``loss_mask``."""
     b, width = real.shape
     index = real.reshape(-1).nonzero().squeeze(1)
     ends = cu[1:] - 1
@@ -183,8 +175,7 @@ def _target_aligned_stream(micro_batch: Mapping[str, Tensor], real: Tensor, cu: 
 
 
 def _pad_stream(key: str, value: Tensor, pad: int) -> Tensor:
-    """``value`` followed by ``pad`` padding tokens: zeros, or positions 0.. for ``position_ids``
-    (the padding is its own attention segment)."""
+    """``value`` followed by ``pad`` padding tokens (its own attention segment)."""
     if not pad:
         return value
     if key == POSITION_IDS_KEY:

@@ -1,26 +1,18 @@
 """TrainEngine: one rank of an FSDP2 + Ulysses model, its optimizer and the loss contract.
 
 Invariants:
-- Parameters are sharded by FSDP2 over the flattened ("dp", "sp") mesh of all W ranks; FSDP2
-  averages gradients over those W ranks, so the gradient divide factor G is W. A single fp32
-  rank (W = 1) runs the plain module: G = 1 and there is nothing to shard.
-- Every SP rank of a DP group receives the same micro-batches; every rank of the mesh receives
-  the same number of micro-batches (checked: a mismatch would otherwise hang a collective).
-- train_batch and eval_loss run the same code (_run); eval skips backward and the optimizer.
-  _run is composed of the public micro-batch methods, so an external loop (verl's engine backend)
-  calling them in the same order takes the same step.
-  Per micro-batch a rank back-propagates G * sum(w * l) over its token slice (see loss.py), and
-  the logged loss is all_reduce_sum over the world of those sums: the exact global objective.
-- Zero valid tokens in the whole mini-batch: no forward, no optimizer step, a warning, loss 0.
-  The LR schedule follows the train-step counter, so it advances for every skipped step too.
-- Gradient accumulation follows FSDPConfig: with defer_gradient_sync the reduce-scatter runs
-  once, after the last micro-batch's backward; with reshard_after_backward=False the parameters
-  stay unsharded until then. Either way each gradient is reduced exactly once with factor G.
-- Value model (config.model_type="value_model", models/value.py): the same loop, contract and
-  weights; only ``_loss_inputs`` differs: a ``ValueLossFn`` gets ``values=`` (target-aligned like
-  log_probs; docs/design.md, "The loss contract") instead of ``log_probs=`` / ``entropy=``.
-- Host/device: packing and counting happen on the CPU; a step waits for the device only for the
-  global counts, the logged sums, the gradient norm and the timing events (once each per step).
+- Parameters are sharded by FSDP2 over the flattened ("dp", "sp") mesh of all W ranks; the
+  gradient divide factor G is W (G = 1 for a single unsharded fp32 rank).
+- Every SP rank of a DP group receives the same micro-batches; every rank receives the same
+  number of micro-batches (checked, else a collective hangs).
+- train_batch and eval_loss share _run, composed of the public micro-batch methods, so an external
+  loop calling them in the same order takes the same step. Per micro-batch a rank back-propagates
+  G * sum(w * l) over its token slice (loss.py); the logged loss is the exact global objective.
+- Zero valid tokens in the mini-batch: no forward, no optimizer step, a warning, loss 0; the LR
+  schedule still advances.
+- Each gradient is reduced exactly once with factor G, whatever FSDPConfig's accumulation switches.
+- A value model differs only in ``_loss_inputs``: a ``ValueLossFn`` gets ``values=`` instead of
+  ``log_probs=`` / ``entropy=``.
 """
 
 from __future__ import annotations
@@ -97,9 +89,7 @@ def _flops_workload(model_config):
 
 
 def _timing_metrics(times: MicroBatchTimes) -> dict:
-    """This rank's step timing (engine/timing.py): per-micro-batch wall seconds (they include
-    waits in FSDP's collectives for the slowest rank, so they are nearly equal on every rank) and
-    busy seconds (this rank's own work, the figure of ``balance/imbalance_measured``)."""
+    """This rank's step timing (engine/timing.py): per-micro-batch wall and busy seconds."""
     return {
         "micro_batch_seconds": times.wall,
         "micro_batch_busy_seconds": times.busy,
@@ -161,8 +151,7 @@ class TrainEngine:
         self.flops_workload = _flops_workload(model_config)
 
     def _shard_given_model(self, model: PackedCausalLM, *, shard, offload: bool) -> None:
-        """A caller-built (materialized) model: LoRA applied, moved whole to the device (to the CPU
-        with offload, buffers then to the device), then sharded."""
+        """A caller-built (materialized) model: LoRA applied, moved to the device, then sharded."""
         engine_config = self.config
         if isinstance(model, ValueModel) != (engine_config.model_type == "value_model"):
             raise EngineConfigError(
@@ -204,9 +193,7 @@ class TrainEngine:
         """Raise MicroBatchError unless every rank has the same number (>= 1) of micro-batches and
         the SP ranks of each DP group hold identical ones in the same order.
 
-        Collective: one all_gather over the world group (all W ranks); call it on every rank with
-        that rank's micro-batches before a step (a count mismatch would otherwise hang FSDP).
-        A single rank has nothing to compare: no fingerprint, no collective."""
+        Collective: one all_gather over the world; call it on every rank before a step."""
         if self.layout.world_size == 1:
             if not micro_batches:
                 raise MicroBatchError("need at least one micro-batch (an empty one is fine)")
@@ -242,20 +229,15 @@ class TrainEngine:
         self, micro_batches: Sequence[Mapping[str, Tensor]], *, require_loss_mask: bool
     ) -> list[PackedMicroBatch]:
         """Wire micro-batches (right-padded (b, L) tensors) -> packed, target-aligned streams holding
-        this SP rank's slice, copied to the device without waiting.
-
-        No collective (host-side packing, per rank). ``require_loss_mask`` rejects a micro-batch
-        without ``loss_mask`` (training / eval); log-prob passes set it False. Runs through the
-        ``_pack`` seam, so the testing.faults controls reach every caller."""
+        this SP rank's slice, copied to the device without waiting. No collective.
+        ``require_loss_mask`` rejects a micro-batch without ``loss_mask``."""
         return self._pack(micro_batches, require_loss_mask=require_loss_mask)
 
     def forward_logits(self, packed: PackedMicroBatch) -> Tensor:
-        """Logits [padded_len / sp, V] of this SP rank's token slice (``packed.local_slice``),
-        in the parameter dtype; grad-enabled unless the caller disables it.
+        """Logits [padded_len / sp, V] of this SP rank's token slice, in the parameter dtype.
 
-        Collective: FSDP2 all-gathers the parameters over the world (when sharded) and Ulysses
-        attention runs all-to-alls over the SP group; every rank of the mesh must call it once per
-        micro-batch index in the same order, an empty (padding-only) micro-batch included."""
+        Collective (FSDP2 all-gathers, Ulysses all-to-alls): every rank of the mesh must call it once
+        per micro-batch index in the same order, an empty micro-batch included."""
         return self.model(
             input_ids=packed.local(INPUT_IDS_KEY),
             position_ids=packed.local(POSITION_IDS_KEY),
@@ -267,12 +249,8 @@ class TrainEngine:
         self, packed: PackedMicroBatch, *, temperature: Temperature = 1.0, with_entropy: bool = False
     ) -> tuple[Tensor, Tensor | None]:
         """(log p(target) [padded_len / sp], entropy or None) of this SP rank's token slice at
-        ``temperature`` (a float, or a per-token tensor over the local slice), fp32; grad-enabled
-        unless the caller disables it. The model's output head computes them in token chunks of
-        ``config.logits_chunk_size`` (0: from the full logits), so no [T, V] logits are held.
-
-        Collective exactly as ``forward_logits``: every rank of the mesh calls it once per
-        micro-batch index in the same order."""
+        ``temperature`` (a float or a per-token tensor), fp32; computed in chunks of
+        ``config.logits_chunk_size`` tokens (0: full logits). Collective as ``forward_logits``."""
         self._require_model_type("language_model", "forward_log_probs")
         return self.model(
             input_ids=packed.local(INPUT_IDS_KEY),
@@ -286,11 +264,8 @@ class TrainEngine:
         )
 
     def forward_values(self, packed: PackedMicroBatch) -> Tensor:
-        """Values [padded_len / sp] (fp32) of this SP rank's token slice, target-aligned: at
-        position p the value head on the hidden state of token p (a value model only).
-
-        Collective exactly as ``forward_logits``: every rank of the mesh calls it once per
-        micro-batch index in the same order."""
+        """Values [padded_len / sp] (fp32) of this SP rank's slice, target-aligned (a value model
+        only). Collective as ``forward_logits``."""
         self._require_model_type("value_model", "forward_values")
         return self.model(
             input_ids=packed.local(INPUT_IDS_KEY),
@@ -300,19 +275,16 @@ class TrainEngine:
         )
 
     def gathered_values(self, packed: PackedMicroBatch) -> Tensor:
-        """Values [total_len] of the whole packed stream (``forward_values`` gathered over the SP
-        group, padding dropped); gradients flow back to each rank's own slice. Collective as
-        ``forward_values``, plus one all-gather over the SP group."""
+        """Values [total_len] of the whole packed stream, gathered over the SP group, padding dropped;
+        gradients flow back to each rank's slice. Collective as ``forward_values`` plus an SP all-gather."""
         return gather_and_unpad(self.forward_values(packed), group=self.layout.sp_group, length=packed.total_len)
 
     def gathered_log_probs(
         self, packed: PackedMicroBatch, *, temperature: Temperature = 1.0, with_entropy: bool = False
     ) -> tuple[Tensor, Tensor | None]:
         """(log p(target) [total_len], entropy [total_len] or None) of the whole packed stream,
-        target-aligned (position p predicts ``packed.tensors["targets"][p]``): ``forward_log_probs``
-        gathered over the SP group, padding dropped. Gradients flow back to each rank's own slice.
-
-        Collective as ``forward_log_probs``, plus one all-gather over the SP group per output."""
+        target-aligned, gathered over the SP group, padding dropped; gradients flow back to each
+        rank's slice. Collective as ``forward_log_probs`` plus one SP all-gather per output."""
         log_probs, entropy = self.forward_log_probs(packed, temperature=temperature, with_entropy=with_entropy)
         group, length = self.layout.sp_group, packed.total_len
         log_probs = gather_and_unpad(log_probs, group=group, length=length)
@@ -321,15 +293,11 @@ class TrainEngine:
         return log_probs, entropy
 
     def prepare_backward(self, *, is_last: bool) -> None:
-        """FSDP2's per-micro-batch switches for the next backward: with FSDPConfig's
-        defer_gradient_sync / reshard_after_backward=False, gradients are reduced and parameters
-        resharded only in the backward of the step's last micro-batch (``is_last``).
+        """Set FSDP2's per-micro-batch switches for the next backward (``is_last``: the step's last
+        micro-batch reduces gradients and reshards).
 
-        No collective itself, but it decides whether the next backward reduce-scatters over the
-        world: call it before every micro-batch's backward (before its forward is fine) with the
-        same ``is_last`` on every rank, or ranks disagree on a collective and hang. Under the loss
-        contract (loss.py) the caller then back-propagates ``gradient_divide_factor * (sum of w * l
-        over its token slice)``."""
+        Call it before every micro-batch's backward with the same ``is_last`` on every rank, or
+        ranks disagree on a collective and hang."""
         fsdp = self.config.fsdp
         if not self.sharded or (not fsdp.defer_gradient_sync and fsdp.reshard_after_backward):
             return
@@ -339,12 +307,8 @@ class TrainEngine:
             self.model.set_reshard_after_backward(is_last)
 
     def reshard(self) -> None:
-        """Free parameters left unsharded (reshard_after_forward=False keeps them after a forward
-        without backward); the sharded parameters are then the only copy an optimizer step or a
-        checkpoint load can change.
-
-        No collective (local frees); call it on every rank after a forward-only pass (eval,
-        log-probs) and before the optimizer or a checkpoint load touches the parameters."""
+        """Free parameters left unsharded by a forward without backward. No collective; call it on
+        every rank after a forward-only pass, before an optimizer step or checkpoint load."""
         fsdp = self.config.fsdp
         if fsdp.reshard_after_forward and fsdp.reshard_after_backward:
             return
@@ -357,11 +321,8 @@ class TrainEngine:
 
     def optimizer_step(self) -> dict:
         """Clip the gradient norm to optim.max_grad_norm, step the optimizer (skipped, with a warning,
-        when the norm is not finite) and zero the gradients; the LR schedule does not move (see
-        advance_schedule). Returns {"grad_norm": pre-clip norm, "step_skipped": bool}.
-
-        Collective: the norm is reduced over the world (FSDP2's sharded gradients), so every rank
-        calls it and every rank skips together."""
+        when the norm is not finite) and zero the gradients; the LR schedule does not move.
+        Returns {"grad_norm": pre-clip norm, "step_skipped": bool}. Collective: every rank calls it."""
         max_norm = self.config.optim.max_grad_norm
         grad_norm = torch.nn.utils.clip_grad_norm_([p for p in self.model.parameters() if p.requires_grad], max_norm)
         if isinstance(grad_norm, DTensor):
@@ -382,17 +343,15 @@ class TrainEngine:
         return {"grad_norm": float("nan"), "step_skipped": True}
 
     def advance_schedule(self) -> float:
-        """One train step has passed: the LR schedule and global_step move on together (also for a
-        skipped step). Returns the new learning rate. Local, no collective; call it once per step on
-        every rank."""
+        """Advance the LR schedule and global_step by one (also for a skipped step); returns the new
+        learning rate. No collective; call it once per step on every rank."""
         self.scheduler.step()
         self.global_step += 1
         return self.scheduler.get_last_lr()[0]
 
     # ------------------------------------------------------------------ private seams and helpers
     def _pack(self, micro_batches, *, require_loss_mask: bool, pack=pack_micro_batch) -> list[PackedMicroBatch]:
-        """Wire micro-batches -> packed streams for this rank, each by ``pack`` (``pack_micro_batch``'s
-        signature; a seam for the testing.faults controls)."""
+        """Wire micro-batches -> packed streams for this rank (a testing.faults seam)."""
         return [
             pack(
                 mb,
@@ -405,8 +364,7 @@ class TrainEngine:
         ]
 
     def _token_weights(self, packed: Sequence[PackedMicroBatch], *, training: bool) -> TokenWeights:
-        """The loss-contract weights of this rank's micro-batches (a seam for testing.faults);
-        ``training`` is unused here: eval weighs tokens exactly as training does."""
+        """The loss-contract weights of this rank's micro-batches (a testing.faults seam)."""
         return compute_token_weights(
             loss_masks=[p.tensors[LOSS_MASK_KEY] for p in packed],
             cu_seqlens=[p.cu_seqlens_host for p in packed],
@@ -419,8 +377,7 @@ class TrainEngine:
         return [m for m in self.model.modules() if isinstance(m, FSDPModule)] if self.sharded else []
 
     def _step_flops_and_tokens(self, packed: Sequence[PackedMicroBatch], *, training: bool) -> tuple[float, float]:
-        """Model FLOPs and tokens of this rank's share of the step; SP rank 0 of each DP group
-        counts its group's sequences, the others count 0, so a SUM over the world is global."""
+        """Model FLOPs and tokens of this rank's share; only SP rank 0 counts, so a world SUM is global."""
         if self.layout.sp_rank != 0:
             return 0.0, 0.0
         lengths = [n for p in packed for n in p.seq_lens]
@@ -510,9 +467,7 @@ class TrainEngine:
         training: bool,
         temperature: float,
     ) -> tuple[Tensor, dict[str, Tensor], StepTimer]:
-        """Forward (and backward) every micro-batch in order, timed; returns this rank's local
-        objective, its loss-mask-weighted sum of each loss_fn metric (float64 on the device) and
-        the timer."""
+        """Forward (and backward) every micro-batch in order; returns (local objective, metric sums, timer)."""
         local_objective = torch.zeros((), dtype=torch.float64, device=self.device)
         metric_sums: dict[str, Tensor] = {}
         timer = StepTimer(self.device)
@@ -549,8 +504,7 @@ class TrainEngine:
         temperature: float,
         selection: dict | None = None,
     ) -> tuple[Tensor, dict[str, Tensor]]:
-        """One micro-batch: the local objective sum(w * l) over this rank's token slice (and, when
-        training, the backward of G times it); returns it with the loss_fn's per-token metrics."""
+        """One micro-batch: the local objective sum(w * l) (and, when training, backward of G times it)."""
         with torch.set_grad_enabled(training):
             outputs = self._loss_inputs(packed, loss_fn=loss_fn, temperature=temperature)
             if getattr(loss_fn, "needs_sequence_sums", False):
@@ -564,9 +518,7 @@ class TrainEngine:
         return objective, per_token_metrics
 
     def _loss_inputs(self, packed: PackedMicroBatch, *, loss_fn, temperature: float) -> dict[str, Tensor | None]:
-        """The model outputs a loss_fn receives, by config.model_type (the one seam between the
-        loop and the model's head): a language model's ``log_probs`` / ``entropy`` (LossFn), a
-        value model's ``values`` (ValueLossFn)."""
+        """The model outputs a loss_fn receives, by config.model_type."""
         if self.is_value_model:
             return {VALUES_KEY: self.forward_values(packed)}
         needs_entropy = getattr(loss_fn, "needs_entropy", False)
@@ -574,10 +526,8 @@ class TrainEngine:
         return {LOG_PROBS_KEY: log_probs, ENTROPY_KEY: entropy}
 
     def _batch_selections(self, packed: Sequence[PackedMicroBatch], *, loss_fn, temperature: float) -> list[dict]:
-        """A loss's mini-batch-wide token selection (clip_cov, kl_cov), per micro-batch: a no-grad forward of
-        every micro-batch gives the current log-probs (the parameters do not change within the step), then
-        ``loss_fn.batch_selections`` reduces over the world. Collective: every rank runs it before the
-        step's first forward (the forwards' collectives, SP-group sequence sums, world reductions)."""
+        """A loss's mini-batch-wide token selection (clip_cov, kl_cov), per micro-batch, from a no-grad
+        forward of every micro-batch. Collective: every rank runs it before the step's first forward."""
         # N, the mini-batch's loss-mask tokens: each DP group's full sequences counted once (SP rank 0)
         local = sum(float(p.tensors[LOSS_MASK_KEY].sum()) for p in packed) if self.layout.sp_rank == 0 else 0.0
         num_tokens = int(self._world_sum(torch.tensor([local], dtype=torch.float64))[0])
@@ -612,10 +562,8 @@ class TrainEngine:
         return out.to(values.device), dist.get_rank(group)
 
     def sequence_sum(self, packed: PackedMicroBatch, values: Tensor) -> Tensor:
-        """Per-token values on this SP rank's slice -> the (detached) sum of each token's full sequence,
-        per token: local per-sequence sums, all-reduced (SUM) over the SP group, which holds the
-        sequence's other slices (a sequence never spans DP ranks or micro-batches). Collective over the
-        SP group; padding tokens get the padding segment's sum."""
+        """Per-token values on this SP rank's slice -> the detached sum over each token's full sequence.
+        Collective over the SP group."""
         bounds = packed.cu_seqlens_padded.cpu()
         ids = torch.repeat_interleave(torch.arange(len(bounds) - 1), (bounds[1:] - bounds[:-1]).long())
         ids = ids[packed.local_slice].to(values.device, non_blocking=True)
@@ -627,12 +575,8 @@ class TrainEngine:
     def _all_reduce_step_sums(
         self, local_objective: Tensor, metric_sums: dict[str, Tensor], *, flops: float, tokens: float
     ) -> tuple[float, dict[str, float], float, float]:
-        """(loss J, {metric: global sum}, flops, tokens): SUM over the world of this rank's step
-        sums, in one all_reduce (collective).
-
-        Token slices are disjoint over the world (DP splits samples, SP splits tokens): the sum of
-        local objectives is J and the sum of masked metric values is the global numerator. The
-        step's model FLOPs and tokens ride along (counted once per DP group)."""
+        """(loss J, {metric: global sum}, flops, tokens): one all_reduce SUM over the world of this
+        rank's step sums (token slices are disjoint over the world)."""
         names = sorted(metric_sums)
         work = torch.tensor([flops, tokens], dtype=torch.float64).to(self.device, non_blocking=True)
         totals = torch.cat([torch.stack([local_objective] + [metric_sums[n] for n in names]), work])
@@ -644,16 +588,12 @@ class TrainEngine:
     def train_batch(
         self, micro_batches: Sequence[Mapping[str, Tensor]], *, loss_fn: LossFn | None = None, temperature: float = 1.0
     ) -> dict:
-        """One optimizer step over this DP rank's micro-batches.
+        """One optimizer step over this DP rank's micro-batches. Collective over the mesh.
 
         Returns loss (exact global objective J), grad_norm (before clipping), lr, valid_tokens,
-        num_sequences, micro_batch_seconds (wall, collective waits included) /
-        micro_batch_busy_seconds / busy_seconds (this rank's own work; see engine/timing.py),
-        step_skipped, each loss_fn metric as a global loss-mask-weighted token mean, and the
-        global perf/* figures of engine/perf.py (the same on every rank). Collective over the
-        mesh. ``temperature`` divides the logits (the sampling temperature of on-policy data).
-        Steps listed in config.profile_steps are traced (engine/profiling.py). A value model
-        needs a ``ValueLossFn`` (see the module docstring).
+        num_sequences, micro_batch_seconds / micro_batch_busy_seconds / busy_seconds, step_skipped,
+        each loss_fn metric as a global loss-mask-weighted token mean, and the global perf/* figures.
+        ``temperature`` divides the logits. A value model needs a ``ValueLossFn``.
         """
         self._check_loss_fn(loss_fn)
         step = self.global_step + 1
@@ -684,12 +624,8 @@ class TrainEngine:
         temperature: float = 1.0,
     ) -> list[dict[str, Tensor]]:
         """Per micro-batch {"log_probs": (b, L)[, "entropy": (b, L)][, "sum_pi_squared": (b, L)]} on
-        every rank.
-
-        log_probs[i, t] = log p(token t | tokens < t) of sample i (0 at t = 0 and at padding);
-        entropy[i, t] is the entropy of that same predictive distribution and sum_pi_squared[i, t]
-        its sum over the vocabulary of p(v)^2 (computed per token chunk by the output head, exact on
-        any SP slice); all at ``temperature``.
+        every rank, at ``temperature``: log_probs[i, t] = log p(token t | tokens < t) (0 at t = 0 and
+        at padding); entropy and sum_pi_squared (sum of p(v)^2) of that same distribution.
         """
         self._require_model_type("language_model", "compute_log_prob")
         self.check_micro_batches(micro_batches)
@@ -708,9 +644,8 @@ class TrainEngine:
         return outputs
 
     def _gathered_head_stats(self, packed: PackedMicroBatch, *, temperature: Temperature) -> dict[str, Tensor]:
-        """{log_probs, entropy, sum_pi_squared} [total_len] of the whole packed stream (no grad): the
-        output head's ``head_token_stats`` on this SP rank's slice, gathered over the SP group.
-        Collective as ``gathered_log_probs``."""
+        """{log_probs, entropy, sum_pi_squared} [total_len] of the packed stream (no grad), gathered
+        over the SP group. Collective as ``gathered_log_probs``."""
         self._require_model_type("language_model", "forward_log_probs")
         stats = self.model(
             input_ids=packed.local(INPUT_IDS_KEY),
@@ -728,11 +663,8 @@ class TrainEngine:
 
     @torch.no_grad()
     def compute_values(self, micro_batches: Sequence[Mapping[str, Tensor]]) -> list[dict[str, Tensor]]:
-        """Per micro-batch {"values": (b, L)} (fp32) on every rank (a value model only).
-
-        values[i, t] = the value head on the hidden state of token t - 1 of sample i (0 at t = 0 and
-        at padding): the alignment of compute_log_prob's log_probs[i, t]. Collective as
-        compute_log_prob."""
+        """Per micro-batch {"values": (b, L)} (fp32) on every rank (a value model only): values[i, t] is
+        the value head on token t - 1 (0 at t = 0 and at padding). Collective as compute_log_prob."""
         self._require_model_type("value_model", "compute_values")
         self.check_micro_batches(micro_batches)
         self.model.eval()
@@ -760,9 +692,8 @@ class TrainEngine:
         return out
 
     def save_hf_model(self, out: str, *, tokenizer_path: str | None = None) -> None:
-        """The model as a Hugging Face save_pretrained directory ``out`` (fp32 safetensors files of
-        bounded size; a built-in model as Llama). Collective: tensors are gathered one at a time and
-        written by global rank 0 only (engine/hf_export.py); ends with a barrier."""
+        """Save the model as a Hugging Face save_pretrained directory ``out`` (fp32 safetensors).
+        Collective: written by global rank 0 only; ends with a barrier."""
         from verl_balance.engine.hf_export import save_engine_model_as_hf
 
         save_engine_model_as_hf(
@@ -775,8 +706,7 @@ class TrainEngine:
 
     def save_checkpoint(self, path: str, *, step: int, extra: dict | None = None) -> None:
         """Sharded DCP checkpoint of model + optimizer, plus scheduler/step/extra. Collective.
-        With LoRA only the trainable parameters (the adapters) and their optimizer state are saved,
-        plus base_fingerprint.json naming the frozen base they were trained on."""
+        With LoRA only the adapters and their optimizer state, plus base_fingerprint.json."""
         dcp.save(checkpoint_state(self.model, self.optimizer), checkpoint_id=path)
         if dist.get_rank() == 0:
             lora = getattr(self.model, "lora_config", None)
@@ -796,12 +726,9 @@ class TrainEngine:
 
     def load_checkpoint(self, path: str) -> dict:
         """Restore a save_checkpoint directory (any layout with the same W); returns `extra`.
-        The optimizer and schedule then follow this engine's ``optim`` config (it may differ from
-        the saved run's: a resume with a new learning rate uses it from the next step on).
-        A LoRA checkpoint is refused (BaseMismatchError, on every rank) unless this engine's frozen
-        base is the one its adapters were trained on, and one of another architecture (keys or shapes,
-        ``check_checkpoint_fits``) is refused. Nothing but checkpoint data is unpickled
-        (utils/safe_load.py: a planted pickle raises UnsafeCheckpointError naming the file)."""
+        The optimizer and schedule follow this engine's ``optim`` config. Refused, on every rank: a
+        LoRA checkpoint of another base (BaseMismatchError), one of another architecture, and any
+        non-checkpoint pickle (UnsafeCheckpointError)."""
         check_checkpoint_base(self, path)
         state = checkpoint_state(self.model, self.optimizer)
         check_checkpoint_fits(path, state["model"])
@@ -837,8 +764,7 @@ def trainable_state(model, model_sd: dict) -> dict:
 
 
 def checkpoint_state(model, optimizer) -> dict:
-    """The DCP state of a checkpoint: {"model", "optim"}; with LoRA only the adapters (the frozen base
-    is not saved: base_fingerprint.json names it). The optimizer holds only trainable parameters."""
+    """The DCP state {"model", "optim"} of a checkpoint; with LoRA only the trainable adapters."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     return {"model": trainable_state(model, model_sd), "optim": optim_sd}
 
@@ -853,9 +779,8 @@ def engine_base_fingerprint(engine: TrainEngine) -> dict:
 
 
 def check_checkpoint_fits(path: str, model_state: dict) -> None:
-    """Refuse (``EngineConfigError`` on every rank: each reads the same ``.metadata``) a checkpoint
-    whose model keys or shapes differ from ``model_state``: DCP would load the common keys and drop
-    the rest silently (a 4-layer checkpoint into a 2-layer model)."""
+    """Raise ``EngineConfigError`` on every rank if the checkpoint's model keys or shapes differ from
+    ``model_state`` (DCP would drop the rest silently)."""
     problems = safe_load.state_mismatch(safe_load.read_dcp_metadata(path), model_state)
     if problems:
         raise EngineConfigError(
@@ -866,10 +791,8 @@ def check_checkpoint_fits(path: str, model_state: dict) -> None:
 
 
 def check_checkpoint_base(engine: TrainEngine, path: str) -> None:
-    """Refuse (on every rank, so no rank is left in a collective) a LoRA checkpoint whose recorded
-    base is not this engine's. Rank 0 hashes the base files; the verdict is broadcast. A LoRA engine
-    loading a checkpoint without base_fingerprint.json (a full one) is refused too: its adapters
-    would load but the recorded base could not be checked."""
+    """Refuse, on every rank, a LoRA checkpoint whose recorded base is not this engine's, or one
+    without base_fingerprint.json. Rank 0 hashes the base; the verdict is broadcast."""
     group = engine.layout.world_group
     message = None
     if dist.get_rank(group) == 0 and is_lora_model(engine.model):

@@ -1,12 +1,8 @@
 """`register` and the dispatch / collect rules that turn one driver call into per-worker calls.
 
-A worker method decorated with ``@register(dispatch_mode=..., execute_mode=...)`` becomes a method
-of the driver-side worker group that runs ``dispatch -> execute -> collect``:
-
-- dispatch turns the driver's ``(args, kwargs)`` into one ``(args, kwargs)`` per worker rank;
-- execute calls the method on every worker (``Execute.ALL``) or on rank 0 only
-  (``Execute.RANK_ZERO``, which returns rank 0's output unchanged and skips collect);
-- collect turns the list of per-rank outputs (rank order) into the driver's return value.
+A ``@register(dispatch_mode=..., execute_mode=...)`` worker method becomes a group method running
+dispatch (driver args -> per-rank args) -> execute (every rank, or ``Execute.RANK_ZERO``: rank 0's
+output unchanged) -> collect (rank-ordered outputs -> driver return value).
 
 Modes (W = world size):
 
@@ -21,25 +17,15 @@ DP_COMPUTE_PROTO       every row argument (a registered row           the contai
                        is chunked into W (rank i gets chunk i);       list otherwise
                        other arguments are passed to every rank
 DP_COMPUTE_METRIC      as DP_COMPUTE_PROTO                           list of W outputs
-MeshDispatch(name)     DP-mesh aware, see below                      outputs of the ``is_collect``
+MeshDispatch(name)     DP chunk d to every worker with dp_rank d     outputs of the ``is_collect``
                                                                      rank of each DP group, in DP
                                                                      order, concatenated if Batches
 =====================  ============================================  =============================
 
-Mesh dispatch. After ``init``, each worker calls ``self.register_mesh(name, dp_rank=...,
-dp_size=..., is_collect=...)`` (a verl worker: ``self._register_dispatch_collect_info(name,
-dp_rank=..., is_collect=...)``); the group reads that table once per mesh name. A row
-argument is chunked into ``dp_size`` pieces, or the driver passes a list of ``dp_size`` Batches
-(e.g. from ``split_by_plan``); DP chunk d goes to every worker whose ``dp_rank == d`` (all SP
-ranks of the DP group see the same rows, as sequence parallelism requires); non-Batch arguments go
-to every worker. Exactly one worker per DP group has ``is_collect`` (SP rank 0), and only those
-outputs are returned, so replicated SP outputs are not counted twice.
+Mesh dispatch: each worker registers ``(name, dp_rank, dp_size, is_collect)`` after ``init``; all
+SP ranks of a DP group see the same rows, and exactly one worker per DP group is collected.
 
-Another framework's mode objects and ``register`` marks are accepted where an installed
-``ControllerExtension`` translates them, and its row containers are split and joined through the
-``extensions`` registry (the verl integration installs both; nothing here knows verl). The modes,
-errors and the mesh table live in the leaf module ``modes``; their names are re-exported here.
-
+Foreign modes, marks and row containers are handled by an installed ``ControllerExtension``.
 This module does not import Ray.
 """
 
@@ -91,11 +77,8 @@ def register(
 ) -> Callable:
     """Mark a worker method as callable from the driver's worker group with these modes.
 
-    ``blocking=False`` makes the group method return a ``GroupFuture`` (call ``.get()``).
-    The method itself is unchanged and still callable directly on the worker. Another framework's
-    mode objects are translated by an installed ``ControllerExtension`` (the verl integration's:
-    verl's ``Dispatch``/``Execute`` members and ``make_nd_compute_dataproto_dispatch_fn(name)``);
-    modes without an equivalent raise ``DispatchError`` here.
+    ``blocking=False`` makes the group method return a ``GroupFuture``. Foreign modes without an
+    equivalent raise ``DispatchError``.
     """
     translated = translate_modes(dispatch_mode, execute_mode, method="register")
     if translated is not None:
@@ -117,11 +100,8 @@ def register(
 
 
 def get_registration(func: Any, *, name: str | None = None) -> Registration | None:
-    """The ``Registration`` of a worker method (ours, or a foreign one an installed extension
-    reads), or None if not registered.
-
-    A foreign registration without an equivalent here comes back with an ``UnsupportedDispatch``
-    mode: the group binds it to a method that raises ``DispatchError`` with the reason.
+    """The ``Registration`` of a worker method (ours or a foreign one), or None. A foreign one
+    without an equivalent has an ``UnsupportedDispatch`` mode (calling it raises ``DispatchError``).
     """
     registration = getattr(func, MAGIC_ATTR, None)
     if registration is not None:

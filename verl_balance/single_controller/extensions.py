@@ -1,17 +1,12 @@
 """What the dispatcher learns from outside: row containers and controller extensions.
 
-Row containers. A value whose type is registered here is split into row chunks by the DP
-dispatch modes and concatenated back by collect; any other value is passed whole to every rank.
-``verl_balance.protocol.Batch`` is registered below. A bare ``TensorDict`` is registered as a
-container we refuse to split (its split needs an integration that knows how: a silent broadcast
-would hand every rank every row). Types are registered by qualified name (``module.Class``) and
-looked up along the value's MRO, so a registration never imports the container's package.
+A value whose type is registered as a row container is split into row chunks by the DP dispatch
+modes and concatenated back by collect; any other value goes whole to every rank. Types are
+registered by qualified name and looked up along the MRO, never importing the package. A bare
+``TensorDict`` is refused (no silent broadcast).
 
-Controller extensions. Another framework's workers (its ``register`` marks, its mode objects, its
-worker base class and its data) run on this controller through a ``ControllerExtension``
-registered with ``register_extension``; every hook's default answers "not mine". The verl
-integration installs one (``verl_balance.integrations.verl.controller.extension``). This module imports
-no framework.
+A ``ControllerExtension`` lets another framework's workers run here; every hook's default answers
+"not mine". This module imports no framework.
 """
 
 from __future__ import annotations
@@ -45,13 +40,9 @@ __all__ = [
 class RowContainer:
     """How the dispatcher handles one container type of rows.
 
-    ``split(value, n)``: ``n`` row chunks in order (``split_rows`` checks ``length`` first);
-    ``concat(outputs)``: one value from per-rank outputs of this type (None: outputs stay a list);
-    ``length(value)``: its rows, or None when unknown (no evenness check);
-    ``even_only``: a length that ``n`` does not divide is a ``DispatchError``; ``uneven_hint`` is
-    appended to that error (what the caller can do instead);
-    ``refusal(value)``: why this value cannot be split (a ``DispatchError`` naming the argument,
-    never a guess), or None when it can.
+    ``split(value, n)``: ``n`` row chunks in order; ``concat(outputs)``: one value (None: a list);
+    ``length(value)``: rows or None; ``even_only``: an uneven split is a ``DispatchError`` (plus
+    ``uneven_hint``); ``refusal(value)``: why it cannot be split, or None.
     """
 
     split: Callable[[Any, int], list]
@@ -131,10 +122,8 @@ register_row_container(
 
 
 class ControllerExtension:
-    """Hooks through which another framework's workers and data run on this controller.
-
-    Subclass and override what the framework needs; ``register_extension`` installs it. Every
-    default answers "not mine" (None / False / unchanged), so hooks compose in install order.
+    """Hooks through which another framework's workers and data run on this controller; every
+    default answers "not mine", so hooks compose in install order.
     """
 
     name = "extension"
@@ -148,8 +137,7 @@ class ControllerExtension:
         return None
 
     def claims_worker_class(self, cls: type) -> bool:
-        """Whether ``cls`` is one of the framework's worker classes (then the group asks for
-        ``worker_env`` and ``mesh_infos`` and requires at least one bound method)."""
+        """Whether ``cls`` is one of the framework's worker classes."""
         return False
 
     def worker_env(self, *, name_prefix: str, local_world_size: int) -> dict[str, str]:
@@ -161,8 +149,7 @@ class ControllerExtension:
         raise NotImplementedError(f"{type(self).__name__} claims worker classes but cannot read their meshes")
 
     def pad_for_even_split(self, args: tuple, kwargs: dict, num_chunks: int) -> tuple[tuple, dict, Callable]:
-        """Padded (args, kwargs) for a DP split into ``num_chunks`` and the function that removes the
-        padding from the collected output; the default pads nothing."""
+        """Padded (args, kwargs) for a DP split and the function that unpads the output."""
         return args, kwargs, _unchanged
 
 

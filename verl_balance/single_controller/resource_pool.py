@@ -1,26 +1,15 @@
 """`RayResourcePool`: the placement groups a worker group's processes live in.
 
-One placement group per node (``STRICT_PACK``: all bundles of a node on one Ray node; with
-``nnodes > 1`` each group is pinned to a different Ray node by its ``ray.io/node-id`` label, so two
-"nodes" never share a machine), each with
-``n_gpus_per_node`` bundles of ``{"CPU": cpus_per_worker * max_colocate_count, "GPU": 1}`` (or CPU
-only). On a CPU-only cluster ``n_gpus_per_node`` is simply the number of CPU workers per node, so
-the same config runs a laptop demo and a GPU cluster. Up to ``max_colocate_count`` worker groups
-can be built on one pool (e.g. actor and rollout sharing GPUs): each of their workers takes
-``cpus_per_worker`` CPUs and ``1 / max_colocate_count`` of its bundle's GPU.
+One ``STRICT_PACK`` placement group per node, each pinned to a different Ray node, of
+``n_gpus_per_node`` bundles (on a CPU-only cluster: CPU workers per node). Up to
+``max_colocate_count`` worker groups share one pool.
 
-Invariant: placement either succeeds within ``placement_timeout_s`` or raises
-``UnplaceableResourcePoolError`` naming the resources asked for and those the cluster has, and
-releases whatever it reserved. (A request larger than any node, than the whole cluster, or for
-more nodes than the cluster has nodes able to host one node's bundles fails at once; one that only
-waits for busy resources fails at the timeout.) Placement groups are ordered by node address (then
-node id) so that ranks map to nodes the same way across restarts (sharded checkpoints are written
-per rank), and ranks are node-major: the workers of one node have consecutive ranks.
+Invariants: placement succeeds within ``placement_timeout_s`` or raises
+``UnplaceableResourcePoolError`` naming the resources asked for and available, releasing what it
+reserved. Placement groups are ordered by node address, so ranks map to nodes the same way across
+restarts, and ranks are node-major.
 
-verl's constructor is accepted as is: ``RayResourcePool([2, 2], use_gpu=False)`` (positional
-``process_on_nodes, use_gpu, name_prefix, max_colocate_count, detached, accelerator_type``) is
-``RayResourcePool(n_gpus_per_node=2, nnodes=2, use_gpu=False)``. Two defaults differ on purpose:
-``max_colocate_count=1`` (verl's 10 reserves 10 CPUs per bundle and hangs small clusters) and
+verl's constructor is accepted as is; two defaults differ: ``max_colocate_count=1`` and
 ``use_gpu=None`` (GPU bundles only if the cluster has GPUs).
 """
 
@@ -74,21 +63,18 @@ class RayResourcePool:
     """``nnodes`` placement groups (one per Ray node) of ``n_gpus_per_node`` worker bundles each.
 
     Args (verl's positional order first):
-        process_on_nodes: verl's form of the size: workers per node, one entry per node (all
-            equal), e.g. ``[4, 4]``; give either this or ``n_gpus_per_node``.
+        process_on_nodes: verl's form of the size, e.g. ``[4, 4]``; or give ``n_gpus_per_node``.
         use_gpu: reserve one GPU per worker; ``None`` means "if the cluster has GPUs".
         name_prefix: prefix of the placement-group names (default: random).
         max_colocate_count: how many worker groups may share each bundle.
-        detached: verl's detached placement groups; not supported (must be False).
-        accelerator_type: Ray accelerator resource each GPU bundle also asks for (as verl does).
-        n_gpus_per_node: workers per node (GPUs per node; CPU workers when ``use_gpu`` is false).
-        nnodes: number of nodes (placement groups) when ``n_gpus_per_node`` is given; default 1.
-        cpus_per_worker: CPUs reserved per worker (also its torch thread count). ``None`` (the
-            default) reserves 1 CPU; a CPU worker (no GPU) then runs an equal share of the cores
-            of its node's process (``threads_per_worker``), a GPU worker 1 thread.
-        cpu_workers_per_node: CPU worker processes sharing one node's cores while this pool's run (its
-            own and those of other pools running at the same time, e.g. a separate rollout pool);
-            default this pool's ``n_gpus_per_node x max_colocate_count``. Only the core share reads it.
+        detached: not supported (must be False).
+        accelerator_type: Ray accelerator resource each GPU bundle also asks for.
+        n_gpus_per_node: workers per node.
+        nnodes: number of nodes when ``n_gpus_per_node`` is given; default 1.
+        cpus_per_worker: CPUs reserved per worker. ``None``: 1 CPU (a CPU worker then gets an
+            equal share of the node's cores as threads).
+        cpu_workers_per_node: CPU workers sharing one node's cores (default this pool's
+            ``n_gpus_per_node x max_colocate_count``).
         placement_timeout_s: how long to wait for the cluster to place the bundles.
     """
 
@@ -202,11 +188,9 @@ class RayResourcePool:
 
     @property
     def threads_per_worker(self) -> str:
-        """Torch intra-op threads per worker, as ``worker.NUM_THREADS_ENV`` takes it: the reserved CPUs
-        (at least one) when ``cpus_per_worker`` was given or the workers hold GPUs; else
-        ``cores/<k>``, an equal share of the cores among the k = ``cpu_workers_per_node`` workers of
-        a node (Ray's embedded cluster offers several CPU slots per core, so the reservation says
-        nothing about the cores). Invariant: the threads of the k workers sum to at most the cores."""
+        """Torch intra-op threads per worker: the reserved CPUs when ``cpus_per_worker`` was given or
+        workers hold GPUs, else an equal share of the node's cores. Invariant: the threads of a
+        node's workers sum to at most its cores."""
         if self._share_cores and not self.use_gpu:
             return f"{CORE_SHARE_PREFIX}{self.cpu_workers_per_node}"
         return str(max(1, math.floor(self.cpus_per_worker)))
@@ -266,12 +250,8 @@ class RayResourcePool:
     def get_placement_groups(
         self, strategy: str = "STRICT_PACK", name: str | None = None, device_name: str | None = None
     ) -> list[PlacementGroup]:
-        """Create (once) and return the placement groups, ordered by node.
-
-        ``strategy``, ``name`` and ``device_name`` are verl's arguments: only ``STRICT_PACK`` (one
-        group per node) is supported, ``name`` replaces the name prefix, ``device_name`` must agree
-        with ``use_gpu`` (see ``check_device_name``).
-        """
+        """Create (once) and return the placement groups, ordered by node. Only ``STRICT_PACK``;
+        ``name`` replaces the prefix; ``device_name`` must agree with ``use_gpu``."""
         if self._pgs is not None:
             return self._pgs
         if strategy != "STRICT_PACK":
@@ -345,11 +325,8 @@ DEVICE_NAMES = ("cpu", "cuda")
 
 
 def check_device_name(device_name: str | None, *, use_gpu: bool) -> None:
-    """verl's ``device_name``: None/"cuda"/"cpu"; "cpu" contradicts GPU bundles (an error).
-
-    verl defaults to "cuda" even for CPU pools, so "cuda" with a CPU pool is accepted (the workers
-    simply have no GPU), as in verl.
-    """
+    """verl's ``device_name``: None/"cuda"/"cpu"; "cpu" with GPU bundles is an error ("cuda" with a
+    CPU pool is accepted, as in verl)."""
     if device_name is None:
         return
     if device_name not in DEVICE_NAMES:

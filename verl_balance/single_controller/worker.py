@@ -1,16 +1,9 @@
 """`Worker`: base class of every process a worker group drives (one rank of a torch job).
 
-The group passes the torch.distributed rendezvous through the environment, as torchrun does:
-``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``
-(a free port on the node of rank 0). A subclass initializes its process group with
-``init_method="env://"``. Constructed outside a group (no ``RANK`` in the environment), a Worker
-is rank 0 of a world of 1, which lets tests and scripts use worker classes in-process.
-
-On an accelerator, the worker binds the device Ray assigned: Ray sets ``CUDA_VISIBLE_DEVICES``
-to the one GPU of the worker's bundle, so the visible index is 0; with several visible devices
-(no Ray isolation) it binds ``LOCAL_RANK``.
-
-This module does not import Ray, so worker classes can be imported and unit-tested without it.
+The group passes the rendezvous through the environment as torchrun does (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); use ``init_method="env://"``.
+Without ``RANK`` a Worker is rank 0 of a world of 1. On an accelerator it binds visible device 0
+(Ray's isolation), else ``LOCAL_RANK``. This module does not import Ray.
 """
 
 from __future__ import annotations
@@ -26,8 +19,7 @@ from verl_balance.single_controller.modes import Dispatch, MeshInfo, MeshLayoutE
 __all__ = ["Worker", "NUM_THREADS_ENV", "CORE_SHARE_PREFIX", "resolve_num_threads"]
 
 NUM_THREADS_ENV = "VERL_BALANCE_NUM_THREADS"
-"""Set by the worker group (``RayResourcePool.threads_per_worker``); the Worker sizes torch's thread
-pool to it: an integer, or ``cores/<k>`` (``resolve_num_threads``)."""
+"""Torch thread count for the Worker: an integer, or ``cores/<k>`` (``resolve_num_threads``)."""
 
 CORE_SHARE_PREFIX = "cores/"
 
@@ -107,10 +99,8 @@ class Worker:
         return torch.device("cpu")
 
     def register_mesh(self, mesh_name: str, *, dp_rank: int, dp_size: int, is_collect: bool) -> None:
-        """Declare this worker's DP coordinates for ``make_mesh_dispatch(mesh_name)`` methods.
-
-        Call once per mesh, after building the device mesh; ``is_collect`` should be true on
-        exactly one worker per DP group (SP rank 0).
+        """Declare this worker's DP coordinates for ``make_mesh_dispatch(mesh_name)`` methods; once
+        per mesh, ``is_collect`` on exactly one worker per DP group.
         """
         if mesh_name in self._mesh_infos:
             raise MeshLayoutError(f"worker rank {self._rank} already registered mesh {mesh_name!r}")

@@ -1,39 +1,17 @@
 """`RayWorkerGroup`: the driver's handle on one Ray actor per bundle of a `RayResourcePool`.
 
-Every method of the worker class decorated with ``@register`` becomes a method of the group that
-runs dispatch -> execute (one ``.remote`` call per worker) -> collect (see ``decorator.py``);
-``group.method.submit(...)`` starts the same call without waiting and returns a ``GroupFuture``.
+Every ``@register`` method of the worker class becomes a group method running dispatch -> execute ->
+collect (``decorator.py``); ``group.method.submit(...)`` returns a ``GroupFuture`` without waiting.
 
-Failure contract: the driver never waits on a worker that is gone. Results are awaited one at a
-time with ``ray.wait``; the first worker that died (process exit, OOM kill, node loss) raises
-``WorkerDiedError`` naming its rank, actor id and the method, even while the other ranks are
-still blocked in a collective with it. An exception raised inside a worker method is re-raised
-with its original type plus a note naming the rank and method, unless another worker of the same
-call is found dead within ``failure_grace_s`` (survivors of a dead peer typically fail with a
-connection error first): then the death, the root cause, is raised as ``WorkerDiedError``.
-After a ``WorkerDiedError`` the group's collectives are broken: ``shutdown()`` it, build a new one.
+Failure contract: the driver never waits on a worker that is gone. The first dead worker raises
+``WorkerDiedError`` naming its rank, actor id and the method. An exception inside a worker method is
+re-raised with its type plus a note naming rank and method, unless a peer of the same call is found
+dead within ``failure_grace_s``: then ``WorkerDiedError``. A call unanswered within
+``call_timeout_s`` raises ``WorkerTimeoutError`` naming the ranks; a heartbeat line every
+``heartbeat_s`` names the ranks not answered yet. After either error the group's collectives are
+broken: ``shutdown()`` it and build a new one.
 
-No silent stall: while a call waits, a heartbeat line every ``heartbeat_s`` names the ranks that
-have not answered yet (WARNING once some ranks have answered and others not, else INFO), and a
-call that is not answered within ``call_timeout_s`` raises ``WorkerTimeoutError`` naming those
-ranks, the method and the time waited (a stopped, deadlocked or starved worker). After it the
-group is as unusable as after a death.
-
-Running against a cluster instead of an embedded Ray (checked with Ray 2.60):
-
-    ray start --head --num-cpus=4        # on a GPU node add --num-gpus=N; prints the head address
-    export RAY_AUTH_MODE=token           # `ray start` enables token auth; the driver then reads ~/.ray/auth_token
-    python my_driver.py                  # calls ray.init(address="auto") (or address="HOST:6379")
-    ray stop                             # stops every Ray process on this machine
-
-The workers must import ``verl_balance``: install the package, export ``PYTHONPATH`` before
-``ray start``, or pass ``ray.init(address=..., runtime_env={"env_vars": {"PYTHONPATH": repo}})``.
-``RayResourcePool`` / ``RayWorkerGroup`` are used unchanged.
-
-Another framework's worker classes run here through an installed ``ControllerExtension``
-(``extensions.py``): it reads their ``register`` marks, adds the environment their base class
-expects and reads their mesh registrations. verl's constructor arguments and method names live in
-``verl_balance.integrations.verl.controller.worker_group.RayWorkerGroup``, a subclass of this class.
+The workers must import ``verl_balance`` (install it, or set ``PYTHONPATH`` for them).
 """
 
 from __future__ import annotations
@@ -111,10 +89,7 @@ class WorkerGroupError(ValueError):
 
 
 class RayClassWithInitArgs:
-    """A worker class plus the arguments for its constructor (and extra Ray actor options).
-
-    ``cls`` may be the plain class or ``ray.remote(cls)``.
-    """
+    """A worker class (plain or ``ray.remote``) plus its constructor arguments and Ray actor options."""
 
     def __init__(self, cls: type, *args: Any, **kwargs: Any) -> None:
         self.cls = getattr(cls, "__ray_actor_class__", cls)
@@ -136,9 +111,7 @@ _node_address_and_free_port = ray.remote(num_cpus=0)(_address_and_free_port)
 
 
 def _rendezvous_address(pg: Any, *, node_id: str) -> tuple[str, int]:
-    """Rank 0's node address and a free port on it (rank 0 is bundle 0 of ``pg``, on ``node_id``): drawn
-    by the driver itself when it runs on that node (an embedded cluster), else by a task there (which
-    costs a worker process: the embedded cluster starts none ahead, see ``trainer/cluster.py``)."""
+    """Rank 0's node address and a free port on it (rank 0 is bundle 0 of ``pg``, on ``node_id``)."""
     if node_id == ray.get_runtime_context().get_node_id():
         return _address_and_free_port()
     strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=0)
@@ -146,9 +119,7 @@ def _rendezvous_address(pg: Any, *, node_id: str) -> tuple[str, int]:
 
 
 def _worker_place(actor: Any) -> tuple[str, int, str | None]:
-    """(node id, pid, the file its stderr goes to or None) of the worker process (run inside it via
-    ``__ray_call__``). Ray writes a worker's stderr to a log file of its node's session: what a worker
-    that died says last (a segfault, a fatal error) is there."""
+    """(node id, pid, stderr log file or None) of the worker process (run inside it)."""
     try:
         stderr_path = os.readlink("/proc/self/fd/2")
     except OSError:  # not Linux, or no stderr
@@ -159,8 +130,7 @@ def _worker_place(actor: Any) -> tuple[str, int, str | None]:
 
 
 def _last_log_lines(path: str, *, max_lines: int = 25, max_bytes: int = 8000) -> str:
-    """The last lines of a dead worker's stderr file, '' if unreadable. Ray's own markers (``:job_id:``
-    ...) and the fault handler's list of extension modules are left out: they say nothing of the cause."""
+    """The last informative lines of a dead worker's stderr file, '' if unreadable."""
     try:
         with open(path, "rb") as log:
             start = max(0, log.seek(0, os.SEEK_END) - max_bytes)
@@ -186,8 +156,7 @@ class GroupFuture:
 
 
 class BoundGroupMethod(Generic[P, R]):
-    """A group method on one group: calling it runs dispatch -> execute -> collect; ``submit``
-    starts the same call and returns a ``GroupFuture``."""
+    """A group method bound to one group; ``submit`` returns a ``GroupFuture``."""
 
     def __init__(
         self,
@@ -215,10 +184,8 @@ class BoundGroupMethod(Generic[P, R]):
         return future.get() if self._registration.blocking else future
 
     def submit(self, *args: P.args, **kwargs: P.kwargs) -> GroupFuture:
-        """Start the call on every worker and return at once, whatever the registration's
-        ``blocking``; ``.get()`` waits and collects what the call would have returned. A Ray actor
-        runs its calls in submission order, so calls submitted back to back reach every rank in
-        the same order (their collectives line up) while the driver does other work."""
+        """Start the call on every worker and return a future at once; ``.get()`` collects. Calls
+        reach every rank in submission order."""
         self._check_arguments(args, kwargs)
         return self._group._call(self._name, self._registration, args, kwargs)
 
@@ -230,10 +197,7 @@ class BoundGroupMethod(Generic[P, R]):
 class GroupMethod(Generic[P, R]):
     """A driver-side method declared on a worker-group class with ``@group_method``.
 
-    The decorated function is the declaration: its name is the registered worker method it runs,
-    its signature is checked on every call, its docstring and types are what an editor shows; its
-    body is never run. On an instance it is a ``BoundGroupMethod`` that runs the worker method by
-    its registration (dispatch -> execute on every rank -> collect; ``.submit`` for a future).
+    The decorated function is the declaration (name, checked signature, docs); its body is never run.
     """
 
     def __init__(self, declaration: Callable[Concatenate[Any, P], R]) -> None:
@@ -291,15 +255,12 @@ def _checked_worker_env(
 
 
 OMP_WAIT_POLICY = "PASSIVE"
-"""OpenMP wait policy of CPU workers. libgomp's default spins at every parallel region's barrier; when
-the cores are shared (other workers, other jobs) a spinning thread waits for one that is descheduled:
-on the 2-core CI host at load ~10-40 two active threads cost 8-10x the CPU of one for generation,
-passive ones no more than one (docs/performance.md, "Threads")."""
+"""OpenMP wait policy of CPU workers: passive, since spinning threads on shared cores cost many
+times the CPU (docs/performance.md, "Threads")."""
 
 
 def cpu_thread_env(pool: RayResourcePool) -> dict[str, str]:
-    """Defaults for CPU workers' threads, under the caller's ``worker_env``: a passive OpenMP wait
-    unless the driver's environment names a policy (Ray's workers inherit it); nothing for GPU pools."""
+    """Thread defaults for CPU workers (a passive OpenMP wait unless the driver names one); none for GPU."""
     if pool.use_gpu or "OMP_WAIT_POLICY" in os.environ:
         return {}
     return {"OMP_WAIT_POLICY": OMP_WAIT_POLICY}
@@ -344,20 +305,15 @@ class RayWorkerGroup:
         ray_cls_with_init: the worker class (plain or ``ray.remote``) and its constructor arguments.
         name_prefix: prefix of the actor names (default: random).
         device_name: "cuda" / "cpu" (None: from the pool); "cpu" with GPU bundles is an error.
-        worker_env: extra environment variables for every worker (may not override the
-            rendezvous variables the group sets).
-        ready_timeout_s: how long to wait for all workers' constructors to finish (None: 300 s).
+        worker_env: extra environment variables (may not override the rendezvous variables).
+        ready_timeout_s: wait for all constructors (None: 300 s).
         failure_grace_s: after a worker raises, how long to look for a dead peer that caused it.
-        call_timeout_s: how long any call may wait for its ranks before ``WorkerTimeoutError``
-            (None: no limit); ``GroupFuture.get(timeout_s)`` and ``ready_timeout_s`` override it.
-        heartbeat_s: interval of the "still waiting" lines naming the ranks not answered yet
-            (None or 0: none).
-        timeout_hint: text appended to a timeout error (e.g. the config key that sets the timeout).
+        call_timeout_s: per-call limit before ``WorkerTimeoutError`` (None: no limit).
+        heartbeat_s: interval of the "still waiting" lines (None or 0: none).
+        timeout_hint: text appended to a timeout error.
 
-    Methods: a subclass may declare the driver-side methods of the worker class it drives with
-    ``@group_method`` (``workers.group.ActorGroup``); every other registered worker method is
-    bound on the instance by name, which is how a generic group drives a worker class it does not
-    know (a user's, a test's, another framework's through its ``ControllerExtension``).
+    Methods declared with ``@group_method`` are typed; every other registered worker method is bound
+    by name.
     """
 
     def __init__(
@@ -627,8 +583,7 @@ class RayWorkerGroup:
         )
 
     def _describe_ranks(self, ranks: list[int]) -> str:
-        """Name, pid and process state (for workers on the driver's node) of each rank: a stopped or
-        zombie worker stands out among the ranks blocked in a collective with it."""
+        """Name, pid and process state (driver's node only) of each rank."""
         here = ray.get_runtime_context().get_node_id()
         parts = []
         for rank in ranks:
@@ -706,8 +661,7 @@ class RayWorkerGroup:
         return GroupFuture(self, method, self._submit(method, [(args, kwargs)]), [0], lambda outputs: outputs[0]).get()
 
     def shutdown(self) -> None:
-        """Kill the workers, or hand a ``WorkerFactory``'s workers back to it (``worker_factory.py``);
-        the resource pool stays reserved (``resource_pool.remove()`` frees it)."""
+        """Kill the workers (or hand them back to their ``WorkerFactory``); the pool stays reserved."""
         if self._factory is not None:
             self._factory.release(self._workers, clean=not self._failed)
         else:

@@ -1,12 +1,7 @@
 """ActorWorker: one Ray actor process = one rank of the FSDP2 + Ulysses training engine.
 
-The driver sends each DP group one ``Batch`` (rows in the BalancePlan's micro-batch order, meta
-``micro_batch_sizes``); mesh dispatch gives every SP rank of that DP group the same rows, and only
-SP rank 0's output comes back. Every rank of the mesh must receive the same number of
-micro-batches (the plan guarantees it), or the engine's collectives would not line up.
-
-Each call to ``update_actor`` is exactly one optimizer step (one global mini-batch); PPO epochs and
-mini-batches are driven from the trainer so that every mini-batch gets its own BalancePlan.
+Every SP rank of a DP group gets the same ``Batch`` and only SP rank 0's output returns; every rank
+must receive the same number of micro-batches. Each ``update_actor`` call is exactly one optimizer step.
 """
 
 from __future__ import annotations
@@ -127,11 +122,8 @@ class ActorWorker(Worker):
     # ------------------------------------------------------------------ compute
     @register(dispatch_mode=make_mesh_dispatch(ACTOR_MESH))
     def update_actor(self, batch: Batch) -> dict:
-        """One optimizer step over this DP rank's micro-batches; metrics of this rank.
-
-        With meta ``on_policy`` the PPO loss takes the old log-probs from this forward (see
-        ``PPOLoss``); its ``rollout_probs_diff_max`` is then reduced (MAX) over the world, so the
-        value is global like the engine's other metrics.
+        """One optimizer step over this DP rank's micro-batches; metrics of this rank. With meta
+        ``on_policy`` the old log-probs come from this forward.
         """
         start = time.perf_counter()
         loss_fn = self._loss_fn(on_policy=bool(batch.meta.get(ON_POLICY_KEY, False)))
@@ -162,8 +154,7 @@ class ActorWorker(Worker):
 
     @register(dispatch_mode=make_mesh_dispatch(ACTOR_MESH))
     def compute_log_prob(self, batch: Batch, with_entropy: bool = False, with_sum_pi_squared: bool = False) -> Batch:
-        """Per-token log-probs (B, L) of this chunk's rows, in the chunk's row order (and the entropy,
-        and the sum over the vocabulary of p^2, when asked)."""
+        """Per-token log-probs (B, L) of this chunk's rows, in its row order (plus extras when asked)."""
         outputs = self.engine.compute_log_prob(
             self._micro_batches(batch),
             with_entropy=with_entropy,
@@ -175,14 +166,12 @@ class ActorWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def set_loss_mode(self, loss_mode: LossModeConfig | None) -> None:
-        """Train the next updates with this ``policy_loss.loss_mode`` (None = vanilla PPO-clip): the
-        loss is built per update from the config, so no engine state changes."""
+        """Train the next updates with this ``policy_loss.loss_mode`` (None = vanilla PPO-clip)."""
         self.config.loss_mode = loss_mode
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def describe(self) -> dict:
-        """What this rank runs: layout, model dims, engine settings and the policy-loss mode (for logs
-        and tests)."""
+        """What this rank runs (for logs and tests)."""
         return {
             "rank": self.rank,
             "dp": self.layout.dp,
@@ -199,17 +188,14 @@ class ActorWorker(Worker):
     # ------------------------------------------------------------------ state
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, path: str, step: int, extra: dict | None = None) -> None:
-        """Sharded checkpoint of model + optimizer + scheduler under ``path`` (collective); with
-        ``config.save_hf_model`` also the HF export ``<path>/hf`` (inside the same staged save)."""
+        """Sharded checkpoint under ``path`` (collective); with ``config.save_hf_model`` also ``<path>/hf``."""
         os.makedirs(path, exist_ok=True)
         self.engine.save_checkpoint(path, step=step, extra=extra)
         if self.config.save_hf_model:
             self.export_hf(os.path.join(path, HF_EXPORT_DIR))
 
     def export_hf(self, out: str) -> None:
-        """Write the current model as a Hugging Face save_pretrained directory ``out``. Collective,
-        called on every rank from ``save_checkpoint``: every rank joins the gather, rank 0 alone
-        holds the full tensors and writes."""
+        """Write the model as an HF directory ``out``. Collective; rank 0 writes."""
         # One tensor gathered at a time; rank 0 streams bounded safetensors files (no full model).
         self.engine.save_hf_model(out, tokenizer_path=self.config.hf_tokenizer_path)
 
@@ -220,8 +206,7 @@ class ActorWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def hash_checkpoint_files(self, path: str, sizes: dict[str, int]) -> dict[str, dict]:
-        """This rank's share (``utils.checksums.share_of``) of the files ``sizes`` names under
-        ``path``, hashed: ``{name: {"size", "xxh3_128"}}``; the ranks' shares together cover all."""
+        """This rank's share of the files ``sizes`` names, hashed: ``{name: {"size", "xxh3_128"}}``."""
         return hash_files(path, share_of(sizes, rank=self.rank, world=self.world_size))
 
 

@@ -1,31 +1,15 @@
 """ActorRolloutWorker: the actor rank plus a colocated rollout and an optional frozen reference policy.
 
 Invariants:
-- The rollout reads the actor's own weights: before generating, every rank all-gathers the
-  unsharded parameters (``TrainEngine.full_state_dict``, a collective over the whole mesh) and
-  hands them to its rollout engine (``rollout.build_rollout``) by reference. The gather is redone
-  only when the actor took an optimizer step since the last one, so validation and training
-  rollouts of one step share it.
-- A rollout that ``streams_weights`` (vLLM) is fed the unsharded tensors bucket by bucket
-  (``workers/buckets.stream_full_tensors``) and copies them into its own storage in place, so no rank
-  holds the gathered model beyond one bucket; the others get ``full_state_dict`` by reference.
-- Generation uses its own mesh, ``"rollout"``: every worker is its own DP rank (an SP group does
-  not need to generate together), so the driver sends one prompt chunk per worker and gets back one
-  ``RolloutOutput`` per worker, in worker-rank order. Because ``full_state_dict`` is collective,
-  every worker must join each ``generate_sequences`` call, even with an empty chunk.
-- The reference policy is a second, never-updated engine on the same (dp, sp) mesh, so
-  ``compute_ref_log_prob`` goes through exactly the packed, sequence-parallel code path of
-  ``compute_log_prob``. Its weights are copied from the actor by ``sync_reference_policy`` (the
-  trainer does it once, after any warm start and before resuming, so the reference is the initial
-  policy of the run).
-- With LoRA (``engine.lora_rank > 0``) the rollout generates with the merged weights
-  W + scaling * B @ A of each adapted module (``lora.merged_weight``, peft's merge math) under the
-  plain HF names. Only the adapters train, so after the first sync a refresh gathers, one tensor at
-  a time, the adapted modules' base weight and adapters and writes the merged weight into the
-  rollout's own tensor in place; frozen, non-adapted tensors (embeddings, norms, head) are
-  gathered once. The worker thus holds one extra full copy (the rollout's) plus one module's
-  tensors. The reference policy is the actor's own model with its adapters disabled (verl's
-  choice: the base model, no second copy), so ``sync_reference_policy`` has nothing to copy.
+- The rollout reads the actor's own weights, all-gathered (a collective over the whole mesh) only
+  when the actor stepped since the last gather; a ``streams_weights`` rollout gets them bucket by
+  bucket, so no rank holds the gathered model beyond one bucket.
+- Generation uses its own mesh, ``"rollout"``: every worker is its own DP rank and returns one
+  ``RolloutOutput``, in worker-rank order. Every worker must join each ``generate_sequences`` call,
+  even with an empty chunk.
+- The reference policy is a never-updated engine on the same (dp, sp) mesh, copied from the actor
+  by ``sync_reference_policy``; with LoRA it is the actor with adapters disabled.
+- With LoRA the rollout generates with the merged weights W + scaling * B @ A under plain HF names.
 """
 
 from __future__ import annotations
@@ -132,12 +116,9 @@ class ActorRolloutWorker(ActorWorker):
     # ------------------------------------------------------------------ weights
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_model_weights(self, path: str) -> None:
-        """Load only the model weights of an engine checkpoint (e.g. an SFT ``global_step_N``).
-
-        The optimizer state, schedule and step count of that run are not restored: this starts a
-        new run from its weights. DCP reshards, so the checkpoint's worker count may differ. A LoRA
-        checkpoint holds only the adapters: they are loaded into this actor's adapters, after its
-        frozen base was checked to be the one they were trained on (BaseMismatchError otherwise).
+        """Load only the model weights of an engine checkpoint (a new run from its weights; the
+        worker count may differ). A LoRA checkpoint's adapters load after its base is checked
+        (BaseMismatchError otherwise).
         """
         from verl_balance.engine.lora import read_base_fingerprint
         from verl_balance.engine.train_engine import check_checkpoint_base, trainable_state
@@ -206,10 +187,7 @@ class ActorRolloutWorker(ActorWorker):
 
     def _merged_lora_weights(self, previous: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         """The plain HF state of the LoRA actor with adapters merged, on the rollout device.
-
-        Collective: every rank gathers the same tensors in the same (state_dict) order. With
-        ``previous`` (the tensors of the last sync) only adapted modules are gathered and merged,
-        written into ``previous`` in place; the frozen rest is reused."""
+        Collective. With ``previous`` only adapted modules are regathered, written into it in place."""
         model = self.engine.model
         scaling = lora_scaling(model.lora_config)
         params = model.state_dict()
@@ -234,12 +212,8 @@ class ActorRolloutWorker(ActorWorker):
     def generate_sequences(self, prompts: Batch, sampling: dict, seed: int) -> RolloutOutput | None:
         """Sample ``sampling["n"]`` responses for each of this worker's prompts (None for no prompts).
 
-        ``prompts`` carries the token ids in the non-tensor column ``raw_prompt_ids`` and each
-        prompt's global index in ``sample_index``; ``sampling`` holds the ``RolloutEngine.generate``
-        keywords other than ``seed`` and ``stop_token_ids``. All prompts go in one batched call in
-        which prompt i samples with its own seed ``sampling_seed(seed, sample_index[i])`` (per-row
-        random streams, see ``rollout/sampling.py``), so the output is the same on any worker count
-        (up to last-bit logit differences between batch shapes; see ``rollout/base.py``).
+        Prompt i samples with its own seed ``sampling_seed(seed, sample_index[i])``, so the output is
+        the same on any worker count (up to last-bit logit differences between batch shapes).
         """
         self._refresh_rollout_weights()  # collective: before any early return
         if len(prompts) == 0:
@@ -253,8 +227,7 @@ class ActorRolloutWorker(ActorWorker):
         )
 
     def _multi_turn(self, prompts: Batch, sampling: dict, seeds: list[int]) -> RolloutOutput:
-        """Tool conversations of this worker's prompts (their chats, ``extra_info.tools_kwargs`` and
-        verl's ``agent_name``), generated turn by turn by this worker's rollout engine."""
+        """Tool conversations of this worker's prompts, generated turn by turn."""
         if self._agent_loop is None:
             self._agent_loop = build_agent_loop(
                 engine=self.rollout,

@@ -1,14 +1,8 @@
 """CriticWorker: one Ray actor process = one rank of the value model's engine (PPO's critic).
 
-The same engine, dispatch and loss contract as ``ActorWorker`` with ``EngineConfig.model_type =
-"value_model"`` (models/value.py: the decoder with a scalar head per token, no LM head) and
-verl's clipped value loss (algorithms/value_loss.py). Each ``update_critic`` call is exactly one
-optimizer step on one global mini-batch; PPO epochs and mini-batches are driven by the trainer, as
-for the actor.
-
-Wire columns (right-padded (B, L), token-aligned like ``loss_mask``): ``compute_values`` reads
-input_ids, attention_mask, position_ids; ``update_critic`` also loss_mask (the response mask),
-``values`` (the old values of ``compute_values``) and ``returns``.
+``ActorWorker``'s engine, dispatch and loss contract with ``model_type="value_model"`` and verl's
+clipped value loss; each ``update_critic`` call is one optimizer step. ``update_critic`` reads
+loss_mask, ``values`` (old) and ``returns`` besides the model inputs.
 """
 
 from __future__ import annotations
@@ -34,8 +28,7 @@ class CriticWorkerConfig(ActorWorkerConfig):
     """An actor rank's config for the value model: ``engine.model_type`` is set to "value_model"."""
 
     cliprange_value: float = 0.5
-    """verl's ``critic.cliprange_value``: how far a new value may move from the old one before
-    the clipped term of the value loss takes over."""
+    """verl's ``critic.cliprange_value``: the clip range of the value loss."""
 
     def __post_init__(self) -> None:
         if self.policy_loss is not None:
@@ -55,8 +48,7 @@ class CriticWarmStartError(ValueError):
 
 
 class CriticWorker(ActorWorker):
-    """Registered methods: init_model, compute_values, update_critic, eval_loss (the value loss),
-    describe and the checkpoint methods (inherited from ActorWorker)."""
+    """Registered methods: ActorWorker's plus compute_values and update_critic."""
 
     wire_keys = CRITIC_WIRE_KEYS
 
@@ -72,12 +64,8 @@ class CriticWorker(ActorWorker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_backbone_weights(self, path: str) -> bool:
-        """Load the decoder weights of an engine checkpoint (the actor's warm start, e.g. an SFT
-        ``global_step_N``) into the value model: verl's critic starts from the actor's weights.
-
-        The value head (``score``) is read too when the checkpoint has one (a critic's checkpoint);
-        from a language model's checkpoint it keeps its seeded initialisation and the LM head is not
-        read. Optimizer state and step count are not restored. Returns whether the head was loaded."""
+        """Load the decoder weights (and a value head, if present) of an engine checkpoint into the
+        value model; optimizer state is not restored. Returns whether the head was loaded."""
         metadata = safe_load.read_dcp_metadata(path)  # a planted pickle: UnsafeCheckpointError
         model_sd = get_model_state_dict(self.engine.model)
         has_head = all(f"model.{name}" in metadata.state_dict_metadata for name in VALUE_HEAD_NAMES)
@@ -100,19 +88,14 @@ class CriticWorker(ActorWorker):
 
     @register(dispatch_mode=make_mesh_dispatch(ACTOR_MESH))
     def compute_values(self, batch: Batch) -> Batch:
-        """Per-token ``values`` (B, L) of this chunk's rows, in the chunk's row order: values[i, t]
-        is the head on the hidden state of token t - 1 (0 at t = 0 and at padding), the alignment
-        of ``ActorWorker.compute_log_prob``'s log_probs."""
+        """Per-token ``values`` (B, L) of this chunk's rows, in row order, aligned like log_probs."""
         outputs = self.engine.compute_values(self._micro_batches(batch))
         return Batch.from_dict(tensors={VALUES_KEY: cat_padded([o[VALUES_KEY] for o in outputs])})
 
     @register(dispatch_mode=make_mesh_dispatch(ACTOR_MESH))
     def update_critic(self, batch: Batch) -> dict:
-        """One optimizer step of the value loss over this DP rank's micro-batches.
-
-        Returns ``vf_loss`` (the global objective J), ``vf_clipfrac`` and ``vpred_mean`` (global
-        loss-mask token means), ``grad_norm``, ``lr``, the engine's timing keys (busy_seconds ...),
-        ``step_seconds`` and ``dp_rank``."""
+        """One optimizer step of the value loss over this DP rank's micro-batches. Returns
+        ``vf_loss`` (global J), ``vf_clipfrac``, ``vpred_mean``, ``grad_norm``, ``lr``, timings and ``dp_rank``."""
         missing = [k for k in (LOSS_MASK_KEY, VALUES_KEY, RETURNS_KEY) if k not in batch.tensors.keys()]
         if missing:
             raise ValueError(f"update_critic: the batch lacks columns {missing}; it has {sorted(batch.tensors.keys())}")

@@ -1,17 +1,12 @@
 """The worker groups as the driver sees them: ``ActorGroup``, ``ActorRolloutGroup`` and ``CriticGroup``,
 on the ``EngineGroup`` base that declares the methods every engine worker has.
 
-Each is a ``RayWorkerGroup`` that declares the ``@register``'ed methods of its worker class with
-``@group_method``: the declaration gives the driver-side signature (checked on every call) and a
-docstring naming the worker method that runs on every rank (``ActorWorker.update_actor`` ...),
-which is where the work is done; the call dispatches, runs on every rank and collects, and
-``.submit(...)`` starts it without waiting. "Go to definition" on ``self.actor.update_actor``
-lands here. ``group_class_for(worker_cls)`` picks the group class for a worker class; a worker
-subclass's extra registered methods are still bound by name (``RayWorkerGroup``).
+Each declares its worker class's ``@register``'ed methods with ``@group_method`` (typed, checked
+signatures; the docstring names the worker method run on every rank). ``group_class_for(worker_cls)``
+picks the group class for a worker class.
 
-Mesh-dispatched calls take one ``Batch`` per DP rank (``trainer.plan_dispatch.split_by_plan``)
-and return the outputs of SP rank 0 of each DP group, in DP order: a list of dicts, or one
-``Batch`` concatenated in DP order (``merge_by_plan`` restores the input row order).
+Mesh-dispatched calls take one ``Batch`` per DP rank and return SP rank 0's outputs of each DP
+group, in DP order.
 """
 
 from __future__ import annotations
@@ -31,21 +26,17 @@ __all__ = ["ActorGroup", "ActorRolloutGroup", "CriticGroup", "EngineGroup", "gro
 
 
 class EngineGroup(RayWorkerGroup):
-    """The methods every engine worker registers (``ActorWorker``'s, which ``CriticWorker`` inherits
-    or overrides): set-up, evaluation, description and checkpoints. ``ActorGroup`` and
-    ``CriticGroup`` add their own; a docstring names ``ActorWorker``'s method, and a ``CriticGroup``
-    call runs ``CriticWorker``'s."""
+    """The methods every engine worker registers (``ActorWorker``'s; a ``CriticGroup`` call runs
+    ``CriticWorker``'s)."""
 
     @group_method
     def init_model(self) -> list[dict]:
-        """``ActorWorker.init_model`` (``CriticWorker.init_model``) on every rank: process group,
-        mesh and sharded engine (the language model's, or the value model's)."""
+        """``ActorWorker.init_model`` on every rank: process group, mesh and sharded engine."""
         ...
 
     @group_method
     def eval_loss(self, chunks: list[Batch]) -> list[dict]:
-        """``ActorWorker.eval_loss``: the training objective without backward (a critic's: the value
-        loss); per-DP-rank metrics."""
+        """``ActorWorker.eval_loss``: the training objective without backward; per-DP-rank metrics."""
         ...
 
     @group_method
@@ -65,8 +56,7 @@ class EngineGroup(RayWorkerGroup):
 
     @group_method
     def hash_checkpoint_files(self, path: str, sizes: dict[str, int]) -> list[dict[str, dict]]:
-        """``ActorWorker.hash_checkpoint_files`` on every rank: each hashes its share of the files
-        ``sizes`` names under ``path``; the union of the returned dicts covers every file."""
+        """``ActorWorker.hash_checkpoint_files`` on every rank; the union of the dicts covers every file."""
         ...
 
 
@@ -75,16 +65,14 @@ class ActorGroup(EngineGroup):
 
     @group_method
     def update_actor(self, chunks: list[Batch]) -> list[dict]:
-        """``ActorWorker.update_actor``: one optimizer step on the global mini-batch; per-DP-rank
-        metrics (loss and grad norm are already global, timings are the rank's own)."""
+        """``ActorWorker.update_actor``: one optimizer step on the global mini-batch; per-DP-rank metrics."""
         ...
 
     @group_method
     def compute_log_prob(
         self, chunks: list[Batch], with_entropy: bool = False, with_sum_pi_squared: bool = False
     ) -> Batch:
-        """``ActorWorker.compute_log_prob``: per-token ``log_probs`` (and ``entropy``, ``sum_pi_squared``)
-        of every row, concatenated in DP order."""
+        """``ActorWorker.compute_log_prob``: per-token ``log_probs`` (and extras) in DP order."""
         ...
 
     @group_method
@@ -98,14 +86,12 @@ class ActorRolloutGroup(ActorGroup):
 
     @group_method
     def generate_sequences(self, chunks: list[Batch], sampling: dict, seed: int) -> list[RolloutOutput | None]:
-        """``ActorRolloutWorker.generate_sequences``: one prompt chunk per worker (rollout mesh);
-        each worker's RolloutOutput (None for an empty chunk), in worker-rank order."""
+        """``ActorRolloutWorker.generate_sequences``: one prompt chunk per worker; outputs in worker-rank order."""
         ...
 
     @group_method
     def compute_ref_log_prob(self, chunks: list[Batch]) -> Batch:
-        """``ActorRolloutWorker.compute_ref_log_prob``: per-token ``ref_log_prob`` under the frozen
-        reference policy, concatenated in DP order."""
+        """``ActorRolloutWorker.compute_ref_log_prob``: per-token ``ref_log_prob``, in DP order."""
         ...
 
     @group_method
@@ -124,20 +110,17 @@ class CriticGroup(EngineGroup):
 
     @group_method
     def compute_values(self, chunks: list[Batch]) -> Batch:
-        """``CriticWorker.compute_values``: per-token ``values`` of every row (aligned like
-        ``compute_log_prob``'s log_probs), concatenated in DP order."""
+        """``CriticWorker.compute_values``: per-token ``values`` of every row, in DP order."""
         ...
 
     @group_method
     def load_backbone_weights(self, path: str) -> list[bool]:
-        """``CriticWorker.load_backbone_weights`` on every rank: the decoder of an engine checkpoint
-        (and its value head when it has one); per rank, whether the head was loaded."""
+        """``CriticWorker.load_backbone_weights`` on every rank; per rank, whether the head was loaded."""
         ...
 
     @group_method
     def update_critic(self, chunks: list[Batch]) -> list[dict]:
-        """``CriticWorker.update_critic``: one optimizer step of the clipped value loss on the global
-        mini-batch; per-DP-rank metrics (vf_loss, vf_clipfrac, vpred_mean, grad_norm are global)."""
+        """``CriticWorker.update_critic``: one optimizer step of the clipped value loss; per-DP-rank metrics."""
         ...
 
 

@@ -1,22 +1,15 @@
 """RolloutWorker: a rollout engine on its own worker, holding its own copy of the policy.
 
-``trainer.v1.trainer_mode=separate_async`` places ``actor_rollout_ref.rollout.nnodes x
-n_gpus_per_node`` of these on a resource pool of their own. They never join a torch.distributed
-group: each generates for its own prompts (mesh ``"rollout"``, every worker its own DP rank) with
-the weights the driver last sent (``receive_weights``, bucket by bucket from the actor group,
-``workers/weight_sync.py``).
+Placed on its own resource pool (``trainer_mode=separate_async``); never joins a torch.distributed
+group. Each worker is its own DP rank of mesh ``"rollout"`` and generates with the weights the
+driver last sent (``receive_weights``).
 
 Invariants:
-- A worker runs its calls in submission order (a Ray actor), so a ``generate_sequences``
-  submitted before a sync generates with the weights before it, whatever the timing: the policy
-  version of a batch is fixed when it is submitted (``trainer/grpo/async_trainer.py``).
-- ``receive_weights`` copies each bucket into the worker's own tensors; the rollout engine is
-  pointed at them once the last bucket of a version arrived (``last=True``), so a generation never
-  sees a half-updated model. With LoRA (``lora_scaling``) they are the actor's LoRA-named tensors
-  and the engine gets the merged ones.
-- Prompt ``i`` samples with ``sampling_seed(seed, sample_index[i])`` exactly as the colocated
-  rollout does (``ActorRolloutWorker.generate_sequences``), so a sample depends on its prompt, seed
-  and weights, not on which rollout worker drew it.
+- Calls run in submission order, so a batch's policy version is fixed when it is submitted.
+- The engine switches to new weights only after a version's last bucket, so a generation never
+  sees a half-updated model.
+- Prompt ``i`` samples with ``sampling_seed(seed, sample_index[i])`` as the colocated rollout does,
+  so a sample does not depend on which worker drew it.
 """
 
 from __future__ import annotations
@@ -54,9 +47,8 @@ class RolloutWorkerConfig:
     vllm: VLLMRolloutConfig | None = None
     """The vLLM engine's settings (rollout_backend "vllm"; None = VLLMRolloutConfig's defaults)."""
     lora_scaling: float | None = None
-    """peft's factor on B @ A when the actor trains LoRA adapters (None: full weights). The worker
-    then holds the actor's LoRA-named tensors (the base once, the adapters at every sync) and
-    generates with W + scaling * B @ A of each adapted module, as the colocated rollout does."""
+    """peft's factor on B @ A when the actor trains LoRA adapters (None: full weights); the worker
+    then generates with the merged weights."""
 
 
 class RolloutWorker(Worker):
@@ -105,8 +97,7 @@ class RolloutWorker(Worker):
             self.version = int(version)
 
     def _merged_lora_weights(self) -> dict[str, torch.Tensor]:
-        """The plain model's tensors: each adapted base weight with its adapters merged
-        (``lora.merged_weight``, in fp32, back to the base's dtype, as ``ActorRolloutWorker``)."""
+        """The plain model's tensors, each adapted base weight with its adapters merged."""
         out = {}
         for name, tensor in self._state.items():
             if is_lora_name(name):
@@ -120,8 +111,7 @@ class RolloutWorker(Worker):
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def weights_checksum(self) -> dict:
-        """{"version": v, "sum": float64 sum of the weights it generates with, "names", "sums": per
-        tensor} (tests compare them with the actor's)."""
+        """{"version", "sum" (float64), "names", "sums": per tensor} of the weights it generates with."""
         sums = {name: float(t.double().sum()) for name, t in self._weights.items()}
         return {"version": self.version, "sum": sum(sums.values()), "names": sorted(sums), "sums": sums}
 

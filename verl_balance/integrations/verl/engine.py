@@ -5,27 +5,13 @@ Loaded in every verl process through ``VERL_USE_EXTERNAL_MODULES`` (or ``model.e
     VERL_USE_EXTERNAL_MODULES=verl_balance.integrations.verl.engine
     ... engine.strategy=verl_balance engine._target_=verl_balance.integrations.verl.engine.VerlBalanceEngineConfig
 
-``VerlBalanceEngine`` implements verl's ``BaseEngine`` contract with our FSDP2 + Ulysses
-``TrainEngine`` inside:
+``VerlBalanceEngine`` implements verl's ``BaseEngine`` contract over our ``TrainEngine``: input is
+verl's no-padding TensorDict of one DP rank; micro-batches are planned by ``balance.plan_balance``
+under verl's cap / size, every DP rank running the same number (a short rank runs a zero-weight
+filler); output is exactly what verl's ``FSDPEngine`` returns, plus ``verl_balance/engine_*`` metrics.
 
-- input: verl's no-padding TensorDict of one DP rank (jagged ``input_ids``/``position_ids``,
-  ``loss_mask``/``response_mask``, NonTensorData ``use_dynamic_bsz``, ``max_token_len_per_gpu`` or
-  ``micro_batch_size_per_gpu``, ``global_batch_size``, ``temperature``, ...);
-- micro-batches: planned by ``balance.plan_balance`` with the model's FLOPs workload (tokens when
-  the config lacks the dimensions) under verl's cap / size; every DP rank runs the same number of
-  micro-batches (agreed with one all-reduce; a rank short of samples runs a zero-weight filler);
-- output: verl's ``{"loss": [per micro-batch], "metrics": {...}, "model_output": {"log_probs",
-  "entropy"}}`` with jagged tensors in the input row order, exactly what verl's ``FSDPEngine``
-  returns, plus ``verl_balance/engine_*`` balance metrics (predicted FLOPs: DP imbalance, and the
-  per-slot sync ratio of the run order vs the planned order).
-
-Loss convention: the ``loss_function`` is verl's own (``sft_loss``, ``ppo_loss``, ...) applied to
-our model's log-probs, so values follow verl's documented conventions inside verl: e.g. verl's
-seq-mean modes divide by ``global_batch_size`` (every row), where verl_balance's own loss contract
-(``verl_balance.loss``) divides by the number of sequences with at least one loss token. verl's loss
-already multiplies by ``dp_size`` to undo FSDP's gradient average over DP; FSDP2 here averages over
-all W = dp * sp ranks and our Ulysses gather back-propagates only each rank's token slice, so the
-backward scales by G / dp (= sp) to give exactly verl's gradient.
+The ``loss_function`` is verl's own, so loss values follow verl's conventions. The backward scales
+by G / dp (= sp) to give exactly verl's gradient.
 """
 
 from __future__ import annotations
@@ -102,15 +88,12 @@ _PARAM_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", 
 
 @dataclass
 class VerlBalanceEngineConfig(FSDPEngineConfig, KernelKeys):
-    """verl's ``FSDPEngineConfig`` keys (so verl's ``engine: fsdp`` YAML and ``actor.fsdp_config`` carry
-    over unchanged) plus this backend's own; the Hydra ``_target_`` of ``engine`` for the SFT trainers.
+    """verl's ``FSDPEngineConfig`` keys (so verl's ``engine: fsdp`` YAML carries over) plus this
+    backend's own; the Hydra ``_target_`` of ``engine`` for the SFT trainers.
 
     Read from the FSDP keys: ``ulysses_sequence_parallel_size``, ``seed``, ``reshard_after_forward``,
-    ``use_no_sync_for_gradient_accumulation``, ``mixed_precision.param_dtype`` (bf16 by default, as
-    verl; fp32 for exact parity), ``entropy_from_logits_with_chunking`` / ``entropy_checkpointing`` /
-    ``entropy_from_logits_chunk_size`` (see ``logits_chunk_size``). Offload is rejected; the other
-    FSDP-only keys (wrap policy, ``fsdp_size``, ``pad_to_length``, ...) do not apply to this backend.
-    The engine's ``KernelKeys`` (``attn_impl``) are inherited: same name, default and meaning."""
+    ``use_no_sync_for_gradient_accumulation``, ``mixed_precision.param_dtype`` (bf16 by default),
+    the ``entropy_*`` chunking keys. Offload is rejected; other FSDP-only keys do not apply."""
 
     strategy: str = BACKEND
     balance: bool = True
@@ -118,10 +101,9 @@ class VerlBalanceEngineConfig(FSDPEngineConfig, KernelKeys):
     workload: str = "flops"
     """Cost model of a sample: 'flops' (the model's dimensions, quadratic attention) or 'tokens'."""
     logits_chunk_size: int | None = None
-    """Tokens per chunk of the output head (log-probs, entropy and their backward without the full
-    [T, V] logits; engine/config.py). null: verl's ``entropy_from_logits_chunk_size`` when
-    ``entropy_from_logits_with_chunking`` or ``entropy_checkpointing`` is set (our head is both:
-    chunked, and recomputed in the backward), else verl_balance's default; 0 = unchunked."""
+    """Tokens per chunk of the output head. null: verl's ``entropy_from_logits_chunk_size`` when
+    ``entropy_from_logits_with_chunking`` or ``entropy_checkpointing`` is set, else verl_balance's
+    default; 0 = unchunked."""
 
     def __post_init__(self):
         VerlEngineConfig.__post_init__(self)  # FSDPEngineConfig's check admits only its own strategies
@@ -171,9 +153,7 @@ class VerlBalanceEngineConfig(FSDPEngineConfig, KernelKeys):
 
 
 def as_verl_balance_config(engine_config) -> VerlBalanceEngineConfig:
-    """The backend's config from a verl engine config: returned as is when it already is one; an
-    ``FSDPEngineConfig`` (what ``main_ppo``'s ``actor.fsdp_config`` builds, its strategy then set to
-    ``verl_balance`` by verl) is copied field by field."""
+    """The backend's config from a verl engine config (an ``FSDPEngineConfig`` is copied field by field)."""
     if isinstance(engine_config, VerlBalanceEngineConfig):
         return engine_config
     if not isinstance(engine_config, FSDPEngineConfig):
@@ -190,14 +170,12 @@ def as_verl_balance_config(engine_config) -> VerlBalanceEngineConfig:
 
 
 def _defer_gradient_sync(engine_config) -> bool:
-    """verl 0.9.1's ``use_no_sync_for_gradient_accumulation``; verl main (0.10.dev) removed the key and
-    always defers the gradient sync to a step's last micro-batch, so its absence means True."""
+    """verl's ``use_no_sync_for_gradient_accumulation``; absent (verl >= 0.10) means True."""
     return bool(getattr(engine_config, "use_no_sync_for_gradient_accumulation", True))
 
 
 def _our_engine_config(engine_config: VerlBalanceEngineConfig, optimizer_config, *, model_config=None) -> EngineConfig:
-    """verl's engine + optimizer configs -> verl_balance's EngineConfig (same optimizer semantics);
-    ``model_config`` (verl's HFModelConfig) adds its LoRA keys (see ``_lora_keys``)."""
+    """verl's engine + optimizer (+ model LoRA) configs -> verl_balance's EngineConfig."""
     scheduler = (
         getattr(optimizer_config, "lr_scheduler_type", None)
         or getattr(optimizer_config, "warmup_style", None)
@@ -238,9 +216,8 @@ def _our_engine_config(engine_config: VerlBalanceEngineConfig, optimizer_config,
 
 
 def _lora_keys(model_config) -> dict:
-    """verl's FSDP LoRA keys of ``model.*`` -> our EngineConfig's (same names and meaning: peft
-    LoRA, dropout 0, bias 'none'); VerlBalanceEngineConfigError naming the verl key for a value this
-    backend cannot honour. {} without a model config (LoRA off)."""
+    """verl's FSDP LoRA keys of ``model.*`` -> our EngineConfig's ({} without a model config);
+    VerlBalanceEngineConfigError naming the verl key for a value this backend cannot honour."""
     if model_config is None:
         return {}
     rank = getattr(model_config, "lora_rank", 0) or 0
@@ -287,11 +264,9 @@ def _module_names(value):
 def plan_checkpoint_retention(
     saved_paths: list[str], new_path: str, *, max_ckpt_to_keep: int | None
 ) -> tuple[list[str], list[str]]:
-    """(paths to remember, paths to delete) after ``new_path`` was saved, with verl's retention rule
-    (``CheckpointManager.register_checkpoint``): keep the newest ``max_ckpt_to_keep`` saves, None or 0
-    keeping all. Unlike verl, a re-save of a remembered path counts once (as the newest) and a path
-    that is ``new_path`` or one of its parent directories is never deleted. Paths are compared as
-    absolute paths; pure bookkeeping, nothing is deleted here."""
+    """(paths to remember, paths to delete) after ``new_path`` was saved: keep the newest
+    ``max_ckpt_to_keep`` (None or 0: all). A re-save counts once; ``new_path`` and its parents are
+    never deleted. Pure bookkeeping."""
     if max_ckpt_to_keep is not None and (
         isinstance(max_ckpt_to_keep, bool) or not isinstance(max_ckpt_to_keep, int) or max_ckpt_to_keep < 0
     ):
@@ -312,12 +287,8 @@ def plan_checkpoint_retention(
 
 @EngineRegistry.register(model_type="language_model", backend=BACKEND, device=["cpu", "cuda"])
 class VerlBalanceEngine(BaseEngine):
-    """verl ``BaseEngine`` over verl_balance's FSDP2 + Ulysses ``TrainEngine`` (see module docstring).
-
-    Drives ``TrainEngine``'s public micro-batch API only (``pack_micro_batches``, ``forward_log_probs``,
-    ``prepare_backward``, ``reshard``, ``zero_grad``, ``optimizer_step``, ``advance_schedule``), the
-    calls ``TrainEngine.train_batch`` is made of; ``save_checkpoint`` keeps the newest
-    ``max_ckpt_to_keep`` checkpoints as verl's FSDP checkpoint manager does."""
+    """verl ``BaseEngine`` over verl_balance's ``TrainEngine``, driven through its public micro-batch
+    API only (the calls ``TrainEngine.train_batch`` is made of)."""
 
     def __init__(
         self, model_config, engine_config: VerlBalanceEngineConfig, optimizer_config, checkpoint_config=None, **kwargs
@@ -373,8 +344,7 @@ class VerlBalanceEngine(BaseEngine):
         return _ModeCtx(self, "eval")
 
     def to(self, device: str, model: bool = True, optimizer: bool = True, grad: bool = True):
-        """Move the (sharded) model and/or optimizer state to the host ('cpu') or back ('device' /
-        the device name), as verl's FSDP engine does for the hybrid engine's sleep; a no-op on CPU."""
+        """Move the model and/or optimizer state to 'cpu' or back to the device; a no-op on CPU."""
         from verl.utils.fsdp_utils import (
             load_fsdp_model_to_gpu,
             load_fsdp_optimizer,
@@ -436,8 +406,8 @@ class VerlBalanceEngine(BaseEngine):
 
     # ------------------------------------------------------------------ micro-batches
     def _plan(self, data) -> tuple[list[list[int]], dict]:
-        """Micro-batches (row indices, ascending) of this rank in run order, the count agreed over
-        the DP group, and the plan's ``verl_balance/engine_*`` metrics (collective over DP)."""
+        """This rank's micro-batches (ascending row indices) in run order, the DP-agreed count and the
+        plan's metrics (collective over DP)."""
         lengths = data[INPUT_IDS_KEY].offsets().diff().cpu().numpy()
         micro = self._agreed_micro_batches(data, lengths)
         workload = self.engine.flops_workload
@@ -452,8 +422,7 @@ class VerlBalanceEngine(BaseEngine):
         return [micro[k] for k in order], metrics
 
     def _agreed_micro_batches(self, data, lengths: np.ndarray) -> list[list[int]]:
-        """This rank's micro-batches from ``plan_balance`` under verl's token cap or micro-batch
-        size, made as many as the most any DP rank has (one all-reduce over the DP group)."""
+        """This rank's planned micro-batches, padded to the DP group's maximum count (one all-reduce)."""
         use_dynamic_bsz = tu.get_non_tensor_data(data=data, key="use_dynamic_bsz", default=True)
         cap = size = None
         if use_dynamic_bsz:
@@ -482,10 +451,7 @@ class VerlBalanceEngine(BaseEngine):
         return micro + [[] for _ in range(target - len(micro))]
 
     def _sync_metrics(self, planned_cost: np.ndarray, run_cost: np.ndarray) -> dict:
-        """The DP imbalance and the per-slot sync ratio of the planned and the run order, from every
-        DP rank's micro-batch costs (one all-gather over the DP group), by the balancer's own
-        definition (``balance.plan``'s sync figures: sum over slots of the slowest rank's cost,
-        over the bound; here the bound is the most expensive rank's total)."""
+        """The DP imbalance and per-slot sync ratio of the planned and run order (one all-gather over DP)."""
         mine = torch.tensor(np.stack([planned_cost, run_cost]), dtype=torch.float64, device=self.layout.device)
         gathered = [torch.empty_like(mine) for _ in range(self.layout.dp)]
         dist.all_gather(gathered, mine, group=self.layout.dp_group)
@@ -501,8 +467,8 @@ class VerlBalanceEngine(BaseEngine):
         }
 
     def _model_output(self, micro_batch, *, calculate_entropy: bool) -> dict:
-        """Forward one micro-batch; log-probs (and entropy) as jagged tensors in verl's alignment:
-        position t of sample i holds log p(x[t+1] | x[<=t]), 0 at each sample's last position."""
+        """Forward one micro-batch; jagged log-probs (and entropy) in verl's alignment: position t
+        holds log p(x[t+1] | x[<=t]), 0 at each sample's last position."""
         engine = self.engine
         ids = micro_batch[INPUT_IDS_KEY]
         lengths = ids.offsets().diff().cpu()
@@ -529,8 +495,7 @@ class VerlBalanceEngine(BaseEngine):
         return out
 
     def _global_loss_tokens(self, data) -> float:
-        """verl's ``batch_num_tokens``: loss-mask tokens of the whole mini-batch (SUM over the DP group;
-        SP ranks hold the same rows, so the SP group is not summed)."""
+        """verl's ``batch_num_tokens``: loss-mask tokens of the mini-batch, summed over the DP group."""
         mask = data[LOSS_MASK_KEY] if LOSS_MASK_KEY in data.keys() else data[RESPONSE_MASK_KEY]
         local = mask.values().sum() if mask.is_nested else mask.sum()
         total = local.to(self.layout.device, torch.float32).reshape(1)
@@ -538,8 +503,7 @@ class VerlBalanceEngine(BaseEngine):
         return total.item()
 
     def _backward_scale(self) -> float:
-        """G / dp: verl's loss undoes FSDP's average over dp only; ours averages over dp * sp ranks,
-        and the Ulysses gather back-propagates each rank's token slice alone."""
+        """G / dp: verl's loss undoes an average over dp only; ours is over dp * sp."""
         return self.engine.gradient_divide_factor / self.layout.dp
 
     def forward_backward_batch(self, data, loss_function, forward_only=False):
@@ -594,16 +558,10 @@ class VerlBalanceEngine(BaseEngine):
         """(generator of (HF name, full tensor), peft config dict or None): unsharded weights for the
         rollout's weight sync, as verl's FSDP engine gives them. Collective.
 
-        Without LoRA: every weight under its HF name, on the device; None. With LoRA (verl's contract,
-        ``ActorRolloutRefWorker.update_weights``):
-        - ``model.lora.merge=True``: base + adapters merged (W + alpha/r B @ A), HF names; None;
-        - ``base_sync_done=False`` (the rollout has no base weights yet): the base weights, a wrapped
-          module's under peft's ``<module>.base_layer.weight`` (verl's ``replace_lora_wrapper``), and
-          the peft config;
-        - ``base_sync_done=True``: the adapters only, under peft's adapter-file keys
-          (``base_model.model.<module>.lora_A.weight``), on the host, and the peft config.
-        ``layered_summon`` (gather one FSDP unit at a time) changes memory, not the result; as in verl
-        it needs ``base_sync_done``."""
+        Without LoRA: every weight; None. With LoRA: ``model.lora.merge=True``: merged weights, None;
+        ``base_sync_done=False``: the base weights under peft's ``base_layer`` names and the peft
+        config; ``base_sync_done=True``: the adapters only (peft adapter-file keys, on the host) and
+        the peft config. ``layered_summon`` changes memory, not the result."""
         lora = getattr(self.engine.model, "lora_config", None)
         if lora is None:
             state = self.engine.full_state_dict()
@@ -639,9 +597,7 @@ class VerlBalanceEngine(BaseEngine):
 
     def get_per_tensor_param_shard(self, **kwargs):
         """(generator of (name, this rank's flat local bf16 shard, ShardSpec), None): verl's sharded
-        weight export for its delta checkpoint engines, as its FSDP engine gives it; nothing is
-        gathered. ``prime_delta_snapshots`` (verl's BaseEngine) consumes it. As in verl, the base
-        weights only: with LoRA the rollout syncs through ``get_per_tensor_param``."""
+        export for delta checkpoint engines; nothing is gathered. Base weights only."""
         from verl_balance.integrations.verl.backend.shards import local_param_shards
 
         if getattr(self.engine.model, "lora_config", None) is not None:
@@ -652,9 +608,7 @@ class VerlBalanceEngine(BaseEngine):
         return local_param_shards(self.engine.model, device=self.layout.device), None
 
     def get_per_tensor_param_delta_shard(self, **kwargs):
-        """verl's delta export: per weight, the elements changed since the last export (or
-        ``prime_delta_snapshots``), in HF coordinates, built by verl's own ``hf_delta_export`` over
-        ``get_per_tensor_param_shard`` (our weight names are the HF names)."""
+        """verl's delta export: per weight, the elements changed since the last export, in HF coordinates."""
         try:
             from verl.workers.engine.utils import hf_delta_export
 
@@ -669,18 +623,14 @@ class VerlBalanceEngine(BaseEngine):
         return hf_delta_export(gen, self._delta_shard_snap, entry_identity), None
 
     def disable_adapter(self):
-        """Context: forward passes use the base model alone (verl's reference policy with LoRA,
-        ``no_lora_adapter``); the adapters' values and trainability are untouched."""
+        """Context: forwards use the base model alone; the adapters are untouched."""
         return _adapters_disabled(self.engine.model)
 
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None, **kwargs):
         """Sharded DCP checkpoint of model + optimizer + scheduler under ``local_path`` (collective).
 
-        Retention as verl's FSDP checkpoint manager: this engine remembers the paths it saved and
-        keeps the newest ``max_ckpt_to_keep`` (None or 0: all). The older directories are deleted
-        only after every rank finished writing the new one (the save ends with a barrier over the
-        world group), by global rank 0 alone; the path just saved is never deleted (see
-        ``plan_checkpoint_retention``). Paths saved before a restart are not remembered (as in verl).
+        Keeps the newest ``max_ckpt_to_keep`` paths this engine saved (None or 0: all); older ones
+        are deleted by global rank 0 only after every rank finished writing the new one.
         """
         if hdfs_path is not None:
             raise NotImplementedError(f"verl_balance engine: hdfs_path={hdfs_path!r} is not supported")
@@ -699,9 +649,7 @@ class VerlBalanceEngine(BaseEngine):
                 _remove_checkpoint_dir(path, max_ckpt_to_keep=max_ckpt_to_keep)
 
     def _save_export_files(self, local_path: str, *, step: int) -> None:
-        """``hf_model`` in ``checkpoint.save_contents``: the HF directory ``huggingface/`` (as verl's
-        FSDP engine); always ``trainer_state.json``, which ``python -m verl_balance.export`` reads (the
-        completeness record follows: ``sealed_checkpoint.seal``)."""
+        """Write ``huggingface/`` (if ``hf_model`` is in save_contents) and always ``trainer_state.json``."""
         from verl_balance.integrations.verl.backend.checkpoint_files import HF_DIR, save_contents, write_trainer_state
         from verl_balance.models.hf import HFModelConfig
 
@@ -713,10 +661,8 @@ class VerlBalanceEngine(BaseEngine):
         write_trainer_state(local_path, step=step, model_config={"kind": kind, **ours.to_dict()})
 
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=False, **kwargs):
-        """Restore ``save_checkpoint(local_path)`` (collective): its completeness record and checksums
-        are verified first (sealed_checkpoint.py); nothing but checkpoint data is unpickled. The
-        data-loader state files verl's trainer unpickles after this load are checked too
-        (trainer_files.py)."""
+        """Restore ``save_checkpoint(local_path)`` (collective) after verifying its completeness record,
+        checksums and data-loader state files; nothing but checkpoint data is unpickled."""
         if hdfs_path is not None:
             raise NotImplementedError(f"verl_balance engine: hdfs_path={hdfs_path!r} is not supported")
         if del_local_after_load:
@@ -728,15 +674,11 @@ class VerlBalanceEngine(BaseEngine):
 
 @EngineRegistry.register(model_type="value_model", backend=BACKEND, device=["cpu", "cuda"])
 class VerlBalanceValueEngine(VerlBalanceEngine):
-    """verl's critic (``model_type="value_model"``) on verl_balance: ``TrainEngine`` with
-    ``EngineConfig.model_type="value_model"`` (models/value.py: the decoder with a scalar head, no
-    LM head; a ``*ForTokenClassification`` directory's ``score`` is loaded, a causal-LM directory
-    gets the seeded head), planned, balanced and stepped exactly as ``VerlBalanceEngine``.
+    """verl's critic (``model_type="value_model"``) on verl_balance, planned and stepped as
+    ``VerlBalanceEngine``.
 
     ``model_output`` is ``{"values": jagged}`` as verl's ``FSDPEngineWithValueHead`` returns it:
-    position t of sample i holds the head on the hidden state of token t (no shift; verl's
-    ``value_loss`` / ``no_padding_2_padding`` take each response token's value from the position
-    before it, the alignment of the log-probs)."""
+    position t holds the head on token t (no shift)."""
 
     def initialize(self):
         """Build the sharded value model and its optimizer from verl's critic model directory."""
@@ -783,9 +725,8 @@ def _remove_checkpoint_dir(path: str, *, max_ckpt_to_keep: int) -> None:
 
 @contextlib.contextmanager
 def _adapters_disabled(model):
-    """Set peft's per-layer ``disable_adapters`` flag on every LoRA layer for the block (peft's
-    ``enable_adapters(False)`` would also flip requires_grad, which FSDP2's unsharded parameters
-    do not follow); VerlBalanceEngineConfigError for a model without adapters."""
+    """Set peft's per-layer ``disable_adapters`` flag for the block (requires_grad untouched);
+    VerlBalanceEngineConfigError for a model without adapters."""
     from peft.tuners.lora import LoraLayer
 
     layers = [m for m in model.modules() if isinstance(m, LoraLayer)]

@@ -1,11 +1,8 @@
 """verl on our single controller: verl's ``register`` marks, ``Dispatch`` members, ``Worker`` classes
 and row containers, as a ``ControllerExtension`` plus row-container registrations.
 
-``install()`` registers them with ``verl_balance.single_controller.extensions``; importing
-``verl_balance.integrations.verl`` (any of its modules, e.g. the engine backend verl's trainers
-load, or ``autopatch``) calls it, and ``integrations.verl.worker_group.RayWorkerGroup`` does too.
-verl is optional. Nothing here imports it: a verl object can only exist if its module is already
-in ``sys.modules``, so every check looks there first and answers "not verl" otherwise.
+``install()`` registers them; importing ``verl_balance.integrations.verl`` calls it. Nothing here
+imports verl: a verl object can only exist if its module is already in ``sys.modules``.
 
 Translation of verl's dispatch modes (verl 0.9.1) to ours:
 
@@ -25,12 +22,10 @@ ALL_TO_ALL + Execute.RANK_ZERO  rank 0 gets the call's arguments unchanged (as i
 anything else                   a group method that raises ``DispatchError`` saying why
 ==============================  ===============================================================
 
-Row containers: a verl ``DataProto`` (or ``DataProtoFuture``) and a ``TensorDict`` are split
-by verl's own ``chunk`` into equal pieces; lengths that do not divide are a ``DispatchError``
-(verl asserts), except a ``DataProto`` with auto-padding enabled (``meta_info`` key
-``_verl_auto_padding`` or ``DataProtoConfig.auto_padding``) under DP_COMPUTE_PROTO /
-DP_COMPUTE_METRIC: like verl, it is padded with copies of its last row and the padding rows
-are dropped from the collected output. Unlike verl, the caller's DataProto is not modified.
+Row containers (``DataProto``, ``DataProtoFuture``, ``TensorDict``) are split by verl's ``chunk``;
+uneven lengths are a ``DispatchError``, except an auto-padding ``DataProto`` under
+DP_COMPUTE_PROTO / DP_COMPUTE_METRIC: padded with copies of its last row, the padding dropped from
+the output. The caller's DataProto is not modified.
 """
 
 from __future__ import annotations
@@ -106,10 +101,7 @@ def _nd_mesh_name(mode: Any) -> str | None:
 
 
 def translate_verl_modes(dispatch_mode: Any, execute_mode: Any, *, method: str) -> tuple[Any, Any] | None:
-    """Our (dispatch, execute) modes for verl's, an ``UnsupportedDispatch``, or None if not verl's.
-
-    Returns None when neither mode is a verl object (the caller then treats them as ours).
-    """
+    """Our (dispatch, execute) modes for verl's, an ``UnsupportedDispatch``, or None if not verl's."""
     dispatch_is_verl = _is_verl_member(dispatch_mode, "Dispatch") or isinstance(dispatch_mode, dict)
     execute_is_verl = _is_verl_member(execute_mode, "Execute")
     if not dispatch_is_verl and not execute_is_verl:
@@ -212,10 +204,8 @@ _TENSORDICT_ROWS = RowContainer(
 
 
 def pad_for_even_chunks(args: tuple, kwargs: dict, num_chunks: int) -> tuple[tuple, dict, int]:
-    """verl's DP_COMPUTE_PROTO auto-padding: pad padding-enabled DataProtos to a multiple of ``num_chunks``.
-
-    Returns the new (args, kwargs) and the number of padding rows (0 if nothing was padded). The
-    inputs are not modified.
+    """verl's auto-padding: (new args, kwargs, padding rows) padded to a multiple of ``num_chunks``;
+    the inputs are not modified.
     """
     protocol = _module(_VERL_PROTOCOL)
     if protocol is None:
@@ -253,8 +243,7 @@ def drop_padding(output: Any, padding: int) -> Any:
 
 
 def _verl_mesh_infos(group: Any, mesh_name: str) -> list[MeshInfo | None]:
-    """Each worker's mesh info from verl's dispatch table (verl workers register dp_rank and
-    is_collect only; verl infers dp_size = max dp_rank + 1)."""
+    """Each worker's mesh info from verl's dispatch table (dp_size = max dp_rank + 1)."""
     tables = group.execute_all("get_dispatch_collect")
     dp_ranks = [t["dispatch_dp_rank"].get(mesh_name) for t in tables]
     dp_size = max((r for r in dp_ranks if r is not None), default=0) + 1

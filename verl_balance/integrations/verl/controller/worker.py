@@ -1,25 +1,11 @@
 """``VerlActorWorker``: our ``ActorWorker`` as a verl ``Worker``, driven by verl's ``RayWorkerGroup``.
 
-verl builds it like its own workers::
-
-    cls = RayClassWithInitArgs(cls=ray.remote(VerlActorWorker), config=ActorWorkerConfig(...),
-                               micro_batch_size_per_gpu=4)
-    wg = RayWorkerGroup(resource_pool, cls)
-    wg.init_model(); wg.update_actor(data_proto)
-
 Invariants:
-- The registered methods carry verl's names, argument names and dispatch modes: ``init_model``,
-  ``save_checkpoint``, ``load_checkpoint`` are ONE_TO_ALL; ``update_actor`` and
-  ``compute_log_prob`` use ``make_nd_compute_dataproto_dispatch_fn("actor")``, and ``init_model``
-  registers the "actor" mesh (dp rank, collect on SP rank 0) that verl's trainer queries for the
-  actor's DP size. All SP ranks of a DP group receive the same chunk.
-- Data is a ``DataProto`` in verl_balance's wire format (right-padded ``input_ids``,
-  ``attention_mask``, ``loss_mask`` and token-aligned per-token tensors). The rows of a chunk are
-  split into micro-batches by, in order of preference: the sizes planned by
-  ``integrations.verl.balance_batch`` (meta ``verl_balance/micro_batch_sizes``, one list per DP
-  rank), ``micro_batch_size_per_gpu``, or the token cap ``max_token_len_per_gpu`` (packed with
-  our ``rearrange_micro_batches``, count agreed over the world so every rank runs the same number
-  of micro-batches). ``compute_log_prob`` returns rows in the chunk's input order.
+- Registered methods carry verl's names, arguments and dispatch modes; ``init_model`` registers the
+  "actor" mesh (collect on SP rank 0). All SP ranks of a DP group receive the same chunk.
+- Data is a ``DataProto`` in verl_balance's wire format. A chunk is split into micro-batches by the
+  planned sizes (meta ``verl_balance/micro_batch_sizes``), else ``micro_batch_size_per_gpu``, else
+  the token cap (count agreed over the world). ``compute_log_prob`` returns rows in input order.
 """
 
 from __future__ import annotations
@@ -97,8 +83,7 @@ class VerlActorWorker(Worker):
 
     # ------------------------------------------------------------------ data
     def _planned_chunk(self, data: DataProto) -> tuple[Batch, np.ndarray]:
-        """This rank's chunk as a Batch in micro-batch order with MICRO_BATCH_SIZES_KEY set, and
-        the row order applied (chunk row of each planned row)."""
+        """This rank's chunk in micro-batch order, and the row order applied."""
         batch = batch_from_dataproto(data)
         n = len(batch)
         planned = batch.meta.pop(PLANNED_SIZES_KEY, None)

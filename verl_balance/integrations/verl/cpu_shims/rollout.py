@@ -2,23 +2,12 @@
 generates only through vLLM/SGLang/TensorRT-LLM servers, none of which runs without an accelerator).
 
 Loaded through ``VERL_USE_EXTERNAL_MODULES=...cpu_shims.platform,...cpu_shims.rollout``, it registers
-the rollout ``verl_balance_cpu`` (``actor_rollout_ref.rollout.name=verl_balance_cpu``):
+the rollout ``verl_balance_cpu``: ``CPURolloutReplica`` (one named ``CPURolloutServer`` actor per
+replica) and ``CPUServerAdapter``, each trainer worker's ``BaseRollout`` (weight sync).
 
-- ``CPURolloutReplica`` in ``RolloutReplicaRegistry``: one replica per TP x DP x PP trainer workers,
-  each launching one named ``CPURolloutServer`` actor (a Hugging Face model on CPU) that answers the
-  agent loop's token-in/token-out ``generate`` calls;
-- ``CPUServerAdapter``, the ``BaseRollout`` of each trainer worker: in verl's hybrid weight sync every
-  worker iterates ``engine.get_per_tensor_param()`` (a collective) and the replica's first worker
-  sends the full tensors to its server, so the policy that generates is the one being trained.
-
-Sampling: a KV-cached loop, one request at a time, fp32 logits; greedy at ``temperature == 0``, else
-temperature / top-k / top-p from a generator seeded by ``(rollout.seed, weight version,
-request_id)`` (``request_seed``), so with ``rollout.full_determinism=True`` the samples do not depend
-on request order. Log-probs are those of the distribution sampled from (vLLM's ``processed_logprobs``).
-
-LoRA: with ``model.lora.merge=True`` the merged weights replace the model's; otherwise the first sync
-sets the base weights and every later one sends the adapters, merged by the server into its copy of
-the base (W + alpha / r * B @ A; plain LoRA only). A CI aid for tiny models, not a performance path.
+Sampling: greedy at ``temperature == 0``, else seeded by ``(rollout.seed, weight version,
+request_id)``, so with ``rollout.full_determinism=True`` samples do not depend on request order.
+Log-probs are those of the distribution sampled from. A CI aid for tiny models, not a performance path.
 """
 
 from __future__ import annotations
@@ -118,10 +107,8 @@ def sample_tokens(
     stop_token_ids: Iterable[int],
     generator: torch.Generator | None,
 ) -> tuple[list[int], list[float]]:
-    """(response token ids, their log-probabilities) of one KV-cached decode from ``prompt_ids``.
-
-    Stops after a token in ``stop_token_ids`` (kept in the output, as vLLM does) or after
-    ``max_tokens`` tokens. Greedy when ``temperature == 0``."""
+    """(response token ids, their log-probabilities) of one KV-cached decode from ``prompt_ids``;
+    stops after a stop token (kept) or ``max_tokens`` tokens. Greedy when ``temperature == 0``."""
     stop = set(stop_token_ids)
     device = next(model.parameters()).device
     input_ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
@@ -149,8 +136,7 @@ def sample_tokens(
 
 
 def lora_scaling(peft_config: dict) -> float:
-    """peft's factor on B @ A: lora_alpha / r (lora_alpha / sqrt(r) with use_rslora); CPURolloutError
-    for an adapter kind this rollout does not apply (DoRA, per-module rank or alpha patterns)."""
+    """peft's factor on B @ A; CPURolloutError for an adapter kind this rollout does not apply."""
     unsupported = [k for k in ("use_dora", "rank_pattern", "alpha_pattern") if peft_config.get(k)]
     if unsupported:
         raise CPURolloutError(
@@ -165,8 +151,7 @@ _ADAPTER_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<wh
 
 
 def adapter_pairs(named_tensors: dict[str, torch.Tensor], *, rank: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """{module name: (lora_A, lora_B)} from peft adapter keys; CPURolloutError for another key, a
-    module with only one of its two matrices, or an adapter whose rank is not the config's ``r``."""
+    """{module name: (lora_A, lora_B)} from peft adapter keys; CPURolloutError for anything else."""
     found: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in named_tensors.items():
         match = _ADAPTER_KEY.match(name)
@@ -185,9 +170,7 @@ def adapter_pairs(named_tensors: dict[str, torch.Tensor], *, rank: int) -> dict[
 
 class CPURolloutServer:
     """One replica's generation server (a Ray actor): a Hugging Face causal LM on CPU.
-
-    ``load_format=dummy`` (verl's default for hybrid rollouts) starts from a random init and
-    refuses to generate until the trainer has sent weights; other formats load ``model.path``."""
+    ``load_format=dummy`` refuses to generate until the trainer has sent weights."""
 
     def __init__(self, *, config: RolloutConfig, model_config: HFModelConfig | DictConfig, replica_rank: int):
         from transformers import AutoModelForCausalLM
@@ -237,11 +220,8 @@ class CPURolloutServer:
         return ids
 
     def load_weights(self, named_tensors: dict[str, torch.Tensor], *, global_steps: int | None = None) -> int:
-        """Copy the trainer's full tensors (Hugging Face names) into the model; returns how many.
-
-        Every model tensor must be sent, except a tied output embedding (its tie is kept). Names in
-        peft's wrapped form (``<module>.base_layer.weight``, verl's first LoRA sync) load into
-        ``<module>.weight``. Any adapters applied before are gone: these tensors are the model."""
+        """Copy the trainer's full tensors into the model (every one but a tied output embedding);
+        returns how many. Any adapters applied before are gone."""
         named_tensors = {name.replace(".base_layer.", "."): tensor for name, tensor in named_tensors.items()}
         own = self.model.state_dict()
         unknown = sorted(set(named_tensors) - set(own))
@@ -271,10 +251,8 @@ class CPURolloutServer:
     def load_adapters(
         self, named_tensors: dict[str, torch.Tensor], *, peft_config: dict, global_steps: int | None = None
     ) -> int:
-        """Apply LoRA adapters (peft's adapter-file keys, ``base_model.model.<module>.lora_A.weight``)
-        on the base weights: each adapted Linear's weight becomes W + scaling * B @ A (fp32, then the
-        rollout dtype), W being its weight from the last full load (kept aside at its first merge); a
-        Linear adapted before but not now gets W back. Returns the number of adapted modules."""
+        """Merge LoRA adapters (peft adapter-file keys) into the base weights of the last full load;
+        returns the number of adapted modules."""
         if not self.has_weights:
             raise CPURolloutError(
                 f"{ROLLOUT_NAME}: LoRA adapters before any base weights (actor_rollout_ref.rollout.load_format=dummy)"
@@ -303,8 +281,7 @@ class CPURolloutServer:
         return len(pairs)
 
     def _checked_params(self, request_id: str, sampling_params: dict[str, Any], *, media: tuple) -> dict[str, Any]:
-        """A copy of ``sampling_params``; CPURolloutError for what this rollout cannot do (multimodal
-        ``media``, a repetition penalty) or before the trainer sent weights."""
+        """A copy of ``sampling_params``; CPURolloutError for what this rollout cannot do."""
         if any(m is not None for m in media):
             raise CPURolloutError(f"{ROLLOUT_NAME}: multimodal inputs are not supported (request {request_id})")
         if not self.has_weights:
@@ -319,9 +296,7 @@ class CPURolloutServer:
         return params
 
     def _max_tokens(self, request_id: str, prompt_ids: list[int], params: dict[str, Any]) -> int:
-        """Tokens to sample: the request's ``max_tokens`` / ``max_new_tokens`` (popped from ``params``),
-        else the configured response length within prompt + response length; never past
-        ``max_model_len``. CPURolloutError when that leaves no room."""
+        """Tokens to sample, never past ``max_model_len``; CPURolloutError when that leaves no room."""
         room = self.max_model_len - len(prompt_ids)
         if room < 1:
             raise CPURolloutError(
@@ -484,11 +459,8 @@ class CPUServerAdapter(BaseRollout):
 
     async def update_weights(self, weights, wire_format: str = "named_tensors", **kwargs) -> None:
         """Send the trainer's weights to the replica's server (its first worker sends; all iterate).
-
-        ``kwargs``: verl's ``global_steps`` (the weight version the server reports), ``peft_config``
-        and ``base_sync_done``. Without ``peft_config`` (no LoRA, or ``model.lora.merge=True``) or
-        with ``base_sync_done=False`` (verl's first LoRA sync: the base weights) the tensors replace
-        the model's; with both, they are LoRA adapters applied on the base weights."""
+        LoRA adapters (``peft_config`` with ``base_sync_done``) are merged on the base; else the
+        tensors replace the model's."""
         if wire_format not in SUPPORTED_WIRE_FORMATS:
             raise CPURolloutError(
                 f"{ROLLOUT_NAME}: wire_format={wire_format!r} (actor_rollout_ref.rollout.checkpoint_engine.backend); "

@@ -1,18 +1,12 @@
 """``patch_verl()``: swap our balancer into verl's modules and trainers, reversibly.
 
-Targets (module -> attribute): the three ``seqlen_balancing`` functions in verl's module and in
-every verl module that imported them by name, verl's reward loader ``get_custom_reward_fn`` (wrapped
-to read our top-level ``custom_reward_function`` when verl's ``reward.custom_reward_function`` is unset:
-``reward_spelling.py``), the trainers' ``StatefulDataLoader`` (a subclass that resumes a loader state
-saved under another ``data.dataloader_num_workers``: ``loader_state.py``), the legacy
-``RayPPOTrainer._balance_batch`` and the default (v1) ``PPOTrainer._balance_batch``. A target module
-that is not imported yet is either imported now (``import_modules=True``) or patched the moment verl
-imports it (an import hook; that is how ``VERL_USE_EXTERNAL_MODULES=verl_balance.integrations.verl.autopatch`` works
-from inside ``import verl`` without importing verl's trainers early).
+Targets: the three ``seqlen_balancing`` functions (in verl's module and every module that imported
+them by name), ``get_custom_reward_fn`` (``reward_spelling.py``), the trainers' ``StatefulDataLoader``
+(``loader_state.py``) and both trainers' ``_balance_batch``. A target module not imported yet is
+imported now (``import_modules=True``) or patched when verl imports it (an import hook).
 
 Invariants: ``undo()`` puts back exactly the objects it replaced (also those patched later by
-the hook), removes its hook and is idempotent; patches nest (the inner undo restores the outer
-patch and its workload).
+the hook), removes its hook and is idempotent; patches nest.
 """
 
 from __future__ import annotations
@@ -61,10 +55,8 @@ TRAINER_TARGETS = {
 
 class VerlPatch:
     """Handle returned by ``patch_verl``: ``undo()`` (idempotent) or use it as a context manager.
-
-    ``patched`` lists ``module.attribute`` strings that were replaced (so far: the import hook adds
-    to it); ``skipped`` the target modules that could not be imported (optional verl parts,
-    e.g. the v1 trainer without ``transfer_queue``); ``pending`` those the hook still waits for."""
+    ``patched``: replaced ``module.attribute`` strings; ``skipped``: target modules that could not
+    be imported; ``pending``: those the hook still waits for."""
 
     def __init__(self, workload, *, balance_trainer: bool) -> None:
         self.patched: list[str] = []
@@ -117,8 +109,7 @@ class VerlPatch:
 
 
 class _PatchOnImport(importlib.abc.MetaPathFinder):
-    """Meta-path finder that lets the normal finders locate a pending target module and patches
-    it right after it has executed."""
+    """Meta-path finder that patches a pending target module right after it has executed."""
 
     def __init__(self, handle: VerlPatch) -> None:
         self.handle = handle
@@ -160,14 +151,10 @@ class _PatchingLoader(importlib.abc.Loader):
 def patch_verl(*, workload=None, balance_trainer: bool = True, import_modules: bool = True) -> VerlPatch:
     """Swap our balancer into verl in this process; returns a handle whose ``undo()`` reverts it.
 
-    Replaces ``get_seqlen_balanced_partitions``, ``rearrange_micro_batches`` and
-    ``get_reverse_idx`` in ``verl.utils.seqlen_balancing`` and in every verl module that imported
-    them by name, and (``balance_trainer``) both trainers' ``_balance_batch``. ``workload``: None
-    (the ``VERL_BALANCE_WORKLOAD`` default, verl's own ``24576 L + L^2`` when unset), "tokens",
-    or a workload object; the DP partition and the micro-batch packer both use it.
-    ``import_modules=False`` patches only modules already imported and hooks the others' import.
-    To reach every process (driver and Ray workers) set
-    ``VERL_USE_EXTERNAL_MODULES=verl_balance.integrations.verl.autopatch`` in the environment.
+    ``workload``: None (the ``VERL_BALANCE_WORKLOAD`` default, else verl's own), "tokens", or a
+    workload object, used by the DP partition and the micro-batch packer. ``import_modules=False``
+    patches only imported modules and hooks the others. For every process set
+    ``VERL_USE_EXTERNAL_MODULES=verl_balance.integrations.verl.autopatch``.
     """
     check_verl_version()
     if workload is not None:

@@ -1,15 +1,9 @@
 """Drop-ins for ``verl.utils.seqlen_balancing``: same signatures and return values, our balancer inside.
 
-- ``get_seqlen_balanced_partitions``: balanced k-way partition (``balance.balanced_partition``);
-- ``rearrange_micro_batches``: token-capped micro-batches with the fewest count, then balanced by
-  the workload (the one ``patch_verl(workload=...)`` set, else ``workload.workload_from_env``);
-- ``get_reverse_idx``: inverse permutation that checks its input is one.
-
 Invariants (verl's contracts): every index appears exactly once; partitions are lists of
 ascending ints; ``equal_size`` partitions have equal counts; every micro-batch's effective token
 count is <= max_token_len; with a ``dp_group`` every DP rank gets the same number of
-micro-batches, and every fatal condition is agreed by one all-reduce before any rank raises (so
-no rank is left waiting in a collective).
+micro-batches, and every fatal condition is agreed by one all-reduce before any rank raises.
 """
 
 from __future__ import annotations
@@ -49,10 +43,8 @@ def _as_1d_numbers(values, what: str) -> np.ndarray:
 def get_seqlen_balanced_partitions(seqlen_list, k_partitions: int, equal_size: bool) -> list[list[int]]:
     """Drop-in for verl's function: ``k_partitions`` lists of ascending indices, balanced by sum.
 
-    ``seqlen_list`` may be a list, numpy array or tensor of lengths or workloads (verl passes the
-    output of ``calculate_workload``). With ``equal_size`` every partition has len / k items
-    (verl requires divisibility); otherwise sizes are free, but no partition is empty. The max
-    part is never above verl's for ints and Python floats (see ``_balanced_parts``).
+    With ``equal_size`` every partition has len / k items; otherwise no partition is empty. The
+    max part is never above verl's for ints and Python floats.
     """
     values = _as_1d_numbers(seqlen_list, "seqlen_list")
     n, k = len(values), int(k_partitions)
@@ -72,9 +64,7 @@ def get_seqlen_balanced_partitions(seqlen_list, k_partitions: int, equal_size: b
 
 
 def _exact_values(values: np.ndarray) -> list:
-    """The values as verl's Karmarkar-Karp sees them: Python ints for integral values whose total
-    fits a float exactly (int comparisons are faster and, below 2^53, order like the floats),
-    else Python floats."""
+    """The values as verl's Karmarkar-Karp sees them: Python ints when exact as floats, else floats."""
     if values.dtype.kind in "iub":
         return values.astype(np.int64).tolist()
     as_float = values.astype(np.float64)
@@ -84,10 +74,7 @@ def _exact_values(values: np.ndarray) -> list:
 
 
 def _lower_bound(costs: np.ndarray, k: int, *, equal_size: bool) -> float:
-    """A lower bound on any k-way partition's max part: the mean (rounded up for integral costs),
-    the largest item, the two items that share a part among the k + 1 largest, and ceil(n / k)
-    times the smallest item (some part holds that many); with equal sizes, the largest item plus
-    the n / k - 1 smallest others (its part holds them)."""
+    """A lower bound on any k-way partition's max part."""
     n = len(costs)
     total = float(costs.sum())
     mean = total / k
@@ -115,17 +102,10 @@ def _balanced_parts(
     tokens: np.ndarray | None = None,
     token_cap: int | None = None,
 ) -> list[np.ndarray]:
-    """verl's own Karmarkar-Karp partition (``karmarkar_karp``, an exact and faster copy), refined
-    by ``balance``'s pairwise swaps within a deterministic work budget (``_refine_passes``).
-
-    A swap is applied only if it lowers the larger load of its pair, so the max part never
-    exceeds Karmarkar-Karp's: never worse than verl's on the same values (``exact``: the values as
-    verl would see them, default ``costs``). Free sizes above ``_LPT_FIRST_ITEMS`` items (where
-    verl's free-size Karmarkar-Karp grows ~n^1.7, seconds at 16k items), without a token cap:
-    ``balance``'s largest-to-lightest deal, refined, is tried first and returned when it reaches
-    ``_lower_bound`` (optimal, so no worse than verl's either); else Karmarkar-Karp runs too and
-    the better of the two is kept. With ``tokens`` and ``token_cap`` no swap makes a part exceed
-    the cap (a seed within it stays within)."""
+    """verl's own Karmarkar-Karp partition refined by ``balance``'s pairwise swaps within a
+    deterministic work budget; the max part never exceeds Karmarkar-Karp's (so never worse than
+    verl's). For many free-size items a largest-to-lightest deal is tried first and kept when it
+    reaches ``_lower_bound``. With ``tokens`` and ``token_cap`` no swap breaks the cap."""
     rows = -(-len(costs) // k)
     extra = 0 if equal_size else max(1, rows // 4)
     bound = _lower_bound(costs, k, equal_size=equal_size)
@@ -178,8 +158,7 @@ def _refine_passes(n: int, k: int, width: int) -> int:
 
 
 def _fill_empty_parts(parts: list[np.ndarray], values: np.ndarray) -> list[np.ndarray]:
-    """verl asserts every partition is non-empty; zero-cost items may leave one empty: give it the
-    cheapest item of the part with the most items (n >= k guarantees a donor with >= 2 items)."""
+    """Give each empty partition the cheapest item of the part with the most items (verl asserts none is empty)."""
     parts = [p.copy() for p in parts]
     for i, part in enumerate(parts):
         if len(part):
@@ -192,10 +171,8 @@ def _fill_empty_parts(parts: list[np.ndarray], values: np.ndarray) -> list[np.nd
 
 
 def get_reverse_idx(idx_map):
-    """Drop-in for verl's function: ``out[idx_map[i]] = i`` (a list, like verl's).
-
-    Unlike verl it checks that idx_map is a permutation of 0..n-1 (verl silently returns a wrong
-    map otherwise, which scrambles restored log-probs)."""
+    """Drop-in for verl's function: ``out[idx_map[i]] = i`` (a list); raises unless idx_map is a
+    permutation of 0..n-1."""
     idx = np.asarray(idx_map.tolist() if isinstance(idx_map, torch.Tensor) else list(idx_map), dtype=np.int64)
     n = len(idx)
     if n and (idx.min() < 0 or idx.max() >= n or np.unique(idx).size != n):
@@ -222,8 +199,7 @@ def _reduce_device(group) -> torch.device:
 
 
 def _split_heaviest(micro: list[list[int]], costs: np.ndarray, unit: int) -> list[list[int]]:
-    """Split the costliest micro-batch with >= 2 units into two by alternating its units in
-    descending cost. Splitting never raises a micro-batch's token count, so the cap still holds."""
+    """Split the costliest micro-batch with >= 2 units in two (the cap still holds)."""
     candidates = [i for i, mb in enumerate(micro) if len(mb) >= 2 * unit]
     assert candidates, "caller checked that there are at least as many units as micro-batches"
     heaviest = max(candidates, key=lambda i: (costs[micro[i]].sum(), -i))
@@ -248,13 +224,11 @@ def rearrange_micro_batches(
 ):
     """Drop-in for verl's function: split a TensorDict into token-capped micro-batches.
 
-    Returns ``(micro_batches, micro_bsz_idx)`` like verl: a list of TensorDicts and, for each, the
-    ascending list of the sample indices it holds. Effective lengths come from ``attention_mask``
-    (or the nested ``input_ids`` offsets); every micro-batch holds <= max_token_len of them.
-    ``force_group_size`` consecutive samples stay in one micro-batch. With ``dp_group`` and
-    ``same_micro_num_in_dp`` the count is the maximum over the DP group, rounded up to
-    ``num_batches_divided_by`` and at least ``min_num_micro_batch``. ``workload`` (ours, keyword
-    only): None/"tokens" or a FlopsWorkload; default: ``state.current_workload()``.
+    Returns ``(micro_batches, micro_bsz_idx)`` like verl. Every micro-batch holds <= max_token_len
+    effective tokens; ``force_group_size`` consecutive samples stay together. With ``dp_group`` and
+    ``same_micro_num_in_dp`` the count is the DP group's maximum, rounded up to
+    ``num_batches_divided_by``, at least ``min_num_micro_batch``. ``workload`` (keyword only):
+    None/"tokens" or a FlopsWorkload; default ``state.current_workload()``.
     """
     require_verl()
     cost_model = resolve_workload(workload if workload is not None else current_workload())
@@ -286,9 +260,7 @@ def rearrange_micro_batches(
 
 
 def _fewest_capped_micro_batches(seq_lens, unit, max_token_len, cost_model) -> list[list[int]]:
-    """This rank's plan: the fewest micro-batches under the cap, balanced by the workload, groups
-    of ``unit`` consecutive samples kept whole; [] when the batch is empty or a group is over the
-    cap (the caller raises after the DP group agreed)."""
+    """This rank's plan: the fewest capped micro-batches, balanced; [] when empty or a group is over the cap."""
     num_units = len(seq_lens) // unit
     if not num_units or seq_lens.reshape(num_units, unit).sum(axis=1).max() > max_token_len:
         return []
@@ -306,9 +278,7 @@ def _fewest_capped_micro_batches(seq_lens, unit, max_token_len, cost_model) -> l
 def _agreed_micro_batch_count(
     seq_lens, unit, max_token_len, *, local_count, dp_group, min_num_micro_batch, num_batches_divided_by
 ) -> int:
-    """The micro-batch count every rank uses: the largest over ``dp_group`` (None: this rank's),
-    at least ``min_num_micro_batch``, rounded up to ``num_batches_divided_by``. Raises, on every
-    rank alike, if a group is over the cap or some rank has fewer units than that count."""
+    """The micro-batch count every rank uses; raises on every rank alike if any rank cannot meet it."""
     import torch.distributed as dist
 
     num_units = len(seq_lens) // unit
@@ -338,9 +308,7 @@ def _agreed_micro_batch_count(
 
 
 def _micro_batches_at_count(seq_lens, costs, target, max_token_len, unit, local_micro) -> list[list[int]]:
-    """Exactly ``target`` capped micro-batches: this rank's plan (split up to the count when the DP
-    group needs more), or verl's own choice at this count (Karmarkar-Karp by workload, refined
-    without breaking the cap) when its heaviest micro-batch is lighter, so ours is never behind verl's."""
+    """Exactly ``target`` capped micro-batches: ours, or verl's choice when its heaviest is lighter."""
     micro = local_micro
     if len(micro) < target:
         micro = _micro_batches_for_count(seq_lens, costs, target, max_token_len, unit, micro)
@@ -353,8 +321,7 @@ def _micro_batches_at_count(seq_lens, costs, target, max_token_len, unit, local_
 
 
 def _seeded_micro_batches(seq_lens, costs, target, cap, unit) -> list[list[int]] | None:
-    """``target`` micro-batches from ``_balanced_parts`` on the units (verl's Karmarkar-Karp seed,
-    refined under the token cap), or None if they break the cap or one is empty."""
+    """``target`` micro-batches from ``_balanced_parts``, or None if they break the cap or one is empty."""
     if target < 1 or len(seq_lens) // unit < target or len(seq_lens) // unit > _SEED_MAX_ITEMS:
         return None
     unit_costs = costs.reshape(-1, unit).sum(axis=1)
@@ -367,9 +334,7 @@ def _seeded_micro_batches(seq_lens, costs, target, cap, unit) -> list[list[int]]
 
 
 def _micro_batches_for_count(seq_lens, costs, target, cap, unit, fallback) -> list[list[int]]:
-    """Exactly ``target`` non-empty capped micro-batches: a balanced target-way partition of the
-    units (groups of ``unit`` consecutive samples) if it respects the cap, else the capped plan
-    with its heaviest micro-batches split."""
+    """Exactly ``target`` non-empty capped micro-batches."""
     unit_costs = costs.reshape(-1, unit).sum(axis=1)
     parts = _fill_empty_parts(balanced_partition(costs=unit_costs, num_parts=target, equal_size=False), unit_costs)
     micro = [sorted((part[:, None] * unit + np.arange(unit)).ravel().tolist()) for part in parts]

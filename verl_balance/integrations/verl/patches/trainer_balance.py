@@ -1,17 +1,8 @@
 """Trainer-side DP balancing for verl: ``balance_batch`` and replacements for verl's ``_balance_batch``.
 
-verl's trainers reorder the rollout batch so that equal DP chunks carry similar work; both
-replacements here keep verl's signature and its logged ``global_seqlen/*`` metrics, and add
-``verl_balance/*`` plan statistics:
-
-- ``balanced_balance_batch`` replaces ``RayPPOTrainer._balance_batch`` (legacy trainer,
-  ``trainer.use_v1=false``; a ``DataProto`` reordered in place);
-- ``balanced_balance_batch_v1`` replaces ``verl.trainer.ppo.v1.trainer_base.PPOTrainer._balance_batch``
-  (verl's default trainer; a transfer-queue ``KVBatchMeta`` whose ``tags`` carry ``seq_len``,
-  returned reordered after verl's own padding upsample).
-
-Both weigh samples by ``state.current_workload()``: the same model the patched micro-batch packer
-(``seqlen.rearrange_micro_batches``) uses in every process, so the two stages agree.
+Both replacements (legacy ``RayPPOTrainer`` and v1 ``PPOTrainer``) keep verl's signature and its
+``global_seqlen/*`` metrics, add ``verl_balance/*`` plan statistics, and weigh samples by
+``state.current_workload()``, the same workload the patched micro-batch packer uses.
 """
 
 from __future__ import annotations
@@ -51,11 +42,8 @@ def plan_dp_order(
     mini_batch_size: int | None = None,
 ) -> tuple[list[int], list[list[int]], dict[str, float]]:
     """Row order that makes verl's equal DP chunking give rank r the plan's rows for r.
-
-    Returns ``(order, rank_micro_batch_sizes, stats)``. With ``mini_batch_size`` each consecutive
-    mini-batch is planned separately and rank r's share of every mini-batch stays contiguous
-    (verl's keep_minibatch). Without a micro-batch size or token cap it balances DP only (one
-    micro-batch per rank)."""
+    Returns ``(order, rank_micro_batch_sizes, stats)``; each ``mini_batch_size`` mini-batch is
+    planned separately, rank shares contiguous."""
     n = len(seq_lens)
     if micro_batch_size is None and max_token_len_per_gpu is None:
         micro_batch_size = n
@@ -104,10 +92,9 @@ def balance_batch(
 ) -> dict[str, float]:
     """Reorder a DataProto in place with our joint DP x micro-batch plan; returns metrics.
 
-    After reordering, verl's equal DP chunking gives rank r exactly the plan's rows for r, in its
-    micro-batch order. ``meta_info["verl_balance/micro_batch_sizes"]`` (one list per DP rank)
-    lets a worker that honours it (ours) reuse the planned micro-batches. ``group_key`` (e.g.
-    "uid") keeps rows with the same id on one rank; ``mini_batch_size``: see ``plan_dp_order``.
+    Rank r's equal chunk then holds the plan's rows in micro-batch order;
+    ``meta_info["verl_balance/micro_batch_sizes"]`` carries the sizes. ``group_key`` keeps rows
+    with the same id on one rank.
     """
     seq_lens = batch.batch[ATTENTION_MASK_KEY].reshape(len(batch), -1).sum(-1).cpu().numpy().astype(np.int64)
     group_ids = None if group_key is None else np.asarray(batch.non_tensor_batch[group_key])
@@ -127,8 +114,7 @@ def balance_batch(
 
 
 def _verl_seqlen_metrics(seqlens_before, seqlens_after, dp_size: int, prefix: str) -> dict:
-    """verl's ``log_seqlen_unbalance`` metrics: balanced_* on the reordered equal chunks; min/max/
-    minmax_diff/mean describe the input order (before balancing), as verl logs them."""
+    """verl's ``log_seqlen_unbalance`` metrics (balanced_* after, min/max/mean before reordering)."""
     from verl.utils.seqlen_balancing import log_seqlen_unbalance
 
     n = len(seqlens_after)
@@ -160,10 +146,8 @@ def balanced_balance_batch(self, batch, metrics, logging_prefix="global_seqlen",
 
 
 def balanced_balance_batch_v1(self, batch, metrics, logging_prefix="global_seqlen", keep_minibatch=False):
-    """Replacement for verl's default (v1) ``PPOTrainer._balance_batch`` (same signature and return).
-
-    Like verl's: reads the actor DP size from the worker group's dispatch info, upsamples the
-    batch to the required multiple with verl's own padding, then reorders by our DP partition."""
+    """Replacement for verl's default (v1) ``PPOTrainer._balance_batch`` (same signature and return),
+    upsampling with verl's own padding first."""
     trainer_base = sys.modules["verl.trainer.ppo.v1.trainer_base"]
     dp_size = worker_group_dp_size(self.actor_rollout_wg, "actor")
     batch = trainer_base.upsample_batch_to_divisible_size(
