@@ -5,8 +5,7 @@ from __future__ import annotations
 
 # ---------------------------------------------------------------------- meta keys
 MICRO_BATCH_SIZES_KEY = "micro_batch_sizes"
-"""Meta key of one DP rank's chunk: its micro-batch sizes in row order (``split_by_plan``); the
-worker splits with ``chunk.split(chunk.meta[MICRO_BATCH_SIZES_KEY])``."""
+"""Meta key of one DP rank's chunk: its micro-batch sizes in row order (``split_by_plan``)."""
 
 PLANNED_MICRO_BATCH_SIZES_KEY = "verl_balance/micro_batch_sizes"
 """Meta key of a verl ``DataProto`` reordered by a plan: one list of micro-batch sizes per DP rank."""
@@ -15,8 +14,7 @@ TEMPERATURE_KEY = "temperature"
 """Meta key (verl's): the temperature of old, reference and new log-probs; absent means 1."""
 
 ON_POLICY_KEY = "on_policy"
-"""Meta key of an update chunk: True when this is the only optimizer step on rows the current
-weights sampled, so PPO's old log-probs are the update forward's own (the chunk carries none)."""
+"""Meta key of an update chunk: True when PPO's old log-probs are the update forward's own."""
 
 # ---------------------------------------------------------------------- tensor columns of a Batch row
 INPUT_IDS_KEY = "input_ids"
@@ -32,8 +30,7 @@ LOSS_MASK_KEY = "loss_mask"
 """[B, L]: 1 where token t is a target (its log-prob p(tok_t | tok_<t) counts)."""
 
 OLD_LOG_PROBS_KEY = "old_log_probs"
-"""RL: log-probs of the policy that sampled (or last scored) the responses, token-aligned like ``loss_mask``
-(0 elsewhere); the PPO ratio's denominator."""
+"""RL: log-probs of the policy that sampled the responses, token-aligned like ``loss_mask`` (0 elsewhere)."""
 
 ADVANTAGES_KEY = "advantages"
 """RL: the advantage of each response token (token-aligned like ``loss_mask``)."""
@@ -45,8 +42,7 @@ ROLLOUT_LOG_PROBS_KEY = "rollout_log_probs"
 """Rollout column: the sampler's own log-probs of the response tokens (token-aligned, 0 elsewhere)."""
 
 ROLLOUT_IS_WEIGHTS_KEY = "rollout_is_weights"
-"""RL (verl's key): the rollout correction's importance weight per token (token-aligned),
-multiplying its policy loss; set by the driver (trainer/grpo/advantage_step.py)."""
+"""RL (verl's key): the rollout correction's importance weight per token (token-aligned)."""
 
 POLICY_VERSION_KEY = "policy_version"
 """Async rollout column (int64): the policy version (actor's completed steps) that generated the row."""
@@ -64,8 +60,7 @@ ENTROPY_KEY = "entropy"
 """Output column of a log-prob pass (when asked for): each position's entropy, aligned like ``log_probs``."""
 
 SUM_PI_SQUARED_KEY = "sum_pi_squared"
-"""Log-prob pass output and RL column (verl's key): sum_v p(v)^2 per position at the pass's
-temperature (the optimal-token baselines' path variance; verl's ``calculate_sum_pi_squared``)."""
+"""Log-prob pass output and RL column (verl's key): sum_v p(v)^2 per position at the pass's temperature."""
 
 PROMPT_LENGTHS_KEY = "prompt_lengths"
 """Column of a rollout batch: the prompt's length in tokens (the response starts there)."""
@@ -118,8 +113,7 @@ INDEX_KEY = "index"
 """Prompt column from the dataset: each prompt's dataset index (verl's ``extra_info.index`` if any)."""
 
 SAMPLE_INDEX_KEY = "sample_index"
-"""Prompt column: each prompt's global index; with the call's seed it fixes the prompt's sampling
-stream, so rollouts do not depend on the worker or the other prompts of the call."""
+"""Prompt column: each prompt's global index; with the call's seed it fixes the prompt's sampling stream."""
 
 __all__ = [
     "ADVANTAGES_KEY",

@@ -1,20 +1,12 @@
 """Calibrate the balancer's cost model on this hardware: ``python -m verl_balance.calibrate``.
 
-Times the engine's forward + backward per micro-batch (``TrainEngine.train_batch``'s busy time,
-engine/timing.py: process CPU seconds on CPU, CUDA event time on GPUs) over a grid of micro-batches
-of ``b`` sequences of length ``L`` (warm-up, median of repeats) and fits by non-negative least squares
-on relative error:
+Times forward + backward per micro-batch of ``b`` sequences of length ``L`` and fits by non-negative
+least squares on relative error:
 
     seconds(micro-batch) = micro_batch + sequence * b + token * b L + pair * b L (L + 1) / 2
 
-``sequence`` is kept only when it lowers the RMS relative error by at least a fifth. The JSON written
-(coefficients, fingerprint, residuals) is for ``balance.workload=calibrated balance.calibration_path=FILE``.
-
-    PYTHONPATH=. python -m verl_balance.calibrate --model small --attn-impl sdpa_loop --world 2 \\
-        --out calibration.json
-
-``--world N`` runs N gloo ranks under FSDP2 (a dp=N run), each time the max over ranks; ``--world 1``
-runs the plain module, missing FSDP's per-micro-batch all-gather / reduce-scatter cost.
+The JSON written is for ``balance.workload=calibrated balance.calibration_path=FILE``. ``--world N``
+runs N gloo ranks under FSDP2, each time the max over ranks.
 """
 
 from __future__ import annotations

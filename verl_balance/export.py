@@ -3,18 +3,13 @@
     python -m verl_balance.export CHECKPOINT OUT [--model-path DIR | --builtin-config CONFIG.json]
                                   [--overwrite] [--allow-incomplete] [--merge-lora]
 
-CHECKPOINT is an engine checkpoint (``global_step_N/``, any layout); OUT gets config.json,
-safetensors and the tokenizer (a built-in model as Llama), so ``AutoModelForCausalLM`` loads the
-trained model's logits exactly. A LoRA checkpoint becomes a peft adapter directory, or with
-``--merge-lora`` the merged model; its recorded base directory is refused if a weight file changed.
-
 Invariants:
 - The checkpoint must be complete and match its recorded checksums before anything is read
   (``--allow-incomplete``: without the record, unverified).
-- A non-empty OUT is refused unless ``--overwrite``; the export is staged beside OUT and renamed
-  into place once complete, so a failure leaves nothing half-written.
-- Tied embeddings are written once (HF re-ties ``lm_head.weight`` on load).
-- The whole fp32 model is held in this process's host memory (4 * P bytes), none on a GPU.
+- A non-empty OUT is refused unless ``--overwrite``; the export is staged and renamed into place
+  once complete, so a failure leaves nothing half-written.
+- A LoRA checkpoint becomes a peft adapter (``--merge-lora``: the merged model).
+- The whole fp32 model is held in host memory (4 * P bytes), none on a GPU.
 """
 
 from __future__ import annotations
@@ -56,10 +51,8 @@ def save_hf_pretrained(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> str:
     """Write ``state_dict`` (HF names, full tensors) as a save_pretrained directory of fp32 safetensors
-    files of at most ``max_shard_bytes``, with config and tokenizer.
-
-    Names and shapes are checked against the model built on meta; beyond ``state_dict`` at most one
-    file's fp32 copies are held. A tied ``lm_head.weight`` is not written."""
+    shards of at most ``max_shard_bytes``, with config and tokenizer; a tied ``lm_head.weight`` is not
+    written."""
     from verl_balance.engine.materialize import parameters_on_meta
 
     with parameters_on_meta(), torch.random.fork_rng(devices=[]):
@@ -280,10 +273,8 @@ def export_checkpoint(
     allow_incomplete: bool = False,
     merge_lora: bool = False,
 ) -> str:
-    """Export ``checkpoint`` to ``out`` (see the module docstring); returns ``out``.
-
-    An HF model needs ``model_path``, a built-in one ``builtin_config`` (``to_dict()`` JSON); without
-    either, the recorded model config is used."""
+    """Export ``checkpoint`` to ``out``; returns ``out``. An HF model needs ``model_path``, a built-in one
+    ``builtin_config``; without either, the recorded model config is used."""
     _check_out(out, checkpoint=checkpoint, overwrite=overwrite)
     verify_export_source(checkpoint, allow_incomplete=allow_incomplete)
     target = os.path.abspath(out)  # no trailing slash: its basename names the staging directory

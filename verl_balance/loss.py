@@ -13,15 +13,11 @@ micro-batches of all DP ranks of one optimizer step); the objective is J = sum_t
 
 Invariants:
 - N, S and n_i are counted on full (unsliced) sequences and all-reduced (SUM) over the DP group
-  only: the SP ranks of one DP group hold the same sequences, so reducing over the whole world
-  would count every token sp times.
-- Targets are rolled on the packed, unsliced stream before SP slicing (engine/packing.py), so
-  every target token lives on exactly one SP rank.
-- Each rank back-propagates G * sum over its own token slice of w * l, G the engine's gradient
-  divide factor (FSDP2 averages over G ranks), so the average equals grad J exactly; the world
-  SUM of the local sums is J, the logged loss in training and evaluation alike.
+  only (SP ranks of one DP group hold the same sequences).
+- Every target token lives on exactly one SP rank (targets are rolled before SP slicing).
+- Each rank back-propagates G * sum over its own token slice of w * l (G the engine's gradient
+  divide factor), so the average equals grad J exactly; the world SUM of the local sums is J.
 - Zero valid tokens anywhere: weights are 0 (never 0/0); a rank still joins every collective.
-- No mode here is wrong on purpose: the parity negative controls live in ``testing/faults.py``.
 """
 
 from __future__ import annotations
@@ -38,8 +34,7 @@ from torch import Tensor
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 """The modes the recipes accept (``check_agg_mode``) and the parity matrix covers."""
 WEIGHT_MODES = (*AGG_MODES, "token-sum")
-"""AGG_MODES plus verl's token-sum (the RL losses, ``integrations.verl.agg_loss``), which the
-parity matrix does not cover yet."""
+"""AGG_MODES plus verl's token-sum (the RL losses), which the parity matrix does not cover yet."""
 
 
 class LossConfigError(ValueError):
@@ -55,11 +50,8 @@ def check_agg_mode(agg_mode: str, *, valid: tuple[str, ...] = AGG_MODES) -> None
 
 
 class LossFn(Protocol):
-    """Per-token loss for one micro-batch on this rank's SP slice.
-
-    Target-aligned packed inputs: log_probs[t] = log p(target_t | tokens <= t), entropy[t] (None
-    unless `needs_entropy`), `inputs` the local slices of every per-token wire tensor. Returns
-    (per-token loss [T_local], per-token metrics [T_local]); the engine applies the contract weights."""
+    """Per-token loss for one micro-batch on this rank's SP slice: returns (loss [T_local], metrics
+    [T_local]); the engine applies the contract weights."""
 
     needs_entropy: bool
 
@@ -152,10 +144,7 @@ def compute_token_weights(
     dp_group: dist.ProcessGroup | None,
 ) -> TokenWeights:
     """Per-token weights of each micro-batch of this DP rank (full padded stream, not sliced).
-
-    loss_masks[k] / cu_seqlens[k]: micro-batch k's target-aligned loss mask and real-sequence
-    boundaries. Collective over dp_group: one all-reduce and one device-to-host read per call,
-    however many micro-batches (pass cu_seqlens on the CPU to avoid further waits)."""
+    Collective over dp_group: every rank must call this (one all-reduce)."""
     check_agg_mode(agg_mode, valid=WEIGHT_MODES)
     check_loss_scale_factor(agg_mode, loss_scale_factor)
     device = loss_masks[0].device if loss_masks else torch.device("cpu")

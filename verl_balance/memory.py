@@ -2,25 +2,12 @@
 
     python -m verl_balance.memory qwen2.5-7b --gpus 8 --sp 2 --tokens 16384 --ac --head-chunk 4096
 
-The model is an HF directory or config.json (``FAMILIES``), a ``NAMED_SIZES`` key or ``preset:<name>``.
-
-Exact (tests/test_memory.py checks them against live tensors): every parameter tensor
-(``ModelShapes.tensors``; tied embeddings once, every MoE expert on every rank), sharded on dim 0
-over W = dp * sp ranks with ``torch.chunk`` rows (rank 0 holds the most); fp32 master weights and
-gradients, AdamW exp_avg + exp_avg_sq plus one fp32 ``step`` per tensor. W = 1 in fp32 runs the
-plain module: the same bytes, nothing in flight.
-
-Estimates (``benchmarks/memory_model_check.py`` compares them with a measured peak RSS):
-- In flight (FSDP2, reshard_after_forward): the root unit (embeddings, final norm, lm_head) gathered
-  in the compute dtype through the backward plus ``prefetch_units`` layers; gradients of the root
-  and one layer in the compute dtype, plus that layer's fp32 reduce-scatter input.
-- Activations: what autograd saves per token per layer (``activation_bytes_per_token``), T =
-  tokens per SP rank (Ulysses keeps per-rank bytes independent of sp), flash-attention style (no
-  T x T). With checkpointing only each layer's input, plus one layer's recompute.
-- Output head: (b + 12) bytes per token and vocabulary entry; ``head_chunk`` replaces T by the chunk.
-- Peak = all of it at the start of the backward, with checkpointing the larger of head and
-  recompute (a layer is recomputed after the head's backward freed its tensors). Not counted:
-  optimizer-step temporaries, allocator caching, CUDA context, NCCL buffers; keep a margin.
+Exact (tests/test_memory.py): parameters, fp32 master weights and gradients, AdamW state, sharded on
+dim 0 over W = dp * sp ranks with ``torch.chunk`` rows (rank 0 holds the most). Estimates
+(``benchmarks/memory_model_check.py``): FSDP2 in-flight gathers, activations per SP rank (no T x T),
+the output head ((b + 12) bytes per token and vocabulary entry). Peak = all of it at the start of the
+backward. Not counted: optimizer-step temporaries, allocator caching, CUDA context, NCCL buffers;
+keep a margin.
 """
 
 from __future__ import annotations
@@ -479,9 +466,7 @@ def state_bytes(shapes: ModelShapes, layout: MemoryLayout, *, rank: int = 0) -> 
 
 
 def activation_bytes_per_token(shapes: ModelShapes, *, layer: int, dtype_bytes: int) -> int:
-    """Bytes autograd saves per token in decoder layer ``layer``: fp32 input and compute-dtype output
-    of each RMSNorm, q/k/v after RoPE, attention output, o_proj input, fp32 log-sum-exp, SwiGLU's 4
-    intermediates (MoE: fp32 router softmax and the k active experts, plus the shared expert)."""
+    """Bytes autograd saves per token in decoder layer ``layer`` (MoE: router and the k active experts)."""
     b, h = dtype_bytes, shapes.hidden_size
     q, kv = shapes.num_heads * shapes.head_dim, shapes.num_kv_heads * shapes.head_dim
     norm = (FP32 + b) * h if b != FP32 else 2 * FP32 * h
@@ -499,8 +484,7 @@ def activation_bytes_per_token(shapes: ModelShapes, *, layer: int, dtype_bytes: 
 
 
 def head_bytes_per_position(dtype_bytes: int) -> int:
-    """Bytes per (token, vocab entry) of the head at its peak: compute-dtype logits, fp32 log-softmax,
-    fp32 log-prob and logit gradients."""
+    """Bytes per (token, vocab entry) of the head at its peak."""
     return dtype_bytes + 3 * FP32
 
 

@@ -1,17 +1,10 @@
 """Layout-invariance harness: every (dp, sp) layout must reproduce a single-process reference
 (docs/design.md, "Parity").
 
-One set of spawned ranks serves all layouts, each in its own gloo group (CPU, fp32). Every case of
-{fixed micro-batch size, token cap} x {balance on, off} x {loss_agg_mode} (plus FSDP2's
-gradient-accumulation controls, ``MODEL_VARIANTS`` and the value-model cells of ``value_cases``)
-builds a TrainEngine from one seed, plans with ``balance.plan_balance`` and runs eval_loss then
-train_batch. The reference uses no distributed, packing or loss-contract code: a plain forward per
-sequence, the aggregation formula written out, torch.optim.AdamW. A case passes when both losses and
-the gradient norm match to rtol 1e-5 and every parameter after the step to 1e-5. The negative
-controls (``testing.faults.KNOWN_BUGS``, ``VALUE_NEGATIVE_CONTROLS``) must fail.
-
-``python -m verl_balance.parity`` prints the table; ``model.path=DIR`` runs it on a local Hugging Face
-model (``models.hf.SUPPORTED_MODEL_TYPES``).
+A case passes when both losses and the gradient norm match the plain single-process reference to
+rtol 1e-5 and every parameter after the step to 1e-5; the negative controls
+(``testing.faults.KNOWN_BUGS``, ``VALUE_NEGATIVE_CONTROLS``) must fail. ``python -m
+verl_balance.parity`` prints the table; ``model.path=DIR`` runs it on a local HF model.
 """
 
 from __future__ import annotations
@@ -172,8 +165,7 @@ FSDP_AGG_MODES = ("token-mean", "seq-mean-token-mean")
 
 
 def fsdp_cases() -> list[ParityCase]:
-    """The non-default FSDP_VARIANTS x {fixed, dynamic} x FSDP_AGG_MODES, balanced (multi-rank
-    layouts only: a single fp32 rank runs the plain module, without FSDP)."""
+    """The non-default FSDP_VARIANTS x {fixed, dynamic} x FSDP_AGG_MODES (multi-rank layouts only)."""
     variants = [v for v in FSDP_VARIANTS if v != "default"]
     return [
         ParityCase(micro=m, balance=True, agg_mode=a, fsdp=v)
@@ -182,8 +174,7 @@ def fsdp_cases() -> list[ParityCase]:
 
 
 def variant_cases(layout: tuple[int, int]) -> list[ParityCase]:
-    """The non-default MODEL_VARIANTS on one dynamic token-mean cell each; on multi-rank layouts also
-    activation checkpointing with FSDP2 parameters kept unsharded and gradient sync deferred."""
+    """The non-default MODEL_VARIANTS on one dynamic token-mean cell each."""
     cases = [ParityCase("dynamic", True, "token-mean", variant=v) for v in MODEL_VARIANTS if v != "default"]
     if layout[0] * layout[1] > 1:
         cases.append(
@@ -234,8 +225,7 @@ def lora_cases() -> list[ParityCase]:
 def lora_parity_jobs(
     *, layouts=PARITY_LAYOUTS, controls: bool = True
 ) -> list[tuple[tuple[int, int], list[ParityCase]]]:
-    """The LoRA rows on each layout, plus the LoRA negative controls that belong to it; run them with
-    ``lora_settings``."""
+    """The LoRA rows and LoRA negative controls of each layout; run them with ``lora_settings``."""
     return [
         (
             tuple(lay),
@@ -246,8 +236,7 @@ def lora_parity_jobs(
 
 
 def write_lora_fixture(out_dir: str) -> tuple[str, str]:
-    """A tiny random qwen2 directory and a peft adapter directory for it (rank LORA_RANK, all-linear,
-    A and B drawn from a fixed seed): (model_dir, adapter_dir)."""
+    """A tiny random qwen2 directory and a seeded peft adapter for it: (model_dir, adapter_dir)."""
     import os
 
     from peft import LoraConfig, get_peft_model
@@ -276,8 +265,7 @@ def lora_settings(model_dir: str, adapter_dir: str) -> ParitySettings:
 
 
 def _reference_model(settings: ParitySettings):
-    """The reference's model: ``settings.model`` as built, or with LoRA the same model with peft's
-    adapters injected, the adapter directory's values loaded, and only the adapters trainable."""
+    """The reference's model: ``settings.model`` as built, with LoRA only the adapters trainable."""
     model = build_model(settings.model, attn_impl="sdpa_masked")
     if settings.lora_adapter_path is None:
         return model
@@ -310,10 +298,7 @@ NEGATIVE_CONTROLS: dict[str, tuple[tuple[int, int], ParityCase]] = {
 def make_global_batch(settings: ParitySettings) -> dict[str, torch.Tensor]:
     """Seeded right-padded global batch: input_ids, attention_mask, loss_mask (B, max_len).
 
-    Lengths vary widely; each sample's loss mask covers a response suffix; sample 1 has no loss
-    tokens at all (it must not count as a sequence in the seq-mean modes). Every even sample whose
-    response has 6+ tokens is multi-turn shaped: a span of 1-3 tokens strictly inside its response
-    (a tool's answer) has loss mask 0, so the masks of the matrix are not all suffixes.
+    Sample 1 has no loss tokens; even multi-turn-shaped samples have a masked span inside the response.
     """
     gen = torch.Generator().manual_seed(settings.seed)
     b, width = settings.num_samples, settings.max_len
@@ -336,11 +321,7 @@ def make_global_batch(settings: ParitySettings) -> dict[str, torch.Tensor]:
 
 
 def reference_steps(settings: ParitySettings, *, agg_modes=AGG_MODES) -> dict[str, dict]:
-    """Single-process reference per agg mode: loss, grad norm, parameters after one AdamW step.
-
-    One plain forward per sequence (no packing, no SP, no FSDP), the aggregation formulas of
-    docs/design.md written out directly, and torch.optim.AdamW on a fresh copy of the initial model.
-    """
+    """Single-process reference per agg mode: loss, grad norm, parameters after one AdamW step."""
     batch = make_global_batch(settings)
     torch.manual_seed(settings.seed)
     model = _reference_model(settings)
@@ -388,8 +369,7 @@ def reference_steps(settings: ParitySettings, *, agg_modes=AGG_MODES) -> dict[st
 
 
 def make_value_batch(settings: ParitySettings) -> dict[str, torch.Tensor]:
-    """``make_global_batch`` plus the value loss's wire columns: ``values`` (old values) and
-    ``returns``, seeded, (B, max_len), zero outside the attention mask."""
+    """``make_global_batch`` plus seeded ``values`` and ``returns`` (B, max_len), 0 outside the mask."""
     batch = make_global_batch(settings)
     gen = torch.Generator().manual_seed(settings.seed + 1)
     shape = batch[INPUT_IDS_KEY].shape
@@ -400,8 +380,7 @@ def make_value_batch(settings: ParitySettings) -> dict[str, torch.Tensor]:
 
 
 def reference_value_model(settings: ParitySettings):
-    """The seeded initial value model, built in one process (models/value.py's init rule):
-    ``torch.manual_seed(seed)``'s decoder without its LM head, the head from (seed, name)."""
+    """The seeded initial value model, built in one process (models/value.py's init rule)."""
     from verl_balance.engine.materialize import value_head_init
     from verl_balance.models.value import build_value_model
 
@@ -415,8 +394,7 @@ def reference_value_model(settings: ParitySettings):
 
 
 def _reference_value_sums(model, batch: dict[str, torch.Tensor], *, cliprange_value: float):
-    """Per sequence (sum over loss tokens of verl's clipped value loss, loss-token count), from one
-    plain forward per sequence: the value of token t is the head on the hidden state of token t-1."""
+    """Per sequence (sum of verl's clipped value loss over loss tokens, loss-token count), plain forward."""
     seq_sums, seq_counts = [], []
     for i, length in enumerate(batch[ATTENTION_MASK_KEY].sum(1).tolist()):
         ids = batch[INPUT_IDS_KEY][i, :length]
@@ -444,8 +422,7 @@ def _agg_objectives(sums: torch.Tensor, counts: torch.Tensor, *, loss_scale_fact
 
 
 def reference_value_steps(settings: ParitySettings, *, agg_modes=AGG_MODES) -> dict[str, dict]:
-    """Single-process reference of the value cells per agg mode (keys ``value_model/<mode>``):
-    loss, grad norm and parameters after one AdamW step, as ``reference_steps``."""
+    """Single-process reference of the value cells per agg mode (keys ``value_model/<mode>``)."""
     batch = make_value_batch(settings)
     model = reference_value_model(settings)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -479,8 +456,8 @@ def reference_key(case: ParityCase) -> str:
 def reference_log_probs(
     settings: ParitySettings, batch: dict[str, torch.Tensor], *, temperature: float = 1.0
 ) -> torch.Tensor:
-    """(B, L) log p(token t | tokens < t) under softmax(logits / temperature) of the seeded initial
-    model, from one plain forward per sequence (0 at t = 0 and on padding); no distributed code."""
+    """(B, L) log p(token t | tokens < t) at ``temperature`` of the seeded initial model (0 at t = 0 and
+    on padding); no distributed code."""
     torch.manual_seed(settings.seed)
     model = build_model(settings.model, attn_impl="sdpa_masked")
     out = torch.zeros(batch[INPUT_IDS_KEY].shape)
@@ -499,9 +476,8 @@ def reference_log_probs(
 
 
 def max_param_delta(engine, ref_params: dict[str, torch.Tensor]) -> float:
-    """max |parameter - reference| over every entry of ``ref_params`` (the model's own names), on every
-    rank. Collective: each rank compares its FSDP2 shard with the same slice of the reference (a local
-    slice, no communication) and one all-reduce(MAX) combines them, instead of gathering every tensor."""
+    """max |parameter - reference| over ``ref_params``, on every rank. Collective: every rank must call
+    this (one all-reduce(MAX))."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -567,8 +543,7 @@ def _run_cases(
 
 
 def _parity_worker(rank: int, jobs: list, settings: ParitySettings, references: dict[str, dict]) -> dict:
-    """This process's part of every job: {job index: results} for the jobs whose first rank it is.
-    Jobs of one wave run side by side on disjoint ranks; a process outside a job sits it out."""
+    """This process's part of every job: {job index: results} for the jobs whose first rank it is."""
     from verl_balance.distributed.launcher import gloo_group
 
     torch.set_num_threads(1)
@@ -584,8 +559,7 @@ def _parity_worker(rank: int, jobs: list, settings: ParitySettings, references: 
 
 
 def pack_waves(sizes: list[int], *, world: int) -> list[tuple[int, int]]:
-    """(wave, first rank) per job of ``sizes`` ranks: the largest first, each into the first wave
-    with enough free ranks left, so small layouts share a wave instead of idling the others' ranks."""
+    """(wave, first rank) per job of ``sizes`` ranks: largest first, each into the first wave with room."""
     free: list[int] = []  # next free rank per wave
     placed = {}
     for index in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
@@ -603,12 +577,8 @@ def run_layouts(
     settings: ParitySettings,
     references: dict[str, dict] | None = None,
 ) -> list[ParityResult]:
-    """Run (layout, cases) jobs in ONE set of spawned processes (max dp*sp of them).
-
-    Each layout gets a fresh gloo process group of dp*sp ranks; layouts smaller than the world run
-    side by side on disjoint ranks (``pack_waves``). Each rank compares its shard of every parameter
-    with reference_steps' (``max_param_delta``); losses and gradient norms are compared here.
-    """
+    """Run (layout, cases) jobs in ONE set of spawned processes (max dp*sp of them), one gloo group per
+    layout."""
     from verl_balance.distributed.launcher import new_rendezvous, run_on_ranks
 
     references = references if references is not None else {}
@@ -665,9 +635,8 @@ def parity_jobs(
     values: bool = True,
     language_model: bool = True,
 ) -> list[tuple[tuple[int, int], list[ParityCase]]]:
-    """The full matrix on each layout, the FSDP-control cells on multi-rank layouts, the
-    model-variant cells, the value-model cells, and the negative controls that belong to each
-    layout (``language_model=False``: the value-model cells and controls only)."""
+    """The parity matrix, FSDP-control, model-variant and value-model cells, and negative controls per
+    layout (``language_model=False``: value-model cells and controls only)."""
     jobs = []
     for layout in layouts:
         cases = []
@@ -736,8 +705,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _report(results: list[ParityResult], *, seconds: float) -> bool:
-    """Print the matrix, FSDP-control, model-variant and negative-control tables and a summary line;
-    True when every cell passes and every control fails."""
+    """Print the tables and a summary line; True when every cell passes and every control fails."""
     value_cells = [r for r in results if r.case.bug is None and r.case.model_type == "value_model"]
     plain = [r for r in results if r.case.bug is None and r.case.variant == "default" and r not in value_cells]
     matrix = [r for r in plain if r.case.fsdp == "default"]

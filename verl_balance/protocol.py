@@ -5,15 +5,12 @@ A Batch holds B rows: ``tensors`` (a ``TensorDict``, ``batch_size == [B]``), ``n
 
 Invariants (checked on construction and by every operation):
 - every tensor and every non-tensor column has exactly B rows;
-- row operations (``index_select``, ``chunk``, ``split``, ``repeat``, slicing) apply the same
-  row selection to tensors and non-tensors, so row i of every column always describes sample i;
+- row operations apply the same row selection to tensors and non-tensors;
 - ``meta`` is shared (shallow-copied) into derived batches, never indexed;
-- a pickled Batch (Ray transport) arrives with its tensors on the CPU: the receiver moves it with
-  ``to(device)``.
+- a pickled Batch arrives with its tensors on the CPU.
 
-Names and in-place semantics follow verl's ``DataProto``: ``union``, ``reorder`` and ``to`` act in
-place and return ``self``; every other operation returns a new Batch sharing tensor storage.
-Plans are applied in ``trainer/plan_dispatch.py``; DataProto conversion in ``integrations/verl/convert.py``.
+As verl's ``DataProto``: ``union``, ``reorder`` and ``to`` act in place and return ``self``; every
+other operation returns a new Batch sharing tensor storage.
 """
 
 from __future__ import annotations
@@ -386,10 +383,8 @@ class Batch:
 
     @staticmethod
     def concat(batches: Sequence[Batch]) -> Batch:
-        """Rows of all ``batches`` in order; columns must match.
-
-        Shared meta keys must agree, except ``"metrics"`` (gathered into lists, as DataProto) and
-        ``micro_batch_sizes`` (dropped)."""
+        """Rows of all ``batches`` in order; columns and shared meta keys must match (``"metrics"`` is
+        gathered into lists, ``micro_batch_sizes`` dropped)."""
         batches = list(batches)
         if not batches:
             raise BatchError("cannot concat an empty list of batches")

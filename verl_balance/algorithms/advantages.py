@@ -2,19 +2,13 @@
 response) and GAE with a learned critic (PPO).
 
 Invariants:
-- ``scores[i]`` is response i's scalar reward; ``index[i]`` its group (the prompt uid), any
-  hashable label, rows of a group in any order.
+- ``scores[i]`` is response i's scalar reward; ``index[i]`` its group, rows in any order.
 - Output is (B, L) ``advantages[i, t] = a_i * loss_mask[i, t]``: 0 on prompt and padding.
-- grpo: a_i = (r_i - mean_g) / (std_g + epsilon), std unbiased (verl's ``torch.std``);
-  ``norm_adv_by_std_in_grpo=False``: a_i = r_i - mean_g (Dr.GRPO, arXiv 2503.20783).
-- rloo: a_i = r_i - mean of the group's others = n/(n-1) * (r_i - mean_g).
-- A group of one has no baseline, so advantage 0 (verl uses a_i = r_i: we do not push a lone
-  sample by its raw reward).
-- Group statistics are float64 and vectorised; the row order does not matter.
-- gae: verl's ``compute_gae_advantage_return`` on the full (B, L) rows: the score on the last
-  response token, ``values[i, t]`` the value of the state before token t, prompt and padding
-  skipped by the recursion, advantages whitened over the batch's valid tokens, returns = raw
-  advantages + values; both 0 outside the response mask (unlike verl).
+- grpo: a_i = (r_i - mean_g) / (std_g + epsilon), std unbiased; ``norm_adv_by_std_in_grpo=False``:
+  a_i = r_i - mean_g (Dr.GRPO). rloo: a_i = r_i - mean of the group's others.
+- A group of one has advantage 0 (verl: a_i = r_i).
+- gae: verl's ``compute_gae_advantage_return`` on full rows; advantages and returns 0 outside the
+  response mask (unlike verl).
 """
 
 from __future__ import annotations

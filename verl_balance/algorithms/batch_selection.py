@@ -1,14 +1,9 @@
 """clip_cov's and kl_cov's token selections over the whole mini-batch, from the local slices of every
 micro-batch of every rank (global_loss_modes.py states the formulas).
 
-Means, N and top-k run over the whole mini-batch (clip_cov equals verl's draw when k >= the
-candidates; a smaller draw is uniform in both, not the same). The caller supplies ``world_sum``
-(in-place SUM over every rank) and ``world_gather`` (equal 1-D tensors, concatenated in rank order).
-
-Exactly k tokens by smallest keys: each rank sends its k smallest, the k-th smallest gathered key
-is the threshold, every smaller key is selected and ties go in rank order. Keys: kl_cov -cov;
-clip_cov a hash of (sequence token ids, position, step), independent of the holding rank. Equal
-keys are equal tokens of equal sequences, so the tie choice does not change the loss.
+The caller supplies ``world_sum`` (in-place SUM over every rank) and ``world_gather`` (equal 1-D
+tensors, concatenated in rank order); every rank must call them. Exactly k tokens are selected by
+smallest keys, ties in rank order; keys are independent of the holding rank.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """What an advantage estimator receives: the batch's tensors and verl's ``algorithm.*`` settings.
 
-Every per-token tensor is (B, L) over whole rows (prompt + response, right-padded);
-``response_mask`` is 1 exactly on the loss's response tokens. Estimators skip masked tokens (or count
-positions from the first response token), so values on response tokens equal verl's on its slices.
+Every per-token tensor is (B, L) over whole rows; ``response_mask`` is 1 exactly on the loss's
+response tokens, so values on response tokens equal verl's on its slices.
 """
 
 from __future__ import annotations
@@ -48,8 +47,7 @@ class AdvantageInputs:
 
 @dataclass
 class AdvantageKeys:
-    """verl's ``algorithm.*`` keys the estimators read, with verl's defaults: declared once, extended by
-    the GRPO recipe's ``algorithm`` section and by ``AdvantageParams``."""
+    """verl's ``algorithm.*`` keys the estimators read, with verl's defaults."""
 
     gamma: float = 1.0
     """Discount factor (gae, reinforce_plus_plus), in [0, 1]."""

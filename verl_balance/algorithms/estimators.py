@@ -2,12 +2,10 @@
 each with the batch inputs it needs, so a trainer checks them at start-up.
 
 Invariants:
-- ``ADV_ESTIMATOR_REGISTRY[name].inputs`` lists every optional ``AdvantageInputs`` field it
-  reads; ``check_estimator`` fails naming ``algorithm.adv_estimator`` for an unknown name or an
-  input the trainer cannot supply.
-- Every estimator takes ``(*, inputs, params)`` and returns (B, L) float32 tensors, 0 outside
-  ``response_mask``, equal to verl's on the response slice (tests/algorithms) except where
-  ``advantages.py`` documents ours (a group of one gets advantage 0 in grpo, drgrpo, rloo).
+- ``check_estimator`` fails naming ``algorithm.adv_estimator`` for an unknown name or an input the
+  trainer cannot supply.
+- Every estimator returns (B, L) float32 tensors, 0 outside ``response_mask``, equal to verl's on
+  the response slice except where ``advantages.py`` says otherwise.
 """
 
 from __future__ import annotations

@@ -8,24 +8,9 @@ sequence i, N the contract's token count:
 
 - ``seq_mean_log_ratio`` (gspo): s_i = sum_t(x m) / max(n_i, 1), summed over the SP group.
 - ``seq_mean_clipped_log_ratio``, ``seq_mean_advantage`` (geo_mean): mu_i = sum_t(x' m) / (n_i + 1e-8),
-  A_i = sum_t(A m) / (n_i + 1e-8); with IS weights ``seq_is_weight`` =
-  exp(sum_t(log(w + 1e-10) m) / (n_i + 1e-8)).
-- ``clip_cov_drop`` (clip_cov): cov = (A - mean_A)(log_prob - mean_lp), means over the
-  mini-batch; of the loss-mask tokens PPO did not clip with clip_cov_lb < cov < clip_cov_ub,
-  k = max(int(clip_cov_ratio * N), 1) are dropped (batch_selection.py).
-- ``kl_cov_select`` (kl_cov): the k = max(1, int(kl_cov_ratio * N)) loss-mask tokens of largest cov.
-
-verl takes clip_cov's and kl_cov's statistics per micro-batch; these equal verl's with one
-micro-batch holding the mini-batch, at any layout.
-
-Per token (r = exp(x), [lo, hi] the clip range):
-- gspo (arXiv 2507.18071): log r_seq = min(log_prob - sg(log_prob) + s_i, 10),
-  pg = max(-A r_seq, -A clip(r_seq, 1 - lo, 1 + hi)).
-- geo_mean (GMPO, arXiv 2507.20673): pg = -A_i sg(exp(mu_i)) (1 + x' - sg(x')) has the value and
-  gradient of verl's -A_i exp(mu_i) under seq-mean-token-mean weights, hence that ``agg_mode``;
-  x' = sign(A) min(sign(A) x, sign(A) clamp(x, -lo, hi)).
-- clip_cov: pg = max(-A r, -A clip(r, 1 - lo, 1 + hi)) * (1 - drop), r unclamped.
-- kl_cov: pg = -A r + ppo_kl_coef * |x| on the selected tokens, -A r elsewhere.
+  A_i = sum_t(A m) / (n_i + 1e-8).
+- ``clip_cov_drop`` (clip_cov), ``kl_cov_select`` (kl_cov): token selections by covariance over the
+  mini-batch (batch_selection.py); they equal verl's with one micro-batch holding the mini-batch.
 """
 
 from __future__ import annotations

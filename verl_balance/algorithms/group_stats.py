@@ -1,10 +1,7 @@
 """Vectorised group and masked statistics shared by the advantage estimators.
 
-Invariants:
-- One ``index_add_`` / ``scatter_reduce_`` over dense group ids, no loop: row order is irrelevant.
-- Group statistics are float64; std is the unbiased sample std (verl's ``torch.std``); a group of
-  one has std 0 here (callers decide what a singleton means).
-- ``masked_whiten`` is verl's: (x - mean) * rsqrt(unbiased var + 1e-8), means as sum / (count + 1e-8).
+Invariants: no loop over groups (row order is irrelevant); float64; std unbiased (a singleton has std
+0 here); ``masked_whiten`` is verl's.
 """
 
 from __future__ import annotations

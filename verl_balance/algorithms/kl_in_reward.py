@@ -1,12 +1,9 @@
 """verl's KL penalty in the reward (``algorithm.use_kl_in_reward``) and its coefficient controllers.
 
 Invariants (verl's ``apply_kl_penalty`` and ``core_algos.{Fixed,Adaptive}KLController``):
-- token_level_rewards = token_level_scores - beta * kl * m, kl the ``kl_penalty`` estimator of
-  (old_log_probs, ref_log_probs), beta the controller's value *before* this step's update.
-- current_kl = the mean over rows of each row's masked token mean (sum / (count + 1e-8)); the
-  controller is updated with (current_kl, n_steps = rows).
-- Adaptive: beta *= 1 + clip(current_kl / target_kl - 1, -0.2, 0.2) * n_steps / horizon; fixed:
-  constant. ``value`` is driver state that trainers checkpoint.
+- token_level_rewards = token_level_scores - beta * kl * m, beta the controller's value *before*
+  this step's update.
+- ``value`` is driver state that trainers checkpoint.
 - The penalty changes the rewards on the driver's whole batch, never the loss.
 """
 

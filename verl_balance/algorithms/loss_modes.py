@@ -2,16 +2,12 @@
 under the loss contract, with the reductions the engine must supply and its aggregation.
 
 Invariants:
-- ``policy_token_loss`` returns per-token loss and detached metrics, unreduced:
-      loss = pg * w_IS + kl_loss_coef * kl(log_prob, ref_log_prob) - entropy_coeff * entropy
-  (w_IS = ``rollout_is_weights`` for the modes verl applies them to).
-- ``LOSS_MODE_REGISTRY[name].reductions`` names what the mode reads from ``reduced``;
-  ``reference_reductions`` computes it for a batch held whole. Modes without reductions are exact
-  on any SP slice as they stand.
-- ``agg_mode``: verl aggregates sapo and geo_mean seq-mean-token-mean whatever ``loss_agg_mode``
-  says; a trainer must use that mode for them.
-- With one micro-batch holding the mini-batch, J = sum(w * pg) equals verl's function of the same
-  name with its ``agg_loss``, value and gradient (tests/algorithms).
+- ``policy_token_loss`` returns per-token loss and detached metrics, unreduced.
+- ``LOSS_MODE_REGISTRY[name].reductions`` names what the mode reads from ``reduced``; modes without
+  reductions are exact on any SP slice as they stand.
+- ``agg_mode``: sapo and geo_mean aggregate seq-mean-token-mean whatever ``loss_agg_mode`` says.
+- With one micro-batch holding the mini-batch, J equals verl's function of the same name, value and
+  gradient (tests/algorithms).
 """
 
 from __future__ import annotations
@@ -210,11 +206,7 @@ BATCH_SELECTED_MODES = ("clip_cov", "kl_cov")
 
 
 class ModeLoss(PPOLoss):
-    """``PPOLoss`` with verl's ``policy_loss.loss_mode``, the same on any (dp, sp) layout and micro-batching.
-
-    gspo and geo_mean ask for ``sequence_sum`` (``needs_sequence_sums``); clip_cov, kl_cov and
-    bypass_mode's ``rollout_is_batch_normalize`` ask for ``batch_selections`` over the mini-batch
-    (``needs_batch_selection``); bypass_mode's rejection uses ``sequence_sum``."""
+    """``PPOLoss`` with verl's ``policy_loss.loss_mode``, the same on any (dp, sp) layout and micro-batching."""
 
     def __init__(self, config: PolicyLossConfig, *, mode: LossModeConfig, **kwargs):
         super().__init__(config, **kwargs)

@@ -1,9 +1,7 @@
 """The reduced quantities of the policy-loss modes for a mini-batch held whole on one process.
 
-``reference_reductions`` takes (B, L) rows, one sequence each, and returns the ``reduced`` mapping
-that the engine otherwise computes with SP-group and world reductions: the single-process
-reference, and what a world of one uses. clip_cov's draw is verl's (``torch.randperm`` over the
-candidates in row-major order from ``generator``), so a seed drops the same tokens as verl.
+``reference_reductions`` returns the ``reduced`` mapping the engine otherwise computes with SP-group
+and world reductions; clip_cov's draw is verl's, so a seed drops the same tokens as verl.
 """
 
 from __future__ import annotations

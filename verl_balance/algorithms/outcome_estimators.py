@@ -2,16 +2,11 @@
 compared within its group, broadcast over the response tokens (``a_i * response_mask``).
 
 Invariants (r_i the score of row i, group g, mean_g / unbiased std_g in float64):
-- grpo, drgrpo, rloo, grpo_vectorized, rloo_vectorized: ``advantages.group_outcome_advantages``
-  (a group of one gets 0).
-- opo: a_i = r_i - sum_g(len_j r_j) / sum_g(len_j) (arXiv 2505.23585); a group of one: baseline 0.
-- grpo_passk: only each group's best row (the first maximum) gets a = r_max - r_second_max
-  (/ (std_g + eps) with norm_adv_by_std_in_grpo); every group needs 2 rows (arXiv 2503.19595).
-- gpg: a_i = alpha * (r_i - mean_g), alpha = B / #{i: r_i != 0} (1 if none); singleton mean 0.
-- reinforce_plus_plus_baseline: a_i = r_i - mean_g (singleton mean 0), whitened over the batch's
-  response tokens.
-- gdpo: each reward component standardised in its group (singleton: mean 0, std 1), summed with
-  weights w_k, whitened; without ``gdpo_reward_keys`` the one component is the summed reward.
+- grpo, drgrpo, rloo and their vectorized forms: ``advantages.group_outcome_advantages``.
+- opo: length-weighted group baseline; grpo_passk: only each group's best row is nonzero (every group
+  needs 2 rows); gpg: alpha * (r_i - mean_g); reinforce_plus_plus_baseline: r_i - mean_g, whitened;
+  gdpo: per-component group standardisation, weighted sum, whitened.
+- A group of one gets a baseline of 0 (grpo: advantage 0).
 """
 
 from __future__ import annotations

@@ -1,21 +1,15 @@
 """PPO-clip policy loss (with optional dual clip, KL-to-reference and entropy bonus), per token.
 
 Invariants:
-- Elementwise over tokens, no reduction: the engine applies the loss contract weights and turns
-  per-token metrics into global loss-mask means, so the result is the same on any (dp, sp)
-  layout, micro-batching or padding.
-- Per token, r = exp(clamp(log_prob - old_log_prob, -20, 20)) (verl's ``vanilla``):
+- Elementwise over tokens, no reduction: the result is the same on any (dp, sp) layout,
+  micro-batching or padding.
+- r = exp(clamp(log_prob - old_log_prob, -20, 20)) (verl's ``vanilla``):
       pg = max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high))
       if A < 0 and clip_ratio_c is set: pg = min(pg, -A clip_ratio_c)     (dual clip)
       loss = pg * w + kl_loss_coef * kl(log_prob, ref_log_prob) - entropy_coeff * entropy
-  with w the rollout correction's IS weight (``rollout_is_weights``, else 1), so one set of weights
-  aggregates to verl's pg_loss + kl_coef * kl_loss - entropy_coeff * entropy_loss.
-- Metrics (detached, per token): pg_loss, pg_clipfrac (the clipped branch is strictly larger),
-  pg_clipfrac_lower (dual clip active), ppo_kl (= old_log_prob - log_prob), kl_loss (verl's
-  name; when use_kl_loss), entropy.
-- ``PPOLoss(on_policy=True)`` (the step's only optimizer step): old_log_prob is the forward's own
-  ``log_prob.detach()``, so ratio == 1 exactly, the clip fractions and ppo_kl are 0, and loss and
-  gradient equal those of a separate old-log-prob pass bit for bit (docs/verl.md section 8).
+  with w the rollout IS weight (``rollout_is_weights``, else 1).
+- ``PPOLoss(on_policy=True)``: old_log_prob is the forward's own ``log_prob.detach()``, so ratio == 1
+  exactly and loss and gradient equal a separate old-log-prob pass bit for bit.
 """
 
 from __future__ import annotations
@@ -159,8 +153,7 @@ class PPOLoss:
 
     def __init__(self, config: PolicyLossConfig, *, report_entropy: bool = True, on_policy: bool = False):
         """``report_entropy``: entropy even when entropy_coeff == 0. ``on_policy``: old log-probs are this
-        forward's own, detached. With ``rollout_log_probs`` it reports ``rollout_probs_diff_mean`` per
-        token and the running local maximum ``rollout_probs_diff_max`` (0-d tensor; None before a call)."""
+        forward's own, detached."""
         self.config = config
         self.needs_entropy = config.needs_entropy or report_entropy
         self.on_policy = on_policy

@@ -1,27 +1,16 @@
 """Rollout correction for ``policy_loss.loss_mode=bypass_mode`` (verl's ``rollout_correction`` keys):
 importance weights and rejection of tokens/sequences by the training-vs-rollout divergence.
 
-With lr = log_prob (current, detached) - rollout_log_prob per token and m the loss mask:
-
-- IS weights (``rollout_is``): token w_t = exp(clamp(lr_t, -20, 20)); sequence w_t =
-  exp(clamp(sum_t lr m, -20, 20)); then w * m, truncated (TIS: min(w, upper)) or zeroed outside
-  [lower, upper] (IcePop, "lower_upper"). ``rollout_is_batch_normalize`` divides by their
-  mini-batch mean (token: over loss-mask tokens; sequence: over non-empty sequences' token means)
-  when it exceeds 1e-8.
+With lr = log_prob (detached) - rollout_log_prob per token, lr clamped to +-20:
+- IS weights (``rollout_is``): token exp(lr_t) or sequence exp(sum_t lr m), truncated (TIS) or zeroed
+  outside [lower, upper] (IcePop); ``rollout_is_batch_normalize`` divides by the mini-batch mean.
 - Rejection (``rollout_rs``, comma-separated, all must pass): k1 = -lr, k2 = lr^2 / 2,
-  k3 = exp(lr) - 1 - lr (lr clamped to +-20); ``token_k*`` per token, ``seq_{sum,mean,max}_k*``
-  over the sequence's loss-mask tokens. k1 keeps log(lower) <= stat <= log(upper) (one value u
-  means [1/u, u]); k2/k3 keep stat <= upper.
-- Loss (old_log_prob = rollout_log_prob): ``ppo_clip`` is vanilla PPO-clip without weights;
-  ``reinforce`` is -sg(w) A log_prob. Rejected tokens get loss 0 but stay in the contract's counts
-  (as verl's global token count). Deviations from verl: with seq-mean-token-mean and token-level
-  rejection a sequence's loss is divided by all its loss-mask tokens, not its kept ones; ppo_kl and
-  the clip fractions are not masked by the rejection; of ``rollout_corr/*`` only
-  ``rollout_is_mean`` and ``rollout_rs_masked_fraction`` (1 - keep) are logged.
+  k3 = exp(lr) - 1 - lr, per token or per sequence (sum/mean/max).
+- Rejected tokens get loss 0 but stay in the contract's counts (as verl's global token count).
 
-Every per-sequence quantity is a SUM (seq_max: the count over the bound), so ``is_weights`` /
-``keep_mask`` take a ``sequence_sum`` (``row_sum`` whole, the SP-group sum on a slice); the batch
-mean is the world SUM of ``is_batch_mean_terms``.
+Every per-sequence quantity is a SUM, so ``is_weights`` / ``keep_mask`` take a ``sequence_sum``
+(``row_sum`` whole, the SP-group sum on a slice); the batch mean is the world SUM of
+``is_batch_mean_terms``.
 """
 
 from __future__ import annotations

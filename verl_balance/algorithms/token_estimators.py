@@ -2,19 +2,10 @@
 baseline (reinforce_plus_plus, remax, the optimal-token baselines) or the critic's values (gae).
 
 Invariants (float64 inside, float32 out, 0 outside the response mask):
-- Returns G_t skip masked tokens (prompt, padding, tool observation pass the running return on),
-  so G_t on response tokens equals verl's on the response slice.
-- reinforce_plus_plus: G_t = r_t + gamma * G_next; advantages = G whitened over the batch's
-  response tokens; returns = G.
-- remax: G_t = sum of r from t on; advantages = G_t - b_i (``reward_baselines``: the greedy
-  response's reward); returns = G.
-- optimal_token_baseline: w_t = (1 - 2 pi_t + sum_pi_squared_t) * rho_t^2 (pi_t = exp(old
-  log-prob), rho the rollout IS weight or 1), W_t = cumulative w over the row's response;
-  B_j = sum_g(G_j W_j) / (sum_g(W_j) + eps) over the group's rows with a response token at
-  position j (counted from the first response token); advantages = G - B. A group of one: a = G.
-  ``otb_handle_zero_tail``: no baseline for the single longest response past the second-longest.
-- tir_optimal_token_baseline: j is the token's rank among the row's response tokens, and rows
-  without response tokens belong to no group.
+- Returns G_t skip masked tokens, so G_t on response tokens equals verl's on the response slice.
+- reinforce_plus_plus: G whitened over the batch's response tokens; remax: G_t - b_i
+  (``reward_baselines``); optimal_token_baseline: G - B with B a group-weighted baseline per
+  response position (a group of one: a = G).
 - Group aggregation is one ``index_add_`` over (group, position) keys: no loop over groups.
 """
 

@@ -1,21 +1,13 @@
 """verl's policy-loss modes whose per-token loss depends on that token's inputs only.
 
 Each returns (pg, metrics) per token, unreduced, so it is layout-invariant as it stands.
-x = log_prob - old_log_prob, r = exp(clamp(x, -20, 20)) unless said otherwise, A the advantage,
-[lo, hi] = [clip_ratio_low, clip_ratio_high]:
+x = log_prob - old_log_prob, r = exp(clamp(x, -20, 20)), A the advantage, [lo, hi] the clip range:
 
-- vanilla: ``policy_loss.ppo_clip_token_loss`` (PPO-clip with dual clip).
-- dppo_tv (arXiv 2602.04879): pg = -A * sg(min(r, c)) * log_prob * valid, c = clip_ratio_c (null: none),
-  valid = (p - p_old <= hi) if A > 0 else (p - p_old >= -lo), p = exp(log_prob).
-- dppo_kl: valid = (KL_bin(p_old || p) <= hi or p <= p_old) if A > 0 else
-  (KL_bin <= lo or p >= p_old), KL_bin the Bernoulli KL with verl's 1e-8 guards.
-- sapo (arXiv 2511.20347): pg = -A * sigmoid(tau (r - 1)) * 4 / tau, tau = tau_pos if A > 0 else
-  tau_neg; verl aggregates it with seq-mean-token-mean whatever loss_agg_mode says.
-- gpg: pg = -A * log_prob.
-- dro: pg = -(A * log_prob - beta / 2 * x^2), beta = ``policy_loss.dro_beta`` (> 0, required).
-- cispo (arXiv 2506.13585): pg = -sg(clip(r, 1 - lo, 1 + hi)) * A * log_prob.
-
-Metrics: ``ppo_kl`` = -x (clamped as r), ``pg_clipfrac``, ``pg_clipfrac_lower`` per mode as verl (gpg: none).
+- vanilla: ``policy_loss.ppo_clip_token_loss``; gpg: pg = -A * log_prob.
+- dppo_tv / dppo_kl: pg = -A * sg(min(r, c)) * log_prob * valid (trust-region validity per token).
+- sapo: pg = -A * sigmoid(tau (r - 1)) * 4 / tau (aggregated seq-mean-token-mean).
+- dro: pg = -(A * log_prob - beta / 2 * x^2), ``policy_loss.dro_beta`` > 0 required.
+- cispo: pg = -sg(clip(r, 1 - lo, 1 + hi)) * A * log_prob.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """PPO's clipped value loss (verl's ``core_algos.compute_value_loss``) under the loss contract.
 
-A ``ValueLossFn`` is the value-model ``loss.LossFn``: per-token loss and metrics from ``values``
-(the head's target-aligned predictions on this SP slice) and the local wire ``inputs``; under the
-contract weights the logged loss is verl's ``vf_loss`` over the mini-batch at any layout.
-
 Per token, with v_old = wire ``values``, R = ``returns``, c = cliprange_value:
-    v_clip = v_old + clamp(v - v_old, -c, c)
-    loss   = 0.5 * max((v - R)^2, (v_clip - R)^2)
-Metrics: ``vf_clipfrac`` = 1[(v_clip - R)^2 > (v - R)^2], ``vpred_mean`` = v.
+    loss = 0.5 * max((v - R)^2, (v_old + clamp(v - v_old, -c, c) - R)^2)
 """
 
 from __future__ import annotations

@@ -1,25 +1,17 @@
 """Joint DP x micro-batch layouts over *units* (a sample, or a group kept together).
 
-A layout is a cell grid ``cells[slot, part, position]`` of unit ids (-1 = empty); after
-``assign_cells_to_ranks`` a slot is one micro-batch index and a part is one DP rank. With FSDP
-every micro-batch ends in collectives, so a step costs the synchronised cost
-``sum_j max_d cost(d, j)``, not ``max_d sum_j cost(d, j)``. Token cap rule: **fewest
-micro-batches first, then balance within that count** (each micro-batch costs a collective round).
+A layout is a cell grid ``cells[slot, part, position]`` of unit ids (-1 = empty); a slot is one
+micro-batch index and a part one DP rank. A step costs ``sum_j max_d cost(d, j)`` (every
+micro-batch ends in FSDP collectives). Token cap rule: fewest micro-batches first, then balance.
 
 Invariants:
-- fixed micro_batch_size (in units): every rank has ceil(max_count / mbs) slots; slot j < last
-  holds exactly ``mbs`` units on every rank, the last slot the remainder; rank unit counts
-  differ by at most one;
-- token cap C = max_token_len_per_gpu * sp (ceil(T/sp) <= cap <=> T <= C): no cell exceeds C; the
-  slot count is at least B = ceil(total_tokens / (dp * C)) and at most first-fit-decreasing's count
-  on every rank of the cost-balanced DP split and of ``greedy_count_split``; the polish never
-  empties a micro-batch;
-- token cap with a fixed cost c0 per micro-batch: the slot count is the fewest found or up to
-  ``max_extra_slots`` more, whichever has the lowest paid cost K * c0 + sum_j max_d cost
-  (``trade_slots_for_balance``), never above the fewest-first layout's; c0 = 0 keeps the fewest;
-- the naive layout (balance=False) is contiguous in input order: rank d holds units
-  array_split(range(U), dp)[d]; its micro-batches are contiguous chunks of mbs units or a
-  greedy sequential fill up to C; ranks with fewer micro-batches get empty ones at the end;
+- fixed micro_batch_size (in units): every rank has ceil(max_count / mbs) slots, each full but the
+  last; rank unit counts differ by at most one;
+- token cap C = max_token_len_per_gpu * sp: no cell exceeds C; the slot count is at least
+  ceil(total_tokens / (dp * C)) and at most first-fit-decreasing's; no micro-batch is emptied;
+- with a fixed cost c0 per micro-batch, up to ``max_extra_slots`` more slots when that lowers
+  K * c0 + sum_j max_d cost (``trade_slots_for_balance``);
+- the naive layout (balance=False) is contiguous in input order, empty micro-batches at the end;
 - deterministic for the same input.
 """
 
@@ -128,8 +120,7 @@ def trade_slots_for_balance(
     max_passes: int,
     polish_passes: int,
 ) -> np.ndarray:
-    """``layout``, or one with up to ``max_extra_slots`` more slots when its ``paid_sync_cost`` is lower
-    (the search stops once slots * fixed cost + total / dp reaches the best paid cost)."""
+    """``layout``, or one with up to ``max_extra_slots`` more slots when its ``paid_sync_cost`` is lower."""
     best, best_paid = layout, paid_sync_cost(layout, costs, micro_batch_cost)
     floor = float(costs.sum()) / dp_size
     for num_slots in range(layout.shape[1] + 1, layout.shape[1] + max_extra_slots + 1):
@@ -203,10 +194,7 @@ def _two_stage_layout(costs, tokens, dp_size, token_cap, equal_size, rel_tol, ma
 
 
 def _count_first_splits(costs, tokens, dp_size, equal_size, refine, rel_tol):
-    """Rank splits that trade cost balance for fewer micro-batches, lazily: token-balanced (when costs
-    are not tokens), then the unrefined longest-first ``greedy_count_split``. The latter's per-rank
-    first-fit-decreasing count equals verl's two-stage count (balance_batch, then
-    rearrange_micro_batches) at the same count room, so K is never above verl's."""
+    """Rank splits trading cost balance for fewer micro-batches, lazily; K is never above verl's."""
     if dp_size == 1:
         return
     if not np.array_equal(costs, tokens):
@@ -273,10 +261,8 @@ def pack_ranks_under_cap(
     rel_tol: float,
     max_passes: int,
 ) -> np.ndarray:
-    """``layout[rank, micro, position]``: each rank's items in one shared, smallest found count K of
-    micro-batches under ``token_cap``, cost-balanced, each rank's micro-batches heaviest first.
-
-    max_d ceil(tokens_d / cap) <= K <= the first-fit-decreasing count (which always fits)."""
+    """``layout[rank, micro, position]``: one shared smallest-found count K of micro-batches under
+    ``token_cap``, cost-balanced, heaviest first; max_d ceil(tokens_d / cap) <= K <= the FFD count."""
     tokens = np.asarray(tokens, dtype=np.int64)
     by_tokens = _rank_matrix(rank_items, tokens)
     by_cost = _rank_matrix(rank_items, costs)
@@ -508,11 +494,7 @@ def balanced_per_rank_micro_batches(
     rel_tol: float,
     max_passes: int,
 ) -> list[list[np.ndarray]]:
-    """[rank][micro] item ids for a fixed DP assignment (groups share a rank, not a micro-batch).
-
-    Each rank's items are dealt and refined into near-equal micro-batches, sorted heaviest first so
-    index j pairs like-sized ones across ranks. ``micro_batch_size``: exact counts (mbs, ..., rest);
-    ``token_cap``: ``pack_ranks_under_cap``."""
+    """[rank][micro] item ids for a fixed DP assignment, each rank's micro-batches heaviest first."""
     dp_size = len(rank_items)
     if micro_batch_size is not None:
         num_micro = max(1, max(-(-len(items) // micro_batch_size) for items in rank_items))

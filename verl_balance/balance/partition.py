@@ -1,17 +1,12 @@
 """Balanced multi-way partition of weighted items, vectorised over many independent problems.
 
-The data structure is a *cell grid* ``cells[s, p, w]``: slot ``s`` (an independent problem),
-part ``p`` (e.g. one DP rank), position ``w``; entries are item ids or -1 (empty). ``fill_cells``
-deals cost-sorted rows (equal-count LPT); ``refine_cells`` swaps items between each slot's i-th
-heaviest and i-th lightest part.
+Cell grid ``cells[s, p, w]``: slot ``s`` (an independent problem), part ``p`` (e.g. one DP rank),
+position ``w``; entries are item ids or -1 (empty).
 
 Invariants:
-- every item id appears exactly once in the grid; refinement only permutes grid entries within
-  a slot, so slot membership never changes;
-- with equal counts (no moves) part counts inside a slot differ by at most one, and only a slot
-  holding the partial last row has unequal counts; refinement swaps keep every part's count;
-- a swap is applied only if it strictly lowers the larger of the pair's two loads, so a slot's
-  maximum load never increases and the sum of squared loads strictly decreases (termination);
+- every item id appears exactly once in the grid; refinement never changes slot membership;
+- with equal counts part counts inside a slot differ by at most one; swaps keep every count;
+- a swap strictly lowers the larger of its two loads, so a slot's maximum load never increases;
 - deterministic: stable sorts only, no randomness.
 """
 
@@ -23,10 +18,7 @@ import numpy as np
 
 
 def descending_order(costs: np.ndarray) -> np.ndarray:
-    """Item ids by descending cost, ties by ascending id.
-
-    One int64 key per item (cost quantised to 31 bits, then the id): quantisation reorders only
-    near-ties of the dealing heuristic; reported costs stay exact."""
+    """Item ids by descending cost (quantised to 31 bits), ties by ascending id."""
     n = len(costs)
     assert n < 2**32
     top = float(costs.max(initial=0.0))
@@ -93,11 +85,8 @@ def refine_cells(
     token_cap: float | None = None,
     offsets: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Pairwise-swap refinement of ``cells`` in place; returns ``cells``.
-
-    Stops when every slot's heaviest part is within ``rel_tol`` of its slot mean (or at most
-    ``stop_at``), when no pairing improves, or after ``max_passes``. With ``token_cap`` a grid that
-    fits the cap keeps fitting it. ``offsets[slot, part]`` is added to every load (a target profile)."""
+    """Pairwise-swap refinement of ``cells`` in place; returns ``cells``. With ``token_cap`` a grid that
+    fits the cap keeps fitting it; ``offsets[slot, part]`` is added to every load."""
     num_slots, num_parts, _ = cells.shape
     if num_parts < 2 or cells.size == 0:
         return cells
@@ -302,8 +291,8 @@ def balanced_partition(
 
 
 def greedy_count_split(sizes, num_parts: int, *, equal_size: bool = True) -> list[np.ndarray]:
-    """Largest first, each item to the least-loaded part with count room (ties: lower part), unrefined, so
-    large items stay spread for packing under a cap; <= ceil(n / num_parts) per part (equal_size: +-1)."""
+    """Largest first, each item to the least-loaded part with count room (ties: lower part), unrefined;
+    <= ceil(n / num_parts) per part (equal_size: +-1)."""
     sizes = np.asarray(sizes).tolist()
     most = -(-len(sizes) // num_parts)
     # Parts that may reach `most` items; with equal_size the others stop one short.
@@ -330,11 +319,8 @@ def polish_sync_cost(
     partners: int = 16,
     moves_within_part: bool = False,
 ) -> np.ndarray:
-    """Lower ``sum_s max_p load(s, p)`` in place by swaps between any two cells, across slots too.
-
-    Each slot's heaviest cell swaps with one of the ``partners`` cells with the most room below their
-    own slot's maximum, keeping counts and ``token_cap``; ``moves_within_part`` also moves an item to
-    an empty position of the same part, never emptying a cell."""
+    """Lower ``sum_s max_p load(s, p)`` in place by swaps between any two cells, across slots too;
+    keeps counts and ``token_cap`` and never empties a cell."""
     num_slots, num_parts, _ = cells.shape
     if num_slots < 2 or num_parts < 2:
         return cells

@@ -4,28 +4,21 @@ Invariants (each asserted by tests/balance):
 - every kept sample appears in exactly one micro-batch of exactly one rank; ``skipped`` lists
   the others (only with overlong="skip"), and ``order[inverse_permutation]`` is the kept samples
   in ascending input order;
-- every rank has the same number of micro-batches; in a balanced plan a micro-batch is empty
-  only when unavoidable: its rank has fewer units (samples, or atomic groups) than another rank,
-  or there are fewer rows ceil(units / dp) than micro-batches;
-- equal_size=True: per-rank sample counts differ by at most one (with group_ids, group counts
-  differ by at most one);
+- every rank has the same number of micro-batches; a balanced plan has an empty micro-batch only
+  when unavoidable;
+- equal_size=True: per-rank sample (or group) counts differ by at most one;
 - micro_batch_size: every micro-batch holds exactly micro_batch_size samples, except the last of
   each rank; max_token_len_per_gpu: every micro-batch of T tokens satisfies
-  ceil(T / sp) <= max_token_len_per_gpu (the per-SP-rank size after Ulysses padding);
+  ceil(T / sp) <= max_token_len_per_gpu;
 - a group (same group id) is never split across ranks, nor across micro-batches with
   group_scope="micro_batch";
 - samples inside a micro-batch are in ascending input order; the same input gives the same plan;
 - at the same micro-batch count, a balanced plan is never worse than the naive contiguous one on
   (sync_cost, max rank cost), in that order (``plan_objective``).
 
-Micro-batch count: under a token cap the fewest found, then cost balanced within it (micro_batch.py).
-A calibrated workload's fixed cost c0 = ``micro_batch_cost`` per micro-batch can buy up to 4 more
-under a cap; a fixed micro_batch_size and group_scope="rank" keep their count. With c0 (0 for
-token and FLOPs workloads):
-- ``cell_costs`` includes c0 in every cell (an empty micro-batch still runs forward and FSDP's
-  collectives), so ``sync_cost`` = K * c0 + sum_j max_d (sequence costs of cell (d, j));
-- ``lower_bound`` = max(total / dp, largest unit) + micro_batch_bound * c0 <= sync_cost of any
-  plan; with a token cap, the balanced plan's sync_cost is at most that of the fewest-first plan.
+With a fixed cost c0 per micro-batch (0 for token and FLOPs workloads), ``sync_cost`` =
+K * c0 + sum_j max_d cost(d, j) and ``lower_bound`` = max(total / dp, largest unit) +
+micro_batch_bound * c0 <= sync_cost of any plan.
 """
 
 from __future__ import annotations
@@ -67,11 +60,8 @@ class BalanceConfig:
 
 
 class BalanceStats(TypedDict):
-    """Predicted figures of one plan, in workload units.
-
-    ``lower_bound`` = max(total / dp, largest unit) + micro_batch_bound * fixed cost per micro-batch;
-    ``sync_cost`` = sum over j of the slowest rank's cost(j), fixed cost included; ``total_cost``
-    excludes it."""
+    """Predicted figures of one plan, in workload units (``sync_cost`` includes the fixed cost per
+    micro-batch, ``total_cost`` excludes it)."""
 
     num_samples: int
     num_kept: int
@@ -103,8 +93,7 @@ class BalanceStats(TypedDict):
 
 @dataclass(frozen=True)
 class BalancePlan:
-    """Per DP rank its micro-batches, each an int64 array of input sample indices (frozen); ``stats``
-    holds the plan's figures and the naive contiguous plan's (``naive_*``)."""
+    """Per DP rank its micro-batches, each an int64 array of input sample indices (frozen)."""
 
     micro_batches: list[list[np.ndarray]]
     stats: BalanceStats = field(default_factory=dict)  # type: ignore[assignment]
@@ -197,10 +186,8 @@ def plan_balance(
 ) -> BalancePlan:
     """Plan DP ranks x micro-batches for one global batch (invariants: module docstring).
 
-    seq_lens: per-sample token counts; workload: None/"tokens" or an object with ``cost(lengths)``;
-    group_ids: samples sharing an id stay on one rank, and in one micro-batch with
-    group_scope="micro_batch" (verl's force_group_size); with "rank" equal_size counts groups;
-    overlong: "error" | "skip" | "truncate" over the token cap; balance=False: the naive plan."""
+    group_ids: samples sharing an id stay on one rank (and one micro-batch with
+    group_scope="micro_batch"); overlong: "error" | "skip" | "truncate" over the token cap."""
     _check_config(dp_size, sp_size, micro_batch_size, max_token_len_per_gpu, overlong)
     if group_scope not in GROUP_SCOPES:
         raise BalanceConfigError(f"group_scope={group_scope!r} is invalid; valid: {GROUP_SCOPES}")

@@ -2,16 +2,11 @@
 
 Invariants:
 - ``cost(lengths)`` returns a float64 array of the same shape, non-negative and non-decreasing
-  in length; a packed micro-batch costs the sum of its sequences' costs (causal attention within
-  each sequence only).
-- ``TokenWorkload`` is exactly the length. ``FlopsWorkload`` is forward FLOPs of a Llama-style
-  decoder: linear layers linear in length, causal attention quadratic; the backward is a constant
-  multiple of the forward and changes no balancing decision. MoE layers count the router, the
-  ``num_experts_per_tok`` routed and the shared experts; dense layers of an MoE model keep the
-  dense MLP.
-- ``CalibratedWorkload`` is fitted seconds; its fixed cost per micro-batch is not part of
-  ``cost`` (so the sum rule holds) and is added by the planner. Other workloads have none
-  (``micro_batch_overhead`` returns 0).
+  in length; a packed micro-batch costs the sum of its sequences' costs.
+- ``TokenWorkload`` is exactly the length; ``FlopsWorkload`` is forward FLOPs of a Llama-style
+  (optionally MoE) decoder; ``CalibratedWorkload`` is fitted seconds.
+- A fixed cost per micro-batch is not part of ``cost`` and is added by the planner; only
+  ``CalibratedWorkload`` has one (``micro_batch_overhead`` returns 0 otherwise).
 """
 
 from __future__ import annotations
@@ -229,18 +224,13 @@ def resolve_workload(workload) -> Workload:
 # Keys of a calibration file (``python -m verl_balance.calibrate``) that the workload reads.
 CALIBRATION_COEFFICIENTS = ("micro_batch", "sequence", "token", "pair")
 COEFFICIENT_RANGE_S = (1e-30, 1e6)
-"""Seconds a non-zero coefficient may hold: 1e-30 (far below any clock) to 11 days per micro-batch, sequence,
-token or attention pair. Outside it no value is a measurement, and the planner's sums of costs
-over a batch would overflow (1e308) or lose every digit (1e-308)."""
+"""Seconds a non-zero coefficient may hold: 1e-30 to 11 days; outside it sums overflow or vanish."""
 
 
 @dataclass(frozen=True)
 class CalibratedWorkload:
-    """Measured seconds of forward + backward on one rank, fitted by ``python -m verl_balance.calibrate``:
-    cost(micro-batch) = micro_batch + sum over sequences of (sequence + token * L + pair * L (L + 1) / 2).
-
-    ``cost(lengths)`` is the per-sequence part; ``micro_batch_cost`` is paid by every micro-batch on
-    every rank, empty ones included. ``fingerprint`` records hardware, model, dtype, kernel."""
+    """Measured seconds of forward + backward on one rank (``python -m verl_balance.calibrate``);
+    ``micro_batch_cost`` is paid by every micro-batch on every rank, empty ones included."""
 
     micro_batch: float
     sequence: float

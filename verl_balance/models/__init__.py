@@ -40,9 +40,8 @@ def build_model(model_config, *, sp_size: int = 1, attn_impl: str = "auto") -> P
 def load_model_config(*, name: str | None, path: str | None, overrides: dict[str, Any] | None = None, vocab_size: int):
     """``HFModelConfig`` for a local HF directory (``path``), else the built-in preset ``name``.
 
-    ``overrides`` (None ignored): for a preset, MODEL_DIMENSION_KEYS and MODEL_RUNTIME_KEYS; for a
-    directory, ``init``/``enable_gradient_checkpointing``, and dimension keys only if they equal the
-    directory's. ``vocab_size`` is the tokenizer's, which the model's vocabulary must hold."""
+    ``overrides`` (None ignored): for a directory only ``init``/``enable_gradient_checkpointing`` and
+    dimension keys equal to the directory's. The model's vocabulary must hold the tokenizer's."""
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     if path is None:
         if name is None:

@@ -1,18 +1,14 @@
 """Exact causal attention over packed variable-length sequences, with Ulysses SP inside it.
 
-``packed_attention`` serves the built-in decoder and every Hugging Face model (registered with
-transformers as ``HF_ATTN_IMPLEMENTATION`` by ``register_hf_attention``).
-
 Invariants:
 - Token t of sequence i attends to tokens s of sequence i with t - window < s <= t only
-  (window = ``sliding_window``, unlimited when None); boundaries come from cu_seqlens only. Every
-  token attends at least to itself, so padding never gives an all-masked row (no NaN).
-- Scores: times ``scaling`` (default head_dim ** -0.5), soft-capped (``c * tanh(s / c)``) when
-  ``softcap`` is set, then mask and softmax: HF eager's order.
+  (window = ``sliding_window``, unlimited when None); boundaries come from cu_seqlens only, and no
+  row is all-masked (no NaN).
+- Scores: times ``scaling`` (default head_dim ** -0.5), soft-capped when ``softcap`` is set, then
+  mask and softmax: HF eager's order.
 - The HF entry point refuses any attention argument it does not honour.
-- With sp > 1, q/k/v arrive sequence-sharded ([T/sp, H, d]) and an all-to-all gives each rank
-  whole sequences for H/sp heads, then back. KV heads fewer than sp are repeated first so each
-  rank gets the KV head its block of query heads is grouped with.
+- With sp > 1, q/k/v arrive sequence-sharded ([T/sp, H, d]); an all-to-all gives each rank whole
+  sequences for H/sp heads, then back.
 """
 
 from __future__ import annotations
@@ -157,9 +153,7 @@ def varlen_causal_attention(
     softcap: float | None = None,
 ) -> Tensor:
     """Causal attention within each packed sequence on one rank (no SP exchange).
-
-    q: [T, Hq, d]; k, v: [T, Hkv, d], Hq % Hkv == 0 (kv head j serves query heads j*Hq/Hkv ..
-    (j+1)*Hq/Hkv - 1); cu_seqlens: int [n+1] over all T. v may have a smaller d_v. Returns [T, Hq, d_v]."""
+    q: [T, Hq, d]; k, v: [T, Hkv, d], Hq % Hkv == 0; cu_seqlens: int [n+1]. Returns [T, Hq, d_v]."""
     total, num_q_heads, head_dim = q.shape
     assert int(cu_seqlens[-1]) == total, "cu_seqlens must cover every packed token"
     scaling = head_dim**-0.5 if scaling is None else float(scaling)
@@ -216,10 +210,8 @@ def packed_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
 ) -> Tensor:
-    """Exact packed causal attention for this rank's slice, Ulysses all-to-all included.
-
-    q: [T_local, Hq, d], k/v: [T_local, Hkv, d] (T_local = T_pad / sp); cu_seqlens spans the full
-    padded stream. Returns [T_local, Hq, d]."""
+    """Exact packed causal attention for this rank's slice, Ulysses all-to-all included (collective).
+    q: [T_local, Hq, d], k/v: [T_local, Hkv, d]; cu_seqlens spans the full padded stream."""
     sp = 1 if sp_group is None else dist.get_world_size(sp_group)
     if sp > 1:
         num_kv_heads = k.shape[1]
@@ -302,10 +294,8 @@ def hf_packed_attention_forward(
     packed_attn_impl: str = "auto",
     **extra,
 ) -> tuple[Tensor, None]:
-    """transformers AttentionInterface entry: [1, H, T, d] in, ([1, T, H, d], None) out.
-
-    Boundaries come from ``cu_seq_lens_q``; a call without them (e.g. HF's ``generate``) is an error.
-    ``sliding_window`` and ``softcap`` are per call (per layer)."""
+    """transformers AttentionInterface entry: [1, H, T, d] in, ([1, T, H, d], None) out; a call without
+    ``cu_seq_lens_q`` is an error."""
     if cu_seq_lens_q is None or max_length_q is None:
         raise ModelConfigError(
             f"attn_implementation={HF_ATTN_IMPLEMENTATION!r} needs cu_seq_lens_q and max_length_q "

@@ -39,9 +39,7 @@ class PackedCausalLM(Protocol):
     ) -> Tensor | tuple[Tensor, Tensor | None]:
         """Logits [T_local, V]; cu_seqlens spans the full padded stream (all SP slices).
 
-        With ``targets`` [T_local]: ``head_token_log_probs`` (log p(target), entropy or None) at
-        ``temperature`` instead (chunked when ``logits_chunk_size`` >= 1); with ``with_sum_pi_squared``
-        ``head_token_stats``. The head runs inside forward so FSDP2's root hooks unshard its weight."""
+        With ``targets`` [T_local]: (log p(target), entropy or None) at ``temperature`` instead."""
         ...
 
     def forward_hidden(self, *, input_ids: Tensor, position_ids: Tensor, cu_seqlens: Tensor, max_seqlen: int) -> Tensor:

@@ -1,19 +1,13 @@
 """Hugging Face causal LMs (see SUPPORTED_MODEL_TYPES) behind ``PackedCausalLM``.
 
-``HFModelConfig`` describes a local HF directory (nothing is downloaded); ``HFCausalLM`` runs the
-HF model on one packed, padding-free row with ``attention.py``'s packed attention.
-
 Invariants:
-- Parameter names are exactly HF's: the adapter's children are the HF model's ``model`` and
-  ``lm_head`` (the top-level module is held outside the tree), so ``state_dict()`` loads into
-  ``AutoModelForCausalLM`` unchanged and vice versa.
+- Parameter names are exactly HF's, so ``state_dict()`` loads into ``AutoModelForCausalLM``
+  unchanged and vice versa.
 - Tied embeddings stay one Parameter, in the FSDP2 root unit, so sharding keeps them tied.
-- Boundaries come from cu_seqlens only: ``attention_mask=None``, ``use_cache=False`` and no mask
-  function, so nothing can disable packed masking.
+- Boundaries come from cu_seqlens only (``attention_mask=None``, ``use_cache=False``).
 - ``forward`` returns exactly HF's logits (``self.logit_transform``).
-- A family feature packed attention cannot honour is refused at start-up naming the model type and
-  key (``check_family_features``), or at call time (an attention argument, a sequence beyond a
-  length-dependent RoPE's limit). Nothing is dropped.
+- A family feature packed attention cannot honour is refused at start-up
+  (``check_family_features``) or at call time. Nothing is dropped.
 """
 
 from __future__ import annotations
@@ -137,11 +131,8 @@ def load_hf_config(path: str):
 
 @dataclass(frozen=True)
 class HFModelConfig:
-    """Dimensions of a local Hugging Face causal LM plus how to build it.
-
-    ``init``: "pretrained" loads the directory's weights, "random" draws from torch's RNG.
-    ``enable_gradient_checkpointing``: per decoder layer. The MoE fields (0 / None when dense) feed
-    ``balance.workload.moe_dimensions``."""
+    """Dimensions of a local Hugging Face causal LM plus how to build it (``init``: "pretrained" loads
+    the directory's weights, "random" draws from torch's RNG; MoE fields are 0 / None when dense)."""
 
     path: str
     model_type: str

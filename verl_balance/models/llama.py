@@ -1,10 +1,7 @@
 """Built-in Llama-style decoder over packed, padding-free batches, with Ulysses SP around attention.
 
 Invariants:
-- Parameter names are a contract (docs/models.md): embed_tokens, layers.{i}.input_norm,
-  layers.{i}.attn.{q,k,v,o}_proj, layers.{i}.post_attn_norm, layers.{i}.mlp.{gate,up,down}_proj,
-  norm, lm_head (absent when tie_word_embeddings). HF-Llama math: rotate_half RoPE, fp32 RMSNorm,
-  SwiGLU, GQA by repeating kv heads.
+- Parameter names are a contract (docs/models.md); HF-Llama math.
 - Input: input_ids / position_ids [T_local] (this rank's SP slice), cu_seqlens over the full
   padded stream; only attention exchanges (all-to-all), everything else is token-local.
 """
@@ -119,10 +116,7 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """Pre-norm residual block: x + attn(input_norm(x)), then + mlp(post_attn_norm(x)).
-
-    ``gradient_checkpointing`` recomputes the block in the backward. The checkpoint runs inside
-    ``forward``, so FSDP2's hooks on this unit stay outside it and the recompute finds the
-    parameters already unsharded by the pre-backward hook."""
+    ``gradient_checkpointing`` recomputes the block in the backward, inside FSDP2's hooks."""
 
     def __init__(self, config: ModelConfig, *, sp_size: int, attn_impl: str):
         super().__init__()

@@ -75,10 +75,8 @@ def _divide_by_temperature(logits: Tensor, temperature: Temperature) -> Tensor:
 def token_log_probs(
     logits: Tensor, targets: Tensor, *, with_entropy: bool = False, temperature: Temperature = 1.0
 ) -> tuple[Tensor, Tensor | None]:
-    """log p(target_t) per position (fp32; float64 stays float64) and optionally the entropy.
-
-    ``temperature`` (a float or a per-token [T] tensor) divides the logits first: the log-probs of
-    the policy the rollout sampled from (verl's convention for the PPO ratio)."""
+    """log p(target_t) per position (fp32; float64 stays float64) and optionally the entropy;
+    ``temperature`` (float or per-token [T]) divides the logits first."""
     check_temperature(temperature)
     logp = torch.log_softmax(_divide_by_temperature(_upcast(logits), temperature), dim=-1)
     picked = logp.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
@@ -96,11 +94,8 @@ def _slice_temperature(temperature: Temperature, start: int, end: int) -> Temper
 
 
 class _ChunkedTokenLogProbs(torch.autograd.Function):
-    """(hidden [T, H], weight [V, H]) -> (log p(target) [T], entropy [T]) in token chunks.
-
-    Backward recomputes every chunk's logits but the last (kept with ``keep_last``) and accumulates
-    the gradients of hidden and weight, so at most one chunk's [chunk, V] logits (and a few
-    same-sized temporaries) are alive. At most ``chunk_size`` tokens is one chunk, as unchunked."""
+    """(hidden [T, H], weight [V, H]) -> (log p(target) [T], entropy [T]) in token chunks; at most one
+    chunk's [chunk, V] logits are alive."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, transform, chunk_size, with_entropy, keep_last):
@@ -210,11 +205,8 @@ def _logit_grad_from_log_softmax(
     entropy: Tensor | None,
     inplace: bool,
 ) -> Tensor:
-    """d(outputs)/d(projected logits z) of one chunk from its log-softmax ``logp`` (and soft-cap ``tanh``).
-
-    With l = softcap(scale * z) / temperature: d logp[target]/dl = onehot - p and
-    d entropy/dl = -p * (logp + entropy), then the chain rule through temperature, tanh' = 1 - tanh^2
-    and scale. ``inplace`` consumes ``logp`` and ``capped`` (about three [chunk, V] tensors alive)."""
+    """d(outputs)/d(projected logits z) of one chunk from its log-softmax ``logp``; ``inplace`` consumes
+    ``logp`` and ``capped``."""
     p = logp.exp()
     if grad_entropy is not None:
         shifted = logp.add_(entropy[:, None]) if inplace else logp + entropy[:, None]
@@ -243,8 +235,8 @@ def chunked_token_log_probs(
     with_entropy: bool = False,
     chunk_size: int,
 ) -> tuple[Tensor, Tensor | None]:
-    """``token_log_probs(transform(hidden @ weight^T), targets, ...)`` without the [T, V] logits (peak about
-    chunk_size x V fp32); exact forward, analytic gradients (autograd's up to rounding)."""
+    """``token_log_probs(transform(hidden @ weight^T), targets, ...)`` without the [T, V] logits; exact
+    forward, analytic gradients."""
     if not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"logits_chunk_size={chunk_size!r} must be an int >= 1 (or 0 for the unchunked path)")
     check_temperature(temperature)

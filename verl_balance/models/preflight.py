@@ -1,12 +1,5 @@
 """Start-up checks of a model directory, run by the trainers before Ray starts; each raises
 ``PreflightError`` naming the file (or key) and what would be valid.
-
-- ``check_tokenizer``: the directory holds a vocabulary file, it loads, and it encodes text.
-- ``check_chat_template``: a chat template is present when the data renders chats, unless
-  ``custom_chat_template=builtin`` opts in to the built-in one.
-- ``check_weight_files``: the weights the engine reads exist (``model.safetensors``, or the index
-  and every shard it names); every ``*.safetensors`` header parses and the file is as long as its
-  header declares (weights not read).
 """
 
 from __future__ import annotations

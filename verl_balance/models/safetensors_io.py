@@ -1,11 +1,7 @@
 """Hugging Face safetensors directories, read and written one tensor slice at a time.
 
-Reading: ``safetensors_key_files`` maps tensor names to files; each rank reads its own rows with
-``safe_open(...).get_slice``. Writing (``ShardedSafetensorsWriter``): tensors arrive one at a time
-and are buffered until the file reaches ``max_shard_bytes``, so at most one file's tensors (+ the
-one added) are held. Several files get HF's ``model-0000k-of-0000n.safetensors`` names and an
-index; one file is ``model.safetensors``. The file plan is fixed from (name, shape, dtype) before
-any tensor arrives.
+Writing (``ShardedSafetensorsWriter``) holds at most one file's tensors (+ the one added); the file
+plan is fixed from (name, shape, dtype) before any tensor arrives.
 """
 
 from __future__ import annotations
@@ -73,8 +69,7 @@ _FUSED_EXPERT_SOURCES = {
 
 
 def expert_sources(name: str, files: dict[str, str]) -> list[list[str]] | None:
-    """Per expert, the checkpoint keys that concatenated on dim 0 give fused MoE parameter ``name``'s slice;
-    None when ``name`` is not fused or the checkpoint lacks per-expert tensors."""
+    """Per expert, the checkpoint keys whose dim-0 concatenation gives fused MoE parameter ``name``; or None."""
     for suffix, namings in _FUSED_EXPERT_SOURCES.items():
         if not name.endswith(suffix):
             continue
@@ -181,9 +176,7 @@ def write_tensors(
 
 
 def share_files(directory: str) -> None:
-    """Give the regular files under ``directory`` the mode a plain ``open`` gives (0666 less the umask,
-    0644 under the usual 022), as save_pretrained's are: safetensors writes its files 0600, unreadable
-    to a serving process of another user."""
+    """Give the regular files under ``directory`` the mode a plain ``open`` gives (safetensors writes 0600)."""
     umask = os.umask(0)
     os.umask(umask)
     for root, _, files in os.walk(directory):
@@ -202,9 +195,8 @@ def save_hf_directory(
     tokenizer_path: str | None = None,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> str:
-    """A save_pretrained-style directory: config.json, bounded safetensors files, generation_config.json
-    (``tokenizer_path``'s, else derived from ``hf_config``), the tokenizer if any; files readable as
-    save_pretrained's (``share_files``)."""
+    """A save_pretrained-style directory: config.json, bounded safetensors files, generation_config.json,
+    the tokenizer if any; files readable as save_pretrained's."""
     from transformers import GenerationConfig
 
     os.makedirs(out, exist_ok=True)

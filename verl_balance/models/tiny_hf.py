@@ -2,9 +2,8 @@
 
     python -m verl_balance.models.tiny_hf --family qwen2 --out /tmp/tiny-qwen2
 
-The tokenizer is a byte-level BPE trained here with the ``tokenizers`` library on a small
-built-in corpus, with a ChatML chat template (``<|im_start|>role\\n...<|im_end|>\\n``) whose eos
-is ``<|im_end|>``. Nothing is downloaded. Weights come from ``torch.manual_seed(seed)``.
+The tokenizer is a byte-level BPE with a ChatML chat template whose eos is ``<|im_end|>``. Nothing is
+downloaded. Weights come from ``torch.manual_seed(seed)``.
 """
 
 from __future__ import annotations
@@ -90,8 +89,7 @@ def _corpus() -> list[str]:
 
 
 def build_tokenizer(*, vocab_size: int = 384, chat_template: str = CHAT_TEMPLATE):
-    """A PreTrainedTokenizerFast (byte-level BPE trained on ``_corpus``) with a ChatML template
-    (``TOOL_CHAT_TEMPLATE``: the same, plus tools in the hermes format)."""
+    """A PreTrainedTokenizerFast (byte-level BPE) with a ChatML template (tools in the hermes format)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -128,12 +126,8 @@ def build_config(
     intermediate_size: int = 128,
     max_position_embeddings: int = 512,
 ):
-    """A transformers config of ``family`` with tiny dimensions, each family's own features switched
-    on at values a short test sequence feels: qwen3/gemma an explicit head_dim different from
-    hidden_size / num_heads; mistral, phi3, mixtral and gemma a sliding window unless one is given
-    (gemma: on layer 0 only); gemma2 attention and final-logit soft-capping; granite its four
-    multipliers; MoE families 4 experts, top-2 (deepseek_v2: latent attention, MHA, so
-    ``num_kv_heads`` does not apply)."""
+    """A transformers config of ``family`` with tiny dimensions, each family's own features switched on
+    at values a short test sequence feels."""
     import transformers
 
     if family not in SUPPORTED_FAMILIES:
@@ -258,11 +252,7 @@ def write_tiny_model(
     chat_template: str = CHAT_TEMPLATE,
     max_position_embeddings: int = 512,
 ) -> str:
-    """Write config.json, model.safetensors and the tokenizer files of a tiny random model to ``out``.
-
-    The default ``initializer_range`` (0.2) gives peaked logits, so greedy decoding has no near
-    ties; 0.02 (HF's usual) keeps gradients well scaled for optimizer-step comparisons.
-    ``hidden_size`` 128 gives qwen3 a head_dim of 64, the least vLLM's CPU attention takes."""
+    """Write config.json, model.safetensors and the tokenizer files of a tiny random model to ``out``."""
     from transformers import AutoModelForCausalLM
 
     tokenizer = build_tokenizer(chat_template=chat_template)
@@ -289,8 +279,7 @@ def write_tiny_model(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """CLI: ``--family FAMILY --out DIR [--seed N] [--num-kv-heads K] [--hidden-size H] [--tie|--no-tie]
-    [--tool-chat-template]``."""
+    """CLI: ``--family FAMILY --out DIR [--seed N] ...``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", required=True, choices=SUPPORTED_FAMILIES)
     parser.add_argument("--out", required=True)

@@ -1,16 +1,9 @@
 """A value model: a decoder backbone plus a scalar head per token (verl's critic).
 
-``ValueModel`` runs a ``PackedCausalLM``'s ``forward_hidden`` and ``score = Linear(H, 1)`` (with a
-bias) on the final normed hidden states: HF's ``*ForTokenClassification`` with ``num_labels=1``.
-
 Invariants:
-- No ``lm_head``: it is dropped before sharding or materializing (a tied embedding stays).
-- Parameter names are the backbone's plus ``score.weight`` / ``score.bias``, the keys of an HF
-  token-classification checkpoint, so ``fill_pretrained`` reads its ``score``; otherwise the head is
-  materialize's ``value_head_init`` from (seed, name): the same head at every layout.
-- ``forward`` returns head(hidden[p]) at packed position p, which unpacking puts at wire position
-  t = p + 1: values[i, t] is the head on token t - 1's hidden state, aligned like log_probs[i, t]
-  (and verl's ``values = logits[:, -R - 1:-1]``).
+- No ``lm_head``; parameter names are the backbone's plus ``score.weight`` / ``score.bias`` (HF
+  token-classification keys); a fresh head is the same at every layout.
+- values[i, t] is the head on token t - 1's hidden state, aligned like log_probs[i, t].
 """
 
 from __future__ import annotations

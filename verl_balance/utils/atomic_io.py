@@ -1,9 +1,6 @@
 """Crash-safe small-file writes (a reader sees the old content or the new one, never a torn file),
-and the run directory's one no-follow writer: its files and directories are opened, created or
-replaced without following a symbolic link planted there (a link could point anywhere the run's
-user may write: ``UnsafePathError`` names the path instead), and a file the run appends to,
-rewrites or reads back is refused when it has another hard link (``st_nlink > 1``: the same file
-as one outside the run directory), before a byte of it is truncated or written."""
+and the run directory's no-follow writer: a symbolic link or a hard-linked file (``st_nlink > 1``) is
+refused with ``UnsafePathError`` before a byte is written."""
 
 from __future__ import annotations
 
@@ -24,8 +21,7 @@ _NOFOLLOW_FLAGS = {
 
 
 class UnsafePathError(ValueError):
-    """A file or directory of the run directory is a symbolic link (or a hard-linked file): it is
-    never written through."""
+    """A file or directory of the run directory is a symbolic link (or a hard-linked file)."""
 
 
 def _link_error(path: str) -> UnsafePathError:
@@ -54,9 +50,8 @@ def _hard_link_error(path: str, links: int) -> UnsafePathError:
 
 
 def open_nofollow_fd(path: str, mode: str = "a", perms: int = 0o644) -> int:
-    """``os.open`` of ``path`` with ``O_NOFOLLOW`` (``mode``: a, w, x, r+ or r); a symbolic link at
-    ``path`` raises ``UnsafePathError`` naming it, and its target is left untouched. A regular file
-    with more than one hard link is refused too (``w`` truncates only after that check)."""
+    """``os.open`` of ``path`` with ``O_NOFOLLOW`` (``mode``: a, w, x, r+ or r); a link or a hard-linked
+    file raises ``UnsafePathError`` (``w`` truncates only after that check)."""
     try:
         fd = os.open(path, _NOFOLLOW_FLAGS[mode] | os.O_NOFOLLOW | os.O_CLOEXEC, perms)
     except OSError as err:
@@ -76,8 +71,7 @@ def open_nofollow_fd(path: str, mode: str = "a", perms: int = 0o644) -> int:
 
 
 def make_dir_nofollow(path: str) -> str:
-    """Create the directory ``path`` (and its parents) unless it exists; ``UnsafePathError`` naming
-    it when ``path`` is a symbolic link (its target is never written into). Returns ``path``."""
+    """Create the directory ``path`` (and parents) unless it exists, refusing a symbolic link; returns ``path``."""
     refuse_symlink(path)
     os.makedirs(path, exist_ok=True)
     refuse_symlink(path)  # created by someone else between the two calls
@@ -85,8 +79,7 @@ def make_dir_nofollow(path: str) -> str:
 
 
 def open_nofollow(path: str, mode: str = "a", *, encoding: str | None = "utf-8", errors: str | None = None):
-    """A file object of ``open_nofollow_fd(path, mode)`` (text; binary with ``encoding=None`` and a
-    ``b`` in ``mode``, e.g. ``rb``)."""
+    """A file object of ``open_nofollow_fd(path, mode)``."""
     binary = mode.endswith("b")
     base = mode[:-1] if binary else mode
     py_mode = ("r+" if base == "r+" else "w" if base == "x" else base) + ("b" if binary else "")
@@ -121,8 +114,7 @@ def fsync_dir(path: str) -> None:
 
 
 def atomic_write_bytes(path: str, data: bytes) -> None:
-    """Write ``data`` to a fresh temporary file beside ``path``, fsync it, rename it over ``path``
-    (a link at ``path`` is replaced, never written through)."""
+    """Write ``data`` to a temporary file beside ``path``, fsync it, rename it over ``path``."""
     tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     try:
         fd = open_nofollow_fd(tmp, "x")  # a fresh file: never one planted at this name

@@ -1,16 +1,9 @@
 """Checksums of a checkpoint's files: the manifest in its completeness record and its verification.
 
 A manifest maps every file of a checkpoint directory (relative POSIX path; the completeness record
-itself excluded) to ``{"size": bytes, "xxh3_128": hex}``. The hashing is split into shares so that
-the workers of a group can each hash a part in parallel (``share_of``: largest files first, each to
-the least-loaded rank, the same split on every rank); ``hash_files`` is one rank's part.
-
-Verification first compares the sizes (a ``stat`` per file: a missing or truncated file is found
-without reading anything), then the checksums. An old checkpoint whose record has no manifest is
-*unverified*: only the DCP shards' lengths are checked against their ``.metadata``
-(``dcp_truncated_files``).
-
-numpy-free and Ray-free: used by the driver, the workers and ``python -m verl_balance.export``.
+excluded) to ``{"size": bytes, "xxh3_128": hex}``. ``share_of`` gives the same split on every rank.
+A record without a manifest is *unverified*: only DCP shard lengths are checked.
+numpy-free and Ray-free.
 """
 
 from __future__ import annotations
@@ -59,8 +52,7 @@ def list_files(root: str) -> dict[str, int]:
 
 
 def share_of(sizes: dict[str, int], *, rank: int, world: int) -> list[str]:
-    """The files rank ``rank`` of ``world`` hashes: largest first, each to the least-loaded rank
-    (ties to the lowest rank), so every rank computes the same split from the same ``sizes``."""
+    """The files rank ``rank`` of ``world`` hashes; every rank computes the same split from ``sizes``."""
     load = [0] * world
     shares: list[list[str]] = [[] for _ in range(world)]
     for name, size in sorted(sizes.items(), key=lambda kv: (-kv[1], kv[0])):
@@ -117,8 +109,7 @@ def size_problems(root: str, manifest: dict[str, dict]) -> list[str]:
 
 
 def manifest_shape_problems(manifest: object) -> list[str]:
-    """Why ``manifest`` (the record's ``files``) is not a manifest: not a non-empty mapping of names
-    to ``{"size": int, "xxh3_128": str}``; [] when it is one."""
+    """Why ``manifest`` is not a non-empty mapping of names to ``{"size", "xxh3_128"}``; [] when it is."""
     if not isinstance(manifest, dict):
         return [f"its manifest ({MANIFEST_KEY!r}) is a {type(manifest).__name__}, not a mapping of file names"]
     if not manifest:
@@ -135,8 +126,7 @@ def manifest_shape_problems(manifest: object) -> list[str]:
 
 
 def _confinement_problems(root: str, manifest: dict[str, dict]) -> list[str]:
-    """Names of ``manifest`` that are not regular files inside ``root``, and files a DCP
-    ``.metadata`` of the checkpoint reads that the manifest does not list."""
+    """Names of ``manifest`` outside ``root``, and DCP-read files the manifest does not list."""
     from verl_balance.utils.confined import CheckpointPathError, check_confined
     from verl_balance.utils.safe_load import UnsafeCheckpointError, read_dcp_metadata, storage_paths
 
@@ -160,9 +150,8 @@ def _confinement_problems(root: str, manifest: dict[str, dict]) -> list[str]:
 
 
 def verify_manifest(root: str, manifest: dict[str, dict], *, hasher: Hasher = local_hasher) -> None:
-    """Raise ``ChecksumMismatchError`` naming every missing, resized or altered file of ``manifest``,
-    or why it is no manifest (empty, malformed), a name that is not a regular file inside ``root``
-    (``utils/confined.py``) or a file a DCP ``.metadata`` reads that the manifest does not list."""
+    """Raise ``ChecksumMismatchError`` naming every missing, resized or altered file of ``manifest``, or
+    why it is no valid manifest."""
     problems = manifest_shape_problems(manifest) or _confinement_problems(root, manifest)
     problems = problems or size_problems(root, manifest)
     if problems:  # no need to read gigabytes to know the checkpoint is unusable
@@ -182,8 +171,7 @@ def verify_manifest(root: str, manifest: dict[str, dict], *, hasher: Hasher = lo
 
 
 def dcp_truncated_files(root: str) -> list[str]:
-    """DCP shard files under ``root`` shorter than the byte ranges its ``.metadata`` records for them
-    (missing ones included); [] when ``root`` has no readable ``.metadata``."""
+    """DCP shard files under ``root`` shorter than their ``.metadata`` byte ranges (missing ones included)."""
     from verl_balance.utils.confined import CheckpointPathError
     from verl_balance.utils.safe_load import UnsafeCheckpointError, read_dcp_metadata
 

@@ -1,14 +1,9 @@
 """A checkpoint reads only its own files: every name its DCP ``.metadata`` or its manifest holds
 must be a plain relative path naming a regular file inside the checkpoint directory.
 
-Refused, with ``CheckpointPathError`` naming the checkpoint and the name: an absolute path, a
-``..``/``.``/empty component, a symbolic link anywhere below the checkpoint directory (the
-directory itself may be reached through a link), something other than a regular file, a name that
-resolves outside the directory, and a file with more hard links (``st_nlink``) than the
-checkpoint holds names for it (a hard link to a file outside: detectable only this way). A name
-that does not exist passes here: the manifest and the DCP length check name it as missing.
-
-stdlib only: used by the driver, the workers, ``python -m verl_balance.export`` and the verl backend.
+Refused with ``CheckpointPathError``: an absolute path, a ``..``/``.``/empty component, a symbolic
+link below the checkpoint directory, a non-regular file, a name resolving outside, and a file with
+more hard links than the checkpoint names it. A name that does not exist passes here. stdlib only.
 """
 
 from __future__ import annotations
@@ -45,8 +40,7 @@ def _inode_names(root: str) -> dict[tuple[int, int], int]:
 
 
 def _check_name(root: str, real_root: str, name: object) -> os.stat_result | None:
-    """The ``lstat`` of the regular file ``name`` inside ``root`` (None when it does not exist);
-    ``CheckpointPathError`` when the name could reach anything else."""
+    """The ``lstat`` of the regular file ``name`` inside ``root`` (None when it does not exist)."""
     if not isinstance(name, str) or not name:
         raise _refusal(root, name, "is not a relative file name")
     if os.path.isabs(name) or "\\" in name or "\0" in name:

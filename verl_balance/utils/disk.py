@@ -1,8 +1,5 @@
 """Recognising a full disk (or quota) in any write of the run, and naming it: the directory and
-its free space. torch's own writer reports a short write without an errno
-(``PytorchStreamWriter failed writing file``, ``[enforce fail at inline_container.cc] unexpected
-pos N vs M``), and an error raised on a worker reaches the driver as text: both are recognised by
-their message, anywhere in the exception's cause/context chain."""
+its free space; recognised by message anywhere in the exception's cause/context chain."""
 
 from __future__ import annotations
 

@@ -2,10 +2,8 @@
 
 ``python -m verl_balance.utils.plotting RUN_DIR [RUN_DIR ...] --out curves.png``
 
-One panel per metric group present in any run (loss, imbalance, reward/accuracy, plus any
-``--keys`` regexes). Runs are overlaid on the same axes: one colour per run, one line style per
-metric, and line width shrinking with the run's position, so identical curves (the parity
-recipe) stay visible as nested stripes instead of hiding each other.
+Runs are overlaid on the same axes, line width shrinking with the run's position so identical
+curves stay visible.
 """
 
 from __future__ import annotations
@@ -33,8 +31,7 @@ def run_label(path: str) -> str:
 
 
 def run_labels(paths: Sequence[str]) -> list[str]:
-    """One label per run: its directory's name, or as many trailing path parts as tell the runs
-    apart (``a/run`` and ``b/run``). Not the experiment name: every SFT run is ``sft`` by default."""
+    """One label per run: its directory's name, or as many trailing path parts as tell the runs apart."""
     dirs = [os.path.normpath(os.path.abspath(os.path.dirname(p) if p.endswith(".jsonl") else p)) for p in paths]
     parts = [d.split(os.sep) for d in dirs]
     for depth in range(1, max(len(p) for p in parts) + 1):
@@ -71,8 +68,7 @@ def _panel_keys(
 
 
 def _draw_panel(ax, *, keys: list[str], records: Sequence[list[dict]], labels: Sequence[str], colors) -> None:
-    """Overlay every run's curve of each of ``keys`` on ``ax``: colour per run, style per key,
-    line width shrinking with the run's position (identical curves stay visible)."""
+    """Overlay every run's curve of each of ``keys`` on ``ax``."""
     num_runs = len(records)
     for run_index, (recs, label) in enumerate(zip(records, labels)):
         width = 1.0 + 2.0 * (num_runs - 1 - run_index) / max(1, num_runs - 1) if num_runs > 1 else 1.5

@@ -1,11 +1,6 @@
 """What a fresh process would see, restored in a process that runs one job after another.
 
-The warm pools (``distributed/launcher.py``'s gloo ranks, ``testing/worker_hosts.py``'s
-Ray worker hosts) run successive jobs in one process to save its start-up. A job must still start
-from a fresh process's state where it matters: torch's initial seed, default dtype, grad mode and
-thread count, no process group and no DTensor cache of an earlier group's meshes, and the module
-globals an earlier job rebound (a test's ``module.function = stub`` meant for a process that would
-leave afterwards).
+The warm pools restore: seed, default dtype, grad mode, threads, no process group or DTensor cache, rebound globals.
 """
 
 from __future__ import annotations
@@ -42,12 +37,7 @@ def reset_torch_defaults(*, initial_seed: int, num_threads: int) -> None:
 def destroy_process_groups() -> bool:
     """Leave this process's process groups and forget DTensor's caches of their meshes (local operations).
 
-    Returns False where this torch has no way to clear those caches: the process must then not serve
-    another job. DTensor caches its sharding propagation by op schema, and a ``DeviceMesh`` compares
-    equal to any mesh of the same ranks and shape whichever rank the process holds in it: a process
-    that joins a new group as another rank would get the earlier group's mesh back from the cache,
-    with the earlier rank's coordinate (DCP then saves two ranks' shards at one offset, and DTensor
-    collectives take the wrong peers).
+    Returns False where this torch cannot clear those caches: the process must then not serve another job.
     """
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -72,10 +62,7 @@ FORK_SERVER_PRELOAD = (
 
 
 def reseed_like_a_fresh_process() -> None:
-    """In a fork: the random states a fresh interpreter draws for itself, drawn anew (a fork inherits
-    its parent's). Python's ``random`` reseeds itself after a fork; torch's generator and numpy's global
-    one do not, and without this every forked rank would share one torch seed, hiding a missing seed or
-    broadcast that fresh ranks would show as disagreeing weights."""
+    """In a fork: redraw the random states a fresh interpreter would (torch's and numpy's global ones)."""
     sys.modules["torch"].seed()
     if "numpy.random" in sys.modules:
         sys.modules["numpy.random"].seed()

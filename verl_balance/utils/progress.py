@@ -1,13 +1,7 @@
 """The console's progress display: steps done/total, s/step, tokens/s, ETA and the key metrics.
 
-On a terminal: a tqdm bar on the console's own stream (never in the run log) with the step, rate,
-ETA, the GRPO/PPO step's current phase and the key metrics, plus one plain line per step in the run
-log. Otherwise the plain line is printed every step, or at most every ``interval_s`` (and at the
-last step), without carriage returns::
-
-    step 5/16 | 1.21 s/step | 2.3k tok/s | ETA 0:00:13 | train/loss 2.314 | val/loss 2.402
-
-``TimedPhase`` logs one line with the duration of each long start-up phase. The keys shown are
+On a terminal a tqdm bar (never in the run log), plus one plain line per step in the run log;
+otherwise the plain line every step, or at most every ``interval_s``. The keys shown are
 ``trainer.console_metrics`` (null: ``DEFAULT_SFT_KEYS`` / ``DEFAULT_RL_KEYS``).
 """
 
@@ -37,8 +31,7 @@ DEFAULT_RL_KEYS = (
     "actor/kl_loss",
     "response_length/mean",
 )
-"""Console keys of the GRPO/PPO recipe when ``trainer.console_metrics`` is null (verl's names where
-verl logs the figure, docs/metrics.md)."""
+"""Console keys of the GRPO/PPO recipe when ``trainer.console_metrics`` is null."""
 TOKENS_PER_S_KEY = "perf/tokens_per_s"
 PHASE_TIMINGS = (
     ("rollout", "timing_s/gen"),
@@ -73,10 +66,7 @@ def format_eta(seconds: float) -> str:
 
 
 class ProgressDisplay:
-    """The step progress of one run on the console (see the module docstring).
-
-    ``start_step`` is where a resumed run starts: s/step and the ETA count this process's steps only.
-    """
+    """The step progress of one run; s/step and the ETA count this process's steps only (from ``start_step``)."""
 
     def __init__(
         self,
@@ -179,8 +169,7 @@ def _is_number(value) -> bool:
 
 
 class TimedPhase:
-    """``with TimedPhase("model load") as phase: ...; phase.detail = "1.2M parameters"`` logs one line
-    when the phase ends: ``model load (1.2M parameters): 3.4 s``; a failed phase logs nothing."""
+    """Logs one line with the phase's duration when it ends; a failed phase logs nothing."""
 
     def __init__(self, name: str, detail: str = "") -> None:
         self.name, self.detail = name, detail

