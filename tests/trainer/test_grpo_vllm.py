@@ -86,6 +86,14 @@ def sync_steps(ray_cluster, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def sp2_steps(ray_cluster, tmp_path_factory):
+    """One Ulysses group of two ranks (dp1 x sp2): the trainer's old log-probs come from the sequence-
+    sharded forward, the rollout from each rank's engine."""
+    extra = ["actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"]
+    return _run_on_vllm(tmp_path_factory.mktemp("grpo_vllm_sp2"), extra)[1]
+
+
+@pytest.fixture(scope="module")
 def separate_async_lora_steps(ray_cluster, tmp_path_factory):
     """separate_async (one vLLM rollout worker on its own pool, weights sent bucket by bucket after each
     sync) with LoRA (the rollout worker merges the adapters); the trainer recomputes the old log-probs,
@@ -108,6 +116,13 @@ def test_three_grpo_steps_on_vllm_at_dp2_keep_the_rollout_on_the_trainers_weight
         assert r[DIFF] < PROBS_DIFF_MAX, r
     # the weights moved between steps (so steps 2 and 3 test a sync, not the initial load)
     assert all(r["actor/grad_norm"] > 0 for r in sync_steps)
+
+
+def test_three_grpo_steps_on_vllm_at_sp2_keep_the_rollout_on_the_trainers_weights(sp2_steps):
+    assert [r["step"] for r in sp2_steps] == [1, 2, 3]
+    for r in sp2_steps:
+        assert r[DIFF] < PROBS_DIFF_MAX, r
+    assert all(r["actor/grad_norm"] > 0 for r in sp2_steps)
 
 
 def test_separate_async_with_lora_on_a_vllm_rollout_worker(separate_async_lora_steps):
