@@ -1,12 +1,8 @@
 """Row readers for parquet and jsonl files, and the errors that name a file and row.
 
-Rows are numbered from 0 in file order, for parquet and jsonl alike (jsonl row i is line i + 1;
-blank lines are not rows). Every error about data names the file and the row.
-
-Readers stream: parquet is read one record batch at a time and jsonl one line at a time, so
-reading never holds a whole file as Python objects. Text that is not valid Unicode (a non-UTF-8
-byte in a jsonl line or a parquet string, or a lone surrogate escape such as ``"\\ud800"`` in a
-jsonl string) makes that row malformed, so the caller's malformed-row policy applies to it.
+Rows are numbered from 0 in file order (jsonl row i is line i + 1; blank lines are not rows).
+Readers stream (one record batch or line at a time). Text that is not valid Unicode makes its row
+malformed, so the caller's malformed-row policy applies to it.
 """
 
 from __future__ import annotations
@@ -60,10 +56,7 @@ def as_file_list(files: str | os.PathLike | Sequence[str | os.PathLike]) -> list
 
 
 def find_invalid_text(value: Any, *, where: str = "") -> str | None:
-    """Where a nested row value holds a string that cannot be encoded as UTF-8 (a lone surrogate), or None.
-
-    Returns a reason such as ``"key 'prompt' holds a lone surrogate '\\ud800' at character 3"``.
-    """
+    """Where a nested row value holds a string that cannot be encoded as UTF-8 (a lone surrogate), or None."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
@@ -90,10 +83,8 @@ def iter_rows(
 ) -> Iterator[tuple[int, dict[str, Any] | str]]:
     """Yield (row index, row) for a parquet or jsonl file, keeping only the named columns.
 
-    A row is a dict of the available requested columns; a row that cannot be read (a jsonl line
-    that is not a JSON object, or text that is not valid Unicode) is yielded as the error string,
-    so the caller's malformed-row policy applies to it. A parquet file missing a column is a
-    whole-file error naming the column and the columns present.
+    A row that cannot be read is yielded as the error string; a parquet file missing a column is a
+    whole-file DataError naming the columns present.
     """
     if path.endswith(".parquet"):
         yield from _iter_parquet(path, columns=columns, optional_columns=optional_columns)
@@ -125,8 +116,7 @@ def _iter_parquet(path: str, *, columns: Sequence[str], optional_columns: Sequen
 
 
 def open_parquet(path: str):
-    """``pyarrow.parquet.ParquetFile`` of ``path``; a file that is not parquet (empty, truncated,
-    another format) raises DataError naming it instead of Arrow's bare ``ArrowInvalid``."""
+    """``pyarrow.parquet.ParquetFile`` of ``path``; a non-parquet file raises DataError naming it."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -199,13 +189,8 @@ def _parse_jsonl_line(raw: bytes, *, line_number: int, keys: Sequence[str]) -> d
 
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
-    """Pause Python's automatic cyclic garbage collection while building a dataset; restore it after.
-
-    A build allocates millions of short lists and dicts without reference cycles; the collector
-    would rescan the live ones over and over (measured: 40% of the build time at 10k rows).
-    Builders call ``collect_young_garbage()`` after each chunk of rows, so cycles a tokenizer may
-    create (template engines) are still freed, at the cost of one young-generation pass per chunk.
-    """
+    """Pause automatic cyclic garbage collection while building a dataset (it rescans the many live
+    objects); builders call ``collect_young_garbage()`` after each chunk."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -228,9 +213,8 @@ def num_rows_hint(path: str) -> int | None:
 
 
 def file_columns(path: str, *, sample_rows: int = PARQUET_BATCH_ROWS) -> list[str]:
-    """The columns of a data file: a parquet file's schema (its footer), or for jsonl the keys of
-    its first ``sample_rows`` lines that are JSON objects, in first-seen order (other lines are
-    left to the row reader's malformed-row policy)."""
+    """The columns of a data file: a parquet file's schema, or the keys of a jsonl file's first
+    ``sample_rows`` JSON-object lines, in first-seen order."""
     if path.endswith(".parquet"):
         return list(open_parquet(path).schema_arrow.names)
     keys: dict[str, None] = {}

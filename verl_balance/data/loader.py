@@ -1,21 +1,13 @@
 """A seeded, shuffling, resumable sampler and data loader (single process, on the driver).
 
-Order: epoch e visits ``permutation_e = default_rng([seed, e]).permutation(num_samples)`` (or
-``arange`` without shuffle) in consecutive batches of ``batch_size``. The order depends only on
-(seed, epoch, num_samples, batch_size), never on how many times iteration was interrupted.
+Order: epoch e visits ``default_rng([seed, e]).permutation(num_samples)`` (or ``arange`` without
+shuffle) in consecutive batches; it depends only on (seed, epoch, num_samples, batch_size).
+``drop_last=True`` (default) skips each epoch's last ``num_samples % batch_size`` samples (a different
+set each epoch); ``drop_last=False`` makes the last batch smaller.
 
-drop_last: with ``drop_last=True`` (the default, what a fixed global batch size needs) the last
-``num_samples % batch_size`` samples of each epoch's permutation are not visited that epoch; the
-next epoch's permutation is different, so no sample is excluded for good. With
-``drop_last=False`` the last batch of an epoch is smaller.
-
-State: ``{"epoch", "position"}`` where position counts the batches of the current epoch already
-handed out, plus the order-defining settings and, for a dataset with a ``fingerprint()``
-(``SFTDataset``, ``RLPromptDataset``), the dataset's fingerprint: resuming on different data
-(other files, tokenizer, max_length, truncation) is refused rather than silently continued.
-A batch counts as consumed once it is yielded, so save the state after processing a
-batch: resuming from it continues with the next batch, exactly as an uninterrupted run would.
-When an epoch is exhausted, the next iteration starts epoch + 1 at position 0.
+State: ``{"epoch", "position"}`` (batches of the epoch already yielded), the order settings and the
+dataset's ``fingerprint()`` when it has one (resuming on different data is refused). A batch counts
+as consumed once yielded, so a state saved after processing it resumes with the next batch.
 """
 
 from __future__ import annotations
@@ -148,10 +140,8 @@ class StatefulDataLoader:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume so the next batch is the one an uninterrupted run would produce next.
-
-        Refused (DataError) when the saved dataset fingerprint differs from this dataset's.
-        """
+        """Resume so the next batch is the one an uninterrupted run would produce next; DataError when the
+        saved dataset fingerprint differs."""
         saved = state.get("dataset_fingerprint")
         current = self._dataset_fingerprint() if saved is not None else None
         if saved is not None and current is not None and saved != current:

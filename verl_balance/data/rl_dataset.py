@@ -1,15 +1,11 @@
 """RL prompt dataset (verl's RL parquet schema) and its collator.
 
-Row schema: ``data_source`` (str), ``prompt`` (list of {"role", "content"}, or a plain string
-taken as one user message), ``reward_model`` ({"style": ..., "ground_truth": ...}), optional
-``extra_info`` (dict). A prompt is tokenized with the generation prompt appended, so the rollout
-continues it directly.
+Row schema: ``data_source`` (str), ``prompt`` (list of {"role", "content"}, or a string taken as one
+user message), ``reward_model`` ({"style": ..., "ground_truth": ...}), optional ``extra_info`` (dict).
+Prompts are tokenized with the generation prompt appended.
 
-Invariants: every row is either kept, filtered as over-long (``num_filtered``), or skipped as
-malformed (``skipped``); nothing is dropped without being counted. Kept prompts have at most
-``max_prompt_length`` tokens. Storage is flat: prompt token ids in one uint16 (int32 for a large
-vocabulary) array with offsets, and each prompt's chat, data_source, reward_model and extra_info
-as one pickled record in a flat byte buffer; ``RLPrompt`` items are assembled on access.
+Invariants: every row is kept, filtered as over-long (``num_filtered``) or skipped as malformed
+(``skipped``); nothing is dropped uncounted. Kept prompts have at most ``max_prompt_length`` tokens.
 """
 
 from __future__ import annotations
@@ -51,11 +47,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class RLDataConfig:
-    """Columns and length policy of the RL prompt data (verl's key names).
-
-    Over-long prompts are dropped and counted when ``filter_overlong_prompts``; otherwise
-    ``truncation`` applies: error | left (keep the prompt's end) | right (keep its start).
-    """
+    """Columns and length policy of the RL prompt data (verl's key names). Over-long prompts are dropped
+    when ``filter_overlong_prompts``, else ``truncation``: error | left (keep the end) | right (keep the start)."""
 
     prompt_key: str = "prompt"
     data_source_key: str = "data_source"
@@ -271,8 +264,8 @@ def collate_rl(
     """Prompts -> (tensors, non_tensors) for ``Batch.from_dict``.
 
     tensors: right-padded (B, Lp) int64 ``input_ids``, ``attention_mask``, ``position_ids``.
-    non_tensors (object arrays, verl's names): ``raw_prompt_ids`` (list[int]), ``raw_prompt``,
-    ``data_source``, ``ground_truth``, ``reward_model``, ``extra_info``, ``index``, ``agent_name``.
+    non_tensors (object arrays, verl's names): ``raw_prompt_ids``, ``raw_prompt``, ``data_source``,
+    ``ground_truth``, ``reward_model``, ``extra_info``, ``index``, ``agent_name``.
     """
     if not samples:
         raise DataError("cannot collate an empty list of prompts")

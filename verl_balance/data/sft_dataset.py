@@ -1,18 +1,12 @@
 """SFT dataset: parquet/jsonl rows -> token ids and a token-aligned loss mask, plus the collator.
 
-Invariants (the "tensors on the wire" contract):
-- ``loss_mask[t] == 1`` iff token t is a target, i.e. t lies in an assistant turn (its content and
-  the end-of-turn token). Prompt tokens, chat scaffolding and padding have mask 0.
-- Position 0 is never a target (nothing precedes it), also after left truncation.
+Invariants:
+- ``loss_mask[t] == 1`` iff token t lies in an assistant turn (its content and end-of-turn token);
+  prompt tokens, chat scaffolding and padding have mask 0. Position 0 is never a target.
 - ``collate_sft`` right-pads to the longest sample: ``attention_mask`` is 1 on a contiguous
   prefix, ``position_ids`` count 0.. over real tokens and are 0 on padding.
-- Rows are tokenized once, at construction, so every malformed row is reported (or counted and
-  skipped) before training starts, and ``seq_lens`` is known up front for balancing.
-
-Storage scales with the dataset: all samples live in one flat token array (uint16 when the
-vocabulary fits, else int32), one flat uint8 loss mask and int64 offsets, about 3-5 bytes per
-token in total; items are sliced out (and widened to int64) on access. Files are streamed in
-record batches and tokenized a chunk of rows at a time, so the build time is linear in the rows.
+- Rows are tokenized once, at construction: every malformed row is reported (or skipped) before
+  training, and ``seq_lens`` is known up front. Samples live in flat arrays (about 3-5 bytes a token).
 """
 
 from __future__ import annotations
@@ -59,13 +53,8 @@ Chat = tuple[list[dict[str, Any]], list[dict[str, Any]] | None]
 
 @dataclass
 class SFTDataConfig:
-    """Which columns hold the data and how to treat long or malformed rows (verl's key names).
-
-    A file with a chat column (``messages_key``; unset: verl's default ``messages``) is read as
-    chats, every assistant turn a target; with ``messages_key`` unset, a file without a ``messages``
-    column is read from ``prompt_key``/``response_key`` (one user prompt, one assistant response).
-    ``chat_column`` applies the rule.
-    """
+    """Which columns hold the data and how to treat long or malformed rows (verl's key names);
+    ``chat_column`` picks chat or prompt/response columns per file."""
 
     prompt_key: str = "prompt"
     """Column of the user prompt (a string) in a file read as prompt/response."""
@@ -73,9 +62,8 @@ class SFTDataConfig:
     """Column of the assistant response (a non-empty string) in a file read as prompt/response."""
     messages_key: str | None = None
     """Column of a chat (a list of {"role", "content"}); every assistant turn is a target. Null: verl's
-    default ``messages`` in a file that has that column, else prompt_key/response_key. A set key must be
-    a column of every file. verl's multi-turn tool format is read too: assistant messages with
-    ``tool_calls`` (targets, calls included) and ``tool`` messages (context, never targets)."""
+    default ``messages`` where present, else prompt_key/response_key. verl's tool format is read too
+    (assistant ``tool_calls`` are targets, ``tool`` messages never are)."""
     tools_key: str = "tools"
     """verl's key: the column of a chat row's tool schemas (a list of OpenAI function schemas, or null),
     passed to the chat template as ``tools=``; read when the file has it."""
@@ -102,11 +90,7 @@ DEFAULT_MESSAGES_KEY = "messages"
 
 def chat_column(config: SFTDataConfig, *, path: str) -> str | None:
     """The chat column ``config`` reads from the file at ``path``; None: its prompt/response columns.
-
-    An explicitly set ``messages_key`` must be a column of the file. Unset, verl's default
-    ``messages`` is read when the file has that column, else ``prompt_key``/``response_key`` when it
-    has both. Anything else is a DataError naming the key, the columns present and the fix.
-    """
+    A set ``messages_key`` must be a column; a file matching no rule is a DataError naming the columns."""
     columns = file_columns(path)
     if config.messages_key is not None:
         if config.messages_key in columns:
@@ -134,9 +118,8 @@ def tokenize_chat(
 ) -> tuple[list[int], list[int]]:
     """Token ids of a chat and its loss mask (1 on every assistant turn's tokens, tool calls included).
 
-    Each assistant turn k spans the tokens between the generation-prompted rendering of
-    messages[:k] and the rendering of messages[:k+1] (both with ``tools``); both must be prefixes of
-    the full rendering. Tool messages lie outside every span, so their tokens are never targets.
+    Assistant turn k spans from the generation-prompted rendering of messages[:k] to that of
+    messages[:k+1]; both must be prefixes of the full rendering.
     """
     chat = (validate_messages(messages), validate_tools(tools))
     (result,) = _tokenize_chats(tokenizer, [chat])
@@ -155,12 +138,7 @@ def _mask_list(length: int, spans: Sequence[Span]) -> list[int]:
 
 def _render_many(tokenizer: Tokenizer, requests: Sequence[tuple[Chat, bool]]) -> list[Any]:
     """``apply_chat_template`` of every ((messages, tools), add_generation_prompt); a failed one yields
-    its exception. ``tools=`` is passed only for a chat that has tools.
-
-    Uses the tokenizer's ``apply_chat_template_batch(conversations, *, add_generation_prompt)`` when it
-    has one (e.g. a fast Hugging Face tokenizer encoding a batch in Rust), one call per flag, for the
-    chats without tools; a batch that fails is redone one by one so the error lands on its own chat.
-    """
+    its exception. Batches via ``apply_chat_template_batch`` when the tokenizer has it."""
     rendered: list[Any] = [None] * len(requests)
     render_batch = getattr(tokenizer, "apply_chat_template_batch", None)
     if render_batch is not None:
@@ -185,10 +163,7 @@ def _render_many(tokenizer: Tokenizer, requests: Sequence[tuple[Chat, bool]]) ->
 
 
 def _tokenize_chats(tokenizer: Tokenizer, chats: Sequence[Chat]) -> list[Any]:
-    """(input_ids, target spans) of every validated chat, or the exception that chat raised.
-
-    The last message's rendering is the full rendering itself, so it is not rendered twice.
-    """
+    """(input_ids, target spans) of every validated chat, or the exception that chat raised."""
     requests: list[tuple[Chat, bool]] = []
     layout = []  # per chat: (index of the full rendering, [(assistant turn, before index, through index)])
     for messages, tools in chats:
@@ -273,11 +248,7 @@ class TokenIdError(Exception):
 
 
 class _SampleStore:
-    """Growable flat storage of samples: token ids, uint8 loss mask, offsets, origin (file, row).
-
-    Samples arrive a chunk at a time; each chunk's ids are converted from Python ints once, then
-    appended with a memory copy (``array`` grows in place, so there is no second full-size copy).
-    """
+    """Growable flat storage of samples: token ids, uint8 loss mask, offsets, origin (file, row)."""
 
     def __init__(self, *, vocab_size: int):
         self.id_typecode = "H" if vocab_size <= 1 << 16 else "i"
@@ -544,11 +515,8 @@ class SFTDataset(torch.utils.data.Dataset):
         return self.files[int(self._file_index[index])], int(self._row[index])
 
     def fingerprint(self) -> str:
-        """A hash of every sample's tokens and loss mask: equal iff the data would train identically.
-
-        The loader stores it with its state, so resuming on different data (other files, tokenizer,
-        max_length or truncation) is refused instead of silently continuing on other samples.
-        """
+        """A hash of every sample's tokens and loss mask: equal iff the data would train identically
+        (the loader refuses to resume on different data)."""
         if self._fingerprint is None:
             digest = hashlib.blake2b(digest_size=16)
             for part in (self._offsets, self._token_ids, self._loss_mask):
@@ -558,12 +526,8 @@ class SFTDataset(torch.utils.data.Dataset):
         return self._fingerprint
 
     def check_token_cap(self, cap: int, *, sp_size: int = 1, key: str = "data.max_token_len_per_gpu") -> None:
-        """Raise SequenceTooLongError naming file and row of the first sample longer than ``cap * sp_size``.
-
-        Same rule as the balancer's ``overlong='error'`` (a sample is split over the sp ranks, so it
-        may hold up to ``cap * sp_size`` tokens), checked for every sample at load time instead of
-        when its batch comes up. ``key`` names the config key of ``cap`` in the message.
-        """
+        """Raise SequenceTooLongError naming file and row of the first sample longer than ``cap * sp_size``
+        (the balancer's ``overlong='error'`` rule, at load time); ``key`` names ``cap``'s config key."""
         if cap < 1 or sp_size < 1:
             raise DataError(f"{key}={cap} and sp_size={sp_size} must be >= 1")
         limit = cap * sp_size

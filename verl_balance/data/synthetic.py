@@ -7,19 +7,12 @@ Tasks (data_source ``synthetic/<task>``), each a short prompt and one verifiable
 - ``sort``:    "sort <d>"         -> the digits of d in ascending order, n digits
 - ``copy``:    "copy <s>"         -> s, n lowercase letters
 
-The size n of each sample is lognormal (median ``median_size``, shape ``sigma``), clipped to
-[``min_size``, ``max_size``], so sequence lengths spread over more than an order of magnitude:
-the workload imbalance the balancer exists for.
+The size n is lognormal (median ``median_size``, shape ``sigma``), clipped to [``min_size``, ``max_size``].
+``sft_defect_rate`` (default 0) of the SFT *train* rows answer with their last character repeated;
+RL and validation rows stay exact.
 
-Imperfect demonstrations (``sft_defect_rate``, default 0): that fraction of the SFT *train* rows
-answers with its last character repeated ("copy abc" -> "abcc"), as SFT data from a weaker writer
-carries a habit the verifier rejects. The RL rows (ground truth) and every validation row stay exact.
-
-Invariants: the same (config, seed, sft_defect_rate) gives the same rows, byte for byte; train,
-val and the defect draws use independent streams of one seed (``SeedSequence(seed).spawn``), so
-growing one split never changes the other and a defect rate of 0 writes the exact answers.
-Answers are computed here, and ``verl_balance.rewards`` re-derives nothing from the prompt: it
-compares a response to ``reward_model.ground_truth``.
+Invariants: the same (config, seed, sft_defect_rate) gives the same rows, byte for byte; train, val
+and the defect draws use independent streams of one seed, so growing one split never changes another.
 """
 
 from __future__ import annotations

@@ -2,11 +2,9 @@
 
 Invariants:
 - ``apply_chat_template(messages[:k], add_generation_prompt=True)`` is a token prefix of
-  ``apply_chat_template(messages[:k+1])`` when message k is an assistant turn, and the tokens
-  between the two are exactly that turn's target tokens (its content plus the end-of-turn token).
-  The SFT dataset relies on this to build the loss mask, so every tokenizer here keeps it.
-- Nothing here downloads: the byte tokenizer needs no files, and the Hugging Face wrapper loads
-  from a local directory only (``local_files_only=True``).
+  ``apply_chat_template(messages[:k+1])`` when message k is an assistant turn; the tokens between
+  are that turn's targets (content plus end-of-turn token). The SFT loss mask relies on it.
+- Nothing here downloads (Hugging Face tokenizers load with ``local_files_only=True``).
 """
 
 from __future__ import annotations
@@ -50,22 +48,16 @@ class Tokenizer(Protocol):
 
     def apply_chat_template(self, messages: Sequence[Message], *, add_generation_prompt: bool = False) -> list[int]:
         """Token ids of a conversation; with add_generation_prompt, ends with the assistant opener.
-
-        A tokenizer that renders tools also takes ``tools=`` (a list of function schemas), and
-        assistant messages with ``tool_calls``; callers pass ``tools`` only when a chat has them."""
+        A tokenizer that renders tools also takes ``tools=`` and assistant ``tool_calls``."""
 
 
 ROLES = ("system", "user", "assistant", "tool")
 
 
 def validate_messages(messages: Any) -> list[dict[str, Any]]:
-    """Check a chat and return it as plain dicts: {"role", "content"} (strings), plus on an assistant
-    message verl's multi-turn SFT ``tool_calls`` (a list of {"function": {"name", "arguments"}}).
-
-    A ``tool`` message answers a call: it must follow an assistant message with ``tool_calls`` or
-    another ``tool`` message. An assistant message with tool calls may have null content (read as "").
-    A null ``tool_calls`` (a parquet struct column's filler) is read as absent.
-    """
+    """Check a chat and return it as plain dicts: {"role", "content"} (strings), plus verl's ``tool_calls``
+    on assistant messages. A ``tool`` message must follow an assistant message with ``tool_calls`` or
+    another ``tool`` message; a null ``tool_calls`` is absent, null content with tool calls is ""."""
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise TokenizerError(
             f"messages must be a list of {{'role': str, 'content': str}} dicts, got {type(messages).__name__}"
@@ -150,11 +142,9 @@ def _refuse_tools(messages: Sequence[Mapping[str, Any]], tools: Any, *, what: st
 class ByteTokenizer:
     """UTF-8 bytes plus four specials; vocab_size 260, no files needed.
 
-    Chat format, built at the token level so no text can forge a special token::
+    Chat format (built at the token level, so no text can forge a special token)::
 
         [BOS] user text ("\\n" between consecutive non-assistant turns) [SEP] answer [EOS] ...
-
-    ``[SEP]`` opens an assistant turn (the generation prompt); ``[EOS]`` closes it.
     """
 
     NUM_BYTES = 256
@@ -234,10 +224,8 @@ class ByteTokenizer:
 class HFTokenizer:
     """A local Hugging Face tokenizer behind the ``Tokenizer`` protocol (never downloads).
 
-    Uses the tokenizer's own chat template when it has one (rendered to text, then encoded, then
-    checked for the prefix invariant by the SFT dataset); otherwise a minimal template with the
-    same structure as ``ByteTokenizer``'s, "\\n" standing in for ``[SEP]``.
-    A tokenizer without a pad token pads with its eos token (padding is never a target).
+    Uses the tokenizer's chat template, else a minimal one shaped like ``ByteTokenizer``'s ("\\n" for
+    ``[SEP]``). Without a pad token it pads with eos (padding is never a target).
     """
 
     def __init__(self, path: str, *, trust_remote_code: bool = False):

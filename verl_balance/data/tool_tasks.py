@@ -4,19 +4,11 @@ with generated arithmetic questions "What is a * b + c?" instead of the hub's gs
     python -m verl_balance.data.tool_tasks --out DIR [--tool gsm8k|calculator] [--num-train N] [--num-val M]
         [--seed S] [--max-operand K] [--direct-fraction F]
 
-writes ``DIR/{train,val}.parquet``, one RL row per question: ``data_source`` (``openai/gsm8k``, so the
-built-in gsm8k rule scores the final ``#### <answer>``), ``agent_name`` (``tool_agent``), ``prompt``
-(a system message naming the tool, then the question), ``ability``, ``reward_model`` ({``style``: ``rule``,
-``ground_truth``}) and ``extra_info`` (``split``, ``index``, ``question``, ``need_tools_kwargs``,
-``tools_kwargs.<tool>.create_kwargs.ground_truth``); ``DIR/tool_config.yaml`` (the tool's entry for
-``multi_turn.tool_config_path``); and ``DIR/sft_{train,val}.parquet``, demonstrations of the same
-questions in verl's multi-turn SFT format (``messages`` with an assistant ``tool_calls`` turn, the
-tool's real answer as a ``tool`` message and the final ``#### <answer>``; ``tools``: the schema).
-
-Tools: ``gsm8k`` (default; verl's example, ``calc_gsm8k_reward`` checks an answer) or ``calculator``
-(``tools.calculator``: evaluates the expression, the arithmetic a tiny model cannot do). A fraction
-``--direct-fraction`` of the demonstrations answers directly without the tool, so a policy warm-started
-on them calls the tool only sometimes (the tool-use demo's starting point).
+writes ``DIR/{train,val}.parquet`` (RL rows, ``data_source`` ``openai/gsm8k``, ``agent_name``
+``tool_agent``, the tool's ``tools_kwargs``), ``DIR/tool_config.yaml`` and ``DIR/sft_{train,val}.parquet``
+(verl multi-turn SFT demonstrations: a tool call, its real answer, then ``#### <answer>``).
+Tools: ``gsm8k`` (default, verl's example) or ``calculator``. ``--direct-fraction`` of the
+demonstrations answer without the tool.
 """
 
 from __future__ import annotations
@@ -100,9 +92,8 @@ def make_rows(*, count: int, split: str, seed: int, tool: str = "gsm8k", max_ope
 def make_sft_rows(
     *, count: int, split: str, seed: int, tool: str = "gsm8k", max_operand: int = 19, direct_fraction: float = 0.0
 ) -> list[dict]:
-    """Demonstrations of ``make_rows``' questions in verl's multi-turn SFT format (``messages``, ``tools``):
-    a call of the tool, its real answer, then ``#### <answer>``; every ``1 / direct_fraction``-th
-    one (spread evenly) answers directly instead."""
+    """Demonstrations of ``make_rows``' questions in verl's multi-turn SFT format (``messages``, ``tools``);
+    every ``1 / direct_fraction``-th one answers directly."""
     if not 0.0 <= direct_fraction <= 1.0:
         raise ValueError(f"direct_fraction={direct_fraction} must be in [0, 1]")
     cls, schema, system = _tool(tool)

@@ -1,17 +1,13 @@
 """Run a function on N processes that form a gloo process group; collect the results.
 
 ``run_on_ranks(fn, world=N)`` runs ``fn(rank)`` on N processes, each in a fresh gloo group (CPU, one
-torch thread), and returns the ranks' results in rank order; ``init_group=False`` lets a caller open
-groups of several sizes itself (``gloo_group``). Used by the parity harness, calibration, benchmarks
-and tests.
+torch thread), and returns the results in rank order; ``init_group=False`` lets a caller open groups
+itself (``gloo_group``).
 
-The processes are a warm pool per world size, forked from multiprocessing's fork server with the
-third-party modules preloaded (``process_state.FORK_SERVER_PRELOAD``; never verl or verl_balance).
-Each call gets the caller's environment, working directory and ``sys.path``, and starts as a fresh
-process would: torch's initial seed, default dtype, grad mode, one thread, rebound module globals
-restored. A rank that raises fails the call with its traceback; one that dies or exceeds
-``timeout_s`` fails it naming the rank, and the pool of that size is then killed (no rank left in a
-collective). ``fresh=True`` runs on new processes that exit afterwards.
+The processes are a warm pool per world size, forked with third-party modules preloaded (never verl
+or verl_balance); each call starts as a fresh process would (caller's environment, cwd, ``sys.path``;
+torch's initial seed and defaults). A rank that raises, dies or exceeds ``timeout_s`` fails the call
+naming the rank, and then that pool is killed. ``fresh=True`` uses new processes.
 """
 
 from __future__ import annotations
@@ -66,12 +62,8 @@ _RENDEZVOUS_DIR: list[str] = []
 
 
 def new_rendezvous() -> str:
-    """A ``file://`` init_method that no other process group on this machine uses.
-
-    Not ``tcp://127.0.0.1:<free_port()>``: a port that was free when chosen can be taken before rank 0
-    binds it (by a second pytest-xdist worker's group, or Ray), and then the ranks of two groups meet in
-    one store ("Gloo connectFullMesh failed ... Connection closed by peer"). A new file name cannot be.
-    """
+    """A ``file://`` init_method that no other process group on this machine uses (a free TCP port can
+    be taken before rank 0 binds it, merging two groups' stores)."""
     if not _RENDEZVOUS_DIR:
         _RENDEZVOUS_DIR.append(tempfile.mkdtemp(prefix="verl_balance_rendezvous_"))
         atexit.register(shutil.rmtree, _RENDEZVOUS_DIR[0], ignore_errors=True)
@@ -189,8 +181,7 @@ class _Pool:
         return None, value
 
     def _failures(self, failure: str, failed: int, results: dict, grace_s: float = 10.0) -> str:
-        """Every failure in rank order: the other ranks get ``grace_s`` to report theirs, so the rank
-        that raised first is named even when its peers' collectives failed after it."""
+        """Every failure in rank order (others get ``grace_s`` to report), so the rank that raised first is named."""
         failures = {failed: failure}
         deadline = time.monotonic() + grace_s
         for rank in range(self.world):
@@ -246,9 +237,8 @@ def run_on_ranks(
 ) -> list:
     """fn(rank) on ``world`` processes; returns [result of rank 0, ...].
 
-    fn must be picklable (a module-level function or a functools.partial of one) and so must its
-    result. With init_group (default) every process is inside one gloo group of ``world`` ranks.
-    Raises RankFailedError when a rank raises, dies or has not answered after ``timeout_s``.
+    fn and its result must be picklable. With init_group (default) every process is in one gloo group of
+    ``world`` ranks. Raises RankFailedError when a rank raises, dies or exceeds ``timeout_s``.
     """
     task = _Task(pickle.dumps(fn), new_rendezvous(), init_group, dict(os.environ), os.getcwd(), list(sys.path))
     pool = _Pool(world) if fresh else _warm_pool(world)

@@ -1,8 +1,7 @@
 """ParallelLayout: the (dp, sp) device mesh one training rank lives in.
 
 Invariants:
-- W = dp * sp ranks; global rank = dp_rank * sp + sp_rank ("sp" innermost: an SP group's ranks
-  are adjacent, usually on one host).
+- W = dp * sp ranks; global rank = dp_rank * sp + sp_rank ("sp" innermost).
 - The ranks of one SP group hold the same micro-batches; the ranks of one DP group hold disjoint
   samples. FSDP2 shards parameters over the flattened ("dp", "sp") mesh of all W ranks.
 - NCCL + CUDA when CUDA is available, gloo + CPU otherwise.

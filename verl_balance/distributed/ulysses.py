@@ -2,15 +2,12 @@
 
 Invariants:
 - A packed micro-batch of T tokens is padded to T_pad = ceil(T / sp) * sp and SP rank r holds
-  the contiguous token slice [r * T_pad / sp, (r + 1) * T_pad / sp). Every per-token tensor is
-  sliced the same way, so position ids travel with their tokens; cu_seqlens refer to the padded,
-  unsliced stream and are identical on every SP rank.
-- all_to_all_seq_to_head turns [T_pad / sp, heads, d] (sequence-sharded) into
-  [T_pad, heads / sp, d] (head-sharded), so attention sees whole sequences for a subset of heads;
-  all_to_all_head_to_seq is its inverse, and each one's backward is the other.
-  all_to_all_seq_to_head_together moves q, k and v in one collective.
-- gather_and_unpad assumes the gathered tensor feeds a computation replicated on every SP rank,
-  so its backward hands each rank the gradient of its own slice (no sum).
+  the contiguous slice [r * T_pad / sp, (r + 1) * T_pad / sp); every per-token tensor is sliced the
+  same way. cu_seqlens refer to the padded, unsliced stream and are identical on every SP rank.
+- all_to_all_seq_to_head ([T_pad / sp, heads, d] -> [T_pad, heads / sp, d]) and
+  all_to_all_head_to_seq are inverses, and each one's backward is the other.
+- gather_and_unpad assumes its output feeds a computation replicated on every SP rank, so its
+  backward hands each rank the gradient of its own slice (no sum).
 """
 
 from __future__ import annotations

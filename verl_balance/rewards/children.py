@@ -1,15 +1,11 @@
-"""Processes that reward code starts never outlive the run: each reward batch is watched, the
-processes it left behind (the new direct children of this process, their descendants and, when a
-child made a process group of its own, that whole group; never a process started under one that
-existed before, e.g. Ray's raylet starting a worker) are recorded, and ``reap`` ends them at the end
-of the run (SIGTERM, then SIGKILL after a grace period), logging how many.
+"""Processes that reward code starts never outlive the run: the processes each reward batch leaves
+behind (new direct children, their descendants and their own process groups; never a process started
+under one that existed before) are recorded, and ``reap`` ends them at the end of the run (SIGTERM,
+then SIGKILL after a grace period).
 
-A process is recognised by its pid *and* its start time (``/proc/<pid>/stat``), so a pid reused by
-an unrelated process is never signalled. Linux only (``/proc``); elsewhere nothing is recorded.
-While a batch runs this process is the child subreaper (``prctl(PR_SET_CHILD_SUBREAPER)``), so a
-descendant orphaned during the batch (a double fork, a new session whose leader exited) becomes a
-direct child and is recorded too. What it cannot see: a process orphaned after the batch ended
-whose own parent it did not record, and anything a reward does after ``os._exit``.
+A process is recognised by its pid *and* start time, so a reused pid is never signalled. Linux only
+(``/proc``); elsewhere nothing is recorded. During a batch this process is the child subreaper, so
+descendants orphaned during the batch are recorded too.
 """
 
 from __future__ import annotations
@@ -66,9 +62,7 @@ _PR_SET_CHILD_SUBREAPER, _PR_GET_CHILD_SUBREAPER = 36, 37
 
 
 def _set_subreaper(on: bool) -> bool:
-    """Make this process the child subreaper (``prctl``) or stop; returns whether it was one. While
-    it is, a process orphaned by a reward call's child (a shell that exited, a new session whose
-    leader exited) is re-parented to this process instead of init, so ``watch`` still sees it."""
+    """Make this process the child subreaper (``prctl``) or stop; returns whether it was one."""
     try:
         import ctypes
 

@@ -1,10 +1,8 @@
-"""The rule for ``data_source="openai/gsm8k"`` (verl's ``default_compute_score`` has one, so a verl
-gsm8k launch script passes no reward function): the answer is the last ``#### <number>`` in the
-response's final 300 characters (verl reads only the tail, so a long response cannot stall scoring),
-with commas and a ``$`` dropped. Score: ``score`` (1.0) when it equals the ground truth,
-``format_score`` (0.0) when it does not, 0.0 when there is no ``####`` answer (verl's strict method).
-Returns ``{"score", "acc", "format_ok"}`` like the synthetic rules, so accuracy stays measurable with a
-format reward.
+"""The rule for ``data_source="openai/gsm8k"`` (verl's ``default_compute_score`` strict method).
+
+The answer is the last ``#### <number>`` in the response's final 300 characters (commas and ``$``
+dropped). Score: ``score`` (1.0) on a match, ``format_score`` (0.0) on a mismatch, 0.0 without a
+``####`` answer; returns ``{"score", "acc", "format_ok"}``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """DAPO's overlong reward shaping (verl's ``dapo`` reward manager, ``reward_kwargs.overlong_buffer_cfg``).
 
-Invariants (verl's ``DAPORewardManager``):
-- With buffer length b, penalty factor f and max_resp_len M, a response of length l gets
-  score + min(-(l - (M - b)) / b * f, 0): nothing up to M - b tokens, then a linear penalty
-  reaching -f at M tokens.
-- ``log``: the extras gain ``overlong_reward`` (the penalty) and ``overlong`` (penalty < 0).
-- It shapes every score the reward function returns (training and validation alike), after the
-  call, so a custom reward function needs no change.
+Invariant (verl's ``DAPORewardManager``): with buffer length b, penalty factor f and max_resp_len M,
+a response of length l scores score + min(-(l - (M - b)) / b * f, 0), applied to every score the
+reward function returns (training and validation); ``log`` adds ``overlong_reward`` and ``overlong``.
 """
 
 from __future__ import annotations

@@ -81,10 +81,8 @@ def score_batch(
     ground_truths: Sequence[Any],
     extra_infos: Sequence[Mapping[str, Any] | None] | None = None,
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """Score every response: (float32 scores [B], extra per-sample metrics {name: float32 [B]}).
-
-    An extra metric missing from some samples' dicts is NaN there (use nanmean to aggregate).
-    """
+    """Score every response: (float32 scores [B], extra per-sample metrics {name: float32 [B]}); an extra
+    missing from some samples is NaN there."""
     count = len(solutions)
     if not len(data_sources) == len(ground_truths) == count or (extra_infos is not None and len(extra_infos) != count):
         raise RewardError("data_sources, solutions, ground_truths and extra_infos must have the same length")

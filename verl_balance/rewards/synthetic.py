@@ -1,10 +1,8 @@
 """Rule-based scorers for the synthetic tasks of ``verl_balance.data.synthetic``.
 
-The answer is the first non-empty line of the response, stripped of surrounding whitespace.
-Score: 1.0 for an exact match with the ground truth; ``format_score`` (default 0.0) for a
-well-formed but wrong answer (right character set for the task); 0.0 for a malformed one.
-Every scorer returns ``{"score", "acc", "format_ok"}``, all floats, so accuracy stays
-measurable when a format reward is configured.
+The answer is the first non-empty line of the response, stripped. Score: 1.0 on an exact match,
+``format_score`` (default 0.0) for a well-formed wrong answer, 0.0 for a malformed one; scorers
+return ``{"score", "acc", "format_ok"}`` (floats).
 """
 
 from __future__ import annotations

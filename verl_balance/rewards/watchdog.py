@@ -1,11 +1,8 @@
 """``score_batch`` with a per-call time limit and heartbeat lines: a slow or hung reward function
 fails naming itself, the sample and the time, instead of stalling the driver silently.
 
-The reward function runs in a daemon thread (a Python call cannot be interrupted from outside);
-the driver's thread waits on it, logs a heartbeat every ``heartbeat_s`` (which sample, how many
-done) and raises ``RewardTimeoutError`` once one call has run for ``timeout_s``. The abandoned
-thread cannot block the interpreter's exit (daemon), so the trainer's error path still shuts the
-workers down and exits.
+The reward function runs in a daemon thread (so an abandoned call cannot block the interpreter's exit);
+the driver logs a heartbeat every ``heartbeat_s`` and raises ``RewardTimeoutError`` after ``timeout_s``.
 """
 
 from __future__ import annotations
@@ -158,8 +155,7 @@ def _wait_watched(
 
 
 def _next_wake(clock: _CallClock, timeout_s: float | None, next_beat: float | None) -> float:
-    """Seconds until the current call's limit or the next heartbeat, whichever is first (at most 1 s
-    after a call changes: a new call's limit is only known once it starts)."""
+    """Seconds until the current call's limit or the next heartbeat, whichever is first (at most 1 s)."""
     waits = [1.0]
     index, running_s, _ = clock.current()
     if timeout_s is not None and index is not None:

@@ -1,25 +1,18 @@
 """Multi-turn tool rollouts (verl's ``tool_agent`` loop) on any ``RolloutEngine``.
 
-Each sample is a conversation: generate the assistant turn, parse its tool calls (``multi_turn.format``:
-hermes), run them (``tools/runner.py``), append their answers through the chat template, generate
-again, until the assistant makes no call, a turn limit is reached or the response budget is used.
+Each sample is a conversation: generate, run the turn's tool calls, append their answers through the
+chat template, generate again, until no call, a turn limit or the response budget ends it.
 
 Invariants:
 - Rows are prompt-major and interleaved like every backend's (row k answers prompt ``k // n``).
-- ``responses[k]`` is the whole conversation after the prompt: model tokens and tool-answer tokens
-  in order, at most ``max_response_length`` of them; ``response_mask[k, j] = 1`` exactly on tokens
-  the model generated (so the loss, the log-probs, advantages, KL and entropy count only those),
-  0 on tool answers, the template's turn markers between turns and padding; ``log_probs`` is the
-  rollout's log-prob on model tokens, 0 elsewhere.
-- The prompt is the chat template of the prompt messages with the tools' schemas and the
-  generation prompt; a tool answer's tokens are the template's text after the assistant's
-  end-of-turn token up to the next generation prompt, so prompt + response tokens render the same
-  conversation as the template applied to all messages (``tokenization_sanity_check_mode``:
-  ``strict`` counts every row where they differ in ``multi_turn/tokenization_mismatch``).
-- Turn t of row k samples with seed ``row_seed(seed_k, t)``: the same rows, tools and weights give the
-  same output whatever the other rows of the call.
-- A failing tool (raises, hangs past ``tool_timeout_s``, unknown name, malformed call) answers the
-  model with the error text; it is counted, never ends the rollout.
+- ``responses[k]`` is the conversation after the prompt (model and tool-answer tokens, at most
+  ``max_response_length``); ``response_mask[k, j] = 1`` exactly on model-generated tokens; ``log_probs``
+  is the rollout's log-prob there, 0 elsewhere.
+- Prompt + response tokens render the same conversation as the chat template applied to all messages
+  (``tokenization_sanity_check_mode=strict`` counts rows where they differ).
+- Turn t of row k samples with seed ``row_seed(seed_k, t)``: independent of the call's other rows.
+- A failing tool (raises, times out, unknown name, malformed call) answers with the error text; it is
+  counted, never ends the rollout.
 """
 
 from __future__ import annotations

@@ -1,21 +1,16 @@
 """The rollout interface: sample n responses per prompt from the current policy weights.
 
 Invariants (every backend: the built-in ``KVCacheRollout``, ``HFRollout``, ``VLLMRollout``):
-- Output rows are prompt-major and interleaved: row k answers prompt ``k // n``
-  (``prompt_index[k]``), the same order as verl's ``repeat(n, interleave=True)``.
+- Output rows are prompt-major and interleaved: row k answers prompt ``k // n`` (verl's
+  ``repeat(n, interleave=True)``).
 - ``responses`` is right-padded with ``pad_token_id``; ``response_mask[k, j] = 1`` exactly for the
-  ``response_lengths[k]`` generated tokens (a multi-turn rollout's response also holds tool answers,
-  masked 0 between the model's turns: rollout/agent_loop.py). A response ends with the first stop token (which is
-  included and masked 1) or after ``max_response_length`` tokens.
+  generated tokens. A response ends with the first stop token (included, masked 1) or after
+  ``max_response_length`` tokens.
 - ``log_probs[k, j]`` (when returned) is log softmax(logits / temperature) of the sampled token
-  (temperature 1 for greedy), before top-p filtering: the policy's own log-prob, comparable to
-  the trainer's recomputed old log-probs; 0 on padding.
+  (temperature 1 for greedy), before top-p filtering; 0 on padding.
 - Same prompts, parameters, seed and weights -> identical output.
-- With per-prompt ``seeds``, the random numbers a prompt's responses consume do not depend on the
-  rest of the call (other prompts, their order, padding, ``max_batch_size`` chunks), so a batched
-  call equals one call per prompt token for token as far as the backend's logits of a row are the
-  same in any batch. Matmul kernels chosen by batch shape can change a logit's last bits; a token
-  then differs only if its uniform falls within that rounding of a CDF boundary (rare, not never).
+- With per-prompt ``seeds``, a prompt's responses do not depend on the rest of the call, up to
+  batch-shape-dependent rounding of the logits (which rarely flips a token).
 """
 
 from __future__ import annotations
@@ -103,8 +98,7 @@ class RolloutEngine(abc.ABC):
     """Generates responses from policy weights; a vLLM/SGLang backend implements the same two methods."""
 
     streams_weights: bool = False
-    """True when ``load_weights`` copies a stream of tensors into the engine's own storage (vLLM), so a
-    caller should stream them rather than build a full state dict."""
+    """True when ``load_weights`` copies a stream of tensors into the engine's own storage (vLLM)."""
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Use the ``(name, tensor)`` pairs (a full state) from now on; returns how many were read."""
@@ -129,8 +123,5 @@ class RolloutEngine(abc.ABC):
         seed: int | None = None,
         seeds: Sequence[int] | None = None,
     ) -> RolloutOutput:
-        """Sample ``n`` responses per prompt; see the module invariants for the output layout.
-
-        ``seeds``: one per prompt; response k of prompt i then depends only on the weights, the
-        prompt, the sampling parameters and ``(seeds[i], k)``, never on the other prompts of the
-        call (vLLM's per-request ``SamplingParams(seed=...)``). ``seed``: one seed for the call."""
+        """Sample ``n`` responses per prompt (module invariants). ``seeds``: one per prompt, response k of
+        prompt i then depends only on weights, prompt, parameters and ``(seeds[i], k)``; ``seed``: one seed."""

@@ -1,13 +1,10 @@
 """Wire tensors for the trainer from prompts and a RolloutOutput.
 
 Invariants (docs/design.md, "Wire format"): one row per response, in RolloutOutput order;
-``input_ids[k] = prompt + response`` right-padded to L = the longest prompt + response;
-``attention_mask`` is 1 on those real tokens (contiguous from position 0); ``loss_mask[k, t] = 1``
-exactly on the response tokens the rollout's ``response_mask`` marks (token t is a target: its log-prob
-p(tok_t | tok_<t) counts): every response token of a single-turn rollout, only the model's own tokens of
-a multi-turn one (tool answers are context, not targets);
-``position_ids`` restart at 0 for each sequence (0 on padding); ``rollout_log_probs`` is
-token-aligned like ``loss_mask`` (0 elsewhere).
+``input_ids[k] = prompt + response`` right-padded to the longest; ``attention_mask`` is 1 on the real
+tokens; ``loss_mask[k, t] = 1`` exactly where the rollout's ``response_mask`` marks the token (tool
+answers are context); ``position_ids`` restart at 0 per sequence; ``rollout_log_probs`` is aligned
+like ``loss_mask`` (0 elsewhere).
 """
 
 from __future__ import annotations
@@ -95,10 +92,8 @@ def build_rollout_batch(
     prompt_columns: Mapping[str, Sequence[Any]] | None = None,
     meta: Mapping[str, Any] | None = None,
 ) -> Batch:
-    """A Batch with one row per response: the tensors of ``build_rollout_tensors`` plus non-tensor
-    columns ``prompt_index``, ``finish_reason``, a multi-turn rollout's ``turn_stats`` and every
-    per-prompt column of ``prompt_columns``
-    (e.g. ``uid``, ``data_source``, ``ground_truth``) repeated for that prompt's responses."""
+    """A Batch with one row per response: ``build_rollout_tensors`` plus ``prompt_index``, ``finish_reason``,
+    ``turn_stats`` (multi-turn) and every column of ``prompt_columns`` repeated per response."""
     tensors = build_rollout_tensors(prompts=prompts, output=output, pad_token_id=pad_token_id)
     non_tensors = {PROMPT_INDEX_KEY: output.prompt_index.copy(), FINISH_REASON_KEY: output.finish_reasons.copy()}
     non_tensors.update({name: np.asarray(values).copy() for name, values in (output.turn_stats or {}).items()})

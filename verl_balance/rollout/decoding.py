@@ -1,9 +1,7 @@
 """CachedDecoder: the sampling loop every KV-cached backend shares (built-in and Hugging Face).
 
-A backend supplies three things: ``_prefill`` (left-padded prompts -> a cache and logits),
-``_decode_step`` (one token per row -> next-token logits) and a cache with ``keep_rows``. The loop
-here samples, tracks stop tokens and lengths, drops finished rows from the batch and the cache,
-and assembles the ``RolloutOutput`` (see ``rollout/base.py`` for its invariants).
+A backend supplies ``_prefill``, ``_decode_step`` and a cache with ``keep_rows``; the loop samples,
+drops finished rows and assembles the ``RolloutOutput`` (invariants in ``rollout/base.py``).
 
 Invariant each backend must keep: left padding and caching never change a real token's logits,
 so generation is token-for-token equal to an uncached recompute of the same sequence.
@@ -90,9 +88,8 @@ class CachedDecoder(RolloutEngine):
     ) -> RolloutOutput:
         """Sample ``n`` responses per prompt (rows prompt-major, see ``RolloutOutput``).
 
-        ``seeds`` (one per prompt): response k of prompt i samples from its own stream keyed by
-        ``(seeds[i], k)``, so it equals the response of a call with that prompt alone, in any batch,
-        order or chunking. ``seed`` instead seeds one generator shared by all rows."""
+        ``seeds`` (one per prompt): response k of prompt i equals that of a call with the prompt alone, in
+        any batch, order or chunking. ``seed`` instead seeds one generator shared by all rows."""
         self._require_weights()
         params = SamplingParams(
             n=n,
@@ -120,8 +117,7 @@ class CachedDecoder(RolloutEngine):
     def _random_sources(
         self, params: SamplingParams, *, seeds: Sequence[int] | None, num_prompts: int
     ) -> tuple[torch.Generator | None, RowRandomStreams | None]:
-        """(one generator for the call, or one stream per row): from ``params.seed`` or ``seeds``
-        (not both); neither when sampling is greedy or unseeded."""
+        """(one generator for the call, or one stream per row) from ``params.seed`` or ``seeds`` (not both)."""
         if seeds is not None and params.seed is not None:
             raise RolloutInputError("pass either seed (one generator for the call) or seeds (one per prompt), not both")
         generator, streams = None, None
@@ -191,9 +187,8 @@ class CachedDecoder(RolloutEngine):
     def forward_logits(
         self, sequences: Sequence[Sequence[int]], *, prefill_lengths: Sequence[int] | None = None
     ) -> list[torch.Tensor]:
-        """Logits (len_i, V) for every position of each sequence, via the generation code path:
-        the first ``prefill_lengths[i]`` tokens (default: all) are prefilled, the rest are fed one
-        token per cached decode step (teacher forcing). For checks against the training model."""
+        """Logits (len_i, V) at every position of each sequence via the generation path: the first
+        ``prefill_lengths[i]`` tokens (default: all) prefilled, the rest fed one per decode step."""
         self._require_weights()
         sequences = validate_prompts(sequences, vocab_size=self.vocab_size)
         prefill_lengths = [len(s) for s in sequences] if prefill_lengths is None else list(prefill_lengths)

@@ -12,9 +12,8 @@ HF_BACKENDS = ("hf", "vllm")
 
 
 def resolve_backend(backend: str, *, hf_model: bool) -> str:
-    """The backend ``backend`` names for a built-in (``hf_model=False``) or HF model: "auto" is
-    kv_cache for the built-in model and hf for an HF one; RolloutInputError for an unknown name or
-    a backend that cannot run that model."""
+    """The backend ``backend`` names for a built-in (``hf_model=False``) or HF model ("auto": kv_cache or
+    hf); RolloutInputError for an unknown name or a backend that cannot run that model."""
     if backend not in ROLLOUT_BACKENDS:
         raise RolloutInputError(f"rollout backend {backend!r} is not valid; expected one of {list(ROLLOUT_BACKENDS)}")
     if backend == "auto":
@@ -27,10 +26,8 @@ def resolve_backend(backend: str, *, hf_model: bool) -> str:
 
 
 def build_rollout(model_config, *, backend: str = "auto", **kwargs) -> RolloutEngine:
-    """A RolloutEngine for ``model_config``: KVCacheRollout ("kv_cache") for the built-in
-    ``ModelConfig``, HFRollout ("hf") or VLLMRollout ("vllm") for an ``HFModelConfig``; "auto" picks
-    kv_cache or hf. ``kwargs`` go to the backend (state_dict, pad_token_id, max_batch_size, device,
-    dtype; ``vllm_config``: a ``VLLMRolloutConfig``, used by "vllm" only)."""
+    """A RolloutEngine for ``model_config``: KVCacheRollout ("kv_cache") for the built-in ``ModelConfig``,
+    HFRollout ("hf") or VLLMRollout ("vllm") for an ``HFModelConfig``; ``kwargs`` go to the backend."""
     from verl_balance.models.config import ModelConfig
 
     backend = resolve_backend(backend, hf_model=not isinstance(model_config, ModelConfig))

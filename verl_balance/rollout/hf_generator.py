@@ -1,14 +1,11 @@
 """HFRollout: KV-cached decoding of Hugging Face models (``models.hf.SUPPORTED_MODEL_TYPES``).
 
-It runs the HF model itself (SDPA attention, or eager for a soft-capped one, see
-``models.hf.exact_hf_attention``; HF's ``DynamicCache``) with the training adapter's
-weights: ``HFCausalLM`` uses exact HF parameter names, so its full state dict loads unchanged.
-The sampling loop is ``rollout/decoding.CachedDecoder``, shared with the built-in backend.
+It runs the HF model itself (HF's ``DynamicCache``) with the training adapter's weights (exact HF
+names); the sampling loop is ``rollout/decoding.CachedDecoder``.
 
 Invariants:
-- Left padding with a 2-D attention mask (0 on pad slots) and position ids counting real tokens
-  from 0, so every real token's logits equal an unpadded, uncached forward of its sequence
-  (family details such as biases, q/k norms, scaling and sliding windows are HF's own code).
+- Left padding with a 2-D attention mask and position ids counting real tokens from 0, so every
+  real token's logits equal an unpadded, uncached forward of its sequence.
 - Finished rows are dropped from the batch and from the cache at once.
 - The model is built from its own copy of the HF config (never shared with the training model).
 """
@@ -51,9 +48,8 @@ class HFRollout(CachedDecoder):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
-        """``model_config``: an ``HFModelConfig``. ``state_dict`` (HF names) replaces the weights;
-        without one the directory's weights are used when ``model_config.init == "pretrained"``.
-        ``device``/``dtype``: where and in which precision to decode (default: CPU, fp32)."""
+        """``model_config``: an ``HFModelConfig``. ``state_dict`` (HF names) replaces the weights, else the
+        directory's are used when ``init == "pretrained"``. ``device``/``dtype`` default to CPU, fp32."""
         from verl_balance.models.hf import HFModelConfig, build_hf_model
 
         if not isinstance(model_config, HFModelConfig):
@@ -75,9 +71,8 @@ class HFRollout(CachedDecoder):
             self.update_weights(state_dict)
 
     def update_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
-        """Use these weights (HF names; a tied ``lm_head.weight`` may be absent). Tensors already on
-        the rollout's device and dtype are referenced, not copied (a colocated actor's gathered
-        state dict costs no second copy); tied embeddings are re-tied to the one embedding tensor."""
+        """Use these weights (HF names; a tied ``lm_head.weight`` may be absent). Tensors already on the
+        rollout's device and dtype are referenced, not copied; tied embeddings are re-tied."""
         state = {k: v.detach().to(device=self._device, dtype=self._dtype) for k, v in state_dict.items()}
         if self.config.tie_word_embeddings:
             state["lm_head.weight"] = state.get("model.embed_tokens.weight")

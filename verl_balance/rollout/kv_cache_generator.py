@@ -1,18 +1,14 @@
 """KVCacheRollout: batched, KV-cached, inference-only decoding of the built-in Llama-style model.
 
-It reads the training model's state dict directly (parameter names and math of
-``models/llama.py``: its ``rms_norm``, ``rotary_cos_sin`` and ``rotate_half``, GQA, SwiGLU,
-optional tied embeddings), so a colocated actor can hand over ``full_state_dict()`` without
-conversion. The sampling loop is ``rollout/decoding.CachedDecoder``.
+It reads the training model's state dict directly (``models/llama.py``'s names and math), so a
+colocated actor hands over ``full_state_dict()`` without conversion; the sampling loop is
+``rollout/decoding.CachedDecoder``.
 
 Invariants:
-- Left-padded static cache: a batch of B sequences is left-padded to the longest prompt P, so
-  every sequence writes its k-th generated token to the same cache slot P + k and decoding is one
-  (B, 1) step per token. Pad slots are never attended to (a pad query attends to itself only, so
-  no softmax row is empty); position ids count real tokens only and start at 0 for each
-  sequence. Hence the logits of every real token equal a single-sequence, no-cache forward.
-- Finished sequences (stop token or length) are removed from the batch and the cache at once,
-  so later steps cost only the still-running sequences.
+- Left-padded static cache: the k-th generated token of every row goes to slot P + k (P: longest
+  prompt). Pad slots are never attended to; position ids count real tokens from 0. Hence every real
+  token's logits equal a single-sequence, no-cache forward.
+- Finished sequences are removed from the batch and the cache at once.
 - Compute runs on the device and in the dtype of the state dict tensors (no_grad).
 """
 
@@ -89,10 +85,8 @@ class KVCacheRollout(CachedDecoder):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
-        """``model_config``: the built-in ``ModelConfig`` (an ``HFModelConfig`` needs ``HFRollout``).
-        ``max_batch_size`` bounds the sequences decoded together (memory); None = all at once.
-        ``device`` / ``dtype``: where and in which precision to decode; None keeps those of the
-        state dict (its tensors are then referenced, not copied)."""
+        """``model_config``: the built-in ``ModelConfig``. ``max_batch_size`` bounds the sequences decoded
+        together (None: all); ``device``/``dtype`` None keep the state dict's (referenced, not copied)."""
         if not isinstance(model_config, ModelConfig):
             raise StateDictError(
                 f"KVCacheRollout needs the built-in ModelConfig, got {type(model_config).__name__} "
@@ -153,11 +147,8 @@ class KVCacheRollout(CachedDecoder):
         *,
         all_logits: bool,
     ) -> torch.Tensor:
-        """Run T new tokens per row through the model, appending them to ``cache``.
-
-        tokens/positions/is_token: (B, T). Returns logits (B, T, V) or, unless ``all_logits``,
-        those of the last position (B, V).
-        """
+        """Run T new tokens per row (tokens/positions/is_token: (B, T)) into ``cache``; logits (B, T, V),
+        or (B, V) of the last position unless ``all_logits``."""
         w, c = self._weights, self.config
         batch, num_new = tokens.shape
         start, end = cache.filled, cache.filled + num_new

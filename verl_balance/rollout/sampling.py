@@ -1,19 +1,14 @@
 """Next-token sampling: greedy, temperature and nucleus (top-p).
 
-Randomness comes from one of two sources:
-- ``uniforms`` (B,): one number in [0, 1) per row, turned into a token by inverse-CDF sampling.
-  With ``RowRandomStreams`` each response row owns its stream, so a row's tokens depend only on its
-  own seed and logits: not on the other rows of the batch, their order, padding or chunking.
-- ``generator``: one ``torch.Generator`` shared by the whole batch (``torch.multinomial``); the
-  numbers a row gets depend on how many rows were drawn before it (the batch layout).
+Randomness: ``uniforms`` (B,) in [0, 1) with inverse-CDF sampling (with ``RowRandomStreams`` a row's
+tokens depend only on its own seed and logits), or one ``generator`` shared by the batch
+(``torch.multinomial``; a row's numbers depend on the batch layout).
 
 Invariants:
-- temperature == 0 is argmax (ties -> lowest token id); the reported log-prob is then
-  log_softmax(logits) of that token. Greedy draws no random numbers.
-- top-p keeps the smallest prefix of tokens (sorted by probability, descending, ties by id)
-  whose mass reaches top_p, always at least the most likely token; so top_p -> 0 is greedy.
-- The reported log-prob is log_softmax(logits / temperature) of the sampled token, before the
-  top-p truncation (the policy's log-prob, not the truncated sampler's).
+- temperature == 0 is argmax (ties -> lowest token id) and draws no random numbers.
+- top-p keeps the smallest prefix of tokens (by probability, descending, ties by id) whose mass
+  reaches top_p, always at least the most likely token; top_p -> 0 is greedy.
+- The reported log-prob is log_softmax(logits / temperature) of the sampled token, before top-p.
 - Inverse-CDF sampling never returns a token of probability 0 (after top-p).
 """
 
@@ -30,10 +25,8 @@ _SEED_LIMIT = 1 << 64
 
 
 class RowRandomStreams:
-    """Per-response-row uniform streams: row (prompt i, response k) draws, at decoding step t, the
-    t-th number of a Philox stream keyed by ``(seeds[i], k)`` (counter-based, as vLLM's per-request
-    ``SamplingParams(seed=...)``). Numbers are drawn on the host and copied to the device, so CPU and
-    CUDA rollouts consume the same numbers."""
+    """Per-response-row uniform streams: row (prompt i, response k) draws at step t the t-th number of a
+    Philox stream keyed by ``(seeds[i], k)``, drawn on the host so CPU and CUDA consume the same numbers."""
 
     def __init__(self, *, seeds: Sequence[int], n: int):
         """One stream for each of the ``len(seeds) * n`` rows of a call (prompt-major)."""
@@ -49,8 +42,7 @@ class RowRandomStreams:
 
 
 class RowUniforms:
-    """The uniforms of one decoded batch, drawn ``block_steps`` steps at a time for the rows still
-    running (host memory and copies: running rows x block_steps, not rows x max_response_length)."""
+    """The uniforms of one decoded batch, drawn ``block_steps`` steps at a time for the running rows."""
 
     def __init__(self, generators: list[np.random.Generator], *, device: torch.device, block_steps: int):
         """``generators[b]``: the unread stream of batch row b."""
@@ -92,9 +84,7 @@ def sample_next_tokens(
     uniforms: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row of ``logits`` (B, V); return (tokens (B,) int64, log_probs (B,) fp32).
-
-    ``uniforms`` (B,) in [0, 1): inverse-CDF sampling, row b decided by ``uniforms[b]`` alone;
-    otherwise ``torch.multinomial`` with ``generator`` (None: the global RNG)."""
+    ``uniforms``: inverse-CDF, row b decided by ``uniforms[b]`` alone; else ``torch.multinomial``."""
     logits = logits.float()
     if temperature == 0:
         tokens = logits.argmax(dim=-1)
@@ -122,8 +112,7 @@ def sample_next_tokens(
 
 
 def _inverse_cdf(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Index j (B,) of the first cumulative weight above ``uniforms * total``: j has probability
-    weights[j] / total. Cumulated in fp64, row by row, so a row's result ignores the other rows."""
+    """Index j (B,) of the first cumulative weight above ``uniforms * total`` (fp64, row by row)."""
     cumulative = torch.cumsum(weights.double(), dim=-1)
     threshold = uniforms.double()[:, None] * cumulative[:, -1:]
     choice = torch.searchsorted(cumulative, threshold, right=True).squeeze(-1)

@@ -1,32 +1,20 @@
 """VLLMRollout: generation by a vLLM engine (``actor_rollout_ref.rollout.name=vllm``), weights in place.
 
-The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, vLLM's uni-process executor, one
-engine per worker), so a weight update streams ``(name, tensor)`` pairs straight into vLLM's in-place
-reload (``model_runner.reload_weights(weights_iterator=...)``, through ``collective_rpc`` and
-``VLLMWorkerExtension``): vLLM loads each layer as soon as its tensors arrived and then repacks it for
-its kernels, so a caller that yields the tensors bucket by bucket never holds more than one bucket
-unsharded. vllm is imported only when an engine is built: the package runs without it.
+The engine runs in this process (uni-process executor, one engine per worker); a weight update streams
+``(name, tensor)`` pairs into vLLM's in-place reload, so a bucketed producer never holds more than one
+bucket unsharded. vllm is imported only when an engine is built.
 
 Invariants (``rollout/base.py``'s, as vLLM can hold them):
-- Rows are prompt-major and interleaved: one vLLM request per (prompt i, response k), submitted in
-  that order; vLLM returns outputs in submission order.
-- A response ends at the first token of ``stop_token_ids`` (kept, masked 1, finish reason "stop") or
-  after ``max_response_length`` tokens ("length"). The model's own EOS is not a stop token unless
-  listed (``ignore_eos``), as in the other backends.
-- ``log_probs`` are vLLM's log-probs of the sampled tokens: ``raw_logprobs`` (log_softmax of the
-  logits, before any processing) when the engine's temperature is 1, else ``processed_logprobs``
-  (after temperature, top-k and top-p). A call gets them only where they are the contract's
-  log_softmax(logits / temperature): greedy or temperature 1 with raw log-probs; top_p = 1 and no
-  top-k with processed ones. Otherwise ``log_probs`` is None (never a different quantity).
-- Per-prompt ``seeds``: request (i, k) carries ``SamplingParams(seed=mix(seeds[i], k))``; vLLM draws a
-  seeded request's random numbers from its own generator, so a response does not depend on the other
-  requests of the call. The numbers are vLLM's, not ``rollout/sampling.py``'s Philox streams: the same
-  seed gives different tokens here than in the HF or built-in backend. Without seeds the engine's own
-  generator (seeded once with ``VLLMRolloutConfig.seed``) is shared by the batch.
-- Sleep mode (GPU only, ``free_cache_engine``): the engine sleeps (level 1: weights to host memory, KV
-  cache freed) after each ``generate`` and wakes its weights before an update and its KV cache before
-  generating. vLLM's CPU platform has no sleep mode: there the KV cache stays allocated
-  (``kv_cache_memory_bytes``, default ``CPU_KV_CACHE_BYTES``) and ``free_cache_engine`` has no effect.
+- Rows are prompt-major and interleaved: one request per (prompt i, response k), in that order.
+- A response ends at the first token of ``stop_token_ids`` (kept, masked 1, "stop") or after
+  ``max_response_length`` tokens ("length"); the model's EOS stops only if listed.
+- ``log_probs`` are vLLM's log-probs of the sampled tokens, given only where they equal
+  log_softmax(logits / temperature) (greedy or temperature 1 with raw log-probs; top_p = 1 and no
+  top-k with processed ones); otherwise ``log_probs`` is None, never a different quantity.
+- Request (i, k) carries ``seed=mix(seeds[i], k)``: a response does not depend on the other requests,
+  but the tokens differ from the HF/built-in backends' for the same seed.
+- Sleep mode (GPU only, ``free_cache_engine``): the engine sleeps after each ``generate`` and wakes
+  before an update or a generation. On CPU the KV cache stays allocated (``kv_cache_memory_bytes``).
 """
 
 from __future__ import annotations
@@ -139,10 +127,8 @@ class VLLMWorkerExtension:
 
 
 def import_vllm():
-    """The vllm package, set up for an engine inside this process: the uni-process executor (the
-    weight stream is a Python iterator) and, on CPU, vLLM's model-class inspection run in this process
-    instead of a fresh interpreter (there is no CUDA state to protect, and a fresh interpreter would
-    import the unloadable torchvision that ``verl_balance.utils.torch_extensions`` hides here)."""
+    """The vllm package, set up for an in-process engine (uni-process executor; on CPU, model-class
+    inspection in this process, avoiding the torchvision that ``utils.torch_extensions`` hides)."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     try:
         import vllm
@@ -182,9 +168,8 @@ class VLLMRollout(RolloutEngine):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
-        """``model_config``: an ``HFModelConfig`` (the engine reads its directory: config, tokenizer and,
-        unless ``load_format`` is 'dummy', weights). ``max_batch_size`` is ``max_num_seqs`` when the
-        config gives none; ``dtype`` overrides ``config.dtype``."""
+        """``model_config``: an ``HFModelConfig`` (the engine reads its directory); ``max_batch_size`` defaults
+        to ``max_num_seqs``; ``dtype`` overrides ``config.dtype``."""
         from verl_balance.models.hf import HFModelConfig
 
         if not isinstance(model_config, HFModelConfig) or model_config.path is None:

@@ -1,16 +1,10 @@
 """Fault injection for tests: parity negative controls and a loss that turns NaN.
 
-The negative controls are deliberately wrong normalizers reproduced from other frameworks; they
-exist only so the parity tests can show that the tests catch them. Production code has no
-switch for them: ``FaultyTrainEngine`` is a TrainEngine subclass that replaces the engine's two
-narrow seams, ``_pack`` (its ``pack`` function: how a wire micro-batch becomes a packed stream) and
-``_token_weights`` (the loss-contract weights), with the broken versions below.
-
-``NaNLossTrainEngine`` uses the ``_token_weights`` seam to make the training loss (and so every
-gradient) NaN from a chosen step on; ``InfWeightsTrainEngine`` makes the update of one step leave
-infinite weights (that step's loss is still finite, the next one is not). Both are for the
-non-finite guards of the engine and the trainer; a worker runs one through
-``ActorWorker.engine_cls`` (a test subclass sets it).
+The negative controls are deliberately wrong normalizers from other frameworks, so the parity tests
+can show they catch them; production code has no switch for them. ``FaultyTrainEngine`` replaces the
+engine's ``_pack`` and ``_token_weights`` seams with the broken versions below.
+``NaNLossTrainEngine`` and ``InfWeightsTrainEngine`` make the loss NaN or the weights inf from a
+chosen step on, for the non-finite guards (run through ``ActorWorker.engine_cls``).
 """
 
 from __future__ import annotations
@@ -69,9 +63,8 @@ def faulty_token_weights(
     local_slices: Sequence[slice] | None = None,
     training: bool = True,
 ) -> TokenWeights:
-    """compute_token_weights with the counting error ``bug`` (the true counts are still returned,
-    as the broken frameworks log them). Collective over dp_group (and world_group for
-    count_over_world) on every rank alike."""
+    """compute_token_weights with the counting error ``bug`` (true counts still returned). Collective over
+    dp_group (and world_group for count_over_world) on every rank alike."""
     check_bug(bug)
     check_agg_mode(agg_mode)
     check_loss_scale_factor(agg_mode, loss_scale_factor)
@@ -203,9 +196,8 @@ class NaNLossTrainEngine(TrainEngine):
 
 
 class InfWeightsTrainEngine(TrainEngine):
-    """A TrainEngine whose optimizer update of 1-based train step ``inf_after_step`` sets every
-    weight to inf: the step itself logs a finite loss, the next ones do not (as a huge learning
-    rate does)."""
+    """A TrainEngine whose update of 1-based train step ``inf_after_step`` sets every weight to inf (that
+    step logs a finite loss, the next ones do not)."""
 
     inf_after_step: int = 3
 

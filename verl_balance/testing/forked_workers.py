@@ -1,28 +1,16 @@
 """Ray worker processes and subprocess drivers forked from a preloaded interpreter (test suite only).
 
 A *preload server* imports torch, tensordict and transformers once (``PRELOAD``); each worker is a
-fork of it instead of a fresh interpreter (4-5 s of CPU saved per worker process).
-
-Workers: while ``SOCKET_ENV`` names a running server, ``runtime_env_hook`` sets every job's
-``py_executable`` to this file run as a stdlib-only client (``python -S``). The client sends the
-server its argv, environment, working directory and standard streams (``SCM_RIGHTS``); the server
-forks a waiter, the waiter forks the worker, which takes them and the client's ``oom_score_adj``
-over, joins the client's process group (so the raylet's group signals reach it) and runs
-``default_worker.py`` as ``__main__`` under its own pid. The client exits with the worker's status;
-a worker whose client was SIGKILLed is SIGKILLed by its waiter. A client in another session than the
-server's runs ``default_worker.py`` itself.
-
-Drivers: ``python_command([...])`` is the same client in driver mode: the module runs as
-``python -m`` would, in its own process group, and the client forwards SIGTERM, SIGINT and SIGHUP.
+fork of it instead of a fresh interpreter. While ``SOCKET_ENV`` names a running server,
+``runtime_env_hook`` makes every job's ``py_executable`` a stdlib-only client of it: the server forks
+the worker, which takes over the client's argv, environment, streams and process group; the client
+exits with the worker's status. ``python_command`` is the same client for test drivers.
 
 Invariants (asserted by the server; tests/test_forked_workers.py checks the rest):
-- only third-party modules are preloaded: Ray, verl and verl_balance are imported in the worker,
-  with its environment and ``sys.path``;
-- the server has one thread and has run no torch op when it forks, with the workers' ``OMP_NUM_THREADS``;
+- only third-party modules are preloaded: Ray, verl and verl_balance are imported in the worker;
+- the server has one thread and has run no torch op when it forks;
 - the server exits when the process that started it does.
-
-Differences from a fresh interpreter: the preloaded modules saw the server's environment, and every
-fork shares the server's ``PYTHONHASHSEED``; the random generators are reseeded per worker.
+Forks share the server's ``PYTHONHASHSEED``; random generators are reseeded per worker.
 """
 
 from __future__ import annotations
@@ -118,12 +106,8 @@ def python_command(args: list[str]) -> list[str]:
 
 def client_main(socket_path: str, argv: list[str], *, driver: bool = False) -> int:
     """The process Ray (or a test, for a ``driver``) starts: have the server fork the worker, then stand
-    in for it until it exits, with its exit status.
-
-    A Ray worker joins this process's group: the raylet signals a worker's process group (it starts
-    each worker as a group leader), so its signals reach the worker as they would a fresh one, and this
-    process ignores them. A driver gets a group of its own, and this process passes the signals sent
-    to it (a test's SIGTERM or SIGINT to the pid it started) on to the driver."""
+    in for it until it exits, with its exit status. A Ray worker joins this process's group (the raylet
+    signals groups); a driver gets its own group, and this process forwards signals to it."""
     signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
     if driver:  # held until the driver's pid is known, then passed on
         signal.pthread_sigmask(signal.SIG_BLOCK, signals)
@@ -149,8 +133,7 @@ def client_main(socket_path: str, argv: list[str], *, driver: bool = False) -> i
 
 
 def _oom_score_adj() -> str | None:
-    """This process's ``oom_score_adj`` (the raylet raises its workers' to 1000: the kernel's OOM killer
-    takes a worker before the raylet); None where there is none."""
+    """This process's ``oom_score_adj``; None where there is none."""
     try:
         with open("/proc/self/oom_score_adj") as adj:
             return adj.read().strip()
@@ -166,10 +149,8 @@ def _pass_on(signum: int, pid: int) -> None:
 
 
 def reseed_like_a_fresh_process() -> None:
-    """In a fork: the random states a fresh interpreter draws for itself, drawn anew (a fork inherits
-    its parent's). Python's ``random`` reseeds itself after a fork; torch's generator and numpy's global
-    one do not, and without this every forked rank would share one torch seed, hiding a missing seed or
-    broadcast that fresh ranks would show as disagreeing weights."""
+    """In a fork: reseed torch and numpy as a fresh interpreter would, so forked ranks do not share a
+    seed (which would hide a missing seed broadcast)."""
     sys.modules["torch"].seed()
     if "numpy.random" in sys.modules:
         sys.modules["numpy.random"].seed()
@@ -210,8 +191,7 @@ def become_worker(request: dict, fds: list[int]) -> None:
 
 
 def _kill_when_client_leaves(conn: socket.socket, pid: int) -> None:
-    """In the waiter: return when the worker exits; SIGKILL it first if the client goes (the raylet
-    kills the process it started, and a stopped or hung worker would not notice)."""
+    """In the waiter: return when the worker exits; SIGKILL it first if the client goes."""
     import select
 
     worker = os.pidfd_open(pid)
@@ -252,8 +232,7 @@ def _wait_for_worker(conn: socket.socket) -> tuple[dict, list[int]] | None:
 
 
 def _hide_unloadable_torch_extensions() -> None:
-    """What ``import verl_balance`` does first (``utils/torch_extensions.py``), without importing the
-    package (a worker imports it itself): the preloaded transformers must not see an unloadable torchvision."""
+    """``utils/torch_extensions.py``'s torchvision hiding, without importing the package."""
     import importlib.util
 
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "utils", "torch_extensions.py")

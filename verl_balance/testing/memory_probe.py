@@ -1,8 +1,5 @@
 """Measure what a TrainEngine rank holds: bytes of its live parameter / gradient / optimizer-state
 tensors (this rank's local shards) and its process's peak RSS during a block.
-
-Used by tests/test_memory.py (exact components against ``verl_balance.memory``) and
-benchmarks/memory_model_check.py (peak RSS against the estimate).
 """
 
 from __future__ import annotations

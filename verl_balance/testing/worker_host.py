@@ -1,10 +1,7 @@
 """`WorkerHost`: a worker process that runs one worker object after another, each as in a fresh process.
 
-The worker side of ``testing/worker_hosts.py`` (which says when a group's workers are
-hosted): the group's pool subclasses ``WorkerHost`` with forwarders of the worker class's methods
-and starts it as a Ray actor. ``host_start`` sets this rank's environment and constructs the worker;
-``host_stop`` drops it, leaves its process group, and restores what a fresh process would see
-(``utils/process_state.py``: torch's defaults, rebound module globals, the start-up environment).
+The worker side of ``testing/worker_hosts.py``: ``host_start`` sets this rank's environment and
+constructs the worker; ``host_stop`` drops it and restores what a fresh process would see.
 """
 
 from __future__ import annotations
@@ -47,10 +44,8 @@ class WorkerHost:
         return os.getpid()
 
     def host_stop(self) -> bool:
-        """Drop the worker and everything it set up, so the next worker sees a fresh process.
-
-        False: this process cannot be reset (see ``destroy_process_groups``; or it ran a vLLM engine, whose
-        distributed state and engine globals live in vLLM's modules); the driver kills it."""
+        """Drop the worker and everything it set up, so the next worker sees a fresh process. False: this
+        process cannot be reset (e.g. it ran a vLLM engine); the driver kills it."""
         self._worker = None
         reusable = destroy_process_groups() and "vllm" not in sys.modules
         gc.collect()

@@ -1,20 +1,14 @@
 """Warm worker processes (test suite only): successive worker groups of one driver reuse idle worker
 processes instead of paying an interpreter, torch and the worker's imports (about 3 s of CPU) each.
 
-With ``enable_worker_hosts(classes=...)`` (installed as the process's
-``single_controller.worker_factory.WorkerFactory``) a worker of one of those classes is an object
-inside a *host* (``testing/worker_host.py``'s ``WorkerHost``): a Ray actor that outlives the group
-and serves the next group's worker of the same class, actor options and environment.
-
-A hosted worker starts as a fresh actor would where it matters: the host's start-up environment plus
-this rank's variables, no process group or DTensor mesh cache, torch's initial seed and defaults, and
-rebound module globals restored (``utils/process_state.py``); a host that cannot be reset is killed.
-Differences: the pid is the host's, and an error in the worker's constructor is the error of the
-group's start-up call rather than a dead actor.
+With ``enable_worker_hosts(classes=...)`` a worker of those classes lives inside a *host*
+(``testing/worker_host.py``'s ``WorkerHost``), a Ray actor that outlives the group and serves the next
+group's worker of the same class, options and environment. A hosted worker starts as a fresh actor
+would (environment, process groups, seeds and torch defaults reset; an unresettable host is killed),
+except for its pid and constructor errors surfacing in the group's start-up call.
 
 A group that saw any failure, or whose release does not answer within ``RELEASE_TIMEOUT_S``, kills its
-hosts (a rank may still be blocked in a collective). Only CPU groups without a controller extension
-are hosted: a host runs outside the group's placement group (``num_cpus=0``), which is still reserved.
+hosts. Only CPU groups without a controller extension are hosted.
 """
 
 from __future__ import annotations
@@ -149,8 +143,7 @@ def active_hosts() -> WorkerHosts | None:
 
 
 def enable_worker_hosts(*, classes: tuple[type, ...], host: type) -> WorkerHosts:
-    """Host the workers of exactly these classes in ``host`` processes from now on
-    (``testing.worker_host.WorkerHost``; see the module docstring)."""
+    """Host the workers of exactly these classes in ``host`` processes from now on."""
     disable_worker_hosts()
     hosts = WorkerHosts(classes, host=host)
     install_worker_factory(hosts)

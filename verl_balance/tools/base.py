@@ -2,12 +2,10 @@
 whose methods may be plain functions or coroutines (a verl ``BaseTool`` subclass is async).
 
 Invariants:
-- A tool sees only its own arguments: the instance id, the model's parsed call arguments and the
-  sample's ``tools_kwargs`` entry for that tool (verl's ``create_kwargs``); never the trainer's,
-  the rollout's or another sample's objects.
-- ``execute`` returns ``(ToolResponse, step reward, metrics)``; what a function tool returns is
-  normalised to that triple by ``normalize_return`` (a str, a dict as JSON, a ToolResponse, or a
-  1-3 tuple of them).
+- A tool sees only its own arguments: the instance id, the call's parsed arguments and the sample's
+  ``tools_kwargs`` entry for that tool; never the trainer's, the rollout's or another sample's objects.
+- ``execute`` returns ``(ToolResponse, step reward, metrics)`` (``normalize_return`` of a function
+  tool's return).
 """
 
 from __future__ import annotations
@@ -49,8 +47,7 @@ def check_schema(schema: Any, *, where: str) -> dict:
 
 
 class SchemaView(dict):
-    """A tool schema dict that also reads as attributes (``schema.function.name``) and answers
-    ``model_dump()``: the two ways tool classes written for verl read their pydantic schema."""
+    """A tool schema dict that also reads as attributes and answers ``model_dump()`` (as verl tools expect)."""
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -1,9 +1,8 @@
 """A calculator tool (``calculator``): the arithmetic a tiny model cannot do, for the tool-use demo task.
 
-``execute({"expression": "3 * 4 + 5"})`` answers the value (``17``) of an expression of integers,
-``+ - * /``, unary minus and parentheses, evaluated from its syntax tree (never ``eval``); any other
-expression, a division by zero or a result over ``MAX_DIGITS`` digits answers ``error: ...`` (the
-model reads it as the tool's output, as verl hands a tool's error back). Stateless: no step reward.
+``execute({"expression": "3 * 4 + 5"})`` answers ``17`` for integer ``+ - * /``, unary minus and
+parentheses (parsed, never ``eval``); anything else, division by zero or a result over ``MAX_DIGITS``
+digits answers ``error: ...``. Stateless: no step reward.
 """
 
 from __future__ import annotations

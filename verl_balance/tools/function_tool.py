@@ -1,13 +1,11 @@
 """``@function_tool``: a Python function as a stateless tool, its OpenAI schema taken from its signature
-and Google-style docstring (``transformers.utils.get_json_schema``, as verl does), and the loader of a
-``multi_turn.function_tool_path`` file.
+and Google-style docstring (as verl does), and the loader of a ``multi_turn.function_tool_path`` file.
 
 Invariants:
 - The decorator returns the function unchanged and registers it under its name (or the given one);
   a second function under a taken name is a ToolError naming both.
-- ``load_function_tools(path)`` runs the file once per process and returns the tools it registered:
-  with our decorator, or with verl's (``from verl.tools.function_tool import function_tool``), whose
-  registry is read from the already imported module (this package never imports verl).
+- ``load_function_tools(path)`` runs the file once per process; verl's decorator is read too (this
+  package never imports verl).
 """
 
 from __future__ import annotations

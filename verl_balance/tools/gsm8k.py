@@ -1,10 +1,8 @@
 """verl's example tool, a gsm8k answer checker (``calc_gsm8k_reward``), reimplemented.
 
-The sample's ``tools_kwargs["calc_gsm8k_reward"]["create_kwargs"]["ground_truth"]`` is the expected
-answer. ``execute({"answer": "..."})`` scores ``#### <answer>`` with the gsm8k rule (``rewards/gsm8k.py``),
-answers ``Current parsed answer=... reward=...`` and returns a
-step reward of 0 when the score did not drop below the instance's best so far, else -0.05 (verl's
-penalty for a worse retry). ``calc_reward`` is the instance's last score.
+``execute({"answer": "..."})`` scores ``#### <answer>`` against the sample's ``create_kwargs`` ground
+truth with the gsm8k rule; step reward 0 unless the score dropped below the instance's best (then
+-0.05, verl's retry penalty). ``calc_reward`` is the instance's last score.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """Every tool of a run: the classes of a ``tool_config_path`` YAML plus the functions of a
 ``function_tool_path`` file, each name once.
 
-The YAML is verl's::
-
-    tools:
-      - class_name: verl_balance.tools.gsm8k.Gsm8kTool   # any importable BaseTool subclass (verl's too)
-        config: {type: native}
-        tool_schema: {type: function, function: {name: calc_gsm8k_reward, description: ..., parameters: ...}}
-
-A bad entry (missing class, not importable, a schema without a name) or a name given twice is a
-ToolError naming the entry and the file.
+The YAML is verl's (``tools: [{class_name, config, tool_schema}]``). A bad entry or a name given
+twice is a ToolError naming the entry and the file.
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """Running one turn's tool calls: concurrently, each under a timeout, every failure an answer.
 
 Invariants:
-- Every call gets exactly one text answer for the model, in call order: the tool's response
-  (truncated to ``max_tool_response_length`` characters on ``tool_response_truncate_side``), or a whole
-  error message (unknown tool name, malformed call, the tool raised, it exceeded ``timeout_s``, it
-  called ``sys.exit``: ``ToolExitError``); an error never ends the rollout, it is counted (``CallResult.error``).
-- At most ``max_parallel_calls`` calls of one sample's turn run (verl's rule: the rest are dropped);
-  the calls of all samples of the turn run concurrently on one event loop.
-- A stateful tool's instance is created with the sample's ``tools_kwargs[name]["create_kwargs"]``
-  and released after the call, also when it failed.
-- A coroutine tool is cancelled at its timeout; a plain function runs in a thread that cannot be
-  stopped, so it is abandoned (its answer is the timeout error) and the rollout goes on.
+- Every call gets exactly one text answer, in call order: the tool's response (truncated to
+  ``max_tool_response_length`` characters) or a whole error message; an error never ends the rollout,
+  it is counted (``CallResult.error``).
+- At most ``max_parallel_calls`` calls of one sample's turn run (verl's rule: the rest are dropped).
+- A stateful tool's instance is created with the sample's ``create_kwargs`` and always released.
+- A coroutine tool is cancelled at its timeout; a plain function's thread is abandoned.
 """
 
 from __future__ import annotations
