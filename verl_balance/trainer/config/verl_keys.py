@@ -134,10 +134,10 @@ VERL_KEYS: tuple[VerlKey, ...] = (
         recipes=("grpo",),
     ),
     _honoured(
-        "reward.custom_reward_function.path", "custom_reward_function.path", "verl 0.9.1's spelling", recipes=("grpo",)
+        "reward.custom_reward_function.path", "custom_reward_function.path", "verl's newer spelling", recipes=("grpo",)
     ),
     _honoured(
-        "reward.custom_reward_function.name", "custom_reward_function.name", "verl 0.9.1's spelling", recipes=("grpo",)
+        "reward.custom_reward_function.name", "custom_reward_function.name", "verl's newer spelling", recipes=("grpo",)
     ),
     _honoured(
         "engine.ulysses_sequence_parallel_size",
@@ -191,7 +191,7 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     ),
     *_none(
         [f"{AR}.rollout.multi_turn.num_repeat_rollouts"],
-        "verl 0.9.1 reads it nowhere; rollout.n sets the responses per prompt",
+        "verl's trainer reads it nowhere; rollout.n sets the responses per prompt",
         recipes=("grpo",),
     ),
     *_none(
