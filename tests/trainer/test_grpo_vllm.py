@@ -139,6 +139,16 @@ def test_separate_async_with_lora_on_a_vllm_rollout_worker(separate_async_lora_s
     assert all(r["actor/grad_norm"] > 0 for r in steps)
 
 
+def test_colocate_async_generates_on_the_actors_vllm_engines(ray_cluster, tmp_path):
+    """colocate_async: the actor's own engines generate batch k + 1 while batch k trains, so as with
+    separate_async only batch 1 is on the trainer's weights."""
+    extra = ["trainer.v1.trainer_mode=colocate_async", "actor_rollout_ref.actor.recompute_old_log_prob=always"]
+    steps = _run_on_vllm(tmp_path, extra)[1]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert steps[0][DIFF] < PROBS_DIFF_MAX, steps[0]
+    assert all(r[DIFF] > PROBS_DIFF_MAX for r in steps[1:]), steps[1:]
+
+
 class EngineKilledOnceWorker(ActorRolloutWorker):
     """Rank 1 SIGKILLs its own process (the vLLM engine runs in it) after the engine's first scheduler
     step of its second generation (step 2's), once per run: it writes its pid to ``engine_killed``
