@@ -140,8 +140,8 @@ def test_separate_async_with_lora_on_a_vllm_rollout_worker(separate_async_lora_s
 
 
 def test_colocate_async_generates_on_the_actors_vllm_engines(ray_cluster, tmp_path):
-    """colocate_async: the actor's own engines generate batch k + 1 while batch k trains, so as with
-    separate_async only batch 1 is on the trainer's weights."""
+    """colocate_async: the actor's own engines generate batch k + 1 before step k's update (one step
+    off-policy), so as with separate_async only batch 1 is on the trainer's weights."""
     extra = ["trainer.v1.trainer_mode=colocate_async", "actor_rollout_ref.actor.recompute_old_log_prob=always"]
     steps = _run_on_vllm(tmp_path, extra)[1]
     assert [r["step"] for r in steps] == [1, 2, 3]
