@@ -47,6 +47,9 @@ V1 = (
     "algorithm.adv_estimator=reinforce_plus_plus",
 )
 PPO_KEYS = ("actor/pg_loss", "actor/grad_norm", "critic/score/mean", "response_length/mean")
+PPO_ABS = {"actor/pg_loss": 1e-6}
+"""GRPO's pg_loss is a mean of O(1) terms whose group-normalised advantages cancel to ~1e-7, so its fp32
+rounding is absolute (CI measured 2.2e-7 between two equal runs); grad_norm keeps rel 1e-5."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -183,7 +186,7 @@ def _assert_resumed_equals_uninterrupted(runs: dict) -> None:
     assert sorted(full) == [1, 2, 3] and sorted(stopped) == [1] and sorted(resumed) == [2, 3], runs
     for step, metrics in [(1, stopped[1]), (2, resumed[2]), (3, resumed[3])]:
         for key in PPO_KEYS:
-            assert metrics[key] == pytest.approx(full[step][key], rel=1e-5, abs=1e-7), (step, key)
+            assert metrics[key] == pytest.approx(full[step][key], rel=1e-5, abs=PPO_ABS.get(key, 1e-7)), (step, key)
     # Not vacuous: step 2 trains other prompts (other scores) than step 1, and the policy moved.
     assert full[2]["critic/score/mean"] != pytest.approx(full[1]["critic/score/mean"], rel=1e-3)
     assert full[2]["actor/grad_norm"] != pytest.approx(full[1]["actor/grad_norm"], rel=1e-3)
