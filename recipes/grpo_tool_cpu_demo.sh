@@ -9,6 +9,9 @@
 # Outputs under $OUT (default outputs/grpo_tool_cpu_demo): model/, data/, sft/, grpo/ (metrics.jsonl)
 # and curves.png: train reward, held-out accuracy, tool-call rate and tool calls per step (its path
 # is printed last). Extra arguments are Hydra overrides of the GRPO stage.
+# One run here (2 shared CPU cores, ~16.5 min): tool-call rate 0.82 -> 0.93 and train reward 0.10 -> 0.14
+# (first / last tenth of the 40 GRPO steps); held-out accuracy 0.375 -> 0.25 on its 16 prompts, i.e. not
+# improved at this size: the demo shows the loop and its metrics, not a trained tool user.
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-outputs/grpo_tool_cpu_demo}
