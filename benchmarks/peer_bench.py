@@ -558,9 +558,19 @@ def _sync_by_reload(generation) -> None:
     parameter to the vLLM model's ``load_weights``, which fails on vLLM's CPU backend once the engine has
     repacked its linear layers (``AttributeError: 'Parameter' object has no attribute 'weight_loader'``,
     vllm/model_executor/layers/linear.py); here the same (name, tensor) stream, from TRL's own iterator,
-    goes through the model runner's in-place ``reload_weights`` instead, then TRL's prefix-cache reset."""
+    goes through the model runner's in-place ``reload_weights`` instead, then TRL's prefix-cache reset.
+    With tied embeddings the stream also names the embedding ``lm_head.weight``: the reload rebuilds
+    vLLM's head from that name, and without it the engine kept the old head (checked on this CPU)."""
+    tied = getattr(generation.model.config, "tie_word_embeddings", False)
+
+    def stream():
+        for name, tensor in generation._iter_named_params():
+            yield name, tensor
+            if tied and name.endswith("embed_tokens.weight"):
+                yield "lm_head.weight", tensor
+
     runner = generation.llm.llm_engine.model_executor.driver_worker.model_runner
-    runner.reload_weights(weights_iterator=generation._iter_named_params())
+    runner.reload_weights(weights_iterator=stream())
     generation.llm.reset_prefix_cache()
 
 
