@@ -127,10 +127,11 @@ def _sdpa_loop(
     softcap: float | None,
 ) -> Tensor:
     outs = []
-    bounds = cu_seqlens.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        qi, ki, vi = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-        length = end - start
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    # One split per tensor: its backward is one cat, where per-sequence slices would each
+    # scatter into a zero tensor of the whole stream (quadratic in the number of sequences).
+    for qi, ki, vi, length in zip(q.split(lengths), k.split(lengths), v.split(lengths), lengths):
+        qi, ki, vi = (x.transpose(0, 1).unsqueeze(0) for x in (qi, ki, vi))
         window = None
         if sliding_window is not None and length > sliding_window:
             idx = torch.arange(length, device=q.device)
