@@ -110,3 +110,26 @@ def test_weights_are_referenced_and_tied_embeddings_stay_tied(model_dirs):
     half = HFRollout(model_config=config, state_dict=state, dtype=torch.bfloat16)
     assert half.model.lm_head.weight.dtype == torch.bfloat16 and state["lm_head.weight"].dtype == torch.float32
     assert half.generate([[3, 4]], temperature=0.0, max_response_length=3).responses.shape == (1, 3)
+
+
+@pytest.mark.parametrize("variant", ["llama_kv1_tied", "mistral_window4"])
+def test_cpu_rollout_grouped_sdpa_equals_hf_sdpa_on_left_padded_batches(model_dirs, variant):
+    """On CPU the rollout hands grouped KV heads to SDPA unrepeated; its logits equal HF's own sdpa
+    (which repeats the heads under a padding mask) on a left-padded batch, prefill and decode."""
+    from verl_balance.models.attention import GROUPED_SDPA_ATTN_IMPLEMENTATION
+
+    config = HFModelConfig.from_pretrained(model_dirs[variant])
+    rollout = build_rollout(config, pad_token_id=0)
+    assert rollout.model.config._attn_implementation == GROUPED_SDPA_ATTN_IMPLEMENTATION
+    gen = torch.Generator().manual_seed(0)
+    sequences = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in (9, 4, 13, 1, 6)]
+    grouped = rollout.forward_logits(sequences, prefill_lengths=[3, 4, 1, 1, 5])
+    rollout.model.set_attn_implementation("sdpa")
+    repeated = rollout.forward_logits(sequences, prefill_lengths=[3, 4, 1, 1, 5])
+    for g, r in zip(grouped, repeated):
+        torch.testing.assert_close(g, r, rtol=1e-6, atol=1e-6)
+
+
+def test_soft_capped_rollout_keeps_eager_attention(model_dirs):
+    config = HFModelConfig.from_pretrained(model_dirs["gemma2"])
+    assert build_rollout(config, pad_token_id=0).model.config._attn_implementation == "eager"

@@ -325,3 +325,49 @@ def register_hf_attention() -> str:
 
     AttentionInterface.register(HF_ATTN_IMPLEMENTATION, hf_packed_attention_forward)
     return HF_ATTN_IMPLEMENTATION
+
+
+GROUPED_SDPA_ATTN_IMPLEMENTATION = "verl_balance_grouped_sdpa"
+
+
+def grouped_sdpa_attention_forward(
+    module,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attention_mask: Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **_,
+) -> tuple[Tensor, None]:
+    """HF's ``sdpa`` attention ([B, H, q, d] in, ([B, q, H, d], None) out; HF's sdpa mask) with grouped
+    KV heads handed to SDPA as they are (``enable_gqa``) where HF repeats them whenever a mask is
+    given: the same values, without copying each layer's whole KV cache at every decode step."""
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    out = F.scaled_dot_product_attention(
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=dropout,
+        scale=scaling,
+        is_causal=bool(query.shape[2] > 1 and attention_mask is None and causal),
+        enable_gqa=key.shape[1] != query.shape[1],
+    )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def use_grouped_sdpa(hf_model) -> bool:
+    """Switch an HF model built with ``sdpa`` to ``grouped_sdpa_attention_forward`` (HF's sdpa mask);
+    False, unchanged, for any other attention. For CPU decoding: CUDA's fused SDPA kernels take no mask
+    with grouped heads, so HF's own repeat stays faster there."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    if hf_model.config._attn_implementation != "sdpa":
+        return False
+    AttentionInterface.register(GROUPED_SDPA_ATTN_IMPLEMENTATION, grouped_sdpa_attention_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(GROUPED_SDPA_ATTN_IMPLEMENTATION, sdpa_mask)
+    hf_model.set_attn_implementation(GROUPED_SDPA_ATTN_IMPLEMENTATION)
+    return hf_model.config._attn_implementation == GROUPED_SDPA_ATTN_IMPLEMENTATION

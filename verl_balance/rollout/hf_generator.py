@@ -17,6 +17,7 @@ from dataclasses import replace
 
 import torch
 
+from verl_balance.models.attention import use_grouped_sdpa
 from verl_balance.rollout.base import RolloutInputError
 from verl_balance.rollout.decoding import CachedDecoder, left_pad
 from verl_balance.rollout.kv_cache_generator import StateDictError
@@ -65,6 +66,8 @@ class HFRollout(CachedDecoder):
                 attn_implementation="sdpa",
             )
         self.model.to(device=device, dtype=dtype).eval()
+        if self.model.lm_head.weight.device.type == "cpu":
+            use_grouped_sdpa(self.model)
         self._device, self._dtype = self.model.lm_head.weight.device, self.model.lm_head.weight.dtype
         self._has_weights = state_dict is not None or model_config.init == "pretrained"
         if state_dict is not None:
