@@ -254,16 +254,16 @@ def _checked_worker_env(
     return worker_env
 
 
-OMP_WAIT_POLICY = "PASSIVE"
-"""OpenMP wait policy of CPU workers: passive, since spinning threads on shared cores cost many
-times the CPU (docs/performance.md, "Threads")."""
-
-
 def cpu_thread_env(pool: RayResourcePool) -> dict[str, str]:
-    """Thread defaults for CPU workers (a passive OpenMP wait unless the driver names one); none for GPU."""
-    if pool.use_gpu or "OMP_WAIT_POLICY" in os.environ:
+    """The driver's ``OMP_WAIT_POLICY`` for CPU workers (also on a remote cluster), else nothing.
+
+    A node's CPU workers never hold more threads than its cores (``threads_per_worker``), so
+    OpenMP's default wait (a bounded spin, then sleep) applies; on a host shared with other jobs a
+    passive wait spends less CPU (docs/performance.md, "Threads")."""
+    policy = os.environ.get("OMP_WAIT_POLICY")
+    if pool.use_gpu or not policy:
         return {}
-    return {"OMP_WAIT_POLICY": OMP_WAIT_POLICY}
+    return {"OMP_WAIT_POLICY": policy}
 
 
 def _rendezvous_env(pool: RayResourcePool, *, rank: int, local_rank: int, address: tuple[str, int]) -> dict[str, str]:
