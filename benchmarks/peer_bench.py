@@ -264,6 +264,7 @@ def ours_grpo_case(args, model: str, data: str, run_dir: str, *, vllm: bool = Fa
         f"trainer.default_local_dir={run_dir}",
         "trainer.resume_mode=disable",
         *[f"{a}.rollout.name=vllm", f"{a}.rollout.dtype=bfloat16"] * vllm,
+        *(args.ours_override or []),
     ]
     name = "ours main_grpo (vLLM)" if vllm else "ours main_grpo"
     return Case(name, argv, _env(args.threads), re.compile(r"^step (\d+)\b"), f"jsonl:{run_dir}")
@@ -848,6 +849,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="reload",
         help="grpo-trl-vllm: how TRL's weights reach its vLLM engine: 'trl', TRL's own load_weights path "
         "(fails on vLLM's CPU backend), or 'reload', the bench's shim through vLLM's reload_weights",
+    )
+    p.add_argument(
+        "--ours-override",
+        action="append",
+        metavar="KEY=VALUE",
+        help="extra override of our GRPO runs (repeatable), e.g. actor_rollout_ref.rollout.enforce_eager=false",
     )
     p.add_argument("--timeout", type=float, default=600.0, help="seconds before one run is killed")
     p.add_argument("--child", choices=("trl-sft", "trl-grpo", "trl-grpo-vllm"), help=argparse.SUPPRESS)

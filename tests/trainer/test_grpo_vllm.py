@@ -68,6 +68,9 @@ def _run_on_vllm(root, extra: list[str], *, trainer_cls=None) -> tuple[dict, lis
             "data.train_batch_size=4",
             f"actor_rollout_ref.model.path={model}",
             "actor_rollout_ref.rollout.name=vllm",
+            # eager engines start in ~1 s; the compiled default (16 s per engine here) is proven against
+            # HF across weight updates in tests/rollout/test_vllm_rollout.py
+            "actor_rollout_ref.rollout.enforce_eager=true",
             "actor_rollout_ref.rollout.n=4",
             "actor_rollout_ref.rollout.response_length=8",
             "actor_rollout_ref.actor.ppo_mini_batch_size=2",

@@ -136,8 +136,8 @@ def test_a_value_this_project_cannot_honour_is_refused_naming_the_key(script, li
 
 def test_startup_line_names_each_no_effect_key_once_with_its_reason():
     keys = ["actor_rollout_ref.rollout.gpu_memory_utilization", "actor_rollout_ref.rollout.enforce_eager"]
-    # vLLM keys of the schema, named when set to other than their defaults (0.5, True) with another rollout
-    _, no_effect = _translated("grpo", [f"{keys[0]}=0.6", f"{keys[1]}=False", f"{keys[0]}=0.6"])
+    # vLLM keys of the schema, named when set to other than their defaults (0.5, False) with another rollout
+    _, no_effect = _translated("grpo", [f"{keys[0]}=0.6", f"{keys[1]}=True", f"{keys[0]}=0.6"])
     line = startup_line(no_effect, recipe="grpo")
     assert line.count(keys[0]) == 1 and line.count(keys[1]) == 1
     assert "vLLM" in line

@@ -12,7 +12,7 @@ from verl_balance.trainer.config.grpo import GRPOConfig, register_grpo_schema, v
 from verl_balance.trainer.config.verl_keys import startup_line
 
 AR = "actor_rollout_ref.rollout"
-VLLM_KEYS = [f"{AR}.gpu_memory_utilization=0.3", f"{AR}.enforce_eager=False", f"{AR}.top_k=5", f"{AR}.dtype=bfloat16"]
+VLLM_KEYS = [f"{AR}.gpu_memory_utilization=0.3", f"{AR}.enforce_eager=True", f"{AR}.top_k=5", f"{AR}.dtype=bfloat16"]
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def test_with_name_vllm_the_keys_reach_the_engine_config(snapshot_root):
     config = _config(snapshot_root, args)
     assert config.rollout_backend == "vllm"
     vllm = config.actor_rollout_ref.rollout.vllm_config(seed=7)
-    assert (vllm.gpu_memory_utilization, vllm.enforce_eager, vllm.top_k, vllm.dtype) == (0.3, False, 5, "bfloat16")
+    assert (vllm.gpu_memory_utilization, vllm.enforce_eager, vllm.top_k, vllm.dtype) == (0.3, True, 5, "bfloat16")
     assert vllm.seed == 7 and vllm.logprobs_mode == "raw_logprobs"
 
 

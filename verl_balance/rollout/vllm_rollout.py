@@ -55,8 +55,8 @@ class VLLMRolloutConfig:
     """Tokens per scheduler step (null = vLLM's default)."""
     max_model_len: int | None = None
     """Prompt plus response tokens (null = the model's max_position_embeddings)."""
-    enforce_eager: bool = True
-    """No CUDA graphs / compilation."""
+    enforce_eager: bool = False
+    """True: no torch.compile and no CUDA graphs (verl's default False: the engine compiles at start-up)."""
     enable_chunked_prefill: bool = True
     """Split long prefills over scheduler steps."""
     enable_prefix_caching: bool = False

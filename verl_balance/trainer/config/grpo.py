@@ -268,8 +268,8 @@ class RolloutSection:
     """vLLM: tokens per scheduler step (null = vLLM's default)."""
     max_model_len: Optional[int] = field(default=None, metadata=APPLY_ON_RESUME)
     """vLLM: prompt + response tokens (null = the model's max_position_embeddings)."""
-    enforce_eager: bool = field(default=True, metadata=APPLY_ON_RESUME)
-    """vLLM: no CUDA graphs."""
+    enforce_eager: bool = field(default=False, metadata=APPLY_ON_RESUME)
+    """vLLM: true = no torch.compile and no CUDA graphs (verl's default false: compiled at start-up)."""
     enable_chunked_prefill: bool = field(default=True, metadata=APPLY_ON_RESUME)
     """vLLM: chunked prefill."""
     enable_prefix_caching: bool = field(default=False, metadata=APPLY_ON_RESUME)
