@@ -43,7 +43,9 @@ def _sliced_loop(q, k, v, *, cu_seqlens, scaling):
     outs = []
     for start, end in zip(bounds[:-1], bounds[1:]):
         qi, ki, vi = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-        outs.append(F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scaling).squeeze(0).transpose(0, 1))
+        outs.append(
+            F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scaling).squeeze(0).transpose(0, 1)
+        )
     return torch.cat(outs, dim=0)
 
 
@@ -73,7 +75,9 @@ def train_section(*, seqs: int, shape, iters: int) -> dict:
     scaling = shape[2] ** -0.5
     sides = {
         "sliced (before)": lambda q, k, v: _sliced_loop(q, k, v, cu_seqlens=cu, scaling=scaling),
-        "split (ours)": lambda q, k, v: varlen_causal_attention(q, k, v, cu_seqlens=cu, max_seqlen=max_len, impl="sdpa_loop"),
+        "split (ours)": lambda q, k, v: varlen_causal_attention(
+            q, k, v, cu_seqlens=cu, max_seqlen=max_len, impl="sdpa_loop"
+        ),
     }
     return _compare(sides, lambda fn: _fwd_bwd(fn, q, k, v), iters=iters)
 
@@ -124,7 +128,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     shape = SHAPES[args.shape]
-    print(f"shape {args.shape} (heads, kv heads, head_dim, length) {shape}; {args.seqs} sequences; threads {args.threads}")
+    print(
+        f"shape {args.shape} (heads, kv heads, head_dim, length) {shape}; {args.seqs} sequences; threads {args.threads}"
+    )
     for section, fn in (("train fwd+bwd", train_section), ("decode step", decode_section)):
         kwargs = {"seqs": args.seqs} if section.startswith("train") else {"rows": args.seqs}
         result = fn(shape=shape, iters=args.iters, **kwargs)
