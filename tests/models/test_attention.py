@@ -93,3 +93,25 @@ def test_unknown_impl_is_a_config_error_listing_the_valid_ones():
     with pytest.raises(ModelConfigError, match="sdpa_masked"):
         resolve_attn_impl("xformers", device=torch.device("cpu"))
     assert resolve_attn_impl("auto", device=torch.device("cpu")) in ATTN_IMPLS
+
+
+def test_grouped_sdpa_equals_hf_sdpa_under_a_padding_mask_and_refuses_what_it_cannot_honour():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from verl_balance.models.attention import grouped_sdpa_attention_forward
+
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = True, 3
+    gen = torch.Generator().manual_seed(0)
+    for q_len in (5, 1):  # prefill, decode
+        q = torch.randn(2, 6, q_len, 8, generator=gen, dtype=torch.float64)
+        k, v = (torch.randn(2, 2, 5, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+        mask = torch.ones(2, 1, q_len, 5, dtype=torch.bool).tril(diagonal=5 - q_len)
+        mask[0, ..., :2] = False  # row 0 left-padded by two
+        expected = sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)[0]
+        got = grouped_sdpa_attention_forward(module, q, k, v, mask, scaling=0.3)[0]
+        torch.testing.assert_close(got, expected)
+        unmasked = grouped_sdpa_attention_forward(module, q, k, v, torch.ones_like(mask), scaling=0.3)[0]
+        assert not torch.allclose(unmasked[0], expected[0])  # negative control: the padding mask matters
+    with pytest.raises(ModelConfigError, match="position_bias"):
+        grouped_sdpa_attention_forward(module, q, k, v, mask, position_bias=torch.zeros(1))

@@ -330,6 +330,10 @@ def register_hf_attention() -> str:
 GROUPED_SDPA_ATTN_IMPLEMENTATION = "verl_balance_grouped_sdpa"
 
 
+_GROUPED_SDPA_UNHONOURED = ("position_bias", "softcap", "s_aux", "sinks")
+"""Attention arguments of HF models that ``grouped_sdpa_attention_forward`` cannot honour."""
+
+
 def grouped_sdpa_attention_forward(
     module,
     query: Tensor,
@@ -339,11 +343,18 @@ def grouped_sdpa_attention_forward(
     dropout: float = 0.0,
     scaling: float | None = None,
     is_causal: bool | None = None,
-    **_,
+    **kwargs,
 ) -> tuple[Tensor, None]:
     """HF's ``sdpa`` attention ([B, H, q, d] in, ([B, q, H, d], None) out; HF's sdpa mask) with grouped
-    KV heads handed to SDPA as they are (``enable_gqa``) where HF repeats them whenever a mask is
-    given: the same values, without copying each layer's whole KV cache at every decode step."""
+    KV heads handed to SDPA as they are (``enable_gqa``), where HF's repeats them under a mask (transformers
+    5.10 at every step, later versions in prefill): the same values, without copying each layer's KV cache.
+    Refuses the arguments it cannot honour (``_GROUPED_SDPA_UNHONOURED``)."""
+    unhonoured = [name for name in _GROUPED_SDPA_UNHONOURED if kwargs.get(name) is not None]
+    if unhonoured:
+        raise ModelConfigError(
+            f"{GROUPED_SDPA_ATTN_IMPLEMENTATION} attention cannot honour {unhonoured} of "
+            f"{type(module).__name__}; this model needs HF's own attention"
+        )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     out = F.scaled_dot_product_attention(
         query,
