@@ -346,7 +346,7 @@ def grouped_sdpa_attention_forward(
     **kwargs,
 ) -> tuple[Tensor, None]:
     """HF's ``sdpa`` attention ([B, H, q, d] in, ([B, q, H, d], None) out; HF's sdpa mask) with grouped
-    KV heads handed to SDPA as they are (``enable_gqa``), where HF's repeats them under a mask (transformers
+    KV heads handed to SDPA as they are (``enable_gqa``), where HF's sdpa repeats them under a mask (transformers
     5.10 at every step, later versions in prefill): the same values, without copying each layer's KV cache.
     Refuses the arguments it cannot honour (``_GROUPED_SDPA_UNHONOURED``)."""
     unhonoured = [name for name in _GROUPED_SDPA_UNHONOURED if kwargs.get(name) is not None]
