@@ -23,26 +23,34 @@ logger = logging.getLogger(__name__)
 _PROC = "/proc"
 
 
-def _stat(pid: int) -> tuple[int, int, int] | None:
-    """(ppid, pgid, start time in clock ticks) of ``pid``; None when it is gone (or a zombie)."""
+def _stat(pid: int, *, zombies: bool = False) -> tuple[int, int, int] | None:
+    """(ppid, pgid, start time in clock ticks) of ``pid``; None when it is gone (or a zombie, unless ``zombies``)."""
     try:
         with open(f"{_PROC}/{pid}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    if fields[0] in (b"Z", b"X"):
+    if fields[0] in (b"Z", b"X") and not zombies:
         return None
     return int(fields[1]), int(fields[2]), int(fields[19])
 
 
-def _all_stats() -> dict[int, tuple[int, int, int]]:
-    """``{pid: (ppid, pgid, start)}`` of every live process this process can see."""
+def _all_stats(*, zombies: bool = False) -> dict[int, tuple[int, int, int]]:
+    """``{pid: (ppid, pgid, start)}`` of every live process this process can see (and zombies, if asked)."""
     out = {}
     with contextlib.suppress(OSError):
         for name in os.listdir(_PROC):
-            if name.isdigit() and (stat := _stat(int(name))) is not None:
+            if name.isdigit() and (stat := _stat(int(name), zombies=zombies)) is not None:
                 out[int(name)] = stat
     return out
+
+
+def _settled_stats() -> dict[int, tuple[int, int, int]]:
+    """Two passes of ``_all_stats(zombies=True)``, united. A child that forked and exited while the first
+    pass listed /proc is a zombie there (its process group still readable), and the process it forked
+    (re-parented to this subreaper) is listed by the second."""
+    first = _all_stats(zombies=True)
+    return {**first, **_all_stats(zombies=True)}
 
 
 def _descendants(root: int, stats: dict[int, tuple[int, int, int]]) -> set[int]:
@@ -91,12 +99,12 @@ class RewardChildren:
             yield
             return
         me = os.getpid()
-        before = {pid for pid, (ppid, _, _) in _all_stats().items() if ppid == me}
+        before = {pid for pid, (ppid, _, _) in _all_stats(zombies=True).items() if ppid == me}
         was_subreaper = _set_subreaper(True)
         try:
             yield
         finally:
-            stats = _all_stats()
+            stats = _settled_stats()
             if not was_subreaper:
                 _set_subreaper(False)
             new = {pid for pid, (ppid, _, _) in stats.items() if ppid == me and pid not in before}
