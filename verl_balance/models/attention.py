@@ -328,10 +328,7 @@ def register_hf_attention() -> str:
 
 
 GROUPED_SDPA_ATTN_IMPLEMENTATION = "verl_balance_grouped_sdpa"
-
-
-_GROUPED_SDPA_UNHONOURED = ("position_bias", "softcap", "s_aux", "sinks")
-"""Attention arguments of HF models that ``grouped_sdpa_attention_forward`` cannot honour."""
+_GROUPED_SDPA_KWARGS = _HF_PASSTHROUGH_KWARGS | {"sliding_window"}  # the window is in HF's sdpa mask
 
 
 def grouped_sdpa_attention_forward(
@@ -348,12 +345,12 @@ def grouped_sdpa_attention_forward(
     """HF's ``sdpa`` attention ([B, H, q, d] in, ([B, q, H, d], None) out; HF's sdpa mask) with grouped
     KV heads handed to SDPA as they are (``enable_gqa``), where HF's sdpa repeats them under a mask (transformers
     5.10 at every step, later versions in prefill): the same values, without copying each layer's KV cache.
-    Refuses the arguments it cannot honour (``_GROUPED_SDPA_UNHONOURED``)."""
-    unhonoured = [name for name in _GROUPED_SDPA_UNHONOURED if kwargs.get(name) is not None]
-    if unhonoured:
+    Refuses any other argument that is not None, as the packed entry point does."""
+    unknown = sorted(k for k, v in kwargs.items() if k not in _GROUPED_SDPA_KWARGS and v is not None)
+    if unknown:
         raise ModelConfigError(
-            f"{GROUPED_SDPA_ATTN_IMPLEMENTATION} attention cannot honour {unhonoured} of "
-            f"{type(module).__name__}; this model needs HF's own attention"
+            f"{type(module).__name__} passes attention argument(s) {unknown} that "
+            f"{GROUPED_SDPA_ATTN_IMPLEMENTATION} does not implement; this model needs HF's own attention"
         )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     out = F.scaled_dot_product_attention(

@@ -66,9 +66,9 @@ class HFRollout(CachedDecoder):
                 attn_implementation="sdpa",
             )
         self.model.to(device=device, dtype=dtype).eval()
-        if self.model.lm_head.weight.device.type == "cpu":
-            use_grouped_sdpa(self.model)
         self._device, self._dtype = self.model.lm_head.weight.device, self.model.lm_head.weight.dtype
+        if self._device.type == "cpu":
+            use_grouped_sdpa(self.model)
         self._has_weights = state_dict is not None or model_config.init == "pretrained"
         if state_dict is not None:
             self.update_weights(state_dict)
