@@ -124,11 +124,11 @@ def ray_cluster(forked_ray_workers):
     started_here = not ray.is_initialized()
     if started_here:
         python_path = os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p)
-        from verl_balance.trainer.cluster import _init_embedded
+        from verl_balance.trainer.ray_start import init_embedded
 
         # Retried like the recipes' embedded start: Ray's fixed node start-up timeout can trip on a
         # loaded machine, and one failure here would error every Ray test of the session.
-        _init_embedded(
+        init_embedded(
             address="local",  # always a fresh embedded cluster, never another process's running one
             num_cpus=RAY_NUM_CPUS,
             include_dashboard=False,

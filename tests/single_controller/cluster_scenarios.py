@@ -133,12 +133,12 @@ def oversized() -> dict:
     from verl_balance.engine.config import EngineConfig
     from verl_balance.models.config import ModelConfig
     from verl_balance.single_controller import UnplaceableResourcePoolError
-    from verl_balance.trainer import cluster
+    from verl_balance.trainer import cluster, ray_start
     from verl_balance.workers.actor import ActorWorkerConfig
 
     start = time.monotonic()
     cluster.start_ray(address=None, num_workers=64)
-    out: dict = {"cluster_cpus": ray.cluster_resources().get("CPU"), "expected_cpus": cluster.embedded_cluster_cpus()}
+    out: dict = {"cluster_cpus": ray.cluster_resources().get("CPU"), "expected_cpus": ray_start.embedded_cluster_cpus()}
     config = ActorWorkerConfig(model=ModelConfig.preset("tiny"), engine=EngineConfig())
     trainer_cfg = SimpleNamespace(n_gpus_per_node=64, nnodes=1, placement_timeout_s=300.0)
     out["start_ray_s"] = time.monotonic() - start

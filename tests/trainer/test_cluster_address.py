@@ -12,7 +12,7 @@ import pytest
 from ray._common.utils import get_ray_address_file
 from ray._private.services import get_ray_address_from_environment
 
-from verl_balance.trainer import cluster
+from verl_balance.trainer import cluster, ray_start
 
 # Marked slow by the rule of tests/test_slow_marks.py (it reads Ray's own address resolution), though
 # it starts no process.
@@ -39,7 +39,7 @@ def test_a_stale_cluster_address_file_is_not_joined_by_the_embedded_start(stale_
     embedded, kwargs = cluster.ray_init_arguments(address=None, ray_init=None)
     assert embedded and kwargs["address"] == "local"
     assert get_ray_address_from_environment(kwargs["address"], None) == "local"
-    assert kwargs["num_cpus"] == cluster.embedded_cluster_cpus()
+    assert kwargs["num_cpus"] == ray_start.embedded_cluster_cpus()
 
 
 def test_ray_address_in_the_environment_is_joined_without_sizing_it(stale_address_file, monkeypatch):

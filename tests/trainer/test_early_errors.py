@@ -17,7 +17,7 @@ from verl_balance.data import ByteTokenizer, RLDataConfig, RLPromptDataset
 from verl_balance.data.rl_dataset import DataError
 from verl_balance.rewards.score import score_batch
 from verl_balance.single_controller import UnplaceableResourcePoolError
-from verl_balance.trainer import cluster
+from verl_balance.trainer import cluster, ray_start
 from verl_balance.trainer.config import ConfigError, validate_sft
 from verl_balance.trainer.driver import exit_code
 from verl_balance.utils.tracking import NONFINITE_KEY, Tracking, read_metrics
@@ -176,14 +176,17 @@ class _FakeRay:
 def test_the_embedded_ray_start_is_retried_when_its_node_start_up_times_out(monkeypatch, caplog):
     fake = _FakeRay(failures=2)
     monkeypatch.setattr(cluster, "ray", fake)
+    monkeypatch.setattr(ray_start, "ray", fake)
     cluster.start_ray(address=None)
     assert fake.inits == 3 and fake.shutdowns == 2 and caplog.text.count("retrying") == 2
-    fake = _FakeRay(failures=cluster.EMBEDDED_START_ATTEMPTS)
+    fake = _FakeRay(failures=ray_start.EMBEDDED_START_ATTEMPTS)
     monkeypatch.setattr(cluster, "ray", fake)
-    with pytest.raises(cluster.RayStartError, match=r"raylet.*30 s.*trainer\.ray_address"):
+    monkeypatch.setattr(ray_start, "ray", fake)
+    with pytest.raises(ray_start.RayStartError, match=r"raylet.*30 s.*trainer\.ray_address"):
         cluster.start_ray(address=None)
     fake = _FakeRay(failures=1, message="some other start-up failure")  # not a timeout: no retry
     monkeypatch.setattr(cluster, "ray", fake)
+    monkeypatch.setattr(ray_start, "ray", fake)
     with pytest.raises(Exception, match="some other"):
         cluster.start_ray(address=None)
     assert fake.inits == 1

@@ -12,7 +12,7 @@ import tempfile
 
 import pytest
 
-from verl_balance.trainer import cluster
+from verl_balance.trainer import cluster, ray_start
 from verl_balance.trainer.config.checks import ConfigError
 from verl_balance.trainer.config.ray_init import check_ray_init, merge_ray_init
 
@@ -46,12 +46,13 @@ def test_ray_init_reaches_the_embedded_clusters_arguments():
         address=None, ray_init={"num_cpus": 3, "runtime_env": {"env_vars": {"X": 1}}}
     )
     assert embedded and kwargs["num_cpus"] == 3  # not embedded_cluster_cpus()
-    env_vars = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1", **cluster.worker_warning_env()}
+    quiet = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    env_vars = {**quiet, **ray_start.worker_warning_env()}
     env_vars["X"] = "1"
     assert kwargs["runtime_env"]["env_vars"] == env_vars
-    assert kwargs["_system_config"]["worker_niceness"] == cluster.EMBEDDED_WORKER_NICENESS
+    assert kwargs["_system_config"]["worker_niceness"] == ray_start.EMBEDDED_WORKER_NICENESS
     _, plain = cluster.ray_init_arguments(address=None, ray_init=None)  # negative control: the machine's size
-    assert plain["num_cpus"] == cluster.embedded_cluster_cpus()
+    assert plain["num_cpus"] == ray_start.embedded_cluster_cpus()
 
 
 def test_embedded_cluster_starts_no_idle_workers_and_no_metrics_export_unless_the_user_says():
@@ -87,12 +88,12 @@ class _Stream:
 def test_worker_prefixes_are_plain_on_a_pipe_and_coloured_on_a_terminal(monkeypatch):
     monkeypatch.setenv("RAY_COLOR_PREFIX", "")  # recorded, so the value set below is undone after the test
     monkeypatch.delenv("RAY_COLOR_PREFIX")
-    cluster.plain_worker_prefixes(_Stream(tty=True))
+    ray_start.plain_worker_prefixes(_Stream(tty=True))
     assert "RAY_COLOR_PREFIX" not in os.environ  # a terminal keeps Ray's colours
-    cluster.plain_worker_prefixes(_Stream(tty=False))
+    ray_start.plain_worker_prefixes(_Stream(tty=False))
     assert os.environ["RAY_COLOR_PREFIX"] == "0"
     monkeypatch.setenv("RAY_COLOR_PREFIX", "1")
-    cluster.plain_worker_prefixes(_Stream(tty=False))
+    ray_start.plain_worker_prefixes(_Stream(tty=False))
     assert os.environ["RAY_COLOR_PREFIX"] == "1"  # the user's choice stands
 
 
@@ -129,7 +130,7 @@ def test_num_cpus_sizes_a_real_embedded_cluster():
 def test_embedded_node_takes_a_free_agent_port_only_inside_the_start():
     from ray._private.parameter import RayParams
 
-    with cluster.dynamic_agent_port():
+    with ray_start.dynamic_agent_port():
         assert RayParams().dashboard_agent_listen_port == 0  # the agent binds any free port
         assert RayParams(dashboard_agent_listen_port=40001).dashboard_agent_listen_port == 40001  # explicit wins
     assert RayParams().dashboard_agent_listen_port == 52365  # negative control: Ray's fixed default outside

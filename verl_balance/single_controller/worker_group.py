@@ -500,7 +500,7 @@ class RayWorkerGroup:
     def _submit(self, method: str, calls: list[tuple[tuple, dict]]) -> list:
         # A Batch handed to several workers (SP replicas, ONE_TO_ALL) is put in the object store once.
         # One handed to a single worker goes as a plain argument: Ray sends it inline up to
-        # max_direct_call_object_size (cluster.INLINE_ARGUMENT_BYTES on an embedded cluster) and
+        # max_direct_call_object_size (ray_start.INLINE_ARGUMENT_BYTES on an embedded cluster) and
         # stores it itself above that, either way without the round trip of an explicit ray.put.
         uses = Counter(id(v) for args, kwargs in calls for v in (*args, *kwargs.values()) if isinstance(v, Batch))
         stored: dict[int, Any] = {}

@@ -1,0 +1,115 @@
+"""The recipes' early Ray start (``trainer/ray_start.py``): the embedded cluster starts in a background
+thread at process start and ``cluster.start_ray`` takes it only when the config asks for exactly its
+arguments; a cluster asked for otherwise is started anew. The cluster outlives the thread's start (Ray ties
+its processes to the starting thread), and a driver stopped by a config error leaves no Ray process behind.
+Each case runs in its own interpreter under its own ``RAY_TMPDIR``: this process may hold the session's cluster."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import pytest
+
+from verl_balance.trainer import ray_start
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+pytestmark = pytest.mark.slow
+
+TAKE_OR_RESTART = """
+import sys, time, ray
+from verl_balance.trainer import cluster, ray_start
+
+ray_init = {"num_cpus": 3} if sys.argv[1] == "other" else None
+assert ray_start.start_embedded_early([])
+assert not ray_start.start_embedded_early([])  # one early start per process
+time.sleep(1.0)  # the import of the config's modules, in a real driver
+_, wanted = cluster.ray_init_arguments(address=None, ray_init=ray_init)
+taken = ray_start.take_early_start(wanted)
+print("taken", taken, "initialized", ray.is_initialized(), flush=True)
+cluster.start_ray(address=None, ray_init=ray_init)
+time.sleep(2.0)  # the starting thread's start returned long ago: its processes must still run
+
+@ray.remote(num_cpus=1)
+def square(x):
+    return x * x
+
+print("square", ray.get(square.remote(7), timeout=120), "cpus", ray.cluster_resources()["CPU"], flush=True)
+"""
+
+
+def _run(argv: list[str], tmp: str, *, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO_ROOT, os.environ.get("PYTHONPATH", "")])}
+    env.pop("RAY_ADDRESS", None)
+    env["RAY_TMPDIR"] = tmp
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp)
+
+
+def _ray_processes_under(tmp: str) -> list[str]:
+    """Command lines of the live processes that name ``tmp`` (Ray's daemons carry their session directory)."""
+    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if tmp in line and "ps -eo" not in line]
+
+
+@pytest.fixture
+def ray_tmp():
+    tmp = tempfile.mkdtemp(prefix="res", dir="/tmp")  # Ray's socket paths must stay short
+    yield tmp
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def test_the_early_cluster_is_taken_when_the_config_asks_for_its_arguments_and_outlives_its_thread(ray_tmp):
+    proc = _run(["-c", TAKE_OR_RESTART, "same"], ray_tmp)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "taken True initialized True" in proc.stdout
+    assert f"square 49 cpus {float(ray_start.embedded_cluster_cpus())}" in proc.stdout
+    assert "Started a local Ray instance" not in proc.stderr  # the early start's announcement is dropped
+
+
+def test_another_ray_init_shuts_the_early_cluster_down_and_starts_the_one_asked_for(ray_tmp):
+    proc = _run(["-c", TAKE_OR_RESTART, "other"], ray_tmp)  # negative control of the case above
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "taken False initialized False" in proc.stdout
+    assert "square 49 cpus 3.0" in proc.stdout
+
+
+def test_a_config_error_after_the_early_start_exits_2_and_leaves_no_ray_process(ray_tmp):
+    proc = _run(["-m", "verl_balance.main_sft", "trainer.device=cpu", "trainer.totl_epochs=2"], ray_tmp)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "did you mean 'trainer.total_epochs'" in proc.stderr + proc.stdout
+    assert "Traceback" not in proc.stderr and "Started a local Ray instance" not in proc.stderr
+    assert os.listdir(ray_tmp), "the early start made no Ray session under RAY_TMPDIR"  # it did start
+    deadline = time.monotonic() + 10
+    while _ray_processes_under(ray_tmp) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _ray_processes_under(ray_tmp) == []
+
+
+class _UnstartedEarlyStart:
+    """Stands in for the background start: records the arguments, starts nothing."""
+
+    def __init__(self, kwargs):
+        self.kwargs = kwargs
+        self.started = threading.Event()
+        self.thread = threading.Thread(target=self.started.set)
+
+
+def test_no_early_start_for_hydras_flags_or_a_cluster_named_by_ray_address(monkeypatch):
+    monkeypatch.setattr(ray_start, "_early", None)
+    monkeypatch.setattr(ray_start, "_EarlyStart", _UnstartedEarlyStart)
+    monkeypatch.setattr(ray_start.ray, "is_initialized", lambda: False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert not ray_start.start_embedded_early(["--help"])
+    assert not ray_start.start_embedded_early(["data.train_batch_size=8", "--cfg", "job"])
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert not ray_start.start_embedded_early(["data.train_batch_size=8"])
+    assert ray_start.take_early_start({"address": "local"}) is False  # nothing to take
+    monkeypatch.setenv("RAY_ADDRESS", "local")  # a new embedded cluster: what no address gives
+    assert ray_start.start_embedded_early(["data.train_batch_size=8"])  # positive control
+    assert ray_start._early.kwargs == ray_start.embedded_defaults()

@@ -1,0 +1,268 @@
+"""Starting the embedded Ray cluster, and starting it early: at process start, beside the driver's imports.
+
+This module imports Ray and the standard library only (no torch, no config package), so a recipe's entry
+point can call ``start_embedded_early`` before it imports anything heavy. Invariants:
+
+- ``embedded_defaults()`` are ``ray.init``'s arguments for the embedded cluster when the user gives no
+  ``ray_kwargs.ray_init`` and no address; ``cluster.ray_init_arguments`` merges the user's over them.
+- An early start runs ``start_embedded(embedded_defaults())`` in one thread that then parks for the process's
+  lifetime (Ray ties the cluster's processes to the thread that started them).
+  ``take_early_start(wanted)`` waits for it; the cluster is the run's only when ``wanted`` equals the
+  arguments it started with, else it is shut down (and a start that failed is forgotten) before the
+  caller starts what the config asks. A start that failed with the wanted arguments raises its error there.
+- A driver that stops before taking it (a config error, Ctrl-C) waits at exit for the start to finish, and
+  Ray's exit hook stops the cluster: no Ray process outlives the driver.
+- The cluster's processes block SIGINT / SIGTERM (they inherit the starting thread's mask), so a signal
+  to the driver's process group reaches the driver's handlers alone, early start or not.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import copy
+import inspect
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+
+import ray
+
+from verl_balance.trainer.signals import STOP_SIGNALS, stop_signals_blocked
+
+logger = logging.getLogger(__name__)
+RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+CPU_WORKERS_PER_CORE = 4
+"""CPU slots an embedded cluster offers per core (CPU workers mostly wait on collectives)."""
+
+
+def embedded_cluster_cpus() -> int:
+    """CPU slots of an embedded cluster: sized to this machine (cores usable by this process), never to a request."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return CPU_WORKERS_PER_CORE * max(1, cores)
+
+
+EMBEDDED_WORKER_NICENESS = 0
+"""Niceness of the embedded cluster's workers (Ray's default 15 lets other processes pre-empt the ranks)."""
+
+
+INLINE_ARGUMENT_BYTES = 1 << 20
+"""The embedded cluster's ``max_direct_call_object_size``: arguments up to it travel inline, not via the store."""
+
+WORKER_WARNINGS = "ignore::FutureWarning"
+"""The workers' ``PYTHONWARNINGS`` unless the user set one (libraries' FutureWarnings, once per worker, are noise)."""
+
+
+def worker_warning_env() -> dict[str, str]:
+    """{"PYTHONWARNINGS": WORKER_WARNINGS}, or {} when the user set PYTHONWARNINGS."""
+    return {} if os.environ.get("PYTHONWARNINGS") else {"PYTHONWARNINGS": WORKER_WARNINGS}
+
+
+def plain_worker_prefixes(stream) -> None:
+    """On a ``stream`` that is not a terminal, drop Ray's colour codes from worker prefixes unless the user chose."""
+    if not stream.isatty():
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+
+
+EMBEDDED_START_CONFIG = {"prestart_worker_first_driver": False, "enable_metrics_collection": False}
+"""Start-up work the embedded cluster skips (prestarted idle workers, metrics export); ``_system_config`` overrides."""
+
+
+def environment_address() -> str | None:
+    """``RAY_ADDRESS``, the cluster Ray's own ``ray.init()`` would join; ``None`` when unset or ``local``
+    (a new embedded cluster, which is what no address gives)."""
+    address = os.environ.get("RAY_ADDRESS")
+    return None if address == "local" else address or None
+
+
+def worker_runtime_env() -> dict:
+    """The job's ``runtime_env``: no progress bars in the workers (Ray would print them late, after the driver's
+    lines)."""
+    quiet = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    return {"env_vars": {**quiet, **worker_warning_env()}}
+
+
+def embedded_defaults() -> dict:
+    """``ray.init``'s arguments for the embedded cluster, before the user's ``ray_kwargs.ray_init``."""
+    return dict(
+        # Without an address Ray would join the last `ray start` cluster on this machine (its
+        # /tmp/ray/ray_current_cluster file, even a dead one) and then refuse num_cpus.
+        address="local",
+        num_cpus=embedded_cluster_cpus(),
+        include_dashboard=False,
+        runtime_env=worker_runtime_env(),
+        log_to_driver=True,
+        _system_config={
+            "worker_niceness": EMBEDDED_WORKER_NICENESS,
+            "max_direct_call_object_size": INLINE_ARGUMENT_BYTES,
+            **EMBEDDED_START_CONFIG,
+        },
+    )
+
+
+EMBEDDED_START_ATTEMPTS = 3
+"""Tries of the embedded cluster's start when Ray's fixed 30 s node-registration wait times out."""
+
+_START_TIMEOUT_TEXTS = ("timed out during startup", "waiting for node to startup", "Timed out")
+
+
+class RayStartError(RuntimeError):
+    """The embedded Ray cluster did not start (names what timed out and the ways around it)."""
+
+
+AGENT_PORT_PARAMETER = "dashboard_agent_listen_port"
+"""Ray's node parameter for the dashboard agent's port (52365 by default, which a second Ray instance stalls on)."""
+
+
+@contextlib.contextmanager
+def dynamic_agent_port() -> Iterator[None]:
+    """While in it, a Ray node started without an explicit agent port takes a free one (if Ray has the parameter)."""
+    params = getattr(getattr(getattr(ray, "_private", None), "parameter", None), "RayParams", None)
+    init = getattr(params, "__init__", None)
+    if init is None or AGENT_PORT_PARAMETER not in inspect.signature(init).parameters:
+        yield
+        return
+
+    def init_with_free_agent_port(self, *args, **kwargs):
+        kwargs.setdefault(AGENT_PORT_PARAMETER, 0)
+        init(self, *args, **kwargs)
+
+    params.__init__ = init_with_free_agent_port
+    try:
+        yield
+    finally:
+        params.__init__ = init
+
+
+def start_embedded(kwargs: Mapping) -> None:
+    """Start the embedded cluster with ``ray.init(**kwargs)``: its processes ignore a group SIGTERM / SIGINT, it
+    takes a free agent port, and its shutdown kills at once."""
+    # Ray warns on every start that it enabled token authentication (its default): a notice for the
+    # embedded cluster's log, not a warning on every run's console.
+    logging.getLogger(RAY_AUTH_LOGGER).setLevel(logging.ERROR)
+    with stop_signals_blocked(), dynamic_agent_port():
+        init_embedded(**kwargs)
+    stop_without_sigterm_at_shutdown()
+
+
+def init_embedded(**kwargs) -> None:
+    """``ray.init(**kwargs)``, retried on a start-up timeout; then ``RayStartError`` naming what timed out."""
+    for attempt in range(1, EMBEDDED_START_ATTEMPTS + 1):
+        try:
+            ray.init(**kwargs)
+            return
+        except Exception as err:
+            if not any(text in str(err) for text in _START_TIMEOUT_TEXTS):
+                raise
+            ray.shutdown()  # stop what the failed attempt started before trying again
+            if attempt == EMBEDDED_START_ATTEMPTS:
+                raise RayStartError(
+                    f"the embedded Ray cluster did not start in {attempt} attempts: its node (raylet) did not "
+                    f"register with Ray's GCS within Ray's fixed 30 s start-up limit ({err}); the machine is "
+                    "probably overloaded. Retry when it is less busy, or start Ray yourself (ray start --head) "
+                    "and set trainer.ray_address=auto"
+                ) from err
+            logger.warning(
+                "embedded Ray start-up timed out (%s); retrying (attempt %d of %d)",
+                err,
+                attempt + 1,
+                EMBEDDED_START_ATTEMPTS,
+            )
+
+
+def stop_without_sigterm_at_shutdown() -> None:
+    """Stop the embedded cluster's processes with SIGKILL at once (they block SIGTERM)."""
+    node = getattr(getattr(ray, "_private", None) and ray._private.worker, "_global_node", None)
+    kill_all = getattr(node, "kill_all_processes", None)
+    if kill_all is None:
+        return  # another Ray version: the shutdown keeps its graceful wait
+
+    def kill_all_at_once(*args, **kwargs):
+        kwargs["allow_graceful"] = False
+        return kill_all(*args, **kwargs)
+
+    node.kill_all_processes = kill_all_at_once
+
+
+# ----------------------------------------------------------------------------- the early start
+
+_EARLY_START_NOTICES = ("SIGTERM handler is not set", "Started a local Ray instance")
+"""Ray's lines an early start drops: its SIGTERM handler is the main thread's business (the driver keeps its own),
+and the start's announcement would land in the middle of the driver's lines, even after a config error."""
+
+
+class _EarlyStart:
+    """One embedded start in a background thread that then lives as long as the process: Ray starts the
+    cluster's processes with ``PR_SET_PDEATHSIG`` (killed when the *thread* that started them ends), so
+    the thread parks instead of returning. ``started`` is set when the start returned or raised (``error``)."""
+
+    def __init__(self, kwargs: dict) -> None:
+        self.kwargs = kwargs
+        self.error: BaseException | None = None
+        self.started = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="verl_balance-early-ray-start", daemon=True)
+
+    def _run(self) -> None:
+        # Blocked here, a stop signal goes to the main thread's handlers; the cluster's processes inherit the mask.
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        ray_worker_logger = logging.getLogger("ray._private.worker")
+        quiet = _DropMessages(_EARLY_START_NOTICES)
+        ray_worker_logger.addFilter(quiet)
+        try:
+            start_embedded(copy.deepcopy(self.kwargs))  # ray.init adds to the _system_config it is given
+        except BaseException as err:  # handed to take_early_start, in the main thread
+            self.error = err
+        finally:
+            ray_worker_logger.removeFilter(quiet)
+            self.started.set()
+        threading.Event().wait()  # the cluster's processes live while this thread does: until the process ends
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, texts: Sequence[str]) -> None:
+        super().__init__()
+        self.texts = texts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(text in record.getMessage() for text in self.texts)
+
+
+_early: _EarlyStart | None = None
+
+
+def start_embedded_early(argv: Sequence[str]) -> bool:
+    """Start the embedded cluster with ``embedded_defaults()`` in a background thread, for a recipe command line
+    ``argv`` that will train; False (nothing started) when Ray is up already, ``RAY_ADDRESS`` names a cluster,
+    or ``argv`` has a flag (``--help``, ``--cfg``, ``-m``: Hydra prints or composes, no run)."""
+    global _early
+    if _early is not None or ray.is_initialized() or environment_address() or any(a.startswith("-") for a in argv):
+        return False
+    plain_worker_prefixes(sys.stdout)
+    _early = _EarlyStart(embedded_defaults())
+    # Run before Ray's own exit hook (registered at its import; atexit runs last-in first-out): a driver that
+    # stops before taking the start lets it finish, and Ray's hook then stops a whole cluster.
+    atexit.register(_early.started.wait)
+    _early.thread.start()
+    return True
+
+
+def take_early_start(wanted: Mapping | None) -> bool:
+    """Wait for the early start, if any. True: it started the cluster with exactly ``wanted`` (the run's now).
+    False: there was none, or it was not what the config asks (``wanted`` another cluster, ``None`` for one
+    to join): a cluster it started is shut down. Raises the start's error when the arguments were wanted."""
+    global _early
+    early, _early = _early, None
+    if early is None:
+        return False
+    early.started.wait()
+    if early.kwargs == wanted:
+        if early.error is not None:
+            raise early.error
+        return True
+    if ray.is_initialized():
+        ray.shutdown()
+    return False
