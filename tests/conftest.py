@@ -89,6 +89,16 @@ def pytest_collectreport(report):
     _record_verl_skip(report)
 
 
+@pytest.fixture(autouse=True)
+def no_early_ray_start(monkeypatch):
+    """An entry point run inside this process (runpy) starts no embedded cluster of its own at launch: the
+    session's cluster (``ray_cluster``) or the test decides what runs here. Subprocess drivers keep the early
+    start; tests/trainer/test_ray_early_start.py tests it."""
+    from verl_balance.trainer import ray_start
+
+    monkeypatch.setattr(ray_start, "start_embedded_early", lambda argv: False)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def forked_ray_workers(request):
     """Every Ray worker the session starts (here, in verl's clusters and in subprocess drivers) is a fork

@@ -19,6 +19,7 @@ import pytest
 from verl_balance.trainer import ray_start
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+START_EMBEDDED_EARLY = ray_start.start_embedded_early  # tests/conftest.py stubs it in every test of this process
 
 pytestmark = pytest.mark.slow
 
@@ -105,11 +106,11 @@ def test_no_early_start_for_hydras_flags_or_a_cluster_named_by_ray_address(monke
     monkeypatch.setattr(ray_start, "_EarlyStart", _UnstartedEarlyStart)
     monkeypatch.setattr(ray_start.ray, "is_initialized", lambda: False)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    assert not ray_start.start_embedded_early(["--help"])
-    assert not ray_start.start_embedded_early(["data.train_batch_size=8", "--cfg", "job"])
+    assert not START_EMBEDDED_EARLY(["--help"])
+    assert not START_EMBEDDED_EARLY(["data.train_batch_size=8", "--cfg", "job"])
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
-    assert not ray_start.start_embedded_early(["data.train_batch_size=8"])
+    assert not START_EMBEDDED_EARLY(["data.train_batch_size=8"])
     assert ray_start.take_early_start({"address": "local"}) is False  # nothing to take
     monkeypatch.setenv("RAY_ADDRESS", "local")  # a new embedded cluster: what no address gives
-    assert ray_start.start_embedded_early(["data.train_batch_size=8"])  # positive control
+    assert START_EMBEDDED_EARLY(["data.train_batch_size=8"])  # positive control
     assert ray_start._early.kwargs == ray_start.embedded_defaults()
