@@ -98,7 +98,11 @@ class SlowStart(DriverBase):
 SlowStart.train(None)
 print("finished")
 """
-_PLAIN_SCRIPT = "import os, time; os.kill(os.getpid(), {signum}); time.sleep(10); print('finished')"
+# Python's own handlers, also when this suite's process was started with SIGINT ignored (a background job):
+_PLAIN_SCRIPT = (
+    "import os, signal, time; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "os.kill(os.getpid(), {signum}); time.sleep(10); print('finished')"
+)
 
 
 @pytest.mark.slow  # starts another interpreter
