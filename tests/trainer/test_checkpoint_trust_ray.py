@@ -81,6 +81,21 @@ def test_sigterm_saves_and_exits_143_and_the_resume_continues_the_curve_exactly(
         np.testing.assert_allclose([r[key] for r in resumed], [r[key] for r in straight], rtol=1e-6)
 
 
+def test_running_a_finished_run_again_resumes_at_its_end_and_summarizes_its_curve(runs):
+    from verl_balance.trainer.sft_trainer import format_summary
+
+    finished = runs["root"] / "finished_twice"
+    shutil.copytree(runs["root"] / "straight", finished)
+    summary, records = _sft(runs["base"] + [f"trainer.default_local_dir={finished}", "trainer.resume_mode=auto"])
+    straight = runs["straight"][1]
+    assert summary["resumed_from_step"] == 4 and summary["steps"] == 4 and exit_code(summary) == 0
+    assert [r["step"] for r in records] == [r["step"] for r in straight], "no step runs twice"
+    train = [r for r in straight if "train/loss" in r]
+    assert (summary["first_loss"], summary["final_loss"]) == (train[0]["train/loss"], train[-1]["train/loss"])
+    text = format_summary(summary)
+    assert f"-> final {train[-1]['train/loss']:.4f}" in text and "the run had finished" in text
+
+
 def _received(runs, name: str) -> str:
     """A copy of the straight run's step-2 checkpoint, as a user receives it."""
     copy = runs["root"] / "received" / name / "global_step_2"

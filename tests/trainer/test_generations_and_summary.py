@@ -12,7 +12,7 @@ import pytest
 from tests.trainer.conftest import compose_config
 from verl_balance.trainer.grpo.trainer import format_summary
 from verl_balance.trainer.metrics import validation_metrics
-from verl_balance.trainer.summary import earliest_records
+from verl_balance.trainer.summary import recorded_ends
 
 PARTIAL_CREDIT_REWARD = textwrap.dedent('''
     def compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -51,7 +51,7 @@ def test_summary_is_titled_by_algorithm_and_names_the_held_out_metric():
     assert "accuracy" not in grpo, "a partial-credit reward is not called accuracy"
 
 
-def test_resumed_summary_reads_the_first_values_from_the_metrics_file(tmp_path):
+def test_resumed_summary_reads_the_first_and_last_values_from_the_metrics_file(tmp_path):
     path = tmp_path / "metrics.jsonl"
     records = [
         {"step": 0, "val/acc": 0.25},
@@ -60,10 +60,13 @@ def test_resumed_summary_reads_the_first_values_from_the_metrics_file(tmp_path):
         {"step": 3, "reward/mean": 0.3},
     ]
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    first, first_val = earliest_records(str(path))
-    assert first["step"] == 1 and first["reward/mean"] == 0.1
-    assert first_val == {"step": 0, "val/acc": 0.25}
-    assert earliest_records(str(tmp_path / "missing.jsonl")) == ({}, {})
+    ends = recorded_ends(str(path))
+    assert ends["first"]["step"] == 1 and ends["first"]["reward/mean"] == 0.1
+    assert ends["first_val"] == {"step": 0, "val/acc": 0.25}
+    assert ends["last"] == {"step": 3, "reward/mean": 0.3}
+    assert ends["last_val"]["val/acc"] == 0.5 and ends["last_val_step"] == 2
+    missing = recorded_ends(str(tmp_path / "missing.jsonl"))
+    assert missing == {"first": {}, "last": {}, "first_val": {}, "last_val": {}, "last_val_step": None}
 
 
 @pytest.mark.slow

@@ -32,7 +32,7 @@ from verl_balance.trainer.config.recipe import RecipeConfig
 from verl_balance.trainer.config.sections import ModelSection, TrainerSection, record_workload
 from verl_balance.trainer.signals import STOP_SIGNALS, RunInterrupted, interrupt_handlers
 from verl_balance.trainer.startup import check_layout_and_device
-from verl_balance.trainer.summary import earliest_records, summary_header
+from verl_balance.trainer.summary import recorded_ends, summary_header
 from verl_balance.utils import run_log
 from verl_balance.utils.disk import disk_full_text, is_disk_full
 from verl_balance.utils.progress import DEFAULT_SFT_KEYS, ProgressDisplay, TimedPhase
@@ -325,7 +325,12 @@ class DriverBase:
             )
             self._stop_signal = None
         if resumed_from:  # the first values are the run's, not this process's
-            record["first"], record["first_val"] = earliest_records(tracker.metrics_path)
+            ends = recorded_ends(tracker.metrics_path)
+            record["first"], record["first_val"] = ends["first"], ends["first_val"]
+            if not record["last"]:  # no step ran here (the run had finished): its last values are the file's
+                record["last"] = ends["last"]
+            if not record["last_val"]:
+                record["last_val"], record["last_val_step"] = ends["last_val"], ends["last_val_step"]
         summary = {
             "resumed_from_step": resumed_from,
             "steps": self.global_step,

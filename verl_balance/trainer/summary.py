@@ -1,5 +1,5 @@
-"""End-of-run summaries: the header both recipes share and, after a resume, the run's first values
-read back from ``metrics.jsonl`` (the process that resumed never saw them)."""
+"""End-of-run summaries: the header both recipes share and, after a resume, the run's first values (and,
+when the resumed process ran no step, its last ones) read back from ``metrics.jsonl``."""
 
 from __future__ import annotations
 
@@ -7,17 +7,26 @@ import os
 
 from verl_balance.utils.tracking import read_metrics
 
-__all__ = ["earliest_records", "summary_header"]
+__all__ = ["recorded_ends", "summary_header"]
 
 
-def earliest_records(metrics_path: str) -> tuple[dict, dict]:
-    """(the first training record, the first validation record) of a run's ``metrics.jsonl``; {} where none."""
-    if not os.path.exists(metrics_path):
-        return {}, {}
-    records = read_metrics(metrics_path)
-    first = next((r for r in records if r["step"] >= 1), {})
-    first_val = next((r for r in records if any(k.startswith("val/") for k in r)), {})
-    return first, first_val
+def _is_validation(record: dict) -> bool:
+    return any(k.startswith("val/") for k in record)
+
+
+def recorded_ends(metrics_path: str) -> dict:
+    """A run's ``metrics.jsonl`` ends: ``first`` / ``last`` training record (step >= 1), ``first_val`` /
+    ``last_val`` record with validation metrics and ``last_val_step``; {} / None where the file has none."""
+    records = read_metrics(metrics_path) if os.path.exists(metrics_path) else []
+    train = [r for r in records if r["step"] >= 1]
+    val = [r for r in records if _is_validation(r)]
+    return {
+        "first": train[0] if train else {},
+        "last": train[-1] if train else {},
+        "first_val": val[0] if val else {},
+        "last_val": val[-1] if val else {},
+        "last_val_step": val[-1]["step"] if val else None,
+    }
 
 
 def summary_header(title: str, summary: dict) -> list[str]:
@@ -33,6 +42,8 @@ def summary_header(title: str, summary: dict) -> list[str]:
     if summary.get("startup_s") is not None:
         steps += f" (plus {summary['startup_s']:.1f} s start-up: cluster, model load, data)"
     if summary.get("resumed_from_step"):
-        steps += f"; resumed at step {summary['resumed_from_step']}, first values from the metrics file"
+        finished = summary["resumed_from_step"] == summary["steps"] == summary.get("total_steps")
+        which = "the run had finished: values" if finished else "first values"
+        steps += f"; resumed at step {summary['resumed_from_step']}, {which} from the metrics file"
     lines.append(steps)
     return lines
