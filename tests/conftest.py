@@ -102,7 +102,7 @@ def no_early_ray_start(monkeypatch):
 @pytest.fixture(scope="session", autouse=True)
 def forked_ray_workers(request):
     """Every Ray worker the session starts (here, in verl's clusters and in subprocess drivers) is a fork
-    of one preloaded interpreter (``verl_balance/testing/forked_workers.py``): about 4 s of CPU less per
+    of one preloaded interpreter (``verl_balance/single_controller/forked_workers.py``): about 4 s of CPU less per
     worker process. Only sessions with slow tests start one (the fast lane has no Ray);
     ``VERL_BALANCE_FORKED_WORKERS=0`` starts workers as Ray does by default."""
     has_slow = any(item.get_closest_marker("slow") for item in request.session.items)
@@ -112,15 +112,16 @@ def forked_ray_workers(request):
     import shutil
     import tempfile
 
+    from verl_balance.single_controller.forked_workers import SOCKET_ENV, start_server
     from verl_balance.testing import forked_workers
 
     folder = tempfile.mkdtemp(prefix="vbfw", dir="/tmp")  # short: a socket path has at most 107 bytes
     socket_path = os.path.join(folder, "socket")
-    server = forked_workers.start_server(socket_path, env=dict(os.environ))
-    os.environ[forked_workers.SOCKET_ENV] = socket_path
+    server = start_server(socket_path, env=dict(os.environ), preload=forked_workers.SUITE_PRELOAD)
+    os.environ[SOCKET_ENV] = socket_path
     os.environ["RAY_RUNTIME_ENV_HOOK"] = f"{forked_workers.__name__}.runtime_env_hook"
     yield socket_path
-    os.environ.pop(forked_workers.SOCKET_ENV, None)
+    os.environ.pop(SOCKET_ENV, None)
     os.environ.pop("RAY_RUNTIME_ENV_HOOK", None)
     server.terminate()
     server.wait(timeout=30)

@@ -1,4 +1,4 @@
-"""The forked-worker server (``verl_balance/testing/forked_workers.py``) starts a script as a fresh
+"""The forked-worker server (``verl_balance/single_controller/forked_workers.py``) starts a script as a fresh
 interpreter would, and a worker dies with the process Ray started: the suite's Ray workers are its forks.
 
 Each test runs a small script through the real client (the command Ray runs, or ``python_command`` for
@@ -20,7 +20,8 @@ import time
 
 import pytest
 
-from verl_balance.testing import forked_workers
+from verl_balance.single_controller import forked_workers
+from verl_balance.testing import forked_workers as suite_forked_workers
 
 pytestmark = pytest.mark.slow  # a server process that imports torch and transformers
 
@@ -36,6 +37,7 @@ PROBE = textwrap.dedent(
     if sys.argv[1] == "seeds":  # torch and numpy: seconds to import in a fresh interpreter, only here
         import numpy, random, torch
         report["seeds"] = [torch.initial_seed(), numpy.random.random(), random.random()]
+        report["threads"] = torch.get_num_threads()
     atexit.register(lambda: open(os.environ["ATEXIT_FILE"], "w").write("ran"))
     print(json.dumps(report))
     print("to stderr", file=sys.stderr)
@@ -69,14 +71,14 @@ def _raise_oom_score_adj():
         adj.write("1000")
 
 
-def _start(command, folder, mode: str, *, new_session: bool = False):
+def _start(command, folder, mode: str, *, new_session: bool = False, env: dict | None = None):
     """``command probe.py mode`` in ``folder`` with an extra PYTHONPATH entry; streams to files there.
     Its own process group, as the raylet starts each worker (or its own session), and the
     ``oom_score_adj`` of 1000 the raylet gives it."""
     folder.mkdir(exist_ok=True)
     script = folder / "probe.py"
     script.write_text(PROBE)
-    env = dict(os.environ, ATEXIT_FILE=str(folder / "atexit"), PYTHONPATH=str(folder / "extra"), PROBE_VAR="x")
+    env = dict(env or os.environ, ATEXIT_FILE=str(folder / "atexit"), PYTHONPATH=str(folder / "extra"), PROBE_VAR="x")
     with open(folder / "out", "w") as out, open(folder / "err", "w") as err:
         group = {"start_new_session": True} if new_session else {"process_group": 0}
         return subprocess.Popen(
@@ -96,14 +98,14 @@ def _start_driver(folder, args: list[str], *, forked: bool):
     as module ``probe``."""
     folder.mkdir(exist_ok=True)
     (folder / "probe.py").write_text(PROBE)
-    command = forked_workers.python_command(args) if forked else [sys.executable, *args]
+    command = suite_forked_workers.python_command(args) if forked else [sys.executable, *args]
     env = dict(os.environ, ATEXIT_FILE=str(folder / "atexit"), PYTHONPATH=str(folder / "extra"))
     with open(folder / "out", "w") as out, open(folder / "err", "w") as err:
         return subprocess.Popen(command, cwd=folder, env=env, stdout=out, stderr=err)
 
 
 def _client(socket_path):
-    return [sys.executable, "-S", forked_workers.__file__, socket_path]
+    return forked_workers.client_argv(socket_path)
 
 
 def _report(folder):
@@ -155,6 +157,53 @@ def test_a_client_in_another_session_starts_a_fresh_interpreter(server, tmp_path
     assert report["pid"] == client.pid and report["path"][:2] == [str(tmp_path), str(tmp_path / "extra")]
 
 
+@pytest.mark.parametrize("omp_num_threads", ["3", None])
+def test_a_forked_worker_sizes_torch_threads_as_a_fresh_interpreter_does(server, tmp_path, omp_num_threads):
+    """The server imported torch with OMP_NUM_THREADS=1; a worker takes its own value, or one thread per
+    usable core without one (negative control: the server's 1, which a fork would otherwise keep)."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    if omp_num_threads:
+        env["OMP_NUM_THREADS"] = omp_num_threads
+    threads = {}
+    for name, command in (("forked", _client(server)), ("fresh", [sys.executable])):
+        _finish(_start(command, tmp_path / name, "seeds", env=env), tmp_path / name)
+        threads[name] = _report(tmp_path / name)["threads"]
+    assert threads["forked"] == threads["fresh"]
+    assert threads["fresh"] != 1 or os.cpu_count() == 1  # the server's own count would fail this test
+
+
+def test_a_client_started_before_its_server_listens_waits_for_it(tmp_path):
+    """The embedded cluster starts the server beside Ray: a worker may ask before the imports are done."""
+    folder = tempfile.mkdtemp(prefix="vbfwl", dir="/tmp")
+    socket_path = os.path.join(folder, "socket")
+    proc = forked_workers.start_server(socket_path, env=dict(os.environ), wait_s=None)
+    try:
+        assert not os.path.exists(socket_path)  # still importing
+        status, report, _, _ = _finish(_start(_client(socket_path), tmp_path, "3"), tmp_path)
+        assert (status, report["preloaded"]) == (3, ["torch", "transformers"])
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.parametrize("server_state", ["dead", "no_folder"])
+def test_a_client_whose_server_is_gone_starts_a_fresh_interpreter_and_says_so(tmp_path, server_state):
+    folder = tmp_path / "server"
+    socket_path = str(folder / "socket")
+    if server_state == "dead":
+        folder.mkdir()
+        dead = subprocess.Popen(["true"])
+        dead.wait()
+        (folder / "socket.pid").write_text(str(dead.pid))
+    started = time.monotonic()
+    client = _start(_client(socket_path), tmp_path / "run", "3")
+    status, report, atexit_ran, err = _finish(client, tmp_path / "run")
+    assert (status, atexit_ran, report["preloaded"], report["pid"]) == (3, True, [], client.pid)
+    assert f"no preloaded-worker server at {socket_path}" in err
+    assert time.monotonic() - started < 60  # not forked_workers.SERVER_WAIT_S
+
+
 def _wait_gone(pid: int, timeout_s: float = 30.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -192,20 +241,21 @@ def test_a_worker_dies_with_its_client_and_with_its_clients_process_group(server
 
 def test_the_hook_adds_the_client_only_while_a_server_is_named(monkeypatch):
     monkeypatch.delenv(forked_workers.SOCKET_ENV, raising=False)
-    assert forked_workers.runtime_env_hook({"env_vars": {"A": "1"}}) == {"env_vars": {"A": "1"}}
-    assert forked_workers.runtime_env_hook(None) is None
+    assert suite_forked_workers.runtime_env_hook({"env_vars": {"A": "1"}}) == {"env_vars": {"A": "1"}}
+    assert suite_forked_workers.runtime_env_hook(None) is None
     monkeypatch.setenv(forked_workers.SOCKET_ENV, "/tmp/s")
-    hooked = forked_workers.runtime_env_hook({"env_vars": {"A": "1"}})
+    hooked = suite_forked_workers.runtime_env_hook({"env_vars": {"A": "1"}})
     assert hooked == {"env_vars": {"A": "1"}, "py_executable": f"{sys.executable} -S {forked_workers.__file__} /tmp/s"}
+    assert hooked["py_executable"] == forked_workers.client_command("/tmp/s")
     own = {"py_executable": "uv run"}
-    assert forked_workers.runtime_env_hook(own) == own  # a job's own executable wins
+    assert suite_forked_workers.runtime_env_hook(own) == own  # a job's own executable wins
 
 
 @pytest.mark.parametrize("mode", ["0", "3", "raise"])
 def test_a_forked_driver_module_sees_and_returns_what_python_dash_m_does(server, tmp_path, monkeypatch, mode):
     """``python -m probe``: argv, ``sys.path`` (the working directory first), exit status, atexit."""
     monkeypatch.delenv(forked_workers.SOCKET_ENV, raising=False)
-    assert forked_workers.python_command(["-m", "probe"]) == [sys.executable, "-m", "probe"]  # no server named
+    assert suite_forked_workers.python_command(["-m", "probe"]) == [sys.executable, "-m", "probe"]  # no server named
     monkeypatch.setenv(forked_workers.SOCKET_ENV, server)
     runs = {}
     for name in ("fresh", "forked"):

@@ -309,8 +309,8 @@ def _by_step(record: dict) -> dict:
     return dict(zip(record["steps"], record["batches"]))
 
 
-def _assert_same_run(record: dict, metrics: list[dict], expected: dict) -> None:
-    """Every step's samples and rollout log-probs equal the uninterrupted run's; the losses too (rtol 1e-6)."""
+def _assert_same_run(record: dict, metrics: list[dict], expected: dict, *, loss_rtol: float = 1e-6) -> None:
+    """Every step's samples and rollout log-probs equal the uninterrupted run's; the losses too (``loss_rtol``)."""
     from verl_balance.batch_keys import INPUT_IDS_KEY, ROLLOUT_LOG_PROBS_KEY
 
     ours, theirs = _by_step(record), _by_step(expected)
@@ -318,9 +318,8 @@ def _assert_same_run(record: dict, metrics: list[dict], expected: dict) -> None:
         assert torch.equal(batch[INPUT_IDS_KEY], theirs[step][INPUT_IDS_KEY]), step
         torch.testing.assert_close(batch[ROLLOUT_LOG_PROBS_KEY], theirs[step][ROLLOUT_LOG_PROBS_KEY], rtol=1e-6, atol=0)
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
-    np.testing.assert_allclose(
-        [m["actor/pg_loss"] for m in metrics], [m["actor/pg_loss"] for m in expected["metrics"]], rtol=1e-6, atol=1e-9
-    )
+    losses = [m["actor/pg_loss"] for m in metrics], [m["actor/pg_loss"] for m in expected["metrics"]]
+    np.testing.assert_allclose(*losses, rtol=loss_rtol, atol=1e-9)
 
 
 def test_sigint_mid_pipeline_saves_the_in_flight_batch_and_resume_continues_the_uninterrupted_curve(
@@ -444,7 +443,9 @@ def test_lora_sends_the_base_once_then_only_the_adapters_and_the_rollout_merges_
 def test_colocate_async_draws_the_samples_and_losses_of_separate_async(async_runs, async_root):
     """trainer.v1.trainer_mode=colocate_async on the actor's own rollout: batch k+1 is submitted
     before step k's updates, so it has version k's weights: the separate run's samples, versions
-    and losses (itself checked against the hand-built reference above)."""
+    and losses (itself checked against the hand-built reference above). The losses within the parity
+    contract's fp32 rtol 1e-5: the colocated actor shares the node's cores with no rollout worker, so its
+    matmuls run on twice the separate trainer's threads (sums in another order; 3.8e-6 seen once)."""
     from verl_balance.batch_keys import POLICY_VERSION_KEY
     from verl_balance.utils.tracking import read_metrics
 
@@ -457,7 +458,7 @@ def test_colocate_async_draws_the_samples_and_losses_of_separate_async(async_run
         trainer.close()
     assert trainer.rollout_group is None
     assert [set(b[POLICY_VERSION_KEY].tolist()) for b in record["batches"]] == [{0}, {0}, {1}, {2}]
-    _assert_same_run(record, read_metrics(summary["metrics"]), async_runs[1, 1])
+    _assert_same_run(record, read_metrics(summary["metrics"]), async_runs[1, 1], loss_rtol=1e-5)
 
 
 RC_STEPS = 3

@@ -1,53 +1,18 @@
-"""Ray worker processes and subprocess drivers forked from a preloaded interpreter (test suite only).
-
-A *preload server* imports torch, tensordict and transformers once (``PRELOAD``); each worker is a
-fork of it instead of a fresh interpreter. While ``SOCKET_ENV`` names a running server,
-``runtime_env_hook`` makes every job's ``py_executable`` a stdlib-only client of it: the server forks
-the worker, which takes over the client's argv, environment, streams and process group; the client
-exits with the worker's status. ``python_command`` is the same client for test drivers.
-
-Invariants (asserted by the server; tests/test_forked_workers.py checks the rest):
-- only third-party modules are preloaded: Ray, verl and verl_balance are imported in the worker;
-- the server has one thread and has run no torch op when it forks;
-- the server exits when the process that started it does.
-Forks share the server's ``PYTHONHASHSEED``; random generators are reseeded per worker.
-"""
+"""The test suite's use of the preloaded-worker server (``single_controller/forked_workers.py``): one server
+per session forks every Ray worker of every cluster the suite starts (through Ray's ``RAY_RUNTIME_ENV_HOOK``)
+and the subprocess drivers of tests (``python_command``)."""
 
 from __future__ import annotations
 
-import json
 import os
-import signal
-import socket
-import struct
 import sys
 
-__all__ = [
-    "PRELOAD",
-    "SOCKET_ENV",
-    "python_command",
-    "reseed_like_a_fresh_process",
-    "runtime_env_hook",
-    "start_server",
-]
+from verl_balance.single_controller.forked_workers import SOCKET_ENV, WORKER_PRELOAD, client_argv, client_command
 
-# Third-party modules the suite's workers import before our code (ours and verl's; verl and LoRA also
-# import sympy and peft). Not pyarrow (nor pandas or datasets, which import it): it starts a thread
-# when imported, and a fork of a process with a second thread may inherit a lock that thread held.
-PRELOAD = (
-    *("torch", "torch.distributed.tensor", "tensordict", "transformers", "transformers.modeling_utils"),
-    *("sympy", "peft"),
-)
-# Path of the running server's socket; unset: Ray starts workers as usual.
-SOCKET_ENV = "VERL_BALANCE_FORKED_WORKERS_SOCKET"
-_NOT_PRELOADED = ("ray", "verl", "verl_balance")
-_HEADER = struct.Struct("!i")
-# The server's answer to a client in another session (Linux lets a process join a process group of its
-# own session only): that client starts the worker as a fresh interpreter.
-_NOT_FORKED = -1
-_DRIVER = "--driver"
-# The stdlib-only client (this file without site): a Ray worker's py_executable, a driver's command.
-_CLIENT = (sys.executable, "-S", os.path.abspath(__file__))
+__all__ = ["SUITE_PRELOAD", "python_command", "runtime_env_hook"]
+
+# The workers' modules and those of verl and LoRA (sympy, peft).
+SUITE_PRELOAD = (*WORKER_PRELOAD, "sympy", "peft")
 
 
 def runtime_env_hook(runtime_env: dict | None) -> dict | None:
@@ -55,232 +20,13 @@ def runtime_env_hook(runtime_env: dict | None) -> dict | None:
     socket_path = os.environ.get(SOCKET_ENV)
     if not socket_path or (runtime_env or {}).get("py_executable"):
         return runtime_env
-    client = " ".join((*_CLIENT, socket_path))
-    return {**(runtime_env or {}), "py_executable": client}
-
-
-def start_server(socket_path: str, *, env: dict[str, str], timeout_s: float = 120.0):
-    """Start the server (a ``subprocess.Popen``) with the workers' base environment; wait until it listens."""
-    import selectors
-    import subprocess
-
-    env = {k: v for k, v in env.items() if k != "PYTHONPATH"}  # each worker's own PYTHONPATH applies
-    server = subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), "--serve", socket_path], env=env, stdout=subprocess.PIPE
-    )
-    with selectors.DefaultSelector() as selector:
-        selector.register(server.stdout, selectors.EVENT_READ)
-        if not selector.select(timeout_s) or server.stdout.readline() != b"ready\n":
-            server.kill()
-            raise RuntimeError(f"the forked-worker server did not start within {timeout_s:.0f} s")
-    return server
-
-
-def _send_with_fds(sock: socket.socket, payload: bytes, fds: tuple[int, ...]) -> None:
-    socket.send_fds(sock, [_HEADER.pack(len(payload)) + payload], list(fds))
-
-
-def _receive(sock: socket.socket, size: int) -> bytes:
-    chunks = []
-    while size:
-        chunk = sock.recv(size)
-        if not chunk:
-            raise ConnectionError("the forked-worker server closed the connection")
-        chunks.append(chunk)
-        size -= len(chunk)
-    return b"".join(chunks)
-
-
-def _receive_int(sock: socket.socket) -> int:
-    return _HEADER.unpack(_receive(sock, _HEADER.size))[0]
+    return {**(runtime_env or {}), "py_executable": client_command(socket_path)}
 
 
 def python_command(args: list[str]) -> list[str]:
     """``[python, *args]`` for a test's subprocess driver (``args``: ``-m MODULE ...`` or ``SCRIPT ...``):
-    while a server runs, a client that has the driver forked from it (``client_main``)."""
+    while a server runs, a client that has the driver forked from it."""
     socket_path = os.environ.get(SOCKET_ENV)
     if not socket_path:
         return [sys.executable, *args]
-    return [*_CLIENT, _DRIVER, socket_path, *args]
-
-
-def client_main(socket_path: str, argv: list[str], *, driver: bool = False) -> int:
-    """The process Ray (or a test, for a ``driver``) starts: have the server fork the worker, then stand
-    in for it until it exits, with its exit status. A Ray worker joins this process's group (the raylet
-    signals groups); a driver gets its own group, and this process forwards signals to it."""
-    signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-    if driver:  # held until the driver's pid is known, then passed on
-        signal.pthread_sigmask(signal.SIG_BLOCK, signals)
-    else:
-        for signum in signals:
-            signal.signal(signum, signal.SIG_IGN)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.connect(socket_path)
-    request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "driver": driver}
-    request.update(process_group=os.getpgid(0), session=os.getsid(0), oom_score_adj=_oom_score_adj())
-    _send_with_fds(sock, json.dumps(request).encode(), (0, 1, 2))
-    pid = _receive_int(sock)
-    if pid == _NOT_FORKED:  # a worker in another session: run it here
-        sock.close()
-        for signum in signals:
-            signal.signal(signum, signal.SIG_DFL)
-        os.execv(sys.executable, [sys.executable, *argv])
-    if driver:
-        for signum in signals:
-            signal.signal(signum, lambda signum, _frame: _pass_on(signum, pid))
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
-    return _receive_int(sock)
-
-
-def _oom_score_adj() -> str | None:
-    """This process's ``oom_score_adj``; None where there is none."""
-    try:
-        with open("/proc/self/oom_score_adj") as adj:
-            return adj.read().strip()
-    except OSError:
-        return None
-
-
-def _pass_on(signum: int, pid: int) -> None:
-    try:
-        os.kill(pid, signum)
-    except ProcessLookupError:
-        pass  # the driver has just exited: its status is on its way
-
-
-def reseed_like_a_fresh_process() -> None:
-    """In a fork: reseed torch and numpy as a fresh interpreter would, so forked ranks do not share a
-    seed (which would hide a missing seed broadcast)."""
-    sys.modules["torch"].seed()
-    if "numpy.random" in sys.modules:
-        sys.modules["numpy.random"].seed()
-
-
-def become_worker(request: dict, fds: list[int]) -> None:
-    """In the worker: the client's streams, directory, environment and PYTHONPATH; run its script or
-    (``-m``) module as ``python`` would."""
-    import runpy
-
-    os.setpgid(0, 0 if request["driver"] else request["process_group"])
-    if request.get("oom_score_adj") is not None:  # the OOM killer's choice as for the client, not the server
-        try:
-            with open("/proc/self/oom_score_adj", "w") as adj:
-                adj.write(request["oom_score_adj"])
-        except OSError:
-            pass  # lowering it takes a privilege: the server's stays
-    for target, fd in enumerate(fds):
-        os.dup2(fd, target)
-        os.close(fd)
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    reseed_like_a_fresh_process()
-    argv = request["argv"]
-    module = argv[1] if argv[0] == "-m" else None
-    python_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    # As the interpreter builds it: the script's folder (the working directory for -m), then
-    # PYTHONPATH, then the standard entries.
-    first = os.getcwd() if module else os.path.dirname(os.path.abspath(argv[0]))
-    sys.path[:] = [first, *python_path, *sys.path[1:]]
-    if module:
-        sys.argv = argv[1:]  # run_module puts the module's file name first, as -m does
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = list(argv)
-        runpy.run_path(argv[0], run_name="__main__")
-
-
-def _kill_when_client_leaves(conn: socket.socket, pid: int) -> None:
-    """In the waiter: return when the worker exits; SIGKILL it first if the client goes."""
-    import select
-
-    worker = os.pidfd_open(pid)
-    try:
-        while True:
-            ready, _, _ = select.select([conn, worker], [], [])
-            if worker in ready:
-                return
-            if not conn.recv(1):  # the client never writes: readable means it closed
-                os.kill(pid, signal.SIGKILL)
-                return
-    finally:
-        os.close(worker)
-
-
-def _wait_for_worker(conn: socket.socket) -> tuple[dict, list[int]] | None:
-    """In the waiter: read a request and fork its worker; returns it in the worker, exits in the waiter."""
-    header, fds, _flags, _address = socket.recv_fds(conn, _HEADER.size, 3)
-    request = json.loads(_receive(conn, _HEADER.unpack(header)[0]))
-    if not request["driver"] and request["session"] != os.getsid(0):
-        conn.sendall(_HEADER.pack(_NOT_FORKED))  # it could not join the client's process group
-        os._exit(0)
-    pid = os.fork()
-    if pid == 0:
-        conn.close()
-        return request, fds
-    for fd in fds:
-        os.close(fd)
-    conn.sendall(_HEADER.pack(pid))
-    _kill_when_client_leaves(conn, pid)
-    _, status = os.waitpid(pid, 0)
-    code = os.waitstatus_to_exitcode(status)
-    try:
-        conn.sendall(_HEADER.pack(code if code >= 0 else 128 - code))  # a signal: the shell's 128+N
-    except OSError:
-        pass
-    os._exit(0)
-
-
-def _hide_unloadable_torch_extensions() -> None:
-    """``utils/torch_extensions.py``'s torchvision hiding, without importing the package."""
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "utils", "torch_extensions.py")
-    spec = importlib.util.spec_from_file_location("_forked_workers_torch_extensions", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.hide_unloadable_extensions()
-
-
-def serve(socket_path: str) -> tuple[dict, list[int]]:
-    """Preload ``PRELOAD`` and fork a waiter per connection; returns only in a worker (its request)."""
-    import importlib
-
-    _hide_unloadable_torch_extensions()
-    for name in PRELOAD:
-        importlib.import_module(name)
-    loaded = [name for name in _NOT_PRELOADED if name in sys.modules]
-    assert not loaded, f"the forked-worker server imported {loaded}: a worker must import them itself"
-    threads = len(os.listdir(f"/proc/{os.getpid()}/task"))
-    assert threads == 1, f"the forked-worker server has {threads} threads (OMP_NUM_THREADS unset?)"
-    parent = os.getppid()
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # waiters are reaped by the kernel
-    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(socket_path)
-    server.listen(128)
-    server.settimeout(1.0)
-    print("ready", flush=True)
-    while os.getppid() == parent:
-        try:
-            conn, _ = server.accept()
-        except TimeoutError:
-            continue
-        conn.settimeout(None)
-        if os.fork() == 0:
-            server.close()
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            work = _wait_for_worker(conn)
-            if work is not None:
-                return work
-        conn.close()
-    os.unlink(socket_path)
-    sys.exit(0)
-
-
-if __name__ == "__main__":
-    if sys.argv[1] == "--serve":
-        become_worker(*serve(sys.argv[2]))  # only a worker gets here; it exits as a fresh interpreter would
-    elif sys.argv[1] == _DRIVER:
-        sys.exit(client_main(sys.argv[2], sys.argv[3:], driver=True))
-    else:
-        sys.exit(client_main(sys.argv[1], sys.argv[2:]))
+    return [*client_argv(socket_path, driver=True), *args]
