@@ -107,6 +107,16 @@ def test_a_runtime_env_with_its_own_interpreter_or_the_switch_off_keeps_rays_wor
         "runtime_env": {"env_vars": {"A": "1"}}
     }
     monkeypatch.delenv(ray_start.PRELOADED_WORKERS_ENV)
+
+    def no_pidfd(pid):
+        raise OSError(38, "Function not implemented")  # a kernel before 5.3
+
+    with monkeypatch.context() as old_kernel:
+        old_kernel.setattr(os, "pidfd_open", no_pidfd)
+        assert ray_start.with_preloaded_workers({"runtime_env": {}}) == {"runtime_env": {}}
+    monkeypatch.setattr(ray_start, "accelerator_device_nodes", lambda: ["/dev/nvidia0"])
+    assert ray_start.with_preloaded_workers({"runtime_env": {}}) == {"runtime_env": {}}  # a GPU machine: Ray's way
+    monkeypatch.setenv(ray_start.PRELOADED_WORKERS_ENV, "1")  # asked for there too
     monkeypatch.setenv(forked_workers.SOCKET_ENV, "/tmp/named/socket")  # a named server is used, none started
     with_server = ray_start.with_preloaded_workers({"runtime_env": {"env_vars": {"A": "1"}}})
     assert with_server["runtime_env"] == {

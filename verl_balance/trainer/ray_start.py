@@ -153,7 +153,12 @@ def start_embedded(kwargs: Mapping) -> None:
 
 
 PRELOADED_WORKERS_ENV = "VERL_BALANCE_PRELOADED_WORKERS"
-"""``0``: the embedded cluster's workers start as fresh interpreters (Ray's way) instead of forks of a preloaded one."""
+"""``0``: the embedded cluster's workers start as fresh interpreters (Ray's way); ``1``: as forks of a preloaded one
+even on a machine with accelerators; unset: forks where the machine has none (``accelerator_device_nodes``)."""
+
+ACCELERATOR_DEVICE_GLOBS = ("/dev/nvidia[0-9]*", "/dev/kfd", "/dev/davinci[0-9]*", "/dev/accel/accel[0-9]*")
+"""Device nodes of GPUs and NPUs (NVIDIA, AMD ROCm, Ascend, the kernel's accel class): forked workers are not
+yet proven with a CUDA/ROCm runtime in them, so such a machine keeps Ray's fresh workers unless asked."""
 
 _OWN_PYTHON_FIELDS = ("py_executable", "pip", "uv", "conda", "container", "image_uri")
 """``runtime_env`` fields that give the workers another interpreter or environment than the driver's."""
@@ -166,15 +171,10 @@ _MODEL_PATH_KEYS = ("model.path", "model.partial_pretrain")
 def worker_preload(argv: Sequence[str]) -> tuple[str, ...]:
     """The modules the workers of a command line ``argv`` import before our code: transformers only when an
     override names a model directory (the built-in model's workers never import it: ~2 CPU s saved at start)."""
-    keys = {arg.split("=", 1)[0].lstrip("+"): arg.split("=", 1)[1] for arg in argv if "=" in arg}
-    named = any(
-        key.endswith(suffix) and value not in ("", "null") for key, value in keys.items() for suffix in _MODEL_PATH_KEYS
-    )
-    return (
-        forked_workers.WORKER_PRELOAD
-        if named
-        else tuple(m for m in forked_workers.WORKER_PRELOAD if "transformers" not in m)
-    )
+    overrides = (arg.split("=", 1) for arg in argv if "=" in arg)
+    if any(key.lstrip("+").endswith(_MODEL_PATH_KEYS) and value not in ("", "null") for key, value in overrides):
+        return forked_workers.WORKER_PRELOAD
+    return tuple(module for module in forked_workers.WORKER_PRELOAD if not module.startswith("transformers"))
 
 
 _preload: tuple[str, ...] = forked_workers.WORKER_PRELOAD
@@ -185,11 +185,10 @@ def with_preloaded_workers(kwargs: Mapping) -> dict:
     a fork of an interpreter that has imported torch and tensordict (and transformers) once, instead of importing
     them itself (``single_controller/forked_workers.py``). The server is the one ``SOCKET_ENV`` names, else one
     started now, beside the cluster, without waiting for its imports (a worker waits for them). ``kwargs``
-    unchanged when ``PRELOADED_WORKERS_ENV=0``, off Linux, or when the ``runtime_env`` brings its own interpreter
-    or packages."""
+    unchanged when ``PRELOADED_WORKERS_ENV`` says so (unset: on a machine with accelerators), without pidfd_open
+    (off Linux, kernels before 5.3), or when the ``runtime_env`` brings its own interpreter or packages."""
     runtime_env = dict(kwargs.get("runtime_env") or {})
-    off = os.environ.get(PRELOADED_WORKERS_ENV, "1") == "0" or not hasattr(os, "pidfd_open")
-    if off or any(runtime_env.get(field) for field in _OWN_PYTHON_FIELDS):
+    if not _preloaded_workers_wanted() or any(runtime_env.get(field) for field in _OWN_PYTHON_FIELDS):
         return dict(kwargs)
     socket_path = os.environ.get(forked_workers.SOCKET_ENV)
     if not socket_path:
@@ -198,6 +197,29 @@ def with_preloaded_workers(kwargs: Mapping) -> dict:
         forked_workers.start_server(socket_path, env=env, preload=_preload, wait_s=None)  # exits with this process
         os.environ[forked_workers.SOCKET_ENV] = socket_path
     return {**kwargs, "runtime_env": {**runtime_env, "py_executable": forked_workers.client_command(socket_path)}}
+
+
+def _preloaded_workers_wanted() -> bool:
+    switch = os.environ.get(PRELOADED_WORKERS_ENV, "")
+    if switch == "0" or not _pidfd_supported():
+        return False
+    return switch == "1" or not accelerator_device_nodes()
+
+
+def accelerator_device_nodes() -> list[str]:
+    """This machine's accelerator device nodes (``ACCELERATOR_DEVICE_GLOBS``)."""
+    import glob
+
+    return [path for pattern in ACCELERATOR_DEVICE_GLOBS for path in glob.glob(pattern)]
+
+
+def _pidfd_supported() -> bool:
+    """Whether this kernel has pidfd_open (Linux 5.3+), which the server's waiters use; False elsewhere."""
+    try:
+        os.close(os.pidfd_open(os.getpid()))
+    except (AttributeError, OSError):
+        return False
+    return True
 
 
 def _server_socket_path() -> str:
