@@ -100,6 +100,9 @@ class _UnstartedEarlyStart:
         self.started = threading.Event()
         self.thread = threading.Thread(target=self.started.set)
 
+    def at_exit(self):
+        self.started.wait()
+
 
 def test_no_early_start_for_hydras_flags_or_a_cluster_named_by_ray_address(monkeypatch):
     monkeypatch.setattr(ray_start, "_early", None)

@@ -127,10 +127,13 @@ def test_num_cpus_sizes_a_real_embedded_cluster():
 
 
 @pytest.mark.slow
-def test_embedded_node_takes_a_free_agent_port_only_inside_the_start():
+def test_embedded_node_takes_a_free_agent_port_and_no_monitor_only_inside_the_start():
     from ray._private.parameter import RayParams
 
-    with ray_start.dynamic_agent_port():
+    with ray_start.embedded_node_parameters():
         assert RayParams().dashboard_agent_listen_port == 0  # the agent binds any free port
+        assert RayParams().no_monitor is True
         assert RayParams(dashboard_agent_listen_port=40001).dashboard_agent_listen_port == 40001  # explicit wins
+        assert RayParams(no_monitor=False).no_monitor is False
     assert RayParams().dashboard_agent_listen_port == 52365  # negative control: Ray's fixed default outside
+    assert RayParams().no_monitor is False

@@ -2,8 +2,9 @@
 
 Ray-free (importable by worker classes and tests without Ray): ``Worker``, ``register``,
 ``Dispatch``, ``Execute``, ``make_mesh_dispatch``. The Ray-backed classes (``RayResourcePool``,
-``RayClassWithInitArgs``, ``RayWorkerGroup``, ``WorkerDiedError``, ...) are imported on first
-access, so ``import verl_balance.single_controller`` alone does not import Ray.
+``RayClassWithInitArgs``, ``RayWorkerGroup``, ``WorkerDiedError``, ...) and the Ray-free ones alike
+are imported on first access, so ``import verl_balance.single_controller`` alone (or with a submodule
+such as ``forked_workers``) imports neither Ray nor torch.
 
 The shape is verl's (``RayResourcePool([2], use_gpu=False)``, ``RayWorkerGroup(pool,
 RayClassWithInitArgs(cls=ray.remote(MyWorker)), device_name="cpu")``, ``@register``), but this
@@ -17,19 +18,18 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from verl_balance.single_controller.decorator import register
-from verl_balance.single_controller.modes import (
-    Dispatch,
-    DispatchError,
-    Execute,
-    MeshDispatch,
-    MeshInfo,
-    MeshLayout,
-    MeshLayoutError,
-    make_mesh_dispatch,
-)
-from verl_balance.single_controller.worker import Worker
-
+_RAY_FREE_EXPORTS = {
+    "register": "decorator",
+    "Dispatch": "modes",
+    "DispatchError": "modes",
+    "Execute": "modes",
+    "MeshDispatch": "modes",
+    "MeshInfo": "modes",
+    "MeshLayout": "modes",
+    "MeshLayoutError": "modes",
+    "make_mesh_dispatch": "modes",
+    "Worker": "worker",
+}
 _RAY_EXPORTS = {
     "RayResourcePool": "resource_pool",
     "UnplaceableResourcePoolError": "resource_pool",
@@ -43,23 +43,11 @@ _RAY_EXPORTS = {
     "WorkerGroupError": "worker_group",
 }
 
-__all__ = [
-    "Dispatch",
-    "DispatchError",
-    "Execute",
-    "MeshDispatch",
-    "MeshInfo",
-    "MeshLayout",
-    "MeshLayoutError",
-    "Worker",
-    "make_mesh_dispatch",
-    "register",
-    *_RAY_EXPORTS,
-]
+__all__ = [*_RAY_FREE_EXPORTS, *_RAY_EXPORTS]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _RAY_EXPORTS:
-        module = importlib.import_module(f"{__name__}.{_RAY_EXPORTS[name]}")
-        return getattr(module, name)
+    module = _RAY_FREE_EXPORTS.get(name) or _RAY_EXPORTS.get(name)
+    if module is not None:
+        return getattr(importlib.import_module(f"{__name__}.{module}"), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

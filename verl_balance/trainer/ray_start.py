@@ -10,8 +10,9 @@ point can call ``start_embedded_early`` before it imports anything heavy. Invari
   ``take_early_start(wanted)`` waits for it; the cluster is the run's only when ``wanted`` equals the
   arguments it started with, else it is shut down (and a start that failed is forgotten) before the
   caller starts what the config asks. A start that failed with the wanted arguments raises its error there.
-- A driver that stops before taking it (a config error, Ctrl-C) waits at exit for the start to finish, and
-  Ray's exit hook stops the cluster: no Ray process outlives the driver.
+- At the driver's exit (a config error or Ctrl-C before the start was taken included) the start finishes and
+  the cluster stops, before Ray's own exit hook: no Ray process outlives the driver. Then ``gc.freeze()``
+  spares the interpreter's final collection (``_EarlyStart.at_exit``).
 - The cluster's processes block SIGINT / SIGTERM (they inherit the starting thread's mask), so a signal
   to the driver's process group reaches the driver's handlers alone, early start or not.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import copy
+import gc
 import inspect
 import logging
 import os
@@ -116,24 +118,28 @@ class RayStartError(RuntimeError):
     """The embedded Ray cluster did not start (names what timed out and the ways around it)."""
 
 
-AGENT_PORT_PARAMETER = "dashboard_agent_listen_port"
-"""Ray's node parameter for the dashboard agent's port (52365 by default, which a second Ray instance stalls on)."""
+EMBEDDED_NODE_PARAMETERS = {"dashboard_agent_listen_port": 0, "no_monitor": True}
+"""Ray node parameters ``ray.init`` does not take, for the embedded node: the dashboard agent binds a free port
+(Ray's fixed 52365, held by any other Ray instance on the machine, costs 5 retries and 3.3 s), and no autoscaler
+monitor runs (a fixed local cluster has nothing to scale; a worker group that cannot be placed raises
+``UnplaceableResourcePoolError`` itself). A parameter this Ray lacks is left out; one the caller gives wins."""
 
 
 @contextlib.contextmanager
-def dynamic_agent_port() -> Iterator[None]:
-    """While in it, a Ray node started without an explicit agent port takes a free one (if Ray has the parameter)."""
+def embedded_node_parameters() -> Iterator[None]:
+    """While in it, a Ray node started takes ``EMBEDDED_NODE_PARAMETERS`` as its defaults."""
     params = getattr(getattr(getattr(ray, "_private", None), "parameter", None), "RayParams", None)
     init = getattr(params, "__init__", None)
-    if init is None or AGENT_PORT_PARAMETER not in inspect.signature(init).parameters:
+    known = set(inspect.signature(init).parameters) if init is not None else set()
+    defaults = {name: value for name, value in EMBEDDED_NODE_PARAMETERS.items() if name in known}
+    if not defaults:
         yield
         return
 
-    def init_with_free_agent_port(self, *args, **kwargs):
-        kwargs.setdefault(AGENT_PORT_PARAMETER, 0)
-        init(self, *args, **kwargs)
+    def init_with_embedded_defaults(self, *args, **kwargs):
+        init(self, *args, **{**defaults, **kwargs})
 
-    params.__init__ = init_with_free_agent_port
+    params.__init__ = init_with_embedded_defaults
     try:
         yield
     finally:
@@ -141,13 +147,13 @@ def dynamic_agent_port() -> Iterator[None]:
 
 
 def start_embedded(kwargs: Mapping) -> None:
-    """Start the embedded cluster with ``ray.init(**kwargs)``: its processes ignore a group SIGTERM / SIGINT, it
-    takes a free agent port, its workers are forks of a preloaded interpreter (``with_preloaded_workers``), and its
-    shutdown kills at once."""
+    """Start the embedded cluster with ``ray.init(**kwargs)``: its processes ignore a group SIGTERM / SIGINT, its
+    node takes ``EMBEDDED_NODE_PARAMETERS``, its workers are forks of a preloaded interpreter
+    (``with_preloaded_workers``), and its shutdown kills at once."""
     # Ray warns on every start that it enabled token authentication (its default): a notice for the
     # embedded cluster's log, not a warning on every run's console.
     logging.getLogger(RAY_AUTH_LOGGER).setLevel(logging.ERROR)
-    with stop_signals_blocked(), dynamic_agent_port():  # the preload server inherits the blocked signals too
+    with stop_signals_blocked(), embedded_node_parameters():  # the preload server inherits the blocked signals too
         init_embedded(**with_preloaded_workers(kwargs))
     stop_without_sigterm_at_shutdown()
 
@@ -286,7 +292,19 @@ class _EarlyStart:
         self.kwargs = kwargs
         self.error: BaseException | None = None
         self.started = threading.Event()
+        self.taken = False
         self.thread = threading.Thread(target=self._run, name="verl_balance-early-ray-start", daemon=True)
+
+    def at_exit(self) -> None:
+        """The driver's exit, before Ray's own hook (registered at Ray's import; atexit runs last-in first-out):
+        the start finishes, the cluster stops as Ray's hook would stop it (after Ray's short wait for the
+        workers' last log lines, when the start was taken and workers ran), then ``gc.freeze()``: the
+        interpreter's final collection skips the objects left (torch's, Ray's: seconds of CPU at every exit;
+        Python does not promise finalizers of objects alive at exit)."""
+        self.started.wait()
+        if ray.is_initialized():
+            ray.shutdown(_exiting_interpreter=self.taken)
+        gc.freeze()
 
     def _run(self) -> None:
         # Blocked here, a stop signal goes to the main thread's handlers; the cluster's processes inherit the mask.
@@ -326,9 +344,7 @@ def start_embedded_early(argv: Sequence[str]) -> bool:
     plain_worker_prefixes(sys.stdout)
     _preload = worker_preload(argv)
     _early = _EarlyStart(embedded_defaults())
-    # Run before Ray's own exit hook (registered at its import; atexit runs last-in first-out): a driver that
-    # stops before taking the start lets it finish, and Ray's hook then stops a whole cluster.
-    atexit.register(_early.started.wait)
+    atexit.register(_early.at_exit)
     _early.thread.start()
     return True
 
@@ -342,6 +358,7 @@ def take_early_start(wanted: Mapping | None) -> bool:
     if early is None:
         return False
     early.started.wait()
+    early.taken = True
     if early.kwargs == wanted:
         if early.error is not None:
             raise early.error
