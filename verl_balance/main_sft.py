@@ -6,7 +6,7 @@ import sys
 
 import hydra
 
-from verl_balance.trainer.ray_start import start_embedded_early
+from verl_balance.trainer.ray_start import start_embedded_early, stops_at_once_before_the_run
 
 
 @hydra.main(config_path="config", config_name="sft", version_base="1.3")
@@ -26,13 +26,14 @@ def hydra_main(cfg) -> None:
 def main() -> None:
     """The command line: the embedded Ray cluster starting in the background while the config's modules import,
     overrides checked against the schema (a typo exits 2), then Hydra."""
-    start_embedded_early(sys.argv[1:])
-    from verl_balance.trainer.config import register_schemas
-    from verl_balance.trainer.config.cli import run_recipe
-    from verl_balance.trainer.config.sft import SFTConfig
+    with stops_at_once_before_the_run():
+        start_embedded_early(sys.argv[1:])
+        from verl_balance.trainer.config import register_schemas
+        from verl_balance.trainer.config.cli import run_recipe
+        from verl_balance.trainer.config.sft import SFTConfig
 
-    register_schemas()
-    run_recipe(hydra_main, recipe="sft", schema=SFTConfig)
+        register_schemas()
+        run_recipe(hydra_main, recipe="sft", schema=SFTConfig)
 
 
 if __name__ == "__main__":

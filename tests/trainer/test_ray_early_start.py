@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -90,6 +91,47 @@ def test_a_config_error_after_the_early_start_exits_2_and_leaves_no_ray_process(
     while _ray_processes_under(ray_tmp) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _ray_processes_under(ray_tmp) == []
+
+
+INTERRUPTED_START = """
+import os, signal, sys, time
+from verl_balance.trainer import ray_start
+
+signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, also under a suite started in the background
+guarded = sys.argv[2] == "guarded"
+with ray_start.stops_at_once_before_the_run() if guarded else open(os.devnull):
+    assert ray_start.start_embedded_early(["trainer.device=cpu"])
+    time.sleep(1.0)  # the cluster's daemons are starting: the imports of a real driver
+    os.kill(os.getpid(), int(sys.argv[1]))
+    time.sleep(60)
+print("finished", flush=True)
+"""
+
+
+@pytest.mark.parametrize(("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_stop_signal_while_the_early_start_runs_exits_with_its_code_in_one_line_leaving_no_ray_process(
+    ray_tmp, signum, code
+):
+    script = os.path.join(ray_tmp, "interrupted_start.py")
+    with open(script, "w") as f:
+        f.write(INTERRUPTED_START)
+    proc = _run([script, str(int(signum)), "guarded"], ray_tmp)
+    assert proc.returncode == code, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        f"error: stopped by {signal.Signals(signum).name} outside the training steps (start-up, resume or "
+        f"shut-down): exiting with code {code}; the run's complete checkpoints are kept (resume with "
+        "trainer.resume_mode=auto)"
+    ]
+    assert "finished" not in proc.stdout
+    deadline = time.monotonic() + 10
+    while _ray_processes_under(ray_tmp) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _ray_processes_under(ray_tmp) == []
+    plain = _run([script, str(int(signum)), "plain"], ray_tmp)  # negative control: Python's own handling
+    if signum == signal.SIGTERM:
+        assert plain.returncode == -signal.SIGTERM
+    else:
+        assert plain.returncode != code and "Traceback" in plain.stderr and "KeyboardInterrupt" in plain.stderr
 
 
 class _UnstartedEarlyStart:

@@ -333,9 +333,9 @@ def _preload(modules: list[str]) -> bool:
 
 def serve(socket_path: str, modules: list[str]) -> tuple[dict, list[int]]:
     """Preload ``modules`` and fork a waiter per connection; returns only in a worker (its request)."""
-    if not _preload(modules):
-        sys.exit(0)
     parent = os.getppid()
+    if not _preload(modules) or os.getppid() != parent:  # a failed import, or the driver gone meanwhile
+        sys.exit(0)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # waiters are reaped by the kernel
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(socket_path)

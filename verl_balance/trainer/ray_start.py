@@ -35,7 +35,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import ray
 
 from verl_balance.single_controller import forked_workers
-from verl_balance.trainer.signals import STOP_SIGNALS, stop_signals_blocked
+from verl_balance.trainer.signals import STOP_SIGNALS, RunInterrupted, interrupt_handlers, stop_signals_blocked
 
 logger = logging.getLogger(__name__)
 RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
@@ -366,3 +366,21 @@ def take_early_start(wanted: Mapping | None) -> bool:
     if ray.is_initialized():
         ray.shutdown()
     return False
+
+
+@contextlib.contextmanager
+def stops_at_once_before_the_run() -> Iterator[None]:
+    """A recipe's command line around everything it does: SIGINT / SIGTERM outside the training steps print one
+    line and exit with 128 + signal (``RunInterrupted``; the run's own handling inside it wins). Before the early
+    start was taken (imports, the override check, Hydra's compose) nothing of the run exists and the process ends
+    at once (``os._exit``): a cluster still starting dies with it (Ray ties its daemons to the starting thread's
+    life, the preload server watches its driver)."""
+    try:
+        with interrupt_handlers():
+            yield
+    except RunInterrupted as stop:
+        print(f"error: {stop}", file=sys.stderr, flush=True)
+        if _early is not None:
+            sys.stdout.flush()
+            os._exit(stop.exit_code)
+        raise SystemExit(stop.exit_code) from None
