@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from verl_balance.single_controller import forked_workers
 from verl_balance.trainer import ray_start
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -46,9 +47,12 @@ print("square", ray.get(square.remote(7), timeout=120), "cpus", ray.cluster_reso
 """
 
 
-def _run(argv: list[str], tmp: str, *, timeout: float = 300) -> subprocess.CompletedProcess:
+def _run(
+    argv: list[str], tmp: str, *, timeout: float = 300, unset: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO_ROOT, os.environ.get("PYTHONPATH", "")])}
-    env.pop("RAY_ADDRESS", None)
+    for name in ("RAY_ADDRESS", *unset):
+        env.pop(name, None)
     env["RAY_TMPDIR"] = tmp
     return subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=timeout, env=env, cwd=tmp)
 
@@ -94,8 +98,10 @@ def test_a_config_error_after_the_early_start_exits_2_and_leaves_no_ray_process(
 
 
 INTERRUPTED_START = """
-import os, signal, sys, time
+import os, signal, sys, tempfile, time
 from verl_balance.trainer import ray_start
+
+tempfile.tempdir = os.getcwd()  # the preload server's folder lands here, where the test looks for leftovers
 
 signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, also under a suite started in the background
 guarded = sys.argv[2] == "guarded"
@@ -115,7 +121,8 @@ def test_a_stop_signal_while_the_early_start_runs_exits_with_its_code_in_one_lin
     script = os.path.join(ray_tmp, "interrupted_start.py")
     with open(script, "w") as f:
         f.write(INTERRUPTED_START)
-    proc = _run([script, str(int(signum)), "guarded"], ray_tmp)
+    # its own preload server (not the suite's), whose folder must not outlive it
+    proc = _run([script, str(int(signum)), "guarded"], ray_tmp, unset=(forked_workers.SOCKET_ENV,))
     assert proc.returncode == code, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines() == [
         f"error: stopped by {signal.Signals(signum).name} outside the training steps (start-up, resume or "
@@ -127,6 +134,10 @@ def test_a_stop_signal_while_the_early_start_runs_exits_with_its_code_in_one_lin
     while _ray_processes_under(ray_tmp) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _ray_processes_under(ray_tmp) == []
+    deadline = time.monotonic() + 120  # the preload server leaves when its imports end, removing its folder
+    while any(name.startswith("vb_workers_") for name in os.listdir(ray_tmp)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert [name for name in os.listdir(ray_tmp) if name.startswith("vb_workers_")] == []
     plain = _run([script, str(int(signum)), "plain"], ray_tmp)  # negative control: Python's own handling
     if signum == signal.SIGTERM:
         assert plain.returncode == -signal.SIGTERM

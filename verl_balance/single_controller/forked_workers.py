@@ -335,6 +335,7 @@ def serve(socket_path: str, modules: list[str]) -> tuple[dict, list[int]]:
     """Preload ``modules`` and fork a waiter per connection; returns only in a worker (its request)."""
     parent = os.getppid()
     if not _preload(modules) or os.getppid() != parent:  # a failed import, or the driver gone meanwhile
+        _remove_server_files(socket_path)
         sys.exit(0)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # waiters are reaped by the kernel
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -355,12 +356,17 @@ def serve(socket_path: str, modules: list[str]) -> tuple[dict, list[int]]:
             if work is not None:
                 return work
         conn.close()
+    _remove_server_files(socket_path)
+    sys.exit(0)
+
+
+def _remove_server_files(socket_path: str) -> None:
+    """The socket, its pid file and the folder made for them (when nothing else is in it)."""
     for path in (socket_path, socket_path + ".pid"):
         with contextlib.suppress(OSError):
             os.unlink(path)
     with contextlib.suppress(OSError):
-        os.rmdir(os.path.dirname(socket_path))  # the folder made for it, when nothing else is in it
-    sys.exit(0)
+        os.rmdir(os.path.dirname(socket_path))
 
 
 if __name__ == "__main__":
