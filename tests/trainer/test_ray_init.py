@@ -12,6 +12,7 @@ import tempfile
 
 import pytest
 
+from verl_balance.single_controller import setup_worker
 from verl_balance.trainer import cluster, ray_start
 from verl_balance.trainer.config.checks import ConfigError
 from verl_balance.trainer.config.ray_init import check_ray_init, merge_ray_init
@@ -106,7 +107,7 @@ def test_ray_init_address_joins_that_cluster_and_two_addresses_are_refused():
 
 
 @pytest.mark.slow
-def test_num_cpus_sizes_a_real_embedded_cluster():
+def test_a_real_embedded_cluster_has_the_cpus_asked_no_api_server_and_workers_set_up_by_our_script():
     # In its own interpreter: this process may already hold the session's Ray cluster.
     temp_dir = tempfile.mkdtemp(prefix="rk", dir="/tmp")  # Ray's socket paths must stay short
     script = (
@@ -114,6 +115,10 @@ def test_num_cpus_sizes_a_real_embedded_cluster():
         "from verl_balance.trainer import cluster\n"
         f"cluster.start_ray(address=None, ray_init={{'num_cpus': 3, '_temp_dir': {temp_dir!r}}})\n"
         "print('CPU', ray.cluster_resources()['CPU'])\n"
+        "print(*('process ' + name for name in ray._private.worker._global_node.all_processes), sep=chr(10))\n"
+        "print('setup', ray._private.worker._global_node._ray_params.setup_worker_path)\n"
+        "import os\n"
+        "print('env', ray.get(ray.remote(lambda: os.environ.get('TOKENIZERS_PARALLELISM')).remote()))\n"
         "ray.shutdown()\n"
     )
     try:
@@ -122,6 +127,10 @@ def test_num_cpus_sizes_a_real_embedded_cluster():
         proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
         assert proc.returncode == 0, proc.stderr[-3000:]
         assert "CPU 3.0" in proc.stdout.splitlines()
+        processes = {line.split()[1] for line in proc.stdout.splitlines() if line.startswith("process ")}
+        assert "raylet" in processes and "dashboard" not in processes  # include_dashboard=False: no API server
+        # a worker set up by our script, with the job's runtime_env variables
+        assert f"setup {setup_worker.__file__}" in proc.stdout.splitlines() and "env false" in proc.stdout.splitlines()
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)
 
@@ -133,7 +142,23 @@ def test_embedded_node_takes_a_free_agent_port_and_no_monitor_only_inside_the_st
     with ray_start.embedded_node_parameters():
         assert RayParams().dashboard_agent_listen_port == 0  # the agent binds any free port
         assert RayParams().no_monitor is True
+        assert RayParams().setup_worker_path == setup_worker.__file__
         assert RayParams(dashboard_agent_listen_port=40001).dashboard_agent_listen_port == 40001  # explicit wins
         assert RayParams(no_monitor=False).no_monitor is False
     assert RayParams().dashboard_agent_listen_port == 52365  # negative control: Ray's fixed default outside
     assert RayParams().no_monitor is False
+    assert RayParams().setup_worker_path is None
+
+
+@pytest.mark.slow
+def test_embedded_head_starts_an_api_server_only_when_the_dashboard_is_not_off(monkeypatch):
+    from ray._private.node import Node
+
+    calls = []
+    monkeypatch.setattr(Node, "start_api_server", lambda self, **kwargs: calls.append(kwargs["include_dashboard"]))
+    with ray_start.embedded_node_parameters():
+        for include_dashboard in (False, None, True):
+            Node.start_api_server(object(), include_dashboard=include_dashboard, raise_on_failure=False)
+    assert calls == [None, True]  # include_dashboard=False: no API server
+    Node.start_api_server(object(), include_dashboard=False, raise_on_failure=False)
+    assert calls == [None, True, False]  # negative control: Ray's own start outside the context

@@ -34,7 +34,7 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import ray
 
-from verl_balance.single_controller import forked_workers
+from verl_balance.single_controller import forked_workers, setup_worker
 from verl_balance.trainer.signals import STOP_SIGNALS, RunInterrupted, interrupt_handlers, stop_signals_blocked
 
 logger = logging.getLogger(__name__)
@@ -118,32 +118,64 @@ class RayStartError(RuntimeError):
     """The embedded Ray cluster did not start (names what timed out and the ways around it)."""
 
 
-EMBEDDED_NODE_PARAMETERS = {"dashboard_agent_listen_port": 0, "no_monitor": True}
+EMBEDDED_NODE_PARAMETERS = {
+    "dashboard_agent_listen_port": 0,
+    "no_monitor": True,
+    "setup_worker_path": setup_worker.__file__,
+}
 """Ray node parameters ``ray.init`` does not take, for the embedded node: the dashboard agent binds a free port
-(Ray's fixed 52365, held by any other Ray instance on the machine, costs 5 retries and 3.3 s), and no autoscaler
+(Ray's fixed 52365, held by any other Ray instance on the machine, costs 5 retries and 3.3 s), no autoscaler
 monitor runs (a fixed local cluster has nothing to scale; a worker group that cannot be placed raises
-``UnplaceableResourcePoolError`` itself). A parameter this Ray lacks is left out; one the caller gives wins."""
+``UnplaceableResourcePoolError`` itself), and workers are set up by ``single_controller/setup_worker.py`` (Ray's
+set-up step without importing Ray). A parameter this Ray lacks is left out; one the caller gives wins."""
 
 
 @contextlib.contextmanager
-def embedded_node_parameters() -> Iterator[None]:
-    """While in it, a Ray node started takes ``EMBEDDED_NODE_PARAMETERS`` as its defaults."""
-    params = getattr(getattr(getattr(ray, "_private", None), "parameter", None), "RayParams", None)
-    init = getattr(params, "__init__", None)
-    known = set(inspect.signature(init).parameters) if init is not None else set()
-    defaults = {name: value for name, value in EMBEDDED_NODE_PARAMETERS.items() if name in known}
-    if not defaults:
+def _replaced(owner, name: str, replacement) -> Iterator[None]:
+    """While in it, ``owner.name`` is ``replacement(original)``; unchanged when ``owner`` has no ``name``."""
+    original = getattr(owner, name, None)
+    if original is None:
         yield
         return
+    setattr(owner, name, replacement(original))
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def _with_embedded_defaults(init):
+    known = set(inspect.signature(init).parameters)
+    defaults = {name: value for name, value in EMBEDDED_NODE_PARAMETERS.items() if name in known}
 
     def init_with_embedded_defaults(self, *args, **kwargs):
         init(self, *args, **{**defaults, **kwargs})
 
-    params.__init__ = init_with_embedded_defaults
-    try:
+    return init_with_embedded_defaults
+
+
+def _api_server_only_with_dashboard(start_api_server):
+    def start_api_server_for_dashboard(self, *, include_dashboard, **kwargs):
+        if include_dashboard is False:
+            return None  # without a dashboard, Ray's API server would serve only its usage-stats reporter
+        return start_api_server(self, include_dashboard=include_dashboard, **kwargs)
+
+    return start_api_server_for_dashboard
+
+
+@contextlib.contextmanager
+def embedded_node_parameters() -> Iterator[None]:
+    """While in it, a Ray node started takes ``EMBEDDED_NODE_PARAMETERS`` as its defaults, and a head node
+    started with ``include_dashboard=False`` starts no API server (Ray's ``dashboard.py`` process: with the
+    dashboard off it loads only the usage-stats module, ~1 CPU s at start, and ``ray.init`` waits for it)."""
+    private = getattr(ray, "_private", None)
+    params = getattr(getattr(private, "parameter", None), "RayParams", None)
+    node = getattr(getattr(private, "node", None), "Node", None)
+    with (
+        _replaced(params, "__init__", _with_embedded_defaults),
+        _replaced(node, "start_api_server", _api_server_only_with_dashboard),
+    ):
         yield
-    finally:
-        params.__init__ = init
 
 
 def start_embedded(kwargs: Mapping) -> None:
