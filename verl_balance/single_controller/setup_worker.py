@@ -4,9 +4,9 @@ The raylet starts every worker of a job with a ``runtime_env`` as ``python SETUP
 --serialized-runtime-env-context=JSON --language=NAME``; the set-up script applies the context's environment
 variables and replaces itself with ``bash -c "PREFIX exec PY_EXECUTABLE WORKER_ARGS"``. Ray's own script imports
 Ray for that (0.5-0.7 CPU s per worker, before the worker's interpreter starts); this one is stdlib only and
-gives the worker the same environment and command line, which ``tests/test_setup_worker.py`` checks against
-Ray's script. A context with a field it does not know, or a worker in another language, goes to Ray's script
-unchanged. ``trainer/ray_start.py`` names this file as the embedded node's ``setup_worker_path``.
+gives the worker the same environment and command line (``tests/single_controller/test_setup_worker.py`` runs
+both on the same arguments). A context with a field it does not know, or a worker in another language, goes to
+Ray's script unchanged. ``trainer/ray_start.py`` names this file as the embedded node's ``setup_worker_path``.
 """
 
 from __future__ import annotations

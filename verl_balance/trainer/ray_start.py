@@ -132,8 +132,9 @@ set-up step without importing Ray). A parameter this Ray lacks is left out; one 
 
 @contextlib.contextmanager
 def _replaced(owner, name: str, replacement) -> Iterator[None]:
-    """While in it, ``owner.name`` is ``replacement(original)``; unchanged when ``owner`` has no ``name``."""
-    original = getattr(owner, name, None)
+    """While in it, ``owner.name`` is ``replacement(original)``; unchanged when there is no ``owner`` (another Ray
+    version) or it has no ``name``."""
+    original = getattr(owner, name, None) if owner is not None else None
     if original is None:
         yield
         return
