@@ -20,6 +20,14 @@ end of each phase minus at its start; processes that exited meanwhile are not co
 DIR`` runs another checkout (e.g. a worktree of main) interleaved with this one, the order alternating
 per repeat, so load drift hits both. The load average is printed with the table: on a shared machine
 the wall seconds scale with it; the CPU seconds much less.
+
+A second table splits the process tree's CPU seconds at the first step by process (driver, preload server,
+workers, each of Ray's daemons). The *library floor*, measured in the same run, is what no code of ours can
+remove on this host: the CPU seconds of a fresh interpreter importing the driver's libraries
+(``DRIVER_LIBRARIES``), one importing what the run's preload server imports (``ray_start.worker_preload``),
+and Ray's daemons as the run measured them. Divided by the core count it bounds the wall time to the first
+step from below; start-up minus that bound is the part the code here decides (the driver's own Ray client,
+config, data and plan among it), comparable across hosts of different speed.
 """
 
 from __future__ import annotations
@@ -64,6 +72,18 @@ MARKS = (
     ("first step", re.compile(r"^step 1\b")),
 )
 PHASES = tuple(name for name, _ in MARKS) + ("to first step",)
+# The third-party libraries the driver imports before its first step (config, data, Ray, the Batch).
+DRIVER_LIBRARIES = ("torch", "tensordict", "ray", "hydra", "pyarrow.parquet")
+# Ray's own processes of the embedded cluster, by a piece of their command line or process title.
+RAY_DAEMONS = (
+    ("gcs_server", "Ray GCS"),
+    ("raylet", "Ray raylet"),
+    ("DashboardAgent", "Ray dashboard agent"),
+    ("dashboard/agent.py", "Ray dashboard agent"),
+    ("RuntimeEnvAgent", "Ray runtime-env agent"),
+    ("runtime_env/agent", "Ray runtime-env agent"),
+    ("log_monitor", "Ray log monitor"),
+)
 
 
 def _tree_cpu(pid: int) -> float:
@@ -79,8 +99,45 @@ def _tree_cpu(pid: int) -> float:
     return total
 
 
-def run_once(repo: str, overrides: list[str], *, timeout: float, log_path: str) -> dict[str, tuple[float, float]]:
-    """One start-up of ``repo``'s ``main_sft``: {phase: (wall s, cpu s)}; {} when it failed."""
+def _role(cmdline: str, *, is_root: bool) -> str:
+    if is_root:
+        return "driver"
+    if "forked_workers.py --serve" in cmdline:
+        return "preload server"
+    for piece, role in RAY_DAEMONS:
+        if piece in cmdline:
+            return role
+    return "workers" if cmdline.startswith("ray::") else "other"
+
+
+def _cpu_by_role(pid: int) -> dict[str, float]:
+    """CPU seconds of ``pid``'s process tree by role (processes that already exited are not counted)."""
+    import psutil
+
+    roles: dict[str, float] = {}
+    with contextlib.suppress(psutil.Error):
+        root = psutil.Process(pid)
+        for p in [root, *root.children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                times, cmdline = p.cpu_times(), " ".join(p.cmdline())
+                role = _role(cmdline, is_root=p.pid == pid)
+                roles[role] = roles.get(role, 0.0) + times.user + times.system
+    return roles
+
+
+def import_cpu(modules: tuple[str, ...]) -> float:
+    """CPU seconds of a fresh interpreter that imports ``modules`` (the interpreter's own start included)."""
+    code = f"import importlib, resource\nfor m in {modules!r}: importlib.import_module(m)\n" + (
+        "r = resource.getrusage(resource.RUSAGE_SELF); print(r.ru_utime + r.ru_stime)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return float(out.stdout.split()[-1])
+
+
+def run_once(repo: str, overrides: list[str], *, timeout: float, log_path: str) -> dict:
+    """One start-up of ``repo``'s ``main_sft``: {phase: (wall s, cpu s)} and, under "by process", the CPU
+    seconds by process at the first step; {} when it failed."""
     run_dir = tempfile.mkdtemp(prefix="startup_bench_")
     env = dict(os.environ, PYTHONPATH=repo, PYTHONUNBUFFERED="1", RAY_ADDRESS="local")
     argv = [sys.executable, "-m", "verl_balance.main_sft", *DEMO_OVERRIDES, f"trainer.default_local_dir={run_dir}"]
@@ -90,6 +147,7 @@ def run_once(repo: str, overrides: list[str], *, timeout: float, log_path: str) 
         argv + overrides, env=env, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     marks = list(MARKS)
+    by_role: dict[str, float] = {}
 
     def reader():
         with open(log_path, "w") as log:
@@ -97,6 +155,8 @@ def run_once(repo: str, overrides: list[str], *, timeout: float, log_path: str) 
                 log.write(line)
                 if marks and marks[0][1].search(line):
                     stamps[marks.pop(0)[0]] = (time.perf_counter() - start, _tree_cpu(proc.pid))
+                    if not marks:
+                        by_role.update(_cpu_by_role(proc.pid))
 
     thread = threading.Thread(target=reader, daemon=True)
     thread.start()
@@ -114,12 +174,38 @@ def run_once(repo: str, overrides: list[str], *, timeout: float, log_path: str) 
         phases[name] = (stamps[name][0] - before[0], stamps[name][1] - before[1])
         before = stamps[name]
     phases["to first step"] = stamps["first step"]
+    phases["by process"] = by_role
     return phases
 
 
 def _median(runs: list[dict], phase: str, index: int) -> str:
     values = [r[phase][index] for r in runs if r]
     return f"{statistics.median(values):.2f}" if values else "n/a"
+
+
+def print_by_process(runs: list[dict]) -> None:
+    roles = sorted({role for r in runs if r for role in r["by process"]})
+    print("\n| process (CPU s at the first step) | median |\n| --- | --- |")
+    for role in roles:
+        print(f"| {role} | {statistics.median(r['by process'].get(role, 0.0) for r in runs if r):.2f} |")
+
+
+def print_floor(runs: list[dict], floors: dict[str, list[float]]) -> None:
+    """The library floor of this host (module docstring) beside this checkout's start-up."""
+    ok = [r for r in runs if r]
+    if not ok:
+        return
+    daemons = {role for _, role in RAY_DAEMONS}
+    ray_cpu = statistics.median(sum(v for k, v in r["by process"].items() if k in daemons) for r in ok)
+    driver, workers = statistics.median(floors["driver"]), statistics.median(floors["workers"])
+    floor = driver + workers + ray_cpu
+    cores = os.cpu_count() or 1
+    wall = statistics.median(r["to first step"][0] for r in ok)
+    print(
+        f"\nlibrary floor: {floor:.2f} CPU s = driver's libraries {driver:.2f} + workers' libraries {workers:.2f}"
+        f" + Ray's daemons {ray_cpu:.2f}; on {cores} cores at least {floor / cores:.2f} s."
+        f"\nto first step: {wall:.2f} s, {wall / (floor / cores):.2f}x the floor, {wall - floor / cores:.2f} s above it"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -133,7 +219,12 @@ def main(argv: list[str] | None = None) -> None:
     runs: dict[str, list[dict]] = {name: [] for name in repos}
     loads = [os.getloadavg()[0]]
     log_dir = tempfile.mkdtemp(prefix="startup_bench_logs_")
+    from verl_balance.trainer.ray_start import worker_preload
+
+    floors: dict[str, list[float]] = {"driver": [], "workers": []}
     for repeat in range(args.repeats):
+        floors["driver"].append(import_cpu(DRIVER_LIBRARIES))
+        floors["workers"].append(import_cpu(worker_preload([*DEMO_OVERRIDES, *args.overrides])))
         order = list(repos) if repeat % 2 == 0 else list(reversed(repos))
         for name in order:
             log = os.path.join(log_dir, f"{name}_{repeat}.log")
@@ -146,6 +237,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\n{name}: {repo}\n\n| phase | wall s | cpu s |\n| --- | --- | --- |")
         for phase in PHASES:
             print(f"| {phase} | {_median(runs[name], phase, 0)} | {_median(runs[name], phase, 1)} |")
+        print_by_process(runs[name])
+        print_floor(runs[name], floors)
 
 
 if __name__ == "__main__":
